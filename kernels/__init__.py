@@ -1,0 +1,1 @@
+"""Native glue and attention kernels. `kernels.blas` must run before mlx is imported."""

@@ -1,0 +1,232 @@
+"""Load a Hugging Face / mlx-community checkpoint into a `Decoder`, checking every tensor.
+
+A checkpoint is data only: config.json, *.safetensors (optionally sharded with
+model.safetensors.index.json) and the tokenizer files. Nothing in it is executed.
+Every failure is a `CheckpointError` whose one-line message names the file and
+the tensor or field at fault; no raw mlx traceback escapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from runtime.config import ModelConfig, load_config
+from runtime.errors import CheckpointError
+from runtime.models.decoder import Decoder
+from runtime.tokenizer import Tokenizer
+
+DEMO_CHECKPOINT = Path(__file__).with_name("demo")
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed, never loaded
+
+
+@attrs.frozen
+class LoadedModel:
+    model: Decoder
+    config: ModelConfig
+    tokenizer: Tokenizer
+    path: Path
+    name: str  # what /v1/models reports: the repo id or directory name
+
+
+def load_model(
+    model: str | Path | None = None,
+    *,
+    offline: bool = False,
+    keep_dtype: bool = False,
+    on_progress: Callable[[str], None] | None = None,
+) -> LoadedModel:
+    """Resolve, read and check a checkpoint; None loads the built-in demo model.
+
+    On CPU, quantized and half-precision weights are expanded to float32 unless
+    `keep_dtype` (or memory would not allow it): bf16 and 4-bit matmuls run 20-40x
+    slower than fp32 there. On a GPU the checkpoint's dtype is kept.
+    """
+    progress = on_progress or (lambda message: None)
+    path, name = resolve_checkpoint(model, offline=offline)
+    progress(f"reading {path}")
+    config = load_config(path)
+    tokenizer = Tokenizer.from_dir(path)
+    weights = read_weights(path, progress)
+    decoder = build_decoder(config, weights, source=str(path))
+    if _should_upcast(keep_dtype, decoder):
+        progress("expanding weights to float32 for the CPU")
+        decoder = _to_float32(decoder)
+    mx.eval(decoder.parameters())
+    if not config.eos_token_ids and tokenizer.eos_token_ids:
+        config = attrs.evolve(config, eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)))
+    return LoadedModel(model=decoder, config=config, tokenizer=tokenizer, path=path, name=name)
+
+
+def resolve_checkpoint(model: str | Path | None, *, offline: bool = False) -> tuple[Path, str]:
+    """A local directory, or a Hugging Face repo id looked up in (or fetched to) its cache."""
+    if model is None:
+        return DEMO_CHECKPOINT, "cadence-demo"
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve(), path.name
+    text = str(model)
+    if path.exists():
+        raise CheckpointError(f"{text}: not a checkpoint directory")
+    if text.count("/") != 1 or text.startswith((".", "/", "~")):
+        raise CheckpointError(f"{text}: no such directory, and not a Hugging Face repo id")
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(
+            text,
+            allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer.model"],
+            local_files_only=offline or os.environ.get("HF_HUB_OFFLINE") == "1",
+        )
+    except Exception as exc:  # the hub raises many kinds; all mean "not available"
+        where = "in the local Hugging Face cache" if offline else "locally or on the Hub"
+        raise CheckpointError(f"{text}: not found {where} ({type(exc).__name__})") from None
+    return Path(local), text
+
+
+def read_weights(path: Path, progress: Callable[[str], None]) -> dict[str, mx.array]:
+    files = _weight_files(path)
+    weights: dict[str, mx.array] = {}
+    for i, file in enumerate(files, 1):
+        progress(f"loading weights {i}/{len(files)}: {file.name}")
+        _check_safetensors(file)
+        try:
+            loaded = mx.load(str(file))
+        except Exception as exc:
+            raise CheckpointError(f"{file}: unreadable safetensors ({exc})") from None
+        weights.update(loaded)  # type: ignore[arg-type]
+    return {k: v for k, v in weights.items() if not k.endswith(_IGNORED_SUFFIXES)}
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{index}: not a valid safetensors index") from None
+        missing = [n for n in names if not (path / n).exists()]
+        if missing:
+            raise CheckpointError(f"{index}: names shard {missing[0]}, which is missing")
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weight files")
+    return files
+
+
+def _check_safetensors(file: Path) -> None:
+    """Validate the header and length up front: mlx's own errors name neither file nor tensor."""
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{file}: truncated (no safetensors header)")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > size - 8:
+            raise CheckpointError(f"{file}: truncated (header runs past the end of the file)")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise CheckpointError(f"{file}: corrupt safetensors header") from None
+    data_len = size - 8 - header_len
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        end = info.get("data_offsets", [0, 0])[1] if isinstance(info, dict) else 0
+        if end > data_len:
+            raise CheckpointError(
+                f"{file}: truncated: tensor '{name}' ends at byte {end} of {data_len}"
+            )
+
+
+def build_decoder(config: ModelConfig, weights: dict[str, mx.array], source: str) -> Decoder:
+    """Instantiate the model for `config` and load `weights`, checking names and shapes."""
+    decoder = Decoder(config)
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    if config.quantization is not None:
+        q = config.quantization
+        nn.quantize(
+            decoder,
+            group_size=q.group_size,
+            bits=q.bits,
+            class_predicate=lambda p, m: f"{p}.scales" in weights,
+        )
+    expected = dict(tree_flatten(decoder.parameters()))
+    for name, param in expected.items():
+        if name not in weights:
+            raise CheckpointError(f"{source}: missing tensor '{name}'")
+        if weights[name].shape != param.shape:
+            raise CheckpointError(
+                f"{source}: tensor '{name}' has shape {tuple(weights[name].shape)}, "
+                f"expected {tuple(param.shape)}"
+            )
+    unexpected = sorted(set(weights) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{source}: unexpected tensor '{unexpected[0]}' for {config.model_type}")
+    decoder.update(tree_unflatten(list(weights.items())))
+    return decoder
+
+
+def _should_upcast(keep_dtype: bool, decoder: Decoder) -> bool:
+    if keep_dtype or mx.default_device() != mx.cpu:
+        return False
+    float32_bytes = sum(
+        p.size * 4 * (32 // _bits(decoder) if p.dtype == mx.uint32 else 1)
+        for _, p in tree_flatten(decoder.parameters())
+    )
+    return float32_bytes < 0.6 * _physical_memory()
+
+
+def _bits(decoder: Decoder) -> int:
+    q = decoder.config.quantization
+    return q.bits if q is not None else 32
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
+def _to_float32(decoder: Decoder) -> Decoder:
+    """Dequantize quantized layers and cast every weight to float32, in place."""
+
+    def expand(_path: str, module: nn.Module) -> nn.Module:
+        if isinstance(module, nn.QuantizedLinear):
+            weight = mx.dequantize(
+                module.weight, module.scales, module.biases, module.group_size, module.bits
+            )
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
+            linear.weight = weight.astype(mx.float32)
+            if "bias" in module:
+                linear.bias = module.bias.astype(mx.float32)
+            return linear
+        if isinstance(module, nn.QuantizedEmbedding):
+            weight = mx.dequantize(
+                module.weight, module.scales, module.biases, module.group_size, module.bits
+            )
+            embedding = nn.Embedding(weight.shape[0], weight.shape[1])
+            embedding.weight = weight.astype(mx.float32)
+            return embedding
+        return module
+
+    leaves = decoder.leaf_modules()
+    replaced = [
+        (path, expand(path, module))
+        for path, module in tree_flatten(leaves, is_leaf=nn.Module.is_module)
+    ]
+    decoder.update_modules(tree_unflatten(replaced))
+    decoder.set_dtype(mx.float32)
+    return decoder

@@ -1,0 +1,165 @@
+"""The model's shape, read from a Hugging Face `config.json` and checked field by field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from runtime.errors import CheckpointError
+
+
+@attrs.frozen
+class Quantization:
+    group_size: int
+    bits: int
+
+
+@attrs.frozen
+class ModelConfig:
+    """Everything the decoder needs; field names follow Hugging Face's."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # q/k/v projections carry a bias (qwen2 always, others via attention_bias)
+    o_bias: bool  # o_proj carries a bias (llama/qwen3 attention_bias; never qwen2)
+    qk_norm: bool  # qwen3: RMSNorm on each head of q and k before RoPE
+    quantization: Quantization | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+
+# Per family: (attention_bias default, qk_norm, tie_word_embeddings default).
+# qwen2's q/k/v bias is part of the architecture, not a config choice.
+# The tie defaults follow each family's published configs; checkpoints almost always say.
+FAMILIES: dict[str, tuple[bool, bool, bool]] = {
+    "llama": (False, False, False),
+    "mistral": (False, False, False),
+    "qwen2": (True, False, False),
+    "qwen3": (False, True, False),
+}
+
+
+def load_config(path: Path) -> ModelConfig:
+    """Parse `config.json` (and `generation_config.json` for EOS ids) in a checkpoint directory."""
+    config_file = path / "config.json"
+    raw = _read_json(config_file, required=True)
+    generation = _read_json(path / "generation_config.json", required=False)
+    return config_from_dict(raw, generation, source=str(config_file))
+
+
+def config_from_dict(
+    raw: dict[str, Any], generation: dict[str, Any] | None = None, source: str = "config.json"
+) -> ModelConfig:
+    def field(name: str, kind: type, default: Any = attrs.NOTHING) -> Any:
+        value = raw.get(name, default)
+        if value is attrs.NOTHING:
+            raise CheckpointError(f"{source}: missing required field '{name}'")
+        if value is None and default is None:
+            return None
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise CheckpointError(
+                f"{source}: field '{name}' should be {kind.__name__}, got {value!r}"
+            )
+        if kind is int and value <= 0:
+            raise CheckpointError(f"{source}: field '{name}' must be positive, got {value}")
+        return value
+
+    model_type = field("model_type", str)
+    if model_type not in FAMILIES:
+        supported = ", ".join(sorted(FAMILIES))
+        raise CheckpointError(
+            f"{source}: unsupported model_type '{model_type}' (supported: {supported})"
+        )
+    bias_default, qk_norm, tie_default = FAMILIES[model_type]
+    hidden = field("hidden_size", int)
+    heads = field("num_attention_heads", int)
+    kv_heads = field("num_key_value_heads", int, heads)
+    if heads % kv_heads:
+        raise CheckpointError(
+            f"{source}: num_attention_heads ({heads}) is not a multiple of "
+            f"num_key_value_heads ({kv_heads})"
+        )
+    head_dim = field("head_dim", int, None) or hidden // heads
+    attention_bias = field("attention_bias", bool, bias_default)
+    if field("mlp_bias", bool, False):
+        raise CheckpointError(f"{source}: mlp_bias=true is not supported")
+    rope_scaling = field("rope_scaling", dict, None)
+    if rope_scaling is not None:
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise CheckpointError(
+                f"{source}: unsupported rope_scaling type '{rope_type}' "
+                "(supported: default, linear, llama3)"
+            )
+    quant = field("quantization", dict, None)
+    quantization = None
+    if quant is not None:
+        try:
+            quantization = Quantization(int(quant["group_size"]), int(quant["bits"]))
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(
+                f"{source}: field 'quantization' needs integer group_size and bits, got {quant!r}"
+            ) from None
+    return ModelConfig(
+        model_type=model_type,
+        hidden_size=hidden,
+        num_hidden_layers=field("num_hidden_layers", int),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=field("intermediate_size", int),
+        vocab_size=field("vocab_size", int),
+        rms_norm_eps=field("rms_norm_eps", float, 1e-6),
+        rope_theta=field("rope_theta", float, 10000.0),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=field("max_position_embeddings", int, 4096),
+        tie_word_embeddings=field("tie_word_embeddings", bool, tie_default),
+        qkv_bias=attention_bias or model_type == "qwen2",
+        o_bias=attention_bias and model_type != "qwen2",
+        qk_norm=qk_norm,
+        quantization=quantization,
+        eos_token_ids=_eos_ids(raw, generation or {}),
+    )
+
+
+def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (generation, raw):
+        value = source.get("eos_token_id")
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, int) and item not in ids:
+                ids.append(item)
+    return tuple(ids)
+
+
+def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
+    if not path.exists():
+        if required:
+            raise CheckpointError(f"{path}: file not found")
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data

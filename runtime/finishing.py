@@ -1,0 +1,57 @@
+"""Whether a row is done after a token: one function for every site that decides it.
+
+The engine calls `finish_step` for each sampled token; the streamer calls it again
+with `stop_hit` once text-level stop strings are matched. Causes are checked in
+this order, and the first that applies wins:
+
+    1. ERROR              the row failed (the error message travels beside it)
+    2. EOS                the token is an end-of-sequence id (unless ignore_eos)
+    3. STOP_SEQUENCE      a stop string matched the generated text
+    4. LENGTH             max_tokens tokens have been generated
+    5. CONTEXT_EXHAUSTED  the row's KV has reached the context limit
+    6. REPETITION_LOOP    the recent tokens are one short pattern, repeated
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from runtime.sequence import FinishCause
+
+
+def finish_step(
+    *,
+    token: int | None,
+    generated: Sequence[int],
+    max_tokens: int,
+    context_length: int,
+    max_context: int,
+    eos_ids: frozenset[int],
+    stop_hit: bool = False,
+    repetition_window: int | None = None,
+    error: str | None = None,
+) -> FinishCause | None:
+    """`generated` already includes `token`; `context_length` is prompt + generated."""
+    if error is not None or token is None:
+        return FinishCause.ERROR
+    if token in eos_ids:
+        return FinishCause.EOS
+    if stop_hit:
+        return FinishCause.STOP_SEQUENCE
+    if len(generated) >= max_tokens:
+        return FinishCause.LENGTH
+    if context_length >= max_context:
+        return FinishCause.CONTEXT_EXHAUSTED
+    if repetition_window and is_repetition_loop(generated, repetition_window):
+        return FinishCause.REPETITION_LOOP
+    return None
+
+
+def is_repetition_loop(tokens: Sequence[int], window: int) -> bool:
+    """True when the last `window` tokens repeat a pattern of period <= window // 4."""
+    max_period = window // 4
+    if max_period < 1 or len(tokens) < window + max_period:
+        return False
+    tail = list(tokens[-window - max_period :])
+    recent = tail[-window:]
+    return any(recent == tail[-window - p : -p] for p in range(1, max_period + 1))

@@ -1,0 +1,138 @@
+"""Per-row sampling over a batch of logits, in one fused `[B, vocab]` path.
+
+Every row carries its own parameters; they become `[B]` vectors, so rows with
+different temperatures, top-p, penalties or seeds share one set of array ops
+(mlx-lm's server refuses to batch a seeded request). The order, as vLLM applies it:
+
+    penalties -> logit_bias -> (greedy rows: argmax) -> temperature -> top-k -> top-p -> min-p -> draw
+
+A seeded row draws its Gumbel noise from its own key, split once per step, so its
+tokens depend only on its seed and its logits, never on its neighbours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import mlx.core as mx
+
+from runtime.sequence import SamplingParams
+
+
+@attrs.define
+class RowSampler:
+    """One row's sampling state; the token history lives on the device."""
+
+    params: SamplingParams
+    key: mx.array | None  # per-row PRNG key for seeded rows
+    prompt_mask: mx.array | None  # [V] 1.0 where the prompt has the token (repetition penalty)
+    output_counts: mx.array | None  # [V] occurrences among generated tokens
+
+    @classmethod
+    def create(cls, params: SamplingParams, prompt: Sequence[int], vocab_size: int) -> RowSampler:
+        prompt_mask = counts = None
+        if params.has_penalties:
+            counts = mx.zeros((vocab_size,), dtype=mx.float32)
+            prompt_mask = mx.zeros((vocab_size,), dtype=mx.float32)
+            prompt_mask[mx.array(sorted(set(prompt)), dtype=mx.int32)] = 1.0
+        key = mx.random.key(params.seed) if params.seed is not None else None
+        return cls(params=params, key=key, prompt_mask=prompt_mask, output_counts=counts)
+
+    def record(self, token: mx.array) -> None:
+        """Count a sampled token (lazy, shape [1]) for the frequency/presence penalties."""
+        if self.output_counts is not None:
+            self.output_counts = self.output_counts.at[token].add(1.0)
+
+    def next_key(self) -> mx.array:
+        assert self.key is not None
+        self.key, use = mx.random.split(self.key)
+        return use
+
+
+def sample(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
+    """logits [B, V] -> token ids [B] int32 (lazy)."""
+    logits = logits.astype(mx.float32)
+    params = [r.params for r in rows]
+    if any(p.has_penalties for p in params):
+        logits = apply_penalties(logits, rows)
+    if any(p.logit_bias for p in params):
+        logits = logits + _bias_matrix(params, logits.shape[-1])
+    greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
+    if all(p.is_greedy for p in params):
+        return greedy
+    temperature = mx.array([p.temperature if p.temperature > 0 else 1.0 for p in params])
+    logits = logits / temperature[:, None]
+    if any(p.top_k > 0 for p in params):
+        logits = top_k_mask(logits, mx.array([p.top_k for p in params], dtype=mx.int32))
+    if any(p.top_p < 1.0 for p in params):
+        logits = top_p_mask(logits, mx.array([p.top_p for p in params]))
+    if any(p.min_p > 0.0 for p in params):
+        logits = min_p_mask(logits, mx.array([p.min_p for p in params]))
+    drawn = mx.argmax(logits + _gumbel(rows, logits.shape), axis=-1).astype(mx.int32)
+    is_greedy = mx.array([p.is_greedy for p in params])
+    return mx.where(is_greedy, greedy, drawn)
+
+
+def apply_penalties(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
+    """Repetition penalty over prompt and output tokens; presence/frequency over output only."""
+    vocab = logits.shape[-1]
+    zeros = mx.zeros((vocab,), dtype=mx.float32)
+    counts = mx.stack([r.output_counts if r.output_counts is not None else zeros for r in rows])
+    prompt = mx.stack([r.prompt_mask if r.prompt_mask is not None else zeros for r in rows])
+    rep = mx.array([r.params.repetition_penalty for r in rows])[:, None]
+    presence = mx.array([r.params.presence_penalty for r in rows])[:, None]
+    frequency = mx.array([r.params.frequency_penalty for r in rows])[:, None]
+    seen = (counts + prompt) > 0
+    logits = mx.where(seen, mx.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - frequency * counts - presence * (counts > 0)
+
+
+def top_k_mask(logits: mx.array, top_k: mx.array) -> mx.array:
+    """Keep each row's `top_k` largest logits (0: keep all). logits [B, V], top_k [B]."""
+    vocab = logits.shape[-1]
+    ascending = mx.sort(logits, axis=-1)
+    k = mx.where(top_k > 0, mx.minimum(top_k, vocab), vocab)
+    threshold = mx.take_along_axis(ascending, (vocab - k)[:, None], axis=-1)  # [B, 1]
+    return mx.where(logits < threshold, -mx.inf, logits)
+
+
+def top_p_mask(logits: mx.array, top_p: mx.array) -> mx.array:
+    """Keep the smallest set of tokens whose probability mass reaches `top_p`. top_p [B]."""
+    ascending = mx.sort(logits, axis=-1)
+    mass_at_or_below = mx.cumsum(mx.softmax(ascending, axis=-1), axis=-1)
+    # A token survives when the mass strictly above it is still short of top_p;
+    # the top token always does (the mass above it is 0).
+    keep = (1.0 - mass_at_or_below) < top_p[:, None]
+    first_kept = mx.argmax(keep, axis=-1)[:, None]
+    threshold = mx.take_along_axis(ascending, first_kept, axis=-1)
+    return mx.where(logits < threshold, -mx.inf, logits)
+
+
+def min_p_mask(logits: mx.array, min_p: mx.array) -> mx.array:
+    """Drop tokens whose probability is below `min_p` times the top token's. min_p [B]."""
+    top = mx.max(logits, axis=-1, keepdims=True)
+    # p / p_max = exp(logit - top); compare in log space.
+    floor = top + mx.log(mx.maximum(min_p[:, None], 1e-30))
+    return mx.where(logits < floor, -mx.inf, logits)
+
+
+def _bias_matrix(params: Sequence[SamplingParams], vocab: int) -> mx.array:
+    bias = mx.zeros((len(params), vocab), dtype=mx.float32)
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = mx.array([t for t, _ in p.logit_bias], dtype=mx.int32)
+            bias[i, ids] = mx.array([b for _, b in p.logit_bias], dtype=mx.float32)
+    return bias
+
+
+def _gumbel(rows: Sequence[RowSampler], shape: tuple[int, ...]) -> mx.array:
+    if all(r.key is None for r in rows):
+        return mx.random.gumbel(shape=shape)
+    shared = mx.random.gumbel(shape=shape)
+    return mx.stack(
+        [
+            mx.random.gumbel(shape=shape[1:], key=r.next_key()) if r.key is not None else shared[i]
+            for i, r in enumerate(rows)
+        ]
+    )

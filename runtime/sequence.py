@@ -1,0 +1,106 @@
+"""The values that cross the Engine's boundary: parameters in, outcomes out."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+@attrs.frozen
+class SamplingParams:
+    """Per-row sampling. `temperature == 0` is greedy; every field batches with any other."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # 1.0: off; divides positive logits of seen tokens
+    presence_penalty: float = 0.0  # subtracted once from every generated token's logit
+    frequency_penalty: float = 0.0  # subtracted per occurrence of a generated token
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    seed: int | None = None  # a seeded row draws from its own generator, whatever its batch
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+@attrs.frozen
+class SequenceParams:
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: frozenset[int] = frozenset()  # added to the model's EOS ids
+    ignore_eos: bool = False
+    # Finish with REPETITION_LOOP when the last `repetition_window` tokens are one
+    # short pattern (period <= 1/4 of the window) repeated; None: never.
+    repetition_window: int | None = None
+    request_id: str = ""
+
+
+@attrs.frozen
+class SeqHandle:
+    seq_id: int
+
+
+@attrs.frozen
+class PrefillPiece:
+    """Prompt tokens `[start, start + length)` to run into the KV without sampling."""
+
+    start: int
+    length: int
+
+
+@attrs.frozen
+class StepBatch:
+    """One engine step: prefill pieces first, then one decode forward over `decode` rows.
+
+    A row may decode once its KV holds all of its prompt but the last token; its
+    first decode feeds that last prompt token and samples the first new one.
+    """
+
+    decode: tuple[SeqHandle, ...] = ()
+    prefill: tuple[tuple[SeqHandle, PrefillPiece], ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class FinishCause(enum.Enum):
+    """Why a row stopped, in the order `finish_step` checks them."""
+
+    ERROR = "error"
+    EOS = "eos"
+    STOP_SEQUENCE = "stop_sequence"
+    LENGTH = "length"
+    CONTEXT_EXHAUSTED = "context_exhausted"
+    REPETITION_LOOP = "repetition_loop"
+
+    @property
+    def openai_reason(self) -> str:
+        """The OpenAI `finish_reason` this cause is reported as."""
+        if self in (FinishCause.LENGTH, FinishCause.CONTEXT_EXHAUSTED):
+            return "length"
+        if self is FinishCause.ERROR:
+            return "error"
+        return "stop"
+
+
+@attrs.frozen
+class StepOutcome:
+    """One row's result of one step. `token` is None only when the row failed."""
+
+    seq_id: int
+    token: int | None
+    finish: FinishCause | None = None
+    error: str | None = None
