@@ -225,12 +225,12 @@ class Engine:
         prompt = params.prompt_tokens
         if not prompt:
             raise RequestError("the prompt is empty", param="prompt")
-        if params.max_tokens < 1:
+        if params.max_tokens is not None and params.max_tokens < 1:
             raise RequestError("max_tokens must be at least 1", param="max_tokens")
-        if len(prompt) + params.max_tokens > self.max_context:
+        if len(prompt) + (params.max_tokens or 1) > self.max_context:
             raise RequestError(
                 f"this model's maximum context length is {self.max_context} tokens; the request "
-                f"has {len(prompt)} prompt tokens and asks for {params.max_tokens} more",
+                f"has {len(prompt)} prompt tokens and asks for {params.max_tokens or 1} more",
                 param="max_tokens",
                 code="context_length_exceeded",
             )

@@ -23,7 +23,7 @@ def finish_step(
     *,
     token: int | None,
     generated: Sequence[int],
-    max_tokens: int,
+    max_tokens: int | None,
     context_length: int,
     max_context: int,
     eos_ids: frozenset[int],
@@ -38,7 +38,7 @@ def finish_step(
         return FinishCause.EOS
     if stop_hit:
         return FinishCause.STOP_SEQUENCE
-    if len(generated) >= max_tokens:
+    if max_tokens is not None and len(generated) >= max_tokens:
         return FinishCause.LENGTH
     if context_length >= max_context:
         return FinishCause.CONTEXT_EXHAUSTED

@@ -37,7 +37,7 @@ class SamplingParams:
 @attrs.frozen
 class SequenceParams:
     prompt_tokens: tuple[int, ...]
-    max_tokens: int
+    max_tokens: int | None  # None: until EOS, a stop, or the context is full
     sampling: SamplingParams = SamplingParams()
     stop_token_ids: frozenset[int] = frozenset()  # added to the model's EOS ids
     ignore_eos: bool = False

@@ -1,0 +1,163 @@
+"""Decode throughput of cadence's Engine beside mlx-lm's, same checkpoint, same run.
+
+    python examples/bench_engine.py [--batches 1 4 8 16] [--new-tokens 64] [--prompt-tokens 128]
+
+Builds (once, cached under .bench/) a ~200M-param fp32 Llama-shaped checkpoint with
+random weights: hidden 1024, 16 layers, 16 heads, 4 KV heads, FFN 2816, 32k vocab.
+For each batch size B it prefills B prompts, then times only the decode steps:
+
+    ours:   Engine.submit/collect with one step of lookahead
+    mlx-lm: generate_step (B=1) and BatchGenerator (every B)
+
+and prints tok/s with the ratio ours / mlx-lm. mlx-lm is imported here as the
+peer, never by cadence itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+
+import runtime  # noqa: F401  (loads the fast BLAS before mlx)
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from runtime.checkpoint import DEMO_CHECKPOINT, load_model
+from runtime.config import config_from_dict
+from runtime.engine import Engine
+from runtime.models.decoder import Decoder
+from runtime.sequence import PrefillPiece, SequenceParams, StepBatch
+
+BENCH_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 1024,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "intermediate_size": 2816,
+    "vocab_size": 32000,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
+}
+
+
+def bench_checkpoint(root: Path) -> Path:
+    path = root / "llama-200m-fp32"
+    if (path / "model.safetensors").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(0)
+    model = Decoder(config_from_dict(BENCH_CONFIG))
+    weights = {
+        k: (mx.random.normal(v.shape) * (1.0 if k.endswith("norm.weight") else 0.02)).astype(mx.float32)
+        + (1.0 if k.endswith("norm.weight") else 0.0)
+        for k, v in tree_flatten(model.parameters())
+    }
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(BENCH_CONFIG, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_CHECKPOINT / name, path / name)
+    return path
+
+
+def prompts_for(batch: int, length: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(batch)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(batch)]
+
+
+def ours(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
+    seqs = []
+    for prompt in prompts:
+        seq = engine.open(SequenceParams(prompt_tokens=tuple(prompt), max_tokens=new_tokens, ignore_eos=True))
+        engine.prefill(seq, PrefillPiece(0, len(prompt) - 1))
+        seqs.append(seq)
+    batch = StepBatch(decode=tuple(seqs))
+    engine.step(batch)  # the first token ends prefill; time decode only
+    engine.submit(batch)
+    start, produced = time.perf_counter(), 0
+    for _ in range(new_tokens - 2):
+        engine.submit(batch)  # N+1 queued before N is read
+        produced += len(engine.collect())
+    produced += len(engine.collect())
+    elapsed = time.perf_counter() - start
+    for seq in seqs:
+        engine.close(seq)
+    return produced / elapsed
+
+
+def mlx_lm_single(model, prompt: list[int], new_tokens: int) -> float:
+    from mlx_lm.generate import generate_step
+
+    steps = generate_step(mx.array(prompt), model, max_tokens=new_tokens)
+    next(steps)
+    start = time.perf_counter()
+    count = sum(1 for _ in steps)
+    return count / (time.perf_counter() - start)
+
+
+def mlx_lm_batch(model, prompts: list[list[int]], new_tokens: int) -> float:
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=new_tokens, completion_batch_size=len(prompts),
+                         prefill_batch_size=len(prompts))
+    gen.insert(prompts, [new_tokens] * len(prompts))
+    started: set[int] = set()
+    start, produced = None, 0
+    while True:
+        _, responses = gen.next()
+        if not responses and start is not None:
+            break
+        for r in responses:
+            if r.uid in started:
+                produced += 1
+            started.add(r.uid)
+        if start is None and len(started) == len(prompts):
+            start = time.perf_counter()
+    elapsed = time.perf_counter() - start
+    gen.close()
+    return produced / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--cache-dir", type=Path, default=Path(".bench"))
+    parser.add_argument("--repeats", type=int, default=2, help="best of N per cell")
+    args = parser.parse_args()
+
+    import mlx_lm
+
+    path = bench_checkpoint(args.cache_dir)
+    loaded = load_model(path)
+    engine = Engine(loaded, max_batch=max(args.batches), max_context=args.prompt_tokens + args.new_tokens + 8)
+    peer, _ = mlx_lm.load(str(path))
+    print(f"checkpoint: {path} ({sum(v.size for _, v in tree_flatten(loaded.model.parameters())) / 1e6:.0f}M params, fp32)")
+    print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, decode tok/s, best of {args.repeats}")
+    print(f"{'B':>3} | {'cadence':>8} | {'mlx-lm':>8} | {'peer arm':<15} | ratio")
+    for batch in args.batches:
+        prompts = prompts_for(batch, args.prompt_tokens, BENCH_CONFIG["vocab_size"])
+        ours_tps = max(ours(engine, prompts, args.new_tokens) for _ in range(args.repeats))
+        if batch == 1:
+            peer_tps = max(mlx_lm_single(peer, prompts[0], args.new_tokens) for _ in range(args.repeats))
+            arm = "generate_step"
+        else:
+            peer_tps = max(mlx_lm_batch(peer, prompts, args.new_tokens) for _ in range(args.repeats))
+            arm = "BatchGenerator"
+        print(f"{batch:>3} | {ours_tps:8.1f} | {peer_tps:8.1f} | {arm:<15} | {ours_tps / peer_tps:.2f}x", flush=True)
+    if 1 in args.batches:
+        prompts = prompts_for(1, args.prompt_tokens, BENCH_CONFIG["vocab_size"])
+        peer_b1 = max(mlx_lm_batch(peer, prompts, args.new_tokens) for _ in range(args.repeats))
+        print(f"  1 | (mlx-lm BatchGenerator at B=1: {peer_b1:.1f} tok/s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Tiny random-weight checkpoints in Hugging Face layout, for tests and benchmarks.
+
+`make_tiny_checkpoint` writes a directory that both cadence and `mlx_lm.load` can
+read: config.json, generation_config.json, the demo tokenizer, and safetensors
+weights named and shaped exactly as `Decoder` expects (optionally sharded, or
+quantized in the mlx-community layout). The same seed gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from tokenizers import Tokenizer
+
+from runtime.config import FAMILIES, config_from_dict
+from runtime.models.decoder import Decoder
+
+DEMO_DIR = Path(__file__).parent / "demo"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def make_tiny_checkpoint(
+    out_dir: Path,
+    family: str = "llama",
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate_size: int = 128,
+    tie_word_embeddings: bool = False,
+    quantize: tuple[int, int] | None = None,
+    dtype: str = "float32",
+    seed: int = 0,
+    max_position_embeddings: int = 1024,
+    rope_scaling: dict[str, Any] | None = None,
+    shards: int = 1,
+) -> Path:
+    """Write a random-weight checkpoint of `family` into `out_dir` and return `out_dir`.
+
+    `quantize` is `(group_size, bits)`: every Linear (and the embedding) whose input
+    dimension divides `group_size` is stored packed, with `.scales` and `.biases`.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    copy_demo_tokenizer(out_dir)
+    tokenizer = demo_tokenizer()
+    raw = hf_config(
+        family,
+        vocab_size=tokenizer.get_vocab_size(),
+        eos_token_id=eos_ids(tokenizer),
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        tie_word_embeddings=tie_word_embeddings,
+        dtype=dtype,
+        max_position_embeddings=max_position_embeddings,
+        rope_scaling=rope_scaling,
+    )
+    weights = random_weights(Decoder(config_from_dict(raw)), seed)
+    weights = {name: w.astype(DTYPES[dtype]) for name, w in weights.items()}
+    if quantize is not None:
+        group_size, bits = quantize
+        weights = quantize_weights(weights, group_size, bits)
+        raw["quantization"] = {"group_size": group_size, "bits": bits}
+    write_json(out_dir / "config.json", raw)
+    write_json(out_dir / "generation_config.json", generation_config(raw["eos_token_id"]))
+    save_weights(out_dir, weights, shards=shards, is_mlx_format=quantize is not None)
+    return out_dir
+
+
+def hf_config(
+    family: str,
+    *,
+    vocab_size: int,
+    eos_token_id: list[int],
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    head_dim: int | None = None,
+    tie_word_embeddings: bool = False,
+    dtype: str = "float32",
+    max_position_embeddings: int = 1024,
+    rope_scaling: dict[str, Any] | None = None,
+    rope_theta: float = 10000.0,
+    rms_norm_eps: float = 1e-6,
+) -> dict[str, Any]:
+    """A config.json dict with the fields Hugging Face writes for `family`."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family '{family}' (known: {', '.join(sorted(FAMILIES))})")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype '{dtype}' (known: {', '.join(DTYPES)})")
+    raw: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[family]],
+        "model_type": family,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "intermediate_size": intermediate_size,
+        "hidden_act": "silu",
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": rms_norm_eps,
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": tie_word_embeddings,
+        "torch_dtype": dtype,
+        "eos_token_id": eos_token_id,
+    }
+    if family in ("llama", "qwen3"):
+        raw["attention_bias"] = False
+    if family == "mistral":
+        raw["sliding_window"] = None
+    # Qwen3 configs always name head_dim (and mlx-lm requires it there).
+    if head_dim is not None or family == "qwen3":
+        raw["head_dim"] = head_dim or hidden_size // num_heads
+    return raw
+
+
+def generation_config(eos_token_ids: list[int]) -> dict[str, Any]:
+    return {"eos_token_id": eos_token_ids, "do_sample": False}
+
+
+def random_weights(model: Decoder, seed: int) -> dict[str, mx.array]:
+    """float32 weights for every parameter of `model`, keyed by checkpoint name.
+
+    Scaled so greedy decoding is far from ties (logit std ~2-3) and does not settle
+    into one repeated token within a few dozen steps: linears keep activations near
+    unit RMS and norm weights are 1 plus noise. With tied embeddings the head is
+    `E @ h`, and an embedding that is large in the residual stream makes the current
+    token win; there the embedding is kept small and the final norm scales up instead.
+    """
+    rng = np.random.default_rng(seed)
+    hidden = model.config.hidden_size
+    is_tied = model.config.tie_word_embeddings
+    embed_std = (0.2 if is_tied else 2.0) / hidden**0.5
+    weights = {}
+    for name, param in tree_flatten(model.parameters()):
+        shape = param.shape
+        if name.endswith("norm.weight"):
+            values = 1.0 + 0.1 * rng.standard_normal(shape)
+            if is_tied and name == "model.norm.weight":
+                values *= 10.0
+        elif name.endswith(".bias"):
+            values = 0.1 * rng.standard_normal(shape)
+        elif name == "model.embed_tokens.weight":
+            values = embed_std * rng.standard_normal(shape)
+        elif name == "lm_head.weight":
+            values = (3.0 / hidden**0.5) * rng.standard_normal(shape)
+        else:  # Linear [out, in]
+            values = rng.standard_normal(shape) / shape[-1] ** 0.5
+        weights[name] = mx.array(values.astype(np.float32))
+    return weights
+
+
+def quantize_weights(
+    weights: dict[str, mx.array], group_size: int, bits: int
+) -> dict[str, mx.array]:
+    """mlx-community layout: `X.weight` packed uint32 plus `X.scales` and `X.biases`."""
+    out = {}
+    for name, w in weights.items():
+        prefix = name.removesuffix(".weight")
+        is_matrix = name.endswith(".weight") and w.ndim == 2 and "norm" not in name
+        if is_matrix and w.shape[-1] % group_size == 0:
+            packed, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+            out[name], out[f"{prefix}.scales"], out[f"{prefix}.biases"] = packed, scales, biases
+        else:
+            out[name] = w
+    return out
+
+
+def save_weights(
+    out_dir: Path, weights: dict[str, mx.array], *, shards: int = 1, is_mlx_format: bool = False
+) -> None:
+    """`model.safetensors`, or `shards` files plus `model.safetensors.index.json`."""
+    metadata = {"format": "mlx" if is_mlx_format else "pt"}
+    if shards <= 1:
+        mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata=metadata)
+        return
+    names = list(weights)
+    total = sum(weights[n].nbytes for n in names)
+    groups: list[list[str]] = [[] for _ in range(shards)]
+    done = 0
+    for name in names:  # fill shards in order, each up to ~1/shards of the bytes
+        groups[min(shards - 1, done * shards // max(total, 1))].append(name)
+        done += weights[name].nbytes
+    weight_map = {}
+    for i, group in enumerate(groups, start=1):
+        filename = f"model-{i:05d}-of-{shards:05d}.safetensors"
+        shard = {n: weights[n] for n in group}
+        mx.save_safetensors(str(out_dir / filename), shard, metadata=metadata)
+        weight_map.update(dict.fromkeys(group, filename))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    write_json(out_dir / "model.safetensors.index.json", index)
+
+
+def copy_demo_tokenizer(out_dir: Path) -> None:
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(DEMO_DIR / name, Path(out_dir) / name)
+
+
+@functools.cache
+def demo_tokenizer() -> Tokenizer:
+    return Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
+
+
+def eos_ids(tokenizer: Tokenizer) -> list[int]:
+    """`<|im_end|>` (ends a chat turn) and `<|endoftext|>` (ends a document)."""
+    return [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

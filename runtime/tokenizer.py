@@ -1,0 +1,371 @@
+"""Text <-> token ids for a checkpoint, streaming detokenization, and stop strings.
+
+Built on Hugging Face `tokenizers` (the Rust library) and the files a Hugging Face
+checkpoint ships; transformers is never imported (it is only the tests' oracle).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import tokenizers
+
+from runtime.chat_template import CHATML_TEMPLATE, ChatTemplate
+from runtime.errors import CheckpointError
+
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) valid UTF-8
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece byte-fallback tokens
+_NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer and chat template.
+
+    `decode` is the `tokenizers` decode as is: transformers' optional
+    `clean_up_tokenization_spaces` pass is not applied, because it rewrites text across
+    token boundaries and so cannot be streamed.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        special_tokens: Mapping[str, str] | None = None,
+        add_bos_token: bool | None = None,
+        chat_template: str | None = None,
+        byte_fallback: bool = False,
+    ):
+        """`special_tokens` maps `bos_token`/`eos_token`/... to token strings.
+
+        `byte_fallback` says the decoder joins `<0xNN>` pieces into characters.
+        Raises `jinja2.TemplateSyntaxError` if `chat_template` does not compile.
+        """
+        self._backend = backend
+        special_tokens = dict(special_tokens or {})
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        eos_id = _token_id(backend, special_tokens.get("eos_token"))
+        self.eos_token_ids: frozenset[int] = frozenset() if eos_id is None else frozenset({eos_id})
+        self.bos_token_id: int | None = _token_id(backend, special_tokens.get("bos_token"))
+        # tokenizer.json's post-processor normally adds BOS itself; older Llama exports
+        # only say `add_bos_token` in the config, so add it here when the processor does not.
+        bos_id = self.bos_token_id
+        self._bos_to_prepend: list[int] = []
+        if add_bos_token and bos_id is not None and bos_id not in backend.encode("").ids:
+            self._bos_to_prepend = [bos_id]
+        self.has_chat_template: bool = bool(chat_template)
+        self._chat_template = ChatTemplate(chat_template or CHATML_TEMPLATE, special_tokens)
+        self._byte_piece_ids = _byte_piece_ids(backend) if byte_fallback else frozenset()
+        self._special_ids = frozenset(
+            token_id
+            for token_id, token in backend.get_added_tokens_decoder().items()
+            if token.special
+        )
+
+    @classmethod
+    def from_dir(cls, path: Path) -> Tokenizer:
+        """Load from a Hugging Face checkpoint directory.
+
+        Reads tokenizer.json (required) and, when present, tokenizer_config.json,
+        special_tokens_map.json and chat_template.jinja (which wins over the config's
+        `chat_template`, as in transformers). Raises `CheckpointError` naming the bad file.
+        """
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        raw = _read_json(tokenizer_file, required=True)
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the Rust loader raises a bare Exception
+            raise CheckpointError(
+                f"{tokenizer_file}: not a tokenizers file ({_one_line(exc)})"
+            ) from exc
+        config_file = path / "tokenizer_config.json"
+        config = _read_json(config_file, required=False)
+        special_map_file = path / "special_tokens_map.json"
+        special_map = _read_json(special_map_file, required=False)
+        special_tokens: dict[str, str] = {}
+        for name in _NAMED_SPECIAL_TOKENS:
+            if name in config:  # an explicit null in the config means "none"
+                source, value = config_file, config[name]
+            else:
+                source, value = special_map_file, special_map.get(name)
+            if (text := _token_text(value, name, source)) is not None:
+                special_tokens[name] = text
+        _register_special_tokens(backend, config, special_map, special_tokens.values())
+        template, template_file = _chat_template_source(path, config, config_file)
+        add_bos_token = config.get("add_bos_token")
+        try:
+            return cls(
+                backend,
+                special_tokens=special_tokens,
+                add_bos_token=add_bos_token if isinstance(add_bos_token, bool) else None,
+                chat_template=template,
+                byte_fallback=_has_byte_fallback(raw.get("decoder")),
+            )
+        except jinja2.TemplateSyntaxError as exc:
+            raise CheckpointError(
+                f"{template_file}: chat template does not compile ({_one_line(exc)})"
+            ) from exc
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return [*self._bos_to_prepend, *ids] if add_special_tokens else ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages`; ChatML when the checkpoint ships no template.
+
+        Raises `RequestError` for malformed messages or a chat the template rejects.
+        """
+        return self._chat_template.render(messages, add_generation_prompt)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Prompt token ids. The template writes BOS itself when the model wants one, so
+        encoding adds no special tokens (as transformers' `apply_chat_template` does)."""
+        prompt = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(prompt, add_special_tokens=False)
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        def decode(ids: list[int]) -> str:
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+        run_ids = self._byte_piece_ids
+        if run_ids and skip_special_tokens:
+            run_ids |= self._special_ids  # a skipped token does not end a run of byte pieces
+        return IncrementalDetokenizer(decode, run_ids)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into a stream of text deltas.
+
+    Concatenated, the deltas and `flush()` equal `decode(all ids)` exactly. Each step
+    decodes a short window, not the stream: ids[prefix_offset:read_offset] were already
+    emitted and only give context (so a SentencePiece leading space or a byte-level merge
+    decodes as it does mid-sequence), ids[read_offset:] are pending, and the delta is
+    the window's text past the context's. Text is held back while it ends in U+FFFD
+    (an unfinished UTF-8 character) and while the last id is in `run_ids`: byte-fallback
+    pieces decode as one run, where a single invalid byte turns all of it into U+FFFD.
+    So work per token is bounded by the window, which spans the held-back ids: a few
+    tokens in practice, though a long run of invalid bytes keeps it growing.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], run_ids: frozenset[int] = frozenset()):
+        self._decode = decode
+        self._run_ids = run_ids
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._prefix_text = ""  # decode(ids[prefix_offset:read_offset])
+        self._chunks: list[str] = []
+
+    def add(self, token_id: int) -> str:
+        """Append one token; returns the newly decodable text (often "")."""
+        self._ids.append(token_id)
+        if token_id in self._run_ids:
+            return ""  # nothing is final until the run of byte pieces ends
+        return self._emit(is_final=False)
+
+    def flush(self) -> str:
+        """Whatever is held back; call once at the end of the stream."""
+        return self._emit(is_final=True)
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._chunks)
+
+    def _emit(self, is_final: bool) -> str:
+        window_text = self._decode(self._ids[self._prefix_offset :])
+        if len(window_text) <= len(self._prefix_text):
+            return ""
+        if window_text.endswith(REPLACEMENT_CHAR) and not is_final:
+            return ""
+        delta = window_text[len(self._prefix_text) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        self._chunks.append(delta)
+        return delta
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, holding back only what could start one.
+
+    When several stops could match, the one that completes first in the text wins, so
+    the result does not depend on how the text was split into deltas.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self._stops = tuple(stop for stop in stops if stop)  # "" would stop before any text
+        # Every proper prefix of a stop: a tail of text equal to one must be held back.
+        self._partial_stops = frozenset(
+            stop[:n] for stop in self._stops for n in range(1, len(stop))
+        )
+        self._max_held = max((len(stop) - 1 for stop in self._stops), default=0)
+        self._held = ""
+        self.is_stopped = False
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Returns (text safe to emit now, whether a stop string was hit).
+
+        On a hit the text ends right before the stop string; feed nothing afterwards
+        (a later call returns ("", True)).
+        """
+        if self.is_stopped:
+            return "", True
+        text = self._held + delta
+        stop_at = self._first_stop(text)
+        if stop_at is not None:
+            self._held, self.is_stopped = "", True
+            return text[:stop_at], True
+        num_held = self._held_suffix_length(text)
+        self._held = text[len(text) - num_held :]
+        return text[: len(text) - num_held], False
+
+    def flush(self) -> str:
+        """The held-back text, at the end of a stream that hit no stop."""
+        held, self._held = self._held, ""
+        return held
+
+    def _first_stop(self, text: str) -> int | None:
+        """Start of the stop string that ends earliest in `text` (longest on a tie)."""
+        best: tuple[int, int] | None = None  # (end, start)
+        for stop in self._stops:
+            start = text.find(stop)
+            if start >= 0 and (best is None or (start + len(stop), start) < best):
+                best = (start + len(stop), start)
+        return None if best is None else best[1]
+
+    def _held_suffix_length(self, text: str) -> int:
+        for length in range(min(self._max_held, len(text)), 0, -1):
+            if text[len(text) - length :] in self._partial_stops:
+                return length
+        return 0
+
+
+def _read_json(file: Path, *, required: bool) -> dict[str, Any]:
+    """The JSON object in `file`; {} when an optional file is absent."""
+    if not file.exists():
+        if required:
+            raise CheckpointError(f"{file}: not found (the checkpoint has no tokenizer)")
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{file}: invalid JSON ({exc.msg} at line {exc.lineno})") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file}: unreadable ({_one_line(exc)})") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_text(value: Any, name: str, source: Path) -> str | None:
+    """A special token as written in the config: a string, or an AddedToken dict."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise CheckpointError(
+        f"{source}: '{name}' should be a string or {{\"content\": ...}}, got {value!r}"
+    )
+
+
+def _register_special_tokens(
+    backend: tokenizers.Tokenizer,
+    config: dict[str, Any],
+    special_map: dict[str, Any],
+    named_tokens: Iterable[str],
+) -> None:
+    """Make tokens the configs call special split out when encoding and skippable when
+    decoding, as transformers does, when tokenizer.json did not list them itself."""
+    registered = {token.content for token in backend.get_added_tokens_decoder().values()}
+    declared = config.get("added_tokens_decoder")
+    new_tokens = [
+        tokenizers.AddedToken(
+            entry["content"],
+            special=bool(entry.get("special", False)),
+            normalized=bool(entry.get("normalized", False)),
+            lstrip=bool(entry.get("lstrip", False)),
+            rstrip=bool(entry.get("rstrip", False)),
+            single_word=bool(entry.get("single_word", False)),
+        )
+        for entry in (declared.values() if isinstance(declared, dict) else ())
+        if isinstance(entry, dict)
+        and isinstance(entry.get("content"), str)
+        and entry["content"] not in registered
+    ]
+    extra = [
+        *_token_texts(config.get("additional_special_tokens")),
+        *_token_texts(special_map.get("additional_special_tokens")),
+        *_token_texts(config.get("extra_special_tokens")),  # transformers 5's name for them
+    ]
+    for text in [*named_tokens, *extra]:
+        # Only tokens already in the vocabulary: a new id would not fit the model's embedding.
+        if text not in registered and backend.token_to_id(text) is not None:
+            registered.add(text)
+            new_tokens.append(tokenizers.AddedToken(text, special=True, normalized=False))
+    if new_tokens:
+        backend.add_tokens(new_tokens)
+
+
+def _token_texts(value: Any) -> list[str]:
+    """Token strings from a config list (or name -> token dict) of strings or AddedToken dicts."""
+    entries = (
+        value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    )
+    texts = [entry.get("content") if isinstance(entry, dict) else entry for entry in entries]
+    return [text for text in texts if isinstance(text, str)]
+
+
+def _chat_template_source(
+    path: Path, config: dict[str, Any], config_file: Path
+) -> tuple[str | None, Path]:
+    """(template text or None, the file it came from)."""
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.exists():
+        try:
+            return jinja_file.read_text(encoding="utf-8"), jinja_file
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{jinja_file}: unreadable ({_one_line(exc)})") from exc
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        # Several named templates: the "default" one is for plain chat.
+        named = {
+            entry.get("name"): entry.get("template")
+            for entry in template
+            if isinstance(entry, dict)
+        }
+        template = named.get("default", next(iter(named.values()), None))
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(
+            f"{config_file}: 'chat_template' should be a string, got {type(template).__name__}"
+        )
+    return template, config_file
+
+
+def _has_byte_fallback(decoder: Any) -> bool:
+    """Whether a tokenizer.json decoder (possibly a Sequence) contains ByteFallback."""
+    if not isinstance(decoder, dict):
+        return False
+    if decoder.get("type") == "ByteFallback":
+        return True
+    return any(_has_byte_fallback(inner) for inner in decoder.get("decoders") or ())
+
+
+def _byte_piece_ids(backend: tokenizers.Tokenizer) -> frozenset[int]:
+    vocab = backend.get_vocab(with_added_tokens=False)
+    return frozenset(token_id for token, token_id in vocab.items() if _BYTE_PIECE.fullmatch(token))
+
+
+def _token_id(backend: tokenizers.Tokenizer, token: str | None) -> int | None:
+    return None if token is None else backend.token_to_id(token)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__

@@ -1,0 +1,116 @@
+"""Loading checkpoints: what loads, and the one-line error for each way one can be broken."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import pytest
+
+from runtime.checkpoint import DEMO_CHECKPOINT, load_model, resolve_checkpoint
+from runtime.errors import CheckpointError
+
+
+@pytest.fixture
+def broken(make_checkpoint, tmp_path):
+    """A writable copy of a good tiny checkpoint, to damage."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(make_checkpoint("llama"), path)
+    return path
+
+
+def edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key)
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def error_for(path) -> str:
+    with pytest.raises(CheckpointError) as err:
+        load_model(path)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_unknown_model_type_lists_supported(broken):
+    edit_config(broken, model_type="gpt_neox")
+    message = error_for(broken)
+    assert "config.json" in message and "gpt_neox" in message
+    assert all(family in message for family in ("llama", "mistral", "qwen2", "qwen3"))
+
+
+def test_missing_config_field_is_named(broken):
+    edit_config(broken, hidden_size=None)
+    message = error_for(broken)
+    assert "config.json" in message and "hidden_size" in message
+
+
+def test_wrong_config_type_is_named(broken):
+    edit_config(broken, num_hidden_layers="two")
+    assert "num_hidden_layers" in error_for(broken)
+
+
+def test_missing_tensor_is_named(broken):
+    weights = mx.load(str(broken / "model.safetensors"))
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    mx.save_safetensors(str(broken / "model.safetensors"), weights)
+    assert "model.layers.1.mlp.down_proj.weight" in error_for(broken)
+
+
+def test_misshapen_tensor_is_named(broken):
+    weights = mx.load(str(broken / "model.safetensors"))
+    weights["model.norm.weight"] = mx.ones((3,))
+    mx.save_safetensors(str(broken / "model.safetensors"), weights)
+    message = error_for(broken)
+    assert "model.norm.weight" in message and "(3,)" in message
+
+
+def test_truncated_safetensors_names_the_file(broken):
+    file = broken / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    message = error_for(broken)
+    assert "model.safetensors" in message and "truncated" in message
+
+
+def test_garbage_safetensors_names_the_file(broken):
+    (broken / "model.safetensors").write_bytes(b"\x05\x00")
+    assert "model.safetensors" in error_for(broken)
+
+
+def test_missing_config_and_missing_dir(broken, tmp_path):
+    (broken / "config.json").unlink()
+    assert "config.json" in error_for(broken)
+    assert "no such directory" in error_for(tmp_path / "nowhere")
+
+
+def test_unknown_repo_id_offline_is_a_clean_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(CheckpointError) as err:
+        resolve_checkpoint("nobody/no-such-model", offline=True)
+    assert "nobody/no-such-model" in str(err.value)
+
+
+def test_sharded_and_quantized_checkpoints_load(make_checkpoint):
+    sharded = load_model(make_checkpoint("llama", shards=2))
+    assert sharded.model.model.layers[1].self_attn.q_proj.weight.dtype == mx.float32
+    quantized = load_model(make_checkpoint("llama", quantize=(32, 4), hidden_size=128, intermediate_size=256), keep_dtype=True)
+    assert quantized.config.quantization.bits == 4
+    assert quantized.model.model.layers[0].mlp.up_proj.weight.dtype == mx.uint32
+
+
+def test_half_precision_is_upcast_on_cpu_unless_kept(make_checkpoint):
+    path = make_checkpoint("qwen2", dtype="bfloat16")
+    assert load_model(path).model.model.norm.weight.dtype == mx.float32
+    assert load_model(path, keep_dtype=True).model.model.norm.weight.dtype == mx.bfloat16
+
+
+def test_demo_checkpoint_loads():
+    loaded = load_model(None)
+    assert loaded.path == DEMO_CHECKPOINT and loaded.name == "cadence-demo"
+    assert loaded.config.eos_token_ids
+    assert loaded.tokenizer.has_chat_template

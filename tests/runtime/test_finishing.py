@@ -1,0 +1,39 @@
+"""finish_step's documented order, and the repetition-loop detector."""
+
+from runtime.finishing import finish_step, is_repetition_loop
+from runtime.sequence import FinishCause
+
+BASE = dict(max_tokens=10, context_length=20, max_context=100, eos_ids=frozenset({2}))
+
+
+def test_nothing_applies():
+    assert finish_step(token=5, generated=[5], **BASE) is None
+
+
+def test_order_error_eos_stop_length_context_loop():
+    loop = [1, 2] * 20
+    everything = dict(BASE, max_tokens=1, context_length=100, stop_hit=True, repetition_window=8)
+    assert finish_step(token=2, generated=loop, error="boom", **everything) is FinishCause.ERROR
+    assert finish_step(token=2, generated=loop, **everything) is FinishCause.EOS
+    assert finish_step(token=1, generated=loop, **everything) is FinishCause.STOP_SEQUENCE
+    everything["stop_hit"] = False
+    assert finish_step(token=1, generated=loop, **everything) is FinishCause.LENGTH
+    everything["max_tokens"] = None
+    assert finish_step(token=1, generated=loop, **everything) is FinishCause.CONTEXT_EXHAUSTED
+    everything["context_length"] = 50
+    assert finish_step(token=1, generated=loop, **everything) is FinishCause.REPETITION_LOOP
+
+
+def test_repetition_loop_detector():
+    assert is_repetition_loop([7] * 40, 16)
+    assert is_repetition_loop([1, 2, 3] * 10, 16)
+    assert not is_repetition_loop(list(range(40)), 16)
+    assert not is_repetition_loop([1, 2, 3, 4, 5] * 10, 16)  # period 5 > 16 // 4
+    assert not is_repetition_loop([7] * 10, 16)  # not enough tokens yet
+
+
+def test_openai_reasons():
+    assert FinishCause.EOS.openai_reason == "stop"
+    assert FinishCause.STOP_SEQUENCE.openai_reason == "stop"
+    assert FinishCause.CONTEXT_EXHAUSTED.openai_reason == "length"
+    assert FinishCause.LENGTH.openai_reason == "length"

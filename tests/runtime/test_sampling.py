@@ -1,0 +1,124 @@
+"""The sampler's masks and penalties against numpy, and seeded rows inside batches."""
+
+import collections
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from runtime.checkpoint import load_model
+from runtime.engine import Engine
+from runtime.sampling import RowSampler, apply_penalties, min_p_mask, sample, top_k_mask, top_p_mask
+from runtime.sequence import PrefillPiece, SamplingParams, SequenceParams, StepBatch
+
+rng = np.random.default_rng(0)
+LOGITS = rng.normal(size=(4, 50)).astype(np.float32) * 3
+
+
+def kept(masked) -> list[set[int]]:
+    return [set(np.flatnonzero(np.isfinite(row))) for row in np.array(masked)]
+
+
+def softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def test_top_k_matches_numpy():
+    ks = [0, 1, 5, 49]
+    ours = kept(top_k_mask(mx.array(LOGITS), mx.array(ks)))
+    for row, k, got in zip(LOGITS, ks, ours, strict=True):
+        want = set(range(50)) if k == 0 else set(np.argsort(-row)[:k])
+        assert got == want
+
+
+def test_top_p_matches_numpy():
+    ps = [1.0, 0.9, 0.5, 0.01]
+    ours = kept(top_p_mask(mx.array(LOGITS), mx.array(ps)))
+    for row, p, got in zip(LOGITS, ps, ours, strict=True):
+        probs = softmax(row)
+        order = np.argsort(-probs)
+        mass_before = np.cumsum(probs[order]) - probs[order]
+        want = set(order[mass_before < p])  # the smallest top set reaching p
+        assert got == want
+
+
+def test_min_p_matches_numpy():
+    ps = [0.0, 0.05, 0.3, 1.0]
+    ours = kept(min_p_mask(mx.array(LOGITS), mx.array(ps)))
+    for row, p, got in zip(LOGITS, ps, ours, strict=True):
+        probs = softmax(row)
+        assert got == set(np.flatnonzero(probs >= p * probs.max() - 1e-7))
+
+
+def test_penalties_match_numpy():
+    prompt = [1, 2, 3]
+    generated = [3, 7, 7, 9]
+    params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25)
+    row = RowSampler.create(params, prompt, 50)
+    for token in generated:
+        row.record(mx.array([token]))
+    plain = RowSampler.create(SamplingParams(), prompt, 50)
+    ours = np.array(apply_penalties(mx.array(LOGITS[:2]), [row, plain]))
+
+    want = LOGITS[0].copy()
+    counts = collections.Counter(generated)
+    for t in set(prompt) | set(generated):
+        want[t] = want[t] / 1.3 if want[t] > 0 else want[t] * 1.3
+    for t, c in counts.items():
+        want[t] -= 0.25 * c + 0.5
+    np.testing.assert_allclose(ours[0], want, rtol=1e-6)
+    np.testing.assert_allclose(ours[1], LOGITS[1], rtol=1e-6)
+
+
+def test_logit_bias_and_greedy_rows_in_one_batch():
+    logits = mx.array(LOGITS[:3])
+    rows = [
+        RowSampler.create(SamplingParams(logit_bias=((7, 100.0),)), [], 50),
+        RowSampler.create(SamplingParams(), [], 50),
+        RowSampler.create(SamplingParams(temperature=1.0, top_k=1), [], 50),
+    ]
+    tokens = sample(logits, rows).tolist()
+    assert tokens == [7, int(LOGITS[1].argmax()), int(LOGITS[2].argmax())]
+
+
+def test_draws_follow_the_distribution():
+    logits = mx.array(np.log(np.array([[0.7, 0.2, 0.1, 1e-9]], dtype=np.float32)))
+    row = RowSampler.create(SamplingParams(temperature=1.0, seed=3), [], 4)
+    counts = collections.Counter(sample(logits, [row]).item() for _ in range(2000))
+    assert counts[3] == 0
+    assert abs(counts[0] / 2000 - 0.7) < 0.05 and abs(counts[2] / 2000 - 0.1) < 0.03
+
+
+def run_rows(engine, param_list, prompt, steps=12):
+    seqs = []
+    for params in param_list:
+        seq = engine.open(
+            SequenceParams(prompt_tokens=tuple(prompt), max_tokens=steps, sampling=params, ignore_eos=True)
+        )
+        engine.prefill(seq, PrefillPiece(0, len(prompt) - 1))
+        seqs.append(seq)
+    got = {s.seq_id: [] for s in seqs}
+    for _ in range(steps):
+        for outcome in engine.step(StepBatch(decode=tuple(seqs))):
+            got[outcome.seq_id].append(outcome.token)
+    for seq in seqs:
+        engine.close(seq)
+    return [got[s.seq_id] for s in seqs]
+
+
+@pytest.mark.parametrize("neighbours", [0, 3])
+def test_seeded_row_is_reproducible_inside_any_batch(make_checkpoint, neighbours):
+    engine = Engine(load_model(make_checkpoint("llama")), max_batch=4)
+    prompt = [5, 9, 200, 31, 77]
+    seeded = SamplingParams(temperature=1.2, top_p=0.95, seed=1234)
+    alone = run_rows(engine, [seeded], prompt)[0]
+    others = [
+        SamplingParams(temperature=0.8, top_k=20),
+        SamplingParams(),
+        SamplingParams(temperature=1.0, seed=99, frequency_penalty=0.5),
+    ][:neighbours]
+    in_batch = run_rows(engine, [*others, seeded], prompt)[-1]
+    assert in_batch == alone
+    different_seed = run_rows(engine, [SamplingParams(temperature=1.2, top_p=0.95, seed=4321)], prompt)[0]
+    assert different_seed != alone

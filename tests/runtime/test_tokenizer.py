@@ -1,0 +1,619 @@
+"""Tokenizer, chat templates, streaming detokenization and stop strings.
+
+The tokenizers are trained here from CPython's own docs (`pydoc_data.topics`), so the
+tests run offline, and transformers loads the same directories as the oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import pydoc_data.topics
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import (
+    AddedToken,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+from tokenizers import Tokenizer as RustTokenizer
+
+from runtime.errors import CheckpointError, RequestError
+from runtime.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
+
+# Some non-ASCII text, so the vocabularies hold multi-byte characters and fragments of
+# them. Hangul and emoji are left out on purpose: the SentencePiece-style tokenizers
+# must spell them with byte-fallback pieces.
+MULTILINGUAL = "日本語のテキストです。 Grüße aus Köln, café naïve — “quotes” 中文字符 ñandú "
+CORPUS = [*list(pydoc_data.topics.topics.values())[:40], *[MULTILINGUAL] * 50]
+BYTE_PIECES = [f"<0x{b:02X}>" for b in range(256)]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+LLAMA2_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set loop_messages = messages[1:] %}{% set system_message = messages[0]['content'] %}"
+    "{% else %}{% set loop_messages = messages %}{% set system_message = false %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + content.strip() + ' ' + eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+# Exercises the globals and filters transformers adds: tojson with options, namespace, loop controls.
+TOOLS_TEMPLATE = (
+    "{% set ns = namespace(count=0) %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% continue %}{% endif %}"
+    "{% set ns.count = ns.count + 1 %}"
+    "{{ ns.count }}: {{ message | tojson(indent=2, sort_keys=true) }}\n"
+    "{{ message['content'] | tojson }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ bos_token }}{{ strftime_now('%Y') | length }}{% endif %}"
+)
+
+CONVERSATIONS = {
+    "single": [{"role": "user", "content": "Hello!"}],
+    "multi_turn": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "  And 3+3?\n"},
+    ],
+    "non_ascii": [
+        {"role": "user", "content": "Grüße aus Köln 👋 日本語で答えて 한국어"},
+        {"role": "assistant", "content": 'はい、わかりました。🎉 "quoted" <tag> & more'},
+    ],
+    "special_text_in_content": [
+        {"role": "user", "content": "print('<|im_end|>') and </s> <s>", "name": None},
+    ],
+}
+
+
+def write_checkpoint(out: Path, backend: RustTokenizer, config: dict) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    backend.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+        **config,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2))
+    return out
+
+
+def build_byte_level(out: Path) -> Path:
+    """GPT-2/Qwen style: byte-level BPE, ChatML template."""
+    backend = RustTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(CORPUS, trainer)
+    return write_checkpoint(
+        out,
+        backend,
+        {
+            "chat_template": CHATML_TEMPLATE,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "bos_token": None,
+        },
+    )
+
+
+def build_llama(out: Path) -> Path:
+    """Llama-2/Mistral style: BPE over `▁`-prefixed text with byte fallback, a Strip
+    decoder, BOS from the post-processor, and the `[INST]` template."""
+    normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    draft = RustTokenizer(models.BPE(unk_token="<unk>"))
+    draft.normalizer = normalizer
+    draft.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        limit_alphabet=150,
+        show_progress=False,
+    )
+    draft.train_from_iterator(CORPUS, trainer)
+    trained = json.loads(draft.to_str())["model"]
+    # Byte pieces belong in the model's vocabulary (not the added tokens), as in Llama's.
+    vocab = {token: i for i, token in enumerate(["<unk>", "<s>", "</s>", *BYTE_PIECES])}
+    for token, _ in sorted(trained["vocab"].items(), key=lambda item: item[1]):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    backend = RustTokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)
+    )
+    backend.normalizer = normalizer
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in ["<unk>", "<s>", "</s>"]]
+    )
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    return write_checkpoint(
+        out,
+        backend,
+        {
+            "chat_template": LLAMA2_TEMPLATE,
+            "add_bos_token": True,
+            "bos_token": {
+                "__type": "AddedToken",
+                "content": "<s>",
+                "lstrip": False,
+                "special": True,
+            },
+            "eos_token": "</s>",
+            "unk_token": "<unk>",
+        },
+    )
+
+
+def build_metaspace_unigram(out: Path) -> Path:
+    """T5/Gemma style: a Unigram model with a Metaspace pre-tokenizer and decoder and
+    byte fallback; no chat template, so the ChatML fallback applies."""
+    backend = RustTokenizer(models.Unigram())
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    trainer = trainers.UnigramTrainer(
+        vocab_size=800,
+        special_tokens=["<unk>", "<s>", "</s>", *BYTE_PIECES],
+        unk_token="<unk>",
+        max_piece_length=8,
+        show_progress=False,
+    )
+    backend.train_from_iterator(CORPUS[:20] + CORPUS[-20:], trainer)
+    data = json.loads(backend.to_str())
+    data["model"]["byte_fallback"] = True
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] not in BYTE_PIECES]
+    backend = RustTokenizer.from_str(json.dumps(data))
+    backend.decoder = decoders.Sequence(
+        [decoders.ByteFallback(), decoders.Metaspace(prepend_scheme="first")]
+    )
+    return write_checkpoint(out, backend, {"eos_token": "</s>", "bos_token": "<s>"})
+
+
+BUILDERS = {
+    "byte_level": build_byte_level,
+    "llama": build_llama,
+    "metaspace": build_metaspace_unigram,
+}
+CHAT_KINDS = ("byte_level", "llama")
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tokenizers")
+    return {name: build(root / name) for name, build in BUILDERS.items()}
+
+
+@pytest.fixture(scope="session")
+def ours(checkpoint_dirs) -> dict[str, Tokenizer]:
+    return {name: Tokenizer.from_dir(path) for name, path in checkpoint_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def theirs(checkpoint_dirs):
+    transformers = pytest.importorskip("transformers")
+    return {
+        name: transformers.AutoTokenizer.from_pretrained(str(path))
+        for name, path in checkpoint_dirs.items()
+    }
+
+
+# --- loading and plain encode/decode, against transformers ---------------------------
+
+TEXTS = [
+    "Hello world",
+    "  two  spaces\nand a newline",
+    "Grüße 日本語 한국어 😀🎉",
+    "<|im_start|>user <s> x</s>",
+    "",
+]
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_special_tokens_and_vocab_match_transformers(ours, theirs, kind):
+    tok, ref = ours[kind], theirs[kind]
+    assert tok.vocab_size == len(ref)
+    assert tok.eos_token_ids == {ref.eos_token_id}
+    assert tok.bos_token_id == ref.bos_token_id
+    assert tok.has_chat_template == (kind in CHAT_KINDS)
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_and_decode_match_transformers(ours, theirs, kind, text):
+    tok, ref = ours[kind], theirs[kind]
+    for add_special in (True, False):
+        ids = tok.encode(text, add_special_tokens=add_special)
+        assert ids == ref.encode(text, add_special_tokens=add_special)
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(
+                ids, skip_special_tokens=skip
+            )
+
+
+def test_llama_style_encode_adds_bos_once(ours):
+    tok = ours["llama"]
+    assert tok.encode("hi")[0] == tok.bos_token_id
+    assert tok.encode("hi", add_special_tokens=False)[0] != tok.bos_token_id
+
+
+# --- chat templates --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", CHAT_KINDS)
+@pytest.mark.parametrize("name", list(CONVERSATIONS))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_matches_transformers(ours, theirs, kind, name, add_generation_prompt):
+    tok, ref, messages = ours[kind], theirs[kind], CONVERSATIONS[name]
+    expected_text = ref.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    expected_ids = ref.apply_chat_template(
+        messages, tokenize=True, return_dict=False, add_generation_prompt=add_generation_prompt
+    )
+    assert (
+        tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        == expected_text
+    )
+    assert tok.encode_chat(messages, add_generation_prompt=add_generation_prompt) == expected_ids
+
+
+def test_llama_chat_has_exactly_one_bos(ours):
+    tok = ours["llama"]
+    ids = tok.encode_chat(CONVERSATIONS["single"])
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+
+
+@pytest.mark.parametrize("name", list(CONVERSATIONS))
+def test_chat_template_jinja_file_wins_and_matches_transformers(checkpoint_dirs, tmp_path, name):
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / "jinja"
+    shutil.copytree(checkpoint_dirs["llama"], path)
+    (path / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    tok, ref = Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(str(path))
+    messages = CONVERSATIONS[name]
+    expected = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(messages) == expected
+    assert "[INST]" not in expected
+
+
+def test_no_template_falls_back_to_chatml(ours):
+    tok = ours["metaspace"]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    assert (
+        tok.apply_chat_template(messages)
+        == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tok.apply_chat_template(messages, add_generation_prompt=False).endswith("<|im_end|>\n")
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([], "messages"),
+        ([{"role": "user"}], "messages[0]"),
+        (["hello"], "messages[0]"),
+        ([{"content": "hi"}], "messages[0].role"),
+        # The Llama-2 template calls raise_exception when roles do not alternate.
+        ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "messages"),
+    ],
+)
+def test_bad_chat_input_is_a_request_error(ours, messages, param):
+    with pytest.raises(RequestError) as info:
+        ours["llama"].encode_chat(messages)
+    assert info.value.param == param
+    assert "\n" not in str(info.value)
+
+
+def test_template_raise_exception_message_reaches_the_client(ours):
+    with pytest.raises(RequestError, match="roles must alternate"):
+        ours["llama"].apply_chat_template([{"role": "assistant", "content": "first"}])
+
+
+# --- loader errors ---------------------------------------------------------------------
+
+
+def test_missing_tokenizer_json_names_the_file(tmp_path):
+    with pytest.raises(CheckpointError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("file", "content"),
+    [
+        ("tokenizer.json", "{not json"),
+        ("tokenizer.json", "[1, 2]"),
+        ("tokenizer.json", '{"model": {"type": "Nonsense"}}'),
+        ("tokenizer_config.json", '{"chat_template": '),
+        ("tokenizer_config.json", '{"eos_token": 7}'),
+        ("special_tokens_map.json", "}"),
+        ("chat_template.jinja", "{% for m in messages %}{{ m"),
+    ],
+)
+def test_corrupt_file_is_a_checkpoint_error_naming_it(checkpoint_dirs, tmp_path, file, content):
+    path = tmp_path / "broken"
+    shutil.copytree(checkpoint_dirs["byte_level"], path)
+    (path / file).write_text(content)
+    with pytest.raises(CheckpointError, match=file.replace(".", r"\.")) as info:
+        Tokenizer.from_dir(path)
+    assert "\n" not in str(info.value)
+
+
+def edit_json(file: Path, **changes) -> None:
+    data = json.loads(file.read_text()) if file.exists() else {}
+    file.write_text(json.dumps({**data, **changes}))
+
+
+def test_special_tokens_map_fills_in_what_the_config_lacks(checkpoint_dirs, tmp_path):
+    path = shutil.copytree(checkpoint_dirs["metaspace"], tmp_path / "ckpt")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    del config["eos_token"]
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    edit_json(path / "special_tokens_map.json", eos_token={"content": "</s>", "special": True})
+    tok = Tokenizer.from_dir(path)
+    assert tok.eos_token_ids == {tok.encode("</s>", add_special_tokens=False)[0]}
+
+
+def test_named_templates_use_the_default(checkpoint_dirs, tmp_path):
+    path = shutil.copytree(checkpoint_dirs["metaspace"], tmp_path / "ckpt")
+    templates = [
+        {"name": "tool_use", "template": "tools"},
+        {"name": "default", "template": "{{ messages[0]['content'] }}!"},
+    ]
+    edit_json(path / "tokenizer_config.json", chat_template=templates)
+    tok = Tokenizer.from_dir(path)
+    assert tok.has_chat_template
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi!"
+
+
+def test_add_bos_token_without_a_bos_post_processor(checkpoint_dirs, tmp_path):
+    # Older Llama exports say add_bos_token in the config and leave BOS out of tokenizer.json.
+    path = shutil.copytree(checkpoint_dirs["llama"], tmp_path / "ckpt")
+    edit_json(path / "tokenizer.json", post_processor=None)
+    tok = Tokenizer.from_dir(path)
+    assert tok.encode("hi") == [tok.bos_token_id, *tok.encode("hi", add_special_tokens=False)]
+    assert tok.encode_chat(CONVERSATIONS["single"]).count(tok.bos_token_id) == 1
+
+
+# --- streaming detokenization ----------------------------------------------------------
+
+
+def fragment_ids(tok: Tokenizer) -> list[int]:
+    """Ids whose text alone is not whole characters (byte pieces, byte-level fragments)."""
+    return [i for i in range(tok.vocab_size) if "\ufffd" in tok.decode([i])]
+
+
+def stream(
+    tok: Tokenizer, ids: list[int], skip_special_tokens: bool, may_hold=frozenset()
+) -> list[str]:
+    """The deltas of a streamed decode, flush last, checking hold-back as it goes.
+
+    Text may be held only while it could still change: while it ends in an unfinished
+    character, or right after an id in `may_hold` (an open run of byte-fallback pieces).
+    """
+    detok = tok.detokenizer(skip_special_tokens)
+    deltas = []
+    for n, token_id in enumerate(ids, start=1):
+        deltas.append(detok.add(token_id))
+        assert detok.text == "".join(deltas)
+        so_far = tok.decode(ids[:n], skip_special_tokens)
+        if not so_far.endswith("\ufffd") and token_id not in may_hold:
+            assert detok.text == so_far
+    deltas.append(detok.flush())
+    return deltas
+
+
+def assert_streams_exactly(
+    tok: Tokenizer, ids: list[int], skip_special_tokens: bool, may_hold
+) -> None:
+    deltas = stream(tok, ids, skip_special_tokens, may_hold)
+    full = tok.decode(ids, skip_special_tokens)
+    assert "".join(deltas) == full
+    position = 0
+    for delta in deltas:
+        # Each delta is final text: a U+FFFD in it is one the whole decode has there too,
+        # never a partial character that a later token completes.
+        assert full[position : position + len(delta)] == delta
+        position += len(delta)
+
+
+@pytest.fixture(scope="session")
+def run_ids(checkpoint_dirs) -> dict[tuple[str, bool], frozenset[int]]:
+    """Per (kind, skip_special_tokens): ids after which a byte-fallback run may stay open."""
+    runs = {}
+    for kind, path in checkpoint_dirs.items():
+        backend = RustTokenizer.from_file(str(path / "tokenizer.json"))
+        pieces = frozenset(backend.token_to_id(p) for p in BYTE_PIECES) - {None}
+        specials = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        runs[kind, False] = pieces
+        runs[kind, True] = pieces | specials if pieces else pieces
+    return runs
+
+
+@st.composite
+def token_ids(draw, tok: Tokenizer, fragments: list[int]) -> list[int]:
+    pick = st.one_of(st.integers(0, tok.vocab_size - 1), st.sampled_from(fragments))
+    return draw(st.lists(pick, max_size=30))
+
+
+@pytest.fixture(scope="session")
+def fragments(ours) -> dict[str, list[int]]:
+    return {kind: fragment_ids(tok) for kind, tok in ours.items()}
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_random_ids_stream_to_the_exact_decode(
+    ours, fragments, run_ids, kind, skip_special_tokens, data
+):
+    tok = ours[kind]
+    assert fragments[kind], "the vocabulary should hold multi-byte fragments"
+    ids = data.draw(token_ids(tok, fragments[kind]))
+    assert_streams_exactly(tok, ids, skip_special_tokens, run_ids[kind, skip_special_tokens])
+
+
+TEXT_ALPHABET = st.one_of(
+    st.characters(codec="utf-8", exclude_categories=["Cs"]),
+    st.sampled_from(list("日本語한국어😀🎉👋🏽éñü ‘’—\n\t")),
+)
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(text=st.text(TEXT_ALPHABET, max_size=40))
+def test_encoded_text_streams_back(ours, run_ids, kind, text):
+    tok = ours[kind]
+    ids = tok.encode(text, add_special_tokens=False)
+    assert_streams_exactly(tok, ids, True, run_ids[kind, True])
+    if kind == "byte_level":  # byte-level BPE round-trips any text exactly
+        assert tok.decode(ids) == text
+
+
+@pytest.mark.parametrize(
+    ("kind", "text"),
+    [
+        ("byte_level", "Hello there, 日本語 😀!"),
+        ("llama", "Hello there, 한국어 😀!"),
+        ("metaspace", " x  y 😀 z"),
+    ],
+)
+def test_emoji_is_never_split(ours, run_ids, kind, text):
+    tok = ours[kind]
+    deltas = stream(tok, tok.encode(text, add_special_tokens=False), True, run_ids[kind, True])
+    assert "".join(deltas) == tok.decode(tok.encode(text))
+    assert not any("\ufffd" in delta for delta in deltas)
+
+
+def test_long_stream_decodes_short_windows(ours):
+    tok = ours["llama"]
+    window_lengths = []
+
+    def decode(ids: list[int]) -> str:
+        window_lengths.append(len(ids))
+        return tok.decode(ids)
+
+    ids = tok.encode(" ".join(CORPUS[:3]), add_special_tokens=False)[:3000]
+    detok = IncrementalDetokenizer(decode)
+    text = "".join(detok.add(i) for i in ids) + detok.flush()
+    assert text == tok.decode(ids)
+    assert len(ids) > 1000 and max(window_lengths) < 16
+
+
+# --- stop strings ----------------------------------------------------------------------
+
+
+def run_stops(stops: list[str], deltas: list[str]) -> tuple[str, bool]:
+    matcher = StopMatcher(stops)
+    out = []
+    for delta in deltas:
+        emitted, hit = matcher.feed(delta)
+        out.append(emitted)
+        if hit:
+            return "".join(out), True
+    return "".join(out) + matcher.flush(), False
+
+
+def reference_stop(stops: list[str], text: str) -> tuple[str, bool]:
+    """The text before whichever stop string completes first, scanning the whole text."""
+    for end in range(len(text) + 1):
+        for stop in sorted(filter(None, stops), key=len, reverse=True):
+            if text[:end].endswith(stop):
+                return text[: end - len(stop)], True
+    return text, False
+
+
+def test_stop_split_across_deltas():
+    assert run_stops(["</answer>"], ["The answer is 4</an", "swer> trailing"]) == (
+        "The answer is 4",
+        True,
+    )
+
+
+def test_stop_at_the_very_start():
+    assert run_stops(["STOP"], ["STOP and more"]) == ("", True)
+    assert run_stops(["STOP"], ["ST", "OP"]) == ("", True)
+
+
+def test_overlapping_stops_first_to_complete_wins():
+    assert run_stops(["abc", "bcd"], ["xab", "cd"]) == ("x", True)
+    assert run_stops(["abc", "bcd"], ["xbc", "d"]) == ("x", True)
+    assert run_stops(["abcd", "bc"], ["ab", "cd"]) == ("a", True)
+
+
+def test_multiple_stops():
+    assert run_stops(["\n\n", "User:", "###"], ["line one\nline two ", "###", " rest"]) == (
+        "line one\nline two ",
+        True,
+    )
+
+
+def test_no_hold_back_once_a_partial_stop_fails():
+    matcher = StopMatcher(["<end>"])
+    assert matcher.feed("a <en") == ("a ", False)
+    assert matcher.feed("x more") == ("<enx more", False)
+    assert matcher.feed("<") == ("", False)
+    assert matcher.flush() == "<"
+
+
+def test_flush_returns_held_text():
+    matcher = StopMatcher(["abc", "abd"])
+    assert matcher.feed("zzab") == ("zz", False)
+    assert matcher.flush() == "ab"
+
+
+def test_no_stops_passes_text_through():
+    matcher = StopMatcher(["", *[]])
+    assert matcher.feed("anything") == ("anything", False)
+    assert matcher.flush() == ""
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    stops=st.lists(st.text("abc", min_size=1, max_size=4), max_size=3),
+    text=st.text("abcd", max_size=20),
+    cuts=st.lists(st.integers(0, 20), max_size=6),
+)
+def test_stop_result_does_not_depend_on_how_text_is_split(stops, text, cuts):
+    bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
+    deltas = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert run_stops(stops, deltas) == reference_stop(stops, text)
