@@ -23,14 +23,14 @@ import time
 from pathlib import Path
 
 import runtime  # noqa: F401  (loads the fast BLAS before mlx)
-import mlx.core as mx
-from mlx.utils import tree_flatten
-
 from runtime.checkpoint import DEMO_CHECKPOINT, load_model
 from runtime.config import config_from_dict
 from runtime.engine import Engine
 from runtime.models.decoder import Decoder
 from runtime.sequence import PrefillPiece, SequenceParams, StepBatch
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
 
 BENCH_CONFIG = {
     "model_type": "llama",

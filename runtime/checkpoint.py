@@ -14,15 +14,15 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
-import attrs
-import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
-
 from runtime.config import ModelConfig, load_config
 from runtime.errors import CheckpointError
 from runtime.models.decoder import Decoder
 from runtime.tokenizer import Tokenizer
+
+import attrs
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
 
 DEMO_CHECKPOINT = Path(__file__).with_name("demo")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed, never loaded
@@ -181,9 +181,9 @@ def build_decoder(config: ModelConfig, weights: dict[str, mx.array], source: str
 def _should_upcast(keep_dtype: bool, decoder: Decoder) -> bool:
     if keep_dtype or mx.default_device() != mx.cpu:
         return False
+    params: list[tuple[str, mx.array]] = tree_flatten(decoder.parameters())  # type: ignore[assignment]
     float32_bytes = sum(
-        p.size * 4 * (32 // _bits(decoder) if p.dtype == mx.uint32 else 1)
-        for _, p in tree_flatten(decoder.parameters())
+        p.size * 4 * (32 // _bits(decoder) if p.dtype == mx.uint32 else 1) for _, p in params
     )
     return float32_bytes < 0.6 * _physical_memory()
 
@@ -222,11 +222,10 @@ def _to_float32(decoder: Decoder) -> Decoder:
             return embedding
         return module
 
-    leaves = decoder.leaf_modules()
-    replaced = [
-        (path, expand(path, module))
-        for path, module in tree_flatten(leaves, is_leaf=nn.Module.is_module)
-    ]
+    leaves: list[tuple[str, nn.Module]] = tree_flatten(  # type: ignore[assignment]
+        decoder.leaf_modules(), is_leaf=nn.Module.is_module
+    )
+    replaced = [(path, expand(path, module)) for path, module in leaves]
     decoder.update_modules(tree_unflatten(replaced))
     decoder.set_dtype(mx.float32)
     return decoder

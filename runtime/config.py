@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import attrs
-
 from runtime.errors import CheckpointError
+
+import attrs
 
 
 @attrs.frozen
@@ -60,6 +60,7 @@ def load_config(path: Path) -> ModelConfig:
     """Parse `config.json` (and `generation_config.json` for EOS ids) in a checkpoint directory."""
     config_file = path / "config.json"
     raw = _read_json(config_file, required=True)
+    assert raw is not None  # required=True raised otherwise
     generation = _read_json(path / "generation_config.json", required=False)
     return config_from_dict(raw, generation, source=str(config_file))
 
@@ -79,7 +80,7 @@ def config_from_dict(
             raise CheckpointError(
                 f"{source}: field '{name}' should be {kind.__name__}, got {value!r}"
             )
-        if kind is int and value <= 0:
+        if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
             raise CheckpointError(f"{source}: field '{name}' must be positive, got {value}")
         return value
 

@@ -20,9 +20,6 @@ import itertools
 from collections import deque
 from collections.abc import Sequence
 
-import attrs
-import mlx.core as mx
-
 from runtime.checkpoint import LoadedModel
 from runtime.errors import RequestError
 from runtime.finishing import finish_step
@@ -37,6 +34,9 @@ from runtime.sequence import (
     StepBatch,
     StepOutcome,
 )
+
+import attrs
+import mlx.core as mx
 
 
 @attrs.define
@@ -174,7 +174,8 @@ class Engine:
         """Block for the oldest queued step and decide which rows it finished."""
         step = self._queued.popleft()
         outcomes = [StepOutcome(sid, None, FinishCause.ERROR, err) for sid, err in step.failures]
-        tokens, finite = step.tokens.tolist(), step.is_finite.tolist()
+        tokens: list[int] = step.tokens.tolist()  # type: ignore[assignment]  # [B] -> list
+        finite: list[bool] = step.is_finite.tolist()  # type: ignore[assignment]
         for seq_id, token, is_finite in zip(step.seq_ids, tokens, finite, strict=True):
             row = self._rows.get(seq_id)
             if row is None:

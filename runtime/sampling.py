@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from runtime.sequence import SamplingParams
+
 import attrs
 import mlx.core as mx
-
-from runtime.sequence import SamplingParams
 
 
 @attrs.define

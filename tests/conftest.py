@@ -1,10 +1,9 @@
 """Shared fixtures. `runtime` is imported first so the fast BLAS loads before mlx."""
 
 import runtime  # noqa: F401  (must precede every mlx import, mlx_lm's included)
+from runtime.synth import make_tiny_checkpoint
 
 import pytest
-
-from runtime.synth import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

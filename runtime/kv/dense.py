@@ -17,10 +17,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-import mlx.core as mx
-
+from kernels.decode_attention import decode_attention
 from runtime.errors import CapacityError
 from runtime.kv.base import KVState, RowSpan
+
+import mlx.core as mx
 
 
 class DenseKV:
@@ -140,13 +141,10 @@ class _DecodeView:
         keys = s.keys[layer][self._lo : hi, :, : self._length]  # [S, Hkv, L, D]
         values = s.values[layer][self._lo : hi, :, : self._length]
         if self._rows_in_span is None:
-            return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=self._mask)
+            return decode_attention(q, keys, values, scale, self._mask)
         q_span = mx.zeros((self._span, *q.shape[1:]), dtype=q.dtype)  # [S, H, 1, D]
         q_span[self._rows_in_span] = q
-        out = mx.fast.scaled_dot_product_attention(
-            q_span, keys, values, scale=scale, mask=self._mask
-        )
-        return out[self._rows_in_span]
+        return decode_attention(q_span, keys, values, scale, self._mask)[self._rows_in_span]
 
 
 class _PieceView:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 
-import mlx.core as mx
-import mlx.nn as nn
-
 from runtime.config import ModelConfig
 from runtime.kv.base import CausalNoCache, ForwardKV
+
+import mlx.core as mx
+import mlx.nn as nn
 
 
 class RoPE(nn.Module):

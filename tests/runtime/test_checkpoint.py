@@ -3,11 +3,11 @@
 import json
 import shutil
 
-import mlx.core as mx
-import pytest
-
 from runtime.checkpoint import DEMO_CHECKPOINT, load_model, resolve_checkpoint
 from runtime.errors import CheckpointError
+
+import mlx.core as mx
+import pytest
 
 
 @pytest.fixture

@@ -1,16 +1,16 @@
 """The Engine against mlx-lm (greedy parity) and against itself (batch invariance)."""
 
-import mlx.core as mx
-import mlx_lm
-import pytest
-from mlx_lm.generate import generate_step
-
 from runtime.checkpoint import load_model
 from runtime.engine import Engine
 from runtime.errors import CapacityError, RequestError
 from runtime.kv.base import RowSpan
 from runtime.kv.dense import DenseKV
 from runtime.sequence import FinishCause, PrefillPiece, SequenceParams, StepBatch
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import generate_step
 
 NEW_TOKENS = 64
 PROMPT = [11, 305, 42, 977, 5, 1203, 64, 88, 300, 7, 1500, 19]

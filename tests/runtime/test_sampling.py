@@ -2,14 +2,14 @@
 
 import collections
 
-import mlx.core as mx
-import numpy as np
-import pytest
-
 from runtime.checkpoint import load_model
 from runtime.engine import Engine
 from runtime.sampling import RowSampler, apply_penalties, min_p_mask, sample, top_k_mask, top_p_mask
 from runtime.sequence import PrefillPiece, SamplingParams, SequenceParams, StepBatch
+
+import mlx.core as mx
+import numpy as np
+import pytest
 
 rng = np.random.default_rng(0)
 LOGITS = rng.normal(size=(4, 50)).astype(np.float32) * 3
