@@ -16,22 +16,34 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import re
 import time
 from pathlib import Path
-
-import runtime  # noqa: F401  (loads the fast BLAS; must precede mlx)
-import mlx.core as mx  # noqa: I001
-import mlx.nn as nn
-import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_map
 from pydoc_data.topics import topics
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+# Threaded OpenBLAS made small batched matmuls ~100x slower when another process
+# shared the 2 cores (1 s vs 5 ms for the attention scores); one thread is steady.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from runtime.config import config_from_dict
 from runtime.models.decoder import Decoder
-from runtime.synth import DEMO_DIR, SPECIAL_TOKENS, generation_config, hf_config, save_weights
+from runtime.synth import (
+    DEMO_DIR,
+    SPECIAL_TOKENS,
+    eos_ids,
+    generation_config,
+    hf_config,
+    save_weights,
+    write_json,
+)
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -83,8 +95,8 @@ def build_documents(rng: random.Random) -> list[str]:
                 continue
             seen.add(title)
             subject = "the " + title[4:] if title.startswith("The ") else title
-            answer = first_paragraphs(body, 700)
-            for question in rng.sample(QUESTIONS, 2):
+            answer = first_paragraphs(body, 300)
+            for question in rng.sample(QUESTIONS, 3):
                 docs.append(chat(question.format(subject), answer))
     rng.shuffle(docs)
     return [doc + "<|endoftext|>" for doc in docs]
@@ -134,15 +146,16 @@ def split_stream(ids: list[int], block: int, every: int) -> tuple[mx.array, mx.a
 
 def init_weights(model: Decoder, seed: int) -> None:
     """GPT-2 style: N(0, 0.02), residual outputs scaled by depth, norms at 1."""
-    key = mx.random.key(seed)
+    params = tree_flatten(model.parameters())
+    keys = mx.random.split(mx.random.key(seed), len(params))
     residual_std = 0.02 / math.sqrt(2 * model.config.num_hidden_layers)
     new = []
-    for i, (name, p) in enumerate(tree_flatten(model.parameters())):
+    for key, (name, p) in zip(keys, params, strict=True):
         if "norm" in name:
             new.append((name, mx.ones_like(p)))
             continue
         std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
-        new.append((name, std * mx.random.normal(p.shape, key=mx.random.fold_in(key, i))))
+        new.append((name, std * mx.random.normal(p.shape, key=key)))
     model.load_weights(new)
 
 
@@ -151,7 +164,9 @@ def loss_fn(model: Decoder, batch: mx.array) -> mx.array:
     return nn.losses.cross_entropy(logits, batch[:, 1:], reduction="mean")
 
 
-def greedy(model: Decoder, tokenizer: Tokenizer, prompt: str, max_tokens: int, stop: set[int]) -> str:
+def greedy(
+    model: Decoder, tokenizer: Tokenizer, prompt: str, max_tokens: int, stop: set[int]
+) -> str:
     ids = tokenizer.encode(prompt).ids
     new: list[int] = []
     for _ in range(max_tokens):
@@ -166,10 +181,10 @@ def greedy(model: Decoder, tokenizer: Tokenizer, prompt: str, max_tokens: int, s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=DEMO_DIR)
-    parser.add_argument("--steps", type=int, default=1200)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=720)
+    parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--measure", type=int, default=0, help="time N steps, write nothing")
@@ -182,9 +197,16 @@ def main() -> None:
     ids = [i for doc in docs for i in tokenizer.encode(doc).ids]
     train_ids, val_ids = split_stream(ids, block=1024, every=20)
     print(f"{len(docs)} documents, {len(ids)} tokens ({val_ids.size} held out)")
+    if not args.measure:
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_tokenizer(tokenizer, args.out)
 
     raw = hf_config(
-        "llama", vocab_size=tokenizer.get_vocab_size(), dtype="float16", **MODEL_SHAPE
+        "llama",
+        vocab_size=tokenizer.get_vocab_size(),
+        eos_token_id=eos_ids(tokenizer),
+        dtype="float16",
+        **MODEL_SHAPE,
     )
     model = Decoder(config_from_dict(raw))
     init_weights(model, args.seed)
@@ -199,16 +221,16 @@ def main() -> None:
         ],
         [warmup],
     )
-    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.05)
+    optimizer = optim.AdamW(learning_rate=schedule, betas=[0.9, 0.95], weight_decay=0.05)
     state = [model.state, optimizer.state]
 
-    @mx.compile  # captures the model and optimizer state so the step stays one graph
     def step(batch: mx.array) -> mx.array:
         loss, grads = nn.value_and_grad(model, loss_fn)(model, batch)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         optimizer.update(model, grads)
         return loss
 
+    # Compiled with the model and optimizer state captured, so a step is one graph.
     step = mx.compile(step, inputs=state, outputs=state)
     L = args.seq_len + 1
     val_batch = mx.stack([val_ids[i : i + L] for i in range(0, val_ids.size - L, L)][:64])
@@ -230,27 +252,21 @@ def main() -> None:
         if i % 50 == 0 or i == num_steps or args.measure:
             elapsed = time.perf_counter() - start
             print(f"step {i:5d}  loss {smoothed:.3f}  {elapsed / i * 1000:.0f} ms/step", flush=True)
-        if i % 300 == 0:
+        if i % max(1, num_steps // 3) == 0 and i < num_steps:
             print(f"step {i:5d}  val loss {val_loss():.3f}", flush=True)
     if args.measure:
         return
 
     final_train, final_val = smoothed, val_loss()
     print(f"final: train loss {final_train:.3f}  val loss {final_val:.3f}")
-    stop = {tokenizer.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>")}
-    samples = {
-        "The for statement": greedy(model, tokenizer, "The for statement", 60, stop),
-        "chat": greedy(model, tokenizer, chat("Tell me about the \"while\" statement.", "")[: -len("<|im_end|>\n")], 80, stop),
-    }
-    for prompt, text in samples.items():
-        print(f"--- {prompt}\n{text}")
+    stop = set(eos_ids(tokenizer))
+    chat_prompt = '<|im_start|>user\nTell me about the "while" statement.<|im_end|>\n'
+    for prompt in ("The for statement", chat_prompt + "<|im_start|>assistant\n"):
+        print(f"--- {prompt!r}\n{greedy(model, tokenizer, prompt, 80, stop)}")
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(tokenizer, args.out)
-    (args.out / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
-    gen = json.dumps(generation_config(raw["eos_token_id"]), indent=2) + "\n"
-    (args.out / "generation_config.json").write_text(gen, encoding="utf-8")
-    weights = tree_map(lambda p: p.astype(mx.float16), dict(tree_flatten(model.parameters())))
+    write_json(args.out / "config.json", raw)
+    write_json(args.out / "generation_config.json", generation_config(raw["eos_token_id"]))
+    weights = {name: p.astype(mx.float16) for name, p in tree_flatten(model.parameters())}
     save_weights(args.out, weights)
     print(f"wrote {args.out}")
 

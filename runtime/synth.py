@@ -14,13 +14,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from runtime.config import FAMILIES, config_from_dict
+from runtime.models.decoder import Decoder
+
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer
-
-from runtime.config import FAMILIES, config_from_dict
-from runtime.models.decoder import Decoder
 
 DEMO_DIR = Path(__file__).parent / "demo"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -54,8 +54,8 @@ def make_tiny_checkpoint(
 ) -> Path:
     """Write a random-weight checkpoint of `family` into `out_dir` and return `out_dir`.
 
-    `quantize` is `(group_size, bits)`: every Linear (and the embedding) whose input
-    dimension divides `group_size` is stored packed, with `.scales` and `.biases`.
+    `quantize` is `(group_size, bits)`: every Linear and the embedding whose last
+    dimension is a multiple of `group_size` is stored packed, with `.scales` and `.biases`.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -156,8 +156,9 @@ def random_weights(model: Decoder, seed: int) -> dict[str, mx.array]:
     hidden = model.config.hidden_size
     is_tied = model.config.tie_word_embeddings
     embed_std = (0.2 if is_tied else 2.0) / hidden**0.5
+    params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     weights = {}
-    for name, param in tree_flatten(model.parameters()):
+    for name, param in params:
         shape = param.shape
         if name.endswith("norm.weight"):
             values = 1.0 + 0.1 * rng.standard_normal(shape)
@@ -228,7 +229,13 @@ def demo_tokenizer() -> Tokenizer:
 
 def eos_ids(tokenizer: Tokenizer) -> list[int]:
     """`<|im_end|>` (ends a chat turn) and `<|endoftext|>` (ends a document)."""
-    return [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
+    ids = []
+    for token in ("<|im_end|>", "<|endoftext|>"):
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"tokenizer has no {token} token")
+        ids.append(token_id)
+    return ids
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
