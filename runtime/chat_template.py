@@ -12,12 +12,12 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from runtime.errors import RequestError
+
 import jinja2
 import jinja2.ext
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-from runtime.errors import RequestError
 
 # The fallback for checkpoints that ship no template: ChatML, which transformers used
 # as its default before templates became mandatory. Content given as a list of

@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import tokenizers
-
 from runtime.chat_template import CHATML_TEMPLATE, ChatTemplate
 from runtime.errors import CheckpointError
+
+import jinja2
+import tokenizers
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) valid UTF-8
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece byte-fallback tokens

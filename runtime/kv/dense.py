@@ -17,11 +17,12 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from kernels.decode_attention import decode_attention
 from runtime.errors import CapacityError
 from runtime.kv.base import KVState, RowSpan
 
 import mlx.core as mx
+
+from kernels.decode_attention import decode_attention
 
 
 class DenseKV:

@@ -11,6 +11,9 @@ import pydoc_data.topics
 import shutil
 from pathlib import Path
 
+from runtime.errors import CheckpointError, RequestError
+from runtime.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -24,9 +27,6 @@ from tokenizers import (
     trainers,
 )
 from tokenizers import Tokenizer as RustTokenizer
-
-from runtime.errors import CheckpointError, RequestError
-from runtime.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
 # Some non-ASCII text, so the vocabularies hold multi-byte characters and fragments of
 # them. Hangul and emoji are left out on purpose: the SentencePiece-style tokenizers

@@ -1,0 +1,143 @@
+"""Admission: reserve a waiting slot, tokenize off the event loop, check the context, submit.
+
+The reservation is a token of `waiting_slots` (a trio.Semaphore of `max_waiting`),
+taken by the caller with `reserve()` before anything is queued: when none is left
+the caller gets OverloadedError at once. The token passes to the scheduler with the
+Submit, which returns it when the request gets a batch row or leaves the queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from runtime.errors import CadenceError, RequestError
+from runtime.sequence import SequenceParams
+from runtime.tokenizer import Tokenizer
+
+import attrs
+import structlog
+import trio
+
+from actors.messages import (
+    Abort,
+    Accepted,
+    AdmissionClosed,
+    Admit,
+    Rejected,
+    SchedulerMessage,
+    StreamerMessage,
+    Submit,
+    Track,
+)
+from actors.requests import GenerateRequest, OverloadedError
+
+log = structlog.get_logger("cadence.admission")
+
+
+@attrs.define
+class Admission:
+    tokenizer: Tokenizer
+    max_context: int
+    vocab_size: int
+    inbox: trio.MemoryReceiveChannel[Admit]
+    to_scheduler: trio.MemorySendChannel[SchedulerMessage]
+    to_streamer: trio.MemorySendChannel[StreamerMessage]
+    waiting_slots: trio.Semaphore
+
+    def reserve(self) -> None:
+        """Take a waiting slot now or raise OverloadedError; never waits."""
+        try:
+            self.waiting_slots.acquire_nowait()
+        except trio.WouldBlock:
+            raise OverloadedError("the server is at capacity; retry shortly") from None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with self.inbox, self.to_scheduler, self.to_streamer:
+            async with trio.open_nursery() as nursery:
+                task_status.started()
+                async for admit in self.inbox:
+                    # At most `max_waiting` of these at once: each holds a reservation.
+                    nursery.start_soon(self._admit, admit)
+            await self.to_scheduler.send(AdmissionClosed())
+
+    async def _admit(self, admit: Admit) -> None:
+        bound = log.bind(request_id=admit.request_id)
+        try:
+            params = await trio.to_thread.run_sync(self.prepare, admit.request, admit.request_id)
+        except CadenceError as error:
+            self.waiting_slots.release()
+            bound.info("rejected", error=str(error))
+            _reply_and_close(admit, Rejected(admit.request_id, error))
+            return
+        except Exception as error:  # a tokenizer or template bug: this request only
+            self.waiting_slots.release()
+            bound.exception("rejected")
+            failure = RequestError(f"could not prepare the prompt: {error}")
+            _reply_and_close(admit, Rejected(admit.request_id, failure))
+            return
+        num_prompt_tokens = len(params.prompt_tokens)
+        # Track before Submit: the streamer must know the request before its first token.
+        await self.to_streamer.send(
+            Track(
+                admit.request_id,
+                admit.reply,
+                admit.request.stop,
+                num_prompt_tokens,
+                admit.arrived_at,
+            )
+        )
+        await self.to_scheduler.send(Submit(admit.request_id, params))
+        bound.info("admitted", prompt_tokens=num_prompt_tokens, max_tokens=params.max_tokens)
+        # Accepted goes last, so a caller that aborts after seeing it aborts after the Submit.
+        try:
+            admit.reply.send_nowait(Accepted(admit.request_id, num_prompt_tokens))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            await self.to_scheduler.send(Abort(admit.request_id, "cancelled"))
+
+    def prepare(self, request: GenerateRequest, request_id: str) -> SequenceParams:
+        """Render, tokenize and size the request (runs on a worker thread: no MLX here)."""
+        if request.messages is not None:
+            tokens = self.tokenizer.encode_chat([dict(m) for m in request.messages])
+            field = "messages"
+        elif isinstance(request.prompt, str):
+            tokens = self.tokenizer.encode(request.prompt)
+            field = "prompt"
+        else:
+            tokens = list(request.prompt or ())
+            field = "prompt"
+            if any(t >= self.vocab_size for t in tokens):
+                raise RequestError(
+                    f"token ids in 'prompt' must be below the vocabulary size {self.vocab_size}",
+                    param="prompt",
+                )
+        if not tokens:
+            raise RequestError(f"'{field}' encodes to no tokens", param=field)
+        for token, _ in request.sampling.logit_bias:
+            if token >= self.vocab_size:
+                raise RequestError(
+                    f"logit_bias key {token} is not below the vocabulary size {self.vocab_size}",
+                    param="logit_bias",
+                )
+        room = self.max_context - len(tokens)
+        max_tokens = request.max_tokens if request.max_tokens is not None else room
+        if max_tokens < 1 or len(tokens) + max_tokens > self.max_context:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_context} tokens; "
+                f"the prompt has {len(tokens)} tokens and max_tokens asks for "
+                f"{request.max_tokens if request.max_tokens is not None else 'at least 1'} more",
+                param=field if request.max_tokens is None else "max_tokens",
+                code="context_length_exceeded",
+            )
+        return SequenceParams(
+            prompt_tokens=tuple(tokens),
+            max_tokens=max_tokens,
+            sampling=request.sampling,
+            ignore_eos=request.ignore_eos,
+            request_id=request_id,
+        )
+
+
+def _reply_and_close(admit: Admit, message: Rejected) -> None:
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        admit.reply.send_nowait(message)  # unless the caller already left
+    admit.reply.close()

@@ -1,0 +1,234 @@
+"""`cadence serve` and `cadence generate`.
+
+Generated text goes to stdout, logs to stderr. A bad argument, checkpoint or
+request ends with one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
+from runtime.errors import CadenceError
+
+import structlog
+import trio
+
+from actors.http_app import ServerState, create_app, serve_http
+from actors.service import open_llm
+from actors.tracing import LEVELS, configure_logging
+
+log = structlog.get_logger("cadence")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not usage + error
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="cadence", description="An LLM inference serving runtime for MLX.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=_port, default=8000, help="0: any free port")
+    serve.add_argument("--max-batch", type=_positive, default=16, help="rows decoded together")
+    serve.add_argument(
+        "--max-waiting", type=_positive, default=64, help="queued requests before new ones get 503"
+    )
+    serve.add_argument(
+        "--max-context",
+        type=_positive,
+        default=None,
+        help="tokens per sequence (default: the model's)",
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get after SIGINT/SIGTERM",
+    )
+    serve.add_argument("--max-body-bytes", type=_positive, default=4 << 20)
+    _add_log_args(serve, default_level="info")
+    serve.set_defaults(run=_serve)
+
+    generate = commands.add_parser("generate", help="stream one completion to stdout")
+    generate.add_argument("prompt")
+    _add_model_args(generate)
+    generate.add_argument("--max-tokens", type=_positive, default=128)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--min-p", type=float, default=0.0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt as a user message")
+    _add_log_args(generate, default_level="warning")
+    generate.set_defaults(run=_generate)
+    return parser
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory or Hugging Face repo id (default: the demo)",
+    )
+    parser.add_argument("--offline", action="store_true", help="never download")
+
+
+def _add_log_args(parser: argparse.ArgumentParser, default_level: str) -> None:
+    parser.add_argument("--log-format", choices=("console", "json"), default="console")
+    parser.add_argument("--log-level", choices=LEVELS, default=default_level)
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def _positive(text: str) -> int:
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _integer(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {text}")
+    return value
+
+
+def _progress(message: str) -> None:
+    log.info("loading", step=message)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    state = ServerState()
+    app = create_app(state, max_body_bytes=args.max_body_bytes)
+    shutdown = trio.Event()
+    http_done = trio.Event()
+
+    async def run_http(task_status: trio.TaskStatus[list[str]]) -> None:
+        try:
+            await serve_http(
+                app,
+                args.host,
+                args.port,
+                shutdown_trigger=shutdown.wait,
+                graceful_timeout=args.drain_timeout,
+                task_status=task_status,
+            )
+        finally:
+            http_done.set()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(_watch_signals, state, shutdown, nursery.cancel_scope)
+        urls = await nursery.start(run_http)
+        log.info("loading", model=args.model or "demo", url=urls[0])
+        async with open_llm(
+            args.model,
+            max_batch=args.max_batch,
+            max_waiting=args.max_waiting,
+            max_context=args.max_context,
+            offline=args.offline,
+            on_progress=_progress,
+            drain_timeout=args.drain_timeout,
+        ) as llm:
+            state.llm = llm
+            log.info(
+                "ready",
+                url=urls[0],
+                model=llm.name,
+                max_batch=llm.max_batch,
+                max_context=llm.max_context,
+            )
+            await shutdown.wait()
+            state.is_draining = True
+            log.info("draining", grace_s=args.drain_timeout)
+            await http_done.wait()
+        log.info("stopped")
+        nursery.cancel_scope.cancel()  # the signal watcher
+
+
+async def _watch_signals(
+    state: ServerState,
+    shutdown: trio.Event,
+    everything: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[None],
+) -> None:
+    """First SIGINT/SIGTERM drains; a second one (or one while loading) stops at once."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
+        async for signum in signals:
+            if shutdown.is_set() or state.llm is None:
+                log.warning("stopping now", signal=signal.Signals(signum).name)
+                everything.cancel()
+                return
+            log.info("shutdown requested", signal=signal.Signals(signum).name)
+            shutdown.set()
+
+
+async def _generate(args: argparse.Namespace) -> None:
+    async with open_llm(
+        args.model, max_batch=1, max_waiting=1, offline=args.offline, on_progress=_progress
+    ) as llm:
+        sampling = dict(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.seed,
+        )
+        if args.chat:
+            messages = [{"role": "user", "content": args.prompt}]
+            generation = llm.generate(messages=messages, max_tokens=args.max_tokens, **sampling)
+        else:
+            generation = llm.generate(args.prompt, max_tokens=args.max_tokens, **sampling)
+        async with generation:
+            async for delta in generation:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    configure_logging(args.log_format, args.log_level)
+    try:
+        trio.run(args.run, args)
+    except BaseException as exc:  # trio wraps errors from nurseries in groups
+        if (error := _leaf(exc, CadenceError)) is not None:
+            print(f"cadence: error: {error}", file=sys.stderr)
+            return 2
+        if isinstance(os_error := _leaf(exc, OSError), OSError):  # e.g. the port is taken
+            print(f"cadence: error: {os_error.strerror or os_error}", file=sys.stderr)
+            return 2
+        if _leaf(exc, KeyboardInterrupt) is not None:
+            return 130
+        raise
+    return 0
+
+
+def _leaf(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := _leaf(inner, kind)) is not None:
+                return found
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

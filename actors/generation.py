@@ -1,0 +1,134 @@
+"""One request as its caller sees it: admission, then an async iterator of deltas.
+
+A caller that goes away becomes an Abort: cancellation while waiting for a delta,
+`aclose()`, leaving `async with` early, or (last resort) garbage collection, which
+closes the reply channel so the streamer aborts the row at its next token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import uuid
+from typing import TYPE_CHECKING
+
+import trio
+
+from actors.messages import Abort, Accepted, Admit, Failed, Finished, Rejected, Reply, TextDelta
+from actors.requests import Delta, GenerateRequest, GenerationError, ServiceClosedError, Usage
+
+if TYPE_CHECKING:
+    from actors.service import LLM
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    ADMITTING = "admitting"  # queued in admission: its reply channel is the only link
+    STREAMING = "streaming"  # the scheduler knows it: leaving sends an Abort
+    DONE = "done"
+
+
+class Generation:
+    def __init__(self, llm: LLM, request: GenerateRequest):
+        self.request_id = uuid.uuid4().hex
+        self.request = request
+        self.num_prompt_tokens: int | None = None
+        self.finish_reason: str | None = None  # "stop" or "length" once finished
+        self.usage: Usage | None = None
+        self._llm = llm
+        self._state = _State.NEW
+        self._replies: trio.MemoryReceiveChannel[Reply] | None = None
+        self._stash: Reply | None = None
+
+    async def start(self) -> int:
+        """Admit the request; returns its prompt length in tokens.
+
+        Raises OverloadedError (waiting queue full), ServiceClosedError (draining),
+        RequestError (bad prompt, context_length_exceeded) before any text streams.
+        """
+        if self._state is not _State.NEW:
+            raise RuntimeError("a Generation starts once")
+        # Room for every message a request can get: one per token, plus two.
+        send, self._replies = trio.open_memory_channel[Reply](self._llm.max_context + 2)
+        self._llm._admit(Admit(self.request_id, self.request, send, trio.current_time()))
+        self._state = _State.ADMITTING
+        first = await self._receive()
+        match first:
+            case Accepted(_, num_prompt_tokens):
+                self.num_prompt_tokens = num_prompt_tokens
+            case Rejected(_, error):
+                self._done()
+                raise error.with_traceback(None)  # admission's frames are not the caller's
+            case Failed(_, message):
+                self._done()
+                raise ServiceClosedError(message)
+            case _:  # a delta overtook Accepted: admitted all the same
+                self._stash = first
+        self._state = _State.STREAMING
+        return self.num_prompt_tokens or 0
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._state is _State.NEW:
+            await self.start()
+        while self._state is not _State.DONE:
+            message, self._stash = self._stash or await self._receive(), None
+            match message:
+                case TextDelta(_, text):
+                    return Delta(text)
+                case Finished(_, text, cause, usage):
+                    self._done()
+                    self.finish_reason, self.usage = cause.openai_reason, usage
+                    self.num_prompt_tokens = usage.prompt_tokens
+                    return Delta(text, cause.openai_reason, cause.value, usage)
+                case Failed(_, error):
+                    self._done()
+                    raise GenerationError(error)
+        raise StopAsyncIteration
+
+    async def aclose(self, cause: str = "cancelled") -> None:
+        """Abort the request unless it already finished; safe to call more than once."""
+        was_streaming = self._state is _State.STREAMING
+        self._done()
+        if was_streaming:  # the row may be running: free it within a step
+            with (
+                trio.CancelScope(shield=True),
+                contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+            ):
+                await self._llm._to_scheduler.send(Abort(self.request_id, cause))
+
+    async def __aenter__(self) -> Generation:
+        if self._state is _State.NEW:
+            await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        # Dropped without aclose(): closing the reply channel is enough for the
+        # streamer to abort the row at its next token.
+        with contextlib.suppress(Exception):
+            self._done()
+
+    async def _receive(self) -> Reply:
+        assert self._replies is not None
+        try:
+            return await self._replies.receive()
+        except trio.EndOfChannel:
+            self._done()
+            raise GenerationError("the service stopped") from None
+        except BaseException:
+            await self.aclose()  # cancelled while waiting: the caller is gone
+            raise
+
+    def _done(self) -> None:
+        if self._state in (_State.NEW, _State.DONE):
+            self._state = _State.DONE
+            return
+        self._state = _State.DONE
+        if self._replies is not None:
+            self._replies.close()
+        self._llm._release()

@@ -1,0 +1,244 @@
+"""The OpenAI-compatible HTTP front: a Quart-Trio app served by Hypercorn in our nursery.
+
+Quart's defaults are wrong for an API (HTML error pages, 500 on bad UTF-8, a
+16 MB body limit, `RESPONSE_TIMEOUT` cutting long streams), so the body is read
+and parsed here and every error leaves as OpenAI's JSON error object.
+
+A stream's body is a plain async generator over the Generation: when the client
+disconnects, Quart cancels the handler and closes the generator, whose `finally`
+aborts the request (the row leaves the batch within one step).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from runtime.errors import CadenceError
+
+import attrs
+import structlog
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+
+from actors.generation import Generation
+from actors.openai_requests import ApiError, ApiRequest, parse_chat, parse_completion, parse_json
+from actors.openai_responses import SSE_DONE, ChunkWriter, sse
+from actors.service import LLM
+
+log = structlog.get_logger("cadence.http")
+
+
+@attrs.define
+class ServerState:
+    """What the app serves: no LLM while loading; `is_draining` once shutdown began."""
+
+    llm: LLM | None = None
+    is_draining: bool = False
+
+    @property
+    def phase(self) -> str:
+        if self.is_draining:
+            return "draining"
+        return "loading" if self.llm is None else "ready"
+
+
+def create_app(state: ServerState, *, max_body_bytes: int = 4 << 20) -> QuartTrio:
+    app = QuartTrio("cadence")
+    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
+
+    @app.errorhandler(ApiError)
+    async def api_error(error: ApiError) -> Response:
+        return _error_response(error)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(error: HTTPException) -> Response:
+        kind = "not_found_error" if error.code == 404 else "invalid_request_error"
+        return _error_response(ApiError(error.code or 500, error.description or error.name, kind))
+
+    @app.errorhandler(Exception)
+    async def unexpected(error: Exception) -> Response:
+        log.exception("unhandled error")
+        return _error_response(ApiError(500, "internal server error", "server_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        status = 200 if state.phase == "ready" else 503
+        return _json({"status": state.phase}, status)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        llm = _ready(state)
+        card = {"id": llm.name, "object": "model", "created": 0, "owned_by": "cadence"}
+        return _json({"object": "list", "data": [card]})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        return await _complete(state, parse_chat(await _read_json()))
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return await _complete(state, parse_completion(await _read_json()))
+
+    return app
+
+
+async def _read_json() -> dict[str, Any]:
+    try:
+        raw = await request.get_data(cache=False, as_text=False, parse_form_data=False)
+    except RequestEntityTooLarge:
+        limit = request.max_content_length
+        raise ApiError(413, f"the request body is larger than {limit} bytes") from None
+    return parse_json(raw)
+
+
+def _ready(state: ServerState) -> LLM:
+    if state.llm is None or state.is_draining:
+        raise ApiError(
+            503,
+            f"the server is {state.phase}",
+            "server_error",
+            code="unavailable",
+            headers=(("Retry-After", "1"),),
+        )
+    return state.llm
+
+
+async def _complete(state: ServerState, api: ApiRequest) -> Response:
+    llm = _ready(state)
+    if api.model != llm.name:
+        raise ApiError(
+            404,
+            f"the model '{api.model}' does not exist; this server has '{llm.name}'",
+            "not_found_error",
+            param="model",
+            code="model_not_found",
+        )
+    generation = Generation(llm, api.request)
+    try:
+        await generation.start()
+    except CadenceError as error:
+        raise ApiError.from_error(error) from None
+    prefix = "chatcmpl-" if api.kind == "chat" else "cmpl-"
+    writer = ChunkWriter(api.kind, prefix + generation.request_id, llm.name, api.include_usage)
+    if api.is_stream:
+        response = Response(_stream(generation, writer), mimetype="text/event-stream")
+        response.headers["Cache-Control"] = "no-cache"
+        response.timeout = None  # RESPONSE_TIMEOUT (60 s) would cut a long stream silently
+        return response
+    return await _collect(generation, writer)
+
+
+async def _stream(generation: Generation, writer: ChunkWriter) -> AsyncIterator[bytes]:
+    try:
+        if (first := writer.start()) is not None:
+            yield first
+        async for delta in generation:
+            if delta.text:
+                yield writer.text(delta.text)
+            if delta.finish_reason is not None:
+                yield writer.finish(delta.finish_reason)
+                if writer.include_usage and delta.usage is not None:
+                    yield writer.usage(delta.usage)
+        yield SSE_DONE
+    except CadenceError as error:  # mid-stream: an error event, then the stream ends
+        yield sse(ApiError.from_error(error).body())
+    finally:
+        await generation.aclose("disconnected")
+
+
+async def _collect(generation: Generation, writer: ChunkWriter) -> Response:
+    texts = []
+    try:
+        async for delta in generation:
+            texts.append(delta.text)
+    except CadenceError as error:
+        raise ApiError.from_error(error) from None
+    finally:
+        await generation.aclose("disconnected")
+    assert generation.finish_reason is not None and generation.usage is not None
+    return _json(writer.whole("".join(texts), generation.finish_reason, generation.usage))
+
+
+def _json(body: dict[str, Any], status: int = 200) -> Response:
+    return Response(json.dumps(body, ensure_ascii=False), status, mimetype="application/json")
+
+
+def _error_response(error: ApiError) -> Response:
+    response = _json(error.body(), error.status)
+    for name, value in error.headers:
+        response.headers[name] = value
+    return response
+
+
+async def serve_http(
+    app: QuartTrio,
+    host: str,
+    port: int,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[None]],
+    graceful_timeout: float = 30.0,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run Hypercorn until `shutdown_trigger` returns; reports the bound URLs on start.
+
+    On shutdown it stops accepting, gives in-flight requests `graceful_timeout`
+    seconds, then cancels what is left (which aborts their rows) and returns. It does
+    not wait out the timeout for idle keep-alive connections: Hypercorn does not
+    close a connection whose response was in flight when shutdown began.
+    """
+    tracked = _InFlight(app)
+    config = Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.graceful_timeout = graceful_timeout
+    config.accesslog = None
+    config.errorlog = logging.getLogger("cadence.hypercorn")  # silent unless the app configures it
+    stopping = trio.Event()
+
+    async def trigger() -> None:
+        await shutdown_trigger()
+        stopping.set()
+
+    async with trio.open_nursery() as nursery:
+
+        async def cut_off_after_drain() -> None:
+            await stopping.wait()
+            with trio.move_on_after(graceful_timeout):
+                await tracked.wait_idle()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(cut_off_after_drain)
+        await serve(tracked, config, shutdown_trigger=trigger, task_status=task_status)
+        nursery.cancel_scope.cancel()
+
+
+class _InFlight:
+    """ASGI wrapper counting HTTP requests until their response is fully sent."""
+
+    def __init__(self, app: Any):
+        self.app = app
+        self.num_requests = 0
+        self._idle = trio.Event()
+        self._idle.set()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.num_requests == 0:
+            self._idle = trio.Event()
+        self.num_requests += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.num_requests -= 1
+            if self.num_requests == 0:
+                self._idle.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()

@@ -1,0 +1,157 @@
+"""The values the actors exchange: a small closed set per channel, each naming its request.
+
+    caller --Admit--> admission --Submit--> scheduler --StepPlan|Idle--> gpu --StepResult--> streamer
+                          |                    ^  ^                       |                    |
+                          +------Track---------|--|-----------------------|------------------->+
+                                               |  +-------StepDone--------+                    |
+                                               +------------------Abort------------------------+
+    admission and streamer --Reply--> the caller's own channel (Accepted, Rejected, TextDelta, Finished, Failed)
+
+A request's id travels in every message that concerns it (contextvars do not flow
+into long-lived tasks), so each actor re-binds it for its log lines.
+"""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+from runtime.errors import CadenceError
+from runtime.scheduler import StepPlan
+from runtime.sequence import FinishCause, SequenceParams
+
+import attrs
+import trio
+
+from actors.requests import GenerateRequest, Usage
+
+# --- to the caller, on its own reply channel -------------------------------------------
+
+
+@attrs.frozen
+class Accepted:
+    request_id: str
+    num_prompt_tokens: int
+
+
+@attrs.frozen
+class Rejected:
+    request_id: str
+    error: CadenceError
+
+
+@attrs.frozen
+class TextDelta:
+    request_id: str
+    text: str
+
+
+@attrs.frozen
+class Finished:
+    request_id: str
+    text: str  # the tail held back by the detokenizer or the stop matcher
+    cause: FinishCause
+    usage: Usage
+
+
+@attrs.frozen
+class Failed:
+    request_id: str
+    message: str
+
+
+Reply: TypeAlias = Accepted | Rejected | TextDelta | Finished | Failed
+ReplySender: TypeAlias = trio.MemorySendChannel[Reply]
+
+
+# --- to admission ------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Admit:
+    request_id: str
+    request: GenerateRequest
+    reply: ReplySender
+    arrived_at: float  # trio.current_time()
+
+
+# --- to the scheduler ----------------------------------------------------------------------
+
+
+@attrs.frozen
+class Submit:
+    request_id: str
+    params: SequenceParams
+
+
+@attrs.frozen
+class Abort:
+    request_id: str
+    cause: str  # "cancelled", "disconnected", "stop_sequence", "shutdown"
+
+
+@attrs.frozen
+class StepDone:
+    """The GPU collected `step`; `finished` rows are already closed in the engine."""
+
+    step: int
+    finished: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class AbortAll:
+    """Drain's deadline passed: abort everything still waiting or running."""
+
+    cause: str = "shutdown"
+
+
+@attrs.frozen
+class AdmissionClosed:
+    """No Submit will follow; stop once the last row is done."""
+
+
+SchedulerMessage: TypeAlias = Submit | Abort | StepDone | AbortAll | AdmissionClosed
+
+
+# --- to the GPU ----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Idle:
+    """Nothing more to queue now: collect what is pending."""
+
+
+GpuMessage: TypeAlias = StepPlan | Idle
+
+
+# --- to the streamer ---------------------------------------------------------------------
+
+
+@attrs.frozen
+class Track:
+    """Start streaming a request: sent by admission before its Submit."""
+
+    request_id: str
+    reply: ReplySender
+    stop: tuple[str, ...]
+    num_prompt_tokens: int
+    arrived_at: float
+
+
+@attrs.frozen
+class RowToken:
+    """One row's outcome in a step; `token` is None when the row failed."""
+
+    request_id: str
+    token: int | None
+    finish: FinishCause | None = None
+    error: str | None = None
+
+
+@attrs.frozen
+class StepResult:
+    step: int
+    rows: tuple[RowToken, ...] = ()
+    released: tuple[str, ...] = ()  # closed by abort: forget them
+
+
+StreamerMessage: TypeAlias = Track | StepResult

@@ -1,0 +1,78 @@
+"""One OS thread that makes every MLX call.
+
+mlx streams belong to the thread that created them: mlx 0.32.4 raises "There is no
+Stream(cpu, 0) in current thread" when `trio.to_thread.run_sync` lands a call on
+another worker. So the GPU actor sends each call here, to a single long-lived
+thread, and awaits the result; the thread wakes Trio through its TrioToken.
+
+The process keeps one such thread and never stops it: a thread that ran MLX work
+and then exits races the process's own exit in mlx's C++ teardown and can abort it
+("terminate called without an active exception": 6 of 160 exits under load here),
+while a thread left blocked on its queue cannot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import outcome
+import trio
+
+T = TypeVar("T")
+
+
+class MlxThread:
+    def __init__(self, name: str = "cadence-mlx"):
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.ident: int | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+        self.ident = self._thread.ident
+
+    async def run(self, fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False) -> T:
+        """Run `fn(*args)` on the MLX thread and return (or raise) its result.
+
+        An MLX call cannot be interrupted, so by default a cancelled caller waits for
+        it to finish (the engine's state stays consistent). With `abandon_on_cancel`
+        (model loading) the caller leaves at once and the result is dropped.
+        """
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+        box: list[outcome.Outcome[T]] = []
+
+        def job() -> None:
+            box.append(outcome.capture(fn, *args))
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(done.set)
+
+        self._jobs.put(job)
+        if abandon_on_cancel:
+            await done.wait()
+        else:
+            with trio.CancelScope(shield=True):
+                await done.wait()
+        return box[0].unwrap()
+
+    def _loop(self) -> None:
+        while True:
+            self._jobs.get()()
+
+
+_shared: MlxThread | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_mlx_thread() -> MlxThread:
+    """The process's MLX thread, started on first use (a daemon: it never blocks exit)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = MlxThread()
+            _shared.start()
+        return _shared

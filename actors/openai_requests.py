@@ -1,0 +1,249 @@
+"""The OpenAI wire format coming in: request bodies to `GenerateRequest`s. No I/O here.
+
+Every bad request becomes an `ApiError` whose body is exactly OpenAI's
+`{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from runtime.errors import CadenceError, RequestError
+from runtime.sequence import SamplingParams
+
+import attrs
+
+from actors.requests import (
+    GenerateRequest,
+    GenerationError,
+    OverloadedError,
+    ServiceClosedError,
+    check_request,
+)
+
+
+@attrs.frozen
+class ApiError(Exception):
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    @classmethod
+    def from_error(cls, error: CadenceError) -> ApiError:
+        match error:
+            case RequestError():
+                return cls(400, str(error), param=error.param, code=error.code)
+            case OverloadedError():
+                headers = (("Retry-After", str(error.retry_after)),)
+                return cls(503, str(error), "server_error", code="overloaded", headers=headers)
+            case ServiceClosedError():
+                return cls(503, str(error), "server_error", code="unavailable")
+            case GenerationError():
+                return cls(500, str(error), "server_error", code="generation_failed")
+        return cls(500, str(error), "server_error")
+
+
+@attrs.frozen
+class ApiRequest:
+    kind: str  # "chat" or "completion"
+    model: str
+    request: GenerateRequest
+    is_stream: bool
+    include_usage: bool
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ApiError(
+            400, f"the request body is not valid UTF-8 ({error.reason} at byte {error.start})"
+        ) from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as error:
+        raise ApiError(
+            400,
+            f"the request body is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}",
+        ) from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def _reject_constant(name: str) -> None:
+    raise ApiError(400, f"the request body contains {name}, which is not valid JSON")
+
+
+def parse_chat(body: dict[str, Any]) -> ApiRequest:
+    messages = _field(body, "messages", list, required=True)
+    if not messages:
+        raise ApiError(400, "'messages' must not be empty", param="messages")
+    return _parse_common(
+        body, "chat", messages=tuple(_message(m, i) for i, m in enumerate(messages))
+    )
+
+
+def parse_completion(body: dict[str, Any]) -> ApiRequest:
+    prompt = _field(body, "prompt", (str, list), required=True)
+    if isinstance(prompt, list):
+        if len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, list):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ApiError(
+                    400,
+                    "'prompt' must be a string, a list of one string, or a list of token ids",
+                    param="prompt",
+                )
+            prompt = tuple(prompt)
+    if _field(body, "echo", bool):
+        raise ApiError(400, "'echo' is not supported", param="echo")
+    if _field(body, "suffix", str):
+        raise ApiError(400, "'suffix' is not supported", param="suffix")
+    return _parse_common(body, "completion", prompt=prompt)
+
+
+def _parse_common(body: dict[str, Any], kind: str, **prompt: Any) -> ApiRequest:
+    model = _field(body, "model", str, required=True)
+    if _field(body, "n", int, default=1) != 1:
+        raise ApiError(400, "only n=1 is supported", param="n")
+    if _field(body, "logprobs", (bool, int)) or _field(body, "top_logprobs", int):
+        raise ApiError(400, "'logprobs' is not supported", param="logprobs")
+    for unsupported in ("tools", "functions"):
+        if _field(body, unsupported, list):
+            raise ApiError(400, f"'{unsupported}' is not supported", param=unsupported)
+    response_format = _field(body, "response_format", dict)
+    if response_format and response_format.get("type") not in (None, "text"):
+        raise ApiError(
+            400, "only response_format type 'text' is supported", param="response_format"
+        )
+    stream_options = _field(body, "stream_options", dict) or {}
+    include_usage = stream_options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise ApiError(
+            400,
+            "'stream_options.include_usage' must be a boolean",
+            param="stream_options.include_usage",
+        )
+    stop = _field(body, "stop", (str, list)) or ()
+    stop = (stop,) if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stop):
+        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
+    max_tokens = _field(body, "max_completion_tokens", int)
+    if max_tokens is None:
+        max_tokens = _field(body, "max_tokens", int)
+    request = GenerateRequest(
+        **prompt,
+        max_tokens=max_tokens,
+        sampling=_sampling(body),
+        stop=tuple(stop),
+        ignore_eos=bool(_field(body, "ignore_eos", bool)),
+    )
+    try:
+        check_request(request)
+    except RequestError as error:
+        raise ApiError.from_error(error) from None
+    return ApiRequest(kind, model, request, bool(_field(body, "stream", bool)), include_usage)
+
+
+def _sampling(body: dict[str, Any]) -> SamplingParams:
+    defaults = SamplingParams()
+    values: dict[str, Any] = {}
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ):
+        value = _field(body, name, (int, float))
+        values[name] = getattr(defaults, name) if value is None else float(value)
+    values["top_k"] = _field(body, "top_k", int, default=0)
+    if values["top_k"] < 0:  # OpenAI-compatible servers commonly send -1 for "off"
+        values["top_k"] = 0 if values["top_k"] == -1 else values["top_k"]
+    values["seed"] = _field(body, "seed", int)
+    bias = _field(body, "logit_bias", dict) or {}
+    pairs = []
+    for key, value in bias.items():
+        if (
+            not key.lstrip("-").isdigit()
+            or not isinstance(value, int | float)
+            or isinstance(value, bool)
+        ):
+            raise ApiError(400, "'logit_bias' maps token ids to numbers", param="logit_bias")
+        pairs.append((int(key), float(value)))
+    return SamplingParams(**values, logit_bias=tuple(sorted(pairs)))
+
+
+def _message(message: Any, index: int) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise ApiError(400, f"{where} must be an object", param=where)
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str):
+        raise ApiError(400, f"{where}.role must be a string", param=f"{where}.role")
+    if isinstance(content, list):  # content parts: only text ones
+        if not all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content
+        ):
+            raise ApiError(
+                400, f"{where}.content parts must be text parts", param=f"{where}.content"
+            )
+        content = "".join(p["text"] for p in content)
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise ApiError(
+            400,
+            f"{where}.content must be a string or a list of text parts",
+            param=f"{where}.content",
+        )
+    return {"role": role, "content": content}
+
+
+_TYPE_NAMES = {
+    str: "a string",
+    list: "an array",
+    dict: "an object",
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+}
+
+
+def _field(
+    body: dict[str, Any],
+    name: str,
+    kinds: type | tuple[type, ...],
+    *,
+    required: bool = False,
+    default: Any = None,
+) -> Any:
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise ApiError(400, f"'{name}' is required", param=name)
+        return default
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    is_bool_ok = bool in kinds
+    if not isinstance(value, kinds) or (isinstance(value, bool) and not is_bool_ok):
+        wanted = " or ".join(_TYPE_NAMES[k] for k in kinds)
+        raise ApiError(400, f"'{name}' must be {wanted}, got {json.dumps(value)[:40]}", param=name)
+    return value

@@ -1,0 +1,148 @@
+"""What a caller asks for and what it gets back, checked before any capacity is taken."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from runtime.errors import CadenceError, RequestError
+from runtime.sequence import SamplingParams
+
+import attrs
+
+MAX_STOP_STRINGS = 16
+
+
+class OverloadedError(CadenceError):
+    """The waiting queue is full; try again after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ServiceClosedError(CadenceError):
+    """The service is draining or stopped and takes no new requests."""
+
+
+class GenerationError(CadenceError):
+    """A request failed after it started streaming (an engine fault in its row)."""
+
+
+@attrs.frozen
+class GenerateRequest:
+    """Exactly one of `prompt` (text or token ids) and `messages` (chat) is set."""
+
+    prompt: str | tuple[int, ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    max_tokens: int | None = None  # None: whatever the context leaves
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@attrs.frozen
+class Delta:
+    """A piece of generated text; the last one carries `finish_reason` and `usage`.
+
+    `finish_reason` is OpenAI's ("stop" or "length"); `cause` says more (eos,
+    stop_sequence, repetition_loop, ...).
+    """
+
+    text: str
+    finish_reason: str | None = None
+    cause: str | None = None
+    usage: Usage | None = None
+
+
+def check_request(request: GenerateRequest) -> GenerateRequest:
+    """Raise RequestError naming the first bad field; return the request unchanged."""
+    if (request.prompt is None) == (request.messages is None):
+        raise RequestError("give exactly one of 'prompt' and 'messages'", param="prompt")
+    if request.prompt is not None and len(request.prompt) == 0:
+        raise RequestError("'prompt' must not be empty", param="prompt")
+    if isinstance(request.prompt, tuple) and not all(_is_int(t) and t >= 0 for t in request.prompt):
+        raise RequestError("token ids in 'prompt' must be non-negative integers", param="prompt")
+    if request.messages is not None:
+        check_messages(request.messages)
+    if request.max_tokens is not None and (
+        not _is_int(request.max_tokens) or request.max_tokens < 1
+    ):
+        raise RequestError(
+            f"'max_tokens' must be a positive integer, got {request.max_tokens!r}",
+            param="max_tokens",
+        )
+    if len(request.stop) > MAX_STOP_STRINGS:
+        raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
+    if not all(isinstance(s, str) and s for s in request.stop):
+        raise RequestError("stop strings must be non-empty strings", param="stop")
+    check_sampling(request.sampling)
+    return request
+
+
+def check_messages(messages: tuple[dict[str, Any], ...]) -> None:
+    if not messages:
+        raise RequestError("'messages' must not be empty", param="messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RequestError(f"messages[{i}] must be an object", param=f"messages[{i}]")
+        if not isinstance(message.get("role"), str):
+            raise RequestError(f"messages[{i}].role must be a string", param=f"messages[{i}].role")
+        if not isinstance(message.get("content"), str):
+            raise RequestError(
+                f"messages[{i}].content must be a string", param=f"messages[{i}].content"
+            )
+
+
+# (field, lowest, highest, lowest is allowed)
+_RANGES: tuple[tuple[str, float, float, bool], ...] = (
+    ("temperature", 0.0, 2.0, True),
+    ("top_p", 0.0, 1.0, False),
+    ("min_p", 0.0, 1.0, True),
+    ("repetition_penalty", 0.0, 10.0, False),
+    ("presence_penalty", -2.0, 2.0, True),
+    ("frequency_penalty", -2.0, 2.0, True),
+)
+
+
+def check_sampling(sampling: SamplingParams) -> None:
+    for name, low, high, low_ok in _RANGES:
+        value = getattr(sampling, name)
+        if (
+            not isinstance(value, int | float)
+            or isinstance(value, bool)
+            or not math.isfinite(value)
+        ):
+            raise RequestError(f"'{name}' must be a finite number, got {value!r}", param=name)
+        if value > high or value < low or (value == low and not low_ok):
+            bracket = "[" if low_ok else "("
+            raise RequestError(
+                f"'{name}' must be in {bracket}{low:g}, {high:g}], got {value!r}", param=name
+            )
+    if not _is_int(sampling.top_k) or sampling.top_k < 0:
+        raise RequestError(
+            f"'top_k' must be an integer >= 0, got {sampling.top_k!r}", param="top_k"
+        )
+    if sampling.seed is not None and not _is_int(sampling.seed):
+        raise RequestError(f"'seed' must be an integer, got {sampling.seed!r}", param="seed")
+    for token, bias in sampling.logit_bias:
+        if not _is_int(token) or token < 0:
+            raise RequestError(f"logit_bias key {token!r} is not a token id", param="logit_bias")
+        if not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
+            raise RequestError(
+                f"logit_bias values must be in [-100, 100], got {bias!r}", param="logit_bias"
+            )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

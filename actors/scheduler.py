@@ -1,0 +1,105 @@
+"""The scheduler actor: feeds events to the FCFS policy and hands its plans to the GPU.
+
+Lookahead protocol with the GPU actor: at most `lookahead + 1` plans are in flight
+(sent, not yet reported done). The GPU collects its oldest step when a new plan
+arrives while it holds `lookahead` submitted steps, or when it gets `Idle`; so
+whenever steps are in flight and there is nothing more to plan, the scheduler owes
+the GPU an `Idle`. Plan N+lookahead+1 is built only after step N is done, so a row
+that finished at N is in at most `lookahead` speculative steps.
+
+The actor never waits on anything but its inbox: its sends to the GPU fit the
+channel by construction, so the pipeline cannot deadlock on a full channel.
+"""
+
+from __future__ import annotations
+
+from runtime.scheduler import FcfsScheduler
+
+import attrs
+import structlog
+import trio
+
+from actors.messages import (
+    Abort,
+    AbortAll,
+    AdmissionClosed,
+    GpuMessage,
+    Idle,
+    SchedulerMessage,
+    StepDone,
+    Submit,
+)
+
+log = structlog.get_logger("cadence.scheduler")
+
+
+@attrs.define
+class SchedulerActor:
+    policy: FcfsScheduler
+    inbox: trio.MemoryReceiveChannel[SchedulerMessage]
+    to_gpu: trio.MemorySendChannel[GpuMessage]  # buffer >= 2 * lookahead + 3
+    waiting_slots: trio.Semaphore  # admission's reservations, returned here
+    lookahead: int = 1
+    num_in_flight: int = 0
+    is_idle_sent: bool = False
+    is_admission_closed: bool = False
+    is_aborting_all: bool = False
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with self.inbox, self.to_gpu:
+            task_status.started()
+            async for message in self.inbox:
+                self._apply(message)
+                while True:  # take the whole burst before planning
+                    try:
+                        self._apply(self.inbox.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                await self._dispatch()
+                if self.is_done:
+                    break
+
+    @property
+    def is_done(self) -> bool:
+        return self.is_admission_closed and not self.policy.has_work and self.num_in_flight == 0
+
+    def _apply(self, message: SchedulerMessage) -> None:
+        match message:
+            case Submit(request_id, params):
+                self.policy.add(request_id, params)
+                if self.is_aborting_all:
+                    self._abort(request_id, "shutdown")
+            case Abort(request_id, cause):
+                self._abort(request_id, cause)
+            case StepDone(_, finished):
+                self.num_in_flight -= 1
+                self.is_idle_sent = False
+                for request_id in finished:
+                    self.policy.finish(request_id)
+            case AbortAll(cause):
+                self.is_aborting_all = True
+                ids = [r.request_id for r in self.policy.waiting] + list(self.policy.running)
+                for request_id in ids:
+                    self._abort(request_id, cause)
+            case AdmissionClosed():
+                self.is_admission_closed = True
+
+    def _abort(self, request_id: str, cause: str) -> None:
+        where = self.policy.abort(request_id)
+        if where == "waiting":
+            self.waiting_slots.release()
+        if where is not None and cause != "stop_sequence":
+            log.info("aborted", request_id=request_id, cause=cause, stage=where)
+
+    async def _dispatch(self) -> None:
+        while self.num_in_flight <= self.lookahead and self.policy.has_work:
+            plan = self.policy.schedule()
+            assert plan is not None
+            for _ in plan.opens:  # these left the waiting queue
+                self.waiting_slots.release()
+            await self.to_gpu.send(plan)
+            self.num_in_flight += 1
+            self.is_idle_sent = False
+        if self.num_in_flight and not self.policy.has_work and not self.is_idle_sent:
+            await self.to_gpu.send(Idle())
+            self.is_idle_sent = True

@@ -1,0 +1,254 @@
+"""The embedding API: cadence's actors inside your own Trio program.
+
+    async with actors.open_llm("path/or/org/repo") as llm:
+        async with llm.generate(prompt="Once upon a time", max_tokens=32) as stream:
+            async for delta in stream:
+                print(delta.text, end="")
+        print(stream.finish_reason, stream.usage)
+
+`open_llm` loads the model on the process's MLX thread (actors/mlx_thread.py),
+starts admission, scheduler, GPU and streamer in a nursery of its own, and on exit
+drains: new requests are refused, running ones finish (or are aborted after
+`drain_timeout`), then the actors stop. It installs no signal handlers and
+configures no logging. Several models in one process share the MLX thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from runtime.checkpoint import LoadedModel, load_model
+from runtime.engine import Engine
+from runtime.errors import RequestError
+from runtime.scheduler import FcfsScheduler
+from runtime.sequence import SamplingParams
+
+import attrs
+import trio
+
+from actors.admission import Admission
+from actors.generation import Generation
+from actors.gpu import GpuActor
+from actors.messages import AbortAll, Admit, GpuMessage, SchedulerMessage, StreamerMessage
+from actors.mlx_thread import MlxThread, shared_mlx_thread
+from actors.requests import GenerateRequest, ServiceClosedError, check_request
+from actors.scheduler import SchedulerActor
+from actors.streamer import Streamer
+
+
+@attrs.frozen
+class EngineStats:
+    num_open: int
+    num_free_slots: int
+    num_pending: int
+
+
+@contextlib.asynccontextmanager
+async def open_llm(
+    model: str | Path | None = None,
+    *,
+    max_batch: int = 16,
+    max_waiting: int = 64,
+    max_context: int | None = None,
+    prefill_chunk: int = 256,
+    max_prefill_tokens: int = 512,
+    lookahead: int = 1,
+    offline: bool = False,
+    keep_dtype: bool = False,
+    on_progress: Callable[[str], None] | None = None,
+    drain_timeout: float | None = None,
+) -> AsyncIterator[LLM]:
+    """Load `model` (None: the built-in demo) and serve it until the block exits.
+
+    `lookahead` is how many engine steps stay queued behind the running one (more
+    hides more scheduling latency, and costs that many speculative steps per finish).
+    `on_progress` is called from the loading thread with one-line messages.
+    Raises `runtime.errors.CheckpointError` for a bad checkpoint.
+    """
+    thread = shared_mlx_thread()
+    load = functools.partial(
+        load_model, model, offline=offline, keep_dtype=keep_dtype, on_progress=on_progress
+    )
+    loaded = await thread.run(load, abandon_on_cancel=True)
+    engine = await thread.run(
+        functools.partial(Engine, loaded, max_batch=max_batch, max_context=max_context)
+    )
+    policy = FcfsScheduler(max_batch, prefill_chunk, max_prefill_tokens)
+    async with run_actors(
+        thread, loaded, engine, policy, max_waiting, drain_timeout, lookahead
+    ) as llm:
+        yield llm
+
+
+@contextlib.asynccontextmanager
+async def run_actors(
+    thread: MlxThread,
+    loaded: LoadedModel,
+    engine: Engine,
+    policy: FcfsScheduler,
+    max_waiting: int = 64,
+    drain_timeout: float | None = None,
+    lookahead: int = 1,
+) -> AsyncIterator[LLM]:
+    """Serve an already-built engine (`open_llm` without the loading)."""
+    body_error: BaseException | None = None
+    async with trio.open_nursery() as nursery:
+        llm = await _start_actors(nursery, thread, loaded, engine, policy, max_waiting, lookahead)
+        try:
+            yield llm
+        except BaseException as error:  # stop the actors, then re-raise it unwrapped
+            body_error = error
+            llm.is_draining = True
+            nursery.cancel_scope.cancel()
+        else:
+            await llm.drain(drain_timeout)
+    if body_error is not None:
+        raise body_error
+
+
+async def _start_actors(
+    nursery: trio.Nursery,
+    thread: MlxThread,
+    loaded: LoadedModel,
+    engine: Engine,
+    policy: FcfsScheduler,
+    max_waiting: int,
+    lookahead: int,
+) -> LLM:
+    # Every buffer is bounded. Admission's and the scheduler's hold all that can be
+    # outstanding (a Submit and an Abort per request, a StepDone per plan in flight),
+    # and the GPU's every plan in flight with its Idles: so the scheduler and the
+    # GPU, which send to each other, never wait on each other. The streamer's is small.
+    admit_send, admit_recv = trio.open_memory_channel[Admit](max_waiting)
+    sched_send, sched_recv = trio.open_memory_channel[SchedulerMessage](
+        2 * (max_waiting + policy.max_batch) + lookahead + 3
+    )
+    gpu_send, gpu_recv = trio.open_memory_channel[GpuMessage](2 * lookahead + 3)
+    stream_send, stream_recv = trio.open_memory_channel[StreamerMessage](16)
+    waiting_slots = trio.Semaphore(max_waiting)
+    admission = Admission(
+        loaded.tokenizer,
+        engine.max_context,
+        loaded.config.vocab_size,
+        admit_recv,
+        sched_send.clone(),
+        stream_send.clone(),
+        waiting_slots,
+    )
+    actors = (
+        Streamer(loaded.tokenizer, stream_recv, sched_send.clone()),
+        GpuActor(engine, thread, gpu_recv, stream_send, sched_send.clone(), lookahead=lookahead),
+        SchedulerActor(policy, sched_recv, gpu_send, waiting_slots, lookahead=lookahead),
+        admission,
+    )
+    for actor in actors:  # downstream first, so each one's consumer is already up
+        await nursery.start(actor.run)
+    return LLM(loaded.name, engine, thread, admission, admit_send, sched_send)
+
+
+class LLM:
+    """A running model: `generate()` streams, `drain()` stops taking requests."""
+
+    def __init__(
+        self,
+        name: str,
+        engine: Engine,
+        thread: MlxThread,
+        admission: Admission,
+        to_admission: trio.MemorySendChannel[Admit],
+        to_scheduler: trio.MemorySendChannel[SchedulerMessage],
+    ):
+        self.name = name  # what /v1/models reports
+        self.max_context = engine.max_context
+        self.max_batch = engine.max_batch
+        self.is_draining = False
+        self.num_active = 0  # generations started and not yet done
+        self._engine = engine
+        self._thread = thread
+        self._admission = admission
+        self._to_admission = to_admission
+        self._to_scheduler = to_scheduler
+        self._idle = trio.Event()
+        self._idle.set()
+        self._is_closed = False
+
+    def generate(
+        self,
+        prompt: str | list[int] | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        max_tokens: int | None = None,
+        stop: str | list[str] | tuple[str, ...] = (),
+        ignore_eos: bool = False,
+        **sampling: Any,
+    ) -> Generation:
+        """Stream a completion of `prompt`, or of chat `messages` through the chat template.
+
+        `sampling` takes `runtime.sequence.SamplingParams` fields (temperature, top_p,
+        top_k, min_p, seed, penalties, logit_bias as {token_id: bias}); temperature 0
+        (the default) is greedy. Returns a `Generation`: iterate it, ideally inside
+        `async with`, so that leaving early aborts the request at once.
+        Raises RequestError for a bad argument.
+        """
+        if "logit_bias" in sampling and isinstance(sampling["logit_bias"], dict):
+            sampling["logit_bias"] = tuple(sorted(sampling["logit_bias"].items()))
+        try:
+            params = SamplingParams(**sampling)
+        except TypeError as error:
+            raise RequestError(f"unknown sampling parameter: {error}") from None
+        request = GenerateRequest(
+            prompt=tuple(prompt) if isinstance(prompt, list) else prompt,
+            messages=tuple(messages) if messages is not None else None,
+            max_tokens=max_tokens,
+            sampling=params,
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),
+            ignore_eos=ignore_eos,
+        )
+        return Generation(self, check_request(request))
+
+    async def engine_stats(self) -> EngineStats:
+        """Row counts read on the MLX thread (the engine is not shared with Trio)."""
+        engine = self._engine
+        return await self._thread.run(
+            lambda: EngineStats(engine.num_open, engine.num_free_slots, engine.num_pending)
+        )
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Refuse new requests, let running ones finish (abort them after `timeout`), stop."""
+        if self._is_closed:
+            return
+        self._is_closed = self.is_draining = True
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            await self._idle.wait()
+        if self.num_active:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await self._to_scheduler.send(AbortAll("shutdown"))
+            # Readers see the abort at once; one that never reads must not hold us up.
+            with trio.move_on_after(1.0):
+                await self._idle.wait()
+        await self._to_admission.aclose()  # the close cascades down the pipeline
+        await self._to_scheduler.aclose()
+
+    # -- for Generation ------------------------------------------------------------------
+
+    def _admit(self, admit: Admit) -> None:
+        if self.is_draining:
+            raise ServiceClosedError("the service is shutting down")
+        self._admission.reserve()
+        try:
+            self._to_admission.send_nowait(admit)  # fits: each queued Admit holds a reservation
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            self._admission.waiting_slots.release()
+            raise ServiceClosedError("the service is shutting down") from None
+        self.num_active += 1
+        self._idle = trio.Event() if self.num_active == 1 else self._idle
+
+    def _release(self) -> None:
+        self.num_active -= 1
+        if self.num_active == 0:
+            self._idle.set()

@@ -1,0 +1,155 @@
+"""The streamer: turns each row's tokens into text deltas on its request's reply channel.
+
+It detokenizes, applies stop strings (a hit finishes the request with STOP_SEQUENCE
+and asks the scheduler to close the row), and ends each reply channel with Finished
+or Failed. A reply channel whose reader went away becomes an Abort.
+
+Reply channels are bounded by the context length: a request can never produce more
+messages than that, so `send_nowait` never blocks the other streams on a slow reader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from runtime.sequence import FinishCause
+from runtime.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
+
+import attrs
+import structlog
+import trio
+
+from actors.messages import (
+    Abort,
+    Failed,
+    Finished,
+    Reply,
+    ReplySender,
+    RowToken,
+    SchedulerMessage,
+    StepResult,
+    StreamerMessage,
+    TextDelta,
+    Track,
+)
+from actors.requests import Usage
+
+log = structlog.get_logger("cadence.streamer")
+
+
+@attrs.define
+class _Stream:
+    track: Track
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopMatcher
+    num_completion_tokens: int = 0
+    first_token_at: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.track.request_id
+
+    @property
+    def reply(self) -> ReplySender:
+        return self.track.reply
+
+
+@attrs.define
+class Streamer:
+    tokenizer: Tokenizer
+    inbox: trio.MemoryReceiveChannel[StreamerMessage]
+    to_scheduler: trio.MemorySendChannel[SchedulerMessage]
+    streams: dict[str, _Stream] = attrs.Factory(dict)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with self.inbox, self.to_scheduler:
+            task_status.started()
+            try:
+                async for message in self.inbox:
+                    if isinstance(message, Track):
+                        self.streams[message.request_id] = _Stream(
+                            message, self.tokenizer.detokenizer(), StopMatcher(message.stop)
+                        )
+                    else:
+                        await self._on_step(message)
+            finally:
+                for stream in list(self.streams.values()):
+                    self._end(stream, Failed(stream.request_id, "the service stopped"))
+
+    async def _on_step(self, result: StepResult) -> None:
+        for request_id in result.released:  # aborted: tell a reader that is still there
+            if (stream := self.streams.get(request_id)) is not None:
+                self._send(stream, Failed(request_id, "the request was aborted"))
+                self._forget(stream)
+        for row in result.rows:
+            if (stream := self.streams.get(row.request_id)) is None:
+                continue  # already ended (stop string, abort) or never tracked
+            abort_cause = self._on_token(stream, row)
+            if abort_cause is not None:
+                # The scheduler may be gone already: shutting down.
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await self.to_scheduler.send(Abort(row.request_id, abort_cause))
+
+    def _on_token(self, stream: _Stream, row: RowToken) -> str | None:
+        """Stream one token; returns an abort cause when the row must be closed."""
+        if row.token is None or row.finish is FinishCause.ERROR:
+            self._end(stream, Failed(stream.request_id, row.error or "generation failed"))
+            return None
+        now = trio.current_time()
+        if stream.first_token_at is None:
+            stream.first_token_at = now
+            log.info(
+                "first_token",
+                request_id=stream.request_id,
+                ttft_ms=_ms(now - stream.track.arrived_at),
+            )
+        stream.num_completion_tokens += 1
+        text, is_stop = stream.stop_matcher.feed(stream.detokenizer.add(row.token))
+        cause = FinishCause.STOP_SEQUENCE if is_stop else row.finish
+        if cause is not None and not is_stop:
+            tail, is_stop = stream.stop_matcher.feed(stream.detokenizer.flush())
+            text += tail if is_stop else tail + stream.stop_matcher.flush()
+            cause = FinishCause.STOP_SEQUENCE if is_stop else cause
+        if cause is None:
+            if text and not self._send(stream, TextDelta(stream.request_id, text)):
+                self._forget(stream)
+                return "disconnected"
+            return None
+        usage = Usage(stream.track.num_prompt_tokens, stream.num_completion_tokens)
+        self._end(stream, Finished(stream.request_id, text, cause, usage))
+        # The engine already closed a row it finished; a stop string is ours to close.
+        return "stop_sequence" if row.finish is None else None
+
+    def _end(self, stream: _Stream, message: Finished | Failed) -> None:
+        self._send(stream, message)
+        self._forget(stream)
+        bound = log.bind(request_id=stream.request_id)
+        if isinstance(message, Failed):
+            bound.info("failed", error=message.message)
+            return
+        now = trio.current_time()
+        assert stream.first_token_at is not None
+        bound.info(
+            "finished",
+            reason=message.cause.openai_reason,
+            cause=message.cause.value,
+            prompt_tokens=message.usage.prompt_tokens,
+            completion_tokens=message.usage.completion_tokens,
+            ttft_ms=_ms(stream.first_token_at - stream.track.arrived_at),
+            e2e_ms=_ms(now - stream.track.arrived_at),
+        )
+
+    def _forget(self, stream: _Stream) -> None:
+        self.streams.pop(stream.request_id, None)
+        stream.reply.close()
+
+    def _send(self, stream: _Stream, message: Reply) -> bool:
+        try:
+            stream.reply.send_nowait(message)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+            return False
+        return True
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)

@@ -1,0 +1,84 @@
+"""`cadence generate` and `cadence serve`, run as a user would: in a subprocess."""
+
+import http.client
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+CLI = [sys.executable, "-m", "actors.cli"]
+
+
+def run_cli(*args):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_generate_streams_text_to_stdout_and_keeps_stderr_quiet(tiny):
+    result = run_cli("generate", "Hello", "--model", str(tiny), "--max-tokens", "8")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() and result.stderr == ""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "Hello", "--model", "/no/such/checkpoint"],
+        ["generate", "Hello", "--temperature", "9", "--model", "{tiny}"],
+        ["generate", "Hello", "--max-tokens", "5000", "--model", "{tiny}"],
+        ["generate", "Hello", "--max-tokens", "zero"],
+        ["serve", "--port", "-5", "--model", "{tiny}"],
+    ],
+    ids=["bad-model", "bad-temperature", "too-long", "bad-int", "bad-port"],
+)
+def test_bad_input_is_one_line_on_stderr_and_exit_status_2(tiny, args):
+    result = run_cli(*[a.format(tiny=tiny) for a in args])
+    assert result.returncode == 2
+    assert len(result.stderr.splitlines()) == 1 and "error" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def events_until(process, name):
+    events = []
+    for line in process.stderr:
+        events.append(json.loads(line))
+        if events[-1]["event"] == name:
+            return events
+    raise AssertionError(f"no {name!r} event; got {events}")
+
+
+def test_serve_logs_its_address_and_drains_in_flight_streams_on_sigint(tiny):
+    process = subprocess.Popen(
+        [*CLI, "serve", "--model", str(tiny), "--port", "0", "--log-format", "json"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        events = events_until(process, "ready")
+        assert any(e["event"] == "loading" for e in events)
+        host, port = events[-1]["url"].removeprefix("http://").rsplit(":", 1)
+        connection = http.client.HTTPConnection(host, int(port), timeout=30)
+        body = {
+            "model": tiny.name,
+            "prompt": "Hi",
+            "max_tokens": 300,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        connection.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        response = connection.getresponse()
+        assert response.readline().startswith(b"data: ")
+        process.send_signal(signal.SIGINT)  # drain: the running stream still completes
+        rest = response.read()
+        assert rest.rstrip().endswith(b"data: [DONE]")
+        started = time.monotonic()
+        assert process.wait(timeout=30) == 0
+        assert time.monotonic() - started < 10
+        assert [e["event"] for e in events_until(process, "stopped")][-1] == "stopped"
+    finally:
+        if process.poll() is None:
+            process.kill()

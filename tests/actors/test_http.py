@@ -1,0 +1,414 @@
+"""The HTTP front against a real Hypercorn on a loopback port, with the official `openai`
+client (run on worker threads: it is synchronous) and raw `http.client` requests."""
+
+import concurrent.futures
+import contextlib
+import functools
+import http.client
+import json
+import time
+import urllib.parse
+
+import attrs
+import openai
+import pytest
+import trio
+
+import actors
+from actors.http_app import ServerState, create_app, serve_http
+
+
+@attrs.frozen
+class Server:
+    url: str
+    llm: actors.LLM
+    state: ServerState
+
+    @property
+    def model(self) -> str:
+        return self.llm.name
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@contextlib.asynccontextmanager
+async def serving(checkpoint, *, max_body_bytes=1 << 20, response_timeout=None, **llm_args):
+    state = ServerState()
+    app = create_app(state, max_body_bytes=max_body_bytes)
+    if response_timeout is not None:
+        app.config["RESPONSE_TIMEOUT"] = response_timeout
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        run = functools.partial(
+            serve_http, app, "127.0.0.1", 0, shutdown_trigger=stop.wait, graceful_timeout=0.1
+        )
+        (url,) = await nursery.start(run)
+        async with actors.open_llm(checkpoint, **llm_args) as llm:
+            state.llm = llm
+            yield Server(url, llm, state)
+            stop.set()
+
+
+async def in_thread(fn, *args, **kwargs):
+    return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+
+
+def request(url, method, path, body=None, headers=None):
+    """Raw HTTP: returns (status, headers, parsed JSON body)."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    connection.request(
+        method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    response = connection.getresponse()
+    payload = response.read()
+    connection.close()
+    return response.status, {k.lower(): v for k, v in response.getheaders()}, json.loads(payload)
+
+
+async def wait_for_no_open_rows(llm, timeout=10):
+    with trio.fail_after(timeout):
+        while (await llm.engine_stats()).num_open:
+            await trio.sleep(0.005)
+
+
+def slow_down(engine, seconds, record=None):
+    """Make every engine step take at least `seconds` (it runs on the MLX thread)."""
+    submit = engine.submit
+
+    def slow_submit(batch):
+        if record is not None:
+            record.extend(batch.prefill)
+        time.sleep(seconds)
+        return submit(batch)
+
+    engine.submit = slow_submit
+
+
+CHAT = [{"role": "user", "content": "Tell me about Python."}]
+
+
+async def test_models_and_health(tiny):
+    async with serving(tiny) as server:
+        models = await in_thread(server.client().models.list)
+        assert [m.id for m in models.data] == [server.model]
+        assert (await in_thread(request, server.url, "GET", "/health"))[0] == 200
+        server.state.is_draining = True
+        status, _, body = await in_thread(request, server.url, "GET", "/health")
+        assert (status, body) == (503, {"status": "draining"})
+
+
+async def test_health_is_503_while_loading():
+    state = ServerState()
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        run = functools.partial(
+            serve_http, create_app(state), "127.0.0.1", 0, shutdown_trigger=stop.wait
+        )
+        (url,) = await nursery.start(run)
+        status, _, body = await in_thread(request, url, "GET", "/health")
+        assert (status, body) == (503, {"status": "loading"})
+        status, _, body = await in_thread(
+            request, url, "POST", "/v1/completions", {"model": "x", "prompt": "hi"}
+        )
+        assert status == 503 and body["error"]["code"] == "unavailable"
+        stop.set()
+
+
+async def test_chat_streaming_and_not_agree_and_chunks_follow_openai(tiny):
+    async with serving(tiny) as server:
+        client = server.client()
+        whole = await in_thread(
+            client.chat.completions.create, model=server.model, messages=CHAT, max_tokens=12
+        )
+
+        def stream():
+            return list(
+                client.chat.completions.create(
+                    model=server.model,
+                    messages=CHAT,
+                    max_tokens=12,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+
+        chunks = await in_thread(stream)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert len({(c.id, c.created) for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+async def test_completions_streaming_and_not_agree(tiny):
+    async with serving(tiny) as server:
+        client = server.client()
+        kwargs = dict(model=server.model, prompt="def fib(n):", max_tokens=10)
+        whole = await in_thread(client.completions.create, **kwargs)
+        chunks = await in_thread(lambda: list(client.completions.create(**kwargs, stream=True)))
+    assert whole.object == "text_completion"
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert whole.usage.completion_tokens <= 10
+
+
+async def test_max_tokens_and_stop_strings(tiny):
+    async with serving(tiny) as server:
+        client = server.client()
+        base = dict(model=server.model, prompt="Once upon a time", extra_body={"ignore_eos": True})
+        full = await in_thread(client.completions.create, **base, max_tokens=40)
+        assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 40
+        text = full.choices[0].text
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        cut = await in_thread(client.completions.create, **base, max_tokens=40, stop=[stop, "\x00"])
+        assert cut.choices[0].text == text[: text.index(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+        await wait_for_no_open_rows(server.llm)
+
+
+async def test_32_concurrent_streams_each_equal_the_single_request(tiny):
+    prompts = [f"Request number {i} says" for i in range(4)]
+    async with serving(tiny, max_batch=16) as server:
+        client = server.client()
+
+        def run(prompt, stream):
+            kwargs = dict(
+                model=server.model, prompt=prompt, max_tokens=24, extra_body={"ignore_eos": True}
+            )
+            if not stream:
+                return client.completions.create(**kwargs).choices[0].text
+            return "".join(
+                c.choices[0].text for c in client.completions.create(**kwargs, stream=True)
+            )
+
+        singles = {p: await in_thread(run, p, False) for p in prompts}
+
+        def concurrently():
+            with concurrent.futures.ThreadPoolExecutor(32) as pool:
+                return list(pool.map(lambda i: run(prompts[i % 4], True), range(32)))
+
+        texts = await in_thread(concurrently)
+    assert texts == [singles[prompts[i % 4]] for i in range(32)]
+
+
+def read_some_then_disconnect(url, path, body, num_lines, until=lambda: True):
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    connection.request(
+        "POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    response = connection.getresponse()
+    assert response.status == 200
+    lines = [response.readline() for _ in range(num_lines)]
+    while not until():
+        time.sleep(0.001)
+    connection.sock.shutdown(2)
+    connection.close()
+    return lines
+
+
+async def test_a_client_disconnect_mid_stream_frees_the_row(tiny):
+    async with serving(tiny) as server:
+        body = {
+            "model": server.model,
+            "prompt": "Hello",
+            "max_tokens": 900,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        slow_down(server.llm._engine, 0.002)
+        lines = await in_thread(read_some_then_disconnect, server.url, "/v1/completions", body, 6)
+        assert lines[0].startswith(b"data: {")
+        await wait_for_no_open_rows(server.llm)
+        again = await in_thread(
+            server.client().completions.create, model=server.model, prompt="Hi", max_tokens=3
+        )
+        assert again.choices[0].finish_reason in ("length", "stop")
+
+
+async def test_a_client_disconnect_mid_prefill_frees_the_row(tiny):
+    pieces = []
+    async with serving(tiny, prefill_chunk=8, max_prefill_tokens=8) as server:
+        slow_down(server.llm._engine, 0.005, record=pieces)
+        body = {
+            "model": server.model,
+            "prompt": list(range(10, 610)),
+            "max_tokens": 5,
+            "stream": True,
+        }
+        # Headers arrive once admitted; the first data line would need the whole prefill.
+        until = lambda: len(pieces) >= 3  # noqa: E731
+        await in_thread(read_some_then_disconnect, server.url, "/v1/completions", body, 0, until)
+        await wait_for_no_open_rows(server.llm)
+        assert 0 < len(pieces) < 75
+        again = await in_thread(
+            server.client().completions.create, model=server.model, prompt="Hi", max_tokens=3
+        )
+        assert again.usage.completion_tokens <= 3
+
+
+async def test_an_error_mid_stream_is_an_error_event_and_the_others_go_on(tiny):
+    marker = [7, 7, 7, 7]
+    async with serving(tiny) as server:
+        engine = server.llm._engine
+        row_input = engine._row_input
+
+        def faulty_row_input(row):
+            if list(row.params.prompt_tokens) == marker and row.num_generated >= 3:
+                raise RuntimeError("injected fault")
+            return row_input(row)
+
+        engine._row_input = faulty_row_input
+        client = server.client()
+
+        def failing():
+            received = []
+            with pytest.raises(openai.APIError, match="injected fault"):
+                for chunk in client.completions.create(
+                    model=server.model,
+                    prompt=marker,
+                    max_tokens=50,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                ):
+                    received.append(chunk)
+            return received
+
+        def healthy():
+            return list(
+                client.completions.create(
+                    model=server.model,
+                    prompt="fine",
+                    max_tokens=30,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+            )
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            bad, good = pool.submit(failing), pool.submit(healthy)
+            received, chunks = await in_thread(bad.result), await in_thread(good.result)
+    assert len(received) >= 1
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_long_streams_outlive_the_response_timeout(tiny):
+    async with serving(tiny, response_timeout=0.2) as server:
+        slow_down(server.llm._engine, 0.003)
+        client = server.client()
+        chunks = await in_thread(
+            lambda: list(
+                client.completions.create(
+                    model=server.model,
+                    prompt="Go",
+                    max_tokens=150,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True},
+                )
+            )
+        )
+    assert chunks[-1].usage.completion_tokens == 150
+
+
+async def test_a_full_queue_gets_503_with_retry_after(tiny):
+    async with serving(tiny, max_batch=1, max_waiting=1) as server:
+        running = server.llm.generate("a", max_tokens=900, ignore_eos=True)
+        waiting = server.llm.generate("b", max_tokens=5)
+        async with running, waiting:
+            await running.__anext__()
+            status, headers, body = await in_thread(
+                request,
+                server.url,
+                "POST",
+                "/v1/completions",
+                {"model": server.model, "prompt": "c"},
+            )
+        assert status == 503 and headers["retry-after"] == "1"
+        assert body["error"]["code"] == "overloaded" and body["error"]["type"] == "server_error"
+
+
+ERROR_CASES = {
+    "malformed JSON": (b'{"model": ', 400, None, None),
+    "invalid UTF-8": (b'{"model": "\xff\xfe"}', 400, None, None),
+    "NaN": (b'{"model": "M", "prompt": "x", "temperature": NaN}', 400, None, None),
+    "Infinity": (b'{"model": "M", "prompt": "x", "top_p": -Infinity}', 400, None, None),
+    "not an object": (b"[1, 2]", 400, None, None),
+    "wrong type": ({"model": "M", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens", None),
+    "wrong type in a message": (
+        {"model": "M", "messages": [{"role": "user", "content": 5}]},
+        400,
+        "messages[0].content",
+        None,
+    ),
+    "temperature out of range": (
+        {"model": "M", "prompt": "x", "temperature": 2.5},
+        400,
+        "temperature",
+        None,
+    ),
+    "top_p out of range": ({"model": "M", "prompt": "x", "top_p": 0}, 400, "top_p", None),
+    "negative max_tokens": (
+        {"model": "M", "prompt": "x", "max_tokens": -1},
+        400,
+        "max_tokens",
+        None,
+    ),
+    "empty prompt": ({"model": "M", "prompt": ""}, 400, "prompt", None),
+    "empty messages": ({"model": "M", "messages": []}, 400, "messages", None),
+    "missing model": ({"prompt": "x"}, 400, "model", None),
+    "n > 1": ({"model": "M", "prompt": "x", "n": 2}, 400, "n", None),
+    "unknown model": ({"model": "gpt-4o", "prompt": "x"}, 404, "model", "model_not_found"),
+    "context too long": (
+        {"model": "M", "prompt": "x", "max_tokens": 5000},
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    ),
+    "prompt too long": (
+        {"model": "M", "prompt": list(range(1100))},
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
+}
+
+
+async def test_every_bad_request_gets_an_openai_error_object(tiny):
+    async with serving(tiny, max_body_bytes=16384) as server:
+        for name, (body, status, param, code) in ERROR_CASES.items():
+            if isinstance(body, dict):
+                body = {k: server.model if v == "M" else v for k, v in body.items()}
+                path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            else:
+                body, path = (
+                    body.replace(b'"M"', json.dumps(server.model).encode()),
+                    "/v1/completions",
+                )
+            got_status, _, got = await in_thread(request, server.url, "POST", path, body)
+            assert got_status == status, name
+            assert set(got) == {"error"} and set(got["error"]) == {
+                "message",
+                "type",
+                "param",
+                "code",
+            }, name
+            assert (got["error"]["param"], got["error"]["code"]) == (param, code), name
+            assert got["error"]["message"], name
+        too_large = json.dumps({"model": server.model, "prompt": "x" * 20000}).encode()
+        status, _, got = await in_thread(request, server.url, "POST", "/v1/completions", too_large)
+        assert status == 413 and got["error"]["type"] == "invalid_request_error"
+        status, _, got = await in_thread(request, server.url, "GET", "/v1/nowhere")
+        assert status == 404 and "error" in got
+        status, _, got = await in_thread(request, server.url, "GET", "/v1/completions")
+        assert status == 405 and "error" in got
+        await wait_for_no_open_rows(server.llm)

@@ -1,0 +1,144 @@
+"""The embedding API end to end, on a real tiny checkpoint and the real Engine."""
+
+import threading
+import time
+
+from runtime.tokenizer import Tokenizer
+
+import pytest
+import trio
+
+import actors
+from actors import GenerationError
+
+PROMPTS = ["The quick brown fox", "def main():", "Hello", "1, 2, 3, 4"]
+
+
+async def complete(llm, prompt, **kwargs):
+    text = ""
+    async with llm.generate(prompt, **kwargs) as generation:
+        async for delta in generation:
+            text += delta.text
+    return text, generation
+
+
+async def wait_for_no_open_rows(llm, timeout=10):
+    with trio.fail_after(timeout):
+        while (await llm.engine_stats()).num_open:
+            await trio.sleep(0.005)
+
+
+async def cancel_once(scope, predicate):
+    while not predicate():
+        await trio.sleep(0.001)
+    scope.cancel()
+
+
+async def test_concurrent_greedy_streams_equal_their_single_runs(tiny):
+    async with actors.open_llm(tiny, max_batch=4) as llm:
+        singles = {p: (await complete(llm, p, max_tokens=24, ignore_eos=True))[0] for p in PROMPTS}
+        results = {}
+
+        async def one(i, prompt):
+            results[i] = (await complete(llm, prompt, max_tokens=24, ignore_eos=True))[0]
+
+        async with trio.open_nursery() as nursery:  # 12 requests through 4 rows: joins and leaves
+            for i in range(12):
+                nursery.start_soon(one, i, PROMPTS[i % 4])
+    assert all(results[i] == singles[PROMPTS[i % 4]] for i in range(12))
+
+
+async def test_chat_messages_go_through_the_template(tiny):
+    messages = [{"role": "user", "content": "hi"}]
+    async with (
+        actors.open_llm(tiny) as llm,
+        llm.generate(messages=messages, max_tokens=4, ignore_eos=True) as generation,
+    ):
+        deltas = [d async for d in generation]
+    expected = len(Tokenizer.from_dir(tiny).encode_chat(messages))
+    assert generation.num_prompt_tokens == deltas[-1].usage.prompt_tokens == expected
+    assert deltas[-1].usage.completion_tokens == 4
+
+
+async def test_every_engine_call_runs_on_the_one_mlx_thread(tiny):
+    idents = set()
+    async with actors.open_llm(tiny) as llm:
+        engine = llm._engine
+        for name in ("open", "submit", "collect", "close"):
+            method = getattr(engine, name)
+
+            def spy(*args, _method=method):
+                idents.add(threading.get_ident())
+                return _method(*args)
+
+            setattr(engine, name, spy)
+        await complete(llm, "hello", max_tokens=8)
+    assert len(idents) == 1 and threading.get_ident() not in idents
+
+
+async def test_a_cancelled_consumer_frees_its_row_and_the_rest_go_on(tiny):
+    async with actors.open_llm(tiny, max_batch=2) as llm:
+        with trio.move_on_after(5):
+            async with llm.generate("Once", max_tokens=900, ignore_eos=True) as generation:
+                async for _ in generation:
+                    if generation.num_prompt_tokens:  # got a token: leave now
+                        break
+        await wait_for_no_open_rows(llm)
+        text, after = await complete(llm, "again", max_tokens=5)
+        assert after.finish_reason == "length"
+
+
+async def test_an_abort_during_prefill_stops_it_and_frees_the_row(tiny):
+    pieces = []
+    async with actors.open_llm(tiny, max_batch=2, prefill_chunk=8, max_prefill_tokens=8) as llm:
+        engine = llm._engine
+        submit = engine.submit
+
+        def slow_submit(batch):
+            pieces.extend(batch.prefill)
+            time.sleep(0.005)  # make the 75-piece prefill last long enough to interrupt
+            return submit(batch)
+
+        engine.submit = slow_submit
+        prompt = list(range(10, 610))
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cancel_once, scope, lambda: len(pieces) >= 3)
+                async with llm.generate(prompt, max_tokens=5) as generation:
+                    async for _ in generation:
+                        pytest.fail("the prompt was not supposed to finish prefilling")
+        await wait_for_no_open_rows(llm)
+        assert 0 < len(pieces) < 75
+        text, after = await complete(llm, "again", max_tokens=5)
+        assert after.finish_reason == "length"
+
+
+async def test_an_engine_fault_in_one_row_leaves_the_others_streaming(tiny):
+    async with actors.open_llm(tiny, max_batch=4) as llm:
+        clean = [(await complete(llm, p, max_tokens=16, ignore_eos=True))[0] for p in PROMPTS[:3]]
+        engine = llm._engine
+        row_input = engine._row_input
+        marker = [7, 7, 7, 7]
+
+        def faulty_row_input(row):
+            if list(row.params.prompt_tokens) == marker and row.num_generated >= 2:
+                raise RuntimeError("injected fault")
+            return row_input(row)
+
+        engine._row_input = faulty_row_input
+        results, errors = {}, []
+
+        async def one(prompt):
+            try:
+                results[str(prompt)] = (
+                    await complete(llm, prompt, max_tokens=16, ignore_eos=True)
+                )[0]
+            except GenerationError as error:
+                errors.append(str(error))
+
+        async with trio.open_nursery() as nursery:
+            for prompt in [*PROMPTS[:3], marker]:
+                nursery.start_soon(one, prompt)
+        assert len(errors) == 1 and "injected fault" in errors[0]
+        assert [results[p] for p in PROMPTS[:3]] == clean
+        await wait_for_no_open_rows(llm)

@@ -1,0 +1,181 @@
+"""The actors' protocol on trio's virtual clock, around a pure-Python engine (see conftest.py)."""
+
+from runtime.errors import RequestError
+
+import pytest
+import trio
+import trio.testing
+
+from actors import GenerationError, OverloadedError, ServiceClosedError
+
+
+async def collect(generation):
+    deltas = []
+    async with generation:
+        async for delta in generation:
+            deltas.append(delta)
+    return deltas
+
+
+async def consume_then_cancel(generation, num_deltas):
+    """Read `num_deltas` deltas, then get cancelled while waiting for the next one."""
+    with trio.CancelScope() as scope:
+        num_read = 0
+        async for _ in generation:
+            num_read += 1
+            if num_read == num_deltas:
+                scope.cancel()
+    return generation
+
+
+async def wait_for(predicate, timeout=10):
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.001)
+
+
+async def test_a_request_streams_its_tokens_then_finish_reason_and_usage(
+    pipeline, demo_tokenizer, autojump_clock
+):
+    async with pipeline() as (llm, engine):
+        deltas = await collect(llm.generate([5, 6, 7], max_tokens=6))
+    assert "".join(d.text for d in deltas) == demo_tokenizer.decode([engine.token] * 6)
+    final = deltas[-1]
+    assert (final.finish_reason, final.cause) == ("length", "length")
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (3, 6)
+    assert all(d.finish_reason is None for d in deltas[:-1])
+
+
+async def test_step_n_plus_one_is_submitted_before_step_n_is_collected(pipeline, autojump_clock):
+    async with pipeline() as (llm, engine):
+        await collect(llm.generate([5, 6, 7], max_tokens=8))
+    order = engine.calls
+    steps = [c[1] for c in order if c[0] == "submit"]
+    for step in steps[:-1]:
+        assert order.index(("collect", step)) > next(
+            i for i, c in enumerate(order) if c[:2] == ("submit", step + 1)
+        ), f"step {step + 1} was not queued before step {step} was collected"
+
+
+async def test_exiting_the_block_drains_and_the_close_cascades_through_every_actor(
+    pipeline, autojump_clock
+):
+    async with pipeline() as (llm, engine), trio.open_nursery() as nursery:
+        nursery.start_soon(collect, llm.generate([1, 2], max_tokens=20))
+        await trio.sleep(0.02)
+    # Reaching here means every actor task returned: the close cascaded down.
+    assert engine.num_open == 0 and engine.num_pending == 0
+    with pytest.raises(ServiceClosedError):
+        await llm.generate([1]).start()
+
+
+async def test_a_full_waiting_queue_refuses_at_once(pipeline, autojump_clock):
+    async with pipeline(max_batch=1, max_waiting=2, max_context=10_000) as (llm, engine):
+        running = llm.generate([1], max_tokens=5000)
+        await running.start()
+        await running.__anext__()  # it holds the only row now
+        waiting = [llm.generate([1], max_tokens=5) for _ in range(2)]
+        for generation in waiting:
+            await generation.start()
+        before = trio.current_time()
+        with pytest.raises(OverloadedError):
+            await llm.generate([1], max_tokens=5).start()
+        assert trio.current_time() == before  # refused without waiting
+        await waiting[0].aclose()  # leaving the queue returns the reservation ...
+        await trio.testing.wait_all_tasks_blocked()  # ... once the scheduler hears of it
+        extra = llm.generate([1], max_tokens=5)
+        await extra.start()
+        for generation in (running, waiting[1], extra):
+            await generation.aclose()
+
+
+async def test_a_rejected_request_returns_its_reservation(pipeline, autojump_clock):
+    async with pipeline(max_waiting=1, max_context=16) as (llm, engine):
+        for _ in range(3):
+            with pytest.raises(RequestError) as error:
+                await llm.generate([1, 2, 3], max_tokens=100).start()
+            assert error.value.code == "context_length_exceeded"
+        deltas = await collect(llm.generate([1, 2, 3], max_tokens=2))
+        assert deltas[-1].finish_reason == "length"
+
+
+async def test_a_cancelled_consumer_leaves_the_batch_within_one_step(pipeline, autojump_clock):
+    async with pipeline(max_context=10_000) as (llm, engine):
+        other = llm.generate([9], max_tokens=200)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(collect, other)
+            await consume_then_cancel(llm.generate([1, 2, 3], max_tokens=5000), 5)
+            (leaver,) = [r[0].request_id for r in engine.rows.values() if r[0].max_tokens == 5000]
+            submitted_at_abort = len([c for c in engine.calls if c[0] == "submit"])
+            await wait_for(lambda: all(r[0].request_id != leaver for r in engine.rows.values()))
+            late = [s for s in engine.submits_with(leaver) if s > submitted_at_abort]
+            assert len(late) <= 1  # only a plan already on its way to the GPU
+        assert other.finish_reason == "length"  # the other stream was unaffected
+
+
+async def test_an_abort_during_prefill_stops_the_remaining_pieces(pipeline, autojump_clock):
+    async with pipeline(max_context=10_000) as (llm, engine):
+        generation = llm.generate(list(range(1, 201)), max_tokens=5)  # 199 tokens = 50 pieces
+        await generation.start()
+        await trio.sleep(0.05)  # a few steps of prefill
+        await generation.aclose()
+        await wait_for(lambda: engine.num_open == 0)
+        assert 0 < len(engine.submits_with(generation.request_id)) < 20
+
+
+async def test_a_fault_in_one_row_fails_that_request_only(pipeline, autojump_clock):
+    async with pipeline() as (llm, engine):
+        healthy = llm.generate([1], max_tokens=30)
+        faulty = llm.generate([2], max_tokens=30)
+        await faulty.start()
+        engine.failing.add(faulty.request_id)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(collect, healthy)
+            with pytest.raises(GenerationError, match="injected fault"):
+                await collect(faulty)
+        assert healthy.finish_reason == "length" and healthy.usage.completion_tokens == 30
+        assert engine.num_open == 0
+
+
+async def test_a_stop_string_finishes_the_request_and_frees_its_row(
+    pipeline, demo_tokenizer, autojump_clock
+):
+    async with pipeline(max_context=10_000) as (llm, engine):
+        stop = demo_tokenizer.decode([engine.token] * 3)
+        deltas = await collect(llm.generate([1], max_tokens=1000, stop=stop))
+        assert (deltas[-1].finish_reason, deltas[-1].cause) == ("stop", "stop_sequence")
+        assert deltas[-1].usage.completion_tokens == 3
+        assert "".join(d.text for d in deltas) == ""
+        await wait_for(lambda: engine.num_open == 0)
+        assert len(engine.calls) < 20  # not 1000 steps
+
+
+async def test_drain_aborts_what_outlives_its_timeout(pipeline, autojump_clock):
+    failures = []
+
+    async def consume(generation):
+        try:
+            await collect(generation)
+        except GenerationError as error:
+            failures.append(str(error))
+
+    async with trio.open_nursery() as outside:
+        async with pipeline(max_context=100_000, drain_timeout=1.0) as (llm, engine):
+            generation = llm.generate([1], max_tokens=50_000)  # 500 s of virtual steps
+            await generation.start()
+            outside.start_soon(consume, generation)
+            started = trio.current_time()
+        assert 1.0 <= trio.current_time() - started < 2.0
+    assert failures == ["the request was aborted"]
+
+
+async def test_a_consumer_that_never_reads_cannot_hold_up_the_drain(pipeline, autojump_clock):
+    async with pipeline(max_context=100_000, drain_timeout=1.0) as (llm, engine):
+        forgotten = llm.generate([1], max_tokens=50_000)
+        await forgotten.start()
+        started = trio.current_time()
+    assert trio.current_time() - started < 3.0
+    assert engine.num_open == 0
+    with pytest.raises(GenerationError):
+        async for _ in forgotten:
+            pass
