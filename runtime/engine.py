@@ -272,7 +272,7 @@ class Engine:
         tokens = mx.concatenate(list(inputs))[:, None]  # [B, 1]
         hidden = self.model.hidden(tokens, view)  # [B, 1, hidden]
         logits = self.model.project(hidden[:, -1, :])  # [B, V]
-        is_finite = mx.all(mx.isfinite(logits), axis=-1)
+        is_finite = mx.isfinite(logits.sum(axis=-1))  # a NaN or inf anywhere poisons the sum
         sampled = sample(logits, [r.sampler for r in rows])  # [B]
         for i, row in enumerate(rows):
             row.next_input = sampled[i : i + 1]

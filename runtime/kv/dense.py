@@ -1,6 +1,7 @@
 """Dense KV storage: every row owns one slot of a preallocated per-layer pool.
 
-    keys[layer], values[layer]: [num_slots, n_kv_heads, capacity, head_dim]
+    keys[layer], values[layer]: [num_slots * n_kv_heads * capacity, head_dim]
+    viewed for attention as     [num_slots, n_kv_heads, capacity, head_dim]
 
     slot 0 | row a: t0 t1 t2 t3 t4 .  .  . |
     slot 1 | (free)                        |
@@ -10,6 +11,10 @@ A row joining takes a free slot and a row leaving gives it back: no other row's
 keys or values move (mlx-lm's BatchKVCache re-copies the whole batch on every
 join and leave). A batched decode attends over the slot span `[lo, hi)` with a
 per-row length mask; only `capacity` growth, in `grow_by` steps, copies the pool.
+
+The pools are stored flat so a step's writes are one single-index scatter of
+head_dim-wide rows: 4x faster on CPU than scattering with (slot, head, position)
+index arrays (0.025 vs 0.108 ms a layer at B=16), and still in place.
 """
 
 from __future__ import annotations
@@ -73,9 +78,21 @@ class DenseKV:
             return _PieceView(self, rows[0])
         raise ValueError("dense KV runs multi-token pieces one row at a time")
 
+    def view(self, pool: mx.array) -> mx.array:
+        """A flat pool as [num_slots, n_kv_heads, capacity, head_dim], without a copy."""
+        return pool.reshape(self.num_slots, self.num_kv_heads, self.capacity, self.head_dim)
+
+    def rows_of(self, slots: mx.array, positions: mx.array) -> mx.array:
+        """Flat row indices of (slot, head, position): slots, positions [N, 1] -> [N * Hkv]."""
+        heads = mx.arange(self.num_kv_heads)[None, :]
+        return ((slots * self.num_kv_heads + heads) * self.capacity + positions).reshape(-1)
+
     def export(self, slot: int, length: int) -> KVState:
         layers = tuple(
-            (mx.contiguous(k[slot, :, :length]), mx.contiguous(v[slot, :, :length]))
+            (
+                mx.contiguous(self.view(k)[slot, :, :length]),
+                mx.contiguous(self.view(v)[slot, :, :length]),
+            )
             for k, v in zip(self.keys, self.values, strict=True)
         )
         mx.eval(layers)
@@ -83,9 +100,11 @@ class DenseKV:
 
     def load(self, slot: int, state: KVState) -> None:
         self._ensure_capacity(state.length)
+        positions = mx.arange(state.length)[None, :]  # every head's rows, head-major
+        rows = ((slot * self.num_kv_heads + mx.arange(self.num_kv_heads)[:, None]) * self.capacity + positions).reshape(-1)
         for layer, (k, v) in enumerate(state.layers):
-            self.keys[layer][slot, :, : state.length] = k
-            self.values[layer][slot, :, : state.length] = v
+            self.keys[layer][rows] = k.reshape(-1, self.head_dim)
+            self.values[layer][rows] = v.reshape(-1, self.head_dim)
 
     def _ensure_capacity(self, length: int) -> None:
         if length <= self.capacity:
@@ -98,10 +117,10 @@ class DenseKV:
             for layer in range(self.num_layers):
                 grown = mx.zeros(shape, dtype=self.dtype)
                 if self.capacity:
-                    grown[:, :, : self.capacity] = pools[layer]
-                    pools[layer] = grown
+                    grown[:, :, : self.capacity] = self.view(pools[layer])
+                    pools[layer] = grown.reshape(-1, self.head_dim)
                 else:
-                    pools.append(grown)
+                    pools.append(grown.reshape(-1, self.head_dim))
         # Materialise now so the copy is not re-run inside every later step's graph.
         mx.eval(self.keys, self.values)
         self.capacity = new_capacity
@@ -118,9 +137,7 @@ class _DecodeView:
         self._lo, hi = min(slots), max(slots) + 1
         self._length = max(starts) + 1
         self._is_dense = slots == list(range(self._lo, hi))
-        self._write_slot = mx.array(slots, dtype=mx.int32)[:, None]  # [B, 1]
-        self._write_head = mx.arange(storage.num_kv_heads)[None, :]  # [1, Hkv]
-        self._write_pos = self.offsets[:, None]  # [B, 1]
+        self._write_rows = storage.rows_of(mx.array(slots)[:, None], self.offsets[:, None])
         # Lengths over the whole span; a gap slot sees one stale key and its output is dropped.
         span_lengths = [1] * (hi - self._lo)
         for slot, start in zip(slots, starts, strict=True):
@@ -135,12 +152,11 @@ class _DecodeView:
 
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         s = self._storage
-        where = (self._write_slot, self._write_head, self._write_pos)
-        s.keys[layer][where] = k[:, :, 0, :]  # [B, Hkv, D] into [slot, head, pos]
-        s.values[layer][where] = v[:, :, 0, :]
+        s.keys[layer][self._write_rows] = k.reshape(-1, s.head_dim)  # [B * Hkv, D] rows
+        s.values[layer][self._write_rows] = v.reshape(-1, s.head_dim)
         hi = self._lo + self._span
-        keys = s.keys[layer][self._lo : hi, :, : self._length]  # [S, Hkv, L, D]
-        values = s.values[layer][self._lo : hi, :, : self._length]
+        keys = s.view(s.keys[layer])[self._lo : hi, :, : self._length]  # [S, Hkv, L, D]
+        values = s.view(s.values[layer])[self._lo : hi, :, : self._length]
         if self._rows_in_span is None:
             return decode_attention(q, keys, values, scale, self._mask)
         q_span = mx.zeros((self._span, *q.shape[1:]), dtype=q.dtype)  # [S, H, 1, D]
@@ -156,6 +172,9 @@ class _PieceView:
         self._row = row
         self.offsets = row.start
         end = row.start + row.num_new
+        positions = mx.arange(row.start, end)[None, :]  # every head's new rows, head-major
+        heads = mx.arange(storage.num_kv_heads)[:, None]
+        self._write_rows = ((row.slot * storage.num_kv_heads + heads) * storage.capacity + positions).reshape(-1)
         if row.start == 0:
             self._mask: mx.array | str = "causal"
         else:
@@ -165,8 +184,8 @@ class _PieceView:
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         s, r = self._storage, self._row
         end = r.start + r.num_new
-        s.keys[layer][r.slot, :, r.start : end] = k[0]
-        s.values[layer][r.slot, :, r.start : end] = v[0]
-        keys = s.keys[layer][r.slot : r.slot + 1, :, :end]  # [1, Hkv, start+T, D]
-        values = s.values[layer][r.slot : r.slot + 1, :, :end]
+        s.keys[layer][self._write_rows] = k.reshape(-1, s.head_dim)  # [Hkv * T, D] rows
+        s.values[layer][self._write_rows] = v.reshape(-1, s.head_dim)
+        keys = s.view(s.keys[layer])[r.slot : r.slot + 1, :, :end]  # [1, Hkv, start+T, D]
+        values = s.view(s.values[layer])[r.slot : r.slot + 1, :, :end]
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=self._mask)

@@ -15,6 +15,8 @@ from runtime.kv.base import CausalNoCache, ForwardKV
 import mlx.core as mx
 import mlx.nn as nn
 
+from kernels.swiglu import swiglu
+
 
 class RoPE(nn.Module):
     """Rotary embedding with per-row offsets; default, linear and llama3 scaling."""
@@ -98,7 +100,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

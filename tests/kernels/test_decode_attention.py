@@ -8,8 +8,9 @@ from kernels.decode_attention import decode_attention, grouped_decode_attention,
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2), (6, 1)])
 @pytest.mark.parametrize("masked", [False, True])
-def test_grouped_matches_reference(heads, kv_heads, masked):
-    B, L, D = 3, 17, 16
+@pytest.mark.parametrize("L", [17, 100])  # 3 x 100 keys takes the grouped path
+def test_grouped_matches_reference(heads, kv_heads, masked, L):
+    B, D = 3, 16
     mx.random.seed(heads * 10 + kv_heads)
     q = mx.random.normal((B, heads, 1, D))
     k, v = mx.random.normal((B, kv_heads, L, D)), mx.random.normal((B, kv_heads, L, D))
