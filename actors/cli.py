@@ -21,6 +21,7 @@ import trio
 from actors.http_app import ServerState, create_app, serve_http
 from actors.service import open_llm
 from actors.tracing import LEVELS, configure_logging
+from kernels.blas import active_blas
 
 log = structlog.get_logger("cadence")
 
@@ -80,6 +81,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help="checkpoint directory or Hugging Face repo id (default: the demo)",
     )
     parser.add_argument("--offline", action="store_true", help="never download")
+    parser.add_argument(
+        "--keep-dtype",
+        action="store_true",
+        help="keep the checkpoint's dtype on CPU (default: expand to float32 when memory allows)",
+    )
 
 
 def _add_log_args(parser: argparse.ArgumentParser, default_level: str) -> None:
@@ -134,13 +140,14 @@ async def _serve(args: argparse.Namespace) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(_watch_signals, state, shutdown, nursery.cancel_scope)
         urls = await nursery.start(run_http)
-        log.info("loading", model=args.model or "demo", url=urls[0])
+        log.info("loading", model=args.model or "demo", url=urls[0], blas=active_blas())
         async with open_llm(
             args.model,
             max_batch=args.max_batch,
             max_waiting=args.max_waiting,
             max_context=args.max_context,
             offline=args.offline,
+            keep_dtype=args.keep_dtype,
             on_progress=_progress,
             drain_timeout=args.drain_timeout,
         ) as llm:
@@ -180,8 +187,14 @@ async def _watch_signals(
 
 
 async def _generate(args: argparse.Namespace) -> None:
+    log.info("loading", model=args.model or "demo", blas=active_blas())
     async with open_llm(
-        args.model, max_batch=1, max_waiting=1, offline=args.offline, on_progress=_progress
+        args.model,
+        max_batch=1,
+        max_waiting=1,
+        offline=args.offline,
+        keep_dtype=args.keep_dtype,
+        on_progress=_progress,
     ) as llm:
         sampling = dict(
             temperature=args.temperature,

@@ -7,9 +7,9 @@ random weights: hidden 1024, 16 layers, 16 heads, 4 KV heads, FFN 2816, 32k voca
 For each batch size B it prefills B prompts, then times only the decode steps:
 
     ours:   Engine.submit/collect with one step of lookahead
-    mlx-lm: generate_step (B=1) and BatchGenerator (every B)
+    mlx-lm: generate_step (B=1) and BatchGenerator (B > 1)
 
-and prints tok/s with the ratio ours / mlx-lm. mlx-lm is imported here as the
+and prints the best tok/s of each arm over interleaved repeats, with the ratio. mlx-lm is imported here as the
 peer, never by cadence itself.
 """
 
@@ -125,13 +125,19 @@ def mlx_lm_batch(model, prompts: list[list[int]], new_tokens: int) -> float:
     return produced / elapsed
 
 
+def mlx_lm_decode(model, prompts: list[list[int]], new_tokens: int) -> float:
+    if len(prompts) == 1:
+        return mlx_lm_single(model, prompts[0], new_tokens)
+    return mlx_lm_batch(model, prompts, new_tokens)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--cache-dir", type=Path, default=Path(".bench"))
-    parser.add_argument("--repeats", type=int, default=2, help="best of N per cell")
+    parser.add_argument("--repeats", type=int, default=3, help="best of N per cell, arms interleaved")
     args = parser.parse_args()
 
     import mlx_lm
@@ -141,23 +147,18 @@ def main() -> None:
     engine = Engine(loaded, max_batch=max(args.batches), max_context=args.prompt_tokens + args.new_tokens + 8)
     peer, _ = mlx_lm.load(str(path))
     print(f"checkpoint: {path} ({sum(v.size for _, v in tree_flatten(loaded.model.parameters())) / 1e6:.0f}M params, fp32)")
-    print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, decode tok/s, best of {args.repeats}")
+    print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, decode tok/s, "
+          f"best of {args.repeats} interleaved runs")
     print(f"{'B':>3} | {'cadence':>8} | {'mlx-lm':>8} | {'peer arm':<15} | ratio")
     for batch in args.batches:
         prompts = prompts_for(batch, args.prompt_tokens, BENCH_CONFIG["vocab_size"])
-        ours_tps = max(ours(engine, prompts, args.new_tokens) for _ in range(args.repeats))
-        if batch == 1:
-            peer_tps = max(mlx_lm_single(peer, prompts[0], args.new_tokens) for _ in range(args.repeats))
-            arm = "generate_step"
-        else:
-            peer_tps = max(mlx_lm_batch(peer, prompts, args.new_tokens) for _ in range(args.repeats))
-            arm = "BatchGenerator"
+        arm = "generate_step" if batch == 1 else "BatchGenerator"
+        ours_runs, peer_runs = [], []
+        for _ in range(args.repeats):  # interleaved, so both arms see the same machine
+            ours_runs.append(ours(engine, prompts, args.new_tokens))
+            peer_runs.append(mlx_lm_decode(peer, prompts, args.new_tokens))
+        ours_tps, peer_tps = max(ours_runs), max(peer_runs)
         print(f"{batch:>3} | {ours_tps:8.1f} | {peer_tps:8.1f} | {arm:<15} | {ours_tps / peer_tps:.2f}x", flush=True)
-    if 1 in args.batches:
-        prompts = prompts_for(1, args.prompt_tokens, BENCH_CONFIG["vocab_size"])
-        peer_b1 = max(mlx_lm_batch(peer, prompts, args.new_tokens) for _ in range(args.repeats))
-        print(f"  1 | (mlx-lm BatchGenerator at B=1: {peer_b1:.1f} tok/s)")
-
 
 if __name__ == "__main__":
     main()
