@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
+from runtime.finishing import first_cause
 from runtime.sequence import FinishCause
 from runtime.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
@@ -105,11 +106,11 @@ class Streamer:
             )
         stream.num_completion_tokens += 1
         text, is_stop = stream.stop_matcher.feed(stream.detokenizer.add(row.token))
-        cause = FinishCause.STOP_SEQUENCE if is_stop else row.finish
+        cause = first_cause(row.finish, FinishCause.STOP_SEQUENCE if is_stop else None)
         if cause is not None and not is_stop:
             tail, is_stop = stream.stop_matcher.feed(stream.detokenizer.flush())
             text += tail if is_stop else tail + stream.stop_matcher.flush()
-            cause = FinishCause.STOP_SEQUENCE if is_stop else cause
+            cause = first_cause(row.finish, FinishCause.STOP_SEQUENCE if is_stop else None)
         if cause is None:
             if text and not self._send(stream, TextDelta(stream.request_id, text)):
                 self._forget(stream)

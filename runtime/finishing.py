@@ -1,8 +1,8 @@
 """Whether a row is done after a token: one function for every site that decides it.
 
-The engine calls `finish_step` for each sampled token; the streamer calls it again
-with `stop_hit` once text-level stop strings are matched. Causes are checked in
-this order, and the first that applies wins:
+The engine calls `finish_step` for each sampled token; the streamer, which matches
+stop strings on the text, merges its STOP_SEQUENCE with the engine's cause through
+`first_cause`. Both follow one order, `FinishCause`'s, and the first that applies wins:
 
     1. ERROR              the row failed (the error message travels beside it)
     2. EOS                the token is an end-of-sequence id (unless ignore_eos)
@@ -55,3 +55,10 @@ def is_repetition_loop(tokens: Sequence[int], window: int) -> bool:
     tail = list(tokens[-window - max_period :])
     recent = tail[-window:]
     return any(recent == tail[-window - p : -p] for p in range(1, max_period + 1))
+
+
+def first_cause(*causes: FinishCause | None) -> FinishCause | None:
+    """Of several causes that apply at once (None: does not apply), the one that wins."""
+    order = list(FinishCause)  # declaration order is the documented priority
+    present = [cause for cause in causes if cause is not None]
+    return min(present, key=order.index) if present else None

@@ -1,6 +1,6 @@
 """finish_step's documented order, and the repetition-loop detector."""
 
-from runtime.finishing import finish_step, is_repetition_loop
+from runtime.finishing import finish_step, first_cause, is_repetition_loop
 from runtime.sequence import FinishCause
 
 BASE = dict(max_tokens=10, context_length=20, max_context=100, eos_ids=frozenset({2}))
@@ -37,3 +37,10 @@ def test_openai_reasons():
     assert FinishCause.STOP_SEQUENCE.openai_reason == "stop"
     assert FinishCause.CONTEXT_EXHAUSTED.openai_reason == "length"
     assert FinishCause.LENGTH.openai_reason == "length"
+
+
+def test_first_cause_follows_the_same_order():
+    assert first_cause(None, None) is None
+    assert first_cause(FinishCause.LENGTH, FinishCause.STOP_SEQUENCE) is FinishCause.STOP_SEQUENCE
+    assert first_cause(FinishCause.EOS, FinishCause.STOP_SEQUENCE) is FinishCause.EOS
+    assert first_cause(None, FinishCause.REPETITION_LOOP) is FinishCause.REPETITION_LOOP
