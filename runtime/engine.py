@@ -191,7 +191,8 @@ class Engine:
             row.tokens.append(token)
             row.finished = finish_step(
                 token=token,
-                generated=row.tokens[len(row.params.prompt_tokens) :],
+                num_generated=row.num_generated,
+                tokens=row.tokens,
                 max_tokens=row.params.max_tokens,
                 context_length=len(row.tokens),
                 max_context=self.max_context,

@@ -22,7 +22,8 @@ from runtime.sequence import FinishCause
 def finish_step(
     *,
     token: int | None,
-    generated: Sequence[int],
+    num_generated: int,
+    tokens: Sequence[int],
     max_tokens: int | None,
     context_length: int,
     max_context: int,
@@ -31,18 +32,24 @@ def finish_step(
     repetition_window: int | None = None,
     error: str | None = None,
 ) -> FinishCause | None:
-    """`generated` already includes `token`; `context_length` is prompt + generated."""
+    """`tokens` is the sequence so far, `token` last (only its tail is read, and only
+    for the loop check); `num_generated` counts `token`; `context_length` is prompt +
+    generated."""
     if error is not None or token is None:
         return FinishCause.ERROR
     if token in eos_ids:
         return FinishCause.EOS
     if stop_hit:
         return FinishCause.STOP_SEQUENCE
-    if max_tokens is not None and len(generated) >= max_tokens:
+    if max_tokens is not None and num_generated >= max_tokens:
         return FinishCause.LENGTH
     if context_length >= max_context:
         return FinishCause.CONTEXT_EXHAUSTED
-    if repetition_window and is_repetition_loop(generated, repetition_window):
+    if (
+        repetition_window
+        and num_generated >= repetition_window + repetition_window // 4  # a tail of new tokens
+        and is_repetition_loop(tokens, repetition_window)
+    ):
         return FinishCause.REPETITION_LOOP
     return None
 

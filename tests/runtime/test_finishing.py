@@ -7,21 +7,21 @@ BASE = dict(max_tokens=10, context_length=20, max_context=100, eos_ids=frozenset
 
 
 def test_nothing_applies():
-    assert finish_step(token=5, generated=[5], **BASE) is None
+    assert finish_step(token=5, num_generated=1, tokens=[9, 5], **BASE) is None
 
 
 def test_order_error_eos_stop_length_context_loop():
     loop = [1, 2] * 20
     everything = dict(BASE, max_tokens=1, context_length=100, stop_hit=True, repetition_window=8)
-    assert finish_step(token=2, generated=loop, error="boom", **everything) is FinishCause.ERROR
-    assert finish_step(token=2, generated=loop, **everything) is FinishCause.EOS
-    assert finish_step(token=1, generated=loop, **everything) is FinishCause.STOP_SEQUENCE
+    assert finish_step(token=2, num_generated=len(loop), tokens=loop, error="boom", **everything) is FinishCause.ERROR
+    assert finish_step(token=2, num_generated=len(loop), tokens=loop, **everything) is FinishCause.EOS
+    assert finish_step(token=1, num_generated=len(loop), tokens=loop, **everything) is FinishCause.STOP_SEQUENCE
     everything["stop_hit"] = False
-    assert finish_step(token=1, generated=loop, **everything) is FinishCause.LENGTH
+    assert finish_step(token=1, num_generated=len(loop), tokens=loop, **everything) is FinishCause.LENGTH
     everything["max_tokens"] = None
-    assert finish_step(token=1, generated=loop, **everything) is FinishCause.CONTEXT_EXHAUSTED
+    assert finish_step(token=1, num_generated=len(loop), tokens=loop, **everything) is FinishCause.CONTEXT_EXHAUSTED
     everything["context_length"] = 50
-    assert finish_step(token=1, generated=loop, **everything) is FinishCause.REPETITION_LOOP
+    assert finish_step(token=1, num_generated=len(loop), tokens=loop, **everything) is FinishCause.REPETITION_LOOP
 
 
 def test_repetition_loop_detector():
@@ -44,3 +44,12 @@ def test_first_cause_follows_the_same_order():
     assert first_cause(FinishCause.LENGTH, FinishCause.STOP_SEQUENCE) is FinishCause.STOP_SEQUENCE
     assert first_cause(FinishCause.EOS, FinishCause.STOP_SEQUENCE) is FinishCause.EOS
     assert first_cause(None, FinishCause.REPETITION_LOOP) is FinishCause.REPETITION_LOOP
+
+
+def test_a_loop_in_the_prompt_alone_does_not_count():
+    prompt_loop, limits = [7] * 40, dict(BASE, max_tokens=None)
+    assert finish_step(token=7, num_generated=2, tokens=prompt_loop, repetition_window=16, **limits) is None
+    assert (
+        finish_step(token=7, num_generated=20, tokens=prompt_loop, repetition_window=16, **limits)
+        is FinishCause.REPETITION_LOOP
+    )
