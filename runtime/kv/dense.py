@@ -82,10 +82,15 @@ class DenseKV:
         """A flat pool as [num_slots, n_kv_heads, capacity, head_dim], without a copy."""
         return pool.reshape(self.num_slots, self.num_kv_heads, self.capacity, self.head_dim)
 
-    def rows_of(self, slots: mx.array, positions: mx.array) -> mx.array:
-        """Flat row indices of (slot, head, position): slots, positions [N, 1] -> [N * Hkv]."""
-        heads = mx.arange(self.num_kv_heads)[None, :]
-        return ((slots * self.num_kv_heads + heads) * self.capacity + positions).reshape(-1)
+    def rows(self, slots: mx.array, positions: mx.array) -> mx.array:
+        """Flat pool rows of every head at `positions` of each slot, in [N, Hkv, T] order.
+
+        slots [N], positions [N, T] -> [N * Hkv * T]: the order of `k.reshape(-1, D)`
+        for keys shaped [N, Hkv, T, D].
+        """
+        heads = mx.arange(self.num_kv_heads)[None, :, None]
+        slot_heads = slots[:, None, None] * self.num_kv_heads + heads  # [N, Hkv, 1]
+        return (slot_heads * self.capacity + positions[:, None, :]).reshape(-1)
 
     def export(self, slot: int, length: int) -> KVState:
         layers = tuple(
@@ -100,8 +105,7 @@ class DenseKV:
 
     def load(self, slot: int, state: KVState) -> None:
         self._ensure_capacity(state.length)
-        positions = mx.arange(state.length)[None, :]  # every head's rows, head-major
-        rows = ((slot * self.num_kv_heads + mx.arange(self.num_kv_heads)[:, None]) * self.capacity + positions).reshape(-1)
+        rows = self.rows(mx.array([slot]), mx.arange(state.length)[None, :])
         for layer, (k, v) in enumerate(state.layers):
             self.keys[layer][rows] = k.reshape(-1, self.head_dim)
             self.values[layer][rows] = v.reshape(-1, self.head_dim)
@@ -137,7 +141,7 @@ class _DecodeView:
         self._lo, hi = min(slots), max(slots) + 1
         self._length = max(starts) + 1
         self._is_dense = slots == list(range(self._lo, hi))
-        self._write_rows = storage.rows_of(mx.array(slots)[:, None], self.offsets[:, None])
+        self._write_rows = storage.rows(mx.array(slots), self.offsets[:, None])
         # Lengths over the whole span; a gap slot sees one stale key and its output is dropped.
         span_lengths = [1] * (hi - self._lo)
         for slot, start in zip(slots, starts, strict=True):
@@ -172,9 +176,7 @@ class _PieceView:
         self._row = row
         self.offsets = row.start
         end = row.start + row.num_new
-        positions = mx.arange(row.start, end)[None, :]  # every head's new rows, head-major
-        heads = mx.arange(storage.num_kv_heads)[:, None]
-        self._write_rows = ((row.slot * storage.num_kv_heads + heads) * storage.capacity + positions).reshape(-1)
+        self._write_rows = storage.rows(mx.array([row.slot]), mx.arange(row.start, end)[None, :])
         if row.start == 0:
             self._mask: mx.array | str = "causal"
         else:
