@@ -4,8 +4,9 @@ mlx's Linux CPU wheel evaluates `exp` at ~10 ns per element. Decode spends it in
 two places: SwiGLU's sigmoid (0.94 ms per layer at B=16 for a 2816-wide MLP)
 and attention's softmax. This is Cephes' `expf` scheme: n = round(x·log2 e),
 r = x - n·ln2 (ln2 split in two parts so n·ln2 is exact), a degree-6 polynomial
-for e^r, and 2^n built from its exponent bits. Relative error ~4e-6 at worst over
-[-87, 88], ~1e-7 typical; fused by `mx.compile`.
+for e^r, and 2^n built from its exponent bits; fused by `mx.compile`. Against a
+float64 exp over [-87, 88] its relative error is 7.6e-8 at worst (mlx's own CPU
+exp: 3.9e-6). Without a C++ compiler, mx.compile runs the ops unfused.
 
 The bit-level view of 2^n cannot be traced shapelessly, so callers fuse around it:
 `exp_parts` gives e^r and the bits, `scale_of` views the bits. A shapeless trace
