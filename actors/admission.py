@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
+from runtime.engine import check_sequence
 from runtime.errors import CadenceError, RequestError
 from runtime.sequence import SequenceParams
 from runtime.tokenizer import Tokenizer
@@ -105,36 +106,17 @@ class Admission:
         else:
             tokens = list(request.prompt or ())
             field = "prompt"
-            if any(t >= self.vocab_size for t in tokens):
-                raise RequestError(
-                    f"token ids in 'prompt' must be below the vocabulary size {self.vocab_size}",
-                    param="prompt",
-                )
-        if not tokens:
-            raise RequestError(f"'{field}' encodes to no tokens", param=field)
-        for token, _ in request.sampling.logit_bias:
-            if token >= self.vocab_size:
-                raise RequestError(
-                    f"logit_bias key {token} is not below the vocabulary size {self.vocab_size}",
-                    param="logit_bias",
-                )
-        room = self.max_context - len(tokens)
-        max_tokens = request.max_tokens if request.max_tokens is not None else room
-        if max_tokens < 1 or len(tokens) + max_tokens > self.max_context:
-            raise RequestError(
-                f"this model's maximum context length is {self.max_context} tokens; "
-                f"the prompt has {len(tokens)} tokens and max_tokens asks for "
-                f"{request.max_tokens if request.max_tokens is not None else 'at least 1'} more",
-                param=field if request.max_tokens is None else "max_tokens",
-                code="context_length_exceeded",
-            )
-        return SequenceParams(
+        params = SequenceParams(
             prompt_tokens=tuple(tokens),
-            max_tokens=max_tokens,
+            max_tokens=request.max_tokens,  # None: until EOS, a stop, or the context is full
             sampling=request.sampling,
             ignore_eos=request.ignore_eos,
             request_id=request_id,
         )
+        check_sequence(
+            params, max_context=self.max_context, vocab_size=self.vocab_size, prompt_field=field
+        )
+        return params
 
 
 def _reply_and_close(admit: Admit, message: Rejected) -> None:

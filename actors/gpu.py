@@ -16,7 +16,6 @@ from runtime.scheduler import StepPlan
 from runtime.sequence import FinishCause, SeqHandle, StepBatch
 
 import attrs
-import mlx.core as mx
 import structlog
 import trio
 
@@ -110,15 +109,13 @@ class GpuActor:
         decode = tuple(self.rows[r] for r in plan.decode if r in self.rows)
         planned = [r for r, _ in plan.prefill] + list(plan.decode)
         row_ids = tuple(r for r in dict.fromkeys(planned) if r in self.rows)
-        num_queued = self.engine.num_pending
         submitted_at = time.perf_counter()
         try:
-            self.engine.submit(StepBatch(decode=decode, prefill=prefill))
+            is_queued = self.engine.submit(StepBatch(decode=decode, prefill=prefill))
         except Exception as error:  # not one row's fault: every row of the step fails
             log.exception("submit failed", step=plan.step)
             failed += self._fail_rows(row_ids, f"engine error: {error}")
             return _Launched(plan, False, tuple(failed), (), submitted_at)
-        is_queued = self.engine.num_pending > num_queued
         return _Launched(plan, is_queued, tuple(failed), row_ids, submitted_at)
 
     def _launch_then_collect(
@@ -135,7 +132,7 @@ class GpuActor:
             if launched.is_queued:
                 outcomes = self.engine.collect()
             elif launched.row_ids:
-                mx.synchronize()  # pace prefill-only steps: their KV writes finish here
+                self.engine.synchronize()  # pace prefill-only steps: their KV writes finish here
         except Exception as error:
             log.exception("collect failed", step=launched.plan.step)
             rows += self._fail_rows(launched.row_ids, f"engine error: {error}")

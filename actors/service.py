@@ -65,8 +65,9 @@ async def open_llm(
 ) -> AsyncIterator[LLM]:
     """Load `model` (None: the built-in demo) and serve it until the block exits.
 
-    `lookahead` is how many engine steps stay queued behind the running one (more
-    hides more scheduling latency, and costs that many speculative steps per finish).
+    `lookahead` (>= 1) is how many engine steps stay queued behind the running one
+    (more hides more scheduling latency, and costs that many speculative steps per
+    finish).
     `on_progress` is called from the loading thread with one-line messages.
     Raises `runtime.errors.CheckpointError` for a bad checkpoint.
     """
@@ -96,6 +97,8 @@ async def run_actors(
     lookahead: int = 1,
 ) -> AsyncIterator[LLM]:
     """Serve an already-built engine (`open_llm` without the loading)."""
+    if lookahead < 1:  # the GPU actor collects step N only once N+1 is queued
+        raise ValueError(f"lookahead must be at least 1, got {lookahead}")
     body_error: BaseException | None = None
     async with trio.open_nursery() as nursery:
         llm = await _start_actors(nursery, thread, loaded, engine, policy, max_waiting, lookahead)

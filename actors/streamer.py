@@ -96,13 +96,12 @@ class Streamer:
         if row.token is None or row.finish is FinishCause.ERROR:
             self._end(stream, Failed(stream.request_id, row.error or "generation failed"))
             return None
-        now = trio.current_time()
         if stream.first_token_at is None:
-            stream.first_token_at = now
+            stream.first_token_at = trio.current_time()
             log.info(
                 "first_token",
                 request_id=stream.request_id,
-                ttft_ms=_ms(now - stream.track.arrived_at),
+                ttft_ms=_ms(stream.first_token_at - stream.track.arrived_at),
             )
         stream.num_completion_tokens += 1
         text, is_stop = stream.stop_matcher.feed(stream.detokenizer.add(row.token))

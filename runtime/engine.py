@@ -74,6 +74,36 @@ class SeqSnapshot:
     kv: KVState
 
 
+def check_sequence(
+    params: SequenceParams, *, max_context: int, vocab_size: int, prompt_field: str = "prompt"
+) -> None:
+    """Raise RequestError unless `params` can run; pure, so admission calls it off-thread too.
+
+    `prompt_field` names the request field the prompt came from ("prompt" or "messages").
+    """
+    prompt = params.prompt_tokens
+    if not prompt:
+        raise RequestError(f"'{prompt_field}' encodes to no tokens", param=prompt_field)
+    if params.max_tokens is not None and params.max_tokens < 1:
+        raise RequestError("'max_tokens' must be at least 1", param="max_tokens")
+    if len(prompt) + (params.max_tokens or 1) > max_context:
+        asked = params.max_tokens or "at least 1"
+        raise RequestError(
+            f"this model's maximum context length is {max_context} tokens; the prompt has "
+            f"{len(prompt)} tokens and max_tokens asks for {asked} more",
+            param="max_tokens" if params.max_tokens else prompt_field,
+            code="context_length_exceeded",
+        )
+    if any(not 0 <= t < vocab_size for t in prompt):
+        raise RequestError(
+            f"token ids in '{prompt_field}' must be in 0..{vocab_size - 1}", param=prompt_field
+        )
+    if any(not 0 <= t < vocab_size for t, _ in params.sampling.logit_bias):
+        raise RequestError(
+            f"logit_bias keys must be token ids in 0..{vocab_size - 1}", param="logit_bias"
+        )
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, *, max_batch: int = 16, max_context: int | None = None):
         config = loaded.config
@@ -98,7 +128,7 @@ class Engine:
     # -- sequences ---------------------------------------------------------------
 
     def open(self, params: SequenceParams) -> SeqHandle:
-        self._validate(params)
+        check_sequence(params, max_context=self.max_context, vocab_size=self.config.vocab_size)
         slot = self.kv.allocate()
         handle = SeqHandle(next(self._ids))
         self._rows[handle.seq_id] = _Row(
@@ -115,13 +145,6 @@ class Engine:
         row = self._rows.pop(seq.seq_id, None)
         if row is not None:
             self.kv.free(row.slot)
-
-    def is_open(self, seq: SeqHandle) -> bool:
-        return seq.seq_id in self._rows
-
-    def prompt_tokens_left(self, seq: SeqHandle) -> int:
-        row = self._rows[seq.seq_id]
-        return max(0, len(row.params.prompt_tokens) - 1 - row.num_computed)
 
     @property
     def num_open(self) -> int:
@@ -144,8 +167,12 @@ class Engine:
         self.submit(batch)
         return self.collect()
 
-    def submit(self, batch: StepBatch) -> None:
-        """Queue prefill pieces, then one decode forward over the ready rows; never blocks."""
+    def submit(self, batch: StepBatch) -> bool:
+        """Queue prefill pieces, then one decode forward over the ready rows.
+
+        Returns True when a step was queued for `collect`; a batch with only prefill
+        pieces (or only rows that finished meanwhile) queues none.
+        """
         for seq, piece in batch.prefill:
             self._run_piece(self._rows[seq.seq_id], piece)
         rows, inputs, failures = [], [], []
@@ -162,13 +189,18 @@ class Engine:
         if not rows and not failures:
             if batch.prefill:  # start the pieces now rather than at the next decode
                 mx.async_eval(self.kv.keys, self.kv.values)
-            return
+            return False
         seq_ids: tuple[int, ...] = ()
         tokens, is_finite = mx.array([], dtype=mx.int32), mx.array([], dtype=mx.bool_)
         if rows:
             seq_ids, tokens, is_finite = self._decode(rows, inputs)
         mx.async_eval(tokens, is_finite)
         self._queued.append(_QueuedStep(seq_ids, tokens, is_finite, tuple(failures)))
+        return True
+
+    def synchronize(self) -> None:
+        """Block until all submitted work, prefill pieces included, has run."""
+        mx.synchronize()
 
     def collect(self) -> list[StepOutcome]:
         """Block for the oldest queued step and decide which rows it finished."""
@@ -222,25 +254,6 @@ class Engine:
         return seq
 
     # -- internals ---------------------------------------------------------------
-
-    def _validate(self, params: SequenceParams) -> None:
-        prompt = params.prompt_tokens
-        if not prompt:
-            raise RequestError("the prompt is empty", param="prompt")
-        if params.max_tokens is not None and params.max_tokens < 1:
-            raise RequestError("max_tokens must be at least 1", param="max_tokens")
-        if len(prompt) + (params.max_tokens or 1) > self.max_context:
-            raise RequestError(
-                f"this model's maximum context length is {self.max_context} tokens; the request "
-                f"has {len(prompt)} prompt tokens and asks for {params.max_tokens or 1} more",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        vocab = self.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        bad += [t for t, _ in params.sampling.logit_bias if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
 
     def _run_piece(self, row: _Row, piece: PrefillPiece) -> None:
         last_prompt = len(row.params.prompt_tokens) - 1

@@ -1,8 +1,9 @@
 """Whether a row is done after a token: one function for every site that decides it.
 
-The engine calls `finish_step` for each sampled token; the streamer, which matches
-stop strings on the text, merges its STOP_SEQUENCE with the engine's cause through
-`first_cause`. Both follow one order, `FinishCause`'s, and the first that applies wins:
+The engine calls `finish_step` for each sampled token (all but STOP_SEQUENCE); the
+streamer, which matches stop strings on the text, merges its STOP_SEQUENCE with the
+engine's cause through `first_cause`. Both follow one order, `FinishCause`'s, and
+the first that applies wins:
 
     1. ERROR              the row failed (the error message travels beside it)
     2. EOS                the token is an end-of-sequence id (unless ignore_eos)
@@ -28,19 +29,15 @@ def finish_step(
     context_length: int,
     max_context: int,
     eos_ids: frozenset[int],
-    stop_hit: bool = False,
     repetition_window: int | None = None,
-    error: str | None = None,
 ) -> FinishCause | None:
     """`tokens` is the sequence so far, `token` last (only its tail is read, and only
     for the loop check); `num_generated` counts `token`; `context_length` is prompt +
     generated."""
-    if error is not None or token is None:
+    if token is None:
         return FinishCause.ERROR
     if token in eos_ids:
         return FinishCause.EOS
-    if stop_hit:
-        return FinishCause.STOP_SEQUENCE
     if max_tokens is not None and num_generated >= max_tokens:
         return FinishCause.LENGTH
     if context_length >= max_context:
@@ -64,8 +61,10 @@ def is_repetition_loop(tokens: Sequence[int], window: int) -> bool:
     return any(recent == tail[-window - p : -p] for p in range(1, max_period + 1))
 
 
+_RANK = {cause: rank for rank, cause in enumerate(FinishCause)}  # declaration order
+
+
 def first_cause(*causes: FinishCause | None) -> FinishCause | None:
     """Of several causes that apply at once (None: does not apply), the one that wins."""
-    order = list(FinishCause)  # declaration order is the documented priority
     present = [cause for cause in causes if cause is not None]
-    return min(present, key=order.index) if present else None
+    return min(present, key=_RANK.__getitem__) if present else None

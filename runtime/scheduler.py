@@ -59,9 +59,6 @@ class StepPlan:
     def num_prefill_tokens(self) -> int:
         return sum(piece.length for _, piece in self.prefill)
 
-    @property
-    def has_engine_work(self) -> bool:
-        return bool(self.prefill or self.decode)
 
 
 @attrs.define
@@ -82,9 +79,6 @@ class FcfsScheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
 
     @property
     def has_work(self) -> bool:

@@ -71,10 +71,6 @@ class StepBatch:
     decode: tuple[SeqHandle, ...] = ()
     prefill: tuple[tuple[SeqHandle, PrefillPiece], ...] = ()
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.decode and not self.prefill
-
 
 class FinishCause(enum.Enum):
     """Why a row stopped, in the order `finish_step` checks them."""

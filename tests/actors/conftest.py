@@ -55,7 +55,7 @@ class FakeEngine:
     def close(self, seq: SeqHandle) -> None:
         self.rows.pop(seq.seq_id, None)
 
-    def submit(self, batch: StepBatch) -> None:
+    def submit(self, batch: StepBatch) -> bool:
         self._num_steps += 1
         ids = [s.seq_id for s in batch.decode if s.seq_id in self.rows]
         names = [self.rows[s.seq_id][0].request_id for s, _ in batch.prefill] + [
@@ -63,6 +63,10 @@ class FakeEngine:
         ]
         self.calls.append(("submit", self._num_steps, tuple(names)))
         self.queued.append((self._num_steps, ids))
+        return True  # this fake queues every step, prefill-only ones included
+
+    def synchronize(self) -> None:
+        pass
 
     def collect(self) -> list[StepOutcome]:
         step, ids = self.queued.popleft()

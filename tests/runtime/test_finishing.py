@@ -10,13 +10,11 @@ def test_nothing_applies():
     assert finish_step(token=5, num_generated=1, tokens=[9, 5], **BASE) is None
 
 
-def test_order_error_eos_stop_length_context_loop():
+def test_order_error_eos_length_context_loop():
     loop = [1, 2] * 20
-    everything = dict(BASE, max_tokens=1, context_length=100, stop_hit=True, repetition_window=8)
-    assert finish_step(token=2, num_generated=len(loop), tokens=loop, error="boom", **everything) is FinishCause.ERROR
+    everything = dict(BASE, max_tokens=1, context_length=100, repetition_window=8)
+    assert finish_step(token=None, num_generated=len(loop), tokens=loop, **everything) is FinishCause.ERROR
     assert finish_step(token=2, num_generated=len(loop), tokens=loop, **everything) is FinishCause.EOS
-    assert finish_step(token=1, num_generated=len(loop), tokens=loop, **everything) is FinishCause.STOP_SEQUENCE
-    everything["stop_hit"] = False
     assert finish_step(token=1, num_generated=len(loop), tokens=loop, **everything) is FinishCause.LENGTH
     everything["max_tokens"] = None
     assert finish_step(token=1, num_generated=len(loop), tokens=loop, **everything) is FinishCause.CONTEXT_EXHAUSTED
