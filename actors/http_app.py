@@ -30,6 +30,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from actors.generation import Generation
 from actors.openai_requests import ApiError, ApiRequest, parse_chat, parse_completion, parse_json
 from actors.openai_responses import SSE_DONE, ChunkWriter, sse
+from actors.requests import ServiceClosedError
 from actors.service import LLM
 
 log = structlog.get_logger("cadence.http")
@@ -100,13 +101,7 @@ async def _read_json() -> dict[str, Any]:
 
 def _ready(state: ServerState) -> LLM:
     if state.llm is None or state.is_draining:
-        raise ApiError(
-            503,
-            f"the server is {state.phase}",
-            "server_error",
-            code="unavailable",
-            headers=(("Retry-After", "1"),),
-        )
+        raise ApiError.from_error(ServiceClosedError(f"the server is {state.phase}"))
     return state.llm
 
 

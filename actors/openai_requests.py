@@ -51,7 +51,8 @@ class ApiError(Exception):
                 headers = (("Retry-After", str(error.retry_after)),)
                 return cls(503, str(error), "server_error", code="overloaded", headers=headers)
             case ServiceClosedError():
-                return cls(503, str(error), "server_error", code="unavailable")
+                headers = (("Retry-After", "1"),)
+                return cls(503, str(error), "server_error", code="unavailable", headers=headers)
             case GenerationError():
                 return cls(500, str(error), "server_error", code="generation_failed")
         return cls(500, str(error), "server_error")
@@ -91,8 +92,6 @@ def _reject_constant(name: str) -> None:
 
 def parse_chat(body: dict[str, Any]) -> ApiRequest:
     messages = _field(body, "messages", list, required=True)
-    if not messages:
-        raise ApiError(400, "'messages' must not be empty", param="messages")
     return _parse_common(
         body, "chat", messages=tuple(_message(m, i) for i, m in enumerate(messages))
     )
@@ -141,9 +140,7 @@ def _parse_common(body: dict[str, Any], kind: str, **prompt: Any) -> ApiRequest:
             param="stream_options.include_usage",
         )
     stop = _field(body, "stop", (str, list)) or ()
-    stop = (stop,) if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) for s in stop):
-        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
+    stop = (stop,) if isinstance(stop, str) else stop  # check_request checks the items
     max_tokens = _field(body, "max_completion_tokens", int)
     if max_tokens is None:
         max_tokens = _field(body, "max_tokens", int)
@@ -175,8 +172,8 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
         value = _field(body, name, (int, float))
         values[name] = getattr(defaults, name) if value is None else float(value)
     values["top_k"] = _field(body, "top_k", int, default=0)
-    if values["top_k"] < 0:  # OpenAI-compatible servers commonly send -1 for "off"
-        values["top_k"] = 0 if values["top_k"] == -1 else values["top_k"]
+    if values["top_k"] == -1:  # OpenAI-compatible servers commonly send -1 for "off"
+        values["top_k"] = 0
     values["seed"] = _field(body, "seed", int)
     bias = _field(body, "logit_bias", dict) or {}
     pairs = []
@@ -188,7 +185,7 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
         ):
             raise ApiError(400, "'logit_bias' maps token ids to numbers", param="logit_bias")
         pairs.append((int(key), float(value)))
-    return SamplingParams(**values, logit_bias=tuple(sorted(pairs)))
+    return SamplingParams(**values, logit_bias=pairs)
 
 
 def _message(message: Any, index: int) -> dict[str, Any]:

@@ -198,12 +198,10 @@ class LLM:
         `async with`, so that leaving early aborts the request at once.
         Raises RequestError for a bad argument.
         """
-        if "logit_bias" in sampling and isinstance(sampling["logit_bias"], dict):
-            sampling["logit_bias"] = tuple(sorted(sampling["logit_bias"].items()))
         try:
             params = SamplingParams(**sampling)
-        except TypeError as error:
-            raise RequestError(f"unknown sampling parameter: {error}") from None
+        except (TypeError, ValueError) as error:
+            raise RequestError(f"bad sampling parameter: {error}") from None
         request = GenerateRequest(
             prompt=tuple(prompt) if isinstance(prompt, list) else prompt,
             messages=tuple(messages) if messages is not None else None,

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Mapping
 
 import attrs
+
+
+def _bias_pairs(bias: Mapping[int, float] | Iterable[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """{token: bias} or (token, bias) pairs -> sorted pairs, so equal biases compare equal."""
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    return tuple(sorted((int(token), float(value)) for token, value in items))
 
 
 @attrs.frozen
@@ -18,7 +25,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1.0: off; divides positive logits of seen tokens
     presence_penalty: float = 0.0  # subtracted once from every generated token's logit
     frequency_penalty: float = 0.0  # subtracted per occurrence of a generated token
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    # (token id, bias added to its logit); a {token: bias} mapping is accepted too
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_bias_pairs)
     seed: int | None = None  # a seeded row draws from its own generator, whatever its batch
 
     @property
