@@ -65,16 +65,13 @@ class Admission:
         bound = log.bind(request_id=admit.request_id)
         try:
             params = await trio.to_thread.run_sync(self.prepare, admit.request, admit.request_id)
-        except CadenceError as error:
+        except Exception as error:
             self.waiting_slots.release()
+            if not isinstance(error, CadenceError):  # a tokenizer or template bug: this request only
+                bound.exception("prepare failed")
+                error = RequestError(f"could not prepare the prompt: {error}")
             bound.info("rejected", error=str(error))
             _reply_and_close(admit, Rejected(admit.request_id, error))
-            return
-        except Exception as error:  # a tokenizer or template bug: this request only
-            self.waiting_slots.release()
-            bound.exception("rejected")
-            failure = RequestError(f"could not prepare the prompt: {error}")
-            _reply_and_close(admit, Rejected(admit.request_id, failure))
             return
         num_prompt_tokens = len(params.prompt_tokens)
         # Track before Submit: the streamer must know the request before its first token.
