@@ -48,20 +48,23 @@ BENCH_CONFIG = {
 }
 
 
-def bench_checkpoint(root: Path) -> Path:
-    path = root / "llama-200m-fp32"
+def bench_checkpoint(root: Path, vocab_size: int = BENCH_CONFIG["vocab_size"]) -> Path:
+    """The benchmark checkpoint; a `vocab_size` other than 32k names its own directory."""
+    config = {**BENCH_CONFIG, "vocab_size": vocab_size}
+    suffix = "" if vocab_size == BENCH_CONFIG["vocab_size"] else f"-vocab{vocab_size}"
+    path = root / f"llama-200m-fp32{suffix}"
     if (path / "model.safetensors").exists():
         return path
     path.mkdir(parents=True, exist_ok=True)
     mx.random.seed(0)
-    model = Decoder(config_from_dict(BENCH_CONFIG))
+    model = Decoder(config_from_dict(config))
     weights = {
         k: (mx.random.normal(v.shape) * (1.0 if k.endswith("norm.weight") else 0.02)).astype(mx.float32)
         + (1.0 if k.endswith("norm.weight") else 0.0)
         for k, v in tree_flatten(model.parameters())
     }
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (path / "config.json").write_text(json.dumps(BENCH_CONFIG, indent=2))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEMO_CHECKPOINT / name, path / name)
     return path
