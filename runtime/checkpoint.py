@@ -156,12 +156,16 @@ def build_decoder(config: ModelConfig, weights: dict[str, mx.array], source: str
         weights.pop("lm_head.weight", None)
     if config.quantization is not None:
         q = config.quantization
-        nn.quantize(
-            decoder,
-            group_size=q.group_size,
-            bits=q.bits,
-            class_predicate=lambda p, m: f"{p}.scales" in weights,
-        )
+
+        def quantized_as(path: str, _module: nn.Module) -> bool | dict[str, int]:
+            if f"{path}.scales" not in weights:
+                return False  # stored unquantized (e.g. a layer the quantizer skipped)
+            if path in q.per_layer:
+                group_size, bits = q.per_layer[path]
+                return {"group_size": group_size, "bits": bits}
+            return True
+
+        nn.quantize(decoder, group_size=q.group_size, bits=q.bits, class_predicate=quantized_as)
     expected = dict(tree_flatten(decoder.parameters()))
     for name, param in expected.items():
         if name not in weights:

@@ -15,6 +15,8 @@ import attrs
 class Quantization:
     group_size: int
     bits: int
+    # Mixed-precision checkpoints: {module path: (group_size, bits)} overriding the default.
+    per_layer: dict[str, tuple[int, int]] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -115,8 +117,13 @@ def config_from_dict(
     quantization = None
     if quant is not None:
         try:
-            quantization = Quantization(int(quant["group_size"]), int(quant["bits"]))
-        except (KeyError, TypeError, ValueError):
+            per_layer = {
+                path: (int(spec.get("group_size", quant["group_size"])), int(spec["bits"]))
+                for path, spec in quant.items()
+                if isinstance(spec, dict)
+            }
+            quantization = Quantization(int(quant["group_size"]), int(quant["bits"]), per_layer)
+        except (KeyError, TypeError, ValueError, AttributeError):
             raise CheckpointError(
                 f"{source}: field 'quantization' needs integer group_size and bits, got {quant!r}"
             ) from None

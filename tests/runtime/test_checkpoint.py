@@ -114,3 +114,30 @@ def test_demo_checkpoint_loads():
     assert loaded.path == DEMO_CHECKPOINT and loaded.name == "cadence-demo"
     assert loaded.config.eos_token_ids
     assert loaded.tokenizer.has_chat_template
+
+
+def test_mixed_precision_quantization_loads_like_mlx_lm(make_checkpoint, tmp_path):
+    """mlx-community's mixed quants give some layers their own bits in config.json."""
+    import mlx_lm
+
+    path = tmp_path / "mixed"
+    shutil.copytree(make_checkpoint("llama", hidden_size=128, intermediate_size=256), path)
+    weights = mx.load(str(path / "model.safetensors"))
+    mixed = {}
+    for name, w in weights.items():
+        prefix = name.removesuffix(".weight")
+        if name.endswith("proj.weight"):
+            bits = 8 if prefix == "model.layers.0.mlp.down_proj" else 4
+            mixed[name], mixed[f"{prefix}.scales"], mixed[f"{prefix}.biases"] = mx.quantize(w, 32, bits)
+        else:
+            mixed[name] = w
+    mx.save_safetensors(str(path / "model.safetensors"), mixed, metadata={"format": "mlx"})
+    edit_config(path, quantization={"group_size": 32, "bits": 4,
+                                    "model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 8}})
+
+    loaded = load_model(path, keep_dtype=True)
+    assert loaded.model.model.layers[0].mlp.down_proj.bits == 8
+    assert loaded.model.model.layers[1].mlp.down_proj.bits == 4
+    peer, _ = mlx_lm.load(str(path))
+    tokens = mx.array([[5, 17, 99, 3, 44]])
+    assert mx.allclose(loaded.model(tokens), peer(tokens), atol=1e-4).item()
