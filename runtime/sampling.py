@@ -129,10 +129,11 @@ def _bias_matrix(params: Sequence[SamplingParams], vocab: int) -> mx.array:
 def _gumbel(rows: Sequence[RowSampler], shape: tuple[int, ...]) -> mx.array:
     if all(r.key is None for r in rows):
         return mx.random.gumbel(shape=shape)
-    shared = mx.random.gumbel(shape=shape)
+    # Unseeded rows share one draw; it is skipped when every row has its own key.
+    shared = mx.random.gumbel(shape=shape) if any(r.key is None for r in rows) else None
     return mx.stack(
         [
-            mx.random.gumbel(shape=shape[1:], key=r.next_key()) if r.key is not None else shared[i]
+            mx.random.gumbel(shape=shape[1:], key=r.next_key()) if shared is None or r.key is not None else shared[i]
             for i, r in enumerate(rows)
         ]
     )
