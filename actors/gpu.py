@@ -104,6 +104,9 @@ class GpuActor:
                 self.rows[request_id] = self.engine.open(params)
             except CadenceError as error:
                 failed.append(RowToken(request_id, None, FinishCause.ERROR, str(error)))
+            except Exception as error:  # an unchecked bad value fails its own request only
+                log.exception("open failed", request_id=request_id)
+                failed.append(RowToken(request_id, None, FinishCause.ERROR, f"engine error: {error}"))
         # Rows that finished or failed after this plan was made are simply left out.
         prefill = tuple((self.rows[r], p) for r, p in plan.prefill if r in self.rows)
         decode = tuple(self.rows[r] for r in plan.decode if r in self.rows)

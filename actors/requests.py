@@ -11,6 +11,7 @@ from runtime.sequence import SamplingParams
 import attrs
 
 MAX_STOP_STRINGS = 16
+MAX_SEED = 2**63 - 1  # mx.random.key takes [0, 2**64); vLLM and numpy stop at int64
 
 
 class OverloadedError(CadenceError):
@@ -133,8 +134,12 @@ def check_sampling(sampling: SamplingParams) -> None:
         raise RequestError(
             f"'top_k' must be an integer >= 0, got {sampling.top_k!r}", param="top_k"
         )
-    if sampling.seed is not None and not _is_int(sampling.seed):
-        raise RequestError(f"'seed' must be an integer, got {sampling.seed!r}", param="seed")
+    if sampling.seed is not None and (
+        not _is_int(sampling.seed) or not 0 <= sampling.seed <= MAX_SEED
+    ):
+        raise RequestError(
+            f"'seed' must be an integer in [0, 2**63), got {sampling.seed!r}", param="seed"
+        )
     for token, bias in sampling.logit_bias:
         if not _is_int(token) or token < 0:
             raise RequestError(f"logit_bias key {token!r} is not a token id", param="logit_bias")

@@ -367,6 +367,14 @@ ERROR_CASES = {
     "empty messages": ({"model": "M", "messages": []}, 400, "messages", None),
     "missing model": ({"prompt": "x"}, 400, "model", None),
     "n > 1": ({"model": "M", "prompt": "x", "n": 2}, 400, "n", None),
+    "negative seed": ({"model": "M", "prompt": "x", "seed": -1}, 400, "seed", None),
+    "seed of 2**64": ({"model": "M", "prompt": "x", "seed": 2**64}, 400, "seed", None),
+    "negative seed in a chat": (
+        {"model": "M", "messages": [{"role": "user", "content": "hi"}], "seed": -1},
+        400,
+        "seed",
+        None,
+    ),
     "unknown model": ({"model": "gpt-4o", "prompt": "x"}, 404, "model", "model_not_found"),
     "context too long": (
         {"model": "M", "prompt": "x", "max_tokens": 5000},
@@ -411,4 +419,9 @@ async def test_every_bad_request_gets_an_openai_error_object(tiny):
         assert status == 404 and "error" in got
         status, _, got = await in_thread(request, server.url, "GET", "/v1/completions")
         assert status == 405 and "error" in got
+        # None of the above took the server down: a plain request still completes.
+        done = await in_thread(
+            server.client().completions.create, model=server.model, prompt="x", max_tokens=3, seed=7
+        )
+        assert done.usage.completion_tokens >= 1
         await wait_for_no_open_rows(server.llm)

@@ -142,3 +142,20 @@ async def test_an_engine_fault_in_one_row_leaves_the_others_streaming(tiny):
         assert len(errors) == 1 and "injected fault" in errors[0]
         assert [results[p] for p in PROMPTS[:3]] == clean
         await wait_for_no_open_rows(llm)
+
+
+async def test_an_unexpected_error_opening_a_row_fails_that_request_only(tiny):
+    async with actors.open_llm(tiny, max_batch=4) as llm:
+        engine = llm._engine
+        engine_open = engine.open
+
+        def open_that_raises(params):
+            if list(params.prompt_tokens) == [7, 7, 7]:
+                raise TypeError("not a CadenceError")  # what mx.random.key(-1) raised
+            return engine_open(params)
+
+        engine.open = open_that_raises
+        with pytest.raises(GenerationError, match="not a CadenceError"):
+            await complete(llm, [7, 7, 7], max_tokens=4)
+        text, after = await complete(llm, "still serving", max_tokens=4, ignore_eos=True)
+        assert after.finish_reason == "length" and after.usage.completion_tokens == 4
