@@ -40,6 +40,7 @@ class Admission:
     tokenizer: Tokenizer
     max_context: int
     vocab_size: int
+    kv_tokens: int | None
     inbox: trio.MemoryReceiveChannel[Admit]
     to_scheduler: trio.MemorySendChannel[SchedulerMessage]
     to_streamer: trio.MemorySendChannel[StreamerMessage]
@@ -111,7 +112,11 @@ class Admission:
             request_id=request_id,
         )
         check_sequence(
-            params, max_context=self.max_context, vocab_size=self.vocab_size, prompt_field=field
+            params,
+            max_context=self.max_context,
+            vocab_size=self.vocab_size,
+            prompt_field=field,
+            kv_tokens=self.kv_tokens,
         )
         return params
 

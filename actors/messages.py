@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TypeAlias
 
 from runtime.errors import CadenceError
+from runtime.runner import RowResult as RowToken
 from runtime.scheduler import StepPlan
 from runtime.sequence import FinishCause, SequenceParams
 
@@ -91,10 +92,10 @@ class Abort:
 
 @attrs.frozen
 class StepDone:
-    """The GPU collected `step`; `finished` rows are already closed in the engine."""
+    """The GPU collected `step`: each row's result; finished rows are already closed."""
 
     step: int
-    finished: tuple[str, ...] = ()
+    rows: tuple[RowToken, ...] = ()
 
 
 @attrs.frozen
@@ -138,20 +139,11 @@ class Track:
 
 
 @attrs.frozen
-class RowToken:
-    """One row's outcome in a step; `token` is None when the row failed."""
-
-    request_id: str
-    token: int | None
-    finish: FinishCause | None = None
-    error: str | None = None
-
-
-@attrs.frozen
 class StepResult:
     step: int
     rows: tuple[RowToken, ...] = ()
     released: tuple[str, ...] = ()  # closed by abort: forget them
+    cached: tuple[tuple[str, int], ...] = ()  # rows opened: prompt tokens from the prefix cache
 
 
 StreamerMessage: TypeAlias = Track | StepResult

@@ -83,11 +83,12 @@ class ChunkWriter:
         }
 
 
-def usage_json(usage: Usage) -> dict[str, int]:
+def usage_json(usage: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
 
 

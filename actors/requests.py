@@ -46,6 +46,7 @@ class GenerateRequest:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
     @property
     def total_tokens(self) -> int:

@@ -13,6 +13,7 @@ channel by construction, so the pipeline cannot deadlock on a full channel.
 
 from __future__ import annotations
 
+from runtime.runner import step_results
 from runtime.scheduler import FcfsScheduler
 
 import attrs
@@ -71,11 +72,10 @@ class SchedulerActor:
                     self._abort(request_id, "shutdown")
             case Abort(request_id, cause):
                 self._abort(request_id, cause)
-            case StepDone(_, finished):
+            case StepDone(step, rows):
                 self.num_in_flight -= 1
                 self.is_idle_sent = False
-                for request_id in finished:
-                    self.policy.finish(request_id)
+                self.policy.on_step_done(step, step_results(rows))
             case AbortAll(cause):
                 self.is_aborting_all = True
                 ids = [r.request_id for r in self.policy.waiting] + list(self.policy.running)
@@ -92,14 +92,15 @@ class SchedulerActor:
             log.info("aborted", request_id=request_id, cause=cause, stage=where)
 
     async def _dispatch(self) -> None:
-        while self.num_in_flight <= self.lookahead and self.policy.has_work:
+        while self.num_in_flight <= self.lookahead:
             plan = self.policy.schedule()
-            assert plan is not None
+            if plan is None:  # nothing to plan until a step is done: let the GPU collect
+                if self.num_in_flight and not self.is_idle_sent:
+                    await self.to_gpu.send(Idle())
+                    self.is_idle_sent = True
+                return
             for _ in plan.opens:  # these left the waiting queue
                 self.waiting_slots.release()
             await self.to_gpu.send(plan)
             self.num_in_flight += 1
             self.is_idle_sent = False
-        if self.num_in_flight and not self.policy.has_work and not self.is_idle_sent:
-            await self.to_gpu.send(Idle())
-            self.is_idle_sent = True

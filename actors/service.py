@@ -17,18 +17,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import math
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 from runtime.checkpoint import LoadedModel, load_model
-from runtime.engine import Engine
+from runtime.engine import DEFAULT_BLOCK_SIZE, Engine
 from runtime.errors import RequestError
+from runtime.kv.blocks import BlockPool
+from runtime.runner import PlanRunner
 from runtime.scheduler import FcfsScheduler
 from runtime.sequence import SamplingParams
 
 import attrs
+import structlog
 import trio
 
 from actors.admission import Admission
@@ -40,12 +44,21 @@ from actors.requests import GenerateRequest, ServiceClosedError, check_request
 from actors.scheduler import SchedulerActor
 from actors.streamer import Streamer
 
+log = structlog.get_logger("cadence")
+
+
+def _cache_salt(loaded: LoadedModel) -> bytes:
+    """Cached K/V is only valid for the weights and dtype that computed it."""
+    dtype = loaded.model.model.norm.weight.dtype
+    return hashlib.blake2b(f"{loaded.name}|{dtype}|{loaded.config!r}".encode()).digest()
+
 
 @attrs.frozen
 class EngineStats:
-    num_open: int
-    num_free_slots: int
-    num_pending: int
+    num_open: int  # engine rows
+    num_pending: int  # steps queued and not collected
+    num_free_blocks: int  # KV blocks free or cached-evictable (the policy's view)
+    num_used_blocks: int  # KV blocks held by a running request
 
 
 @contextlib.asynccontextmanager
@@ -55,6 +68,9 @@ async def open_llm(
     max_batch: int = 16,
     max_waiting: int = 64,
     max_context: int | None = None,
+    kv_budget: int | float | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    prefix_cache: bool = True,
     prefill_chunk: int = 256,
     max_prefill_tokens: int = 512,
     lookahead: int = 1,
@@ -65,9 +81,11 @@ async def open_llm(
 ) -> AsyncIterator[LLM]:
     """Load `model` (None: the built-in demo) and serve it until the block exits.
 
-    `lookahead` (>= 1) is how many engine steps stay queued behind the running one
-    (more hides more scheduling latency, and costs that many speculative steps per
-    finish).
+    `kv_budget` sizes the paged KV pool: bytes, a fraction of available memory, or
+    None for the default (see `runtime.engine.Engine`). `prefix_cache=False` turns
+    prefix caching off. `lookahead` (>= 1) is how many engine steps stay queued
+    behind the running one (more hides more scheduling latency, and costs that many
+    speculative steps per finish).
     `on_progress` is called from the loading thread with one-line messages.
     Raises `runtime.errors.CheckpointError` for a bad checkpoint.
     """
@@ -77,9 +95,32 @@ async def open_llm(
     )
     loaded = await thread.run(load, abandon_on_cancel=True)
     engine = await thread.run(
-        functools.partial(Engine, loaded, max_batch=max_batch, max_context=max_context)
+        functools.partial(
+            Engine,
+            loaded,
+            max_batch=max_batch,
+            max_context=max_context,
+            kv_budget=kv_budget,
+            block_size=block_size,
+        )
     )
-    policy = FcfsScheduler(max_batch, prefill_chunk, max_prefill_tokens)
+    kv = engine.kv
+    log.info(
+        "kv_pool",
+        block_size=kv.block_size,
+        num_blocks=kv.num_blocks,
+        bytes=kv.nbytes,
+        tokens=engine.kv_tokens,
+        prefix_cache=prefix_cache,
+    )
+    if engine.max_context < engine.model_max_context:
+        log.warning(
+            "context_capped_by_kv_budget",
+            max_context=engine.max_context,
+            asked=engine.model_max_context,
+        )
+    pool = BlockPool(kv.num_blocks, kv.block_size, salt=_cache_salt(loaded), is_caching=prefix_cache)
+    policy = FcfsScheduler(max_batch, pool, engine.max_context, prefill_chunk, max_prefill_tokens)
     async with run_actors(
         thread, loaded, engine, policy, max_waiting, drain_timeout, lookahead
     ) as llm:
@@ -138,6 +179,7 @@ async def _start_actors(
         loaded.tokenizer,
         engine.max_context,
         loaded.config.vocab_size,
+        engine.kv_tokens,
         admit_recv,
         sched_send.clone(),
         stream_send.clone(),
@@ -145,13 +187,15 @@ async def _start_actors(
     )
     actors = (
         Streamer(loaded.tokenizer, stream_recv, sched_send.clone()),
-        GpuActor(engine, thread, gpu_recv, stream_send, sched_send.clone(), lookahead=lookahead),
+        GpuActor(
+            PlanRunner(engine), thread, gpu_recv, stream_send, sched_send.clone(), lookahead=lookahead
+        ),
         SchedulerActor(policy, sched_recv, gpu_send, waiting_slots, lookahead=lookahead),
         admission,
     )
     for actor in actors:  # downstream first, so each one's consumer is already up
         await nursery.start(actor.run)
-    return LLM(loaded.name, engine, thread, admission, admit_send, sched_send)
+    return LLM(loaded.name, engine, policy, thread, admission, admit_send, sched_send)
 
 
 class LLM:
@@ -161,6 +205,7 @@ class LLM:
         self,
         name: str,
         engine: Engine,
+        policy: FcfsScheduler,
         thread: MlxThread,
         admission: Admission,
         to_admission: trio.MemorySendChannel[Admit],
@@ -172,6 +217,7 @@ class LLM:
         self.is_draining = False
         self.num_active = 0  # generations started and not yet done
         self._engine = engine
+        self._policy = policy
         self._thread = thread
         self._admission = admission
         self._to_admission = to_admission
@@ -214,10 +260,11 @@ class LLM:
 
     async def engine_stats(self) -> EngineStats:
         """Row counts read on the MLX thread (the engine is not shared with Trio)."""
-        engine = self._engine
-        return await self._thread.run(
-            lambda: EngineStats(engine.num_open, engine.num_free_slots, engine.num_pending)
+        engine, pool = self._engine, self._policy.pool
+        num_open, num_pending = await self._thread.run(
+            lambda: (engine.num_open, engine.num_pending)
         )
+        return EngineStats(num_open, num_pending, pool.num_free_blocks, pool.num_used_blocks)
 
     async def drain(self, timeout: float | None = None) -> None:
         """Refuse new requests, let running ones finish (abort them after `timeout`), stop."""

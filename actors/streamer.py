@@ -44,6 +44,7 @@ class _Stream:
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopMatcher
     num_completion_tokens: int = 0
+    num_cached_tokens: int = 0
     first_token_at: float | None = None
 
     @property
@@ -82,6 +83,9 @@ class Streamer:
             if (stream := self.streams.get(request_id)) is not None:
                 self._send(stream, Failed(request_id, "the request was aborted"))
                 self._forget(stream)
+        for request_id, num_cached in result.cached:
+            if (stream := self.streams.get(request_id)) is not None:
+                stream.num_cached_tokens = num_cached
         for row in result.rows:
             if (stream := self.streams.get(row.request_id)) is None:
                 continue  # already ended (stop string, abort) or never tracked
@@ -115,7 +119,9 @@ class Streamer:
                 self._forget(stream)
                 return "disconnected"
             return None
-        usage = Usage(stream.track.num_prompt_tokens, stream.num_completion_tokens)
+        usage = Usage(
+            stream.track.num_prompt_tokens, stream.num_completion_tokens, stream.num_cached_tokens
+        )
         self._end(stream, Finished(stream.request_id, text, cause, usage))
         # The engine already closed a row it finished; a stop string is ours to close.
         return "stop_sequence" if row.finish is None else None
@@ -135,6 +141,7 @@ class Streamer:
             cause=message.cause.value,
             prompt_tokens=message.usage.prompt_tokens,
             completion_tokens=message.usage.completion_tokens,
+            cached_tokens=message.usage.cached_tokens,
             ttft_ms=_ms(stream.first_token_at - stream.track.arrived_at),
             e2e_ms=_ms(now - stream.track.arrived_at),
         )

@@ -1,15 +1,19 @@
-"""The batch-native Engine: one decode entry where a single sequence is a batch of one.
+"""The Engine: one ragged forward per step, whatever its mix of prefill and decode.
 
     seq = engine.open(SequenceParams(prompt_tokens=..., max_tokens=...))
-    engine.prefill(seq, PrefillPiece(0, len(prompt) - 1))   # any chunking
-    engine.submit(StepBatch(decode=(seq, ...)))              # step N+1 queued ...
-    outcomes = engine.collect()                               # ... while N is read
+    engine.submit(StepBatch((RowSpan(seq.seq_id, 0, 12, blocks),)))  # step N+1 queued ...
+    outcomes = engine.collect()                                        # ... while N is read
 
-`submit` builds the step's graph and starts it with `mx.async_eval`; `collect`
-blocks on the oldest submitted step. Each row's next input is the lazily sampled
-token of its previous step, so step N+1 can be queued before step N's tokens are
-known. A row that finishes at step N may already sit in step N+1: that speculative
-token is dropped and its KV append undone.
+A step is a flat list of row spans: a prefill chunk of any length, or one decode
+token. A span that reaches the row's newest token samples the next one, so a row
+takes its last prefill chunk and its first decode in the same step. The spans'
+tokens become one batch `[N]`; logits are projected only where a row samples.
+
+The engine never allocates KV: spans carry block tables chosen by the policy's
+block pool (runtime/scheduler.py), and the engine only reads and writes them.
+Each row's next input is the lazily sampled token of its previous step, so step
+N+1 is queued before step N's tokens are known. A row that finishes at step N may
+sit in step N+1; that speculative token is dropped and the policy frees its blocks.
 
 Every method must run on one thread: mlx streams belong to the thread that made them.
 """
@@ -18,68 +22,73 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Sequence
 
 from runtime.checkpoint import LoadedModel
 from runtime.errors import RequestError
 from runtime.finishing import finish_step
-from runtime.kv.base import KVState, RowSpan
-from runtime.kv.dense import DenseKV
+from runtime.kv.base import RowSpan
+from runtime.kv.paged import PagedKV, available_memory
 from runtime.sampling import RowSampler, sample
-from runtime.sequence import (
-    FinishCause,
-    PrefillPiece,
-    SeqHandle,
-    SequenceParams,
-    StepBatch,
-    StepOutcome,
-)
+from runtime.sequence import FinishCause, SeqHandle, SequenceParams, StepBatch, StepOutcome
 
 import attrs
 import mlx.core as mx
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_FREE_FRACTION = 0.3  # of available memory, when no --kv-budget is given
 
 
 @attrs.define
 class _Row:
     handle: SeqHandle
     params: SequenceParams
-    slot: int
     sampler: RowSampler
     eos_ids: frozenset[int]
     tokens: list[int]  # prompt, then every collected token
-    num_computed: int = 0  # tokens whose K/V are stored, counting queued steps
-    next_input: mx.array | None = None  # [1] lazily sampled token of the last queued step
-    num_inflight: int = 0  # queued decode steps not yet collected
+    next_input: mx.array | None = None  # [1] the newest sample, maybe not computed yet
+    num_pending: int = 0  # samples queued and not collected
     finished: FinishCause | None = None
 
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - len(self.params.prompt_tokens)
 
+    @property
+    def frontier(self) -> int:
+        """Tokens known or queued: a span ending here samples the next one."""
+        return len(self.tokens) + self.num_pending
+
+
+@attrs.define
+class _Plan:
+    spans: list[RowSpan] = attrs.Factory(list)
+    inputs: list[mx.array] = attrs.Factory(list)  # each span's input tokens, [num_new] int32
+    sampling: list[_Row] = attrs.Factory(list)  # rows whose span ends at their newest token
+    sample_at: list[int] = attrs.Factory(list)  # ... and where, in the flat batch
+    failures: list[tuple[int, str]] = attrs.Factory(list)
+
 
 @attrs.frozen
 class _QueuedStep:
-    seq_ids: tuple[int, ...]
-    tokens: mx.array  # [B] int32
-    is_finite: mx.array  # [B] bool: the row's logits had no NaN/inf
+    seq_ids: tuple[int, ...]  # rows that sample, in the order of `tokens`
+    tokens: mx.array  # [S] int32
+    is_finite: mx.array  # [S] bool: the row's logits had no NaN/inf
     failures: tuple[tuple[int, str], ...]  # rows that failed while the step was built
-
-
-@attrs.frozen
-class SeqSnapshot:
-    """A sequence's tokens and KV, to resume it later without recomputing."""
-
-    params: SequenceParams
-    tokens: tuple[int, ...]
-    kv: KVState
+    writes: tuple[mx.array, ...]  # what a step without samples waits on: its KV writes
 
 
 def check_sequence(
-    params: SequenceParams, *, max_context: int, vocab_size: int, prompt_field: str = "prompt"
+    params: SequenceParams,
+    *,
+    max_context: int,
+    vocab_size: int,
+    prompt_field: str = "prompt",
+    kv_tokens: int | None = None,
 ) -> None:
     """Raise RequestError unless `params` can run; pure, so admission calls it off-thread too.
 
-    `prompt_field` names the request field the prompt came from ("prompt" or "messages").
+    `prompt_field` names the request field the prompt came from ("prompt" or "messages");
+    `kv_tokens`, when it is what bounds `max_context`, is named in the error.
     """
     prompt = params.prompt_tokens
     if not prompt:
@@ -88,9 +97,11 @@ def check_sequence(
         raise RequestError("'max_tokens' must be at least 1", param="max_tokens")
     if len(prompt) + (params.max_tokens or 1) > max_context:
         asked = params.max_tokens or "at least 1"
+        limit = f"this model's maximum context length is {max_context} tokens"
+        if kv_tokens is not None and kv_tokens <= max_context:
+            limit = f"the KV budget holds {kv_tokens} tokens in all (--kv-budget)"
         raise RequestError(
-            f"this model's maximum context length is {max_context} tokens; the prompt has "
-            f"{len(prompt)} tokens and max_tokens asks for {asked} more",
+            f"{limit}; the prompt has {len(prompt)} tokens and max_tokens asks for {asked} more",
             param="max_tokens" if params.max_tokens else prompt_field,
             code="context_length_exceeded",
         )
@@ -104,37 +115,68 @@ def check_sequence(
         )
 
 
+def rows_are_finite(logits: mx.array) -> mx.array:
+    """[S, V] -> [S] bool: no NaN or inf in the row. Per element: a row sum overflows
+    float16 (65,504) over a 151,936-token vocabulary of ordinary logits."""
+    return mx.isfinite(logits).all(axis=-1)
+
+
 class Engine:
-    def __init__(self, loaded: LoadedModel, *, max_batch: int = 16, max_context: int | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_batch: int = 16,
+        max_context: int | None = None,
+        kv_budget: int | float | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ):
+        """`kv_budget`: bytes, a fraction of available memory, or None for the default
+        (30% of available memory, at most what `max_batch` rows of `max_context` need)."""
         config = loaded.config
         self.model = loaded.model
         self.config = config
         self.max_batch = max_batch
-        self.max_context = min(max_context or config.max_position_embeddings, config.max_position_embeddings)
+        self.model_max_context = min(
+            max_context or config.max_position_embeddings, config.max_position_embeddings
+        )
         self.eos_ids = frozenset(config.eos_token_ids) | loaded.tokenizer.eos_token_ids
         dtype = self.model.model.norm.weight.dtype
-        self.kv = DenseKV(
-            config.num_hidden_layers,
-            config.num_key_value_heads,
-            config.head_dim,
-            num_slots=max_batch,
-            max_length=self.max_context,
-            dtype=dtype,
-        )
+        geometry = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+        self.bytes_per_block = PagedKV.bytes_per_block(*geometry, block_size, dtype)
+        num_blocks = self._num_blocks(kv_budget, block_size)
+        self.kv = PagedKV(*geometry, config.num_queries_per_kv, num_blocks, block_size, dtype)
+        self.kv_tokens = num_blocks * block_size
+        self.max_context = min(self.model_max_context, self.kv_tokens)
         self._rows: dict[int, _Row] = {}
         self._queued: deque[_QueuedStep] = deque()
         self._ids = itertools.count()
 
+    def _num_blocks(self, kv_budget: int | float | None, block_size: int) -> int:
+        blocks_per_row = -(-self.model_max_context // block_size)
+        wanted = self.max_batch * blocks_per_row
+        if isinstance(kv_budget, int):
+            return max(kv_budget // self.bytes_per_block, 1)
+        available = available_memory()
+        if available is None:
+            return wanted
+        fraction = DEFAULT_FREE_FRACTION if kv_budget is None else kv_budget
+        affordable = max(int(available * fraction) // self.bytes_per_block, 1)
+        return min(wanted, affordable) if kv_budget is None else affordable
+
     # -- sequences ---------------------------------------------------------------
 
     def open(self, params: SequenceParams) -> SeqHandle:
-        check_sequence(params, max_context=self.max_context, vocab_size=self.config.vocab_size)
-        slot = self.kv.allocate()
+        check_sequence(
+            params,
+            max_context=self.max_context,
+            vocab_size=self.config.vocab_size,
+            kv_tokens=self.kv_tokens,
+        )
         handle = SeqHandle(next(self._ids))
         self._rows[handle.seq_id] = _Row(
             handle=handle,
             params=params,
-            slot=slot,
             sampler=RowSampler.create(params.sampling, params.prompt_tokens, self.config.vocab_size),
             eos_ids=frozenset() if params.ignore_eos else self.eos_ids | params.stop_token_ids,
             tokens=list(params.prompt_tokens),
@@ -142,17 +184,11 @@ class Engine:
         return handle
 
     def close(self, seq: SeqHandle) -> None:
-        row = self._rows.pop(seq.seq_id, None)
-        if row is not None:
-            self.kv.free(row.slot)
+        self._rows.pop(seq.seq_id, None)
 
     @property
     def num_open(self) -> int:
         return len(self._rows)
-
-    @property
-    def num_free_slots(self) -> int:
-        return self.kv.num_free_slots
 
     @property
     def num_pending(self) -> int:
@@ -160,62 +196,45 @@ class Engine:
 
     # -- steps -------------------------------------------------------------------
 
-    def prefill(self, seq: SeqHandle, piece: PrefillPiece) -> None:
-        self.submit(StepBatch(prefill=((seq, piece),)))
-
     def step(self, batch: StepBatch) -> list[StepOutcome]:
         self.submit(batch)
         return self.collect()
 
-    def submit(self, batch: StepBatch) -> bool:
-        """Queue prefill pieces, then one decode forward over the ready rows.
-
-        Returns True when a step was queued for `collect`; a batch with only prefill
-        pieces (or only rows that finished meanwhile) queues none.
-        """
-        for seq, piece in batch.prefill:
-            self._run_piece(self._rows[seq.seq_id], piece)
-        rows, inputs, failures = [], [], []
-        for seq in batch.decode:
-            row = self._rows.get(seq.seq_id)
-            if row is None or row.finished is not None:
-                continue  # closed or done since the batch was planned
-            try:
-                inputs.append(self._row_input(row))
-                rows.append(row)
-            except Exception as exc:  # one row's fault must not sink its batch
-                row.finished = FinishCause.ERROR
-                failures.append((row.handle.seq_id, f"{type(exc).__name__}: {exc}"))
-        if not rows and not failures:
-            if batch.prefill:  # start the pieces now rather than at the next decode
-                mx.async_eval(self.kv.keys, self.kv.values)
-            return False
-        seq_ids: tuple[int, ...] = ()
-        tokens, is_finite = mx.array([], dtype=mx.int32), mx.array([], dtype=mx.bool_)
-        if rows:
-            seq_ids, tokens, is_finite = self._decode(rows, inputs)
-        mx.async_eval(tokens, is_finite)
-        self._queued.append(_QueuedStep(seq_ids, tokens, is_finite, tuple(failures)))
-        return True
-
-    def synchronize(self) -> None:
-        """Block until all submitted work, prefill pieces included, has run."""
-        mx.synchronize()
+    def submit(self, batch: StepBatch) -> None:
+        """Queue one forward over every span of `batch`: plan, forward, sample."""
+        plan = self._plan(batch)
+        if not plan.spans:
+            self._queue(plan, (), ())
+            return
+        view = self.kv.forward(plan.spans, batch.epoch)
+        hidden = self.model.hidden(mx.concatenate(plan.inputs)[None], view)[0]  # [N, hidden]
+        if not plan.sampling:  # prefill chunks only: just the K/V writes are wanted
+            self._queue(plan, (), (self.kv.keys[-1], self.kv.values[-1]))
+            return
+        logits = self.model.project(hidden[mx.array(plan.sample_at)])  # [S, V]
+        is_finite = rows_are_finite(logits)
+        sampled = sample(logits, [row.sampler for row in plan.sampling])  # [S]
+        for i, row in enumerate(plan.sampling):
+            row.next_input = sampled[i : i + 1]
+            row.sampler.record(row.next_input)
+            row.num_pending += 1
+        self._queue(plan, (sampled, is_finite), ())
 
     def collect(self) -> list[StepOutcome]:
         """Block for the oldest queued step and decide which rows it finished."""
         step = self._queued.popleft()
         outcomes = [StepOutcome(sid, None, FinishCause.ERROR, err) for sid, err in step.failures]
-        tokens: list[int] = step.tokens.tolist()  # type: ignore[assignment]  # [B] -> list
+        if step.writes:
+            mx.eval(*step.writes)
+        tokens: list[int] = step.tokens.tolist()  # type: ignore[assignment]  # [S] -> list
         finite: list[bool] = step.is_finite.tolist()  # type: ignore[assignment]
         for seq_id, token, is_finite in zip(step.seq_ids, tokens, finite, strict=True):
             row = self._rows.get(seq_id)
             if row is None:
-                continue
-            row.num_inflight -= 1
+                continue  # closed since the step was queued
+            row.num_pending -= 1
             if row.finished is not None:
-                row.num_computed -= 1  # a speculative step past the finish: undo its append
-                continue
+                continue  # a speculative step past the finish: its token is dropped
             if not is_finite:
                 row.finished = FinishCause.ERROR
                 outcomes.append(StepOutcome(seq_id, None, FinishCause.ERROR, "non-finite logits"))
@@ -234,63 +253,56 @@ class Engine:
             outcomes.append(StepOutcome(seq_id, token, row.finished))
         return outcomes
 
-    # -- snapshots ---------------------------------------------------------------
-
-    def snapshot(self, seq: SeqHandle) -> SeqSnapshot:
-        """Copy a row's tokens and KV out; the row must have no queued step."""
-        row = self._rows[seq.seq_id]
-        if row.num_inflight:
-            raise RuntimeError("snapshot needs the row's queued steps collected first")
-        kv = self.kv.export(row.slot, row.num_computed)
-        return SeqSnapshot(params=row.params, tokens=tuple(row.tokens), kv=kv)
-
-    def restore(self, snapshot: SeqSnapshot, params: SequenceParams | None = None) -> SeqHandle:
-        """Open a row that resumes `snapshot`; `params` may change sampling and limits."""
-        seq = self.open(params or snapshot.params)
-        row = self._rows[seq.seq_id]
-        self.kv.load(row.slot, snapshot.kv)
-        row.tokens = list(snapshot.tokens)
-        row.num_computed = snapshot.kv.length
-        return seq
-
     # -- internals ---------------------------------------------------------------
 
-    def _run_piece(self, row: _Row, piece: PrefillPiece) -> None:
-        last_prompt = len(row.params.prompt_tokens) - 1
-        if piece.start != row.num_computed or piece.start + piece.length > last_prompt:
+    def _plan(self, batch: StepBatch) -> _Plan:
+        """The step's live spans, their input tokens, and which rows sample where."""
+        plan = _Plan()
+        num_tokens = 0
+        for span in batch.spans:
+            row = self._rows.get(span.seq_id)
+            if row is None or row.finished is not None:
+                continue  # closed or done since the batch was planned
+            try:
+                tokens = self._row_input(row, span)
+            except Exception as exc:  # one row's fault must not sink its batch
+                row.finished = FinishCause.ERROR
+                plan.failures.append((row.handle.seq_id, f"{type(exc).__name__}: {exc}"))
+                continue
+            if tokens is None:
+                continue  # at its max_tokens or the context bound: nothing to speculate
+            plan.spans.append(span)
+            plan.inputs.append(tokens)
+            num_tokens += span.num_new
+            if span.end == row.frontier:
+                plan.sampling.append(row)
+                plan.sample_at.append(num_tokens - 1)
+        return plan
+
+    def _queue(self, plan: _Plan, sampled: tuple[mx.array, ...], writes: tuple[mx.array, ...]) -> None:
+        tokens, is_finite = sampled or (mx.array([], mx.int32), mx.array([], mx.bool_))
+        mx.async_eval(tokens, is_finite, *writes)
+        seq_ids = tuple(row.handle.seq_id for row in plan.sampling)
+        self._queued.append(_QueuedStep(seq_ids, tokens, is_finite, tuple(plan.failures), writes))
+
+    def _row_input(self, row: _Row, span: RowSpan) -> mx.array | None:
+        """The span's input tokens: [num_new] int32, the last possibly not computed yet.
+
+        None when the span would sample past the row's max_tokens or context bound.
+        """
+        if span.start < 0 or span.num_new < 1 or span.end > row.frontier:
             raise ValueError(
-                f"prefill piece [{piece.start}, {piece.start + piece.length}) does not continue "
-                f"row {row.handle.seq_id} at {row.num_computed} within its first {last_prompt}"
+                f"span [{span.start}, {span.end}) is outside row {row.handle.seq_id}'s "
+                f"{row.frontier} tokens"
             )
-        tokens = mx.array(row.tokens[piece.start : piece.start + piece.length], dtype=mx.int32)
-        view = self.kv.forward([RowSpan(row.slot, piece.start, piece.length)])
-        # Only the K/V writes are wanted: nothing reads the hidden states, so the
-        # lazy graph skips the last layer's MLP and the vocab projection.
-        self.model.hidden(tokens[None], view)
-        row.num_computed += piece.length
-
-    def _row_input(self, row: _Row) -> mx.array:
-        """The token this row feeds next: [1] int32, possibly not computed yet."""
-        if row.num_computed < len(row.params.prompt_tokens) - 1:
-            raise ValueError(f"row {row.handle.seq_id} still has prompt tokens to prefill")
-        if row.next_input is not None:
+        if span.end == row.frontier:
+            max_tokens = row.params.max_tokens
+            num_samples = row.num_generated + row.num_pending
+            if (max_tokens is not None and num_samples >= max_tokens) or row.frontier >= self.max_context:
+                return None
+        if row.num_pending:
+            if span.start != row.frontier - 1 or span.num_new != 1:
+                raise ValueError(f"row {row.handle.seq_id} has a queued sample: only it can be fed")
+            assert row.next_input is not None
             return row.next_input
-        return mx.array(row.tokens[row.num_computed : row.num_computed + 1], dtype=mx.int32)
-
-    def _decode(
-        self, rows: Sequence[_Row], inputs: Sequence[mx.array]
-    ) -> tuple[tuple[int, ...], mx.array, mx.array]:
-        # Slot order lets dense storage attend over its pool without gathering rows.
-        rows, inputs = zip(*sorted(zip(rows, inputs, strict=True), key=lambda p: p[0].slot), strict=True)
-        view = self.kv.forward([RowSpan(r.slot, r.num_computed, 1) for r in rows])
-        tokens = mx.concatenate(list(inputs))[:, None]  # [B, 1]
-        hidden = self.model.hidden(tokens, view)  # [B, 1, hidden]
-        logits = self.model.project(hidden[:, -1, :])  # [B, V]
-        is_finite = mx.isfinite(logits.sum(axis=-1))  # a NaN or inf anywhere poisons the sum
-        sampled = sample(logits, [r.sampler for r in rows])  # [B]
-        for i, row in enumerate(rows):
-            row.next_input = sampled[i : i + 1]
-            row.sampler.record(row.next_input)
-            row.num_computed += 1
-            row.num_inflight += 1
-        return tuple(r.handle.seq_id for r in rows), sampled, is_finite
+        return mx.array(row.tokens[span.start : span.end], dtype=mx.int32)

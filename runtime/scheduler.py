@@ -1,43 +1,69 @@
-"""First-come-first-served continuous batching, as a sans-IO policy object.
+"""First-come-first-served continuous batching over a block pool, as a sans-IO policy.
 
-The scheduler actor feeds it events (`add`, `abort`, `finish`) and asks it for the
-next step (`schedule`). It speaks in request ids and never touches the Engine: the
-GPU actor owns the handles and turns a `StepPlan` into `Engine` calls.
+The scheduler actor feeds it events (`add`, `abort`, `on_step_done`) and asks it
+for the next step (`schedule`). It speaks in request ids and never touches the
+Engine; it owns the KV block pool, so admission sees memory directly.
 
 Each step, in order:
-  1. admit waiting requests, oldest first, while a batch row is free (`opens`);
-  2. give prefilling rows one prompt piece each, oldest first, within a token budget,
-     so a long prompt never stalls the decoding rows and an abort lands between pieces;
-  3. decode every row whose prompt is in the KV but for its last token (a row may
-     take its final piece and its first decode in the same step: pieces run first).
+  1. admit waiting requests, oldest first, while a row is free (`max_batch`) and
+     the pool can hold the prompt; a cached prefix is taken instead of recomputed;
+  2. give every running request one span, oldest first: decoding rows one token,
+     prefilling rows a chunk within the step's prefill-token budget. A span that
+     reaches the newest token samples, so the last chunk also yields the first token;
+  3. if no span could get a block and no step is in flight, preempt the newest
+     request by recompute: free its blocks, requeue it first; it resumes later by
+     prefilling its prompt and generated tokens again (often from the prefix cache).
 
-Plans may run ahead of results (lookahead): the policy counts a scheduled piece as
-done, because the engine runs steps in submission order.
+Plans run ahead of results (lookahead): a scheduled span counts as computed,
+because the engine runs steps in submission order. A span never samples past a
+request's max_tokens or context bound, so lookahead never speculates beyond them.
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 
-from runtime.sequence import PrefillPiece, SequenceParams
+from runtime.kv.blocks import BlockPool, chain_hashes
+from runtime.sequence import SequenceParams
 
 import attrs
 
 
 @attrs.define
 class ScheduledRequest:
+    """Everything the policy knows of one request: its tokens, blocks and progress."""
+
     request_id: str
     params: SequenceParams
-    num_prefilled: int = 0  # prompt tokens already handed out in prefill pieces
+    tokens: list[int]  # prompt, then every collected token
+    block_hashes: list[bytes]  # of its full blocks of known tokens, chained
+    blocks: list[int] = attrs.Factory(list)  # its block table
+    num_computed: int = 0  # positions whose K/V is computed or queued
+    num_kv_done: int = 0  # ... of those, by a step already reported done
+    num_published: int = 0  # leading blocks offered to the prefix cache
+    num_samples: int = 0  # tokens sampled, counting queued steps
+    num_cached_tokens: int = 0  # prompt tokens its first admission took from the cache
+    is_open: bool = False  # the engine has a row for it (kept across preemption)
 
     @property
-    def num_to_prefill(self) -> int:
-        """Prompt tokens that go through prefill: all but the last, which the first decode feeds."""
-        return max(len(self.params.prompt_tokens) - 1, 0)
+    def frontier(self) -> int:
+        """Tokens known or queued; a span ending here samples the next one."""
+        return len(self.params.prompt_tokens) + self.num_samples
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_prefilled < self.num_to_prefill
+        """Known tokens are still missing K/V (not just the newest sample's)."""
+        return self.num_computed < self.frontier - 1 or self.num_samples == 0
+
+
+@attrs.frozen
+class PlannedSpan:
+    request_id: str
+    start: int
+    num_new: int
+    blocks: tuple[int, ...]
+    samples: bool  # the span reaches the newest token: its last position is sampled
 
 
 @attrs.frozen
@@ -46,30 +72,40 @@ class StepPlan:
 
     `closes` lists every request that left since the last plan by abort, whether or
     not it ever had a row: the GPU frees the rows it has and reports all of them back
-    as released, so the streamer can forget them.
+    as released, so the streamer can forget them. `opens` carries each new row's
+    prompt tokens taken from the prefix cache.
     """
 
     step: int
-    opens: tuple[tuple[str, SequenceParams], ...] = ()
+    opens: tuple[tuple[str, SequenceParams, int], ...] = ()
     closes: tuple[str, ...] = ()
-    prefill: tuple[tuple[str, PrefillPiece], ...] = ()
-    decode: tuple[str, ...] = ()
+    spans: tuple[PlannedSpan, ...] = ()
+    epoch: int = 0
+    num_free_blocks: int = 0
+    hit_rate: float = 0.0
 
     @property
-    def num_prefill_tokens(self) -> int:
-        return sum(piece.length for _, piece in self.prefill)
+    def num_tokens(self) -> int:
+        return sum(span.num_new for span in self.spans)
 
+    @property
+    def num_prefill_rows(self) -> int:
+        return sum(span.num_new > 1 for span in self.spans)
 
 
 @attrs.define
 class FcfsScheduler:
     max_batch: int
-    prefill_chunk: int = 256  # tokens per prefill piece
+    pool: BlockPool
+    max_context: int
+    prefill_chunk: int = 256  # tokens per prefill span
     max_prefill_tokens: int = 512  # prefill tokens per step, over all rows
     waiting: collections.deque[ScheduledRequest] = attrs.Factory(collections.deque)
     running: dict[str, ScheduledRequest] = attrs.Factory(dict)  # insertion order = FCFS
     pending_closes: list[str] = attrs.Factory(list)
+    in_flight: dict[int, dict[str, int]] = attrs.Factory(dict)  # step -> {request: num_computed}
     num_steps: int = 0
+    num_preemptions: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.max_batch < 1 or self.prefill_chunk < 1 or self.max_prefill_tokens < 1:
@@ -79,10 +115,9 @@ class FcfsScheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-
     @property
     def has_work(self) -> bool:
-        """True when `schedule()` would return a plan."""
+        """Requests or closes remain (a plan may still have to wait for a step to finish)."""
         return bool(self.pending_closes or self.running or self.waiting)
 
     def is_known(self, request_id: str) -> bool:
@@ -91,51 +126,164 @@ class FcfsScheduler:
     def add(self, request_id: str, params: SequenceParams) -> None:
         if self.is_known(request_id):
             raise ValueError(f"request id {request_id!r} is already scheduled")
-        self.waiting.append(ScheduledRequest(request_id, params))
+        prompt = list(params.prompt_tokens)
+        hashes = chain_hashes(prompt, self.pool.block_size, self.pool.salt)
+        self.waiting.append(ScheduledRequest(request_id, params, prompt, hashes))
 
     def abort(self, request_id: str) -> str | None:
-        """Drop a request; returns where it was ("waiting" or "running"), None if unknown."""
+        """Drop a request; returns "waiting" (it never ran), "running", or None if unknown."""
         for request in self.waiting:
             if request.request_id == request_id:
                 self.waiting.remove(request)
                 self.pending_closes.append(request_id)
-                return "waiting"
-        if self.running.pop(request_id, None) is not None:
+                return "running" if request.is_open else "waiting"
+        if request_id in self.running:
+            self._free(self.running.pop(request_id))
             self.pending_closes.append(request_id)
             return "running"
         return None
 
-    def finish(self, request_id: str) -> None:
-        """The engine finished the row and the GPU actor already freed it."""
-        self.running.pop(request_id, None)
+    def on_step_done(self, step: int, results: Sequence[tuple[str, int | None, bool]]) -> None:
+        """Step `step` ran: (request id, sampled token or None, finished) for each result."""
+        computed = self.in_flight.pop(step, {})
+        finished = []
+        for request_id, token, is_finished in results:
+            request = self.running.get(request_id)
+            if request is None:
+                continue
+            if token is not None:
+                request.tokens.append(token)
+            if is_finished:
+                finished.append(request)
+        for request_id, num_computed in computed.items():
+            if (request := self.running.get(request_id)) is not None:
+                request.num_kv_done = max(request.num_kv_done, num_computed)
+                self._publish(request)
+        for request in finished:
+            del self.running[request.request_id]
+            self._free(request)
+
+    # -- planning ----------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
-        if not self.has_work:
+        """The next step, or None when nothing can be planned until a step is done."""
+        opens = self._admit()
+        spans = self._spans()
+        if not spans and not self.in_flight and self.running and self._preempt():
+            opens += self._admit()
+            spans = self._spans()
+        if not (opens or spans or self.pending_closes):
             return None
-        opens = []
-        while self.waiting and len(self.running) < self.max_batch:
-            request = self.waiting.popleft()
-            self.running[request.request_id] = request
-            opens.append((request.request_id, request.params))
-        budget = self.max_prefill_tokens
-        prefill, decode = [], []
-        for request in self.running.values():
-            if request.is_prefilling and budget > 0:
-                length = min(
-                    self.prefill_chunk, budget, request.num_to_prefill - request.num_prefilled
-                )
-                prefill.append((request.request_id, PrefillPiece(request.num_prefilled, length)))
-                request.num_prefilled += length
-                budget -= length
-            if not request.is_prefilling:
-                decode.append(request.request_id)
         self.num_steps += 1
+        self.in_flight[self.num_steps] = {
+            span.request_id: span.start + span.num_new for span in spans
+        }
         plan = StepPlan(
             step=self.num_steps,
             opens=tuple(opens),
             closes=tuple(self.pending_closes),
-            prefill=tuple(prefill),
-            decode=tuple(decode),
+            spans=tuple(spans),
+            epoch=self.pool.epoch,
+            num_free_blocks=self.pool.num_free_blocks,
+            hit_rate=self.pool.hit_rate,
         )
         self.pending_closes.clear()
         return plan
+
+    def _admit(self) -> list[tuple[str, SequenceParams, int]]:
+        opens = []
+        while self.waiting and len(self.running) < self.max_batch:
+            request = self.waiting[0]
+            # Leave the last known token to compute: its logits give the next token.
+            num_lookup = (len(request.tokens) - 1) // self.pool.block_size
+            hits = self.pool.match_prefix(request.block_hashes[:num_lookup])
+            needed = self.pool.blocks_for(len(request.tokens) + 1) - len(hits)
+            if needed + self._committed() > self.pool.num_free_blocks - self.pool.num_evictable(hits):
+                break
+            self.waiting.popleft()
+            self.pool.take_cached(hits, num_lookup)
+            request.blocks = hits
+            request.num_computed = request.num_kv_done = len(hits) * self.pool.block_size
+            request.num_published = len(hits)
+            if not request.is_open:
+                request.is_open = True
+                request.num_cached_tokens = request.num_computed
+                opens.append((request.request_id, request.params, request.num_computed))
+            self.running[request.request_id] = request
+        return opens
+
+    def _committed(self) -> int:
+        """Blocks running requests still need for their known tokens, or one to grow."""
+        return sum(
+            max(self.pool.blocks_for(r.frontier + 1) - len(r.blocks), 1)
+            for r in self.running.values()
+        )
+
+    def _spans(self) -> list[PlannedSpan]:
+        spans = []
+        budget = self.max_prefill_tokens
+        for request in self.running.values():
+            is_prefill = request.is_prefilling
+            num_new = self._span_length(request, budget)
+            if num_new == 0:
+                continue
+            start = request.num_computed
+            request.num_computed += num_new
+            samples = request.num_computed == request.frontier
+            request.num_samples += samples
+            if is_prefill:
+                budget -= num_new
+            spans.append(
+                PlannedSpan(request.request_id, start, num_new, tuple(request.blocks), samples)
+            )
+        return spans
+
+    def _span_length(self, request: ScheduledRequest, budget: int) -> int:
+        """Tokens to give `request` this step (0: none), with the blocks they need taken."""
+        if request.is_prefilling:  # a chunk within the step's budget
+            num_new = min(self.prefill_chunk, budget, request.frontier - request.num_computed)
+        else:  # decoding: one token, unless that would sample past the request's bounds
+            max_tokens = request.params.max_tokens
+            if (max_tokens is not None and request.num_samples >= max_tokens) or (
+                request.frontier >= self.max_context
+            ):
+                return 0
+            num_new = 1
+        if num_new <= 0:
+            return 0
+        # Take the blocks it needs; a chunk shrinks to the blocks there are.
+        room = len(request.blocks) * self.pool.block_size - request.num_computed
+        missing = self.pool.blocks_for(max(num_new - room, 0))
+        missing = min(missing, self.pool.num_free_blocks)
+        request.blocks.extend(self.pool.allocate() for _ in range(missing))
+        return min(num_new, room + missing * self.pool.block_size)
+
+    def _publish(self, request: ScheduledRequest) -> None:
+        """Offer the request's full blocks of known tokens and computed K/V to the cache."""
+        size = self.pool.block_size
+        num_full = min(request.num_kv_done, len(request.tokens)) // size
+        if num_full > len(request.block_hashes):
+            parent = request.block_hashes[-1] if request.block_hashes else b""
+            start = len(request.block_hashes) * size
+            request.block_hashes += chain_hashes(
+                request.tokens[: num_full * size], size, self.pool.salt, parent=parent, start=start
+            )
+        for i in range(request.num_published, num_full):
+            self.pool.publish(request.blocks[i], request.block_hashes[i])
+        request.num_published = max(request.num_published, num_full)
+
+    def _preempt(self) -> bool:
+        """Requeue the newest running request by recompute; False if it is the only one."""
+        if len(self.running) < 2:
+            return False
+        request_id = next(reversed(self.running))
+        request = self.running.pop(request_id)
+        self._free(request)
+        request.num_computed = request.num_kv_done = request.num_published = 0
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        return True
+
+    def _free(self, request: ScheduledRequest) -> None:
+        self.pool.release(request.blocks)
+        request.blocks = []

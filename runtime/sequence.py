@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping
 
+from runtime.kv.base import RowSpan
+
 import attrs
 
 
@@ -61,23 +63,15 @@ class SeqHandle:
 
 
 @attrs.frozen
-class PrefillPiece:
-    """Prompt tokens `[start, start + length)` to run into the KV without sampling."""
-
-    start: int
-    length: int
-
-
-@attrs.frozen
 class StepBatch:
-    """One engine step: prefill pieces first, then one decode forward over `decode` rows.
+    """One engine step: one ragged forward over `spans`, in this order.
 
-    A row may decode once its KV holds all of its prompt but the last token; its
-    first decode feeds that last prompt token and samples the first new one.
+    `epoch` is the block pool's move counter when the step was planned: block-table
+    arrays cached by the storage are reused only while it is unchanged.
     """
 
-    decode: tuple[SeqHandle, ...] = ()
-    prefill: tuple[tuple[SeqHandle, PrefillPiece], ...] = ()
+    spans: tuple[RowSpan, ...] = ()
+    epoch: int = 0
 
 
 class FinishCause(enum.Enum):

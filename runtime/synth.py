@@ -51,8 +51,12 @@ def make_tiny_checkpoint(
     max_position_embeddings: int = 1024,
     rope_scaling: dict[str, Any] | None = None,
     shards: int = 1,
+    vocab_size: int | None = None,
 ) -> Path:
     """Write a random-weight checkpoint of `family` into `out_dir` and return `out_dir`.
+
+    `vocab_size` above the demo tokenizer's adds embedding rows no text encodes to
+    (a large-vocabulary model, e.g. 151,936 as Qwen's).
 
     `quantize` is `(group_size, bits)`: every Linear and the embedding whose last
     dimension is a multiple of `group_size` is stored packed, with `.scales` and `.biases`.
@@ -63,7 +67,7 @@ def make_tiny_checkpoint(
     tokenizer = demo_tokenizer()
     raw = hf_config(
         family,
-        vocab_size=tokenizer.get_vocab_size(),
+        vocab_size=max(vocab_size or 0, tokenizer.get_vocab_size()),
         eos_token_id=eos_ids(tokenizer),
         hidden_size=hidden_size,
         num_layers=num_layers,

@@ -1,15 +1,14 @@
 """The one KV-cache interface the models see, whatever the storage behind it.
 
-A storage backend keeps the keys and values of many sequences ("rows"), each in
-its own slot. For every forward the engine asks it for a `ForwardKV`: a view of
-the rows taking part, with where each row's new tokens go. The model calls
-`kv.attend(layer, q, k, v, scale)` in every layer and never branches on storage,
-so a paged backend can replace the dense one without touching a model.
+A step is a ragged batch: the new tokens of every row in it, concatenated into
+one flat batch `[N]`. For every forward the engine asks the storage for a
+`ForwardKV`: each token's position and where the rows' keys and values live.
+The model calls `kv.attend(layer, q, k, v, scale)` in every layer and never
+branches on storage or on prefill versus decode.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
 import attrs
@@ -18,70 +17,51 @@ import mlx.core as mx
 
 @attrs.frozen
 class RowSpan:
-    """One row's part in a forward: `num_new` tokens appended after `start` cached ones."""
+    """One row's part in a step: K/V for positions `[start, start + num_new)` is
+    computed and stored in `blocks` (the row's block table, covering at least
+    `start + num_new` positions); the row attends over positions `[0, start + num_new)`."""
 
-    slot: int
+    seq_id: int
     start: int
     num_new: int
-
-
-@attrs.frozen
-class KVState:
-    """A row's keys and values copied out of storage, for snapshot/restore.
-
-    `layers[i]` is `(keys, values)`, each `[num_kv_heads, length, head_dim]`.
-    """
-
-    length: int
-    layers: tuple[tuple[mx.array, mx.array], ...]
+    blocks: tuple[int, ...]
 
     @property
-    def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.layers)
+    def end(self) -> int:
+        return self.start + self.num_new
 
 
 class ForwardKV(Protocol):
-    """The KV view for one forward over rows `[B]` with `T` new tokens each."""
+    """The KV view for one forward over `N` new tokens."""
 
     @property
-    def offsets(self) -> mx.array | int:
-        """Position of each row's first new token: an int, or `[B]` int32."""
+    def positions(self) -> mx.array:
+        """Each new token's position in its row: `[N]` int32 (RoPE offsets)."""
         ...
 
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        """Store `k`, `v` and attend `q` over the row's whole history.
+        """Store `k`, `v` and attend each query over its row's history up to its own position.
 
-        q: [B, n_heads, T, head_dim]; k, v: [B, n_kv_heads, T, head_dim].
-        Returns [B, n_heads, T, head_dim].
+        q: [N, n_heads, head_dim]; k, v: [N, n_kv_heads, head_dim]. Returns [N, n_heads, head_dim].
         """
         ...
 
 
-class KVStorage(Protocol):
-    num_slots: int
-
-    def allocate(self) -> int: ...
-
-    def free(self, slot: int) -> None: ...
-
-    def forward(self, rows: Sequence[RowSpan]) -> ForwardKV: ...
-
-    def export(self, slot: int, length: int) -> KVState: ...
-
-    def load(self, slot: int, state: KVState) -> None: ...
-
-    @property
-    def num_free_slots(self) -> int: ...
-
-    @property
-    def nbytes(self) -> int: ...
-
-
 class CausalNoCache:
-    """`ForwardKV` for a plain causal forward with no cache (training, scoring)."""
+    """`ForwardKV` for a plain causal forward over `[B, T]` tokens with no cache (training, scoring)."""
 
-    offsets = 0
+    def __init__(self, batch: int, length: int):
+        self.batch, self.length = batch, length
+        self.positions = mx.tile(mx.arange(length, dtype=mx.int32), batch)  # [B * T]
 
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        mask = "causal" if q.shape[2] > 1 else None
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        B, T = self.batch, self.length
+
+        def heads_first(x: mx.array) -> mx.array:  # [B*T, H, D] -> [B, H, T, D]
+            return x.reshape(B, T, *x.shape[1:]).transpose(0, 2, 1, 3)
+
+        mask = "causal" if T > 1 else None
+        out = mx.fast.scaled_dot_product_attention(
+            heads_first(q), heads_first(k), heads_first(v), scale=scale, mask=mask
+        )
+        return out.transpose(0, 2, 1, 3).reshape(B * T, *q.shape[1:])

@@ -81,15 +81,17 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, kv: ForwardKV) -> mx.array:
         B, T, _ = x.shape
-        q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+        N = B * T  # the engine's ragged step is one flat batch: B = 1, T = N
+        q = self.q_proj(x).reshape(N, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(N, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(N, self.num_kv_heads, self.head_dim)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = self.rope(q.transpose(0, 2, 1, 3), kv.offsets)  # [B, H, T, D]
-        k = self.rope(k.transpose(0, 2, 1, 3), kv.offsets)  # [B, Hkv, T, D]
-        out = kv.attend(self.layer, q, k, v.transpose(0, 2, 1, 3), self.scale)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+        # RoPE per token: each token is a batch row of length 1 at its own position.
+        q = self.rope(q[:, :, None, :], kv.positions)[:, :, 0, :]  # [N, H, D]
+        k = self.rope(k[:, :, None, :], kv.positions)[:, :, 0, :]  # [N, Hkv, D]
+        out = kv.attend(self.layer, q, k, v, self.scale)  # [N, H, D]
+        return self.o_proj(out.reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -139,14 +141,14 @@ class Decoder(nn.Module):
 
     def hidden(self, tokens: mx.array, kv: ForwardKV | None = None) -> mx.array:
         """tokens [B, T] -> final normed hidden states [B, T, hidden]; no vocab projection."""
-        kv = kv if kv is not None else CausalNoCache()
+        kv = kv if kv is not None else CausalNoCache(*tokens.shape)
         h = self.model.embed_tokens(tokens)
         for layer in self.model.layers:
             h = layer(h, kv)
         return self.model.norm(h)
 
     def project(self, h: mx.array) -> mx.array:
-        """Final hidden states [B, T, hidden] -> logits [B, T, vocab]."""
+        """Final hidden states [..., hidden] -> logits [..., vocab]."""
         if "lm_head" in self:
             return self.lm_head(h)
         return self.model.embed_tokens.as_linear(h)

@@ -13,7 +13,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import CapacityError, RequestError
+from runtime.errors import RequestError
+from runtime.kv.blocks import BlockPool
 from runtime.scheduler import FcfsScheduler
 from runtime.sequence import FinishCause, SeqHandle, SequenceParams, StepBatch, StepOutcome
 from runtime.tokenizer import Tokenizer
@@ -27,16 +28,17 @@ DEMO_DIR = Path(__file__).resolve().parents[2] / "runtime" / "demo"
 
 
 class FakeEngine:
-    """Every decode emits `token`; a row finishes with LENGTH at its max_tokens.
+    """Every sampling span emits `token`; a row finishes with LENGTH at its max_tokens.
 
+    A span samples when it reaches the row's newest token, as in the real Engine.
     `calls` records ("submit", step, request ids) and ("collect", step) in order.
     """
 
     def __init__(self, *, max_batch: int = 4, max_context: int = 256, token: int = 300):
         self.max_batch = max_batch
-        self.max_context = max_context
+        self.max_context = self.kv_tokens = max_context
         self.token = token
-        self.rows: dict[int, list[Any]] = {}  # seq_id -> [params, num_generated]
+        self.rows: dict[int, list[Any]] = {}  # seq_id -> [params, num_generated, num_pending]
         self.queued: deque[tuple[int, list[int]]] = deque()
         self.calls: list[tuple[Any, ...]] = []
         self.failing: set[str] = set()  # request ids whose next decode fails
@@ -46,27 +48,26 @@ class FakeEngine:
     def open(self, params: SequenceParams) -> SeqHandle:
         if len(params.prompt_tokens) + params.max_tokens > self.max_context:
             raise RequestError("too long", code="context_length_exceeded")
-        if len(self.rows) >= self.max_batch:
-            raise CapacityError("no free row")
         self._next_id += 1
-        self.rows[self._next_id] = [params, 0]
+        self.rows[self._next_id] = [params, 0, 0]
         return SeqHandle(self._next_id)
 
     def close(self, seq: SeqHandle) -> None:
         self.rows.pop(seq.seq_id, None)
 
-    def submit(self, batch: StepBatch) -> bool:
+    def submit(self, batch: StepBatch) -> None:
         self._num_steps += 1
-        ids = [s.seq_id for s in batch.decode if s.seq_id in self.rows]
-        names = [self.rows[s.seq_id][0].request_id for s, _ in batch.prefill] + [
-            self.rows[i][0].request_id for i in ids
-        ]
-        self.calls.append(("submit", self._num_steps, tuple(names)))
-        self.queued.append((self._num_steps, ids))
-        return True  # this fake queues every step, prefill-only ones included
-
-    def synchronize(self) -> None:
-        pass
+        live = [span for span in batch.spans if span.seq_id in self.rows]
+        self.calls.append(
+            ("submit", self._num_steps, tuple(self.rows[s.seq_id][0].request_id for s in live))
+        )
+        sampling = []
+        for span in live:
+            row = self.rows[span.seq_id]
+            if span.end == len(row[0].prompt_tokens) + row[1] + row[2]:
+                row[2] += 1
+                sampling.append(span.seq_id)
+        self.queued.append((self._num_steps, sampling))
 
     def collect(self) -> list[StepOutcome]:
         step, ids = self.queued.popleft()
@@ -74,8 +75,11 @@ class FakeEngine:
         outcomes = []
         for seq_id in ids:
             row = self.rows.get(seq_id)
-            if row is None or row[1] >= row[0].max_tokens:
-                continue  # closed, or a speculative step past the finish
+            if row is None:
+                continue  # closed
+            row[2] -= 1
+            if row[1] >= row[0].max_tokens:
+                continue  # a speculative step past the finish
             if row[0].request_id in self.failing:
                 row[1] = row[0].max_tokens
                 outcomes.append(StepOutcome(seq_id, None, FinishCause.ERROR, "injected fault"))
@@ -88,10 +92,6 @@ class FakeEngine:
     @property
     def num_open(self) -> int:
         return len(self.rows)
-
-    @property
-    def num_free_slots(self) -> int:
-        return self.max_batch - len(self.rows)
 
     @property
     def num_pending(self) -> int:
@@ -108,7 +108,7 @@ class InlineThread:
         self.step_seconds = step_seconds
 
     async def run(self, fn: Any, *args: Any, abandon_on_cancel: bool = False) -> Any:
-        if getattr(fn, "__name__", "") in ("_collect", "_launch_then_collect"):
+        if getattr(fn, "__name__", "") in ("collect", "_launch_then_collect"):
             await trio.sleep(self.step_seconds)
         return fn(*args)
 
@@ -129,7 +129,10 @@ def pipeline():
     @contextlib.asynccontextmanager
     async def start(*, max_batch=4, max_waiting=8, drain_timeout=None, **engine_args):
         engine = FakeEngine(max_batch=max_batch, **engine_args)
-        policy = FcfsScheduler(max_batch, prefill_chunk=4, max_prefill_tokens=4)
+        pool = BlockPool(num_blocks=256, block_size=4)
+        policy = FcfsScheduler(
+            max_batch, pool, engine.max_context, prefill_chunk=4, max_prefill_tokens=4
+        )
         async with run_actors(
             InlineThread(), fake_loaded(), engine, policy, max_waiting, drain_timeout
         ) as llm:

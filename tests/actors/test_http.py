@@ -80,7 +80,7 @@ def slow_down(engine, seconds, record=None):
 
     def slow_submit(batch):
         if record is not None:
-            record.extend(batch.prefill)
+            record.extend(s for s in batch.spans if s.num_new > 1)
         time.sleep(seconds)
         return submit(batch)
 
@@ -262,10 +262,10 @@ async def test_an_error_mid_stream_is_an_error_event_and_the_others_go_on(tiny):
         engine = server.llm._engine
         row_input = engine._row_input
 
-        def faulty_row_input(row):
+        def faulty_row_input(row, span):
             if list(row.params.prompt_tokens) == marker and row.num_generated >= 3:
                 raise RuntimeError("injected fault")
-            return row_input(row)
+            return row_input(row, span)
 
         engine._row_input = faulty_row_input
         client = server.client()

@@ -95,7 +95,7 @@ async def test_an_abort_during_prefill_stops_it_and_frees_the_row(tiny):
         submit = engine.submit
 
         def slow_submit(batch):
-            pieces.extend(batch.prefill)
+            pieces.extend(s for s in batch.spans if s.num_new > 1)
             time.sleep(0.005)  # make the 75-piece prefill last long enough to interrupt
             return submit(batch)
 
@@ -120,10 +120,10 @@ async def test_an_engine_fault_in_one_row_leaves_the_others_streaming(tiny):
         row_input = engine._row_input
         marker = [7, 7, 7, 7]
 
-        def faulty_row_input(row):
+        def faulty_row_input(row, span):
             if list(row.params.prompt_tokens) == marker and row.num_generated >= 2:
                 raise RuntimeError("injected fault")
-            return row_input(row)
+            return row_input(row, span)
 
         engine._row_input = faulty_row_input
         results, errors = {}, []

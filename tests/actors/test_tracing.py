@@ -30,7 +30,10 @@ async def test_lifecycle_events_carry_the_request_id_and_timings(pipeline, autoj
     assert 0 < finished["ttft_ms"] <= finished["e2e_ms"]
     steps = [e for e in logs if e["event"] == "step"]
     assert steps and all(e["log_level"] == "debug" for e in steps)
-    assert {"rows", "prefill_tokens", "decode_rows", "step_ms"} <= set(steps[0])
+    assert {"rows", "tokens", "prefill_rows", "free_blocks", "prefix_hit_rate", "step_ms"} <= set(
+        steps[0]
+    )
+    assert finished["cached_tokens"] == 0
     assert SECRET not in repr(logs)
 
 

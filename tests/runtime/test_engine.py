@@ -1,11 +1,15 @@
-"""The Engine against mlx-lm (greedy parity) and against itself (batch invariance)."""
+"""The Engine and the policy together (runtime.runner.run_offline): greedy parity with
+mlx-lm, ragged mixed steps, lookahead, and the engine's own guarantees."""
 
 from runtime.checkpoint import load_model
-from runtime.engine import Engine
-from runtime.errors import CapacityError, RequestError
+from runtime.engine import Engine, rows_are_finite
+from runtime.errors import RequestError
 from runtime.kv.base import RowSpan
-from runtime.kv.dense import DenseKV
-from runtime.sequence import FinishCause, PrefillPiece, SequenceParams, StepBatch
+from runtime.kv.blocks import BlockPool
+from runtime.kv.paged import PagedKV
+from runtime.runner import run_offline
+from runtime.scheduler import FcfsScheduler
+from runtime.sequence import FinishCause, SequenceParams, StepBatch
 
 import mlx.core as mx
 import mlx_lm
@@ -16,24 +20,22 @@ NEW_TOKENS = 64
 PROMPT = [11, 305, 42, 977, 5, 1203, 64, 88, 300, 7, 1500, 19]
 
 
-def generate(engine, prompt, max_tokens=NEW_TOKENS, chunk=None, **params):
-    """Greedy tokens for one sequence run as a batch of one."""
-    seq = engine.open(SequenceParams(prompt_tokens=tuple(prompt), max_tokens=max_tokens, **params))
-    prefill(engine, seq, len(prompt), chunk)
-    tokens = []
-    while True:
-        (outcome,) = engine.step(StepBatch(decode=(seq,)))
-        tokens.append(outcome.token)
-        if outcome.finish:
-            engine.close(seq)
-            return tokens, outcome.finish
+def policy_for(engine, *, max_batch=None, chunk=256, budget=512, num_blocks=None, caching=True):
+    pool = BlockPool(num_blocks or engine.kv.num_blocks, engine.kv.block_size, is_caching=caching)
+    return FcfsScheduler(max_batch or engine.max_batch, pool, engine.max_context, chunk, budget)
 
 
-def prefill(engine, seq, prompt_len, chunk=None):
-    todo = prompt_len - 1
-    chunk = chunk or max(todo, 1)
-    for start in range(0, todo, chunk):
-        engine.prefill(seq, PrefillPiece(start, min(chunk, todo - start)))
+def params(prompt, max_tokens=NEW_TOKENS, **kw):
+    return SequenceParams(prompt_tokens=tuple(prompt), max_tokens=max_tokens, **kw)
+
+
+def generate(engine, prompt, max_tokens=NEW_TOKENS, chunk=256, lookahead=1, **kw):
+    """Greedy tokens for one sequence alone, and its finish cause."""
+    result = run_offline(
+        engine, policy_for(engine, chunk=chunk), {"a": params(prompt, max_tokens, **kw)},
+        lookahead=lookahead,
+    )["a"]
+    return list(result.tokens), result.finish
 
 
 def mlx_lm_greedy(path, prompt, n=NEW_TOKENS):
@@ -71,158 +73,172 @@ def test_greedy_parity_with_mlx_lm(make_checkpoint, case):
     assert len(set(ours)) > 4, "the test model should not be degenerate"
 
 
-def test_quantized_parity_with_mlx_lm(make_checkpoint):
-    path = make_checkpoint("llama", quantize=(32, 4), hidden_size=128, intermediate_size=256)
-    # keep_dtype runs the quantized matmuls, as mlx-lm does: token-exact.
-    engine = Engine(load_model(path, keep_dtype=True), max_batch=1)
-    ours, _ = generate(engine, PROMPT, ignore_eos=True)
-    assert ours == mlx_lm_greedy(path, PROMPT)
+MIXED_FAMILIES = ["llama-gqa4", "mistral", "qwen2", "qwen3", "llama3-rope-scaling"]
 
 
-def test_quantized_expanded_to_float32_matches_quantized_logits(make_checkpoint):
-    path = make_checkpoint("llama", quantize=(32, 4), hidden_size=128, intermediate_size=256)
-    quantized = load_model(path, keep_dtype=True).model
-    expanded = load_model(path).model
-    assert expanded.model.layers[0].mlp.up_proj.weight.dtype == mx.float32
-    tokens = mx.array([PROMPT])
-    assert mx.allclose(expanded(tokens), quantized(tokens), atol=1e-3, rtol=1e-3).item()
+@pytest.mark.parametrize("path", ["gather", "fast"])
+@pytest.mark.parametrize("case", MIXED_FAMILIES)
+def test_a_row_prefilling_in_chunks_beside_three_decoding_rows_keeps_mlx_lm_parity(
+    make_checkpoint, monkeypatch, case, path
+):
+    monkeypatch.setenv("CADENCE_PAGED_ATTENTION", path)
+    family, shape = PARITY_CASES[case]
+    checkpoint = make_checkpoint(family, **shape)
+    engine = Engine(load_model(checkpoint), max_batch=4, block_size=4)
+    long_prompt = (PROMPT * 4)[:45]
+    requests = {
+        "a": params(PROMPT[:3], 24, ignore_eos=True),
+        "b": params(PROMPT[3:8], 24, ignore_eos=True),
+        "c": params(PROMPT[8:12], 24, ignore_eos=True),
+        "long": params(long_prompt, 16, ignore_eos=True),
+    }
+    mixed_steps = []
+
+    def note(plan):
+        sizes = [s.num_new for s in plan.spans]
+        if sum(n > 1 for n in sizes) == 1 and sum(n == 1 for n in sizes) == 3:
+            mixed_steps.append(sizes)
+
+    # A 12-token budget takes the three short prompts in step 1; the long one then
+    # arrives in 7-token chunks (not a multiple of the 4-token block) beside them.
+    policy = policy_for(engine, chunk=7, budget=12)
+    got = run_offline(engine, policy, requests, on_step=note)
+    assert len(mixed_steps) >= 5
+    for request_id, request in requests.items():
+        want = mlx_lm_greedy(checkpoint, list(request.prompt_tokens), request.max_tokens)
+        assert list(got[request_id].tokens) == want, request_id
+    policy.pool.check()
+    assert policy.pool.num_used_blocks == 0
 
 
-def test_batch_rows_match_batch_of_one(make_checkpoint):
-    """Every row of a B=4 step gives the same tokens as the same sequence alone."""
-    engine = Engine(load_model(make_checkpoint("llama")), max_batch=4)
-    prompts = [PROMPT, PROMPT[:3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [900]]
-    alone = [generate(engine, p, max_tokens=24, ignore_eos=True)[0] for p in prompts]
-
-    seqs = []
-    for prompt in prompts:
-        seq = engine.open(SequenceParams(prompt_tokens=tuple(prompt), max_tokens=24, ignore_eos=True))
-        prefill(engine, seq, len(prompt))
-        seqs.append(seq)
-    together = {s.seq_id: [] for s in seqs}
-    batch = StepBatch(decode=tuple(seqs))
-    for _ in range(24):
-        for outcome in engine.step(batch):
-            together[outcome.seq_id].append(outcome.token)
-    assert [together[s.seq_id] for s in seqs] == alone
-
-
-def test_batched_forward_logits_match_single_rows(make_checkpoint):
-    """The decode forward over rows of different lengths equals each row's own forward."""
-    loaded = load_model(make_checkpoint("qwen3"))
+@pytest.mark.parametrize("path", ["gather", "fast"])
+def test_logits_of_a_row_alone_and_in_a_mixed_step_agree(make_checkpoint, monkeypatch, path):
+    monkeypatch.setenv("CADENCE_PAGED_ATTENTION", path)
+    loaded = load_model(make_checkpoint("qwen3", head_dim=32))
     model, cfg = loaded.model, loaded.config
-    kv = DenseKV(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_slots=4, max_length=64)
-    prompts = [PROMPT, PROMPT[:5], PROMPT[2:9], [3, 1, 4, 1, 5, 9, 2, 6]]
-    slots = [kv.allocate() for _ in prompts]
-    for slot, prompt in zip(slots, prompts, strict=True):
-        model.hidden(mx.array([prompt[:-1]]), kv.forward([RowSpan(slot, 0, len(prompt) - 1)]))
-    last = mx.array([[p[-1]] for p in prompts])
-    rows = [RowSpan(slot, len(p) - 1, 1) for slot, p in zip(slots, prompts, strict=True)]
-    batched = model(last, kv.forward(rows))[:, -1]  # [4, V]
-    for i, prompt in enumerate(prompts):
-        single = model(mx.array([prompt]))[:, -1]  # plain causal forward, no cache
-        assert mx.allclose(batched[i], single[0], atol=1e-4, rtol=1e-4).item()
+    kv = PagedKV(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                 cfg.num_queries_per_kv, num_blocks=32, block_size=4)
+    decoding = [PROMPT, PROMPT[2:9], [3, 1, 4, 1, 5, 9, 2, 6]]
+    tables = [(0, 1, 2, 3), (4, 5), (6, 7, 8)]
+    # Step 1: the three decoding rows' prompts, all but their last token.
+    first = [RowSpan(i, 0, len(p) - 1, t) for i, (p, t) in enumerate(zip(decoding, tables, strict=True))]
+    model.hidden(mx.array([sum((p[:-1] for p in decoding), [])]), kv.forward(first, 0))
+    # Step 2: their last tokens beside a 9-token chunk of a fourth row.
+    newcomer = [17, 2, 99, 4, 1000, 6, 7, 300, 9]
+    spans = [RowSpan(i, len(p) - 1, 1, t) for i, (p, t) in enumerate(zip(decoding, tables, strict=True))]
+    spans.append(RowSpan(3, 0, len(newcomer), (9, 10, 11)))
+    tokens = [p[-1] for p in decoding] + newcomer
+    logits = model(mx.array([tokens]), kv.forward(spans, 0))[0]  # [N, V]
+    for i, prompt in enumerate(decoding):
+        alone = model(mx.array([prompt]))[0, -1]  # plain causal forward, no cache
+        assert mx.allclose(logits[i], alone, atol=1e-4, rtol=1e-4).item()
+    alone = model(mx.array([newcomer]))[0]
+    assert mx.allclose(logits[3:], alone, atol=1e-4, rtol=1e-4).item()
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 5, 64])
-def test_chunked_prefill_equals_one_shot(make_checkpoint, chunk):
-    engine = Engine(load_model(make_checkpoint("qwen2")), max_batch=1)
+@pytest.mark.parametrize(("chunk", "block_size"), [(1, 16), (3, 4), (5, 16), (7, 4), (64, 4)])
+def test_chunked_prefill_equals_one_shot(make_checkpoint, chunk, block_size):
+    engine = Engine(load_model(make_checkpoint("qwen2")), max_batch=1, block_size=block_size)
     one_shot, _ = generate(engine, PROMPT, max_tokens=16, ignore_eos=True)
     chunked, _ = generate(engine, PROMPT, max_tokens=16, chunk=chunk, ignore_eos=True)
     assert chunked == one_shot
 
 
-def test_rows_join_and_leave_with_lookahead(make_checkpoint):
-    """Continuous batching with step N+1 queued before N is read; nobody's tokens change."""
+def test_batch_rows_match_batch_of_one(make_checkpoint):
+    """Every row of a B=4 batch gives the same tokens as the same sequence alone."""
+    engine = Engine(load_model(make_checkpoint("llama")), max_batch=4)
+    prompts = [PROMPT, PROMPT[:3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [900]]
+    alone = [generate(engine, p, max_tokens=24, ignore_eos=True)[0] for p in prompts]
+    requests = {str(i): params(p, 24, ignore_eos=True) for i, p in enumerate(prompts)}
+    together = run_offline(engine, policy_for(engine), requests)
+    assert [list(together[str(i)].tokens) for i in range(4)] == alone
+
+
+@pytest.mark.parametrize("lookahead", [1, 2, 3])
+def test_rows_join_and_leave_with_lookahead(make_checkpoint, lookahead):
+    """Continuous batching with later steps queued before earlier ones are read."""
     engine = Engine(load_model(make_checkpoint("llama")), max_batch=3)
-    specs = [(PROMPT, 20), (PROMPT[:4], 5), ([42, 43, 44], 12), ([5, 6], 9)]
+    specs = [(PROMPT, 20), (PROMPT[:4], 5), ([42, 43, 44], 12), ([5, 6], 9), ([8] * 30, 3)]
     alone = [generate(engine, p, max_tokens=n, ignore_eos=True)[0] for p, n in specs]
-
-    waiting = list(enumerate(specs))
-    live, got = {}, {i: [] for i in range(len(specs))}
-    while waiting or live or engine.num_pending:
-        while waiting and engine.num_free_slots:  # admit between steps
-            i, (prompt, n) = waiting.pop(0)
-            seq = engine.open(SequenceParams(prompt_tokens=tuple(prompt), max_tokens=n, ignore_eos=True))
-            prefill(engine, seq, len(prompt))
-            live[seq.seq_id] = (i, seq)
-        if live:
-            engine.submit(StepBatch(decode=tuple(seq for _, seq in live.values())))
-        if engine.num_pending > 1 or not live:
-            for outcome in engine.collect():
-                i, seq = live[outcome.seq_id]
-                got[i].append(outcome.token)
-                if outcome.finish:
-                    assert outcome.finish is FinishCause.LENGTH
-                    del live[outcome.seq_id]
-                    engine.close(seq)
-    assert [got[i] for i in range(len(specs))] == alone
+    policy = policy_for(engine, chunk=8, budget=8)
+    requests = {str(i): params(p, n, ignore_eos=True) for i, (p, n) in enumerate(specs)}
+    got = run_offline(engine, policy, requests, lookahead=lookahead)
+    assert [list(got[str(i)].tokens) for i in range(len(specs))] == alone
+    assert all(r.finish is FinishCause.LENGTH for r in got.values())
+    policy.pool.check()
+    assert policy.pool.num_used_blocks == 0 and engine.num_open == 0
 
 
-def test_speculative_step_after_finish_is_undone(make_checkpoint):
-    engine = Engine(load_model(make_checkpoint("llama")), max_batch=2)
-    seq = engine.open(SequenceParams(prompt_tokens=tuple(PROMPT), max_tokens=3, ignore_eos=True))
-    prefill(engine, seq, len(PROMPT))
-    batch = StepBatch(decode=(seq,))
-    engine.submit(batch)
-    outcomes = []
-    for _ in range(3):
-        engine.submit(batch)  # the third submit runs past max_tokens
-        outcomes += engine.collect()
-    outcomes += engine.collect()
-    assert [o.finish for o in outcomes] == [None, None, FinishCause.LENGTH]
-    snap = engine.snapshot(seq)
-    assert snap.kv.length == len(PROMPT) + 3 - 1  # the last token was never fed back
+def test_lookahead_2_finishes_rows_at_max_tokens_and_at_the_context_bound(make_checkpoint):
+    """No speculative step runs past a row's max_tokens or context bound (it used to fail
+    every row of the step with a CapacityError)."""
+    engine = Engine(load_model(make_checkpoint("llama")), max_batch=4, max_context=16)
+    specs = {
+        "max_tokens": (PROMPT[:5], 3),
+        "context": (PROMPT[:6], None),  # runs until the 16-token context is full
+        "other": (PROMPT[2:6], 8),
+        "full": (PROMPT[:4], 12),  # its max_tokens ends exactly at the context bound
+    }
+    alone = {
+        name: generate(engine, p, max_tokens=n, ignore_eos=True) for name, (p, n) in specs.items()
+    }
+    policy = policy_for(engine)
+    requests = {name: params(p, n, ignore_eos=True) for name, (p, n) in specs.items()}
+    steps = []
+    got = run_offline(engine, policy, requests, lookahead=2, on_step=steps.append)
+    for name in specs:
+        assert (list(got[name].tokens), got[name].finish) == alone[name], name
+    assert got["context"].finish is FinishCause.CONTEXT_EXHAUSTED
+    assert len(PROMPT[:6]) + len(got["context"].tokens) == 16
+    assert got["max_tokens"].finish is FinishCause.LENGTH and len(got["max_tokens"].tokens) == 3
+    # No plan ever asked for a position at or past the context bound.
+    assert max(s.start + s.num_new for plan in steps for s in plan.spans) <= 15
+    assert policy.pool.num_used_blocks == 0
+
+
+def test_rows_are_finite_does_not_overflow_in_half_precision():
+    logits = mx.ones((2, 151_936), dtype=mx.float16)
+    assert not mx.isfinite(logits.sum(axis=-1)).any().item()  # what a row sum would say
+    assert rows_are_finite(logits).tolist() == [True, True]
+    logits[1, 7] = mx.nan
+    assert rows_are_finite(logits).tolist() == [True, False]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_half_precision_large_vocabulary_model_is_not_failed(make_checkpoint, dtype):
+    path = make_checkpoint("llama", dtype=dtype, vocab_size=151_936, tie_word_embeddings=True)
+    loaded = load_model(path, keep_dtype=True)
+    # Make every logit of a row the same sign, so their float16 sum overflows.
+    embed = loaded.model.model.embed_tokens
+    embed.weight = mx.broadcast_to(embed.weight[:1] * 4, embed.weight.shape).astype(embed.weight.dtype)
+    if dtype == "float16":  # the defect's precondition: a row sum is inf
+        logits = loaded.model(mx.array([PROMPT]))[0, -1]
+        assert logits.dtype == mx.float16 and not mx.isfinite(logits.sum()).item()
+    engine = Engine(loaded, max_batch=2)
+    tokens, finish = generate(engine, PROMPT, max_tokens=4, ignore_eos=True)
+    assert finish is FinishCause.LENGTH and len(tokens) == 4
 
 
 def test_fault_in_one_row_leaves_the_others_running(make_checkpoint, monkeypatch):
     engine = Engine(load_model(make_checkpoint("llama")), max_batch=3)
     expected = generate(engine, PROMPT, max_tokens=10, ignore_eos=True)[0]
-    seqs = []
-    for _ in range(3):
-        seq = engine.open(SequenceParams(prompt_tokens=tuple(PROMPT), max_tokens=10, ignore_eos=True))
-        prefill(engine, seq, len(PROMPT))
-        seqs.append(seq)
-    faulty = seqs[1]
     original = engine._row_input
 
-    def row_input(row):
-        if row.handle == faulty and row.num_computed > len(PROMPT) + 2:
+    def row_input(row, span):
+        if row.params.request_id == "faulty" and row.num_generated >= 4:
             raise RuntimeError("injected fault")
-        return original(row)
+        return original(row, span)
 
     monkeypatch.setattr(engine, "_row_input", row_input)
-    got = {s.seq_id: [] for s in seqs}
-    failures = []
-    for _ in range(10):
-        for outcome in engine.step(StepBatch(decode=tuple(seqs))):
-            if outcome.finish is FinishCause.ERROR:
-                failures.append(outcome)
-            else:
-                got[outcome.seq_id].append(outcome.token)
-    assert [f.seq_id for f in failures] == [faulty.seq_id]
-    assert "injected fault" in failures[0].error
-    assert got[seqs[0].seq_id] == expected and got[seqs[2].seq_id] == expected
-    assert len(got[faulty.seq_id]) == 4
-
-
-def test_snapshot_and_restore_resume_exactly(make_checkpoint):
-    engine = Engine(load_model(make_checkpoint("qwen3")), max_batch=2)
-    straight, _ = generate(engine, PROMPT, max_tokens=20, ignore_eos=True)
-    params = SequenceParams(prompt_tokens=tuple(PROMPT), max_tokens=20, ignore_eos=True)
-    seq = engine.open(params)
-    prefill(engine, seq, len(PROMPT))
-    first = [engine.step(StepBatch(decode=(seq,)))[0].token for _ in range(8)]
-    snap = engine.snapshot(seq)
-    engine.close(seq)
-    resumed = engine.restore(snap)
-    rest = []
-    while True:
-        (outcome,) = engine.step(StepBatch(decode=(resumed,)))
-        rest.append(outcome.token)
-        if outcome.finish:
-            break
-    assert first + rest == straight
+    requests = {
+        rid: params(PROMPT, 10, ignore_eos=True, request_id=rid) for rid in ("a", "faulty", "b")
+    }
+    policy = policy_for(engine)
+    got = run_offline(engine, policy, requests)
+    assert got["faulty"].finish is FinishCause.ERROR and "injected fault" in got["faulty"].error
+    assert len(got["faulty"].tokens) == 4
+    assert list(got["a"].tokens) == expected and list(got["b"].tokens) == expected
+    assert policy.pool.num_used_blocks == 0
 
 
 def test_eos_and_stop_token_ids_finish_the_row(make_checkpoint):
@@ -237,15 +253,23 @@ def test_eos_and_stop_token_ids_finish_the_row(make_checkpoint):
 def test_open_refuses_what_cannot_fit(make_checkpoint):
     engine = Engine(load_model(make_checkpoint("llama")), max_batch=1, max_context=32)
     with pytest.raises(RequestError) as err:
-        engine.open(SequenceParams(prompt_tokens=tuple(range(30)), max_tokens=8))
+        engine.open(params(range(30), 8))
     assert err.value.code == "context_length_exceeded"
     with pytest.raises(RequestError):
-        engine.open(SequenceParams(prompt_tokens=(), max_tokens=8))
+        engine.open(params((), 8))
     with pytest.raises(RequestError):
-        engine.open(SequenceParams(prompt_tokens=(10**9,), max_tokens=8))
-    engine.open(SequenceParams(prompt_tokens=(1, 2), max_tokens=8))
-    with pytest.raises(CapacityError):
-        engine.open(SequenceParams(prompt_tokens=(1, 2), max_tokens=8))
+        engine.open(params((10**9,), 8))
+
+
+def test_a_request_larger_than_the_whole_kv_budget_is_refused_naming_it(make_checkpoint):
+    loaded = load_model(make_checkpoint("llama"))
+    small = Engine(loaded, max_batch=2, kv_budget=Engine(loaded).bytes_per_block * 3)
+    assert small.kv.num_blocks == 3 and small.max_context == 48
+    with pytest.raises(RequestError, match="KV budget") as err:
+        small.open(params(range(1, 41), 10))
+    assert err.value.code == "context_length_exceeded"
+    tokens, finish = generate(small, range(1, 41), 8, ignore_eos=True)
+    assert finish is FinishCause.LENGTH and len(tokens) == 8
 
 
 def test_context_exhausted_without_max_tokens(make_checkpoint):
@@ -253,3 +277,13 @@ def test_context_exhausted_without_max_tokens(make_checkpoint):
     tokens, finish = generate(engine, PROMPT, max_tokens=None, ignore_eos=True)
     assert finish is FinishCause.CONTEXT_EXHAUSTED
     assert len(PROMPT) + len(tokens) == 16
+
+
+def test_a_span_past_the_rows_tokens_is_that_rows_error(make_checkpoint):
+    engine = Engine(load_model(make_checkpoint("llama")), max_batch=2)
+    good, bad = engine.open(params(PROMPT, 4)), engine.open(params(PROMPT, 4))
+    spans = (RowSpan(good.seq_id, 0, 12, (0,)), RowSpan(bad.seq_id, 0, 13, (1,)))
+    outcomes = engine.step(StepBatch(spans))
+    by_row = {o.seq_id: o for o in outcomes}
+    assert by_row[bad.seq_id].finish is FinishCause.ERROR and "outside" in by_row[bad.seq_id].error
+    assert by_row[good.seq_id].token is not None and by_row[good.seq_id].finish is None

@@ -4,8 +4,11 @@ import collections
 
 from runtime.checkpoint import load_model
 from runtime.engine import Engine
+from runtime.kv.blocks import BlockPool
+from runtime.runner import run_offline
 from runtime.sampling import RowSampler, apply_penalties, min_p_mask, sample, top_k_mask, top_p_mask
-from runtime.sequence import PrefillPiece, SamplingParams, SequenceParams, StepBatch
+from runtime.scheduler import FcfsScheduler
+from runtime.sequence import SamplingParams, SequenceParams
 
 import mlx.core as mx
 import numpy as np
@@ -91,20 +94,17 @@ def test_draws_follow_the_distribution():
 
 
 def run_rows(engine, param_list, prompt, steps=12):
-    seqs = []
-    for params in param_list:
-        seq = engine.open(
-            SequenceParams(prompt_tokens=tuple(prompt), max_tokens=steps, sampling=params, ignore_eos=True)
+    """Each row's tokens when the rows run together (one batch, through the policy)."""
+    pool = BlockPool(engine.kv.num_blocks, engine.kv.block_size)
+    policy = FcfsScheduler(engine.max_batch, pool, engine.max_context)
+    requests = {
+        str(i): SequenceParams(
+            prompt_tokens=tuple(prompt), max_tokens=steps, sampling=params, ignore_eos=True
         )
-        engine.prefill(seq, PrefillPiece(0, len(prompt) - 1))
-        seqs.append(seq)
-    got = {s.seq_id: [] for s in seqs}
-    for _ in range(steps):
-        for outcome in engine.step(StepBatch(decode=tuple(seqs))):
-            got[outcome.seq_id].append(outcome.token)
-    for seq in seqs:
-        engine.close(seq)
-    return [got[s.seq_id] for s in seqs]
+        for i, params in enumerate(param_list)
+    }
+    got = run_offline(engine, policy, requests)
+    return [list(got[str(i)].tokens) for i in range(len(param_list))]
 
 
 @pytest.mark.parametrize("neighbours", [0, 3])

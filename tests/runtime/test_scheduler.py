@@ -1,119 +1,220 @@
-"""The FCFS continuous-batching policy, driven by hand: no trio, no engine."""
+"""The FCFS policy over a block pool, driven by hand: no trio, no engine."""
 
+from runtime.kv.blocks import BlockPool
 from runtime.scheduler import FcfsScheduler
-from runtime.sequence import PrefillPiece, SequenceParams
+from runtime.sequence import SequenceParams
 
 import pytest
 
 
-def params(num_prompt_tokens: int, max_tokens: int = 8) -> SequenceParams:
+def params(num_prompt_tokens: int, max_tokens: int | None = 8, first: int = 1) -> SequenceParams:
     return SequenceParams(
-        prompt_tokens=tuple(range(1, num_prompt_tokens + 1)), max_tokens=max_tokens
+        prompt_tokens=tuple(range(first, first + num_prompt_tokens)), max_tokens=max_tokens
     )
 
 
+def policy(max_batch=2, num_blocks=64, block_size=4, max_context=256, chunk=256, budget=512):
+    pool = BlockPool(num_blocks, block_size)
+    return FcfsScheduler(max_batch, pool, max_context, chunk, budget)
+
+
+def spans(plan):
+    return [(s.request_id, s.start, s.num_new) for s in plan.spans]
+
+
+def done(p, plan, tokens=None, finished=()):
+    """Report `plan` done: each span that sampled yields `tokens[id]` (default 7), and
+    finishes its request when named in `finished` or at its max_tokens."""
+    results = []
+    for s in plan.spans:
+        request = p.running.get(s.request_id)
+        if not s.samples or request is None:
+            continue
+        num_generated = len(request.tokens) - len(request.params.prompt_tokens) + 1
+        is_last = num_generated >= (request.params.max_tokens or 10**9)
+        token = (tokens or {}).get(s.request_id, 7)
+        results.append((s.request_id, token, s.request_id in finished or is_last))
+    p.on_step_done(plan.step, results)
+
+
 def test_nothing_to_do_means_no_plan():
-    policy = FcfsScheduler(max_batch=2)
-    assert not policy.has_work
-    assert policy.schedule() is None
+    p = policy()
+    assert not p.has_work
+    assert p.schedule() is None
 
 
-def test_short_prompt_prefills_and_decodes_in_its_first_step():
-    policy = FcfsScheduler(max_batch=2)
-    policy.add("a", params(5))
-    plan = policy.schedule()
-    assert plan.opens == (("a", params(5)),)
-    # Pieces run before the decode forward, so the first token comes in the same step.
-    assert plan.prefill == (("a", PrefillPiece(0, 4)),)
-    assert plan.decode == ("a",)
-    later = policy.schedule()
-    assert later.opens == () and later.prefill == () and later.decode == ("a",)
-
-
-def test_one_token_prompt_needs_no_prefill():
-    policy = FcfsScheduler(max_batch=1)
-    policy.add("a", params(1))
-    plan = policy.schedule()
-    assert plan.prefill == () and plan.decode == ("a",)
+def test_a_short_prompt_prefills_and_samples_in_its_first_step():
+    p = policy()
+    p.add("a", params(5))
+    plan = p.schedule()
+    assert plan.opens == (("a", params(5), 0),)
+    assert spans(plan) == [("a", 0, 5)]  # reaches the newest token: it samples
+    assert plan.spans[0].blocks == (p.running["a"].blocks[0], p.running["a"].blocks[1])
+    later = p.schedule()
+    assert later.opens == () and spans(later) == [("a", 5, 1)]
 
 
 def test_admits_in_arrival_order_up_to_max_batch():
-    policy = FcfsScheduler(max_batch=2)
-    for request_id in "abc":
-        policy.add(request_id, params(1))
-    plan = policy.schedule()
-    assert [r for r, _ in plan.opens] == ["a", "b"]
-    assert policy.num_waiting == 1
-    policy.finish("a")  # a free row is taken at the next step
-    plan = policy.schedule()
-    assert [r for r, _ in plan.opens] == ["c"]
-    assert plan.decode == ("b", "c")
+    p = policy(max_batch=2)
+    for name in "abc":
+        p.add(name, params(3))
+    plan = p.schedule()
+    assert [o[0] for o in plan.opens] == ["a", "b"]
+    assert p.num_waiting == 1
+    done(p, plan, finished={"a"})
+    assert [o[0] for o in p.schedule().opens] == ["c"]
 
 
-def test_long_prompts_are_chunked_within_the_step_budget():
-    policy = FcfsScheduler(max_batch=4, prefill_chunk=4, max_prefill_tokens=6)
-    policy.add("long", params(11))  # 10 tokens to prefill
-    policy.add("short", params(4))  # 3 tokens to prefill
-    policy.add("decoding", params(1))
-    pieces = []
-    for _ in range(4):
-        plan = policy.schedule()
-        assert plan.num_prefill_tokens <= 6
-        assert "decoding" in plan.decode  # a long prompt never stalls decoding rows
-        pieces.append(plan.prefill)
-    assert pieces[0] == (("long", PrefillPiece(0, 4)), ("short", PrefillPiece(0, 2)))
-    assert pieces[1] == (("long", PrefillPiece(4, 4)), ("short", PrefillPiece(2, 1)))
-    assert pieces[2] == (("long", PrefillPiece(8, 2)),)
-    assert pieces[3] == ()
+def test_long_prompts_are_chunked_within_the_step_budget_beside_decoding_rows():
+    p = policy(max_batch=3, chunk=6, budget=10)
+    p.add("short", params(2))
+    p.add("long", params(20))
+    plan = p.schedule()
+    assert spans(plan) == [("short", 0, 2), ("long", 0, 6)]
+    plan = p.schedule()
+    assert spans(plan) == [("short", 2, 1), ("long", 6, 6)]  # decode beside a chunk
+    plan = p.schedule()
+    assert spans(plan) == [("short", 3, 1), ("long", 12, 6)]
+    plan = p.schedule()
+    assert spans(plan) == [("short", 4, 1), ("long", 18, 2)]  # the last chunk samples
+    assert p.running["long"].num_samples == 1
 
 
-def test_a_row_decodes_only_once_its_prompt_is_in():
-    policy = FcfsScheduler(max_batch=1, prefill_chunk=3, max_prefill_tokens=3)
-    policy.add("a", params(8))  # 7 to prefill: 3 + 3 + 1
-    decodes = [policy.schedule().decode for _ in range(3)]
-    assert decodes == [(), (), ("a",)]
+def test_the_budget_is_shared_oldest_first():
+    p = policy(max_batch=3, chunk=8, budget=10)
+    p.add("a", params(9))
+    p.add("b", params(9))
+    assert spans(p.schedule()) == [("a", 0, 8), ("b", 0, 2)]
 
 
-def test_abort_while_waiting_and_while_running_reports_closes_once():
-    policy = FcfsScheduler(max_batch=1)
-    policy.add("running", params(1))
-    policy.add("waiting", params(1))
-    policy.schedule()
-    assert policy.abort("waiting") == "waiting"
-    assert policy.abort("running") == "running"
-    assert policy.abort("running") is None  # idempotent
-    assert policy.abort("unknown") is None
-    plan = policy.schedule()
-    assert plan.closes == ("waiting", "running")
-    assert plan.decode == () and plan.opens == ()
-    assert policy.schedule() is None
+def test_no_span_samples_past_max_tokens_or_the_context_bound():
+    p = policy(max_context=12)
+    p.add("capped", params(4, max_tokens=2))
+    p.add("context", params(9, max_tokens=None))
+    plans = [p.schedule() for _ in range(6)]
+    capped = [s for plan in plans if plan for s in plan.spans if s.request_id == "capped"]
+    context = [s for plan in plans if plan for s in plan.spans if s.request_id == "context"]
+    assert [(s.start, s.num_new) for s in capped] == [(0, 4), (4, 1)]  # 2 samples
+    assert max(s.start + s.num_new for s in context) == 11  # samples the 12th token, no more
+    assert p.running["context"].num_samples == 3
 
 
-def test_abort_mid_prefill_stops_further_pieces():
-    policy = FcfsScheduler(max_batch=1, prefill_chunk=2, max_prefill_tokens=2)
-    policy.add("a", params(10))
-    assert policy.schedule().prefill == (("a", PrefillPiece(0, 2)),)
-    policy.abort("a")
-    plan = policy.schedule()
-    assert plan.closes == ("a",) and plan.prefill == ()
+def test_abort_while_waiting_and_while_running_reports_closes_once_and_frees_blocks():
+    p = policy(max_batch=1)
+    p.add("a", params(3))
+    p.add("b", params(3))
+    p.schedule()
+    assert p.pool.num_used_blocks == 1
+    assert p.abort("b") == "waiting"
+    assert p.abort("a") == "running"
+    assert p.abort("a") is None
+    assert p.pool.num_used_blocks == 0
+    plan = p.schedule()
+    assert sorted(plan.closes) == ["a", "b"] and plan.spans == ()
+    assert p.schedule() is None
 
 
-def test_finish_frees_the_row_without_a_close():
-    policy = FcfsScheduler(max_batch=1)
-    policy.add("a", params(1))
-    policy.schedule()
-    policy.finish("a")  # the GPU actor closes finished rows itself
-    assert not policy.has_work
+def test_finish_frees_the_row_and_its_blocks():
+    p = policy()
+    p.add("a", params(3, max_tokens=1))
+    plan = p.schedule()
+    assert p.schedule() is None  # its one token is planned: nothing more to do
+    done(p, plan, finished={"a"})
+    assert not p.has_work and p.pool.num_used_blocks == 0
+
+
+def test_full_blocks_are_published_once_computed_and_a_later_prompt_hits_them():
+    p = policy(max_batch=2, block_size=4)
+    p.add("a", params(10, max_tokens=4))
+    plan = p.schedule()
+    assert p.pool.by_hash == {}  # not computed yet: nothing to hit
+    done(p, plan)
+    assert len(p.pool.by_hash) == 2  # positions 0-7: two full blocks of known tokens
+    p.add("b", params(13))  # shares a's first 10 tokens
+    plan = p.schedule()
+    assert plan.opens == (("b", params(13), 8),)
+    assert spans(plan)[-1] == ("b", 8, 5)
+    assert p.running["b"].blocks[:2] == p.running["a"].blocks[:2]
+    assert p.pool.refcount[p.running["a"].blocks[0]] == 2
+
+
+def test_a_hit_always_leaves_the_last_token_to_compute():
+    p = policy(block_size=4)
+    p.add("a", params(8, max_tokens=1))
+    plan = p.schedule()
+    done(p, plan, finished={"a"})
+    p.add("b", params(8))  # the same 8 tokens: two full cached blocks
+    plan = p.schedule()
+    assert plan.opens[0][2] == 4 and spans(plan) == [("b", 4, 4)]
+
+
+def test_generated_tokens_are_published_too():
+    p = policy(block_size=4)
+    p.add("a", params(3, max_tokens=8))
+    for _ in range(3):
+        done(p, p.schedule(), tokens={"a": 50})
+    # prompt 1, 2, 3 + generated 50, 50, 50; K/V computed for positions 0-4: block 0 full
+    assert len(p.pool.by_hash) == 1
+    done(p, p.schedule(), tokens={"a": 50})
+    p.add("b", SequenceParams(prompt_tokens=(1, 2, 3, 50, 50, 50, 50, 9, 9), max_tokens=2))
+    assert p.schedule().opens[0][2] == 8 - 4  # block 0 was published; block 1 not yet full
+
+
+def test_without_blocks_a_request_waits_and_is_admitted_when_blocks_free():
+    p = policy(max_batch=4, num_blocks=4, block_size=4)
+    p.add("a", params(9, max_tokens=2))  # 3 blocks with its first sample
+    p.add("b", params(6, max_tokens=2))
+    plan = p.schedule()
+    assert [o[0] for o in plan.opens] == ["a"]
+    done(p, plan)
+    done(p, p.schedule(), finished={"a"})
+    assert [o[0] for o in p.schedule().opens] == ["b"]
+
+
+def test_when_no_row_can_grow_and_nothing_is_in_flight_the_newest_is_preempted():
+    p = policy(max_batch=2, num_blocks=3, block_size=4, max_context=12)
+    p.add("a", params(3, max_tokens=9))  # 12 tokens: the whole pool, alone
+    p.add("b", params(3, max_tokens=9, first=50))
+    plan = p.schedule()
+    assert [o[0] for o in plan.opens] == ["a", "b"]
+    seen_b_requeued = False
+    for _ in range(60):
+        if plan is None:
+            break
+        done(p, plan)
+        p.pool.check()
+        seen_b_requeued |= any(r.request_id == "b" and r.is_open for r in p.waiting)
+        plan = p.schedule()
+    assert not p.has_work and p.pool.num_used_blocks == 0
+    assert p.num_preemptions >= 1 and seen_b_requeued
+    assert p.num_steps < 60
+
+
+def test_a_preempted_request_resumes_by_prefilling_prompt_and_generated_tokens():
+    p = policy(max_batch=2, num_blocks=3, block_size=4, max_context=12)
+    p.add("a", params(3, max_tokens=9))
+    p.add("b", params(3, max_tokens=9, first=50))
+    plan = p.schedule()
+    while p.num_preemptions == 0:
+        done(p, plan, tokens={"b": 60})
+        plan = p.schedule()
+    b = p.waiting[0]
+    assert b.num_computed == 0 and b.tokens[3:] == [60] * b.num_samples
+    while not any(s.request_id == "b" for s in (plan.spans if plan else ())):
+        done(p, plan)
+        plan = p.schedule()
+    (span,) = [s for s in plan.spans if s.request_id == "b"]
+    assert span.start == 0 and span.num_new == len(b.tokens) and span.samples
 
 
 def test_duplicate_ids_are_refused():
-    policy = FcfsScheduler(max_batch=1)
-    policy.add("a", params(1))
-    with pytest.raises(ValueError, match="already scheduled"):
-        policy.add("a", params(1))
+    p = policy()
+    p.add("a", params(3))
+    with pytest.raises(ValueError):
+        p.add("a", params(3))
 
 
 def test_steps_are_numbered():
-    policy = FcfsScheduler(max_batch=1)
-    policy.add("a", params(1))
-    assert [policy.schedule().step for _ in range(3)] == [1, 2, 3]
+    p = policy()
+    p.add("a", params(3, max_tokens=100))
+    assert [p.schedule().step for _ in range(3)] == [1, 2, 3]

@@ -1,0 +1,158 @@
+"""The block pool: which KV blocks exist, who holds them, and which prefixes they cache.
+
+Pure Python, owned by the scheduling policy (as nano-vllm's block manager is), so
+admission and preemption see memory directly. The engine only ever receives block
+tables: it never allocates.
+
+    block ids   0   1   2   3   4   5   6   7
+    refcount    2   1   0   0   1   0   0   0
+    hash        h0  h1  h2  -   -   -   -   -
+                ^shared  ^cached: free, still hit-able (LRU)  ^free
+
+A block is "full" once `block_size` tokens whose ids are known have their K/V
+computed. A full block gets a hash chained over every token id before it plus a
+salt for whatever else changes the K/V (the model), so equal hashes mean equal
+K/V. Released full blocks stay cached until evicted, least recently used first;
+a prefix lookup takes them back without recomputing. Blocks are shared only once
+full, and full blocks are never written again, so sharing needs no copy.
+
+`epoch` counts every mutation that can change what a block id holds (release,
+eviction, preemption): a plan cached from block tables is keyed on it, so a
+missed invalidation can never read a block that moved.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from array import array
+from collections.abc import Iterable, Sequence
+
+from runtime.errors import CapacityError
+
+
+def chain_hashes(
+    tokens: Sequence[int], block_size: int, salt: bytes, *, parent: bytes = b"", start: int = 0
+) -> list[bytes]:
+    """Hashes of the full blocks of `tokens[start:]`, each chained on the one before.
+
+    `parent` is the hash of the block ending at `start` (b"" at 0). blake2b rather
+    than Python's `hash`, whose int and tuple hashes are not keyed: a client could
+    craft a collision and read another request's cached K/V.
+    """
+    hashes = []
+    for lo in range(start, len(tokens) - block_size + 1, block_size):
+        digest = hashlib.blake2b(parent, digest_size=16, key=salt[:64])
+        digest.update(array("q", tokens[lo : lo + block_size]).tobytes())
+        parent = digest.digest()
+        hashes.append(parent)
+    return hashes
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, *, salt: bytes = b"", is_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.salt = salt
+        self.is_caching = is_caching
+        self.refcount = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.by_hash: dict[bytes, int] = {}
+        self.free: collections.deque[int] = collections.deque(range(num_blocks))
+        self.cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
+        self.epoch = 0
+        self.num_lookup_blocks = 0  # full prompt blocks looked up
+        self.num_hit_blocks = 0  # ... and found cached
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take: never used, or cached and evictable."""
+        return len(self.free) + len(self.cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_blocks / self.num_lookup_blocks if self.num_lookup_blocks else 0.0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, hashes: Sequence[bytes]) -> list[int]:
+        """The cached blocks holding the longest prefix of `hashes`; takes nothing."""
+        blocks = []
+        if self.is_caching:
+            for h in hashes:
+                if (block := self.by_hash.get(h)) is None:
+                    break
+                blocks.append(block)
+        return blocks
+
+    def num_evictable(self, blocks: Iterable[int]) -> int:
+        """How many of `blocks` are cached-free (taking them lowers `num_free_blocks`)."""
+        return sum(1 for b in blocks if b in self.cached)
+
+    def take_cached(self, blocks: Sequence[int], num_looked_up: int) -> None:
+        """Hold the blocks a prefix lookup found (counted in the hit rate)."""
+        self.num_lookup_blocks += num_looked_up
+        self.num_hit_blocks += len(blocks)
+        for block in blocks:
+            if self.refcount[block] == 0:
+                del self.cached[block]
+            self.refcount[block] += 1
+
+    def allocate(self) -> int:
+        """A fresh block for one holder: never used first, else evict the LRU cached one."""
+        if self.free:
+            block = self.free.popleft()
+        elif self.cached:
+            block, _ = self.cached.popitem(last=False)
+            old_hash = self.block_hash[block]
+            assert old_hash is not None  # only full, hashed blocks are kept cached
+            del self.by_hash[old_hash]
+            self.block_hash[block] = None
+            self.epoch += 1  # its old contents are gone
+        else:
+            raise CapacityError(f"all {self.num_blocks} KV blocks are in use")
+        self.refcount[block] = 1
+        return block
+
+    def publish(self, block: int, block_hash: bytes) -> None:
+        """Mark a held, full block as caching the prefix `block_hash`."""
+        if not self.is_caching or self.block_hash[block] is not None:
+            return
+        if block_hash in self.by_hash:
+            return  # the same prefix is cached in another block already: keep that one
+        self.block_hash[block] = block_hash
+        self.by_hash[block_hash] = block
+
+    def release(self, blocks: Iterable[int]) -> None:
+        """Drop one hold on each block; the last hold frees it (cached ones stay hit-able)."""
+        for block in blocks:
+            if self.refcount[block] <= 0:
+                raise ValueError(f"block {block} released more often than held")
+            self.refcount[block] -= 1
+            if self.refcount[block] == 0:
+                if self.block_hash[block] is None:
+                    self.free.append(block)
+                else:
+                    self.cached[block] = None  # most recently used last
+        self.epoch += 1
+
+    def check(self) -> None:
+        """Assert the pool's invariants (tests and debugging)."""
+        assert all(r >= 0 for r in self.refcount)
+        free, cached = set(self.free), set(self.cached)
+        assert not free & cached and len(free) == len(self.free)
+        for block in range(self.num_blocks):
+            held = self.refcount[block] > 0
+            assert held != (block in free or block in cached), block
+            assert (block in cached) <= (self.block_hash[block] is not None), block
+        assert {b: h for h, b in self.by_hash.items()} == {
+            b: h for b, h in enumerate(self.block_hash) if h is not None
+        }
+

@@ -1,0 +1,149 @@
+"""Paged KV storage: fixed-size blocks in one preallocated pool per layer.
+
+    keys[layer], values[layer]: [n_kv_heads * num_blocks * block_size, head_dim]
+
+    row a, table (3, 0, 5):  positions 0-15 in block 3, 16-31 in block 0, 32-  in block 5
+
+A row holds exactly the blocks its tokens need (the policy's `BlockPool` decides
+which), so a 6,000-token request costs 6,000 tokens of KV, not a slot per row at
+the longest row's length, and a prefix cached by one request is read in place by
+the next. Writes are one single-index scatter of head_dim-wide rows per layer.
+
+`forward` turns a step's row spans into a `PagedForward`, the `ForwardKV` the
+model sees. The block-table array is cached across steps while no row gained a
+block and `epoch` (the pool's move counter) is unchanged; per-row lengths and
+positions are recomputed every step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from runtime.kv.base import RowSpan
+
+import mlx.core as mx
+import numpy as np
+
+from kernels.paged_attention import PagedStep, dispatch, paged_attention
+
+
+class PagedKV:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_queries_per_kv: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: mx.Dtype = mx.float32,
+    ):
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_queries_per_kv = num_queries_per_kv
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.num_slots = num_blocks * block_size
+        shape = (num_kv_heads * self.num_slots, head_dim)
+        self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        mx.eval(self.keys, self.values)
+        self.num_table_builds = 0  # block-table arrays built (the rest were reused)
+        self._tables: tuple[tuple, mx.array] | None = None
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: mx.Dtype
+    ) -> int:
+        return 2 * num_layers * num_kv_heads * block_size * head_dim * dtype.size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values, strict=True))
+
+    def forward(self, rows: Sequence[RowSpan], epoch: int) -> PagedForward:
+        for row in rows:
+            if len(row.blocks) * self.block_size < row.end:
+                raise ValueError(f"row {row.seq_id}: {len(row.blocks)} blocks cannot hold {row.end} positions")
+        step = PagedStep(
+            tables=self._block_tables(rows, epoch),
+            starts=tuple(r.start for r in rows),
+            num_new=tuple(r.num_new for r in rows),
+            block_size=self.block_size,
+            num_slots=self.num_slots,
+            num_kv_heads=self.num_kv_heads,
+            num_queries_per_kv=self.num_queries_per_kv,
+        )
+        return PagedForward(self, step)
+
+    def _block_tables(self, rows: Sequence[RowSpan], epoch: int) -> mx.array:
+        """[R, max_blocks] int32, reused while the same rows hold the same blocks."""
+        key = (epoch, tuple((r.seq_id, len(r.blocks)) for r in rows))
+        if self._tables is not None and self._tables[0] == key:
+            return self._tables[1]
+        width = max(len(r.blocks) for r in rows)
+        table = np.zeros((len(rows), width), dtype=np.int32)  # pads point at block 0, masked
+        for i, row in enumerate(rows):
+            table[i, : len(row.blocks)] = row.blocks
+        self.num_table_builds += 1
+        self._tables = (key, mx.array(table))
+        return self._tables[1]
+
+
+class PagedForward:
+    """The `ForwardKV` of one ragged step; the attention path is chosen once, here."""
+
+    def __init__(self, storage: PagedKV, step: PagedStep):
+        self._storage = storage
+        self.step = step
+        self.path = dispatch(step)
+
+    @property
+    def positions(self) -> mx.array:
+        return self.step.positions
+
+    def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        s = self._storage
+        return paged_attention((s.keys, s.values), layer, q, k, v, scale, self.step, self.path)
+
+
+def available_memory() -> int | None:
+    """Bytes the OS could give us now (Linux MemAvailable; mlx's limit elsewhere)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(mx.get_memory_limit())  # Metal: the recommended working set
+    except Exception:  # noqa: BLE001  (no backend limit: the caller falls back)
+        return None
+
+
+def parse_kv_budget(text: str | None) -> float | int | None:
+    """"2GiB", "512MB", "1073741824" -> bytes; "0.3" -> a fraction of free memory."""
+    if text is None or text == "":
+        return None
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    lowered = text.strip().lower()
+    for suffix, scale in units.items():
+        if lowered.endswith(suffix):
+            value = float(lowered[: -len(suffix)])
+            if value <= 0:
+                break
+            return int(value * scale)
+    else:
+        value = float(lowered)
+        if 0 < value < 1:
+            return value
+        if value >= 1 and value == int(value):
+            return int(value)
+    raise ValueError(f"KV budget {text!r}: give bytes (e.g. 2GiB, 512MB) or a fraction in (0, 1)")
+
+
+DEFAULT_FREE_FRACTION = float(os.environ.get("CADENCE_KV_FREE_FRACTION", "0.3"))

@@ -1,0 +1,123 @@
+"""The block pool's invariants under random allocate / share / publish / release / evict."""
+
+from runtime.errors import CapacityError
+from runtime.kv.blocks import BlockPool, chain_hashes
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Holders own block lists, as requests do; the model is their refcounts."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = BlockPool(num_blocks=8, block_size=2, salt=b"test")
+        self.holders: list[list[int]] = []
+        self.next_hash = 0
+
+    def _held(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for blocks in self.holders:
+            for b in blocks:
+                counts[b] = counts.get(b, 0) + 1
+        return counts
+
+    @rule(n=st.integers(1, 4))
+    def allocate(self, n):
+        blocks = []
+        for _ in range(n):
+            before = self.pool.epoch
+            had_free = bool(self.pool.free)
+            try:
+                blocks.append(self.pool.allocate())
+            except CapacityError:
+                assert self.pool.num_free_blocks == 0
+                break
+            if not had_free:  # an eviction reuses a cached block: that is a move
+                assert self.pool.epoch > before
+        self.holders.append(blocks)
+
+    @precondition(lambda self: self.holders)
+    @rule(data=st.data())
+    def publish(self, data):
+        blocks = data.draw(st.sampled_from(self.holders))
+        if blocks:
+            block = data.draw(st.sampled_from(blocks))
+            self.next_hash += 1
+            self.pool.publish(block, self.next_hash.to_bytes(8, "big"))
+
+    @precondition(lambda self: self.holders)
+    @rule(data=st.data())
+    def share_a_cached_prefix(self, data):
+        """What admission does with a prefix hit."""
+        hashes = list(self.pool.by_hash)
+        if hashes:
+            picked = data.draw(st.lists(st.sampled_from(hashes), min_size=1, max_size=3, unique=True))
+            hits = self.pool.match_prefix(picked)
+            self.pool.take_cached(hits, len(picked))
+            self.holders.append(hits)
+
+    @precondition(lambda self: self.holders)
+    @rule(data=st.data())
+    def release(self, data):
+        index = data.draw(st.integers(0, len(self.holders) - 1))
+        before = self.pool.epoch
+        self.pool.release(self.holders.pop(index))
+        assert self.pool.epoch > before
+
+    @precondition(lambda self: self.holders)
+    @rule(data=st.data())
+    def rewind(self, data):
+        """Drop a holder's tail blocks (a speculative append undone, or a preemption)."""
+        blocks = data.draw(st.sampled_from(self.holders))
+        keep = data.draw(st.integers(0, len(blocks)))
+        before = self.pool.epoch
+        self.pool.release(blocks[keep:])
+        del blocks[keep:]
+        assert self.pool.epoch > before
+
+    @invariant()
+    def refcounts_match_the_holders(self):
+        self.pool.check()
+        held = self._held()
+        for block in range(self.pool.num_blocks):
+            assert self.pool.refcount[block] == held.get(block, 0)
+        # No leak: every block is held, free, or cached-free.
+        assert self.pool.num_used_blocks == len(held)
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_a_block_released_more_often_than_held_is_refused():
+    pool = BlockPool(2, 4)
+    block = pool.allocate()
+    pool.release([block])
+    with pytest.raises(ValueError):
+        pool.release([block])
+
+
+def test_eviction_is_least_recently_released_first_and_forgets_the_hash():
+    pool = BlockPool(3, 2)
+    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    for block, h in ((a, b"a"), (b, b"b"), (c, b"c")):
+        pool.publish(block, h)
+    pool.release([b])
+    pool.release([a])
+    pool.release([c])
+    assert pool.allocate() == b and pool.match_prefix([b"b"]) == []
+    assert pool.match_prefix([b"a"]) == [a]
+
+
+def test_chain_hashes_depend_on_every_earlier_token_and_the_salt():
+    base = chain_hashes([1, 2, 3, 4, 5, 6, 7], 2, b"s")
+    assert len(base) == 3  # full blocks only
+    assert chain_hashes([9, 2, 3, 4, 5, 6], 2, b"s")[1] != base[1]  # an earlier token differs
+    assert chain_hashes([1, 2, 3, 4, 5, 6], 2, b"other")[0] != base[0]
+    # Extending a chain from its last hash gives the same hashes as hashing it whole.
+    tail = chain_hashes([1, 2, 3, 4, 5, 6], 2, b"s", parent=base[0], start=2)
+    assert tail == base[1:]
