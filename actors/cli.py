@@ -13,11 +13,15 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
+from runtime.engine import DEFAULT_BLOCK_SIZE
 from runtime.errors import CadenceError
+from runtime.kv.paged import parse_kv_budget
+from runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_PREFILL_CHUNK
 
 import structlog
 import trio
 
+from actors import bench
 from actors.http_app import ServerState, create_app, serve_http
 from actors.service import open_llm
 from actors.tracing import LEVELS, configure_logging
@@ -56,6 +60,34 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds in-flight requests get after SIGINT/SIGTERM",
     )
     serve.add_argument("--max-body-bytes", type=_positive, default=4 << 20)
+    serve.add_argument(
+        "--kv-budget",
+        type=_kv_budget,
+        default=None,
+        help="KV pool size: bytes (8GiB, 512MB) or a fraction of free memory (0.5); "
+        "default: 30%% of free memory, at most what --max-batch rows of --max-context need",
+    )
+    serve.add_argument(
+        "--block-size", type=_positive, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block"
+    )
+    serve.add_argument(
+        "--prefill-chunk",
+        type=_positive,
+        default=DEFAULT_PREFILL_CHUNK,
+        help="most prompt tokens one request computes in a step",
+    )
+    serve.add_argument(
+        "--max-prefill-tokens",
+        type=_positive,
+        default=DEFAULT_MAX_PREFILL_TOKENS,
+        help="most prompt tokens a step computes, over all requests, beside the decoding rows",
+    )
+    serve.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="never reuse the K/V of an earlier request's prompt",
+    )
     _add_log_args(serve, default_level="info")
     serve.set_defaults(run=_serve)
 
@@ -71,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--chat", action="store_true", help="wrap the prompt as a user message")
     _add_log_args(generate, default_level="warning")
     generate.set_defaults(run=_generate)
+    bench.add_parser(commands)
     return parser
 
 
@@ -105,6 +138,13 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def _kv_budget(text: str) -> int | float | None:
+    try:
+        return parse_kv_budget(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _port(text: str) -> int:
@@ -146,6 +186,11 @@ async def _serve(args: argparse.Namespace) -> None:
             max_batch=args.max_batch,
             max_waiting=args.max_waiting,
             max_context=args.max_context,
+            kv_budget=args.kv_budget,
+            block_size=args.block_size,
+            prefix_cache=args.prefix_cache,
+            prefill_chunk=args.prefill_chunk,
+            max_prefill_tokens=args.max_prefill_tokens,
             offline=args.offline,
             keep_dtype=args.keep_dtype,
             on_progress=_progress,
@@ -217,6 +262,9 @@ async def _generate(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "bench":
+        configure_logging("console", "warning")
+        return int(args.run(args))
     configure_logging(args.log_format, args.log_level)
     try:
         trio.run(args.run, args)

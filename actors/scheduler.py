@@ -99,7 +99,7 @@ class SchedulerActor:
                     await self.to_gpu.send(Idle())
                     self.is_idle_sent = True
                 return
-            for _ in plan.opens:  # these left the waiting queue
+            for _ in (*plan.opens, *plan.rejects):  # these left the waiting queue
                 self.waiting_slots.release()
             await self.to_gpu.send(plan)
             self.num_in_flight += 1

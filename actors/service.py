@@ -28,7 +28,7 @@ from runtime.engine import DEFAULT_BLOCK_SIZE, Engine
 from runtime.errors import RequestError
 from runtime.kv.blocks import BlockPool
 from runtime.runner import PlanRunner
-from runtime.scheduler import FcfsScheduler
+from runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_PREFILL_CHUNK, FcfsScheduler
 from runtime.sequence import SamplingParams
 
 import attrs
@@ -71,8 +71,8 @@ async def open_llm(
     kv_budget: int | float | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     prefix_cache: bool = True,
-    prefill_chunk: int = 256,
-    max_prefill_tokens: int = 512,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
     lookahead: int = 1,
     offline: bool = False,
     keep_dtype: bool = False,

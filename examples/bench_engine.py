@@ -6,7 +6,7 @@ Builds (once, cached under .bench/) a ~200M-param fp32 Llama-shaped checkpoint w
 random weights: hidden 1024, 16 layers, 16 heads, 4 KV heads, FFN 2816, 32k vocab.
 For each batch size B it prefills B prompts, then times only the decode steps:
 
-    ours:   Engine.submit/collect with one step of lookahead
+    ours:   the FCFS policy and the Engine (runtime.runner.PlanRunner), one step of lookahead
     mlx-lm: generate_step (B=1) and BatchGenerator (B > 1)
 
 and prints the best tok/s of each arm over interleaved repeats, with the ratio. mlx-lm is imported here as the
@@ -16,6 +16,7 @@ peer, never by cadence itself.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import random
 import shutil
@@ -26,8 +27,11 @@ import runtime  # noqa: F401  (loads the fast BLAS before mlx)
 from runtime.checkpoint import DEMO_CHECKPOINT, load_model
 from runtime.config import config_from_dict
 from runtime.engine import Engine
+from runtime.kv.blocks import BlockPool
 from runtime.models.decoder import Decoder
-from runtime.sequence import PrefillPiece, SequenceParams, StepBatch
+from runtime.runner import PlanRunner, step_results
+from runtime.scheduler import FcfsScheduler
+from runtime.sequence import SequenceParams
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -42,7 +46,7 @@ BENCH_CONFIG = {
     "vocab_size": 32000,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
-    "max_position_embeddings": 2048,
+    "max_position_embeddings": 8192,  # RoPE needs no weights: long-prompt benches fit
     "tie_word_embeddings": True,
     "torch_dtype": "float32",
 }
@@ -53,9 +57,10 @@ def bench_checkpoint(root: Path, vocab_size: int = BENCH_CONFIG["vocab_size"]) -
     config = {**BENCH_CONFIG, "vocab_size": vocab_size}
     suffix = "" if vocab_size == BENCH_CONFIG["vocab_size"] else f"-vocab{vocab_size}"
     path = root / f"llama-200m-fp32{suffix}"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     if (path / "model.safetensors").exists():
         return path
-    path.mkdir(parents=True, exist_ok=True)
     mx.random.seed(0)
     model = Decoder(config_from_dict(config))
     weights = {
@@ -64,7 +69,6 @@ def bench_checkpoint(root: Path, vocab_size: int = BENCH_CONFIG["vocab_size"]) -
         for k, v in tree_flatten(model.parameters())
     }
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (path / "config.json").write_text(json.dumps(config, indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEMO_CHECKPOINT / name, path / name)
     return path
@@ -76,23 +80,30 @@ def prompts_for(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def ours(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
-    seqs = []
-    for prompt in prompts:
-        seq = engine.open(SequenceParams(prompt_tokens=tuple(prompt), max_tokens=new_tokens, ignore_eos=True))
-        engine.prefill(seq, PrefillPiece(0, len(prompt) - 1))
-        seqs.append(seq)
-    batch = StepBatch(decode=tuple(seqs))
-    engine.step(batch)  # the first token ends prefill; time decode only
-    engine.submit(batch)
+    """Decode tok/s through the policy and the engine, one step of lookahead."""
+    pool = BlockPool(engine.kv.num_blocks, engine.kv.block_size, is_caching=False)
+    whole_prompts = sum(len(p) for p in prompts)
+    policy = FcfsScheduler(len(prompts), pool, engine.max_context, whole_prompts, whole_prompts)
+    for i, prompt in enumerate(prompts):
+        policy.add(str(i), SequenceParams(prompt_tokens=tuple(prompt), max_tokens=new_tokens, ignore_eos=True))
+    runner = PlanRunner(engine)
+    plan = policy.schedule()  # every prompt, each sampling its first token: not timed
+    assert plan is not None
+    policy.on_step_done(plan.step, step_results(runner.collect(runner.launch(plan))))
+    pending: collections.deque = collections.deque()
     start, produced = time.perf_counter(), 0
-    for _ in range(new_tokens - 2):
-        engine.submit(batch)  # N+1 queued before N is read
-        produced += len(engine.collect())
-    produced += len(engine.collect())
-    elapsed = time.perf_counter() - start
-    for seq in seqs:
-        engine.close(seq)
-    return produced / elapsed
+    while True:
+        plan = policy.schedule() if len(pending) <= 1 else None
+        if plan is not None:
+            pending.append(runner.launch(plan))  # N+1 queued before N is read
+            continue
+        if not pending:
+            break
+        launched = pending.popleft()
+        results = runner.collect(launched)
+        produced += sum(r.token is not None for r in results)
+        policy.on_step_done(launched.plan.step, step_results(results))
+    return produced / (time.perf_counter() - start)
 
 
 def mlx_lm_single(model, prompt: list[int], new_tokens: int) -> float:

@@ -31,10 +31,12 @@ import openai
 from bench_engine import bench_checkpoint, ours, prompts_for
 
 
-def start_server(path: Path, max_context: int) -> tuple[subprocess.Popen, str, str]:
+def start_server(
+    path: Path, max_context: int, extra: list[str] | None = None
+) -> tuple[subprocess.Popen, str, str]:
     serve = ["serve", "--model", str(path), "--port", "0", "--log-format", "json"]
     limits = ["--max-batch", "1", "--max-context", str(max_context)]
-    command = [sys.executable, "-m", "actors.cli", *serve, *limits]
+    command = [sys.executable, "-m", "actors.cli", *serve, *limits, *(extra or [])]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     assert server.stderr is not None
     for line in server.stderr:

@@ -34,9 +34,9 @@ from bench_engine import bench_checkpoint
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cadence_command(path: Path, port: int, batch: int) -> list[str]:
+def cadence_command(path: Path, port: int, batch: int, extra: list[str]) -> list[str]:
     args = ["serve", "--model", str(path), "--port", str(port), "--max-batch", str(batch)]
-    return [sys.executable, "-m", "actors.cli", *args, "--log-level", "warning"]
+    return [sys.executable, "-m", "actors.cli", *args, "--log-level", "warning", *extra]
 
 
 def mlx_lm_command(path: Path, port: int, batch: int) -> list[str]:
@@ -127,10 +127,18 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--cache-dir", type=Path, default=ROOT / ".bench")
+    parser.add_argument("--cadence-args", default="", help="extra `cadence serve` flags, quoted")
+    parser.add_argument("--skip-peer", action="store_true", help="cadence alone (for tuning)")
     args = parser.parse_args()
     path = bench_checkpoint(args.cache_dir, vocab_size=2048)
-    ours = run_server("cadence", cadence_command(path, 8341, args.max_batch), 8341, path.name,
-                      args.clients, args.new_tokens)
+    command = cadence_command(path, 8341, args.max_batch, args.cadence_args.split())
+    ours = run_server("cadence", command, 8341, path.name, args.clients, args.new_tokens)
+    if args.skip_peer:
+        for n in args.clients:
+            r = ours[n]
+            print(f"{n:3d} clients: {r['tok_s']:6.1f} tok/s, TTFT p50 {r['ttft_p50']:.2f}s, "
+                  f"worst gap {r['gap_max']:.2f}s")
+        return
     peer = run_server("mlx-lm", mlx_lm_command(path, 8342, args.max_batch), 8342, str(path),
                       args.clients, args.new_tokens)
     print(f"checkpoint: {path}; {args.new_tokens} new tokens per stream, greedy, ~100-word prompts")

@@ -11,10 +11,11 @@ row's positions `[0, its own]`. Two paths compute the same thing:
 
 - `gather` (the reference): per row, copy its K/V out of the pool, then
   `mx.fast.scaled_dot_product_attention`. A Python loop per row and per layer.
-- `fast` (vectorized): one gather for all rows, grouped-query matmuls with the
-  polynomial-exp softmax (kernels/fast_softmax.py); rows bringing one token and
-  rows bringing several form two padded groups, so a 512-token chunk does not
-  pad every decoding row to 512 queries.
+- `fast` (vectorized): reads K/V in place, block by block, with `mx.gather_mm`:
+  no copy of the history, no loop per row. Grouped-query scores, a softmax over a
+  row's blocks with the polynomial exp (kernels/poly_exp.py). Rows bringing one
+  token and rows bringing several form two padded groups, so a 512-token chunk
+  does not pad every decoding row to 512 queries.
 
 `select_path` picks one per step, before anything is written: a path either owns
 the step or was declined, and the pool is written exactly once either way. Its
@@ -35,14 +36,17 @@ import mlx.core as mx
 import numpy as np
 import structlog
 
-from kernels.fast_softmax import softmax_last_axis
+from kernels.poly_exp import poly_exp
+from kernels.streams import is_worth_splitting, side_stream
 
 log = structlog.get_logger("cadence.paged_attention")
 
-# Rows x visible keys at or above which the vectorized path wins. Measured on the
-# 2-core x86 CPU (README, `cadence bench paged-attention`): at B=1 the per-row path
-# is one take plus mx.fast (fewer ops); from B=4 up the vectorized path wins.
-FAST_MIN_KEYS = 1024
+# Rows x visible keys at or above which the vectorized path wins, from the table in
+# the README (`cadence bench paged-attention`, 2-core x86 CPU, 16 layers of 16 query
+# and 4 KV heads, D=64): at B=1 the per-row path wins up to 256 keys (3.4 vs 5.6 ms
+# at 128, 5.3 vs 5.7 at 256) and loses from 512 on (7.0 vs 6.6); at B=4 the
+# vectorized path already wins at 128 keys a row (6.9 vs 9.5 ms).
+FAST_MIN_KEYS = 512
 # Above this many bytes of fp32 scores per layer the vectorized path declines: the
 # per-row path materialises one row's scores at a time.
 FAST_MAX_SCORE_BYTES = 1 << 29
@@ -228,42 +232,134 @@ class _GatherPlan:
 
 
 class _Group:
-    """Rows padded to `num_queries` tokens and `length` keys: one batched attention."""
+    """Rows padded to `num_queries` tokens each: one batched attention for all of them."""
 
     def __init__(self, step: PagedStep, rows: list[int], token_lo: list[int]):
         starts = [step.starts[r] for r in rows]
         num_new = [step.num_new[r] for r in rows]
         self.num_rows, self.num_queries = len(rows), max(num_new)
-        self.length = max(s + n for s, n in zip(starts, num_new, strict=True))
-        T = self.num_queries
+        size = step.block_size
+        self.num_blocks = -(-max(s + n for s, n in zip(starts, num_new, strict=True)) // size)
+        self.block_size = size
+        self.pool_blocks = step.num_slots // size  # blocks per KV head in the pool
         # Query token of (row, t); pads repeat the row's last token and are dropped.
-        t = np.minimum(np.arange(T)[None, :], np.array(num_new)[:, None] - 1)  # [R, T]
-        self.query_tokens = np.array(token_lo)[:, None] + t
-        self.is_real = np.arange(T)[None, :] < np.array(num_new)[:, None]
-        query_pos = mx.array(np.array(starts)[:, None] + t, dtype=mx.int32)  # [R, T]
-        key_pos = mx.arange(self.length, dtype=mx.int32)
-        if T == 1 and all(s + n == self.length for s, n in zip(starts, num_new, strict=True)):
-            self.mask = None
-        else:
-            self.mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [R, T, L]
-        self.kv_rows = step.visible_rows(rows, self.length)
+        t = np.minimum(np.arange(self.num_queries)[None, :], np.array(num_new)[:, None] - 1)
+        self.query_tokens = np.array(token_lo)[:, None] + t  # [R, T]
+        self.is_real = np.arange(self.num_queries)[None, :] < np.array(num_new)[:, None]
+        self.query_pos = np.array(starts)[:, None] + t  # [R, T]
+        self.table = step.tables[mx.array(rows, dtype=mx.int32)][:, : self.num_blocks]  # [R, nb]
+
+    def visible_bias(self) -> np.ndarray:
+        """[R, T, nb * bs] float32: 0 where a query sees the key position, -inf elsewhere."""
+        key_pos = np.arange(self.num_blocks * self.block_size)
+        visible = key_pos[None, None, :] <= self.query_pos[:, :, None]
+        return np.where(visible, 0.0, -np.inf).astype(np.float32)
+
+    def grouped(self, q: mx.array, num_kv_heads: int) -> mx.array:
+        """q [R * T, H, D] -> [Hkv, R, T * G, D]: query heads sharing a KV head as rows."""
+        R, T = self.num_rows, self.num_queries
+        H, D = q.shape[1:]
+        G = H // num_kv_heads
+        return q.reshape(R, T, num_kv_heads, G, D).transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, R, T * G, D)
+
+    def ungrouped(self, out: mx.array) -> mx.array:
+        """[Hkv, R, T, G, D] -> [R * T, H, D]."""
+        Hkv, R, T, G, D = out.shape
+        return out.transpose(1, 2, 0, 3, 4).reshape(R * T, Hkv * G, D)
+
+
+class _BlockGroup(_Group):
+    """Reads K/V in place, block by block, with `mx.gather_mm`: no copy of the history.
+    Decode rows (one query token each) use it: they touch every key once.
+
+    For KV head h, row r, block j of its table the scores are
+    q[h, r] [G, D] @ pool_block[h, table[r, j]].T [D, block_size]; the softmax runs
+    over all of a row's blocks at once, and the output sums weights @ V over the
+    blocks, normalised once at the end (on [G, D] per row, not on every score).
+    """
+
+    def __init__(self, step: PagedStep, rows: list[int], token_lo: list[int]):
+        super().__init__(step, rows, token_lo)
+        R, T, nb, bs, Hkv = (
+            self.num_rows, self.num_queries, self.num_blocks, self.block_size, step.num_kv_heads
+        )
+        self.bias = mx.array(self.visible_bias().reshape(R, T, nb, bs).transpose(0, 2, 1, 3)[None, :, :, :, None, :])
+        heads = mx.arange(Hkv, dtype=mx.int32)[:, None, None]
+        self.kv_blocks = (heads * self.pool_blocks + self.table[None]).reshape(-1).astype(mx.uint32)
+        query_rows = heads * R + mx.arange(R, dtype=mx.int32)[None, :, None]  # [Hkv, R, 1]
+        self.query_blocks = mx.broadcast_to(query_rows, (Hkv, R, nb)).reshape(-1).astype(mx.uint32)
 
     def attend(
         self, keys: mx.array, values: mx.array, q: mx.array, scale: float, num_kv_heads: int
     ) -> mx.array:
-        """q [R * T, H, D] in (row, t) order -> [R * T, H, D]."""
-        R, T, L = self.num_rows, self.num_queries, self.length
-        H, D = q.shape[1:]
-        G = H // num_kv_heads
+        R, T, nb, bs = self.num_rows, self.num_queries, self.num_blocks, self.block_size
+        Hkv, D = num_kv_heads, q.shape[-1]
+        G = q.shape[1] // Hkv
+        k_blocks = keys.reshape(Hkv * self.pool_blocks, bs, D)
+        v_blocks = values.reshape(Hkv * self.pool_blocks, bs, D)
+        grouped = self.grouped(q * scale, Hkv).reshape(Hkv * R, T * G, D)
+        scores = mx.gather_mm(grouped, k_blocks.swapaxes(-1, -2), self.query_blocks, self.kv_blocks)
+        scores = scores.astype(mx.float32).reshape(Hkv, R, nb, T, G, bs) + self.bias
+        # The max over a row's keys, in two cheap steps: within blocks, then across them.
+        top = mx.max(mx.max(scores, axis=5, keepdims=True), axis=2, keepdims=True)
+        weights = poly_exp(scores - top)  # unnormalised probabilities
+        total = mx.sum(mx.sum(weights, axis=5), axis=2)[..., None]  # [Hkv, R, T, G, 1]
+        out = mx.gather_mm(
+            weights.reshape(Hkv * R * nb, T * G, bs).astype(v_blocks.dtype), v_blocks, None, self.kv_blocks
+        )  # [Hkv * R * nb, T * G, D]
+        out = out.reshape(Hkv, R, nb, T, G, D).sum(axis=2) / total
+        return self.ungrouped(out).astype(q.dtype)
+
+
+class _CopyGroup(_Group):
+    """Copies each row's K/V out once, then two dense matmuls. Rows bringing a chunk of
+    many tokens use it: the copy is paid once for all of the chunk's queries, and the
+    matmuls are large enough for the BLAS to run at speed.
+
+    A long chunk's cost is its softmax: T x H x L exps (a 256-token chunk at 6,000
+    keys: 24.6M a layer). mlx's fused softmax takes 0.37 s for those on this CPU
+    against 0.61 s for the polynomial exp's separate passes, and mlx's CPU
+    elementwise ops run on one thread: so above `SPLIT_MIN_SCORES` the KV heads are
+    split over a second CPU stream (0.43 -> 0.31 s for that layer on 2 cores).
+    """
+
+    SPLIT_MIN_SCORES = 1 << 20
+
+    def __init__(self, step: PagedStep, rows: list[int], token_lo: list[int]):
+        super().__init__(step, rows, token_lo)
+        self.length = self.num_blocks * self.block_size
+        self.bias = mx.array(self.visible_bias()[None, :, :, None, :])  # [1, R, T, 1, L]
+        self.kv_rows = step.visible_rows(rows, self.length)  # [Hkv * R * L]
+        num_scores = step.num_kv_heads * step.num_queries_per_kv * self.num_rows * self.num_queries * self.length
+        self.is_split = step.num_kv_heads >= 2 and is_worth_splitting(
+            num_scores, self.SPLIT_MIN_SCORES
+        )
+
+    def attend(
+        self, keys: mx.array, values: mx.array, q: mx.array, scale: float, num_kv_heads: int
+    ) -> mx.array:
+        R, L, D = self.num_rows, self.length, q.shape[-1]
         k = keys[self.kv_rows].reshape(num_kv_heads, R, L, D)
         v = values[self.kv_rows].reshape(num_kv_heads, R, L, D)
-        # Query heads sharing a KV head become rows of one matmul: [Hkv, R, T * G, D].
-        grouped = q.reshape(R, T, num_kv_heads, G, D).transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, R, T * G, D)
-        scores = ((grouped * scale) @ k.swapaxes(-1, -2)).astype(mx.float32)  # [Hkv, R, T*G, L]
-        mask = None if self.mask is None else self.mask[None, :, :, None, :]  # [1, R, T, 1, L]
-        probs = softmax_last_axis(scores.reshape(num_kv_heads, R, T, G, L), mask)
-        out = probs.reshape(num_kv_heads, R, T * G, L).astype(v.dtype) @ v  # [Hkv, R, T*G, D]
-        return out.reshape(num_kv_heads, R, T, G, D).transpose(1, 2, 0, 3, 4).reshape(R * T, H, D)
+        grouped = self.grouped(q * scale, num_kv_heads)  # [Hkv, R, T * G, D]
+        if not self.is_split:
+            out = self._heads(grouped, k, v)
+        else:
+            half = num_kv_heads // 2
+            first = self._heads(grouped[:half], k[:half], v[:half])
+            with mx.stream(side_stream()):
+                second = self._heads(grouped[half:], k[half:], v[half:])
+            out = mx.concatenate([first, second])
+        return self.ungrouped(out).astype(q.dtype)
+
+    def _heads(self, grouped: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        """grouped [h, R, T * G, D]; k, v [h, R, L, D] -> [h, R, T, G, D]."""
+        h, R, TG, D = grouped.shape
+        T, L = self.num_queries, self.length
+        scores = (grouped @ k.swapaxes(-1, -2)).astype(mx.float32)  # [h, R, T * G, L]
+        probs = mx.softmax(scores.reshape(h, R, T, TG // T, L) + self.bias, axis=-1)
+        out = probs.reshape(h, R, TG, L).astype(v.dtype) @ v
+        return out.reshape(h, R, T, TG // T, D)
 
 
 class _FastPlan:
@@ -273,20 +369,28 @@ class _FastPlan:
         token_lo = np.concatenate([[0], np.cumsum(step.num_new)[:-1]]).tolist()
         singles = [r for r, n in enumerate(step.num_new) if n == 1]
         multis = [r for r, n in enumerate(step.num_new) if n > 1]
-        self.groups = [
-            _Group(step, rows, [token_lo[r] for r in rows]) for rows in (singles, multis) if rows
-        ]
+        self.groups: list[_BlockGroup | _CopyGroup] = []
+        if singles:
+            self.groups.append(_BlockGroup(step, singles, [token_lo[r] for r in singles]))
+        if multis:
+            self.groups.append(_CopyGroup(step, multis, [token_lo[r] for r in multis]))
         # Where each token's output sits in the groups' outputs laid end to end.
         order = np.concatenate([g.query_tokens[g.is_real] for g in self.groups])
-        self.query_index = [mx.array(g.query_tokens.reshape(-1), dtype=mx.int32) for g in self.groups]
         flat_real = np.concatenate([g.is_real.reshape(-1) for g in self.groups])
         padded_position = np.flatnonzero(flat_real)  # of each real output, in `order`
         inverse = np.empty(len(order), dtype=np.int64)
         inverse[order] = padded_position
+        # A decode-only step is already in token order: no gathers around the attention.
+        self.is_identity = len(self.groups) == 1 and bool(flat_real.all()) and bool(
+            (self.groups[0].query_tokens.reshape(-1) == np.arange(len(order))).all()
+        )
+        self.query_index = [mx.array(g.query_tokens.reshape(-1), dtype=mx.int32) for g in self.groups]
         self.inverse = mx.array(inverse, dtype=mx.int32)
         self.num_kv_heads = step.num_kv_heads
 
     def attend(self, keys: mx.array, values: mx.array, q: mx.array, scale: float) -> mx.array:
+        if self.is_identity:
+            return self.groups[0].attend(keys, values, q, scale, self.num_kv_heads)
         outs = [
             g.attend(keys, values, q[index], scale, self.num_kv_heads)
             for g, index in zip(self.groups, self.query_index, strict=True)

@@ -13,12 +13,28 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kernels.poly_exp import exp_parts, scale_of
+from kernels.streams import is_worth_splitting, side_stream
+
+SPLIT_MIN_ELEMENTS = 1 << 18  # a prefill chunk's, not a decode step's (16 x 2816)
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """gate, up: [..., intermediate] -> silu(gate) * up, same shape."""
     if mx.default_device() != mx.cpu or gate.dtype != mx.float32:
         return reference_swiglu(gate, up)
+    rows = gate.reshape(-1, gate.shape[-1])
+    if rows.shape[0] < 2 or not is_worth_splitting(gate.size, SPLIT_MIN_ELEMENTS):
+        return _swiglu(gate, up)
+    # Two halves of the rows on two CPU streams: the exp runs on both cores.
+    half = rows.shape[0] // 2
+    up_rows = up.reshape(rows.shape)
+    first = _swiglu(rows[:half], up_rows[:half])
+    with mx.stream(side_stream()):
+        second = _swiglu(rows[half:], up_rows[half:])
+    return mx.concatenate([first, second]).reshape(gate.shape)
+
+
+def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
     e_r, bits = exp_parts(-gate)
     return _combine(gate, up, e_r, scale_of(bits))
 

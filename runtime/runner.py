@@ -57,7 +57,7 @@ class PlanRunner:
         for request_id in plan.closes:
             if (seq := self.rows.pop(request_id, None)) is not None:
                 self.engine.close(seq)
-        failed = []
+        failed = [RowResult(rid, None, FinishCause.ERROR, why) for rid, why in plan.rejects]
         for request_id, params, _ in plan.opens:
             try:
                 self.rows[request_id] = self.engine.open(params)

@@ -79,6 +79,7 @@ class StepPlan:
     step: int
     opens: tuple[tuple[str, SequenceParams, int], ...] = ()
     closes: tuple[str, ...] = ()
+    rejects: tuple[tuple[str, str], ...] = ()  # (request id, why): can never fit the pool
     spans: tuple[PlannedSpan, ...] = ()
     epoch: int = 0
     num_free_blocks: int = 0
@@ -93,16 +94,21 @@ class StepPlan:
         return sum(span.num_new > 1 for span in self.spans)
 
 
+DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_MAX_PREFILL_TOKENS = 512
+
+
 @attrs.define
 class FcfsScheduler:
     max_batch: int
     pool: BlockPool
     max_context: int
-    prefill_chunk: int = 256  # tokens per prefill span
-    max_prefill_tokens: int = 512  # prefill tokens per step, over all rows
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # tokens per prefill span
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS  # prefill tokens a step, all rows
     waiting: collections.deque[ScheduledRequest] = attrs.Factory(collections.deque)
     running: dict[str, ScheduledRequest] = attrs.Factory(dict)  # insertion order = FCFS
     pending_closes: list[str] = attrs.Factory(list)
+    pending_rejects: list[tuple[str, str]] = attrs.Factory(list)
     in_flight: dict[int, dict[str, int]] = attrs.Factory(dict)  # step -> {request: num_computed}
     num_steps: int = 0
     num_preemptions: int = 0
@@ -118,7 +124,7 @@ class FcfsScheduler:
     @property
     def has_work(self) -> bool:
         """Requests or closes remain (a plan may still have to wait for a step to finish)."""
-        return bool(self.pending_closes or self.running or self.waiting)
+        return bool(self.pending_closes or self.pending_rejects or self.running or self.waiting)
 
     def is_known(self, request_id: str) -> bool:
         return request_id in self.running or any(r.request_id == request_id for r in self.waiting)
@@ -172,7 +178,7 @@ class FcfsScheduler:
         if not spans and not self.in_flight and self.running and self._preempt():
             opens += self._admit()
             spans = self._spans()
-        if not (opens or spans or self.pending_closes):
+        if not (opens or spans or self.pending_closes or self.pending_rejects):
             return None
         self.num_steps += 1
         self.in_flight[self.num_steps] = {
@@ -182,12 +188,14 @@ class FcfsScheduler:
             step=self.num_steps,
             opens=tuple(opens),
             closes=tuple(self.pending_closes),
+            rejects=tuple(self.pending_rejects),
             spans=tuple(spans),
             epoch=self.pool.epoch,
             num_free_blocks=self.pool.num_free_blocks,
             hit_rate=self.pool.hit_rate,
         )
         self.pending_closes.clear()
+        self.pending_rejects.clear()
         return plan
 
     def _admit(self) -> list[tuple[str, SequenceParams, int]]:
@@ -198,6 +206,10 @@ class FcfsScheduler:
             num_lookup = (len(request.tokens) - 1) // self.pool.block_size
             hits = self.pool.match_prefix(request.block_hashes[:num_lookup])
             needed = self.pool.blocks_for(len(request.tokens) + 1) - len(hits)
+            if needed + len(hits) > self.pool.num_blocks:  # admission should have refused it
+                self.waiting.popleft()
+                self.pending_rejects.append((request.request_id, self._too_large(request)))
+                continue
             if needed + self._committed() > self.pool.num_free_blocks - self.pool.num_evictable(hits):
                 break
             self.waiting.popleft()
@@ -211,6 +223,10 @@ class FcfsScheduler:
                 opens.append((request.request_id, request.params, request.num_computed))
             self.running[request.request_id] = request
         return opens
+
+    def _too_large(self, request: ScheduledRequest) -> str:
+        capacity = self.pool.num_blocks * self.pool.block_size
+        return f"{len(request.tokens)} tokens can never fit the KV pool of {capacity} tokens"
 
     def _committed(self) -> int:
         """Blocks running requests still need for their known tokens, or one to grow."""

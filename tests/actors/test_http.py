@@ -425,3 +425,32 @@ async def test_every_bad_request_gets_an_openai_error_object(tiny):
         )
         assert done.usage.completion_tokens >= 1
         await wait_for_no_open_rows(server.llm)
+
+
+async def test_a_shared_prompt_prefix_reports_cached_tokens_and_the_same_text(tiny):
+    system = "You answer questions about Python's standard library. " * 20
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Tell me."}]
+    async with serving(tiny, prefix_cache=False) as server:
+        cold = await in_thread(
+            server.client().chat.completions.create,
+            model=server.model, messages=messages, max_tokens=12,
+        )
+    async with serving(tiny) as server:
+        create = functools.partial(
+            server.client().chat.completions.create, model=server.model, max_tokens=12
+        )
+        first = await in_thread(create, messages=messages)
+        second = await in_thread(create, messages=messages)
+
+        def streamed_usage():  # read the stream on the worker thread, not on trio's
+            stream = create(messages=messages, stream=True, stream_options={"include_usage": True})
+            return [chunk.usage for chunk in stream if chunk.usage is not None][-1]
+
+        usage = await in_thread(streamed_usage)
+    assert cold.usage.prompt_tokens > 200
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cold.usage.prompt_tokens - 16 <= cached < cold.usage.prompt_tokens  # whole blocks
+    assert second.choices[0].message.content == cold.choices[0].message.content
+    assert usage.prompt_tokens_details.cached_tokens == cached

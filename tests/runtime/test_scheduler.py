@@ -207,6 +207,16 @@ def test_a_preempted_request_resumes_by_prefilling_prompt_and_generated_tokens()
     assert span.start == 0 and span.num_new == len(b.tokens) and span.samples
 
 
+def test_a_request_that_can_never_fit_the_pool_is_rejected_not_left_waiting():
+    p = policy(num_blocks=4, block_size=4)
+    p.add("huge", params(16))  # 16 tokens and its first sample need 5 blocks
+    p.add("fits", params(3))
+    plan = p.schedule()
+    assert [rid for rid, _ in plan.rejects] == ["huge"] and "never fit" in plan.rejects[0][1]
+    assert [o[0] for o in plan.opens] == ["fits"]
+    assert p.schedule().rejects == ()
+
+
 def test_duplicate_ids_are_refused():
     p = policy()
     p.add("a", params(3))
