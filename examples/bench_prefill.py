@@ -28,7 +28,7 @@ from runtime.checkpoint import load_model
 from runtime.engine import Engine
 from runtime.kv.blocks import BlockPool
 from runtime.runner import run_offline
-from runtime.scheduler import FcfsScheduler
+from runtime.scheduler import DEFAULT_PREFILL_CHUNK, FcfsScheduler
 from runtime.sequence import SequenceParams
 
 import openai
@@ -70,7 +70,7 @@ def first_token(client: openai.OpenAI, model: str, system: str, question: str) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 6000])
-    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--chunk", type=int, default=DEFAULT_PREFILL_CHUNK, help="the serving default")
     parser.add_argument("--shared", type=int, default=1000, help="system prompt tokens (about)")
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)

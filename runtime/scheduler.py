@@ -94,8 +94,8 @@ class StepPlan:
         return sum(span.num_new > 1 for span in self.spans)
 
 
-DEFAULT_PREFILL_CHUNK = 256
-DEFAULT_MAX_PREFILL_TOKENS = 512
+DEFAULT_PREFILL_CHUNK = 128
+DEFAULT_MAX_PREFILL_TOKENS = 128
 
 
 @attrs.define

@@ -454,3 +454,21 @@ async def test_a_shared_prompt_prefix_reports_cached_tokens_and_the_same_text(ti
     assert cold.usage.prompt_tokens - 16 <= cached < cold.usage.prompt_tokens  # whole blocks
     assert second.choices[0].message.content == cold.choices[0].message.content
     assert usage.prompt_tokens_details.cached_tokens == cached
+
+
+async def test_a_request_that_could_never_fit_the_kv_budget_is_a_400_naming_it(tiny):
+    # 4 blocks of 16 tokens: 64 tokens of KV in all, less than the model's context.
+    bytes_per_block = 2 * 2 * 2 * 16 * 16 * 4  # K and V, layers, KV heads, block, head dim, fp32
+    async with serving(tiny, kv_budget=4 * bytes_per_block) as server:
+        assert server.llm.max_context == 64
+        status, _, body = await in_thread(
+            request, server.url, "POST", "/v1/completions",
+            {"model": server.model, "prompt": list(range(1, 41)), "max_tokens": 30},
+        )
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+        assert "KV budget" in body["error"]["message"]
+        done = await in_thread(
+            server.client().completions.create,
+            model=server.model, prompt=list(range(1, 41)), max_tokens=20,
+        )
+        assert done.usage.completion_tokens >= 1

@@ -115,6 +115,23 @@ def test_every_new_token_is_written_once_at_its_slot_whichever_path_runs():
         assert np.array_equal(written, expected), path
 
 
+def test_a_declined_fast_path_builds_nothing_and_the_pool_is_written_once(monkeypatch):
+    monkeypatch.delenv("CADENCE_PAGED_ATTENTION", raising=False)
+    monkeypatch.setenv("CADENCE_PAGED_FAST_MIN_KEYS", "100000")  # this step is below it
+    step, tables, keys, values, q, k, v = make_step([5, 2], [1, 7], 2, 2)
+    path = pa.dispatch(step)
+    assert path == "gather"
+
+    def never(*args):
+        raise AssertionError("a declined step built the fast plan")
+
+    monkeypatch.setattr(pa._FastPlan, "__init__", never)
+    out, pools = run(path, step, keys, values, q, k, v)
+    monkeypatch.undo()
+    _, reference_pools = run("gather", step, keys, values, q, k, v)
+    assert mx.array_equal(pools[0][0], reference_pools[0][0]).item()
+
+
 def test_select_path_follows_the_floor_the_cap_and_the_environment(monkeypatch):
     monkeypatch.delenv("CADENCE_PAGED_ATTENTION", raising=False)
     monkeypatch.delenv("CADENCE_PAGED_FAST_MIN_KEYS", raising=False)

@@ -16,6 +16,8 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
+from kernels import paged_attention
+
 NEW_TOKENS = 64
 PROMPT = [11, 305, 42, 977, 5, 1203, 64, 88, 300, 7, 1500, 19]
 
@@ -102,8 +104,12 @@ def test_a_row_prefilling_in_chunks_beside_three_decoding_rows_keeps_mlx_lm_pari
     # A 12-token budget takes the three short prompts in step 1; the long one then
     # arrives in 7-token chunks (not a multiple of the 4-token block) beside them.
     policy = policy_for(engine, chunk=7, budget=12)
+    ran_before = dict(paged_attention.dispatch_counts)
     got = run_offline(engine, policy, requests, on_step=note)
     assert len(mixed_steps) >= 5
+    other = "gather" if path == "fast" else "fast"
+    assert paged_attention.dispatch_counts[path] > ran_before.get(path, 0)  # no silent fallback
+    assert paged_attention.dispatch_counts[other] == ran_before.get(other, 0)
     for request_id, request in requests.items():
         want = mlx_lm_greedy(checkpoint, list(request.prompt_tokens), request.max_tokens)
         assert list(got[request_id].tokens) == want, request_id
