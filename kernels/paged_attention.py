@@ -79,7 +79,7 @@ def select_path(shape: StepShape) -> Decision:
     forced = os.environ.get("CADENCE_PAGED_ATTENTION", "").strip().lower()
     if forced in ("gather", "fast"):
         return Decision(forced, "forced", f"CADENCE_PAGED_ATTENTION={forced}")
-    floor = int(os.environ.get("CADENCE_PAGED_FAST_MIN_KEYS", FAST_MIN_KEYS))
+    floor = _env_int("CADENCE_PAGED_FAST_MIN_KEYS", FAST_MIN_KEYS)
     keys = shape.num_rows * shape.max_visible
     if keys < floor:
         return Decision("gather", "below_floor", f"{keys} rows x keys < floor {floor}")
@@ -90,6 +90,14 @@ def select_path(shape: StepShape) -> Decision:
     if score_bytes > FAST_MAX_SCORE_BYTES:
         return Decision("gather", "scores_over_cap", f"{score_bytes >> 20} MiB of scores per layer")
     return Decision("fast", "at_or_above_floor", f"{keys} rows x keys >= floor {floor}")
+
+
+def _env_int(name: str, default: int) -> int:
+    """A malformed value is ignored: a typo must not fail every engine step."""
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
 
 
 @attrs.frozen

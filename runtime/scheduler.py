@@ -94,8 +94,16 @@ class StepPlan:
         return sum(span.num_new > 1 for span in self.spans)
 
 
-DEFAULT_PREFILL_CHUNK = 128
-DEFAULT_MAX_PREFILL_TOKENS = 128
+# Measured with examples/bench_serving.py (4 clients): a step computing 128 prompt
+# tokens beside the decoding rows takes ~0.45 s on the 2-core box, 96 ~0.4 s; the
+# worst gap a decoding stream saw was 0.55 s at 128 and 0.42 s at 96, at the same
+# throughput. With no row decoding nobody can stall, and a prompt alone is computed
+# 256 tokens a step (examples/bench_prefill.py, 512 / 6,000-token prompts: 287 / 78
+# tok/s in 128-token steps, 284 / 86 in 256, 211 / 90 in 512: a longer chunk pays
+# its masked half of attention, a shorter one streams the weights more often).
+DEFAULT_PREFILL_CHUNK = 96
+DEFAULT_MAX_PREFILL_TOKENS = 96
+DEFAULT_SOLO_PREFILL_TOKENS = 256
 
 
 @attrs.define
@@ -105,6 +113,7 @@ class FcfsScheduler:
     max_context: int
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # tokens per prefill span
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS  # prefill tokens a step, all rows
+    solo_prefill_tokens: int = DEFAULT_SOLO_PREFILL_TOKENS  # ... and chunk, when no row decodes
     waiting: collections.deque[ScheduledRequest] = attrs.Factory(collections.deque)
     running: dict[str, ScheduledRequest] = attrs.Factory(dict)  # insertion order = FCFS
     pending_closes: list[str] = attrs.Factory(list)
@@ -152,16 +161,20 @@ class FcfsScheduler:
     def on_step_done(self, step: int, results: Sequence[tuple[str, int | None, bool]]) -> None:
         """Step `step` ran: (request id, sampled token or None, finished) for each result."""
         computed = self.in_flight.pop(step, {})
-        finished = []
+        finished, failed = [], set()
         for request_id, token, is_finished in results:
             request = self.running.get(request_id)
             if request is None:
                 continue
             if token is not None:
                 request.tokens.append(token)
+            else:
+                failed.add(request_id)  # its K/V may never have been written
             if is_finished:
                 finished.append(request)
         for request_id, num_computed in computed.items():
+            if request_id in failed:
+                continue
             if (request := self.running.get(request_id)) is not None:
                 request.num_kv_done = max(request.num_kv_done, num_computed)
                 self._publish(request)
@@ -237,10 +250,12 @@ class FcfsScheduler:
 
     def _spans(self) -> list[PlannedSpan]:
         spans = []
-        budget = self.max_prefill_tokens
+        budget, chunk = self.max_prefill_tokens, self.prefill_chunk
+        if all(r.is_prefilling for r in self.running.values()):  # no stream to stall
+            budget, chunk = max(budget, self.solo_prefill_tokens), max(chunk, self.solo_prefill_tokens)
         for request in self.running.values():
             is_prefill = request.is_prefilling
-            num_new = self._span_length(request, budget)
+            num_new = self._span_length(request, budget, chunk)
             if num_new == 0:
                 continue
             start = request.num_computed
@@ -254,10 +269,10 @@ class FcfsScheduler:
             )
         return spans
 
-    def _span_length(self, request: ScheduledRequest, budget: int) -> int:
+    def _span_length(self, request: ScheduledRequest, budget: int, chunk: int) -> int:
         """Tokens to give `request` this step (0: none), with the blocks they need taken."""
         if request.is_prefilling:  # a chunk within the step's budget
-            num_new = min(self.prefill_chunk, budget, request.frontier - request.num_computed)
+            num_new = min(chunk, budget, request.frontier - request.num_computed)
         else:  # decoding: one token, unless that would sample past the request's bounds
             max_tokens = request.params.max_tokens
             if (max_tokens is not None and request.num_samples >= max_tokens) or (

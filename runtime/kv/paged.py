@@ -17,7 +17,6 @@ positions are recomputed every step.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 from runtime.kv.base import RowSpan
@@ -145,5 +144,3 @@ def parse_kv_budget(text: str | None) -> float | int | None:
             return int(value)
     raise ValueError(f"KV budget {text!r}: give bytes (e.g. 2GiB, 512MB) or a fraction in (0, 1)")
 
-
-DEFAULT_FREE_FRACTION = float(os.environ.get("CADENCE_KV_FREE_FRACTION", "0.3"))

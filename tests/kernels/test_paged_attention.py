@@ -143,6 +143,8 @@ def test_select_path_follows_the_floor_the_cap_and_the_environment(monkeypatch):
     assert pa.select_path(huge_prefill).reason == "scores_over_cap"
     monkeypatch.setenv("CADENCE_PAGED_FAST_MIN_KEYS", "1")
     assert pa.select_path(small).path == "fast"
+    monkeypatch.setenv("CADENCE_PAGED_FAST_MIN_KEYS", "lots")  # a typo keeps the measured floor
+    assert pa.select_path(small).reason == "below_floor"
     monkeypatch.setenv("CADENCE_PAGED_ATTENTION", "gather")
     assert pa.select_path(big) == pa.Decision("gather", "forced", "CADENCE_PAGED_ATTENTION=gather")
     monkeypatch.setenv("CADENCE_PAGED_ATTENTION", "fast")

@@ -24,7 +24,7 @@ PROMPT = [11, 305, 42, 977, 5, 1203, 64, 88, 300, 7, 1500, 19]
 
 def policy_for(engine, *, max_batch=None, chunk=256, budget=512, num_blocks=None, caching=True):
     pool = BlockPool(num_blocks or engine.kv.num_blocks, engine.kv.block_size, is_caching=caching)
-    return FcfsScheduler(max_batch or engine.max_batch, pool, engine.max_context, chunk, budget)
+    return FcfsScheduler(max_batch or engine.max_batch, pool, engine.max_context, chunk, budget, 0)
 
 
 def params(prompt, max_tokens=NEW_TOKENS, **kw):

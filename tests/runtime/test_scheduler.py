@@ -13,9 +13,11 @@ def params(num_prompt_tokens: int, max_tokens: int | None = 8, first: int = 1) -
     )
 
 
-def policy(max_batch=2, num_blocks=64, block_size=4, max_context=256, chunk=256, budget=512):
+def policy(
+    max_batch=2, num_blocks=64, block_size=4, max_context=256, chunk=256, budget=512, solo=0
+):
     pool = BlockPool(num_blocks, block_size)
-    return FcfsScheduler(max_batch, pool, max_context, chunk, budget)
+    return FcfsScheduler(max_batch, pool, max_context, chunk, budget, solo)
 
 
 def spans(plan):
@@ -80,6 +82,18 @@ def test_long_prompts_are_chunked_within_the_step_budget_beside_decoding_rows():
     assert p.running["long"].num_samples == 1
 
 
+def test_with_no_row_decoding_a_step_takes_the_larger_solo_budget():
+    p = policy(max_batch=3, chunk=6, budget=10, solo=16)
+    p.add("long", params(40))
+    assert spans(p.schedule()) == [("long", 0, 16)]  # nobody decodes: nobody to stall
+    p.add("short", params(2))
+    assert spans(p.schedule()) == [("long", 16, 16)]  # still nobody decoding
+    assert spans(p.schedule()) == [("long", 32, 8), ("short", 0, 2)]
+    p.add("x", params(12))
+    plan = p.schedule()  # rows decode now: back to 6-token chunks
+    assert spans(plan) == [("long", 40, 1), ("short", 2, 1), ("x", 0, 6)]
+
+
 def test_the_budget_is_shared_oldest_first():
     p = policy(max_batch=3, chunk=8, budget=10)
     p.add("a", params(9))
@@ -136,6 +150,16 @@ def test_full_blocks_are_published_once_computed_and_a_later_prompt_hits_them():
     assert spans(plan)[-1] == ("b", 8, 5)
     assert p.running["b"].blocks[:2] == p.running["a"].blocks[:2]
     assert p.pool.refcount[p.running["a"].blocks[0]] == 2
+
+
+def test_a_failed_rows_blocks_are_never_offered_to_the_cache():
+    p = policy(block_size=4)
+    p.add("a", params(10, max_tokens=4))
+    plan = p.schedule()
+    p.on_step_done(plan.step, [("a", None, True)])  # its step failed: K/V may be garbage
+    assert p.pool.by_hash == {} and p.pool.num_used_blocks == 0
+    p.add("b", params(10))
+    assert p.schedule().opens[0][2] == 0
 
 
 def test_a_hit_always_leaves_the_last_token_to_compute():
