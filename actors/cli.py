@@ -140,7 +140,7 @@ def _positive(text: str) -> int:
     return value
 
 
-def _kv_budget(text: str) -> int | float | None:
+def _kv_budget(text: str) -> int | float:
     try:
         return parse_kv_budget(text)
     except ValueError as error:

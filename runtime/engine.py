@@ -153,6 +153,12 @@ class Engine:
         self._ids = itertools.count()
 
     def _num_blocks(self, kv_budget: int | float | None, block_size: int) -> int:
+        if isinstance(kv_budget, bool) or not (
+            kv_budget is None
+            or (isinstance(kv_budget, int) and kv_budget > 0)
+            or (isinstance(kv_budget, float) and 0 < kv_budget < 1)
+        ):
+            raise ValueError(f"kv_budget must be bytes > 0 or a fraction in (0, 1), got {kv_budget!r}")
         blocks_per_row = -(-self.model_max_context // block_size)
         wanted = self.max_batch * blocks_per_row
         if isinstance(kv_budget, int):

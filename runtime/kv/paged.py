@@ -17,6 +17,7 @@ positions are recomputed every step.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from runtime.kv.base import RowSpan
@@ -124,23 +125,18 @@ def available_memory() -> int | None:
         return None
 
 
-def parse_kv_budget(text: str | None) -> float | int | None:
-    """"2GiB", "512MB", "1073741824" -> bytes; "0.3" -> a fraction of free memory."""
-    if text is None or text == "":
-        return None
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-    lowered = text.strip().lower()
-    for suffix, scale in units.items():
-        if lowered.endswith(suffix):
-            value = float(lowered[: -len(suffix)])
-            if value <= 0:
-                break
-            return int(value * scale)
-    else:
-        value = float(lowered)
-        if 0 < value < 1:
-            return value
-        if value >= 1 and value == int(value):
-            return int(value)
-    raise ValueError(f"KV budget {text!r}: give bytes (e.g. 2GiB, 512MB) or a fraction in (0, 1)")
+_UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+_BUDGET = re.compile(r"(\d+(?:\.\d+)?)\s*(kib|mib|gib|kb|mb|gb|b)?", re.IGNORECASE)
 
+
+def parse_kv_budget(text: str) -> float | int:
+    """"2GiB", "512MB", "1073741824" -> bytes; "0.3" -> a fraction of free memory."""
+    if (match := _BUDGET.fullmatch(text.strip())) is not None:
+        number, unit = match.groups()
+        if unit is not None and float(number) > 0:
+            return max(int(float(number) * _UNITS[unit.lower()]), 1)
+        if unit is None and "." in number and 0 < float(number) < 1:
+            return float(number)
+        if unit is None and "." not in number and int(number) > 0:
+            return int(number)
+    raise ValueError(f"KV budget {text!r}: give bytes (e.g. 2GiB, 512MB) or a fraction in (0, 1)")
