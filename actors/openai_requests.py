@@ -7,6 +7,7 @@ Every bad request becomes an `ApiError` whose body is exactly OpenAI's
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from runtime.errors import CadenceError, RequestError
@@ -81,8 +82,18 @@ def parse_json(raw: bytes) -> dict[str, Any]:
             400,
             f"the request body is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}",
         ) from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
+    except ValueError as error:  # e.g. an integer of more than 4,300 digits
+        raise ApiError(400, f"the request body has a value out of range: {error}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    try:  # "\ud800" escapes decode to lone surrogates, which no response can encode
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "the request body contains an unpaired UTF-16 surrogate escape") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
     return body
 
 
@@ -178,8 +189,9 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
     bias = _field(body, "logit_bias", dict) or {}
     pairs = []
     for key, value in bias.items():
+        # ASCII digits only: str.isdigit() also accepts "²" and "١", which int() misreads or refuses.
         if (
-            not key.lstrip("-").isdigit()
+            _TOKEN_ID.fullmatch(key) is None
             or not isinstance(value, int | float)
             or isinstance(value, bool)
         ):
@@ -214,6 +226,8 @@ def _message(message: Any, index: int) -> dict[str, Any]:
         )
     return {"role": role, "content": content}
 
+
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
 
 _TYPE_NAMES = {
     str: "a string",

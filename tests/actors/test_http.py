@@ -368,6 +368,17 @@ ERROR_CASES = {
     "missing model": ({"prompt": "x"}, 400, "model", None),
     "n > 1": ({"model": "M", "prompt": "x", "n": 2}, 400, "n", None),
     "negative seed": ({"model": "M", "prompt": "x", "seed": -1}, 400, "seed", None),
+    "logit_bias key --5": ({"model": "M", "prompt": "x", "logit_bias": {"--5": 1}}, 400, "logit_bias", None),
+    "logit_bias key ²": ({"model": "M", "prompt": "x", "logit_bias": {"²": 1}}, 400, "logit_bias", None),
+    "logit_bias key ١": ({"model": "M", "prompt": "x", "logit_bias": {"١": 1}}, 400, "logit_bias", None),
+    "logit_bias key of 5,000 digits": (
+        {"model": "M", "prompt": "x", "logit_bias": {"9" * 5000: 1}},
+        400,
+        "logit_bias",
+        None,
+    ),
+    "a 5,000-digit integer": (b'{"model": "M", "prompt": "x", "seed": ' + b"7" * 5000 + b"}", 400, None, None),
+    "a lone surrogate in model": (b'{"model": "\\ud800", "prompt": "x"}', 400, None, None),
     "seed of 2**64": ({"model": "M", "prompt": "x", "seed": 2**64}, 400, "seed", None),
     "negative seed in a chat": (
         {"model": "M", "messages": [{"role": "user", "content": "hi"}], "seed": -1},
@@ -413,6 +424,10 @@ async def test_every_bad_request_gets_an_openai_error_object(tiny):
             assert (got["error"]["param"], got["error"]["code"]) == (param, code), name
             assert got["error"]["message"], name
         too_large = json.dumps({"model": server.model, "prompt": "x" * 20000}).encode()
+        status, _, got = await in_thread(
+            request, server.url, "POST", "/v1/completions", b"[" * 8000 + b"]" * 8000
+        )
+        assert status == 400 and "nested too deeply" in got["error"]["message"]
         status, _, got = await in_thread(request, server.url, "POST", "/v1/completions", too_large)
         assert status == 413 and got["error"]["type"] == "invalid_request_error"
         status, _, got = await in_thread(request, server.url, "GET", "/v1/nowhere")
