@@ -11,6 +11,7 @@ from runtime.sequence import SamplingParams
 import attrs
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_BYTES = 4096  # per stop string, in UTF-8
 MAX_SEED = 2**63 - 1  # mx.random.key takes [0, 2**64); vLLM and numpy stop at int64
 
 
@@ -88,6 +89,8 @@ def check_request(request: GenerateRequest) -> GenerateRequest:
         raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
     if not all(isinstance(s, str) and s for s in request.stop):
         raise RequestError("stop strings must be non-empty strings", param="stop")
+    if any(len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES for s in request.stop):
+        raise RequestError(f"stop strings are limited to {MAX_STOP_BYTES} bytes each", param="stop")
     check_sampling(request.sampling)
     return request
 

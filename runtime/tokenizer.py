@@ -197,16 +197,15 @@ class StopMatcher:
     """Finds stop strings in streamed text, holding back only what could start one.
 
     When several stops could match, the one that completes first in the text wins, so
-    the result does not depend on how the text was split into deltas.
+    the result does not depend on how the text was split into deltas. Each stop runs
+    a KMP automaton over the text as it arrives: linear in the text, whatever the
+    stops' lengths (holding every prefix of a 100 KB stop took gigabytes).
     """
 
     def __init__(self, stops: Sequence[str]):
         self._stops = tuple(stop for stop in stops if stop)  # "" would stop before any text
-        # Every proper prefix of a stop: a tail of text equal to one must be held back.
-        self._partial_stops = frozenset(
-            stop[:n] for stop in self._stops for n in range(1, len(stop))
-        )
-        self._max_held = max((len(stop) - 1 for stop in self._stops), default=0)
+        self._fallbacks = tuple(_kmp_fallbacks(stop) for stop in self._stops)
+        self._matched = [0] * len(self._stops)  # per stop: its prefix ending the text so far
         self._held = ""
         self.is_stopped = False
 
@@ -219,33 +218,41 @@ class StopMatcher:
         if self.is_stopped:
             return "", True
         text = self._held + delta
-        stop_at = self._first_stop(text)
-        if stop_at is not None:
-            self._held, self.is_stopped = "", True
-            return text[:stop_at], True
-        num_held = self._held_suffix_length(text)
+        for offset, char in enumerate(delta):
+            end = len(self._held) + offset + 1
+            longest = 0  # of the stops completing at `end`, the longest starts first
+            for i, stop in enumerate(self._stops):
+                matched = self._matched[i]
+                while matched and stop[matched] != char:
+                    matched = self._fallbacks[i][matched - 1]
+                matched += stop[matched] == char
+                self._matched[i] = matched
+                if matched == len(stop):
+                    longest = max(longest, matched)
+            if longest:
+                self._held, self.is_stopped = "", True
+                return text[: end - longest], True
+        num_held = max(self._matched, default=0)
         self._held = text[len(text) - num_held :]
         return text[: len(text) - num_held], False
 
     def flush(self) -> str:
         """The held-back text, at the end of a stream that hit no stop."""
         held, self._held = self._held, ""
+        self._matched = [0] * len(self._stops)
         return held
 
-    def _first_stop(self, text: str) -> int | None:
-        """Start of the stop string that ends earliest in `text` (longest on a tie)."""
-        best: tuple[int, int] | None = None  # (end, start)
-        for stop in self._stops:
-            start = text.find(stop)
-            if start >= 0 and (best is None or (start + len(stop), start) < best):
-                best = (start + len(stop), start)
-        return None if best is None else best[1]
 
-    def _held_suffix_length(self, text: str) -> int:
-        for length in range(min(self._max_held, len(text)), 0, -1):
-            if text[len(text) - length :] in self._partial_stops:
-                return length
-        return 0
+def _kmp_fallbacks(stop: str) -> list[int]:
+    """fallback[n - 1]: the longest proper prefix of stop[:n] that is also its suffix."""
+    fallbacks = [0] * len(stop)
+    matched = 0
+    for n in range(1, len(stop)):
+        while matched and stop[n] != stop[matched]:
+            matched = fallbacks[matched - 1]
+        matched += stop[n] == stop[matched]
+        fallbacks[n] = matched
+    return fallbacks
 
 
 def _read_json(file: Path, *, required: bool) -> dict[str, Any]:

@@ -368,6 +368,7 @@ ERROR_CASES = {
     "missing model": ({"prompt": "x"}, 400, "model", None),
     "n > 1": ({"model": "M", "prompt": "x", "n": 2}, 400, "n", None),
     "negative seed": ({"model": "M", "prompt": "x", "seed": -1}, 400, "seed", None),
+    "a 5,000-byte stop string": ({"model": "M", "prompt": "x", "stop": "s" * 5000}, 400, "stop", None),
     "logit_bias key --5": ({"model": "M", "prompt": "x", "logit_bias": {"--5": 1}}, 400, "logit_bias", None),
     "logit_bias key ²": ({"model": "M", "prompt": "x", "logit_bias": {"²": 1}}, 400, "logit_bias", None),
     "logit_bias key ١": ({"model": "M", "prompt": "x", "logit_bias": {"١": 1}}, 400, "logit_bias", None),

@@ -617,3 +617,22 @@ def test_stop_result_does_not_depend_on_how_text_is_split(stops, text, cuts):
     bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
     deltas = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     assert run_stops(stops, deltas) == reference_stop(stops, text)
+
+
+def test_a_long_stop_string_costs_memory_linear_in_its_length():
+    """Holding every prefix of a 20,000-character stop took ~200 MB (100 KB: 5 GB)."""
+    import tracemalloc
+
+    stop = "ab" * 10_000
+    tracemalloc.start()
+    matcher = StopMatcher([stop, "never"])
+    emitted = ""
+    for i in range(0, len(stop) + 100, 7):  # the stop arrives split across many deltas
+        text, is_stop = matcher.feed(("xy" + stop)[i : i + 7])
+        emitted += text
+        if is_stop:
+            break
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert is_stop and emitted == "xy"
+    assert peak < 2_000_000
