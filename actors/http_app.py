@@ -96,6 +96,12 @@ async def _read_json() -> dict[str, Any]:
     except RequestEntityTooLarge:
         limit = request.max_content_length
         raise ApiError(413, f"the request body is larger than {limit} bytes") from None
+    # Checked after the body is read, so the connection stays usable. Only JSON: a
+    # text/plain or form POST is a "simple" cross-site request any web page can send
+    # without a CORS preflight.
+    if request.mimetype != "application/json":
+        shown = request.content_type or "none"
+        raise ApiError(415, f"Content-Type must be application/json, got {shown[:80]}")
     return parse_json(raw)
 
 

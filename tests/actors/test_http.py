@@ -431,6 +431,22 @@ async def test_every_bad_request_gets_an_openai_error_object(tiny):
         assert status == 400 and "nested too deeply" in got["error"]["message"]
         status, _, got = await in_thread(request, server.url, "POST", "/v1/completions", too_large)
         assert status == 413 and got["error"]["type"] == "invalid_request_error"
+        for content_type in ("text/plain", "application/x-www-form-urlencoded", "application/jsonx"):
+            status, _, got = await in_thread(
+                request,
+                server.url,
+                "POST",
+                "/v1/chat/completions",
+                {"model": server.model, "messages": CHAT, "seed": -1},
+                {"Content-Type": content_type},
+            )
+            assert status == 415 and got["error"]["type"] == "invalid_request_error", content_type
+        status, _, got = await in_thread(
+            request, server.url, "POST", "/v1/completions",
+            {"model": server.model, "prompt": "x", "max_tokens": 2},
+            {"Content-Type": "application/json; charset=utf-8"},
+        )
+        assert status == 200, got
         status, _, got = await in_thread(request, server.url, "GET", "/v1/nowhere")
         assert status == 404 and "error" in got
         status, _, got = await in_thread(request, server.url, "GET", "/v1/completions")
