@@ -49,7 +49,8 @@ def events_until(process, name):
     raise AssertionError(f"no {name!r} event; got {events}")
 
 
-def test_serve_logs_its_address_and_drains_in_flight_streams_on_sigint(tiny):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_serve_logs_its_address_and_drains_in_flight_streams_on_a_signal(tiny, signum):
     process = subprocess.Popen(
         [*CLI, "serve", "--model", str(tiny), "--port", "0", "--log-format", "json"],
         stderr=subprocess.PIPE,
@@ -72,13 +73,16 @@ def test_serve_logs_its_address_and_drains_in_flight_streams_on_sigint(tiny):
         )
         response = connection.getresponse()
         assert response.readline().startswith(b"data: ")
-        process.send_signal(signal.SIGINT)  # drain: the running stream still completes
+        process.send_signal(signum)  # drain: the running stream still completes
         rest = response.read()
         assert rest.rstrip().endswith(b"data: [DONE]")
         started = time.monotonic()
         assert process.wait(timeout=30) == 0
         assert time.monotonic() - started < 10
-        assert [e["event"] for e in events_until(process, "stopped")][-1] == "stopped"
+        drained = events_until(process, "stopped")
+        requested = [e for e in drained if e["event"] == "shutdown requested"]
+        assert [e["signal"] for e in requested] == [signal.Signals(signum).name]
+        assert drained[-1]["event"] == "stopped"
     finally:
         if process.poll() is None:
             process.kill()

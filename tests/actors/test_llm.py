@@ -1,5 +1,6 @@
 """The embedding API end to end, on a real tiny checkpoint and the real Engine."""
 
+import functools
 import threading
 import time
 
@@ -159,3 +160,40 @@ async def test_an_unexpected_error_opening_a_row_fails_that_request_only(tiny):
             await complete(llm, [7, 7, 7], max_tokens=4)
         text, after = await complete(llm, "still serving", max_tokens=4, ignore_eos=True)
         assert after.finish_reason == "length" and after.usage.completion_tokens == 4
+
+
+async def test_a_disconnected_request_leaves_the_real_engine_within_one_step(tiny):
+    async with actors.open_llm(tiny, max_batch=2) as llm:
+        engine = llm._engine
+        submit = engine.submit
+        steps: list[set[str]] = []  # request ids in each submitted step
+        depth, deepest = [0], [0]
+        collect_step = engine.collect
+
+        def recording_submit(batch):
+            steps.append({engine._rows[s.seq_id].params.request_id for s in batch.spans
+                          if s.seq_id in engine._rows})
+            depth[0] += 1
+            deepest[0] = max(deepest[0], depth[0])
+            time.sleep(0.002)  # let the consumer's cancel land mid-stream
+            return submit(batch)
+
+        def recording_collect():
+            depth[0] -= 1
+            return collect_step()
+
+        engine.submit, engine.collect = recording_submit, recording_collect
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                functools.partial(complete, llm, "stays", max_tokens=120, ignore_eos=True)
+            )
+            leaver = llm.generate("leaves", max_tokens=900, ignore_eos=True)
+            async with leaver:
+                async for _ in leaver:
+                    if len(steps) > 10:
+                        break  # the consumer goes away mid-stream
+            left_at = len(steps)
+        later = [i for i, ids in enumerate(steps) if leaver.request_id in ids and i >= left_at]
+        assert len(later) <= 1  # at most the step already queued when it left
+        assert len(steps) > left_at + 20  # the other request kept the engine stepping
+        assert deepest[0] == 2  # open_llm's default lookahead: one step queued, not two

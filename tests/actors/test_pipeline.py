@@ -179,3 +179,15 @@ async def test_a_consumer_that_never_reads_cannot_hold_up_the_drain(pipeline, au
     with pytest.raises(GenerationError):
         async for _ in forgotten:
             pass
+
+
+async def test_the_default_lookahead_keeps_exactly_one_step_queued_behind_the_running_one(
+    pipeline, autojump_clock
+):
+    async with pipeline() as (llm, engine):
+        await collect(llm.generate([5, 6, 7], max_tokens=12))
+    outstanding, deepest = 0, 0
+    for call in engine.calls:
+        outstanding += 1 if call[0] == "submit" else -1
+        deepest = max(deepest, outstanding)
+    assert deepest == 2  # step N+1 submitted while N is uncollected, never N+2

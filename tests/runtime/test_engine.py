@@ -293,3 +293,24 @@ def test_a_span_past_the_rows_tokens_is_that_rows_error(make_checkpoint):
     by_row = {o.seq_id: o for o in outcomes}
     assert by_row[bad.seq_id].finish is FinishCause.ERROR and "outside" in by_row[bad.seq_id].error
     assert by_row[good.seq_id].token is not None and by_row[good.seq_id].finish is None
+
+
+def test_a_row_with_non_finite_logits_fails_alone(make_checkpoint, monkeypatch):
+    engine = Engine(load_model(make_checkpoint("llama")), max_batch=2)
+    expected = generate(engine, PROMPT, max_tokens=10, ignore_eos=True)[0]
+    project = type(engine.model).project
+    calls = []
+
+    def poisoned(model, hidden):  # the second sampling row's logits turn NaN at call 4
+        logits = project(model, hidden)
+        calls.append(logits.shape[0])
+        if len(calls) == 4 and logits.shape[0] == 2:
+            logits = mx.concatenate([logits[:1], mx.full(logits[1:2].shape, mx.nan)])
+        return logits
+
+    monkeypatch.setattr(type(engine.model), "project", poisoned)
+    requests = {"a": params(PROMPT, 10, ignore_eos=True), "b": params(PROMPT, 10, ignore_eos=True)}
+    got = run_offline(engine, policy_for(engine), requests)
+    assert (got["b"].finish, got["b"].error) == (FinishCause.ERROR, "non-finite logits")
+    assert len(got["b"].tokens) == 3
+    assert list(got["a"].tokens) == expected and got["a"].finish is FinishCause.LENGTH

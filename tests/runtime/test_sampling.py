@@ -93,6 +93,30 @@ def test_draws_follow_the_distribution():
     assert abs(counts[0] / 2000 - 0.7) < 0.05 and abs(counts[2] / 2000 - 0.1) < 0.03
 
 
+def test_sample_combines_temperature_top_k_top_p_and_min_p_as_numpy_does():
+    """2,000 seeded draws: tokens outside the masked set never appear, and the
+    frequencies match softmax(logits / T) over the kept set."""
+    rng = np.random.default_rng(7)
+    logits = rng.normal(size=(1, 40)).astype(np.float32) * 2
+    T, k, p, min_p = 0.7, 12, 0.8, 0.05
+    # numpy: temperature, then top-k, top-p, min-p, each on what the last one kept.
+    scaled = logits[0] / T
+    keep = scaled >= np.sort(scaled)[-k]
+    order = np.argsort(-scaled)
+    probs = softmax(np.where(keep, scaled, -np.inf))
+    mass_before = np.cumsum(probs[order]) - probs[order]
+    keep &= np.isin(np.arange(40), order[mass_before < p])
+    probs = softmax(np.where(keep, scaled, -np.inf))
+    keep &= probs >= min_p * probs.max()
+    expected = softmax(np.where(keep, scaled, -np.inf))
+    row = RowSampler.create(SamplingParams(temperature=T, top_k=k, top_p=p, min_p=min_p, seed=11), [], 40)
+    draws = [sample(mx.array(logits), [row]).item() for _ in range(2000)]
+    counts = np.bincount(draws, minlength=40) / 2000
+    assert set(draws) <= set(np.flatnonzero(keep))
+    assert 2 <= keep.sum() < 12  # the masks really bite
+    assert np.abs(counts - expected).max() < 0.04
+
+
 def run_rows(engine, param_list, prompt, steps=12):
     """Each row's tokens when the rows run together (one batch, through the policy)."""
     pool = BlockPool(engine.kv.num_blocks, engine.kv.block_size)

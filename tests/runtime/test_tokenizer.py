@@ -15,6 +15,7 @@ from runtime.errors import CheckpointError, RequestError
 from runtime.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
 import pytest
+import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import (
@@ -225,7 +226,6 @@ def ours(checkpoint_dirs) -> dict[str, Tokenizer]:
 
 @pytest.fixture(scope="session")
 def theirs(checkpoint_dirs):
-    transformers = pytest.importorskip("transformers")
     return {
         name: transformers.AutoTokenizer.from_pretrained(str(path))
         for name, path in checkpoint_dirs.items()
@@ -300,7 +300,6 @@ def test_llama_chat_has_exactly_one_bos(ours):
 
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
 def test_chat_template_jinja_file_wins_and_matches_transformers(checkpoint_dirs, tmp_path, name):
-    transformers = pytest.importorskip("transformers")
     path = tmp_path / "jinja"
     shutil.copytree(checkpoint_dirs["llama"], path)
     (path / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
