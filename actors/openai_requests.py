@@ -137,11 +137,21 @@ def _parse_common(body: dict[str, Any], kind: str, **prompt: Any) -> ApiRequest:
     for unsupported in ("tools", "functions"):
         if _field(body, unsupported, list):
             raise ApiError(400, f"'{unsupported}' is not supported", param=unsupported)
+    # Fields a client sends expecting an effect this server does not have: refusing
+    # them beats a silent ignore the client would only notice later.
+    for unsupported in _UNSUPPORTED_FIELDS:
+        if body.get(unsupported) is not None:
+            raise ApiError(400, f"'{unsupported}' is not supported", param=unsupported)
+    if _field(body, "best_of", int, default=1) != 1:
+        raise ApiError(400, "only best_of=1 is supported", param="best_of")
     response_format = _field(body, "response_format", dict)
-    if response_format and response_format.get("type") not in (None, "text"):
+    if response_format is not None and response_format.get("type") != "text":
         raise ApiError(
             400, "only response_format type 'text' is supported", param="response_format"
         )
+    is_stream = bool(_field(body, "stream", bool))
+    if body.get("stream_options") is not None and not is_stream:
+        raise ApiError(400, "'stream_options' needs 'stream': true", param="stream_options")
     stream_options = _field(body, "stream_options", dict) or {}
     include_usage = stream_options.get("include_usage", False)
     if not isinstance(include_usage, bool):
@@ -166,7 +176,7 @@ def _parse_common(body: dict[str, Any], kind: str, **prompt: Any) -> ApiRequest:
         check_request(request)
     except RequestError as error:
         raise ApiError.from_error(error) from None
-    return ApiRequest(kind, model, request, bool(_field(body, "stream", bool)), include_usage)
+    return ApiRequest(kind, model, request, is_stream, include_usage)
 
 
 def _sampling(body: dict[str, Any]) -> SamplingParams:
@@ -228,6 +238,17 @@ def _message(message: Any, index: int) -> dict[str, Any]:
 
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
+# Tool selection, template switches and guided decoding (vLLM's names among them).
+_UNSUPPORTED_FIELDS = (
+    "tool_choice",
+    "function_call",
+    "parallel_tool_calls",
+    "chat_template_kwargs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 
 _TYPE_NAMES = {
     str: "a string",

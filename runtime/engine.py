@@ -24,7 +24,7 @@ import itertools
 from collections import deque
 
 from runtime.checkpoint import LoadedModel
-from runtime.errors import RequestError
+from runtime.errors import CadenceError, RequestError
 from runtime.finishing import finish_step
 from runtime.kv.base import RowSpan
 from runtime.kv.paged import PagedKV, available_memory
@@ -137,9 +137,12 @@ class Engine:
         self.model = loaded.model
         self.config = config
         self.max_batch = max_batch
-        self.model_max_context = min(
-            max_context or config.max_position_embeddings, config.max_position_embeddings
-        )
+        if max_context is not None and not 0 < max_context <= config.max_position_embeddings:
+            raise CadenceError(
+                f"max_context {max_context} is outside this model's 1..{config.max_position_embeddings} "
+                "tokens (max_position_embeddings)"
+            )
+        self.model_max_context = max_context or config.max_position_embeddings
         self.eos_ids = frozenset(config.eos_token_ids) | loaded.tokenizer.eos_token_ids
         dtype = self.model.model.norm.weight.dtype
         geometry = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)

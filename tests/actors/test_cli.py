@@ -86,3 +86,10 @@ def test_serve_logs_its_address_and_drains_in_flight_streams_on_a_signal(tiny, s
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_serve_with_a_max_context_beyond_the_model_exits_2_with_one_error_line(tiny):
+    result = run_cli("serve", "--model", str(tiny), "--port", "0", "--max-context", "99999")
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1].startswith("cadence: error: max_context 99999")
+    assert "Traceback" not in result.stderr

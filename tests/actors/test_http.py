@@ -368,6 +368,26 @@ ERROR_CASES = {
     "missing model": ({"prompt": "x"}, 400, "model", None),
     "n > 1": ({"model": "M", "prompt": "x", "n": 2}, 400, "n", None),
     "negative seed": ({"model": "M", "prompt": "x", "seed": -1}, 400, "seed", None),
+    "tool_choice without tools": (
+        {"model": "M", "messages": CHAT, "tool_choice": "auto"}, 400, "tool_choice", None
+    ),
+    "chat_template_kwargs": (
+        {"model": "M", "messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}},
+        400,
+        "chat_template_kwargs",
+        None,
+    ),
+    "guided_json": ({"model": "M", "prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json", None),
+    "best_of 2": ({"model": "M", "prompt": "x", "best_of": 2}, 400, "best_of", None),
+    "response_format without a type": (
+        {"model": "M", "prompt": "x", "response_format": {}}, 400, "response_format", None
+    ),
+    "stream_options without stream": (
+        {"model": "M", "prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        None,
+    ),
     "a 5,000-byte stop string": ({"model": "M", "prompt": "x", "stop": "s" * 5000}, 400, "stop", None),
     "logit_bias key --5": ({"model": "M", "prompt": "x", "logit_bias": {"--5": 1}}, 400, "logit_bias", None),
     "logit_bias key ²": ({"model": "M", "prompt": "x", "logit_bias": {"²": 1}}, 400, "logit_bias", None),

@@ -3,7 +3,7 @@ mlx-lm, ragged mixed steps, lookahead, and the engine's own guarantees."""
 
 from runtime.checkpoint import load_model
 from runtime.engine import Engine, rows_are_finite
-from runtime.errors import RequestError
+from runtime.errors import CadenceError, RequestError
 from runtime.kv.base import RowSpan
 from runtime.kv.blocks import BlockPool
 from runtime.kv.paged import PagedKV
@@ -314,3 +314,10 @@ def test_a_row_with_non_finite_logits_fails_alone(make_checkpoint, monkeypatch):
     assert (got["b"].finish, got["b"].error) == (FinishCause.ERROR, "non-finite logits")
     assert len(got["b"].tokens) == 3
     assert list(got["a"].tokens) == expected and got["a"].finish is FinishCause.LENGTH
+
+
+def test_a_max_context_beyond_the_models_limit_is_an_error_not_a_silent_cap(make_checkpoint):
+    loaded = load_model(make_checkpoint("llama"))  # max_position_embeddings 1024
+    with pytest.raises(CadenceError, match="max_context 5000 is outside"):
+        Engine(loaded, max_context=5000)
+    assert Engine(loaded, max_context=1024).max_context == 1024
