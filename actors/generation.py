@@ -29,8 +29,8 @@ class _State(enum.Enum):
 
 
 class Generation:
-    def __init__(self, llm: LLM, request: GenerateRequest):
-        self.request_id = uuid.uuid4().hex
+    def __init__(self, llm: LLM, request: GenerateRequest, *, request_id: str | None = None):
+        self.request_id = request_id or uuid.uuid4().hex  # unique among requests in flight
         self.request = request
         self.num_prompt_tokens: int | None = None
         self.finish_reason: str | None = None  # "stop" or "length" once finished

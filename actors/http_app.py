@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -23,7 +25,7 @@ import structlog
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
-from quart import Response, request
+from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
@@ -53,6 +55,15 @@ class ServerState:
 def create_app(state: ServerState, *, max_body_bytes: int = 4 << 20) -> QuartTrio:
     app = QuartTrio("cadence")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
+
+    @app.before_request
+    async def name_the_request() -> None:
+        g.client_request_id, g.request_id = request_ids(request.headers.get("x-request-id"))
+
+    @app.after_request
+    async def echo_the_request_id(response: Response) -> Response:
+        response.headers["x-request-id"] = g.get("client_request_id") or uuid.uuid4().hex
+        return response
 
     @app.errorhandler(ApiError)
     async def api_error(error: ApiError) -> Response:
@@ -121,7 +132,7 @@ async def _complete(state: ServerState, api: ApiRequest) -> Response:
             param="model",
             code="model_not_found",
         )
-    generation = Generation(llm, api.request)
+    generation = Generation(llm, api.request, request_id=g.request_id)
     try:
         await generation.start()
     except CadenceError as error:
@@ -165,6 +176,21 @@ async def _collect(generation: Generation, writer: ChunkWriter) -> Response:
         await generation.aclose("disconnected")
     assert generation.finish_reason is not None and generation.usage is not None
     return _json(writer.whole("".join(texts), generation.finish_reason, generation.usage))
+
+
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def request_ids(sent: str | None) -> tuple[str, str]:
+    """(the id echoed in `x-request-id`, the id in logs and the response body).
+
+    A well-formed id the client sent is echoed and starts the internal one; a random
+    suffix keeps the internal id unique, since a client may send one id twice.
+    """
+    unique = uuid.uuid4().hex
+    if sent is None or _CLIENT_REQUEST_ID.fullmatch(sent) is None:
+        return unique, unique
+    return sent, f"{sent}-{unique[:12]}"
 
 
 def _json(body: dict[str, Any], status: int = 200) -> Response:

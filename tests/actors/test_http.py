@@ -13,6 +13,7 @@ import attrs
 import openai
 import pytest
 import trio
+from structlog.testing import capture_logs
 
 import actors
 from actors.http_app import ServerState, create_app, serve_http
@@ -524,3 +525,28 @@ async def test_a_request_that_could_never_fit_the_kv_budget_is_a_400_naming_it(t
             model=server.model, prompt=list(range(1, 41)), max_tokens=20,
         )
         assert done.usage.completion_tokens >= 1
+
+
+async def test_every_response_carries_an_x_request_id_and_a_clients_own_is_echoed(tiny):
+    async with serving(tiny) as server:
+        body = {"model": server.model, "prompt": "x", "max_tokens": 2}
+        with capture_logs() as logs:
+            status, headers, got = await in_thread(
+                request, server.url, "POST", "/v1/completions", body, {"x-request-id": "trace-42.a"}
+            )
+        assert status == 200 and headers["x-request-id"] == "trace-42.a"
+        assert got["id"].startswith("cmpl-trace-42.a-")  # the same id as in the logs
+        mine = [e["event"] for e in logs if e.get("request_id") == got["id"].removeprefix("cmpl-")]
+        assert mine == ["admitted", "first_token", "finished"]
+        twice = await in_thread(
+            request, server.url, "POST", "/v1/completions", body, {"x-request-id": "trace-42.a"}
+        )
+        assert twice[0] == 200 and twice[2]["id"] != got["id"]  # reused: still unique inside
+        status, headers, _ = await in_thread(request, server.url, "GET", "/v1/nowhere")
+        assert status == 404 and len(headers["x-request-id"]) == 32
+        bad = {"x-request-id": "has spaces and {braces}"}
+        status, headers, got = await in_thread(
+            request, server.url, "POST", "/v1/completions", body, bad
+        )
+        assert headers["x-request-id"] != bad["x-request-id"]
+        assert got["id"] == "cmpl-" + headers["x-request-id"]
