@@ -29,6 +29,8 @@ from kernels.blas import active_blas
 
 log = structlog.get_logger("cadence")
 
+HTTP_GRACE_MARGIN_S = 5.0
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not usage + error
@@ -171,7 +173,9 @@ async def _serve(args: argparse.Namespace) -> None:
                 args.host,
                 args.port,
                 shutdown_trigger=shutdown.wait,
-                graceful_timeout=args.drain_timeout,
+                # Longer than the engine's drain: streams it aborts still get to write
+                # their error event and [DONE] before the server closes connections.
+                graceful_timeout=args.drain_timeout + HTTP_GRACE_MARGIN_S,
                 task_status=task_status,
             )
         finally:
@@ -207,6 +211,7 @@ async def _serve(args: argparse.Namespace) -> None:
             await shutdown.wait()
             state.is_draining = True
             log.info("draining", grace_s=args.drain_timeout)
+            await llm.drain(args.drain_timeout)  # then what is left is aborted, cleanly
             await http_done.wait()
         log.info("stopped")
         nursery.cancel_scope.cancel()  # the signal watcher

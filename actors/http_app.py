@@ -161,6 +161,7 @@ async def _stream(generation: Generation, writer: ChunkWriter) -> AsyncIterator[
         yield SSE_DONE
     except CadenceError as error:  # mid-stream: an error event, then the stream ends
         yield sse(ApiError.from_error(error).body())
+        yield SSE_DONE
     finally:
         await generation.aclose("disconnected")
 

@@ -93,3 +93,31 @@ def test_serve_with_a_max_context_beyond_the_model_exits_2_with_one_error_line(t
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1].startswith("cadence: error: max_context 99999")
     assert "Traceback" not in result.stderr
+
+
+def test_a_stream_outliving_the_drain_timeout_ends_with_an_error_event_and_done(tiny):
+    serve = ["serve", "--model", str(tiny), "--port", "0", "--log-format", "json"]
+    process = subprocess.Popen(
+        [*CLI, *serve, "--drain-timeout", "0.3"], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        events = events_until(process, "ready")
+        host, port = events[-1]["url"].removeprefix("http://").rsplit(":", 1)
+        connection = http.client.HTTPConnection(host, int(port), timeout=30)
+        body = {"model": tiny.name, "prompt": "Hi", "max_tokens": 1000, "stream": True,
+                "ignore_eos": True}  # ~2 s of tokens: far longer than the 0.3 s drain
+        connection.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        response = connection.getresponse()
+        assert response.readline().startswith(b"data: ")
+        process.send_signal(signal.SIGTERM)
+        events = [e.strip() for e in response.read().split(b"\n\n") if e.strip()]
+        assert events[-1] == b"data: [DONE]"
+        last = json.loads(events[-2].removeprefix(b"data: "))
+        assert set(last) == {"error"} and last["error"]["message"]
+        assert all(e.startswith(b"data: ") for e in events)  # nothing cut mid-chunk
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
