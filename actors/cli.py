@@ -7,9 +7,11 @@ request ends with one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
@@ -43,7 +45,16 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _add_model_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", default="127.0.0.1", help="127.0.0.1 unless given")
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="require 'Authorization: Bearer KEY' (repeatable; also CADENCE_API_KEY)",
+    )
+    serve.add_argument(
+        "--api-key-file", type=Path, default=None, help="a file of API keys, one a line"
+    )
     serve.add_argument("--port", type=_port, default=8000, help="0: any free port")
     serve.add_argument("--max-batch", type=_positive, default=16, help="rows decoded together")
     serve.add_argument(
@@ -142,6 +153,21 @@ def _positive(text: str) -> int:
     return value
 
 
+def _api_keys(args: argparse.Namespace) -> list[str]:
+    keys = [*args.api_key]
+    if env := os.environ.get("CADENCE_API_KEY"):
+        keys.append(env)
+    if args.api_key_file is not None:
+        try:
+            lines = args.api_key_file.read_text().splitlines()
+        except OSError as error:
+            raise CadenceError(f"--api-key-file {args.api_key_file}: {error.strerror}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    if any(not key or any(c.isspace() for c in key) for key in keys):
+        raise CadenceError("API keys must be non-empty and contain no whitespace")
+    return keys
+
+
 def _kv_budget(text: str) -> int | float:
     try:
         return parse_kv_budget(text)
@@ -162,7 +188,10 @@ def _progress(message: str) -> None:
 
 async def _serve(args: argparse.Namespace) -> None:
     state = ServerState()
-    app = create_app(state, max_body_bytes=args.max_body_bytes)
+    keys = _api_keys(args)
+    if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("no_api_key", host=args.host, hint="anyone who can reach it can use it")
+    app = create_app(state, max_body_bytes=args.max_body_bytes, api_keys=keys)
     shutdown = trio.Event()
     http_done = trio.Event()
 

@@ -11,11 +11,12 @@ aborts the request (the row leaves the batch within one step).
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from runtime.errors import CadenceError
@@ -52,13 +53,24 @@ class ServerState:
         return "loading" if self.llm is None else "ready"
 
 
-def create_app(state: ServerState, *, max_body_bytes: int = 4 << 20) -> QuartTrio:
+def create_app(
+    state: ServerState, *, max_body_bytes: int = 4 << 20, api_keys: Sequence[str] = ()
+) -> QuartTrio:
+    """`api_keys`: when given, every route but /health needs `Authorization: Bearer KEY`."""
     app = QuartTrio("cadence")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
+    keys = tuple(key.encode() for key in api_keys)
 
     @app.before_request
     async def name_the_request() -> None:
         g.client_request_id, g.request_id = request_ids(request.headers.get("x-request-id"))
+        if keys and request.path != "/health" and not _is_authorized(request, keys):
+            raise ApiError(
+                401,
+                "a valid API key is required: send 'Authorization: Bearer <key>'",
+                "authentication_error",
+                code="invalid_api_key",
+            )
 
     @app.after_request
     async def echo_the_request_id(response: Response) -> Response:
@@ -180,6 +192,15 @@ async def _collect(generation: Generation, writer: ChunkWriter) -> Response:
 
 
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def _is_authorized(incoming: Any, keys: tuple[bytes, ...]) -> bool:
+    scheme, _, sent = incoming.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    sent_bytes = sent.strip().encode("utf-8", "surrogateescape")
+    # Compare against every key, always: the time taken says nothing about which matched.
+    return sum(hmac.compare_digest(sent_bytes, key) for key in keys) > 0
 
 
 def request_ids(sent: str | None) -> tuple[str, str]:

@@ -2,6 +2,7 @@
 
 import http.client
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -30,8 +31,10 @@ def test_generate_streams_text_to_stdout_and_keeps_stderr_quiet(tiny):
         ["generate", "Hello", "--max-tokens", "5000", "--model", "{tiny}"],
         ["generate", "Hello", "--max-tokens", "zero"],
         ["serve", "--port", "-5", "--model", "{tiny}"],
+        ["serve", "--api-key-file", "/no/such/keys", "--model", "{tiny}"],
+        ["serve", "--api-key", "", "--model", "{tiny}"],
     ],
-    ids=["bad-model", "bad-temperature", "too-long", "bad-int", "bad-port"],
+    ids=["bad-model", "bad-temperature", "too-long", "bad-int", "bad-port", "no-key-file", "empty-key"],
 )
 def test_bad_input_is_one_line_on_stderr_and_exit_status_2(tiny, args):
     result = run_cli(*[a.format(tiny=tiny) for a in args])
@@ -121,3 +124,23 @@ def test_a_stream_outliving_the_drain_timeout_ends_with_an_error_event_and_done(
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_serve_takes_an_api_key_from_the_environment(tiny):
+    serve = ["serve", "--model", str(tiny), "--port", "0", "--log-format", "json"]
+    env = {**os.environ, "CADENCE_API_KEY": "from-env"}
+    process = subprocess.Popen([*CLI, *serve], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        events = events_until(process, "ready")
+        host, port = events[-1]["url"].removeprefix("http://").rsplit(":", 1)
+
+        def status(headers):
+            connection = http.client.HTTPConnection(host, int(port), timeout=30)
+            connection.request("GET", "/v1/models", headers=headers)
+            return connection.getresponse().status
+
+        assert status({}) == 401
+        assert status({"Authorization": "Bearer from-env"}) == 200
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)

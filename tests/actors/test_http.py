@@ -34,9 +34,11 @@ class Server:
 
 
 @contextlib.asynccontextmanager
-async def serving(checkpoint, *, max_body_bytes=1 << 20, response_timeout=None, **llm_args):
+async def serving(
+    checkpoint, *, max_body_bytes=1 << 20, response_timeout=None, api_keys=(), **llm_args
+):
     state = ServerState()
-    app = create_app(state, max_body_bytes=max_body_bytes)
+    app = create_app(state, max_body_bytes=max_body_bytes, api_keys=api_keys)
     if response_timeout is not None:
         app.config["RESPONSE_TIMEOUT"] = response_timeout
     stop = trio.Event()
@@ -550,3 +552,27 @@ async def test_every_response_carries_an_x_request_id_and_a_clients_own_is_echoe
         )
         assert headers["x-request-id"] != bad["x-request-id"]
         assert got["id"] == "cmpl-" + headers["x-request-id"]
+
+
+async def test_with_api_keys_every_route_but_health_needs_a_valid_bearer_token(tiny):
+    async with serving(tiny, api_keys=("key-one", "key-two")) as server:
+        body = {"model": server.model, "prompt": "x", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "key-one"},
+                        {"Authorization": "Basic key-one"}):
+            status, got_headers, got = await in_thread(
+                request, server.url, "POST", "/v1/completions", body, headers
+            )
+            assert status == 401, headers
+            assert got["error"]["type"] == "authentication_error"
+            assert got["error"]["code"] == "invalid_api_key" and "x-request-id" in got_headers
+        status, _, _ = await in_thread(request, server.url, "GET", "/v1/models")
+        assert status == 401
+        assert (await in_thread(request, server.url, "GET", "/health"))[0] == 200
+        for key in ("key-one", "key-two"):
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+            done = await in_thread(
+                client.completions.create, model=server.model, prompt="x", max_tokens=2
+            )
+            assert done.usage.completion_tokens >= 1
+        with pytest.raises(openai.AuthenticationError):
+            await in_thread(server.client().models.list)  # api_key="unused"
