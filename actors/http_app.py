@@ -33,6 +33,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from actors.generation import Generation
 from actors.openai_requests import ApiError, ApiRequest, parse_chat, parse_completion, parse_json
 from actors.openai_responses import SSE_DONE, ChunkWriter, sse
+from actors.openapi import OPENAPI
 from actors.requests import ServiceClosedError
 from actors.service import LLM
 
@@ -56,7 +57,7 @@ class ServerState:
 def create_app(
     state: ServerState, *, max_body_bytes: int = 4 << 20, api_keys: Sequence[str] = ()
 ) -> QuartTrio:
-    """`api_keys`: when given, every route but /health needs `Authorization: Bearer KEY`."""
+    """`api_keys`: when given, every route but /health and /openapi.json needs a Bearer key."""
     app = QuartTrio("cadence")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     keys = tuple(key.encode() for key in api_keys)
@@ -64,7 +65,7 @@ def create_app(
     @app.before_request
     async def name_the_request() -> None:
         g.client_request_id, g.request_id = request_ids(request.headers.get("x-request-id"))
-        if keys and request.path != "/health" and not _is_authorized(request, keys):
+        if keys and request.path not in _OPEN_PATHS and not _is_authorized(request, keys):
             raise ApiError(
                 401,
                 "a valid API key is required: send 'Authorization: Bearer <key>'",
@@ -95,6 +96,10 @@ def create_app(
     async def health() -> Response:
         status = 200 if state.phase == "ready" else 503
         return _json({"status": state.phase}, status)
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        return _json(OPENAPI)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -191,6 +196,9 @@ async def _collect(generation: Generation, writer: ChunkWriter) -> Response:
     return _json(writer.whole("".join(texts), generation.finish_reason, generation.usage))
 
 
+# Open without a key: /health for load balancers; /openapi.json describes the API, not
+# its data, and a client needs it to learn how to authenticate.
+_OPEN_PATHS = frozenset({"/health", "/openapi.json"})
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
@@ -242,7 +250,7 @@ async def serve_http(
     not wait out the timeout for idle keep-alive connections: Hypercorn does not
     close a connection whose response was in flight when shutdown began.
     """
-    tracked = _InFlight(app)
+    tracked = _InFlight(_CloseAfterEarlyResponse(app))
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.graceful_timeout = graceful_timeout
@@ -265,6 +273,54 @@ async def serve_http(
         nursery.start_soon(cut_off_after_drain)
         await serve(tracked, config, shutdown_trigger=trigger, task_status=task_status)
         nursery.cancel_scope.cancel()
+
+
+class _CloseAfterEarlyResponse:
+    """ASGI wrapper: a response sent before its request body was read closes the connection.
+
+    An early answer (413, 401, a 404 or 405 on a POST) leaves the rest of the body on
+    the wire, where it would be read as the next request; so the response says
+    `Connection: close` and Hypercorn closes after it. The final send is shielded
+    because Quart cancels the handler as soon as the disconnect that follows it
+    arrives: unshielded, that cancellation lands inside Hypercorn's close, the socket
+    stays open, and the client's next request on it waits forever. The same race made
+    a client's own `Connection: close` leave the socket open.
+    """
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        is_body_read = not _has_body(scope["headers"])
+
+        async def tracked_receive() -> Any:
+            nonlocal is_body_read
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                is_body_read = True
+            return message
+
+        async def guarded_send(message: Any) -> None:
+            if message["type"] == "http.response.start" and not is_body_read:
+                headers = [*message.get("headers", ()), (b"connection", b"close")]
+                message = {**message, "headers": headers}
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+                return
+            await send(message)
+
+        await self.app(scope, tracked_receive, guarded_send)
+
+
+def _has_body(headers: Sequence[tuple[bytes, bytes]]) -> bool:
+    for name, value in headers:
+        name = name.lower()
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
+            return True
+    return False
 
 
 class _InFlight:
