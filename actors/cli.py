@@ -24,6 +24,7 @@ import structlog
 import trio
 
 from actors import bench
+from actors.cors import CorsPolicy, parse_origins
 from actors.http_app import ServerState, create_app, serve_http
 from actors.service import open_llm
 from actors.tracing import LEVELS, configure_logging
@@ -54,6 +55,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--api-key-file", type=Path, default=None, help="a file of API keys, one a line"
+    )
+    serve.add_argument(
+        "--allowed-origin",
+        action="append",
+        default=[],
+        help="let browser pages from this origin call the API (repeatable; '*' for any); "
+        "CORS is off without it",
     )
     serve.add_argument("--port", type=_port, default=8000, help="0: any free port")
     serve.add_argument("--max-batch", type=_positive, default=16, help="rows decoded together")
@@ -191,7 +199,8 @@ async def _serve(args: argparse.Namespace) -> None:
     keys = _api_keys(args)
     if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("no_api_key", host=args.host, hint="anyone who can reach it can use it")
-    app = create_app(state, max_body_bytes=args.max_body_bytes, api_keys=keys)
+    cors = CorsPolicy(parse_origins(args.allowed_origin))
+    app = create_app(state, max_body_bytes=args.max_body_bytes, api_keys=keys, cors=cors)
     shutdown = trio.Event()
     http_done = trio.Event()
 

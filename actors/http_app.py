@@ -30,6 +30,7 @@ from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
+from actors.cors import CorsPolicy
 from actors.generation import Generation
 from actors.openai_requests import ApiError, ApiRequest, parse_chat, parse_completion, parse_json
 from actors.openai_responses import SSE_DONE, ChunkWriter, sse
@@ -55,16 +56,26 @@ class ServerState:
 
 
 def create_app(
-    state: ServerState, *, max_body_bytes: int = 4 << 20, api_keys: Sequence[str] = ()
+    state: ServerState,
+    *,
+    max_body_bytes: int = 4 << 20,
+    api_keys: Sequence[str] = (),
+    cors: CorsPolicy | None = None,
 ) -> QuartTrio:
-    """`api_keys`: when given, every route but /health and /openapi.json needs a Bearer key."""
+    """`api_keys`: when given, every route but /health and /openapi.json needs a Bearer key.
+
+    `cors`: the origins whose browser pages may call the API; none by default.
+    """
     app = QuartTrio("cadence")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
+    cors = cors or CorsPolicy()
     keys = tuple(key.encode() for key in api_keys)
 
     @app.before_request
-    async def name_the_request() -> None:
+    async def name_the_request() -> Response | None:
         g.client_request_id, g.request_id = request_ids(request.headers.get("x-request-id"))
+        if request.method == "OPTIONS" and (allowed := cors.preflight_headers(request.headers)):
+            return Response("", 204, headers=allowed)  # before the key check: no credentials here
         if keys and request.path not in _OPEN_PATHS and not _is_authorized(request, keys):
             raise ApiError(
                 401,
@@ -76,6 +87,7 @@ def create_app(
     @app.after_request
     async def echo_the_request_id(response: Response) -> Response:
         response.headers["x-request-id"] = g.get("client_request_id") or uuid.uuid4().hex
+        response.headers.update(cors.response_headers(request.headers.get("Origin")))
         return response
 
     @app.errorhandler(ApiError)

@@ -33,8 +33,18 @@ def test_generate_streams_text_to_stdout_and_keeps_stderr_quiet(tiny):
         ["serve", "--port", "-5", "--model", "{tiny}"],
         ["serve", "--api-key-file", "/no/such/keys", "--model", "{tiny}"],
         ["serve", "--api-key", "", "--model", "{tiny}"],
+        ["serve", "--allowed-origin", "example.com/x", "--model", "{tiny}"],
     ],
-    ids=["bad-model", "bad-temperature", "too-long", "bad-int", "bad-port", "no-key-file", "empty-key"],
+    ids=[
+        "bad-model",
+        "bad-temperature",
+        "too-long",
+        "bad-int",
+        "bad-port",
+        "no-key-file",
+        "empty-key",
+        "bad-origin",
+    ],
 )
 def test_bad_input_is_one_line_on_stderr_and_exit_status_2(tiny, args):
     result = run_cli(*[a.format(tiny=tiny) for a in args])

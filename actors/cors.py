@@ -1,0 +1,64 @@
+"""CORS, off unless the operator names origins (`--allowed-origin`).
+
+Off, a browser page on another origin can't read our responses, and can't send a
+JSON POST at all without a preflight we don't answer. On, a named origin gets its
+preflight answered before the API-key check (browsers never send credentials on a
+preflight) and its responses carry `Access-Control-Allow-Origin`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+from runtime.errors import CadenceError
+
+import attrs
+
+_ORIGIN = re.compile(r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?|\*")
+_METHODS = "GET, POST, OPTIONS"
+_HEADERS = "Authorization, Content-Type, X-Request-Id"
+_MAX_AGE_S = "600"
+
+
+def parse_origins(values: Iterable[str]) -> frozenset[str]:
+    """`scheme://host[:port]` each, or `*` for any origin; CadenceError otherwise."""
+    origins = set()
+    for value in values:
+        origin = value.strip().rstrip("/")
+        if _ORIGIN.fullmatch(origin) is None:
+            raise CadenceError(f"--allowed-origin {value!r}: expected scheme://host[:port] or '*'")
+        origins.add(origin.lower())
+    return frozenset(origins)
+
+
+@attrs.frozen
+class CorsPolicy:
+    origins: frozenset[str] = frozenset()
+
+    def allows(self, origin: str | None) -> bool:
+        return origin is not None and ("*" in self.origins or origin.lower() in self.origins)
+
+    def preflight_headers(self, request_headers: Mapping[str, str]) -> dict[str, str] | None:
+        """The answer to an allowed preflight (an OPTIONS asking for a method), else None."""
+        origin = request_headers.get("Origin")
+        if not self.allows(origin) or "Access-Control-Request-Method" not in request_headers:
+            return None
+        assert origin is not None
+        return {
+            "Access-Control-Allow-Origin": origin,
+            "Access-Control-Allow-Methods": _METHODS,
+            "Access-Control-Allow-Headers": _HEADERS,
+            "Access-Control-Max-Age": _MAX_AGE_S,
+            "Vary": "Origin",
+        }
+
+    def response_headers(self, origin: str | None) -> dict[str, str]:
+        if not self.allows(origin):
+            return {}
+        assert origin is not None
+        return {
+            "Access-Control-Allow-Origin": origin,
+            "Access-Control-Expose-Headers": "X-Request-Id, Retry-After",
+            "Vary": "Origin",
+        }

@@ -1,0 +1,224 @@
+"""Around the requests, against a real Hypercorn on a loopback port: connections and CORS.
+
+An early answer (before the request body was read) must close the connection, or the
+unread body is parsed as the next request and that request hangs; a client's own
+`Connection: close` must be honoured; plain keep-alive must keep working. CORS is off
+unless origins are named, and then only those origins get the headers.
+"""
+
+import contextlib
+import functools
+import socket
+import time
+
+from runtime.errors import CadenceError
+
+import openai
+import pytest
+import trio
+
+from actors.cors import CorsPolicy, parse_origins
+from actors.http_app import ServerState, create_app, serve_http
+
+LIMIT = 1000  # max body bytes of the test server
+
+
+@contextlib.asynccontextmanager
+async def loading_server(**app_args):
+    """A server whose model is still loading: every route answers without an engine."""
+    app = create_app(ServerState(), max_body_bytes=LIMIT, **app_args)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        run = functools.partial(
+            serve_http, app, "127.0.0.1", 0, shutdown_trigger=stop.wait, graceful_timeout=0.1
+        )
+        (url,) = await nursery.start(run)
+        yield int(url.rsplit(":", 1)[1])
+        stop.set()
+
+
+def post_head(path, length, *extra):
+    lines = [f"POST {path} HTTP/1.1", "Host: t", "Content-Type: application/json"]
+    lines += [f"Content-Length: {length}", *extra]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def read_response(sock, timeout=5.0):
+    """(status line, lower-cased headers) of the next final response; skips 1xx."""
+    sock.settimeout(timeout)
+    buffer = b""
+    while True:
+        while b"\r\n\r\n" not in buffer:
+            chunk = sock.recv(65536)
+            assert chunk, f"connection closed before a response: {buffer!r}"
+            buffer += chunk
+        head, _, buffer = buffer.partition(b"\r\n\r\n")
+        status, *lines = head.decode().split("\r\n")
+        headers = dict(line.lower().split(": ", 1) for line in lines)
+        if not status.startswith("HTTP/1.1 1"):
+            length = int(headers.get("content-length", 0))
+            while len(buffer) < length:
+                buffer += sock.recv(65536)
+            return status, headers
+
+
+def is_closed_by_server(sock, timeout=5.0):
+    """True when the server closes the socket within `timeout` (reading what is left)."""
+    sock.settimeout(timeout)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not sock.recv(65536):
+                return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return False
+
+
+async def in_thread(fn, *args):
+    return await trio.to_thread.run_sync(fn, *args)
+
+
+@pytest.mark.parametrize(
+    ("status", "head"),
+    [
+        ("413", post_head("/v1/completions", 5 * LIMIT)),
+        ("404", post_head("/v1/nowhere", 500)),
+        ("405", post_head("/health", 500)),
+        ("401", post_head("/v1/completions", 500, "Authorization: Bearer wrong")),
+    ],
+    ids=["413", "404", "405", "401"],
+)
+async def test_an_answer_before_the_body_was_read_closes_the_connection(status, head):
+    async with loading_server(api_keys=("sesame",) if status == "401" else ()) as port:
+
+        def exchange():
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(head)  # the body stays unsent: the answer must not wait for it
+                status_line, headers = read_response(sock)
+                return status_line, headers, is_closed_by_server(sock)
+
+        status_line, headers, is_closed = await in_thread(exchange)
+    assert status_line.split()[1] == status
+    assert headers.get("connection") == "close"
+    assert is_closed
+
+
+async def test_the_openai_clients_next_request_after_a_413_is_answered():
+    async with loading_server() as port:
+
+        def two_requests():
+            client = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=10
+            )
+            with pytest.raises(openai.APIStatusError) as too_big:
+                client.completions.create(model="m", prompt="x" * (4 << 20))
+            started = time.monotonic()
+            with pytest.raises(openai.APIStatusError) as loading:  # not a timeout
+                client.models.list()
+            return too_big.value.status_code, loading.value.status_code, time.monotonic() - started
+
+        too_big, loading, seconds = await in_thread(two_requests)
+    assert (too_big, loading) == (413, 503)  # 503: the model is loading
+    assert seconds < 5
+
+
+async def test_expect_100_continue_over_the_limit_gets_413_without_sending_the_body():
+    async with loading_server() as port:
+
+        def exchange():
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(post_head("/v1/completions", 5 * LIMIT, "Expect: 100-continue"))
+                status, _ = read_response(sock)
+                return status, is_closed_by_server(sock)
+
+        status, is_closed = await in_thread(exchange)
+    assert status.startswith("HTTP/1.1 413") and is_closed
+
+
+async def test_a_clients_connection_close_is_honoured_after_a_whole_post():
+    body = b'{"model": "m", "prompt": "hi"}'
+    async with loading_server() as port:
+
+        def exchange():
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(post_head("/v1/completions", len(body), "Connection: close") + body)
+                status, _ = read_response(sock)
+                return status, is_closed_by_server(sock)
+
+        status, is_closed = await in_thread(exchange)
+    assert status.startswith("HTTP/1.1 503") and is_closed
+
+
+async def test_keep_alive_still_serves_several_requests_on_one_connection():
+    body = b'{"model": "m", "prompt": "hi"}'
+    async with loading_server() as port:
+
+        def exchange():
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                statuses = []
+                for _ in range(3):
+                    sock.sendall(post_head("/v1/completions", len(body)) + body)
+                    statuses.append(read_response(sock))
+                    sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+                    statuses.append(read_response(sock))
+                return statuses
+
+        responses = await in_thread(exchange)
+    assert [status.split()[1] for status, _ in responses] == ["503"] * 6
+    assert all(headers.get("connection") != "close" for _, headers in responses)
+
+
+def cors_exchange(port, method, path, headers):
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        lines = [f"{method} {path} HTTP/1.1", "Host: t", *headers, "Content-Length: 0"]
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        return read_response(sock)
+
+
+PREFLIGHT = ("Access-Control-Request-Method: POST", "Access-Control-Request-Headers: authorization")
+
+
+async def test_cors_is_off_unless_origins_are_named():
+    async with loading_server(api_keys=("sesame",)) as port:
+        origin = "Origin: https://evil.example"
+        status, headers = await in_thread(
+            cors_exchange, port, "OPTIONS", "/v1/chat/completions", (origin, *PREFLIGHT)
+        )
+        assert "access-control-allow-origin" not in headers
+        assert status.split()[1] == "401"  # no preflight answer: the browser sends nothing
+        _, headers = await in_thread(cors_exchange, port, "GET", "/health", (origin,))
+        assert "access-control-allow-origin" not in headers
+
+
+async def test_a_named_origin_gets_its_preflight_before_the_key_check_and_others_nothing():
+    cors = CorsPolicy(parse_origins(["https://app.example:8443/"]))
+    async with loading_server(api_keys=("sesame",), cors=cors) as port:
+        good, evil = "Origin: https://app.example:8443", "Origin: https://evil.example"
+        status, headers = await in_thread(
+            cors_exchange, port, "OPTIONS", "/v1/chat/completions", (good, *PREFLIGHT)
+        )
+        assert status.split()[1] == "204"
+        assert headers["access-control-allow-origin"] == "https://app.example:8443"
+        assert "authorization" in headers["access-control-allow-headers"]
+        assert "post" in headers["access-control-allow-methods"]
+        status, headers = await in_thread(
+            cors_exchange, port, "OPTIONS", "/v1/chat/completions", (evil, *PREFLIGHT)
+        )
+        assert status.split()[1] == "401" and "access-control-allow-origin" not in headers
+        # Real requests: the allowed origin can read the answer (errors included).
+        status, headers = await in_thread(
+            cors_exchange, port, "GET", "/v1/models", (good, "Authorization: Bearer sesame")
+        )
+        assert headers["access-control-allow-origin"] == "https://app.example:8443"
+        assert "x-request-id" in headers["access-control-expose-headers"]
+        _, headers = await in_thread(cors_exchange, port, "GET", "/health", (evil,))
+        assert "access-control-allow-origin" not in headers
+
+
+@pytest.mark.parametrize("bad", ["app.example", "https://app.example/path", "ftp://x", ""])
+def test_a_malformed_allowed_origin_is_refused(bad):
+    with pytest.raises(CadenceError, match="--allowed-origin"):
+        parse_origins([bad])
