@@ -15,12 +15,27 @@ Each row's next input is the lazily sampled token of its previous step, so step
 N+1 is queued before step N's tokens are known. A row that finishes at step N may
 sit in step N+1; that speculative token is dropped and the policy frees its blocks.
 
+A forward that raises while its graph is built is retried in halves, down to
+single spans: a span that still raises fails its row alone (ERROR, naming the
+exception), and the other rows' samples join the step as if nothing happened. A
+step builds at most 2n - 1 forwards for n spans, all of them only when every row
+is at fault. An error that surfaces only when `collect` evaluates the step cannot
+be pinned on a row: it raises there, and the runner fails the step's rows.
+
+`CADENCE_FAULT_TOKEN=N` or `N:K` (read once, at init; a test and soak hook):
+a row whose prompt holds token id N raises `InjectedFault` inside any forward
+that finds it with K tokens sampled, collected or queued (K defaults to 0: its
+prefill). Its queued samples are then dropped like any past a finish, so with
+lookahead L a client sees max(K - L, 0) tokens. Unset, it costs one `is None`
+test a forward.
+
 Every method must run on one thread: mlx streams belong to the thread that made them.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections import deque
 
 from runtime.checkpoint import LoadedModel
@@ -33,9 +48,17 @@ from runtime.sequence import FinishCause, SeqHandle, SequenceParams, StepBatch, 
 
 import attrs
 import mlx.core as mx
+import structlog
+
+log = structlog.get_logger("cadence.engine")
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_FREE_FRACTION = 0.3  # of available memory, when no --kv-budget is given
+FAULT_ENV = "CADENCE_FAULT_TOKEN"
+
+
+class InjectedFault(RuntimeError):
+    """Raised inside a forward by `CADENCE_FAULT_TOKEN`, where a model error would be."""
 
 
 @attrs.define
@@ -48,6 +71,11 @@ class _Row:
     next_input: mx.array | None = None  # [1] the newest sample, maybe not computed yet
     num_pending: int = 0  # samples queued and not collected
     finished: FinishCause | None = None
+    fault_at: int | None = None  # CADENCE_FAULT_TOKEN: its forward raises at this many samples
+
+    @property
+    def num_sampled(self) -> int:
+        return self.num_generated + self.num_pending
 
     @property
     def num_generated(self) -> int:
@@ -63,9 +91,34 @@ class _Row:
 class _Plan:
     spans: list[RowSpan] = attrs.Factory(list)
     inputs: list[mx.array] = attrs.Factory(list)  # each span's input tokens, [num_new] int32
+    rows: list[_Row] = attrs.Factory(list)  # each span's row
     sampling: list[_Row] = attrs.Factory(list)  # rows whose span ends at their newest token
     sample_at: list[int] = attrs.Factory(list)  # ... and where, in the flat batch
-    failures: list[tuple[int, str]] = attrs.Factory(list)
+    failures: list[tuple[int, str]] = attrs.Factory(list)  # shared by a plan's halves
+    num_tokens: int = 0
+
+    def add(self, span: RowSpan, tokens: mx.array, row: _Row) -> None:
+        self.spans.append(span)
+        self.inputs.append(tokens)
+        self.rows.append(row)
+        self.num_tokens += span.num_new
+        if span.end == row.frontier:
+            self.sampling.append(row)
+            self.sample_at.append(self.num_tokens - 1)
+
+    def fail(self, row: _Row, exc: Exception) -> None:
+        row.finished = FinishCause.ERROR
+        self.failures.append((row.handle.seq_id, f"{type(exc).__name__}: {exc}"))
+
+    def halves(self) -> tuple[_Plan, _Plan]:
+        left, right = _Plan(failures=self.failures), _Plan(failures=self.failures)
+        mid = len(self.spans) // 2
+        for i, span in enumerate(self.spans):
+            (left if i < mid else right).add(span, self.inputs[i], self.rows[i])
+        return left, right
+
+
+_Sampled = tuple[mx.array, mx.array]  # a forward's sampled tokens [S] int32, is_finite [S] bool
 
 
 @attrs.frozen
@@ -154,6 +207,7 @@ class Engine:
         self._rows: dict[int, _Row] = {}
         self._queued: deque[_QueuedStep] = deque()
         self._ids = itertools.count()
+        self._fault = _fault_from_env()  # (token id, samples) or None
 
     def _num_blocks(self, kv_budget: int | float | None, block_size: int) -> int:
         if isinstance(kv_budget, bool) or not (
@@ -183,12 +237,14 @@ class Engine:
             kv_tokens=self.kv_tokens,
         )
         handle = SeqHandle(next(self._ids))
+        fault = self._fault
         self._rows[handle.seq_id] = _Row(
             handle=handle,
             params=params,
             sampler=RowSampler.create(params.sampling, params.prompt_tokens, self.config.vocab_size),
             eos_ids=frozenset() if params.ignore_eos else self.eos_ids | params.stop_token_ids,
             tokens=list(params.prompt_tokens),
+            fault_at=fault[1] if fault is not None and fault[0] in params.prompt_tokens else None,
         )
         return handle
 
@@ -210,29 +266,30 @@ class Engine:
         return self.collect()
 
     def submit(self, batch: StepBatch) -> None:
-        """Queue one forward over every span of `batch`: plan, forward, sample."""
+        """Queue one forward over every span of `batch`: plan, forward, sample.
+
+        Rows whose forward raises fail alone; the rest are sampled in this one step."""
         plan = self._plan(batch)
-        if not plan.spans:
-            self._queue(plan, (), ())
+        ran = self._isolating_forward(plan, batch.epoch) if plan.spans else []
+        sampling = [row for part, _ in ran for row in part.sampling]
+        if not sampling:  # prefill chunks only: just the K/V writes are wanted
+            writes = (self.kv.keys[-1], self.kv.values[-1]) if ran else ()
+            self._queue(plan, [], None, writes)
             return
-        view = self.kv.forward(plan.spans, batch.epoch)
-        hidden = self.model.hidden(mx.concatenate(plan.inputs)[None], view)[0]  # [N, hidden]
-        if not plan.sampling:  # prefill chunks only: just the K/V writes are wanted
-            self._queue(plan, (), (self.kv.keys[-1], self.kv.values[-1]))
-            return
-        logits = self.model.project(hidden[mx.array(plan.sample_at)])  # [S, V]
-        is_finite = rows_are_finite(logits)
-        sampled = sample(logits, [row.sampler for row in plan.sampling])  # [S]
-        for i, row in enumerate(plan.sampling):
+        parts = [out for _, out in ran if out is not None]  # more than one if it was split
+        sampled, is_finite = parts[0] if len(parts) == 1 else _joined(parts)
+        for i, row in enumerate(sampling):
             row.next_input = sampled[i : i + 1]
             row.sampler.record(row.next_input)
             row.num_pending += 1
-        self._queue(plan, (sampled, is_finite), ())
+        self._queue(plan, sampling, (sampled, is_finite), ())
 
     def collect(self) -> list[StepOutcome]:
         """Block for the oldest queued step and decide which rows it finished."""
         step = self._queued.popleft()
         outcomes = [StepOutcome(sid, None, FinishCause.ERROR, err) for sid, err in step.failures]
+        # An error raised while evaluating cannot be pinned on a row (the graph is built):
+        # it propagates, and the runner fails every row of the step.
         if step.writes:
             mx.eval(*step.writes)
         tokens: list[int] = step.tokens.tolist()  # type: ignore[assignment]  # [S] -> list
@@ -267,7 +324,6 @@ class Engine:
     def _plan(self, batch: StepBatch) -> _Plan:
         """The step's live spans, their input tokens, and which rows sample where."""
         plan = _Plan()
-        num_tokens = 0
         for span in batch.spans:
             row = self._rows.get(span.seq_id)
             if row is None or row.finished is not None:
@@ -275,23 +331,71 @@ class Engine:
             try:
                 tokens = self._row_input(row, span)
             except Exception as exc:  # one row's fault must not sink its batch
-                row.finished = FinishCause.ERROR
-                plan.failures.append((row.handle.seq_id, f"{type(exc).__name__}: {exc}"))
+                plan.fail(row, exc)
                 continue
-            if tokens is None:
-                continue  # at its max_tokens or the context bound: nothing to speculate
-            plan.spans.append(span)
-            plan.inputs.append(tokens)
-            num_tokens += span.num_new
-            if span.end == row.frontier:
-                plan.sampling.append(row)
-                plan.sample_at.append(num_tokens - 1)
+            if tokens is not None:  # None: at its max_tokens or the context bound
+                plan.add(span, tokens, row)
         return plan
 
-    def _queue(self, plan: _Plan, sampled: tuple[mx.array, ...], writes: tuple[mx.array, ...]) -> None:
+    def _isolating_forward(self, plan: _Plan, epoch: int) -> list[tuple[_Plan, _Sampled | None]]:
+        """`_forward` over `plan`; if that raises, over each half in turn, recursively.
+
+        A span that raises alone fails its row (into `plan.failures`). n spans build at
+        most 2n - 1 forwards: a binary tree of depth ceil(log2 n). A forward that raised
+        may have queued K/V writes; each healthy row's retry rewrites its slots after
+        them, and a failed row's blocks are never published to the prefix cache.
+        """
+        try:
+            return [(plan, self._forward(plan, epoch))]
+        except Exception as exc:
+            if len(plan.spans) == 1:
+                row = plan.rows[0]
+                log.error(
+                    "row failed alone in the forward",
+                    seq_id=row.handle.seq_id,
+                    request_id=row.params.request_id,
+                    error=f"{type(exc).__name__}: {exc}",
+                    exc_info=not isinstance(exc, InjectedFault),  # a planned fault needs no trace
+                )
+                plan.fail(row, exc)
+                return []
+            log.warning(
+                "forward failed, retrying in halves",
+                num_spans=len(plan.spans),
+                error=f"{type(exc).__name__}: {exc}",
+            )
+        left, right = plan.halves()
+        return self._isolating_forward(left, epoch) + self._isolating_forward(right, epoch)
+
+    def _forward(self, plan: _Plan, epoch: int) -> _Sampled | None:
+        """One ragged forward over `plan`'s spans: their K/V writes, and (sampled [S],
+        is_finite [S]) for its sampling rows, or None when none samples. Records nothing
+        on the rows, so a forward that raises can be retried."""
+        view = self.kv.forward(plan.spans, epoch)
+        hidden = self.model.hidden(mx.concatenate(plan.inputs)[None], view)[0]  # [N, hidden]
+        if self._fault is not None:
+            self._inject_fault(plan)
+        if not plan.sampling:
+            return None
+        logits = self.model.project(hidden[mx.array(plan.sample_at)])  # [S, V]
+        return sample(logits, [row.sampler for row in plan.sampling]), rows_are_finite(logits)
+
+    def _inject_fault(self, plan: _Plan) -> None:
+        """CADENCE_FAULT_TOKEN: raise as a model error would, judged on host counters only."""
+        for row in plan.rows:
+            if row.fault_at is not None and row.num_sampled == row.fault_at:
+                raise InjectedFault(f"{FAULT_ENV}: row {row.handle.seq_id}, {row.fault_at} sampled")
+
+    def _queue(
+        self,
+        plan: _Plan,
+        sampling: list[_Row],
+        sampled: _Sampled | None,
+        writes: tuple[mx.array, ...],
+    ) -> None:
         tokens, is_finite = sampled or (mx.array([], mx.int32), mx.array([], mx.bool_))
         mx.async_eval(tokens, is_finite, *writes)
-        seq_ids = tuple(row.handle.seq_id for row in plan.sampling)
+        seq_ids = tuple(row.handle.seq_id for row in sampling)
         self._queued.append(_QueuedStep(seq_ids, tokens, is_finite, tuple(plan.failures), writes))
 
     def _row_input(self, row: _Row, span: RowSpan) -> mx.array | None:
@@ -306,8 +410,7 @@ class Engine:
             )
         if span.end == row.frontier:
             max_tokens = row.params.max_tokens
-            num_samples = row.num_generated + row.num_pending
-            if (max_tokens is not None and num_samples >= max_tokens) or row.frontier >= self.max_context:
+            if (max_tokens is not None and row.num_sampled >= max_tokens) or row.frontier >= self.max_context:
                 return None
         if row.num_pending:
             if span.start != row.frontier - 1 or span.num_new != 1:
@@ -315,3 +418,21 @@ class Engine:
             assert row.next_input is not None
             return row.next_input
         return mx.array(row.tokens[span.start : span.end], dtype=mx.int32)
+
+
+def _joined(parts: list[_Sampled]) -> _Sampled:
+    """The sampled tokens of a split step's forwards, as one step's: [S] and [S]."""
+    tokens, finite = zip(*parts, strict=True)
+    return mx.concatenate(list(tokens)), mx.concatenate(list(finite))
+
+
+def _fault_from_env() -> tuple[int, int] | None:
+    """CADENCE_FAULT_TOKEN "N" or "N:K" -> (N, K); unset or empty -> None."""
+    text = os.environ.get(FAULT_ENV, "").strip()
+    if not text:
+        return None
+    token, _, num_sampled = text.partition(":")
+    try:
+        return int(token), int(num_sampled or 0)
+    except ValueError:
+        raise CadenceError(f"{FAULT_ENV}={text!r}: give a token id N, or N:K") from None
