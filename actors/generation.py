@@ -14,7 +14,17 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from actors.messages import Abort, Accepted, Admit, Failed, Finished, Rejected, Reply, TextDelta
+from actors.messages import (
+    REPLY_BUFFER,
+    Abort,
+    Accepted,
+    Admit,
+    Failed,
+    Finished,
+    Rejected,
+    Reply,
+    TextDelta,
+)
 from actors.requests import Delta, GenerateRequest, GenerationError, ServiceClosedError, Usage
 
 if TYPE_CHECKING:
@@ -48,8 +58,7 @@ class Generation:
         """
         if self._state is not _State.NEW:
             raise RuntimeError("a Generation starts once")
-        # Room for every message a request can get: one per token, plus two.
-        send, self._replies = trio.open_memory_channel[Reply](self._llm.max_context + 2)
+        send, self._replies = trio.open_memory_channel[Reply](REPLY_BUFFER)
         self._llm._admit(Admit(self.request_id, self.request, send, trio.current_time()))
         self._state = _State.ADMITTING
         first = await self._receive()

@@ -63,6 +63,12 @@ class Failed:
 Reply: TypeAlias = Accepted | Rejected | TextDelta | Finished | Failed
 ReplySender: TypeAlias = trio.MemorySendChannel[Reply]
 
+# A reply channel's bound. Two slots stay free of deltas, for Accepted (which may
+# arrive after the first deltas) and for the final Finished or Failed, so those never
+# block; a reader that falls behind gets its text coalesced into fewer, longer deltas.
+REPLY_BUFFER = 8
+MAX_QUEUED_DELTAS = REPLY_BUFFER - 2
+
 
 # --- to admission ------------------------------------------------------------------------
 

@@ -4,8 +4,10 @@ It detokenizes, applies stop strings (a hit finishes the request with STOP_SEQUE
 and asks the scheduler to close the row), and ends each reply channel with Finished
 or Failed. A reply channel whose reader went away becomes an Abort.
 
-Reply channels are bounded by the context length: a request can never produce more
-messages than that, so `send_nowait` never blocks the other streams on a slow reader.
+Reply channels hold a few messages (REPLY_BUFFER). A reader that falls behind never
+holds up the engine or the other streams: its text waits in `unsent` and leaves,
+coalesced, with the next delta that fits or with the final message. So memory per
+slow reader is its own unread text, and `send_nowait` never blocks.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import structlog
 import trio
 
 from actors.messages import (
+    MAX_QUEUED_DELTAS,
     Abort,
     Failed,
     Finished,
@@ -46,6 +49,7 @@ class _Stream:
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
     first_token_at: float | None = None
+    unsent: str = ""  # text held back while the reader is behind
 
     @property
     def request_id(self) -> str:
@@ -114,15 +118,16 @@ class Streamer:
             tail, is_stop = stream.stop_matcher.feed(stream.detokenizer.flush())
             text += tail if is_stop else tail + stream.stop_matcher.flush()
             cause = first_cause(row.finish, FinishCause.STOP_SEQUENCE if is_stop else None)
+        stream.unsent += text
         if cause is None:
-            if text and not self._send(stream, TextDelta(stream.request_id, text)):
+            if stream.unsent and not self._send_text(stream):
                 self._forget(stream)
                 return "disconnected"
             return None
         usage = Usage(
             stream.track.num_prompt_tokens, stream.num_completion_tokens, stream.num_cached_tokens
         )
-        self._end(stream, Finished(stream.request_id, text, cause, usage))
+        self._end(stream, Finished(stream.request_id, stream.unsent, cause, usage))
         # The engine already closed a row it finished; a stop string is ours to close.
         return "stop_sequence" if row.finish is None else None
 
@@ -149,6 +154,16 @@ class Streamer:
     def _forget(self, stream: _Stream) -> None:
         self.streams.pop(stream.request_id, None)
         stream.reply.close()
+
+    def _send_text(self, stream: _Stream) -> bool:
+        """Send the unsent text unless the reader is behind; False when the reader left."""
+        stats = stream.reply.statistics()
+        if stats.open_receive_channels == 0:
+            return False
+        if stats.current_buffer_used >= MAX_QUEUED_DELTAS:
+            return True  # held back: it leaves with the next delta that fits
+        text, stream.unsent = stream.unsent, ""
+        return self._send(stream, TextDelta(stream.request_id, text))
 
     def _send(self, stream: _Stream, message: Reply) -> bool:
         try:

@@ -7,6 +7,7 @@ import trio
 import trio.testing
 
 from actors import GenerationError, OverloadedError, ServiceClosedError
+from actors.messages import REPLY_BUFFER
 
 
 async def collect(generation):
@@ -191,3 +192,18 @@ async def test_the_default_lookahead_keeps_exactly_one_step_queued_behind_the_ru
         outstanding += 1 if call[0] == "submit" else -1
         deepest = max(deepest, outstanding)
     assert deepest == 2  # step N+1 submitted while N is uncollected, never N+2
+
+
+async def test_a_reader_that_falls_behind_gets_its_text_coalesced_and_holds_up_no_one(
+    pipeline, demo_tokenizer, autojump_clock
+):
+    async with pipeline() as (llm, engine):
+        slow = llm.generate([5, 6, 7], max_tokens=200)
+        await slow.start()  # admitted, then not read while all 200 tokens are made
+        others = await collect(llm.generate([8, 9], max_tokens=20))
+        await wait_for(lambda: engine.num_open == 0)  # the slow row finished unread
+        deltas = [delta async for delta in slow]
+    assert "".join(d.text for d in others) == demo_tokenizer.decode([engine.token] * 20)
+    assert "".join(d.text for d in deltas) == demo_tokenizer.decode([engine.token] * 200)
+    assert len(deltas) <= REPLY_BUFFER  # not one message per token
+    assert deltas[-1].finish_reason == "length"
