@@ -1,0 +1,362 @@
+"""The OpenAPI 3.1 document served at /openapi.json: every route, what it accepts, what it answers.
+
+Written by hand to match what `actors/openai_requests.py` enforces, not what OpenAI
+documents: a field the parser refuses unless it is off (`n`, `logprobs`, `echo`, ...)
+is described with only its "off" values, and `null` is allowed wherever the parser
+reads it as "absent". tests/actors/test_http_fuzz.py fuzzes the server against this
+document and checks it names every route the app registers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actors.openai_requests import _UNSUPPORTED_FIELDS
+from actors.requests import MAX_SEED, MAX_STOP_BYTES, MAX_STOP_STRINGS
+
+_REF = "#/components/schemas/"
+
+
+def _or_null(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema`, or null: the parser reads a null optional field as an absent one."""
+    if "enum" in schema:
+        return {**schema, "enum": [*schema["enum"], None]}
+    if "type" in schema:
+        return {**schema, "type": [schema["type"], "null"]}
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _number(low: float, high: float, *, is_low_allowed: bool = True) -> dict[str, Any]:
+    bound = "minimum" if is_low_allowed else "exclusiveMinimum"
+    return _or_null({"type": "number", bound: low, "maximum": high})
+
+
+_COMMON_FIELDS: dict[str, Any] = {
+    "model": {"type": "string", "description": "must name the served model (GET /v1/models)"},
+    "max_tokens": _or_null({"type": "integer", "minimum": 1}),
+    "max_completion_tokens": _or_null(
+        {"type": "integer", "minimum": 1, "description": "takes precedence over max_tokens"}
+    ),
+    "temperature": _number(0.0, 2.0),
+    "top_p": _number(0.0, 1.0, is_low_allowed=False),
+    "min_p": _number(0.0, 1.0),
+    "top_k": _or_null({"type": "integer", "minimum": -1, "description": "0 or -1: off"}),
+    "repetition_penalty": _number(0.0, 10.0, is_low_allowed=False),
+    "presence_penalty": _number(-2.0, 2.0),
+    "frequency_penalty": _number(-2.0, 2.0),
+    "seed": _or_null({"type": "integer", "minimum": 0, "maximum": MAX_SEED}),
+    "logit_bias": _or_null(
+        {
+            "type": "object",
+            "description": "token id (decimal digits) -> bias added to its logit",
+            "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        }
+    ),
+    "stop": _or_null(
+        {
+            "description": f"stop strings, at most {MAX_STOP_BYTES} bytes of UTF-8 each",
+            "anyOf": [
+                {"type": "string"},
+                {
+                    "type": "array",
+                    "maxItems": MAX_STOP_STRINGS,
+                    "items": {"type": "string", "minLength": 1},
+                },
+            ],
+        }
+    ),
+    "ignore_eos": _or_null({"type": "boolean"}),
+    "stream": _or_null({"type": "boolean"}),
+    "stream_options": _or_null(
+        {
+            "type": "object",
+            "description": "needs 'stream': true",
+            "properties": {"include_usage": {"type": "boolean"}},
+        }
+    ),
+    # Refused unless off: documented with only the values that mean "off".
+    "n": {"enum": [1, None]},
+    "best_of": {"enum": [1, None]},
+    "logprobs": {"enum": [False, 0, None]},
+    "top_logprobs": {"enum": [0, None]},
+    "tools": _or_null({"type": "array", "maxItems": 0}),
+    "functions": _or_null({"type": "array", "maxItems": 0}),
+    "response_format": _or_null(
+        {
+            "type": "object",
+            "required": ["type"],
+            "properties": {"type": {"const": "text"}},
+        }
+    ),
+    **{name: {"type": "null", "description": "not supported"} for name in _UNSUPPORTED_FIELDS},
+}
+
+# 'stream_options' without 'stream': true is refused.
+_STREAM_OPTIONS_NEED_STREAM = {
+    "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+}
+
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+
+_SCHEMAS: dict[str, Any] = {
+    "Error": {
+        "type": "object",
+        "required": ["error"],
+        "additionalProperties": False,
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type", "param", "code"],
+                "additionalProperties": False,
+                "properties": {
+                    "message": {"type": "string", "minLength": 1},
+                    "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "null"]},
+                },
+            }
+        },
+    },
+    "ChatCompletionRequest": {
+        "type": "object",
+        "required": ["model", "messages"],
+        "properties": {
+            **_COMMON_FIELDS,
+            "messages": {"type": "array", "minItems": 1, "items": {"$ref": _REF + "Message"}},
+            "chat_template_kwargs": _or_null(
+                {
+                    "type": "object",
+                    "description": "variables for the chat template; only these",
+                    "additionalProperties": False,
+                    "properties": {
+                        "enable_thinking": {"type": "boolean"},
+                        "thinking": {"type": "boolean"},
+                    },
+                }
+            ),
+        },
+        **_STREAM_OPTIONS_NEED_STREAM,
+    },
+    "Message": {
+        "type": "object",
+        "required": ["role"],
+        "properties": {
+            "role": {"enum": ["system", "user", "assistant", "tool", "developer"]},
+            "content": {
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "array", "items": {"$ref": _REF + "TextPart"}},
+                    {"type": "null"},
+                ]
+            },
+        },
+    },
+    "TextPart": {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    },
+    "CompletionRequest": {
+        "type": "object",
+        "required": ["model", "prompt"],
+        "properties": {
+            **_COMMON_FIELDS,
+            "prompt": {
+                "description": "text, token ids, or a batch of exactly one of either",
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    _TOKEN_IDS,
+                    {
+                        "type": "array",
+                        "minItems": 1,
+                        "maxItems": 1,
+                        "items": {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS]},
+                    },
+                ],
+            },
+            "echo": {"enum": [False, None]},
+            "chat_template_kwargs": {"type": "null", "description": "chat only"},
+            "suffix": _or_null({"type": "string", "maxLength": 0}),
+        },
+        **_STREAM_OPTIONS_NEED_STREAM,
+    },
+    "Usage": {
+        "type": "object",
+        "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+        "properties": {
+            "prompt_tokens": {"type": "integer", "minimum": 0},
+            "completion_tokens": {"type": "integer", "minimum": 0},
+            "total_tokens": {"type": "integer", "minimum": 0},
+            "prompt_tokens_details": {
+                "type": "object",
+                "properties": {"cached_tokens": {"type": "integer", "minimum": 0}},
+            },
+        },
+    },
+    "ChatCompletion": {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "chat.completion"},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["index", "message", "finish_reason"],
+                    "properties": {
+                        "index": {"type": "integer"},
+                        "message": {
+                            "type": "object",
+                            "required": ["role", "content"],
+                            "properties": {
+                                "role": {"const": "assistant"},
+                                "content": {"type": "string"},
+                            },
+                        },
+                        "finish_reason": {"enum": ["stop", "length"]},
+                    },
+                },
+            },
+            "usage": {"$ref": _REF + "Usage"},
+        },
+    },
+    "Completion": {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "text_completion"},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["index", "text", "finish_reason"],
+                    "properties": {
+                        "index": {"type": "integer"},
+                        "text": {"type": "string"},
+                        "finish_reason": {"enum": ["stop", "length"]},
+                    },
+                },
+            },
+            "usage": {"$ref": _REF + "Usage"},
+        },
+    },
+    "ModelList": {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {
+            "object": {"const": "list"},
+            "data": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["id", "object", "created", "owned_by"],
+                    "properties": {
+                        "id": {"type": "string"},
+                        "object": {"const": "model"},
+                        "created": {"type": "integer"},
+                        "owned_by": {"type": "string"},
+                    },
+                },
+            },
+        },
+    },
+    "Health": {
+        "type": "object",
+        "required": ["status"],
+        "properties": {"status": {"enum": ["loading", "ready", "draining"]}},
+    },
+}
+
+
+def _json(schema_name: str, description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": _REF + schema_name}}},
+    }
+
+
+_ERRORS = {
+    "400": _json("Error", "the request is malformed or names a bad value (`param` says which)"),
+    "401": _json("Error", "no valid API key (only when the server was started with --api-key)"),
+    "503": _json("Error", "loading, draining, or the waiting queue is full (see Retry-After)"),
+}
+
+
+def _completion_route(request: str, response: str, summary: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": _REF + request}}},
+            },
+            "responses": {
+                "200": {
+                    "description": "the whole response, or with 'stream': true an SSE stream "
+                    "of chunks ending in `data: [DONE]`",
+                    "content": {
+                        "application/json": {"schema": {"$ref": _REF + response}},
+                        "text/event-stream": {},
+                    },
+                },
+                **_ERRORS,
+                "404": _json("Error", "the model is not the one this server has"),
+                "413": _json("Error", "the body is larger than --max-body-bytes"),
+                "415": _json("Error", "the Content-Type is not application/json"),
+                "500": _json("Error", "the generation failed in the engine"),
+            },
+        }
+    }
+
+
+OPENAPI: dict[str, Any] = {
+    "openapi": "3.1.0",
+    "info": {"title": "cadence", "version": "0.1.0", "description": "OpenAI-compatible inference"},
+    # The key is optional: only a server started with --api-key checks it.
+    "security": [{"bearerAuth": []}],
+    "paths": {
+        "/health": {
+            "get": {
+                "summary": "ready, or why not",
+                "security": [],
+                "responses": {
+                    "200": _json("Health", "ready"),
+                    "503": _json("Health", "loading or draining"),
+                },
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "summary": "this document",
+                "security": [],
+                "responses": {
+                    "200": {"description": "OpenAPI 3.1", "content": {"application/json": {}}}
+                },
+            }
+        },
+        "/v1/models": {
+            "get": {
+                "summary": "the one model this server has",
+                "responses": {"200": _json("ModelList", "the model"), **_ERRORS},
+            }
+        },
+        "/v1/chat/completions": _completion_route(
+            "ChatCompletionRequest", "ChatCompletion", "chat, rendered by the model's template"
+        ),
+        "/v1/completions": _completion_route("CompletionRequest", "Completion", "plain text"),
+    },
+    "components": {
+        "schemas": _SCHEMAS,
+        "securitySchemes": {
+            "bearerAuth": {"type": "http", "scheme": "bearer", "description": "--api-key"}
+        },
+    },
+}
