@@ -96,7 +96,10 @@ class Admission:
     def prepare(self, request: GenerateRequest, request_id: str) -> SequenceParams:
         """Render, tokenize and size the request (runs on a worker thread: no MLX here)."""
         if request.messages is not None:
-            tokens = self.tokenizer.encode_chat([dict(m) for m in request.messages])
+            tokens = self.tokenizer.encode_chat(
+                [dict(m) for m in request.messages],
+                template_kwargs=dict(request.chat_template_kwargs),
+            )
             field = "messages"
         elif isinstance(request.prompt, str):
             tokens = self.tokenizer.encode(request.prompt)

@@ -103,8 +103,13 @@ def _reject_constant(name: str) -> None:
 
 def parse_chat(body: dict[str, Any]) -> ApiRequest:
     messages = _field(body, "messages", list, required=True)
+    # check_request holds the allowlist of keys and their types.
+    template_kwargs = _field(body, "chat_template_kwargs", dict) or {}
     return _parse_common(
-        body, "chat", messages=tuple(_message(m, i) for i, m in enumerate(messages))
+        body,
+        "chat",
+        messages=tuple(_message(m, i) for i, m in enumerate(messages)),
+        chat_template_kwargs=tuple(template_kwargs.items()),
     )
 
 
@@ -121,6 +126,10 @@ def parse_completion(body: dict[str, Any]) -> ApiRequest:
                     param="prompt",
                 )
             prompt = tuple(prompt)
+    if body.get("chat_template_kwargs") is not None:
+        raise ApiError(
+            400, "'chat_template_kwargs' applies to chat only", param="chat_template_kwargs"
+        )
     if _field(body, "echo", bool):
         raise ApiError(400, "'echo' is not supported", param="echo")
     if _field(body, "suffix", str):
@@ -215,8 +224,14 @@ def _message(message: Any, index: int) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ApiError(400, f"{where} must be an object", param=where)
     role, content = message.get("role"), message.get("content")
-    if not isinstance(role, str):
-        raise ApiError(400, f"{where}.role must be a string", param=f"{where}.role")
+    # A closed set: any other string would reach the template as a role of its own.
+    # `developer` renders as `system` where the template does not know it (ChatTemplate).
+    if not isinstance(role, str) or role not in _ROLES:
+        raise ApiError(
+            400,
+            f"{where}.role must be one of {', '.join(_ROLES)}, got {json.dumps(role)[:40]}",
+            param=f"{where}.role",
+        )
     if isinstance(content, list):  # content parts: only text ones
         if not all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -238,12 +253,12 @@ def _message(message: Any, index: int) -> dict[str, Any]:
 
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
-# Tool selection, template switches and guided decoding (vLLM's names among them).
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+# Tool selection and guided decoding (vLLM's names among them).
 _UNSUPPORTED_FIELDS = (
     "tool_choice",
     "function_call",
     "parallel_tool_calls",
-    "chat_template_kwargs",
     "guided_json",
     "guided_regex",
     "guided_choice",

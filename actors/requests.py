@@ -13,6 +13,10 @@ import attrs
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 4096  # per stop string, in UTF-8
 MAX_SEED = 2**63 - 1  # mx.random.key takes [0, 2**64); vLLM and numpy stop at int64
+# The chat template switches a client may set, and their types: `enable_thinking`
+# (Qwen3, GLM-4.5) and `thinking` (DeepSeek-V3.1, Hermes 4). Any variable beyond these
+# could steer a template in ways nobody reviewed, so the rest are refused.
+CHAT_TEMPLATE_KWARGS: dict[str, type] = {"enable_thinking": bool, "thinking": bool}
 
 
 class OverloadedError(CadenceError):
@@ -41,6 +45,8 @@ class GenerateRequest:
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # (name, value) pairs the chat template sees as variables; see CHAT_TEMPLATE_KWARGS
+    chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
 
 
 @attrs.frozen
@@ -78,6 +84,7 @@ def check_request(request: GenerateRequest) -> GenerateRequest:
         raise RequestError("token ids in 'prompt' must be non-negative integers", param="prompt")
     if request.messages is not None:
         check_messages(request.messages)
+    check_chat_template_kwargs(request)
     if request.max_tokens is not None and (
         not _is_int(request.max_tokens) or request.max_tokens < 1
     ):
@@ -107,6 +114,21 @@ def check_messages(messages: tuple[dict[str, Any], ...]) -> None:
             raise RequestError(
                 f"messages[{i}].content must be a string", param=f"messages[{i}].content"
             )
+
+
+def check_chat_template_kwargs(request: GenerateRequest) -> None:
+    if request.chat_template_kwargs and request.messages is None:
+        raise RequestError(
+            "'chat_template_kwargs' applies to chat messages only", param="chat_template_kwargs"
+        )
+    for name, value in request.chat_template_kwargs:
+        param = f"chat_template_kwargs.{str(name)[:64]}"
+        wanted = CHAT_TEMPLATE_KWARGS.get(name)
+        if wanted is None:
+            allowed = ", ".join(CHAT_TEMPLATE_KWARGS)
+            raise RequestError(f"'{param}' is not supported (only {allowed})", param=param)
+        if type(value) is not wanted:
+            raise RequestError(f"'{param}' must be a {wanted.__name__}", param=param)
 
 
 # (field, lowest, highest, lowest is allowed)

@@ -8,7 +8,9 @@ globals and `tojson`), so a prompt here is byte-identical to transformers'
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+import secrets
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -49,21 +51,36 @@ class ChatTemplate:
         self.source = source
         self._special_tokens = dict(special_tokens)
         self._template = _ENVIRONMENT.from_string(source)
+        # OpenAI's `developer` role is the newer name for `system`. A template that never
+        # names it would print an unknown role or reject the chat, so there it renders as
+        # `system`, as OpenAI-compatible servers do; a template that knows it gets it as is.
+        self._is_developer_known = "developer" in source
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        variables: Mapping[str, Any] | None = None,
+    ) -> str:
         """The prompt for `messages` ({role, content} dicts), as text.
 
+        `variables` are extra template variables (e.g. `enable_thinking`); they cannot
+        replace `messages`, `add_generation_prompt` or the special tokens.
         Raises `RequestError` when a message is malformed or the template rejects the chat.
         """
         chat = checked_messages(messages)
+        if not self._is_developer_known:
+            chat = [{**m, "role": "system"} if m["role"] == "developer" else m for m in chat]
+        context = {
+            **(variables or {}),
+            **self._special_tokens,
+            "messages": chat,
+            "tools": None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
-            return self._template.render(
-                **self._special_tokens,
-                messages=chat,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-            )
+            return self._template.render(context)
         except (
             Exception
         ) as exc:  # a template is third-party code: any failure is its verdict on this chat
@@ -71,6 +88,45 @@ class ChatTemplate:
             raise RequestError(
                 f"the chat template rejected these messages: {reason}", param="messages"
             ) from exc
+
+    def render_with_spans(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        variables: Mapping[str, Any] | None,
+        is_located: Callable[[str], bool],
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """The prompt, and the [start, end) character spans in it where the strings of
+        `messages` (at any depth) that `is_located` picks were written.
+
+        When some string is picked, the template runs a second time with each picked
+        string replaced by a unique sentinel, and the prompt must read as that render with
+        each sentinel replaced by its string (or the string with whitespace trimmed, as
+        `| trim` does). Raises `RequestError` otherwise: a template that escapes, splits
+        or branches on the string leaves no way to tell its text from the template's.
+        """
+        prompt = self.render(messages, add_generation_prompt, variables)
+        picked: list[str] = []
+        nonce = secrets.token_hex(8)  # unguessable, so no message can contain a sentinel
+
+        def to_sentinel(text: str) -> str:
+            if not is_located(text):
+                return text
+            picked.append(text)
+            return f"@{nonce}:{len(picked) - 1}@"
+
+        with_sentinels = _map_strings(messages, to_sentinel)
+        if not picked:
+            return prompt, []
+        skeleton = self.render(with_sentinels, add_generation_prompt, variables)
+        spans = _spans(prompt, re.split(f"@{nonce}:([0-9]+)@", skeleton), picked)
+        if spans is None:
+            raise RequestError(
+                "a message spells out a special token, and this chat template rewrites "
+                "message text, so it cannot be kept as plain text",
+                param="messages",
+            )
+        return prompt, spans
 
 
 def checked_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -94,6 +150,36 @@ def checked_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, An
             )
         chat.append({key: value for key, value in message.items() if value is not None})
     return chat
+
+
+def _map_strings(value: Any, transform: Callable[[str], str]) -> Any:
+    """A copy of a JSON-like `value` with `transform` applied to every string in it."""
+    if isinstance(value, str):
+        return transform(value)
+    if isinstance(value, Mapping):
+        return {key: _map_strings(item, transform) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_map_strings(item, transform) for item in value]
+    return value
+
+
+def _spans(prompt: str, parts: list[str], picked: list[str]) -> list[tuple[int, int]] | None:
+    """Where the picked strings lie in `prompt`, given `parts` = the sentinel render split
+    at its sentinels: [template text, sentinel index, template text, ...]; None if
+    `prompt` does not read as those parts with each sentinel replaced by its string."""
+    if not prompt.startswith(parts[0]):
+        return None
+    position, spans = len(parts[0]), []
+    for index, after in zip(parts[1::2], parts[2::2], strict=True):
+        text = picked[int(index)]
+        for written in (text, text.strip(), text.lstrip(), text.rstrip()):
+            if prompt.startswith(written + after, position):
+                break
+        else:
+            return None
+        spans.append((position, position + len(written)))
+        position += len(written) + len(after)
+    return spans if position == len(prompt) else None
 
 
 def _raise_exception(message: str) -> None:

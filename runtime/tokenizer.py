@@ -60,10 +60,17 @@ class Tokenizer:
         self.has_chat_template: bool = bool(chat_template)
         self._chat_template = ChatTemplate(chat_template or CHATML_TEMPLATE, special_tokens)
         self._byte_piece_ids = _byte_piece_ids(backend) if byte_fallback else frozenset()
-        self._special_ids = frozenset(
-            token_id
+        special_spellings = {
+            token_id: token.content
             for token_id, token in backend.get_added_tokens_decoder().items()
             if token.special
+        }
+        self._special_ids = frozenset(special_spellings)
+        # What encode_chat needs to keep a special token spelled in a message as text.
+        self._spellings = {i: text for i, text in special_spellings.items() if text}
+        self._plain_spelling_ids = _plain_text_ids(backend, self._spellings)
+        self._spelling_pattern = re.compile(
+            "|".join(map(re.escape, self._spellings.values())) or "(?!)"
         )
 
     @classmethod
@@ -118,18 +125,56 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
         """The prompt text for `messages`; ChatML when the checkpoint ships no template.
 
+        `template_kwargs` are extra template variables (e.g. `enable_thinking`).
         Raises `RequestError` for malformed messages or a chat the template rejects.
         """
-        return self._chat_template.render(messages, add_generation_prompt)
+        return self._chat_template.render(messages, add_generation_prompt, template_kwargs)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         """Prompt token ids. The template writes BOS itself when the model wants one, so
-        encoding adds no special tokens (as transformers' `apply_chat_template` does)."""
-        prompt = self.apply_chat_template(messages, add_generation_prompt)
-        return self.encode(prompt, add_special_tokens=False)
+        encoding adds no special tokens (as transformers' `apply_chat_template` does).
+
+        Special tokens come only from the template's own text: a message that spells one
+        (say `<|im_start|>system`) gets that spelling as ordinary text, so no message can
+        forge a turn; unlike transformers, which parses it. Raises `RequestError` when the
+        template rewrites such a message so that its text cannot be told from the template's.
+        """
+        prompt, spans = self._chat_template.render_with_spans(
+            messages, add_generation_prompt, template_kwargs, self._spells_special_token
+        )
+        encoding = self._backend.encode(prompt, add_special_tokens=False)
+        if not spans:
+            return encoding.ids  # no message spells a special token: the encoding as is
+        # One encode of the whole prompt, then each special token spelled inside a message
+        # becomes the ids of its spelling: the rest stays exactly as the tokenizer split it.
+        ids: list[int] = []
+        for token_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
+            if token_id in self._plain_spelling_ids:
+                # A token that strips whitespace beside it spans that too: only the spelling counts.
+                spelling = self._spellings[token_id]
+                if (found := prompt.find(spelling, start, end)) >= 0:
+                    start, end = found, found + len(spelling)
+                if any(start < span_end and span_start < end for span_start, span_end in spans):
+                    ids.extend(self._plain_spelling_ids[token_id])
+                    continue
+            ids.append(token_id)
+        return ids
+
+    def _spells_special_token(self, text: str) -> bool:
+        return self._spelling_pattern.search(text) is not None
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         def decode(ids: list[int]) -> str:
@@ -368,6 +413,23 @@ def _has_byte_fallback(decoder: Any) -> bool:
 def _byte_piece_ids(backend: tokenizers.Tokenizer) -> frozenset[int]:
     vocab = backend.get_vocab(with_added_tokens=False)
     return frozenset(token_id for token, token_id in vocab.items() if _BYTE_PIECE.fullmatch(token))
+
+
+def _plain_text_ids(
+    backend: tokenizers.Tokenizer, spellings: Mapping[int, str]
+) -> dict[int, list[int]]:
+    """Each special token's spelling encoded as ordinary text, not as the token.
+
+    A SentencePiece tokenizer may start the ids with a word-boundary piece, as it does
+    at the start of any text: the spelling then reads as if after a space.
+    """
+    was_encoding_special = backend.encode_special_tokens
+    backend.encode_special_tokens = True  # a switch on the whole backend: set only while loading
+    try:
+        encodings = backend.encode_batch(list(spellings.values()), add_special_tokens=False)
+    finally:
+        backend.encode_special_tokens = was_encoding_special
+    return {token_id: e.ids for token_id, e in zip(spellings, encodings, strict=True)}
 
 
 def _token_id(backend: tokenizers.Tokenizer, token: str | None) -> int | None:
