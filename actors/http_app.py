@@ -97,7 +97,10 @@ def create_app(
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException) -> Response:
         kind = "not_found_error" if error.code == 404 else "invalid_request_error"
-        return _error_response(ApiError(error.code or 500, error.description or error.name, kind))
+        # A 405 must name the allowed methods (RFC 9110); werkzeug's error holds them.
+        allow = tuple((k, v) for k, v in error.get_headers() if k.lower() == "allow")
+        message = error.description or error.name
+        return _error_response(ApiError(error.code or 500, message, kind, headers=allow))
 
     @app.errorhandler(Exception)
     async def unexpected(error: Exception) -> Response:

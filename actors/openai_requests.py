@@ -7,6 +7,7 @@ Every bad request becomes an `ApiError` whose body is exactly OpenAI's
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -171,9 +172,12 @@ def _parse_common(body: dict[str, Any], kind: str, **prompt: Any) -> ApiRequest:
         )
     stop = _field(body, "stop", (str, list)) or ()
     stop = (stop,) if isinstance(stop, str) else stop  # check_request checks the items
-    max_tokens = _field(body, "max_completion_tokens", int)
-    if max_tokens is None:
-        max_tokens = _field(body, "max_tokens", int)
+    # OpenAI's newer name wins, but both are checked: a bad one is refused, not ignored.
+    limits = {name: _field(body, name, int) for name in ("max_completion_tokens", "max_tokens")}
+    for name, limit in limits.items():
+        if limit is not None and limit < 1:
+            raise ApiError(400, f"'{name}' must be a positive integer, got {limit}", param=name)
+    max_tokens = next((limit for limit in limits.values() if limit is not None), None)
     request = GenerateRequest(
         **prompt,
         max_tokens=max_tokens,
@@ -200,9 +204,11 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
         "frequency_penalty",
     ):
         value = _field(body, name, (int, float))
-        values[name] = getattr(defaults, name) if value is None else float(value)
+        values[name] = getattr(defaults, name) if value is None else _as_float(value)
     values["top_k"] = _field(body, "top_k", int, default=0)
-    if values["top_k"] == -1:  # OpenAI-compatible servers commonly send -1 for "off"
+    # -1: OpenAI-compatible servers commonly send it for "off". A k past any vocabulary
+    # keeps every token, as off does, and would overflow the engine's int32 top-k array.
+    if values["top_k"] == -1 or values["top_k"] > _MAX_TOP_K:
         values["top_k"] = 0
     values["seed"] = _field(body, "seed", int)
     bias = _field(body, "logit_bias", dict) or {}
@@ -215,8 +221,19 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
             or isinstance(value, bool)
         ):
             raise ApiError(400, "'logit_bias' maps token ids to numbers", param="logit_bias")
-        pairs.append((int(key), float(value)))
+        pairs.append((int(key), _as_float(value)))
     return SamplingParams(**values, logit_bias=pairs)
+
+
+_MAX_TOP_K = 2**31 - 1
+
+
+def _as_float(value: int | float) -> float:
+    """An integer too large for a float becomes infinite, which the range checks refuse."""
+    try:
+        return float(value)
+    except OverflowError:  # JSON integers are unbounded: 1 followed by 400 zeros
+        return math.inf if value > 0 else -math.inf
 
 
 def _message(message: Any, index: int) -> dict[str, Any]:
