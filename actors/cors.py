@@ -9,7 +9,8 @@ preflight) and its responses carry `Access-Control-Allow-Origin`.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
+from typing import Any
 
 from runtime.errors import CadenceError
 
@@ -39,8 +40,11 @@ class CorsPolicy:
     def allows(self, origin: str | None) -> bool:
         return origin is not None and ("*" in self.origins or origin.lower() in self.origins)
 
-    def preflight_headers(self, request_headers: Mapping[str, str]) -> dict[str, str] | None:
-        """The answer to an allowed preflight (an OPTIONS asking for a method), else None."""
+    def preflight_headers(self, request_headers: Any) -> dict[str, str] | None:
+        """The answer to an allowed preflight (an OPTIONS asking for a method), else None.
+
+        `request_headers`: werkzeug's Headers (whose overloaded `get` no Protocol matches) or a dict.
+        """
         origin = request_headers.get("Origin")
         if not self.allows(origin) or "Access-Control-Request-Method" not in request_headers:
             return None

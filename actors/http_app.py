@@ -83,6 +83,7 @@ def create_app(
                 "authentication_error",
                 code="invalid_api_key",
             )
+        return None
 
     @app.after_request
     async def echo_the_request_id(response: Response) -> Response:
