@@ -374,10 +374,10 @@ ERROR_CASES = {
     "tool_choice without tools": (
         {"model": "M", "messages": CHAT, "tool_choice": "auto"}, 400, "tool_choice", None
     ),
-    "chat_template_kwargs": (
-        {"model": "M", "messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}},
+    "chat_template_kwargs outside the allowlist": (
+        {"model": "M", "messages": CHAT, "chat_template_kwargs": {"tools_in_system": True}},
         400,
-        "chat_template_kwargs",
+        "chat_template_kwargs.tools_in_system",
         None,
     ),
     "guided_json": ({"model": "M", "prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json", None),
