@@ -1,6 +1,7 @@
 """`cadence bench ...`: measurements that print figures (never timed tests).
 
     cadence bench paged-attention   fast vs gather paths of kernels/paged_attention.py
+    cadence bench soak              rude and faulty clients against the server; count leaks
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
 import mlx.core as mx
 import numpy as np
 
+from actors import soak
 from kernels import paged_attention as pa
 
 
@@ -33,6 +35,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     paged.add_argument("--block-size", type=int, default=16)
     paged.add_argument("--repeats", type=int, default=5)
     paged.set_defaults(run=paged_attention)
+    soak.add_parser(which)
 
 
 def _decode_step(batch: int, context: int, args: argparse.Namespace, rng: np.random.Generator):

@@ -119,7 +119,9 @@ async def open_llm(
             max_context=engine.max_context,
             asked=engine.model_max_context,
         )
-    pool = BlockPool(kv.num_blocks, kv.block_size, salt=_cache_salt(loaded), is_caching=prefix_cache)
+    pool = BlockPool(
+        kv.num_blocks, kv.block_size, salt=_cache_salt(loaded), is_caching=prefix_cache
+    )
     policy = FcfsScheduler(max_batch, pool, engine.max_context, prefill_chunk, max_prefill_tokens)
     async with run_actors(
         thread, loaded, engine, policy, max_waiting, drain_timeout, lookahead
@@ -188,7 +190,12 @@ async def _start_actors(
     actors = (
         Streamer(loaded.tokenizer, stream_recv, sched_send.clone()),
         GpuActor(
-            PlanRunner(engine), thread, gpu_recv, stream_send, sched_send.clone(), lookahead=lookahead
+            PlanRunner(engine),
+            thread,
+            gpu_recv,
+            stream_send,
+            sched_send.clone(),
+            lookahead=lookahead,
         ),
         SchedulerActor(policy, sched_recv, gpu_send, waiting_slots, lookahead=lookahead),
         admission,
@@ -214,6 +221,8 @@ class LLM:
         self.name = name  # what /v1/models reports
         self.max_context = engine.max_context
         self.max_batch = engine.max_batch
+        self.vocab_size = admission.vocab_size
+        self.max_waiting = admission.waiting_slots.value  # all free: nothing admitted yet
         self.is_draining = False
         self.num_active = 0  # generations started and not yet done
         self._engine = engine
@@ -257,6 +266,11 @@ class LLM:
             ignore_eos=ignore_eos,
         )
         return Generation(self, check_request(request))
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests holding a waiting slot: admitted and not yet scheduled, or refused."""
+        return self.max_waiting - self._admission.waiting_slots.value
 
     async def engine_stats(self) -> EngineStats:
         """Row counts read on the MLX thread (the engine is not shared with Trio)."""
