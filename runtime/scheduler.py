@@ -84,6 +84,7 @@ class StepPlan:
     epoch: int = 0
     num_free_blocks: int = 0
     hit_rate: float = 0.0
+    preempted: tuple[str, ...] = ()  # requeued by recompute while planning this step
 
     @property
     def num_tokens(self) -> int:
@@ -188,7 +189,9 @@ class FcfsScheduler:
         """The next step, or None when nothing can be planned until a step is done."""
         opens = self._admit()
         spans = self._spans()
-        if not spans and not self.in_flight and self.running and self._preempt():
+        preempted = []
+        if not spans and not self.in_flight and self.running and (victim := self._preempt()):
+            preempted.append(victim)
             opens += self._admit()
             spans = self._spans()
         if not (opens or spans or self.pending_closes or self.pending_rejects):
@@ -206,6 +209,7 @@ class FcfsScheduler:
             epoch=self.pool.epoch,
             num_free_blocks=self.pool.num_free_blocks,
             hit_rate=self.pool.hit_rate,
+            preempted=tuple(preempted),
         )
         self.pending_closes.clear()
         self.pending_rejects.clear()
@@ -303,17 +307,17 @@ class FcfsScheduler:
             self.pool.publish(request.blocks[i], request.block_hashes[i])
         request.num_published = max(request.num_published, num_full)
 
-    def _preempt(self) -> bool:
-        """Requeue the newest running request by recompute; False if it is the only one."""
+    def _preempt(self) -> str | None:
+        """Requeue the newest running request by recompute; its id, or None if it is alone."""
         if len(self.running) < 2:
-            return False
+            return None
         request_id = next(reversed(self.running))
         request = self.running.pop(request_id)
         self._free(request)
         request.num_computed = request.num_kv_done = request.num_published = 0
         self.waiting.appendleft(request)
         self.num_preemptions += 1
-        return True
+        return request_id
 
     def _free(self, request: ScheduledRequest) -> None:
         self.pool.release(request.blocks)
