@@ -13,8 +13,9 @@ a prefix, so prefix-cache hits mix in), over its own raw HTTP/1.1 connection:
   with an SSE error event while the rows beside them go on unchanged.
 
 Then: no engine rows, queued steps, KV blocks, waiting slots or trio tasks left
-behind; RSS after the load within `--max-rss-growth` of RSS after the warm-up; and
-the server still answers. It prints the figures and exits 1 on any problem.
+behind; RSS after the load within `--max-rss-growth` of RSS after a warm-up of the
+same load (`--warmup` requests: measured, glibc's and MLX's allocators climb for a
+few hundred requests before they level off); and the server still answers. It prints the figures and exits 1 on any problem.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class SoakConfig:
     disconnect: float = 0.2
     fault: float = 0.01
     max_tokens: int = 16
-    warmup: float = 0.1  # of the requests, before RSS is first read
+    num_warmup: int = 500  # requests before the soak's own, until RSS stops climbing
     max_rss_growth: float = 0.10
     seed: int = 0
     settle_timeout: float = 30.0  # for the last aborts to land before leaks are counted
@@ -83,13 +84,17 @@ async def run_soak(config: SoakConfig) -> SoakReport:
         client = _Client(port, llm.name, config.max_tokens)
         prompts = _prompts(rng, llm.vocab_size)
         expected = [(await client.stream(p)).text for p in prompts]
-        kinds = _kinds(rng, config)
-        num_warm = max(1, int(config.num_requests * config.warmup))
-        started = time.perf_counter()
-        await _load(client, prompts, kinds[:num_warm], expected, config, rng, report)
+        warmup = SoakReport()  # the same load, uncounted: allocators grow to their plateau
+        await _load(
+            client, prompts, _kinds(rng, config, config.num_warmup), expected, config, rng, warmup
+        )
         await _settle(llm, config.settle_timeout)
+        report.problems += warmup.problems
         tasks_warm, report.rss_warm_mb = _num_tasks(), _rss_mb()
-        await _load(client, prompts, kinds[num_warm:], expected, config, rng, report)
+        started = time.perf_counter()
+        await _load(
+            client, prompts, _kinds(rng, config, config.num_requests), expected, config, rng, report
+        )
         report.seconds = time.perf_counter() - started
         await _settle(llm, config.settle_timeout)
         report.rss_end_mb = _rss_mb()
@@ -150,9 +155,9 @@ def _prompts(rng: random.Random, vocab_size: int) -> list[list[int]]:
     return prompts
 
 
-def _kinds(rng: random.Random, config: SoakConfig) -> list[str]:
+def _kinds(rng: random.Random, config: SoakConfig, num_requests: int) -> list[str]:
     kinds = []
-    for _ in range(config.num_requests):
+    for _ in range(num_requests):
         draw = rng.random()
         if draw < config.fault:
             kinds.append("fault")
@@ -320,6 +325,7 @@ def add_parser(which: argparse._SubParsersAction) -> None:
     soak.add_argument("--disconnect", type=float, default=0.2, help="fraction that hang up")
     soak.add_argument("--fault", type=float, default=0.01, help="fraction with a faulty row")
     soak.add_argument("--max-tokens", type=int, default=16)
+    soak.add_argument("--warmup", type=int, default=500, help="requests before RSS is first read")
     soak.add_argument("--max-rss-growth", type=float, default=0.10)
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--json", type=Path, default=None, help="also write the report here")
@@ -334,11 +340,15 @@ def main(args: argparse.Namespace) -> int:
         args.disconnect,
         args.fault,
         args.max_tokens,
+        num_warmup=args.warmup,
         max_rss_growth=args.max_rss_growth,
         seed=args.seed,
     )
     report = trio.run(run_soak, config)
-    print(f"{config.num_requests} requests, {config.concurrency} at a time, {report.seconds:.1f} s")
+    print(
+        f"{config.num_requests} requests after {config.num_warmup} to warm up, "
+        f"{config.concurrency} at a time, {report.seconds:.1f} s"
+    )
     for key, count in sorted(report.counts.items()):
         print(f"  {key:<32} {count}")
     print(

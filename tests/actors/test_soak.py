@@ -4,7 +4,9 @@ from runtime.kv.blocks import BlockPool
 
 from actors import soak
 
-SHORT = dict(num_requests=80, concurrency=12, disconnect=0.3, fault=0.1, max_tokens=6)
+SHORT = dict(
+    num_requests=60, num_warmup=20, concurrency=12, disconnect=0.3, fault=0.1, max_tokens=6
+)
 
 
 async def test_a_short_soak_is_clean_and_exercises_every_kind_of_client(tiny):
