@@ -92,7 +92,9 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     try:  # "\ud800" escapes decode to lone surrogates, which no response can encode
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        raise ApiError(400, "the request body contains an unpaired UTF-16 surrogate escape") from None
+        raise ApiError(
+            400, "the request body contains an unpaired UTF-16 surrogate escape"
+        ) from None
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply") from None
     return body
@@ -139,6 +141,15 @@ def parse_completion(body: dict[str, Any]) -> ApiRequest:
 
 
 def _parse_common(body: dict[str, Any], kind: str, **prompt: Any) -> ApiRequest:
+    # A field we don't know may be one the client expects an effect from: refuse it.
+    known = _CHAT_FIELDS if kind == "chat" else _COMPLETION_FIELDS
+    if unknown := sorted(name for name in body if name not in known):
+        name = unknown[0][:64]
+        raise ApiError(400, f"unknown field '{name}'", param=name, code="unknown_field")
+    for name, kinds in _IGNORED_FIELDS.items():
+        _field(body, name, kinds)  # checked, then without effect (see the README)
+    if body.get("store"):
+        raise ApiError(400, "'store' is not supported: completions are never stored", param="store")
     model = _field(body, "model", str, required=True)
     if _field(body, "n", int, default=1) != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
@@ -281,6 +292,49 @@ _UNSUPPORTED_FIELDS = (
     "guided_choice",
     "guided_grammar",
 )
+
+# Fields OpenAI defines as having no effect on the output (end-user ids, tags, hints).
+_IGNORED_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "user": str,
+    "safety_identifier": str,
+    "metadata": dict,
+    "service_tier": str,
+    "prompt_cache_key": str,  # prefix caching is automatic
+    "store": bool,  # false only
+}
+_COMMON_FIELDS = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "logit_bias",
+        "stop",
+        "stream",
+        "stream_options",
+        "ignore_eos",
+        # Refused unless off, each with its own message:
+        "n",
+        "best_of",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "functions",
+        "response_format",
+        "chat_template_kwargs",
+        *_UNSUPPORTED_FIELDS,
+        *_IGNORED_FIELDS,
+    }
+)
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 
 _TYPE_NAMES = {
     str: "a string",

@@ -90,6 +90,13 @@ _COMMON_FIELDS: dict[str, Any] = {
         }
     ),
     **{name: {"type": "null", "description": "not supported"} for name in _UNSUPPORTED_FIELDS},
+    # Accepted and without effect, as OpenAI defines them.
+    "user": _or_null({"type": "string"}),
+    "safety_identifier": _or_null({"type": "string"}),
+    "metadata": _or_null({"type": "object"}),
+    "service_tier": _or_null({"type": "string"}),
+    "prompt_cache_key": _or_null({"type": "string"}),
+    "store": {"enum": [False, None]},
 }
 
 # 'stream_options' without 'stream': true is refused.
@@ -122,6 +129,7 @@ _SCHEMAS: dict[str, Any] = {
     "ChatCompletionRequest": {
         "type": "object",
         "required": ["model", "messages"],
+        "additionalProperties": False,  # an unknown field is a 400
         "properties": {
             **_COMMON_FIELDS,
             "messages": {"type": "array", "minItems": 1, "items": {"$ref": _REF + "Message"}},
@@ -161,6 +169,7 @@ _SCHEMAS: dict[str, Any] = {
     "CompletionRequest": {
         "type": "object",
         "required": ["model", "prompt"],
+        "additionalProperties": False,  # an unknown field is a 400
         "properties": {
             **_COMMON_FIELDS,
             "prompt": {

@@ -152,6 +152,25 @@ async def test_chat_streaming_and_not_agree_and_chunks_follow_openai(tiny):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+async def test_fields_openai_defines_as_without_effect_are_accepted_and_change_nothing(tiny):
+    async with serving(tiny) as server:
+        client = server.client()
+        create = functools.partial(
+            client.chat.completions.create, model=server.model, messages=CHAT, max_tokens=8
+        )
+        plain = await in_thread(create)
+        tagged = await in_thread(
+            create,
+            user="alice",
+            safety_identifier="u-1",
+            metadata={"team": "a"},
+            service_tier="auto",
+            prompt_cache_key="k",
+            store=False,
+        )
+    assert tagged.choices[0].message.content == plain.choices[0].message.content
+
+
 async def test_completions_streaming_and_not_agree(tiny):
     async with serving(tiny) as server:
         client = server.client()
@@ -347,6 +366,25 @@ ERROR_CASES = {
     "Infinity": (b'{"model": "M", "prompt": "x", "top_p": -Infinity}', 400, None, None),
     "not an object": (b"[1, 2]", 400, None, None),
     "wrong type": ({"model": "M", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens", None),
+    "unknown field": (
+        {"model": "M", "prompt": "x", "reasoning_effort": "high"},
+        400,
+        "reasoning_effort",
+        "unknown_field",
+    ),
+    "chat field on completions": (
+        {"model": "M", "prompt": "x", "messages": []},
+        400,
+        "messages",
+        "unknown_field",
+    ),
+    "an ignorable field of the wrong type": (
+        {"model": "M", "prompt": "x", "user": 5},
+        400,
+        "user",
+        None,
+    ),
+    "store": ({"model": "M", "prompt": "x", "store": True}, 400, "store", None),
     "wrong type in a message": (
         {"model": "M", "messages": [{"role": "user", "content": 5}]},
         400,
@@ -372,7 +410,10 @@ ERROR_CASES = {
     "n > 1": ({"model": "M", "prompt": "x", "n": 2}, 400, "n", None),
     "negative seed": ({"model": "M", "prompt": "x", "seed": -1}, 400, "seed", None),
     "tool_choice without tools": (
-        {"model": "M", "messages": CHAT, "tool_choice": "auto"}, 400, "tool_choice", None
+        {"model": "M", "messages": CHAT, "tool_choice": "auto"},
+        400,
+        "tool_choice",
+        None,
     ),
     "chat_template_kwargs outside the allowlist": (
         {"model": "M", "messages": CHAT, "chat_template_kwargs": {"tools_in_system": True}},
@@ -380,10 +421,18 @@ ERROR_CASES = {
         "chat_template_kwargs.tools_in_system",
         None,
     ),
-    "guided_json": ({"model": "M", "prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json", None),
+    "guided_json": (
+        {"model": "M", "prompt": "x", "guided_json": {"type": "object"}},
+        400,
+        "guided_json",
+        None,
+    ),
     "best_of 2": ({"model": "M", "prompt": "x", "best_of": 2}, 400, "best_of", None),
     "response_format without a type": (
-        {"model": "M", "prompt": "x", "response_format": {}}, 400, "response_format", None
+        {"model": "M", "prompt": "x", "response_format": {}},
+        400,
+        "response_format",
+        None,
     ),
     "stream_options without stream": (
         {"model": "M", "prompt": "x", "stream_options": {"include_usage": True}},
@@ -391,17 +440,42 @@ ERROR_CASES = {
         "stream_options",
         None,
     ),
-    "a 5,000-byte stop string": ({"model": "M", "prompt": "x", "stop": "s" * 5000}, 400, "stop", None),
-    "logit_bias key --5": ({"model": "M", "prompt": "x", "logit_bias": {"--5": 1}}, 400, "logit_bias", None),
-    "logit_bias key ²": ({"model": "M", "prompt": "x", "logit_bias": {"²": 1}}, 400, "logit_bias", None),
-    "logit_bias key ١": ({"model": "M", "prompt": "x", "logit_bias": {"١": 1}}, 400, "logit_bias", None),
+    "a 5,000-byte stop string": (
+        {"model": "M", "prompt": "x", "stop": "s" * 5000},
+        400,
+        "stop",
+        None,
+    ),
+    "logit_bias key --5": (
+        {"model": "M", "prompt": "x", "logit_bias": {"--5": 1}},
+        400,
+        "logit_bias",
+        None,
+    ),
+    "logit_bias key ²": (
+        {"model": "M", "prompt": "x", "logit_bias": {"²": 1}},
+        400,
+        "logit_bias",
+        None,
+    ),
+    "logit_bias key ١": (
+        {"model": "M", "prompt": "x", "logit_bias": {"١": 1}},
+        400,
+        "logit_bias",
+        None,
+    ),
     "logit_bias key of 5,000 digits": (
         {"model": "M", "prompt": "x", "logit_bias": {"9" * 5000: 1}},
         400,
         "logit_bias",
         None,
     ),
-    "a 5,000-digit integer": (b'{"model": "M", "prompt": "x", "seed": ' + b"7" * 5000 + b"}", 400, None, None),
+    "a 5,000-digit integer": (
+        b'{"model": "M", "prompt": "x", "seed": ' + b"7" * 5000 + b"}",
+        400,
+        None,
+        None,
+    ),
     "a lone surrogate in model": (b'{"model": "\\ud800", "prompt": "x"}', 400, None, None),
     "seed of 2**64": ({"model": "M", "prompt": "x", "seed": 2**64}, 400, "seed", None),
     "negative seed in a chat": (
@@ -431,7 +505,7 @@ async def test_every_bad_request_gets_an_openai_error_object(tiny):
         for name, (body, status, param, code) in ERROR_CASES.items():
             if isinstance(body, dict):
                 body = {k: server.model if v == "M" else v for k, v in body.items()}
-                path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+                path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
             else:
                 body, path = (
                     body.replace(b'"M"', json.dumps(server.model).encode()),
@@ -454,7 +528,11 @@ async def test_every_bad_request_gets_an_openai_error_object(tiny):
         assert status == 400 and "nested too deeply" in got["error"]["message"]
         status, _, got = await in_thread(request, server.url, "POST", "/v1/completions", too_large)
         assert status == 413 and got["error"]["type"] == "invalid_request_error"
-        for content_type in ("text/plain", "application/x-www-form-urlencoded", "application/jsonx"):
+        for content_type in (
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "application/jsonx",
+        ):
             status, _, got = await in_thread(
                 request,
                 server.url,
@@ -465,7 +543,10 @@ async def test_every_bad_request_gets_an_openai_error_object(tiny):
             )
             assert status == 415 and got["error"]["type"] == "invalid_request_error", content_type
         status, _, got = await in_thread(
-            request, server.url, "POST", "/v1/completions",
+            request,
+            server.url,
+            "POST",
+            "/v1/completions",
             {"model": server.model, "prompt": "x", "max_tokens": 2},
             {"Content-Type": "application/json; charset=utf-8"},
         )
@@ -488,7 +569,9 @@ async def test_a_shared_prompt_prefix_reports_cached_tokens_and_the_same_text(ti
     async with serving(tiny, prefix_cache=False) as server:
         cold = await in_thread(
             server.client().chat.completions.create,
-            model=server.model, messages=messages, max_tokens=12,
+            model=server.model,
+            messages=messages,
+            max_tokens=12,
         )
     async with serving(tiny) as server:
         create = functools.partial(
@@ -517,14 +600,19 @@ async def test_a_request_that_could_never_fit_the_kv_budget_is_a_400_naming_it(t
     async with serving(tiny, kv_budget=4 * bytes_per_block) as server:
         assert server.llm.max_context == 64
         status, _, body = await in_thread(
-            request, server.url, "POST", "/v1/completions",
+            request,
+            server.url,
+            "POST",
+            "/v1/completions",
             {"model": server.model, "prompt": list(range(1, 41)), "max_tokens": 30},
         )
         assert status == 400 and body["error"]["code"] == "context_length_exceeded"
         assert "KV budget" in body["error"]["message"]
         done = await in_thread(
             server.client().completions.create,
-            model=server.model, prompt=list(range(1, 41)), max_tokens=20,
+            model=server.model,
+            prompt=list(range(1, 41)),
+            max_tokens=20,
         )
         assert done.usage.completion_tokens >= 1
 
@@ -557,8 +645,12 @@ async def test_every_response_carries_an_x_request_id_and_a_clients_own_is_echoe
 async def test_with_api_keys_every_route_but_health_needs_a_valid_bearer_token(tiny):
     async with serving(tiny, api_keys=("key-one", "key-two")) as server:
         body = {"model": server.model, "prompt": "x", "max_tokens": 2}
-        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "key-one"},
-                        {"Authorization": "Basic key-one"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer nope"},
+            {"Authorization": "key-one"},
+            {"Authorization": "Basic key-one"},
+        ):
             status, got_headers, got = await in_thread(
                 request, server.url, "POST", "/v1/completions", body, headers
             )
