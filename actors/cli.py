@@ -23,7 +23,7 @@ from runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_PREFILL_CHUNK
 import structlog
 import trio
 
-from actors import bench
+from actors import bench, timeline
 from actors.cors import CorsPolicy, parse_origins
 from actors.http_app import ServerState, create_app, serve_http
 from actors.service import open_llm
@@ -125,6 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_log_args(generate, default_level="warning")
     generate.set_defaults(run=_generate)
     bench.add_parser(commands)
+    timeline.add_parser(commands)
     return parser
 
 
@@ -305,7 +306,7 @@ async def _generate(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "bench":
+    if args.command in ("bench", "trace"):  # synchronous, and return their exit status
         configure_logging("console", "warning")
         return int(args.run(args))
     configure_logging(args.log_format, args.log_level)

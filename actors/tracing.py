@@ -3,8 +3,13 @@ configures structlog (or not) itself.
 
 Lifecycle events, each with `request_id`: admitted, first_token (ttft_ms),
 finished (reason, prompt_tokens, completion_tokens, ttft_ms, e2e_ms), aborted,
-rejected, failed; per engine step at debug level: step (rows, prefill_tokens,
-decode_rows, step_ms). Prompt text is never logged.
+rejected, failed; per engine step at debug level: step (step, rows, tokens,
+prefill_rows, prefill_tokens, decode_rows, cached_tokens: prompt tokens the step's
+new rows took from the prefix cache, preempted: rows requeued by recompute while
+planning it, free_blocks, prefix_hit_rate, step_ms). step_ms runs from when the step
+could start (submitted, or for a queued step, when the one before it was collected)
+to when its tokens were read, and the line's timestamp is taken just after that, so
+a step spans [timestamp - step_ms, timestamp]. Prompt text is never logged.
 """
 
 from __future__ import annotations

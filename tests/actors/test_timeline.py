@@ -1,0 +1,132 @@
+"""`cadence trace timeline`: parsing a server's JSON debug log, and drawing it."""
+
+import json
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from actors.timeline import FIELDS, StepSample, Timeline, draw, read_timeline
+
+CLI = [sys.executable, "-m", "actors.cli"]
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def step_line(step, end_s, step_ms, rows, prefill_tokens, decode_rows, cached=0, preempted=0):
+    event = {
+        "step": step,
+        "rows": rows,
+        "tokens": prefill_tokens + decode_rows,
+        "prefill_rows": rows - decode_rows,
+        "prefill_tokens": prefill_tokens,
+        "decode_rows": decode_rows,
+        "cached_tokens": cached,
+        "preempted": preempted,
+        "free_blocks": 10,
+        "prefix_hit_rate": 0.0,
+        "step_ms": step_ms,
+        "event": "step",
+        "level": "debug",
+        "timestamp": (T0 + timedelta(seconds=end_s)).isoformat().replace("+00:00", "Z"),
+    }
+    return json.dumps(event)
+
+
+def write_log(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_only_step_events_become_steps_timed_from_the_first_steps_start(tmp_path):
+    log = write_log(
+        tmp_path / "serve.jsonl",
+        [
+            "Traceback (most recent call last):",
+            "",
+            '{"url": "http://x", "max_batch": 16, "event": "ready", "timestamp": "2026-01-01T00:00:00Z"}',
+            step_line(
+                1, end_s=10.5, step_ms=500, rows=2, prefill_tokens=96, decode_rows=0, cached=32
+            ),
+            '{"request_id": "r1", "event": "first_token", "ttft_ms": 3}',
+            "[1, 2, 3]",
+            '{"step": "loading weights", "event": "loading"}',  # a `step` key, not a step event
+            step_line(2, end_s=10.75, step_ms=250, rows=3, prefill_tokens=40, decode_rows=2),
+            step_line(
+                3, end_s=11.0, step_ms=100, rows=2, prefill_tokens=0, decode_rows=2, preempted=1
+            ),
+            '{"step": 4, "event": "step", "step_ms": 5}',  # from an older cadence: fields missing
+        ],
+    )
+    timeline = read_timeline(log)
+    assert timeline.max_batch == 16
+    assert timeline.steps == (
+        StepSample(1, 0.0, 500, 2, 96, 0, 32, 0),
+        StepSample(2, pytest.approx(0.5), 250, 3, 40, 2, 0, 0),
+        StepSample(3, pytest.approx(0.9), 100, 2, 0, 2, 0, 1),
+    )
+    assert timeline.steps[1].end_s == pytest.approx(0.75)
+
+
+def test_the_drawing_is_a_png(tmp_path):
+    steps = tuple(
+        StepSample(
+            i,
+            i * 0.1,
+            100.0,
+            rows=i % 5,
+            prefill_tokens=(i % 3) * 40,
+            decode_rows=i % 5,
+            cached_tokens=0,
+            preempted=int(i == 7),
+        )
+        for i in range(20)
+    )
+    output = tmp_path / "timeline.png"
+    draw(Timeline(steps, max_batch=4), output)
+    data = output.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+
+
+def run_cli(*args):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_a_missing_log_or_one_without_steps_is_one_error_line_and_status_2(tmp_path):
+    no_steps = write_log(tmp_path / "info.jsonl", ['{"event": "ready"}', "not json"])
+    for log in (tmp_path / "absent.jsonl", no_steps):
+        result = run_cli("trace", "timeline", str(log), "-o", str(tmp_path / "t.png"))
+        assert result.returncode == 2
+        (line,) = result.stderr.splitlines()
+        assert line.startswith(f"cadence: error: {log}")
+    assert not (tmp_path / "t.png").exists()
+
+
+def test_without_matplotlib_it_says_which_extra_to_install(tmp_path):
+    log = write_log(tmp_path / "serve.jsonl", [step_line(1, 1.0, 10, 1, 5, 0)])
+    hide = "import sys; sys.modules['matplotlib'] = None; from actors.cli import main; "
+    argv = ["trace", "timeline", str(log), "-o", str(tmp_path / "t.png")]
+    result = subprocess.run(
+        [sys.executable, "-c", f"{hide}sys.exit(main({argv!r}))"], capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert "pip install 'cadence[plot]'" in line
+
+
+def test_a_real_debug_log_has_every_field_the_timeline_needs(tiny, tmp_path):
+    generate = ["generate", "Hello there", "--model", str(tiny), "--max-tokens", "6"]
+    result = run_cli(*generate, "--log-format", "json", "--log-level", "debug")
+    assert result.returncode == 0, result.stderr
+    log = write_log(tmp_path / "generate.jsonl", result.stderr.splitlines())
+    steps = [e for e in map(json.loads, result.stderr.splitlines()) if e["event"] == "step"]
+    assert steps and all({*FIELDS, "timestamp"} <= set(e) for e in steps)
+    assert all(e["prefill_tokens"] + e["decode_rows"] == e["tokens"] for e in steps)
+    timeline = read_timeline(log)
+    assert len(timeline.steps) == len(steps)
+    first, *rest = timeline.steps
+    assert first.prefill_tokens > 0 and first.decode_rows == 0
+    assert sum(s.decode_rows for s in rest) >= 5  # the tokens after the first
+    drawn = run_cli("trace", "timeline", str(log), "-o", str(tmp_path / "t.png"))
+    assert drawn.returncode == 0, drawn.stderr
+    assert (tmp_path / "t.png").read_bytes().startswith(b"\x89PNG")
