@@ -66,7 +66,7 @@ def create_app(
 
     `cors`: the origins whose browser pages may call the API; none by default.
     """
-    app = QuartTrio("cadence")
+    app = QuartTrio("cadence", static_folder=None)  # no /static route: an API only
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     cors = cors or CorsPolicy()
     keys = tuple(key.encode() for key in api_keys)

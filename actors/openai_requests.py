@@ -160,7 +160,7 @@ def _parse_common(body: dict[str, Any], kind: str, **prompt: Any) -> ApiRequest:
             raise ApiError(400, f"'{unsupported}' is not supported", param=unsupported)
     # Fields a client sends expecting an effect this server does not have: refusing
     # them beats a silent ignore the client would only notice later.
-    for unsupported in _UNSUPPORTED_FIELDS:
+    for unsupported in UNSUPPORTED_FIELDS:
         if body.get(unsupported) is not None:
             raise ApiError(400, f"'{unsupported}' is not supported", param=unsupported)
     if _field(body, "best_of", int, default=1) != 1:
@@ -174,7 +174,8 @@ def _parse_common(body: dict[str, Any], kind: str, **prompt: Any) -> ApiRequest:
     if body.get("stream_options") is not None and not is_stream:
         raise ApiError(400, "'stream_options' needs 'stream': true", param="stream_options")
     stream_options = _field(body, "stream_options", dict) or {}
-    include_usage = stream_options.get("include_usage", False)
+    include_usage = stream_options.get("include_usage")
+    include_usage = False if include_usage is None else include_usage  # null: absent, as elsewhere
     if not isinstance(include_usage, bool):
         raise ApiError(
             400,
@@ -283,7 +284,7 @@ def _message(message: Any, index: int) -> dict[str, Any]:
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 # Tool selection and guided decoding (vLLM's names among them).
-_UNSUPPORTED_FIELDS = (
+UNSUPPORTED_FIELDS = (
     "tool_choice",
     "function_call",
     "parallel_tool_calls",
@@ -329,7 +330,7 @@ _COMMON_FIELDS = frozenset(
         "functions",
         "response_format",
         "chat_template_kwargs",
-        *_UNSUPPORTED_FIELDS,
+        *UNSUPPORTED_FIELDS,
         *_IGNORED_FIELDS,
     }
 )

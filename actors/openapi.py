@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.openai_requests import _UNSUPPORTED_FIELDS
+from actors.openai_requests import UNSUPPORTED_FIELDS
 from actors.requests import MAX_SEED, MAX_STOP_BYTES, MAX_STOP_STRINGS
 
 _REF = "#/components/schemas/"
@@ -72,7 +72,7 @@ _COMMON_FIELDS: dict[str, Any] = {
         {
             "type": "object",
             "description": "needs 'stream': true",
-            "properties": {"include_usage": {"type": "boolean"}},
+            "properties": {"include_usage": _or_null({"type": "boolean"})},
         }
     ),
     # Refused unless off: documented with only the values that mean "off".
@@ -89,7 +89,7 @@ _COMMON_FIELDS: dict[str, Any] = {
             "properties": {"type": {"const": "text"}},
         }
     ),
-    **{name: {"type": "null", "description": "not supported"} for name in _UNSUPPORTED_FIELDS},
+    **{name: {"type": "null", "description": "not supported"} for name in UNSUPPORTED_FIELDS},
     # Accepted and without effect, as OpenAI defines them.
     "user": _or_null({"type": "string"}),
     "safety_identifier": _or_null({"type": "string"}),

@@ -64,7 +64,8 @@ def sample(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
     temperature = mx.array([p.temperature if p.temperature > 0 else 1.0 for p in params])
     logits = logits / temperature[:, None]
     if any(p.top_k > 0 for p in params):
-        logits = top_k_mask(logits, mx.array([p.top_k for p in params], dtype=mx.int32))
+        vocab = logits.shape[-1]  # a k past the vocabulary keeps all; and int32 can't hold 2**31
+        logits = top_k_mask(logits, mx.array([min(p.top_k, vocab) for p in params], dtype=mx.int32))
     if any(p.top_p < 1.0 for p in params):
         logits = top_p_mask(logits, mx.array([p.top_p for p in params]))
     if any(p.min_p > 0.0 for p in params):

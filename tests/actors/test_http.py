@@ -384,6 +384,12 @@ ERROR_CASES = {
         "user",
         None,
     ),
+    "include_usage not a boolean": (
+        {"model": "M", "prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}},
+        400,
+        "stream_options.include_usage",
+        None,
+    ),
     "store": ({"model": "M", "prompt": "x", "store": True}, 400, "store", None),
     "wrong type in a message": (
         {"model": "M", "messages": [{"role": "user", "content": 5}]},

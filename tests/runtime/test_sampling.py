@@ -146,3 +146,11 @@ def test_seeded_row_is_reproducible_inside_any_batch(make_checkpoint, neighbours
     assert in_batch == alone
     different_seed = run_rows(engine, [SamplingParams(temperature=1.2, top_p=0.95, seed=4321)], prompt)[0]
     assert different_seed != alone
+
+
+def test_a_top_k_past_int32_keeps_every_token_instead_of_failing():
+    def draw(**params):
+        row = RowSampler.create(SamplingParams(temperature=1.0, seed=3, **params), [1], 50)
+        return sample(mx.array(LOGITS[:1]), [row]).item()
+
+    assert draw(top_k=2**40) == draw()
