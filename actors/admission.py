@@ -113,6 +113,7 @@ class Admission:
             sampling=request.sampling,
             ignore_eos=request.ignore_eos,
             request_id=request_id,
+            priority=request.priority,
         )
         check_sequence(
             params,

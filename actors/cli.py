@@ -18,7 +18,7 @@ import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
 from runtime.engine import DEFAULT_BLOCK_SIZE
 from runtime.errors import CadenceError
 from runtime.kv.paged import parse_kv_budget
-from runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_PREFILL_CHUNK
+from runtime.scheduler import DEFAULT_PREFILL_CHUNK
 
 import structlog
 import trio
@@ -98,10 +98,11 @@ def _parser() -> argparse.ArgumentParser:
         help="most prompt tokens one request computes in a step",
     )
     serve.add_argument(
-        "--max-prefill-tokens",
+        "--max-num-batched-tokens",
         type=_positive,
-        default=DEFAULT_MAX_PREFILL_TOKENS,
-        help="most prompt tokens a step computes, over all requests, beside the decoding rows",
+        default=None,
+        help="most tokens a step computes over all rows: decoding rows first, prompt chunks "
+        "fill the rest (default: --max-batch + --prefill-chunk)",
     )
     serve.add_argument(
         "--no-prefix-cache",
@@ -196,6 +197,12 @@ def _progress(message: str) -> None:
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    budget = args.max_num_batched_tokens
+    if budget is not None and budget < args.max_batch:  # before minutes of loading
+        raise CadenceError(
+            f"--max-num-batched-tokens {budget} is below --max-batch {args.max_batch}: "
+            "every decoding row needs its token"
+        )
     state = ServerState()
     keys = _api_keys(args)
     if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -233,7 +240,7 @@ async def _serve(args: argparse.Namespace) -> None:
             block_size=args.block_size,
             prefix_cache=args.prefix_cache,
             prefill_chunk=args.prefill_chunk,
-            max_prefill_tokens=args.max_prefill_tokens,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             offline=args.offline,
             keep_dtype=args.keep_dtype,
             on_progress=_progress,

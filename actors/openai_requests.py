@@ -196,6 +196,7 @@ def _parse_common(body: dict[str, Any], kind: str, **prompt: Any) -> ApiRequest:
         sampling=_sampling(body),
         stop=tuple(stop),
         ignore_eos=bool(_field(body, "ignore_eos", bool)),
+        priority=_field(body, "priority", int, default=0),
     )
     try:
         check_request(request)
@@ -321,6 +322,7 @@ _COMMON_FIELDS = frozenset(
         "stream",
         "stream_options",
         "ignore_eos",
+        "priority",
         # Refused unless off, each with its own message:
         "n",
         "best_of",

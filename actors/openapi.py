@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from actors.openai_requests import UNSUPPORTED_FIELDS
-from actors.requests import MAX_SEED, MAX_STOP_BYTES, MAX_STOP_STRINGS
+from actors.requests import MAX_PRIORITY, MAX_SEED, MAX_STOP_BYTES, MAX_STOP_STRINGS
 
 _REF = "#/components/schemas/"
 
@@ -67,6 +67,14 @@ _COMMON_FIELDS: dict[str, Any] = {
         }
     ),
     "ignore_eos": _or_null({"type": "boolean"}),
+    "priority": _or_null(
+        {
+            "type": "integer",
+            "minimum": -MAX_PRIORITY,
+            "maximum": MAX_PRIORITY,
+            "description": "lower runs first and is preempted last; equal ones FCFS",
+        }
+    ),
     "stream": _or_null({"type": "boolean"}),
     "stream_options": _or_null(
         {

@@ -11,6 +11,7 @@ from runtime.sequence import SamplingParams
 import attrs
 
 MAX_STOP_STRINGS = 16
+MAX_PRIORITY = 2**31 - 1
 MAX_STOP_BYTES = 4096  # per stop string, in UTF-8
 MAX_SEED = 2**63 - 1  # mx.random.key takes [0, 2**64); vLLM and numpy stop at int64
 # The chat template switches a client may set, and their types: `enable_thinking`
@@ -47,6 +48,7 @@ class GenerateRequest:
     ignore_eos: bool = False
     # (name, value) pairs the chat template sees as variables; see CHAT_TEMPLATE_KWARGS
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
+    priority: int = 0  # lower runs first (vLLM's meaning); FCFS among equals
 
 
 @attrs.frozen
@@ -91,6 +93,10 @@ def check_request(request: GenerateRequest) -> GenerateRequest:
         raise RequestError(
             f"'max_tokens' must be a positive integer, got {request.max_tokens!r}",
             param="max_tokens",
+        )
+    if not _is_int(request.priority) or abs(request.priority) > MAX_PRIORITY:
+        raise RequestError(
+            f"'priority' must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]", param="priority"
         )
     if len(request.stop) > MAX_STOP_STRINGS:
         raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings", param="stop")

@@ -101,6 +101,13 @@ class SchedulerActor:
                 return
             for _ in (*plan.opens, *plan.rejects):  # these left the waiting queue
                 self.waiting_slots.release()
+            for request_id in plan.preempted:
+                log.info(
+                    "preempted",
+                    request_id=request_id,
+                    cause="kv_pool_full",
+                    num_preemptions=self.policy.num_preemptions,
+                )
             await self.to_gpu.send(plan)
             self.num_in_flight += 1
             self.is_idle_sent = False

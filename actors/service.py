@@ -28,7 +28,7 @@ from runtime.engine import DEFAULT_BLOCK_SIZE, Engine
 from runtime.errors import RequestError
 from runtime.kv.blocks import BlockPool
 from runtime.runner import PlanRunner
-from runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_PREFILL_CHUNK, FcfsScheduler
+from runtime.scheduler import DEFAULT_PREFILL_CHUNK, FcfsScheduler
 from runtime.sequence import SamplingParams
 
 import attrs
@@ -72,7 +72,7 @@ async def open_llm(
     block_size: int = DEFAULT_BLOCK_SIZE,
     prefix_cache: bool = True,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+    max_num_batched_tokens: int | None = None,
     lookahead: int = 1,
     offline: bool = False,
     keep_dtype: bool = False,
@@ -82,8 +82,9 @@ async def open_llm(
     """Load `model` (None: the built-in demo) and serve it until the block exits.
 
     `kv_budget` sizes the paged KV pool: bytes, a fraction of available memory, or
-    None for the default (see `runtime.engine.Engine`). `prefix_cache=False` turns
-    prefix caching off. `lookahead` (>= 1) is how many engine steps stay queued
+    None for the default (see `runtime.engine.Engine`). `max_num_batched_tokens` caps
+    a step's tokens (default `max_batch + prefill_chunk`; see runtime/scheduler.py).
+    `prefix_cache=False` turns prefix caching off. `lookahead` (>= 1) is how many engine steps stay queued
     behind the running one (more hides more scheduling latency, and costs that many
     speculative steps per finish).
     `on_progress` is called from the loading thread with one-line messages.
@@ -122,7 +123,8 @@ async def open_llm(
     pool = BlockPool(
         kv.num_blocks, kv.block_size, salt=_cache_salt(loaded), is_caching=prefix_cache
     )
-    policy = FcfsScheduler(max_batch, pool, engine.max_context, prefill_chunk, max_prefill_tokens)
+    budget = max_batch + prefill_chunk if max_num_batched_tokens is None else max_num_batched_tokens
+    policy = FcfsScheduler(max_batch, pool, engine.max_context, prefill_chunk, budget)
     async with run_actors(
         thread, loaded, engine, policy, max_waiting, drain_timeout, lookahead
     ) as llm:
@@ -243,13 +245,16 @@ class LLM:
         max_tokens: int | None = None,
         stop: str | list[str] | tuple[str, ...] = (),
         ignore_eos: bool = False,
+        priority: int = 0,
         **sampling: Any,
     ) -> Generation:
         """Stream a completion of `prompt`, or of chat `messages` through the chat template.
 
         `sampling` takes `runtime.sequence.SamplingParams` fields (temperature, top_p,
         top_k, min_p, seed, penalties, logit_bias as {token_id: bias}); temperature 0
-        (the default) is greedy. Returns a `Generation`: iterate it, ideally inside
+        (the default) is greedy. `priority`: lower values are scheduled first and
+        preempted last (vLLM's meaning); equal ones first come, first served.
+        Returns a `Generation`: iterate it, ideally inside
         `async with`, so that leaving early aborts the request at once.
         Raises RequestError for a bad argument.
         """
@@ -264,8 +269,14 @@ class LLM:
             sampling=params,
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
             ignore_eos=ignore_eos,
+            priority=priority,
         )
         return Generation(self, check_request(request))
+
+    @property
+    def num_preemptions(self) -> int:
+        """Requests requeued by recompute so far because the KV pool was full."""
+        return self._policy.num_preemptions
 
     @property
     def num_waiting(self) -> int:

@@ -1,18 +1,27 @@
-"""First-come-first-served continuous batching over a block pool, as a sans-IO policy.
+"""Continuous batching over a block pool under a token budget, as a sans-IO policy.
 
 The scheduler actor feeds it events (`add`, `abort`, `on_step_done`) and asks it
 for the next step (`schedule`). It speaks in request ids and never touches the
 Engine; it owns the KV block pool, so admission sees memory directly.
 
-Each step, in order:
-  1. admit waiting requests, oldest first, while a row is free (`max_batch`) and
-     the pool can hold the prompt; a cached prefix is taken instead of recomputed;
-  2. give every running request one span, oldest first: decoding rows one token,
-     prefilling rows a chunk within the step's prefill-token budget. A span that
-     reaches the newest token samples, so the last chunk also yields the first token;
-  3. if no span could get a block and no step is in flight, preempt the newest
-     request by recompute: free its blocks, requeue it first; it resumes later by
-     prefilling its prompt and generated tokens again (often from the prefix cache).
+Requests are ranked by (priority, arrival): lower priority values first, then first
+come, first served. Each step, in order:
+  1. admit waiting requests by rank while a row is free (`max_batch`) and the pool
+     can hold the prompt; a cached prefix is taken instead of recomputed;
+  2. fill the step's token budget (`max_num_batched_tokens`): every decoding row
+     first, one token each, then prefilling rows a chunk each (`prefill_chunk`) from
+     what the budget has left: by priority, then taking turns (fewest chunks so far
+     first), so a short prompt behind a long one waits a step or two, not for it all. With no row decoding there is
+     no stream to stall, and the budget and chunk grow to `solo_prefill_tokens`.
+     A span that reaches the newest token samples, so a last chunk also yields the
+     first token;
+  0. before all that, if a decoding row's next token needs a block the pool doesn't
+     have: plan nothing until the queued steps are done, then preempt by recompute
+     the lowest-ranked running requests (the lowest priority, newest) until the
+     decoding rows fit: free their blocks (cached ones stay shareable) and requeue
+     them; each resumes by prefilling its prompt and generated tokens again, often
+     from the prefix cache. Preempting only with nothing in flight keeps lookahead's
+     queued steps valid, at the cost of one drained pipeline per preemption.
 
 Plans run ahead of results (lookahead): a scheduled span counts as computed,
 because the engine runs steps in submission order. A span never samples past a
@@ -21,9 +30,11 @@ request's max_tokens or context bound, so lookahead never speculates beyond them
 
 from __future__ import annotations
 
-import collections
+import bisect
+import itertools
 from collections.abc import Sequence
 
+from runtime.errors import CadenceError
 from runtime.kv.blocks import BlockPool, chain_hashes
 from runtime.sequence import SequenceParams
 
@@ -45,6 +56,13 @@ class ScheduledRequest:
     num_samples: int = 0  # tokens sampled, counting queued steps
     num_cached_tokens: int = 0  # prompt tokens its first admission took from the cache
     is_open: bool = False  # the engine has a row for it (kept across preemption)
+    arrival: int = 0  # order of `add` calls
+    num_chunks: int = 0  # prefill spans it was given: prompts of one priority take turns
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Lower runs first: the priority, then the arrival."""
+        return (self.params.priority, self.arrival)
 
     @property
     def frontier(self) -> int:
@@ -95,7 +113,8 @@ class StepPlan:
         return sum(span.num_new > 1 for span in self.spans)
 
 
-# Measured with examples/bench_serving.py (4 clients): a step computing 128 prompt
+# Measured with examples/bench_serving.py (4 clients, before the budget counted
+# decoding rows, so add their count to compare): a step computing 128 prompt
 # tokens beside the decoding rows takes ~0.45 s on the 2-core box, 96 ~0.4 s; the
 # worst gap a decoding stream saw was 0.55 s at 128 and 0.42 s at 96, at the same
 # throughput. With no row decoding nobody can stall, and a prompt alone is computed
@@ -103,7 +122,6 @@ class StepPlan:
 # tok/s in 128-token steps, 284 / 86 in 256, 211 / 90 in 512: a longer chunk pays
 # its masked half of attention, a shorter one streams the weights more often).
 DEFAULT_PREFILL_CHUNK = 96
-DEFAULT_MAX_PREFILL_TOKENS = 96
 DEFAULT_SOLO_PREFILL_TOKENS = 256
 
 
@@ -113,19 +131,28 @@ class FcfsScheduler:
     pool: BlockPool
     max_context: int
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # tokens per prefill span
-    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS  # prefill tokens a step, all rows
-    solo_prefill_tokens: int = DEFAULT_SOLO_PREFILL_TOKENS  # ... and chunk, when no row decodes
-    waiting: collections.deque[ScheduledRequest] = attrs.Factory(collections.deque)
-    running: dict[str, ScheduledRequest] = attrs.Factory(dict)  # insertion order = FCFS
+    # A step's tokens over all rows; by default a token for each row and a prefill chunk.
+    max_num_batched_tokens: int = attrs.field(
+        default=attrs.Factory(lambda self: self.max_batch + self.prefill_chunk, takes_self=True)
+    )
+    solo_prefill_tokens: int = DEFAULT_SOLO_PREFILL_TOKENS  # budget and chunk, no row decoding
+    waiting: list[ScheduledRequest] = attrs.Factory(list)  # by rank
+    running: dict[str, ScheduledRequest] = attrs.Factory(dict)
     pending_closes: list[str] = attrs.Factory(list)
     pending_rejects: list[tuple[str, str]] = attrs.Factory(list)
     in_flight: dict[int, dict[str, int]] = attrs.Factory(dict)  # step -> {request: num_computed}
     num_steps: int = 0
     num_preemptions: int = 0
+    arrivals: itertools.count[int] = attrs.Factory(itertools.count)
 
     def __attrs_post_init__(self) -> None:
-        if self.max_batch < 1 or self.prefill_chunk < 1 or self.max_prefill_tokens < 1:
-            raise ValueError("max_batch, prefill_chunk and max_prefill_tokens must be positive")
+        if self.max_batch < 1 or self.prefill_chunk < 1:
+            raise CadenceError("max_batch and prefill_chunk must be positive")
+        if self.max_num_batched_tokens < self.max_batch:
+            raise CadenceError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_batch ({self.max_batch}): every decoding row needs its token"
+            )
 
     @property
     def num_waiting(self) -> int:
@@ -144,7 +171,8 @@ class FcfsScheduler:
             raise ValueError(f"request id {request_id!r} is already scheduled")
         prompt = list(params.prompt_tokens)
         hashes = chain_hashes(prompt, self.pool.block_size, self.pool.salt)
-        self.waiting.append(ScheduledRequest(request_id, params, prompt, hashes))
+        request = ScheduledRequest(request_id, params, prompt, hashes, arrival=next(self.arrivals))
+        bisect.insort(self.waiting, request, key=lambda r: r.rank)
 
     def abort(self, request_id: str) -> str | None:
         """Drop a request; returns "waiting" (it never ran), "running", or None if unknown."""
@@ -187,9 +215,15 @@ class FcfsScheduler:
 
     def schedule(self) -> StepPlan | None:
         """The next step, or None when nothing can be planned until a step is done."""
+        preempted = []
+        while self._num_blocks_short() > 0:  # a decoding row can't grow: make room
+            if self.in_flight:  # let the queued steps finish first, keeping their blocks valid
+                return self._plan_closes_only()
+            if (victim := self._preempt()) is None:
+                break
+            preempted.append(victim)
         opens = self._admit()
         spans = self._spans()
-        preempted = []
         if not spans and not self.in_flight and self.running and (victim := self._preempt()):
             preempted.append(victim)
             opens += self._admit()
@@ -215,6 +249,43 @@ class FcfsScheduler:
         self.pending_rejects.clear()
         return plan
 
+    def _num_blocks_short(self) -> int:
+        """Blocks the decoding rows need for their next token beyond what the pool has."""
+        size = self.pool.block_size
+        needed = sum(
+            1
+            for r in self.running.values()
+            if not r.is_prefilling
+            and not self._is_at_bounds(r)
+            and r.num_computed >= len(r.blocks) * size
+        )
+        return needed - self.pool.num_free_blocks
+
+    def _plan_closes_only(self) -> StepPlan | None:
+        """A step of no spans that carries pending closes and rejects, or None."""
+        if not (self.pending_closes or self.pending_rejects):
+            return None
+        self.num_steps += 1
+        self.in_flight[self.num_steps] = {}
+        plan = StepPlan(
+            step=self.num_steps,
+            closes=tuple(self.pending_closes),
+            rejects=tuple(self.pending_rejects),
+            epoch=self.pool.epoch,
+            num_free_blocks=self.pool.num_free_blocks,
+            hit_rate=self.pool.hit_rate,
+        )
+        self.pending_closes.clear()
+        self.pending_rejects.clear()
+        return plan
+
+    def _is_at_bounds(self, request: ScheduledRequest) -> bool:
+        """It may not sample again: at its max_tokens or the context bound."""
+        max_tokens = request.params.max_tokens
+        return (max_tokens is not None and request.num_samples >= max_tokens) or (
+            request.frontier >= self.max_context
+        )
+
     def _admit(self) -> list[tuple[str, SequenceParams, int]]:
         opens = []
         while self.waiting and len(self.running) < self.max_batch:
@@ -224,12 +295,14 @@ class FcfsScheduler:
             hits = self.pool.match_prefix(request.block_hashes[:num_lookup])
             needed = self.pool.blocks_for(len(request.tokens) + 1) - len(hits)
             if needed + len(hits) > self.pool.num_blocks:  # admission should have refused it
-                self.waiting.popleft()
+                self.waiting.pop(0)
                 self.pending_rejects.append((request.request_id, self._too_large(request)))
                 continue
-            if needed + self._committed() > self.pool.num_free_blocks - self.pool.num_evictable(hits):
+            if needed + self._committed() > self.pool.num_free_blocks - self.pool.num_evictable(
+                hits
+            ):
                 break
-            self.waiting.popleft()
+            self.waiting.pop(0)
             self.pool.take_cached(hits, num_lookup)
             request.blocks = hits
             request.num_computed = request.num_kv_done = len(hits) * self.pool.block_size
@@ -253,21 +326,31 @@ class FcfsScheduler:
         )
 
     def _spans(self) -> list[PlannedSpan]:
+        ranked = sorted(self.running.values(), key=lambda r: r.rank)
+        decoding = [r for r in ranked if not r.is_prefilling]
+        # Prompts of one priority take turns, fewest chunks first: a short prompt's first
+        # token waits a step or two, not for every long prompt ahead of it.
+        prefilling = sorted(
+            (r for r in ranked if r.is_prefilling),
+            key=lambda r: (r.params.priority, r.num_chunks, r.arrival),
+        )
+        budget, chunk = self.max_num_batched_tokens, self.prefill_chunk
+        if not decoding:  # no stream to stall
+            budget, chunk = (
+                max(budget, self.solo_prefill_tokens),
+                max(chunk, self.solo_prefill_tokens),
+            )
         spans = []
-        budget, chunk = self.max_prefill_tokens, self.prefill_chunk
-        if all(r.is_prefilling for r in self.running.values()):  # no stream to stall
-            budget, chunk = max(budget, self.solo_prefill_tokens), max(chunk, self.solo_prefill_tokens)
-        for request in self.running.values():
-            is_prefill = request.is_prefilling
+        for request in decoding + prefilling:  # decoding rows first: never stalled by a prompt
             num_new = self._span_length(request, budget, chunk)
             if num_new == 0:
                 continue
             start = request.num_computed
+            request.num_chunks += request.is_prefilling
             request.num_computed += num_new
             samples = request.num_computed == request.frontier
             request.num_samples += samples
-            if is_prefill:
-                budget -= num_new
+            budget -= num_new
             spans.append(
                 PlannedSpan(request.request_id, start, num_new, tuple(request.blocks), samples)
             )
@@ -278,10 +361,7 @@ class FcfsScheduler:
         if request.is_prefilling:  # a chunk within the step's budget
             num_new = min(chunk, budget, request.frontier - request.num_computed)
         else:  # decoding: one token, unless that would sample past the request's bounds
-            max_tokens = request.params.max_tokens
-            if (max_tokens is not None and request.num_samples >= max_tokens) or (
-                request.frontier >= self.max_context
-            ):
+            if self._is_at_bounds(request):
                 return 0
             num_new = 1
         if num_new <= 0:
@@ -308,16 +388,16 @@ class FcfsScheduler:
         request.num_published = max(request.num_published, num_full)
 
     def _preempt(self) -> str | None:
-        """Requeue the newest running request by recompute; its id, or None if it is alone."""
+        """Requeue the lowest-ranked running request by recompute; its id, or None if alone."""
         if len(self.running) < 2:
             return None
-        request_id = next(reversed(self.running))
-        request = self.running.pop(request_id)
+        victim = max(self.running.values(), key=lambda r: r.rank)
+        request = self.running.pop(victim.request_id)
         self._free(request)
         request.num_computed = request.num_kv_done = request.num_published = 0
-        self.waiting.appendleft(request)
+        bisect.insort(self.waiting, request, key=lambda r: r.rank)
         self.num_preemptions += 1
-        return request_id
+        return request.request_id
 
     def _free(self, request: ScheduledRequest) -> None:
         self.pool.release(request.blocks)

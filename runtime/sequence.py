@@ -55,6 +55,7 @@ class SequenceParams:
     # short pattern (period <= 1/4 of the window) repeated; None: never.
     repetition_window: int | None = None
     request_id: str = ""
+    priority: int = 0  # lower runs first (vLLM's meaning); equal ones first come, first served
 
 
 @attrs.frozen

@@ -131,7 +131,7 @@ def pipeline():
         engine = FakeEngine(max_batch=max_batch, **engine_args)
         pool = BlockPool(num_blocks=256, block_size=4)
         policy = FcfsScheduler(
-            max_batch, pool, engine.max_context, prefill_chunk=4, max_prefill_tokens=4
+            max_batch, pool, engine.max_context, prefill_chunk=4, max_num_batched_tokens=max_batch + 4
         )
         async with run_actors(
             InlineThread(), fake_loaded(), engine, policy, max_waiting, drain_timeout

@@ -34,6 +34,7 @@ def test_generate_streams_text_to_stdout_and_keeps_stderr_quiet(tiny):
         ["serve", "--api-key-file", "/no/such/keys", "--model", "{tiny}"],
         ["serve", "--api-key", "", "--model", "{tiny}"],
         ["serve", "--allowed-origin", "example.com/x", "--model", "{tiny}"],
+        ["serve", "--max-batch", "8", "--max-num-batched-tokens", "4", "--model", "{tiny}"],
     ],
     ids=[
         "bad-model",
@@ -44,6 +45,7 @@ def test_generate_streams_text_to_stdout_and_keeps_stderr_quiet(tiny):
         "no-key-file",
         "empty-key",
         "bad-origin",
+        "budget-below-batch",
     ],
 )
 def test_bad_input_is_one_line_on_stderr_and_exit_status_2(tiny, args):

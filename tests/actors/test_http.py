@@ -222,6 +222,36 @@ async def test_32_concurrent_streams_each_equal_the_single_request(tiny):
     assert texts == [singles[prompts[i % 4]] for i in range(32)]
 
 
+async def test_streams_cut_by_preemption_resume_with_no_gap_and_no_duplicate(tiny):
+    prompts = [f"Request number {i} says" for i in range(4)]
+    # 24 blocks of 4 tokens (512 bytes a token): four 50-token streams can't all fit.
+    async with serving(tiny, max_batch=4, kv_budget=24 * 4 * 512, block_size=4) as server:
+        client = server.client()
+
+        def run(prompt, priority=0, stream=False):
+            kwargs = dict(
+                model=server.model,
+                prompt=prompt,
+                max_tokens=40,
+                stream=stream,
+                extra_body={"ignore_eos": True, "priority": priority},
+            )
+            if not stream:
+                return client.completions.create(**kwargs).choices[0].text
+            return "".join(c.choices[0].text for c in client.completions.create(**kwargs))
+
+        singles = [await in_thread(run, p) for p in prompts]
+
+        def concurrently():
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                return list(pool.map(lambda i: run(prompts[i], i, True), range(4)))
+
+        preemptions_before = server.llm.num_preemptions
+        texts = await in_thread(concurrently)
+        assert server.llm.num_preemptions > preemptions_before
+    assert texts == singles
+
+
 def read_some_then_disconnect(url, path, body, num_lines, until=lambda: True):
     parts = urllib.parse.urlsplit(url)
     connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
@@ -259,7 +289,7 @@ async def test_a_client_disconnect_mid_stream_frees_the_row(tiny):
 
 async def test_a_client_disconnect_mid_prefill_frees_the_row(tiny):
     pieces = []
-    async with serving(tiny, prefill_chunk=8, max_prefill_tokens=8) as server:
+    async with serving(tiny, prefill_chunk=8, max_num_batched_tokens=24) as server:
         slow_down(server.llm._engine, 0.005, record=pieces)
         body = {
             "model": server.model,
@@ -388,6 +418,18 @@ ERROR_CASES = {
         {"model": "M", "prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}},
         400,
         "stream_options.include_usage",
+        None,
+    ),
+    "priority not an integer": (
+        {"model": "M", "prompt": "x", "priority": 1.5},
+        400,
+        "priority",
+        None,
+    ),
+    "priority out of range": (
+        {"model": "M", "prompt": "x", "priority": 2**40},
+        400,
+        "priority",
         None,
     ),
     "store": ({"model": "M", "prompt": "x", "store": True}, 400, "store", None),

@@ -8,6 +8,7 @@ from runtime.tokenizer import Tokenizer
 
 import pytest
 import trio
+from structlog.testing import capture_logs
 
 import actors
 from actors import GenerationError
@@ -91,7 +92,7 @@ async def test_a_cancelled_consumer_frees_its_row_and_the_rest_go_on(tiny):
 
 async def test_an_abort_during_prefill_stops_it_and_frees_the_row(tiny):
     pieces = []
-    async with actors.open_llm(tiny, max_batch=2, prefill_chunk=8, max_prefill_tokens=8) as llm:
+    async with actors.open_llm(tiny, max_batch=2, prefill_chunk=8, max_num_batched_tokens=10) as llm:
         engine = llm._engine
         submit = engine.submit
 
@@ -197,3 +198,42 @@ async def test_a_disconnected_request_leaves_the_real_engine_within_one_step(tin
         assert len(later) <= 1  # at most the step already queued when it left
         assert len(steps) > left_at + 20  # the other request kept the engine stepping
         assert deepest[0] == 2  # open_llm's default lookahead: one step queued, not two
+
+
+async def test_streams_cut_by_preemption_resume_with_no_gap_and_no_duplicate(tiny):
+    # 24 blocks of 4 tokens (512 bytes a token): four 50-token streams can't all fit.
+    async with actors.open_llm(tiny, max_batch=4, kv_budget=24 * 4 * 512, block_size=4) as llm:
+        alone = {p: (await complete(llm, p, max_tokens=40, ignore_eos=True))[0] for p in PROMPTS}
+        together = {}
+
+        async def one(prompt, priority):
+            text, _ = await complete(llm, prompt, max_tokens=40, ignore_eos=True, priority=priority)
+            together[prompt] = text
+
+        with capture_logs() as logs:
+            async with trio.open_nursery() as nursery:
+                for priority, prompt in enumerate(PROMPTS):
+                    nursery.start_soon(one, prompt, priority)
+    assert together == alone
+    preempted = [e for e in logs if e["event"] == "preempted"]
+    assert preempted and all(e["cause"] == "kv_pool_full" for e in preempted)
+    assert PROMPTS[0] not in {e["request_id"] for e in preempted} or len(preempted) > 3
+
+
+async def test_a_lower_priority_value_is_scheduled_first(tiny):
+    order = []
+    async with actors.open_llm(tiny, max_batch=1) as llm:
+
+        async def one(name, priority, max_tokens=4):
+            await complete(llm, "Hello", max_tokens=max_tokens, priority=priority, ignore_eos=True)
+            order.append(name)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "first", 0, 150)  # takes the only row for a while
+            while llm.num_waiting or not (await llm.engine_stats()).num_open:
+                await trio.sleep(0.001)
+            nursery.start_soon(one, "background", 10)
+            while llm.num_waiting < 1:
+                await trio.sleep(0.001)
+            nursery.start_soon(one, "urgent", -10)
+    assert order == ["first", "urgent", "background"]

@@ -34,7 +34,9 @@ def params(prompt, max_tokens=NEW_TOKENS, **kw):
 def generate(engine, prompt, max_tokens=NEW_TOKENS, chunk=256, lookahead=1, **kw):
     """Greedy tokens for one sequence alone, and its finish cause."""
     result = run_offline(
-        engine, policy_for(engine, chunk=chunk), {"a": params(prompt, max_tokens, **kw)},
+        engine,
+        policy_for(engine, chunk=chunk),
+        {"a": params(prompt, max_tokens, **kw)},
         lookahead=lookahead,
     )["a"]
     return list(result.tokens), result.finish
@@ -54,8 +56,15 @@ PARITY_CASES = {
     "llama-tied": ("llama", dict(tie_word_embeddings=True)),
     "llama3-rope-scaling": (
         "llama",
-        dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        dict(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        ),
     ),
     "mistral": ("mistral", dict()),
     "qwen2": ("qwen2", dict(tie_word_embeddings=True)),
@@ -122,16 +131,26 @@ def test_logits_of_a_row_alone_and_in_a_mixed_step_agree(make_checkpoint, monkey
     monkeypatch.setenv("CADENCE_PAGED_ATTENTION", path)
     loaded = load_model(make_checkpoint("qwen3", head_dim=32))
     model, cfg = loaded.model, loaded.config
-    kv = PagedKV(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                 cfg.num_queries_per_kv, num_blocks=32, block_size=4)
+    kv = PagedKV(
+        cfg.num_hidden_layers,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.num_queries_per_kv,
+        num_blocks=32,
+        block_size=4,
+    )
     decoding = [PROMPT, PROMPT[2:9], [3, 1, 4, 1, 5, 9, 2, 6]]
     tables = [(0, 1, 2, 3), (4, 5), (6, 7, 8)]
     # Step 1: the three decoding rows' prompts, all but their last token.
-    first = [RowSpan(i, 0, len(p) - 1, t) for i, (p, t) in enumerate(zip(decoding, tables, strict=True))]
+    first = [
+        RowSpan(i, 0, len(p) - 1, t) for i, (p, t) in enumerate(zip(decoding, tables, strict=True))
+    ]
     model.hidden(mx.array([sum((p[:-1] for p in decoding), [])]), kv.forward(first, 0))
     # Step 2: their last tokens beside a 9-token chunk of a fourth row.
     newcomer = [17, 2, 99, 4, 1000, 6, 7, 300, 9]
-    spans = [RowSpan(i, len(p) - 1, 1, t) for i, (p, t) in enumerate(zip(decoding, tables, strict=True))]
+    spans = [
+        RowSpan(i, len(p) - 1, 1, t) for i, (p, t) in enumerate(zip(decoding, tables, strict=True))
+    ]
     spans.append(RowSpan(3, 0, len(newcomer), (9, 10, 11)))
     tokens = [p[-1] for p in decoding] + newcomer
     logits = model(mx.array([tokens]), kv.forward(spans, 0))[0]  # [N, V]
@@ -171,6 +190,26 @@ def test_rows_join_and_leave_with_lookahead(make_checkpoint, lookahead):
     got = run_offline(engine, policy, requests, lookahead=lookahead)
     assert [list(got[str(i)].tokens) for i in range(len(specs))] == alone
     assert all(r.finish is FinishCause.LENGTH for r in got.values())
+    policy.pool.check()
+    assert policy.pool.num_used_blocks == 0 and engine.num_open == 0
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_a_pool_too_small_for_every_request_preempts_and_each_gets_its_text_alone(
+    make_checkpoint, lookahead
+):
+    """Preemption by recompute: the victims resume from their prompt and generated tokens."""
+    engine = Engine(load_model(make_checkpoint("llama")), max_batch=4, block_size=4)
+    specs = [(PROMPT, 30, 0), (PROMPT[:5], 30, 1), ([42, 43, 44, 45], 30, 0), ([9] * 9, 30, 2)]
+    alone = [generate(engine, p, max_tokens=n, ignore_eos=True)[0] for p, n, _ in specs]
+    # 24 blocks of 4: the four rows need ~40 together, so some must yield and come back.
+    policy = policy_for(engine, chunk=8, budget=12, num_blocks=24)
+    requests = {
+        str(i): params(p, n, ignore_eos=True, priority=prio) for i, (p, n, prio) in enumerate(specs)
+    }
+    got = run_offline(engine, policy, requests, lookahead=lookahead)
+    assert [list(got[str(i)].tokens) for i in range(len(specs))] == alone
+    assert policy.num_preemptions > 0
     policy.pool.check()
     assert policy.pool.num_used_blocks == 0 and engine.num_open == 0
 
@@ -216,7 +255,9 @@ def test_a_half_precision_large_vocabulary_model_is_not_failed(make_checkpoint, 
     loaded = load_model(path, keep_dtype=True)
     # Make every logit of a row the same sign, so their float16 sum overflows.
     embed = loaded.model.model.embed_tokens
-    embed.weight = mx.broadcast_to(embed.weight[:1] * 4, embed.weight.shape).astype(embed.weight.dtype)
+    embed.weight = mx.broadcast_to(embed.weight[:1] * 4, embed.weight.shape).astype(
+        embed.weight.dtype
+    )
     if dtype == "float16":  # the defect's precondition: a row sum is inf
         logits = loaded.model(mx.array([PROMPT]))[0, -1]
         assert logits.dtype == mx.float16 and not mx.isfinite(logits.sum()).item()

@@ -1,5 +1,8 @@
-"""The FCFS policy over a block pool, driven by hand: no trio, no engine."""
+"""The policy over a block pool, driven by hand: no trio, no engine."""
 
+import random
+
+from runtime.errors import CadenceError
 from runtime.kv.blocks import BlockPool
 from runtime.scheduler import FcfsScheduler
 from runtime.sequence import SequenceParams
@@ -7,9 +10,13 @@ from runtime.sequence import SequenceParams
 import pytest
 
 
-def params(num_prompt_tokens: int, max_tokens: int | None = 8, first: int = 1) -> SequenceParams:
+def params(
+    num_prompt_tokens: int, max_tokens: int | None = 8, first: int = 1, priority: int = 0
+) -> SequenceParams:
     return SequenceParams(
-        prompt_tokens=tuple(range(first, first + num_prompt_tokens)), max_tokens=max_tokens
+        prompt_tokens=tuple(range(first, first + num_prompt_tokens)),
+        max_tokens=max_tokens,
+        priority=priority,
     )
 
 
@@ -87,11 +94,24 @@ def test_with_no_row_decoding_a_step_takes_the_larger_solo_budget():
     p.add("long", params(40))
     assert spans(p.schedule()) == [("long", 0, 16)]  # nobody decodes: nobody to stall
     p.add("short", params(2))
-    assert spans(p.schedule()) == [("long", 16, 16)]  # still nobody decoding
-    assert spans(p.schedule()) == [("long", 32, 8), ("short", 0, 2)]
+    # Still nobody decoding; the prompt with fewer chunks so far goes first.
+    assert spans(p.schedule()) == [("short", 0, 2), ("long", 16, 14)]
+    assert spans(p.schedule()) == [("short", 2, 1), ("long", 30, 6)]  # a row decodes: 6s
     p.add("x", params(12))
-    plan = p.schedule()  # rows decode now: back to 6-token chunks
-    assert spans(plan) == [("long", 40, 1), ("short", 2, 1), ("x", 0, 6)]
+    assert spans(p.schedule()) == [("short", 3, 1), ("x", 0, 6), ("long", 36, 3)]
+
+
+def test_a_short_prompt_behind_a_long_one_gets_its_first_token_within_two_steps():
+    p = policy(max_batch=2, chunk=16, budget=18)
+    p.add("long", params(400))
+    p.schedule()
+    p.add("short", params(8))
+    first_token_step = next(
+        i
+        for i in range(1, 10)
+        if any(s.request_id == "short" and s.samples for s in p.schedule().spans)
+    )
+    assert first_token_step <= 2  # FCFS would make it wait the long prompt's 25 chunks
 
 
 def test_the_budget_is_shared_oldest_first():
@@ -252,3 +272,78 @@ def test_steps_are_numbered():
     p = policy()
     p.add("a", params(3, max_tokens=100))
     assert [p.schedule().step for _ in range(3)] == [1, 2, 3]
+
+
+def test_the_token_budget_and_the_row_cap_hold_and_decoding_rows_are_never_skipped():
+    rng = random.Random(7)
+    p = policy(max_batch=5, num_blocks=400, chunk=12, budget=20, solo=32)
+    for i in range(30):
+        p.add(f"r{i}", params(rng.randrange(1, 90), max_tokens=rng.randrange(1, 12), first=i * 7))
+    for _ in range(2000):
+        # Rows that have sampled, are not at their bounds, and whose K/V is caught up.
+        decoding = {
+            rid
+            for rid, r in p.running.items()
+            if not r.is_prefilling and r.num_samples < (r.params.max_tokens or 10**9)
+        }
+        if (plan := p.schedule()) is None:
+            break
+        rows = [s.request_id for s in plan.spans]
+        prefill = [s for s in plan.spans if s.request_id not in decoding]
+        assert plan.num_tokens <= (20 if decoding else 32)
+        assert len(set(rows)) == len(rows) <= 5
+        assert all(s.num_new <= (12 if decoding else 32) for s in prefill)
+        assert decoding <= set(rows)  # every decoding row, every step, prompts or not
+        done(p, plan)
+    assert not p.has_work
+
+
+def test_decoding_rows_come_first_and_prompt_chunks_fill_what_the_budget_leaves():
+    p = policy(max_batch=4, chunk=16, budget=10)
+    for name in ("a", "b", "c"):
+        p.add(name, params(2, max_tokens=50, first=ord(name)))
+    done(p, p.schedule())  # all three prefill and sample
+    p.add("long", params(40))
+    for _ in range(5):
+        plan = p.schedule()
+        assert spans(plan)[:3] == [(n, p.running[n].num_computed - 1, 1) for n in "abc"]
+        assert spans(plan)[3][0] == "long" and spans(plan)[3][2] == 10 - 3
+        done(p, plan)
+
+
+def test_lower_priority_values_are_admitted_first_then_first_come_first_served():
+    p = policy(max_batch=1)
+    p.add("late-low", params(2, max_tokens=1, priority=5))
+    p.add("urgent", params(2, max_tokens=1, priority=-1))
+    p.add("normal-1", params(2, max_tokens=1))
+    p.add("normal-2", params(2, max_tokens=1))
+    order = []
+    while (plan := p.schedule()) is not None:
+        order += [o[0] for o in plan.opens]
+        done(p, plan)
+    assert order == ["urgent", "normal-1", "normal-2", "late-low"]
+
+
+def test_preemption_takes_the_lowest_priority_then_the_newest_and_readmits_it():
+    p = policy(max_batch=3, num_blocks=6, block_size=4, max_context=24)
+    p.add("old", params(3, max_tokens=20, priority=0))
+    p.add("background", params(3, max_tokens=20, first=40, priority=9))
+    p.add("new", params(3, max_tokens=20, first=80, priority=0))
+    plan = p.schedule()
+    assert [o[0] for o in plan.opens] == ["old", "new", "background"]
+    victims = []
+    for _ in range(200):
+        if plan is None:
+            break
+        victims += plan.preempted
+        done(p, plan)
+        p.pool.check()
+        plan = p.schedule()
+    assert victims[0] == "background" and "old" not in victims
+    assert p.num_preemptions == len(victims)
+    assert not p.has_work and p.pool.num_used_blocks == 0  # everyone finished
+
+
+def test_a_budget_below_the_row_cap_is_refused():
+    with pytest.raises(CadenceError, match="max_num_batched_tokens"):
+        policy(max_batch=8, budget=4)
