@@ -218,7 +218,7 @@ class FcfsScheduler:
         preempted = []
         while self._num_blocks_short() > 0:  # a decoding row can't grow: make room
             if self.in_flight:  # let the queued steps finish first, keeping their blocks valid
-                return self._plan_closes_only()
+                return self._plan([], [], [])  # only closes and rejects, if any
             if (victim := self._preempt()) is None:
                 break
             preempted.append(victim)
@@ -228,6 +228,27 @@ class FcfsScheduler:
             preempted.append(victim)
             opens += self._admit()
             spans = self._spans()
+        return self._plan(opens, spans, preempted)
+
+    def _num_blocks_short(self) -> int:
+        """Blocks the decoding rows need for their next token beyond what the pool has."""
+        size = self.pool.block_size
+        needed = sum(
+            1
+            for r in self.running.values()
+            if not r.is_prefilling
+            and not self._is_at_bounds(r)
+            and r.num_computed >= len(r.blocks) * size
+        )
+        return needed - self.pool.num_free_blocks
+
+    def _plan(
+        self,
+        opens: list[tuple[str, SequenceParams, int]],
+        spans: list[PlannedSpan],
+        preempted: list[str],
+    ) -> StepPlan | None:
+        """The step that carries these and the pending closes and rejects; None if empty."""
         if not (opens or spans or self.pending_closes or self.pending_rejects):
             return None
         self.num_steps += 1
@@ -244,36 +265,6 @@ class FcfsScheduler:
             num_free_blocks=self.pool.num_free_blocks,
             hit_rate=self.pool.hit_rate,
             preempted=tuple(preempted),
-        )
-        self.pending_closes.clear()
-        self.pending_rejects.clear()
-        return plan
-
-    def _num_blocks_short(self) -> int:
-        """Blocks the decoding rows need for their next token beyond what the pool has."""
-        size = self.pool.block_size
-        needed = sum(
-            1
-            for r in self.running.values()
-            if not r.is_prefilling
-            and not self._is_at_bounds(r)
-            and r.num_computed >= len(r.blocks) * size
-        )
-        return needed - self.pool.num_free_blocks
-
-    def _plan_closes_only(self) -> StepPlan | None:
-        """A step of no spans that carries pending closes and rejects, or None."""
-        if not (self.pending_closes or self.pending_rejects):
-            return None
-        self.num_steps += 1
-        self.in_flight[self.num_steps] = {}
-        plan = StepPlan(
-            step=self.num_steps,
-            closes=tuple(self.pending_closes),
-            rejects=tuple(self.pending_rejects),
-            epoch=self.pool.epoch,
-            num_free_blocks=self.pool.num_free_blocks,
-            hit_rate=self.pool.hit_rate,
         )
         self.pending_closes.clear()
         self.pending_rejects.clear()
