@@ -2,6 +2,7 @@
 
     cadence bench paged-attention   fast vs gather paths of kernels/paged_attention.py
     cadence bench soak              rude and faulty clients against the server; count leaks
+    cadence bench serve             load any OpenAI-compatible server; cadence beside mlx_lm.server
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
 import mlx.core as mx
 import numpy as np
 
-from actors import soak
+from actors import bench_serve, soak
 from kernels import paged_attention as pa
 
 
@@ -36,6 +37,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     paged.add_argument("--repeats", type=int, default=5)
     paged.set_defaults(run=paged_attention)
     soak.add_parser(which)
+    bench_serve.add_parser(which)
 
 
 def _decode_step(batch: int, context: int, args: argparse.Namespace, rng: np.random.Generator):

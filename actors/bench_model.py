@@ -1,0 +1,129 @@
+"""The benchmark checkpoint, and the compute floor a burst of tokens cannot beat.
+
+The checkpoint is examples/bench_engine.py's: ~200M parameters, fp32, random
+weights, Llama-shaped (hidden 1024, 16 layers, 16 heads, 4 KV heads, FFN 2816,
+tied embeddings), built once and cached. Serving benchmarks cut its vocabulary to
+the demo tokenizer's 2048 tokens, so every sampled token is text.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import time
+from pathlib import Path
+
+import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
+from runtime.checkpoint import DEMO_CHECKPOINT
+from runtime.config import config_from_dict
+from runtime.models.decoder import Decoder
+
+import attrs
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+BENCH_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 1024,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "intermediate_size": 2816,
+    "vocab_size": 32000,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 8192,  # RoPE needs no weights: long-prompt benches fit
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
+}
+SERVING_VOCAB = 2048  # the demo tokenizer's
+
+
+def bench_checkpoint(root: Path, vocab_size: int = SERVING_VOCAB) -> Path:
+    """The benchmark checkpoint under `root`, built on first use (about 0.7-0.9 GB)."""
+    config = {**BENCH_CONFIG, "vocab_size": vocab_size}
+    suffix = "" if vocab_size == BENCH_CONFIG["vocab_size"] else f"-vocab{vocab_size}"
+    path = root / f"llama-200m-fp32{suffix}"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    if (path / "model.safetensors").exists():
+        return path
+    mx.random.seed(0)
+    model = Decoder(config_from_dict(config))
+    shapes: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    weights = {
+        k: (mx.random.normal(v.shape) * (1.0 if k.endswith("norm.weight") else 0.02)).astype(
+            mx.float32
+        )
+        + (1.0 if k.endswith("norm.weight") else 0.0)
+        for k, v in shapes
+    }
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_CHECKPOINT / name, path / name)
+    return path
+
+
+@attrs.frozen
+class Floor:
+    """Compute-bound time for a burst: every token costs 2 x parameters FLOPs (one
+    multiply-add per weight) at the GEMM rate measured here. It leaves out attention
+    over the context, memory bandwidth (what bounds small-batch decode) and every
+    overhead, so real servers sit above it."""
+
+    num_params: int  # the weights a token multiplies through (the embedding lookup is free)
+    gemm_flops: float  # FLOP/s of one fp32 matmul on this machine
+    gemm_shape: tuple[int, int, int]  # [M, K] @ [K, N]
+
+    @property
+    def flops_per_token(self) -> float:
+        return 2.0 * self.num_params
+
+    def seconds(self, num_tokens: int) -> float:
+        return num_tokens * self.flops_per_token / self.gemm_flops
+
+
+def measure_floor(checkpoint: Path, tokens: int = 256, repeats: int = 10) -> Floor:
+    """Count the checkpoint's parameters and time a prefill-chunk-sized fp32 GEMM:
+    `tokens` rows through the FFN's up projection, best of `repeats`."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    k, n = config["hidden_size"], config["intermediate_size"]
+    a = mx.random.normal((tokens, k)).astype(mx.float32)
+    b = mx.random.normal((k, n)).astype(mx.float32)
+    mx.eval(a, b)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first call warms up
+        start = time.perf_counter()
+        mx.eval(a @ b)
+        best = min(best, time.perf_counter() - start)
+    return Floor(count_parameters(checkpoint), 2.0 * tokens * k * n / best, (tokens, k, n))
+
+
+def count_parameters(checkpoint: Path) -> int:
+    """Weights a token's forward multiplies, from the safetensors headers: quantized
+    weights count their unpacked size; an untied embedding table is left out."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    bits = (config.get("quantization") or {}).get("bits")
+    shapes: dict[str, tuple[str, int]] = {}
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        with file.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                numel = 1
+                for dim in info["shape"]:
+                    numel *= dim
+                shapes[name] = (info["dtype"], numel)
+    counted = {
+        name: numel * 32 // bits if dtype == "U32" and bits else numel
+        for name, (dtype, numel) in shapes.items()
+        # quantization metadata beside a packed weight multiplies nothing
+        if not (
+            name.endswith((".scales", ".biases")) and f"{name.rsplit('.', 1)[0]}.weight" in shapes
+        )
+    }
+    if any(name.endswith("lm_head.weight") for name in counted):
+        return sum(n for name, n in counted.items() if not name.endswith("embed_tokens.weight"))
+    return sum(counted.values())

@@ -1,0 +1,354 @@
+"""`cadence bench serve`: load an OpenAI-compatible server and print what clients see.
+
+    cadence bench serve --url http://host:8000 [--model NAME] [--api-key KEY]
+    cadence bench serve [--checkpoint PATH] [--compare] [--clients 1 4 16 | --rate 2]
+
+With `--url` it measures that server. Otherwise it starts `cadence serve` on a
+loopback port itself, on `--checkpoint` (default: the benchmark checkpoint, built
+once under `--cache-dir`, see actors/bench_model.py), and with `--compare` then
+`mlx_lm.server` on the same checkpoint, each alone in its own subprocess. The peer
+gets its best configuration: the same optimized BLAS loaded first, and
+`--decode-concurrency` equal to cadence's `--max-batch`.
+
+One run per `--clients` value (or one `--rate` run), each after a short warm-up
+request; the workload and its figures are in actors/loadgen.py. Beside the figures
+it prints the compute floor of each run (actors/bench_model.py's `Floor`), when the
+checkpoint is known, so the distance to the machine's limit shows next to the
+distance to the peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
+from runtime.tokenizer import Tokenizer
+
+import attrs
+import trio
+
+from actors.bench_model import Floor, bench_checkpoint, measure_floor
+from actors.loadgen import (
+    Request,
+    RunResult,
+    Target,
+    Workload,
+    build_requests,
+    parse_span,
+    run_load,
+)
+
+READY_TIMEOUT_S = 600.0  # loading a large checkpoint from a cold disk
+
+
+def add_parser(which: argparse._SubParsersAction) -> None:
+    serve = which.add_parser("serve", help="a load generator for any OpenAI-compatible server")
+    target = serve.add_argument_group("target")
+    target.add_argument("--url", default=None, help="measure this running server")
+    target.add_argument("--model", default=None, help="the model name to send (default: its first)")
+    target.add_argument("--api-key", default=None)
+    target.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="the checkpoint to serve (default: the benchmark one); with --url, only read "
+        "for its tokenizer and the compute floor",
+    )
+    target.add_argument("--cache-dir", type=Path, default=Path(".bench"))
+    target.add_argument(
+        "--compare", action="store_true", help="then mlx_lm.server, same checkpoint"
+    )
+    target.add_argument("--max-batch", type=int, default=16)
+    target.add_argument("--cadence-args", default="", help="extra `cadence serve` flags, quoted")
+    load = serve.add_argument_group("workload")
+    load.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="one run each")
+    load.add_argument("--rate", type=float, default=None, help="Poisson arrivals, req/s")
+    load.add_argument(
+        "--requests", type=int, default=None, help="per run (default: the clients; 32 at a rate)"
+    )
+    load.add_argument("--prompt-tokens", type=_span, default="100", help="N or LOW:HIGH")
+    load.add_argument("--max-tokens", type=_span, default="64", help="N or LOW:HIGH")
+    load.add_argument("--shared-prefix", type=float, default=0.0, help="fraction of each prompt")
+    load.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    load.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    load.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--json", type=Path, default=None, help="also write the results here")
+    serve.set_defaults(run=main)
+
+
+def _span(text: str):
+    try:
+        return parse_span(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def workloads(args: argparse.Namespace) -> list[Workload]:
+    shape = dict(
+        prompt_tokens=args.prompt_tokens,
+        max_tokens=args.max_tokens,
+        shared_prefix=args.shared_prefix,
+        endpoint=args.endpoint,
+        ignore_eos=args.ignore_eos,
+        timeout=args.timeout,
+    )
+    if args.rate:
+        return [Workload(args.requests or 32, rate=args.rate, seed=args.seed, **shape)]
+    return [
+        Workload(args.requests or n, clients=n, seed=args.seed + i, **shape)
+        for i, n in enumerate(args.clients)
+    ]
+
+
+def main(args: argparse.Namespace) -> int:
+    if not 0.0 <= args.shared_prefix <= 1.0:
+        print("cadence bench serve: --shared-prefix must be in 0..1", file=sys.stderr)
+        return 2
+    if args.compare and args.url is not None:
+        print("cadence bench serve: --compare starts its own servers; drop --url", file=sys.stderr)
+        return 2
+    checkpoint = args.checkpoint
+    if checkpoint is None and args.url is None:
+        checkpoint = bench_checkpoint(args.cache_dir)
+    first_floor = measure_floor(checkpoint) if checkpoint is not None else None
+    tokenizer = Tokenizer.from_dir(checkpoint) if checkpoint is not None else None
+    runs = [(w, build_requests(w, tokenizer)) for w in workloads(args)]
+    results: dict[str, list[RunResult]] = {}
+    if args.url is not None:
+        try:
+            model = args.model or _first_model(args.url, args.api_key)
+        except (OSError, ValueError, LookupError) as error:
+            print(f"cadence bench serve: {args.url}/v1/models: {error}", file=sys.stderr)
+            return 2
+        target = Target(args.url, model, args.api_key)
+        results["server"] = _measure(target, runs)
+    else:
+        with _cadence(checkpoint, args) as target:
+            results["cadence"] = _measure(target, runs)
+        if args.compare:
+            if _has_mlx_lm():
+                with _mlx_lm(checkpoint, args.max_batch) as target:
+                    results["mlx-lm"] = _measure(target, runs)
+            else:
+                print("mlx_lm is not importable: the mlx-lm comparison is skipped")
+    # Timed before and after the runs, when no server computes; a busy machine only slows it.
+    floor = None
+    if checkpoint is not None:
+        floor = max(first_floor, measure_floor(checkpoint), key=lambda f: f.gemm_flops)
+    _print(args, checkpoint, floor, results)
+    if args.json is not None:
+        args.json.write_text(json.dumps(_report(args, checkpoint, floor, results), indent=2))
+    return 1 if any(r.num_errors for rows in results.values() for r in rows) else 0
+
+
+def _measure(target: Target, runs: list[tuple[Workload, list[Request]]]) -> list[RunResult]:
+    # A first request pays for kernel compiles; no measured run should.
+    warm = attrs.evolve(runs[0][0], num_requests=1, clients=1, rate=None)
+    trio.run(functools.partial(run_load, show=False), target, warm, [Request("Hello", 4, 1)])
+    return [trio.run(run_load, target, workload, requests) for workload, requests in runs]
+
+
+# -- servers this command starts ------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _cadence(checkpoint: Path, args: argparse.Namespace) -> Iterator[Target]:
+    serve = ["serve", "--model", str(checkpoint), "--port", "0", "--max-batch", str(args.max_batch)]
+    logs = ["--log-format", "json", "--log-level", "info"]
+    command = [sys.executable, "-m", "actors.cli", *serve, *logs, *shlex.split(args.cadence_args)]
+    with _running("cadence serve", command) as (server, lines):
+        ready = _wait(server, lines, lambda: _ready_event(lines))
+        yield Target(ready["url"], ready["model"])
+
+
+@contextlib.contextmanager
+def _mlx_lm(checkpoint: Path, max_batch: int) -> Iterator[Target]:
+    # `import runtime` first puts the same optimized BLAS under mlx for the peer.
+    launch = (
+        "import runtime, sys; from mlx_lm.server import main; sys.argv[0] = 'mlx_lm.server'; main()"
+    )
+    port = _free_port()
+    args = ["--model", str(checkpoint), "--port", str(port), "--decode-concurrency", str(max_batch)]
+    command = [sys.executable, "-c", launch, *args, "--log-level", "WARNING"]
+    url = f"http://127.0.0.1:{port}"
+    with _running("mlx_lm.server", command) as (server, lines):
+        _wait(server, lines, lambda: _answers(url))
+        yield Target(url, str(checkpoint))
+
+
+def _has_mlx_lm() -> bool:
+    try:
+        import mlx_lm.server  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _running(name: str, command: list[str]) -> Iterator[tuple[subprocess.Popen[str], deque[str]]]:
+    """The server in a subprocess, its stderr read on a thread (a full pipe would stall it)."""
+    print(f"starting {name}", file=sys.stderr)
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: deque[str] = deque(maxlen=200)
+    assert server.stderr is not None
+    threading.Thread(target=lambda: lines.extend(server.stderr), daemon=True).start()  # type: ignore[arg-type]
+    try:
+        yield server, lines
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def _wait(server: subprocess.Popen[str], lines: deque[str], ready):
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if (found := ready()) is not None:
+            return found
+        if server.poll() is not None:
+            tail = "".join(list(lines)[-10:])
+            raise SystemExit(f"the server exited with {server.returncode}:\n{tail}")
+        time.sleep(0.2)
+    raise SystemExit(f"the server was not ready within {READY_TIMEOUT_S:g} s")
+
+
+def _ready_event(lines: deque[str]) -> dict | None:
+    for line in list(lines):
+        with contextlib.suppress(ValueError):
+            if (event := json.loads(line)).get("event") == "ready":
+                return event
+    return None
+
+
+def _answers(url: str) -> bool | None:
+    try:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=1):
+            return True
+    except OSError:
+        return None
+
+
+def _first_model(url: str, api_key: str | None) -> str:
+    request = urllib.request.Request(f"{url.rstrip('/').removesuffix('/v1')}/v1/models")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)["data"][0]["id"]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# -- output ---------------------------------------------------------------------------
+
+
+def _print(
+    args, checkpoint: Path | None, floor: Floor | None, results: dict[str, list[RunResult]]
+) -> None:
+    w = workloads(args)[0]
+    eos = "ignore_eos" if w.ignore_eos else "until EOS"
+    print(
+        f"\n{checkpoint or args.url}: {w.endpoint}, greedy, streaming; prompts {w.prompt_tokens} "
+        f"tokens ({w.shared_prefix:.0%} shared), max_tokens {w.max_tokens} ({eos})"
+    )
+    if floor is not None:
+        m, k, n = floor.gemm_shape
+        print(
+            f"floor: (prompt + output tokens) x 2 x {floor.num_params / 1e6:.0f}M parameters "
+            f"at {floor.gemm_flops / 1e9:.1f} GFLOP/s (the best fp32 [{m}, {k}] @ [{k}, {n}] "
+            "matmul here, before or after the runs);\n       compute only: no attention, "
+            "no memory-bandwidth limit, no overhead"
+        )
+    print(
+        "\n| load | server | tok/s | floor tok/s (share) | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
+        "| worst gap | errors |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    names = list(results)
+    for i in range(len(results[names[0]])):
+        rows = {name: results[name][i] for name in names}
+        for name, r in rows.items():
+            print(
+                f"| {r.label} | {name} | {r.output_tok_s:.1f} | {_floor_tok_s(floor, r)} "
+                f"| {r.ttft_p50:.2f} s | {r.ttft_p99:.2f} s | {r.itl_p50 * 1e3:.0f} ms "
+                f"| {r.itl_p99 * 1e3:.0f} ms | {r.worst_gap:.2f} s | {r.num_errors} |"
+            )
+        if len(names) == 2:
+            ours, peer = rows[names[0]], rows[names[1]]
+            fields = ("output_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "worst_gap")
+            ratio = [_ratio(getattr(ours, f), getattr(peer, f)) for f in fields]
+            print(
+                f"| {ours.label} | {names[0]} / {names[1]} | {ratio[0]} | | "
+                + " | ".join(ratio[1:])
+                + " | |"
+            )
+    for name, runs in results.items():
+        for r in runs:
+            for message, count in r.errors.items():
+                print(f"{name}, {r.label}: {count} x {message}", file=sys.stderr)
+
+
+def _floor_tok_s(floor: Floor | None, r: RunResult) -> str:
+    """Output tok/s if the run's every token cost only its FLOPs, and the share reached."""
+    if floor is None or not r.num_output_tokens:
+        return "-"
+    floor_tok_s = r.num_output_tokens / floor.seconds(r.num_prompt_tokens + r.num_output_tokens)
+    return f"{floor_tok_s:.1f} ({r.output_tok_s / floor_tok_s:.0%})"
+
+
+def _ratio(ours: float, peer: float) -> str:
+    return f"{ours / peer:.2f}x" if peer else "-"
+
+
+def _report(
+    args: argparse.Namespace,
+    checkpoint: Path | None,
+    floor: Floor | None,
+    results: dict[str, list[RunResult]],
+) -> dict[str, Any]:
+    w = workloads(args)[0]
+
+    def run(r: RunResult) -> dict[str, Any]:
+        floor_s = floor.seconds(r.num_prompt_tokens + r.num_output_tokens) if floor else None
+        return {**attrs.asdict(r), "floor_seconds": floor_s}
+
+    return {
+        "argv": sys.argv,
+        "checkpoint": str(checkpoint) if checkpoint is not None else None,
+        "url": args.url,
+        "workload": {
+            "clients": None if args.rate else args.clients,
+            "rate": args.rate,
+            "prompt_tokens": str(w.prompt_tokens),
+            "max_tokens": str(w.max_tokens),
+            "shared_prefix": w.shared_prefix,
+            "endpoint": w.endpoint,
+            "ignore_eos": w.ignore_eos,
+            "seed": args.seed,
+        },
+        "floor": None
+        if floor is None
+        else {**attrs.asdict(floor), "flops_per_token": floor.flops_per_token},
+        "runs": {name: [run(r) for r in rows] for name, rows in results.items()},
+    }

@@ -1,0 +1,167 @@
+"""`cadence bench serve` against a live server on the tiny checkpoint, and its helpers."""
+
+import argparse
+import contextlib
+import functools
+import json
+import random
+
+import numpy as np
+import pytest
+import trio
+
+import actors
+from actors import bench_serve, loadgen
+from actors.bench_model import Floor, count_parameters
+from actors.http_app import ServerState, create_app, serve_http
+from actors.loadgen import (
+    Outcome,
+    Request,
+    Span,
+    Target,
+    Workload,
+    build_requests,
+    parse_span,
+    percentile,
+)
+
+
+@contextlib.asynccontextmanager
+async def serving(checkpoint):
+    state = ServerState()
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        run = functools.partial(
+            serve_http, create_app(state), "127.0.0.1", 0, shutdown_trigger=stop.wait
+        )
+        (url,) = await nursery.start(run)
+        async with actors.open_llm(checkpoint, max_batch=4) as llm:
+            state.llm = llm
+            yield url
+            stop.set()
+
+
+async def bench(tmp_path, *argv):
+    """`cadence bench serve ARGV --json ...` on a worker thread: (exit status, report)."""
+    parser = argparse.ArgumentParser()
+    bench_serve.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", *argv, "--json", str(tmp_path / "out.json")])
+    status = await trio.to_thread.run_sync(bench_serve.main, args)
+    return status, json.loads((tmp_path / "out.json").read_text())
+
+
+LOAD = ["--requests", "6", "--clients", "3", "--max-tokens", "8", "--prompt-tokens", "10:30"]
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+async def test_a_run_against_a_live_server_counts_every_token(tiny, tmp_path, endpoint):
+    async with serving(tiny) as url:
+        status, report = await bench(tmp_path, "--url", url, *LOAD, "--endpoint", endpoint)
+    assert status == 0
+    (run,) = report["runs"]["server"]
+    assert (run["num_requests"], run["num_ok"], run["num_errors"]) == (6, 6, 0)
+    assert run["num_output_tokens"] == 6 * 8  # ignore_eos: every request runs to max_tokens
+    assert run["num_prompt_tokens"] >= 6 * 10  # the server's own count, template included
+    assert run["output_tok_s"] > 0
+    assert 0 < run["ttft_p50"] <= run["ttft_p99"]
+    assert 0 <= run["itl_p50"] <= run["itl_p99"] <= run["worst_gap"]
+
+
+async def test_a_rate_run_sends_every_request(tiny, tmp_path):
+    async with serving(tiny) as url:
+        argv = ["--url", url, "--rate", "20", "--requests", "5", "--max-tokens", "4:6"]
+        status, report = await bench(tmp_path, *argv)
+    (run,) = report["runs"]["server"]
+    assert (status, run["label"], run["num_ok"]) == (0, "20 req/s", 5)
+    assert 5 * 4 <= run["num_output_tokens"] <= 5 * 6
+
+
+async def test_server_errors_are_counted_not_raised(tiny, tmp_path):
+    async with serving(tiny) as url:
+        status, report = await bench(tmp_path, "--url", url, "--model", "no-such-model", *LOAD)
+    (run,) = report["runs"]["server"]
+    assert status == 1
+    assert (run["num_ok"], run["num_errors"], run["num_output_tokens"]) == (0, 6, 0)
+    ((message, count),) = run["errors"].items()
+    assert message.startswith("HTTP 404") and count == 6
+
+
+async def test_an_unreachable_url_is_one_line_not_a_traceback(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    bench_serve.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--url", "http://127.0.0.1:9"])  # the discard port
+    assert bench_serve.main(args) == 2
+    assert "http://127.0.0.1:9/v1/models" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("workload", "most_at_once"),
+    [(Workload(6, clients=2), 2), (Workload(6, rate=10.0), 6)],
+    ids=["clients", "rate"],
+)
+async def test_clients_bound_the_streams_and_a_rate_does_not(
+    workload, most_at_once, monkeypatch, autojump_clock
+):
+    live, peak = 0, 0
+
+    async def ten_second_request(target, workload, request):
+        nonlocal live, peak
+        live += 1
+        peak = max(peak, live)
+        start = trio.current_time()
+        await trio.sleep(10)
+        live -= 1
+        return Outcome(None, 1, 1, start, trio.current_time(), (start + 1,))
+
+    monkeypatch.setattr(loadgen, "stream_request", ten_second_request)
+    requests = [Request("hi", 1, 1)] * 6
+    result = await loadgen.run_load(Target("http://x", "m"), workload, requests, show=False)
+    assert (result.num_ok, peak) == (6, most_at_once)
+
+
+def test_spans_are_a_number_or_a_range():
+    assert parse_span("100") == Span(100, 100)
+    assert parse_span("100:400") == Span(100, 400)
+    assert str(parse_span("100:400")) == "100:400" and str(parse_span("7")) == "7"
+    for bad in ("", "x", "0", "5:3", "1:2:3", "-4"):
+        with pytest.raises(ValueError):
+            parse_span(bad)
+    rng = random.Random(0)
+    draws = {Span(3, 5).draw(rng) for _ in range(100)}
+    assert draws == {3, 4, 5}
+
+
+def test_percentiles_interpolate_like_numpy():
+    rng = random.Random(0)
+    for size in (1, 2, 7, 100):
+        values = [rng.random() for _ in range(size)]
+        for q in (0, 50, 90, 99, 100):
+            assert percentile(values, q) == pytest.approx(np.percentile(values, q))
+    assert percentile([], 50) == 0.0
+
+
+def test_prompts_have_the_drawn_lengths_and_share_the_prefix(demo_tokenizer):
+    workload = Workload(8, clients=2, prompt_tokens=Span(40, 80), shared_prefix=0.5)
+    requests = build_requests(workload, demo_tokenizer)
+    assert len({r.prompt for r in requests}) == 8
+    for r in requests:
+        assert 40 <= r.num_prompt_tokens <= 80
+        num_tokens = len(demo_tokenizer.encode(r.prompt, add_special_tokens=False))
+        assert abs(num_tokens - r.num_prompt_tokens) <= 2  # re-encoding may merge at a seam
+    shared = min(len(r.prompt) for r in requests) // 3  # well inside 40 x 0.5 tokens of text
+    assert len({r.prompt[:shared] for r in requests}) == 1
+    no_prefix = build_requests(Workload(8, clients=2, prompt_tokens=Span(40, 80)), None)
+    assert [len(r.prompt.split()) for r in no_prefix] == [r.num_prompt_tokens for r in no_prefix]
+    assert len({r.prompt.split()[0] for r in no_prefix}) > 1
+
+
+def test_the_floor_counts_the_weights_a_token_multiplies(make_checkpoint):
+    h, kv, ffn, layers = 64, 2 * 16, 128, 2  # the tiny llama: 4 heads, 2 KV heads of 16
+    config = json.loads((make_checkpoint("llama") / "config.json").read_text())
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * ffn + 2 * h  # q, o; k, v; the MLP; norms
+    expected = layers * per_layer + h + config["vocab_size"] * h  # final norm, the head
+    assert count_parameters(make_checkpoint("llama")) == expected  # the lookup table is free
+    assert count_parameters(make_checkpoint("llama", tie_word_embeddings=True)) == expected
+    assert count_parameters(make_checkpoint("llama", quantize=(32, 4))) == expected  # unpacked
+    floor = Floor(expected, gemm_flops=1e9, gemm_shape=(256, 64, 128))
+    assert floor.seconds(1000) == pytest.approx(1000 * 2 * expected / 1e9)
