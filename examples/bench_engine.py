@@ -17,18 +17,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import random
-import shutil
 import time
 from pathlib import Path
 
 import runtime  # noqa: F401  (loads the fast BLAS before mlx)
-from runtime.checkpoint import DEMO_CHECKPOINT, load_model
-from runtime.config import config_from_dict
+from runtime.checkpoint import load_model
 from runtime.engine import Engine
 from runtime.kv.blocks import BlockPool
-from runtime.models.decoder import Decoder
 from runtime.runner import PlanRunner, step_results
 from runtime.scheduler import FcfsScheduler
 from runtime.sequence import SequenceParams
@@ -36,42 +32,13 @@ from runtime.sequence import SequenceParams
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-BENCH_CONFIG = {
-    "model_type": "llama",
-    "hidden_size": 1024,
-    "num_hidden_layers": 16,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
-    "intermediate_size": 2816,
-    "vocab_size": 32000,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 8192,  # RoPE needs no weights: long-prompt benches fit
-    "tie_word_embeddings": True,
-    "torch_dtype": "float32",
-}
+from actors.bench_model import BENCH_CONFIG
+from actors.bench_model import bench_checkpoint as build_bench_checkpoint
 
 
 def bench_checkpoint(root: Path, vocab_size: int = BENCH_CONFIG["vocab_size"]) -> Path:
-    """The benchmark checkpoint; a `vocab_size` other than 32k names its own directory."""
-    config = {**BENCH_CONFIG, "vocab_size": vocab_size}
-    suffix = "" if vocab_size == BENCH_CONFIG["vocab_size"] else f"-vocab{vocab_size}"
-    path = root / f"llama-200m-fp32{suffix}"
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    if (path / "model.safetensors").exists():
-        return path
-    mx.random.seed(0)
-    model = Decoder(config_from_dict(config))
-    weights = {
-        k: (mx.random.normal(v.shape) * (1.0 if k.endswith("norm.weight") else 0.02)).astype(mx.float32)
-        + (1.0 if k.endswith("norm.weight") else 0.0)
-        for k, v in tree_flatten(model.parameters())
-    }
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEMO_CHECKPOINT / name, path / name)
-    return path
+    """The benchmark checkpoint, with its 32k vocabulary unless told otherwise."""
+    return build_bench_checkpoint(root, vocab_size)
 
 
 def prompts_for(batch: int, length: int, vocab: int) -> list[list[int]]:

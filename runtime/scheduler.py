@@ -113,8 +113,8 @@ class StepPlan:
         return sum(span.num_new > 1 for span in self.spans)
 
 
-# Measured with examples/bench_serving.py (4 clients, before the budget counted
-# decoding rows, so add their count to compare): a step computing 128 prompt
+# Measured with the serving bench (then examples/bench_serving.py; 4 clients, before
+# the budget counted decoding rows, so add their count to compare): a step computing 128 prompt
 # tokens beside the decoding rows takes ~0.45 s on the 2-core box, 96 ~0.4 s; the
 # worst gap a decoding stream saw was 0.55 s at 128 and 0.42 s at 96, at the same
 # throughput. With no row decoding nobody can stall, and a prompt alone is computed
