@@ -10,8 +10,8 @@ come, first served. Each step, in order:
      can hold the prompt; a cached prefix is taken instead of recomputed;
   2. fill the step's token budget (`max_num_batched_tokens`): every decoding row
      first, one token each, then prefilling rows a chunk each (`prefill_chunk`) from
-     what the budget has left: by priority, then taking turns (fewest chunks so far
-     first), so a short prompt behind a long one waits a step or two, not for it all. With no row decoding there is
+     what the budget has left: by priority, then fewest prompt tokens left first, so
+     a short prompt behind a long one waits a step or two, not for all of it. With no row decoding there is
      no stream to stall, and the budget and chunk grow to `solo_prefill_tokens`.
      A span that reaches the newest token samples, so a last chunk also yields the
      first token;
@@ -57,7 +57,6 @@ class ScheduledRequest:
     num_cached_tokens: int = 0  # prompt tokens its first admission took from the cache
     is_open: bool = False  # the engine has a row for it (kept across preemption)
     arrival: int = 0  # order of `add` calls
-    num_chunks: int = 0  # prefill spans it was given: prompts of one priority take turns
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -319,11 +318,13 @@ class FcfsScheduler:
     def _spans(self) -> list[PlannedSpan]:
         ranked = sorted(self.running.values(), key=lambda r: r.rank)
         decoding = [r for r in ranked if not r.is_prefilling]
-        # Prompts of one priority take turns, fewest chunks first: a short prompt's first
-        # token waits a step or two, not for every long prompt ahead of it.
+        # Within a priority, the prompt with the fewest tokens left goes first: a short
+        # prompt's first token waits a step or two, not for the long prompts ahead of
+        # it, and equal prompts still finish one by one in arrival order (taking turns
+        # would finish them all late together).
         prefilling = sorted(
             (r for r in ranked if r.is_prefilling),
-            key=lambda r: (r.params.priority, r.num_chunks, r.arrival),
+            key=lambda r: (r.params.priority, r.frontier - r.num_computed, r.arrival),
         )
         budget, chunk = self.max_num_batched_tokens, self.prefill_chunk
         if not decoding:  # no stream to stall
@@ -337,7 +338,6 @@ class FcfsScheduler:
             if num_new == 0:
                 continue
             start = request.num_computed
-            request.num_chunks += request.is_prefilling
             request.num_computed += num_new
             samples = request.num_computed == request.frontier
             request.num_samples += samples

@@ -94,14 +94,16 @@ def test_with_no_row_decoding_a_step_takes_the_larger_solo_budget():
     p.add("long", params(40))
     assert spans(p.schedule()) == [("long", 0, 16)]  # nobody decodes: nobody to stall
     p.add("short", params(2))
-    # Still nobody decoding; the prompt with fewer chunks so far goes first.
+    # Still nobody decoding; the prompt with fewer tokens left goes first.
     assert spans(p.schedule()) == [("short", 0, 2), ("long", 16, 14)]
     assert spans(p.schedule()) == [("short", 2, 1), ("long", 30, 6)]  # a row decodes: 6s
     p.add("x", params(12))
-    assert spans(p.schedule()) == [("short", 3, 1), ("x", 0, 6), ("long", 36, 3)]
+    # long has 4 tokens left, x 12: long's last chunk, then x's from what is left.
+    assert spans(p.schedule()) == [("short", 3, 1), ("long", 36, 4), ("x", 0, 5)]
 
 
 def test_a_short_prompt_behind_a_long_one_gets_its_first_token_within_two_steps():
+    """... and equal prompts finish one by one, not all late together."""
     p = policy(max_batch=2, chunk=16, budget=18)
     p.add("long", params(400))
     p.schedule()
@@ -347,3 +349,15 @@ def test_preemption_takes_the_lowest_priority_then_the_newest_and_readmits_it():
 def test_a_budget_below_the_row_cap_is_refused():
     with pytest.raises(CadenceError, match="max_num_batched_tokens"):
         policy(max_batch=8, budget=4)
+
+
+def test_equal_prompts_finish_their_prefill_one_by_one_in_arrival_order():
+    p = policy(max_batch=3, chunk=16, budget=19)
+    for name in "abc":
+        p.add(name, params(32, first=ord(name)))
+    first_samples = []
+    while len(first_samples) < 3:
+        plan = p.schedule()
+        first_samples += [s.request_id for s in plan.spans if s.samples and s.num_new > 1]
+        done(p, plan)
+    assert first_samples == ["a", "b", "c"] and p.num_steps <= 6
