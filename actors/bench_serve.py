@@ -20,6 +20,7 @@ distance to the peer.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import contextlib
 import functools
 import json
@@ -192,11 +193,8 @@ def _mlx_lm(checkpoint: Path, max_batch: int) -> Iterator[Target]:
 
 
 def _has_mlx_lm() -> bool:
-    try:
-        import mlx_lm.server  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Installed, found without importing it: cadence itself never imports mlx-lm."""
+    return importlib.util.find_spec("mlx_lm") is not None
 
 
 @contextlib.contextmanager
