@@ -20,9 +20,9 @@ distance to the peer.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import contextlib
 import functools
+import importlib.util
 import json
 import shlex
 import socket
