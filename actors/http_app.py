@@ -26,6 +26,7 @@ import structlog
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
@@ -116,6 +117,13 @@ def create_app(
     @app.get("/openapi.json")
     async def openapi() -> Response:
         return _json(OPENAPI)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.llm is None:  # still served while draining: the drain is worth watching
+            raise ApiError.from_error(ServiceClosedError("the server is loading"))
+        body = generate_latest(state.llm.metrics.registry)
+        return Response(body, 200, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -213,7 +221,8 @@ async def _collect(generation: Generation, writer: ChunkWriter) -> Response:
 
 
 # Open without a key: /health for load balancers; /openapi.json describes the API, not
-# its data, and a client needs it to learn how to authenticate.
+# its data, and a client needs it to learn how to authenticate. /metrics is not open
+# (vLLM's is): it reveals load and traffic, and Prometheus can send a bearer token.
 _OPEN_PATHS = frozenset({"/health", "/openapi.json"})
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 

@@ -359,6 +359,19 @@ OPENAPI: dict[str, Any] = {
                 },
             }
         },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics, vLLM's names with the prefix cadence:",
+                "responses": {
+                    "200": {
+                        "description": "Prometheus text exposition format",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    },
+                    "401": _ERRORS["401"],
+                    "503": _json("Error", "loading"),
+                },
+            }
+        },
         "/v1/models": {
             "get": {
                 "summary": "the one model this server has",

@@ -30,6 +30,7 @@ from actors.messages import (
     StepDone,
     Submit,
 )
+from actors.metrics import Metrics
 
 log = structlog.get_logger("cadence.scheduler")
 
@@ -40,6 +41,7 @@ class SchedulerActor:
     inbox: trio.MemoryReceiveChannel[SchedulerMessage]
     to_gpu: trio.MemorySendChannel[GpuMessage]  # buffer >= 2 * lookahead + 3
     waiting_slots: trio.Semaphore  # admission's reservations, returned here
+    metrics: Metrics
     lookahead: int = 1
     num_in_flight: int = 0
     is_idle_sent: bool = False
@@ -68,6 +70,7 @@ class SchedulerActor:
         match message:
             case Submit(request_id, params):
                 self.policy.add(request_id, params)
+                self.metrics.on_queued(request_id, trio.current_time())
                 if self.is_aborting_all:
                     self._abort(request_id, "shutdown")
             case Abort(request_id, cause):
@@ -88,6 +91,7 @@ class SchedulerActor:
         where = self.policy.abort(request_id)
         if where == "waiting":
             self.waiting_slots.release()
+            self.metrics.on_dequeued(request_id, trio.current_time(), is_scheduled=False)
         if where is not None and cause != "stop_sequence":
             log.info("aborted", request_id=request_id, cause=cause, stage=where)
 
@@ -99,8 +103,13 @@ class SchedulerActor:
                     await self.to_gpu.send(Idle())
                     self.is_idle_sent = True
                 return
-            for _ in (*plan.opens, *plan.rejects):  # these left the waiting queue
+            now = trio.current_time()
+            for request_id, *_ in plan.opens:  # these left the waiting queue...
                 self.waiting_slots.release()
+                self.metrics.on_dequeued(request_id, now, is_scheduled=True)
+            for request_id, _ in plan.rejects:  # ... and these
+                self.waiting_slots.release()
+                self.metrics.on_dequeued(request_id, now, is_scheduled=False)
             for request_id in plan.preempted:
                 log.info(
                     "preempted",

@@ -39,6 +39,7 @@ from actors.admission import Admission
 from actors.generation import Generation
 from actors.gpu import GpuActor
 from actors.messages import AbortAll, Admit, GpuMessage, SchedulerMessage, StreamerMessage
+from actors.metrics import Metrics
 from actors.mlx_thread import MlxThread, shared_mlx_thread
 from actors.requests import GenerateRequest, ServiceClosedError, check_request
 from actors.scheduler import SchedulerActor
@@ -179,6 +180,7 @@ async def _start_actors(
     gpu_send, gpu_recv = trio.open_memory_channel[GpuMessage](2 * lookahead + 3)
     stream_send, stream_recv = trio.open_memory_channel[StreamerMessage](16)
     waiting_slots = trio.Semaphore(max_waiting)
+    metrics = Metrics(loaded.name, policy)
     admission = Admission(
         loaded.tokenizer,
         engine.max_context,
@@ -190,7 +192,7 @@ async def _start_actors(
         waiting_slots,
     )
     actors = (
-        Streamer(loaded.tokenizer, stream_recv, sched_send.clone()),
+        Streamer(loaded.tokenizer, stream_recv, sched_send.clone(), metrics),
         GpuActor(
             PlanRunner(engine),
             thread,
@@ -199,12 +201,12 @@ async def _start_actors(
             sched_send.clone(),
             lookahead=lookahead,
         ),
-        SchedulerActor(policy, sched_recv, gpu_send, waiting_slots, lookahead=lookahead),
+        SchedulerActor(policy, sched_recv, gpu_send, waiting_slots, metrics, lookahead=lookahead),
         admission,
     )
     for actor in actors:  # downstream first, so each one's consumer is already up
         await nursery.start(actor.run)
-    return LLM(loaded.name, engine, policy, thread, admission, admit_send, sched_send)
+    return LLM(loaded.name, engine, policy, thread, admission, admit_send, sched_send, metrics)
 
 
 class LLM:
@@ -219,8 +221,10 @@ class LLM:
         admission: Admission,
         to_admission: trio.MemorySendChannel[Admit],
         to_scheduler: trio.MemorySendChannel[SchedulerMessage],
+        metrics: Metrics,
     ):
         self.name = name  # what /v1/models reports
+        self.metrics = metrics  # what /metrics exposes
         self.max_context = engine.max_context
         self.max_batch = engine.max_batch
         self.vocab_size = admission.vocab_size

@@ -36,6 +36,7 @@ from actors.messages import (
     TextDelta,
     Track,
 )
+from actors.metrics import Metrics
 from actors.requests import Usage
 
 log = structlog.get_logger("cadence.streamer")
@@ -49,6 +50,7 @@ class _Stream:
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
     first_token_at: float | None = None
+    last_token_at: float = 0.0
     unsent: str = ""  # text held back while the reader is behind
 
     @property
@@ -65,6 +67,7 @@ class Streamer:
     tokenizer: Tokenizer
     inbox: trio.MemoryReceiveChannel[StreamerMessage]
     to_scheduler: trio.MemorySendChannel[SchedulerMessage]
+    metrics: Metrics
     streams: dict[str, _Stream] = attrs.Factory(dict)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -104,13 +107,15 @@ class Streamer:
         if row.token is None or row.finish is FinishCause.ERROR:
             self._end(stream, Failed(stream.request_id, row.error or "generation failed"))
             return None
+        now = trio.current_time()
         if stream.first_token_at is None:
-            stream.first_token_at = trio.current_time()
-            log.info(
-                "first_token",
-                request_id=stream.request_id,
-                ttft_ms=_ms(stream.first_token_at - stream.track.arrived_at),
-            )
+            stream.first_token_at = now
+            ttft = now - stream.track.arrived_at
+            log.info("first_token", request_id=stream.request_id, ttft_ms=_ms(ttft))
+            self.metrics.on_first_token(stream.track.num_prompt_tokens, ttft)
+        else:
+            self.metrics.on_next_token(now - stream.last_token_at)
+        stream.last_token_at = now
         stream.num_completion_tokens += 1
         text, is_stop = stream.stop_matcher.feed(stream.detokenizer.add(row.token))
         cause = first_cause(row.finish, FinishCause.STOP_SEQUENCE if is_stop else None)
@@ -140,6 +145,7 @@ class Streamer:
             return
         now = trio.current_time()
         assert stream.first_token_at is not None
+        self.metrics.on_finished(message.cause.openai_reason, now - stream.track.arrived_at)
         bound.info(
             "finished",
             reason=message.cause.openai_reason,

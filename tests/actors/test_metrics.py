@@ -1,0 +1,122 @@
+"""/metrics through real HTTP: vLLM's metric names under `cadence:`, moved by the
+requests a client made, as a Prometheus scrape parses them."""
+
+import http.client
+import urllib.parse
+
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.actors.test_http import in_thread, request, serving, slow_down
+
+LONG_PROMPT = list(range(1, 65))  # four full 16-token KV blocks
+SHORT_PROMPT = [7, 8, 9, 10, 11]
+
+
+def scrape(url, headers=None):
+    """(status, content type, body) of GET /metrics."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    connection.request("GET", "/metrics", headers=headers or {})
+    response = connection.getresponse()
+    body = response.read().decode()
+    connection.close()
+    return response.status, response.getheader("Content-Type"), body
+
+
+def samples(text):
+    """{(sample name, sorted labels): value} of a scrape."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def complete(server, prompt, max_tokens):
+    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    status, _, response = request(server.url, "POST", "/v1/completions", body)
+    assert status == 200, response
+    return response["usage"], response["choices"][0]["finish_reason"]
+
+
+def complete_streaming(server, prompt, max_tokens):
+    stream = server.client().completions.create(
+        model=server.model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    return chunks[-1].usage.model_dump(), finish[0]
+
+
+async def test_metrics_count_what_the_requests_did(tiny):
+    async with serving(tiny) as server:
+        results = [
+            await in_thread(complete, server, LONG_PROMPT, 4),
+            await in_thread(complete, server, LONG_PROMPT, 3),  # its prefix is cached now
+            await in_thread(complete_streaming, server, SHORT_PROMPT, 5),
+        ]
+        with trio.fail_after(10):  # the scheduler hears of the last finish after the client
+            while True:
+                status, content_type, text = await in_thread(scrape, server.url)
+                got = samples(text)
+                model = (("model_name", server.model),)
+                if got[("cadence:num_requests_running", model)] == 0:
+                    break
+                await trio.sleep(0.01)
+    assert status == 200 and content_type.startswith("text/plain")
+    usages = [usage for usage, _ in results]
+    assert [finish for _, finish in results] == ["length"] * 3
+    prompt_tokens = sum(u["prompt_tokens"] for u in usages)
+    completion_tokens = sum(u["completion_tokens"] for u in usages)
+    assert completion_tokens == 4 + 3 + 5
+
+    def value(name, **labels):
+        return got[(name, tuple(sorted({"model_name": server.model, **labels}.items())))]
+
+    assert value("cadence:prompt_tokens_total") == prompt_tokens
+    assert value("cadence:generation_tokens_total") == completion_tokens
+    assert value("cadence:request_success_total", finished_reason="length") == 3
+    assert value("cadence:request_success_total", finished_reason="stop") == 0
+    assert value("cadence:time_to_first_token_seconds_count") == 3
+    assert value("cadence:e2e_request_latency_seconds_count") == 3
+    assert value("cadence:request_queue_time_seconds_count") == 3
+    # Every token but each request's first follows another.
+    assert value("cadence:inter_token_latency_seconds_count") == completion_tokens - 3
+    assert value("cadence:num_requests_waiting") == 0
+    assert 0 <= value("cadence:kv_cache_usage_perc") <= 1
+    assert value("cadence:prefix_cache_hits_total") > 0
+    assert value("cadence:prefix_cache_queries_total") >= value("cadence:prefix_cache_hits_total")
+    assert value("cadence:num_preemptions_total") == 0
+
+
+async def test_metrics_need_the_key_when_the_server_has_keys(tiny):
+    async with serving(tiny, api_keys=("secret",)) as server:
+        refused, _, _ = await in_thread(scrape, server.url)
+        status, _, text = await in_thread(scrape, server.url, {"Authorization": "Bearer secret"})
+    assert refused == 401
+    assert status == 200 and "cadence:num_requests_running" in text
+
+
+async def test_running_and_waiting_show_the_requests_in_flight(tiny):
+    async with serving(tiny, max_batch=1) as server:
+        slow_down(server.llm._engine, 0.02)
+        model = (("model_name", server.model),)
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):  # one runs, the other waits for the only row
+                nursery.start_soon(in_thread, complete, server, SHORT_PROMPT, 40)
+            with trio.fail_after(10):
+                while True:
+                    got = samples((await in_thread(scrape, server.url))[2])
+                    running = got[("cadence:num_requests_running", model)]
+                    waiting = got[("cadence:num_requests_waiting", model)]
+                    if (running, waiting) == (1, 1):
+                        break
+                    await trio.sleep(0.01)
