@@ -8,6 +8,7 @@ async with actors.open_llm() as llm:          # the built-in demo model
 
 import runtime  # noqa: F401  (an optimized BLAS must load before mlx.core)
 
+from actors.asyncio_bridge import open_llm_asyncio
 from actors.generation import Generation
 from actors.requests import (
     Delta,
@@ -30,4 +31,5 @@ __all__ = [
     "ServiceClosedError",
     "Usage",
     "open_llm",
+    "open_llm_asyncio",
 ]

@@ -1,0 +1,337 @@
+"""`open_llm` for asyncio programs: cadence's Trio actors on a thread of their own.
+
+    async with actors.open_llm_asyncio("path/or/org/repo") as llm:
+        async for delta in llm.generate("Once upon a time", max_tokens=32):
+            print(delta.text, end="")
+
+The context manager starts one thread that runs `trio.run` and `open_llm` inside it
+(MLX calls still go to the process's MLX thread). Neither loop ever blocks on the
+other: asyncio hands work over with `TrioToken.run_sync_soon`, Trio hands results
+back with `loop.call_soon_threadsafe`. (`trio.from_thread.run` from an executor
+would park a worker thread per pending read, and cancelling the asyncio task would
+not interrupt that thread's wait.)
+
+Each generation is one Trio task, a pump, that owns the Trio `Generation` and reads
+one delta per asyncio `__anext__`: the hand-off holds at most one delta, and a slow
+consumer leaves text to coalesce in the Generation instead of blocking Trio. Leaving
+early (break, cancellation, `aclose()`, garbage collection) cancels the pump, whose
+exit closes the Generation: its Abort frees the row within an engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import outcome
+import trio
+
+from actors.generation import Generation
+from actors.requests import Delta, ServiceClosedError, Usage
+from actors.service import LLM, EngineStats, open_llm
+
+_Result = outcome.Outcome[Any]
+
+
+@contextlib.asynccontextmanager
+async def open_llm_asyncio(
+    model: str | Path | None = None, **open_llm_kwargs: Any
+) -> AsyncIterator[AsyncioLLM]:
+    """`actors.open_llm` for asyncio: same arguments, same deltas and exceptions.
+
+    On exit it drains as `open_llm` does and joins its thread; an exception inside
+    the block stops the actors at once.
+    """
+    llm = AsyncioLLM(model, open_llm_kwargs, asyncio.get_running_loop())
+    llm._thread.start()
+    try:
+        llm.name = (await llm._ready).unwrap()
+        yield llm
+    except BaseException:
+        await llm._stop(is_hard=True)
+        raise
+    await llm._stop(is_hard=False)
+
+
+class AsyncioLLM:
+    """A running model seen from asyncio: `generate()` streams, `engine_stats()`."""
+
+    def __init__(self, model: str | Path | None, kwargs: dict[str, Any], loop: Any) -> None:
+        self.name = ""  # the model's, once loaded
+        self._model = model
+        self._kwargs = kwargs
+        self._loop: asyncio.AbstractEventLoop = loop
+        self._ready: asyncio.Future[_Result] = loop.create_future()
+        self._finished: asyncio.Future[_Result] = loop.create_future()
+        self._thread = threading.Thread(target=self._run_trio, name="cadence-trio", daemon=True)
+        self._lock = threading.Lock()  # orders a stop asked early against the token
+        self._is_stop_asked = self._is_hard_stop = False
+        self._token: trio.lowlevel.TrioToken | None = None
+        # Set on the Trio thread before `_ready` resolves:
+        self._llm: LLM | None = None
+        self._tasks: trio.Nursery | None = None
+        self._root: trio.CancelScope | None = None
+        self._stop_event: trio.Event | None = None
+
+    def generate(self, prompt: str | list[int] | None = None, **kwargs: Any) -> AsyncioGeneration:
+        """`LLM.generate` for asyncio: iterate it, ideally inside `async with`.
+
+        Raises RequestError for a bad argument.
+        """
+        assert self._llm is not None, "use it inside `async with open_llm_asyncio()`"
+        # LLM.generate only checks and builds a value (no Trio state is touched), so
+        # it runs here and raises RequestError at once, as it does under Trio.
+        return AsyncioGeneration(self, self._llm.generate(prompt, **kwargs))
+
+    async def engine_stats(self) -> EngineStats:
+        """`LLM.engine_stats`, read on the Trio side."""
+        done: asyncio.Future[_Result] = self._loop.create_future()
+        self._call_soon(self._read_stats, done)
+        result: EngineStats = (await done).unwrap()
+        return result
+
+    # -- asyncio side --------------------------------------------------------------------
+
+    def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn(*args)` on the Trio thread; it must not raise."""
+        assert self._token is not None
+        try:
+            self._token.run_sync_soon(fn, *args)
+        except trio.RunFinishedError:
+            raise ServiceClosedError("the service has stopped") from None
+
+    async def _stop(self, *, is_hard: bool) -> None:
+        self._ask_stop(is_hard=is_hard)
+        try:
+            result = await self._finished
+        except asyncio.CancelledError:
+            self._ask_stop(is_hard=True)
+            self._thread.join()  # a hard stop waits at most for the MLX call in flight
+            raise
+        self._thread.join()
+        if not is_hard:
+            result.unwrap()  # an actor's failure
+
+    def _ask_stop(self, *, is_hard: bool) -> None:
+        with self._lock:
+            self._is_stop_asked = True
+            self._is_hard_stop |= is_hard
+            token = self._token
+        if token is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(self._apply_stop)
+
+    # -- Trio side -----------------------------------------------------------------------
+
+    def _run_trio(self) -> None:
+        result = outcome.capture(trio.run, self._serve)
+        stopped = outcome.Error(ServiceClosedError("stopped before it started"))
+        self._hand_back(self._ready, result if isinstance(result, outcome.Error) else stopped)
+        self._hand_back(self._finished, result)
+
+    async def _serve(self) -> None:
+        self._stop_event = trio.Event()
+        with trio.CancelScope() as self._root:
+            with self._lock:
+                self._token = trio.lowlevel.current_trio_token()
+                if self._is_stop_asked:  # before we had a token to be told with
+                    self._apply_stop()
+            # Pumps live outside open_llm, so they keep reading while it drains.
+            async with trio.open_nursery() as self._tasks:
+                async with open_llm(self._model, **self._kwargs) as llm:
+                    self._llm = llm
+                    self._hand_back(self._ready, outcome.Value(llm.name))
+                    await self._stop_event.wait()
+                self._tasks.cancel_scope.cancel()  # drained: a pump left has no reader
+
+    def _apply_stop(self) -> None:
+        assert self._root is not None and self._stop_event is not None
+        if self._is_hard_stop:
+            self._root.cancel()
+        self._stop_event.set()
+
+    def _spawn(self, async_fn: Callable[..., Awaitable[Any]], *args: Any) -> bool:
+        """Start a task beside the actors; False once the service has stopped."""
+        assert self._tasks is not None
+        try:
+            self._tasks.start_soon(async_fn, *args)
+        except RuntimeError:  # the nursery has closed
+            return False
+        return True
+
+    def _read_stats(self, done: asyncio.Future[_Result]) -> None:
+        assert self._llm is not None
+        if not self._spawn(self._deliver, done, self._llm.engine_stats):
+            self._hand_back(done, outcome.Error(ServiceClosedError("the service has stopped")))
+
+    async def _deliver(
+        self, done: asyncio.Future[_Result], async_fn: Callable[[], Awaitable[Any]]
+    ) -> _Result:
+        """Await `async_fn()` and hand its outcome to `done`; cancelled: ServiceClosedError."""
+        result: _Result = outcome.Error(ServiceClosedError("the service has stopped"))
+        try:
+            result = outcome.Value(await async_fn())
+        except Exception as error:  # trio.Cancelled is not one: it propagates
+            result = outcome.Error(error)
+        finally:
+            self._hand_back(done, result)
+        return result
+
+    def _hand_back(self, done: asyncio.Future[_Result], result: _Result) -> None:
+        def resolve() -> None:
+            if not done.done():  # cancelled on the asyncio side: nobody is waiting
+                done.set_result(result)
+
+        with contextlib.suppress(RuntimeError):  # the asyncio loop has closed
+            self._loop.call_soon_threadsafe(resolve)
+
+
+@attrs.frozen
+class _Read:
+    done: asyncio.Future[_Result]
+    is_start: bool  # admit only (`start()`), or read the next delta
+
+
+class _Pump:
+    """The Trio side of one generation; every method runs on the Trio thread.
+
+    It holds no reference to its AsyncioGeneration, so dropping that one (a `break`)
+    garbage-collects it and closes the pump.
+    """
+
+    def __init__(self, llm: AsyncioLLM, generation: Generation):
+        self.generation = generation
+        self._llm = llm
+        self._scope = trio.CancelScope()
+        self._reads_send, self._reads = trio.open_memory_channel[_Read](1)
+        self._is_finished = False
+        self._on_finished: list[asyncio.Future[_Result]] = []
+
+    def start(self, read: _Read) -> None:
+        if not self._llm._spawn(self._run):
+            self._is_finished = True
+            self._reads.close()  # so `request` answers ServiceClosedError
+        self.request(read)
+
+    def request(self, read: _Read) -> None:
+        try:
+            self._reads_send.send_nowait(read)
+        except trio.WouldBlock:
+            busy = RuntimeError("another task is already reading this generation")
+            self._llm._hand_back(read.done, outcome.Error(busy))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            stopped = ServiceClosedError("the service has stopped")
+            self._llm._hand_back(read.done, outcome.Error(stopped))
+
+    def close(self, done: asyncio.Future[_Result] | None = None) -> None:
+        self._scope.cancel()
+        if done is None:
+            return
+        if self._is_finished:
+            self._llm._hand_back(done, outcome.Value(None))
+        else:
+            self._on_finished.append(done)
+
+    async def _run(self) -> None:
+        try:
+            with self._scope:
+                async for read in self._reads:
+                    step = self._start if read.is_start else self.generation.__anext__
+                    if isinstance(await self._llm._deliver(read.done, step), outcome.Error):
+                        break  # finished, refused or failed: the generation is done
+        finally:
+            self._is_finished = True
+            self._reads.close()
+            with trio.CancelScope(shield=True):
+                await self.generation.aclose()  # still streaming: the Abort
+            for done in self._on_finished:
+                self._llm._hand_back(done, outcome.Value(None))
+
+    async def _start(self) -> int | None:
+        await self.generation.__aenter__()  # admits it unless it already started
+        return self.generation.num_prompt_tokens
+
+
+class AsyncioGeneration:
+    """One request seen from asyncio: `async for delta in generation` (or `async with`)."""
+
+    def __init__(self, llm: AsyncioLLM, generation: Generation):
+        self.request_id = generation.request_id
+        self._llm = llm
+        self._generation = generation
+        self._pump: _Pump | None = None
+        self._is_done = False
+
+    @property
+    def num_prompt_tokens(self) -> int | None:
+        return self._generation.num_prompt_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._generation.finish_reason
+
+    @property
+    def usage(self) -> Usage | None:
+        return self._generation.usage
+
+    async def start(self) -> int:
+        """Admit the request (`Generation.start`); returns its prompt length in tokens."""
+        return await self._read(is_start=True) or 0
+
+    def __aiter__(self) -> AsyncioGeneration:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._is_done:
+            raise StopAsyncIteration
+        delta: Delta = await self._read(is_start=False)
+        return delta
+
+    async def aclose(self) -> None:
+        """Abort the request unless it already finished; safe to call more than once."""
+        self._is_done = True
+        pump, self._pump = self._pump, None
+        if pump is not None:
+            closed: asyncio.Future[_Result] = self._llm._loop.create_future()
+            with contextlib.suppress(ServiceClosedError):
+                self._llm._call_soon(pump.close, closed)
+                await closed
+
+    async def __aenter__(self) -> AsyncioGeneration:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        # Dropped mid-stream (a `break` out of `async for`): close it on the Trio side,
+        # where the last reference to the Trio Generation then goes.
+        if self._pump is not None and not self._is_done:
+            with contextlib.suppress(Exception):
+                self._llm._call_soon(self._pump.close)
+
+    async def _read(self, *, is_start: bool) -> Any:
+        done: asyncio.Future[_Result] = self._llm._loop.create_future()
+        read = _Read(done, is_start)
+        try:
+            if self._pump is None:
+                self._pump = _Pump(self._llm, self._generation)
+                self._llm._call_soon(self._pump.start, read)
+            else:
+                self._llm._call_soon(self._pump.request, read)
+            result = await done
+        except BaseException:  # cancelled (or the service stopped): abort the request
+            self._is_done = True
+            if self._pump is not None:
+                with contextlib.suppress(ServiceClosedError):
+                    self._llm._call_soon(self._pump.close)
+            raise
+        if isinstance(result, outcome.Error):
+            self._is_done = True
+        return result.unwrap()

@@ -1,0 +1,129 @@
+"""The asyncio bridge end to end, on a real tiny checkpoint: plain `asyncio.run`."""
+
+import asyncio
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from runtime.errors import RequestError
+
+import pytest
+import trio
+
+import actors
+from actors.mlx_thread import shared_mlx_thread
+
+PROMPTS = ["The quick brown fox", "def main():", "Hello", "1, 2, 3, 4"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def complete(llm, prompt, **kwargs):
+    return "".join([d.text async for d in llm.generate(prompt, **kwargs)])
+
+
+async def wait_for_no_open_rows(llm, timeout=5):
+    async with asyncio.timeout(timeout):
+        while (await llm.engine_stats()).num_open:
+            await asyncio.sleep(0.005)
+
+
+async def started_long_stream(llm):
+    """A long generation that has streamed its first delta, and that delta."""
+    generation = llm.generate("Once upon a time", max_tokens=900, ignore_eos=True)
+    return generation, await generation.__anext__()
+
+
+def test_concurrent_streams_equal_the_trio_api(tiny):
+    async def with_trio():
+        async with actors.open_llm(tiny) as llm:
+            return [await complete(llm, p, max_tokens=16, ignore_eos=True) for p in PROMPTS]
+
+    async def with_asyncio():
+        async with actors.open_llm_asyncio(tiny, max_batch=4) as llm:
+            return await asyncio.gather(
+                *(complete(llm, PROMPTS[i % 4], max_tokens=16, ignore_eos=True) for i in range(8))
+            )
+
+    expected = trio.run(with_trio)
+    assert asyncio.run(with_asyncio()) == expected * 2 and all(expected)
+
+
+def test_a_cancelled_task_frees_its_row(tiny):
+    async def main():
+        async with actors.open_llm_asyncio(tiny) as llm:
+            streamed = asyncio.Event()
+
+            async def consume():
+                async for _ in llm.generate("Once upon a time", max_tokens=900, ignore_eos=True):
+                    streamed.set()
+
+            task = asyncio.create_task(consume())
+            await streamed.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await wait_for_no_open_rows(llm, timeout=0.5)
+
+    asyncio.run(main())
+
+
+def test_breaking_out_of_the_loop_frees_its_row(tiny):
+    async def main():
+        async with actors.open_llm_asyncio(tiny) as llm:
+            async for _ in llm.generate("Once upon a time", max_tokens=900, ignore_eos=True):
+                break
+            await wait_for_no_open_rows(llm, timeout=0.5)
+            generation, _ = await started_long_stream(llm)
+            await generation.aclose()
+            await wait_for_no_open_rows(llm, timeout=0.5)
+            assert [d async for d in generation] == []  # closed: nothing more streams
+
+    asyncio.run(main())
+
+
+def test_errors_keep_their_types(tiny):
+    async def main():
+        async with actors.open_llm_asyncio(tiny) as llm:
+            with pytest.raises(RequestError):
+                llm.generate("hi", temperature=-1)
+            with pytest.raises(RequestError):  # refused by admission, on the Trio side
+                await complete(llm, "hi " * 10_000, max_tokens=4)
+            return await complete(llm, "hi", max_tokens=4)  # still serving
+
+    assert asyncio.run(main())
+
+
+def test_no_thread_is_left_behind(tiny):
+    shared_mlx_thread()  # process-wide and never stopped, by design (actors/mlx_thread.py)
+
+    def bridge_threads():
+        # Trio's process-wide worker cache (admission's tokenizer calls) idles out by itself.
+        return {t for t in threading.enumerate() if not t.name.startswith("Trio thread")}
+
+    before = bridge_threads()
+
+    async def main(fail):
+        async with actors.open_llm_asyncio(tiny, drain_timeout=0.1) as llm:
+            generation, _ = await started_long_stream(llm)  # held open: the drain aborts it
+            assert any(t.name == "cadence-trio" for t in threading.enumerate())
+            if fail:
+                raise KeyError("inside the block")
+        return generation
+
+    assert asyncio.run(main(fail=False)).finish_reason is None  # aborted, not finished
+    with pytest.raises(KeyError):
+        asyncio.run(main(fail=True))
+    assert bridge_threads() == before
+
+
+def test_the_example_streams_two_generations():
+    run = subprocess.run(
+        [sys.executable, "examples/embed_asyncio.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "[a] " in run.stdout and "[b] " in run.stdout and "row is already free" in run.stdout
