@@ -119,15 +119,13 @@ async def _serving(config: SoakConfig) -> AsyncIterator[tuple[LLM, int]]:
             serve_http, create_app(state), "127.0.0.1", 0, shutdown_trigger=stop.wait
         )
         (url,) = await nursery.start(run)
-        with _fault_hook():
-            opened = open_llm(config.model, max_batch=16, max_waiting=64)
-            llm = await opened.__aenter__()
-        try:
-            state.llm = llm
-            yield llm, int(url.rsplit(":", 1)[1])
-        finally:
-            await opened.__aexit__(None, None, None)
-            stop.set()
+        async with contextlib.AsyncExitStack() as stack:
+            with _fault_hook():  # armed only while the engine is built: it reads it once
+                state.llm = await stack.enter_async_context(
+                    open_llm(config.model, max_batch=16, max_waiting=64)
+                )
+            yield state.llm, int(url.rsplit(":", 1)[1])
+        stop.set()
 
 
 @contextlib.contextmanager
