@@ -85,13 +85,13 @@ class Generation:
         while self._state is not _State.DONE:
             message, self._stash = self._stash or await self._receive(), None
             match message:
-                case TextDelta(_, text):
-                    return Delta(text)
-                case Finished(_, text, cause, usage):
+                case TextDelta(_, text, logprobs):
+                    return Delta(text, logprobs=logprobs)
+                case Finished(_, text, cause, usage, logprobs):
                     self._done()
                     self.finish_reason, self.usage = cause.openai_reason, usage
                     self.num_prompt_tokens = usage.prompt_tokens
-                    return Delta(text, cause.openai_reason, cause.value, usage)
+                    return Delta(text, cause.openai_reason, cause.value, usage, logprobs)
                 case Failed(_, error):
                     self._done()
                     raise GenerationError(error)

@@ -36,7 +36,7 @@ from actors.generation import Generation
 from actors.openai_requests import ApiError, ApiRequest, parse_chat, parse_completion, parse_json
 from actors.openai_responses import SSE_DONE, ChunkWriter, sse
 from actors.openapi import OPENAPI
-from actors.requests import ServiceClosedError
+from actors.requests import LogprobEntry, ServiceClosedError
 from actors.service import LLM
 
 log = structlog.get_logger("cadence.http")
@@ -179,7 +179,13 @@ async def _complete(state: ServerState, api: ApiRequest) -> Response:
     except CadenceError as error:
         raise ApiError.from_error(error) from None
     prefix = "chatcmpl-" if api.kind == "chat" else "cmpl-"
-    writer = ChunkWriter(api.kind, prefix + generation.request_id, llm.name, api.include_usage)
+    writer = ChunkWriter(
+        api.kind,
+        prefix + generation.request_id,
+        llm.name,
+        api.include_usage,
+        has_logprobs=api.request.sampling.logprobs is not None,
+    )
     if api.is_stream:
         response = Response(_stream(generation, writer), mimetype="text/event-stream")
         response.headers["Cache-Control"] = "no-cache"
@@ -193,8 +199,8 @@ async def _stream(generation: Generation, writer: ChunkWriter) -> AsyncIterator[
         if (first := writer.start()) is not None:
             yield first
         async for delta in generation:
-            if delta.text:
-                yield writer.text(delta.text)
+            if delta.text or delta.logprobs:
+                yield writer.text(delta.text, delta.logprobs)
             if delta.finish_reason is not None:
                 yield writer.finish(delta.finish_reason)
                 if writer.include_usage and delta.usage is not None:
@@ -208,16 +214,19 @@ async def _stream(generation: Generation, writer: ChunkWriter) -> AsyncIterator[
 
 
 async def _collect(generation: Generation, writer: ChunkWriter) -> Response:
-    texts = []
+    texts: list[str] = []
+    logprobs: list[LogprobEntry] = []
     try:
         async for delta in generation:
             texts.append(delta.text)
+            logprobs += delta.logprobs
     except CadenceError as error:
         raise ApiError.from_error(error) from None
     finally:
         await generation.aclose("disconnected")
     assert generation.finish_reason is not None and generation.usage is not None
-    return _json(writer.whole("".join(texts), generation.finish_reason, generation.usage))
+    whole = writer.whole("".join(texts), generation.finish_reason, generation.usage, logprobs)
+    return _json(whole)
 
 
 # Open without a key: /health for load balancers; /openapi.json describes the API, not

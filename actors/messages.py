@@ -23,7 +23,7 @@ from runtime.sequence import FinishCause, SequenceParams
 import attrs
 import trio
 
-from actors.requests import GenerateRequest, Usage
+from actors.requests import GenerateRequest, LogprobEntry, Usage
 
 # --- to the caller, on its own reply channel -------------------------------------------
 
@@ -44,6 +44,7 @@ class Rejected:
 class TextDelta:
     request_id: str
     text: str
+    logprobs: tuple[LogprobEntry, ...] = ()  # one per token since the last delta, if asked
 
 
 @attrs.frozen
@@ -52,6 +53,7 @@ class Finished:
     text: str  # the tail held back by the detokenizer or the stop matcher
     cause: FinishCause
     usage: Usage
+    logprobs: tuple[LogprobEntry, ...] = ()
 
 
 @attrs.frozen

@@ -17,6 +17,7 @@ from runtime.sequence import SamplingParams
 import attrs
 
 from actors.requests import (
+    MAX_TOP_LOGPROBS,
     GenerateRequest,
     GenerationError,
     OverloadedError,
@@ -153,8 +154,6 @@ def _parse_common(body: dict[str, Any], kind: str, **prompt: Any) -> ApiRequest:
     model = _field(body, "model", str, required=True)
     if _field(body, "n", int, default=1) != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
-    if _field(body, "logprobs", (bool, int)) or _field(body, "top_logprobs", int):
-        raise ApiError(400, "'logprobs' is not supported", param="logprobs")
     for unsupported in ("tools", "functions"):
         if _field(body, unsupported, list):
             raise ApiError(400, f"'{unsupported}' is not supported", param=unsupported)
@@ -190,10 +189,11 @@ def _parse_common(body: dict[str, Any], kind: str, **prompt: Any) -> ApiRequest:
         if limit is not None and limit < 1:
             raise ApiError(400, f"'{name}' must be a positive integer, got {limit}", param=name)
     max_tokens = next((limit for limit in limits.values() if limit is not None), None)
+    sampling = attrs.evolve(_sampling(body), logprobs=_logprobs(body, kind))
     request = GenerateRequest(
         **prompt,
         max_tokens=max_tokens,
-        sampling=_sampling(body),
+        sampling=sampling,
         stop=tuple(stop),
         ignore_eos=bool(_field(body, "ignore_eos", bool)),
         priority=_field(body, "priority", int, default=0),
@@ -203,6 +203,30 @@ def _parse_common(body: dict[str, Any], kind: str, **prompt: Any) -> ApiRequest:
     except RequestError as error:
         raise ApiError.from_error(error) from None
     return ApiRequest(kind, model, request, is_stream, include_usage)
+
+
+def _logprobs(body: dict[str, Any], kind: str) -> int | None:
+    """How many top alternatives to report per token; None: no logprobs.
+
+    Chat: `logprobs: true`, and `top_logprobs` only with it (as OpenAI); completions:
+    `logprobs: N`."""
+    if kind == "completion":
+        num_top = _field(body, "logprobs", int)
+        name = "logprobs"
+    else:
+        is_on = bool(_field(body, "logprobs", bool))
+        num_top = _field(body, "top_logprobs", int)
+        if num_top is not None and not is_on:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        name = "top_logprobs"
+        num_top = (num_top or 0) if is_on else None
+    if num_top is not None and not 0 <= num_top <= MAX_TOP_LOGPROBS:
+        raise ApiError(
+            400,
+            f"'{name}' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {num_top}",
+            param=name,
+        )
+    return num_top
 
 
 def _sampling(body: dict[str, Any]) -> SamplingParams:
@@ -323,11 +347,10 @@ _COMMON_FIELDS = frozenset(
         "stream_options",
         "ignore_eos",
         "priority",
+        "logprobs",
         # Refused unless off, each with its own message:
         "n",
         "best_of",
-        "logprobs",
-        "top_logprobs",
         "tools",
         "functions",
         "response_format",
@@ -336,7 +359,7 @@ _COMMON_FIELDS = frozenset(
         *_IGNORED_FIELDS,
     }
 )
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs"}
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 
 _TYPE_NAMES = {

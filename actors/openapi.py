@@ -1,7 +1,7 @@
 """The OpenAPI 3.1 document served at /openapi.json: every route, what it accepts, what it answers.
 
 Written by hand to match what `actors/openai_requests.py` enforces, not what OpenAI
-documents: a field the parser refuses unless it is off (`n`, `logprobs`, `echo`, ...)
+documents: a field the parser refuses unless it is off (`n`, `best_of`, `echo`, ...)
 is described with only its "off" values, and `null` is allowed wherever the parser
 reads it as "absent". tests/actors/test_http_fuzz.py fuzzes the server against this
 document and checks it names every route the app registers.
@@ -12,7 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from actors.openai_requests import UNSUPPORTED_FIELDS
-from actors.requests import MAX_PRIORITY, MAX_SEED, MAX_STOP_BYTES, MAX_STOP_STRINGS
+from actors.requests import (
+    MAX_PRIORITY,
+    MAX_SEED,
+    MAX_STOP_BYTES,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+)
 
 _REF = "#/components/schemas/"
 
@@ -86,8 +92,6 @@ _COMMON_FIELDS: dict[str, Any] = {
     # Refused unless off: documented with only the values that mean "off".
     "n": {"enum": [1, None]},
     "best_of": {"enum": [1, None]},
-    "logprobs": {"enum": [False, 0, None]},
-    "top_logprobs": {"enum": [0, None]},
     "tools": _or_null({"type": "array", "maxItems": 0}),
     "functions": _or_null({"type": "array", "maxItems": 0}),
     "response_format": _or_null(
@@ -105,6 +109,14 @@ _COMMON_FIELDS: dict[str, Any] = {
     "service_tier": _or_null({"type": "string"}),
     "prompt_cache_key": _or_null({"type": "string"}),
     "store": {"enum": [False, None]},
+}
+
+_NUM_TOP_LOGPROBS = {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}
+
+# 'top_logprobs' without 'logprobs': true is refused.
+_TOP_LOGPROBS_NEED_LOGPROBS = {
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
 }
 
 # 'stream_options' without 'stream': true is refused.
@@ -141,6 +153,10 @@ _SCHEMAS: dict[str, Any] = {
         "properties": {
             **_COMMON_FIELDS,
             "messages": {"type": "array", "minItems": 1, "items": {"$ref": _REF + "Message"}},
+            "logprobs": _or_null({"type": "boolean"}),
+            "top_logprobs": _or_null(
+                {**_NUM_TOP_LOGPROBS, "description": "alternatives per token; needs logprobs"}
+            ),
             "chat_template_kwargs": _or_null(
                 {
                     "type": "object",
@@ -153,7 +169,7 @@ _SCHEMAS: dict[str, Any] = {
                 }
             ),
         },
-        **_STREAM_OPTIONS_NEED_STREAM,
+        "allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS],
     },
     "Message": {
         "type": "object",
@@ -193,6 +209,12 @@ _SCHEMAS: dict[str, Any] = {
                     },
                 ],
             },
+            "logprobs": _or_null(
+                {
+                    **_NUM_TOP_LOGPROBS,
+                    "description": "alternatives per token, beside the chosen one",
+                }
+            ),
             "echo": {"enum": [False, None]},
             "chat_template_kwargs": {"type": "null", "description": "chat only"},
             "suffix": _or_null({"type": "string", "maxLength": 0}),

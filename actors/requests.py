@@ -13,6 +13,7 @@ import attrs
 MAX_STOP_STRINGS = 16
 MAX_PRIORITY = 2**31 - 1
 MAX_STOP_BYTES = 4096  # per stop string, in UTF-8
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (chat) and logprobs (completions)
 MAX_SEED = 2**63 - 1  # mx.random.key takes [0, 2**64); vLLM and numpy stop at int64
 # The chat template switches a client may set, and their types: `enable_thinking`
 # (Qwen3, GLM-4.5) and `thinking` (DeepSeek-V3.1, Hermes 4). Any variable beyond these
@@ -63,17 +64,32 @@ class Usage:
 
 
 @attrs.frozen
+class LogprobEntry:
+    """One generated token's logprob and its top alternatives, most likely first.
+
+    `token` is the token id decoded alone, so a piece of a multi-byte character
+    decodes to U+FFFD; -inf marks a token the sampler's masks excluded.
+    """
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@attrs.frozen
 class Delta:
     """A piece of generated text; the last one carries `finish_reason` and `usage`.
 
     `finish_reason` is OpenAI's ("stop" or "length"); `cause` says more (eos,
-    stop_sequence, repetition_loop, ...).
+    stop_sequence, repetition_loop, ...). `logprobs` has one entry per token generated
+    since the last delta when the request asks for logprobs, in order.
     """
 
     text: str
     finish_reason: str | None = None
     cause: str | None = None
     usage: Usage | None = None
+    logprobs: tuple[LogprobEntry, ...] = ()
 
 
 def check_request(request: GenerateRequest) -> GenerateRequest:
@@ -171,6 +187,13 @@ def check_sampling(sampling: SamplingParams) -> None:
     ):
         raise RequestError(
             f"'seed' must be an integer in [0, 2**63), got {sampling.seed!r}", param="seed"
+        )
+    if sampling.logprobs is not None and (
+        not _is_int(sampling.logprobs) or not 0 <= sampling.logprobs <= MAX_TOP_LOGPROBS
+    ):
+        raise RequestError(
+            f"'logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {sampling.logprobs!r}",
+            param="logprobs",
         )
     for token, bias in sampling.logit_bias:
         if not _is_int(token) or token < 0:

@@ -255,8 +255,9 @@ class LLM:
         """Stream a completion of `prompt`, or of chat `messages` through the chat template.
 
         `sampling` takes `runtime.sequence.SamplingParams` fields (temperature, top_p,
-        top_k, min_p, seed, penalties, logit_bias as {token_id: bias}); temperature 0
-        (the default) is greedy. `priority`: lower values are scheduled first and
+        top_k, min_p, seed, penalties, logit_bias as {token_id: bias}, logprobs=N for
+        each token's logprob and its N most likely alternatives, 0..20, in
+        `Delta.logprobs`); temperature 0 (the default) is greedy. `priority`: lower values are scheduled first and
         preempted last (vLLM's meaning); equal ones first come, first served.
         Returns a `Generation`: iterate it, ideally inside
         `async with`, so that leaving early aborts the request at once.

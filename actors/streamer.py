@@ -6,8 +6,9 @@ or Failed. A reply channel whose reader went away becomes an Abort.
 
 Reply channels hold a few messages (REPLY_BUFFER). A reader that falls behind never
 holds up the engine or the other streams: its text waits in `unsent` and leaves,
-coalesced, with the next delta that fits or with the final message. So memory per
-slow reader is its own unread text, and `send_nowait` never blocks.
+coalesced, with the next delta that fits or with the final message; its logprob
+entries wait and leave beside it, so each token's entry arrives once, in order. So
+memory per slow reader is its own unread text, and `send_nowait` never blocks.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import contextlib
 
 from runtime.finishing import first_cause
-from runtime.sequence import FinishCause
+from runtime.sequence import FinishCause, TokenLogprob
 from runtime.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
 import attrs
@@ -37,7 +38,7 @@ from actors.messages import (
     Track,
 )
 from actors.metrics import Metrics
-from actors.requests import Usage
+from actors.requests import LogprobEntry, Usage
 
 log = structlog.get_logger("cadence.streamer")
 
@@ -52,6 +53,7 @@ class _Stream:
     first_token_at: float | None = None
     last_token_at: float = 0.0
     unsent: str = ""  # text held back while the reader is behind
+    unsent_logprobs: list[LogprobEntry] = attrs.Factory(list)  # ... and its tokens' logprobs
 
     @property
     def request_id(self) -> str:
@@ -117,6 +119,8 @@ class Streamer:
             self.metrics.on_next_token(now - stream.last_token_at)
         stream.last_token_at = now
         stream.num_completion_tokens += 1
+        if row.logprob is not None:
+            stream.unsent_logprobs.append(self._logprob_entry(row.token, row.logprob))
         text, is_stop = stream.stop_matcher.feed(stream.detokenizer.add(row.token))
         cause = first_cause(row.finish, FinishCause.STOP_SEQUENCE if is_stop else None)
         if cause is not None and not is_stop:
@@ -132,7 +136,8 @@ class Streamer:
         usage = Usage(
             stream.track.num_prompt_tokens, stream.num_completion_tokens, stream.num_cached_tokens
         )
-        self._end(stream, Finished(stream.request_id, stream.unsent, cause, usage))
+        logprobs = tuple(stream.unsent_logprobs)
+        self._end(stream, Finished(stream.request_id, stream.unsent, cause, usage, logprobs))
         # The engine already closed a row it finished; a stop string is ours to close.
         return "stop_sequence" if row.finish is None else None
 
@@ -169,7 +174,15 @@ class Streamer:
         if stats.current_buffer_used >= MAX_QUEUED_DELTAS:
             return True  # held back: it leaves with the next delta that fits
         text, stream.unsent = stream.unsent, ""
-        return self._send(stream, TextDelta(stream.request_id, text))
+        logprobs, stream.unsent_logprobs = tuple(stream.unsent_logprobs), []
+        return self._send(stream, TextDelta(stream.request_id, text, logprobs))
+
+    def _logprob_entry(self, token: int, logprob: TokenLogprob) -> LogprobEntry:
+        top = tuple((self._token_text(t), value) for t, value in logprob.top)
+        return LogprobEntry(self._token_text(token), logprob.logprob, top)
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def _send(self, stream: _Stream, message: Reply) -> bool:
         try:

@@ -43,8 +43,15 @@ from runtime.errors import CadenceError, RequestError
 from runtime.finishing import finish_step
 from runtime.kv.base import RowSpan
 from runtime.kv.paged import PagedKV, available_memory
-from runtime.sampling import RowSampler, sample
-from runtime.sequence import FinishCause, SeqHandle, SequenceParams, StepBatch, StepOutcome
+from runtime.sampling import Logprobs, RowSampler, Sampled, sample
+from runtime.sequence import (
+    FinishCause,
+    SeqHandle,
+    SequenceParams,
+    StepBatch,
+    StepOutcome,
+    TokenLogprob,
+)
 
 import attrs
 import mlx.core as mx
@@ -118,7 +125,7 @@ class _Plan:
         return left, right
 
 
-_Sampled = tuple[mx.array, mx.array]  # a forward's sampled tokens [S] int32, is_finite [S] bool
+_Sampled = tuple[Sampled, mx.array]  # a forward's samples [S], and is_finite [S] bool
 
 
 @attrs.frozen
@@ -126,6 +133,7 @@ class _QueuedStep:
     seq_ids: tuple[int, ...]  # rows that sample, in the order of `tokens`
     tokens: mx.array  # [S] int32
     is_finite: mx.array  # [S] bool: the row's logits had no NaN/inf
+    logprobs: Logprobs | None  # [S] and [S, K], when any sampling row asks
     failures: tuple[tuple[int, str], ...]  # rows that failed while the step was built
     writes: tuple[mx.array, ...]  # what a step without samples waits on: its KV writes
 
@@ -215,7 +223,9 @@ class Engine:
             or (isinstance(kv_budget, int) and kv_budget > 0)
             or (isinstance(kv_budget, float) and 0 < kv_budget < 1)
         ):
-            raise ValueError(f"kv_budget must be bytes > 0 or a fraction in (0, 1), got {kv_budget!r}")
+            raise ValueError(
+                f"kv_budget must be bytes > 0 or a fraction in (0, 1), got {kv_budget!r}"
+            )
         blocks_per_row = -(-self.model_max_context // block_size)
         wanted = self.max_batch * blocks_per_row
         if isinstance(kv_budget, int):
@@ -241,7 +251,9 @@ class Engine:
         self._rows[handle.seq_id] = _Row(
             handle=handle,
             params=params,
-            sampler=RowSampler.create(params.sampling, params.prompt_tokens, self.config.vocab_size),
+            sampler=RowSampler.create(
+                params.sampling, params.prompt_tokens, self.config.vocab_size
+            ),
             eos_ids=frozenset() if params.ignore_eos else self.eos_ids | params.stop_token_ids,
             tokens=list(params.prompt_tokens),
             fault_at=fault[1] if fault is not None and fault[0] in params.prompt_tokens else None,
@@ -279,7 +291,7 @@ class Engine:
         parts = [out for _, out in ran if out is not None]  # more than one if it was split
         sampled, is_finite = parts[0] if len(parts) == 1 else _joined(parts)
         for i, row in enumerate(sampling):
-            row.next_input = sampled[i : i + 1]
+            row.next_input = sampled.tokens[i : i + 1]
             row.sampler.record(row.next_input)
             row.num_pending += 1
         self._queue(plan, sampling, (sampled, is_finite), ())
@@ -294,7 +306,10 @@ class Engine:
             mx.eval(*step.writes)
         tokens: list[int] = step.tokens.tolist()  # type: ignore[assignment]  # [S] -> list
         finite: list[bool] = step.is_finite.tolist()  # type: ignore[assignment]
-        for seq_id, token, is_finite in zip(step.seq_ids, tokens, finite, strict=True):
+        logprobs = _logprob_rows(step.logprobs, len(tokens))
+        for seq_id, token, is_finite, logprob in zip(
+            step.seq_ids, tokens, finite, logprobs, strict=True
+        ):
             row = self._rows.get(seq_id)
             if row is None:
                 continue  # closed since the step was queued
@@ -316,7 +331,9 @@ class Engine:
                 eos_ids=row.eos_ids,
                 repetition_window=row.params.repetition_window,
             )
-            outcomes.append(StepOutcome(seq_id, token, row.finished))
+            num_top = row.params.sampling.logprobs
+            asked = None if num_top is None else TokenLogprob(logprob[0], logprob[1][:num_top])
+            outcomes.append(StepOutcome(seq_id, token, row.finished, logprob=asked))
         return outcomes
 
     # -- internals ---------------------------------------------------------------
@@ -393,10 +410,14 @@ class Engine:
         sampled: _Sampled | None,
         writes: tuple[mx.array, ...],
     ) -> None:
-        tokens, is_finite = sampled or (mx.array([], mx.int32), mx.array([], mx.bool_))
-        mx.async_eval(tokens, is_finite, *writes)
+        samples, is_finite = sampled or (Sampled(mx.array([], mx.int32)), mx.array([], mx.bool_))
+        logprobs = samples.logprobs
+        extra = () if logprobs is None else (logprobs.token, logprobs.top_ids, logprobs.top)
+        mx.async_eval(samples.tokens, is_finite, *extra, *writes)
         seq_ids = tuple(row.handle.seq_id for row in sampling)
-        self._queued.append(_QueuedStep(seq_ids, tokens, is_finite, tuple(plan.failures), writes))
+        self._queued.append(
+            _QueuedStep(seq_ids, samples.tokens, is_finite, logprobs, tuple(plan.failures), writes)
+        )
 
     def _row_input(self, row: _Row, span: RowSpan) -> mx.array | None:
         """The span's input tokens: [num_new] int32, the last possibly not computed yet.
@@ -410,7 +431,9 @@ class Engine:
             )
         if span.end == row.frontier:
             max_tokens = row.params.max_tokens
-            if (max_tokens is not None and row.num_sampled >= max_tokens) or row.frontier >= self.max_context:
+            if (
+                max_tokens is not None and row.num_sampled >= max_tokens
+            ) or row.frontier >= self.max_context:
                 return None
         if row.num_pending:
             if span.start != row.frontier - 1 or span.num_new != 1:
@@ -421,9 +444,44 @@ class Engine:
 
 
 def _joined(parts: list[_Sampled]) -> _Sampled:
-    """The sampled tokens of a split step's forwards, as one step's: [S] and [S]."""
-    tokens, finite = zip(*parts, strict=True)
-    return mx.concatenate(list(tokens)), mx.concatenate(list(finite))
+    """The samples of a split step's forwards, as one step's: [S] and [S]."""
+    samples = [sampled for sampled, _ in parts]
+    tokens = mx.concatenate([s.tokens for s in samples])
+    finite = mx.concatenate([is_finite for _, is_finite in parts])
+    if all(s.logprobs is None for s in samples):
+        return Sampled(tokens), finite
+    # Parts ask for different K, or none: pad to the widest; padding is never read.
+    k = max(s.logprobs.top.shape[1] for s in samples if s.logprobs is not None)
+    padded = [_padded(s.logprobs, s.tokens.shape[0], k) for s in samples]
+    joined = Logprobs(
+        *(mx.concatenate([getattr(p, f) for p in padded]) for f in ("token", "top_ids", "top"))
+    )
+    return Sampled(tokens, joined), finite
+
+
+def _padded(logprobs: Logprobs | None, num_rows: int, k: int) -> Logprobs:
+    if logprobs is None:
+        logprobs = Logprobs(
+            mx.zeros((num_rows,)), mx.zeros((num_rows, 0), mx.int32), mx.zeros((num_rows, 0))
+        )
+    pad = k - logprobs.top.shape[1]
+    return Logprobs(
+        logprobs.token,
+        mx.pad(logprobs.top_ids, [(0, 0), (0, pad)]),
+        mx.pad(logprobs.top, [(0, 0), (0, pad)], constant_values=-mx.inf),
+    )
+
+
+def _logprob_rows(
+    logprobs: Logprobs | None, num_rows: int
+) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """A step's logprobs, per row: (the token's, its top K as (id, logprob) pairs)."""
+    if logprobs is None:
+        return [(0.0, ())] * num_rows
+    token: list[float] = logprobs.token.tolist()  # type: ignore[assignment]
+    ids: list[list[int]] = logprobs.top_ids.tolist()  # type: ignore[assignment]
+    top: list[list[float]] = logprobs.top.tolist()  # type: ignore[assignment]
+    return [(t, tuple(zip(i, v, strict=True))) for t, i, v in zip(token, ids, top, strict=True)]
 
 
 def _fault_from_env() -> tuple[int, int] | None:

@@ -20,7 +20,7 @@ from runtime.engine import Engine
 from runtime.errors import CadenceError
 from runtime.kv.base import RowSpan
 from runtime.scheduler import FcfsScheduler, StepPlan
-from runtime.sequence import FinishCause, SeqHandle, SequenceParams, StepBatch
+from runtime.sequence import FinishCause, SeqHandle, SequenceParams, StepBatch, TokenLogprob
 
 import attrs
 import structlog
@@ -36,6 +36,7 @@ class RowResult:
     token: int | None
     finish: FinishCause | None = None
     error: str | None = None
+    logprob: TokenLogprob | None = None  # when the request asks for logprobs
 
 
 @attrs.define
@@ -98,7 +99,9 @@ class PlanRunner:
             request_id = by_seq.get(outcome.seq_id)
             if request_id is None:
                 continue  # closed by an abort after this step was queued
-            results.append(RowResult(request_id, outcome.token, outcome.finish, outcome.error))
+            results.append(
+                RowResult(request_id, outcome.token, outcome.finish, outcome.error, outcome.logprob)
+            )
             if outcome.finish is not None:
                 self.engine.close(self.rows.pop(request_id))
         return tuple(results)
@@ -128,6 +131,7 @@ class OfflineResult:
     finish: FinishCause | None
     error: str | None
     num_cached_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asks
 
 
 def run_offline(
@@ -143,6 +147,7 @@ def run_offline(
     for request_id, params in requests.items():
         policy.add(request_id, params)
     tokens: dict[str, list[int]] = {rid: [] for rid in requests}
+    logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in requests}
     ends: dict[str, tuple[FinishCause | None, str | None]] = {}
     cached: dict[str, int] = {}
     pending: collections.deque[Launched] = collections.deque()
@@ -163,10 +168,17 @@ def run_offline(
         for result in results:
             if result.token is not None:
                 tokens[result.request_id].append(result.token)
+            if result.logprob is not None:
+                logprobs[result.request_id].append(result.logprob)
             if result.finish is not None:
                 ends[result.request_id] = (result.finish, result.error)
         policy.on_step_done(oldest.plan.step, step_results(results))
     return {
-        rid: OfflineResult(tuple(tokens[rid]), *ends.get(rid, (None, None)), cached.get(rid, 0))
+        rid: OfflineResult(
+            tuple(tokens[rid]),
+            *ends.get(rid, (None, None)),
+            cached.get(rid, 0),
+            tuple(logprobs[rid]),
+        )
         for rid in requests
     }

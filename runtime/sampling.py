@@ -8,6 +8,12 @@ different temperatures, top-p, penalties or seeds share one set of array ops
 
 A seeded row draws its Gumbel noise from its own key, split once per step, so its
 tokens depend only on its seed and its logits, never on its neighbours.
+
+Logprobs (rows whose `SamplingParams.logprobs` is set) are of the distribution the
+token was drawn from: log-softmax after every processor, temperature and masks
+included, so a masked token has -inf. A greedy row's are of its penalized, biased
+logits (temperature 1, no masks). They are computed for the whole batch in one op
+when any row asks, and not at all when none does.
 """
 
 from __future__ import annotations
@@ -50,8 +56,23 @@ class RowSampler:
         return use
 
 
-def sample(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
-    """logits [B, V] -> token ids [B] int32 (lazy)."""
+@attrs.frozen
+class Logprobs:
+    """A batch's logprobs (lazy). Rows that did not ask hold values nobody reads."""
+
+    token: mx.array  # [B] float32: each sampled token's logprob
+    top_ids: mx.array  # [B, K] int32, most likely first; K = the most any row asks
+    top: mx.array  # [B, K] float32
+
+
+@attrs.frozen
+class Sampled:
+    tokens: mx.array  # [B] int32
+    logprobs: Logprobs | None = None  # None when no row asks
+
+
+def sample(logits: mx.array, rows: Sequence[RowSampler]) -> Sampled:
+    """logits [B, V] -> token ids [B] int32 and, if any row asks, their logprobs (lazy)."""
     logits = logits.astype(mx.float32)
     params = [r.params for r in rows]
     if any(p.has_penalties for p in params):
@@ -60,7 +81,8 @@ def sample(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
         logits = logits + _bias_matrix(params, logits.shape[-1])
     greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
     if all(p.is_greedy for p in params):
-        return greedy
+        return Sampled(greedy, _logprobs(logits, greedy, params))
+    unscaled = logits
     temperature = mx.array([p.temperature if p.temperature > 0 else 1.0 for p in params])
     logits = logits / temperature[:, None]
     if any(p.top_k > 0 for p in params):
@@ -72,7 +94,32 @@ def sample(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
         logits = min_p_mask(logits, mx.array([p.min_p for p in params]))
     drawn = mx.argmax(logits + _gumbel(rows, logits.shape), axis=-1).astype(mx.int32)
     is_greedy = mx.array([p.is_greedy for p in params])
-    return mx.where(is_greedy, greedy, drawn)
+    tokens = mx.where(is_greedy, greedy, drawn)
+    if not any(p.logprobs is not None for p in params):
+        return Sampled(tokens)
+    drawn_from = mx.where(is_greedy[:, None], unscaled, logits)
+    return Sampled(tokens, _logprobs(drawn_from, tokens, params))
+
+
+def _logprobs(
+    logits: mx.array, tokens: mx.array, params: Sequence[SamplingParams]
+) -> Logprobs | None:
+    """log-softmax of `logits` [B, V] at `tokens` [B], and its top K per row, most likely first."""
+    asked = [p.logprobs for p in params if p.logprobs is not None]
+    if not asked:
+        return None
+    # Only the values read are normalized: one pass over [B, V] (logsumexp) plus the top-k.
+    log_total = mx.logsumexp(logits, axis=-1, keepdims=True)  # [B, 1]
+    token = (mx.take_along_axis(logits, tokens[:, None], axis=-1) - log_total)[:, 0]
+    k = min(max(asked), logits.shape[-1])
+    if k == 0:
+        empty = mx.zeros((len(params), 0))
+        return Logprobs(token, empty.astype(mx.int32), empty)
+    top_ids = mx.argpartition(logits, -k, axis=-1)[:, -k:]  # [B, K], unordered
+    top = mx.take_along_axis(logits, top_ids, axis=-1) - log_total
+    order = mx.argsort(-top, axis=-1)
+    top_ids = mx.take_along_axis(top_ids, order, axis=-1).astype(mx.int32)
+    return Logprobs(token, top_ids, mx.take_along_axis(top, order, axis=-1))
 
 
 def apply_penalties(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
@@ -134,7 +181,9 @@ def _gumbel(rows: Sequence[RowSampler], shape: tuple[int, ...]) -> mx.array:
     shared = mx.random.gumbel(shape=shape) if any(r.key is None for r in rows) else None
     return mx.stack(
         [
-            mx.random.gumbel(shape=shape[1:], key=r.next_key()) if shared is None or r.key is not None else shared[i]
+            mx.random.gumbel(shape=shape[1:], key=r.next_key())
+            if shared is None or r.key is not None
+            else shared[i]
             for i, r in enumerate(rows)
         ]
     )

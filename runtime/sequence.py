@@ -10,7 +10,9 @@ from runtime.kv.base import RowSpan
 import attrs
 
 
-def _bias_pairs(bias: Mapping[int, float] | Iterable[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+def _bias_pairs(
+    bias: Mapping[int, float] | Iterable[tuple[int, float]],
+) -> tuple[tuple[int, float], ...]:
     """{token: bias} or (token, bias) pairs -> sorted pairs, so equal biases compare equal."""
     items = bias.items() if isinstance(bias, Mapping) else bias
     return tuple(sorted((int(token), float(value)) for token, value in items))
@@ -30,6 +32,8 @@ class SamplingParams:
     # (token id, bias added to its logit); a {token: bias} mapping is accepted too
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_bias_pairs)
     seed: int | None = None  # a seeded row draws from its own generator, whatever its batch
+    # Report each sampled token's logprob and this many top alternatives (0..20); None: off.
+    logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -96,6 +100,18 @@ class FinishCause(enum.Enum):
 
 
 @attrs.frozen
+class TokenLogprob:
+    """A sampled token's log-probability and the most likely alternatives, by token id.
+
+    Of the distribution the token was drawn from (see `runtime/sampling.py`); a token
+    the processors masked has -inf.
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@attrs.frozen
 class StepOutcome:
     """One row's result of one step. `token` is None only when the row failed."""
 
@@ -103,3 +119,4 @@ class StepOutcome:
     token: int | None
     finish: FinishCause | None = None
     error: str | None = None
+    logprob: TokenLogprob | None = None  # when the row's sampling asks for logprobs

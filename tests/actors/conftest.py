@@ -16,7 +16,14 @@ from typing import Any
 from runtime.errors import RequestError
 from runtime.kv.blocks import BlockPool
 from runtime.scheduler import FcfsScheduler
-from runtime.sequence import FinishCause, SeqHandle, SequenceParams, StepBatch, StepOutcome
+from runtime.sequence import (
+    FinishCause,
+    SeqHandle,
+    SequenceParams,
+    StepBatch,
+    StepOutcome,
+    TokenLogprob,
+)
 from runtime.tokenizer import Tokenizer
 
 import pytest
@@ -69,6 +76,14 @@ class FakeEngine:
                 sampling.append(span.seq_id)
         self.queued.append((self._num_steps, sampling))
 
+    def _logprob(self, row: list[Any]) -> TokenLogprob | None:
+        """When asked: -n/1000 for the row's n-th token, so order and gaps show."""
+        num_top = row[0].sampling.logprobs
+        if num_top is None:
+            return None
+        logprob = -row[1] / 1000
+        return TokenLogprob(logprob, ((self.token, logprob),) * num_top)
+
     def collect(self) -> list[StepOutcome]:
         step, ids = self.queued.popleft()
         self.calls.append(("collect", step))
@@ -86,7 +101,7 @@ class FakeEngine:
                 continue
             row[1] += 1
             finish = FinishCause.LENGTH if row[1] >= row[0].max_tokens else None
-            outcomes.append(StepOutcome(seq_id, self.token, finish))
+            outcomes.append(StepOutcome(seq_id, self.token, finish, logprob=self._logprob(row)))
         return outcomes
 
     @property
@@ -131,7 +146,11 @@ def pipeline():
         engine = FakeEngine(max_batch=max_batch, **engine_args)
         pool = BlockPool(num_blocks=256, block_size=4)
         policy = FcfsScheduler(
-            max_batch, pool, engine.max_context, prefill_chunk=4, max_num_batched_tokens=max_batch + 4
+            max_batch,
+            pool,
+            engine.max_context,
+            prefill_chunk=4,
+            max_num_batched_tokens=max_batch + 4,
         )
         async with run_actors(
             InlineThread(), fake_loaded(), engine, policy, max_waiting, drain_timeout

@@ -207,3 +207,20 @@ async def test_a_reader_that_falls_behind_gets_its_text_coalesced_and_holds_up_n
     assert "".join(d.text for d in deltas) == demo_tokenizer.decode([engine.token] * 200)
     assert len(deltas) <= REPLY_BUFFER  # not one message per token
     assert deltas[-1].finish_reason == "length"
+
+
+async def test_a_reader_that_falls_behind_gets_every_logprob_entry_once_in_order(
+    pipeline, demo_tokenizer, autojump_clock
+):
+    async with pipeline() as (llm, engine):
+        slow = llm.generate([5, 6, 7], max_tokens=200, logprobs=2)
+        deltas = []
+        async with slow:
+            async for delta in slow:  # read, but far slower than tokens are made
+                deltas.append(delta)
+                await trio.sleep(0.05)
+    assert any(len(d.logprobs) > 1 for d in deltas[:-1])  # text deltas were coalesced
+    entries = [entry for delta in deltas for entry in delta.logprobs]
+    assert [entry.logprob for entry in entries] == [-n / 1000 for n in range(1, 201)]
+    token = demo_tokenizer.decode([engine.token], skip_special_tokens=False)
+    assert all(e.token == token and e.top == ((token, e.logprob),) * 2 for e in entries)

@@ -9,7 +9,7 @@ from runtime.kv.blocks import BlockPool
 from runtime.kv.paged import PagedKV
 from runtime.runner import run_offline
 from runtime.scheduler import FcfsScheduler
-from runtime.sequence import FinishCause, SequenceParams, StepBatch
+from runtime.sequence import FinishCause, SamplingParams, SequenceParams, StepBatch
 
 import mlx.core as mx
 import mlx_lm
@@ -362,3 +362,28 @@ def test_a_max_context_beyond_the_models_limit_is_an_error_not_a_silent_cap(make
     with pytest.raises(CadenceError, match="max_context 5000 is outside"):
         Engine(loaded, max_context=5000)
     assert Engine(loaded, max_context=1024).max_context == 1024
+
+
+def test_logprobs_leave_greedy_tokens_unchanged_and_top_the_list(make_checkpoint, monkeypatch):
+    """Greedy rows asking for logprobs get the same tokens; each token is the first of its
+    top list, with its logprob. A faulty row splits the forward, so the halves' logprobs
+    (one half asking for none) are joined too."""
+    engine = Engine(load_model(make_checkpoint("llama")), max_batch=4)
+    expected = generate(engine, PROMPT, max_tokens=10, ignore_eos=True)[0]
+    monkeypatch.setattr(engine, "_fault", (999, 3))
+    asking = {"a": 5, "b": 0, "c": None}
+    requests = {
+        rid: params(PROMPT, 10, ignore_eos=True, sampling=SamplingParams(logprobs=n))
+        for rid, n in asking.items()
+    }
+    requests["faulty"] = params([*PROMPT, 999], 10, ignore_eos=True)
+    got = run_offline(engine, policy_for(engine), requests)
+    assert got["faulty"].finish is FinishCause.ERROR
+    for rid, n in asking.items():
+        assert list(got[rid].tokens) == expected
+        assert len(got[rid].logprobs) == (0 if n is None else 10)
+    for entry, token in zip(got["a"].logprobs, expected, strict=True):
+        assert len(entry.top) == 5 and entry.top[0] == (token, entry.logprob)
+        assert entry.logprob == max(value for _, value in entry.top) and entry.logprob <= 0
+    assert all(entry.top == () for entry in got["b"].logprobs)
+    assert [e.logprob for e in got["b"].logprobs] == [e.logprob for e in got["a"].logprobs]

@@ -10,6 +10,7 @@ from runtime.sampling import RowSampler, apply_penalties, min_p_mask, sample, to
 from runtime.scheduler import FcfsScheduler
 from runtime.sequence import SamplingParams, SequenceParams
 
+import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -81,14 +82,14 @@ def test_logit_bias_and_greedy_rows_in_one_batch():
         RowSampler.create(SamplingParams(), [], 50),
         RowSampler.create(SamplingParams(temperature=1.0, top_k=1), [], 50),
     ]
-    tokens = sample(logits, rows).tolist()
+    tokens = sample(logits, rows).tokens.tolist()
     assert tokens == [7, int(LOGITS[1].argmax()), int(LOGITS[2].argmax())]
 
 
 def test_draws_follow_the_distribution():
     logits = mx.array(np.log(np.array([[0.7, 0.2, 0.1, 1e-9]], dtype=np.float32)))
     row = RowSampler.create(SamplingParams(temperature=1.0, seed=3), [], 4)
-    counts = collections.Counter(sample(logits, [row]).item() for _ in range(2000))
+    counts = collections.Counter(sample(logits, [row]).tokens.item() for _ in range(2000))
     assert counts[3] == 0
     assert abs(counts[0] / 2000 - 0.7) < 0.05 and abs(counts[2] / 2000 - 0.1) < 0.03
 
@@ -109,8 +110,10 @@ def test_sample_combines_temperature_top_k_top_p_and_min_p_as_numpy_does():
     probs = softmax(np.where(keep, scaled, -np.inf))
     keep &= probs >= min_p * probs.max()
     expected = softmax(np.where(keep, scaled, -np.inf))
-    row = RowSampler.create(SamplingParams(temperature=T, top_k=k, top_p=p, min_p=min_p, seed=11), [], 40)
-    draws = [sample(mx.array(logits), [row]).item() for _ in range(2000)]
+    row = RowSampler.create(
+        SamplingParams(temperature=T, top_k=k, top_p=p, min_p=min_p, seed=11), [], 40
+    )
+    draws = [sample(mx.array(logits), [row]).tokens.item() for _ in range(2000)]
     counts = np.bincount(draws, minlength=40) / 2000
     assert set(draws) <= set(np.flatnonzero(keep))
     assert 2 <= keep.sum() < 12  # the masks really bite
@@ -144,13 +147,72 @@ def test_seeded_row_is_reproducible_inside_any_batch(make_checkpoint, neighbours
     ][:neighbours]
     in_batch = run_rows(engine, [*others, seeded], prompt)[-1]
     assert in_batch == alone
-    different_seed = run_rows(engine, [SamplingParams(temperature=1.2, top_p=0.95, seed=4321)], prompt)[0]
+    different_seed = run_rows(
+        engine, [SamplingParams(temperature=1.2, top_p=0.95, seed=4321)], prompt
+    )[0]
     assert different_seed != alone
 
 
 def test_a_top_k_past_int32_keeps_every_token_instead_of_failing():
     def draw(**params):
         row = RowSampler.create(SamplingParams(temperature=1.0, seed=3, **params), [1], 50)
-        return sample(mx.array(LOGITS[:1]), [row]).item()
+        return sample(mx.array(LOGITS[:1]), [row]).tokens.item()
 
     assert draw(top_k=2**40) == draw()
+
+
+def log_softmax(x):
+    m = x[np.isfinite(x)].max()
+    return x - m - np.log(np.exp(x - m).sum())
+
+
+def test_logprobs_are_of_the_distribution_each_row_draws_from():
+    """A mixed batch: each asking row's token logprob and top N equal numpy's log-softmax
+    of its logits after the same processors; the other rows' tokens do not change."""
+    rows_params = [
+        SamplingParams(temperature=0.7, top_k=5, seed=1, logprobs=3),
+        SamplingParams(logit_bias=((7, 5.0),), logprobs=4),  # greedy: biased, unscaled
+        SamplingParams(temperature=1.0, seed=5, logprobs=0),
+        SamplingParams(temperature=0.9, seed=9),
+        SamplingParams(),
+    ]
+    logits = np.concatenate([LOGITS, LOGITS[:1]])  # [5, 50]
+    bias = np.zeros(50, dtype=np.float32)
+    bias[7] = 5.0
+    scaled0 = LOGITS[0] / 0.7
+    processed = {
+        0: np.where(scaled0 >= np.sort(scaled0)[-5], scaled0, -np.inf),
+        1: LOGITS[1] + bias,
+        2: LOGITS[2],
+    }
+
+    def run(params):
+        return sample(mx.array(logits), [RowSampler.create(p, [], 50) for p in params])
+
+    got = run(rows_params)
+    tokens = got.tokens.tolist()
+    assert got.logprobs is not None
+    token_logprob = np.array(got.logprobs.token)
+    top_ids, top = np.array(got.logprobs.top_ids), np.array(got.logprobs.top)
+    for i, want in processed.items():
+        want_logprobs = log_softmax(want)
+        n = rows_params[i].logprobs
+        np.testing.assert_allclose(token_logprob[i], want_logprobs[tokens[i]], rtol=1e-5)
+        assert list(top_ids[i, :n]) == list(np.argsort(-want_logprobs)[:n])
+        np.testing.assert_allclose(top[i, :n], np.sort(want_logprobs)[::-1][:n], rtol=1e-5)
+    assert np.isneginf(log_softmax(processed[0])).sum() == 45  # top-k really bites
+    assert top_ids.shape == (5, 4)
+    without = run([attrs.evolve(p, logprobs=None) for p in rows_params])
+    assert without.logprobs is None
+    assert without.tokens.tolist() == tokens
+
+
+def test_logprobs_of_an_all_greedy_batch_cost_nothing_unless_asked():
+    rows = [RowSampler.create(SamplingParams(), [], 50) for _ in range(2)]
+    assert sample(mx.array(LOGITS[:2]), rows).logprobs is None
+    rows[1] = RowSampler.create(SamplingParams(logprobs=2), [], 50)
+    got = sample(mx.array(LOGITS[:2]), rows)
+    assert got.logprobs is not None
+    np.testing.assert_allclose(
+        np.array(got.logprobs.top)[1], np.sort(log_softmax(LOGITS[1]))[::-1][:2], rtol=1e-5
+    )

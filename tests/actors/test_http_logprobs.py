@@ -1,0 +1,141 @@
+"""Logprobs through real HTTP, read by the official openai client: OpenAI's chat and
+completions shapes, streamed and not, and the requests that are refused."""
+
+import math
+
+import openai
+import pytest
+
+from tests.actors.test_http import in_thread, request, serving
+
+MESSAGES = [{"role": "user", "content": "Say something."}]
+MAX_TOKENS = 8
+
+
+def chat_entries(server, stream, **body):
+    """(each token's entry as a dict, completion_tokens), streamed or not."""
+    client = server.client()
+    args = dict(model=server.model, messages=MESSAGES, max_tokens=MAX_TOKENS, **body)
+    if not stream:
+        done = client.chat.completions.create(**args)
+        return [
+            e.model_dump() for e in done.choices[0].logprobs.content
+        ], done.usage.completion_tokens
+    entries, usage = [], None
+    for chunk in client.chat.completions.create(
+        **args, stream=True, stream_options={"include_usage": True}
+    ):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                entries += [e.model_dump() for e in choice.logprobs.content]
+    return entries, usage.completion_tokens
+
+
+def completion_logprobs(server, stream, **body):
+    """(tokens, token_logprobs, top_logprobs, text_offset, text, completion_tokens)."""
+    client = server.client()
+    args = dict(model=server.model, prompt="Once upon", max_tokens=MAX_TOKENS, **body)
+    chunks = (
+        list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+        if stream
+        else [client.completions.create(**args)]
+    )
+    fields = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    text, usage = "", None
+    for chunk in chunks:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            text += choice.text
+            if choice.logprobs is not None:
+                for name, values in fields.items():
+                    values += getattr(choice.logprobs, name)
+    return *fields.values(), text, usage.completion_tokens
+
+
+async def test_chat_logprobs_streamed_equal_whole_in_openai_shape(tiny):
+    async with serving(tiny) as server:
+        whole, num_tokens = await in_thread(
+            chat_entries, server, False, logprobs=True, top_logprobs=3
+        )
+        streamed, _ = await in_thread(chat_entries, server, True, logprobs=True, top_logprobs=3)
+        bare, _ = await in_thread(chat_entries, server, False, logprobs=True)
+        plain = await in_thread(
+            server.client().chat.completions.create,
+            model=server.model,
+            messages=MESSAGES,
+            max_tokens=MAX_TOKENS,
+        )
+    assert plain.choices[0].logprobs is None
+    assert len(whole) == num_tokens > 0
+    assert streamed == whole
+    for entry in whole:  # greedy: the chosen token tops its list
+        assert len(entry["top_logprobs"]) == 3
+        assert entry["top_logprobs"][0]["logprob"] == entry["logprob"] <= 0
+        assert entry["bytes"] == list(entry["token"].encode())
+        values = [top["logprob"] for top in entry["top_logprobs"]]
+        assert values == sorted(values, reverse=True) and all(math.isfinite(v) for v in values)
+    assert [(e["token"], e["logprob"]) for e in bare] == [(e["token"], e["logprob"]) for e in whole]
+    assert all(e["top_logprobs"] == [] for e in bare)
+
+
+async def test_completion_logprobs_streamed_equal_whole_in_openai_shape(tiny):
+    async with serving(tiny) as server:
+        whole = await in_thread(completion_logprobs, server, False, logprobs=2)
+        streamed = await in_thread(completion_logprobs, server, True, logprobs=2)
+    assert streamed == whole
+    tokens, token_logprobs, top_logprobs, text_offset, text, num_tokens = whole
+    assert len(tokens) == len(token_logprobs) == len(top_logprobs) == num_tokens > 0
+    assert text_offset == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    for token, logprob, top in zip(tokens, token_logprobs, top_logprobs, strict=True):
+        assert 1 <= len(top) <= 3 and top[token] == logprob == max(top.values())
+
+
+async def test_sampled_rows_report_logprobs_of_their_masked_distribution(tiny):
+    async with serving(tiny) as server:
+        entries, num_tokens = await in_thread(
+            chat_entries,
+            server,
+            False,
+            logprobs=True,
+            top_logprobs=5,
+            temperature=0.7,
+            extra_body={"top_k": 2},
+            seed=3,
+        )
+    assert len(entries) == num_tokens
+    for entry in entries:  # two tokens survive top-k; the rest are OpenAI's "very unlikely"
+        values = [top["logprob"] for top in entry["top_logprobs"]]
+        assert all(v > -9999.0 for v in values[:2]) and values[2:] == [-9999.0] * 3
+        assert math.isclose(sum(math.exp(v) for v in values[:2]), 1.0, rel_tol=1e-4)
+
+
+BAD = [
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": 3}, "logprobs"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/completions", {"logprobs": 2, "top_logprobs": 2}, "top_logprobs"),
+]
+
+
+async def test_bad_logprobs_fields_are_a_400_naming_them(tiny):
+    async with serving(tiny) as server:
+        for path, fields, param in BAD:
+            prompt = {"messages": MESSAGES} if "chat" in path else {"prompt": "hi"}
+            status, _, body = await in_thread(
+                request, server.url, "POST", path, {"model": server.model, **prompt, **fields}
+            )
+            assert (status, body["error"]["param"]) == (400, param), (fields, body)
+        with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+            await in_thread(
+                server.client().chat.completions.create,
+                model=server.model,
+                messages=MESSAGES,
+                top_logprobs=21,
+                logprobs=True,
+            )
