@@ -17,6 +17,7 @@ import logging
 import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from importlib import resources
 from typing import Any
 
 from runtime.errors import CadenceError
@@ -63,11 +64,11 @@ def create_app(
     api_keys: Sequence[str] = (),
     cors: CorsPolicy | None = None,
 ) -> QuartTrio:
-    """`api_keys`: when given, every route but /health and /openapi.json needs a Bearer key.
+    """`api_keys`: when given, every route but /, /health and /openapi.json needs a Bearer key.
 
     `cors`: the origins whose browser pages may call the API; none by default.
     """
-    app = QuartTrio("cadence", static_folder=None)  # no /static route: an API only
+    app = QuartTrio("cadence", static_folder=None)  # no /static route: the one page is at /
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     cors = cors or CorsPolicy()
     keys = tuple(key.encode() for key in api_keys)
@@ -109,6 +110,10 @@ def create_app(
         log.exception("unhandled error")
         return _error_response(ApiError(500, "internal server error", "server_error"))
 
+    @app.get("/")
+    async def playground() -> Response:
+        return Response(_PLAYGROUND, 200, mimetype="text/html", headers=_PAGE_HEADERS)
+
     @app.get("/health")
     async def health() -> Response:
         status = 200 if state.phase == "ready" else 503
@@ -124,6 +129,12 @@ def create_app(
             raise ApiError.from_error(ServiceClosedError("the server is loading"))
         body = generate_latest(state.llm.metrics.registry)
         return Response(body, 200, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    @app.get("/v1/cadence/stats")
+    async def stats() -> Response:
+        if state.llm is None:
+            raise ApiError.from_error(ServiceClosedError("the server is loading"))
+        return _json(server_stats(state.llm))
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -229,10 +240,35 @@ async def _collect(generation: Generation, writer: ChunkWriter) -> Response:
     return _json(whole)
 
 
-# Open without a key: /health for load balancers; /openapi.json describes the API, not
+def server_stats(llm: LLM) -> dict[str, Any]:
+    """The playground's live view: /metrics' own samples, as JSON (it polls every second)."""
+    registry, labels = llm.metrics.registry, {"model_name": llm.name}
+
+    def sample(name: str) -> float:
+        return registry.get_sample_value(f"cadence:{name}", labels) or 0.0
+
+    return {
+        "num_running": int(sample("num_requests_running")),
+        "num_waiting": int(sample("num_requests_waiting")),
+        "kv_cache_usage": sample("kv_cache_usage_perc"),  # 0 to 1
+        "generation_tokens_total": int(sample("generation_tokens_total")),
+    }
+
+
+# The page is static, so it is read once; the policy lets it run its own inline script and
+# call this server only, and no other site may frame it.
+_PLAYGROUND = (resources.files("actors") / "static" / "playground.html").read_bytes()
+_PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
+    "style-src 'unsafe-inline'; connect-src 'self'; frame-ancestors 'none'",
+    "Cache-Control": "no-cache",
+}
+
+# Open without a key: / is the playground page, whose own calls carry the key;
+# /health for load balancers; /openapi.json describes the API, not
 # its data, and a client needs it to learn how to authenticate. /metrics is not open
 # (vLLM's is): it reveals load and traffic, and Prometheus can send a bearer token.
-_OPEN_PATHS = frozenset({"/health", "/openapi.json"})
+_OPEN_PATHS = frozenset({"/", "/health", "/openapi.json"})
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 

@@ -312,6 +312,21 @@ _SCHEMAS: dict[str, Any] = {
         "required": ["status"],
         "properties": {"status": {"enum": ["loading", "ready", "draining"]}},
     },
+    "Stats": {
+        "type": "object",
+        "description": "the playground's live view; the same numbers as /metrics",
+        "required": ["num_running", "num_waiting", "kv_cache_usage", "generation_tokens_total"],
+        "properties": {
+            "num_running": {"type": "integer", "minimum": 0, "description": "in the batch"},
+            "num_waiting": {"type": "integer", "minimum": 0, "description": "queued or preempted"},
+            "kv_cache_usage": {"type": "number", "minimum": 0, "maximum": 1},
+            "generation_tokens_total": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "since start; its growth between polls is tokens/s",
+            },
+        },
+    },
 }
 
 
@@ -362,6 +377,15 @@ OPENAPI: dict[str, Any] = {
     # The key is optional: only a server started with --api-key checks it.
     "security": [{"bearerAuth": []}],
     "paths": {
+        "/": {
+            "get": {
+                "summary": "the playground: a chat page with the server's live stats",
+                "security": [],
+                "responses": {
+                    "200": {"description": "HTML", "content": {"text/html": {}}},
+                },
+            }
+        },
         "/health": {
             "get": {
                 "summary": "ready, or why not",
@@ -389,6 +413,16 @@ OPENAPI: dict[str, Any] = {
                         "description": "Prometheus text exposition format",
                         "content": {"text/plain": {"schema": {"type": "string"}}},
                     },
+                    "401": _ERRORS["401"],
+                    "503": _json("Error", "loading"),
+                },
+            }
+        },
+        "/v1/cadence/stats": {
+            "get": {
+                "summary": "running and waiting requests, KV usage, tokens generated",
+                "responses": {
+                    "200": _json("Stats", "now"),
                     "401": _ERRORS["401"],
                     "503": _json("Error", "loading"),
                 },

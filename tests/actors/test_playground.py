@@ -1,0 +1,122 @@
+"""The playground page at /: served without a key, its stats endpoint behind one, and a
+real headless Chromium (Debian's, driven by selenium through chromedriver) chatting with
+a real server on the tiny checkpoint. The browser test skips where Chromium is absent."""
+
+import contextlib
+import shutil
+import tempfile
+import urllib.request
+
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+
+from tests.actors.test_http import in_thread, request, serving
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+PAGE_IDS = ("model", "messages", "prompt", "send", "api-key", "temperature", "top-p")
+STATS = {"num_running", "num_waiting", "kv_cache_usage", "generation_tokens_total"}
+KEY = "playground-key"
+
+
+def get_page(url):
+    with urllib.request.urlopen(f"{url}/", timeout=30) as response:
+        return response.status, response.headers["Content-Type"], response.read().decode()
+
+
+async def test_the_page_is_open_and_the_stats_need_the_key(tiny):
+    async with serving(tiny, api_keys=(KEY,)) as server:
+        status, content_type, page = await in_thread(get_page, server.url)
+        assert status == 200 and content_type.startswith("text/html")
+        assert all(f'id="{name}"' in page for name in PAGE_IDS)
+        assert "innerHTML" not in page  # model text is only ever set as textContent
+        status, _, body = await in_thread(request, server.url, "GET", "/v1/cadence/stats")
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        auth = {"Authorization": f"Bearer {KEY}"}
+        status, _, body = await in_thread(
+            request, server.url, "GET", "/v1/cadence/stats", headers=auth
+        )
+    assert status == 200 and set(body) == STATS
+    assert body["num_running"] == body["num_waiting"] == body["generation_tokens_total"] == 0
+    assert 0 <= body["kv_cache_usage"] <= 1
+
+
+async def test_the_stats_count_generated_tokens(tiny):
+    async with serving(tiny) as server:
+        body = {"model": server.model, "prompt": "hi", "max_tokens": 5, "ignore_eos": True}
+        status, _, _ = await in_thread(request, server.url, "POST", "/v1/completions", body)
+        assert status == 200
+        _, _, stats = await in_thread(request, server.url, "GET", "/v1/cadence/stats")
+    assert stats["generation_tokens_total"] == 5
+
+
+@contextlib.contextmanager
+def chromium():
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    # Without the background-networking flags Chromium stalls on a closed network.
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+    ):
+        options.add_argument(flag)
+    with tempfile.TemporaryDirectory() as profile:
+        options.add_argument(f"--user-data-dir={profile}")
+        driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+        try:
+            yield driver
+        finally:
+            driver.quit()
+
+
+def chat_in_the_browser(url):
+    """Type the key and a message, send it; returns what the page shows once text streamed."""
+    with chromium() as driver:
+        driver.get(f"{url}/")
+        key = driver.find_element(By.ID, "api-key")
+        key.send_keys(KEY)
+        driver.execute_script("arguments[0].dispatchEvent(new Event('change'))", key)
+        wait = WebDriverWait(driver, 20)
+        wait.until(lambda d: d.find_element(By.ID, "stat-running").text.isdigit())
+        for name, value in (
+            ("temperature", "0"),
+            ("max-tokens", "16"),
+        ):  # greedy: the same reply each run
+            driver.find_element(By.ID, name).clear()
+            driver.find_element(By.ID, name).send_keys(value)
+        driver.find_element(By.ID, "prompt").send_keys("Tell me about Python.")
+        driver.find_element(By.ID, "send").click()
+        reply = ".assistant .content"
+        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, reply).text.strip())
+        wait.until(lambda d: d.find_element(By.ID, "send").is_enabled())  # the stream ended
+        wait.until(lambda d: d.find_element(By.ID, "stat-tps").text not in ("–", "?"))
+        return {
+            "model": driver.find_element(By.ID, "model").text,
+            "reply": driver.find_element(By.CSS_SELECTOR, ".assistant").get_attribute("class"),
+            "text": driver.find_element(By.CSS_SELECTOR, reply).text,
+            "running": driver.find_element(By.ID, "stat-running").text,
+            "tps": driver.find_element(By.ID, "stat-tps").text,
+        }
+
+
+@pytest.mark.skipif(
+    CHROMIUM is None or CHROMEDRIVER is None,
+    reason="needs chromium and chromedriver (Debian: apt-get install chromium chromium-driver)",
+)
+async def test_a_browser_chats_with_streaming_and_sees_the_stats(tiny):
+    async with serving(tiny, api_keys=(KEY,)) as server:
+        shown = await in_thread(chat_in_the_browser, server.url)
+        model = server.model
+    assert shown["model"] == model
+    assert shown["text"] and "error" not in shown["reply"], shown
+    assert shown["running"].isdigit()
+    float(shown["tps"])  # a number
