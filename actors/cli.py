@@ -25,7 +25,8 @@ import trio
 
 from actors import bench, timeline
 from actors.cors import CorsPolicy, parse_origins
-from actors.http_app import ServerState, create_app, serve_http
+from actors.http_app import ServerState, create_app
+from actors.http_server import serve_http
 from actors.service import open_llm
 from actors.tracing import LEVELS, configure_logging
 from kernels.blas import active_blas

@@ -36,7 +36,8 @@ import attrs
 import h11
 import trio
 
-from actors.http_app import ServerState, create_app, serve_http
+from actors.http_app import ServerState, create_app
+from actors.http_server import serve_http
 from actors.service import LLM, open_llm
 
 FAULT_TOKEN = 50  # healthy prompts use ids from 100 up

@@ -13,7 +13,8 @@ import trio
 import actors
 from actors import bench_serve, loadgen
 from actors.bench_model import Floor, count_parameters
-from actors.http_app import ServerState, create_app, serve_http
+from actors.http_app import ServerState, create_app
+from actors.http_server import serve_http
 from actors.loadgen import (
     Outcome,
     Request,

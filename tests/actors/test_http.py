@@ -16,7 +16,8 @@ import trio
 from structlog.testing import capture_logs
 
 import actors
-from actors.http_app import ServerState, create_app, serve_http
+from actors.http_app import ServerState, create_app
+from actors.http_server import serve_http
 
 
 @attrs.frozen

@@ -17,7 +17,8 @@ import trio
 from schemathesis import GenerationMode
 
 import actors
-from actors.http_app import ServerState, create_app, serve_http
+from actors.http_app import ServerState, create_app
+from actors.http_server import serve_http
 from actors.openapi import OPENAPI
 
 API_KEY = "fuzz-key"

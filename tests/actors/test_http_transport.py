@@ -18,7 +18,8 @@ import pytest
 import trio
 
 from actors.cors import CorsPolicy, parse_origins
-from actors.http_app import ServerState, create_app, serve_http
+from actors.http_app import ServerState, create_app
+from actors.http_server import serve_http
 
 LIMIT = 1000  # max body bytes of the test server
 

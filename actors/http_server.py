@@ -1,0 +1,129 @@
+"""The HTTP server around the app: Hypercorn in our nursery, and the ASGI wrappers that
+make its connection handling right (an early answer closes; a drain waits for requests
+in flight). The routes are actors/http_app.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+
+async def serve_http(
+    app: Any,  # the ASGI app: create_app's
+    host: str,
+    port: int,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[None]],
+    graceful_timeout: float = 30.0,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run Hypercorn until `shutdown_trigger` returns; reports the bound URLs on start.
+
+    On shutdown it stops accepting, gives in-flight requests `graceful_timeout`
+    seconds, then cancels what is left (which aborts their rows) and returns. It does
+    not wait out the timeout for idle keep-alive connections: Hypercorn does not
+    close a connection whose response was in flight when shutdown began.
+    """
+    tracked = _InFlight(_CloseAfterEarlyResponse(app))
+    config = Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.graceful_timeout = graceful_timeout
+    config.accesslog = None
+    config.errorlog = logging.getLogger("cadence.hypercorn")  # silent unless the app configures it
+    stopping = trio.Event()
+
+    async def trigger() -> None:
+        await shutdown_trigger()
+        stopping.set()
+
+    async with trio.open_nursery() as nursery:
+
+        async def cut_off_after_drain() -> None:
+            await stopping.wait()
+            with trio.move_on_after(graceful_timeout):
+                await tracked.wait_idle()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(cut_off_after_drain)
+        await serve(tracked, config, shutdown_trigger=trigger, task_status=task_status)
+        nursery.cancel_scope.cancel()
+
+
+class _CloseAfterEarlyResponse:
+    """ASGI wrapper: a response sent before its request body was read closes the connection.
+
+    An early answer (413, 401, a 404 or 405 on a POST) leaves the rest of the body on
+    the wire, where it would be read as the next request; so the response says
+    `Connection: close` and Hypercorn closes after it. The final send is shielded
+    because Quart cancels the handler as soon as the disconnect that follows it
+    arrives: unshielded, that cancellation lands inside Hypercorn's close, the socket
+    stays open, and the client's next request on it waits forever. The same race made
+    a client's own `Connection: close` leave the socket open.
+    """
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        is_body_read = not _has_body(scope["headers"])
+
+        async def tracked_receive() -> Any:
+            nonlocal is_body_read
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                is_body_read = True
+            return message
+
+        async def guarded_send(message: Any) -> None:
+            if message["type"] == "http.response.start" and not is_body_read:
+                headers = [*message.get("headers", ()), (b"connection", b"close")]
+                message = {**message, "headers": headers}
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+                return
+            await send(message)
+
+        await self.app(scope, tracked_receive, guarded_send)
+
+
+def _has_body(headers: Sequence[tuple[bytes, bytes]]) -> bool:
+    for name, value in headers:
+        name = name.lower()
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
+            return True
+    return False
+
+
+class _InFlight:
+    """ASGI wrapper counting HTTP requests until their response is fully sent."""
+
+    def __init__(self, app: Any):
+        self.app = app
+        self.num_requests = 0
+        self._idle = trio.Event()
+        self._idle.set()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.num_requests == 0:
+            self._idle = trio.Event()
+        self.num_requests += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.num_requests -= 1
+            if self.num_requests == 0:
+                self._idle.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
