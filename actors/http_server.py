@@ -5,8 +5,10 @@ in flight). The routes are actors/http_app.py's.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
@@ -53,6 +55,29 @@ async def serve_http(
         nursery.start_soon(cut_off_after_drain)
         await serve(tracked, config, shutdown_trigger=trigger, task_status=task_status)
         nursery.cancel_scope.cancel()
+
+
+@contextlib.asynccontextmanager
+async def serving_on_loopback(app: Any, *, graceful_timeout: float = 30.0) -> AsyncIterator[str]:
+    """`app` served on 127.0.0.1 at a free port while the block runs; yields its URL.
+
+    For the soak, the benchmarks and the tests: a real server in the caller's event loop.
+    """
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        run = functools.partial(
+            serve_http,
+            app,
+            "127.0.0.1",
+            0,
+            shutdown_trigger=stop.wait,
+            graceful_timeout=graceful_timeout,
+        )
+        (url,) = await nursery.start(run)
+        try:
+            yield url
+        finally:
+            stop.set()
 
 
 class _CloseAfterEarlyResponse:

@@ -127,6 +127,32 @@ _STREAM_OPTIONS_NEED_STREAM = {
 
 _TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
 
+
+def _completion_schema(kind: str, field: str, field_schema: dict[str, Any]) -> dict[str, Any]:
+    """A whole (non-streamed) response whose choices carry `field` ("message" or "text")."""
+    choice = {
+        "type": "object",
+        "required": ["index", field, "finish_reason"],
+        "properties": {
+            "index": {"type": "integer"},
+            field: field_schema,
+            "finish_reason": {"enum": ["stop", "length"]},
+        },
+    }
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": kind},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": choice},
+            "usage": {"$ref": _REF + "Usage"},
+        },
+    }
+
+
 _SCHEMAS: dict[str, Any] = {
     "Error": {
         "type": "object",
@@ -234,59 +260,16 @@ _SCHEMAS: dict[str, Any] = {
             },
         },
     },
-    "ChatCompletion": {
-        "type": "object",
-        "required": ["id", "object", "created", "model", "choices", "usage"],
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"const": "chat.completion"},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "choices": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "required": ["index", "message", "finish_reason"],
-                    "properties": {
-                        "index": {"type": "integer"},
-                        "message": {
-                            "type": "object",
-                            "required": ["role", "content"],
-                            "properties": {
-                                "role": {"const": "assistant"},
-                                "content": {"type": "string"},
-                            },
-                        },
-                        "finish_reason": {"enum": ["stop", "length"]},
-                    },
-                },
-            },
-            "usage": {"$ref": _REF + "Usage"},
+    "ChatCompletion": _completion_schema(
+        "chat.completion",
+        "message",
+        {
+            "type": "object",
+            "required": ["role", "content"],
+            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
         },
-    },
-    "Completion": {
-        "type": "object",
-        "required": ["id", "object", "created", "model", "choices", "usage"],
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"const": "text_completion"},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "choices": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "required": ["index", "text", "finish_reason"],
-                    "properties": {
-                        "index": {"type": "integer"},
-                        "text": {"type": "string"},
-                        "finish_reason": {"enum": ["stop", "length"]},
-                    },
-                },
-            },
-            "usage": {"$ref": _REF + "Usage"},
-        },
-    },
+    ),
+    "Completion": _completion_schema("text_completion", "text", {"type": "string"}),
     "ModelList": {
         "type": "object",
         "required": ["object", "data"],

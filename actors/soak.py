@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import random
@@ -37,7 +36,7 @@ import h11
 import trio
 
 from actors.http_app import ServerState, create_app
-from actors.http_server import serve_http
+from actors.http_server import serving_on_loopback
 from actors.service import LLM, open_llm
 
 FAULT_TOKEN = 50  # healthy prompts use ids from 100 up
@@ -114,19 +113,13 @@ async def run_soak(config: SoakConfig) -> SoakReport:
 async def _serving(config: SoakConfig) -> AsyncIterator[tuple[LLM, int]]:
     """The real server on a loopback port, with the fault hook armed for its engine."""
     state = ServerState()
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        run = functools.partial(
-            serve_http, create_app(state), "127.0.0.1", 0, shutdown_trigger=stop.wait
-        )
-        (url,) = await nursery.start(run)
-        async with contextlib.AsyncExitStack() as stack:
-            with _fault_hook():  # armed only while the engine is built: it reads it once
-                state.llm = await stack.enter_async_context(
-                    open_llm(config.model, max_batch=16, max_waiting=64)
-                )
-            yield state.llm, int(url.rsplit(":", 1)[1])
-        stop.set()
+    async with contextlib.AsyncExitStack() as stack:
+        url = await stack.enter_async_context(serving_on_loopback(create_app(state)))
+        with _fault_hook():  # armed only while the engine is built: it reads it once
+            state.llm = await stack.enter_async_context(
+                open_llm(config.model, max_batch=16, max_waiting=64)
+            )
+        yield state.llm, int(url.rsplit(":", 1)[1])
 
 
 @contextlib.contextmanager

@@ -2,7 +2,6 @@
 
 import argparse
 import contextlib
-import functools
 import json
 import random
 
@@ -14,7 +13,7 @@ import actors
 from actors import bench_serve, loadgen
 from actors.bench_model import Floor, count_parameters
 from actors.http_app import ServerState, create_app
-from actors.http_server import serve_http
+from actors.http_server import serving_on_loopback
 from actors.loadgen import (
     Outcome,
     Request,
@@ -30,16 +29,12 @@ from actors.loadgen import (
 @contextlib.asynccontextmanager
 async def serving(checkpoint):
     state = ServerState()
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        run = functools.partial(
-            serve_http, create_app(state), "127.0.0.1", 0, shutdown_trigger=stop.wait
-        )
-        (url,) = await nursery.start(run)
-        async with actors.open_llm(checkpoint, max_batch=4) as llm:
-            state.llm = llm
-            yield url
-            stop.set()
+    async with (
+        serving_on_loopback(create_app(state), graceful_timeout=0.1) as url,
+        actors.open_llm(checkpoint, max_batch=4) as llm,
+    ):
+        state.llm = llm
+        yield url
 
 
 async def bench(tmp_path, *argv):

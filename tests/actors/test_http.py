@@ -17,7 +17,7 @@ from structlog.testing import capture_logs
 
 import actors
 from actors.http_app import ServerState, create_app
-from actors.http_server import serve_http
+from actors.http_server import serving_on_loopback
 
 
 @attrs.frozen
@@ -42,16 +42,12 @@ async def serving(
     app = create_app(state, max_body_bytes=max_body_bytes, api_keys=api_keys)
     if response_timeout is not None:
         app.config["RESPONSE_TIMEOUT"] = response_timeout
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        run = functools.partial(
-            serve_http, app, "127.0.0.1", 0, shutdown_trigger=stop.wait, graceful_timeout=0.1
-        )
-        (url,) = await nursery.start(run)
-        async with actors.open_llm(checkpoint, **llm_args) as llm:
-            state.llm = llm
-            yield Server(url, llm, state)
-            stop.set()
+    async with (
+        serving_on_loopback(app, graceful_timeout=0.1) as url,
+        actors.open_llm(checkpoint, **llm_args) as llm,
+    ):
+        state.llm = llm
+        yield Server(url, llm, state)
 
 
 async def in_thread(fn, *args, **kwargs):
@@ -105,20 +101,13 @@ async def test_models_and_health(tiny):
 
 
 async def test_health_is_503_while_loading():
-    state = ServerState()
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        run = functools.partial(
-            serve_http, create_app(state), "127.0.0.1", 0, shutdown_trigger=stop.wait
-        )
-        (url,) = await nursery.start(run)
+    async with serving_on_loopback(create_app(ServerState()), graceful_timeout=0.1) as url:
         status, _, body = await in_thread(request, url, "GET", "/health")
         assert (status, body) == (503, {"status": "loading"})
         status, _, body = await in_thread(
             request, url, "POST", "/v1/completions", {"model": "x", "prompt": "hi"}
         )
         assert status == 503 and body["error"]["code"] == "unavailable"
-        stop.set()
 
 
 async def test_chat_streaming_and_not_agree_and_chunks_follow_openai(tiny):

@@ -18,7 +18,7 @@ from schemathesis import GenerationMode
 
 import actors
 from actors.http_app import ServerState, create_app
-from actors.http_server import serve_http
+from actors.http_server import serving_on_loopback
 from actors.openapi import OPENAPI
 
 API_KEY = "fuzz-key"
@@ -35,16 +35,12 @@ async def serving(checkpoint):
     """A real server on a loopback port, with an API key; yields (url, model name)."""
     state = ServerState()
     app = create_app(state, max_body_bytes=1 << 16, api_keys=(API_KEY,))
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        run = functools.partial(
-            serve_http, app, "127.0.0.1", 0, shutdown_trigger=stop.wait, graceful_timeout=0.1
-        )
-        (url,) = await nursery.start(run)
-        async with actors.open_llm(checkpoint) as llm:
-            state.llm = llm
-            yield url, llm.name
-            stop.set()
+    async with (
+        serving_on_loopback(app, graceful_timeout=0.1) as url,
+        actors.open_llm(checkpoint) as llm,
+    ):
+        state.llm = llm
+        yield url, llm.name
 
 
 def load_schema(url):

@@ -7,7 +7,6 @@ unless origins are named, and then only those origins get the headers.
 """
 
 import contextlib
-import functools
 import socket
 import time
 
@@ -19,7 +18,7 @@ import trio
 
 from actors.cors import CorsPolicy, parse_origins
 from actors.http_app import ServerState, create_app
-from actors.http_server import serve_http
+from actors.http_server import serving_on_loopback
 
 LIMIT = 1000  # max body bytes of the test server
 
@@ -28,14 +27,8 @@ LIMIT = 1000  # max body bytes of the test server
 async def loading_server(**app_args):
     """A server whose model is still loading: every route answers without an engine."""
     app = create_app(ServerState(), max_body_bytes=LIMIT, **app_args)
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        run = functools.partial(
-            serve_http, app, "127.0.0.1", 0, shutdown_trigger=stop.wait, graceful_timeout=0.1
-        )
-        (url,) = await nursery.start(run)
+    async with serving_on_loopback(app, graceful_timeout=0.1) as url:
         yield int(url.rsplit(":", 1)[1])
-        stop.set()
 
 
 def post_head(path, length, *extra):
