@@ -7,7 +7,9 @@ Engine; it owns the KV block pool, so admission sees memory directly.
 Requests are ranked by (priority, arrival): lower priority values first, then first
 come, first served. Each step, in order:
   1. admit waiting requests by rank while a row is free (`max_batch`) and the pool
-     can hold the prompt; a cached prefix is taken instead of recomputed;
+     can hold the prompt; a cached prefix is taken instead of recomputed, and a
+     request whose next prompt block a running one is computing waits for it to be
+     cached (so n choices of one prompt compute it once);
   2. fill the step's token budget (`max_num_batched_tokens`): every decoding row
      first, one token each, then prefilling rows a chunk each (`prefill_chunk`) from
      what the budget has left: by priority, then fewest prompt tokens left first, so
@@ -278,21 +280,26 @@ class FcfsScheduler:
 
     def _admit(self) -> list[tuple[str, SequenceParams, int]]:
         opens = []
-        while self.waiting and len(self.running) < self.max_batch:
-            request = self.waiting[0]
+        computing = self._prefixes_in_progress()
+        index = 0  # the first waiting request not held back
+        while index < len(self.waiting) and len(self.running) < self.max_batch:
+            request = self.waiting[index]
             # Leave the last known token to compute: its logits give the next token.
             num_lookup = (len(request.tokens) - 1) // self.pool.block_size
             hits = self.pool.match_prefix(request.block_hashes[:num_lookup])
+            if self._is_held(request, len(hits), num_lookup, computing):
+                index += 1  # its next block will be cached soon: take it from there
+                continue
             needed = self.pool.blocks_for(len(request.tokens) + 1) - len(hits)
             if needed + len(hits) > self.pool.num_blocks:  # admission should have refused it
-                self.waiting.pop(0)
+                self.waiting.pop(index)
                 self.pending_rejects.append((request.request_id, self._too_large(request)))
                 continue
             if needed + self._committed() > self.pool.num_free_blocks - self.pool.num_evictable(
                 hits
             ):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             self.pool.take_cached(hits, num_lookup)
             request.blocks = hits
             request.num_computed = request.num_kv_done = len(hits) * self.pool.block_size
@@ -302,7 +309,44 @@ class FcfsScheduler:
                 request.num_cached_tokens = request.num_computed
                 opens.append((request.request_id, request.params, request.num_computed))
             self.running[request.request_id] = request
+            self._note_in_progress(request, computing)
         return opens
+
+    def _prefixes_in_progress(self) -> dict[bytes, int]:
+        """Prompt blocks running requests are computing and have not yet cached: each
+        block's hash -> the best (lowest) priority among them.
+
+        A waiting request whose next uncached block is one of these is held back until it
+        is cached, then admitted as a prefix hit: n choices of one prompt (or requests
+        arriving together with a shared system prompt) compute the shared blocks once,
+        and each recomputes only its last, partial block. Only behind a request of its
+        own priority or better, which gets the step budget first, so holding never
+        inverts priorities."""
+        computing: dict[bytes, int] = {}
+        if self.pool.is_caching and self.waiting:
+            for request in self.running.values():
+                self._note_in_progress(request, computing)
+        return computing
+
+    def _is_held(
+        self,
+        request: ScheduledRequest,
+        num_hits: int,
+        num_lookup: int,
+        computing: dict[bytes, int],
+    ) -> bool:
+        """Its next uncached block is being computed by a running request that ranks no lower."""
+        if num_hits >= min(num_lookup, len(request.block_hashes)):
+            return False
+        best = computing.get(request.block_hashes[num_hits])
+        return best is not None and best <= request.params.priority
+
+    def _note_in_progress(self, request: ScheduledRequest, computing: dict[bytes, int]) -> None:
+        if not self.pool.is_caching:
+            return
+        priority = request.params.priority
+        for block_hash in request.block_hashes[request.num_published :]:
+            computing[block_hash] = min(computing.get(block_hash, priority), priority)
 
     def _too_large(self, request: ScheduledRequest) -> str:
         capacity = self.pool.num_blocks * self.pool.block_size

@@ -97,7 +97,7 @@ def test_with_no_row_decoding_a_step_takes_the_larger_solo_budget():
     # Still nobody decoding; the prompt with fewer tokens left goes first.
     assert spans(p.schedule()) == [("short", 0, 2), ("long", 16, 14)]
     assert spans(p.schedule()) == [("short", 2, 1), ("long", 30, 6)]  # a row decodes: 6s
-    p.add("x", params(12))
+    p.add("x", params(12, first=100))  # no prefix in common with long
     # long has 4 tokens left, x 12: long's last chunk, then x's from what is left.
     assert spans(p.schedule()) == [("short", 3, 1), ("long", 36, 4), ("x", 0, 5)]
 
@@ -119,14 +119,14 @@ def test_a_short_prompt_behind_a_long_one_gets_its_first_token_within_two_steps(
 def test_the_budget_is_shared_oldest_first():
     p = policy(max_batch=3, chunk=8, budget=10)
     p.add("a", params(9))
-    p.add("b", params(9))
+    p.add("b", params(9, first=100))  # unrelated prompts: neither waits for the other's blocks
     assert spans(p.schedule()) == [("a", 0, 8), ("b", 0, 2)]
 
 
 def test_no_span_samples_past_max_tokens_or_the_context_bound():
     p = policy(max_context=12)
     p.add("capped", params(4, max_tokens=2))
-    p.add("context", params(9, max_tokens=None))
+    p.add("context", params(9, max_tokens=None, first=100))
     plans = [p.schedule() for _ in range(6)]
     capped = [s for plan in plans if plan for s in plan.spans if s.request_id == "capped"]
     context = [s for plan in plans if plan for s in plan.spans if s.request_id == "context"]
