@@ -17,7 +17,7 @@ from pathlib import Path
 import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
 from runtime.checkpoint import DEMO_CHECKPOINT
 from runtime.config import config_from_dict
-from runtime.models.decoder import Decoder
+from runtime.models import build_model
 
 import attrs
 import mlx.core as mx
@@ -50,7 +50,7 @@ def bench_checkpoint(root: Path, vocab_size: int = SERVING_VOCAB) -> Path:
     if (path / "model.safetensors").exists():
         return path
     mx.random.seed(0)
-    model = Decoder(config_from_dict(config))
+    model = build_model(config_from_dict(config))
     shapes: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     weights = {
         k: (mx.random.normal(v.shape) * (1.0 if k.endswith("norm.weight") else 0.02)).astype(

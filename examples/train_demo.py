@@ -28,7 +28,8 @@ from pydoc_data.topics import topics
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from runtime.config import config_from_dict
-from runtime.models.decoder import Decoder
+from runtime.models import build_model
+from runtime.models.layers import CausalLM
 from runtime.synth import (
     DEMO_DIR,
     SPECIAL_TOKENS,
@@ -144,7 +145,7 @@ def split_stream(ids: list[int], block: int, every: int) -> tuple[mx.array, mx.a
     return mx.array(train, dtype=mx.int32), mx.array(val, dtype=mx.int32)
 
 
-def init_weights(model: Decoder, seed: int) -> None:
+def init_weights(model: CausalLM, seed: int) -> None:
     """GPT-2 style: N(0, 0.02), residual outputs scaled by depth, norms at 1."""
     params = tree_flatten(model.parameters())
     keys = mx.random.split(mx.random.key(seed), len(params))
@@ -159,13 +160,13 @@ def init_weights(model: Decoder, seed: int) -> None:
     model.load_weights(new)
 
 
-def loss_fn(model: Decoder, batch: mx.array) -> mx.array:
+def loss_fn(model: CausalLM, batch: mx.array) -> mx.array:
     logits = model(batch[:, :-1])
     return nn.losses.cross_entropy(logits, batch[:, 1:], reduction="mean")
 
 
 def greedy(
-    model: Decoder, tokenizer: Tokenizer, prompt: str, max_tokens: int, stop: set[int]
+    model: CausalLM, tokenizer: Tokenizer, prompt: str, max_tokens: int, stop: set[int]
 ) -> str:
     ids = tokenizer.encode(prompt).ids
     new: list[int] = []
@@ -208,7 +209,7 @@ def main() -> None:
         dtype="float16",
         **MODEL_SHAPE,
     )
-    model = Decoder(config_from_dict(raw))
+    model = build_model(config_from_dict(raw))
     init_weights(model, args.seed)
     num_params = sum(p.size for _, p in tree_flatten(model.parameters()))
     print(f"model: {num_params / 1e6:.2f}M parameters")

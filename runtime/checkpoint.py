@@ -1,4 +1,4 @@
-"""Load a Hugging Face / mlx-community checkpoint into a `Decoder`, checking every tensor.
+"""Load a Hugging Face / mlx-community checkpoint into a `CausalLM`, checking every tensor.
 
 A checkpoint is data only: config.json, *.safetensors (optionally sharded with
 model.safetensors.index.json) and the tokenizer files. Nothing in it is executed.
@@ -14,9 +14,11 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
-from runtime.config import ModelConfig, load_config
+from runtime.config import ModelConfig, config_from_dict, load_config
 from runtime.errors import CheckpointError
-from runtime.models.decoder import Decoder
+from runtime.gguf import is_gguf_file, read_gguf
+from runtime.models import build_model, rename_weights
+from runtime.models.layers import CausalLM
 from runtime.tokenizer import Tokenizer
 
 import attrs
@@ -30,7 +32,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed, never loaded
 
 @attrs.frozen
 class LoadedModel:
-    model: Decoder
+    model: CausalLM
     config: ModelConfig
     tokenizer: Tokenizer
     path: Path
@@ -53,9 +55,14 @@ def load_model(
     progress = on_progress or (lambda message: None)
     path, name = resolve_checkpoint(model, offline=offline)
     progress(f"reading {path}")
-    config = load_config(path)
-    tokenizer = Tokenizer.from_dir(path)
-    weights = read_weights(path, progress)
+    if is_gguf_file(path):
+        checkpoint = read_gguf(path, progress)
+        config = config_from_dict(checkpoint.config, source=str(path))
+        tokenizer, weights = checkpoint.tokenizer, checkpoint.weights
+    else:
+        config = load_config(path)
+        tokenizer = Tokenizer.from_dir(path)
+        weights = read_weights(path, progress)
     decoder = build_decoder(config, weights, source=str(path))
     if _should_upcast(keep_dtype, decoder):
         progress("expanding weights to float32 for the CPU")
@@ -67,15 +74,18 @@ def load_model(
 
 
 def resolve_checkpoint(model: str | Path | None, *, offline: bool = False) -> tuple[Path, str]:
-    """A local directory, or a Hugging Face repo id looked up in (or fetched to) its cache."""
+    """A local directory or GGUF file, or a Hugging Face repo id looked up in (or fetched
+    to) its cache."""
     if model is None:
         return DEMO_CHECKPOINT, "cadence-demo"
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or is_gguf_file(path):
         return path.resolve(), path.name
     text = str(model)
     if path.exists():
-        raise CheckpointError(f"{text}: not a checkpoint directory")
+        raise CheckpointError(f"{text}: not a checkpoint directory or a GGUF file")
+    if text.endswith(".gguf"):
+        raise CheckpointError(f"{text}: no such file")
     if text.count("/") != 1 or text.startswith((".", "/", "~")):
         raise CheckpointError(f"{text}: no such directory, and not a Hugging Face repo id")
     try:
@@ -149,9 +159,10 @@ def _check_safetensors(file: Path) -> None:
             )
 
 
-def build_decoder(config: ModelConfig, weights: dict[str, mx.array], source: str) -> Decoder:
+def build_decoder(config: ModelConfig, weights: dict[str, mx.array], source: str) -> CausalLM:
     """Instantiate the model for `config` and load `weights`, checking names and shapes."""
-    decoder = Decoder(config)
+    decoder = build_model(config)
+    weights = rename_weights(config, weights)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     if config.quantization is not None:
@@ -182,7 +193,7 @@ def build_decoder(config: ModelConfig, weights: dict[str, mx.array], source: str
     return decoder
 
 
-def _should_upcast(keep_dtype: bool, decoder: Decoder) -> bool:
+def _should_upcast(keep_dtype: bool, decoder: CausalLM) -> bool:
     if keep_dtype or mx.default_device() != mx.cpu:
         return False
     params: list[tuple[str, mx.array]] = tree_flatten(decoder.parameters())  # type: ignore[assignment]
@@ -192,7 +203,7 @@ def _should_upcast(keep_dtype: bool, decoder: Decoder) -> bool:
     return float32_bytes < 0.6 * _physical_memory()
 
 
-def _bits(decoder: Decoder) -> int:
+def _bits(decoder: CausalLM) -> int:
     q = decoder.config.quantization
     return q.bits if q is not None else 32
 
@@ -204,7 +215,7 @@ def _physical_memory() -> int:
         return 1 << 62
 
 
-def _to_float32(decoder: Decoder) -> Decoder:
+def _to_float32(decoder: CausalLM) -> CausalLM:
     """Dequantize quantized layers and cast every weight to float32, in place."""
 
     def expand(_path: str, module: nn.Module) -> nn.Module:

@@ -21,7 +21,12 @@ class Quantization:
 
 @attrs.frozen
 class ModelConfig:
-    """Everything the decoder needs; field names follow Hugging Face's."""
+    """Everything the decoder needs; field names follow Hugging Face's.
+
+    The fields every family shares are read here; a family's own fields are read by
+    its file under runtime/models/ (`read_config`) and land in the flags below or in
+    `extra`.
+    """
 
     model_type: str
     hidden_size: int
@@ -36,26 +41,45 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool  # q/k/v projections carry a bias (qwen2 always, others via attention_bias)
-    o_bias: bool  # o_proj carries a bias (llama/qwen3 attention_bias; never qwen2)
-    qk_norm: bool  # qwen3: RMSNorm on each head of q and k before RoPE
     quantization: Quantization | None
     eos_token_ids: tuple[int, ...]
+    qkv_bias: bool = False  # q/k/v projections carry a bias (qwen2; llama's attention_bias)
+    o_bias: bool = False  # o_proj carries a bias (llama/qwen3 attention_bias; never qwen2)
+    qk_norm: bool = False  # qwen3: RMSNorm on each head of q and k before RoPE
+    # Per layer: the keys a query sees in a sliding-window layer (itself included),
+    # or None for full attention. Empty: every layer is full.
+    layer_windows: tuple[int | None, ...] = ()
+    extra: dict[str, Any] = attrs.field(factory=dict)  # the family's own settings
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    def window_of(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
 
-# Per family: (attention_bias default, qk_norm, tie_word_embeddings default).
-# qwen2's q/k/v bias is part of the architecture, not a config choice.
-# The tie defaults follow each family's published configs; checkpoints almost always say.
-FAMILIES: dict[str, tuple[bool, bool, bool]] = {
-    "llama": (False, False, False),
-    "mistral": (False, False, False),
-    "qwen2": (True, False, False),
-    "qwen3": (False, True, False),
-}
+
+class ConfigFields:
+    """Typed, checked reads of a config dict; every failure is one CheckpointError line."""
+
+    def __init__(self, raw: dict[str, Any], source: str):
+        self.raw, self.source = raw, source
+
+    def get(self, name: str, kind: type, default: Any = attrs.NOTHING) -> Any:
+        value = self.raw.get(name, default)
+        if value is attrs.NOTHING:
+            raise CheckpointError(f"{self.source}: missing required field '{name}'")
+        if value is None and default is None:
+            return None
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise CheckpointError(
+                f"{self.source}: field '{name}' should be {kind.__name__}, got {value!r}"
+            )
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+            raise CheckpointError(f"{self.source}: field '{name}' must be positive, got {value}")
+        return value
 
 
 def load_config(path: Path) -> ModelConfig:
@@ -70,29 +94,20 @@ def load_config(path: Path) -> ModelConfig:
 def config_from_dict(
     raw: dict[str, Any], generation: dict[str, Any] | None = None, source: str = "config.json"
 ) -> ModelConfig:
-    def field(name: str, kind: type, default: Any = attrs.NOTHING) -> Any:
-        value = raw.get(name, default)
-        if value is attrs.NOTHING:
-            raise CheckpointError(f"{source}: missing required field '{name}'")
-        if value is None and default is None:
-            return None
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise CheckpointError(
-                f"{source}: field '{name}' should be {kind.__name__}, got {value!r}"
-            )
-        if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
-            raise CheckpointError(f"{source}: field '{name}' must be positive, got {value}")
-        return value
+    from runtime.models import FAMILIES  # the families import this module
 
-    model_type = field("model_type", str)
+    model_type = ConfigFields(raw, source).get("model_type", str)
     if model_type not in FAMILIES:
         supported = ", ".join(sorted(FAMILIES))
         raise CheckpointError(
             f"{source}: unsupported model_type '{model_type}' (supported: {supported})"
         )
-    bias_default, qk_norm, tie_default = FAMILIES[model_type]
+    family = FAMILIES[model_type]
+    if hasattr(family, "unwrap_config"):
+        raw = family.unwrap_config(raw, source)
+    raw = {**getattr(family, "DEFAULTS", {}), **raw}
+    fields = ConfigFields(raw, source)
+    field = fields.get
     hidden = field("hidden_size", int)
     heads = field("num_attention_heads", int)
     kv_heads = field("num_key_value_heads", int, heads)
@@ -102,7 +117,6 @@ def config_from_dict(
             f"num_key_value_heads ({kv_heads})"
         )
     head_dim = field("head_dim", int, None) or hidden // heads
-    attention_bias = field("attention_bias", bool, bias_default)
     if field("mlp_bias", bool, False):
         raise CheckpointError(f"{source}: mlp_bias=true is not supported")
     rope_scaling = field("rope_scaling", dict, None)
@@ -113,22 +127,8 @@ def config_from_dict(
                 f"{source}: unsupported rope_scaling type '{rope_type}' "
                 "(supported: default, linear, llama3)"
             )
-    quant = field("quantization", dict, None)
-    quantization = None
-    if quant is not None:
-        try:
-            per_layer = {
-                path: (int(spec.get("group_size", quant["group_size"])), int(spec["bits"]))
-                for path, spec in quant.items()
-                if isinstance(spec, dict)
-            }
-            quantization = Quantization(int(quant["group_size"]), int(quant["bits"]), per_layer)
-        except (KeyError, TypeError, ValueError, AttributeError):
-            raise CheckpointError(
-                f"{source}: field 'quantization' needs integer group_size and bits, got {quant!r}"
-            ) from None
-    return ModelConfig(
-        model_type=model_type,
+    common: dict[str, Any] = dict(
+        model_type=raw["model_type"],
         hidden_size=hidden,
         num_hidden_layers=field("num_hidden_layers", int),
         num_attention_heads=heads,
@@ -140,13 +140,27 @@ def config_from_dict(
         rope_theta=field("rope_theta", float, 10000.0),
         rope_scaling=rope_scaling,
         max_position_embeddings=field("max_position_embeddings", int, 4096),
-        tie_word_embeddings=field("tie_word_embeddings", bool, tie_default),
-        qkv_bias=attention_bias or model_type == "qwen2",
-        o_bias=attention_bias and model_type != "qwen2",
-        qk_norm=qk_norm,
-        quantization=quantization,
+        tie_word_embeddings=field("tie_word_embeddings", bool, False),
+        quantization=_quantization(field("quantization", dict, None), source),
         eos_token_ids=_eos_ids(raw, generation or {}),
     )
+    return ModelConfig(**{**common, **family.read_config(fields)})
+
+
+def _quantization(quant: dict[str, Any] | None, source: str) -> Quantization | None:
+    if quant is None:
+        return None
+    try:
+        per_layer = {
+            path: (int(spec.get("group_size", quant["group_size"])), int(spec["bits"]))
+            for path, spec in quant.items()
+            if isinstance(spec, dict)
+        }
+        return Quantization(int(quant["group_size"]), int(quant["bits"]), per_layer)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise CheckpointError(
+            f"{source}: field 'quantization' needs integer group_size and bits, got {quant!r}"
+        ) from None
 
 
 def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:

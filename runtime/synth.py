@@ -14,8 +14,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from runtime.config import FAMILIES, config_from_dict
-from runtime.models.decoder import Decoder
+from runtime.config import config_from_dict
+from runtime.models import FAMILIES, build_model
+from runtime.models.layers import CausalLM
 
 import mlx.core as mx
 import numpy as np
@@ -31,6 +32,13 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+}
+# The multimodal layout's vision tower: a few tensors, to be skipped when loading.
+VISION_TENSORS = {
+    "vision_tower.vision_model.post_layernorm.weight": (8,),
+    "multi_modal_projector.mm_input_projection_weight": (8, 64),
 }
 
 
@@ -52,8 +60,15 @@ def make_tiny_checkpoint(
     rope_scaling: dict[str, Any] | None = None,
     shards: int = 1,
     vocab_size: int | None = None,
+    sliding_window: int = 8,
+    sliding_window_pattern: int = 2,
+    query_pre_attn_scalar: int = 24,
 ) -> Path:
     """Write a random-weight checkpoint of `family` into `out_dir` and return `out_dir`.
+
+    Gemma 3 (`gemma3_text`, or the multimodal `gemma3` layout with a stub vision
+    tower) takes `sliding_window` and `sliding_window_pattern` (every pattern-th
+    layer global; written as `layer_types` too) and `query_pre_attn_scalar`.
 
     `vocab_size` above the demo tokenizer's adds embedding rows no text encodes to
     (a large-vocabulary model, e.g. 151,936 as Qwen's).
@@ -79,9 +94,17 @@ def make_tiny_checkpoint(
         dtype=dtype,
         max_position_embeddings=max_position_embeddings,
         rope_scaling=rope_scaling,
+        sliding_window=sliding_window,
+        sliding_window_pattern=sliding_window_pattern,
+        query_pre_attn_scalar=query_pre_attn_scalar,
     )
-    weights = random_weights(Decoder(config_from_dict(raw)), seed)
+    weights = random_weights(build_model(config_from_dict(raw)), seed)
     weights = {name: w.astype(DTYPES[dtype]) for name, w in weights.items()}
+    if family == "gemma3":
+        weights = {f"language_model.{name}": w for name, w in weights.items()}
+        rng = np.random.default_rng(seed)
+        for name, shape in VISION_TENSORS.items():
+            weights[name] = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(DTYPES[dtype])
     if quantize is not None:
         group_size, bits = quantize
         weights = quantize_weights(weights, group_size, bits)
@@ -109,6 +132,9 @@ def hf_config(
     rope_scaling: dict[str, Any] | None = None,
     rope_theta: float = 10000.0,
     rms_norm_eps: float = 1e-6,
+    sliding_window: int = 8,
+    sliding_window_pattern: int = 2,
+    query_pre_attn_scalar: int = 24,
 ) -> dict[str, Any]:
     """A config.json dict with the fields Hugging Face writes for `family`."""
     if family not in FAMILIES:
@@ -138,8 +164,36 @@ def hf_config(
     if family == "mistral":
         raw["sliding_window"] = None
     # Qwen3 configs always name head_dim (and mlx-lm requires it there).
-    if head_dim is not None or family == "qwen3":
+    if head_dim is not None or family in ("qwen3", "gemma3_text", "gemma3"):
         raw["head_dim"] = head_dim or hidden_size // num_heads
+    if family in ("gemma3_text", "gemma3"):
+        raw.update(
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=query_pre_attn_scalar,
+            rope_theta=1_000_000.0,
+            rope_local_base_freq=rope_theta,
+            sliding_window=sliding_window,
+            sliding_window_pattern=sliding_window_pattern,
+            layer_types=[
+                "full_attention" if (i + 1) % sliding_window_pattern == 0 else "sliding_attention"
+                for i in range(num_layers)
+            ],
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+        )
+        del raw["hidden_act"]
+    if family == "gemma3":  # the multimodal layout: the text model's config nested
+        text = {**raw, "model_type": "gemma3_text"}
+        outer = ("architectures", "eos_token_id", "torch_dtype", "vocab_size")
+        for name in outer + ("tie_word_embeddings",):
+            text.pop(name)
+        raw = {name: raw[name] for name in outer}
+        raw.update(
+            model_type="gemma3",
+            text_config=text,
+            vision_config={"model_type": "siglip_vision_model", "hidden_size": 8},
+            tie_word_embeddings=tie_word_embeddings,
+        )
     return raw
 
 
@@ -147,7 +201,7 @@ def generation_config(eos_token_ids: list[int]) -> dict[str, Any]:
     return {"eos_token_id": eos_token_ids, "do_sample": False}
 
 
-def random_weights(model: Decoder, seed: int) -> dict[str, mx.array]:
+def random_weights(model: CausalLM, seed: int) -> dict[str, mx.array]:
     """float32 weights for every parameter of `model`, keyed by checkpoint name.
 
     Scaled so greedy decoding is far from ties (logit std ~2-3) and does not settle
@@ -160,6 +214,10 @@ def random_weights(model: Decoder, seed: int) -> dict[str, mx.array]:
     hidden = model.config.hidden_size
     is_tied = model.config.tie_word_embeddings
     embed_std = (0.2 if is_tied else 2.0) / hidden**0.5
+    is_gemma = model.config.model_type.startswith("gemma")
+    if is_gemma and not is_tied:  # its input embedding is scaled up by sqrt(hidden)
+        embed_std /= hidden**0.5
+    norm_offset = 1.0 if is_gemma else 0.0  # gemma stores w for a (1 + w) scale
     params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     weights = {}
     for name, param in params:
@@ -168,6 +226,7 @@ def random_weights(model: Decoder, seed: int) -> dict[str, mx.array]:
             values = 1.0 + 0.1 * rng.standard_normal(shape)
             if is_tied and name == "model.norm.weight":
                 values *= 10.0
+            values -= norm_offset
         elif name.endswith(".bias"):
             values = 0.1 * rng.standard_normal(shape)
         elif name == "model.embed_tokens.weight":

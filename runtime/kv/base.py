@@ -48,10 +48,11 @@ class ForwardKV(Protocol):
 
 
 class CausalNoCache:
-    """`ForwardKV` for a plain causal forward over `[B, T]` tokens with no cache (training, scoring)."""
+    """`ForwardKV` for a plain causal forward over `[B, T]` tokens with no cache (training,
+    scoring). `windows[layer]`: that layer's sliding window, or None (see ModelConfig)."""
 
-    def __init__(self, batch: int, length: int):
-        self.batch, self.length = batch, length
+    def __init__(self, batch: int, length: int, windows: tuple[int | None, ...] = ()):
+        self.batch, self.length, self.windows = batch, length, windows
         self.positions = mx.tile(mx.arange(length, dtype=mx.int32), batch)  # [B * T]
 
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
@@ -60,7 +61,11 @@ class CausalNoCache:
         def heads_first(x: mx.array) -> mx.array:  # [B*T, H, D] -> [B, H, T, D]
             return x.reshape(B, T, *x.shape[1:]).transpose(0, 2, 1, 3)
 
-        mask = "causal" if T > 1 else None
+        window = self.windows[layer] if self.windows else None
+        mask: mx.array | str | None = "causal" if T > 1 else None
+        if window is not None and window < T:
+            query, key = mx.arange(T)[:, None], mx.arange(T)[None, :]
+            mask = (key <= query) & (key > query - window)  # [T, T]
         out = mx.fast.scaled_dot_product_attention(
             heads_first(q), heads_first(k), heads_first(v), scale=scale, mask=mask
         )

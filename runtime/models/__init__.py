@@ -1,0 +1,39 @@
+"""Model families, one file each, behind a registry keyed on config.json's `model_type`.
+
+A family file gives `build(config) -> CausalLM` and `read_config(fields) -> dict`
+(its own config fields, as `ModelConfig` keyword arguments); it may also give
+`DEFAULTS` (values for fields its configs may leave out), `unwrap_config` (a
+wrapped layout -> the text model's config) and `rename_weights` (checkpoint names
+-> the model's). Adding a family means adding a file and a line below.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from runtime.config import ModelConfig
+from runtime.models import gemma3, llama, mistral, qwen2, qwen3
+from runtime.models.layers import CausalLM
+
+import mlx.core as mx
+
+FAMILIES: dict[str, ModuleType] = {
+    "llama": llama,
+    "mistral": mistral,
+    "qwen2": qwen2,
+    "qwen3": qwen3,
+    "gemma3_text": gemma3,
+    "gemma3": gemma3,  # the multimodal layout: its text model
+}
+
+
+def build_model(config: ModelConfig) -> CausalLM:
+    """The (randomly initialised) model for `config`; load weights into it by name."""
+    model: CausalLM = FAMILIES[config.model_type].build(config)
+    return model
+
+
+def rename_weights(config: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Checkpoint tensor names -> the model's, for families whose layouts differ."""
+    family = FAMILIES[config.model_type]
+    return family.rename_weights(weights) if hasattr(family, "rename_weights") else weights

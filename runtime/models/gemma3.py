@@ -1,0 +1,185 @@
+"""Gemma 3 text (`gemma3_text`), and the language model of the multimodal `gemma3`.
+
+Where it departs from llama, each checked against mlx-lm's `gemma3_text` and
+transformers' `modeling_gemma3`:
+- the embedding is scaled by sqrt(hidden_size), the factor cast to the weights' dtype;
+- RMSNorm multiplies by (1 + w), and each layer has four of them: before and after
+  attention, before and after the MLP (the "after" ones norm the branch, not the sum);
+- q and k get a per-head RMSNorm (1 + w) before RoPE;
+- the MLP is GELU with the tanh approximation;
+- attention scores are scaled by query_pre_attn_scalar**-0.5, not head_dim**-0.5;
+- sliding (local) layers see their last `sliding_window` positions and rotate with
+  `rope_local_base_freq`; full (global) layers rotate with `rope_theta` and its scaling;
+- which layers slide comes from `layer_types`, or from `sliding_window_pattern` in
+  older configs (every pattern-th layer is global);
+- embeddings are tied unless the checkpoint says otherwise.
+
+The multimodal layout keeps the text model's config under `text_config` and its
+weights under `language_model.` (`model.language_model.` in newer exports); the
+vision tower and projector are skipped with one log line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.config import ConfigFields, ModelConfig
+from runtime.errors import CheckpointError
+from runtime.kv.base import ForwardKV
+from runtime.models.layers import Attention, CausalLM, GatedMLP, OffsetRMSNorm, RoPE
+
+import mlx.core as mx
+import mlx.nn as nn
+import structlog
+
+log = structlog.get_logger("cadence.models")
+
+# transformers' Gemma3TextConfig defaults, for fields a config may leave out
+# (multimodal configs often leave out most of `text_config`).
+DEFAULTS: dict[str, Any] = {
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "max_position_embeddings": 131_072,
+    "tie_word_embeddings": True,
+    "vocab_size": 262_208,
+}
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def unwrap_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """The multimodal `gemma3` config -> its text model's config (`gemma3_text`)."""
+    if raw.get("model_type") != "gemma3":
+        return raw
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{source}: gemma3 config without a 'text_config' object")
+    outer = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
+    return {**outer, **text, "model_type": "gemma3_text"}
+
+
+def read_config(fields: ConfigFields) -> dict[str, Any]:
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if fields.raw.get(name) is not None:
+            raise CheckpointError(f"{fields.source}: gemma3 with {name} is not supported")
+    if fields.raw.get("use_bidirectional_attention"):
+        raise CheckpointError(f"{fields.source}: gemma3 with bidirectional attention is not supported")
+    activation = fields.get("hidden_activation", str, "gelu_pytorch_tanh")
+    if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise CheckpointError(f"{fields.source}: gemma3 hidden_activation '{activation}' is not supported")
+    num_layers = fields.get("num_hidden_layers", int)
+    layer_types = fields.get("layer_types", list, None)
+    if layer_types is None:
+        pattern = fields.get("sliding_window_pattern", int, 6)
+        is_sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    else:
+        if len(layer_types) != num_layers or not set(layer_types) <= {"sliding_attention", "full_attention"}:
+            raise CheckpointError(
+                f"{fields.source}: layer_types needs {num_layers} entries of "
+                "'sliding_attention' or 'full_attention'"
+            )
+        is_sliding = [kind == "sliding_attention" for kind in layer_types]
+    window = fields.get("sliding_window", int)
+    local_base = fields.get("rope_local_base_freq", float)
+    overrides: dict[str, Any] = {}
+    # transformers 5 writes rope settings per layer type under rope_parameters.
+    rope = fields.get("rope_parameters", dict, None) or {}
+    if isinstance(rope.get("sliding_attention"), dict):
+        local_base = float(rope["sliding_attention"].get("rope_theta", local_base))
+    if isinstance(full := rope.get("full_attention"), dict):
+        scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+        if scaling.get("rope_type", "default") not in ("default", "linear"):
+            raise CheckpointError(f"{fields.source}: unsupported rope_type '{scaling['rope_type']}'")
+        overrides["rope_theta"] = float(full.get("rope_theta", fields.get("rope_theta", float)))
+        overrides["rope_scaling"] = scaling if scaling.get("rope_type") == "linear" else None
+    return {
+        **overrides,
+        "layer_windows": tuple(window if sliding else None for sliding in is_sliding),
+        "extra": {
+            "query_pre_attn_scalar": fields.get("query_pre_attn_scalar", float),
+            "rope_local_base_freq": local_base,
+        },
+    }
+
+
+def rename_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Multimodal names -> text-model names; the vision tower's tensors are dropped."""
+    if not any(k.startswith(("language_model.", "model.language_model.")) for k in weights):
+        return weights
+    renamed, num_skipped = {}, 0
+    for name, tensor in weights.items():
+        if name.startswith(_VISION_PREFIXES):
+            num_skipped += 1
+        elif name.startswith("language_model."):
+            renamed[name.removeprefix("language_model.")] = tensor
+        elif name.startswith("model.language_model."):
+            renamed["model." + name.removeprefix("model.language_model.")] = tensor
+        else:
+            renamed[name] = tensor
+    if num_skipped:
+        log.info("gemma3: text model only, vision tower skipped", tensors_skipped=num_skipped)
+    return renamed
+
+
+def _add_residual(x: mx.array, y: mx.array) -> mx.array:
+    """x + y; in float16 summed in float32 and clipped, as the references do (Gemma's
+    residual stream outgrows float16's range)."""
+    if x.dtype != mx.float16:
+        return x + y
+    bound = float(mx.finfo(mx.float16).max)
+    return mx.clip(x.astype(mx.float32) + y.astype(mx.float32), -bound, bound).astype(mx.float16)
+
+
+class Gemma3Layer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        extra = config.extra
+        if config.layer_windows[layer] is None:
+            rope = RoPE(config.head_dim, config.rope_theta, config.rope_scaling)
+        else:
+            rope = RoPE(config.head_dim, extra["rope_local_base_freq"], None)
+        self.self_attn = Attention(
+            config, layer, scale=extra["query_pre_attn_scalar"] ** -0.5, rope=rope, qk_norm=OffsetRMSNorm
+        )
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, activation="gelu_tanh")
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = OffsetRMSNorm(hidden, eps)
+        self.post_attention_layernorm = OffsetRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = OffsetRMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = OffsetRMSNorm(hidden, eps)
+
+    def __call__(self, x: mx.array, kv: ForwardKV) -> mx.array:
+        h = _add_residual(x, self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), kv)))
+        return _add_residual(h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))))
+
+
+class Gemma3Body(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = [Gemma3Layer(config, i) for i in range(config.num_hidden_layers)]
+        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Gemma3(CausalLM):
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.model = Gemma3Body(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        h = self.model.embed_tokens(tokens)
+        return h * mx.array(self.config.hidden_size**0.5, dtype=h.dtype)
+
+
+build = Gemma3

@@ -1,0 +1,168 @@
+"""The pieces every family builds from: RoPE variants, norms, attention, gated MLPs.
+
+Module and parameter names follow the Hugging Face checkpoints, so weights load by
+name. Attention goes through the one cache entry, `kv.attend(layer, q, k, v, scale)`;
+a layer never branches on storage, on prefill versus decode, or on its window (the
+storage knows which layers are windowed, see runtime/kv/layout.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from runtime.config import ModelConfig
+from runtime.kv.base import CausalNoCache, ForwardKV
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kernels.swiglu import swiglu
+
+
+class RoPE(nn.Module):
+    """Rotary embedding with per-token offsets; default, linear and llama3 scaling."""
+
+    def __init__(self, dims: int, base: float, scaling: dict[str, Any] | None):
+        super().__init__()
+        self.dims = dims
+        self.base: float | None = base
+        self.scale = 1.0
+        self._freqs: mx.array | None = None
+        scaling = scaling or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind == "linear":
+            self.scale = 1.0 / float(scaling["factor"])
+        elif kind == "llama3":
+            self._freqs = _llama3_freqs(dims, base, scaling)
+            self.base = None
+
+    def __call__(self, x: mx.array, offset: mx.array | int) -> mx.array:
+        return mx.fast.rope(
+            x, self.dims, traditional=False, base=self.base, scale=self.scale, offset=offset, freqs=self._freqs
+        )
+
+
+def _llama3_freqs(dims: int, base: float, scaling: dict) -> mx.array:
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_context = float(scaling.get("original_max_position_embeddings", 8192))
+    freqs = base ** (mx.arange(0, dims, 2) / dims)
+    wavelens = 2 * math.pi * freqs
+    freqs = mx.where(wavelens > old_context / low, freqs * factor, freqs)
+    is_medium = (wavelens > old_context / high) & (wavelens < old_context / low)
+    smooth = (old_context / wavelens - low) / (high - low)
+    smooth_freqs = freqs / ((1 - smooth) / factor + smooth)
+    return mx.where(is_medium, smooth_freqs, freqs)
+
+
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the stored weight is an offset from 1, `x / rms(x) * (1 + w)`."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.zeros((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
+
+
+Norm = Callable[[int, float], nn.Module]
+
+
+class Attention(nn.Module):
+    """Grouped-query attention; the family chooses biases, q/k norms, scale and RoPE."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        *,
+        scale: float,
+        rope: RoPE,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: Norm | None = None,
+    ):
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = d = config.head_dim
+        self.scale = scale
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=o_bias)
+        if qk_norm is not None:
+            self.q_norm = qk_norm(d, config.rms_norm_eps)
+            self.k_norm = qk_norm(d, config.rms_norm_eps)
+        self.rope = rope
+
+    def __call__(self, x: mx.array, kv: ForwardKV) -> mx.array:
+        B, T, _ = x.shape
+        N = B * T  # the engine's ragged step is one flat batch: B = 1, T = N
+        q = self.q_proj(x).reshape(N, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(N, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(N, self.num_kv_heads, self.head_dim)
+        if "q_norm" in self:
+            q, k = self.q_norm(q), self.k_norm(k)
+        # RoPE per token: each token is a batch row of length 1 at its own position.
+        q = self.rope(q[:, :, None, :], kv.positions)[:, :, 0, :]  # [N, H, D]
+        k = self.rope(k[:, :, None, :], kv.positions)[:, :, 0, :]  # [N, Hkv, D]
+        out = kv.attend(self.layer, q, k, v, self.scale)  # [N, H, D]
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU (llama, qwen) or GELU-tanh (gemma)."""
+
+    def __init__(self, hidden: int, intermediate: int, activation: str = "silu"):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.activation = activation
+
+    def __call__(self, x: mx.array) -> mx.array:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.activation == "gelu_tanh":
+            return self.down_proj(nn.gelu_approx(gate) * up)
+        return self.down_proj(swiglu(gate, up))
+
+
+class CausalLM(nn.Module):
+    """tokens [B, T] int32 -> logits [B, T, vocab]. Families fill `self.model` with
+    `embed_tokens`, `layers` (each `layer(h, kv)`) and `norm`, and may override `embed`."""
+
+    model: Any
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+
+    def __call__(self, tokens: mx.array, kv: ForwardKV | None = None) -> mx.array:
+        return self.project(self.hidden(tokens, kv))
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.model.embed_tokens(tokens)
+
+    def hidden(self, tokens: mx.array, kv: ForwardKV | None = None) -> mx.array:
+        """tokens [B, T] -> final normed hidden states [B, T, hidden]; no vocab projection."""
+        if kv is None:
+            batch, length = tokens.shape
+            kv = CausalNoCache(batch, length, windows=self.config.layer_windows)
+        h = self.embed(tokens)
+        for layer in self.model.layers:
+            h = layer(h, kv)
+        return self.model.norm(h)
+
+    def project(self, h: mx.array) -> mx.array:
+        """Final hidden states [..., hidden] -> logits [..., vocab]."""
+        if "lm_head" in self:
+            return self.lm_head(h)
+        return self.model.embed_tokens.as_linear(h)

@@ -1,0 +1,65 @@
+"""Llama: the pre-norm decoder that mistral, qwen2 and qwen3 reuse with their own flags.
+
+    h = x + attn(input_layernorm(x));  out = h + mlp(post_attention_layernorm(h))
+
+The flags come from `ModelConfig`: q/k/v and o biases, per-head q/k RMSNorm,
+tied embeddings, head_dim, RoPE scaling (default, linear, llama3).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.config import ConfigFields, ModelConfig
+from runtime.kv.base import ForwardKV
+from runtime.models.layers import Attention, CausalLM, GatedMLP, RoPE
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        rope = RoPE(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.self_attn = Attention(
+            config,
+            layer,
+            scale=config.head_dim**-0.5,
+            rope=rope,
+            qkv_bias=config.qkv_bias,
+            o_bias=config.o_bias,
+            qk_norm=nn.RMSNorm if config.qk_norm else None,
+        )
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def __call__(self, x: mx.array, kv: ForwardKV) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class Decoder(CausalLM):
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.model = DecoderBody(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+build = Decoder
+
+
+def read_config(fields: ConfigFields) -> dict[str, Any]:
+    """attention_bias puts a bias on q, k, v and o alike."""
+    bias = fields.get("attention_bias", bool, False)
+    return {"qkv_bias": bias, "o_bias": bias}

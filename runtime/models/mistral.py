@@ -1,0 +1,12 @@
+"""Mistral: llama's architecture under its own model_type.
+
+Its `sliding_window` is not applied, as mlx-lm's loader does not apply it either:
+the published checkpoints since v0.2 set it to null.
+"""
+
+from __future__ import annotations
+
+from runtime.models import llama
+
+build = llama.Decoder
+read_config = llama.read_config

@@ -1,0 +1,15 @@
+"""Qwen2: llama's decoder with a bias on q, k and v (part of the architecture, not a
+config choice) and none on o."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.config import ConfigFields
+from runtime.models import llama
+
+build = llama.Decoder
+
+
+def read_config(fields: ConfigFields) -> dict[str, Any]:
+    return {"qkv_bias": True, "o_bias": False}
