@@ -14,9 +14,8 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
-from runtime.config import ModelConfig, config_from_dict, load_config
+from runtime.config import ModelConfig, load_config
 from runtime.errors import CheckpointError
-from runtime.gguf import is_gguf_file, read_gguf
 from runtime.models import build_model, rename_weights
 from runtime.models.layers import CausalLM
 from runtime.tokenizer import Tokenizer
@@ -55,14 +54,9 @@ def load_model(
     progress = on_progress or (lambda message: None)
     path, name = resolve_checkpoint(model, offline=offline)
     progress(f"reading {path}")
-    if is_gguf_file(path):
-        checkpoint = read_gguf(path, progress)
-        config = config_from_dict(checkpoint.config, source=str(path))
-        tokenizer, weights = checkpoint.tokenizer, checkpoint.weights
-    else:
-        config = load_config(path)
-        tokenizer = Tokenizer.from_dir(path)
-        weights = read_weights(path, progress)
+    config = load_config(path)
+    tokenizer = Tokenizer.from_dir(path)
+    weights = read_weights(path, progress)
     decoder = build_decoder(config, weights, source=str(path))
     if _should_upcast(keep_dtype, decoder):
         progress("expanding weights to float32 for the CPU")
@@ -74,18 +68,15 @@ def load_model(
 
 
 def resolve_checkpoint(model: str | Path | None, *, offline: bool = False) -> tuple[Path, str]:
-    """A local directory or GGUF file, or a Hugging Face repo id looked up in (or fetched
-    to) its cache."""
+    """A local directory, or a Hugging Face repo id looked up in (or fetched to) its cache."""
     if model is None:
         return DEMO_CHECKPOINT, "cadence-demo"
     path = Path(model).expanduser()
-    if path.is_dir() or is_gguf_file(path):
+    if path.is_dir():
         return path.resolve(), path.name
     text = str(model)
     if path.exists():
-        raise CheckpointError(f"{text}: not a checkpoint directory or a GGUF file")
-    if text.endswith(".gguf"):
-        raise CheckpointError(f"{text}: no such file")
+        raise CheckpointError(f"{text}: not a checkpoint directory")
     if text.count("/") != 1 or text.startswith((".", "/", "~")):
         raise CheckpointError(f"{text}: no such directory, and not a Hugging Face repo id")
     try:
