@@ -1,0 +1,338 @@
+"""Read a GGUF file (llama.cpp's single-file format) as a Hugging Face-style checkpoint.
+
+A GGUF holds what a checkpoint directory spreads over files: the hyperparameters and
+the tokenizer as metadata (`llama.block_count`, `tokenizer.ggml.tokens`, ...) and the
+tensors under llama.cpp's names (`blk.0.attn_q.weight`). `read_gguf` turns one into
+the three things a safetensors checkpoint gives: a config.json-shaped dict, weights
+under Hugging Face names and a `Tokenizer`, so the model is built by the same code
+whatever the file format, and a family needs nothing GGUF-specific beyond a row in
+`ARCHITECTURES`.
+
+What llama.cpp's converter (convert_hf_to_gguf.py) changed is undone here: the llama
+family's q/k rows were permuted for llama.cpp's interleaved RoPE, Gemma's norm weights
+had 1 added, and Llama 3's RoPE scaling became a `rope_freqs` tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import CheckpointError
+from runtime.gguf_tensors import NATIVE_BITS, convert_tensor, quantization_config
+from runtime.gguf_tokenizer import tokenizer_from_gguf
+from runtime.tokenizer import Tokenizer
+
+import attrs
+import gguf
+import mlx.core as mx
+
+GGUF_MAGIC = b"GGUF"
+
+
+@attrs.frozen
+class Architecture:
+    """How one `general.architecture` maps onto a Hugging Face `model_type`."""
+
+    model_type: str
+    hf_architecture: str
+    is_qk_permuted: bool = False  # the converter permuted q/k rows (llama's RoPE layout)
+    norm_shift: float = 0.0  # the converter added this to every `*norm.weight`
+    ffn_norm: str = "post_attention_layernorm"  # what llama.cpp's `ffn_norm` was in HF
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture("llama", "LlamaForCausalLM", is_qk_permuted=True),
+    "qwen2": Architecture("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": Architecture("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": Architecture(
+        "gemma3_text", "Gemma3ForCausalLM", norm_shift=1.0, ffn_norm="pre_feedforward_layernorm"
+    ),
+}
+
+# llama.cpp's per-block tensor names -> Hugging Face's, under `model.layers.N.`.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",  # gemma: after attention, before the residual
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+@attrs.frozen
+class GGUFCheckpoint:
+    config: dict[str, Any]  # config.json's fields
+    weights: dict[str, mx.array]  # Hugging Face names (quantized ones as weight/scales/biases)
+    tokenizer: Tokenizer
+
+
+def is_gguf_file(path: Path) -> bool:
+    """A regular file that starts with GGUF's magic bytes."""
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def read_gguf(path: Path, progress: Callable[[str], None] = lambda message: None) -> GGUFCheckpoint:
+    """Read and check a GGUF file; every failure is a one-line `CheckpointError` naming it."""
+    reader = _open(path)
+    metadata = Metadata(reader, str(path))
+    arch_name = metadata.string("general.architecture")
+    if arch_name not in ARCHITECTURES:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise CheckpointError(
+            f"{path}: unsupported GGUF architecture '{arch_name}' (supported: {supported})"
+        )
+    arch = ARCHITECTURES[arch_name]
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    progress("building the tokenizer from the GGUF metadata")
+    tokenizer = tokenizer_from_gguf(metadata, arch_name)
+    config = _hf_config(metadata, arch_name, arch, tensors)
+    progress(f"converting {len(tensors)} GGUF tensors")
+    weights: dict[str, mx.array] = {}
+    bits_by_layer: dict[str, int] = {}
+    for name, tensor in tensors.items():
+        if name == "rope_freqs.weight":
+            continue  # read into the config's rope_scaling
+        hf_name = _hf_name(name, arch, path)
+        rows = _row_permutation(hf_name, arch, config)
+        shift = arch.norm_shift if hf_name.endswith("norm.weight") else 0.0
+        converted = convert_tensor(tensor, hf_name, rows, shift, source=str(path))
+        layer = hf_name.removesuffix(".weight")
+        if f"{layer}.scales" in converted:
+            bits_by_layer[layer] = NATIVE_BITS[tensor.tensor_type]
+        weights.update(converted)
+    if (quantization := quantization_config(bits_by_layer)) is not None:
+        config["quantization"] = quantization
+    return GGUFCheckpoint(config=config, weights=weights, tokenizer=tokenizer)
+
+
+class Metadata:
+    """Typed access to a GGUF's key-value metadata, failing with the key's name."""
+
+    def __init__(self, reader: gguf.GGUFReader, source: str):
+        self._fields = reader.fields
+        self.source = source
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self._fields.get(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except (UnicodeDecodeError, ValueError, IndexError) as exc:
+            raise CheckpointError(f"{self.source}: unreadable metadata '{key}' ({exc})") from None
+
+    def require(self, key: str, kind: type) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise CheckpointError(f"{self.source}: missing GGUF metadata '{key}'")
+        if kind is float and isinstance(value, int):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise CheckpointError(
+                f"{self.source}: GGUF metadata '{key}' should be {kind.__name__}, got {value!r}"
+            )
+        return value
+
+    def string(self, key: str) -> str:
+        return self.require(key, str)  # type: ignore[no-any-return]
+
+
+def _open(path: Path) -> gguf.GGUFReader:
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # the reader raises ValueError, KeyError, IndexError, ...
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        if "GGML" in reason or "is not a valid" in reason:
+            raise CheckpointError(f"{path}: unsupported GGUF tensor type ({reason})") from None
+        raise CheckpointError(f"{path}: unreadable or truncated GGUF ({reason})") from None
+
+
+def _hf_config(
+    metadata: Metadata, arch_name: str, arch: Architecture, tensors: dict[str, Any]
+) -> dict[str, Any]:
+    """config.json's fields from `{arch}.*` metadata and the tensors present."""
+
+    def key(name: str) -> str:
+        return f"{arch_name}.{name}"
+
+    hidden = metadata.require(key("embedding_length"), int)
+    heads = metadata.require(key("attention.head_count"), int)
+    if "token_embd.weight" not in tensors:
+        raise CheckpointError(f"{metadata.source}: missing tensor 'token_embd.weight'")
+    vocab_size = int(tensors["token_embd.weight"].shape[-1])  # GGUF shapes run innermost first
+    config: dict[str, Any] = {
+        "architectures": [arch.hf_architecture],
+        "model_type": arch.model_type,
+        "hidden_size": hidden,
+        "num_hidden_layers": metadata.require(key("block_count"), int),
+        "intermediate_size": metadata.require(key("feed_forward_length"), int),
+        "num_attention_heads": heads,
+        "num_key_value_heads": metadata.get(key("attention.head_count_kv"), heads),
+        "head_dim": metadata.get(key("attention.key_length"), hidden // heads),
+        "rms_norm_eps": float(metadata.require(key("attention.layer_norm_rms_epsilon"), float)),
+        "rope_theta": float(metadata.get(key("rope.freq_base"), 10000.0)),
+        "max_position_embeddings": metadata.get(key("context_length"), 4096),
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "eos_token_id": _eos_ids(metadata),
+        "hidden_act": "silu",
+    }
+    if arch.model_type == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if (bos := metadata.get("tokenizer.ggml.bos_token_id")) is not None:
+        config["bos_token_id"] = bos
+    config["rope_scaling"] = _rope_scaling(metadata, key, config, tensors)
+    if arch.model_type == "gemma3_text":
+        config.update(_gemma3_fields(metadata, key, config))
+    return config
+
+
+def _eos_ids(metadata: Metadata) -> list[int]:
+    """EOS, and the end-of-turn/-message tokens llama.cpp also stops at."""
+    ids: list[int] = []
+    for name in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        value = metadata.get(f"tokenizer.ggml.{name}")
+        if isinstance(value, int) and value not in ids:
+            ids.append(value)
+    return ids
+
+
+def _rope_scaling(
+    metadata: Metadata, key: Callable[[str], str], config: dict[str, Any], tensors: dict[str, Any]
+) -> dict[str, Any] | None:
+    kind = metadata.get(key("rope.scaling.type"))
+    if kind in (None, "none") and "rope_freqs.weight" not in tensors:
+        return None
+    if kind == "linear":
+        return {
+            "rope_type": "linear",
+            "factor": float(metadata.require(key("rope.scaling.factor"), float)),
+        }
+    if "rope_freqs.weight" in tensors:
+        return _llama3_scaling(metadata, key, config, tensors["rope_freqs.weight"])
+    raise CheckpointError(f"{metadata.source}: unsupported RoPE scaling type '{kind}'")
+
+
+def _llama3_scaling(
+    metadata: Metadata, key: Callable[[str], str], config: dict[str, Any], tensor: Any
+) -> dict[str, Any]:
+    """Llama 3's `rope_scaling`, recovered from the per-frequency factors the converter
+    wrote as `rope_freqs`: the largest factor is `factor`, and the other fields are
+    Meta's published values (the file keeps only the context length), checked here by
+    recomputing every factor."""
+    factors = [float(x) for x in tensor.data.reshape(-1)]
+    old_context = metadata.get(key("rope.scaling.original_context_length"), 8192)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": max(factors),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": int(old_context),
+    }
+    dims = int(config["head_dim"])
+    if len(factors) != dims // 2 or not math.isclose(
+        max(
+            abs(a - b)
+            for a, b in zip(
+                factors, _llama3_factors(scaling, dims, config["rope_theta"]), strict=True
+            )
+        ),
+        0.0,
+        abs_tol=1e-4,
+    ):
+        raise CheckpointError(
+            f"{metadata.source}: tensor 'rope_freqs.weight' is not Llama 3 RoPE scaling "
+            "with low/high frequency factors 1 and 4"
+        )
+    return scaling
+
+
+def _llama3_factors(scaling: dict[str, Any], dims: int, base: float) -> list[float]:
+    """The per-frequency divisors convert_hf_to_gguf.py writes for llama3 scaling."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    out = []
+    for i in range(0, dims, 2):
+        wavelen = 2 * math.pi * base ** (i / dims)
+        if wavelen < old_context / high:
+            out.append(1.0)
+        elif wavelen > old_context / low:
+            out.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def _gemma3_fields(
+    metadata: Metadata, key: Callable[[str], str], config: dict[str, Any]
+) -> dict[str, Any]:
+    """What Gemma 3's config.json says and its GGUF leaves to llama.cpp's code: the local
+    RoPE base (10,000), one global layer in six, and the attention scale (head_dim, but
+    hidden/heads for the 62-layer 27B), as llama.cpp hard-codes them."""
+    is_27b = config["num_hidden_layers"] == 62
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": metadata.require(key("attention.sliding_window"), int),
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": (
+            config["hidden_size"] // config["num_attention_heads"] if is_27b else config["head_dim"]
+        ),
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    }
+
+
+def _hf_name(name: str, arch: Architecture, path: Path) -> str:
+    stem, _, suffix = name.rpartition(".")
+    if suffix not in ("weight", "bias") or not stem:
+        raise CheckpointError(f"{path}: unexpected GGUF tensor '{name}'")
+    parts = stem.split(".")
+    if len(parts) == 1 and parts[0] in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[parts[0]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        hf = arch.ffn_norm if parts[2] == "ffn_norm" else _LAYER_NAMES.get(parts[2])
+        if hf is not None:
+            return f"model.layers.{int(parts[1])}.{hf}.{suffix}"
+    raise CheckpointError(f"{path}: unexpected GGUF tensor '{name}' for this architecture")
+
+
+def _row_permutation(hf_name: str, arch: Architecture, config: dict[str, Any]) -> list[int] | None:
+    """Row order that undoes llama.cpp's q/k permutation, or None to keep the rows.
+
+    The converter regroups each head's rows from Hugging Face's halves [x0..x(d/2-1),
+    y0..y(d/2-1)] to pairs [x0, y0, x1, y1, ...] for its interleaved RoPE; HF row
+    `h*d + p*(d/2) + i` sits at GGUF row `h*d + 2*i + p`.
+    """
+    if not arch.is_qk_permuted:
+        return None
+    if ".self_attn.q_proj." in hf_name:
+        heads = config["num_attention_heads"]
+    elif ".self_attn.k_proj." in hf_name:
+        heads = config["num_key_value_heads"]
+    else:
+        return None
+    d = config["head_dim"]
+    return [h * d + 2 * i + p for h in range(heads) for p in range(2) for i in range(d // 2)]

@@ -1,0 +1,198 @@
+"""Tiny GGUF files for tests: a `runtime.synth` checkpoint converted the way llama.cpp's
+convert_hf_to_gguf.py converts a Hugging Face one.
+
+`write_gguf` keeps llama.cpp's conventions that `runtime.gguf` must undo: tensor names,
+the llama family's q/k row permutation, Gemma's norm weights stored as 1 + w, 1-D
+tensors kept in F32, and a tokenizer spelled as `tokenizer.ggml.*` metadata. It also
+writes a reference checkpoint directory holding exactly the values the GGUF encodes
+(its quantized weights dequantized), so a test can compare a model loaded from the
+GGUF with the same weights loaded from safetensors.
+
+The `gguf` package has no quantizer for the K-quants, so their blocks are random bytes
+(kept small enough that every 16-bit scale is finite); the reference holds what they
+decode to, which is all a loader test needs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from runtime.synth import save_weights
+
+import gguf
+import mlx.core as mx
+import numpy as np
+from gguf import GGMLQuantizationType as GGMLType
+
+_ARCH_OF = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+}
+_GLOBAL_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
+
+
+def write_gguf(
+    checkpoint: Path,
+    out_file: Path,
+    reference_dir: Path,
+    tensor_type: GGMLType = GGMLType.F32,
+    *,
+    types_by_name: dict[str, GGMLType] | None = None,
+    pre_tokenizer: str = "gpt-2",
+    seed: int = 0,
+) -> Path:
+    """Convert the float32 checkpoint directory `checkpoint` to `out_file`, storing every
+    matrix as `tensor_type`, or as `types_by_name[fragment]` when its Hugging Face name
+    contains `fragment` (a mixed file, as llama.cpp's Q4_K_M is); write the reference
+    checkpoint to `reference_dir`."""
+    config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+    model_type = config["model_type"]
+    arch = _ARCH_OF[model_type]
+    weights = {
+        name: np.array(value.astype(mx.float32))
+        for name, value in mx.load(str(checkpoint / "model.safetensors")).items()  # type: ignore[union-attr]
+    }
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(out_file), arch)
+    _write_hparams(writer, arch, config)
+    _write_byte_level_vocab(writer, checkpoint, pre_tokenizer)
+    reference = {}
+    for name, value in weights.items():
+        matches = [kind for part, kind in (types_by_name or {}).items() if part in name]
+        kind = GGMLType.F32 if value.ndim != 2 else (matches or [tensor_type])[0]
+        stored, reference[name] = _stored(value, kind, rng)
+        if arch == "llama" and ".self_attn.q_proj." in name:
+            stored = _llama_permute(stored, config["num_attention_heads"])
+        elif arch == "llama" and ".self_attn.k_proj." in name:
+            stored = _llama_permute(stored, config["num_key_value_heads"])
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            stored = stored + 1  # Gemma3RMSNorm multiplies by (1 + w); llama.cpp stores 1 + w
+        writer.add_tensor(gguf_name(name, arch), stored, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reference_dir.mkdir(parents=True, exist_ok=True)
+    for file in checkpoint.iterdir():
+        if not file.name.endswith(".safetensors"):
+            shutil.copyfile(file, reference_dir / file.name)
+    save_weights(reference_dir, {name: mx.array(w) for name, w in reference.items()})
+    return out_file
+
+
+def gguf_name(hf_name: str, arch: str) -> str:
+    """llama.cpp's name for a Hugging Face tensor name."""
+    stem, _, suffix = hf_name.rpartition(".")
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    _, _, layer, module = stem.split(".", 3)  # model.layers.N.<module>
+    if module == "post_attention_layernorm":
+        short = "post_attention_norm" if arch == "gemma3" else "ffn_norm"
+    else:
+        short = _LAYER_NAMES[module]
+    return f"blk.{layer}.{short}.{suffix}"
+
+
+def _stored(
+    value: np.ndarray, kind: GGMLType, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """(what the GGUF stores for `value` as `kind`, the float32 values that decodes to)."""
+    if kind == GGMLType.F32:
+        return value, value
+    if kind == GGMLType.F16:
+        half = value.astype(np.float16)
+        return half, half.astype(np.float32)
+    try:
+        blocks = gguf.quants.quantize(value, kind)
+    except NotImplementedError:
+        block_size, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+        row_bytes = value.shape[1] // block_size * block_bytes
+        # Bytes below 0x20 keep every float16 scale finite and under 2**-7.
+        blocks = rng.integers(0, 0x20, size=(value.shape[0], row_bytes), dtype=np.uint8)
+    return blocks, gguf.quants.dequantize(blocks, kind).astype(np.float32)
+
+
+def _llama_permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: each head's rotate-half rows interleaved."""
+    head_dim = rows.shape[0] // num_heads
+    return (
+        rows.reshape(num_heads, 2, head_dim // 2, *rows.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(rows.shape)
+    )
+
+
+def _write_hparams(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -> None:
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads", heads))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
+    if arch == "gemma3":
+        writer.add_sliding_window(config["sliding_window"])
+
+
+def _write_byte_level_vocab(writer: gguf.GGUFWriter, checkpoint: Path, pre: str) -> None:
+    """As llama.cpp's _set_vocab_gpt2: every id's token, CONTROL for special added tokens,
+    USER_DEFINED for other added ones, the merges as "left right"."""
+    raw = json.loads((checkpoint / "tokenizer.json").read_text(encoding="utf-8"))
+    config = json.loads((checkpoint / "tokenizer_config.json").read_text(encoding="utf-8"))
+    vocab = dict(raw["model"]["vocab"])
+    added = {token["content"]: token for token in raw["added_tokens"]}
+    vocab.update({content: token["id"] for content, token in added.items()})
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    types = []
+    for token in tokens:
+        if token in added:
+            types.append(
+                gguf.TokenType.CONTROL if added[token]["special"] else gguf.TokenType.USER_DEFINED
+            )
+        else:
+            types.append(gguf.TokenType.NORMAL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in raw["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for name, add in (
+        ("bos_token", writer.add_bos_token_id),
+        ("eos_token", writer.add_eos_token_id),
+        ("pad_token", writer.add_pad_token_id),
+    ):
+        if isinstance(config.get(name), str):
+            add(vocab[config[name]])
+    if isinstance(config.get("add_bos_token"), bool):
+        writer.add_add_bos_token(config["add_bos_token"])
+    if isinstance(config.get("chat_template"), str):
+        writer.add_chat_template(config["chat_template"])

@@ -1,0 +1,190 @@
+"""A `Tokenizer` rebuilt from a GGUF file's `tokenizer.ggml.*` metadata.
+
+A GGUF carries no tokenizer.json, only the vocabulary with a type per token, the BPE
+merges (byte-level vocabularies) or per-piece scores (SentencePiece ones), the special
+token ids, the name of the pre-tokenizer (`tokenizer.ggml.pre`) and the chat template.
+From those this builds the `tokenizers` pipeline that Hugging Face's own tokenizer for
+the model uses, so that encode and decode give the same ids and text:
+
+- `gpt2` (byte-level BPE: GPT-2, Llama 3, Qwen): the file's merges, with the split
+  regex named by `tokenizer.ggml.pre`.
+- `llama` (SentencePiece BPE with byte fallback: Llama 2, Gemma): merges recovered
+  from the piece scores, as transformers recovers them from a tokenizer.model, and the
+  leading-space rule from `tokenizer.ggml.add_space_prefix`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from runtime.errors import CheckpointError
+from runtime.tokenizer import Tokenizer
+
+import jinja2
+import tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
+
+if TYPE_CHECKING:
+    from runtime.gguf import Metadata
+
+# tokenizer.ggml.token_type values (gguf.TokenType)
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> (split regex, or None for GPT-2's own; NFC-normalized; ignore_merges).
+# Names as llama.cpp's converter writes them; Qwen's tokenizers normalize to NFC and
+# Llama 3's looks a whole word up before merging.
+_BYTE_LEVEL_PRE: dict[str, tuple[str | None, bool, bool]] = {
+    "default": (None, False, False),
+    "gpt-2": (None, False, False),
+    "llama-bpe": (_LLAMA3_SPLIT, False, True),
+    "llama3": (_LLAMA3_SPLIT, False, True),
+    "smaug-bpe": (_LLAMA3_SPLIT, False, True),
+    "qwen2": (_QWEN2_SPLIT, True, False),
+    "deepseek-r1-qwen": (_QWEN2_SPLIT, True, False),
+}
+
+
+def tokenizer_from_gguf(metadata: Metadata, architecture: str) -> Tokenizer:
+    """The tokenizer and chat template the file describes; `CheckpointError` if it cannot."""
+    source = metadata.source
+    kind = metadata.string("tokenizer.ggml.model")
+    tokens = metadata.require("tokenizer.ggml.tokens", list)
+    token_types = metadata.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    if len(token_types) != len(tokens):
+        raise CheckpointError(f"{source}: tokenizer.ggml.token_type does not match the vocabulary")
+    if kind == "gpt2":
+        backend = _byte_level_bpe(metadata, tokens)
+    elif kind == "llama":
+        backend = _sentencepiece_bpe(metadata, tokens, token_types)
+    else:
+        raise CheckpointError(
+            f"{source}: unsupported GGUF tokenizer '{kind}' (supported: gpt2, llama)"
+        )
+    backend.add_tokens(
+        [
+            tokenizers.AddedToken(token, special=token_type == _CONTROL, normalized=False)
+            for token, token_type in zip(tokens, token_types, strict=True)
+            if token_type in (_CONTROL, _USER_DEFINED)
+        ]
+    )
+    special_tokens = {}
+    for name, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ):
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        if isinstance(token_id, int) and 0 <= token_id < len(tokens):
+            special_tokens[name] = tokens[token_id]
+    # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")
+    try:
+        return Tokenizer(
+            backend,
+            special_tokens=special_tokens,
+            add_bos_token=bool(add_bos),
+            chat_template=metadata.get("tokenizer.chat_template"),
+            byte_fallback=kind == "llama",
+        )
+    except jinja2.TemplateSyntaxError as exc:
+        reason = " ".join(str(exc).split())
+        raise CheckpointError(f"{source}: chat template does not compile ({reason})") from None
+
+
+def _byte_level_bpe(metadata: Metadata, tokens: list[str]) -> tokenizers.Tokenizer:
+    source = metadata.source
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    if pre not in _BYTE_LEVEL_PRE:
+        supported = ", ".join(sorted(_BYTE_LEVEL_PRE))
+        raise CheckpointError(
+            f"{source}: unsupported GGUF pre-tokenizer '{pre}' (supported: {supported})"
+        )
+    split, is_nfc, ignore_merges = _BYTE_LEVEL_PRE[pre]
+    merges = metadata.require("tokenizer.ggml.merges", list)
+    pairs = []
+    for merge in merges:
+        left, space, right = merge.partition(" ")
+        if not space:
+            raise CheckpointError(f"{source}: malformed merge {merge!r} in tokenizer.ggml.merges")
+        pairs.append((left, right))
+    vocab = {token: i for i, token in enumerate(tokens)}
+    backend = tokenizers.Tokenizer(
+        models.BPE(vocab, pairs, ignore_merges=ignore_merges, fuse_unk=False, byte_fallback=False)
+    )
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(tokenizers.Regex(split), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    if is_nfc:
+        backend.normalizer = normalizers.NFC()
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    return backend
+
+
+def _sentencepiece_bpe(
+    metadata: Metadata, tokens: list[str], token_types: list[int]
+) -> tokenizers.Tokenizer:
+    scores = metadata.require("tokenizer.ggml.scores", list)
+    if len(scores) != len(tokens):
+        raise CheckpointError(
+            f"{metadata.source}: tokenizer.ggml.scores does not match the vocabulary"
+        )
+    vocab = {token: i for i, token in enumerate(tokens)}
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
+    mergeable = {
+        token: score
+        for token, score, token_type in zip(tokens, scores, token_types, strict=True)
+        if token_type == _NORMAL
+    }
+    backend = tokenizers.Tokenizer(
+        models.BPE(
+            vocab,
+            _merges_from_scores(vocab, mergeable),
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    steps: list[Any] = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if metadata.get("tokenizer.ggml.add_space_prefix", True):
+        # Llama 2: a word-boundary piece before the text, dropped again when decoding.
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="\u2581", prepend_scheme="first", split=False
+        )
+        steps.append(decoders.Strip(" ", 1, 0))
+    else:
+        backend.normalizer = normalizers.Replace(" ", "\u2581")  # Gemma: spaces only
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies: every split of a piece into two
+    pieces, best-scored piece first (as transformers derives them from a tokenizer.model)."""
+    merges: list[tuple[str, str, float]] = []
+    for piece, score in scores.items():
+        splits = [
+            (piece[:i], piece[i:])
+            for i in range(1, len(piece))
+            if piece[:i] in scores and piece[i:] in scores
+        ]
+        splits.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        merges.extend((left, right, score) for left, right in splits)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
