@@ -17,7 +17,7 @@ import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
 import mlx.core as mx
 import numpy as np
 
-from actors import bench_serve, soak
+from actors import bench_ladder, bench_serve, soak
 from kernels import paged_attention as pa
 
 
@@ -38,6 +38,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     paged.set_defaults(run=paged_attention)
     soak.add_parser(which)
     bench_serve.add_parser(which)
+    bench_ladder.add_parser(which)
 
 
 def _decode_step(batch: int, context: int, args: argparse.Namespace, rng: np.random.Generator):

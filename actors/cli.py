@@ -106,6 +106,12 @@ def _parser() -> argparse.ArgumentParser:
         "fill the rest (default: --max-batch + --prefill-chunk)",
     )
     serve.add_argument(
+        "--batch-ladder",
+        action="store_true",
+        help="time the model's dense layers at 1..--max-batch tokens at start-up and pad "
+        "each step to the cheapest size at or above its own (see README, Scheduling)",
+    )
+    serve.add_argument(
         "--no-prefix-cache",
         dest="prefix_cache",
         action="store_false",
@@ -242,6 +248,7 @@ async def _serve(args: argparse.Namespace) -> None:
             prefix_cache=args.prefix_cache,
             prefill_chunk=args.prefill_chunk,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            batch_ladder=args.batch_ladder,
             offline=args.offline,
             keep_dtype=args.keep_dtype,
             on_progress=_progress,

@@ -27,6 +27,7 @@ from runtime.checkpoint import LoadedModel, load_model
 from runtime.engine import DEFAULT_BLOCK_SIZE, Engine
 from runtime.errors import RequestError
 from runtime.kv.blocks import BlockPool
+from runtime.ladder import measure_ladder
 from runtime.runner import PlanRunner
 from runtime.scheduler import DEFAULT_PREFILL_CHUNK, FcfsScheduler
 from runtime.sequence import SamplingParams
@@ -74,6 +75,7 @@ async def open_llm(
     prefix_cache: bool = True,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     max_num_batched_tokens: int | None = None,
+    batch_ladder: bool = False,
     lookahead: int = 1,
     offline: bool = False,
     keep_dtype: bool = False,
@@ -85,6 +87,8 @@ async def open_llm(
     `kv_budget` sizes the paged KV pool: bytes, a fraction of available memory, or
     None for the default (see `runtime.engine.Engine`). `max_num_batched_tokens` caps
     a step's tokens (default `max_batch + prefill_chunk`; see runtime/scheduler.py).
+    `batch_ladder` times the model's dense layers at 1..max_batch tokens at start-up
+    and pads steps to a cheaper size (runtime/ladder.py).
     `prefix_cache=False` turns prefix caching off. `lookahead` (>= 1) is how many engine steps stay queued
     behind the running one (more hides more scheduling latency, and costs that many
     speculative steps per finish).
@@ -106,6 +110,11 @@ async def open_llm(
             block_size=block_size,
         )
     )
+    if batch_ladder:
+        engine.ladder = await thread.run(
+            functools.partial(measure_ladder, engine.model, loaded.config.num_hidden_layers, max_batch)
+        )
+        log.info("batch_ladder", **engine.ladder.describe())
     kv = engine.kv
     log.info(
         "kv_pool",

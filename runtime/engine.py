@@ -43,6 +43,7 @@ from runtime.errors import CadenceError, RequestError
 from runtime.finishing import finish_step
 from runtime.kv.base import RowSpan
 from runtime.kv.paged import PagedKV, available_memory
+from runtime.ladder import BatchLadder, pad_step
 from runtime.sampling import Logprobs, RowSampler, Sampled, sample
 from runtime.sequence import (
     FinishCause,
@@ -216,6 +217,7 @@ class Engine:
         self._queued: deque[_QueuedStep] = deque()
         self._ids = itertools.count()
         self._fault = _fault_from_env()  # (token id, samples) or None
+        self.ladder: BatchLadder | None = None  # pads steps to cheaper sizes when set
 
     def _num_blocks(self, kv_budget: int | float | None, block_size: int) -> int:
         if isinstance(kv_budget, bool) or not (
@@ -389,7 +391,8 @@ class Engine:
         is_finite [S]) for its sampling rows, or None when none samples. Records nothing
         on the rows, so a forward that raises can be retried."""
         view = self.kv.forward(plan.spans, epoch)
-        hidden = self.model.hidden(mx.concatenate(plan.inputs)[None], view)[0]  # [N, hidden]
+        tokens, view = pad_step(self.ladder, mx.concatenate(plan.inputs), view)
+        hidden = self.model.hidden(tokens[None], view)[0]  # [N (+ pads), hidden]
         if self._fault is not None:
             self._inject_fault(plan)
         if not plan.sampling:

@@ -1,0 +1,89 @@
+"""`cadence bench ladder`: the batch ladder's table, and whether padding pays.
+
+For each step size N (N decoding rows, one token each, at a given context), it
+prints the dense layers' measured time (what the ladder decides on), the size the
+ladder pads N to, and the whole forward, attention included, unpadded and padded:
+the figure that says whether `cadence serve --batch-ladder` is worth turning on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from runtime.checkpoint import load_model
+from runtime.engine import Engine
+from runtime.kv.base import RowSpan
+from runtime.ladder import BatchLadder, measure_ladder, pad_step
+
+import mlx.core as mx
+
+from actors.bench_model import bench_checkpoint
+
+
+def add_parser(which: argparse._SubParsersAction) -> None:
+    ladder = which.add_parser("ladder", help="the batch ladder's table and padded step times")
+    ladder.add_argument(
+        "--model", default=None, help="a checkpoint (default: the 200M bench model)"
+    )
+    ladder.add_argument("--cache-dir", type=Path, default=Path(".bench"))
+    ladder.add_argument("--max-tokens", type=int, default=32, help="sizes 1..N")
+    ladder.add_argument("--context", type=int, default=200, help="each row's tokens so far")
+    ladder.add_argument("--repeats", type=int, default=7)
+    ladder.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    loaded = load_model(args.model or bench_checkpoint(args.cache_dir))
+    engine = Engine(loaded, max_batch=args.max_tokens, max_context=args.context + 2)
+    start = time.perf_counter()
+    ladder = measure_ladder(engine.model, loaded.config.num_hidden_layers, args.max_tokens)
+    print(
+        f"ladder measured in {time.perf_counter() - start:.1f} s; {loaded.name}, {mx.default_device()}"
+    )
+    print("| N | dense ms | padded to | step ms | padded step ms | padded / plain |")
+    print("|---|---|---|---|---|---|")
+    total_plain = total_padded = 0.0
+    for n in range(1, args.max_tokens + 1):
+        spans = _decode_rows(engine, n, args.context)
+        tokens = mx.zeros((n,), dtype=mx.int32)
+        plain = functools.partial(_step, engine, None, tokens, spans)
+        padded = functools.partial(_step, engine, ladder, tokens, spans)
+        a, b = _fastest(plain, args.repeats), _fastest(padded, args.repeats)
+        total_plain, total_padded = total_plain + a, total_padded + b
+        rung = ladder.padded(n)
+        print(
+            f"| {n} | {ladder.ms[n - 1]:.1f} | {rung if rung != n else '-'} | {a:.1f} | "
+            f"{b:.1f} | {b / a:.2f}x |"
+        )
+    print(
+        f"all sizes once: {total_plain:.0f} ms plain, {total_padded:.0f} ms padded "
+        f"({total_padded / total_plain:.2f}x)"
+    )
+    return 0
+
+
+def _step(
+    engine: Engine, ladder: BatchLadder | None, tokens: mx.array, spans: list[RowSpan]
+) -> mx.array:
+    t, view = pad_step(ladder, tokens, engine.kv.forward(spans, 0))
+    return engine.model.hidden(t[None], view)
+
+
+def _decode_rows(engine: Engine, rows: int, context: int) -> list[RowSpan]:
+    per_row = -(-(context + 1) // engine.kv.block_size)
+    return [
+        RowSpan(i, context, 1, tuple(range(i * per_row, (i + 1) * per_row))) for i in range(rows)
+    ]
+
+
+def _fastest(forward: Callable[[], mx.array], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(forward())
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3

@@ -1,0 +1,43 @@
+"""The batch ladder as a user turns it on: `open_llm(batch_ladder=True)` (the serve flag
+`--batch-ladder`) and `cadence bench ladder`."""
+
+import subprocess
+import sys
+
+from structlog.testing import capture_logs
+
+import actors
+
+
+async def test_batch_ladder_is_measured_at_start_up_and_changes_no_token(tiny):
+    prompts = ["The quick brown fox", "def main():", "Hello"]
+
+    async def greedy_texts(**kwargs):
+        texts = []
+        async with actors.open_llm(tiny, max_batch=4, **kwargs) as llm:
+            for prompt in prompts:
+                async with llm.generate(prompt, max_tokens=12) as generation:
+                    texts.append("".join([delta.text async for delta in generation]))
+        return texts
+
+    with capture_logs() as logs:
+        laddered = await greedy_texts(batch_ladder=True)
+    events = [e for e in logs if e["event"] == "batch_ladder"]
+    assert len(events) == 1 and events[0]["sizes"] == 4  # 1..max_batch
+    assert laddered == await greedy_texts()
+
+
+def test_bench_ladder_prints_a_row_per_size(tiny):
+    result = subprocess.run(
+        [sys.executable, "-m", "actors.cli", "bench", "ladder", "--model", str(tiny)]
+        + ["--max-tokens", "3", "--repeats", "1", "--context", "20"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [
+        line for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line
+    ]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == ["1", "2", "3"]
+    assert "ms padded" in result.stdout
