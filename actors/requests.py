@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from runtime.errors import CadenceError, RequestError
+from runtime.grammar import GrammarSpec
 from runtime.sequence import SamplingParams
 
 import attrs
@@ -50,6 +51,12 @@ class GenerateRequest:
     # (name, value) pairs the chat template sees as variables; see CHAT_TEMPLATE_KWARGS
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
     priority: int = 0  # lower runs first (vLLM's meaning); FCFS among equals
+    grammar: GrammarSpec | None = None  # structured output: the text must match it
+    # OpenAI tool definitions, shown to the chat template; `tool_choice` is "auto", "none",
+    # "required" (some call, forced) or "function" (the call of `tool_name`, forced).
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: str = "auto"
+    tool_name: str | None = None
 
 
 @attrs.frozen
@@ -90,6 +97,9 @@ class Delta:
     cause: str | None = None
     usage: Usage | None = None
     logprobs: tuple[LogprobEntry, ...] = ()
+    # OpenAI `tool_calls` delta items parsed out of the text (actors/openai_tools.py):
+    # a call's first carries id, type and name, the next ones argument text.
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
 
 def check_request(request: GenerateRequest) -> GenerateRequest:

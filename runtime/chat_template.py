@@ -61,11 +61,14 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool,
         variables: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """The prompt for `messages` ({role, content} dicts), as text.
 
         `variables` are extra template variables (e.g. `enable_thinking`); they cannot
-        replace `messages`, `add_generation_prompt` or the special tokens.
+        replace `messages`, `add_generation_prompt` or the special tokens. `tools` are
+        OpenAI tool definitions (`{"type": "function", "function": {...}}`), passed to the
+        template as transformers passes them.
         Raises `RequestError` when a message is malformed or the template rejects the chat.
         """
         chat = checked_messages(messages)
@@ -75,7 +78,7 @@ class ChatTemplate:
             **(variables or {}),
             **self._special_tokens,
             "messages": chat,
-            "tools": None,
+            "tools": list(tools) if tools else None,
             "documents": None,
             "add_generation_prompt": add_generation_prompt,
         }
@@ -95,6 +98,7 @@ class ChatTemplate:
         add_generation_prompt: bool,
         variables: Mapping[str, Any] | None,
         is_located: Callable[[str], bool],
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[str, list[tuple[int, int]]]:
         """The prompt, and the [start, end) character spans in it where the strings of
         `messages` (at any depth) that `is_located` picks were written.
@@ -105,7 +109,7 @@ class ChatTemplate:
         `| trim` does). Raises `RequestError` otherwise: a template that escapes, splits
         or branches on the string leaves no way to tell its text from the template's.
         """
-        prompt = self.render(messages, add_generation_prompt, variables)
+        prompt = self.render(messages, add_generation_prompt, variables, tools)
         picked: list[str] = []
         nonce = secrets.token_hex(8)  # unguessable, so no message can contain a sentinel
 
@@ -118,7 +122,7 @@ class ChatTemplate:
         with_sentinels = _map_strings(messages, to_sentinel)
         if not picked:
             return prompt, []
-        skeleton = self.render(with_sentinels, add_generation_prompt, variables)
+        skeleton = self.render(with_sentinels, add_generation_prompt, variables, tools)
         spans = _spans(prompt, re.split(f"@{nonce}:([0-9]+)@", skeleton), picked)
         if spans is None:
             raise RequestError(

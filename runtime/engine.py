@@ -15,6 +15,10 @@ Each row's next input is the lazily sampled token of its previous step, so step
 N+1 is queued before step N's tokens are known. A row that finishes at step N may
 sit in step N+1; that speculative token is dropped and the policy frees its blocks.
 
+A row with a grammar (structured output, runtime/grammar.py) samples under its
+token mask, computed on the host from its collected tokens: it is never fed a
+queued sample, so the policy plans it no speculative step.
+
 A forward that raises while its graph is built is retried in halves, down to
 single spans: a span that still raises fails its row alone (ERROR, naming the
 exception), and the other rows' samples join the step as if nothing happened. A
@@ -41,10 +45,12 @@ from collections import deque
 from runtime.checkpoint import LoadedModel
 from runtime.errors import CadenceError, RequestError
 from runtime.finishing import finish_step
+from runtime.grammar import GrammarState, token_masks
 from runtime.kv.base import RowSpan
+from runtime.kv.layout import SIZING_CHUNK, KVLayout
 from runtime.kv.paged import PagedKV, available_memory
 from runtime.ladder import BatchLadder, pad_step
-from runtime.sampling import Logprobs, RowSampler, Sampled, sample
+from runtime.sampling import Logprobs, RowSampler, Sampled, joined, logprob_rows, sample
 from runtime.sequence import (
     FinishCause,
     SeqHandle,
@@ -80,6 +86,7 @@ class _Row:
     num_pending: int = 0  # samples queued and not collected
     finished: FinishCause | None = None
     fault_at: int | None = None  # CADENCE_FAULT_TOKEN: its forward raises at this many samples
+    grammar: GrammarState | None = None  # structured output: where the row is in its grammar
 
     @property
     def num_sampled(self) -> int:
@@ -208,10 +215,15 @@ class Engine:
         self.eos_ids = frozenset(config.eos_token_ids) | loaded.tokenizer.eos_token_ids
         dtype = self.model.model.norm.weight.dtype
         geometry = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
-        self.bytes_per_block = PagedKV.bytes_per_block(*geometry, block_size, dtype)
+        self.kv_layout = KVLayout.for_layers(config.num_hidden_layers, config.layer_windows)
+        self.bytes_per_block = PagedKV.bytes_per_block(
+            self.kv_layout.group_size, *geometry[1:], block_size, dtype
+        )
         num_blocks = self._num_blocks(kv_budget, block_size)
-        self.kv = PagedKV(*geometry, config.num_queries_per_kv, num_blocks, block_size, dtype)
-        self.kv_tokens = num_blocks * block_size
+        self.kv = PagedKV(
+            *geometry, config.num_queries_per_kv, num_blocks, block_size, dtype, config.layer_windows
+        )
+        self.kv_tokens = self.kv_layout.max_row_tokens(num_blocks, block_size)
         self.max_context = min(self.model_max_context, self.kv_tokens)
         self._rows: dict[int, _Row] = {}
         self._queued: deque[_QueuedStep] = deque()
@@ -228,7 +240,7 @@ class Engine:
             raise ValueError(
                 f"kv_budget must be bytes > 0 or a fraction in (0, 1), got {kv_budget!r}"
             )
-        blocks_per_row = -(-self.model_max_context // block_size)
+        blocks_per_row = self.kv_layout.blocks_per_row(self.model_max_context, block_size, SIZING_CHUNK)
         wanted = self.max_batch * blocks_per_row
         if isinstance(kv_budget, int):
             return max(kv_budget // self.bytes_per_block, 1)
@@ -259,6 +271,7 @@ class Engine:
             eos_ids=frozenset() if params.ignore_eos else self.eos_ids | params.stop_token_ids,
             tokens=list(params.prompt_tokens),
             fault_at=fault[1] if fault is not None and fault[0] in params.prompt_tokens else None,
+            grammar=params.grammar.start() if params.grammar is not None else None,
         )
         return handle
 
@@ -291,7 +304,7 @@ class Engine:
             self._queue(plan, [], None, writes)
             return
         parts = [out for _, out in ran if out is not None]  # more than one if it was split
-        sampled, is_finite = parts[0] if len(parts) == 1 else _joined(parts)
+        sampled, is_finite = parts[0] if len(parts) == 1 else joined(parts)
         for i, row in enumerate(sampling):
             row.next_input = sampled.tokens[i : i + 1]
             row.sampler.record(row.next_input)
@@ -308,7 +321,7 @@ class Engine:
             mx.eval(*step.writes)
         tokens: list[int] = step.tokens.tolist()  # type: ignore[assignment]  # [S] -> list
         finite: list[bool] = step.is_finite.tolist()  # type: ignore[assignment]
-        logprobs = _logprob_rows(step.logprobs, len(tokens))
+        logprobs = logprob_rows(step.logprobs, len(tokens))
         for seq_id, token, is_finite, logprob in zip(
             step.seq_ids, tokens, finite, logprobs, strict=True
         ):
@@ -323,6 +336,10 @@ class Engine:
                 outcomes.append(StepOutcome(seq_id, None, FinishCause.ERROR, "non-finite logits"))
                 continue
             row.tokens.append(token)
+            if row.grammar is not None and (refused := row.grammar.advance(token)) is not None:
+                row.finished = FinishCause.ERROR
+                outcomes.append(StepOutcome(seq_id, None, FinishCause.ERROR, refused))
+                continue
             row.finished = finish_step(
                 token=token,
                 num_generated=row.num_generated,
@@ -333,6 +350,8 @@ class Engine:
                 eos_ids=row.eos_ids,
                 repetition_window=row.params.repetition_window,
             )
+            if row.finished is None and row.grammar is not None and row.grammar.is_done:
+                row.finished = FinishCause.EOS  # complete: nothing but EOS could follow
             num_top = row.params.sampling.logprobs
             asked = None if num_top is None else TokenLogprob(logprob[0], logprob[1][:num_top])
             outcomes.append(StepOutcome(seq_id, token, row.finished, logprob=asked))
@@ -398,7 +417,9 @@ class Engine:
         if not plan.sampling:
             return None
         logits = self.model.project(hidden[mx.array(plan.sample_at)])  # [S, V]
-        return sample(logits, [row.sampler for row in plan.sampling]), rows_are_finite(logits)
+        allowed = token_masks([row.grammar for row in plan.sampling], logits.shape[-1])
+        samples = sample(logits, [row.sampler for row in plan.sampling], allowed)
+        return samples, rows_are_finite(logits)
 
     def _inject_fault(self, plan: _Plan) -> None:
         """CADENCE_FAULT_TOKEN: raise as a model error would, judged on host counters only."""
@@ -439,52 +460,13 @@ class Engine:
             ) or row.frontier >= self.max_context:
                 return None
         if row.num_pending:
+            if row.grammar is not None:  # its mask needs the queued token (runtime/grammar.py)
+                raise ValueError(f"row {row.handle.seq_id} is constrained: it skips lookahead")
             if span.start != row.frontier - 1 or span.num_new != 1:
                 raise ValueError(f"row {row.handle.seq_id} has a queued sample: only it can be fed")
             assert row.next_input is not None
             return row.next_input
         return mx.array(row.tokens[span.start : span.end], dtype=mx.int32)
-
-
-def _joined(parts: list[_Sampled]) -> _Sampled:
-    """The samples of a split step's forwards, as one step's: [S] and [S]."""
-    samples = [sampled for sampled, _ in parts]
-    tokens = mx.concatenate([s.tokens for s in samples])
-    finite = mx.concatenate([is_finite for _, is_finite in parts])
-    if all(s.logprobs is None for s in samples):
-        return Sampled(tokens), finite
-    # Parts ask for different K, or none: pad to the widest; padding is never read.
-    k = max(s.logprobs.top.shape[1] for s in samples if s.logprobs is not None)
-    padded = [_padded(s.logprobs, s.tokens.shape[0], k) for s in samples]
-    joined = Logprobs(
-        *(mx.concatenate([getattr(p, f) for p in padded]) for f in ("token", "top_ids", "top"))
-    )
-    return Sampled(tokens, joined), finite
-
-
-def _padded(logprobs: Logprobs | None, num_rows: int, k: int) -> Logprobs:
-    if logprobs is None:
-        logprobs = Logprobs(
-            mx.zeros((num_rows,)), mx.zeros((num_rows, 0), mx.int32), mx.zeros((num_rows, 0))
-        )
-    pad = k - logprobs.top.shape[1]
-    return Logprobs(
-        logprobs.token,
-        mx.pad(logprobs.top_ids, [(0, 0), (0, pad)]),
-        mx.pad(logprobs.top, [(0, 0), (0, pad)], constant_values=-mx.inf),
-    )
-
-
-def _logprob_rows(
-    logprobs: Logprobs | None, num_rows: int
-) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
-    """A step's logprobs, per row: (the token's, its top K as (id, logprob) pairs)."""
-    if logprobs is None:
-        return [(0.0, ())] * num_rows
-    token: list[float] = logprobs.token.tolist()  # type: ignore[assignment]
-    ids: list[list[int]] = logprobs.top_ids.tolist()  # type: ignore[assignment]
-    top: list[list[float]] = logprobs.top.tolist()  # type: ignore[assignment]
-    return [(t, tuple(zip(i, v, strict=True))) for t, i, v in zip(token, ids, top, strict=True)]
 
 
 def _fault_from_env() -> tuple[int, int] | None:

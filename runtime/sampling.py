@@ -4,7 +4,11 @@ Every row carries its own parameters; they become `[B]` vectors, so rows with
 different temperatures, top-p, penalties or seeds share one set of array ops
 (mlx-lm's server refuses to batch a seeded request). The order, as vLLM applies it:
 
-    penalties -> logit_bias -> (greedy rows: argmax) -> temperature -> top-k -> top-p -> min-p -> draw
+    penalties -> logit_bias -> grammar mask -> (greedy rows: argmax) -> temperature
+    -> top-k -> top-p -> min-p -> draw
+
+The grammar mask (structured output, runtime/grammar.py) sets the tokens a row's
+grammar forbids to -inf; a row without a grammar is untouched, bit for bit.
 
 A seeded row draws its Gumbel noise from its own key, split once per step, so its
 tokens depend only on its seed and its logits, never on its neighbours.
@@ -71,14 +75,18 @@ class Sampled:
     logprobs: Logprobs | None = None  # None when no row asks
 
 
-def sample(logits: mx.array, rows: Sequence[RowSampler]) -> Sampled:
-    """logits [B, V] -> token ids [B] int32 and, if any row asks, their logprobs (lazy)."""
+def sample(logits: mx.array, rows: Sequence[RowSampler], allowed: mx.array | None = None) -> Sampled:
+    """logits [B, V] -> token ids [B] int32 and, if any row asks, their logprobs (lazy).
+
+    `allowed` [B, V] bool: the tokens each row may draw (its grammar's mask); None: all."""
     logits = logits.astype(mx.float32)
     params = [r.params for r in rows]
     if any(p.has_penalties for p in params):
         logits = apply_penalties(logits, rows)
     if any(p.logit_bias for p in params):
         logits = logits + _bias_matrix(params, logits.shape[-1])
+    if allowed is not None:
+        logits = mx.where(allowed, logits, -mx.inf)
     greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
     if all(p.is_greedy for p in params):
         return Sampled(greedy, _logprobs(logits, greedy, params))
@@ -187,3 +195,44 @@ def _gumbel(rows: Sequence[RowSampler], shape: tuple[int, ...]) -> mx.array:
             for i, r in enumerate(rows)
         ]
     )
+
+
+def joined(parts: list[tuple[Sampled, mx.array]]) -> tuple[Sampled, mx.array]:
+    """The samples of a split step's forwards, as one step's: [S] and [S]."""
+    samples = [sampled for sampled, _ in parts]
+    tokens = mx.concatenate([s.tokens for s in samples])
+    finite = mx.concatenate([is_finite for _, is_finite in parts])
+    if all(s.logprobs is None for s in samples):
+        return Sampled(tokens), finite
+    # Parts ask for different K, or none: pad to the widest; padding is never read.
+    k = max(s.logprobs.top.shape[1] for s in samples if s.logprobs is not None)
+    padded = [_padded(s.logprobs, s.tokens.shape[0], k) for s in samples]
+    merged = Logprobs(
+        *(mx.concatenate([getattr(p, f) for p in padded]) for f in ("token", "top_ids", "top"))
+    )
+    return Sampled(tokens, merged), finite
+
+
+def _padded(logprobs: Logprobs | None, num_rows: int, k: int) -> Logprobs:
+    if logprobs is None:
+        logprobs = Logprobs(
+            mx.zeros((num_rows,)), mx.zeros((num_rows, 0), mx.int32), mx.zeros((num_rows, 0))
+        )
+    pad = k - logprobs.top.shape[1]
+    return Logprobs(
+        logprobs.token,
+        mx.pad(logprobs.top_ids, [(0, 0), (0, pad)]),
+        mx.pad(logprobs.top, [(0, 0), (0, pad)], constant_values=-mx.inf),
+    )
+
+
+def logprob_rows(
+    logprobs: Logprobs | None, num_rows: int
+) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """A step's logprobs, per row: (the token's, its top K as (id, logprob) pairs)."""
+    if logprobs is None:
+        return [(0.0, ())] * num_rows
+    token: list[float] = logprobs.token.tolist()  # type: ignore[assignment]
+    ids: list[list[int]] = logprobs.top_ids.tolist()  # type: ignore[assignment]
+    top: list[list[float]] = logprobs.top.tolist()  # type: ignore[assignment]
+    return [(t, tuple(zip(i, v, strict=True))) for t, i, v in zip(token, ids, top, strict=True)]

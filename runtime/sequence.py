@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from runtime.kv.base import RowSpan
 
 import attrs
+
+if TYPE_CHECKING:
+    from runtime.grammar import CompiledGrammar
 
 
 def _bias_pairs(
@@ -60,6 +64,9 @@ class SequenceParams:
     repetition_window: int | None = None
     request_id: str = ""
     priority: int = 0  # lower runs first (vLLM's meaning); equal ones first come, first served
+    # Structured output: every token must keep the output inside this grammar, and the
+    # row ends when the grammar is complete. None: free text.
+    grammar: CompiledGrammar | None = None
 
 
 @attrs.frozen

@@ -125,6 +125,15 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    @property
+    def chat_template_source(self) -> str:
+        """The Jinja source in use: the checkpoint's, or the ChatML fallback."""
+        return self._chat_template.source
+
+    def backend_json(self) -> str:
+        """The `tokenizers` tokenizer as its JSON file reads (llguidance builds its own from it)."""
+        return self._backend.to_str()
+
     def apply_chat_template(
         self,
         messages: list[dict],
@@ -143,6 +152,7 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Prompt token ids. The template writes BOS itself when the model wants one, so
         encoding adds no special tokens (as transformers' `apply_chat_template` does).
@@ -153,7 +163,7 @@ class Tokenizer:
         template rewrites such a message so that its text cannot be told from the template's.
         """
         prompt, spans = self._chat_template.render_with_spans(
-            messages, add_generation_prompt, template_kwargs, self._spells_special_token
+            messages, add_generation_prompt, template_kwargs, self._spells_special_token, tools
         )
         encoding = self._backend.encode(prompt, add_special_tokens=False)
         if not spans:

@@ -1,0 +1,282 @@
+"""Tools and structured output on the OpenAI wire: the request fields in, tool calls out.
+
+Structured output takes OpenAI's `response_format` (`text`, `json_object`, `json_schema`)
+and, as an extension, vLLM's guided-decoding fields: the `structured_outputs` object
+(`json`, `regex`, `choice`, `grammar`) or the older top-level `guided_json`,
+`guided_regex`, `guided_choice` and `guided_grammar` (Lark, llguidance's dialect). At most
+one of them per request. They apply to chat and completions alike. Bad values raise
+RequestError naming the field (a 400 over HTTP).
+
+Tool calls leave as OpenAI's `tool_calls`: streamed, a call's first delta carries its
+`id`, `type` and `name` with empty arguments, and the next ones the argument text.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from runtime.errors import RequestError
+from runtime.grammar import GrammarSpec
+from runtime.tools import CallArguments, CallStart, Content, Event, parser_for
+
+import attrs
+
+from actors.requests import Delta
+
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", *_GUIDED)
+MAX_TOOLS = 128
+
+
+def structured_output(body: dict[str, Any]) -> GrammarSpec | None:
+    """The one grammar `body` asks the output to follow, or None for free text."""
+    asked = [name for name in STRUCTURED_FIELDS if body.get(name) is not None]
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") == "text":
+        asked.remove("response_format")  # text is no constraint
+    if len(asked) > 1:
+        raise RequestError(f"give at most one of {', '.join(asked)}", param=asked[1])
+    if not asked:
+        return None
+    name = asked[0]
+    if name == "response_format":
+        return _response_format(response_format)
+    if name == "structured_outputs":
+        options = body[name]
+        if not isinstance(options, dict) or len(options) != 1 or next(iter(options)) not in _KINDS:
+            raise RequestError(
+                "'structured_outputs' must have exactly one of json, regex, choice, grammar",
+                param=name,
+            )
+        ((kind, value),) = options.items()
+        return _guided(kind, value, f"structured_outputs.{kind}")
+    return _guided(_GUIDED[name], body[name], name)
+
+
+def _response_format(value: Any) -> GrammarSpec:
+    param = "response_format"
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return GrammarSpec("json_object", "", param)
+    if kind != "json_schema":
+        raise RequestError(
+            "'response_format.type' must be one of text, json_object, json_schema",
+            param="response_format.type",
+        )
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise RequestError(
+            "'response_format.json_schema' must be an object with a 'name'",
+            param="response_format.json_schema",
+        )
+    schema = spec.get("schema", {})  # OpenAI's default: any JSON
+    if not isinstance(schema, dict | bool) or not isinstance(
+        spec.get("strict", False), bool | None
+    ):
+        raise RequestError(
+            "'response_format.json_schema.schema' must be a JSON schema object",
+            param="response_format.json_schema.schema",
+        )
+    # strict or not, the output follows the schema: llguidance enforces it either way.
+    return GrammarSpec("json_schema", json.dumps(schema), "response_format.json_schema.schema")
+
+
+def _guided(kind: str, value: Any, param: str) -> GrammarSpec:
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise RequestError(
+                    f"'{param}' is not valid JSON: {error.msg}", param=param
+                ) from None
+        if not isinstance(value, dict | bool):
+            raise RequestError(f"'{param}' must be a JSON schema", param=param)
+        return GrammarSpec("json_schema", json.dumps(value), param)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise RequestError(f"'{param}' must be a non-empty list of strings", param=param)
+        return GrammarSpec("choice", json.dumps(value), param)
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"'{param}' must be a non-empty string", param=param)
+    return GrammarSpec(_KINDS[kind], value, param)
+
+
+@attrs.frozen
+class ToolRequest:
+    tools: tuple[dict[str, Any], ...] = ()
+    choice: str = "auto"  # "auto", "none", "required" or "function" (then `name`)
+    name: str | None = None
+
+    @property
+    def parses_calls(self) -> bool:
+        return bool(self.tools) and self.choice != "none"
+
+
+def tool_request(body: dict[str, Any]) -> ToolRequest:
+    for legacy in ("functions", "function_call"):
+        if body.get(legacy) is not None:
+            raise RequestError(
+                f"'{legacy}' is deprecated: send 'tools' and 'tool_choice'", param=legacy
+            )
+    tools = body.get("tools") or []
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise RequestError(f"'tools' must be a list of at most {MAX_TOOLS} tools", param="tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            function is None
+            or tool.get("type") != "function"
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not function["name"]
+            or not isinstance(function.get("parameters", {}), dict)
+        ):
+            raise RequestError(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}",
+                param=f"tools[{i}]",
+            )
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise RequestError("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    choice = body.get("tool_choice")
+    names = [tool["function"]["name"] for tool in tools]
+    if choice is None:
+        return ToolRequest(tuple(tools), "auto")
+    if choice in ("auto", "none", "required"):
+        if choice == "required" and not tools:
+            raise RequestError("tool_choice 'required' needs 'tools'", param="tool_choice")
+        return ToolRequest(tuple(tools), choice)
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if (
+        not isinstance(choice, dict)
+        or choice.get("type") != "function"
+        or not isinstance(name, str)
+    ):
+        raise RequestError(
+            "'tool_choice' must be auto, none, required or {'type': 'function', 'function': {'name': ...}}",
+            param="tool_choice",
+        )
+    if name not in names:
+        raise RequestError(
+            f"tool_choice names '{name[:64]}', which is not in 'tools'", param="tool_choice"
+        )
+    return ToolRequest(tuple(tools), "function", name)
+
+
+@attrs.define
+class ToolCallStream:
+    """Text deltas -> (content, OpenAI `tool_calls` delta items), in `style`'s format.
+
+    Content that is only whitespace waits for more text: between or after calls it is
+    dropped, so `message.content` is null when the reply is only calls. The whole
+    response is built by feeding all its text here too, so the streamed deltas
+    reassemble to it exactly.
+    """
+
+    style: str
+    parser: Any = None
+    ids: list[str] = attrs.Factory(list)
+    blank: str = ""  # whitespace-only content held back
+
+    def __attrs_post_init__(self) -> None:
+        self.parser = parser_for(self.style)
+
+    @property
+    def has_calls(self) -> bool:
+        return bool(self.ids)
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        return self._convert(self.parser.feed(text), is_final=False)
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        return self._convert(self.parser.finish(), is_final=True)
+
+    def finish_reason(self, reason: str) -> str:
+        return "tool_calls" if self.has_calls and reason == "stop" else reason
+
+    def _convert(self, events: list[Event], is_final: bool) -> tuple[str, list[dict[str, Any]]]:
+        content, calls = "", []
+        for event in events:
+            match event:
+                case Content(text):
+                    if self.blank or not text.strip():
+                        self.blank += text
+                        if not self.blank.strip():
+                            continue
+                        text, self.blank = self.blank, ""
+                    content += text
+                case CallStart(index, name):
+                    self.blank = ""
+                    self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                    function = {"name": name, "arguments": ""}
+                    calls.append(
+                        {
+                            "index": index,
+                            "id": self.ids[index],
+                            "type": "function",
+                            "function": function,
+                        }
+                    )
+                case CallArguments(index, fragment):
+                    calls.append({"index": index, "function": {"arguments": fragment}})
+        if is_final and self.blank and not self.has_calls:
+            content, self.blank = content + self.blank, ""
+        return content, calls
+
+
+def with_tool_calls(choice: dict[str, Any], deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """A whole chat choice with its `message.tool_calls` (content null when it was blank)."""
+    if not deltas:
+        return choice
+    message = dict(choice["message"])
+    message["content"] = message["content"] or None
+    message["tool_calls"] = whole_tool_calls(deltas)
+    return {**choice, "message": message}
+
+
+def whole_tool_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Streamed `tool_calls` delta items -> the whole message's `tool_calls`."""
+    calls: dict[int, dict[str, Any]] = {}
+    for delta in deltas:
+        call = calls.setdefault(
+            delta["index"],
+            {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
+        )
+        if "id" in delta:
+            call["id"] = delta["id"]
+            call["function"]["name"] = delta["function"]["name"]
+        call["function"]["arguments"] += delta["function"]["arguments"]
+    return [calls[i] for i in sorted(calls)]
+
+
+@attrs.define
+class ToolCallDeltas:
+    """Each choice's deltas with tool calls taken out of the text into `Delta.tool_calls`,
+    and the finish reason `tool_calls` when the choice made any."""
+
+    style: str
+    streams: dict[int, ToolCallStream] = attrs.Factory(dict)  # by choice index
+
+    def convert(self, index: int, delta: Delta) -> Delta:
+        stream = self.streams.setdefault(index, ToolCallStream(self.style))
+        content, calls = stream.feed(delta.text)
+        if delta.finish_reason is None:
+            return attrs.evolve(delta, text=content, tool_calls=tuple(calls))
+        rest, more = stream.finish()
+        return attrs.evolve(
+            delta,
+            text=content + rest,
+            tool_calls=tuple(calls + more),
+            finish_reason=stream.finish_reason(delta.finish_reason),
+        )

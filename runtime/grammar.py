@@ -1,0 +1,175 @@
+"""Structured output: grammars compiled with llguidance, and per-row token masks.
+
+    compiler = GrammarCompiler(tokenizer, vocab_size, eos_ids)   # once per model
+    grammar = compiler.compile(GrammarSpec("json_schema", schema_text, "response_format"))
+    state = grammar.start()                                      # once per row
+    allowed = token_masks([state, None, ...], vocab_size)        # [B, V] bool, each step
+    state.advance(token)                                         # each collected token
+
+A row's mask for step N+1 needs its token of step N on the host, while the engine
+queues step N+1 before it reads step N (lookahead). Constrained rows therefore skip
+the speculative step: the scheduler plans no span for a constrained row whose sample
+is still in flight (runtime/scheduler.py), so when the engine samples it, its state
+is current. Unconstrained rows keep the lookahead; a constrained row decodes every
+other step at lookahead 1, and never forces a batch of its own.
+
+Compiling is bounded twice: llguidance's parser limits cap the work a grammar may
+take (lexer fuel, grammar size), and the caller gives up waiting after a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable, Sequence
+
+from runtime.errors import RequestError
+from runtime.tokenizer import Tokenizer
+
+import attrs
+import llguidance
+import mlx.core as mx
+import numpy as np
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark", "choice")
+
+# Tighter than llguidance's defaults (1M lexer fuel, 500k symbols): a schema that needs
+# more is refused at compile time, in well under a second, instead of stalling a step.
+_LEXER_FUEL, _MAX_GRAMMAR_SIZE = 400_000, 100_000
+# No free whitespace in generated JSON: the separators are fixed, so a model cannot spend
+# its max_tokens on blanks (random and small models do) and the output stays compact.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@attrs.frozen
+class GrammarSpec:
+    """What a request asked the output to match, as text.
+
+    `kind` is one of GRAMMAR_KINDS: `json_schema` (source: the schema as JSON),
+    `json_object` (any JSON object; source ignored), `regex`, `lark` (llguidance's Lark
+    dialect, which can embed `%json{...}` schemas), `choice` (source: a JSON list of
+    strings). `param` names the request field it came from, for errors.
+    """
+
+    kind: str
+    source: str
+    param: str
+
+    def llguidance_grammar(self) -> str:
+        """llguidance's grammar text; raises RequestError when `source` is not of `kind`."""
+        match self.kind:
+            case "json_schema":
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    self.source,
+                    overrides=JSON_OPTIONS,  # type: ignore[arg-type]
+                )
+            case "json_object":
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    '{"type": "object"}',
+                    overrides=JSON_OPTIONS,  # type: ignore[arg-type]
+                )
+            case "regex":
+                return llguidance.LLMatcher.grammar_from_regex(self.source)
+            case "lark":
+                return llguidance.LLMatcher.grammar_from_lark(self.source)
+            case "choice":
+                choices = json.loads(self.source)
+                lark = "start: " + " | ".join(json.dumps(str(c)) for c in choices)
+                return llguidance.LLMatcher.grammar_from_lark(lark)
+        raise RequestError(f"unknown grammar kind {self.kind!r}", param=self.param)
+
+
+@attrs.frozen(eq=False)
+class CompiledGrammar:
+    """A grammar checked against the tokenizer; `start()` gives each row its own state."""
+
+    spec: GrammarSpec
+    prototype: llguidance.LLMatcher  # never advanced: rows advance deep copies
+
+    def start(self) -> GrammarState:
+        return GrammarState(self.prototype.deep_copy())
+
+
+@attrs.define
+class GrammarState:
+    """One row's position in its grammar."""
+
+    matcher: llguidance.LLMatcher
+
+    def advance(self, token: int) -> str | None:
+        """Take a sampled token; an error message when the grammar cannot (never under its mask)."""
+        if self.matcher.consume_token(token):
+            return None
+        return f"the structured-output grammar refused token {token}: {self.matcher.get_error()}"
+
+    @property
+    def is_done(self) -> bool:
+        """The grammar is complete and can take no more (EOS aside): the row ends here."""
+        return self.matcher.is_stopped()
+
+
+class GrammarCompiler:
+    """Compiles grammars for one model; thread-safe, so admission's workers share it.
+
+    llguidance's view of the tokenizer is built on the first compile (it takes about a
+    second for a 150k vocabulary), so a server that never sees a grammar never pays.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: Iterable[int]):
+        self.vocab_size = vocab_size
+        self._source = tokenizer
+        self._eos_ids = sorted(eos_ids)
+        self._lock = threading.Lock()
+        self._built: llguidance.LLTokenizer | None = None
+
+    @property
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._built is None:
+                self._built = llguidance.LLTokenizer(
+                    self._source.backend_json(), n_vocab=self.vocab_size, eos_token=self._eos_ids
+                )
+            return self._built
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Raises RequestError naming `spec.param` for a grammar that is malformed or too large."""
+        try:
+            grammar = spec.llguidance_grammar()
+        except (ValueError, TypeError) as error:
+            raise RequestError(f"'{spec.param}' is not valid: {error}", param=spec.param) from None
+        limits = llguidance.LLParserLimits(
+            initial_lexer_fuel=_LEXER_FUEL, max_grammar_size=_MAX_GRAMMAR_SIZE
+        )
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=limits)
+        if matcher.is_error():
+            reason = " ".join(matcher.get_error().split())[:300]
+            raise RequestError(f"'{spec.param}' cannot be compiled: {reason}", param=spec.param)
+        return CompiledGrammar(spec, matcher)
+
+
+_EXECUTOR: llguidance.LLExecutor | None = None
+
+
+def token_masks(states: Sequence[GrammarState | None], vocab_size: int) -> mx.array | None:
+    """[B, V] bool: the tokens each row's grammar allows next (all, for a None row).
+
+    None when no row has a grammar. The masks are computed on the host, in parallel
+    over rows (llguidance's executor), and unpacked from bits on the device.
+    """
+    constrained = [(s.matcher, i) for i, s in enumerate(states) if s is not None]
+    if not constrained:
+        return None
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = llguidance.LLExecutor()
+    bitmask = allocate_token_bitmask(len(states), vocab_size)  # [B, ceil(V / 32)] int32, all set
+    fill_next_token_bitmask_par(_EXECUTOR, constrained, bitmask)
+    return unpack_mask(bitmask, vocab_size)
+
+
+def unpack_mask(bitmask: np.ndarray, vocab_size: int) -> mx.array:
+    """[B, W] int32 bit words (token t is bit t % 32 of word t // 32) -> [B, V] bool."""
+    words = mx.array(bitmask)
+    bits = mx.right_shift(words[:, :, None], mx.arange(32, dtype=mx.int32)) & 1  # [B, W, 32]
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].astype(mx.bool_)

@@ -1,0 +1,157 @@
+"""Tools on the way in: which call format a model writes, the chat it is shown, and the
+grammar that forces a call (`tool_choice` required or named).
+
+The format follows the chat template, the thing that taught the model: a template that
+writes `<tool_call>` is Hermes/Qwen's, one with `<|python_tag|>` or an `ipython` role is
+Llama 3's JSON form, and Gemma (whose template has no tools at all) gets the
+```tool_code form from Google's function-calling guide. Anything else: Hermes, the
+most common. Templates that take `tools` get them as transformers passes them; for one
+that does not, the tool list is written into the first user turn as the guide does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from runtime.grammar import JSON_OPTIONS, GrammarSpec
+from runtime.tools import TOOL_STYLES
+
+# Arguments stay JSON objects in forced calls, whatever a tool's own schema omits.
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def tool_style_for(template_source: str, model_type: str) -> str:
+    """One of TOOL_STYLES for a model with this chat template and config `model_type`."""
+    if "<tool_call>" in template_source:
+        return "hermes"
+    if "<|python_tag|>" in template_source or "ipython" in template_source:
+        return "llama3_json"
+    if model_type.startswith("gemma") or "<start_of_turn>" in template_source:
+        return "gemma"
+    return "hermes"
+
+
+def template_knows_tools(template_source: str) -> bool:
+    return "tools" in template_source
+
+
+def tool_call_grammar(
+    style: str, tools: Sequence[Mapping[str, Any]], forced_name: str | None
+) -> GrammarSpec:
+    """A Lark grammar (llguidance's, with embedded JSON schemas) for exactly one call, in
+    `style`, of the named function or of any of `tools`; the name is written first."""
+    assert style in TOOL_STYLES
+    functions = [tool["function"] for tool in tools]
+    if forced_name is not None:
+        functions = [f for f in functions if f["name"] == forced_name]
+    key = "parameters" if style == "llama3_json" else "arguments"
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": f["name"]},
+                key: f.get("parameters") or _ANY_OBJECT,
+            },
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    call = f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
+    if style == "hermes":
+        lark = f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {call}'
+    elif style == "gemma":
+        lark = f'start: "```tool_code\\n" call "\\n```"\ncall: {call}'
+    else:
+        lark = f"start: {call}"
+    return GrammarSpec("lark", lark, "tool_choice")
+
+
+def chat_for_template(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]],
+    style: str,
+    knows_tools: bool,
+) -> list[dict[str, Any]]:
+    """`messages` as the template wants them.
+
+    Assistant `tool_calls` carry their arguments as JSON text on the wire; templates
+    read them as objects (`arguments | tojson`), so they are parsed, as vLLM does. For
+    a template without tools, calls and results become text in the model's own format,
+    and the tool list goes into the first user turn.
+    """
+    chat = [_with_parsed_arguments(m) for m in messages]
+    if knows_tools:
+        return chat
+    chat = [_as_text(m, style) for m in chat]
+    if tools:
+        preamble = _tools_preamble(tools, style)
+        first_user = next((i for i, m in enumerate(chat) if m["role"] == "user"), None)
+        if first_user is None:
+            chat.insert(0, {"role": "user", "content": preamble})
+        else:
+            content = chat[first_user].get("content") or ""
+            chat[first_user] = {**chat[first_user], "content": f"{preamble}\n\n{content}"}
+    return chat
+
+
+def _with_parsed_arguments(message: Mapping[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return dict(message)
+    parsed = []
+    for call in calls:
+        function = dict(call.get("function") or {})
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            # Text that is not JSON reaches the template as the client sent it.
+            with contextlib.suppress(json.JSONDecodeError):
+                function["arguments"] = json.loads(arguments)
+        parsed.append({**call, "function": function})
+    return {**message, "tool_calls": parsed}
+
+
+def _as_text(message: Mapping[str, Any], style: str) -> dict[str, Any]:
+    """Tool turns for a template that knows only user and assistant text."""
+    if message["role"] == "tool":
+        return {"role": "user", "content": f"```tool_output\n{message.get('content', '')}\n```"}
+    calls = message.get("tool_calls")
+    if message["role"] != "assistant" or not calls:
+        return dict(message)
+    written = "\n".join(_call_text(call["function"], style) for call in calls)
+    content = message.get("content") or ""
+    text = f"{content}\n{written}" if content else written
+    return {"role": "assistant", "content": text}
+
+
+def _call_text(function: Mapping[str, Any], style: str) -> str:
+    arguments = function.get("arguments") or {}
+    if style == "gemma" and isinstance(arguments, dict):
+        pairs = ", ".join(f"{k}={v!r}" for k, v in arguments.items())
+        return f"```tool_code\n{function['name']}({pairs})\n```"
+    call = {"name": function["name"], "arguments": arguments}
+    if style == "hermes":
+        return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+    return json.dumps({"name": function["name"], "parameters": arguments})
+
+
+def _tools_preamble(tools: Sequence[Mapping[str, Any]], style: str) -> str:
+    listed = "\n".join(json.dumps(tool["function"]) for tool in tools)
+    if style == "gemma":
+        how = (
+            "If you decide to invoke any of the function(s), you MUST put it in the format of\n"
+            "```tool_code\nfunction_name(param_name=param_value, ...)\n```\n"
+            "You SHOULD NOT include any other text in the response if you call a function."
+        )
+    elif style == "hermes":
+        how = (
+            "To call a function, reply with\n"
+            '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+        )
+    else:
+        how = 'To call a function, reply with only {"name": <function-name>, "parameters": <args>}.'
+    return f"You have access to the following functions:\n{listed}\n\n{how}"

@@ -1,0 +1,251 @@
+"""Tool calls in generated text: one streaming parser per family's format.
+
+    parser = parser_for(style)             # "hermes", "llama3_json" or "gemma"
+    for delta in text_deltas:
+        events = parser.feed(delta)         # Content, CallStart and CallArguments, in order
+    events = parser.finish()
+
+The formats, as the families' chat templates teach them:
+  hermes       Qwen 2.5/3, Hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
+               text allowed around the calls.
+  llama3_json  Llama 3.1+: the whole reply is `{"name": ..., "parameters": {...}}` (optionally
+               after `<|python_tag|>`), several calls joined by `;`.
+  gemma        Gemma 3 (its template has no tools; Google's function-calling guide):
+               a ```tool_code block holding `name(arg=value, ...)` calls, or JSON calls.
+
+Feeding the text in any split yields the same calls with the same argument text, so
+streamed deltas reassemble to the whole response: parsing state is the text, never
+the split. A call's name is reported as soon as it is complete; its arguments stream
+as raw JSON text (hermes, llama3_json) as they are generated, or whole when the call
+closes (gemma's Python syntax must be converted).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+import attrs
+
+TOOL_STYLES = ("hermes", "llama3_json", "gemma")
+
+
+@attrs.frozen
+class Content:
+    text: str
+
+
+@attrs.frozen
+class CallStart:
+    index: int  # the call's position among this response's calls
+    name: str
+
+
+@attrs.frozen
+class CallArguments:
+    index: int
+    fragment: str  # the next piece of the call's arguments, as JSON text
+
+
+Event = Content | CallStart | CallArguments
+
+# A call object whose name comes first, up to where its arguments' value begins.
+_NAME_FIRST = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)'
+)
+_DECODER = json.JSONDecoder()
+
+
+@attrs.define
+class _JsonCalls:
+    """Calls written as JSON objects one after another (separated by `;` or blanks), in a
+    growing body of text; reports each name once known and its arguments as they grow."""
+
+    num_calls: int = 0  # calls started before the current body
+    position: int = 0  # where the next call object begins in the body
+    name_seen: bool = False  # the current call's name was reported
+    arguments_at: int = 0  # where its arguments' text begins in the body
+    num_sent: int = 0  # characters of its arguments reported
+
+    def update(self, body: str, is_final: bool) -> list[Event]:
+        events: list[Event] = []
+        while True:
+            start = self.position
+            while start < len(body) and body[start] in " \t\r\n;":
+                start += 1
+            if start >= len(body):
+                return events
+            if not self.name_seen and (match := _NAME_FIRST.match(body, start)):
+                name = json.loads(f'"{match.group(1)}"')
+                events.append(CallStart(self.num_calls, name))
+                self.name_seen, self.arguments_at = True, match.end()
+            if self.name_seen:
+                end = _json_end(body, self.arguments_at, is_final)
+                known = len(body) if end is None else end
+                if known > self.arguments_at + self.num_sent:
+                    fragment = body[self.arguments_at + self.num_sent : known]
+                    events.append(CallArguments(self.num_calls, fragment))
+                    self.num_sent += len(fragment)
+            whole = _json_end(body, start, is_final)
+            if whole is None:  # the call is not complete yet
+                if is_final and not self.name_seen:
+                    events.append(Content(body[start:]))  # text that never became a call
+                    self.position = len(body)
+                return events
+            if not self.name_seen:  # a call whose keys came in another order: reported whole
+                call = json.loads(body[start:whole])
+                events += _whole_call(self.num_calls, call)
+            self.num_calls += 1
+            self.position, self.name_seen, self.num_sent = whole, False, 0
+
+
+def _json_end(text: str, start: int, is_final: bool) -> int | None:
+    """Where the JSON value at `start` ends, or None while it is incomplete."""
+    try:
+        _, end = _DECODER.raw_decode(text, start)
+    except json.JSONDecodeError:
+        return None
+    # A number at the very end may still grow ("12" of "123"): wait for what follows.
+    is_closed = end < len(text) or text[end - 1] in '}]"' or text[start] in "{["
+    return end if is_closed or is_final else None
+
+
+def _whole_call(index: int, call: object) -> list[Event]:
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return [Content(json.dumps(call))]
+    arguments = call.get("arguments", call.get("parameters", {}))
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return [CallStart(index, call["name"]), CallArguments(index, text)]
+
+
+@attrs.define
+class _Delimited:
+    """Calls inside `opening` ... `closing` markers, with text allowed around them."""
+
+    opening: str
+    closing: str
+    streams_arguments: bool  # JSON bodies stream; gemma's Python calls go whole
+    pending: str = ""  # text not yet reported
+    in_call: bool = False
+    calls: _JsonCalls = attrs.Factory(_JsonCalls)
+    num_calls: int = 0
+
+    def feed(self, text: str) -> list[Event]:
+        self.pending += text
+        events: list[Event] = []
+        while True:
+            if not self.in_call:
+                at = self.pending.find(self.opening)
+                if at < 0:  # hold back a tail that may begin a marker
+                    keep = _marker_prefix_length(self.pending, self.opening)
+                    events += _content(self.pending[: len(self.pending) - keep])
+                    self.pending = self.pending[len(self.pending) - keep :]
+                    return events
+                events += _content(self.pending[:at])
+                self.pending, self.in_call = self.pending[at + len(self.opening) :], True
+                self.calls = _JsonCalls(num_calls=self.num_calls)
+            at = self.pending.find(self.closing)
+            body = self.pending if at < 0 else self.pending[:at]
+            if self.streams_arguments or at >= 0:
+                events += self._body_events(body, is_final=at >= 0)
+            if at < 0:
+                return events
+            self.pending, self.in_call = self.pending[at + len(self.closing) :], False
+
+    def finish(self) -> list[Event]:
+        if not self.in_call:
+            events, self.pending = _content(self.pending), ""
+            return events
+        events = self._body_events(self.pending, is_final=True)  # a call cut short
+        self.pending, self.in_call = "", False
+        return events
+
+    def _body_events(self, body: str, is_final: bool) -> list[Event]:
+        if not self.streams_arguments and not body.lstrip().startswith("{"):
+            calls = python_calls(body) if is_final else None
+            if calls is None:
+                return [Content(self.opening + body + self.closing)] if is_final else []
+            events = [
+                e for i, call in enumerate(calls) for e in _whole_call(self.num_calls + i, call)
+            ]
+            self.num_calls += len(calls)
+            return events
+        events = self.calls.update(body, is_final)
+        self.num_calls = self.calls.num_calls + self.calls.name_seen
+        return events
+
+
+@attrs.define
+class _WholeReply:
+    """Llama 3's form: the reply is calls from its first character, or plain text."""
+
+    pending: str = ""
+    mode: str = "undecided"  # "calls" or "text" once the first visible characters tell
+    calls: _JsonCalls = attrs.Factory(_JsonCalls)
+
+    def feed(self, text: str) -> list[Event]:
+        self.pending += text
+        if self.mode == "undecided":
+            head = self.pending.lstrip()
+            if head.startswith("<|python_tag|>") or head.startswith("{"):
+                self.mode = "calls"
+            elif head and not "<|python_tag|>".startswith(head):
+                self.mode = "text"
+        if self.mode == "text":
+            events, self.pending = _content(self.pending), ""
+            return events
+        return self.calls.update(self._body(), is_final=False) if self.mode == "calls" else []
+
+    def finish(self) -> list[Event]:
+        if self.mode != "calls":
+            events, self.pending = _content(self.pending), ""
+            return events
+        return self.calls.update(self._body(), is_final=True)
+
+    def _body(self) -> str:
+        tag = "<|python_tag|>"
+        return self.pending.replace(tag, " " * len(tag), 1)  # same length: positions hold
+
+
+def python_calls(body: str) -> list[dict[str, object]] | None:
+    """`f(a=1)`, `[f(a=1), g(b="x")]` or one call a line -> [{name, arguments}]; None if not that."""
+    text = body.strip()
+    try:
+        tree = ast.parse(text if text.startswith("[") else f"[{','.join(text.splitlines())}]")
+        (statement,) = tree.body
+        assert isinstance(statement, ast.Expr) and isinstance(statement.value, ast.List)
+        calls: list[dict[str, object]] = []
+        for node in statement.value.elts:
+            assert isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
+            calls.append({"name": node.func.id, "arguments": arguments})
+    except (SyntaxError, ValueError, AssertionError, TypeError, RecursionError):
+        return None
+    return calls or None
+
+
+def _marker_prefix_length(text: str, marker: str) -> int:
+    """The longest tail of `text` that is a proper prefix of `marker`."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def _content(text: str) -> list[Event]:
+    return [Content(text)] if text else []
+
+
+ToolParser = _Delimited | _WholeReply
+
+
+def parser_for(style: str) -> ToolParser:
+    """A fresh parser for one response in `style` (one of TOOL_STYLES)."""
+    if style == "hermes":
+        return _Delimited("<tool_call>", "</tool_call>", streams_arguments=True)
+    if style == "gemma":
+        return _Delimited("```tool_code", "```", streams_arguments=False)
+    if style == "llama3_json":
+        return _WholeReply()
+    raise ValueError(f"unknown tool-call style {style!r} (known: {', '.join(TOOL_STYLES)})")

@@ -1,0 +1,62 @@
+"""Chat templates that take tools, one per tool-call format, for tiny test checkpoints.
+
+Written for these tests in the shape of the families' own templates: Qwen 2.5's (tools
+in the system turn, `<tool_call>` JSON, `<tool_response>` turns), Llama 3.1's JSON one
+(`ipython` results, calls as `{"name", "parameters"}`), and Gemma 3's, which has no tools.
+"""
+
+import json
+import shutil
+
+HERMES = (
+    "{%- if tools %}<|im_start|>system\nYou may call functions.\n<tools>"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n"
+    'Reply with <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+    "</tool_call><|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{%- if message.content %}{{ message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls %}"
+    '<tool_call>\n{"name": "{{ call.function.name }}", "arguments": '
+    "{{ call.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+LLAMA3_JSON = (
+    "<|start_header_id|>system<|end_header_id|>\n\n"
+    "{%- if tools %}Environment: ipython\n{%- endif %}<|eot_id|>"
+    "{%- if tools %}<|start_header_id|>user<|end_header_id|>\n\n"
+    'Respond in the format {"name": function name, "parameters": dictionary of arguments}.\n'
+    "{%- for t in tools %}{{ t | tojson(indent=4) }}\n{%- endfor %}<|eot_id|>{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.tool_calls %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    '{"name": "{{ message.tool_calls[0].function.name }}", "parameters": '
+    "{{ message.tool_calls[0].function.arguments | tojson }}}<|eot_id|>"
+    "{%- elif message.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n"
+    '{{ {"output": message.content} | tojson }}<|eot_id|>'
+    "{%- else %}<|start_header_id|>{{ message.role }}<|end_header_id|>\n\n"
+    "{{ message.content | trim }}<|eot_id|>{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}"
+)
+
+GEMMA = (
+    "{{ bos_token }}{%- for message in messages %}"
+    "{%- set role = 'model' if message.role == 'assistant' else message.role %}"
+    "<start_of_turn>{{ role }}\n{{ message.content | trim }}<end_of_turn>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<start_of_turn>model\n{%- endif %}"
+)
+
+TEMPLATES = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "gemma": GEMMA}
+
+
+def with_template(checkpoint, out_dir, template):
+    """A copy of `checkpoint` whose tokenizer ships `template`."""
+    shutil.copytree(checkpoint, out_dir)
+    config_file = out_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = template
+    config_file.write_text(json.dumps(config))
+    return out_dir

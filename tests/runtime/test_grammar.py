@@ -1,0 +1,203 @@
+"""Structured output in the batch: a grammar-constrained row beside free rows.
+
+The constrained row's text parses and validates against its schema, the free rows'
+greedy tokens are exactly those of a batch without it, the row ends when its grammar
+is complete, max_tokens cuts it short as LENGTH, and a bad grammar is refused by name.
+"""
+
+import json
+import re
+import time
+
+from runtime.checkpoint import load_model
+from runtime.engine import Engine
+from runtime.errors import RequestError
+from runtime.grammar import GrammarCompiler, GrammarSpec, token_masks
+from runtime.kv.blocks import BlockPool
+from runtime.runner import run_offline
+from runtime.scheduler import FcfsScheduler
+from runtime.sequence import FinishCause, SamplingParams, SequenceParams
+
+import jsonschema
+import pytest
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+FREE = {"a": (11, 305, 42, 977), "b": (7, 8, 9), "c": (900, 5, 6, 70, 71)}
+
+
+@pytest.fixture(scope="module")
+def model(make_checkpoint):
+    return load_model(make_checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return Engine(model, max_batch=8)
+
+
+@pytest.fixture(scope="module")
+def compiler(model, engine):
+    return GrammarCompiler(model.tokenizer, model.config.vocab_size, engine.eos_ids)
+
+
+def run(engine, requests, lookahead=1):
+    pool = BlockPool(engine.kv.num_blocks, engine.kv.block_size)
+    policy = FcfsScheduler(engine.max_batch, pool, engine.max_context)
+    got = run_offline(engine, policy, requests, lookahead=lookahead)
+    assert pool.num_used_blocks == 0 and engine.num_open == 0
+    return got
+
+
+def free_rows(max_tokens=24):
+    return {
+        rid: SequenceParams(prompt, max_tokens=max_tokens, ignore_eos=True, request_id=rid)
+        for rid, prompt in FREE.items()
+    }
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_a_schema_row_validates_and_leaves_its_neighbours_greedy_tokens_alone(
+    engine, compiler, model, lookahead
+):
+    grammar = compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMA), "response_format"))
+    alone = run(engine, free_rows(), lookahead)
+    constrained = {
+        f"json{i}": SequenceParams(
+            (11, 305 + i, 42),
+            max_tokens=80,
+            request_id=f"json{i}",
+            grammar=grammar,
+            sampling=SamplingParams(temperature=0.0 if i == 0 else 1.0, seed=i),
+        )
+        for i in range(2)
+    }
+    got = run(engine, {**free_rows(), **constrained}, lookahead)
+    for rid in FREE:
+        assert got[rid].tokens == alone[rid].tokens, rid
+    for rid in constrained:
+        text = model.tokenizer.decode(got[rid].tokens)
+        jsonschema.validate(json.loads(text), SCHEMA)
+        # It ended because the grammar was complete, not at max_tokens.
+        assert got[rid].finish is FinishCause.EOS and len(got[rid].tokens) < 80, text
+
+
+def test_max_tokens_cuts_a_json_short_as_length(engine, compiler, model):
+    grammar = compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMA), "response_format"))
+    got = run(
+        engine, {"j": SequenceParams((11, 305), max_tokens=3, request_id="j", grammar=grammar)}
+    )
+    assert got["j"].finish is FinishCause.LENGTH and len(got["j"].tokens) == 3
+    text = model.tokenizer.decode(got["j"].tokens)
+    assert text.startswith("{") and text.endswith("}") is False
+
+
+@pytest.mark.parametrize(
+    ("kind", "source", "check"),
+    [
+        ("regex", r"[0-9]{3}-[a-z]{2}", re.compile(r"[0-9]{3}-[a-z]{2}").fullmatch),
+        ("choice", json.dumps(["yes", "no", "maybe"]), lambda t: t in ("yes", "no", "maybe")),
+        (
+            "lark",
+            'start: "(" NUM ("+" NUM)* ")"\nNUM: /[1-9]/',
+            re.compile(r"\([1-9](\+[1-9])*\)").fullmatch,
+        ),
+        # A bias towards "}" (id 95) would write "}}}..." free; the grammar makes it "{}".
+        ("json_object", "", lambda t: json.loads(t) == {}),
+    ],
+)
+def test_each_grammar_kind_constrains_sampled_text(engine, compiler, model, kind, source, check):
+    grammar = compiler.compile(GrammarSpec(kind, source, "guided"))
+    requests = {
+        f"r{i}": SequenceParams(
+            (11, 305 + i),
+            max_tokens=60,
+            request_id=f"r{i}",
+            grammar=grammar,
+            sampling=SamplingParams(temperature=1.0, seed=i, logit_bias={95: 30.0}),
+        )
+        for i in range(3)
+    }
+    for rid, result in run(engine, requests).items():
+        text = model.tokenizer.decode(result.tokens)
+        assert result.finish is FinishCause.EOS and check(text), (rid, text)
+
+
+@pytest.mark.parametrize(
+    ("spec", "named"),
+    [
+        (
+            GrammarSpec(
+                "json_schema", '{"type": "nonsense"}', "response_format.json_schema.schema"
+            ),
+            "response_format.json_schema.schema",
+        ),
+        (GrammarSpec("json_schema", "{not json", "guided_json"), "guided_json"),
+        (GrammarSpec("regex", "([a-z]", "guided_regex"), "guided_regex"),
+        (GrammarSpec("lark", "start: missing_rule", "guided_grammar"), "guided_grammar"),
+    ],
+)
+def test_a_bad_grammar_is_refused_naming_its_field(compiler, spec, named):
+    with pytest.raises(RequestError) as raised:
+        compiler.compile(spec)
+    assert raised.value.param == named and named in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"enum": [f"value{i}" for i in range(50_000)]},  # the lexer's initial size
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(20_000)}},
+        {
+            "anyOf": [
+                {"properties": {f"k{i}": {"pattern": f"[a-z]{{{i + 1}}}"}}} for i in range(3000)
+            ]
+        },
+    ],
+)
+def test_a_pathological_schema_is_refused_within_limits(compiler, schema):
+    started = time.perf_counter()
+    with pytest.raises(RequestError) as raised:
+        compiler.compile(GrammarSpec("json_schema", json.dumps(schema), "response_format"))
+    assert raised.value.param == "response_format"
+    assert time.perf_counter() - started < 5  # ~0.1-0.5 s measured; the limit stops it
+
+
+def test_masks_allow_everything_on_free_rows(compiler):
+    grammar = compiler.compile(GrammarSpec("choice", json.dumps(["yes"]), "guided_choice"))
+    masks = token_masks([None, grammar.start(), None], compiler.vocab_size)
+    assert masks.shape == (3, compiler.vocab_size)
+    assert masks[0].all().item() and masks[2].all().item()
+    assert 0 < masks[1].sum().item() < compiler.vocab_size
+    assert token_masks([None, None], compiler.vocab_size) is None
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_a_constrained_row_is_never_planned_ahead_of_its_token(engine, compiler, model, lookahead):
+    """The scheduler skips lookahead for it; the engine fails a constrained row fed a
+    queued sample, so an EOS finish with all its tokens shows it never was."""
+    grammar = compiler.compile(GrammarSpec("regex", "[a-z]{30}", "guided_regex"))
+    requests = {
+        **free_rows(40),
+        "g": SequenceParams((11, 305), max_tokens=30, request_id="g", grammar=grammar),
+    }
+    plans = []
+    pool = BlockPool(engine.kv.num_blocks, engine.kv.block_size)
+    policy = FcfsScheduler(engine.max_batch, pool, engine.max_context)
+    got = run_offline(engine, policy, requests, lookahead=lookahead, on_step=plans.append)
+    text = model.tokenizer.decode(got["g"].tokens)
+    assert got["g"].finish is FinishCause.EOS and re.fullmatch("[a-z]{30}", text)
+    sampled_in = [
+        i for i, p in enumerate(plans) if any(s.request_id == "g" and s.samples for s in p.spans)
+    ]
+    # While the free rows decode every step, it takes one in lookahead + 1.
+    assert len(sampled_in) == len(got["g"].tokens)
+    assert sampled_in[2] - sampled_in[1] == lookahead + 1
