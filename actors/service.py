@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.checkpoint import LoadedModel, load_model
+from runtime.cpu_weights import DEFAULT_CPU_QUANTIZE
 from runtime.engine import DEFAULT_BLOCK_SIZE, Engine
 from runtime.errors import RequestError
 from runtime.kv.blocks import BlockPool
@@ -79,6 +80,7 @@ async def open_llm(
     lookahead: int = 1,
     offline: bool = False,
     keep_dtype: bool = False,
+    cpu_quantize: str = DEFAULT_CPU_QUANTIZE,
     on_progress: Callable[[str], None] | None = None,
     drain_timeout: float | None = None,
 ) -> AsyncIterator[LLM]:
@@ -97,7 +99,12 @@ async def open_llm(
     """
     thread = shared_mlx_thread()
     load = functools.partial(
-        load_model, model, offline=offline, keep_dtype=keep_dtype, on_progress=on_progress
+        load_model,
+        model,
+        offline=offline,
+        keep_dtype=keep_dtype,
+        cpu_quantize=cpu_quantize,
+        on_progress=on_progress,
     )
     loaded = await thread.run(load, abandon_on_cancel=True)
     engine = await thread.run(

@@ -1,0 +1,278 @@
+#include "quant_ops.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/utils.h"
+
+#include "row_kernels.h"
+#include "row_pool.h"
+
+namespace cadence_quant {
+
+namespace {
+
+std::atomic<uint64_t> kernel_calls{0};
+
+// A chunk should stream at least this many weights: waking a sleeping worker costs
+// ~10-20 us, about what one core needs to read 256K 4-bit weights.
+constexpr int64_t kMinValuesPerChunk = 1 << 18;
+
+bool wants_baseline() {
+  const char* forced = std::getenv("CADENCE_CPU_ISA");
+  return forced != nullptr && std::strcmp(forced, "baseline") == 0;
+}
+
+bool has_avx2() {
+#if defined(CADENCE_HAS_AVX2)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+struct Kernels {
+  MatmulRows matmul;
+  DequantizeRows dequantize;
+  const char* name;
+};
+
+const Kernels& kernels() {
+  static const Kernels chosen = [] {
+#if defined(CADENCE_HAS_AVX2)
+    if (has_avx2() && !wants_baseline()) {
+      return Kernels{avx2::matmul_rows, avx2::dequantize_rows, "avx2+fma"};
+    }
+#endif
+#if defined(__aarch64__)
+    return Kernels{baseline::matmul_rows, baseline::dequantize_rows, "neon"};
+#else
+    return Kernels{baseline::matmul_rows, baseline::dequantize_rows, "baseline"};
+#endif
+  }();
+  return chosen;
+}
+
+void check_operands(
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits) {
+  if (bits != 4 && bits != 8) {
+    throw std::invalid_argument("cadence quantized kernels: bits must be 4 or 8");
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("cadence quantized kernels: group_size must be 32, 64 or 128");
+  }
+  if (w.ndim() != 2 || w.dtype() != mx::uint32) {
+    throw std::invalid_argument("cadence quantized kernels: w must be a 2-D uint32 array");
+  }
+  const int64_t K = static_cast<int64_t>(w.shape(1)) * 32 / bits;
+  if (K % group_size != 0) {
+    throw std::invalid_argument("cadence quantized kernels: K is not a multiple of group_size");
+  }
+  const mx::Shape groups{w.shape(0), static_cast<int>(K / group_size)};
+  if (scales.shape() != groups || biases.shape() != groups) {
+    throw std::invalid_argument(
+        "cadence quantized kernels: scales and biases must be [N, K / group_size]");
+  }
+}
+
+mx::array as_float32(const mx::array& a, mx::Stream s) {
+  return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s);
+}
+
+void require_row_contiguous(const mx::array& a, const char* what) {
+  if (!a.flags().row_contiguous) {
+    throw std::runtime_error(std::string("cadence quantized kernels: ") + what +
+                             " must be row-contiguous");
+  }
+}
+
+// x (any 2-D strides) -> xt, xsum as MatmulJob describes them.
+void pack_strided_activations(const mx::array& x, int group_size, int bits, float* xt, float* xsum) {
+  const int M = x.shape(0), K = x.shape(1);
+  const int64_t row_stride = x.strides(0), col_stride = x.strides(1);
+  const float* base = x.data<float>();
+  const int per_word = 32 / bits;
+  const int block = 8 * per_word;
+  const int num_blocks = K / block;
+  const int num_groups = K / group_size;
+  for (int m = 0; m < M; ++m) {
+    const float* row = base + m * row_stride;
+    float* t = xt + static_cast<int64_t>(m) * K;
+    for (int b = 0; b < num_blocks; ++b) {
+      for (int lane = 0; lane < 8; ++lane) {
+        for (int j = 0; j < per_word; ++j) {
+          t[b * block + j * 8 + lane] = row[(b * block + lane * per_word + j) * col_stride];
+        }
+      }
+    }
+    for (int k = num_blocks * block; k < K; ++k) {
+      t[k] = row[k * col_stride];
+    }
+    for (int g = 0; g < num_groups; ++g) {
+      float s = 0.0f;
+      for (int k = g * group_size; k < (g + 1) * group_size; ++k) {
+        s += row[k * col_stride];
+      }
+      xsum[static_cast<int64_t>(m) * num_groups + g] = s;
+    }
+  }
+}
+
+void run_matmul_chunk(const void* context, int row_begin, int row_end) {
+  kernels().matmul(*static_cast<const MatmulJob*>(context), row_begin, row_end);
+}
+
+void run_dequantize_chunk(const void* context, int row_begin, int row_end) {
+  kernels().dequantize(*static_cast<const DequantizeJob*>(context), row_begin, row_end);
+}
+
+}  // namespace
+
+mx::array matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits) {
+  check_operands(w, scales, biases, group_size, bits);
+  const int K = w.shape(1) * 32 / bits;
+  if (x.ndim() != 2 || x.shape(1) != K) {
+    throw std::invalid_argument("cadence quantized matmul: x must be [M, K] with K = w's columns");
+  }
+  auto s = mx::to_stream(mx::StreamOrDevice{}, mx::Device::cpu);
+  return mx::array(
+      {x.shape(0), w.shape(0)},
+      mx::float32,
+      std::make_shared<QuantizedRowsMatmul>(s, group_size, bits),
+      {as_float32(x, s), w, as_float32(scales, s), as_float32(biases, s)});
+}
+
+mx::array dequantize(
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits) {
+  check_operands(w, scales, biases, group_size, bits);
+  auto s = mx::to_stream(mx::StreamOrDevice{}, mx::Device::cpu);
+  const int K = w.shape(1) * 32 / bits;
+  return mx::array(
+      {w.shape(0), K},
+      mx::float32,
+      std::make_shared<QuantizedRowsDequantize>(s, group_size, bits),
+      {w, as_float32(scales, s), as_float32(biases, s)});
+}
+
+void QuantizedRowsMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto& x = inputs[0];
+  const auto& w = inputs[1];
+  const auto& scales = inputs[2];
+  const auto& biases = inputs[3];
+  require_row_contiguous(w, "w");
+  require_row_contiguous(scales, "scales");
+  require_row_contiguous(biases, "biases");
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  encoder.set_output_array(out);
+  encoder.dispatch([x = mx::array::unsafe_weak_copy(x),
+                    w = mx::array::unsafe_weak_copy(w),
+                    scales = mx::array::unsafe_weak_copy(scales),
+                    biases = mx::array::unsafe_weak_copy(biases),
+                    out = mx::array::unsafe_weak_copy(out),
+                    group_size = group_size_,
+                    bits = bits_]() mutable {
+    kernel_calls.fetch_add(1, std::memory_order_relaxed);
+    const int M = x.shape(0), K = x.shape(1), N = w.shape(0);
+    // Reused across calls: this runs on the stream's one thread.
+    thread_local std::vector<float> xt, xsum;
+    xt.resize(static_cast<size_t>(M) * K);
+    xsum.resize(static_cast<size_t>(M) * (K / group_size));
+    pack_strided_activations(x, group_size, bits, xt.data(), xsum.data());
+    const MatmulJob job{
+        w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), xt.data(),
+        xsum.data(), out.data<float>(), M, N, K, group_size, bits};
+    // Rows sharing a decode (4 at a time) make a row's work grow with M.
+    const int64_t work_per_row = static_cast<int64_t>(K) * ((M + 3) / 4);
+    const int min_rows = static_cast<int>(std::max<int64_t>(1, kMinValuesPerChunk / work_per_row));
+    row_pool()->run(run_matmul_chunk, &job, N, min_rows);
+  });
+}
+
+void QuantizedRowsDequantize::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto& w = inputs[0];
+  const auto& scales = inputs[1];
+  const auto& biases = inputs[2];
+  require_row_contiguous(w, "w");
+  require_row_contiguous(scales, "scales");
+  require_row_contiguous(biases, "biases");
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  encoder.set_output_array(out);
+  encoder.dispatch([w = mx::array::unsafe_weak_copy(w),
+                    scales = mx::array::unsafe_weak_copy(scales),
+                    biases = mx::array::unsafe_weak_copy(biases),
+                    out = mx::array::unsafe_weak_copy(out),
+                    group_size = group_size_,
+                    bits = bits_]() mutable {
+    kernel_calls.fetch_add(1, std::memory_order_relaxed);
+    const int N = w.shape(0), K = out.shape(1);
+    const DequantizeJob job{
+        w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), out.data<float>(),
+        N, K, group_size, bits};
+    const int min_rows = std::max(1, static_cast<int>(kMinValuesPerChunk / 4 / K));
+    row_pool()->run(run_dequantize_chunk, &job, N, min_rows);
+  });
+}
+
+void QuantizedRowsMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("cadence quantized kernels run on the CPU only");
+}
+
+void QuantizedRowsDequantize::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("cadence quantized kernels run on the CPU only");
+}
+
+bool QuantizedRowsMatmul::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const QuantizedRowsMatmul&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
+}
+
+bool QuantizedRowsDequantize::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const QuantizedRowsDequantize&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
+}
+
+uint64_t num_kernel_calls() {
+  return kernel_calls.load();
+}
+
+std::string isa() {
+  return kernels().name;
+}
+
+int num_threads() {
+  return row_pool()->num_threads();
+}
+
+void set_threads(int n) {
+  set_num_threads(n);
+}
+
+}  // namespace cadence_quant

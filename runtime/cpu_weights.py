@@ -1,0 +1,176 @@
+"""The CPU dtype policy: what form each layer's weights take after loading, and why.
+
+Single-stream decode on a CPU is memory-bound, so its speed is the bytes of weights
+streamed per token. With cadence's quantized kernels (kernels/quant/):
+  - a quantized checkpoint stays quantized (4 or 8 bits, ~1/7 and ~1/3.5 of fp32's bytes);
+  - a 16- or 32-bit checkpoint is expanded to float32, or, with `cpu_quantize` "8" or "4",
+    quantized at load (group 64) so it decodes through the kernels too.
+Without them (no compiler at install, or CADENCE_QUANT_KERNELS=off) the old policy holds:
+everything is expanded to float32 when memory allows (bf16 and mlx's 4-bit matmuls run
+20-40x slower than fp32 on the CPU), else kept as stored.
+Everything that is not a quantized matmul (norms, a dense embedding) computes in float32.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Callable
+
+from runtime.models.layers import CausalLM
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from kernels.quant_extension import kernel_status, quant_extension
+from kernels.quantized_linear import KernelQuantizedEmbedding, KernelQuantizedLinear
+from kernels.quantized_matmul import is_kernel_layout
+
+CPU_QUANTIZE_CHOICES = ("off", "8", "4")
+DEFAULT_CPU_QUANTIZE = "off"  # see README "Quantized weights on the CPU" for why
+LOAD_TIME_GROUP_SIZE = 64
+
+
+def prepare_for_cpu(
+    model: CausalLM,
+    *,
+    keep_dtype: bool,
+    cpu_quantize: str = DEFAULT_CPU_QUANTIZE,
+    progress: Callable[[str], None] = lambda message: None,
+) -> CausalLM:
+    """Put `model`'s weights in the form the CPU computes fastest; on a GPU, do nothing.
+
+    Reports, through `progress`, the kernel status and one line naming the path and
+    dtype of each layer kind.
+    """
+    if cpu_quantize not in CPU_QUANTIZE_CHOICES:
+        raise ValueError(f"cpu_quantize must be one of {CPU_QUANTIZE_CHOICES}, got {cpu_quantize!r}")
+    if mx.default_device() != mx.cpu:
+        return model
+    progress(kernel_status())
+    if keep_dtype:
+        progress(f"weights kept as stored: {describe_layers(model)}")
+        return model
+    if quant_extension() is not None:
+        if model.config.quantization is None and cpu_quantize != "off":
+            progress(f"quantizing weights to {cpu_quantize} bits for the CPU")
+            _quantize(model, int(cpu_quantize))
+        if _has_kernel_layers(model):
+            _adopt_kernel_layers(model)
+            _float32_except_quantized(model)
+            progress(f"weights: {describe_layers(model)}")
+            return model
+    if _fits_as_float32(model):
+        progress("expanding weights to float32 for the CPU")
+        model = to_float32(model)
+    progress(f"weights: {describe_layers(model)}")
+    return model
+
+
+def describe_layers(model: CausalLM) -> str:
+    """e.g. "linear 4-bit g64 (cadence kernel) x14, embedding 4-bit g64 (cadence kernel) x1, ..."."""
+    kinds: Counter[str] = Counter(_layer_kind(module) for _, module in _leaves(model))
+    params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    dtypes = {p.dtype for _, p in params if p.dtype != mx.uint32}
+    others = "/".join(sorted(str(d).removeprefix("mlx.core.") for d in dtypes))
+    return ", ".join(f"{kind} x{n}" for kind, n in sorted(kinds.items()) if kind) + (
+        f"; other weights {others}"
+    )
+
+
+def _layer_kind(module: nn.Module) -> str:
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        name = "linear" if isinstance(module, nn.QuantizedLinear) else "embedding"
+        path = (
+            "cadence kernel"
+            if isinstance(module, (KernelQuantizedLinear, KernelQuantizedEmbedding))
+            else "mlx quantized_matmul"
+        )
+        return f"{name} {module.bits}-bit g{module.group_size} ({path})"
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        name = "linear" if isinstance(module, nn.Linear) else "embedding"
+        return f"{name} {str(module.weight.dtype).removeprefix('mlx.core.')} (matmul)"
+    return ""
+
+
+def _leaves(model: CausalLM) -> list[tuple[str, nn.Module]]:
+    return tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)  # type: ignore[return-value]
+
+
+def _quantize(model: CausalLM, bits: int) -> None:
+    def is_quantizable(_path: str, module: nn.Module) -> bool:
+        return (
+            isinstance(module, (nn.Linear, nn.Embedding))
+            and module.weight.shape[-1] % LOAD_TIME_GROUP_SIZE == 0
+        )
+
+    nn.quantize(model, group_size=LOAD_TIME_GROUP_SIZE, bits=bits, class_predicate=is_quantizable)
+
+
+def _is_kernel_module(module: nn.Module) -> bool:
+    return isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and is_kernel_layout(
+        module.group_size, module.bits, getattr(module, "mode", "affine")
+    )
+
+
+def _has_kernel_layers(model: CausalLM) -> bool:
+    return any(_is_kernel_module(module) for _, module in _leaves(model))
+
+
+def _adopt_kernel_layers(model: CausalLM) -> None:
+    def adopt(module: nn.Module) -> nn.Module:
+        if not _is_kernel_module(module):
+            return module
+        if isinstance(module, nn.QuantizedLinear):
+            return KernelQuantizedLinear.adopt(module)
+        return KernelQuantizedEmbedding.adopt(module)  # type: ignore[arg-type]
+
+    model.update_modules(tree_unflatten([(path, adopt(m)) for path, m in _leaves(model)]))
+
+
+def _float32_except_quantized(model: CausalLM) -> None:
+    # Module.set_dtype casts floating parameters only, so packed uint32 weights are safe;
+    # the kernel layers' scales and biases are already float32.
+    model.set_dtype(mx.float32)
+
+
+def _fits_as_float32(model: CausalLM) -> bool:
+    params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    bits = model.config.quantization.bits if model.config.quantization is not None else 32
+    float32_bytes = sum(p.size * 4 * (32 // bits if p.dtype == mx.uint32 else 1) for _, p in params)
+    return float32_bytes < 0.6 * _physical_memory()
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
+def to_float32(model: CausalLM) -> CausalLM:
+    """Dequantize quantized layers and cast every weight to float32, in place."""
+
+    def expand(module: nn.Module) -> nn.Module:
+        if isinstance(module, nn.QuantizedLinear):
+            weight = mx.dequantize(
+                module.weight, module.scales, module.biases, module.group_size, module.bits
+            )
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
+            linear.weight = weight.astype(mx.float32)
+            if "bias" in module:
+                linear.bias = module.bias.astype(mx.float32)
+            return linear
+        if isinstance(module, nn.QuantizedEmbedding):
+            weight = mx.dequantize(
+                module.weight, module.scales, module.biases, module.group_size, module.bits
+            )
+            embedding = nn.Embedding(weight.shape[0], weight.shape[1])
+            embedding.weight = weight.astype(mx.float32)
+            return embedding
+        return module
+
+    model.update_modules(tree_unflatten([(path, expand(m)) for path, m in _leaves(model)]))
+    model.set_dtype(mx.float32)
+    return model

@@ -1,0 +1,120 @@
+"""kernels/quantized_matmul.py and the C++ kernels under it, against the pure-mx reference."""
+
+import importlib.util
+
+import mlx.core as mx
+import pytest
+
+from kernels import quant_extension as loader
+from kernels.quantized_matmul import (
+    SGEMM_MIN_ROWS,
+    quantized_matmul,
+    reference_quantized_matmul,
+    uses_cpu_kernel,
+)
+
+IS_BUILT = importlib.util.find_spec("kernels._quant_ext") is not None
+needs_kernels = pytest.mark.skipif(not IS_BUILT, reason="the C++ kernels were not built here")
+
+
+def quantized(n, k, group_size, bits, seed=0):
+    w = mx.random.normal((n, k), key=mx.random.key(seed))
+    return mx.quantize(w, group_size=group_size, bits=bits)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_matches_the_reference_for_every_layout_and_row_count(bits, group_size):
+    # K an odd number of groups (group 32 at 4 bits leaves half a 64-value block over), N odd.
+    n, k = 37, 3 * group_size
+    w, scales, biases = quantized(n, k, group_size, bits)
+    for m in (1, 3, 16, 200):
+        x = mx.random.normal((m, k), key=mx.random.key(m))
+        ours = quantized_matmul(x, w, scales, biases, group_size, bits)
+        reference = reference_quantized_matmul(x, w, scales, biases, group_size, bits)
+        assert ours.shape == (m, n) and ours.dtype == mx.float32
+        assert mx.allclose(ours, reference, rtol=1e-4, atol=1e-4).item(), (bits, group_size, m)
+
+
+def test_keeps_leading_dimensions_and_the_input_dtype():
+    w, scales, biases = quantized(24, 128, 64, 4)
+    x = mx.random.normal((2, 5, 128)).astype(mx.bfloat16)
+    ours = quantized_matmul(x, w, scales, biases, 64, 4)
+    reference = reference_quantized_matmul(x, w, scales, biases, 64, 4)
+    assert ours.shape == (2, 5, 24) and ours.dtype == mx.bfloat16
+    assert mx.allclose(ours.astype(mx.float32), reference.astype(mx.float32), atol=0.1).item()
+
+
+def test_a_strided_input_gives_the_contiguous_result():
+    w, scales, biases = quantized(16, 64, 32, 8)
+    x = mx.random.normal((64, 5)).T  # [5, 64], column-major in memory
+    ours = quantized_matmul(x, w, scales, biases, 32, 8)
+    assert mx.allclose(ours, reference_quantized_matmul(x, w, scales, biases, 32, 8), atol=1e-4).item()
+
+
+@needs_kernels
+def test_the_kernel_really_runs_on_the_cpu_when_built():
+    """A silent fallback to mlx's ops must fail here, for decode and prefill shapes alike."""
+    ext = loader.quant_extension()
+    assert ext is not None, loader.kernel_status()
+    assert uses_cpu_kernel(64, 4)
+    w, scales, biases = quantized(8, 128, 64, 4)
+    for m in (1, SGEMM_MIN_ROWS):
+        before = ext.num_kernel_calls()
+        mx.eval(quantized_matmul(mx.ones((m, 128)), w, scales, biases, 64, 4))
+        assert ext.num_kernel_calls() == before + 1
+
+
+@needs_kernels
+def test_thread_counts_agree():
+    ext = loader.quant_extension()
+    w, scales, biases = quantized(4099, 256, 64, 4)  # enough rows to be split over threads
+    x = mx.random.normal((3, 256))
+    threads = ext.num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            ext.set_num_threads(n)
+            assert ext.num_threads() == n
+            results.append(quantized_matmul(x, w, scales, biases, 64, 4))
+    finally:
+        ext.set_num_threads(threads)
+    assert all(mx.array_equal(results[0], r).item() for r in results[1:])
+
+
+@needs_kernels
+def test_bad_operands_raise_one_line_errors():
+    ext = loader.quant_extension()
+    w, scales, biases = quantized(8, 64, 32, 4)
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        ext.matmul(mx.ones((1, 64)), w, scales, biases, 32, 3)
+    with pytest.raises(ValueError, match="x must be"):
+        ext.matmul(mx.ones((1, 32)), w, scales, biases, 32, 4)
+    with pytest.raises(ValueError, match="scales and biases"):
+        ext.matmul(mx.ones((1, 64)), w, scales, biases, 64, 4)
+
+
+def test_the_environment_switch_forces_the_fallback(monkeypatch):
+    monkeypatch.setenv("CADENCE_QUANT_KERNELS", "off")
+    module, status = loader._load()
+    assert module is None and "CADENCE_QUANT_KERNELS" in status
+
+
+def test_the_fallback_computes_the_same_through_mlx(monkeypatch):
+    monkeypatch.setitem(loader._state, "module", None)
+    monkeypatch.setitem(loader._state, "status", "off for the test")
+    assert not uses_cpu_kernel(64, 4)
+    w, scales, biases = quantized(9, 128, 64, 4)
+    x = mx.random.normal((3, 128))
+    assert mx.allclose(
+        quantized_matmul(x, w, scales, biases, 64, 4),
+        reference_quantized_matmul(x, w, scales, biases, 64, 4),
+        atol=1e-4,
+    ).item()
+
+
+def test_an_extension_built_for_another_mlx_is_refused():
+    assert loader.refusal_reason("0.32.4", "0.32.4") is None
+    assert loader.refusal_reason("0.32.4", "0.32.4.dev20260101+abc") is None
+    reason = loader.refusal_reason("0.32.4", "0.33.0")
+    assert reason is not None and "0.33.0" in reason and "reinstall" in reason
