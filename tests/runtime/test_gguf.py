@@ -1,0 +1,202 @@
+"""GGUF checkpoints: tiny files written the way llama.cpp's converter writes them
+(runtime/gguf_synth.py), loaded with `load_model` and checked against the very weights
+they encode, loaded from safetensors."""
+
+import runtime  # noqa: F401  (the fast BLAS loads before mlx)
+from runtime.checkpoint import load_model
+from runtime.errors import CheckpointError
+from runtime.gguf import read_gguf
+from runtime.gguf_synth import write_gguf
+from runtime.gguf_tensors import convert_tensor
+
+import gguf
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GGMLType
+
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma3_text"]
+EXACT_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16]
+QUANTIZED_TYPES = [
+    GGMLType.Q4_0,
+    GGMLType.Q4_1,
+    GGMLType.Q8_0,
+    GGMLType.Q5_0,
+    GGMLType.Q4_K,
+    GGMLType.Q5_K,
+    GGMLType.Q6_K,
+]
+PROMPT = mx.array([[1, 17, 250, 9, 1033, 77, 5, 600] * 3])  # longer than Gemma's window
+# K-quants need rows of 256 weights; two heads of 64 keep the q/k permutation non-trivial.
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
+# A GGUF keeps no Gemma 3 layer pattern or attention scale: llama.cpp hard-codes Gemma
+# 3's (one global layer in six, 1/sqrt(head_dim)), so the checkpoint follows them.
+GEMMA3_SHAPE = dict(
+    num_layers=6,
+    sliding_window=8,
+    sliding_window_pattern=6,
+    query_pre_attn_scalar=64,
+    tie_word_embeddings=True,
+)
+
+
+@pytest.fixture
+def convert(make_checkpoint, tmp_path):
+    """convert(family, kind, **options) -> (GGUF file, reference checkpoint dir)."""
+
+    def run(family, kind, **options):
+        shape = {**SHAPE, **(GEMMA3_SHAPE if family == "gemma3_text" else {})}
+        checkpoint = make_checkpoint(family, **shape)
+        out = tmp_path / f"{family}-{kind.name}.gguf"
+        reference = tmp_path / f"{family}-{kind.name}-reference"
+        return write_gguf(checkpoint, out, reference, kind, **options), reference
+
+    return run
+
+
+@pytest.mark.parametrize("kind", EXACT_TYPES + QUANTIZED_TYPES, ids=lambda k: k.name)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_the_same_weights_loaded_from_safetensors(convert, family, kind):
+    path, reference_dir = convert(family, kind)
+    from_gguf, reference = load_model(path), load_model(reference_dir)
+    for field in ("model_type", "hidden_size", "num_key_value_heads", "head_dim", "vocab_size"):
+        assert getattr(from_gguf.config, field) == getattr(reference.config, field)
+    assert from_gguf.config.tie_word_embeddings == reference.config.tie_word_embeddings
+    assert from_gguf.config.layer_windows == reference.config.layer_windows
+    assert from_gguf.config.extra == reference.config.extra
+    expected = reference.model(PROMPT)
+    logits = from_gguf.model(PROMPT)
+    if kind in EXACT_TYPES:
+        assert mx.array_equal(logits, expected)
+    else:  # Q4_0/Q4_1/Q8_0 go through mlx's float16 dequantize, the others a float16 copy
+        scale = float(mx.abs(expected).max())
+        assert float(mx.abs(logits - expected).max()) < 5e-3 * scale
+
+
+def test_q4_0_q4_1_q8_0_stay_mlx_quantized_layers_when_the_dtype_is_kept(convert):
+    types = {"mlp.down_proj": GGMLType.Q8_0, "embed_tokens": GGMLType.Q6_K}
+    path, reference_dir = convert("llama", GGMLType.Q4_0, types_by_name=types)
+    loaded = load_model(path, keep_dtype=True)
+    layer = loaded.model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, nn.QuantizedLinear)
+    assert (layer.self_attn.q_proj.bits, layer.self_attn.q_proj.group_size) == (4, 32)
+    assert isinstance(layer.mlp.down_proj, nn.QuantizedLinear) and layer.mlp.down_proj.bits == 8
+    assert isinstance(loaded.model.model.embed_tokens, nn.Embedding)  # Q6_K: expanded
+    reference = load_model(reference_dir)
+    q_proj = reference.model.model.layers[0].self_attn.q_proj.weight
+    packed = layer.self_attn.q_proj
+    scales, biases = packed.scales.astype(mx.float32), packed.biases.astype(mx.float32)
+    weight = mx.dequantize(packed.weight, scales, biases, group_size=32, bits=4)
+    assert float(mx.abs(weight - q_proj).max()) < 1e-6  # un-permuted and exact
+
+
+def test_repacked_blocks_equal_what_mlx_load_makes_of_the_file(tmp_path):
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(tmp_path / "blocks.gguf"), "llama")
+    values = {}
+    for kind in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0):
+        values[kind] = rng.standard_normal((6, 96)).astype(np.float32)
+        writer.add_tensor(kind.name, gguf.quants.quantize(values[kind], kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    by_mlx: dict = mx.load(str(tmp_path / "blocks.gguf"))  # type: ignore[assignment]
+    for tensor in gguf.GGUFReader(tmp_path / "blocks.gguf").tensors:
+        ours = convert_tensor(tensor, f"{tensor.name}.weight", None, 0.0, source="test")
+        for suffix in ("weight", "scales", "biases"):
+            theirs = by_mlx[tensor.name if suffix == "weight" else f"{tensor.name}.{suffix}"]
+            assert mx.array_equal(ours[f"{tensor.name}.{suffix}"], theirs), (tensor.name, suffix)
+
+
+def test_llama3_rope_freqs_become_its_rope_scaling(convert, tmp_path):
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    path, _ = convert("llama", GGMLType.F32)
+    reader = gguf.GGUFReader(path)
+    head_dim = 64
+    freqs = 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)
+    wavelen = 2 * np.pi * freqs
+    smooth = (8192 / wavelen - 1.0) / 3.0
+    factors = np.where(
+        wavelen < 8192 / 4, 1.0, np.where(wavelen > 8192, 8.0, 1 / ((1 - smooth) / 8.0 + smooth))
+    ).astype(np.float32)
+    writer = gguf.GGUFWriter(str(tmp_path / "llama3.gguf"), "llama")
+    for field in reader.fields.values():
+        if not field.name.startswith(("GGUF.", "general.architecture")):
+            writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1])
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.add_tensor("rope_freqs.weight", factors)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert read_gguf(tmp_path / "llama3.gguf").config["rope_scaling"] == scaling
+
+
+def broken_copy(path, tmp_path, cut):
+    out = tmp_path / "broken.gguf"
+    out.write_bytes(path.read_bytes()[:cut])
+    return out
+
+
+def minimal_gguf(path, arch, tensors):
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    for name, (values, kind) in tensors.items():
+        writer.add_tensor(name, values, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def one_line_error(path) -> str:
+    with pytest.raises(CheckpointError) as caught:
+        load_model(path)
+    message = str(caught.value)
+    assert "\n" not in message and str(path) in message
+    return message
+
+
+@pytest.mark.parametrize("fraction", [0.001, 0.5, 0.999])
+def test_a_truncated_file_is_a_one_line_error(convert, tmp_path, fraction):
+    path, _ = convert("qwen2", GGMLType.Q4_0)
+    cut = int(path.stat().st_size * fraction)
+    assert "truncated" in one_line_error(broken_copy(path, tmp_path, cut))
+
+
+def test_an_unsupported_architecture_is_named(tmp_path):
+    path = minimal_gguf(
+        tmp_path / "phi.gguf", "phi3", {"token_embd.weight": (np.zeros((8, 32), np.float32), None)}
+    )
+    message = one_line_error(path)
+    assert "unsupported GGUF architecture 'phi3'" in message and "qwen3" in message
+
+
+def test_an_unsupported_tensor_type_is_named(convert):
+    path, _ = convert(
+        "llama", GGMLType.F32, types_by_name={"layers.1.mlp.up_proj": GGMLType.IQ4_NL}
+    )
+    message = one_line_error(path)
+    assert "'blk.1.ffn_up.weight'" in message and "IQ4_NL" in message
+
+
+def test_an_unsupported_tokenizer_is_named(convert, tmp_path):
+    path, _ = convert("qwen3", GGMLType.F32, pre_tokenizer="tekken")
+    assert "unsupported GGUF pre-tokenizer 'tekken'" in one_line_error(path)
+
+
+def test_a_file_that_is_not_gguf_and_a_missing_one(tmp_path):
+    (tmp_path / "fake.gguf").write_bytes(b"not a gguf at all")
+    assert "not a checkpoint directory or a GGUF file" in one_line_error(tmp_path / "fake.gguf")
+    with pytest.raises(CheckpointError, match="no such file"):
+        load_model(tmp_path / "missing.gguf")

@@ -1,0 +1,224 @@
+"""Tokenizers rebuilt from GGUF metadata encode and decode as the Hugging Face tokenizer
+the file was made from: byte-level BPE vocabularies with GPT-2's, Llama 3's and Qwen 2's
+pre-tokenizers, and SentencePiece vocabularies with (Llama 2) and without (Gemma) the
+leading word-boundary piece. transformers is the oracle."""
+
+import json
+import shutil
+from pathlib import Path
+
+import runtime  # noqa: F401  (the fast BLAS loads before mlx)
+from runtime.gguf import Metadata, read_gguf
+from runtime.gguf_synth import write_gguf
+from runtime.gguf_tokenizer import tokenizer_from_gguf
+
+import gguf
+import pytest
+import sentencepiece
+import transformers
+from gguf import GGMLQuantizationType as GGMLType
+from sentencepiece import sentencepiece_model_pb2
+
+TEXTS = [
+    "Hello world",
+    "  leading spaces, trailing  ",
+    "numbers 1234567 and 3.14159",
+    "it's we're they'll I'M",
+    "Ünïcödé café naïve e\u0301",  # the last é is decomposed: NFC changes it
+    "emoji 🙂🚀 and 漢字",
+    "tabs\tand\nnewlines\n\n  \n",
+    "<|im_start|>user\nhi<|im_end|>\n<start_of_turn>model",
+    "",
+    "a zzqxv word",
+]
+UNMERGEABLE = "\u0120zzqxv"  # " zzqxv" in the byte-level alphabet
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi there 🙂"},
+]
+
+# The split regexes as Hugging Face's Llama 3 and Qwen 2 tokenizer.json files spell them.
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def split_then_bytes(pattern):
+    return {
+        "type": "Sequence",
+        "pretokenizers": [
+            {
+                "type": "Split",
+                "pattern": {"Regex": pattern},
+                "behavior": "Isolated",
+                "invert": False,
+            },
+            {
+                "type": "ByteLevel",
+                "add_prefix_space": False,
+                "trim_offsets": False,
+                "use_regex": False,
+            },
+        ],
+    }
+
+
+def byte_level_checkpoint(make_checkpoint, tmp_path, pre):
+    """The demo checkpoint with its tokenizer.json rewritten to the `pre` family's pipeline."""
+    checkpoint = tmp_path / f"checkpoint-{pre}"
+    shutil.copytree(make_checkpoint("qwen2"), checkpoint)
+    tokenizer_file = checkpoint / "tokenizer.json"
+    raw = json.loads(tokenizer_file.read_text())
+    if pre == "llama-bpe":
+        raw["pre_tokenizer"] = split_then_bytes(LLAMA3_SPLIT)
+        raw["model"]["ignore_merges"] = True
+        # A word no merge reaches: only looking whole words up first finds it.
+        vocab = raw["model"]["vocab"]
+        vocab[UNMERGEABLE] = 1 + max([*vocab.values(), *(t["id"] for t in raw["added_tokens"])])
+    elif pre == "qwen2":
+        raw["pre_tokenizer"] = split_then_bytes(QWEN2_SPLIT)
+        raw["normalizer"] = {"type": "NFC"}
+    tokenizer_file.write_text(json.dumps(raw))
+    return checkpoint
+
+
+def hf_tokenizer(checkpoint, tmp_path):
+    """transformers' tokenizer for the checkpoint's tokenizer files as they are (given
+    config.json, it would build its Qwen2 pipeline instead)."""
+    files = tmp_path / f"hf-{checkpoint.name}"
+    files.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(checkpoint / name, files / name)
+    return transformers.AutoTokenizer.from_pretrained(files)
+
+
+def assert_same_as_hf(ours, hf):
+    for text in TEXTS:
+        for add_special_tokens in (True, False):
+            expected = hf.encode(text, add_special_tokens=add_special_tokens)
+            assert ours.encode(text, add_special_tokens) == expected, text
+        ids = hf.encode(text)
+        for skip in (True, False):
+            assert ours.decode(ids, skip) == hf.decode(ids, skip_special_tokens=skip), text
+    expected_prompt = hf.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(CHAT) == expected_prompt
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe", "qwen2"])
+def test_byte_level_bpe_matches_hugging_face(make_checkpoint, tmp_path, pre):
+    checkpoint = byte_level_checkpoint(make_checkpoint, tmp_path, pre)
+    path = write_gguf(
+        checkpoint, tmp_path / "model.gguf", tmp_path / "reference", GGMLType.F32, pre_tokenizer=pre
+    )
+    hf = hf_tokenizer(checkpoint, tmp_path)
+    assert_same_as_hf(read_gguf(path).tokenizer, hf)
+
+
+def test_the_pre_tokenizers_really_differ(make_checkpoint, tmp_path):
+    """Guards the test above: each pre-tokenizer splits some text its own way."""
+    encodings = {}
+    for pre in ("gpt-2", "llama-bpe", "qwen2"):
+        hf = hf_tokenizer(byte_level_checkpoint(make_checkpoint, tmp_path, pre), tmp_path)
+        encodings[pre] = [hf.encode(text) for text in TEXTS]
+    assert len({repr(e) for e in encodings.values()}) == 3
+
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! How are you today? it's fine, we're well.",
+    "Tokenizers split text into pieces: 1234 numbers, 3.14159.",
+    "Unicode café naïve and some tabs\tand new lines.",
+] * 40
+
+
+def sentencepiece_model(tmp_path: Path, add_dummy_prefix: bool) -> Path:
+    model = tmp_path / "tokenizer.model"
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS),
+        model_prefix=str(model.with_suffix("")),
+        vocab_size=420,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        add_dummy_prefix=add_dummy_prefix,
+        user_defined_symbols=["<start_of_turn>"],
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
+    return model
+
+
+def sentencepiece_gguf(model_file: Path, hf, out: Path) -> Path:
+    """As llama.cpp's _create_vocab_sentencepiece: piece, score and type per id (added
+    tokens typed from the Hugging Face tokenizer), plus the special ids and the flags."""
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model_file.read_bytes())
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+    tokens, scores, types = [], [], []
+    for i in range(processor.vocab_size()):
+        tokens.append(processor.id_to_piece(i))
+        scores.append(processor.get_score(i))
+        if processor.IsUnknown(i):
+            types.append(gguf.TokenType.UNKNOWN)
+        elif processor.IsControl(i):
+            types.append(gguf.TokenType.CONTROL)
+        elif processor.IsByte(i):
+            types.append(gguf.TokenType.BYTE)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+    for token_id, added in hf.added_tokens_decoder.items():
+        types[token_id] = gguf.TokenType.CONTROL if added.special else gguf.TokenType.USER_DEFINED
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_add_space_prefix(proto.normalizer_spec.add_dummy_prefix)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(hf.chat_template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return out
+
+
+TURNS = (
+    "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("style", ["llama", "gemma"])
+def test_sentencepiece_matches_hugging_face(tmp_path, style):
+    model_file = sentencepiece_model(tmp_path, add_dummy_prefix=style == "llama")
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "LlamaTokenizer" if style == "llama" else "GemmaTokenizer",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "pad_token": None,
+                "mask_token": None,
+                "add_bos_token": True,
+                "chat_template": TURNS,
+            }
+        )
+    )
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    path = sentencepiece_gguf(model_file, hf, tmp_path / "spm.gguf")
+    ours = tokenizer_from_gguf(Metadata(gguf.GGUFReader(path), str(path)), "llama")
+    assert ours.encode("Hello")[0] == 1  # BOS
+    assert_same_as_hf(ours, hf)
