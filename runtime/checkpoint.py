@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from runtime.config import ModelConfig, config_from_dict, load_config
+from runtime.cpu_weights import DEFAULT_CPU_QUANTIZE, prepare_for_cpu
 from runtime.errors import CheckpointError
 from runtime.gguf import is_gguf_file, read_gguf
 from runtime.models import build_model, rename_weights
@@ -44,13 +45,15 @@ def load_model(
     *,
     offline: bool = False,
     keep_dtype: bool = False,
+    cpu_quantize: str = DEFAULT_CPU_QUANTIZE,
     on_progress: Callable[[str], None] | None = None,
 ) -> LoadedModel:
     """Resolve, read and check a checkpoint; None loads the built-in demo model.
 
-    On CPU, quantized and half-precision weights are expanded to float32 unless
-    `keep_dtype` (or memory would not allow it): bf16 and 4-bit matmuls run 20-40x
-    slower than fp32 there. On a GPU the checkpoint's dtype is kept.
+    On CPU the weights take the form runtime/cpu_weights.py decides (quantized
+    checkpoints stay quantized when cadence's kernels are built; others are expanded
+    to float32, or quantized at load with `cpu_quantize` "8"/"4"), unless `keep_dtype`.
+    On a GPU the checkpoint's dtype is kept.
     """
     progress = on_progress or (lambda message: None)
     path, name = resolve_checkpoint(model, offline=offline)
@@ -64,9 +67,9 @@ def load_model(
         tokenizer = Tokenizer.from_dir(path)
         weights = read_weights(path, progress)
     decoder = build_decoder(config, weights, source=str(path))
-    if _should_upcast(keep_dtype, decoder):
-        progress("expanding weights to float32 for the CPU")
-        decoder = _to_float32(decoder)
+    decoder = prepare_for_cpu(
+        decoder, keep_dtype=keep_dtype, cpu_quantize=cpu_quantize, progress=progress
+    )
     mx.eval(decoder.parameters())
     if not config.eos_token_ids and tokenizer.eos_token_ids:
         config = attrs.evolve(config, eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)))
@@ -190,57 +193,4 @@ def build_decoder(config: ModelConfig, weights: dict[str, mx.array], source: str
     if unexpected:
         raise CheckpointError(f"{source}: unexpected tensor '{unexpected[0]}' for {config.model_type}")
     decoder.update(tree_unflatten(list(weights.items())))
-    return decoder
-
-
-def _should_upcast(keep_dtype: bool, decoder: CausalLM) -> bool:
-    if keep_dtype or mx.default_device() != mx.cpu:
-        return False
-    params: list[tuple[str, mx.array]] = tree_flatten(decoder.parameters())  # type: ignore[assignment]
-    float32_bytes = sum(
-        p.size * 4 * (32 // _bits(decoder) if p.dtype == mx.uint32 else 1) for _, p in params
-    )
-    return float32_bytes < 0.6 * _physical_memory()
-
-
-def _bits(decoder: CausalLM) -> int:
-    q = decoder.config.quantization
-    return q.bits if q is not None else 32
-
-
-def _physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 62
-
-
-def _to_float32(decoder: CausalLM) -> CausalLM:
-    """Dequantize quantized layers and cast every weight to float32, in place."""
-
-    def expand(_path: str, module: nn.Module) -> nn.Module:
-        if isinstance(module, nn.QuantizedLinear):
-            weight = mx.dequantize(
-                module.weight, module.scales, module.biases, module.group_size, module.bits
-            )
-            linear = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
-            linear.weight = weight.astype(mx.float32)
-            if "bias" in module:
-                linear.bias = module.bias.astype(mx.float32)
-            return linear
-        if isinstance(module, nn.QuantizedEmbedding):
-            weight = mx.dequantize(
-                module.weight, module.scales, module.biases, module.group_size, module.bits
-            )
-            embedding = nn.Embedding(weight.shape[0], weight.shape[1])
-            embedding.weight = weight.astype(mx.float32)
-            return embedding
-        return module
-
-    leaves: list[tuple[str, nn.Module]] = tree_flatten(  # type: ignore[assignment]
-        decoder.leaf_modules(), is_leaf=nn.Module.is_module
-    )
-    replaced = [(path, expand(path, module)) for path, module in leaves]
-    decoder.update_modules(tree_unflatten(replaced))
-    decoder.set_dtype(mx.float32)
     return decoder
