@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import NoReturn
 
 import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
-from runtime.cpu_weights import CPU_QUANTIZE_CHOICES, DEFAULT_CPU_QUANTIZE
 from runtime.engine import DEFAULT_BLOCK_SIZE
 from runtime.errors import CadenceError
 from runtime.kv.paged import parse_kv_budget
@@ -25,6 +24,7 @@ import structlog
 import trio
 
 from actors import bench, timeline
+from actors.choices import DEFAULT_MAX_N
 from actors.cors import CorsPolicy, parse_origins
 from actors.http_app import ServerState, create_app
 from actors.http_server import serve_http
@@ -83,6 +83,12 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds in-flight requests get after SIGINT/SIGTERM",
     )
     serve.add_argument("--max-body-bytes", type=_positive, default=4 << 20)
+    serve.add_argument(
+        "--max-n",
+        type=_positive,
+        default=DEFAULT_MAX_N,
+        help="most choices ('n') one request may ask for; each counts as a request",
+    )
     serve.add_argument(
         "--kv-budget",
         type=_kv_budget,
@@ -150,13 +156,6 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep the checkpoint's dtype on CPU (default: expand to float32 when memory allows)",
     )
-    parser.add_argument(
-        "--cpu-quantize",
-        choices=CPU_QUANTIZE_CHOICES,
-        default=DEFAULT_CPU_QUANTIZE,
-        help="on CPU, quantize a 16/32-bit checkpoint's layers to 8 or 4 bits at load "
-        f"(default: {DEFAULT_CPU_QUANTIZE}; quantized checkpoints stay quantized either way)",
-    )
 
 
 def _add_log_args(parser: argparse.ArgumentParser, default_level: str) -> None:
@@ -218,12 +217,16 @@ async def _serve(args: argparse.Namespace) -> None:
             f"--max-num-batched-tokens {budget} is below --max-batch {args.max_batch}: "
             "every decoding row needs its token"
         )
+    if args.max_n > args.max_waiting:  # n choices take n waiting slots at once
+        raise CadenceError(f"--max-n {args.max_n} is above --max-waiting {args.max_waiting}")
     state = ServerState()
     keys = _api_keys(args)
     if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("no_api_key", host=args.host, hint="anyone who can reach it can use it")
     cors = CorsPolicy(parse_origins(args.allowed_origin))
-    app = create_app(state, max_body_bytes=args.max_body_bytes, api_keys=keys, cors=cors)
+    app = create_app(
+        state, max_body_bytes=args.max_body_bytes, api_keys=keys, cors=cors, max_n=args.max_n
+    )
     shutdown = trio.Event()
     http_done = trio.Event()
 
@@ -259,7 +262,6 @@ async def _serve(args: argparse.Namespace) -> None:
             batch_ladder=args.batch_ladder,
             offline=args.offline,
             keep_dtype=args.keep_dtype,
-            cpu_quantize=args.cpu_quantize,
             on_progress=_progress,
             drain_timeout=args.drain_timeout,
         ) as llm:
@@ -307,7 +309,6 @@ async def _generate(args: argparse.Namespace) -> None:
         max_waiting=1,
         offline=args.offline,
         keep_dtype=args.keep_dtype,
-        cpu_quantize=args.cpu_quantize,
         on_progress=_progress,
     ) as llm:
         sampling = dict(

@@ -50,17 +50,28 @@ class Generation:
         self._replies: trio.MemoryReceiveChannel[Reply] | None = None
         self._stash: Reply | None = None
 
-    async def start(self) -> int:
-        """Admit the request; returns its prompt length in tokens.
+    def submit(self) -> None:
+        """Queue the request for admission now, taking a waiting slot; never waits.
 
-        Raises OverloadedError (waiting queue full), ServiceClosedError (draining),
-        RequestError (bad prompt, context_length_exceeded) before any text streams.
+        Raises OverloadedError (waiting queue full) or ServiceClosedError (draining).
+        `start()` submits first unless this was called.
         """
         if self._state is not _State.NEW:
             raise RuntimeError("a Generation starts once")
         send, self._replies = trio.open_memory_channel[Reply](REPLY_BUFFER)
         self._llm._admit(Admit(self.request_id, self.request, send, trio.current_time()))
         self._state = _State.ADMITTING
+
+    async def start(self) -> int:
+        """Admit the request; returns its prompt length in tokens.
+
+        Raises OverloadedError (waiting queue full), ServiceClosedError (draining),
+        RequestError (bad prompt, context_length_exceeded) before any text streams.
+        """
+        if self._state is _State.NEW:
+            self.submit()
+        elif self._state is not _State.ADMITTING:
+            raise RuntimeError("a Generation starts once")
         first = await self._receive()
         match first:
             case Accepted(_, num_prompt_tokens):

@@ -4,36 +4,50 @@ Quart's defaults are wrong for an API (HTML error pages, 500 on bad UTF-8, a
 16 MB body limit, `RESPONSE_TIMEOUT` cutting long streams), so the body is read
 and parsed here and every error leaves as OpenAI's JSON error object.
 
-A stream's body is a plain async generator over the Generation: when the client
-disconnects, Quart cancels the handler and closes the generator, whose `finally`
-aborts the request (the row leaves the batch within one step).
+A request's choices (OpenAI's `n`, one Generation each; actors/choices.py) are read
+together in a nursery of their own. A stream's body opens it when Quart starts
+sending and closes it when Quart stops: when the client disconnects, Quart cancels
+the send, and leaving the nursery aborts every choice (the rows leave the batch
+within one step).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from importlib import resources
+from types import TracebackType
 from typing import Any
 
 from runtime.errors import CadenceError
 
 import attrs
 import structlog
+import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import Response, g, request
+from quart.wrappers.response import ResponseBody
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
+from actors.choices import (
+    DEFAULT_MAX_N,
+    ChoiceEvent,
+    choice_requests,
+    combined_usage,
+    interleaved,
+    start_together,
+)
 from actors.cors import CorsPolicy
 from actors.generation import Generation
 from actors.openai_requests import ApiError, ApiRequest, parse_chat, parse_completion, parse_json
 from actors.openai_responses import SSE_DONE, ChunkWriter, sse
 from actors.openapi import OPENAPI
-from actors.requests import LogprobEntry, ServiceClosedError
+from actors.requests import LogprobEntry, ServiceClosedError, Usage
 from actors.service import LLM
 
 log = structlog.get_logger("cadence.http")
@@ -59,10 +73,12 @@ def create_app(
     max_body_bytes: int = 4 << 20,
     api_keys: Sequence[str] = (),
     cors: CorsPolicy | None = None,
+    max_n: int = DEFAULT_MAX_N,
 ) -> QuartTrio:
     """`api_keys`: when given, every route but /, /health and /openapi.json needs a Bearer key.
 
     `cors`: the origins whose browser pages may call the API; none by default.
+    `max_n`: the most choices (`n`) one request may ask for.
     """
     app = QuartTrio("cadence", static_folder=None)  # no /static route: the one page is at /
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
@@ -140,11 +156,11 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        return await _complete(state, parse_chat(await _read_json()))
+        return await _complete(state, parse_chat(await _read_json(), max_n=max_n))
 
     @app.post("/v1/completions")
     async def completions() -> Response:
-        return await _complete(state, parse_completion(await _read_json()))
+        return await _complete(state, parse_completion(await _read_json(), max_n=max_n))
 
     return app
 
@@ -180,60 +196,109 @@ async def _complete(state: ServerState, api: ApiRequest) -> Response:
             param="model",
             code="model_not_found",
         )
-    generation = Generation(llm, api.request, request_id=g.request_id)
+    ids = [g.request_id] if api.n == 1 else [f"{g.request_id}-{i}" for i in range(api.n)]
+    generations = [
+        Generation(llm, choice, request_id=request_id)
+        for request_id, choice in zip(ids, choice_requests(api.request, api.n), strict=True)
+    ]
     try:
-        await generation.start()
+        await start_together(llm, generations)
     except CadenceError as error:
         raise ApiError.from_error(error) from None
     prefix = "chatcmpl-" if api.kind == "chat" else "cmpl-"
     writer = ChunkWriter(
         api.kind,
-        prefix + generation.request_id,
+        prefix + g.request_id,
         llm.name,
         api.include_usage,
         has_logprobs=api.request.sampling.logprobs is not None,
     )
     if api.is_stream:
-        response = Response(_stream(generation, writer), mimetype="text/event-stream")
+        response = Response(_ChoicesStream(generations, writer), mimetype="text/event-stream")
         response.headers["Cache-Control"] = "no-cache"
         response.timeout = None  # RESPONSE_TIMEOUT (60 s) would cut a long stream silently
         return response
-    return await _collect(generation, writer)
+    return await _collect(generations, writer)
 
 
-async def _stream(generation: Generation, writer: ChunkWriter) -> AsyncIterator[bytes]:
+class _ChoicesStream(ResponseBody):
+    """An SSE body over the choices' deltas: Quart enters it, iterates it and exits it
+    in the task that sends the response, so the choices' nursery lives exactly as
+    long as the sending (an async generator must not hold a nursery across a yield)."""
+
+    def __init__(self, generations: Sequence[Generation], writer: ChunkWriter):
+        self._generations = generations
+        self._writer = writer
+        self._exits = contextlib.AsyncExitStack()
+        self._events: AsyncGenerator[bytes, None] | None = None
+
+    async def __aenter__(self) -> _ChoicesStream:
+        events = await self._exits.enter_async_context(interleaved(self._generations))
+        self._events = _sse_events(events, self._writer, len(self._generations))
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._events is not None:
+            await self._events.aclose()
+        await self._exits.__aexit__(exc_type, exc_value, tb)
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        assert self._events is not None, "iterated before it was entered"
+        return self._events
+
+
+async def _sse_events(
+    events: trio.MemoryReceiveChannel[ChoiceEvent], writer: ChunkWriter, num_choices: int
+) -> AsyncGenerator[bytes, None]:
+    usages: list[Usage] = []
     try:
-        if (first := writer.start()) is not None:
+        if (first := writer.start(num_choices)) is not None:
             yield first
-        async for delta in generation:
-            if delta.text or delta.logprobs:
-                yield writer.text(delta.text, delta.logprobs)
-            if delta.finish_reason is not None:
-                yield writer.finish(delta.finish_reason)
-                if writer.include_usage and delta.usage is not None:
-                    yield writer.usage(delta.usage)
+        async for index, event in events:
+            if isinstance(event, CadenceError):
+                raise event
+            if event.text or event.logprobs:
+                yield writer.text(event.text, event.logprobs, index)
+            if event.finish_reason is not None:
+                yield writer.finish(event.finish_reason, index)
+                assert event.usage is not None
+                usages.append(event.usage)
+        if writer.include_usage and usages:  # once, after every choice finished
+            yield writer.usage(combined_usage(usages))
         yield SSE_DONE
     except CadenceError as error:  # mid-stream: an error event, then the stream ends
         yield sse(ApiError.from_error(error).body())
         yield SSE_DONE
-    finally:
-        await generation.aclose("disconnected")
 
 
-async def _collect(generation: Generation, writer: ChunkWriter) -> Response:
-    texts: list[str] = []
-    logprobs: list[LogprobEntry] = []
-    try:
-        async for delta in generation:
-            texts.append(delta.text)
-            logprobs += delta.logprobs
-    except CadenceError as error:
-        raise ApiError.from_error(error) from None
-    finally:
-        await generation.aclose("disconnected")
-    assert generation.finish_reason is not None and generation.usage is not None
-    whole = writer.whole("".join(texts), generation.finish_reason, generation.usage, logprobs)
-    return _json(whole)
+async def _collect(generations: Sequence[Generation], writer: ChunkWriter) -> Response:
+    texts: list[list[str]] = [[] for _ in generations]
+    logprobs: list[list[LogprobEntry]] = [[] for _ in generations]
+    finished: dict[int, tuple[str, Usage]] = {}
+    failure: CadenceError | None = None
+    async with interleaved(generations) as events:
+        async for index, event in events:
+            if isinstance(event, CadenceError):
+                failure = event  # leaving the block aborts the other choices
+                break
+            texts[index].append(event.text)
+            logprobs[index] += event.logprobs
+            if event.finish_reason is not None:
+                assert event.usage is not None
+                finished[index] = (event.finish_reason, event.usage)
+    if failure is not None:  # raised out here: inside, the nursery would wrap it in a group
+        raise ApiError.from_error(failure)
+    choices = [
+        writer.choice("".join(texts[i]), finished[i][0], logprobs[i], i)
+        for i in range(len(generations))
+    ]
+    usage = combined_usage([finished[i][1] for i in range(len(generations))])
+    return _json(writer.whole(choices, usage))
 
 
 def server_stats(llm: LLM) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from runtime.sequence import SamplingParams
 
 import attrs
 
+from actors.choices import DEFAULT_MAX_N
 from actors.requests import (
     MAX_TOP_LOGPROBS,
     GenerateRequest,
@@ -68,6 +69,7 @@ class ApiRequest:
     request: GenerateRequest
     is_stream: bool
     include_usage: bool
+    n: int = 1  # choices: requests of their own that share the prompt (actors/choices.py)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -105,7 +107,7 @@ def _reject_constant(name: str) -> None:
     raise ApiError(400, f"the request body contains {name}, which is not valid JSON")
 
 
-def parse_chat(body: dict[str, Any]) -> ApiRequest:
+def parse_chat(body: dict[str, Any], *, max_n: int = DEFAULT_MAX_N) -> ApiRequest:
     messages = _field(body, "messages", list, required=True)
     # check_request holds the allowlist of keys and their types.
     template_kwargs = _field(body, "chat_template_kwargs", dict) or {}
@@ -114,10 +116,11 @@ def parse_chat(body: dict[str, Any]) -> ApiRequest:
         "chat",
         messages=tuple(_message(m, i) for i, m in enumerate(messages)),
         chat_template_kwargs=tuple(template_kwargs.items()),
+        max_n=max_n,
     )
 
 
-def parse_completion(body: dict[str, Any]) -> ApiRequest:
+def parse_completion(body: dict[str, Any], *, max_n: int = DEFAULT_MAX_N) -> ApiRequest:
     prompt = _field(body, "prompt", (str, list), required=True)
     if isinstance(prompt, list):
         if len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -138,10 +141,10 @@ def parse_completion(body: dict[str, Any]) -> ApiRequest:
         raise ApiError(400, "'echo' is not supported", param="echo")
     if _field(body, "suffix", str):
         raise ApiError(400, "'suffix' is not supported", param="suffix")
-    return _parse_common(body, "completion", prompt=prompt)
+    return _parse_common(body, "completion", max_n=max_n, prompt=prompt)
 
 
-def _parse_common(body: dict[str, Any], kind: str, **prompt: Any) -> ApiRequest:
+def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any) -> ApiRequest:
     # A field we don't know may be one the client expects an effect from: refuse it.
     known = _CHAT_FIELDS if kind == "chat" else _COMPLETION_FIELDS
     if unknown := sorted(name for name in body if name not in known):
@@ -152,8 +155,9 @@ def _parse_common(body: dict[str, Any], kind: str, **prompt: Any) -> ApiRequest:
     if body.get("store"):
         raise ApiError(400, "'store' is not supported: completions are never stored", param="store")
     model = _field(body, "model", str, required=True)
-    if _field(body, "n", int, default=1) != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
+    n = _field(body, "n", int, default=1)
+    if not 1 <= n <= max_n:
+        raise ApiError(400, f"'n' must be an integer in [1, {max_n}], got {n}", param="n")
     for unsupported in ("tools", "functions"):
         if _field(body, unsupported, list):
             raise ApiError(400, f"'{unsupported}' is not supported", param=unsupported)
@@ -162,8 +166,9 @@ def _parse_common(body: dict[str, Any], kind: str, **prompt: Any) -> ApiRequest:
     for unsupported in UNSUPPORTED_FIELDS:
         if body.get(unsupported) is not None:
             raise ApiError(400, f"'{unsupported}' is not supported", param=unsupported)
+    # best_of (deprecated by OpenAI, dropped by vLLM) would rank candidates by logprob.
     if _field(body, "best_of", int, default=1) != 1:
-        raise ApiError(400, "only best_of=1 is supported", param="best_of")
+        raise ApiError(400, "only best_of=1 is supported; use 'n'", param="best_of")
     response_format = _field(body, "response_format", dict)
     if response_format is not None and response_format.get("type") != "text":
         raise ApiError(
@@ -202,7 +207,7 @@ def _parse_common(body: dict[str, Any], kind: str, **prompt: Any) -> ApiRequest:
         check_request(request)
     except RequestError as error:
         raise ApiError.from_error(error) from None
-    return ApiRequest(kind, model, request, is_stream, include_usage)
+    return ApiRequest(kind, model, request, is_stream, include_usage, n=n)
 
 
 def _logprobs(body: dict[str, Any], kind: str) -> int | None:
@@ -348,8 +353,8 @@ _COMMON_FIELDS = frozenset(
         "ignore_eos",
         "priority",
         "logprobs",
-        # Refused unless off, each with its own message:
         "n",
+        # Refused unless off, each with its own message:
         "best_of",
         "tools",
         "functions",

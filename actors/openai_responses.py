@@ -20,9 +20,10 @@ MIN_LOGPROB = -9999.0
 class ChunkWriter:
     """Builds one response's chunks: one `id` and `created` for all of them.
 
-    With `has_logprobs`, every choice carries OpenAI's logprobs object for its tokens;
-    completions' `text_offset` counts characters of the token strings from the start
-    of the generated text, across chunks.
+    Each chunk carries one choice, named by its `index` (0 to n-1); the chunks of
+    different choices interleave. With `has_logprobs`, every choice carries OpenAI's
+    logprobs object for its tokens; completions' `text_offset` counts characters of
+    the token strings from the start of that choice's generated text, across chunks.
     """
 
     kind: str
@@ -31,7 +32,8 @@ class ChunkWriter:
     include_usage: bool = False
     has_logprobs: bool = False
     created: int = attrs.Factory(lambda: int(time.time()))
-    num_chars: int = 0  # of token strings written so far: the next text_offset
+    # Per choice: characters of token strings written so far, the next text_offset.
+    num_chars: dict[int, int] = attrs.Factory(dict)
 
     def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> bytes:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -52,11 +54,12 @@ class ChunkWriter:
         finish_reason: str | None,
         role: bool = False,
         logprobs: Sequence[LogprobEntry] | None = None,
+        index: int = 0,
     ) -> dict[str, Any]:
-        logprobs_json = self._logprobs(logprobs) if logprobs is not None else None
+        logprobs_json = self._logprobs(logprobs, index) if logprobs is not None else None
         if self.kind == "completion":
             return {
-                "index": 0,
+                "index": index,
                 "text": text or "",
                 "logprobs": logprobs_json,
                 "finish_reason": finish_reason,
@@ -65,21 +68,21 @@ class ChunkWriter:
         if text is not None:
             delta["content"] = text
         return {
-            "index": 0,
+            "index": index,
             "delta": delta,
             "logprobs": logprobs_json,
             "finish_reason": finish_reason,
         }
 
-    def _logprobs(self, entries: Sequence[LogprobEntry]) -> dict[str, Any] | None:
+    def _logprobs(self, entries: Sequence[LogprobEntry], index: int) -> dict[str, Any] | None:
         if not self.has_logprobs:
             return None
         if self.kind == "chat":
             return {"content": [_chat_logprob(e) for e in entries], "refusal": None}
         offsets = []
         for entry in entries:
-            offsets.append(self.num_chars)
-            self.num_chars += len(entry.token)
+            offsets.append(self.num_chars.get(index, 0))
+            self.num_chars[index] = offsets[-1] + len(entry.token)
         return {
             "tokens": [e.token for e in entries],
             "token_logprobs": [_finite(e.logprob) for e in entries],
@@ -90,47 +93,54 @@ class ChunkWriter:
             "text_offset": offsets,
         }
 
-    def start(self) -> bytes | None:
-        return self._chunk([self._choice("", None, role=True)]) if self.kind == "chat" else None
+    def start(self, num_choices: int = 1) -> bytes | None:
+        """Chat's first chunk of each choice, with the role; completions have none."""
+        if self.kind != "chat":
+            return None
+        return b"".join(
+            self._chunk([self._choice("", None, role=True, index=i)]) for i in range(num_choices)
+        )
 
-    def text(self, text: str, logprobs: Sequence[LogprobEntry] = ()) -> bytes:
-        return self._chunk([self._choice(text, None, logprobs=logprobs)])
+    def text(self, text: str, logprobs: Sequence[LogprobEntry] = (), index: int = 0) -> bytes:
+        return self._chunk([self._choice(text, None, logprobs=logprobs, index=index)])
 
-    def finish(self, finish_reason: str) -> bytes:
-        return self._chunk([self._choice(None, finish_reason)])
+    def finish(self, finish_reason: str, index: int = 0) -> bytes:
+        return self._chunk([self._choice(None, finish_reason, index=index)])
 
     def usage(self, usage: Usage) -> bytes:
         return self._chunk([], usage)
 
-    def whole(
+    def choice(
         self,
         text: str,
         finish_reason: str,
-        usage: Usage,
         logprobs: Sequence[LogprobEntry] = (),
+        index: int = 0,
     ) -> dict[str, Any]:
-        """The non-streaming response."""
+        """One choice of the non-streaming response."""
         if self.kind == "chat":
-            choice = {
-                "index": 0,
+            return {
+                "index": index,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": self._logprobs(logprobs),
+                "logprobs": self._logprobs(logprobs, index),
                 "finish_reason": finish_reason,
             }
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": self._logprobs(logprobs),
-                "finish_reason": finish_reason,
-            }
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": self._logprobs(logprobs, index),
+            "finish_reason": finish_reason,
+        }
+
+    def whole(self, choices: Sequence[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+        """The non-streaming response: `choices` from `choice()`, by index."""
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {
             "id": self.id,
             "object": obj,
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": list(choices),
             "usage": usage_json(usage),
         }
 

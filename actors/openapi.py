@@ -1,7 +1,7 @@
 """The OpenAPI 3.1 document served at /openapi.json: every route, what it accepts, what it answers.
 
 Written by hand to match what `actors/openai_requests.py` enforces, not what OpenAI
-documents: a field the parser refuses unless it is off (`n`, `best_of`, `echo`, ...)
+documents: a field the parser refuses unless it is off (`best_of`, `echo`, ...)
 is described with only its "off" values, and `null` is allowed wherever the parser
 reads it as "absent". tests/actors/test_http_fuzz.py fuzzes the server against this
 document and checks it names every route the app registers.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from actors.choices import DEFAULT_MAX_N
 from actors.openai_requests import UNSUPPORTED_FIELDS
 from actors.requests import (
     MAX_PRIORITY,
@@ -89,8 +90,15 @@ _COMMON_FIELDS: dict[str, Any] = {
             "properties": {"include_usage": _or_null({"type": "boolean"})},
         }
     ),
+    "n": _or_null(
+        {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": DEFAULT_MAX_N,
+            "description": "choices, each with its own index; at most --max-n (default 8)",
+        }
+    ),
     # Refused unless off: documented with only the values that mean "off".
-    "n": {"enum": [1, None]},
     "best_of": {"enum": [1, None]},
     "tools": _or_null({"type": "array", "maxItems": 0}),
     "functions": _or_null({"type": "array", "maxItems": 0}),

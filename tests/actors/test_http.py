@@ -16,6 +16,7 @@ import trio
 from structlog.testing import capture_logs
 
 import actors
+from actors.choices import DEFAULT_MAX_N
 from actors.http_app import ServerState, create_app
 from actors.http_server import serving_on_loopback
 
@@ -36,10 +37,16 @@ class Server:
 
 @contextlib.asynccontextmanager
 async def serving(
-    checkpoint, *, max_body_bytes=1 << 20, response_timeout=None, api_keys=(), **llm_args
+    checkpoint,
+    *,
+    max_body_bytes=1 << 20,
+    response_timeout=None,
+    api_keys=(),
+    max_n=DEFAULT_MAX_N,
+    **llm_args,
 ):
     state = ServerState()
-    app = create_app(state, max_body_bytes=max_body_bytes, api_keys=api_keys)
+    app = create_app(state, max_body_bytes=max_body_bytes, api_keys=api_keys, max_n=max_n)
     if response_timeout is not None:
         app.config["RESPONSE_TIMEOUT"] = response_timeout
     async with (
@@ -445,7 +452,8 @@ ERROR_CASES = {
     "empty prompt": ({"model": "M", "prompt": ""}, 400, "prompt", None),
     "empty messages": ({"model": "M", "messages": []}, 400, "messages", None),
     "missing model": ({"prompt": "x"}, 400, "model", None),
-    "n > 1": ({"model": "M", "prompt": "x", "n": 2}, 400, "n", None),
+    "n above --max-n": ({"model": "M", "prompt": "x", "n": 9}, 400, "n", None),
+    "n of 0": ({"model": "M", "messages": CHAT, "n": 0}, 400, "n", None),
     "negative seed": ({"model": "M", "prompt": "x", "seed": -1}, 400, "seed", None),
     "tool_choice without tools": (
         {"model": "M", "messages": CHAT, "tool_choice": "auto"},

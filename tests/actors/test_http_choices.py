@@ -1,0 +1,218 @@
+"""`n` choices over HTTP, with the official openai client against a real server."""
+
+import collections
+
+import trio
+from structlog.testing import capture_logs
+
+from tests.actors.test_http import (
+    CHAT,
+    in_thread,
+    read_some_then_disconnect,
+    request,
+    serving,
+    slow_down,
+    wait_for_no_open_rows,
+)
+
+SAMPLED = {"temperature": 1.0, "seed": 7}
+
+
+def chat(server, **fields):
+    return in_thread(
+        server.client().chat.completions.create, model=server.model, messages=CHAT, **fields
+    )
+
+
+def streamed_chat(server, **fields):
+    """(each choice's text, finish reasons, usage, the order of the content chunks' indexes)."""
+
+    def read():
+        texts, finishes, order, usage = collections.defaultdict(str), {}, [], None
+        stream = server.client().chat.completions.create(
+            model=server.model,
+            messages=CHAT,
+            stream=True,
+            stream_options={"include_usage": True},
+            **fields,
+        )
+        for chunk in stream:
+            if chunk.usage is not None:
+                assert usage is None and chunk.choices == []  # once, last
+                usage = chunk.usage
+            for choice in chunk.choices:
+                assert choice.index not in finishes  # nothing after a choice's finish
+                if choice.delta.content:
+                    texts[choice.index] += choice.delta.content
+                    order.append(choice.index)
+                if choice.finish_reason is not None:
+                    finishes[choice.index] = choice.finish_reason
+        return dict(texts), finishes, usage, order
+
+    return in_thread(read)
+
+
+async def test_greedy_choices_are_identical_and_usage_counts_the_prompt_once(tiny):
+    async with serving(tiny) as server:
+        one = await chat(server, max_tokens=10)
+        three = await chat(server, max_tokens=10, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert {c.message.content for c in three.choices} == {one.choices[0].message.content}
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert three.usage.total_tokens == one.usage.prompt_tokens + 3 * one.usage.completion_tokens
+
+
+async def test_seeded_choices_are_distinct_and_reproducible(tiny):
+    async with serving(tiny) as server:
+        first = await chat(server, max_tokens=12, n=3, **SAMPLED)
+        again = await chat(server, max_tokens=12, n=3, **SAMPLED)
+        alone = await chat(server, max_tokens=12, **SAMPLED)
+        next_seed = await chat(server, max_tokens=12, temperature=1.0, seed=8)
+    texts = [c.message.content for c in first.choices]
+    assert len(set(texts)) == 3
+    assert [c.message.content for c in again.choices] == texts
+    # Choice i samples with seed + i: choice 0 is the n=1 answer, choice 1 seed 8's.
+    assert texts[0] == alone.choices[0].message.content
+    assert texts[1] == next_seed.choices[0].message.content
+
+
+async def test_streamed_choices_interleave_and_reassemble_to_the_whole_ones(tiny):
+    async with serving(tiny) as server:
+        slow_down(server.llm._engine, 0.01)  # a delta per step: the choices interleave
+        for fields in ({}, SAMPLED):
+            whole = await chat(server, max_tokens=16, n=3, **fields)
+            texts, finishes, usage, order = await streamed_chat(
+                server, max_tokens=16, n=3, **fields
+            )
+            assert texts == {c.index: c.message.content for c in whole.choices}
+            assert finishes == {c.index: c.finish_reason for c in whole.choices}
+            assert usage.completion_tokens == whole.usage.completion_tokens
+            assert usage.prompt_tokens == whole.usage.prompt_tokens
+            assert order.index(1) < len(order) - 1 - order[::-1].index(0)  # 1 before 0 ends
+
+
+async def test_completions_choices_each_carry_their_own_logprobs(tiny):
+    async with serving(tiny) as server:
+        client = server.client()
+        whole = await in_thread(
+            client.completions.create,
+            model=server.model,
+            prompt="The for statement",
+            max_tokens=6,
+            n=2,
+            logprobs=2,
+            extra_body={"ignore_eos": True},
+            **SAMPLED,
+        )
+        pieces = collections.defaultdict(list)
+        stream = await in_thread(
+            client.completions.create,
+            model=server.model,
+            prompt="The for statement",
+            max_tokens=6,
+            n=2,
+            logprobs=2,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            **SAMPLED,
+        )
+        for chunk in await in_thread(list, stream):
+            for choice in chunk.choices:
+                pieces[choice.index].append(choice)
+    assert [c.index for c in whole.choices] == [0, 1]
+    for choice in whole.choices:
+        logprobs = choice.logprobs
+        assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 6  # one per token
+        assert logprobs.text_offset[0] == 0  # each choice counts from its own start
+        streamed = [p for p in pieces[choice.index] if p.logprobs is not None]
+        assert sum((p.logprobs.tokens for p in streamed), []) == logprobs.tokens
+        assert sum((p.logprobs.text_offset for p in streamed), []) == logprobs.text_offset
+        assert "".join(p.text for p in pieces[choice.index]) == choice.text
+
+
+async def test_n_above_max_n_is_a_400_naming_n(tiny):
+    async with serving(tiny, max_n=2) as server:
+        body = {"model": server.model, "messages": CHAT, "n": 3}
+        status, _, reply = await in_thread(
+            request, server.url, "POST", "/v1/chat/completions", body
+        )
+        assert status == 400 and reply["error"]["param"] == "n"
+        assert "[1, 2]" in reply["error"]["message"]
+        body["n"] = 2
+        status, _, reply = await in_thread(
+            request, server.url, "POST", "/v1/chat/completions", body
+        )
+        assert status == 200 and len(reply["choices"]) == 2
+
+
+async def test_n_choices_take_n_waiting_slots_and_a_full_queue_refuses_them_all(tiny):
+    async with serving(tiny, max_batch=1, max_waiting=3) as server:
+        body = {"model": server.model, "prompt": "c", "n": 4}
+        status, _, reply = await in_thread(request, server.url, "POST", "/v1/completions", body)
+        assert status == 400 and reply["error"]["param"] == "n"  # more than the queue holds
+        running = server.llm.generate("a", max_tokens=900, ignore_eos=True)
+        waiting = server.llm.generate("b", max_tokens=5)
+        async with running, waiting:
+            await running.__anext__()  # one row runs, one request waits: two slots free
+            body["n"] = 3
+            status, headers, reply = await in_thread(
+                request, server.url, "POST", "/v1/completions", body
+            )
+            assert status == 503 and headers["retry-after"] == "1"
+            assert server.llm.num_waiting == 1  # nothing of the refused request was queued
+            assert (await server.llm.engine_stats()).num_open == 1
+
+
+async def test_a_disconnect_aborts_every_choice(tiny):
+    async with serving(tiny) as server:
+        body = {
+            "model": server.model,
+            "prompt": "Hello",
+            "max_tokens": 900,
+            "ignore_eos": True,
+            "stream": True,
+            "n": 3,
+        }
+        slow_down(server.llm._engine, 0.01)  # running to the end would take over 10 s
+        with capture_logs() as logs:
+            lines = await in_thread(
+                read_some_then_disconnect, server.url, "/v1/completions", body, 6
+            )
+            await wait_for_no_open_rows(server.llm, timeout=5)
+        assert lines[0].startswith(b"data: {")
+        aborted = {e["request_id"] for e in logs if e["event"] == "aborted"}
+        assert sorted(request_id[-2:] for request_id in aborted) == ["-0", "-1", "-2"]
+
+
+async def test_the_choices_share_the_prompts_kv_blocks(tiny):
+    prompt = list(range(10, 410))  # 400 tokens: 25 blocks of 16
+    async with serving(tiny, max_batch=4) as server:
+        pool = server.llm._policy.pool
+        peak = 0
+
+        async def watch():
+            nonlocal peak
+            while True:
+                peak = max(peak, pool.num_used_blocks)
+                await trio.sleep(0)
+
+        async def ask(n):
+            return await in_thread(
+                server.client().completions.create,
+                model=server.model,
+                prompt=prompt,
+                max_tokens=8,
+                n=n,
+                extra_body={"ignore_eos": True},
+            )
+
+        slow_down(server.llm._engine, 0.005)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            reply = await ask(4)
+            nursery.cancel_scope.cancel()
+    assert len(reply.choices) == 4
+    # One prompt's 26 blocks (400 + 8 tokens), a tail block for each other choice, not 4 x 26.
+    assert 26 <= peak <= 26 + 3 * 2
+    assert pool.num_hit_blocks >= 3 * 24  # the others took the prompt's full blocks
