@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
+from runtime.cpu_weights import CPU_QUANTIZE_CHOICES, DEFAULT_CPU_QUANTIZE
 from runtime.engine import DEFAULT_BLOCK_SIZE
 from runtime.errors import CadenceError
 from runtime.kv.paged import parse_kv_budget
@@ -156,6 +157,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep the checkpoint's dtype on CPU (default: expand to float32 when memory allows)",
     )
+    parser.add_argument(
+        "--cpu-quantize",
+        choices=CPU_QUANTIZE_CHOICES,
+        default=DEFAULT_CPU_QUANTIZE,
+        help="on CPU, quantize a 16/32-bit checkpoint's layers to 8 or 4 bits at load "
+        f"(default: {DEFAULT_CPU_QUANTIZE}; quantized checkpoints stay quantized either way)",
+    )
 
 
 def _add_log_args(parser: argparse.ArgumentParser, default_level: str) -> None:
@@ -262,6 +270,7 @@ async def _serve(args: argparse.Namespace) -> None:
             batch_ladder=args.batch_ladder,
             offline=args.offline,
             keep_dtype=args.keep_dtype,
+            cpu_quantize=args.cpu_quantize,
             on_progress=_progress,
             drain_timeout=args.drain_timeout,
         ) as llm:
@@ -309,6 +318,7 @@ async def _generate(args: argparse.Namespace) -> None:
         max_waiting=1,
         offline=args.offline,
         keep_dtype=args.keep_dtype,
+        cpu_quantize=args.cpu_quantize,
         on_progress=_progress,
     ) as llm:
         sampling = dict(
