@@ -138,7 +138,11 @@ async def open_llm(
             asked=engine.model_max_context,
         )
     pool = BlockPool(
-        kv.num_blocks, kv.block_size, salt=_cache_salt(loaded), is_caching=prefix_cache
+        kv.num_blocks,
+        kv.block_size,
+        salt=_cache_salt(loaded),
+        is_caching=prefix_cache,
+        layout=kv.layout,
     )
     budget = max_batch + prefill_chunk if max_num_batched_tokens is None else max_num_batched_tokens
     policy = FcfsScheduler(max_batch, pool, engine.max_context, prefill_chunk, budget)

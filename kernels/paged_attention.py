@@ -7,7 +7,9 @@
 A step is R rows, row r bringing `num_new[r]` query tokens at positions
 `[start[r], start[r] + num_new[r])`, concatenated into `[N]` tokens. Each token's
 K/V is scattered into the pool once, then every query attends causally over its
-row's positions `[0, its own]`. Two paths compute the same thing:
+row's positions `[0, its own]`, or in a sliding-window layer over its last `window`
+positions `(own - window, own]` (as mlx-lm's and transformers' masks: the key at
+`own - window` is the first one out). Two paths compute the same thing:
 
 - `gather` (the reference): per row, copy its K/V out of the pool, then
   `mx.fast.scaled_dot_product_attention`. A Python loop per row and per layer.
@@ -16,6 +18,10 @@ row's positions `[0, its own]`. Two paths compute the same thing:
   row's blocks with the polynomial exp (kernels/poly_exp.py). Rows bringing one
   token and rows bringing several form two padded groups, so a 512-token chunk
   does not pad every decoding row to 512 queries.
+
+Both read a windowed layer's rows from the first block its window touches, so a
+local layer's cost follows the window, not the row's length; the blocks before it
+may already be back in the pool (their table entries point at block 0, unread).
 
 `select_path` picks one per step, before anything is written: a path either owns
 the step or was declined, and the pool is written exactly once either way. Its
@@ -120,6 +126,20 @@ class PagedStep:
     num_slots: int  # slots per KV head in the pool: num_blocks * block_size
     num_kv_heads: int
     num_queries_per_kv: int
+    window: int | None = None  # a sliding-window layer's: the keys a query sees, itself included
+
+    def first_key(self, row: int) -> int:
+        """The first position any of `row`'s queries sees (0 without a window)."""
+        if self.window is None:
+            return 0
+        return max(0, self.starts[row] - self.window + 1)
+
+    def visible(self, query_pos: np.ndarray, key_pos: np.ndarray) -> np.ndarray:
+        """Broadcast bool: the query at `query_pos` sees the key at `key_pos`."""
+        seen = key_pos <= query_pos
+        if self.window is not None:
+            seen &= key_pos > query_pos - self.window
+        return seen
 
     @functools.cached_property
     def shape(self) -> StepShape:
@@ -159,11 +179,14 @@ class PagedStep:
         heads = mx.arange(self.num_kv_heads, dtype=mx.int32).reshape(-1, *([1] * slots.ndim))
         return (heads * self.num_slots + slots[None]).reshape(-1)
 
-    def visible_rows(self, rows: list[int], length: int) -> mx.array:
-        """Flat pool rows [Hkv * len(rows) * length] of positions [0, length) of `rows`."""
+    def key_rows(self, rows: list[int], positions: np.ndarray) -> mx.array:
+        """Flat pool rows [Hkv * len(rows) * L] of key `positions` [len(rows), L] of `rows`;
+        positions past a row's table read its last entry (callers mask them)."""
         index = mx.array(rows, dtype=mx.int32)[:, None]
-        positions = mx.arange(length, dtype=mx.int32)[None, :]
-        return self._head_rows(self._slots(index, positions))
+        columns = np.minimum(positions // self.block_size, self.tables.shape[1] - 1)
+        blocks = self.tables[index, mx.array(columns, dtype=mx.int32)]
+        slots = blocks * self.block_size + mx.array(positions % self.block_size, dtype=mx.int32)
+        return self._head_rows(slots)
 
     @functools.cached_property
     def fast(self) -> _FastPlan:
@@ -223,12 +246,11 @@ class _GatherPlan:
         self.spans = []  # (first token, one past last, pool rows, mask or None)
         lo = 0
         for r, (start, n) in enumerate(zip(step.starts, step.num_new, strict=True)):
-            length = start + n
+            key_pos = np.arange(step.first_key(r), start + n)[None, :]  # [1, L]
             mask = None
-            if n > 1:
-                query_pos = mx.arange(start, length)[:, None]
-                mask = mx.arange(length)[None, :] <= query_pos  # [n, length]
-            self.spans.append((lo, lo + n, step.visible_rows([r], length), mask))
+            if n > 1:  # a single query sees every key from first_key on
+                mask = mx.array(step.visible(np.arange(start, start + n)[:, None], key_pos))
+            self.spans.append((lo, lo + n, step.key_rows([r], key_pos), mask))
             lo += n
         self.num_kv_heads = step.num_kv_heads
 
@@ -248,24 +270,31 @@ class _Group:
     """Rows padded to `num_queries` tokens each: one batched attention for all of them."""
 
     def __init__(self, step: PagedStep, rows: list[int], token_lo: list[int]):
-        starts = [step.starts[r] for r in rows]
-        num_new = [step.num_new[r] for r in rows]
-        self.num_rows, self.num_queries = len(rows), max(num_new)
+        starts = np.array([step.starts[r] for r in rows])
+        num_new = np.array([step.num_new[r] for r in rows])
+        self.step = step
+        self.num_rows, self.num_queries = len(rows), int(num_new.max())
         size = step.block_size
-        self.num_blocks = -(-max(s + n for s, n in zip(starts, num_new, strict=True)) // size)
+        # Each row's blocks from the first its window touches (0 without a window).
+        first_block = np.array([step.first_key(r) // size for r in rows])
+        self.num_blocks = int((-(-(starts + num_new) // size) - first_block).max())
         self.block_size = size
         self.pool_blocks = step.num_slots // size  # blocks per KV head in the pool
         # Query token of (row, t); pads repeat the row's last token and are dropped.
-        t = np.minimum(np.arange(self.num_queries)[None, :], np.array(num_new)[:, None] - 1)
+        t = np.minimum(np.arange(self.num_queries)[None, :], num_new[:, None] - 1)
         self.query_tokens = np.array(token_lo)[:, None] + t  # [R, T]
-        self.is_real = np.arange(self.num_queries)[None, :] < np.array(num_new)[:, None]
-        self.query_pos = np.array(starts)[:, None] + t  # [R, T]
-        self.table = step.tables[mx.array(rows, dtype=mx.int32)][:, : self.num_blocks]  # [R, nb]
+        self.is_real = np.arange(self.num_queries)[None, :] < num_new[:, None]
+        self.query_pos = starts[:, None] + t  # [R, T]
+        columns = first_block[:, None] + np.arange(self.num_blocks)[None, :]  # [R, nb]
+        # Key position of each (row, block column, offset), laid out block-major: [R, nb * bs].
+        self.key_pos = (columns[:, :, None] * size + np.arange(size)).reshape(self.num_rows, -1)
+        columns = np.minimum(columns, step.tables.shape[1] - 1)  # past the table: masked
+        index = mx.array(rows, dtype=mx.int32)[:, None]
+        self.table = step.tables[index, mx.array(columns, dtype=mx.int32)]  # [R, nb]
 
     def visible_bias(self) -> np.ndarray:
         """[R, T, nb * bs] float32: 0 where a query sees the key position, -inf elsewhere."""
-        key_pos = np.arange(self.num_blocks * self.block_size)
-        visible = key_pos[None, None, :] <= self.query_pos[:, :, None]
+        visible = self.step.visible(self.query_pos[:, :, None], self.key_pos[:, None, :])
         return np.where(visible, 0.0, -np.inf).astype(np.float32)
 
     def grouped(self, q: mx.array, num_kv_heads: int) -> mx.array:
@@ -342,7 +371,7 @@ class _CopyGroup(_Group):
         super().__init__(step, rows, token_lo)
         self.length = self.num_blocks * self.block_size
         self.bias = mx.array(self.visible_bias()[None, :, :, None, :])  # [1, R, T, 1, L]
-        self.kv_rows = step.visible_rows(rows, self.length)  # [Hkv * R * L]
+        self.kv_rows = step.key_rows(rows, self.key_pos)  # [Hkv * R * L]
         num_scores = step.num_kv_heads * step.num_queries_per_kv * self.num_rows * self.num_queries * self.length
         self.is_split = step.num_kv_heads >= 2 and is_worth_splitting(
             num_scores, self.SPLIT_MIN_SCORES

@@ -69,7 +69,7 @@ class PlanRunner:
                 failed.append(RowResult(request_id, None, FinishCause.ERROR, str(error)))
         # Rows that finished or failed after this plan was made are simply left out.
         spans = tuple(
-            RowSpan(self.rows[s.request_id].seq_id, s.start, s.num_new, s.blocks)
+            RowSpan(self.rows[s.request_id].seq_id, s.start, s.num_new, s.blocks, s.group_tables)
             for s in plan.spans
             if s.request_id in self.rows
         )

@@ -51,7 +51,7 @@ class ScheduledRequest:
     params: SequenceParams
     tokens: list[int]  # prompt, then every collected token
     block_hashes: list[bytes]  # of its full blocks of known tokens, chained
-    blocks: list[int] = attrs.Factory(list)  # its block table
+    tables: list[list[int]] = attrs.Factory(lambda: [[]])  # its block table per layer group
     num_computed: int = 0  # positions whose K/V is computed or queued
     num_kv_done: int = 0  # ... of those, by a step already reported done
     num_published: int = 0  # leading blocks offered to the prefix cache
@@ -59,6 +59,11 @@ class ScheduledRequest:
     num_cached_tokens: int = 0  # prompt tokens its first admission took from the cache
     is_open: bool = False  # the engine has a row for it (kept across preemption)
     arrival: int = 0  # order of `add` calls
+
+    @property
+    def blocks(self) -> list[int]:
+        """Its first group's table: every position's block (runtime/kv/layout.py)."""
+        return self.tables[0]
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -83,6 +88,7 @@ class PlannedSpan:
     num_new: int
     blocks: tuple[int, ...]
     samples: bool  # the span reaches the newest token: its last position is sampled
+    group_tables: tuple[tuple[int, ...], ...] = ()  # the other layer groups' tables
 
 
 @attrs.frozen
@@ -235,7 +241,7 @@ class FcfsScheduler:
         """Blocks the decoding rows need for their next token beyond what the pool has."""
         size = self.pool.block_size
         needed = sum(
-            1
+            self.pool.num_groups - self.pool.num_out_of_window(r.tables, r.num_computed)
             for r in self.running.values()
             if not r.is_prefilling
             and not self._is_at_bounds(r)
@@ -292,24 +298,26 @@ class FcfsScheduler:
             request = self.waiting[index]
             # Leave the last known token to compute: its logits give the next token.
             num_lookup = (len(request.tokens) - 1) // self.pool.block_size
-            hits = self.pool.match_prefix(request.block_hashes[:num_lookup])
-            if self._is_held(request, len(hits), num_lookup, computing):
+            hits = self.pool.match_tables(request.block_hashes[:num_lookup])
+            num_hit = len(hits[0])
+            if self._is_held(request, num_hit, num_lookup, computing):
                 index += 1  # its next block will be cached soon: take it from there
                 continue
-            needed = self.pool.blocks_for(len(request.tokens) + 1) - len(hits)
-            if needed + len(hits) > self.pool.num_blocks:  # admission should have refused it
+            footprint = self.pool.blocks_for_row(len(request.tokens) + 1, self._max_chunk)
+            needed = footprint - self.pool.num_held(hits)
+            if footprint > self.pool.num_blocks:  # admission should have refused it
                 self.waiting.pop(index)
                 self.pending_rejects.append((request.request_id, self._too_large(request)))
                 continue
-            if needed + self._committed() > self.pool.num_free_blocks - self.pool.num_evictable(
-                hits
+            if needed + self._committed() > (
+                self.pool.num_free_blocks - self.pool.num_evictable_tables(hits)
             ):
                 break
             self.waiting.pop(index)
-            self.pool.take_cached(hits, num_lookup)
-            request.blocks = hits
-            request.num_computed = request.num_kv_done = len(hits) * self.pool.block_size
-            request.num_published = len(hits)
+            self.pool.take_cached_tables(hits, num_lookup)
+            request.tables = hits
+            request.num_computed = request.num_kv_done = num_hit * self.pool.block_size
+            request.num_published = num_hit
             if not request.is_open:
                 request.is_open = True
                 request.num_cached_tokens = request.num_computed
@@ -361,9 +369,17 @@ class FcfsScheduler:
     def _committed(self) -> int:
         """Blocks running requests still need for their known tokens, or one to grow."""
         return sum(
-            max(self.pool.blocks_for(r.frontier + 1) - len(r.blocks), 1)
+            max(
+                self.pool.blocks_for_row(r.frontier + 1, self._max_chunk) - self.pool.num_held(r.tables),
+                self.pool.num_groups,
+            )
             for r in self.running.values()
         )
+
+    @property
+    def _max_chunk(self) -> int:
+        """The most tokens one span computes: a windowed group holds its window and that."""
+        return max(self.prefill_chunk, self.solo_prefill_tokens)
 
     def _spans(self) -> list[PlannedSpan]:
         ranked = sorted(self.running.values(), key=lambda r: r.rank)
@@ -392,8 +408,9 @@ class FcfsScheduler:
             samples = request.num_computed == request.frontier
             request.num_samples += samples
             budget -= num_new
+            tables = tuple(tuple(table) for table in request.tables)
             spans.append(
-                PlannedSpan(request.request_id, start, num_new, tuple(request.blocks), samples)
+                PlannedSpan(request.request_id, start, num_new, tables[0], samples, tables[1:])
             )
         return spans
 
@@ -407,11 +424,13 @@ class FcfsScheduler:
             num_new = 1
         if num_new <= 0:
             return 0
-        # Take the blocks it needs; a chunk shrinks to the blocks there are.
+        # Give back what fell out of a window, then take the blocks it needs (one per
+        # layer group for each block of positions); a chunk shrinks to the blocks there are.
+        self.pool.release_out_of_window(request.tables, request.num_computed)
         room = len(request.blocks) * self.pool.block_size - request.num_computed
         missing = self.pool.blocks_for(max(num_new - room, 0))
-        missing = min(missing, self.pool.num_free_blocks)
-        request.blocks.extend(self.pool.allocate() for _ in range(missing))
+        missing = min(missing, self.pool.num_free_blocks // self.pool.num_groups)
+        self.pool.grow_tables(request.tables, missing)
         return min(num_new, room + missing * self.pool.block_size)
 
     def _publish(self, request: ScheduledRequest) -> None:
@@ -425,7 +444,7 @@ class FcfsScheduler:
                 request.tokens[: num_full * size], size, self.pool.salt, parent=parent, start=start
             )
         for i in range(request.num_published, num_full):
-            self.pool.publish(request.blocks[i], request.block_hashes[i])
+            self.pool.publish_tables(request.tables, i, request.block_hashes[i])
         request.num_published = max(request.num_published, num_full)
 
     def _preempt(self) -> str | None:
@@ -441,5 +460,5 @@ class FcfsScheduler:
         return request.request_id
 
     def _free(self, request: ScheduledRequest) -> None:
-        self.pool.release(request.blocks)
-        request.blocks = []
+        self.pool.release_tables(request.tables)
+        request.tables = self.pool.new_tables()

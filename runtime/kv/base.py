@@ -19,12 +19,20 @@ import mlx.core as mx
 class RowSpan:
     """One row's part in a step: K/V for positions `[start, start + num_new)` is
     computed and stored in `blocks` (the row's block table, covering at least
-    `start + num_new` positions); the row attends over positions `[0, start + num_new)`."""
+    `start + num_new` positions); the row attends over positions `[0, start + num_new)`,
+    or the last `window` of them in a sliding-window layer. A model with windowed layers
+    has several layer groups, each with its own table (runtime/kv/layout.py): `blocks`
+    is the first's, `group_tables` the others'."""
 
     seq_id: int
     start: int
     num_new: int
     blocks: tuple[int, ...]
+    group_tables: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def tables(self) -> tuple[tuple[int, ...], ...]:
+        return (self.blocks, *self.group_tables)
 
     @property
     def end(self) -> int:

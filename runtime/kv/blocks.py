@@ -19,6 +19,18 @@ full, and full blocks are never written again, so sharing needs no copy.
 `epoch` counts every mutation that can change what a block id holds (release,
 eviction, preemption): a plan cached from block tables is keyed on it, so a
 missed invalidation can never read a block that moved.
+
+With sliding-window layers a row holds one table per layer group (runtime/kv/layout.py),
+all drawing on this one pool; the `*_tables` methods keep a row's tables together:
+
+    row at position 40, block size 4, window 8:
+    group 0 (full)    [ 7  2  9 11  3  5  8 12 14 15  1]   every block
+    group 1 (window)  [ -  -  -  - ... -  -  4  6 10  0]   the last 8 positions' blocks;
+                                                       the rest went back as the row grew
+
+A full block of a windowed group is cached under its prefix hash and its group, so
+a prefix hit is a hit only if every group has what the next query reads: all the
+prefix's blocks in full groups, the window's last blocks in windowed ones.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ from array import array
 from collections.abc import Iterable, Sequence
 
 from runtime.errors import CapacityError
+from runtime.kv.layout import NULL_BLOCK, KVLayout
 
 
 def chain_hashes(
@@ -50,9 +63,18 @@ def chain_hashes(
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, *, salt: bytes = b"", is_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        salt: bytes = b"",
+        is_caching: bool = True,
+        layout: KVLayout | None = None,
+    ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
+        self.layout = layout or KVLayout.for_layers(1)  # one group: every layer full
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.salt = salt
@@ -98,12 +120,7 @@ class BlockPool:
 
     def take_cached(self, blocks: Sequence[int], num_looked_up: int) -> None:
         """Hold the blocks a prefix lookup found (counted in the hit rate)."""
-        self.num_lookup_blocks += num_looked_up
-        self.num_hit_blocks += len(blocks)
-        for block in blocks:
-            if self.refcount[block] == 0:
-                del self.cached[block]
-            self.refcount[block] += 1
+        self.take_cached_tables([blocks], num_looked_up)
 
     def allocate(self) -> int:
         """A fresh block for one holder: never used first, else evict the LRU cached one."""
@@ -156,3 +173,101 @@ class BlockPool:
             b: h for b, h in enumerate(self.block_hash) if h is not None
         }
 
+
+    # -- a row's tables, one per layer group ---------------------------------------
+
+    @property
+    def num_groups(self) -> int:
+        return self.layout.num_groups
+
+    def new_tables(self) -> list[list[int]]:
+        return [[] for _ in range(self.num_groups)]
+
+    def blocks_for_row(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a row of `num_tokens` holds at once (computed in chunks of
+        at most `max_chunk`)."""
+        return self.layout.blocks_per_row(num_tokens, self.block_size, max_chunk)
+
+    @staticmethod
+    def num_held(tables: Sequence[Sequence[int]]) -> int:
+        return sum(1 for table in tables for block in table if block != NULL_BLOCK)
+
+    def match_tables(self, hashes: Sequence[bytes]) -> list[list[int]]:
+        """Per group, the cached blocks of the longest prefix of `hashes` that every group
+        can serve (a windowed group: the blocks the next query's window reads, NULL_BLOCK
+        before them); takes nothing. Every table has the hit's length."""
+        if self.num_groups == 1:
+            return [self.match_prefix(hashes)]
+        if not self.is_caching:
+            return self.new_tables()
+        size, windows = self.block_size, self.layout.group_windows
+        num_hit = len(hashes)
+        for group, window in enumerate(windows):
+            if window is None:  # a full group needs every block of the prefix
+                num_hit = min(num_hit, len(self.match_prefix([_in_group(h, group) for h in hashes])))
+
+        def blocks(group: int, lo: int, hi: int) -> list[int | None]:
+            return [self.by_hash.get(_in_group(hashes[j], group)) for j in range(lo, hi)]
+
+        while num_hit > 0:
+            first = [self.layout.first_needed_block(g, num_hit * size, size) for g in range(len(windows))]
+            if all(None not in blocks(g, first[g], num_hit) for g, w in enumerate(windows) if w is not None):
+                break
+            num_hit -= 1
+        tables = []
+        for group, window in enumerate(windows):
+            lo = 0 if window is None else self.layout.first_needed_block(group, num_hit * size, size)
+            found = [b for b in blocks(group, lo, num_hit) if b is not None]
+            tables.append([NULL_BLOCK] * lo + found)
+        return tables
+
+    def num_evictable_tables(self, tables: Sequence[Sequence[int]]) -> int:
+        return sum(self.num_evictable(table) for table in tables)
+
+    def take_cached_tables(self, tables: Sequence[Sequence[int]], num_looked_up: int) -> None:
+        """Hold what `match_tables` found; the hit rate counts prompt blocks, not groups."""
+        self.num_lookup_blocks += num_looked_up
+        self.num_hit_blocks += len(tables[0])
+        for block in (b for table in tables for b in table if b != NULL_BLOCK):
+            if self.refcount[block] == 0:
+                del self.cached[block]
+            self.refcount[block] += 1
+
+    def grow_tables(self, tables: list[list[int]], num_blocks: int) -> None:
+        """Append `num_blocks` fresh blocks to every group's table."""
+        for table in tables:
+            table.extend(self.allocate() for _ in range(num_blocks))
+
+    def num_out_of_window(self, tables: Sequence[Sequence[int]], next_position: int) -> int:
+        """Held blocks no query at `next_position` or later reads (windowed groups)."""
+        return sum(
+            1
+            for group, table in enumerate(tables)
+            for block in table[: self.layout.first_needed_block(group, next_position, self.block_size)]
+            if block != NULL_BLOCK
+        )
+
+    def release_out_of_window(self, tables: list[list[int]], next_position: int) -> None:
+        """Give back the windowed groups' blocks that no query at `next_position` or later
+        reads; their entries become NULL_BLOCK. Steps already queued may still read
+        them: they run before any step that could write the blocks' next holder."""
+        for group, table in enumerate(tables):
+            first = self.layout.first_needed_block(group, next_position, self.block_size)
+            dropped = [b for b in table[:first] if b != NULL_BLOCK]
+            if dropped:
+                self.release(dropped)
+                table[:first] = [NULL_BLOCK] * first
+
+    def publish_tables(self, tables: Sequence[Sequence[int]], index: int, block_hash: bytes) -> None:
+        """Cache block `index` of every group that still holds it under `block_hash`."""
+        for group, table in enumerate(tables):
+            if table[index] != NULL_BLOCK:
+                self.publish(table[index], _in_group(block_hash, group))
+
+    def release_tables(self, tables: Sequence[Sequence[int]]) -> None:
+        self.release([b for table in tables for b in table if b != NULL_BLOCK])
+
+
+def _in_group(block_hash: bytes, group: int) -> bytes:
+    """The cache key of a prefix's block in layer group `group` (group 0: the hash itself)."""
+    return block_hash if group == 0 else block_hash + bytes([group])

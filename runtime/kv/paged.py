@@ -1,6 +1,11 @@
-"""Paged KV storage: fixed-size blocks in one preallocated pool per layer.
+"""Paged KV storage: fixed-size blocks in one preallocated pool per layer slot.
 
-    keys[layer], values[layer]: [n_kv_heads * num_blocks * block_size, head_dim]
+    keys[slot], values[slot]: [n_kv_heads * num_blocks * block_size, head_dim]
+
+Layers are grouped by attention kind (runtime/kv/layout.py): every group has
+`group_size` layers and its own block table per row, and layer L lives in slot
+`slot_of_layer[L]` of every block its group's table names. Without windowed layers
+there is one group of all layers, and slot = layer.
 
     row a, table (3, 0, 5):  positions 0-15 in block 3, 16-31 in block 0, 32-  in block 5
 
@@ -21,6 +26,7 @@ import re
 from collections.abc import Sequence
 
 from runtime.kv.base import RowSpan
+from runtime.kv.layout import NULL_BLOCK, KVLayout
 
 import mlx.core as mx
 import numpy as np
@@ -38,7 +44,9 @@ class PagedKV:
         num_blocks: int,
         block_size: int,
         dtype: mx.Dtype = mx.float32,
+        layer_windows: tuple[int | None, ...] = (),
     ):
+        self.layout = KVLayout.for_layers(num_layers, layer_windows)
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -48,16 +56,17 @@ class PagedKV:
         self.dtype = dtype
         self.num_slots = num_blocks * block_size
         shape = (num_kv_heads * self.num_slots, head_dim)
-        self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(self.layout.group_size)]
+        self.values = [mx.zeros(shape, dtype=dtype) for _ in range(self.layout.group_size)]
         mx.eval(self.keys, self.values)
         self.num_table_builds = 0  # block-table arrays built (the rest were reused)
-        self._tables: tuple[tuple, mx.array] | None = None
+        self._tables: tuple[tuple, list[mx.array]] | None = None
 
     @staticmethod
     def bytes_per_block(
         num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: mx.Dtype
     ) -> int:
+        """A block's bytes when it holds `num_layers` layers (a layout's `group_size`)."""
         return 2 * num_layers * num_kv_heads * block_size * head_dim * dtype.size
 
     @property
@@ -66,48 +75,63 @@ class PagedKV:
 
     def forward(self, rows: Sequence[RowSpan], epoch: int) -> PagedForward:
         for row in rows:
-            if len(row.blocks) * self.block_size < row.end:
+            if len(row.tables) != self.layout.num_groups:
+                raise ValueError(
+                    f"row {row.seq_id}: {len(row.tables)} block tables for {self.layout.num_groups} layer groups"
+                )
+            if any(len(table) * self.block_size < row.end for table in row.tables):
                 raise ValueError(f"row {row.seq_id}: {len(row.blocks)} blocks cannot hold {row.end} positions")
-        step = PagedStep(
-            tables=self._block_tables(rows, epoch),
-            starts=tuple(r.start for r in rows),
-            num_new=tuple(r.num_new for r in rows),
-            block_size=self.block_size,
-            num_slots=self.num_slots,
-            num_kv_heads=self.num_kv_heads,
-            num_queries_per_kv=self.num_queries_per_kv,
-        )
-        return PagedForward(self, step)
+        steps = [
+            PagedStep(
+                tables=table,
+                starts=tuple(r.start for r in rows),
+                num_new=tuple(r.num_new for r in rows),
+                block_size=self.block_size,
+                num_slots=self.num_slots,
+                num_kv_heads=self.num_kv_heads,
+                num_queries_per_kv=self.num_queries_per_kv,
+                window=window,
+            )
+            for table, window in zip(self._block_tables(rows, epoch), self.layout.group_windows, strict=True)
+        ]
+        return PagedForward(self, steps)
 
-    def _block_tables(self, rows: Sequence[RowSpan], epoch: int) -> mx.array:
-        """[R, max_blocks] int32, reused while the same rows hold the same blocks."""
+    def _block_tables(self, rows: Sequence[RowSpan], epoch: int) -> list[mx.array]:
+        """Per layer group [R, max_blocks] int32, reused while the same rows hold the same blocks."""
         key = (epoch, tuple((r.seq_id, len(r.blocks)) for r in rows))
         if self._tables is not None and self._tables[0] == key:
             return self._tables[1]
         width = max(len(r.blocks) for r in rows)
-        table = np.zeros((len(rows), width), dtype=np.int32)  # pads point at block 0, masked
-        for i, row in enumerate(rows):
-            table[i, : len(row.blocks)] = row.blocks
+        arrays = []
+        for group in range(self.layout.num_groups):
+            table = np.zeros((len(rows), width), dtype=np.int32)  # pads point at block 0, masked
+            for i, row in enumerate(rows):
+                table[i, : len(row.blocks)] = row.tables[group]
+            arrays.append(mx.array(np.where(table == NULL_BLOCK, 0, table)))  # out of window: unread
         self.num_table_builds += 1
-        self._tables = (key, mx.array(table))
-        return self._tables[1]
+        self._tables = (key, arrays)
+        return arrays
 
 
 class PagedForward:
-    """The `ForwardKV` of one ragged step; the attention path is chosen once, here."""
+    """The `ForwardKV` of one ragged step; the attention path is chosen once, here.
+    `steps[g]` is layer group g's view of the step (its tables and window)."""
 
-    def __init__(self, storage: PagedKV, step: PagedStep):
+    def __init__(self, storage: PagedKV, steps: list[PagedStep]):
         self._storage = storage
-        self.step = step
-        self.path = dispatch(step)
+        self.steps = steps
+        self.step = steps[0]
+        self.path = dispatch(self.step)
 
     @property
     def positions(self) -> mx.array:
         return self.step.positions
 
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        s = self._storage
-        return paged_attention((s.keys, s.values), layer, q, k, v, scale, self.step, self.path)
+        s, layout = self._storage, self._storage.layout
+        step = self.steps[layout.group_of_layer[layer]]
+        slot = layout.slot_of_layer[layer]
+        return paged_attention((s.keys, s.values), slot, q, k, v, scale, step, self.path)
 
 
 def available_memory() -> int | None:

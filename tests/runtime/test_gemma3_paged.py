@@ -1,0 +1,143 @@
+"""Gemma 3 through the paged engine: sliding-window layers keep only their window,
+with greedy parity against mlx-lm (its RotatingKVCache) on tiny random checkpoints."""
+
+import itertools
+
+from runtime.checkpoint import load_model
+from runtime.engine import Engine
+from runtime.kv.blocks import BlockPool
+from runtime.kv.layout import NULL_BLOCK
+from runtime.runner import run_offline
+from runtime.scheduler import FcfsScheduler
+from runtime.sequence import SequenceParams
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import generate_step
+
+WINDOW, BLOCK = 8, 4
+PROMPT = [11, 305, 42, 977, 5, 1203, 64, 88, 300, 7, 1500, 19]
+LONG_PROMPT = (PROMPT * 3)[:30]  # several windows long
+
+
+@pytest.fixture(scope="module")
+def checkpoint(make_checkpoint):
+    # 4 layers, every 2nd global: groups of 2 layers, one full and one windowed.
+    return make_checkpoint("gemma3_text", num_layers=4, num_kv_heads=1, sliding_window=WINDOW)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    return Engine(load_model(checkpoint), max_batch=4, block_size=BLOCK, kv_budget=1 << 22)
+
+
+def policy_for(engine, *, chunk=256, budget=512, solo=0, caching=True, num_blocks=None):
+    pool = BlockPool(
+        num_blocks or engine.kv.num_blocks, BLOCK, is_caching=caching, layout=engine.kv.layout
+    )
+    return FcfsScheduler(engine.max_batch, pool, engine.max_context, chunk, budget, solo)
+
+
+def params(prompt, max_tokens):
+    return SequenceParams(prompt_tokens=tuple(prompt), max_tokens=max_tokens, ignore_eos=True)
+
+
+def mlx_lm_greedy(path, prompt, n):
+    model, _ = mlx_lm.load(str(path))
+    return [int(token) for token, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+def test_the_layout_has_a_full_and_a_windowed_group(engine):
+    layout = engine.kv.layout
+    assert layout.group_windows == (None, WINDOW)
+    assert layout.group_of_layer == (1, 0, 1, 0) and layout.group_size == 2
+
+
+@pytest.mark.parametrize("path", ["gather", "fast"])
+def test_greedy_parity_past_the_window(checkpoint, engine, monkeypatch, path):
+    monkeypatch.setenv("CADENCE_PAGED_ATTENTION", path)
+    got = run_offline(engine, policy_for(engine), {"a": params(LONG_PROMPT, 40)})["a"]
+    want = mlx_lm_greedy(checkpoint, LONG_PROMPT, 40)
+    assert list(got.tokens) == want
+    assert len(set(want)) > 4, "the test model should not be degenerate"
+
+
+@pytest.mark.parametrize("path", ["gather", "fast"])
+def test_rows_of_different_lengths_with_chunks_straddling_the_window_edge(
+    checkpoint, engine, monkeypatch, path
+):
+    monkeypatch.setenv("CADENCE_PAGED_ATTENTION", path)
+    requests = {
+        "short": params(PROMPT[:3], 24),
+        "window": params(PROMPT[:WINDOW], 20),
+        "past": params(PROMPT + PROMPT[:5], 20),
+        "long": params(LONG_PROMPT + PROMPT, 16),  # 42 tokens in 7-token chunks
+    }
+    chunks = []
+
+    def note(plan):
+        chunks.extend((s.start, s.num_new) for s in plan.spans if s.num_new > 1)
+
+    policy = policy_for(engine, chunk=7, budget=12)
+    got = run_offline(engine, policy, requests, on_step=note)
+    # Chunks continuing a row past the window: each query's window reaches back before
+    # the chunk, and later queries drop keys the first one saw; some start mid-block.
+    assert any(start > 0 and start + n > WINDOW for start, n in chunks)
+    assert any(start > WINDOW and start % BLOCK != 0 for start, _ in chunks)
+    for request_id, request in requests.items():
+        want = mlx_lm_greedy(checkpoint, list(request.prompt_tokens), request.max_tokens)
+        assert list(got[request_id].tokens) == want, request_id
+    policy.pool.check()
+    assert policy.pool.num_used_blocks == 0
+
+
+def test_a_prefix_cache_hit_past_the_window_keeps_parity(checkpoint, engine):
+    policy = policy_for(engine)
+    first = run_offline(engine, policy, {"a": params(LONG_PROMPT, 4)})["a"]
+    again = LONG_PROMPT + [77, 78]
+    warm = run_offline(engine, policy, {"b": params(again, 24)})["b"]
+    assert first.num_cached_tokens == 0
+    assert warm.num_cached_tokens == 28 > WINDOW  # 7 full blocks of the 30 shared tokens
+    assert list(warm.tokens) == mlx_lm_greedy(checkpoint, again, 24)
+
+
+def test_a_hit_needs_the_windowed_blocks_too(engine):
+    """Full-group blocks cached but the window's blocks evicted: not a hit that far."""
+    pool = policy_for(engine).pool
+    hashes = [bytes([i]) * 16 for i in range(6)]
+    tables = pool.new_tables()
+    pool.grow_tables(tables, 6)
+    for i, h in enumerate(hashes):
+        pool.publish_tables(tables, i, h)
+    full, windowed = pool.match_tables(hashes)
+    assert full == tables[0] and windowed == [NULL_BLOCK] * 4 + tables[1][4:]
+    pool.release_tables(tables)
+    pool.by_hash.pop(hashes[5] + b"\x01")  # the window's last block is gone
+    pool.block_hash[tables[1][5]] = None
+    pool.cached.pop(tables[1][5])
+    pool.free.append(tables[1][5])
+    full, windowed = pool.match_tables(hashes)
+    # 5 blocks: the window before position 20 reads blocks 3 and 4, both still cached.
+    assert len(full) == 5 and windowed == [NULL_BLOCK] * 3 + tables[1][3:5]
+
+
+def test_a_long_row_gives_its_windowed_blocks_back_as_it_goes(engine):
+    policy = policy_for(engine, caching=False)
+    free_counts, tables = [], []
+
+    def note(plan):
+        free_counts.append(plan.num_free_blocks)
+        if "a" in policy.running:
+            tables.append([list(t) for t in policy.running["a"].tables])
+
+    run_offline(engine, policy, {"a": params(PROMPT[:4], 60)}, on_step=note)
+    full, windowed = tables[-1]
+    assert len(full) == len(windowed) == 16  # 63 positions, 4 a block
+    held = [b for b in windowed if b != NULL_BLOCK]
+    assert len(held) <= WINDOW // BLOCK + 1  # the window's blocks, not the row's
+    # While the row went on, some steps handed a block back: the free count rose.
+    assert any(later > earlier for earlier, later in itertools.pairwise(free_counts))
+    # Net, 16 full blocks and ~3 windowed ones, against 32 if both kept everything.
+    assert free_counts[0] - free_counts[-1] <= 16 + WINDOW // BLOCK + 1
+    assert policy.pool.num_used_blocks == 0
