@@ -74,6 +74,12 @@ _GLOBAL_NAMES = {
 }
 
 
+# The end-of-turn spellings llama.cpp's vocabulary loader recognises (llama-vocab.cpp).
+_END_OF_TURN_TOKENS = frozenset(
+    {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>"}
+)
+
+
 @attrs.frozen
 class GGUFCheckpoint:
     config: dict[str, Any]  # config.json's fields
@@ -128,6 +134,7 @@ class Metadata:
 
     def __init__(self, reader: gguf.GGUFReader, source: str):
         self._fields = reader.fields
+        self._values: dict[str, Any] = {}  # decoded once: a vocabulary is ~10^5 strings
         self.source = source
 
     def __contains__(self, key: str) -> bool:
@@ -137,10 +144,15 @@ class Metadata:
         field = self._fields.get(key)
         if field is None:
             return default
-        try:
-            return field.contents()
-        except (UnicodeDecodeError, ValueError, IndexError) as exc:
-            raise CheckpointError(f"{self.source}: unreadable metadata '{key}' ({exc})") from None
+        if key not in self._values:
+            try:
+                self._values[key] = field.contents()
+            except (UnicodeDecodeError, ValueError, IndexError) as exc:
+                reason = " ".join(str(exc).split())
+                raise CheckpointError(
+                    f"{self.source}: unreadable metadata '{key}' ({reason})"
+                ) from None
+        return self._values[key]
 
     def require(self, key: str, kind: type) -> Any:
         value = self.get(key)
@@ -209,12 +221,20 @@ def _hf_config(
 
 
 def _eos_ids(metadata: Metadata) -> list[int]:
-    """EOS, and the end-of-turn/-message tokens llama.cpp also stops at."""
+    """EOS, and the end-of-turn tokens llama.cpp also stops at: those the file names, and
+    control tokens spelled as a known end of turn (Hugging Face lists them in
+    generation_config.json, which a GGUF does not carry)."""
     ids: list[int] = []
     for name in ("eos_token_id", "eot_token_id", "eom_token_id"):
         value = metadata.get(f"tokenizer.ggml.{name}")
         if isinstance(value, int) and value not in ids:
             ids.append(value)
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+    types = metadata.get("tokenizer.ggml.token_type") or []
+    for token_id, (token, token_type) in enumerate(zip(tokens, types, strict=False)):
+        is_end_of_turn = token in _END_OF_TURN_TOKENS and token_type == gguf.TokenType.CONTROL
+        if is_end_of_turn and token_id not in ids:
+            ids.append(token_id)
     return ids
 
 

@@ -63,7 +63,8 @@ def tokenizer_from_gguf(metadata: Metadata, architecture: str) -> Tokenizer:
     if kind == "gpt2":
         backend = _byte_level_bpe(metadata, tokens)
     elif kind == "llama":
-        backend = _sentencepiece_bpe(metadata, tokens, token_types)
+        is_gemma = architecture.startswith("gemma")
+        backend = _sentencepiece_bpe(metadata, tokens, token_types, is_gemma)
     else:
         raise CheckpointError(
             f"{source}: unsupported GGUF tokenizer '{kind}' (supported: gpt2, llama)"
@@ -137,13 +138,19 @@ def _byte_level_bpe(metadata: Metadata, tokens: list[str]) -> tokenizers.Tokeniz
 
 
 def _sentencepiece_bpe(
-    metadata: Metadata, tokens: list[str], token_types: list[int]
+    metadata: Metadata, tokens: list[str], token_types: list[int], is_gemma: bool
 ) -> tokenizers.Tokenizer:
     scores = metadata.require("tokenizer.ggml.scores", list)
     if len(scores) != len(tokens):
         raise CheckpointError(
             f"{metadata.source}: tokenizer.ggml.scores does not match the vocabulary"
         )
+    if is_gemma:
+        # As transformers' GGUF loader found for Gemma files: runs of spaces are stored as
+        # spaces where the tokenizer spells them "▁▁", and the merge order is the order of
+        # the pieces in the file, not their scores. (Not checked against a real Gemma file.)
+        tokens = [_as_metaspace(token, tokens) for token in tokens]
+        scores = [-float(i) for i in range(len(tokens))]
     vocab = {token: i for i, token in enumerate(tokens)}
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
@@ -172,6 +179,12 @@ def _sentencepiece_bpe(
         backend.normalizer = normalizers.Replace(" ", "\u2581")  # Gemma: spaces only
     backend.decoder = decoders.Sequence(steps)
     return backend
+
+
+def _as_metaspace(token: str, tokens: list[str]) -> str:
+    if token and not token.strip(" ") and "\u2581" * len(token) not in tokens:
+        return "\u2581" * len(token)
+    return token
 
 
 def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:

@@ -65,6 +65,7 @@ def test_logits_match_the_same_weights_loaded_from_safetensors(convert, family, 
     assert from_gguf.config.tie_word_embeddings == reference.config.tie_word_embeddings
     assert from_gguf.config.layer_windows == reference.config.layer_windows
     assert from_gguf.config.extra == reference.config.extra
+    assert set(from_gguf.config.eos_token_ids) == set(reference.config.eos_token_ids)
     expected = reference.model(PROMPT)
     logits = from_gguf.model(PROMPT)
     if kind in EXACT_TYPES:

@@ -219,6 +219,7 @@ def test_sentencepiece_matches_hugging_face(tmp_path, style):
     )
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
     path = sentencepiece_gguf(model_file, hf, tmp_path / "spm.gguf")
-    ours = tokenizer_from_gguf(Metadata(gguf.GGUFReader(path), str(path)), "llama")
+    architecture = "llama" if style == "llama" else "gemma3"
+    ours = tokenizer_from_gguf(Metadata(gguf.GGUFReader(path), str(path)), architecture)
     assert ours.encode("Hello")[0] == 1  # BOS
     assert_same_as_hf(ours, hf)
