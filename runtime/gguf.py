@@ -99,6 +99,11 @@ def read_gguf(path: Path, progress: Callable[[str], None] = lambda message: None
     """Read and check a GGUF file; every failure is a one-line `CheckpointError` naming it."""
     reader = _open(path)
     metadata = Metadata(reader, str(path))
+    if (num_splits := metadata.get("split.count", 1)) != 1:
+        raise CheckpointError(
+            f"{path}: one part of a GGUF split into {num_splits} files; split files are not "
+            "supported (join them with llama.cpp's llama-gguf-split --merge)"
+        )
     arch_name = metadata.string("general.architecture")
     if arch_name not in ARCHITECTURES:
         supported = ", ".join(sorted(ARCHITECTURES))
@@ -270,17 +275,11 @@ def _llama3_scaling(
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": int(old_context),
     }
-    dims = int(config["head_dim"])
-    if len(factors) != dims // 2 or not math.isclose(
-        max(
-            abs(a - b)
-            for a, b in zip(
-                factors, _llama3_factors(scaling, dims, config["rope_theta"]), strict=True
-            )
-        ),
-        0.0,
-        abs_tol=1e-4,
-    ):
+    expected = _llama3_factors(scaling, int(config["head_dim"]), config["rope_theta"])
+    is_llama3 = len(factors) == len(expected) and all(
+        math.isclose(a, b, rel_tol=1e-4) for a, b in zip(factors, expected, strict=True)
+    )
+    if not is_llama3:
         raise CheckpointError(
             f"{metadata.source}: tensor 'rope_freqs.weight' is not Llama 3 RoPE scaling "
             "with low/high frequency factors 1 and 4"

@@ -111,24 +111,10 @@ def test_repacked_blocks_equal_what_mlx_load_makes_of_the_file(tmp_path):
             assert mx.array_equal(ours[f"{tensor.name}.{suffix}"], theirs), (tensor.name, suffix)
 
 
-def test_llama3_rope_freqs_become_its_rope_scaling(convert, tmp_path):
-    scaling = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
-    path, _ = convert("llama", GGMLType.F32)
+def with_rope_freqs(path, factors, out):
+    """`path` rewritten with a `rope_freqs.weight` tensor, as the converter adds for Llama 3."""
     reader = gguf.GGUFReader(path)
-    head_dim = 64
-    freqs = 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)
-    wavelen = 2 * np.pi * freqs
-    smooth = (8192 / wavelen - 1.0) / 3.0
-    factors = np.where(
-        wavelen < 8192 / 4, 1.0, np.where(wavelen > 8192, 8.0, 1 / ((1 - smooth) / 8.0 + smooth))
-    ).astype(np.float32)
-    writer = gguf.GGUFWriter(str(tmp_path / "llama3.gguf"), "llama")
+    writer = gguf.GGUFWriter(str(out), "llama")
     for field in reader.fields.values():
         if not field.name.startswith(("GGUF.", "general.architecture")):
             writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1])
@@ -139,7 +125,30 @@ def test_llama3_rope_freqs_become_its_rope_scaling(convert, tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    assert read_gguf(tmp_path / "llama3.gguf").config["rope_scaling"] == scaling
+    return out
+
+
+def test_llama3_rope_freqs_become_its_rope_scaling(convert, tmp_path):
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    path, _ = convert("llama", GGMLType.F32)
+    head_dim = 64
+    freqs = 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)
+    wavelen = 2 * np.pi * freqs
+    smooth = (8192 / wavelen - 1.0) / 3.0
+    factors = np.where(
+        wavelen < 8192 / 4, 1.0, np.where(wavelen > 8192, 8.0, 1 / ((1 - smooth) / 8.0 + smooth))
+    ).astype(np.float32)
+    llama3 = with_rope_freqs(path, factors, tmp_path / "llama3.gguf")
+    assert read_gguf(llama3).config["rope_scaling"] == scaling
+    assert load_model(llama3).config.rope_scaling == scaling
+    other = with_rope_freqs(path, factors * 1.5, tmp_path / "other.gguf")
+    assert "'rope_freqs.weight' is not Llama 3 RoPE scaling" in one_line_error(other)
 
 
 def broken_copy(path, tmp_path, cut):
@@ -181,6 +190,18 @@ def test_an_unsupported_architecture_is_named(tmp_path):
     )
     message = one_line_error(path)
     assert "unsupported GGUF architecture 'phi3'" in message and "qwen3" in message
+
+
+def test_one_part_of_a_split_file_is_refused(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "model-00001-of-00002.gguf"), "llama")
+    writer.add_uint16("split.no", 0)
+    writer.add_uint16("split.count", 2)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert "split into 2 files" in one_line_error(tmp_path / "model-00001-of-00002.gguf")
 
 
 def test_an_unsupported_tensor_type_is_named(convert):
