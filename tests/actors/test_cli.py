@@ -35,6 +35,8 @@ def test_generate_streams_text_to_stdout_and_keeps_stderr_quiet(tiny):
         ["serve", "--api-key", "", "--model", "{tiny}"],
         ["serve", "--allowed-origin", "example.com/x", "--model", "{tiny}"],
         ["serve", "--max-batch", "8", "--max-num-batched-tokens", "4", "--model", "{tiny}"],
+        ["serve", "--max-n", "0", "--model", "{tiny}"],
+        ["serve", "--max-n", "9", "--max-waiting", "4", "--model", "{tiny}"],
     ],
     ids=[
         "bad-model",
@@ -46,6 +48,8 @@ def test_generate_streams_text_to_stdout_and_keeps_stderr_quiet(tiny):
         "empty-key",
         "bad-origin",
         "budget-below-batch",
+        "n-of-0",
+        "n-above-the-queue",
     ],
 )
 def test_bad_input_is_one_line_on_stderr_and_exit_status_2(tiny, args):
