@@ -131,6 +131,15 @@ async def open_llm(
         tokens=engine.kv_tokens,
         prefix_cache=prefix_cache,
     )
+    if kv.layout.is_windowed:  # what the windows save on the longest row
+        windowed, full = kv.row_bytes(engine.max_context)
+        log.info(
+            "kv_windows",
+            layers=kv.layout.describe(),
+            row_tokens=engine.max_context,
+            row_bytes=windowed,
+            row_bytes_all_layers_full=full,
+        )
     if engine.max_context < engine.model_max_context:
         log.warning(
             "context_capped_by_kv_budget",

@@ -48,7 +48,7 @@ def prompts_for(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 def ours(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
     """Decode tok/s through the policy and the engine, one step of lookahead."""
-    pool = BlockPool(engine.kv.num_blocks, engine.kv.block_size, is_caching=False)
+    pool = BlockPool(engine.kv.num_blocks, engine.kv.block_size, is_caching=False, layout=engine.kv.layout)
     whole_prompts = sum(len(p) for p in prompts)
     policy = FcfsScheduler(len(prompts), pool, engine.max_context, whole_prompts, whole_prompts)
     for i, prompt in enumerate(prompts):

@@ -58,6 +58,14 @@ class KVLayout:
                 group_windows.append(window)
         return cls(tuple(group_windows), tuple(group_of), tuple(slot_of), size)
 
+    def describe(self) -> str:
+        """e.g. "1 full + 6 sliding-window (512) groups of 4 layers"."""
+        kinds: dict[int | None, int] = {}
+        for window in self.group_windows:
+            kinds[window] = kinds.get(window, 0) + 1
+        parts = [f"{n} full" if w is None else f"{n} sliding-window ({w})" for w, n in kinds.items()]
+        return f"{' + '.join(parts)} groups of {self.group_size} layers"
+
     @property
     def num_groups(self) -> int:
         return len(self.group_windows)

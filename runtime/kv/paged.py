@@ -26,7 +26,7 @@ import re
 from collections.abc import Sequence
 
 from runtime.kv.base import RowSpan
-from runtime.kv.layout import NULL_BLOCK, KVLayout
+from runtime.kv.layout import NULL_BLOCK, SIZING_CHUNK, KVLayout
 
 import mlx.core as mx
 import numpy as np
@@ -68,6 +68,13 @@ class PagedKV:
     ) -> int:
         """A block's bytes when it holds `num_layers` layers (a layout's `group_size`)."""
         return 2 * num_layers * num_kv_heads * block_size * head_dim * dtype.size
+
+    def row_bytes(self, num_tokens: int) -> tuple[int, int]:
+        """Peak KV bytes one row of `num_tokens` holds: with this layout, and were every
+        layer full (the same with no windowed layers)."""
+        layer_block = self.bytes_per_block(1, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
+        held = self.layout.blocks_per_row(num_tokens, self.block_size, SIZING_CHUNK) * self.layout.group_size
+        return held * layer_block, -(-num_tokens // self.block_size) * self.num_layers * layer_block
 
     @property
     def nbytes(self) -> int:
