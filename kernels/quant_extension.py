@@ -45,7 +45,7 @@ def refusal_reason(built_for_mlx: str, runtime_mlx: str) -> str | None:
 
 
 def _load() -> tuple[ModuleType | None, str]:
-    fallback = "mlx's own quantized ops"
+    fallback = "the float32 path (mlx's own ops)"
     if os.environ.get("CADENCE_QUANT_KERNELS", "").lower() in ("off", "0", "no"):
         return None, f"quantized CPU kernels off (CADENCE_QUANT_KERNELS); using {fallback}"
     try:

@@ -121,10 +121,12 @@ void dequantize_rows_bits(const DequantizeJob& job, int row_begin, int row_end) 
       const f32x8 s = f32x8{} + job.scales[static_cast<int64_t>(n) * num_groups + g];
       const f32x8 bias = f32x8{} + job.biases[static_cast<int64_t>(n) * num_groups + g];
       for (int k = g * group; k < (g + 1) * group; k += kLanes) {
-        u32x8 words;
-        for (int l = 0; l < kLanes; ++l) {
-          words[l] = w[(k + l) / kPerWord];
-        }
+        // 8 values span one word (4 bits) or two (8 bits): broadcast, then shift per lane.
+        const uint32_t first = w[k / kPerWord];
+        const uint32_t second = w[(k + kLanes - 1) / kPerWord];
+        const u32x8 words = kPerWord >= kLanes
+            ? u32x8{} + first
+            : u32x8{first, first, first, first, second, second, second, second};
         const f32x8 q = __builtin_convertvector((i32x8)((words >> shifts) & kMask), f32x8);
         const f32x8 value = q * s + bias;
         memcpy(out + k, &value, sizeof value);

@@ -1,0 +1,153 @@
+"""Quantized weights on the CPU: cadence's kernels against the fp32 expansion (issue 11).
+
+    python examples/bench_cpu_kernels.py [--bits 4] [--decode-tokens 128] [--skip-build]
+
+Writes a random-weight checkpoint with SmolLM2-135M's geometry (hidden 576, 30 layers,
+9 heads / 3 KV heads, FFN 1536, vocab 49152, tied embeddings) quantized to `--bits`
+(group 64), then runs each configuration in its own process (so peak memory is its own):
+
+  - "kernels": the quantized weights kept, cadence's C++ kernels (the default on CPU);
+  - "fp32": CADENCE_QUANT_KERNELS=off, the weights expanded to float32 (OpenBLAS).
+
+and prints single-stream decode tok/s, B=16 decode tok/s, a 512-token prefill and peak
+memory. llama.cpp is the peer when llama-cpp-python is importable (it needs the same
+model as a GGUF, which this script does not write: it reports it as not measured).
+Figures on a shared or busy machine are noisy: run it twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CHECKPOINT_DIR = Path(".bench") / "smollm2-135m-geometry"
+SMOLLM2_135M = dict(
+    hidden_size=576,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+)
+
+
+def make_checkpoint(bits: int) -> Path:
+    import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
+    from runtime.synth import make_tiny_checkpoint
+
+    path = CHECKPOINT_DIR.with_name(f"{CHECKPOINT_DIR.name}-q{bits}")
+    if not (path / "config.json").exists():
+        make_tiny_checkpoint(path, "llama", quantize=(64, bits), **SMOLLM2_135M)
+    return path
+
+
+def measure(path: Path, decode_tokens: int) -> dict[str, float | str]:
+    """Runs in the child process: load, then time the engine on each workload."""
+    import resource
+
+    import runtime  # noqa: F401
+    from runtime.checkpoint import load_model
+    from runtime.engine import Engine
+    from runtime.kv.blocks import BlockPool
+    from runtime.runner import run_offline
+    from runtime.scheduler import FcfsScheduler
+    from runtime.sequence import SequenceParams
+
+    import mlx.core as mx
+
+    from kernels.quant_extension import kernel_status
+
+    lines: list[str] = []
+    loaded = load_model(path, on_progress=lines.append)
+    engine = Engine(loaded, max_batch=16, max_context=1024)
+
+    def run(prompts: list[list[int]], max_tokens: int) -> float:
+        pool = BlockPool(engine.kv.num_blocks, engine.kv.block_size, is_caching=False)
+        policy = FcfsScheduler(16, pool, engine.max_context, 512, 512 + 16, 0)
+        requests = {
+            str(i): SequenceParams(prompt_tokens=tuple(p), max_tokens=max_tokens, ignore_eos=True)
+            for i, p in enumerate(prompts)
+        }
+        start = time.perf_counter()
+        run_offline(engine, policy, requests, lookahead=1)
+        return time.perf_counter() - start
+
+    def prompt(n: int, salt: int) -> list[int]:
+        return [(i * 37 + salt * 101) % 2000 + 3 for i in range(n)]
+
+    run([prompt(16, 0)], 8)  # warm-up
+    one = run([prompt(16, 1)], 1)
+    single = decode_tokens / (run([prompt(16, 1)], decode_tokens + 1) - one)
+    batch = [prompt(16, s) for s in range(16)]
+    batch_first = run(batch, 1)
+    batch_rate = 16 * 32 / (run(batch, 33) - batch_first)
+    prefill = min(run([prompt(512, s)], 1) for s in (2, 3))
+    return {
+        "status": kernel_status(),
+        "weights": next((line for line in lines if line.startswith("weights")), ""),
+        "decode_tok_s": single,
+        "batch16_tok_s": batch_rate,
+        "prefill512_s": prefill,
+        "peak_mlx_mb": mx.get_peak_memory() / 1e6,
+        "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,
+    }
+
+
+def run_child(path: Path, decode_tokens: int, kernels: bool) -> dict[str, float | str]:
+    env = dict(os.environ)
+    if not kernels:
+        env["CADENCE_QUANT_KERNELS"] = "off"
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", str(path), "--decode-tokens", str(decode_tokens)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def llama_cpp_note() -> str:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return "llama.cpp: not measured (llama-cpp-python is not installed)"
+    return "llama.cpp: not measured (this script writes no GGUF of the model)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        print(json.dumps(measure(args.child, args.decode_tokens)))
+        return
+    path = make_checkpoint(args.bits)
+    print(f"model: {path} ({args.bits}-bit, group 64, SmolLM2-135M geometry, random weights)")
+    rows = {"kernels": run_child(path, args.decode_tokens, True)}
+    rows["fp32"] = run_child(path, args.decode_tokens, False)
+    for name, row in rows.items():
+        print(f"  {name}: {row['status']}")
+        print(f"  {name}: {row['weights']}")
+    print("| config | decode tok/s | B=16 decode tok/s | prefill 512 (s) | peak mlx MB | max RSS MB |")
+    print("|---|---|---|---|---|---|")
+    for name, row in rows.items():
+        print(
+            f"| {name} | {row['decode_tok_s']:.1f} | {row['batch16_tok_s']:.1f} | "
+            f"{row['prefill512_s']:.3f} | {row['peak_mlx_mb']:.0f} | {row['max_rss_mb']:.0f} |"
+        )
+    print(llama_cpp_note())
+
+
+if __name__ == "__main__":
+    main()
