@@ -85,6 +85,35 @@ def test_logits_match_mlx_lm_through_the_kernels(make_checkpoint, family, bits):
     assert mx.allclose(ours, theirs, atol=2e-3 * mx.abs(theirs).max().item()).item()
 
 
+@pytest.mark.skipif(not IS_BUILT, reason="the C++ kernels were not built here")
+def test_mixed_steps_prefix_reuse_and_lookahead_keep_parity_on_quantized_weights(make_checkpoint):
+    """Batched decode beside chunked prefill (row counts on both sides of the sgemm switch),
+    a shared prefix served from the cache, and two steps of lookahead."""
+    path = make_checkpoint("qwen2", quantize=(64, 4), **SHAPE, tie_word_embeddings=True)
+    engine = Engine(load_model(path), max_batch=4, block_size=4)
+    long_prompt = (PROMPT * 5)[:50]
+    requests = {
+        "a": SequenceParams(prompt_tokens=tuple(PROMPT[:3]), max_tokens=16, ignore_eos=True),
+        "b": SequenceParams(prompt_tokens=tuple(PROMPT[3:9]), max_tokens=16, ignore_eos=True),
+        "long": SequenceParams(prompt_tokens=tuple(long_prompt), max_tokens=12, ignore_eos=True),
+        "shared": SequenceParams(
+            prompt_tokens=tuple(long_prompt[:40] + [77, 78]), max_tokens=12, ignore_eos=True
+        ),
+    }
+    pool = BlockPool(engine.kv.num_blocks, engine.kv.block_size, is_caching=True)
+    policy = FcfsScheduler(engine.max_batch, pool, engine.max_context, 40, 44, 0)
+    step_sizes = []
+    got = run_offline(
+        engine, policy, requests, lookahead=2,
+        on_step=lambda plan: step_sizes.append(sum(s.num_new for s in plan.spans)),
+    )
+    assert max(step_sizes) >= 32 > min(step_sizes)  # both kernel paths ran
+    assert got["shared"].num_cached_tokens > 0  # its prefix came from the cache
+    for request_id, request in requests.items():
+        want = mlx_lm_greedy(path, list(request.prompt_tokens), request.max_tokens)
+        assert list(got[request_id].tokens) == want, request_id
+
+
 def test_the_fallback_expands_to_float32_and_gives_the_same_tokens(make_checkpoint, kernels_off):
     path = make_checkpoint("llama", quantize=(64, 4), **SHAPE, tie_word_embeddings=True)
     loaded = load_model(path)
