@@ -300,7 +300,8 @@ class Engine:
         ran = self._isolating_forward(plan, batch.epoch) if plan.spans else []
         sampling = [row for part, _ in ran for row in part.sampling]
         if not sampling:  # prefill chunks only: just the K/V writes are wanted
-            writes = (self.kv.keys[-1], self.kv.values[-1]) if ran else ()
+            # Every slot's pool: with layer groups the last slot is not always written last.
+            writes = (*self.kv.keys, *self.kv.values) if ran else ()
             self._queue(plan, [], None, writes)
             return
         parts = [out for _, out in ran if out is not None]  # more than one if it was split

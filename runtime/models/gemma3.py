@@ -64,6 +64,13 @@ def unwrap_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
     if not isinstance(text, dict):
         raise CheckpointError(f"{source}: gemma3 config without a 'text_config' object")
     outer = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
+    quant = outer.get("quantization")
+    if isinstance(quant, dict):  # per-layer entries name the text model's modules
+        outer["quantization"] = {
+            k.removeprefix("language_model."): v
+            for k, v in quant.items()
+            if not k.startswith(_VISION_PREFIXES)
+        }
     return {**outer, **text, "model_type": "gemma3_text"}
 
 

@@ -141,3 +141,20 @@ def test_a_long_row_gives_its_windowed_blocks_back_as_it_goes(engine):
     # Net, 16 full blocks and ~3 windowed ones, against 32 if both kept everything.
     assert free_counts[0] - free_counts[-1] <= 16 + WINDOW // BLOCK + 1
     assert policy.pool.num_used_blocks == 0
+
+
+def test_a_pool_too_small_for_every_row_at_once_stays_correct(checkpoint, engine):
+    """Rows wait, are preempted and resume from the cache under a tiny pool; every
+    step leaves the pool consistent and every row keeps parity."""
+    requests = {f"r{i}": params((PROMPT * 3)[i : i + 14 + 3 * i], 30) for i in range(4)}
+    policy = policy_for(engine, chunk=8, budget=12, num_blocks=28)
+
+    def check(plan):
+        policy.pool.check()
+
+    got = run_offline(engine, policy, requests, on_step=check)
+    assert policy.num_preemptions > 0
+    for request_id, request in requests.items():
+        want = mlx_lm_greedy(checkpoint, list(request.prompt_tokens), request.max_tokens)
+        assert list(got[request_id].tokens) == want, request_id
+    assert policy.pool.num_used_blocks == 0

@@ -113,3 +113,26 @@ def test_multimodal_gemma3_config_needs_its_text_config(tmp_path: Path):
     del raw["text_config"]
     with pytest.raises(CheckpointError, match="without a 'text_config'"):
         config_from_dict(raw)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gemma3"])
+def test_quantized_gemma3_matches_mlx_lm(tmp_path: Path, family: str):
+    path = make_tiny_checkpoint(tmp_path, family, num_layers=2, quantize=(32, 4), seed=4)
+    if family == "gemma3":  # mixed bits, named as mlx-community names the multimodal layout
+        name = "language_model.model.layers.0.mlp.down_proj"
+        weights = dict(mx.load(str(path / "model.safetensors")).items())
+        parts = [weights[f"{name}.{p}"] for p in ("weight", "scales", "biases")]
+        requantized = mx.quantize(mx.dequantize(*parts, group_size=32, bits=4), group_size=64, bits=8)
+        weights.update(zip([f"{name}.{p}" for p in ("weight", "scales", "biases")], requantized, strict=True))
+        mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+        raw = json.loads((path / "config.json").read_text())
+        raw["quantization"][name] = {"group_size": 64, "bits": 8}
+        raw["quantization"]["vision_tower.vision_model.post_layernorm"] = False
+        (path / "config.json").write_text(json.dumps(raw))
+    config = load_config(path)
+    assert config.quantization is not None
+    if family == "gemma3":
+        assert config.quantization.per_layer == {"model.layers.0.mlp.down_proj": (64, 8)}
+    ours = load_model(path, keep_dtype=True)
+    reference, _ = mlx_lm.load(str(path))
+    assert mx.allclose(ours.model(TOKENS), reference(TOKENS), atol=1e-3).item()
