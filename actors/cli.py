@@ -19,6 +19,7 @@ from runtime.cpu_weights import CPU_QUANTIZE_CHOICES, DEFAULT_CPU_QUANTIZE
 from runtime.engine import DEFAULT_BLOCK_SIZE
 from runtime.errors import CadenceError
 from runtime.kv.paged import parse_kv_budget
+from runtime.models import FAMILIES
 from runtime.scheduler import DEFAULT_PREFILL_CHUNK
 
 import structlog
@@ -149,7 +150,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="checkpoint directory or Hugging Face repo id (default: the demo)",
+        help=(
+            "checkpoint directory, GGUF file or Hugging Face repo id (default: the demo); "
+            f"model_type one of: {', '.join(sorted(FAMILIES))}"
+        ),
     )
     parser.add_argument("--offline", action="store_true", help="never download")
     parser.add_argument(
