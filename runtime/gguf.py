@@ -309,19 +309,26 @@ def _gemma3_fields(
 ) -> dict[str, Any]:
     """What Gemma 3's config.json says and its GGUF leaves to llama.cpp's code: the local
     RoPE base (10,000), one global layer in six, and the attention scale (head_dim, but
-    hidden/heads for the 62-layer 27B), as llama.cpp hard-codes them."""
+    hidden/heads for the 62-layer 27B), as llama.cpp hard-codes them, unless the file
+    states them (newer converters write a per-layer sliding pattern and the local base)."""
     is_27b = config["num_hidden_layers"] == 62
-    return {
+    fields: dict[str, Any] = {
         "hidden_activation": "gelu_pytorch_tanh",
         "sliding_window": metadata.require(key("attention.sliding_window"), int),
         "sliding_window_pattern": 6,
-        "rope_local_base_freq": 10000.0,
+        "rope_local_base_freq": float(metadata.get(key("rope.freq_base_swa"), 10000.0)),
         "query_pre_attn_scalar": (
             config["hidden_size"] // config["num_attention_heads"] if is_27b else config["head_dim"]
         ),
         "final_logit_softcapping": None,
         "attn_logit_softcapping": None,
     }
+    pattern = metadata.get(key("attention.sliding_window_pattern"))
+    if isinstance(pattern, list) and len(pattern) == config["num_hidden_layers"]:
+        fields["layer_types"] = [
+            "sliding_attention" if is_sliding else "full_attention" for is_sliding in pattern
+        ]
+    return fields
 
 
 def _hf_name(name: str, arch: Architecture, path: Path) -> str:

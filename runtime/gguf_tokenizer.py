@@ -15,7 +15,7 @@ the model uses, so that encode and decode give the same ids and text:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from runtime.errors import CheckpointError
 from runtime.tokenizer import Tokenizer
@@ -38,17 +38,27 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# tokenizer.ggml.pre -> (split regex, or None for GPT-2's own; NFC-normalized; ignore_merges).
-# Names as llama.cpp's converter writes them; Qwen's tokenizers normalize to NFC and
-# Llama 3's looks a whole word up before merging.
-_BYTE_LEVEL_PRE: dict[str, tuple[str | None, bool, bool]] = {
-    "default": (None, False, False),
-    "gpt-2": (None, False, False),
-    "llama-bpe": (_LLAMA3_SPLIT, False, True),
-    "llama3": (_LLAMA3_SPLIT, False, True),
-    "smaug-bpe": (_LLAMA3_SPLIT, False, True),
-    "qwen2": (_QWEN2_SPLIT, True, False),
-    "deepseek-r1-qwen": (_QWEN2_SPLIT, True, False),
+
+
+class _PreTokenizer(NamedTuple):
+    """How one `tokenizer.ggml.pre` splits text before byte-level BPE."""
+
+    split: str | None = None  # a split regex; None: GPT-2's own, inside ByteLevel
+    is_nfc: bool = False  # Qwen's tokenizers normalize to NFC first
+    ignore_merges: bool = False  # Llama 3's looks a whole word up before merging
+    is_digit_split: bool = False  # SmolLM's splits every digit off first
+
+
+# Names as llama.cpp's converter writes them.
+_BYTE_LEVEL_PRE: dict[str, _PreTokenizer] = {
+    "default": _PreTokenizer(),
+    "gpt-2": _PreTokenizer(),
+    "smollm": _PreTokenizer(is_digit_split=True),
+    "llama-bpe": _PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True),
+    "llama3": _PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True),
+    "smaug-bpe": _PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True),
+    "qwen2": _PreTokenizer(_QWEN2_SPLIT, is_nfc=True),
+    "deepseek-r1-qwen": _PreTokenizer(_QWEN2_SPLIT, is_nfc=True),
 }
 
 
@@ -109,28 +119,27 @@ def _byte_level_bpe(metadata: Metadata, tokens: list[str]) -> tokenizers.Tokeniz
         raise CheckpointError(
             f"{source}: unsupported GGUF pre-tokenizer '{pre}' (supported: {supported})"
         )
-    split, is_nfc, ignore_merges = _BYTE_LEVEL_PRE[pre]
-    merges = metadata.require("tokenizer.ggml.merges", list)
-    pairs = []
-    for merge in merges:
-        left, space, right = merge.partition(" ")
-        if not space:
-            raise CheckpointError(f"{source}: malformed merge {merge!r} in tokenizer.ggml.merges")
-        pairs.append((left, right))
+    spec = _BYTE_LEVEL_PRE[pre]
     vocab = {token: i for i, token in enumerate(tokens)}
     backend = tokenizers.Tokenizer(
-        models.BPE(vocab, pairs, ignore_merges=ignore_merges, fuse_unk=False, byte_fallback=False)
-    )
-    if split is None:
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(tokenizers.Regex(split), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
+        models.BPE(
+            vocab,
+            _file_merges(metadata),
+            ignore_merges=spec.ignore_merges,
+            fuse_unk=False,
+            byte_fallback=False,
         )
-    if is_nfc:
+    )
+    steps: list[Any] = []
+    if spec.is_digit_split:
+        steps.append(pre_tokenizers.Digits(individual_digits=True))
+    if spec.split is not None:
+        steps.append(
+            pre_tokenizers.Split(tokenizers.Regex(spec.split), behavior="isolated", invert=False)
+        )
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=spec.split is None))
+    backend.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+    if spec.is_nfc:
         backend.normalizer = normalizers.NFC()
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -159,10 +168,14 @@ def _sentencepiece_bpe(
         for token, score, token_type in zip(tokens, scores, token_types, strict=True)
         if token_type == _NORMAL
     }
+    if "tokenizer.ggml.merges" in metadata:  # newer converters write them
+        merges = _file_merges(metadata)
+    else:
+        merges = _merges_from_scores(vocab, mergeable)
     backend = tokenizers.Tokenizer(
         models.BPE(
             vocab,
-            _merges_from_scores(vocab, mergeable),
+            merges,
             unk_token=unk,
             fuse_unk=True,
             byte_fallback=True,
@@ -170,15 +183,28 @@ def _sentencepiece_bpe(
     )
     steps: list[Any] = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     if metadata.get("tokenizer.ggml.add_space_prefix", True):
-        # Llama 2: a word-boundary piece before the text, dropped again when decoding.
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement="\u2581", prepend_scheme="first", split=False
+        # Llama 2: a word-boundary piece before the text, even one that starts with a
+        # space (as SentencePiece and llama.cpp do), dropped again when decoding.
+        backend.normalizer = normalizers.Sequence(
+            [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
         )
         steps.append(decoders.Strip(" ", 1, 0))
     else:
         backend.normalizer = normalizers.Replace(" ", "\u2581")  # Gemma: spaces only
     backend.decoder = decoders.Sequence(steps)
     return backend
+
+
+def _file_merges(metadata: Metadata) -> list[tuple[str, str]]:
+    pairs = []
+    for merge in metadata.require("tokenizer.ggml.merges", list):
+        left, space, right = merge.partition(" ")
+        if not space:
+            raise CheckpointError(
+                f"{metadata.source}: malformed merge {merge!r} in tokenizer.ggml.merges"
+            )
+        pairs.append((left, right))
+    return pairs
 
 
 def _as_metaspace(token: str, tokens: list[str]) -> str:

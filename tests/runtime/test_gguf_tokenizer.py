@@ -1,9 +1,11 @@
 """Tokenizers rebuilt from GGUF metadata encode and decode as the Hugging Face tokenizer
-the file was made from: byte-level BPE vocabularies with GPT-2's, Llama 3's and Qwen 2's
-pre-tokenizers, and SentencePiece vocabularies with (Llama 2) and without (Gemma) the
-leading word-boundary piece. transformers is the oracle."""
+the file was made from: byte-level BPE vocabularies with GPT-2's, SmolLM's, Llama 3's and
+Qwen 2's pre-tokenizers, and SentencePiece vocabularies with (Llama 2) and without (Gemma)
+the leading word-boundary piece. transformers is the oracle, and SentencePiece itself for
+Llama-style ids (see test_sentencepiece_matches_hugging_face)."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -80,6 +82,19 @@ def byte_level_checkpoint(make_checkpoint, tmp_path, pre):
         # A word no merge reaches: only looking whole words up first finds it.
         vocab = raw["model"]["vocab"]
         vocab[UNMERGEABLE] = 1 + max([*vocab.values(), *(t["id"] for t in raw["added_tokens"])])
+    elif pre == "smollm":
+        raw["pre_tokenizer"] = {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Digits", "individual_digits": True},
+                {
+                    "type": "ByteLevel",
+                    "add_prefix_space": False,
+                    "trim_offsets": True,
+                    "use_regex": True,
+                },
+            ],
+        }
     elif pre == "qwen2":
         raw["pre_tokenizer"] = split_then_bytes(QWEN2_SPLIT)
         raw["normalizer"] = {"type": "NFC"}
@@ -97,19 +112,21 @@ def hf_tokenizer(checkpoint, tmp_path):
     return transformers.AutoTokenizer.from_pretrained(files)
 
 
-def assert_same_as_hf(ours, hf):
+def assert_same_as_hf(ours, hf, encode=None):
+    """`encode(text, add_special_tokens)` replaces `hf.encode` as the oracle for ids."""
+    encode = encode or (lambda text, add: hf.encode(text, add_special_tokens=add))
     for text in TEXTS:
         for add_special_tokens in (True, False):
-            expected = hf.encode(text, add_special_tokens=add_special_tokens)
+            expected = encode(text, add_special_tokens)
             assert ours.encode(text, add_special_tokens) == expected, text
-        ids = hf.encode(text)
+        ids = encode(text, True)
         for skip in (True, False):
             assert ours.decode(ids, skip) == hf.decode(ids, skip_special_tokens=skip), text
     expected_prompt = hf.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     assert ours.apply_chat_template(CHAT) == expected_prompt
 
 
-@pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe", "qwen2"])
+@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "llama-bpe", "qwen2"])
 def test_byte_level_bpe_matches_hugging_face(make_checkpoint, tmp_path, pre):
     checkpoint = byte_level_checkpoint(make_checkpoint, tmp_path, pre)
     path = write_gguf(
@@ -122,10 +139,10 @@ def test_byte_level_bpe_matches_hugging_face(make_checkpoint, tmp_path, pre):
 def test_the_pre_tokenizers_really_differ(make_checkpoint, tmp_path):
     """Guards the test above: each pre-tokenizer splits some text its own way."""
     encodings = {}
-    for pre in ("gpt-2", "llama-bpe", "qwen2"):
+    for pre in ("gpt-2", "smollm", "llama-bpe", "qwen2"):
         hf = hf_tokenizer(byte_level_checkpoint(make_checkpoint, tmp_path, pre), tmp_path)
         encodings[pre] = [hf.encode(text) for text in TEXTS]
-    assert len({repr(e) for e in encodings.values()}) == 3
+    assert len({repr(e) for e in encodings.values()}) == 4
 
 
 CORPUS = [
@@ -146,6 +163,8 @@ def sentencepiece_model(tmp_path: Path, add_dummy_prefix: bool) -> Path:
         byte_fallback=True,
         character_coverage=1.0,
         add_dummy_prefix=add_dummy_prefix,
+        remove_extra_whitespaces=False,  # as Llama 2's and Gemma's models
+        normalization_rule_name="identity",
         user_defined_symbols=["<start_of_turn>"],
         unk_id=0,
         bos_id=1,
@@ -222,4 +241,20 @@ def test_sentencepiece_matches_hugging_face(tmp_path, style):
     architecture = "llama" if style == "llama" else "gemma3"
     ours = tokenizer_from_gguf(Metadata(gguf.GGUFReader(path), str(path)), architecture)
     assert ours.encode("Hello")[0] == 1  # BOS
-    assert_same_as_hf(ours, hf)
+    if style == "gemma":
+        assert_same_as_hf(ours, hf)
+        return
+    # transformers 5 converts a Llama-style tokenizer.model with a word-boundary piece
+    # only when the text does not start with a space; SentencePiece itself, llama.cpp
+    # and Llama 2's published tokenizer.json add it always. The ids follow those.
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+
+    def encode(text, add_special_tokens):
+        # After an added token llama.cpp and Llama 2's tokenizer.json start a new word,
+        # bare SentencePiece does not: such text is split and encoded piece by piece.
+        ids = [1] if add_special_tokens else []
+        for part in re.split("(<start_of_turn>)", text):
+            ids += [3] if part == "<start_of_turn>" else processor.encode(part) if part else []
+        return ids
+
+    assert_same_as_hf(ours, hf, encode)
