@@ -16,18 +16,22 @@ had 1 added, and Llama 3's RoPE scaling became a `rope_freqs` tensor.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import os
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from runtime.errors import CheckpointError
-from runtime.gguf_tensors import NATIVE_BITS, convert_tensor, quantization_config
+from runtime.gguf_tensors import NATIVE_BITS, decode_tensor, quantization_config, to_mlx
 from runtime.gguf_tokenizer import tokenizer_from_gguf
 from runtime.tokenizer import Tokenizer
 
 import attrs
 import gguf
 import mlx.core as mx
+import numpy as np
 
 GGUF_MAGIC = b"GGUF"
 
@@ -116,15 +120,18 @@ def read_gguf(path: Path, progress: Callable[[str], None] = lambda message: None
     tokenizer = tokenizer_from_gguf(metadata, arch_name)
     config = _hf_config(metadata, arch_name, arch, tensors)
     progress(f"converting {len(tensors)} GGUF tensors")
-    weights: dict[str, mx.array] = {}
-    bits_by_layer: dict[str, int] = {}
+    jobs = []
     for name, tensor in tensors.items():
         if name == "rope_freqs.weight":
             continue  # read into the config's rope_scaling
         hf_name = _hf_name(name, arch, path)
         rows = _row_permutation(hf_name, arch, config)
         shift = arch.norm_shift if hf_name.endswith("norm.weight") else 0.0
-        converted = convert_tensor(tensor, hf_name, rows, shift, source=str(path))
+        jobs.append((tensor, hf_name, rows, shift, str(path)))
+    weights: dict[str, mx.array] = {}
+    bits_by_layer: dict[str, int] = {}
+    for (tensor, hf_name, *_), arrays in zip(jobs, _decoded(jobs), strict=True):
+        converted = to_mlx(tensor, arrays)
         layer = hf_name.removesuffix(".weight")
         if f"{layer}.scales" in converted:
             bits_by_layer[layer] = NATIVE_BITS[tensor.tensor_type]
@@ -132,6 +139,21 @@ def read_gguf(path: Path, progress: Callable[[str], None] = lambda message: None
     if (quantization := quantization_config(bits_by_layer)) is not None:
         config["quantization"] = quantization
     return GGUFCheckpoint(config=config, weights=weights, tokenizer=tokenizer)
+
+
+def _decoded(jobs: list[tuple[Any, ...]]) -> Iterator[dict[str, np.ndarray]]:
+    """`decode_tensor(*job)` for each job, in order, on a few threads: dequantizing is
+    the slow part of a load (the gguf package's numpy K-quant decoders run at ~20-50M
+    weights/s a core). At most two results per thread wait, to bound the memory."""
+    num_threads = min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(num_threads, thread_name_prefix="gguf-decode") as pool:
+        pending: deque[Future[dict[str, np.ndarray]]] = deque()
+        for job in jobs:
+            pending.append(pool.submit(decode_tensor, *job))
+            if len(pending) > 2 * num_threads:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 class Metadata:

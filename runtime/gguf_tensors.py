@@ -43,6 +43,23 @@ def convert_tensor(
     `rows` reorders the first axis (undoing a converter permutation); `shift` is
     subtracted from every value (Gemma's norms were stored as 1 + w).
     """
+    return to_mlx(tensor, decode_tensor(tensor, hf_name, rows, shift, source))
+
+
+def to_mlx(tensor: Any, arrays: dict[str, np.ndarray]) -> dict[str, mx.array]:
+    """`decode_tensor`'s numpy arrays as mlx arrays (BF16 tensors back in bfloat16)."""
+    converted = {name: mx.array(values) for name, values in arrays.items()}
+    if tensor.tensor_type == GGMLType.BF16:
+        converted = {name: values.astype(mx.bfloat16) for name, values in converted.items()}
+    return converted
+
+
+def decode_tensor(
+    tensor: Any, hf_name: str, rows: list[int] | None, shift: float, source: str
+) -> dict[str, np.ndarray]:
+    """`convert_tensor`'s work in numpy only (BF16 as float32), so that it can run on a
+    worker thread: numpy releases the GIL in the dequantizers' array operations, and
+    mlx arrays are made only on the caller's thread."""
     kind = tensor.tensor_type
     if kind not in SUPPORTED:
         supported = ", ".join(t.name for t in SUPPORTED)
@@ -65,10 +82,7 @@ def convert_tensor(
     values = _float_values(data, kind, tensor.name, source)
     if shift:
         values = values.astype(np.float32) - np.float32(shift)
-    array = mx.array(values)
-    if kind == GGMLType.BF16:
-        array = array.astype(mx.bfloat16)
-    return {hf_name: array}
+    return {hf_name: values}
 
 
 def _float_values(data: np.ndarray, kind: GGMLType, name: str, source: str) -> np.ndarray:
@@ -83,7 +97,7 @@ def _float_values(data: np.ndarray, kind: GGMLType, name: str, source: str) -> n
     return values if kind == GGMLType.BF16 else values.astype(np.float16)
 
 
-def _repacked(blocks: np.ndarray, kind: GGMLType, hf_name: str) -> dict[str, mx.array]:
+def _repacked(blocks: np.ndarray, kind: GGMLType, hf_name: str) -> dict[str, np.ndarray]:
     """[rows, bytes] of GGUF blocks -> mlx's packed uint32 weight, float16 scales and biases.
 
     mlx stores weight i of a row in word i // (32 // bits) at bit (i % per-word) * bits,
@@ -110,9 +124,9 @@ def _repacked(blocks: np.ndarray, kind: GGMLType, hf_name: str) -> dict[str, mx.
         codes = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
     prefix = hf_name.removesuffix(".weight")
     return {
-        hf_name: mx.array(np.ascontiguousarray(codes).reshape(num_rows, -1).view(np.uint32)),
-        f"{prefix}.scales": mx.array(np.ascontiguousarray(scales).reshape(num_rows, -1)),
-        f"{prefix}.biases": mx.array(np.ascontiguousarray(biases).reshape(num_rows, -1)),
+        hf_name: np.ascontiguousarray(codes).reshape(num_rows, -1).view(np.uint32),
+        f"{prefix}.scales": np.ascontiguousarray(scales).reshape(num_rows, -1),
+        f"{prefix}.biases": np.ascontiguousarray(biases).reshape(num_rows, -1),
     }
 
 
