@@ -12,8 +12,10 @@ import contextlib
 
 from runtime.engine import check_sequence
 from runtime.errors import CadenceError, RequestError
+from runtime.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
 from runtime.sequence import SequenceParams
 from runtime.tokenizer import Tokenizer
+from runtime.tool_prompts import chat_for_template, template_knows_tools, tool_call_grammar
 
 import attrs
 import structlog
@@ -34,6 +36,10 @@ from actors.requests import GenerateRequest, OverloadedError
 
 log = structlog.get_logger("cadence.admission")
 
+# How long a request's grammar may take to compile before it is refused. llguidance's
+# own limits (runtime/grammar.py) stop the work itself; this bounds the wait.
+GRAMMAR_TIMEOUT_S = 5.0
+
 
 @attrs.define
 class Admission:
@@ -45,6 +51,8 @@ class Admission:
     to_scheduler: trio.MemorySendChannel[SchedulerMessage]
     to_streamer: trio.MemorySendChannel[StreamerMessage]
     waiting_slots: trio.Semaphore
+    grammars: GrammarCompiler | None = None  # None: structured output is refused
+    tool_style: str = "hermes"  # the call format the model writes (runtime/tools.py)
 
     def reserve(self) -> None:
         """Take a waiting slot now or raise OverloadedError; never waits."""
@@ -66,6 +74,8 @@ class Admission:
         bound = log.bind(request_id=admit.request_id)
         try:
             params = await trio.to_thread.run_sync(self.prepare, admit.request, admit.request_id)
+            if (spec := self.grammar_spec(admit.request)) is not None:
+                params = attrs.evolve(params, grammar=await self._compile(spec))
         except Exception as error:
             self.waiting_slots.release()
             if not isinstance(error, CadenceError):  # a tokenizer or template bug: this request only
@@ -93,12 +103,37 @@ class Admission:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             await self.to_scheduler.send(Abort(admit.request_id, "cancelled"))
 
+    def grammar_spec(self, request: GenerateRequest) -> GrammarSpec | None:
+        """What the output must match: the request's grammar, or a forced tool call."""
+        if request.tool_choice in ("required", "function"):
+            return tool_call_grammar(self.tool_style, request.tools, request.tool_name)
+        return request.grammar
+
+    async def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        grammars = self.grammars
+        if grammars is None:
+            raise RequestError(
+                f"'{spec.param}': structured output is not available", param=spec.param
+            )
+        with trio.move_on_after(GRAMMAR_TIMEOUT_S):
+            # A thread cannot be cancelled: past the deadline it is abandoned, and finishes
+            # within llguidance's limits.
+            return await trio.to_thread.run_sync(grammars.compile, spec, abandon_on_cancel=True)
+        raise RequestError(
+            f"'{spec.param}' took longer than {GRAMMAR_TIMEOUT_S:g} s to compile", param=spec.param
+        )
+
     def prepare(self, request: GenerateRequest, request_id: str) -> SequenceParams:
         """Render, tokenize and size the request (runs on a worker thread: no MLX here)."""
         if request.messages is not None:
+            tools = request.tools if request.tool_choice != "none" else ()
+            source = self.tokenizer.chat_template_source
             tokens = self.tokenizer.encode_chat(
-                [dict(m) for m in request.messages],
+                chat_for_template(
+                    request.messages, tools, self.tool_style, template_knows_tools(source)
+                ),
                 template_kwargs=dict(request.chat_template_kwargs),
+                tools=tools or None,
             )
             field = "messages"
         elif isinstance(request.prompt, str):

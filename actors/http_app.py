@@ -46,6 +46,7 @@ from actors.cors import CorsPolicy
 from actors.generation import Generation
 from actors.openai_requests import ApiError, ApiRequest, parse_chat, parse_completion, parse_json
 from actors.openai_responses import SSE_DONE, ChunkWriter, sse
+from actors.openai_tools import ToolCallDeltas, with_tool_calls
 from actors.openapi import OPENAPI
 from actors.requests import LogprobEntry, ServiceClosedError, Usage
 from actors.service import LLM
@@ -213,12 +214,15 @@ async def _complete(state: ServerState, api: ApiRequest) -> Response:
         api.include_usage,
         has_logprobs=api.request.sampling.logprobs is not None,
     )
+    tools = ToolCallDeltas(llm.tool_style) if api.parses_tools else None
     if api.is_stream:
-        response = Response(_ChoicesStream(generations, writer), mimetype="text/event-stream")
+        response = Response(
+            _ChoicesStream(generations, writer, tools), mimetype="text/event-stream"
+        )
         response.headers["Cache-Control"] = "no-cache"
         response.timeout = None  # RESPONSE_TIMEOUT (60 s) would cut a long stream silently
         return response
-    return await _collect(generations, writer)
+    return await _collect(generations, writer, tools)
 
 
 class _ChoicesStream(ResponseBody):
@@ -226,15 +230,18 @@ class _ChoicesStream(ResponseBody):
     in the task that sends the response, so the choices' nursery lives exactly as
     long as the sending (an async generator must not hold a nursery across a yield)."""
 
-    def __init__(self, generations: Sequence[Generation], writer: ChunkWriter):
+    def __init__(
+        self, generations: Sequence[Generation], writer: ChunkWriter, tools: ToolCallDeltas | None
+    ):
         self._generations = generations
         self._writer = writer
+        self._tools = tools
         self._exits = contextlib.AsyncExitStack()
         self._events: AsyncGenerator[bytes, None] | None = None
 
     async def __aenter__(self) -> _ChoicesStream:
         events = await self._exits.enter_async_context(interleaved(self._generations))
-        self._events = _sse_events(events, self._writer, len(self._generations))
+        self._events = _sse_events(events, self._writer, len(self._generations), self._tools)
         return self
 
     async def __aexit__(
@@ -253,7 +260,10 @@ class _ChoicesStream(ResponseBody):
 
 
 async def _sse_events(
-    events: trio.MemoryReceiveChannel[ChoiceEvent], writer: ChunkWriter, num_choices: int
+    events: trio.MemoryReceiveChannel[ChoiceEvent],
+    writer: ChunkWriter,
+    num_choices: int,
+    tools: ToolCallDeltas | None,
 ) -> AsyncGenerator[bytes, None]:
     usages: list[Usage] = []
     try:
@@ -262,8 +272,12 @@ async def _sse_events(
         async for index, event in events:
             if isinstance(event, CadenceError):
                 raise event
+            if tools is not None:
+                event = tools.convert(index, event)
             if event.text or event.logprobs:
                 yield writer.text(event.text, event.logprobs, index)
+            if event.tool_calls:
+                yield writer.tool_calls(event.tool_calls, index)
             if event.finish_reason is not None:
                 yield writer.finish(event.finish_reason, index)
                 assert event.usage is not None
@@ -276,9 +290,12 @@ async def _sse_events(
         yield SSE_DONE
 
 
-async def _collect(generations: Sequence[Generation], writer: ChunkWriter) -> Response:
+async def _collect(
+    generations: Sequence[Generation], writer: ChunkWriter, tools: ToolCallDeltas | None
+) -> Response:
     texts: list[list[str]] = [[] for _ in generations]
     logprobs: list[list[LogprobEntry]] = [[] for _ in generations]
+    calls: list[list[dict[str, Any]]] = [[] for _ in generations]
     finished: dict[int, tuple[str, Usage]] = {}
     failure: CadenceError | None = None
     async with interleaved(generations) as events:
@@ -286,6 +303,9 @@ async def _collect(generations: Sequence[Generation], writer: ChunkWriter) -> Re
             if isinstance(event, CadenceError):
                 failure = event  # leaving the block aborts the other choices
                 break
+            if tools is not None:
+                event = tools.convert(index, event)
+                calls[index] += event.tool_calls
             texts[index].append(event.text)
             logprobs[index] += event.logprobs
             if event.finish_reason is not None:
@@ -294,7 +314,7 @@ async def _collect(generations: Sequence[Generation], writer: ChunkWriter) -> Re
     if failure is not None:  # raised out here: inside, the nursery would wrap it in a group
         raise ApiError.from_error(failure)
     choices = [
-        writer.choice("".join(texts[i]), finished[i][0], logprobs[i], i)
+        with_tool_calls(writer.choice("".join(texts[i]), finished[i][0], logprobs[i], i), calls[i])
         for i in range(len(generations))
     ]
     usage = combined_usage([finished[i][1] for i in range(len(generations))])

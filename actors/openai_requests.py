@@ -17,6 +17,13 @@ from runtime.sequence import SamplingParams
 import attrs
 
 from actors.choices import DEFAULT_MAX_N
+from actors.openai_tools import (
+    STRUCTURED_FIELDS,
+    TOOL_FIELDS,
+    ToolRequest,
+    structured_output,
+    tool_request,
+)
 from actors.requests import (
     MAX_TOP_LOGPROBS,
     GenerateRequest,
@@ -69,6 +76,7 @@ class ApiRequest:
     request: GenerateRequest
     is_stream: bool
     include_usage: bool
+    parses_tools: bool = False  # the reply may hold tool calls, in the model's format
     n: int = 1  # choices: requests of their own that share the prompt (actors/choices.py)
 
 
@@ -158,21 +166,19 @@ def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any)
     n = _field(body, "n", int, default=1)
     if not 1 <= n <= max_n:
         raise ApiError(400, f"'n' must be an integer in [1, {max_n}], got {n}", param="n")
-    for unsupported in ("tools", "functions"):
-        if _field(body, unsupported, list):
-            raise ApiError(400, f"'{unsupported}' is not supported", param=unsupported)
-    # Fields a client sends expecting an effect this server does not have: refusing
-    # them beats a silent ignore the client would only notice later.
-    for unsupported in UNSUPPORTED_FIELDS:
-        if body.get(unsupported) is not None:
-            raise ApiError(400, f"'{unsupported}' is not supported", param=unsupported)
     # best_of (deprecated by OpenAI, dropped by vLLM) would rank candidates by logprob.
     if _field(body, "best_of", int, default=1) != 1:
         raise ApiError(400, "only best_of=1 is supported; use 'n'", param="best_of")
-    response_format = _field(body, "response_format", dict)
-    if response_format is not None and response_format.get("type") != "text":
+    tools = _tools(body, kind)
+    try:
+        grammar = structured_output(body)
+    except RequestError as error:
+        raise ApiError.from_error(error) from None
+    if grammar is not None and tools.choice in ("required", "function"):
         raise ApiError(
-            400, "only response_format type 'text' is supported", param="response_format"
+            400,
+            "a forced tool_choice cannot be combined with structured output",
+            param="tool_choice",
         )
     is_stream = bool(_field(body, "stream", bool))
     if body.get("stream_options") is not None and not is_stream:
@@ -202,12 +208,28 @@ def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any)
         stop=tuple(stop),
         ignore_eos=bool(_field(body, "ignore_eos", bool)),
         priority=_field(body, "priority", int, default=0),
+        grammar=grammar,
+        tools=tools.tools,
+        tool_choice=tools.choice,
+        tool_name=tools.name,
     )
     try:
         check_request(request)
     except RequestError as error:
         raise ApiError.from_error(error) from None
-    return ApiRequest(kind, model, request, is_stream, include_usage, n=n)
+    return ApiRequest(kind, model, request, is_stream, include_usage, tools.parses_calls, n=n)
+
+
+def _tools(body: dict[str, Any], kind: str) -> ToolRequest:
+    if kind != "chat":
+        for name in (*TOOL_FIELDS, "functions", "function_call"):
+            if body.get(name) is not None:
+                raise ApiError(400, f"'{name}' applies to chat only", param=name)
+        return ToolRequest()
+    try:
+        return tool_request(body)
+    except RequestError as error:
+        raise ApiError.from_error(error) from None
 
 
 def _logprobs(body: dict[str, Any], kind: str) -> int | None:
@@ -308,21 +330,52 @@ def _message(message: Any, index: int) -> dict[str, Any]:
             f"{where}.content must be a string or a list of text parts",
             param=f"{where}.content",
         )
-    return {"role": role, "content": content}
+    return {"role": role, "content": content, **_tool_keys(message, where)}
+
+
+def _tool_keys(message: dict[str, Any], where: str) -> dict[str, Any]:
+    """An assistant turn's `tool_calls`, a tool turn's `tool_call_id` (and `name`), checked."""
+    keys: dict[str, Any] = {}
+    for name in ("tool_call_id", "name"):
+        if (value := message.get(name)) is not None:
+            if not isinstance(value, str):
+                raise ApiError(400, f"{where}.{name} must be a string", param=f"{where}.{name}")
+            keys[name] = value
+    calls = message.get("tool_calls")
+    if calls is None:
+        return keys
+    if message.get("role") != "assistant" or not isinstance(calls, list):
+        raise ApiError(
+            400,
+            f"{where}.tool_calls must be a list on an assistant message",
+            param=f"{where}.tool_calls",
+        )
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (
+            isinstance(function, dict)
+            and isinstance(function.get("name"), str)
+            and isinstance(function.get("arguments"), str)
+        ):
+            raise ApiError(
+                400,
+                f"{where}.tool_calls[{i}] must have function.name and function.arguments (a string)",
+                param=f"{where}.tool_calls[{i}]",
+            )
+        if not isinstance(call.get("id", ""), str):
+            param = f"{where}.tool_calls[{i}].id"
+            raise ApiError(400, f"{param} must be a string", param=param)
+        keys.setdefault("tool_calls", []).append(
+            {"id": call.get("id", ""), "type": "function", "function": dict(function)}
+        )
+    return keys
 
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 _ROLES = ("system", "user", "assistant", "tool", "developer")
-# Tool selection and guided decoding (vLLM's names among them).
-UNSUPPORTED_FIELDS = (
-    "tool_choice",
-    "function_call",
-    "parallel_tool_calls",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-)
+# Fields a client sends expecting an effect this server does not have: refusing
+# them beats a silent ignore the client would only notice later. None left today.
+UNSUPPORTED_FIELDS: tuple[str, ...] = ()
 
 # Fields OpenAI defines as having no effect on the output (end-user ids, tags, hints).
 _IGNORED_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -356,10 +409,11 @@ _COMMON_FIELDS = frozenset(
         "n",
         # Refused unless off, each with its own message:
         "best_of",
-        "tools",
         "functions",
-        "response_format",
+        "function_call",
         "chat_template_kwargs",
+        *TOOL_FIELDS,
+        *STRUCTURED_FIELDS,
         *UNSUPPORTED_FIELDS,
         *_IGNORED_FIELDS,
     }

@@ -107,6 +107,11 @@ class ChunkWriter:
     def finish(self, finish_reason: str, index: int = 0) -> bytes:
         return self._chunk([self._choice(None, finish_reason, index=index)])
 
+    def tool_calls(self, calls: Sequence[dict[str, Any]], index: int = 0) -> bytes:
+        """A chat chunk of OpenAI `tool_calls` delta items (actors/openai_tools.py)."""
+        choice = {"index": index, "delta": {"tool_calls": list(calls)}, "logprobs": None}
+        return self._chunk([{**choice, "finish_reason": None}])
+
     def usage(self, usage: Usage) -> bytes:
         return self._chunk([], usage)
 

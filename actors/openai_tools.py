@@ -152,9 +152,9 @@ def tool_request(body: dict[str, Any]) -> ToolRequest:
     names = [tool["function"]["name"] for tool in tools]
     if choice is None:
         return ToolRequest(tuple(tools), "auto")
+    if not tools:  # as OpenAI: a choice among no tools is a mistake
+        raise RequestError("'tool_choice' needs 'tools'", param="tool_choice")
     if choice in ("auto", "none", "required"):
-        if choice == "required" and not tools:
-            raise RequestError("tool_choice 'required' needs 'tools'", param="tool_choice")
         return ToolRequest(tuple(tools), choice)
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
@@ -178,8 +178,8 @@ def tool_request(body: dict[str, Any]) -> ToolRequest:
 class ToolCallStream:
     """Text deltas -> (content, OpenAI `tool_calls` delta items), in `style`'s format.
 
-    Content that is only whitespace waits for more text: between or after calls it is
-    dropped, so `message.content` is null when the reply is only calls. The whole
+    Whitespace at the end of the content so far waits for more text: before or after
+    a call it is dropped, so `message.content` is null when the reply is only calls. The whole
     response is built by feeding all its text here too, so the streamed deltas
     reassemble to it exactly.
     """
@@ -187,7 +187,7 @@ class ToolCallStream:
     style: str
     parser: Any = None
     ids: list[str] = attrs.Factory(list)
-    blank: str = ""  # whitespace-only content held back
+    blank: str = ""  # trailing whitespace held back
 
     def __attrs_post_init__(self) -> None:
         self.parser = parser_for(self.style)
@@ -210,12 +210,11 @@ class ToolCallStream:
         for event in events:
             match event:
                 case Content(text):
-                    if self.blank or not text.strip():
-                        self.blank += text
-                        if not self.blank.strip():
-                            continue
-                        text, self.blank = self.blank, ""
-                    content += text
+                    # Trailing whitespace waits: before a call it is dropped, whatever the split.
+                    text = self.blank + text
+                    kept = text.rstrip()
+                    self.blank = text[len(kept) :]
+                    content += kept
                 case CallStart(index, name):
                     self.blank = ""
                     self.ids.append(f"call_{uuid.uuid4().hex[:24]}")

@@ -13,6 +13,14 @@ from typing import Any
 
 from actors.choices import DEFAULT_MAX_N
 from actors.openai_requests import UNSUPPORTED_FIELDS
+from actors.openapi_tools import (
+    STRUCTURED_OUTPUT_FIELDS,
+    TOOL_CALLS_REPLY,
+    TOOL_FIELDS,
+    TOOL_MESSAGE_FIELDS,
+    TOOL_SCHEMA,
+)
+from actors.openapi_tools import or_null as _or_null  # one definition for both documents
 from actors.requests import (
     MAX_PRIORITY,
     MAX_SEED,
@@ -22,15 +30,6 @@ from actors.requests import (
 )
 
 _REF = "#/components/schemas/"
-
-
-def _or_null(schema: dict[str, Any]) -> dict[str, Any]:
-    """`schema`, or null: the parser reads a null optional field as an absent one."""
-    if "enum" in schema:
-        return {**schema, "enum": [*schema["enum"], None]}
-    if "type" in schema:
-        return {**schema, "type": [schema["type"], "null"]}
-    return {"anyOf": [schema, {"type": "null"}]}
 
 
 def _number(low: float, high: float, *, is_low_allowed: bool = True) -> dict[str, Any]:
@@ -100,15 +99,9 @@ _COMMON_FIELDS: dict[str, Any] = {
     ),
     # Refused unless off: documented with only the values that mean "off".
     "best_of": {"enum": [1, None]},
-    "tools": _or_null({"type": "array", "maxItems": 0}),
-    "functions": _or_null({"type": "array", "maxItems": 0}),
-    "response_format": _or_null(
-        {
-            "type": "object",
-            "required": ["type"],
-            "properties": {"type": {"const": "text"}},
-        }
-    ),
+    "functions": {"type": "null", "description": "deprecated by OpenAI: send tools"},
+    "function_call": {"type": "null", "description": "deprecated by OpenAI: send tool_choice"},
+    **STRUCTURED_OUTPUT_FIELDS,
     **{name: {"type": "null", "description": "not supported"} for name in UNSUPPORTED_FIELDS},
     # Accepted and without effect, as OpenAI defines them.
     "user": _or_null({"type": "string"}),
@@ -144,7 +137,7 @@ def _completion_schema(kind: str, field: str, field_schema: dict[str, Any]) -> d
         "properties": {
             "index": {"type": "integer"},
             field: field_schema,
-            "finish_reason": {"enum": ["stop", "length"]},
+            "finish_reason": {"enum": ["stop", "length", "tool_calls"]},
         },
     }
     return {
@@ -191,6 +184,7 @@ _SCHEMAS: dict[str, Any] = {
             "top_logprobs": _or_null(
                 {**_NUM_TOP_LOGPROBS, "description": "alternatives per token; needs logprobs"}
             ),
+            **TOOL_FIELDS,
             "chat_template_kwargs": _or_null(
                 {
                     "type": "object",
@@ -217,8 +211,10 @@ _SCHEMAS: dict[str, Any] = {
                     {"type": "null"},
                 ]
             },
+            **TOOL_MESSAGE_FIELDS,
         },
     },
+    "Tool": TOOL_SCHEMA,
     "TextPart": {
         "type": "object",
         "required": ["type", "text"],
@@ -274,7 +270,11 @@ _SCHEMAS: dict[str, Any] = {
         {
             "type": "object",
             "required": ["role", "content"],
-            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+            "properties": {
+                "role": {"const": "assistant"},
+                "content": {"type": ["string", "null"], "description": "null: only tool calls"},
+                "tool_calls": TOOL_CALLS_REPLY,
+            },
         },
     ),
     "Completion": _completion_schema("text_completion", "text", {"type": "string"}),

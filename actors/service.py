@@ -27,11 +27,13 @@ from runtime.checkpoint import LoadedModel, load_model
 from runtime.cpu_weights import DEFAULT_CPU_QUANTIZE
 from runtime.engine import DEFAULT_BLOCK_SIZE, Engine
 from runtime.errors import RequestError
+from runtime.grammar import GrammarCompiler
 from runtime.kv.blocks import BlockPool
 from runtime.ladder import measure_ladder
 from runtime.runner import PlanRunner
 from runtime.scheduler import DEFAULT_PREFILL_CHUNK, FcfsScheduler
 from runtime.sequence import SamplingParams
+from runtime.tool_prompts import tool_style_for
 
 import attrs
 import structlog
@@ -219,6 +221,8 @@ async def _start_actors(
         sched_send.clone(),
         stream_send.clone(),
         waiting_slots,
+        GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, engine.eos_ids),
+        tool_style_for(loaded.tokenizer.chat_template_source, loaded.config.model_type),
     )
     actors = (
         Streamer(loaded.tokenizer, stream_recv, sched_send.clone(), metrics),
@@ -257,6 +261,7 @@ class LLM:
         self.max_context = engine.max_context
         self.max_batch = engine.max_batch
         self.vocab_size = admission.vocab_size
+        self.tool_style = admission.tool_style  # how tool calls read in this model's output
         self.max_waiting = admission.waiting_slots.value  # all free: nothing admitted yet
         self.is_draining = False
         self.num_active = 0  # generations started and not yet done

@@ -467,8 +467,8 @@ ERROR_CASES = {
         "chat_template_kwargs.tools_in_system",
         None,
     ),
-    "guided_json": (
-        {"model": "M", "prompt": "x", "guided_json": {"type": "object"}},
+    "guided_json not a schema": (
+        {"model": "M", "prompt": "x", "guided_json": 5},
         400,
         "guided_json",
         None,
@@ -477,7 +477,7 @@ ERROR_CASES = {
     "response_format without a type": (
         {"model": "M", "prompt": "x", "response_format": {}},
         400,
-        "response_format",
+        "response_format.type",
         None,
     ),
     "stream_options without stream": (

@@ -1,0 +1,262 @@
+"""Tools and structured output through real HTTP, read by the official openai client.
+
+Random weights never choose to call a tool, so calls are forced: by `tool_choice`
+required or named (a grammar), or, for `auto`, by a guided regex that writes a call
+which the parser must then find. Each tool-call format runs on a tiny checkpoint
+whose chat template takes tools (tests/actors/tool_templates.py).
+"""
+
+import json
+
+import jsonschema
+import pytest
+
+from tests.actors.test_http import in_thread, request, serving
+from tests.actors.tool_templates import TEMPLATES, with_template
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"enum": [1, 2, 3]}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+CLOCK = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module", params=sorted(TEMPLATES))
+def styled(request, make_checkpoint, tmp_path_factory):
+    """(tool style, a tiny checkpoint whose template writes calls in that style)."""
+    out = tmp_path_factory.mktemp("tools") / request.param
+    return request.param, with_template(make_checkpoint("llama"), out, TEMPLATES[request.param])
+
+
+def whole(server, **body):
+    return server.client().chat.completions.create(model=server.model, **body)
+
+
+def streamed(server, **body):
+    """(content, calls as {index: [id, name, arguments]}, finish_reason) from the deltas."""
+    content, calls, finish = "", {}, None
+    for chunk in server.client().chat.completions.create(model=server.model, stream=True, **body):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or ():
+                if delta.index not in calls:  # the first delta: id, type and name
+                    assert delta.id and delta.type == "function" and delta.function.name
+                    calls[delta.index] = [delta.id, delta.function.name, ""]
+                else:
+                    assert delta.id is None and delta.function.name is None
+                calls[delta.index][2] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_time"}}]
+)
+async def test_forced_calls_streamed_reassemble_to_the_whole_call(styled, choice):
+    style, checkpoint = styled
+    body = dict(messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=80)
+    async with serving(checkpoint) as server:
+        assert server.llm.tool_style == style
+        done = await in_thread(whole, server, **body)
+        content, calls, finish = await in_thread(streamed, server, **body)
+    message = done.choices[0].message
+    assert done.choices[0].finish_reason == "tool_calls" and message.content is None
+    (call,) = message.tool_calls
+    if isinstance(choice, dict):
+        assert call.function.name == "get_time"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    assert call.id.startswith("call_") and call.type == "function"
+    # Greedy, so the stream is the same reply: its deltas add up to the whole call.
+    assert (content, finish) == ("", "tool_calls")
+    assert [(name, arguments) for _, name, arguments in calls.values()] == [
+        (call.function.name, call.function.arguments)
+    ]
+
+
+CALL_TEXT = {
+    "hermes": 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}',
+    "gemma": 'Checking.\n```tool_code\nget_weather(city="Rome", days=2)\n```',
+}
+
+
+async def test_auto_finds_the_call_the_model_writes(styled):
+    """A guided regex makes the model write a call in its format; `auto` must parse it."""
+    style, checkpoint = styled
+    text = CALL_TEXT[style]
+    regex = "".join("\\" + c if c in "{}[]().*+?|^$\\" else c for c in text)
+    body = dict(messages=ASK, tools=TOOLS, max_tokens=120, extra_body={"guided_regex": regex})
+    async with serving(checkpoint) as server:
+        done = await in_thread(whole, server, **body)
+        content, calls, finish = await in_thread(streamed, server, **body)
+        plain = await in_thread(whole, server, **{**body, "tool_choice": "none"})
+    message = done.choices[0].message
+    assert done.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Rome", "days": 2})
+    ]
+    expected_content = None if style == "llama3_json" else "Checking."
+    assert message.content == expected_content
+    assert (content or None, finish) == (expected_content, "tool_calls")
+    assert [(n, a) for _, n, a in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in message.tool_calls
+    ]
+    # With tool_choice none the same text is just text.
+    assert plain.choices[0].message.content == text and not plain.choices[0].message.tool_calls
+    assert plain.choices[0].finish_reason == "stop"
+
+
+async def test_a_tool_history_is_accepted_and_shapes_the_prompt(styled):
+    _, checkpoint = styled
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "days": 1}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny and warm"},
+    ]
+    async with serving(checkpoint) as server:
+        short = await in_thread(whole, server, messages=ASK, tools=TOOLS, max_tokens=1)
+        longer = await in_thread(whole, server, messages=history, tools=TOOLS, max_tokens=1)
+        bare = await in_thread(whole, server, messages=ASK, max_tokens=1)
+    assert longer.usage.prompt_tokens > short.usage.prompt_tokens > bare.usage.prompt_tokens
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_response_format_json_schema_validates(tiny, stream):
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+    }
+    async with serving(tiny) as server:
+        client = server.client()
+        args = dict(
+            model=server.model, messages=ASK, max_tokens=60, response_format=response_format
+        )
+        if stream:
+            chunks = await in_thread(
+                lambda: list(client.chat.completions.create(**args, stream=True))
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            done = await in_thread(client.chat.completions.create, **args)
+            text, finish = done.choices[0].message.content, done.choices[0].finish_reason
+    jsonschema.validate(json.loads(text), PERSON)
+    assert finish == "stop"
+
+
+async def test_the_vllm_style_extensions_constrain_text(tiny):
+    async with serving(tiny) as server:
+        client = server.client()
+
+        def complete(**extra):
+            done = client.completions.create(
+                model=server.model, prompt="Answer:", max_tokens=40, extra_body=extra
+            )
+            return done.choices[0].text
+
+        assert await in_thread(complete, guided_choice=["alpha", "beta"]) in ("alpha", "beta")
+        assert (await in_thread(complete, structured_outputs={"regex": "[0-9]{4}"})).isdigit()
+        grammar = 'start: "(" WORD ")"\nWORD: /[a-z]{2,5}/'
+        text = await in_thread(complete, guided_grammar=grammar)
+        assert text.startswith("(") and text.endswith(")") and text[1:-1].isalpha()
+        # A bias towards "}" (token 95) would write "}}}..." free; JSON mode makes it "{}".
+        obj = await in_thread(
+            complete, response_format={"type": "json_object"}, logit_bias={"95": 30}
+        )
+        assert json.loads(obj) == {}
+        cut = await in_thread(
+            client.completions.create,
+            model=server.model,
+            prompt="x",
+            max_tokens=2,
+            extra_body={"guided_json": PERSON},
+        )
+        assert cut.choices[0].finish_reason == "length"  # a JSON cut short, as OpenAI does
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        ({"guided_regex": "([a-z]"}, "guided_regex"),
+        ({"guided_grammar": "start: nowhere"}, "guided_grammar"),
+        ({"structured_outputs": {"json": 5}}, "structured_outputs.json"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
+        ({"tools": [{"type": "function"}]}, "tools[0]"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [{"function": {"name": "f"}}],
+                    }
+                ]
+            },
+            "messages[0].tool_calls[0]",
+        ),
+    ],
+)
+async def test_bad_structured_output_or_tools_are_a_400_naming_the_field(tiny, body, param):
+    async with serving(tiny) as server:
+        payload = {"model": server.model, "messages": ASK, "max_tokens": 4, **body}
+        status, _, answer = await in_thread(
+            request, server.url, "POST", "/v1/chat/completions", payload
+        )
+    assert status == 400, answer
+    assert (
+        answer["error"]["param"] == param
+        and param.split(".")[0].split("[")[0] in answer["error"]["message"]
+    )

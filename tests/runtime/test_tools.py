@@ -1,0 +1,193 @@
+"""Tool calls in text: each family's parser, fed in any split; the format a template
+implies; the chat a template sees; and the grammar that forces a call."""
+
+import json
+import random
+
+from runtime.grammar import GrammarCompiler
+from runtime.tokenizer import Tokenizer
+from runtime.tool_prompts import (
+    chat_for_template,
+    template_knows_tools,
+    tool_call_grammar,
+    tool_style_for,
+)
+from runtime.tools import CallArguments, CallStart, Content, parser_for, python_calls
+
+import pytest
+
+from tests.actors.tool_templates import GEMMA, HERMES, LLAMA3_JSON
+
+DEMO = Tokenizer.from_dir(
+    __import__("pathlib").Path(__file__).resolve().parents[2] / "runtime" / "demo"
+)
+
+
+def parse(style, text, cuts=()):
+    """(content, [(name, arguments)]) from `text` fed in pieces split at `cuts`."""
+    parser, events, last = parser_for(style), [], 0
+    for cut in [*sorted(cuts), len(text)]:
+        events += parser.feed(text[last:cut])
+        last = cut
+    events += parser.finish()
+    calls = {}
+    for event in events:
+        if isinstance(event, CallStart):
+            assert event.index not in calls  # a name is reported once, before its arguments
+            calls[event.index] = [event.name, ""]
+        elif isinstance(event, CallArguments):
+            calls[event.index][1] += event.fragment
+    content = "".join(e.text for e in events if isinstance(e, Content))
+    return content, [tuple(calls[i]) for i in sorted(calls)]
+
+
+CASES = [
+    (
+        "hermes",
+        'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 12}}\n</tool_call>\n'
+        '<tool_call>\n{"arguments": {"tz": "UTC"}, "name": "get_time"}\n</tool_call>',
+        (
+            "Let me check.\n",
+            [("get_weather", '{"city": "Paris", "days": 12}'), ("get_time", '{"tz": "UTC"}')],
+        ),
+    ),
+    ("hermes", "No call, just <tool talk.", ("No call, just <tool talk.", [])),
+    (
+        "hermes",  # cut short by max_tokens: the arguments so far
+        'A <tool_call>\n{"name": "f", "arguments": {"a": "xy',
+        ("A ", [("f", '{"a": "xy')]),
+    ),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "g", "parameters": {"n": 123}}',
+        ("", [("get_weather", '{"city": "Rome"}'), ("g", '{"n": 123}')]),
+    ),
+    ("llama3_json", '{"name": "f", "parameters": {}}', ("", [("f", "{}")])),
+    ("llama3_json", "Plain {text} answer", ("Plain {text} answer", [])),
+    (
+        "gemma",
+        'Sure.\n```tool_code\nget_weather(city="Paris", days=3)\n```',
+        ("Sure.\n", [("get_weather", '{"city": "Paris", "days": 3}')]),
+    ),
+    (
+        "gemma",
+        '```tool_code\n{"name": "f", "arguments": {"a": [1, 2]}}\n```',
+        ("", [("f", '{"a": [1, 2]}')]),
+    ),
+    ("gemma", "```tool_code\nnot a call(\n```", ("```tool_code\nnot a call(\n```", [])),
+]
+
+
+@pytest.mark.parametrize(("style", "text", "expected"), CASES)
+def test_every_split_of_the_text_gives_the_same_calls(style, text, expected):
+    assert parse(style, text) == expected
+    rng = random.Random(0)
+    for _ in range(200):  # multi-token deltas from lookahead split anywhere
+        cuts = rng.sample(range(1, len(text)), k=rng.randint(1, min(12, len(text) - 1)))
+        assert parse(style, text, cuts) == expected, cuts
+
+
+def test_hermes_streams_the_name_then_argument_fragments():
+    parser = parser_for("hermes")
+    assert parser.feed('<tool_call>\n{"name": "get_weather", "argu') == []
+    assert parser.feed('ments": {"city": "Pa') == [
+        CallStart(0, "get_weather"),
+        CallArguments(0, '{"city": "Pa'),
+    ]
+    assert parser.feed('ris"}}\n</tool_call>') == [CallArguments(0, 'ris"}')]
+    assert parser.finish() == []
+
+
+def test_python_calls():
+    assert python_calls('f(a=1, b="x")') == [{"name": "f", "arguments": {"a": 1, "b": "x"}}]
+    assert python_calls("[f(), g(x=[1, 2])]") == [
+        {"name": "f", "arguments": {}},
+        {"name": "g", "arguments": {"x": [1, 2]}},
+    ]
+    assert python_calls("__import__('os').system('x')") is None  # only plain calls of literals
+    assert python_calls("f(1)") is None  # positional arguments have no names
+
+
+def test_the_format_follows_the_template():
+    assert tool_style_for(HERMES, "qwen2") == "hermes"
+    assert tool_style_for(LLAMA3_JSON, "llama") == "llama3_json"
+    assert tool_style_for(GEMMA, "gemma3_text") == "gemma"
+    assert tool_style_for("{{ messages }}", "mistral") == "hermes"
+    assert template_knows_tools(HERMES) and not template_knows_tools(GEMMA)
+
+
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
+
+
+def test_a_tool_history_round_trips_into_a_template_that_takes_tools():
+    rendered = Tokenizer(DEMO._backend, chat_template=HERMES).apply_chat_template(
+        chat_for_template(HISTORY, TOOLS, "hermes", knows_tools=True), template_kwargs=None
+    )
+    # Arguments sent as JSON text reach the template as an object (`| tojson` of a dict).
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in rendered
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in rendered
+
+
+def test_hermes_template_is_given_the_tools():
+    tokenizer = Tokenizer(DEMO._backend, chat_template=HERMES)
+    ids = tokenizer.encode_chat(HISTORY[:1], tools=TOOLS)
+    assert json.dumps(TOOLS[0]) in tokenizer.decode(ids)
+
+
+def test_a_template_without_tools_gets_them_in_the_first_user_turn():
+    chat = chat_for_template(HISTORY, TOOLS, "gemma", knows_tools=False)
+    assert [m["role"] for m in chat] == ["user", "assistant", "user"]
+    assert "get_weather" in chat[0]["content"] and "```tool_code" in chat[0]["content"]
+    assert chat[1]["content"] == "```tool_code\nget_weather(city='Paris')\n```"
+    assert chat[2]["content"] == "```tool_output\nsunny, 21 C\n```"
+    # ...and the call reads back through the parser as the call it was.
+    assert parse("gemma", chat[1]["content"]) == ("", [("get_weather", '{"city": "Paris"}')])
+
+
+@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma"])
+@pytest.mark.parametrize("forced", [None, "get_weather"])
+def test_the_forced_call_grammar_admits_a_call_and_refuses_text(style, forced):
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    grammar = compiler.compile(tool_call_grammar(style, TOOLS, forced))
+    key = "parameters" if style == "llama3_json" else "arguments"
+    call = json.dumps({"name": "get_weather", key: {"city": "Rome"}})
+    wrapped = {
+        "hermes": f"<tool_call>\n{call}\n</tool_call>",
+        "gemma": f"```tool_code\n{call}\n```",
+        "llama3_json": call,
+    }[style]
+    state = grammar.start()
+    for token in DEMO.encode(wrapped, add_special_tokens=False):
+        assert state.advance(token) is None, wrapped
+    assert state.is_done
+    assert parse(style, wrapped)[1] == [("get_weather", '{"city": "Rome"}')]
+    refused = grammar.start().advance(DEMO.encode("Hello", add_special_tokens=False)[0])
+    assert refused is not None
