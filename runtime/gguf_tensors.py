@@ -21,7 +21,8 @@ from gguf import GGMLQuantizationType as GGMLType
 
 GROUP_SIZE = 32  # weights per block in Q4_0, Q4_1 and Q8_0
 NATIVE_BITS = {GGMLType.Q4_0: 4, GGMLType.Q4_1: 4, GGMLType.Q8_0: 8}
-# Expanded to float16 (their values are at most a 16-bit scale times a small integer).
+# Expanded to float16, the precision of their own scales (Q4_K: float16 d and dmin
+# times 6-bit sub-scales and 4-bit codes), by the gguf package's decoders.
 DEQUANTIZED = (
     GGMLType.Q5_0,
     GGMLType.Q5_1,
