@@ -77,6 +77,7 @@ class ApiRequest:
     is_stream: bool
     include_usage: bool
     parses_tools: bool = False  # the reply may hold tool calls, in the model's format
+    parallel_tool_calls: bool = True  # False: a reply's calls after the first are dropped
     n: int = 1  # choices: requests of their own that share the prompt (actors/choices.py)
 
 
@@ -217,7 +218,16 @@ def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any)
         check_request(request)
     except RequestError as error:
         raise ApiError.from_error(error) from None
-    return ApiRequest(kind, model, request, is_stream, include_usage, tools.parses_calls, n=n)
+    return ApiRequest(
+        kind,
+        model,
+        request,
+        is_stream,
+        include_usage,
+        tools.parses_calls,
+        parallel_tool_calls=tools.is_parallel,
+        n=n,
+    )
 
 
 def _tools(body: dict[str, Any], kind: str) -> ToolRequest:

@@ -116,6 +116,7 @@ class ToolRequest:
     tools: tuple[dict[str, Any], ...] = ()
     choice: str = "auto"  # "auto", "none", "required" or "function" (then `name`)
     name: str | None = None
+    is_parallel: bool = True  # parallel_tool_calls: false keeps only a reply's first call
 
     @property
     def parses_calls(self) -> bool:
@@ -150,12 +151,13 @@ def tool_request(body: dict[str, Any]) -> ToolRequest:
         raise RequestError("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
     choice = body.get("tool_choice")
     names = [tool["function"]["name"] for tool in tools]
+    is_parallel = parallel is not False
     if choice is None:
-        return ToolRequest(tuple(tools), "auto")
+        return ToolRequest(tuple(tools), "auto", is_parallel=is_parallel)
     if not tools:  # as OpenAI: a choice among no tools is a mistake
         raise RequestError("'tool_choice' needs 'tools'", param="tool_choice")
     if choice in ("auto", "none", "required"):
-        return ToolRequest(tuple(tools), choice)
+        return ToolRequest(tuple(tools), choice, is_parallel=is_parallel)
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if (
@@ -171,7 +173,7 @@ def tool_request(body: dict[str, Any]) -> ToolRequest:
         raise RequestError(
             f"tool_choice names '{name[:64]}', which is not in 'tools'", param="tool_choice"
         )
-    return ToolRequest(tuple(tools), "function", name)
+    return ToolRequest(tuple(tools), "function", name, is_parallel)
 
 
 @attrs.define
@@ -185,6 +187,7 @@ class ToolCallStream:
     """
 
     style: str
+    is_parallel: bool = True  # False: calls after the first are dropped
     parser: Any = None
     ids: list[str] = attrs.Factory(list)
     blank: str = ""  # trailing whitespace held back
@@ -215,6 +218,10 @@ class ToolCallStream:
                     kept = text.rstrip()
                     self.blank = text[len(kept) :]
                     content += kept
+                case CallStart(index, _) | CallArguments(index, _) if (
+                    index > 0 and not self.is_parallel
+                ):
+                    continue
                 case CallStart(index, name):
                     self.blank = ""
                     self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
@@ -265,10 +272,11 @@ class ToolCallDeltas:
     and the finish reason `tool_calls` when the choice made any."""
 
     style: str
+    is_parallel: bool = True  # parallel_tool_calls
     streams: dict[int, ToolCallStream] = attrs.Factory(dict)  # by choice index
 
     def convert(self, index: int, delta: Delta) -> Delta:
-        stream = self.streams.setdefault(index, ToolCallStream(self.style))
+        stream = self.streams.setdefault(index, ToolCallStream(self.style, self.is_parallel))
         content, calls = stream.feed(delta.text)
         if delta.finish_reason is None:
             return attrs.evolve(delta, text=content, tool_calls=tuple(calls))

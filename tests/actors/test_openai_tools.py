@@ -1,0 +1,46 @@
+"""Tool calls into OpenAI's deltas, without a server: ids, blank content, parallel calls."""
+
+from actors.openai_tools import ToolCallStream, whole_tool_calls, with_tool_calls
+
+TWO_CALLS = (
+    'Sure. \n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>\n'
+)
+
+
+def run(stream, text, step):
+    content, deltas = "", []
+    for start in range(0, len(text), step):
+        more, calls = stream.feed(text[start : start + step])
+        content, deltas = content + more, deltas + calls
+    more, calls = stream.finish()
+    return content + more, deltas + calls
+
+
+def test_deltas_carry_the_id_and_name_once_and_reassemble_in_any_split():
+    whole = run(ToolCallStream("hermes"), TWO_CALLS, len(TWO_CALLS))
+    for step in (1, 2, 5, 17):
+        content, deltas = run(ToolCallStream("hermes"), TWO_CALLS, step)
+        assert content == whole[0] == "Sure."  # blanks before and between calls dropped
+        firsts = [d for d in deltas if "id" in d]
+        assert [(d["index"], d["function"]["name"]) for d in firsts] == [(0, "a"), (1, "b")]
+        calls = whole_tool_calls(deltas)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            ("a", '{"x": 1}'),
+            ("b", "{}"),
+        ]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    stream = ToolCallStream("hermes", is_parallel=False)
+    content, deltas = run(stream, TWO_CALLS, 3)
+    assert [c["function"]["name"] for c in whole_tool_calls(deltas)] == ["a"]
+    assert stream.finish_reason("stop") == "tool_calls" and content == "Sure."
+
+
+def test_a_reply_without_calls_keeps_its_whitespace_and_reason():
+    stream = ToolCallStream("hermes")
+    assert run(stream, "plain text \n", 4) == ("plain text \n", [])
+    assert stream.finish_reason("stop") == "stop"
+    choice = {"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}
+    assert with_tool_calls(choice, []) is choice
