@@ -30,7 +30,7 @@ import attrs
 import llguidance
 import mlx.core as mx
 import numpy as np
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark", "choice")
 
@@ -148,28 +148,27 @@ class GrammarCompiler:
         return CompiledGrammar(spec, matcher)
 
 
-_EXECUTOR: llguidance.LLExecutor | None = None
-
-
 def token_masks(states: Sequence[GrammarState | None], vocab_size: int) -> mx.array | None:
     """[B, V] bool: the tokens each row's grammar allows next (all, for a None row).
 
-    None when no row has a grammar. The masks are computed on the host, in parallel
-    over rows (llguidance's executor), and unpacked from bits on the device.
+    None when no row has a grammar. Computed on the host, row by row: llguidance's
+    parallel executor took 2.3 ms for 8 rows of the demo vocabulary on the loaded
+    2-core box, one call per row 0.07 ms in all (its thread pool's wake-ups cost more
+    than the masks). Unpacked from bits by numpy: 0.7 ms for 16 rows of 151,936
+    tokens, 3.8 ms with mlx's ops on the CPU.
     """
-    constrained = [(s.matcher, i) for i, s in enumerate(states) if s is not None]
+    constrained = [(i, s) for i, s in enumerate(states) if s is not None]
     if not constrained:
         return None
-    global _EXECUTOR
-    if _EXECUTOR is None:
-        _EXECUTOR = llguidance.LLExecutor()
     bitmask = allocate_token_bitmask(len(states), vocab_size)  # [B, ceil(V / 32)] int32, all set
-    fill_next_token_bitmask_par(_EXECUTOR, constrained, bitmask)
-    return unpack_mask(bitmask, vocab_size)
+    for i, state in constrained:
+        fill_next_token_bitmask(state.matcher, bitmask, i)
+    return mx.array(unpack_mask(bitmask, vocab_size))
 
 
-def unpack_mask(bitmask: np.ndarray, vocab_size: int) -> mx.array:
-    """[B, W] int32 bit words (token t is bit t % 32 of word t // 32) -> [B, V] bool."""
-    words = mx.array(bitmask)
-    bits = mx.right_shift(words[:, :, None], mx.arange(32, dtype=mx.int32)) & 1  # [B, W, 32]
-    return bits.reshape(words.shape[0], -1)[:, :vocab_size].astype(mx.bool_)
+def unpack_mask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """[B, W] int32 bit words (token t is bit t % 32 of word t // 32) -> [B, V] bool.
+
+    Reads the words as little-endian bytes, as x86-64 and arm64 store them."""
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")  # [B, 32 W]
+    return bits[:, :vocab_size].view(np.bool_)
