@@ -4,17 +4,24 @@ they encode, loaded from safetensors."""
 
 import runtime  # noqa: F401  (the fast BLAS loads before mlx)
 from runtime.checkpoint import load_model
+from runtime.engine import Engine
 from runtime.errors import CheckpointError
 from runtime.gguf import read_gguf
 from runtime.gguf_synth import write_gguf
 from runtime.gguf_tensors import convert_tensor
+from runtime.kv.blocks import BlockPool
+from runtime.runner import run_offline
+from runtime.scheduler import FcfsScheduler
+from runtime.sequence import SequenceParams
 
 import gguf
 import mlx.core as mx
 import mlx.nn as nn
+import mlx_lm
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as GGMLType
+from mlx_lm.generate import generate_step
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3_text"]
 EXACT_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16]
@@ -73,6 +80,23 @@ def test_logits_match_the_same_weights_loaded_from_safetensors(convert, family, 
     else:  # Q4_0/Q4_1/Q8_0 go through mlx's float16 dequantize, the others a float16 copy
         scale = float(mx.abs(expected).max())
         assert float(mx.abs(logits - expected).max()) < 5e-3 * scale
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_decoding_from_a_gguf_matches_mlx_lm_on_the_original(convert, family):
+    """Through the engine (paged KV, prefill in chunks of 8 across Gemma's window of 8)."""
+    path, reference_dir = convert(family, GGMLType.F32)
+    engine = Engine(load_model(path), max_batch=1)
+    pool = BlockPool(
+        engine.kv.num_blocks, engine.kv.block_size, is_caching=True, layout=engine.kv.layout
+    )
+    policy = FcfsScheduler(1, pool, engine.max_context, 8, 64, 0)
+    prompt = [int(t) for t in PROMPT[0].tolist()]
+    request = SequenceParams(prompt_tokens=tuple(prompt), max_tokens=16, ignore_eos=True)
+    tokens = list(run_offline(engine, policy, {"a": request})["a"].tokens)
+    model, _ = mlx_lm.load(str(reference_dir))
+    expected = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=16)]
+    assert tokens == expected
 
 
 def test_q4_0_q4_1_q8_0_stay_mlx_quantized_layers_when_the_dtype_is_kept(convert):
