@@ -1,13 +1,15 @@
 """Quantized weights on the CPU: cadence's kernels against the fp32 expansion (issue 11).
 
-    python examples/bench_cpu_kernels.py [--bits 4] [--decode-tokens 128] [--skip-build]
+    python examples/bench_cpu_kernels.py [--bits 4|8|16] [--decode-tokens 128]
 
 Writes a random-weight checkpoint with SmolLM2-135M's geometry (hidden 576, 30 layers,
 9 heads / 3 KV heads, FFN 1536, vocab 49152, tied embeddings) quantized to `--bits`
-(group 64), then runs each configuration in its own process (so peak memory is its own):
+(group 64; 16: float16, unquantized), then runs each configuration in its own process
+(so peak memory is its own):
 
   - "kernels": the quantized weights kept, cadence's C++ kernels (the default on CPU);
-  - "fp32": CADENCE_QUANT_KERNELS=off, the weights expanded to float32 (OpenBLAS).
+  - "fp32": CADENCE_QUANT_KERNELS=off, the weights expanded to float32 (OpenBLAS);
+  - with --bits 16: "fp32" (the default), "cpu-quantize 8" and "cpu-quantize 4".
 
 and prints single-stream decode tok/s, B=16 decode tok/s, a 512-token prefill and peak
 memory. llama.cpp is the peer when llama-cpp-python is importable (it needs the same
@@ -43,13 +45,16 @@ def make_checkpoint(bits: int) -> Path:
     import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
     from runtime.synth import make_tiny_checkpoint
 
-    path = CHECKPOINT_DIR.with_name(f"{CHECKPOINT_DIR.name}-q{bits}")
+    path = CHECKPOINT_DIR.with_name(f"{CHECKPOINT_DIR.name}-{'f' if bits == 16 else 'q'}{bits}")
     if not (path / "config.json").exists():
-        make_tiny_checkpoint(path, "llama", quantize=(64, bits), **SMOLLM2_135M)
+        if bits == 16:
+            make_tiny_checkpoint(path, "llama", dtype="float16", **SMOLLM2_135M)
+        else:
+            make_tiny_checkpoint(path, "llama", quantize=(64, bits), **SMOLLM2_135M)
     return path
 
 
-def measure(path: Path, decode_tokens: int) -> dict[str, float | str]:
+def measure(path: Path, decode_tokens: int, cpu_quantize: str) -> dict[str, float | str]:
     """Runs in the child process: load, then time the engine on each workload."""
     import resource
 
@@ -66,7 +71,7 @@ def measure(path: Path, decode_tokens: int) -> dict[str, float | str]:
     from kernels.quant_extension import kernel_status
 
     lines: list[str] = []
-    loaded = load_model(path, on_progress=lines.append)
+    loaded = load_model(path, cpu_quantize=cpu_quantize, on_progress=lines.append)
     engine = Engine(loaded, max_batch=16, max_context=1024)
 
     def run(prompts: list[list[int]], max_tokens: int) -> float:
@@ -101,12 +106,16 @@ def measure(path: Path, decode_tokens: int) -> dict[str, float | str]:
     }
 
 
-def run_child(path: Path, decode_tokens: int, kernels: bool) -> dict[str, float | str]:
+def run_child(
+    path: Path, decode_tokens: int, kernels: bool, cpu_quantize: str = "off"
+) -> dict[str, float | str]:
     env = dict(os.environ)
     if not kernels:
         env["CADENCE_QUANT_KERNELS"] = "off"
+    command = [sys.executable, __file__, "--child", str(path)]
+    command += ["--decode-tokens", str(decode_tokens), "--cpu-quantize", cpu_quantize]
     out = subprocess.run(
-        [sys.executable, __file__, "--child", str(path), "--decode-tokens", str(decode_tokens)],
+        command,
         env=env,
         capture_output=True,
         text=True,
@@ -125,17 +134,23 @@ def llama_cpp_note() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    parser.add_argument("--bits", type=int, choices=(4, 8, 16), default=4)
+    parser.add_argument("--cpu-quantize", default="off", help=argparse.SUPPRESS)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        print(json.dumps(measure(args.child, args.decode_tokens)))
+        print(json.dumps(measure(args.child, args.decode_tokens, args.cpu_quantize)))
         return
     path = make_checkpoint(args.bits)
-    print(f"model: {path} ({args.bits}-bit, group 64, SmolLM2-135M geometry, random weights)")
-    rows = {"kernels": run_child(path, args.decode_tokens, True)}
-    rows["fp32"] = run_child(path, args.decode_tokens, False)
+    print(f"model: {path} ({args.bits}-bit, SmolLM2-135M geometry, random weights)")
+    if args.bits == 16:
+        rows = {"fp32": run_child(path, args.decode_tokens, True)}
+        for bits in ("8", "4"):
+            rows[f"cpu-quantize {bits}"] = run_child(path, args.decode_tokens, True, bits)
+    else:
+        rows = {"kernels": run_child(path, args.decode_tokens, True)}
+        rows["fp32"] = run_child(path, args.decode_tokens, False)
     for name, row in rows.items():
         print(f"  {name}: {row['status']}")
         print(f"  {name}: {row['weights']}")

@@ -1,5 +1,6 @@
 #include "quant_ops.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -23,40 +24,61 @@ std::atomic<uint64_t> kernel_calls{0};
 // A chunk should stream at least this many weights: waking a sleeping worker costs
 // ~10-20 us, about what one core needs to read 256K 4-bit weights.
 constexpr int64_t kMinValuesPerChunk = 1 << 18;
+constexpr int kMostRowsForWideLanes = 3;
 
-bool wants_baseline() {
-  const char* forced = std::getenv("CADENCE_CPU_ISA");
-  return forced != nullptr && std::strcmp(forced, "baseline") == 0;
-}
-
-bool has_avx2() {
-#if defined(CADENCE_HAS_AVX2)
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return false;
-#endif
+// CADENCE_CPU_ISA=baseline|avx2 caps the instruction set (for comparisons and tests).
+bool is_allowed(const char* isa) {
+  const char* cap = std::getenv("CADENCE_CPU_ISA");
+  if (cap == nullptr || *cap == '\0') {
+    return true;
+  }
+  const char* order[] = {"baseline", "avx2", "avx512"};
+  int cap_rank = -1, isa_rank = -1;
+  for (int i = 0; i < 3; ++i) {
+    if (std::strcmp(cap, order[i]) == 0) cap_rank = i;
+    if (std::strcmp(isa, order[i]) == 0) isa_rank = i;
+  }
+  return cap_rank < 0 || isa_rank <= cap_rank;
 }
 
 struct Kernels {
   MatmulRows matmul;
   DequantizeRows dequantize;
+  int lanes;  // how the activations are packed for `matmul`
   const char* name;
 };
 
-const Kernels& kernels() {
-  static const Kernels chosen = [] {
-#if defined(CADENCE_HAS_AVX2)
-    if (has_avx2() && !wants_baseline()) {
-      return Kernels{avx2::matmul_rows, avx2::dequantize_rows, "avx2+fma"};
-    }
-#endif
 #if defined(__aarch64__)
-    return Kernels{baseline::matmul_rows, baseline::dequantize_rows, "neon"};
+constexpr const char* kBaselineName = "neon";
 #else
-    return Kernels{baseline::matmul_rows, baseline::dequantize_rows, "baseline"};
+constexpr const char* kBaselineName = "baseline";
 #endif
-  }();
-  return chosen;
+
+// The best kernels for x with `num_rows` rows. AVX-512's 16 lanes halve the
+// instructions per weight, which pays when few rows share each decoded block; with
+// more rows the 8-lane AVX2 loop measured faster here (4-bit, group 64, M=16:
+// 120 vs 150 ms of CPU for a SmolLM2-135M-shaped pass; M=1: 24 vs 24 ms; 8-bit M=1: 35 vs 28).
+const Kernels& kernels(int num_rows) {
+  static const Kernels baseline_kernels{
+      baseline::matmul_rows, baseline::dequantize_rows, baseline::matmul_lanes(), kBaselineName};
+#if defined(CADENCE_HAS_X86_KERNELS)
+  static const bool has_avx2 = __builtin_cpu_supports("avx2") &&
+      __builtin_cpu_supports("fma") && is_allowed("avx2");
+  static const bool has_avx512 = has_avx2 && __builtin_cpu_supports("avx512f") &&
+      __builtin_cpu_supports("avx512vl") && is_allowed("avx512");
+  static const Kernels avx2_kernels{
+      avx2::matmul_rows, avx2::dequantize_rows, avx2::matmul_lanes(), "avx2+fma"};
+  static const Kernels avx512_kernels{
+      avx512::matmul_rows, avx512::dequantize_rows, avx512::matmul_lanes(), "avx512"};
+  if (has_avx512 && num_rows <= kMostRowsForWideLanes) {
+    return avx512_kernels;
+  }
+  if (has_avx2) {
+    return avx2_kernels;
+  }
+#endif
+  (void)num_rows;
+  return baseline_kernels;
 }
 
 void check_operands(
@@ -96,26 +118,46 @@ void require_row_contiguous(const mx::array& a, const char* what) {
   }
 }
 
-// x (any 2-D strides) -> xt, xsum as MatmulJob describes them.
-void pack_strided_activations(const mx::array& x, int group_size, int bits, float* xt, float* xsum) {
-  const int M = x.shape(0), K = x.shape(1);
-  const int64_t row_stride = x.strides(0), col_stride = x.strides(1);
-  const float* base = x.data<float>();
+struct MatmulTask {
+  MatmulJob job;
+  MatmulRows rows;
+};
+
+void run_matmul_chunk(const void* context, int row_begin, int row_end) {
+  const auto& task = *static_cast<const MatmulTask*>(context);
+  task.rows(task.job, row_begin, row_end);
+}
+
+void run_dequantize_chunk(const void* context, int row_begin, int row_end) {
+  kernels(0).dequantize(*static_cast<const DequantizeJob*>(context), row_begin, row_end);
+}
+
+}  // namespace
+
+void pack_activations(
+    const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
+    int group_size, int bits, int lanes, float* xt, float* xsum) {
   const int per_word = 32 / bits;
-  const int block = 8 * per_word;
-  const int num_blocks = K / block;
+  const int words = K / per_word;
+  const int wide_end = words / lanes * lanes;
+  const int narrow_end = words / 8 * 8;
   const int num_groups = K / group_size;
   for (int m = 0; m < M; ++m) {
-    const float* row = base + m * row_stride;
+    const float* row = x + m * row_stride;
     float* t = xt + static_cast<int64_t>(m) * K;
-    for (int b = 0; b < num_blocks; ++b) {
-      for (int lane = 0; lane < 8; ++lane) {
-        for (int j = 0; j < per_word; ++j) {
-          t[b * block + j * 8 + lane] = row[(b * block + lane * per_word + j) * col_stride];
+    auto pack_blocks = [&](int first_word, int end_word, int L) {
+      for (int word = first_word; word < end_word; word += L) {
+        const int base = word * per_word;
+        for (int l = 0; l < L; ++l) {
+          for (int j = 0; j < per_word; ++j) {
+            t[base + j * L + l] = row[(base + l * per_word + j) * col_stride];
+          }
         }
       }
-    }
-    for (int k = num_blocks * block; k < K; ++k) {
+    };
+    pack_blocks(0, wide_end, lanes);
+    pack_blocks(wide_end, narrow_end, 8);
+    for (int k = narrow_end * per_word; k < K; ++k) {
       t[k] = row[k * col_stride];
     }
     for (int g = 0; g < num_groups; ++g) {
@@ -127,16 +169,6 @@ void pack_strided_activations(const mx::array& x, int group_size, int bits, floa
     }
   }
 }
-
-void run_matmul_chunk(const void* context, int row_begin, int row_end) {
-  kernels().matmul(*static_cast<const MatmulJob*>(context), row_begin, row_end);
-}
-
-void run_dequantize_chunk(const void* context, int row_begin, int row_end) {
-  kernels().dequantize(*static_cast<const DequantizeJob*>(context), row_begin, row_end);
-}
-
-}  // namespace
 
 mx::array matmul(
     const mx::array& x,
@@ -201,14 +233,18 @@ void QuantizedRowsMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::arr
     thread_local std::vector<float> xt, xsum;
     xt.resize(static_cast<size_t>(M) * K);
     xsum.resize(static_cast<size_t>(M) * (K / group_size));
-    pack_strided_activations(x, group_size, bits, xt.data(), xsum.data());
-    const MatmulJob job{
-        w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), xt.data(),
-        xsum.data(), out.data<float>(), M, N, K, group_size, bits};
+    const Kernels& chosen = kernels(M);
+    pack_activations(
+        x.data<float>(), x.strides(0), x.strides(1), M, K, group_size, bits,
+        chosen.lanes, xt.data(), xsum.data());
+    const MatmulTask task{
+        MatmulJob{w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), xt.data(),
+                  xsum.data(), out.data<float>(), M, N, K, group_size, bits},
+        chosen.matmul};
     // Rows sharing a decode (4 at a time) make a row's work grow with M.
     const int64_t work_per_row = static_cast<int64_t>(K) * ((M + 3) / 4);
     const int min_rows = static_cast<int>(std::max<int64_t>(1, kMinValuesPerChunk / work_per_row));
-    row_pool()->run(run_matmul_chunk, &job, N, min_rows);
+    row_pool()->run(run_matmul_chunk, &task, N, min_rows);
   });
 }
 
@@ -264,7 +300,9 @@ uint64_t num_kernel_calls() {
 }
 
 std::string isa() {
-  return kernels().name;
+  const std::string decode = kernels(1).name, batch = kernels(kMostRowsForWideLanes + 1).name;
+  return decode == batch ? decode : decode + " (1-" + std::to_string(kMostRowsForWideLanes) +
+          " rows), " + batch;
 }
 
 int num_threads() {

@@ -1,5 +1,6 @@
-// See row_kernels.h. Written with GCC/Clang vector extensions: 8 fp32 lanes map to
-// one AVX2 register, or two SSE/NEON registers, with the same source.
+// See row_kernels.h. Written with GCC/Clang vector extensions: a block of L packed words
+// is one vector of L fp32 lanes, which the compiler maps to AVX-512 (16 lanes), AVX2 (8),
+// or pairs of SSE/NEON registers (8), from the same source.
 //
 // The dot products stay in fp32 (no int8 activations as llama.cpp's Q4_1 x Q8_1):
 // cadence promises greedy parity with mlx-lm, whose reference rounds only the weights.
@@ -10,82 +11,123 @@
 #ifndef CADENCE_ISA
 #error "compile with -DCADENCE_ISA=<namespace>"
 #endif
+#ifndef CADENCE_LANES
+#define CADENCE_LANES 8
+#endif
 
 namespace cadence_quant {
 namespace CADENCE_ISA {
 namespace {
 
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef int32_t i32x8 __attribute__((vector_size(32)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-constexpr int kLanes = 8;  // one block is 8 packed words, one per lane
+constexpr int kWideLanes = CADENCE_LANES;
 constexpr int kMaxRowsTogether = 4;  // x rows sharing one decode of a weight block
 
-inline f32x8 load8(const float* p) {
-  f32x8 v;
+template <int L>
+struct Vec {
+  typedef float f32 __attribute__((vector_size(4 * L)));
+  typedef int32_t i32 __attribute__((vector_size(4 * L)));
+  typedef uint32_t u32 __attribute__((vector_size(4 * L)));
+};
+
+template <int L>
+inline typename Vec<L>::f32 load(const float* p) {
+  typename Vec<L>::f32 v;
   memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline float sum_lanes(f32x8 v) {
+template <int L>
+inline float sum_lanes(typename Vec<L>::f32 v) {
   float s = 0.0f;
-  for (int l = 0; l < kLanes; ++l) {
+  for (int l = 0; l < L; ++l) {
     s += v[l];
   }
   return s;
 }
 
-// Lane l of the block's scale vector scales word l of the block.
-inline f32x8 block_scales(const float* scales, int first_element, int values_per_word, int group) {
-  f32x8 s;
-  for (int l = 0; l < kLanes; ++l) {
-    s[l] = scales[(first_element + l * values_per_word) / group];
+// Adds the products of blocks [first_block, end_block) of L words to partial[0..rows).
+// Lane l of block b holds word b * L + l; x is packed to match (MatmulJob::xt).
+template <int BITS, int L>
+void add_blocks(
+    const uint32_t* w,
+    const float* scales,
+    const float* const* x_rows,
+    int rows,
+    int group,
+    int first_word,
+    int end_word,
+    float* partial) {
+  using F = typename Vec<L>::f32;
+  using I = typename Vec<L>::i32;
+  using U = typename Vec<L>::u32;
+  constexpr int kPerWord = 32 / BITS;
+  constexpr int kBlock = L * kPerWord;  // values in one block
+  constexpr uint32_t kMask = (1u << BITS) - 1;
+  F total[kMaxRowsTogether] = {};
+  // A block spans kBlock / group groups (up to 4): lane l belongs to group l * kPerWord / group.
+  const int groups_per_block = group >= kBlock ? 1 : kBlock / group;
+  I lane_group;
+  for (int l = 0; l < L; ++l) {
+    lane_group[l] = l * kPerWord / group;
   }
-  return s;
+  for (int word = first_word; word < end_word; word += L) {
+    const int first_value = word * kPerWord;
+    U packed;
+    memcpy(&packed, w + word, sizeof packed);
+    F q[kPerWord];
+    for (int j = 0; j < kPerWord; ++j) {
+      q[j] = __builtin_convertvector((I)((packed >> (BITS * j)) & kMask), F);
+    }
+    const float* block_scales = scales + first_value / group;
+    F s = F{} + block_scales[0];
+    for (int g = 1; g < groups_per_block; ++g) {
+      s = lane_group == g ? F{} + block_scales[g] : s;
+    }
+    for (int r = 0; r < rows; ++r) {
+      const float* xb = x_rows[r] + first_value;
+      // Two chains of FMAs instead of one: their latency, not the loads, bounds a row.
+      F even = q[0] * load<L>(xb), odd = q[1] * load<L>(xb + L);
+      for (int j = 2; j < kPerWord; j += 2) {
+        even += q[j] * load<L>(xb + j * L);
+        odd += q[j + 1] * load<L>(xb + (j + 1) * L);
+      }
+      total[r] += s * (even + odd);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    partial[r] += sum_lanes<L>(total[r]);
+  }
 }
 
 template <int BITS>
 void matmul_rows_bits(const MatmulJob& job, int row_begin, int row_end) {
   constexpr int kPerWord = 32 / BITS;
-  constexpr int kBlock = kLanes * kPerWord;  // values in one block
   constexpr uint32_t kMask = (1u << BITS) - 1;
   const int K = job.K, group = job.group_size;
   const int words_per_row = K / kPerWord;
-  const int num_blocks = K / kBlock;
+  const int wide_end = words_per_row / kWideLanes * kWideLanes;
+  const int narrow_end = words_per_row / 8 * 8;  // an 8-word block after the wide ones
   const int num_groups = K / group;
-  const bool is_one_group_per_block = group >= kBlock;
   for (int n = row_begin; n < row_end; ++n) {
     const uint32_t* w = job.w + static_cast<int64_t>(n) * words_per_row;
     const float* scales = job.scales + static_cast<int64_t>(n) * num_groups;
     const float* biases = job.biases + static_cast<int64_t>(n) * num_groups;
     for (int m0 = 0; m0 < job.M; m0 += kMaxRowsTogether) {
       const int rows = job.M - m0 < kMaxRowsTogether ? job.M - m0 : kMaxRowsTogether;
-      f32x8 total[kMaxRowsTogether] = {};
-      for (int b = 0; b < num_blocks; ++b) {
-        u32x8 packed;
-        memcpy(&packed, w + b * kLanes, sizeof packed);
-        f32x8 q[kPerWord];
-        for (int j = 0; j < kPerWord; ++j) {
-          q[j] = __builtin_convertvector((i32x8)((packed >> (BITS * j)) & kMask), f32x8);
-        }
-        const f32x8 s = is_one_group_per_block
-            ? f32x8{} + scales[(b * kBlock) / group]
-            : block_scales(scales, b * kBlock, kPerWord, group);
-        for (int r = 0; r < rows; ++r) {
-          const float* xb = job.xt + static_cast<int64_t>(m0 + r) * K + b * kBlock;
-          f32x8 acc = q[0] * load8(xb);
-          for (int j = 1; j < kPerWord; ++j) {
-            acc += q[j] * load8(xb + j * kLanes);
-          }
-          total[r] += s * acc;
-        }
+      const float* x_rows[kMaxRowsTogether];
+      float partial[kMaxRowsTogether] = {};
+      for (int r = 0; r < rows; ++r) {
+        x_rows[r] = job.xt + static_cast<int64_t>(m0 + r) * K;
+      }
+      add_blocks<BITS, kWideLanes>(w, scales, x_rows, rows, group, 0, wide_end, partial);
+      if (kWideLanes != 8) {
+        add_blocks<BITS, 8>(w, scales, x_rows, rows, group, wide_end, narrow_end, partial);
       }
       for (int r = 0; r < rows; ++r) {
         const int64_t m = m0 + r;
-        const float* x = job.xt + m * K;  // the tail past the last block is not transposed
+        const float* x = x_rows[r];  // the words past the last block are not transposed
         float tail = 0.0f;
-        for (int word = num_blocks * kLanes; word < words_per_row; ++word) {
+        for (int word = narrow_end; word < words_per_row; ++word) {
           for (int j = 0; j < kPerWord; ++j) {
             const int k = word * kPerWord + j;
             tail += static_cast<float>((w[word] >> (BITS * j)) & kMask) * scales[k / group] * x[k];
@@ -96,7 +138,7 @@ void matmul_rows_bits(const MatmulJob& job, int row_begin, int row_end) {
         for (int g = 0; g < num_groups; ++g) {
           offset += biases[g] * xsum[g];
         }
-        job.out[m * job.N + n] = sum_lanes(total[r]) + tail + offset;
+        job.out[m * job.N + n] = partial[r] + tail + offset;
       }
     }
   }
@@ -104,31 +146,34 @@ void matmul_rows_bits(const MatmulJob& job, int row_begin, int row_end) {
 
 template <int BITS>
 void dequantize_rows_bits(const DequantizeJob& job, int row_begin, int row_end) {
+  using F = Vec<8>::f32;
+  using I = Vec<8>::i32;
+  using U = Vec<8>::u32;
   constexpr int kPerWord = 32 / BITS;
   constexpr uint32_t kMask = (1u << BITS) - 1;
   const int K = job.K, group = job.group_size;
   const int words_per_row = K / kPerWord;
   const int num_groups = K / group;
   // Lane l of 8 consecutive values reads word l / kPerWord at shift (l % kPerWord) * BITS.
-  u32x8 shifts;
-  for (int l = 0; l < kLanes; ++l) {
+  U shifts;
+  for (int l = 0; l < 8; ++l) {
     shifts[l] = (l % kPerWord) * BITS;
   }
   for (int n = row_begin; n < row_end; ++n) {
     const uint32_t* w = job.w + static_cast<int64_t>(n) * words_per_row;
     float* out = job.out + static_cast<int64_t>(n) * K;
     for (int g = 0; g < num_groups; ++g) {
-      const f32x8 s = f32x8{} + job.scales[static_cast<int64_t>(n) * num_groups + g];
-      const f32x8 bias = f32x8{} + job.biases[static_cast<int64_t>(n) * num_groups + g];
-      for (int k = g * group; k < (g + 1) * group; k += kLanes) {
+      const F s = F{} + job.scales[static_cast<int64_t>(n) * num_groups + g];
+      const F bias = F{} + job.biases[static_cast<int64_t>(n) * num_groups + g];
+      for (int k = g * group; k < (g + 1) * group; k += 8) {
         // 8 values span one word (4 bits) or two (8 bits): broadcast, then shift per lane.
         const uint32_t first = w[k / kPerWord];
-        const uint32_t second = w[(k + kLanes - 1) / kPerWord];
-        const u32x8 words = kPerWord >= kLanes
-            ? u32x8{} + first
-            : u32x8{first, first, first, first, second, second, second, second};
-        const f32x8 q = __builtin_convertvector((i32x8)((words >> shifts) & kMask), f32x8);
-        const f32x8 value = q * s + bias;
+        const uint32_t second = w[(k + 7) / kPerWord];
+        const U words = kPerWord >= 8
+            ? U{} + first
+            : U{first, first, first, first, second, second, second, second};
+        const F q = __builtin_convertvector((I)((words >> shifts) & kMask), F);
+        const F value = q * s + bias;
         memcpy(out + k, &value, sizeof value);
       }
     }
@@ -136,6 +181,10 @@ void dequantize_rows_bits(const DequantizeJob& job, int row_begin, int row_end) 
 }
 
 }  // namespace
+
+int matmul_lanes() {
+  return kWideLanes;
+}
 
 void matmul_rows(const MatmulJob& job, int row_begin, int row_end) {
   if (job.bits == 4) {

@@ -1,9 +1,10 @@
 // The inner loops of cadence's quantized CPU matmul, one copy per instruction set.
 //
-// row_kernels.cpp is compiled twice (see CMakeLists.txt): once for the baseline
-// target (SSE2 on x86-64, NEON on arm64) and once with AVX2+FMA on x86-64, each
-// into its own namespace. It includes only C headers, so no inline function
-// compiled with AVX2 can be picked by the linker for the baseline copy.
+// row_kernels.cpp is compiled once per instruction set (see CMakeLists.txt), each
+// copy in its own namespace: the baseline target (SSE2 on x86-64, NEON on arm64),
+// and on x86-64 AVX2+FMA (8 lanes) and AVX-512 (16 lanes), chosen at run time. It
+// includes only C headers, so no inline function compiled for AVX2 or AVX-512 can be
+// picked by the linker for the baseline copy.
 #pragma once
 
 #include <stdint.h>
@@ -17,7 +18,7 @@ struct MatmulJob {
   const uint32_t* w;  // [N, K * bits / 32]
   const float* scales;  // [N, K / group_size]
   const float* biases;  // [N, K / group_size]
-  const float* xt;  // [M, K]: x with each block of 8 words' values transposed (see quant_ops.cpp)
+  const float* xt;  // [M, K]: x with each block's values transposed (pack_activations)
   const float* xsum;  // [M, K / group_size]: x summed over each group (for the biases)
   float* out;  // [M, N]
   int M, N, K, group_size, bits;
@@ -34,13 +35,22 @@ struct DequantizeJob {
 using MatmulRows = void (*)(const MatmulJob&, int row_begin, int row_end);
 using DequantizeRows = void (*)(const DequantizeJob&, int row_begin, int row_end);
 
+// x[M, K] (any strides) -> xt, xsum for a kernel of `lanes` lanes: the packed words of
+// a row form blocks of `lanes` words, then one block of 8 if `lanes` is 16, then a tail;
+// in a block of L words, value j of word l (x index l * 32/bits + j) goes to j * L + l.
+void pack_activations(
+    const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
+    int group_size, int bits, int lanes, float* xt, float* xsum);
+
 #define CADENCE_DECLARE_ROW_KERNELS(ns)                                  \
   namespace ns {                                                         \
+  int matmul_lanes();                                                    \
   void matmul_rows(const MatmulJob& job, int row_begin, int row_end);    \
   void dequantize_rows(const DequantizeJob& job, int row_begin, int row_end); \
   }
 
 CADENCE_DECLARE_ROW_KERNELS(baseline)
 CADENCE_DECLARE_ROW_KERNELS(avx2)
+CADENCE_DECLARE_ROW_KERNELS(avx512)
 
 }  // namespace cadence_quant

@@ -1,6 +1,10 @@
 """kernels/quantized_matmul.py and the C++ kernels under it, against the pure-mx reference."""
 
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -63,6 +67,44 @@ def test_the_kernel_really_runs_on_the_cpu_when_built():
         before = ext.num_kernel_calls()
         mx.eval(quantized_matmul(mx.ones((m, 128)), w, scales, biases, 64, 4))
         assert ext.num_kernel_calls() == before + 1
+
+
+EVERY_LAYOUT_SCRIPT = """
+import runtime
+import mlx.core as mx
+from kernels.quant_extension import quant_extension
+from kernels.quantized_matmul import reference_quantized_matmul
+ext = quant_extension()
+for bits in (4, 8):
+    for group_size in (32, 64, 128):
+        k = 3 * group_size
+        w, scales, biases = mx.quantize(mx.random.normal((37, k)), group_size=group_size, bits=bits)
+        for m in (1, 3, 16):
+            x = mx.random.normal((m, k))
+            ours = ext.matmul(x, w, scales, biases, group_size, bits)
+            want = reference_quantized_matmul(x, w, scales, biases, group_size, bits)
+            assert mx.allclose(ours, want, rtol=1e-4, atol=1e-4).item(), (bits, group_size, m)
+print(ext.isa())
+"""
+
+
+@needs_kernels
+@pytest.mark.parametrize("cap", ["baseline", "avx2"])
+def test_every_instruction_set_matches_the_reference(cap):
+    """The widest kernels run by default; CADENCE_CPU_ISA caps them to test the others."""
+    out = subprocess.run(
+        [sys.executable, "-c", EVERY_LAYOUT_SCRIPT],
+        env={**os.environ, "CADENCE_CPU_ISA": cap},
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    isa = out.stdout.strip().splitlines()[-1]
+    assert "avx512" not in isa
+    if cap == "baseline":
+        assert isa in ("baseline", "neon")
 
 
 @needs_kernels
