@@ -44,6 +44,7 @@ class FakeEngine:
     def __init__(self, *, max_batch: int = 4, max_context: int = 256, token: int = 300):
         self.max_batch = max_batch
         self.max_context = self.kv_tokens = max_context
+        self.eos_ids: frozenset[int] = frozenset()  # rows end at max_tokens
         self.token = token
         self.rows: dict[int, list[Any]] = {}  # seq_id -> [params, num_generated, num_pending]
         self.queued: deque[tuple[int, list[int]]] = deque()
@@ -133,7 +134,7 @@ def fake_loaded(name: str = "fake") -> Any:
     return types.SimpleNamespace(
         name=name,
         tokenizer=tokenizer,
-        config=types.SimpleNamespace(vocab_size=tokenizer.vocab_size),
+        config=types.SimpleNamespace(vocab_size=tokenizer.vocab_size, model_type="llama"),
     )
 
 
