@@ -27,7 +27,7 @@ from runtime.checkpoint import LoadedModel, load_model
 from runtime.cpu_weights import DEFAULT_CPU_QUANTIZE
 from runtime.engine import DEFAULT_BLOCK_SIZE, Engine
 from runtime.errors import RequestError
-from runtime.grammar import GrammarCompiler
+from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.kv.blocks import BlockPool
 from runtime.ladder import measure_ladder
 from runtime.runner import PlanRunner
@@ -284,6 +284,7 @@ class LLM:
         stop: str | list[str] | tuple[str, ...] = (),
         ignore_eos: bool = False,
         priority: int = 0,
+        grammar: GrammarSpec | None = None,
         **sampling: Any,
     ) -> Generation:
         """Stream a completion of `prompt`, or of chat `messages` through the chat template.
@@ -291,7 +292,9 @@ class LLM:
         `sampling` takes `runtime.sequence.SamplingParams` fields (temperature, top_p,
         top_k, min_p, seed, penalties, logit_bias as {token_id: bias}, logprobs=N for
         each token's logprob and its N most likely alternatives, 0..20, in
-        `Delta.logprobs`); temperature 0 (the default) is greedy. `priority`: lower values are scheduled first and
+        `Delta.logprobs`); temperature 0 (the default) is greedy. `grammar`: structured
+        output, e.g. `GrammarSpec("json_schema", schema_text, "grammar")` (runtime/grammar.py);
+        a grammar that does not compile fails `start()` with RequestError. `priority`: lower values are scheduled first and
         preempted last (vLLM's meaning); equal ones first come, first served.
         Returns a `Generation`: iterate it, ideally inside
         `async with`, so that leaving early aborts the request at once.
@@ -309,6 +312,7 @@ class LLM:
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
             ignore_eos=ignore_eos,
             priority=priority,
+            grammar=grammar,
         )
         return Generation(self, check_request(request))
 

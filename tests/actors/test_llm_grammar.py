@@ -1,0 +1,52 @@
+"""Structured output through the embedding API: `llm.generate(grammar=...)`."""
+
+import json
+from functools import partial
+
+from runtime.errors import RequestError
+from runtime.grammar import GrammarSpec
+
+import jsonschema
+import pytest
+import trio
+
+import actors
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"word": {"type": "string", "maxLength": 8}, "n": {"enum": [1, 2, 3]}},
+    "required": ["word", "n"],
+    "additionalProperties": False,
+}
+
+
+async def text_of(llm, prompt, **kwargs):
+    async with llm.generate(prompt, max_tokens=60, **kwargs) as generation:
+        return "".join([delta.text async for delta in generation]), generation.finish_reason
+
+
+async def test_constrained_and_free_generations_share_the_batch(tiny):
+    grammar = GrammarSpec("json_schema", json.dumps(SCHEMA), "grammar")
+    results = {}
+    async with actors.open_llm(tiny, max_batch=4) as llm:
+        free_alone = await text_of(llm, "Hello", ignore_eos=True)
+
+        async def one(name, **kwargs):
+            results[name] = await text_of(llm, "Hello", **kwargs)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(one, "json0", grammar=grammar))
+            nursery.start_soon(partial(one, "json1", grammar=grammar, temperature=1.0, seed=3))
+            nursery.start_soon(partial(one, "free", ignore_eos=True))
+    for name in ("json0", "json1"):
+        text, reason = results[name]
+        jsonschema.validate(json.loads(text), SCHEMA)
+        assert reason == "stop"
+    assert results["free"] == free_alone
+
+
+async def test_a_grammar_that_does_not_compile_fails_start(tiny):
+    async with actors.open_llm(tiny) as llm:
+        with pytest.raises(RequestError) as raised:
+            await text_of(llm, "Hi", grammar=GrammarSpec("regex", "([", "grammar"))
+    assert raised.value.param == "grammar"
