@@ -31,6 +31,7 @@ from runtime.scheduler import FcfsScheduler
 from runtime.sequence import SequenceParams
 from runtime.synth import make_tiny_checkpoint
 
+import attrs
 import mlx.core as mx
 from bench_engine import mlx_lm_decode, ours, prompts_for
 from mlx.utils import tree_flatten
@@ -56,22 +57,23 @@ def bench_checkpoint(root: Path) -> Path:
     return path
 
 
-def peak_blocks(layout: KVLayout, prompt_tokens: int, new_tokens: int) -> int:
-    """Drive the policy alone (no model): the most blocks the pool held for one row."""
-    pool = BlockPool(1 << 20, BLOCK, is_caching=False, layout=layout)
-    policy = FcfsScheduler(1, pool, prompt_tokens + new_tokens + 1, CHUNK, CHUNK, CHUNK)
-    policy.add("a", SequenceParams(prompt_tokens=tuple(range(prompt_tokens)), max_tokens=new_tokens))
+def kv_bytes(layers: int, kv_heads: int, head_dim: int, windows: tuple, dtype: mx.Dtype) -> int:
+    """Drive the policy alone (no model) over one 8,000-token row: the most KV bytes
+    its blocks held at once, summed over the layer groups' pools."""
+    layout = KVLayout.for_layers(layers, windows)
+    layout = attrs.evolve(layout, group_num_blocks=(1 << 12,) * layout.num_groups)
+    pool = BlockPool(1 << 12, BLOCK, is_caching=False, layout=layout)
+    group_block_bytes = [
+        PagedKV.bytes_per_block(len(group), kv_heads, head_dim, BLOCK, dtype) for group in layout.group_layers
+    ]
+    policy = FcfsScheduler(1, pool, 8000 + 64 + 1, CHUNK, CHUNK, CHUNK)
+    policy.add("a", SequenceParams(prompt_tokens=tuple(range(8000)), max_tokens=64))
     peak = 0
     while (plan := policy.schedule()) is not None:  # None once the row is at max_tokens
-        peak = max(peak, pool.num_used_blocks)
+        held = sum(p.num_used_blocks * b for p, b in zip(pool.group_pools, group_block_bytes, strict=True))
+        peak = max(peak, held)
         policy.on_step_done(plan.step, [(s.request_id, 0, False) for s in plan.spans if s.samples])
     return peak
-
-
-def kv_bytes(layers: int, kv_heads: int, head_dim: int, windows: tuple, dtype: mx.Dtype) -> int:
-    layout = KVLayout.for_layers(layers, windows)
-    per_block = PagedKV.bytes_per_block(layout.group_size, kv_heads, head_dim, BLOCK, dtype)
-    return peak_blocks(layout, 8000, 64) * per_block
 
 
 def report_kv() -> None:

@@ -47,7 +47,7 @@ from runtime.errors import CadenceError, RequestError
 from runtime.finishing import finish_step
 from runtime.grammar import GrammarState, token_masks
 from runtime.kv.base import RowSpan
-from runtime.kv.layout import SIZING_CHUNK, KVLayout
+from runtime.kv.layout import KVLayout
 from runtime.kv.paged import PagedKV, available_memory
 from runtime.ladder import BatchLadder, pad_step
 from runtime.sampling import Logprobs, RowSampler, Sampled, joined, logprob_rows, sample
@@ -215,13 +215,16 @@ class Engine:
         self.eos_ids = frozenset(config.eos_token_ids) | loaded.tokenizer.eos_token_ids
         dtype = self.model.model.norm.weight.dtype
         geometry = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+        # Sliding-window layers keep pools of their own, sized for max_batch rows
+        # (runtime/kv/layout.py); the budget's rest goes to the first group's blocks.
         self.kv_layout = KVLayout.for_layers(config.num_hidden_layers, config.layer_windows)
-        self.bytes_per_block = PagedKV.bytes_per_block(
-            self.kv_layout.group_size, *geometry[1:], block_size, dtype
+        self.bytes_per_block, self.window_bytes = PagedKV.sizing(
+            self.kv_layout, *geometry[1:], block_size, dtype, max_batch
         )
         num_blocks = self._num_blocks(kv_budget, block_size)
         self.kv = PagedKV(
-            *geometry, config.num_queries_per_kv, num_blocks, block_size, dtype, config.layer_windows
+            *geometry, config.num_queries_per_kv, num_blocks, block_size, dtype,
+            config.layer_windows, max_batch,
         )
         self.kv_tokens = self.kv_layout.max_row_tokens(num_blocks, block_size)
         self.max_context = min(self.model_max_context, self.kv_tokens)
@@ -240,15 +243,15 @@ class Engine:
             raise ValueError(
                 f"kv_budget must be bytes > 0 or a fraction in (0, 1), got {kv_budget!r}"
             )
-        blocks_per_row = self.kv_layout.blocks_per_row(self.model_max_context, block_size, SIZING_CHUNK)
+        blocks_per_row = self.kv_layout.row_blocks(0, self.model_max_context, block_size)
         wanted = self.max_batch * blocks_per_row
         if isinstance(kv_budget, int):
-            return max(kv_budget // self.bytes_per_block, 1)
+            return max((kv_budget - self.window_bytes) // self.bytes_per_block, 1)
         available = available_memory()
         if available is None:
             return wanted
         fraction = DEFAULT_FREE_FRACTION if kv_budget is None else kv_budget
-        affordable = max(int(available * fraction) // self.bytes_per_block, 1)
+        affordable = max((int(available * fraction) - self.window_bytes) // self.bytes_per_block, 1)
         return min(wanted, affordable) if kv_budget is None else affordable
 
     # -- sequences ---------------------------------------------------------------

@@ -241,7 +241,7 @@ class FcfsScheduler:
         """Blocks the decoding rows need for their next token beyond what the pool has."""
         size = self.pool.block_size
         needed = sum(
-            self.pool.num_groups - self.pool.num_out_of_window(r.tables, r.num_computed)
+            1 - self.pool.num_out_of_window(r.tables, r.num_computed)
             for r in self.running.values()
             if not r.is_prefilling
             and not self._is_at_bounds(r)
@@ -369,16 +369,13 @@ class FcfsScheduler:
     def _committed(self) -> int:
         """Blocks running requests still need for their known tokens, or one to grow."""
         return sum(
-            max(
-                self.pool.blocks_for_row(r.frontier + 1, self._max_chunk) - self.pool.num_held(r.tables),
-                self.pool.num_groups,
-            )
+            max(self.pool.blocks_for_row(r.frontier + 1, self._max_chunk) - self.pool.num_held(r.tables), 1)
             for r in self.running.values()
         )
 
     @property
     def _max_chunk(self) -> int:
-        """The most tokens one span computes: a windowed group holds its window and that."""
+        """The most tokens one span computes: a windowed group 0 holds its window and that."""
         return max(self.prefill_chunk, self.solo_prefill_tokens)
 
     def _spans(self) -> list[PlannedSpan]:
@@ -424,12 +421,12 @@ class FcfsScheduler:
             num_new = 1
         if num_new <= 0:
             return 0
-        # Give back what fell out of a window, then take the blocks it needs (one per
-        # layer group for each block of positions); a chunk shrinks to the blocks there are.
+        # Give back what fell out of a window, then take the blocks it needs (in every
+        # layer group's table); a chunk shrinks to the blocks there are.
         self.pool.release_out_of_window(request.tables, request.num_computed)
         room = len(request.blocks) * self.pool.block_size - request.num_computed
         missing = self.pool.blocks_for(max(num_new - room, 0))
-        missing = min(missing, self.pool.num_free_blocks // self.pool.num_groups)
+        missing = min(missing, self.pool.num_growable(request.tables, request.num_computed))
         self.pool.grow_tables(request.tables, missing)
         return min(num_new, room + missing * self.pool.block_size)
 

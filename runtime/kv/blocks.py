@@ -20,17 +20,19 @@ full, and full blocks are never written again, so sharing needs no copy.
 eviction, preemption): a plan cached from block tables is keyed on it, so a
 missed invalidation can never read a block that moved.
 
-With sliding-window layers a row holds one table per layer group (runtime/kv/layout.py),
-all drawing on this one pool; the `*_tables` methods keep a row's tables together:
+With sliding-window layers a row holds one table per layer group (runtime/kv/layout.py).
+This pool is group 0's, the one the policy reasons about; each windowed group has a
+pool of its own (`group_pools`), sized so it never binds. The `*_tables` methods
+keep a row's tables together:
 
     row at position 40, block size 4, window 8:
     group 0 (full)    [ 7  2  9 11  3  5  8 12 14 15  1]   every block
     group 1 (window)  [ -  -  -  - ... -  -  4  6 10  0]   the last 8 positions' blocks;
                                                        the rest went back as the row grew
 
-A full block of a windowed group is cached under its prefix hash and its group, so
-a prefix hit is a hit only if every group has what the next query reads: all the
-prefix's blocks in full groups, the window's last blocks in windowed ones.
+A full block of a windowed group is cached in its group's pool under the prefix
+hash, so a prefix hit is a hit only if every group has what the next query reads:
+all the prefix's blocks in full groups, the window's last blocks in windowed ones.
 """
 
 from __future__ import annotations
@@ -79,6 +81,10 @@ class BlockPool:
         self.block_size = block_size
         self.salt = salt
         self.is_caching = is_caching
+        sizes = self.layout.group_num_blocks or (num_blocks,) * self.layout.num_groups
+        self.group_pools = [self] + [
+            BlockPool(n, block_size, salt=salt, is_caching=is_caching) for n in sizes[1:]
+        ]
         self.refcount = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.by_hash: dict[bytes, int] = {}
@@ -120,7 +126,12 @@ class BlockPool:
 
     def take_cached(self, blocks: Sequence[int], num_looked_up: int) -> None:
         """Hold the blocks a prefix lookup found (counted in the hit rate)."""
-        self.take_cached_tables([blocks], num_looked_up)
+        self.num_lookup_blocks += num_looked_up
+        self.num_hit_blocks += len(blocks)
+        for block in blocks:
+            if self.refcount[block] == 0:
+                del self.cached[block]
+            self.refcount[block] += 1
 
     def allocate(self) -> int:
         """A fresh block for one holder: never used first, else evict the LRU cached one."""
@@ -172,102 +183,103 @@ class BlockPool:
         assert {b: h for h, b in self.by_hash.items()} == {
             b: h for b, h in enumerate(self.block_hash) if h is not None
         }
+        for pool in self.group_pools[1:]:
+            pool.check()
 
 
     # -- a row's tables, one per layer group ---------------------------------------
 
-    @property
-    def num_groups(self) -> int:
-        return self.layout.num_groups
-
     def new_tables(self) -> list[list[int]]:
-        return [[] for _ in range(self.num_groups)]
+        return [[] for _ in self.group_pools]
 
     def blocks_for_row(self, num_tokens: int, max_chunk: int) -> int:
-        """The most blocks a row of `num_tokens` holds at once (computed in chunks of
-        at most `max_chunk`)."""
-        return self.layout.blocks_per_row(num_tokens, self.block_size, max_chunk)
+        """The most of this pool's blocks a row of `num_tokens` holds at once
+        (computed in chunks of at most `max_chunk`)."""
+        return self.layout.row_blocks(0, num_tokens, self.block_size, max_chunk)
 
     @staticmethod
     def num_held(tables: Sequence[Sequence[int]]) -> int:
-        return sum(1 for table in tables for block in table if block != NULL_BLOCK)
+        """Blocks of this pool (group 0's) the tables hold."""
+        return sum(1 for block in tables[0] if block != NULL_BLOCK)
 
     def match_tables(self, hashes: Sequence[bytes]) -> list[list[int]]:
         """Per group, the cached blocks of the longest prefix of `hashes` that every group
         can serve (a windowed group: the blocks the next query's window reads, NULL_BLOCK
         before them); takes nothing. Every table has the hit's length."""
-        if self.num_groups == 1:
-            return [self.match_prefix(hashes)]
-        if not self.is_caching:
-            return self.new_tables()
-        size, windows = self.block_size, self.layout.group_windows
         num_hit = len(hashes)
-        for group, window in enumerate(windows):
+        for pool, window in zip(self.group_pools, self.layout.group_windows, strict=True):
             if window is None:  # a full group needs every block of the prefix
-                num_hit = min(num_hit, len(self.match_prefix([_in_group(h, group) for h in hashes])))
+                num_hit = min(num_hit, len(pool.match_prefix(hashes)))
+        size = self.block_size
 
-        def blocks(group: int, lo: int, hi: int) -> list[int | None]:
-            return [self.by_hash.get(_in_group(hashes[j], group)) for j in range(lo, hi)]
+        def window_blocks(group: int, num_blocks: int) -> list[int | None]:
+            pool = self.group_pools[group]
+            lo = self.layout.first_needed_block(group, num_blocks * size, size)
+            if not pool.is_caching:
+                return [None] * (num_blocks - lo)
+            return [pool.by_hash.get(h) for h in hashes[lo:num_blocks]]
 
-        while num_hit > 0:
-            first = [self.layout.first_needed_block(g, num_hit * size, size) for g in range(len(windows))]
-            if all(None not in blocks(g, first[g], num_hit) for g, w in enumerate(windows) if w is not None):
-                break
+        windowed = [g for g, w in enumerate(self.layout.group_windows) if w is not None]
+        while num_hit > 0 and any(None in window_blocks(g, num_hit) for g in windowed):
             num_hit -= 1
         tables = []
-        for group, window in enumerate(windows):
-            lo = 0 if window is None else self.layout.first_needed_block(group, num_hit * size, size)
-            found = [b for b in blocks(group, lo, num_hit) if b is not None]
-            tables.append([NULL_BLOCK] * lo + found)
+        for group, pool in enumerate(self.group_pools):
+            if group in windowed:
+                lo = self.layout.first_needed_block(group, num_hit * size, size)
+                found = [b for b in window_blocks(group, num_hit) if b is not None]
+                tables.append([NULL_BLOCK] * lo + found)
+            else:
+                tables.append(pool.match_prefix(hashes[:num_hit]))
         return tables
 
     def num_evictable_tables(self, tables: Sequence[Sequence[int]]) -> int:
-        return sum(self.num_evictable(table) for table in tables)
+        """Of this pool's blocks in `tables`, how many are cached-free."""
+        return self.num_evictable(tables[0])
 
     def take_cached_tables(self, tables: Sequence[Sequence[int]], num_looked_up: int) -> None:
         """Hold what `match_tables` found; the hit rate counts prompt blocks, not groups."""
-        self.num_lookup_blocks += num_looked_up
-        self.num_hit_blocks += len(tables[0])
-        for block in (b for table in tables for b in table if b != NULL_BLOCK):
-            if self.refcount[block] == 0:
-                del self.cached[block]
-            self.refcount[block] += 1
+        self.take_cached(tables[0], num_looked_up)
+        for pool, table in zip(self.group_pools[1:], tables[1:], strict=True):
+            pool.take_cached([b for b in table if b != NULL_BLOCK], 0)
+
+    def num_growable(self, tables: Sequence[Sequence[int]], next_position: int) -> int:
+        """Blocks of positions every group can add to `tables` now (after giving back
+        what fell out of its windows at `next_position`)."""
+        return min(
+            pool.num_free_blocks + self._num_out_of_window(group, tables[group], next_position)
+            for group, pool in enumerate(self.group_pools)
+        )
 
     def grow_tables(self, tables: list[list[int]], num_blocks: int) -> None:
         """Append `num_blocks` fresh blocks to every group's table."""
-        for table in tables:
-            table.extend(self.allocate() for _ in range(num_blocks))
+        for pool, table in zip(self.group_pools, tables, strict=True):
+            table.extend(pool.allocate() for _ in range(num_blocks))
 
     def num_out_of_window(self, tables: Sequence[Sequence[int]], next_position: int) -> int:
-        """Held blocks no query at `next_position` or later reads (windowed groups)."""
-        return sum(
-            1
-            for group, table in enumerate(tables)
-            for block in table[: self.layout.first_needed_block(group, next_position, self.block_size)]
-            if block != NULL_BLOCK
-        )
+        """This pool's held blocks no query at `next_position` or later reads."""
+        return self._num_out_of_window(0, tables[0], next_position)
+
+    def _num_out_of_window(self, group: int, table: Sequence[int], next_position: int) -> int:
+        first = self.layout.first_needed_block(group, next_position, self.block_size)
+        return sum(1 for block in table[:first] if block != NULL_BLOCK)
 
     def release_out_of_window(self, tables: list[list[int]], next_position: int) -> None:
         """Give back the windowed groups' blocks that no query at `next_position` or later
         reads; their entries become NULL_BLOCK. Steps already queued may still read
         them: they run before any step that could write the blocks' next holder."""
-        for group, table in enumerate(tables):
+        for group, (pool, table) in enumerate(zip(self.group_pools, tables, strict=True)):
             first = self.layout.first_needed_block(group, next_position, self.block_size)
             dropped = [b for b in table[:first] if b != NULL_BLOCK]
             if dropped:
-                self.release(dropped)
+                pool.release(dropped)
                 table[:first] = [NULL_BLOCK] * first
 
     def publish_tables(self, tables: Sequence[Sequence[int]], index: int, block_hash: bytes) -> None:
         """Cache block `index` of every group that still holds it under `block_hash`."""
-        for group, table in enumerate(tables):
+        for pool, table in zip(self.group_pools, tables, strict=True):
             if table[index] != NULL_BLOCK:
-                self.publish(table[index], _in_group(block_hash, group))
+                pool.publish(table[index], block_hash)
 
     def release_tables(self, tables: Sequence[Sequence[int]]) -> None:
-        self.release([b for table in tables for b in table if b != NULL_BLOCK])
-
-
-def _in_group(block_hash: bytes, group: int) -> bytes:
-    """The cache key of a prefix's block in layer group `group` (group 0: the hash itself)."""
-    return block_hash if group == 0 else block_hash + bytes([group])
+        for pool, table in zip(self.group_pools, tables, strict=True):
+            pool.release([b for b in table if b != NULL_BLOCK])

@@ -1,11 +1,10 @@
-"""Paged KV storage: fixed-size blocks in one preallocated pool per layer slot.
+"""Paged KV storage: fixed-size blocks in one preallocated pool per layer.
 
-    keys[slot], values[slot]: [n_kv_heads * num_blocks * block_size, head_dim]
+    keys[layer], values[layer]: [n_kv_heads * num_blocks * block_size, head_dim]
 
-Layers are grouped by attention kind (runtime/kv/layout.py): every group has
-`group_size` layers and its own block table per row, and layer L lives in slot
-`slot_of_layer[L]` of every block its group's table names. Without windowed layers
-there is one group of all layers, and slot = layer.
+Layers are grouped by attention kind (runtime/kv/layout.py), each group with its
+own block ids and its own table per row; a layer's pool has as many blocks as its
+group. Without windowed layers there is one group of all layers.
 
     row a, table (3, 0, 5):  positions 0-15 in block 3, 16-31 in block 0, 32-  in block 5
 
@@ -28,6 +27,7 @@ from collections.abc import Sequence
 from runtime.kv.base import RowSpan
 from runtime.kv.layout import NULL_BLOCK, SIZING_CHUNK, KVLayout
 
+import attrs
 import mlx.core as mx
 import numpy as np
 
@@ -45,8 +45,15 @@ class PagedKV:
         block_size: int,
         dtype: mx.Dtype = mx.float32,
         layer_windows: tuple[int | None, ...] = (),
+        max_rows: int = 1,
     ):
-        self.layout = KVLayout.for_layers(num_layers, layer_windows)
+        """`num_blocks` is group 0's (every layer's without windows); a windowed
+        group gets enough for `max_rows` rows (runtime/kv/layout.py)."""
+        layout = KVLayout.for_layers(num_layers, layer_windows)
+        sizes = [num_blocks] + [
+            max_rows * layout.row_blocks(g, 1 << 40, block_size) for g in range(1, layout.num_groups)
+        ]
+        self.layout = attrs.evolve(layout, group_num_blocks=tuple(sizes))
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -54,10 +61,10 @@ class PagedKV:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
-        self.num_slots = num_blocks * block_size
-        shape = (num_kv_heads * self.num_slots, head_dim)
-        self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(self.layout.group_size)]
-        self.values = [mx.zeros(shape, dtype=dtype) for _ in range(self.layout.group_size)]
+        self.num_slots = num_blocks * block_size  # group 0's
+        shapes = [(num_kv_heads * sizes[g] * block_size, head_dim) for g in self.layout.group_of_layer]
+        self.keys = [mx.zeros(shape, dtype=dtype) for shape in shapes]
+        self.values = [mx.zeros(shape, dtype=dtype) for shape in shapes]
         mx.eval(self.keys, self.values)
         self.num_table_builds = 0  # block-table arrays built (the rest were reused)
         self._tables: tuple[tuple, list[mx.array]] | None = None
@@ -66,14 +73,29 @@ class PagedKV:
     def bytes_per_block(
         num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: mx.Dtype
     ) -> int:
-        """A block's bytes when it holds `num_layers` layers (a layout's `group_size`)."""
+        """A block's bytes when it holds `num_layers` layers (a group's)."""
         return 2 * num_layers * num_kv_heads * block_size * head_dim * dtype.size
+
+    @staticmethod
+    def sizing(
+        layout: KVLayout, num_kv_heads: int, head_dim: int, block_size: int, dtype: mx.Dtype, max_rows: int
+    ) -> tuple[int, int]:
+        """(bytes of one group-0 block, bytes the windowed groups' pools take for `max_rows`)."""
+        layer_block = PagedKV.bytes_per_block(1, num_kv_heads, head_dim, block_size, dtype)
+        windowed = sum(
+            max_rows * layout.row_blocks(g, 1 << 40, block_size) * len(layout.group_layers[g]) * layer_block
+            for g in range(1, layout.num_groups)
+        )
+        return len(layout.group_layers[0]) * layer_block, windowed
 
     def row_bytes(self, num_tokens: int) -> tuple[int, int]:
         """Peak KV bytes one row of `num_tokens` holds: with this layout, and were every
         layer full (the same with no windowed layers)."""
         layer_block = self.bytes_per_block(1, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
-        held = self.layout.blocks_per_row(num_tokens, self.block_size, SIZING_CHUNK) * self.layout.group_size
+        held = sum(
+            self.layout.row_blocks(g, num_tokens, self.block_size, SIZING_CHUNK) * len(layers)
+            for g, layers in enumerate(self.layout.group_layers)
+        )
         return held * layer_block, -(-num_tokens // self.block_size) * self.num_layers * layer_block
 
     @property
@@ -94,12 +116,17 @@ class PagedKV:
                 starts=tuple(r.start for r in rows),
                 num_new=tuple(r.num_new for r in rows),
                 block_size=self.block_size,
-                num_slots=self.num_slots,
+                num_slots=num_blocks * self.block_size,
                 num_kv_heads=self.num_kv_heads,
                 num_queries_per_kv=self.num_queries_per_kv,
                 window=window,
             )
-            for table, window in zip(self._block_tables(rows, epoch), self.layout.group_windows, strict=True)
+            for table, window, num_blocks in zip(
+                self._block_tables(rows, epoch),
+                self.layout.group_windows,
+                self.layout.group_num_blocks,
+                strict=True,
+            )
         ]
         return PagedForward(self, steps)
 
@@ -135,10 +162,9 @@ class PagedForward:
         return self.step.positions
 
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        s, layout = self._storage, self._storage.layout
-        step = self.steps[layout.group_of_layer[layer]]
-        slot = layout.slot_of_layer[layer]
-        return paged_attention((s.keys, s.values), slot, q, k, v, scale, step, self.path)
+        s = self._storage
+        step = self.steps[s.layout.group_of_layer[layer]]
+        return paged_attention((s.keys, s.values), layer, q, k, v, scale, step, self.path)
 
 
 def available_memory() -> int | None:

@@ -48,10 +48,14 @@ def mlx_lm_greedy(path, prompt, n):
     return [int(token) for token, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
 
-def test_the_layout_has_a_full_and_a_windowed_group(engine):
+def test_the_layout_has_a_full_and_a_windowed_group_each_with_its_own_pool(engine):
     layout = engine.kv.layout
     assert layout.group_windows == (None, WINDOW)
-    assert layout.group_of_layer == (1, 0, 1, 0) and layout.group_size == 2
+    assert layout.group_layers == ((1, 3), (0, 2)) and layout.group_of_layer == (1, 0, 1, 0)
+    # The windowed pool holds max_batch rows at their largest: window + chunk, in blocks.
+    assert layout.group_num_blocks == (engine.kv.num_blocks, 4 * (-(-(WINDOW - 1 + 512) // BLOCK) + 1))
+    assert engine.kv.keys[0].shape[0] == layout.group_num_blocks[1] * BLOCK  # one KV head
+    assert engine.kv.keys[1].shape[0] == engine.kv.num_blocks * BLOCK
 
 
 @pytest.mark.parametrize("path", ["gather", "fast"])
@@ -113,10 +117,11 @@ def test_a_hit_needs_the_windowed_blocks_too(engine):
     full, windowed = pool.match_tables(hashes)
     assert full == tables[0] and windowed == [NULL_BLOCK] * 4 + tables[1][4:]
     pool.release_tables(tables)
-    pool.by_hash.pop(hashes[5] + b"\x01")  # the window's last block is gone
-    pool.block_hash[tables[1][5]] = None
-    pool.cached.pop(tables[1][5])
-    pool.free.append(tables[1][5])
+    window_pool = pool.group_pools[1]
+    window_pool.by_hash.pop(hashes[5])  # the window's last block is gone
+    window_pool.block_hash[tables[1][5]] = None
+    window_pool.cached.pop(tables[1][5])
+    window_pool.free.append(tables[1][5])
     full, windowed = pool.match_tables(hashes)
     # 5 blocks: the window before position 20 reads blocks 3 and 4, both still cached.
     assert len(full) == 5 and windowed == [NULL_BLOCK] * 3 + tables[1][3:5]
@@ -127,7 +132,7 @@ def test_a_long_row_gives_its_windowed_blocks_back_as_it_goes(engine):
     free_counts, tables = [], []
 
     def note(plan):
-        free_counts.append(plan.num_free_blocks)
+        free_counts.append(policy.pool.group_pools[1].num_free_blocks)  # the windowed pool's
         if "a" in policy.running:
             tables.append([list(t) for t in policy.running["a"].tables])
 
@@ -138,8 +143,8 @@ def test_a_long_row_gives_its_windowed_blocks_back_as_it_goes(engine):
     assert len(held) <= WINDOW // BLOCK + 1  # the window's blocks, not the row's
     # While the row went on, some steps handed a block back: the free count rose.
     assert any(later > earlier for earlier, later in itertools.pairwise(free_counts))
-    # Net, 16 full blocks and ~3 windowed ones, against 32 if both kept everything.
-    assert free_counts[0] - free_counts[-1] <= 16 + WINDOW // BLOCK + 1
+    # Net, the windowed pool gave the row ~3 blocks, not the 16 the full one did.
+    assert policy.pool.group_pools[1].num_blocks - min(free_counts) <= WINDOW // BLOCK + 1
     assert policy.pool.num_used_blocks == 0
 
 
