@@ -25,9 +25,9 @@ This pool is group 0's, the one the policy reasons about; each windowed group ha
 pool of its own (`group_pools`), sized so it never binds. The `*_tables` methods
 keep a row's tables together:
 
-    row at position 40, block size 4, window 8:
+    row of 41 positions (next query at 41), block size 4, window 8: it reads 34-41
     group 0 (full)    [ 7  2  9 11  3  5  8 12 14 15  1]   every block
-    group 1 (window)  [ -  -  -  - ... -  -  4  6 10  0]   the last 8 positions' blocks;
+    group 1 (window)  [ -  -  -  -  -  -  -  -  4  6 10]   blocks 8-10 (positions 32-43);
                                                        the rest went back as the row grew
 
 A full block of a windowed group is cached in its group's pool under the prefix

@@ -1,0 +1,46 @@
+"""Layer groups by attention kind, and a row's tables over their pools."""
+
+from runtime.kv.blocks import BlockPool
+from runtime.kv.layout import NULL_BLOCK, KVLayout
+
+import attrs
+
+GEMMA_1B = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(26))
+
+
+def test_layers_group_by_kind_full_first():
+    layout = KVLayout.for_layers(26, GEMMA_1B)
+    assert layout.group_windows == (None, 512)
+    assert layout.group_layers[0] == (5, 11, 17, 23) and len(layout.group_layers[1]) == 22
+    assert layout.describe() == "4 full layers + 22 sliding-window (512) layers"
+    plain = KVLayout.for_layers(3)
+    assert plain.group_windows == (None,) and plain.group_of_layer == (0, 0, 0)
+    assert not plain.is_windowed and layout.is_windowed
+
+
+def test_a_windowed_group_holds_the_window_and_a_chunk_at_most():
+    layout = KVLayout.for_layers(26, GEMMA_1B)
+    assert layout.row_blocks(0, 8000, 16) == 500
+    assert layout.row_blocks(1, 8000, 16, max_chunk=256) == -(-(511 + 256) // 16) + 1 == 49
+    assert layout.row_blocks(1, 100, 16) == 7  # a short row: just its blocks
+    # A query at position 600 reads keys 89..600: block 5 (80-95) on.
+    assert layout.first_needed_block(1, 600, 16) == 5 and layout.first_needed_block(0, 600, 16) == 0
+    assert layout.max_row_tokens(10, 16) == 160
+    assert KVLayout.for_layers(2, (4, 4)).max_row_tokens(10, 16) > 10**9  # rows stop growing
+
+
+def test_a_rows_windowed_blocks_go_back_to_their_own_pool():
+    layout = attrs.evolve(KVLayout.for_layers(4, (8, None, 8, None)), group_num_blocks=(20, 6))
+    pool = BlockPool(20, 4, layout=layout)
+    assert [p.num_blocks for p in pool.group_pools] == [20, 6]
+    tables = pool.new_tables()
+    pool.grow_tables(tables, 5)  # 20 positions
+    assert pool.num_free_blocks == 15 and pool.group_pools[1].num_free_blocks == 1
+    assert pool.num_growable(tables, 20) == 1 + 3  # the window from 20 on frees blocks 0-2
+    pool.release_out_of_window(tables, 20)  # the next query, at 20, reads 13..20
+    assert tables[1][:3] == [NULL_BLOCK] * 3 and NULL_BLOCK not in tables[0]
+    assert pool.group_pools[1].num_free_blocks == 4 and pool.num_free_blocks == 15
+    pool.check()
+    pool.release_tables(tables)
+    assert pool.num_free_blocks == 20 and pool.group_pools[1].num_free_blocks == 6
+    pool.check()
