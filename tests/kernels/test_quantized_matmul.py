@@ -155,6 +155,16 @@ def test_the_fallback_computes_the_same_through_mlx(monkeypatch):
     ).item()
 
 
+def test_the_loader_refuses_an_extension_built_for_another_mlx(monkeypatch):
+    class BuiltForAnotherMlx:
+        built_for_mlx = "0.1.0"
+
+    monkeypatch.setattr(loader.importlib, "import_module", lambda name: BuiltForAnotherMlx)
+    module, status = loader._load()
+    assert module is None
+    assert status.startswith("quantized CPU kernels refused: built against mlx 0.1.0")
+
+
 def test_an_extension_built_for_another_mlx_is_refused():
     assert loader.refusal_reason("0.32.4", "0.32.4") is None
     assert loader.refusal_reason("0.32.4", "0.32.4.dev20260101+abc") is None
