@@ -3,6 +3,7 @@ implies; the chat a template sees; and the grammar that forces a call."""
 
 import json
 import random
+from pathlib import Path
 
 from runtime.grammar import GrammarCompiler
 from runtime.tokenizer import Tokenizer
@@ -15,12 +16,18 @@ from runtime.tool_prompts import (
 from runtime.tools import CallArguments, CallStart, Content, parser_for, python_calls
 
 import pytest
+import tokenizers
 
 from tests.actors.tool_templates import GEMMA, HERMES, LLAMA3_JSON
 
-DEMO = Tokenizer.from_dir(
-    __import__("pathlib").Path(__file__).resolve().parents[2] / "runtime" / "demo"
-)
+DEMO_DIR = Path(__file__).resolve().parents[2] / "runtime" / "demo"
+DEMO = Tokenizer.from_dir(DEMO_DIR)
+
+
+def with_template(template):
+    """The demo tokenizer with `template` as its chat template."""
+    backend = tokenizers.Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
+    return Tokenizer(backend, chat_template=template)
 
 
 def parse(style, text, cuts=()):
@@ -148,7 +155,7 @@ TOOLS = [
 
 
 def test_a_tool_history_round_trips_into_a_template_that_takes_tools():
-    rendered = Tokenizer(DEMO._backend, chat_template=HERMES).apply_chat_template(
+    rendered = with_template(HERMES).apply_chat_template(
         chat_for_template(HISTORY, TOOLS, "hermes", knows_tools=True), template_kwargs=None
     )
     # Arguments sent as JSON text reach the template as an object (`| tojson` of a dict).
@@ -157,7 +164,7 @@ def test_a_tool_history_round_trips_into_a_template_that_takes_tools():
 
 
 def test_hermes_template_is_given_the_tools():
-    tokenizer = Tokenizer(DEMO._backend, chat_template=HERMES)
+    tokenizer = with_template(HERMES)
     ids = tokenizer.encode_chat(HISTORY[:1], tools=TOOLS)
     assert json.dumps(TOOLS[0]) in tokenizer.decode(ids)
 
