@@ -27,7 +27,9 @@ void RowPool::run(Work work, const void* context, int num_rows, int min_rows_per
   const int most_chunks = std::max(1, num_rows / std::max(1, min_rows_per_chunk));
   // A few chunks per thread: if another process holds a core, the others take its share.
   const int num_chunks = std::min(most_chunks, 4 * num_threads());
-  if (num_chunks <= 1 || workers_.empty()) {
+  // One job at a time: a second stream's call meanwhile runs on its own thread alone.
+  std::unique_lock<std::mutex> only_job(run_mutex_, std::try_to_lock);
+  if (num_chunks <= 1 || workers_.empty() || !only_job.owns_lock()) {
     work(context, 0, num_rows);
     return;
   }

@@ -34,6 +34,7 @@ class RowPool {
   void worker_loop();
   bool run_claimed_chunks(uint32_t generation);
 
+  std::mutex run_mutex_;  // held by the one caller whose job the workers share
   std::mutex mutex_;
   std::condition_variable wake_workers_;
   std::condition_variable chunks_done_;

@@ -124,6 +124,21 @@ def test_thread_counts_agree():
     assert all(mx.array_equal(results[0], r).item() for r in results[1:])
 
 
+def test_two_cpu_streams_at_once_each_get_their_own_result():
+    """The thread pool serves one call at a time; another stream's call runs alone."""
+    w, scales, biases = quantized(8192, 512, 64, 4)  # big enough to be split over threads
+    x = mx.random.normal((2, 512))
+    side = mx.new_stream(mx.cpu)
+    outs = []
+    for _ in range(10):
+        outs.append(quantized_matmul(x, w, scales, biases, 64, 4))
+        with mx.stream(side):
+            outs.append(quantized_matmul(x + 1, w, scales, biases, 64, 4))
+    mx.eval(outs)
+    want = [reference_quantized_matmul(x + i, w, scales, biases, 64, 4) for i in (0, 1)]
+    assert all(mx.allclose(o, want[i % 2], atol=1e-3).item() for i, o in enumerate(outs))
+
+
 @needs_kernels
 def test_bad_operands_raise_one_line_errors():
     ext = loader.quant_extension()
