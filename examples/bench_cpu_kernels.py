@@ -12,9 +12,13 @@ Writes a random-weight checkpoint with SmolLM2-135M's geometry (hidden 576, 30 l
   - with --bits 16: "fp32" (the default), "cpu-quantize 8" and "cpu-quantize 4".
 
 and prints single-stream decode tok/s, B=16 decode tok/s, a 512-token prefill and peak
-memory. llama.cpp is the peer when llama-cpp-python is importable (it needs the same
-model as a GGUF, which this script does not write: it reports it as not measured).
-Figures on a shared or busy machine are noisy: run it twice.
+memory.
+
+With `--llama-cpp-python PYTHON` (an interpreter where `import llama_cpp` works; it
+need not be this one), the same random weights are also written as a Q4_1 GGUF, and
+single-stream decode runs on that one file twice: through llama.cpp (2 threads, greedy,
+EOS ignored) and through cadence (which repacks Q4_1 as mlx 4-bit group 32, so its
+kernels run it). Figures on a shared or busy machine are noisy: run it twice.
 """
 
 from __future__ import annotations
@@ -54,7 +58,9 @@ def make_checkpoint(bits: int) -> Path:
     return path
 
 
-def measure(path: Path, decode_tokens: int, cpu_quantize: str) -> dict[str, float | str]:
+def measure(
+    path: Path, decode_tokens: int, cpu_quantize: str, single_stream_only: bool = False
+) -> dict[str, float | str]:
     """Runs in the child process: load, then time the engine on each workload."""
     import resource
 
@@ -93,6 +99,8 @@ def measure(path: Path, decode_tokens: int, cpu_quantize: str) -> dict[str, floa
     run([prompt(16, 0)], 8)  # warm-up
     one = run([prompt(16, 1)], 1)
     single = decode_tokens / (run([prompt(16, 1)], decode_tokens + 1) - one)
+    if single_stream_only:
+        return {"status": kernel_status(), "decode_tok_s": single}
     batch = [prompt(16, s) for s in range(16)]
     batch_first = run(batch, 1)
     batch_rate = 16 * 32 / (run(batch, 33) - batch_first)
@@ -110,13 +118,18 @@ def measure(path: Path, decode_tokens: int, cpu_quantize: str) -> dict[str, floa
 
 
 def run_child(
-    path: Path, decode_tokens: int, kernels: bool, cpu_quantize: str = "off"
+    path: Path,
+    decode_tokens: int,
+    kernels: bool,
+    cpu_quantize: str = "off",
+    single_stream_only: bool = False,
 ) -> dict[str, float | str]:
     env = dict(os.environ)
     if not kernels:
         env["CADENCE_QUANT_KERNELS"] = "off"
     command = [sys.executable, __file__, "--child", str(path)]
     command += ["--decode-tokens", str(decode_tokens), "--cpu-quantize", cpu_quantize]
+    command += ["--single-stream-only"] if single_stream_only else []
     out = subprocess.run(
         command,
         env=env,
@@ -127,12 +140,52 @@ def run_child(
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def llama_cpp_note() -> str:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return "llama.cpp: not measured (llama-cpp-python is not installed)"
-    return "llama.cpp: not measured (this script writes no GGUF of the model)"
+LLAMA_CPP_DECODE = """
+import sys, time
+from llama_cpp import Llama
+path, n = sys.argv[1], int(sys.argv[2])
+llm = Llama(model_path=path, n_threads=2, n_ctx=512, verbose=False)
+prompt = [(i * 37 + 101) % 2000 + 3 for i in range(16)]
+def decode(count):
+    llm.reset()
+    start = None
+    for i, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0)):
+        if i == 0:
+            start = time.perf_counter()
+        if i == count:
+            return count / (time.perf_counter() - start)
+decode(8)
+print(max(decode(n) for _ in range(2)))
+"""
+
+
+def write_q4_1_gguf() -> Path:
+    import runtime  # noqa: F401
+    from runtime.gguf_synth import write_gguf
+    from runtime.synth import make_tiny_checkpoint
+
+    from gguf import GGMLQuantizationType
+
+    out = CHECKPOINT_DIR.with_name(f"{CHECKPOINT_DIR.name}-q4_1.gguf")
+    if not out.exists():
+        full = make_tiny_checkpoint(CHECKPOINT_DIR.with_name(f"{CHECKPOINT_DIR.name}-f32"), "llama", **SMOLLM2_135M)
+        write_gguf(full, out, CHECKPOINT_DIR.with_name(f"{CHECKPOINT_DIR.name}-q4_1-reference"),
+                   GGMLQuantizationType.Q4_1)
+    return out
+
+
+def llama_cpp_peer(python: str, decode_tokens: int) -> None:
+    gguf_file = write_q4_1_gguf()
+    out = subprocess.run(
+        [python, "-c", LLAMA_CPP_DECODE, str(gguf_file), str(decode_tokens)],
+        capture_output=True, text=True, check=True,
+    )
+    llama = float(out.stdout.strip().splitlines()[-1])
+    ours = run_child(gguf_file, decode_tokens, True, single_stream_only=True)
+    print(f"same Q4_1 GGUF ({gguf_file.name}), single-stream decode tok/s:")
+    print(f"| llama.cpp (2 threads) | {llama:.1f} |")
+    print(f"| cadence ({ours['status']}) | {ours['decode_tok_s']:.1f} |")
+    print(f"| cadence / llama.cpp | {ours['decode_tok_s'] / llama:.2f}x |")
 
 
 def main() -> None:
@@ -140,10 +193,13 @@ def main() -> None:
     parser.add_argument("--bits", type=int, choices=(4, 8, 16), default=4)
     parser.add_argument("--cpu-quantize", default="off", help=argparse.SUPPRESS)
     parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--llama-cpp-python", help="an interpreter that can import llama_cpp")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--single-stream-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        print(json.dumps(measure(args.child, args.decode_tokens, args.cpu_quantize)))
+        row = measure(args.child, args.decode_tokens, args.cpu_quantize, args.single_stream_only)
+        print(json.dumps(row))
         return
     path = make_checkpoint(args.bits)
     print(f"model: {path} ({args.bits}-bit, SmolLM2-135M geometry, random weights)")
@@ -166,7 +222,10 @@ def main() -> None:
             f"{row['prefill512_s']:.3f} | {row['weights_mb']:.0f} | {row['peak_mlx_mb']:.0f} | "
             f"{row['max_rss_mb']:.0f} |"
         )
-    print(llama_cpp_note())
+    if args.llama_cpp_python:
+        llama_cpp_peer(args.llama_cpp_python, args.decode_tokens)
+    else:
+        print("llama.cpp: not measured (pass --llama-cpp-python)")
 
 
 if __name__ == "__main__":
