@@ -34,9 +34,10 @@ from __future__ import annotations
 import attrs
 
 NULL_BLOCK = -1  # a table entry whose block fell out of the window and went back
-# The longest span a row computes at once, for sizing windowed pools (the scheduler
-# clamps its chunks to it); its solo prefill is 256 tokens by default.
-SIZING_CHUNK = 512
+# The longest span a row computes at once, for sizing windowed pools: the scheduler's
+# default solo prefill (DEFAULT_SOLO_PREFILL_TOKENS). A longer chunk is shrunk to the
+# windowed blocks free (BlockPool.num_growable), never refused.
+SIZING_CHUNK = 256
 
 
 @attrs.frozen

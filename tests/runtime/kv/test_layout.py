@@ -1,7 +1,8 @@
 """Layer groups by attention kind, and a row's tables over their pools."""
 
 from runtime.kv.blocks import BlockPool
-from runtime.kv.layout import NULL_BLOCK, KVLayout
+from runtime.kv.layout import NULL_BLOCK, SIZING_CHUNK, KVLayout
+from runtime.scheduler import DEFAULT_SOLO_PREFILL_TOKENS
 
 import attrs
 
@@ -23,6 +24,7 @@ def test_a_windowed_group_holds_the_window_and_a_chunk_at_most():
     assert layout.row_blocks(0, 8000, 16) == 500
     assert layout.row_blocks(1, 8000, 16, max_chunk=256) == -(-(511 + 256) // 16) + 1 == 49
     assert layout.row_blocks(1, 100, 16) == 7  # a short row: just its blocks
+    assert SIZING_CHUNK == DEFAULT_SOLO_PREFILL_TOKENS  # pools sized for the policy's chunks
     # A query at position 600 reads keys 89..600: block 5 (80-95) on.
     assert layout.first_needed_block(1, 600, 16) == 5 and layout.first_needed_block(0, 600, 16) == 0
     assert layout.max_row_tokens(10, 16) == 160
