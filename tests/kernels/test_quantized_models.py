@@ -27,15 +27,17 @@ FAMILIES = {
     "mistral": dict(),
     "qwen2": dict(tie_word_embeddings=True),
     "qwen3": dict(head_dim=32),
+    # Sliding-window layers (window 8) beside global ones, as tests/runtime/test_gemma3_paged.py.
+    "gemma3_text": dict(head_dim=32, num_layers=4, num_kv_heads=1, sliding_window=8),
 }
-# Gemma 3 is compared by logits: its engine path is being built beside this (issue 8).
-LOGIT_FAMILIES = {**FAMILIES, "gemma3_text": dict(head_dim=32)}
 SHAPE = dict(hidden_size=128, intermediate_size=256)
 
 
 def greedy(loaded, prompt=PROMPT, n=NEW_TOKENS):
     engine = Engine(loaded, max_batch=2)
-    pool = BlockPool(engine.kv.num_blocks, engine.kv.block_size, is_caching=True)
+    pool = BlockPool(
+        engine.kv.num_blocks, engine.kv.block_size, is_caching=True, layout=engine.kv.layout
+    )
     policy = FcfsScheduler(engine.max_batch, pool, engine.max_context, 256, 512, 0)
     params = SequenceParams(prompt_tokens=tuple(prompt), max_tokens=n, ignore_eos=True)
     return list(run_offline(engine, policy, {"a": params})["a"].tokens)
@@ -74,9 +76,9 @@ def test_greedy_parity_with_mlx_lm_through_the_kernels(make_checkpoint, family, 
 
 @pytest.mark.skipif(not IS_BUILT, reason="the C++ kernels were not built here")
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("family", LOGIT_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_mlx_lm_through_the_kernels(make_checkpoint, family, bits):
-    path = make_checkpoint(family, quantize=(64, bits), **SHAPE, **LOGIT_FAMILIES[family])
+    path = make_checkpoint(family, quantize=(64, bits), **SHAPE, **FAMILIES[family])
     loaded = load_model(path)
     assert kernel_layers(loaded.model)
     peer, _ = mlx_lm.load(str(path))
@@ -100,7 +102,9 @@ def test_mixed_steps_prefix_reuse_and_lookahead_keep_parity_on_quantized_weights
             prompt_tokens=tuple(long_prompt[:40] + [77, 78]), max_tokens=12, ignore_eos=True
         ),
     }
-    pool = BlockPool(engine.kv.num_blocks, engine.kv.block_size, is_caching=True)
+    pool = BlockPool(
+        engine.kv.num_blocks, engine.kv.block_size, is_caching=True, layout=engine.kv.layout
+    )
     policy = FcfsScheduler(engine.max_batch, pool, engine.max_context, 40, 44, 0)
     step_sizes = []
     got = run_offline(
