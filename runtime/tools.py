@@ -94,8 +94,8 @@ class _JsonCalls:
                     self.position = len(body)
                 return events
             if not self.name_seen:  # a call whose keys came in another order: reported whole
-                call = json.loads(body[start:whole])
-                events += _whole_call(self.num_calls, call)
+                raw = body[start:whole]
+                events += _whole_call(self.num_calls, json.loads(raw), raw)
             self.num_calls += 1
             self.position, self.name_seen, self.num_sent = whole, False, 0
 
@@ -111,9 +111,10 @@ def _json_end(text: str, start: int, is_final: bool) -> int | None:
     return end if is_closed or is_final else None
 
 
-def _whole_call(index: int, call: object) -> list[Event]:
+def _whole_call(index: int, call: object, raw: str = "") -> list[Event]:
+    """A parsed call's events; JSON that is not a call stays the text it was (`raw`)."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return [Content(json.dumps(call))]
+        return [Content(raw)]
     arguments = call.get("arguments", call.get("parameters", {}))
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     return [CallStart(index, call["name"]), CallArguments(index, text)]

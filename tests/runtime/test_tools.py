@@ -198,3 +198,11 @@ def test_the_forced_call_grammar_admits_a_call_and_refuses_text(style, forced):
     assert parse(style, wrapped)[1] == [("get_weather", '{"city": "Rome"}')]
     refused = grammar.start().advance(DEMO.encode("Hello", add_special_tokens=False)[0])
     assert refused is not None
+
+
+@pytest.mark.parametrize("cuts", [(), (1,), (3, 9)])
+def test_llama3_json_that_is_not_a_call_stays_the_text_it_was(cuts):
+    assert parse("llama3_json", '{"answer":42,  "ok":true}', cuts) == (
+        '{"answer":42,  "ok":true}',
+        [],
+    )
