@@ -3,6 +3,7 @@ implies; the chat a template sees; and the grammar that forces a call."""
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 from runtime.grammar import GrammarCompiler
@@ -17,6 +18,7 @@ from runtime.tools import CallArguments, CallStart, Content, parser_for, python_
 
 import pytest
 import tokenizers
+import transformers
 
 from tests.actors.tool_templates import GEMMA, HERMES, LLAMA3_JSON
 
@@ -206,3 +208,19 @@ def test_llama3_json_that_is_not_a_call_stays_the_text_it_was(cuts):
         '{"answer":42,  "ok":true}',
         [],
     )
+
+
+@pytest.mark.parametrize("template", [HERMES, LLAMA3_JSON])
+def test_tools_render_as_transformers_renders_them(tmp_path, template):
+    """transformers' apply_chat_template(tools=...) is the oracle, history included."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_DIR / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({**config, "chat_template": template})
+    )
+    oracle = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    chat = chat_for_template(HISTORY, TOOLS, "hermes", knows_tools=True)
+    text = oracle.apply_chat_template(chat, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    expected = oracle(text, add_special_tokens=False)["input_ids"]
+    assert Tokenizer.from_dir(tmp_path).encode_chat(chat, tools=TOOLS) == expected
