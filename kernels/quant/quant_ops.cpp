@@ -241,8 +241,10 @@ void QuantizedRowsMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::arr
         MatmulJob{w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), xt.data(),
                   xsum.data(), out.data<float>(), M, N, K, group_size, bits},
         chosen.matmul};
-    // Rows sharing a decode (4 at a time) make a row's work grow with M.
-    const int64_t work_per_row = static_cast<int64_t>(K) * ((M + 3) / 4);
+    // Rows sharing a decode (4 at a time) make a row's work grow with M (at least 1:
+    // an empty x or K gives no work, and must not divide by zero).
+    const int64_t work_per_row =
+        std::max<int64_t>(1, static_cast<int64_t>(K) * ((M + 3) / 4));
     const int min_rows = static_cast<int>(std::max<int64_t>(1, kMinValuesPerChunk / work_per_row));
     row_pool()->run(run_matmul_chunk, &task, N, min_rows);
   });
@@ -272,7 +274,7 @@ void QuantizedRowsDequantize::eval_cpu(const std::vector<mx::array>& inputs, mx:
     const DequantizeJob job{
         w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), out.data<float>(),
         N, K, group_size, bits};
-    const int min_rows = std::max(1, static_cast<int>(kMinValuesPerChunk / 4 / K));
+    const int min_rows = std::max(1, static_cast<int>(kMinValuesPerChunk / 4 / std::max(1, K)));
     row_pool()->run(run_dequantize_chunk, &job, N, min_rows);
   });
 }

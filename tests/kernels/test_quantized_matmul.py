@@ -69,6 +69,21 @@ def test_the_kernel_really_runs_on_the_cpu_when_built():
         assert ext.num_kernel_calls() == before + 1
 
 
+
+@needs_kernels
+def test_empty_operands_give_empty_or_zero_results_instead_of_crashing():
+    """No rows of x (M = 0) or no columns of w (K = 0) once divided by zero in the kernels."""
+    ext = loader.quant_extension()
+    assert ext is not None, loader.kernel_status()
+    w, scales, biases = quantized(8, 64, 32, 4)
+    before = ext.num_kernel_calls()
+    ours = quantized_matmul(mx.ones((0, 64)), w, scales, biases, 32, 4)
+    mx.eval(ours)
+    assert ours.shape == (0, 8) and ext.num_kernel_calls() == before + 1
+    no_columns = mx.zeros((8, 0), dtype=mx.uint32), mx.zeros((8, 0)), mx.zeros((8, 0))
+    assert ext.dequantize(*no_columns, 32, 4).shape == (8, 0)
+    assert mx.array_equal(ext.matmul(mx.ones((2, 0)), *no_columns, 32, 4), mx.zeros((2, 8))).item()
+
 EVERY_LAYOUT_SCRIPT = """
 import runtime
 import mlx.core as mx
