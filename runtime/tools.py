@@ -76,10 +76,9 @@ class _JsonCalls:
                 start += 1
             if start >= len(body):
                 return events
-            if not self.name_seen and (match := _NAME_FIRST.match(body, start)):
-                name = json.loads(f'"{match.group(1)}"')
-                events.append(CallStart(self.num_calls, name))
-                self.name_seen, self.arguments_at = True, match.end()
+            if not self.name_seen and (named := _name_first(body, start)):
+                events.append(CallStart(self.num_calls, named[0]))
+                self.name_seen, self.arguments_at = True, named[1]
             if self.name_seen:
                 end = _json_end(body, self.arguments_at, is_final)
                 known = len(body) if end is None else end
@@ -98,6 +97,18 @@ class _JsonCalls:
                 events += _whole_call(self.num_calls, json.loads(raw), raw)
             self.num_calls += 1
             self.position, self.name_seen, self.num_sent = whole, False, 0
+
+
+def _name_first(body: str, start: int) -> tuple[str, int] | None:
+    """A call object's name, and where its arguments begin, when the name comes first;
+    None otherwise, or when the name is no JSON string (a bad escape, a raw newline)."""
+    match = _NAME_FIRST.match(body, start)
+    if match is None:
+        return None
+    try:
+        return json.loads(f'"{match.group(1)}"'), match.end()
+    except json.JSONDecodeError:
+        return None
 
 
 def _json_end(text: str, start: int, is_final: bool) -> int | None:

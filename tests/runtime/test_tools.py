@@ -73,6 +73,13 @@ CASES = [
     ),
     ("llama3_json", '{"name": "f", "parameters": {}}', ("", [("f", "{}")])),
     ("llama3_json", "Plain {text} answer", ("Plain {text} answer", [])),
+    # A name that is no JSON string (a raw newline, a bad escape) makes no call: text.
+    ("llama3_json", '{"name": "a\nb", "parameters": {}}', ('{"name": "a\nb", "parameters": {}}', [])),
+    (
+        "hermes",
+        'A <tool_call>\n{"name": "a\\x", "arguments": {}}\n</tool_call>',
+        ('A {"name": "a\\x", "arguments": {}}\n', []),
+    ),
     (
         "gemma",
         'Sure.\n```tool_code\nget_weather(city="Paris", days=3)\n```',
