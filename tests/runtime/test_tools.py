@@ -122,6 +122,10 @@ def test_python_calls():
     ]
     assert python_calls("__import__('os').system('x')") is None  # only plain calls of literals
     assert python_calls("f(1)") is None  # positional arguments have no names
+    for value in ("{1, 2}", "...", "b'x'", "1e999"):  # literals JSON cannot hold
+        assert python_calls(f"f(a={value})") is None
+    text = "```tool_code\nf(a={1, 2})\n```"
+    assert parse("gemma", text) == (text, [])
 
 
 def test_the_format_follows_the_template():
