@@ -129,7 +129,9 @@ def tool_request(body: dict[str, Any]) -> ToolRequest:
             raise RequestError(
                 f"'{legacy}' is deprecated: send 'tools' and 'tool_choice'", param=legacy
             )
-    tools = body.get("tools") or []
+    tools = body.get("tools")
+    if tools is None:
+        tools = []
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise RequestError(f"'tools' must be a list of at most {MAX_TOOLS} tools", param="tools")
     for i, tool in enumerate(tools):

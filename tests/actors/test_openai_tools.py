@@ -1,6 +1,10 @@
 """Tool calls into OpenAI's deltas, without a server: ids, blank content, parallel calls."""
 
-from actors.openai_tools import ToolCallStream, whole_tool_calls, with_tool_calls
+from runtime.errors import RequestError
+
+import pytest
+
+from actors.openai_tools import ToolCallStream, tool_request, whole_tool_calls, with_tool_calls
 
 TWO_CALLS = (
     'Sure. \n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
@@ -44,3 +48,10 @@ def test_a_reply_without_calls_keeps_its_whitespace_and_reason():
     assert stream.finish_reason("stop") == "stop"
     choice = {"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}
     assert with_tool_calls(choice, []) is choice
+
+
+@pytest.mark.parametrize("tools", [{}, "", 0, False])
+def test_tools_that_are_not_a_list_are_refused_even_when_empty(tools):
+    with pytest.raises(RequestError) as caught:
+        tool_request({"tools": tools})
+    assert caught.value.param == "tools"
