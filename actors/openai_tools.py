@@ -78,10 +78,13 @@ def _response_format(value: Any) -> GrammarSpec:
             "'response_format.json_schema' must be an object with a 'name'",
             param="response_format.json_schema",
         )
+    if not isinstance(spec.get("strict"), bool | None):
+        raise RequestError(
+            "'response_format.json_schema.strict' must be a boolean",
+            param="response_format.json_schema.strict",
+        )
     schema = spec.get("schema", {})  # OpenAI's default: any JSON
-    if not isinstance(schema, dict | bool) or not isinstance(
-        spec.get("strict", False), bool | None
-    ):
+    if not isinstance(schema, dict | bool):
         raise RequestError(
             "'response_format.json_schema.schema' must be a JSON schema object",
             param="response_format.json_schema.schema",

@@ -4,7 +4,13 @@ from runtime.errors import RequestError
 
 import pytest
 
-from actors.openai_tools import ToolCallStream, tool_request, whole_tool_calls, with_tool_calls
+from actors.openai_tools import (
+    ToolCallStream,
+    structured_output,
+    tool_request,
+    whole_tool_calls,
+    with_tool_calls,
+)
 
 TWO_CALLS = (
     'Sure. \n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
@@ -55,3 +61,11 @@ def test_tools_that_are_not_a_list_are_refused_even_when_empty(tools):
     with pytest.raises(RequestError) as caught:
         tool_request({"tools": tools})
     assert caught.value.param == "tools"
+
+
+def test_a_bad_strict_is_named_as_strict_not_as_the_schema():
+    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}}
+    with pytest.raises(RequestError) as caught:
+        structured_output(body)
+    assert caught.value.param == "response_format.json_schema.strict"
+    assert "strict" in str(caught.value)
