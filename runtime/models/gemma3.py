@@ -89,7 +89,8 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
         pattern = fields.get("sliding_window_pattern", int, 6)
         is_sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
     else:
-        if len(layer_types) != num_layers or not set(layer_types) <= {"sliding_attention", "full_attention"}:
+        kinds = ("sliding_attention", "full_attention")
+        if len(layer_types) != num_layers or not all(kind in kinds for kind in layer_types):
             raise CheckpointError(
                 f"{fields.source}: layer_types needs {num_layers} entries of "
                 "'sliding_attention' or 'full_attention'"
@@ -101,12 +102,16 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
     # transformers 5 writes rope settings per layer type under rope_parameters.
     rope = fields.get("rope_parameters", dict, None) or {}
     if isinstance(rope.get("sliding_attention"), dict):
-        local_base = float(rope["sliding_attention"].get("rope_theta", local_base))
+        local = ConfigFields(rope["sliding_attention"], f"{fields.source}: rope_parameters.sliding_attention")
+        local_base = local.get("rope_theta", float, local_base)
     if isinstance(full := rope.get("full_attention"), dict):
         scaling = {k: v for k, v in full.items() if k != "rope_theta"}
         if scaling.get("rope_type", "default") not in ("default", "linear"):
             raise CheckpointError(f"{fields.source}: unsupported rope_type '{scaling['rope_type']}'")
-        overrides["rope_theta"] = float(full.get("rope_theta", fields.get("rope_theta", float)))
+        rope_full = ConfigFields(full, f"{fields.source}: rope_parameters.full_attention")
+        overrides["rope_theta"] = rope_full.get("rope_theta", float, fields.get("rope_theta", float))
+        if scaling.get("rope_type") == "linear":
+            rope_full.get("factor", float)  # RoPE divides by it
         overrides["rope_scaling"] = scaling if scaling.get("rope_type") == "linear" else None
     return {
         **overrides,

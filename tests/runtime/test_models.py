@@ -99,6 +99,19 @@ def test_gemma3_rope_parameters_of_transformers_5():
         ({"layer_types": ["sliding_attention"]}, "layer_types needs 6 entries"),
         ({"hidden_activation": "relu"}, "hidden_activation 'relu'"),
         ({"sliding_window": 0}, "'sliding_window' must be positive"),
+        ({"layer_types": [{}] * 6}, "layer_types needs 6 entries"),
+        (
+            {"rope_parameters": {"full_attention": {"rope_theta": "x"}}},
+            "rope_parameters.full_attention: field 'rope_theta' should be float",
+        ),
+        (
+            {"rope_parameters": {"sliding_attention": {"rope_theta": None}}},
+            "rope_parameters.sliding_attention: field 'rope_theta' should be float",
+        ),
+        (
+            {"rope_parameters": {"full_attention": {"rope_type": "linear"}}},
+            "rope_parameters.full_attention: missing required field 'factor'",
+        ),
     ],
 )
 def test_unsupported_gemma3_settings_are_one_line_errors(fields, message):
