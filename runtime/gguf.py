@@ -182,6 +182,7 @@ class Metadata:
         return self._values[key]
 
     def require(self, key: str, kind: type) -> Any:
+        """The value of `key`, of type `kind` (and positive, if a number)."""
         value = self.get(key)
         if value is None:
             raise CheckpointError(f"{self.source}: missing GGUF metadata '{key}'")
@@ -191,7 +192,15 @@ class Metadata:
             raise CheckpointError(
                 f"{self.source}: GGUF metadata '{key}' should be {kind.__name__}, got {value!r}"
             )
+        if kind in (int, float) and isinstance(value, (int, float)) and value <= 0:
+            raise CheckpointError(
+                f"{self.source}: GGUF metadata '{key}' must be positive, got {value}"
+            )
         return value
+
+    def optional(self, key: str, kind: type, default: Any = None) -> Any:
+        """`require(key, kind)` when the file has `key`, else `default`."""
+        return self.require(key, kind) if key in self else default
 
     def string(self, key: str) -> str:
         return self.require(key, str)  # type: ignore[no-any-return]

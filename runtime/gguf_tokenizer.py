@@ -67,7 +67,7 @@ def tokenizer_from_gguf(metadata: Metadata, architecture: str) -> Tokenizer:
     source = metadata.source
     kind = metadata.string("tokenizer.ggml.model")
     tokens = metadata.require("tokenizer.ggml.tokens", list)
-    token_types = metadata.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    token_types = metadata.optional("tokenizer.ggml.token_type", list) or [_NORMAL] * len(tokens)
     if len(token_types) != len(tokens):
         raise CheckpointError(f"{source}: tokenizer.ggml.token_type does not match the vocabulary")
     if kind == "gpt2":
@@ -103,7 +103,7 @@ def tokenizer_from_gguf(metadata: Metadata, architecture: str) -> Tokenizer:
             backend,
             special_tokens=special_tokens,
             add_bos_token=bool(add_bos),
-            chat_template=metadata.get("tokenizer.chat_template"),
+            chat_template=metadata.optional("tokenizer.chat_template", str),
             byte_fallback=kind == "llama",
         )
     except jinja2.TemplateSyntaxError as exc:
@@ -121,14 +121,13 @@ def _byte_level_bpe(metadata: Metadata, tokens: list[str]) -> tokenizers.Tokeniz
         )
     spec = _BYTE_LEVEL_PRE[pre]
     vocab = {token: i for i, token in enumerate(tokens)}
-    backend = tokenizers.Tokenizer(
-        models.BPE(
-            vocab,
-            _file_merges(metadata),
-            ignore_merges=spec.ignore_merges,
-            fuse_unk=False,
-            byte_fallback=False,
-        )
+    backend = _bpe(
+        metadata,
+        vocab,
+        _file_merges(metadata),
+        ignore_merges=spec.ignore_merges,
+        fuse_unk=False,
+        byte_fallback=False,
     )
     steps: list[Any] = []
     if spec.is_digit_split:
@@ -172,15 +171,7 @@ def _sentencepiece_bpe(
         merges = _file_merges(metadata)
     else:
         merges = _merges_from_scores(vocab, mergeable)
-    backend = tokenizers.Tokenizer(
-        models.BPE(
-            vocab,
-            merges,
-            unk_token=unk,
-            fuse_unk=True,
-            byte_fallback=True,
-        )
-    )
+    backend = _bpe(metadata, vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
     steps: list[Any] = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     if metadata.get("tokenizer.ggml.add_space_prefix", True):
         # Llama 2: a word-boundary piece before the text, even one that starts with a
@@ -193,6 +184,16 @@ def _sentencepiece_bpe(
         backend.normalizer = normalizers.Replace(" ", "\u2581")  # Gemma: spaces only
     backend.decoder = decoders.Sequence(steps)
     return backend
+
+
+def _bpe(
+    metadata: Metadata, vocab: dict[str, int], merges: list[tuple[str, str]], **options: Any
+) -> tokenizers.Tokenizer:
+    try:
+        return tokenizers.Tokenizer(models.BPE(vocab, merges, **options))
+    except Exception as exc:  # tokenizers raises a bare Exception, e.g. for a merge of unknown tokens
+        reason = " ".join(str(exc).split())
+        raise CheckpointError(f"{metadata.source}: unusable BPE vocabulary ({reason})") from None
 
 
 def _file_merges(metadata: Metadata) -> list[tuple[str, str]]:

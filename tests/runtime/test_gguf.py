@@ -135,21 +135,31 @@ def test_repacked_blocks_equal_what_mlx_load_makes_of_the_file(tmp_path):
             assert mx.array_equal(ours[f"{tensor.name}.{suffix}"], theirs), (tensor.name, suffix)
 
 
-def with_rope_freqs(path, factors, out):
-    """`path` rewritten with a `rope_freqs.weight` tensor, as the converter adds for Llama 3."""
+def rewritten(path, out, metadata=(), tensors=()):
+    """A copy of `path` with the `metadata` values {key: (value, type, item type)} replaced
+    and the `tensors` {name: array} added."""
     reader = gguf.GGUFReader(path)
-    writer = gguf.GGUFWriter(str(out), "llama")
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    replaced = dict(metadata)
     for field in reader.fields.values():
-        if not field.name.startswith(("GGUF.", "general.architecture")):
+        if field.name in replaced:
+            writer.add_key_value(field.name, *replaced[field.name])
+        elif not field.name.startswith(("GGUF.", "general.architecture")):
             writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1])
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
-    writer.add_tensor("rope_freqs.weight", factors)
+    for name, values in dict(tensors).items():
+        writer.add_tensor(name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def with_rope_freqs(path, factors, out):
+    """`path` rewritten with a `rope_freqs.weight` tensor, as the converter adds for Llama 3."""
+    return rewritten(path, out, tensors={"rope_freqs.weight": factors})
 
 
 def test_llama3_rope_freqs_become_its_rope_scaling(convert, tmp_path):
@@ -246,3 +256,22 @@ def test_a_file_that_is_not_gguf_and_a_missing_one(tmp_path):
     assert "not a checkpoint directory or a GGUF file" in one_line_error(tmp_path / "fake.gguf")
     with pytest.raises(CheckpointError, match="no such file"):
         load_model(tmp_path / "missing.gguf")
+
+
+V = gguf.GGUFValueType
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("qwen2.attention.head_count", (0, V.UINT32, V.UINT32), "must be positive, got 0"),
+        ("tokenizer.ggml.merges", (["zzz yyy"], V.ARRAY, V.STRING), "unusable BPE vocabulary"),
+        ("tokenizer.ggml.token_type", (1, V.INT32, V.INT32), "'tokenizer.ggml.token_type' should be list"),
+        ("tokenizer.chat_template", (5, V.UINT32, V.UINT32), "'tokenizer.chat_template' should be str"),
+    ],
+    ids=["no heads", "merge of unknown tokens", "token types not a list", "template not text"],
+)
+def test_bad_metadata_is_a_one_line_error(convert, tmp_path, key, value, expected):
+    path, _ = convert("qwen2", GGMLType.F32)
+    damaged = rewritten(path, tmp_path / "damaged.gguf", metadata={key: value})
+    assert expected in one_line_error(damaged)
