@@ -383,10 +383,6 @@ def _tool_keys(message: dict[str, Any], where: str) -> dict[str, Any]:
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 _ROLES = ("system", "user", "assistant", "tool", "developer")
-# Fields a client sends expecting an effect this server does not have: refusing
-# them beats a silent ignore the client would only notice later. None left today.
-UNSUPPORTED_FIELDS: tuple[str, ...] = ()
-
 # Fields OpenAI defines as having no effect on the output (end-user ids, tags, hints).
 _IGNORED_FIELDS: dict[str, type | tuple[type, ...]] = {
     "user": str,
@@ -424,7 +420,6 @@ _COMMON_FIELDS = frozenset(
         "chat_template_kwargs",
         *TOOL_FIELDS,
         *STRUCTURED_FIELDS,
-        *UNSUPPORTED_FIELDS,
         *_IGNORED_FIELDS,
     }
 )

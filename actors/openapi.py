@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from actors.choices import DEFAULT_MAX_N
-from actors.openai_requests import UNSUPPORTED_FIELDS
 from actors.openapi_tools import (
     STRUCTURED_OUTPUT_FIELDS,
     TOOL_CALLS_REPLY,
@@ -102,7 +101,6 @@ _COMMON_FIELDS: dict[str, Any] = {
     "functions": {"type": "null", "description": "deprecated by OpenAI: send tools"},
     "function_call": {"type": "null", "description": "deprecated by OpenAI: send tool_choice"},
     **STRUCTURED_OUTPUT_FIELDS,
-    **{name: {"type": "null", "description": "not supported"} for name in UNSUPPORTED_FIELDS},
     # Accepted and without effect, as OpenAI defines them.
     "user": _or_null({"type": "string"}),
     "safety_identifier": _or_null({"type": "string"}),
