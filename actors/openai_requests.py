@@ -413,14 +413,15 @@ _COMMON_FIELDS = frozenset(
         "priority",
         "logprobs",
         "n",
+        *STRUCTURED_FIELDS,
+        *_IGNORED_FIELDS,
+        # Chat only: refused by completions, each with its own message.
+        "chat_template_kwargs",
+        *TOOL_FIELDS,
         # Refused unless off, each with its own message:
         "best_of",
         "functions",
         "function_call",
-        "chat_template_kwargs",
-        *TOOL_FIELDS,
-        *STRUCTURED_FIELDS,
-        *_IGNORED_FIELDS,
     }
 )
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs"}
