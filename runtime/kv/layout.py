@@ -82,6 +82,12 @@ class KVLayout:
             return full
         return min(full, -(-(window - 1 + max_chunk) // block_size) + 1)
 
+    def windowed_pool_blocks(self, block_size: int, max_rows: int) -> tuple[int, ...]:
+        """Blocks of each windowed group's pool (groups 1..): `max_rows` rows at their largest."""
+        return tuple(
+            max_rows * self.row_blocks(g, 1 << 40, block_size) for g in range(1, self.num_groups)
+        )
+
     def first_needed_block(self, group: int, next_position: int, block_size: int) -> int:
         """Entries of `group`'s table before this are never read by a query at
         `next_position` or later (0 for full groups)."""

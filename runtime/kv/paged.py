@@ -50,9 +50,7 @@ class PagedKV:
         """`num_blocks` is group 0's (every layer's without windows); a windowed
         group gets enough for `max_rows` rows (runtime/kv/layout.py)."""
         layout = KVLayout.for_layers(num_layers, layer_windows)
-        sizes = [num_blocks] + [
-            max_rows * layout.row_blocks(g, 1 << 40, block_size) for g in range(1, layout.num_groups)
-        ]
+        sizes = [num_blocks, *layout.windowed_pool_blocks(block_size, max_rows)]
         self.layout = attrs.evolve(layout, group_num_blocks=tuple(sizes))
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -82,9 +80,10 @@ class PagedKV:
     ) -> tuple[int, int]:
         """(bytes of one group-0 block, bytes the windowed groups' pools take for `max_rows`)."""
         layer_block = PagedKV.bytes_per_block(1, num_kv_heads, head_dim, block_size, dtype)
+        pool_blocks = layout.windowed_pool_blocks(block_size, max_rows)
         windowed = sum(
-            max_rows * layout.row_blocks(g, 1 << 40, block_size) * len(layout.group_layers[g]) * layer_block
-            for g in range(1, layout.num_groups)
+            n * len(layers) * layer_block
+            for n, layers in zip(pool_blocks, layout.group_layers[1:], strict=True)
         )
         return len(layout.group_layers[0]) * layer_block, windowed
 

@@ -56,6 +56,9 @@ def test_the_layout_has_a_full_and_a_windowed_group_each_with_its_own_pool(engin
     assert layout.group_num_blocks == (engine.kv.num_blocks, 4 * (-(-(WINDOW - 1 + 256) // BLOCK) + 1))
     assert engine.kv.keys[0].shape[0] == layout.group_num_blocks[1] * BLOCK  # one KV head
     assert engine.kv.keys[1].shape[0] == engine.kv.num_blocks * BLOCK
+    # The KV budget's accounting is what the storage really allocates.
+    budget_bytes = engine.kv.num_blocks * engine.bytes_per_block + engine.window_bytes
+    assert engine.kv.nbytes == budget_bytes <= 1 << 22
 
 
 @pytest.mark.parametrize("path", ["gather", "fast"])
