@@ -76,9 +76,13 @@ class ApiRequest:
     request: GenerateRequest
     is_stream: bool
     include_usage: bool
-    parses_tools: bool = False  # the reply may hold tool calls, in the model's format
     parallel_tool_calls: bool = True  # False: a reply's calls after the first are dropped
     n: int = 1  # choices: requests of their own that share the prompt (actors/choices.py)
+
+    @property
+    def parses_tools(self) -> bool:
+        """The reply may hold tool calls, in the model's format."""
+        return bool(self.request.tools) and self.request.tool_choice != "none"
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -224,7 +228,6 @@ def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any)
         request,
         is_stream,
         include_usage,
-        tools.parses_calls,
         parallel_tool_calls=tools.is_parallel,
         n=n,
     )

@@ -121,10 +121,6 @@ class ToolRequest:
     name: str | None = None
     is_parallel: bool = True  # parallel_tool_calls: false keeps only a reply's first call
 
-    @property
-    def parses_calls(self) -> bool:
-        return bool(self.tools) and self.choice != "none"
-
 
 def tool_request(body: dict[str, Any]) -> ToolRequest:
     for legacy in ("functions", "function_call"):
