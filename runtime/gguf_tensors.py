@@ -78,8 +78,8 @@ def decode_tensor(
                 f"{source}: tensor '{tensor.name}' has {data.shape[0]} rows, expected {len(rows)}"
             )
         data = data[rows]
-    if kind in NATIVE_BITS and shift == 0.0:
-        return _repacked(data, kind, hf_name)
+    if kind in NATIVE_BITS and shift == 0.0 and len(tensor.shape) == 2:
+        return _repacked(data, kind, hf_name)  # a matrix; a quantized vector is expanded
     values = _float_values(data, kind, tensor.name, source)
     if shift:
         values = values.astype(np.float32) - np.float32(shift)

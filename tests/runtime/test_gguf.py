@@ -34,6 +34,7 @@ QUANTIZED_TYPES = [
     GGMLType.Q5_K,
     GGMLType.Q6_K,
 ]
+NATIVE_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0)  # repacked, not expanded
 PROMPT = mx.array([[1, 17, 250, 9, 1033, 77, 5, 600] * 3])  # longer than Gemma's window
 # K-quants need rows of 256 weights; two heads of 64 keep the q/k permutation non-trivial.
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
@@ -120,7 +121,7 @@ def test_repacked_blocks_equal_what_mlx_load_makes_of_the_file(tmp_path):
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(tmp_path / "blocks.gguf"), "llama")
     values = {}
-    for kind in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0):
+    for kind in NATIVE_TYPES:
         values[kind] = rng.standard_normal((6, 96)).astype(np.float32)
         writer.add_tensor(kind.name, gguf.quants.quantize(values[kind], kind), raw_dtype=kind)
     writer.write_header_to_file()
@@ -155,6 +156,18 @@ def rewritten(path, out, metadata=(), tensors=()):
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def test_a_quantized_vector_is_expanded_not_repacked(tmp_path):
+    """A norm stored as Q4_0/Q8_0 (no converter writes one) once failed to reshape."""
+    values = np.random.default_rng(0).standard_normal(128).astype(np.float32)
+    tensors = {kind.name: (gguf.quants.quantize(values, kind), kind) for kind in NATIVE_TYPES}
+    path = minimal_gguf(tmp_path / "vectors.gguf", "llama", tensors)
+    for tensor in gguf.GGUFReader(path).tensors:
+        ours = convert_tensor(tensor, "norm.weight", None, 0.0, source="test")
+        expected = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        assert list(ours) == ["norm.weight"] and ours["norm.weight"].shape == (128,)
+        assert np.array_equal(np.array(ours["norm.weight"]), expected.astype(np.float16))
 
 
 def with_rope_freqs(path, factors, out):
