@@ -115,7 +115,7 @@ def _json_end(text: str, start: int, is_final: bool) -> int | None:
     """Where the JSON value at `start` ends, or None while it is incomplete."""
     try:
         _, end = _DECODER.raw_decode(text, start)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # nested too deep for json: never a call
         return None
     # A number at the very end may still grow ("12" of "123"): wait for what follows.
     is_closed = end < len(text) or text[end - 1] in '}]"' or text[start] in "{["

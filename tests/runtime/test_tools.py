@@ -114,6 +114,12 @@ def test_hermes_streams_the_name_then_argument_fragments():
     assert parser.finish() == []
 
 
+def test_json_nested_too_deep_to_decode_is_text_or_raw_arguments_not_an_error():
+    deep = "[" * 3000
+    assert parse("hermes", f"<tool_call>{deep}</tool_call>") == (deep, [])
+    assert parse("llama3_json", f'{{"name": "f", "parameters": {deep}') == ("", [("f", deep)])
+
+
 def test_python_calls():
     assert python_calls('f(a=1, b="x")') == [{"name": "f", "arguments": {"a": 1, "b": "x"}}]
     assert python_calls("[f(), g(x=[1, 2])]") == [
