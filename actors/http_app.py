@@ -138,16 +138,12 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        if state.llm is None:  # still served while draining: the drain is worth watching
-            raise ApiError.from_error(ServiceClosedError("the server is loading"))
-        body = generate_latest(state.llm.metrics.registry)
+        body = generate_latest(_loaded(state).metrics.registry)
         return Response(body, 200, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     @app.get("/v1/cadence/stats")
     async def stats() -> Response:
-        if state.llm is None:
-            raise ApiError.from_error(ServiceClosedError("the server is loading"))
-        return _json(server_stats(state.llm))
+        return _json(server_stats(_loaded(state)))
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -179,6 +175,13 @@ async def _read_json() -> dict[str, Any]:
         shown = request.content_type or "none"
         raise ApiError(415, f"Content-Type must be application/json, got {shown[:80]}")
     return parse_json(raw)
+
+
+def _loaded(state: ServerState) -> LLM:
+    """The LLM once loaded, draining or not: the drain is worth watching."""
+    if state.llm is None:
+        raise ApiError.from_error(ServiceClosedError("the server is loading"))
+    return state.llm
 
 
 def _ready(state: ServerState) -> LLM:

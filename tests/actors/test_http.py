@@ -115,6 +115,9 @@ async def test_health_is_503_while_loading():
             request, url, "POST", "/v1/completions", {"model": "x", "prompt": "hi"}
         )
         assert status == 503 and body["error"]["code"] == "unavailable"
+        for path in ("/metrics", "/v1/cadence/stats"):
+            status, _, body = await in_thread(request, url, "GET", path)
+            assert status == 503 and "loading" in body["error"]["message"], path
 
 
 async def test_chat_streaming_and_not_agree_and_chunks_follow_openai(tiny):
