@@ -70,7 +70,7 @@ def decode_tensor(
         )
     data = np.asarray(tensor.data)
     expected_rows = int(np.prod(tensor.shape[1:])) if len(tensor.shape) > 1 else 1
-    if len(tensor.shape) > 1 and data.shape[0] != expected_rows:
+    if len(tensor.shape) > 1 and int(np.prod(data.shape[:-1])) != expected_rows:
         raise CheckpointError(f"{source}: tensor '{tensor.name}' is truncated")
     if rows is not None:
         if len(rows) != data.shape[0]:

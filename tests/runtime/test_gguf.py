@@ -137,8 +137,8 @@ def test_repacked_blocks_equal_what_mlx_load_makes_of_the_file(tmp_path):
 
 
 def rewritten(path, out, metadata=(), tensors=()):
-    """A copy of `path` with the `metadata` values {key: (value, type, item type)} replaced
-    and the `tensors` {name: array} added."""
+    """A copy of `path` with the `metadata` values {key: (value, type, item type)} and the
+    `tensors` {name: array} replaced or added."""
     reader = gguf.GGUFReader(path)
     writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
     replaced = dict(metadata)
@@ -148,7 +148,8 @@ def rewritten(path, out, metadata=(), tensors=()):
         elif not field.name.startswith(("GGUF.", "general.architecture")):
             writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1])
     for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+        if tensor.name not in dict(tensors):
+            writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
     for name, values in dict(tensors).items():
         writer.add_tensor(name, values)
     writer.write_header_to_file()
@@ -288,3 +289,14 @@ def test_bad_metadata_is_a_one_line_error(convert, tmp_path, key, value, expecte
     path, _ = convert("qwen2", GGMLType.F32)
     damaged = rewritten(path, tmp_path / "damaged.gguf", metadata={key: value})
     assert expected in one_line_error(damaged)
+
+
+def test_a_tensor_of_more_dimensions_is_named_by_its_shape_not_as_truncated(convert, tmp_path):
+    path, _ = convert("qwen2", GGMLType.F32)
+    q_proj = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.attn_q.weight")
+    values = np.asarray(q_proj.data)
+    damaged = rewritten(
+        path, tmp_path / "3d.gguf", tensors={q_proj.name: values.reshape(2, -1, values.shape[-1])}
+    )
+    rows, columns = values.shape
+    assert f"has shape (2, {rows // 2}, {columns})" in one_line_error(damaged)
