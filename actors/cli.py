@@ -88,8 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-n",
         type=_positive,
-        default=DEFAULT_MAX_N,
-        help="most choices ('n') one request may ask for; each counts as a request",
+        default=None,
+        help=f"most choices ('n') one request may ask for; each counts as a request "
+        f"(default: {DEFAULT_MAX_N}, or --max-waiting if that is lower)",
     )
     serve.add_argument(
         "--kv-budget",
@@ -229,7 +230,9 @@ async def _serve(args: argparse.Namespace) -> None:
             f"--max-num-batched-tokens {budget} is below --max-batch {args.max_batch}: "
             "every decoding row needs its token"
         )
-    if args.max_n > args.max_waiting:  # n choices take n waiting slots at once
+    if args.max_n is None:  # n choices take n waiting slots at once: never more than exist
+        args.max_n = min(DEFAULT_MAX_N, args.max_waiting)
+    elif args.max_n > args.max_waiting:
         raise CadenceError(f"--max-n {args.max_n} is above --max-waiting {args.max_waiting}")
     state = ServerState()
     keys = _api_keys(args)

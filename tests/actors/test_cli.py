@@ -123,8 +123,13 @@ def test_a_stream_outliving_the_drain_timeout_ends_with_an_error_event_and_done(
         events = events_until(process, "ready")
         host, port = events[-1]["url"].removeprefix("http://").rsplit(":", 1)
         connection = http.client.HTTPConnection(host, int(port), timeout=30)
-        body = {"model": tiny.name, "prompt": "Hi", "max_tokens": 1000, "stream": True,
-                "ignore_eos": True}  # ~2 s of tokens: far longer than the 0.3 s drain
+        body = {
+            "model": tiny.name,
+            "prompt": "Hi",
+            "max_tokens": 1000,
+            "stream": True,
+            "ignore_eos": True,
+        }  # ~2 s of tokens: far longer than the 0.3 s drain
         connection.request(
             "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
         )
@@ -157,6 +162,34 @@ def test_serve_takes_an_api_key_from_the_environment(tiny):
 
         assert status({}) == 401
         assert status({"Authorization": "Bearer from-env"}) == 200
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+
+
+def test_serve_with_a_small_max_waiting_starts_and_caps_n_to_it(tiny):
+    """--max-n left unset follows a --max-waiting below its default instead of refusing it."""
+    serve = ["serve", "--model", str(tiny), "--port", "0", "--log-format", "json"]
+    process = subprocess.Popen(
+        [*CLI, *serve, "--max-waiting", "4"], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        events = events_until(process, "ready")
+        host, port = events[-1]["url"].removeprefix("http://").rsplit(":", 1)
+
+        def status_for(n):
+            body = json.dumps({"model": tiny.name, "prompt": "Hi", "max_tokens": 1, "n": n})
+            connection = http.client.HTTPConnection(host, int(port), timeout=60)
+            connection.request(
+                "POST", "/v1/completions", body, {"Content-Type": "application/json"}
+            )
+            response = connection.getresponse()
+            return response.status, json.loads(response.read())
+
+        ok = status_for(4)
+        assert ok[0] == 200, ok
+        status, error = status_for(5)
+        assert status == 400 and error["error"]["param"] == "n"
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
