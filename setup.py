@@ -1,8 +1,8 @@
-"""Builds cadence's quantized CPU kernels (kernels/quant/, a C++ mlx extension) at install.
+"""Builds cadence's CPU kernels (kernels/cpu/, a C++ mlx extension) at install.
 
 Everything else about the package is in pyproject.toml. The build is optional: with no
 C++ compiler or CMake, or CADENCE_BUILD_KERNELS=0, the install still succeeds and the
-runtime says in one log line that it uses mlx's own ops instead (kernels/quant_extension.py).
+runtime says in one log line that it uses mlx's own ops instead (kernels/cpu_extension.py).
 """
 
 from __future__ import annotations
@@ -85,6 +85,6 @@ def _cmake() -> str:
 
 
 setup(
-    ext_modules=[CMakeExtension("kernels._quant_ext", HERE / "kernels" / "quant")],
+    ext_modules=[CMakeExtension("kernels._cpu_ext", HERE / "kernels" / "cpu")],
     cmdclass={"build_ext": OptionalCMakeBuild},
 )

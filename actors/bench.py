@@ -1,6 +1,6 @@
 """`cadence bench ...`: measurements that print figures (never timed tests).
 
-    cadence bench paged-attention   fast vs gather paths of kernels/paged_attention.py
+    cadence bench paged-attention   native vs fast vs gather paths of kernels/paged_attention.py
     cadence bench soak              rude and faulty clients against the server; count leaks
     cadence bench serve             load any OpenAI-compatible server; cadence beside mlx_lm.server
 """
@@ -25,7 +25,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="print measured figures")
     which = bench.add_subparsers(dest="bench", required=True, parser_class=type(bench))
     paged = which.add_parser(
-        "paged-attention", help="fast vs gather paged attention per decode step"
+        "paged-attention", help="native vs fast vs gather paged attention per decode step"
     )
     paged.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     paged.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048, 8192])
@@ -81,33 +81,39 @@ def _time_arm(path: str, step, pools, q, k, v, repeats: int) -> float:
 def paged_attention(args: argparse.Namespace) -> int:
     forced = os.environ.get("CADENCE_PAGED_ATTENTION")
     rng = np.random.default_rng(0)
+    os.environ.pop("CADENCE_PAGED_ATTENTION", None)
+    shape = pa.StepShape(1, 1, 1, 0, args.kv_heads, args.heads // args.kv_heads)
+    why_not_native = pa.native_kernel_reason(shape)
+    arms = ("fast", "gather") if why_not_native else ("native", "fast", "gather")
     print(f"device {mx.default_device()}, {args.heads} heads / {args.kv_heads} KV heads, "
           f"D={args.head_dim}, block {args.block_size}; ms per decode step of {args.layers} layers")
-    print("| B | context | fast ms | gather ms | gather / fast |")
-    print("|---|---|---|---|---|")
-    counts: dict[str, dict[str, int]] = {}
+    if why_not_native:
+        print(f"(no native arm: {why_not_native})")
+    print("| B | context | " + " | ".join(f"{arm} ms" for arm in arms) + " | gather / fast |"
+          + (" gather / native |" if "native" in arms else ""))
+    print("|---|---|" + "---|" * (len(arms) + 1 + ("native" in arms)))
+    counts = {arm: {path: 0 for path in arms} for arm in arms}
     for batch in args.batches:
         for context in args.contexts:
             step, pools, q, k, v = _decode_step(batch, context, args, rng)
             arm_ms = {}
-            for path in ("fast", "gather"):
+            for arm in arms:
                 before = dict(pa.dispatch_counts)
-                arm_ms[path] = _time_arm(path, step, pools, q, k, v, args.repeats) * 1e3 * args.layers
-                ran = {p: pa.dispatch_counts[p] - before.get(p, 0) for p in ("fast", "gather")}
-                counts.setdefault(path, {"fast": 0, "gather": 0})
-                for p, n in ran.items():
-                    counts[path][p] += n
-            ratio = arm_ms["gather"] / arm_ms["fast"]
-            print(f"| {batch} | {context} | {arm_ms['fast']:.1f} | {arm_ms['gather']:.1f} | {ratio:.2f}x |")
+                arm_ms[arm] = _time_arm(arm, step, pools, q, k, v, args.repeats) * 1e3 * args.layers
+                for path in arms:
+                    counts[arm][path] += pa.dispatch_counts[path] - before.get(path, 0)
+            row = f"| {batch} | {context} | " + " | ".join(f"{arm_ms[a]:.1f}" for a in arms)
+            row += f" | {arm_ms['gather'] / arm_ms['fast']:.2f}x |"
+            if "native" in arms:
+                row += f" {arm_ms['gather'] / arm_ms['native']:.1f}x |"
+            print(row)
             sys.stdout.flush()
     if forced is None:
         os.environ.pop("CADENCE_PAGED_ATTENTION", None)
     else:
         os.environ["CADENCE_PAGED_ATTENTION"] = forced
-    if counts["fast"]["fast"] == 0 or counts["fast"]["gather"] != 0:
-        print(f"error: the fast arm did not run the fast path only: {counts['fast']}", file=sys.stderr)
-        return 1
-    if counts["gather"]["gather"] == 0 or counts["gather"]["fast"] != 0:
-        print(f"error: the gather arm did not run the gather path only: {counts['gather']}", file=sys.stderr)
-        return 1
+    for arm in arms:
+        if counts[arm][arm] == 0 or any(n for path, n in counts[arm].items() if path != arm):
+            print(f"error: the {arm} arm did not run the {arm} path only: {counts[arm]}", file=sys.stderr)
+            return 1
     return 0

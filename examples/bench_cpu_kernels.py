@@ -8,7 +8,7 @@ Writes a random-weight checkpoint with SmolLM2-135M's geometry (hidden 576, 30 l
 (so peak memory is its own):
 
   - "kernels": the quantized weights kept, cadence's C++ kernels (the default on CPU);
-  - "fp32": CADENCE_QUANT_KERNELS=off, the weights expanded to float32 (OpenBLAS);
+  - "fp32": CADENCE_CPU_KERNELS=off, the weights expanded to float32 (OpenBLAS);
   - with --bits 16: "fp32" (the default), "cpu-quantize 8" and "cpu-quantize 4".
 
 and prints single-stream decode tok/s, B=16 decode tok/s, a 512-token prefill and peak
@@ -75,7 +75,7 @@ def measure(
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from kernels.quant_extension import kernel_status
+    from kernels.cpu_extension import kernel_status
 
     lines: list[str] = []
     loaded = load_model(path, cpu_quantize=cpu_quantize, on_progress=lines.append)
@@ -126,7 +126,7 @@ def run_child(
 ) -> dict[str, float | str]:
     env = dict(os.environ)
     if not kernels:
-        env["CADENCE_QUANT_KERNELS"] = "off"
+        env["CADENCE_CPU_KERNELS"] = "off"
     command = [sys.executable, __file__, "--child", str(path)]
     command += ["--decode-tokens", str(decode_tokens), "--cpu-quantize", cpu_quantize]
     command += ["--single-stream-only"] if single_stream_only else []

@@ -9,7 +9,7 @@ A step is R rows, row r bringing `num_new[r]` query tokens at positions
 K/V is scattered into the pool once, then every query attends causally over its
 row's positions `[0, its own]`, or in a sliding-window layer over its last `window`
 positions `(own - window, own]` (as mlx-lm's and transformers' masks: the key at
-`own - window` is the first one out). Two paths compute the same thing:
+`own - window` is the first one out). Three paths compute the same thing:
 
 - `gather` (the reference): per row, copy its K/V out of the pool, then
   `mx.fast.scaled_dot_product_attention`. A Python loop per row and per layer.
@@ -18,15 +18,22 @@ positions `(own - window, own]` (as mlx-lm's and transformers' masks: the key at
   row's blocks with the polynomial exp (kernels/poly_exp.py). Rows bringing one
   token and rows bringing several form two padded groups, so a 512-token chunk
   does not pad every decoding row to 512 queries.
+- `native` (the CPU's): one C++ primitive of the CPU extension (kernels/cpu/) for
+  the whole step, every token of every row at once: each (token, KV head) reads its
+  row's blocks in place with an online softmax, vectorized exp, threads over tokens.
+  It runs whenever the extension is loaded, the default device is the CPU and the
+  pool is float32: it measured 7-16x faster than either other path at every size
+  tried, decode and prefill alike (`cadence bench paged-attention`).
 
 Both read a windowed layer's rows from the first block its window touches, so a
 local layer's cost follows the window, not the row's length; the blocks before it
 may already be back in the pool (their table entries point at block 0, unread).
 
 `select_path` picks one per step, before anything is written: a path either owns
-the step or was declined, and the pool is written exactly once either way. Its
-floor is the measured table in the README (`cadence bench paged-attention`);
-`CADENCE_PAGED_ATTENTION=gather|fast` forces a path, and
+the step or was declined, and the pool is written exactly once either way. Without
+the native kernel, its floor between the other two is the measured table in the
+README (`cadence bench paged-attention`); `CADENCE_PAGED_ATTENTION=gather|fast|native`
+forces a path (native only where it can run), and
 `CADENCE_PAGED_FAST_MIN_KEYS` moves the floor. The first occurrence of each
 outcome is logged at info, so a run shows which path it used.
 """
@@ -42,6 +49,7 @@ import mlx.core as mx
 import numpy as np
 import structlog
 
+from kernels.cpu_extension import cpu_extension
 from kernels.poly_exp import poly_exp
 from kernels.streams import is_worth_splitting, side_stream
 
@@ -57,7 +65,7 @@ FAST_MIN_KEYS = 512
 # per-row path materialises one row's scores at a time.
 FAST_MAX_SCORE_BYTES = 1 << 29
 
-dispatch_counts: collections.Counter[str] = collections.Counter()  # "fast", "gather", per step
+dispatch_counts: collections.Counter[str] = collections.Counter()  # "native", "fast", "gather", per step
 _logged: set[tuple[str, str]] = set()
 
 
@@ -71,20 +79,42 @@ class StepShape:
     num_multi_rows: int  # rows bringing more than one token
     num_kv_heads: int
     num_queries_per_kv: int
+    is_float32: bool = True  # the pool's dtype, the only one the native kernel reads
 
 
 @attrs.frozen
 class Decision:
-    path: str  # "fast" or "gather"
-    reason: str  # "forced", "at_or_above_floor", "below_floor", "scores_over_cap"
+    path: str  # "native", "fast" or "gather"
+    reason: str  # "forced", "native_kernel", "at_or_above_floor", "below_floor", "scores_over_cap"
     detail: str
 
 
+MAX_NATIVE_QUERIES_PER_KV = 64  # the C++ kernel's limit
+
+
+def native_kernel_reason(shape: StepShape) -> str | None:
+    """Why the native kernel cannot run a step of this shape (None: it can)."""
+    if mx.default_device() != mx.cpu:
+        return f"default device is {mx.default_device()}"
+    if not shape.is_float32:
+        return "the KV pool is not float32"
+    if shape.num_queries_per_kv > MAX_NATIVE_QUERIES_PER_KV:
+        return f"{shape.num_queries_per_kv} query heads per KV head"
+    if cpu_extension() is None:
+        return "the CPU extension is not loaded"
+    return None
+
+
 def select_path(shape: StepShape) -> Decision:
-    """Pure: which path runs a step of this shape. The environment can force either."""
+    """Which path runs a step of this shape: the native kernel wherever it can run,
+    else by the measured floor. The environment can force any path."""
     forced = os.environ.get("CADENCE_PAGED_ATTENTION", "").strip().lower()
     if forced in ("gather", "fast"):
         return Decision(forced, "forced", f"CADENCE_PAGED_ATTENTION={forced}")
+    why_not_native = native_kernel_reason(shape)
+    if why_not_native is None:
+        reason = "forced" if forced == "native" else "native_kernel"
+        return Decision("native", reason, f"cadence CPU kernel ({cpu_extension().attention_isa()})")  # type: ignore[union-attr]
     floor = _env_int("CADENCE_PAGED_FAST_MIN_KEYS", FAST_MIN_KEYS)
     keys = shape.num_rows * shape.max_visible
     if keys < floor:
@@ -127,6 +157,7 @@ class PagedStep:
     num_kv_heads: int
     num_queries_per_kv: int
     window: int | None = None  # a sliding-window layer's: the keys a query sees, itself included
+    is_float32: bool = True  # the pool's dtype
 
     def first_key(self, row: int) -> int:
         """The first position any of `row`'s queries sees (0 without a window)."""
@@ -150,6 +181,7 @@ class PagedStep:
             num_multi_rows=sum(n > 1 for n in self.num_new),
             num_kv_heads=self.num_kv_heads,
             num_queries_per_kv=self.num_queries_per_kv,
+            is_float32=self.is_float32,
         )
 
     @functools.cached_property
@@ -163,10 +195,11 @@ class PagedStep:
     @functools.cached_property
     def write_rows(self) -> mx.array:
         """[Hkv * N] flat pool rows of the new tokens' K/V, head-major."""
-        return self._head_rows(self._slots(self._row_of_token, self.positions))
+        return self._head_rows(self._slots(self.row_of_token, self.positions))
 
     @functools.cached_property
-    def _row_of_token(self) -> mx.array:
+    def row_of_token(self) -> mx.array:
+        """[N] int32: each new token's row (its index into `tables`)."""
         return mx.array(np.repeat(np.arange(len(self.starts)), self.num_new), dtype=mx.int32)
 
     def _slots(self, row_index: mx.array, positions: mx.array) -> mx.array:
@@ -187,6 +220,10 @@ class PagedStep:
         blocks = self.tables[index, mx.array(columns, dtype=mx.int32)]
         slots = blocks * self.block_size + mx.array(positions % self.block_size, dtype=mx.int32)
         return self._head_rows(slots)
+
+    @functools.cached_property
+    def native(self) -> _NativePlan:
+        return _NativePlan(self)
 
     @functools.cached_property
     def fast(self) -> _FastPlan:
@@ -215,7 +252,13 @@ def paged_attention(
     D = k.shape[-1]
     keys[layer][step.write_rows] = k.transpose(1, 0, 2).reshape(-1, D)  # [Hkv * N, D]
     values[layer][step.write_rows] = v.transpose(1, 0, 2).reshape(-1, D)
-    plan = step.fast if path == "fast" else step.gather
+    plan: _NativePlan | _FastPlan | _GatherPlan
+    if path == "native":
+        plan = step.native
+    elif path == "fast":
+        plan = step.fast
+    else:
+        plan = step.gather
     return plan.attend(keys[layer], values[layer], q, scale)
 
 
@@ -237,6 +280,22 @@ def dispatch(step: PagedStep) -> str:
             device=str(mx.default_device()),
         )
     return decision.path
+
+
+class _NativePlan:
+    """The CPU extension's kernel: the whole step in one call per layer."""
+
+    def __init__(self, step: PagedStep):
+        self.step = step
+
+    def attend(self, keys: mx.array, values: mx.array, q: mx.array, scale: float) -> mx.array:
+        step = self.step
+        ext = cpu_extension()
+        assert ext is not None, "select_path chose the native kernel without the extension"
+        return ext.paged_attention(
+            q, keys, values, step.tables, step.row_of_token, step.positions,
+            step.num_kv_heads, step.block_size, step.window or 0, scale,
+        )
 
 
 class _GatherPlan:

@@ -1,6 +1,6 @@
 """x @ W.T for a weight W stored in mlx's affine quantized layout: one entry for every layer.
 
-On the CPU it runs cadence's C++ kernels (kernels/quant/, loaded by quant_extension.py);
+On the CPU it runs cadence's C++ kernels (kernels/cpu/, loaded by cpu_extension.py);
 elsewhere, or without them, mlx's own `quantized_matmul` (Metal and CUDA keep theirs).
 Why, measured on a 2-core x86-64 box shared with other work (4096x4096 layer, 4-bit,
 group 64, ms; see the README for more):
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels.quant_extension import quant_extension
+from kernels.cpu_extension import cpu_extension
 
 # From this many rows of x on, dequantize + sgemm: on a 1536x576 layer it overtook the
 # row kernel between 24 and 32 rows (2.1 vs 2.4 ms at 24); on a loaded box a 4096x4096
@@ -39,7 +39,7 @@ def uses_cpu_kernel(group_size: int, bits: int, mode: str = "affine") -> bool:
     return (
         mx.default_device() == mx.cpu
         and is_kernel_layout(group_size, bits, mode)
-        and quant_extension() is not None
+        and cpu_extension() is not None
     )
 
 
@@ -55,7 +55,7 @@ def quantized_matmul(
 
     Returns x @ dequantize(w).T, [..., N], in x's dtype, accumulated in float32.
     """
-    ext = quant_extension() if uses_cpu_kernel(group_size, bits) else None
+    ext = cpu_extension() if uses_cpu_kernel(group_size, bits) else None
     if ext is None:
         return mx.quantized_matmul(
             x, w, scales, biases, transpose=True, group_size=group_size, bits=bits

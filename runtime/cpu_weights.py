@@ -1,14 +1,17 @@
 """The CPU dtype policy: what form each layer's weights take after loading, and why.
 
 Single-stream decode on a CPU is memory-bound, so its speed is the bytes of weights
-streamed per token. With cadence's quantized kernels (kernels/quant/):
+streamed per token. With cadence's quantized kernels (kernels/cpu/):
   - a quantized checkpoint stays quantized (4 or 8 bits, ~1/7 and ~1/3.5 of fp32's bytes);
   - a 16- or 32-bit checkpoint is expanded to float32, or, with `cpu_quantize` "8" or "4",
     quantized at load (group 64) so it decodes through the kernels too.
-Without them (no compiler at install, or CADENCE_QUANT_KERNELS=off) the old policy holds:
+Without them (no compiler at install, or CADENCE_CPU_KERNELS=off) the old policy holds:
 everything is expanded to float32 when memory allows (bf16 and mlx's 4-bit matmuls run
 20-40x slower than fp32 on the CPU), else kept as stored.
 Everything that is not a quantized matmul (norms, a dense embedding) computes in float32.
+With the extension loaded, float32 linear layers (and a tied output head) run their
+few-row products (decode) through its dense kernel (kernels/dense_matmul.py), which
+streams the weights once instead of packing them for an sgemm.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from kernels.quant_extension import kernel_status, quant_extension
+from kernels.cpu_extension import cpu_extension, kernel_status
+from kernels.dense_matmul import KernelEmbedding, KernelLinear
 from kernels.quantized_linear import KernelQuantizedEmbedding, KernelQuantizedLinear
 from kernels.quantized_matmul import is_kernel_layout
 
@@ -52,18 +56,21 @@ def prepare_for_cpu(
     if keep_dtype:
         progress(f"weights kept as stored: {describe_layers(model)}")
         return model
-    if quant_extension() is not None:
+    if cpu_extension() is not None:
         if model.config.quantization is None and cpu_quantize != "off":
             progress(f"quantizing weights to {cpu_quantize} bits for the CPU")
             _quantize(model, int(cpu_quantize))
         if _has_kernel_layers(model):
             _adopt_kernel_layers(model)
             _float32_except_quantized(model)
+            _adopt_dense_layers(model)
             progress(f"weights: {describe_layers(model)}")
             return model
     if _fits_as_float32(model):
         progress("expanding weights to float32 for the CPU")
         model = to_float32(model)
+    if cpu_extension() is not None:
+        _adopt_dense_layers(model)
     progress(f"weights: {describe_layers(model)}")
     return model
 
@@ -90,7 +97,8 @@ def _layer_kind(module: nn.Module) -> str:
         return f"{name} {module.bits}-bit g{module.group_size} ({path})"
     if isinstance(module, (nn.Linear, nn.Embedding)):
         name = "linear" if isinstance(module, nn.Linear) else "embedding"
-        return f"{name} {str(module.weight.dtype).removeprefix('mlx.core.')} (matmul)"
+        path = "cadence kernel, sgemm" if isinstance(module, (KernelLinear, KernelEmbedding)) else "matmul"
+        return f"{name} {str(module.weight.dtype).removeprefix('mlx.core.')} ({path})"
     return ""
 
 
@@ -125,6 +133,19 @@ def _adopt_kernel_layers(model: CausalLM) -> None:
         if isinstance(module, nn.QuantizedLinear):
             return KernelQuantizedLinear.adopt(module)
         return KernelQuantizedEmbedding.adopt(module)  # type: ignore[arg-type]
+
+    model.update_modules(tree_unflatten([(path, adopt(m)) for path, m in _leaves(model)]))
+
+
+def _adopt_dense_layers(model: CausalLM) -> None:
+    """float32 nn.Linear / nn.Embedding -> their dense-kernel twins (same arrays)."""
+
+    def adopt(module: nn.Module) -> nn.Module:
+        if type(module) is nn.Linear and module.weight.dtype == mx.float32:
+            return KernelLinear.adopt(module)
+        if type(module) is nn.Embedding and module.weight.dtype == mx.float32:
+            return KernelEmbedding.adopt(module)
+        return module
 
     model.update_modules(tree_unflatten([(path, adopt(m)) for path, m in _leaves(model)]))
 

@@ -119,6 +119,7 @@ class PagedKV:
                 num_kv_heads=self.num_kv_heads,
                 num_queries_per_kv=self.num_queries_per_kv,
                 window=window,
+                is_float32=self.keys[0].dtype == mx.float32,
             )
             for table, window, num_blocks in zip(
                 self._block_tables(rows, epoch),

@@ -1,4 +1,6 @@
-"""Paged attention: the vectorized path against the gather reference, from one pool state."""
+"""Paged attention: the native and vectorized paths against the gather reference, from one pool state."""
+
+import importlib.util
 
 import mlx.core as mx
 import numpy as np
@@ -6,6 +8,12 @@ import pytest
 from structlog.testing import capture_logs
 
 from kernels import paged_attention as pa
+from kernels.cpu_extension import cpu_extension
+
+IS_BUILT = importlib.util.find_spec("kernels._cpu_ext") is not None
+needs_native = pytest.mark.skipif(not IS_BUILT, reason="the C++ kernels were not built here")
+# Every path, for tests that must hold on each; the native one needs the built extension.
+ATTENTION_PATHS = ["gather", "fast", pytest.param("native", marks=needs_native)]
 
 
 def reference_attention(q, k, v, scale, mask):
@@ -64,17 +72,45 @@ SHAPES = {
 }
 
 
+@pytest.mark.parametrize("path", ["fast", pytest.param("native", marks=needs_native)])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fast_matches_gather_from_the_same_pool_state(shape, group):
+def test_each_path_matches_gather_from_the_same_pool_state(shape, group, path):
     starts, num_new = SHAPES[shape]
     step, _, keys, values, q, k, v = make_step(starts, num_new, 2, group)
-    before = pa.dispatch_counts["fast"]
-    fast, fast_pools = run("fast", step, keys, values, q, k, v)
+    before = pa.dispatch_counts[path]
+    out, pools = run(path, step, keys, values, q, k, v)
     gather, gather_pools = run("gather", step, keys, values, q, k, v)
-    assert mx.allclose(fast, gather, atol=1e-5, rtol=1e-5).item()
-    assert mx.array_equal(fast_pools[0][0], gather_pools[0][0]).item()
-    assert before == pa.dispatch_counts["fast"]  # run() forces paths; dispatch() counts
+    assert mx.allclose(out, gather, atol=1e-5, rtol=1e-5).item()
+    assert mx.array_equal(pools[0][0], gather_pools[0][0]).item()
+    assert before == pa.dispatch_counts[path]  # run() forces paths; dispatch() counts
+
+
+@needs_native
+def test_the_native_path_runs_the_cpu_kernel():
+    step, _, keys, values, q, k, v = make_step([5, 17, 2], [1, 1, 9], 2, 4)
+    ext = cpu_extension()
+    assert ext is not None, "built but not loaded: see kernels.cpu_extension.kernel_status()"
+    before = ext.num_attention_calls()
+    run("native", step, keys, values, q, k, v)
+    assert ext.num_attention_calls() == before + 1
+
+
+@needs_native
+def test_a_table_pointing_outside_the_pool_gives_nan_not_a_wild_read():
+    step, tables, keys, values, q, k, v = make_step([5, 17], [1, 1], 2, 4)
+    ext = cpu_extension()
+    args = (q, keys, values)
+    index = (step.row_of_token, step.positions, 2, BLOCK, 0, 0.25)
+    sound = ext.paged_attention(*args, step.tables, *index)
+    assert mx.isfinite(sound).all().item()
+    for bad_block in (64, -1, 1 << 30):  # the pool has 64 blocks
+        bad = np.array(step.tables)
+        bad[1, 2] = bad_block
+        out = ext.paged_attention(*args, mx.array(bad), *index)
+        assert mx.isnan(out).all().item(), bad_block
+    past_the_table = mx.array([0, 1000], dtype=mx.int32)
+    assert mx.isnan(ext.paged_attention(*args, step.tables, step.row_of_token, past_the_table, 2, BLOCK, 0, 0.25)).all().item()
 
 
 @pytest.mark.parametrize("group", [1, 4])
@@ -102,7 +138,7 @@ def test_every_new_token_is_written_once_at_its_slot_whichever_path_runs():
     starts, num_new = [5, 2], [1, 7]
     step, tables, keys, values, q, k, v = make_step(starts, num_new, 2, 2)
     S = 64 * BLOCK
-    for path in ("fast", "gather"):
+    for path in ("fast", "gather") + (("native",) if IS_BUILT else ()):
         _, (new_keys, _) = run(path, step, keys, values, q, k, v)
         written = np.array(new_keys[0].reshape(2, S, 16))
         expected = np.array(keys.reshape(2, S, 16))
@@ -115,7 +151,12 @@ def test_every_new_token_is_written_once_at_its_slot_whichever_path_runs():
         assert np.array_equal(written, expected), path
 
 
+def without_native(monkeypatch):
+    monkeypatch.setattr(pa, "cpu_extension", lambda: None)
+
+
 def test_a_declined_fast_path_builds_nothing_and_the_pool_is_written_once(monkeypatch):
+    without_native(monkeypatch)
     monkeypatch.delenv("CADENCE_PAGED_ATTENTION", raising=False)
     monkeypatch.setenv("CADENCE_PAGED_FAST_MIN_KEYS", "100000")  # this step is below it
     step, tables, keys, values, q, k, v = make_step([5, 2], [1, 7], 2, 2)
@@ -132,7 +173,8 @@ def test_a_declined_fast_path_builds_nothing_and_the_pool_is_written_once(monkey
     assert mx.array_equal(pools[0][0], reference_pools[0][0]).item()
 
 
-def test_select_path_follows_the_floor_the_cap_and_the_environment(monkeypatch):
+def test_without_native_select_path_follows_the_floor_the_cap_and_the_environment(monkeypatch):
+    without_native(monkeypatch)
     monkeypatch.delenv("CADENCE_PAGED_ATTENTION", raising=False)
     monkeypatch.delenv("CADENCE_PAGED_FAST_MIN_KEYS", raising=False)
     small = pa.StepShape(1, 1, 64, 0, 4, 4)
@@ -149,6 +191,27 @@ def test_select_path_follows_the_floor_the_cap_and_the_environment(monkeypatch):
     assert pa.select_path(big) == pa.Decision("gather", "forced", "CADENCE_PAGED_ATTENTION=gather")
     monkeypatch.setenv("CADENCE_PAGED_ATTENTION", "fast")
     assert pa.select_path(small).path == "fast"
+    monkeypatch.setenv("CADENCE_PAGED_ATTENTION", "native")  # cannot run here: the rules decide
+    assert pa.select_path(small).reason == "below_floor"
+
+
+@needs_native
+def test_the_native_kernel_runs_every_float32_cpu_step_unless_forced_away(monkeypatch):
+    monkeypatch.delenv("CADENCE_PAGED_ATTENTION", raising=False)
+    shapes = [pa.StepShape(1, 1, 64, 0, 4, 4), pa.StepShape(2, 4096, 8192, 2, 8, 8)]
+    for shape in shapes:
+        assert pa.select_path(shape).path == "native"
+        assert pa.select_path(pa.StepShape(*attrs_tuple(shape)[:6], is_float32=False)).path != "native"
+    too_many_heads = pa.StepShape(16, 1, 2048, 0, 1, pa.MAX_NATIVE_QUERIES_PER_KV + 1)
+    assert pa.native_kernel_reason(too_many_heads) is not None
+    assert pa.select_path(too_many_heads).path == "fast"
+    monkeypatch.setenv("CADENCE_PAGED_ATTENTION", "gather")
+    assert pa.select_path(shapes[0]).path == "gather"
+
+
+def attrs_tuple(shape):
+    return (shape.num_rows, shape.max_new, shape.max_visible, shape.num_multi_rows,
+            shape.num_kv_heads, shape.num_queries_per_kv)
 
 
 def test_dispatch_counts_every_step_and_logs_each_outcome_once(monkeypatch):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kernels import paged_attention as pa
+from tests.kernels.test_paged_attention import ATTENTION_PATHS
 
 BLOCK, D, HKV, NUM_BLOCKS = 4, 16, 2, 64
 POISON = NUM_BLOCKS - 1  # dead entries point here; its K/V are NaN
@@ -57,7 +58,7 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("path", ["gather", "fast"])
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_windowed_attention_matches_masked_attention_and_never_reads_dead_blocks(shape, group, path):

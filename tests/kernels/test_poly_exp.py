@@ -4,6 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kernels import swiglu as swiglu_module
 from kernels.poly_exp import poly_exp
 from kernels.swiglu import reference_swiglu, swiglu
 
@@ -28,3 +29,20 @@ def test_swiglu_matches_reference(shape):
     assert mx.allclose(swiglu(gate, up), reference_swiglu(gate, up), rtol=1e-5, atol=1e-6).item()
     extreme = mx.array([-200.0, -90.0, 0.0, 90.0, 200.0])
     assert mx.allclose(swiglu(extreme, mx.ones(5)), reference_swiglu(extreme, mx.ones(5))).item()
+
+
+def test_swiglu_runs_the_cpu_kernel_when_it_is_loaded(monkeypatch):
+    calls = []
+
+    class Kernel:
+        def silu_mul(self, gate, up):
+            calls.append(gate.shape)
+            return reference_swiglu(gate, up)
+
+    monkeypatch.setattr(swiglu_module, "cpu_extension", Kernel)
+    gate = mx.random.normal((3, 7))
+    swiglu(gate, gate)
+    assert calls == [(3, 7)]
+    monkeypatch.setattr(swiglu_module, "cpu_extension", lambda: None)  # the mx-op fallback
+    assert mx.allclose(swiglu(gate, gate), reference_swiglu(gate, gate), rtol=1e-5, atol=1e-6).item()
+    assert calls == [(3, 7)]

@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from kernels import quant_extension as loader
+from kernels import cpu_extension as loader
 from kernels.quantized_matmul import (
     SGEMM_MIN_ROWS,
     quantized_matmul,
@@ -17,7 +17,7 @@ from kernels.quantized_matmul import (
     uses_cpu_kernel,
 )
 
-IS_BUILT = importlib.util.find_spec("kernels._quant_ext") is not None
+IS_BUILT = importlib.util.find_spec("kernels._cpu_ext") is not None
 needs_kernels = pytest.mark.skipif(not IS_BUILT, reason="the C++ kernels were not built here")
 
 
@@ -59,7 +59,7 @@ def test_a_strided_input_gives_the_contiguous_result():
 @needs_kernels
 def test_the_kernel_really_runs_on_the_cpu_when_built():
     """A silent fallback to mlx's ops must fail here, for decode and prefill shapes alike."""
-    ext = loader.quant_extension()
+    ext = loader.cpu_extension()
     assert ext is not None, loader.kernel_status()
     assert uses_cpu_kernel(64, 4)
     w, scales, biases = quantized(8, 128, 64, 4)
@@ -73,7 +73,7 @@ def test_the_kernel_really_runs_on_the_cpu_when_built():
 @needs_kernels
 def test_empty_operands_give_empty_or_zero_results_instead_of_crashing():
     """No rows of x (M = 0) or no columns of w (K = 0) once divided by zero in the kernels."""
-    ext = loader.quant_extension()
+    ext = loader.cpu_extension()
     assert ext is not None, loader.kernel_status()
     w, scales, biases = quantized(8, 64, 32, 4)
     before = ext.num_kernel_calls()
@@ -87,9 +87,9 @@ def test_empty_operands_give_empty_or_zero_results_instead_of_crashing():
 EVERY_LAYOUT_SCRIPT = """
 import runtime
 import mlx.core as mx
-from kernels.quant_extension import quant_extension
+from kernels.cpu_extension import cpu_extension
 from kernels.quantized_matmul import reference_quantized_matmul
-ext = quant_extension()
+ext = cpu_extension()
 for bits in (4, 8):
     for group_size in (32, 64, 128):
         k = 3 * group_size
@@ -124,7 +124,7 @@ def test_every_instruction_set_matches_the_reference(cap):
 
 @needs_kernels
 def test_thread_counts_agree():
-    ext = loader.quant_extension()
+    ext = loader.cpu_extension()
     w, scales, biases = quantized(4099, 256, 64, 4)  # enough rows to be split over threads
     x = mx.random.normal((3, 256))
     threads = ext.num_threads()
@@ -156,7 +156,7 @@ def test_two_cpu_streams_at_once_each_get_their_own_result():
 
 @needs_kernels
 def test_bad_operands_raise_one_line_errors():
-    ext = loader.quant_extension()
+    ext = loader.cpu_extension()
     w, scales, biases = quantized(8, 64, 32, 4)
     with pytest.raises(ValueError, match="bits must be 4 or 8"):
         ext.matmul(mx.ones((1, 64)), w, scales, biases, 32, 3)
@@ -167,9 +167,9 @@ def test_bad_operands_raise_one_line_errors():
 
 
 def test_the_environment_switch_forces_the_fallback(monkeypatch):
-    monkeypatch.setenv("CADENCE_QUANT_KERNELS", "off")
+    monkeypatch.setenv("CADENCE_CPU_KERNELS", "off")
     module, status = loader._load()
-    assert module is None and "CADENCE_QUANT_KERNELS" in status
+    assert module is None and "CADENCE_CPU_KERNELS" in status
 
 
 def test_the_fallback_computes_the_same_through_mlx(monkeypatch):

@@ -16,10 +16,10 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
-from kernels import quant_extension as loader
+from kernels import cpu_extension as loader
 from kernels.quantized_linear import KernelQuantizedEmbedding, KernelQuantizedLinear
 
-IS_BUILT = importlib.util.find_spec("kernels._quant_ext") is not None
+IS_BUILT = importlib.util.find_spec("kernels._cpu_ext") is not None
 PROMPT = [11, 305, 42, 977, 5, 1203, 64, 88, 300, 7, 1500, 19]
 NEW_TOKENS = 24
 FAMILIES = {
@@ -66,7 +66,7 @@ def test_greedy_parity_with_mlx_lm_through_the_kernels(make_checkpoint, family, 
     path = make_checkpoint(family, quantize=(64, bits), **SHAPE, **FAMILIES[family])
     loaded = load_model(path)
     assert kernel_layers(loaded.model), "quantized layers should run on cadence's kernels"
-    ext = loader.quant_extension()
+    ext = loader.cpu_extension()
     before = ext.num_kernel_calls()
     ours = greedy(loaded)
     assert ext.num_kernel_calls() > before

@@ -17,6 +17,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from kernels import paged_attention
+from tests.kernels.test_paged_attention import ATTENTION_PATHS
 
 NEW_TOKENS = 64
 PROMPT = [11, 305, 42, 977, 5, 1203, 64, 88, 300, 7, 1500, 19]
@@ -87,7 +88,7 @@ def test_greedy_parity_with_mlx_lm(make_checkpoint, case):
 MIXED_FAMILIES = ["llama-gqa4", "mistral", "qwen2", "qwen3", "llama3-rope-scaling"]
 
 
-@pytest.mark.parametrize("path", ["gather", "fast"])
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
 @pytest.mark.parametrize("case", MIXED_FAMILIES)
 def test_a_row_prefilling_in_chunks_beside_three_decoding_rows_keeps_mlx_lm_parity(
     make_checkpoint, monkeypatch, case, path
@@ -116,9 +117,9 @@ def test_a_row_prefilling_in_chunks_beside_three_decoding_rows_keeps_mlx_lm_pari
     ran_before = dict(paged_attention.dispatch_counts)
     got = run_offline(engine, policy, requests, on_step=note)
     assert len(mixed_steps) >= 5
-    other = "gather" if path == "fast" else "fast"
     assert paged_attention.dispatch_counts[path] > ran_before.get(path, 0)  # no silent fallback
-    assert paged_attention.dispatch_counts[other] == ran_before.get(other, 0)
+    for other in {"gather", "fast", "native"} - {path}:
+        assert paged_attention.dispatch_counts[other] == ran_before.get(other, 0), other
     for request_id, request in requests.items():
         want = mlx_lm_greedy(checkpoint, list(request.prompt_tokens), request.max_tokens)
         assert list(got[request_id].tokens) == want, request_id
@@ -126,7 +127,7 @@ def test_a_row_prefilling_in_chunks_beside_three_decoding_rows_keeps_mlx_lm_pari
     assert policy.pool.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("path", ["gather", "fast"])
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
 def test_logits_of_a_row_alone_and_in_a_mixed_step_agree(make_checkpoint, monkeypatch, path):
     monkeypatch.setenv("CADENCE_PAGED_ATTENTION", path)
     loaded = load_model(make_checkpoint("qwen3", head_dim=32))

@@ -16,6 +16,8 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
+from tests.kernels.test_paged_attention import ATTENTION_PATHS
+
 WINDOW, BLOCK = 8, 4
 PROMPT = [11, 305, 42, 977, 5, 1203, 64, 88, 300, 7, 1500, 19]
 LONG_PROMPT = (PROMPT * 3)[:30]  # several windows long
@@ -61,7 +63,7 @@ def test_the_layout_has_a_full_and_a_windowed_group_each_with_its_own_pool(engin
     assert engine.kv.nbytes == budget_bytes <= 1 << 22
 
 
-@pytest.mark.parametrize("path", ["gather", "fast"])
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
 def test_greedy_parity_past_the_window(checkpoint, engine, monkeypatch, path):
     monkeypatch.setenv("CADENCE_PAGED_ATTENTION", path)
     got = run_offline(engine, policy_for(engine), {"a": params(LONG_PROMPT, 40)})["a"]
@@ -70,7 +72,7 @@ def test_greedy_parity_past_the_window(checkpoint, engine, monkeypatch, path):
     assert len(set(want)) > 4, "the test model should not be degenerate"
 
 
-@pytest.mark.parametrize("path", ["gather", "fast"])
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
 def test_rows_of_different_lengths_with_chunks_straddling_the_window_edge(
     checkpoint, engine, monkeypatch, path
 ):

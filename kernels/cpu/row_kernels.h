@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-namespace cadence_quant {
+namespace cadence_cpu {
 
 // One quantized matmul, out = x @ dequantize(w).T, over mlx's affine layout:
 // w[n] packs K values of `bits` bits, lowest bits first, 32/bits per uint32;
@@ -32,7 +32,18 @@ struct DequantizeJob {
   int N, K, group_size, bits;
 };
 
+// out = x @ w.T for float32 w [N, K] as stored (nn.Linear's layout), few rows of x:
+// each weight is read from memory once per call, never packed (an sgemm copies it).
+struct DenseMatmulJob {
+  const float* x;  // [M, K], rows x_stride apart
+  const float* w;  // [N, K]
+  float* out;  // [M, N]
+  int M, N, K;
+  int64_t x_stride;
+};
+
 using MatmulRows = void (*)(const MatmulJob&, int row_begin, int row_end);
+using DenseMatmulRows = void (*)(const DenseMatmulJob&, int row_begin, int row_end);
 using DequantizeRows = void (*)(const DequantizeJob&, int row_begin, int row_end);
 
 // x[M, K] (any strides) -> xt, xsum for a kernel of `lanes` lanes: the packed words of
@@ -47,10 +58,11 @@ void pack_activations(
   int matmul_lanes();                                                    \
   void matmul_rows(const MatmulJob& job, int row_begin, int row_end);    \
   void dequantize_rows(const DequantizeJob& job, int row_begin, int row_end); \
+  void dense_matmul_rows(const DenseMatmulJob& job, int row_begin, int row_end); \
   }
 
 CADENCE_DECLARE_ROW_KERNELS(baseline)
 CADENCE_DECLARE_ROW_KERNELS(avx2)
 CADENCE_DECLARE_ROW_KERNELS(avx512)
 
-}  // namespace cadence_quant
+}  // namespace cadence_cpu

@@ -15,7 +15,7 @@
 #define CADENCE_LANES 8
 #endif
 
-namespace cadence_quant {
+namespace cadence_cpu {
 namespace CADENCE_ISA {
 namespace {
 
@@ -208,4 +208,4 @@ void dequantize_rows(const DequantizeJob& job, int row_begin, int row_end) {
 }
 
 }  // namespace CADENCE_ISA
-}  // namespace cadence_quant
+}  // namespace cadence_cpu

@@ -4,7 +4,7 @@
 #include <cstdlib>
 #include <memory>
 
-namespace cadence_quant {
+namespace cadence_cpu {
 
 RowPool::RowPool(int num_threads) {
   for (int i = 1; i < num_threads; ++i) {
@@ -146,4 +146,4 @@ void set_num_threads(int num_threads) {
   pool_slot() = std::make_shared<RowPool>(std::max(1, std::min(num_threads, 256)));
 }
 
-}  // namespace cadence_quant
+}  // namespace cadence_cpu

@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-namespace cadence_quant {
+namespace cadence_cpu {
 
 class RowPool {
  public:
@@ -56,4 +56,4 @@ class RowPool {
 std::shared_ptr<RowPool> row_pool();  // shared: a resize never frees a pool in use
 void set_num_threads(int num_threads);
 
-}  // namespace cadence_quant
+}  // namespace cadence_cpu

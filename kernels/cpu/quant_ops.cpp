@@ -2,20 +2,18 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 #include <stdexcept>
 #include <vector>
 
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/utils.h"
 
+#include "cpu_dispatch.h"
+#include "isa.h"
 #include "row_kernels.h"
 #include "row_pool.h"
 
-namespace cadence_quant {
+namespace cadence_cpu {
 
 namespace {
 
@@ -25,21 +23,6 @@ std::atomic<uint64_t> kernel_calls{0};
 // ~10-20 us, about what one core needs to read 256K 4-bit weights.
 constexpr int64_t kMinValuesPerChunk = 1 << 18;
 constexpr int kMostRowsForWideLanes = 3;
-
-// CADENCE_CPU_ISA=baseline|avx2 caps the instruction set (for comparisons and tests).
-bool is_allowed(const char* isa) {
-  const char* cap = std::getenv("CADENCE_CPU_ISA");
-  if (cap == nullptr || *cap == '\0') {
-    return true;
-  }
-  const char* order[] = {"baseline", "avx2", "avx512"};
-  int cap_rank = -1, isa_rank = -1;
-  for (int i = 0; i < 3; ++i) {
-    if (std::strcmp(cap, order[i]) == 0) cap_rank = i;
-    if (std::strcmp(isa, order[i]) == 0) isa_rank = i;
-  }
-  return cap_rank < 0 || isa_rank <= cap_rank;
-}
 
 struct Kernels {
   MatmulRows matmul;
@@ -62,18 +45,14 @@ const Kernels& kernels(int num_rows) {
   static const Kernels baseline_kernels{
       baseline::matmul_rows, baseline::dequantize_rows, baseline::matmul_lanes(), kBaselineName};
 #if defined(CADENCE_HAS_X86_KERNELS)
-  static const bool has_avx2 = __builtin_cpu_supports("avx2") &&
-      __builtin_cpu_supports("fma") && is_allowed("avx2");
-  static const bool has_avx512 = has_avx2 && __builtin_cpu_supports("avx512f") &&
-      __builtin_cpu_supports("avx512vl") && is_allowed("avx512");
   static const Kernels avx2_kernels{
       avx2::matmul_rows, avx2::dequantize_rows, avx2::matmul_lanes(), "avx2+fma"};
   static const Kernels avx512_kernels{
       avx512::matmul_rows, avx512::dequantize_rows, avx512::matmul_lanes(), "avx512"};
-  if (has_avx512 && num_rows <= kMostRowsForWideLanes) {
+  if (best_isa() == Isa::avx512 && num_rows <= kMostRowsForWideLanes) {
     return avx512_kernels;
   }
-  if (has_avx2) {
+  if (best_isa() != Isa::baseline) {
     return avx2_kernels;
   }
 #endif
@@ -207,27 +186,13 @@ mx::array dequantize(
 }
 
 void QuantizedRowsMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  const auto& x = inputs[0];
-  const auto& w = inputs[1];
-  const auto& scales = inputs[2];
-  const auto& biases = inputs[3];
-  require_row_contiguous(w, "w");
-  require_row_contiguous(scales, "scales");
-  require_row_contiguous(biases, "biases");
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) {
-    encoder.set_input_array(a);
-  }
-  encoder.set_output_array(out);
-  encoder.dispatch([x = mx::array::unsafe_weak_copy(x),
-                    w = mx::array::unsafe_weak_copy(w),
-                    scales = mx::array::unsafe_weak_copy(scales),
-                    biases = mx::array::unsafe_weak_copy(biases),
-                    out = mx::array::unsafe_weak_copy(out),
-                    group_size = group_size_,
-                    bits = bits_]() mutable {
+  require_row_contiguous(inputs[1], "w");
+  require_row_contiguous(inputs[2], "scales");
+  require_row_contiguous(inputs[3], "biases");
+  run_on_stream(stream(), inputs, out, [group_size = group_size_, bits = bits_](
+                                           std::vector<mx::array>& in, mx::array& out) {
     kernel_calls.fetch_add(1, std::memory_order_relaxed);
+    const auto &x = in[0], &w = in[1];
     const int M = x.shape(0), K = x.shape(1), N = w.shape(0);
     // Reused across calls: this runs on the stream's one thread.
     thread_local std::vector<float> xt, xsum;
@@ -238,7 +203,7 @@ void QuantizedRowsMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::arr
         x.data<float>(), x.strides(0), x.strides(1), M, K, group_size, bits,
         chosen.lanes, xt.data(), xsum.data());
     const MatmulTask task{
-        MatmulJob{w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), xt.data(),
+        MatmulJob{w.data<uint32_t>(), in[2].data<float>(), in[3].data<float>(), xt.data(),
                   xsum.data(), out.data<float>(), M, N, K, group_size, bits},
         chosen.matmul};
     // Rows sharing a decode (4 at a time) make a row's work grow with M (at least 1:
@@ -251,28 +216,15 @@ void QuantizedRowsMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::arr
 }
 
 void QuantizedRowsDequantize::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  const auto& w = inputs[0];
-  const auto& scales = inputs[1];
-  const auto& biases = inputs[2];
-  require_row_contiguous(w, "w");
-  require_row_contiguous(scales, "scales");
-  require_row_contiguous(biases, "biases");
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) {
-    encoder.set_input_array(a);
-  }
-  encoder.set_output_array(out);
-  encoder.dispatch([w = mx::array::unsafe_weak_copy(w),
-                    scales = mx::array::unsafe_weak_copy(scales),
-                    biases = mx::array::unsafe_weak_copy(biases),
-                    out = mx::array::unsafe_weak_copy(out),
-                    group_size = group_size_,
-                    bits = bits_]() mutable {
+  require_row_contiguous(inputs[0], "w");
+  require_row_contiguous(inputs[1], "scales");
+  require_row_contiguous(inputs[2], "biases");
+  run_on_stream(stream(), inputs, out, [group_size = group_size_, bits = bits_](
+                                           std::vector<mx::array>& in, mx::array& out) {
     kernel_calls.fetch_add(1, std::memory_order_relaxed);
-    const int N = w.shape(0), K = out.shape(1);
+    const int N = in[0].shape(0), K = out.shape(1);
     const DequantizeJob job{
-        w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), out.data<float>(),
+        in[0].data<uint32_t>(), in[1].data<float>(), in[2].data<float>(), out.data<float>(),
         N, K, group_size, bits};
     const int min_rows = std::max(1, static_cast<int>(kMinValuesPerChunk / 4 / std::max(1, K)));
     row_pool()->run(run_dequantize_chunk, &job, N, min_rows);
@@ -315,4 +267,4 @@ void set_threads(int n) {
   set_num_threads(n);
 }
 
-}  // namespace cadence_quant
+}  // namespace cadence_cpu

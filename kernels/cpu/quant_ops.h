@@ -7,7 +7,7 @@
 #include "mlx/array.h"
 #include "mlx/primitives.h"
 
-namespace cadence_quant {
+namespace cadence_cpu {
 
 namespace mx = mlx::core;
 
@@ -65,4 +65,4 @@ class QuantizedRowsDequantize : public mx::UnaryPrimitive {
   int bits_;
 };
 
-}  // namespace cadence_quant
+}  // namespace cadence_cpu

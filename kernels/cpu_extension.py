@@ -1,4 +1,4 @@
-"""Load cadence's C++ quantized CPU kernels (kernels/quant/, built by setup.py), or say why not.
+"""Load cadence's C++ quantized CPU kernels (kernels/cpu/, built by setup.py), or say why not.
 
 The extension links the libmlx of the mlx it was built against. pip builds it in an
 isolated environment, whose mlx can differ from the one installed beside cadence, and
@@ -6,7 +6,7 @@ mlx's C++ ABI is not stable across versions: a mismatched build is refused, not 
 Every refusal is one line in `kernel_status()`, which the start-up log prints, and
 the callers fall back to mlx's own ops.
 
-CADENCE_QUANT_KERNELS=off forces the fallback (the path a machine without a compiler takes).
+CADENCE_CPU_KERNELS=off forces the fallback (the path a machine without a compiler takes).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import mlx.core as mx
 _state: dict[str, object] = {}
 
 
-def quant_extension() -> ModuleType | None:
-    """The loaded `kernels._quant_ext` module, or None (see `kernel_status()`)."""
+def cpu_extension() -> ModuleType | None:
+    """The loaded `kernels._cpu_ext` module, or None (see `kernel_status()`)."""
     if "module" not in _state:
         _state["module"], _state["status"] = _load()
     return _state["module"]  # type: ignore[return-value]
@@ -29,7 +29,7 @@ def quant_extension() -> ModuleType | None:
 
 def kernel_status() -> str:
     """One line for the logs: which quantized CPU kernels run, or why none do."""
-    quant_extension()
+    cpu_extension()
     return str(_state["status"])
 
 
@@ -46,10 +46,10 @@ def refusal_reason(built_for_mlx: str, runtime_mlx: str) -> str | None:
 
 def _load() -> tuple[ModuleType | None, str]:
     fallback = "the float32 path (mlx's own ops)"
-    if os.environ.get("CADENCE_QUANT_KERNELS", "").lower() in ("off", "0", "no"):
-        return None, f"quantized CPU kernels off (CADENCE_QUANT_KERNELS); using {fallback}"
+    if os.environ.get("CADENCE_CPU_KERNELS", "").lower() in ("off", "0", "no"):
+        return None, f"quantized CPU kernels off (CADENCE_CPU_KERNELS); using {fallback}"
     try:
-        module = importlib.import_module("kernels._quant_ext")
+        module = importlib.import_module("kernels._cpu_ext")
     except ImportError as exc:
         return None, f"quantized CPU kernels not built ({exc}); using {fallback}"
     reason = refusal_reason(module.built_for_mlx, getattr(mx, "__version__", "unknown"))

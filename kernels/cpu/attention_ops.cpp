@@ -1,0 +1,266 @@
+#include "attention_ops.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/ops.h"
+
+#include "attention_kernels.h"
+#include "cpu_dispatch.h"
+#include "isa.h"
+#include "row_pool.h"
+
+namespace cadence_cpu {
+
+namespace {
+
+std::atomic<uint64_t> attention_calls{0};
+
+// A chunk of work should be worth waking a sleeping worker (~10-20 us).
+constexpr int64_t kMinFlopsPerChunk = 1 << 18;
+constexpr int kMaxQueriesPerKv = 64;  // attention_kernels.cpp's kMaxGroup
+
+struct Kernels {
+  AttentionItems attention;
+  SoftmaxRows softmax;
+  SiluMulRange silu_mul;
+};
+
+const Kernels& kernels() {
+  static const Kernels chosen = [] {
+    switch (best_isa()) {
+#if defined(CADENCE_HAS_X86_KERNELS)
+      case Isa::avx512:
+        return Kernels{avx512::paged_attention_items, avx512::masked_softmax_rows,
+                       avx512::silu_mul_range};
+      case Isa::avx2:
+        return Kernels{avx2::paged_attention_items, avx2::masked_softmax_rows,
+                       avx2::silu_mul_range};
+#endif
+      default:
+        return Kernels{baseline::paged_attention_items, baseline::masked_softmax_rows,
+                       baseline::silu_mul_range};
+    }
+  }();
+  return chosen;
+}
+
+void require(bool ok, const std::string& what) {
+  if (!ok) {
+    throw std::invalid_argument("cadence CPU kernels: " + what);
+  }
+}
+
+mx::Stream cpu_stream() {
+  return mx::to_stream(mx::StreamOrDevice{}, mx::Device::cpu);
+}
+
+mx::array row_major(const mx::array& a, mx::Stream s) {
+  return mx::contiguous(a, false, s);
+}
+
+void fill_nan(mx::array& out) {
+  std::fill_n(out.data<float>(), out.size(), std::numeric_limits<float>::quiet_NaN());
+}
+
+// True if every block a token reads is a real pool block: a bad table must give NaN
+// (which fails the rows that read it, see runtime/engine.py), never a wild read.
+bool tables_are_sound(const PagedAttentionJob& job, int N, int R, int num_blocks) {
+  std::vector<int> last_pos(R, -1);
+  for (int n = 0; n < N; ++n) {
+    const int row = job.token_row[n], pos = job.token_pos[n];
+    if (row < 0 || row >= R || pos < 0 || pos / job.block_size >= job.table_width) {
+      return false;
+    }
+    last_pos[row] = std::max(last_pos[row], pos);
+  }
+  for (int row = 0; row < R; ++row) {
+    const int32_t* table = job.tables + static_cast<int64_t>(row) * job.table_width;
+    for (int b = 0; b <= last_pos[row] / job.block_size && last_pos[row] >= 0; ++b) {
+      if (table[b] < 0 || table[b] >= num_blocks) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+struct AttentionTask {
+  PagedAttentionJob job;
+  AttentionItems items;
+};
+
+}  // namespace
+
+mx::array paged_attention(
+    const mx::array& q,
+    const mx::array& keys,
+    const mx::array& values,
+    const mx::array& tables,
+    const mx::array& token_row,
+    const mx::array& token_pos,
+    int num_kv_heads,
+    int block_size,
+    int window,
+    float scale) {
+  require(q.ndim() == 3 && q.dtype() == mx::float32, "q must be [N, H, D] float32");
+  const int N = q.shape(0), H = q.shape(1), D = q.shape(2);
+  require(num_kv_heads > 0 && H % num_kv_heads == 0, "H must be a multiple of num_kv_heads");
+  require(H / num_kv_heads <= kMaxQueriesPerKv, "at most 64 query heads per KV head");
+  require(block_size > 0 && window >= 0, "block_size must be positive, window not negative");
+  for (const auto* pool : {&keys, &values}) {
+    require(pool->ndim() == 2 && pool->dtype() == mx::float32 && pool->shape(1) == D,
+            "the pools must be [Hkv * slots, D] float32");
+    require(pool->shape(0) == keys.shape(0) && pool->shape(0) % num_kv_heads == 0 &&
+                (pool->shape(0) / num_kv_heads) % block_size == 0,
+            "the pools must hold whole blocks of every KV head");
+  }
+  require(tables.ndim() == 2 && tables.dtype() == mx::int32, "tables must be [R, W] int32");
+  for (const auto* index : {&token_row, &token_pos}) {
+    require(index->ndim() == 1 && index->shape(0) == N && index->dtype() == mx::int32,
+            "token_row and token_pos must be [N] int32");
+  }
+  auto s = cpu_stream();
+  return mx::array(
+      q.shape(),
+      mx::float32,
+      std::make_shared<PagedAttention>(s, num_kv_heads, block_size, window, scale),
+      {row_major(q, s), row_major(keys, s), row_major(values, s), row_major(tables, s),
+       row_major(token_row, s), row_major(token_pos, s)});
+}
+
+void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  run_on_stream(stream(), inputs, out, [kv = num_kv_heads_, bs = block_size_, window = window_,
+                                        scale = scale_](std::vector<mx::array>& in, mx::array& out) {
+    attention_calls.fetch_add(1, std::memory_order_relaxed);
+    const auto &q = in[0], &keys = in[1], &values = in[2], &tables = in[3];
+    const int N = q.shape(0), H = q.shape(1), D = q.shape(2), R = tables.shape(0);
+    const int num_slots = keys.shape(0) / kv;
+    const AttentionTask task{
+        PagedAttentionJob{q.data<float>(), keys.data<float>(), values.data<float>(),
+                          tables.data<int32_t>(), in[4].data<int32_t>(), in[5].data<int32_t>(),
+                          out.data<float>(), H, kv, D, num_slots, bs, tables.shape(1), window,
+                          scale},
+        kernels().attention};
+    if (N == 0) {
+      return;
+    }
+    if (!tables_are_sound(task.job, N, R, num_slots / bs)) {
+      fill_nan(out);
+      return;
+    }
+    int64_t flops = 0;  // ~ keys seen x query heads x D, to size the chunks
+    for (int n = 0; n < N; ++n) {
+      const int pos = task.job.token_pos[n];
+      flops += window > 0 ? std::min(pos + 1, window) : pos + 1;
+    }
+    flops = std::max<int64_t>(1, flops * H * D);
+    const int items = N * kv;
+    const int min_items =
+        static_cast<int>(std::clamp<int64_t>(kMinFlopsPerChunk * items / flops, 1, items));
+    row_pool()->run(
+        [](const void* context, int begin, int end) {
+          const auto& t = *static_cast<const AttentionTask*>(context);
+          t.items(t.job, begin, end);
+        },
+        &task, items, min_items);
+  });
+}
+
+mx::array masked_softmax(
+    const mx::array& scores, const mx::array& lo, const mx::array& hi, int group, float scale) {
+  require(scores.ndim() == 2 && scores.dtype() == mx::float32, "scores must be [rows, L] float32");
+  require(group > 0, "group must be positive");
+  require(lo.ndim() == 1 && lo.dtype() == mx::int32 && lo.shape() == hi.shape() &&
+              hi.dtype() == mx::int32 && lo.shape(0) > 0,
+          "lo and hi must be [B] int32, B > 0");
+  auto s = cpu_stream();
+  return mx::array(
+      scores.shape(), mx::float32, std::make_shared<MaskedSoftmax>(s, group, scale),
+      {row_major(scores, s), row_major(lo, s), row_major(hi, s)});
+}
+
+void MaskedSoftmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  run_on_stream(stream(), inputs, out, [group = group_, scale = scale_](
+                                           std::vector<mx::array>& in, mx::array& out) {
+    const int rows = in[0].shape(0), L = in[0].shape(1), num_bounds = in[1].shape(0);
+    const MaskedSoftmaxJob job{in[0].data<float>(), out.data<float>(), in[1].data<int32_t>(),
+                               in[2].data<int32_t>(), L, group, num_bounds, scale};
+    for (int b = 0; b < num_bounds; ++b) {
+      if (job.lo[b] < 0 || job.hi[b] > L || job.lo[b] > job.hi[b]) {
+        fill_nan(out);
+        return;
+      }
+    }
+    const int min_rows = std::max(1, static_cast<int>((1 << 15) / std::max(1, L)));
+    row_pool()->run(
+        [](const void* context, int begin, int end) {
+          kernels().softmax(*static_cast<const MaskedSoftmaxJob*>(context), begin, end);
+        },
+        &job, rows, min_rows);
+  });
+}
+
+mx::array silu_mul(const mx::array& gate, const mx::array& up) {
+  require(gate.dtype() == mx::float32 && up.dtype() == mx::float32 && gate.shape() == up.shape(),
+          "gate and up must be float32 of one shape");
+  auto s = cpu_stream();
+  return mx::array(gate.shape(), mx::float32, std::make_shared<SiluMul>(s),
+                   {row_major(gate, s), row_major(up, s)});
+}
+
+namespace {
+constexpr int64_t kSiluUnit = 1024;  // elements per unit of work handed to the pool
+struct SiluTask {
+  SiluMulJob job;
+  int64_t size;
+};
+}  // namespace
+
+void SiluMul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  run_on_stream(stream(), inputs, out, [](std::vector<mx::array>& in, mx::array& out) {
+    const SiluTask task{SiluMulJob{in[0].data<float>(), in[1].data<float>(), out.data<float>()},
+                        static_cast<int64_t>(out.size())};
+    const int units = static_cast<int>((task.size + kSiluUnit - 1) / kSiluUnit);
+    row_pool()->run(
+        [](const void* context, int begin, int end) {
+          const auto& t = *static_cast<const SiluTask*>(context);
+          kernels().silu_mul(t.job, begin * kSiluUnit, std::min(t.size, end * kSiluUnit));
+        },
+        &task, units, 64);
+  });
+}
+
+void PagedAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("cadence's paged attention kernel runs on the CPU only");
+}
+
+void MaskedSoftmax::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("cadence's masked softmax kernel runs on the CPU only");
+}
+
+void SiluMul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("cadence's SwiGLU kernel runs on the CPU only");
+}
+
+bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const PagedAttention&>(other);
+  return num_kv_heads_ == o.num_kv_heads_ && block_size_ == o.block_size_ &&
+      window_ == o.window_ && scale_ == o.scale_;
+}
+
+bool MaskedSoftmax::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const MaskedSoftmax&>(other);
+  return group_ == o.group_ && scale_ == o.scale_;
+}
+
+uint64_t num_attention_calls() {
+  return attention_calls.load();
+}
+
+}  // namespace cadence_cpu

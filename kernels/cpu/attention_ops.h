@@ -1,0 +1,85 @@
+// Custom mlx primitives for attention and SwiGLU on the CPU (see kernels/native_ops.py).
+#pragma once
+
+#include <cstdint>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+
+namespace cadence_cpu {
+
+namespace mx = mlx::core;
+
+// Paged attention of q [N, H, D] over head-major pools [Hkv * slots, D]; token n
+// attends its table row token_row[n] up to position token_pos[n] (see attention_kernels.h).
+mx::array paged_attention(
+    const mx::array& q,
+    const mx::array& keys,
+    const mx::array& values,
+    const mx::array& tables,
+    const mx::array& token_row,
+    const mx::array& token_pos,
+    int num_kv_heads,
+    int block_size,
+    int window,
+    float scale);
+
+// softmax(scale * scores) of each row over the columns [lo, hi) of its bound
+// ((row / group) % len(lo)); the other columns are 0. scores [rows, L].
+mx::array masked_softmax(
+    const mx::array& scores, const mx::array& lo, const mx::array& hi, int group, float scale);
+
+mx::array silu_mul(const mx::array& gate, const mx::array& up);
+
+uint64_t num_attention_calls();  // evaluations of paged_attention on the CPU, ever
+
+class PagedAttention : public mx::UnaryPrimitive {
+ public:
+  PagedAttention(mx::Stream stream, int num_kv_heads, int block_size, int window, float scale)
+      : mx::UnaryPrimitive(stream),
+        num_kv_heads_(num_kv_heads),
+        block_size_(block_size),
+        window_(window),
+        scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "CadencePagedAttention";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int num_kv_heads_, block_size_, window_;
+  float scale_;
+};
+
+class MaskedSoftmax : public mx::UnaryPrimitive {
+ public:
+  MaskedSoftmax(mx::Stream stream, int group, float scale)
+      : mx::UnaryPrimitive(stream), group_(group), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "CadenceMaskedSoftmax";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int group_;
+  float scale_;
+};
+
+class SiluMul : public mx::UnaryPrimitive {
+ public:
+  explicit SiluMul(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "CadenceSiluMul";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+};
+
+}  // namespace cadence_cpu

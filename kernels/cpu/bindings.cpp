@@ -1,0 +1,48 @@
+// The Python module `kernels._cpu_ext` (loaded by kernels/cpu_extension.py).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "mlx/version.h"
+
+#include "attention_ops.h"
+#include "dense_ops.h"
+#include "isa.h"
+#include "quant_ops.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+#define CADENCE_STR2(x) #x
+#define CADENCE_STR(x) CADENCE_STR2(x)
+
+NB_MODULE(_cpu_ext, m) {
+  m.doc() = "cadence's CPU primitives for mlx: quantized matmuls, paged attention, SwiGLU";
+  // The mlx this was compiled against; the loader refuses a different runtime mlx.
+  m.attr("built_for_mlx") = CADENCE_STR(MLX_VERSION_MAJOR) "." CADENCE_STR(
+      MLX_VERSION_MINOR) "." CADENCE_STR(MLX_VERSION_PATCH);
+  m.def("matmul", &cadence_cpu::matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a,
+        "x[M, K] @ dequantize(w).T -> [M, N] float32 (mlx affine layout, 4 or 8 bits).");
+  m.def("dequantize", &cadence_cpu::dequantize, "w"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a, "dequantize(w) -> [N, K] float32.");
+  m.def("paged_attention", &cadence_cpu::paged_attention, "q"_a, "keys"_a, "values"_a,
+        "tables"_a, "token_row"_a, "token_pos"_a, "num_kv_heads"_a, "block_size"_a,
+        "window"_a, "scale"_a,
+        "Paged attention of q [N, H, D] over head-major pools (kernels/paged_attention.py).");
+  m.def("masked_softmax", &cadence_cpu::masked_softmax, "scores"_a, "lo"_a, "hi"_a, "group"_a,
+        "scale"_a, "softmax(scale * scores) over each row's columns [lo, hi); 0 elsewhere.");
+  m.def("silu_mul", &cadence_cpu::silu_mul, "gate"_a, "up"_a, "silu(gate) * up, float32.");
+  m.def("num_attention_calls", &cadence_cpu::num_attention_calls,
+        "How many times the paged attention kernel has run.");
+  m.def("attention_isa", [] { return std::string(cadence_cpu::isa_name(cadence_cpu::best_isa())); },
+        "The instruction set the attention and SwiGLU kernels use.");
+  m.def("dense_matmul", &cadence_cpu::dense_matmul, "x"_a, "w"_a,
+        "x[M, K] @ w[N, K].T -> [M, N] float32, the weight read in place (few rows).");
+  m.def("num_dense_calls", &cadence_cpu::num_dense_calls,
+        "How many times the dense matmul kernel has run.");
+  m.def("num_kernel_calls", &cadence_cpu::num_kernel_calls,
+        "How many times the kernels have run, for tests that must see them run.");
+  m.def("isa", &cadence_cpu::isa, "The instruction set the kernels use.");
+  m.def("num_threads", &cadence_cpu::num_threads);
+  m.def("set_num_threads", &cadence_cpu::set_threads, "num_threads"_a);
+}

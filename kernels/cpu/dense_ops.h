@@ -1,0 +1,31 @@
+// A custom mlx primitive for float32 linear layers with few rows (see kernels/dense_matmul.py).
+#pragma once
+
+#include <cstdint>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+
+namespace cadence_cpu {
+
+namespace mx = mlx::core;
+
+// x[M, K] @ w[N, K].T -> [M, N] float32, w read in place (for small M: decode).
+mx::array dense_matmul(const mx::array& x, const mx::array& w);
+
+uint64_t num_dense_calls();  // evaluations on the CPU, ever
+
+class DenseRowsMatmul : public mx::UnaryPrimitive {
+ public:
+  explicit DenseRowsMatmul(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "CadenceDenseRowsMatmul";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+};
+
+}  // namespace cadence_cpu

@@ -1,0 +1,82 @@
+"""x @ W.T for a float32 weight W as nn.Linear stores it: one entry for the CPU's dense layers.
+
+With few rows (decode), an sgemm is the wrong tool on the CPU: it copies (packs) the
+whole weight before multiplying, so each weight crosses memory three times. cadence's
+kernel (kernels/cpu/dense_kernels.cpp) reads each weight once, in place, for all rows.
+Measured on the 2-core x86-64 box (AVX-512, 2 threads; GB/s of weights streamed):
+
+| layer [K -> N] | rows | OpenBLAS sgemm | cadence kernel |
+|---|---|---|---|
+| 1024 -> 2816 | 1 | 19.6 | 37.6 |
+| 1024 -> 2816 | 4 | 16.0 | 33.7 |
+| 2816 -> 1024 | 4 | 17.9 | 42.4 |
+| 1024 -> 32000 (a head) | 1 | 16.6 | 43.1 |
+| 1024 -> 2816 | 16 | 13-14 | 9-16 (runs vary) |
+
+From 8 rows on, the kernel's FMAs (not memory) bound it and the sgemm's blocking
+wins or ties. Mixing the two in one step costs more still: OpenBLAS's threads spin
+for a while after each sgemm, so a kernel call that follows one shares the second
+core with a spinning thread (a 16-row decode step of the 200M bench model: 107 ms
+with every layer on the sgemm, 138 ms with the down projection and the head on the
+kernel). So the kernel takes steps of up to 4 rows, every layer of them, and the
+sgemm the rest. On a GPU, with another dtype,
+or without the extension, this is plain `x @ w.T`.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kernels.cpu_extension import cpu_extension
+
+MOST_ROWS = 4
+
+
+def uses_dense_kernel(rows: int) -> bool:
+    """Whether `dense_matmul` runs cadence's kernel for `rows` rows of x here and now."""
+    return 0 < rows <= MOST_ROWS and mx.default_device() == mx.cpu and cpu_extension() is not None
+
+
+def dense_matmul(x: mx.array, w: mx.array) -> mx.array:
+    """x: [..., K]; w: [N, K] -> x @ w.T, [..., N]."""
+    if x.dtype != mx.float32 or w.dtype != mx.float32:
+        return x @ w.T
+    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    if not uses_dense_kernel(rows):
+        return x @ w.T
+    ext = cpu_extension()
+    assert ext is not None
+    y = ext.dense_matmul(x.reshape(rows, x.shape[-1]), w)
+    return y if x.ndim == 2 else y.reshape(*x.shape[:-1], w.shape[0])
+
+
+class KernelLinear(nn.Linear):
+    """nn.Linear whose matmul is `dense_matmul`; same parameters and names."""
+
+    @classmethod
+    def adopt(cls, layer: nn.Linear) -> KernelLinear:
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.weight = mx.contiguous(layer.weight)
+        if "bias" in layer:
+            new.bias = layer.bias
+        return new
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = dense_matmul(x, self.weight)
+        return y + self.bias if "bias" in self else y
+
+
+class KernelEmbedding(nn.Embedding):
+    """nn.Embedding whose `as_linear` (a tied output head) is `dense_matmul`."""
+
+    @classmethod
+    def adopt(cls, layer: nn.Embedding) -> KernelEmbedding:
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.weight = mx.contiguous(layer.weight)
+        return new
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return dense_matmul(x, self.weight)

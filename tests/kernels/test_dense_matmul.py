@@ -1,0 +1,86 @@
+"""kernels/dense_matmul.py and the C++ kernel under it, against mlx's own matmul."""
+
+from runtime.checkpoint import load_model
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from kernels import dense_matmul as dm
+from kernels.cpu_extension import cpu_extension
+from tests.kernels.test_quantized_matmul import needs_kernels
+from tests.kernels.test_quantized_models import FAMILIES, SHAPE, greedy, kernels_off, mlx_lm_greedy
+
+__all__ = ["kernels_off"]  # a fixture, imported for the test below
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("k", "n"), [(64, 8), (37, 7), (1000, 33), (2816, 5)])
+def test_the_kernel_matches_matmul_and_really_runs(rows, k, n):
+    x = mx.random.normal((rows, k), key=mx.random.key(rows))
+    w = mx.random.normal((n, k), key=mx.random.key(k))
+    ext = cpu_extension()
+    before = ext.num_dense_calls()
+    got = dm.dense_matmul(x, w)
+    mx.eval(got)
+    assert ext.num_dense_calls() == before + 1
+    assert got.shape == (rows, n)
+    assert mx.allclose(got, x @ w.T, rtol=1e-4, atol=1e-4).item()
+
+
+@needs_kernels
+def test_more_rows_than_the_kernel_takes_go_to_the_sgemm():
+    ext = cpu_extension()
+    w = mx.random.normal((16, 32))
+    x = mx.random.normal((dm.MOST_ROWS + 1, 32))
+    before = ext.num_dense_calls()
+    mx.eval(dm.dense_matmul(x, w))
+    assert ext.num_dense_calls() == before
+    batched = mx.random.normal((1, 3, 32))  # [B, T, K] as the models call it: 3 rows
+    assert mx.allclose(dm.dense_matmul(batched, w), batched @ w.T, rtol=1e-4, atol=1e-4).item()
+    assert ext.num_dense_calls() == before + 1
+    half = x.astype(mx.float16)  # another dtype: mlx's matmul
+    assert dm.dense_matmul(half[:2], w.astype(mx.float16)).dtype == mx.float16
+    assert ext.num_dense_calls() == before + 1
+
+
+@needs_kernels
+def test_kernel_layers_keep_nn_layers_parameters_and_results():
+    linear = nn.Linear(40, 24, bias=True)
+    adopted = dm.KernelLinear.adopt(linear)
+    assert set(adopted.parameters()) == {"weight", "bias"}
+    x = mx.random.normal((2, 40))
+    assert mx.allclose(adopted(x), linear(x), rtol=1e-5, atol=1e-5).item()
+    embedding = nn.Embedding(50, 40)
+    head = dm.KernelEmbedding.adopt(embedding)
+    assert mx.allclose(head.as_linear(x), embedding.as_linear(x), rtol=1e-5, atol=1e-5).item()
+    assert mx.array_equal(head(mx.array([3, 7])), embedding(mx.array([3, 7]))).item()
+
+
+@needs_kernels
+def test_odd_shapes_and_an_empty_batch_do_not_crash():
+    ext = cpu_extension()
+    assert ext.dense_matmul(mx.zeros((0, 8)), mx.ones((3, 8))).shape == (0, 3)
+    with pytest.raises(ValueError):
+        ext.dense_matmul(mx.zeros((2, 8)), mx.ones((3, 9)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float32_checkpoints_decode_through_the_kernel_with_mlx_lm_parity(make_checkpoint, family):
+    path = make_checkpoint(family, **SHAPE, **FAMILIES[family])
+    lines = []
+    loaded = load_model(path, on_progress=lines.append)
+    leaves = [m for _, m in nn.utils.tree_flatten(loaded.model.leaf_modules(), is_leaf=nn.Module.is_module)]
+    assert any(isinstance(m, dm.KernelLinear) for m in leaves)
+    assert "linear float32 (cadence kernel, sgemm)" in next(x for x in lines if x.startswith("weights"))
+    before = cpu_extension().num_dense_calls()
+    assert greedy(loaded) == mlx_lm_greedy(path)
+    assert cpu_extension().num_dense_calls() > before  # the decode steps ran it
+
+
+def test_without_the_extension_float32_layers_stay_mlx_layers(make_checkpoint, kernels_off):
+    loaded = load_model(make_checkpoint("llama", **SHAPE))
+    leaves = [m for _, m in nn.utils.tree_flatten(loaded.model.leaf_modules(), is_leaf=nn.Module.is_module)]
+    assert not any(isinstance(m, (dm.KernelLinear, dm.KernelEmbedding)) for m in leaves)
