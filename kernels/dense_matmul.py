@@ -11,16 +11,18 @@ Measured on the 2-core x86-64 box (AVX-512, 2 threads; GB/s of weights streamed)
 | 1024 -> 2816 | 4 | 16.0 | 33.7 |
 | 2816 -> 1024 | 4 | 17.9 | 42.4 |
 | 1024 -> 32000 (a head) | 1 | 16.6 | 43.1 |
-| 1024 -> 2816 | 16 | 13-14 | 9-16 (runs vary) |
+| 1024 -> 2816 | 16 | 8-14 | 9-17 (runs vary) |
 
-From 8 rows on, the kernel's FMAs (not memory) bound it and the sgemm's blocking
-wins or ties. Mixing the two in one step costs more still: OpenBLAS's threads spin
-for a while after each sgemm, so a kernel call that follows one shares the second
-core with a spinning thread (a 16-row decode step of the 200M bench model: 107 ms
-with every layer on the sgemm, 138 ms with the down projection and the head on the
-kernel). So the kernel takes steps of up to 4 rows, every layer of them, and the
-sgemm the rest. On a GPU, with another dtype,
-or without the extension, this is plain `x @ w.T`.
+From 8 rows on the kernel's FMAs bound it as much as memory, and a layer alone is a
+toss-up. A whole step is not: OpenBLAS keeps its threads spinning for a while after
+each sgemm, so the kernel's pool shares the second core with them unless every layer
+of the step is on the kernel (a 16-row decode step of the 200M bench model: 107 ms
+all on the sgemm, 138 ms with only the down projection and the head on the kernel).
+With every layer on the kernel, whole decode steps of that model measured (best of
+7, three alternating runs): 8 rows 105 -> 79 ms, 16 rows 122-131 -> 99-119 ms,
+32 rows 166-178 -> 155-166 ms. So a step of up to 32 rows runs every layer on the
+kernel, and a larger one (prefill) every layer on the sgemm. On a GPU, with another
+dtype, or without the extension, this is plain `x @ w.T`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import mlx.nn as nn
 
 from kernels.cpu_extension import cpu_extension
 
-MOST_ROWS = 4
+MOST_ROWS = 32
 
 
 def uses_dense_kernel(rows: int) -> bool:
