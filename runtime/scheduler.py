@@ -128,7 +128,7 @@ class StepPlan:
 # 256 tokens a step (examples/bench_prefill.py, 512 / 6,000-token prompts: 287 / 78
 # tok/s in 128-token steps, 284 / 86 in 256, 211 / 90 in 512: a longer chunk pays
 # its masked half of attention, a shorter one streams the weights more often).
-DEFAULT_PREFILL_CHUNK = 96
+DEFAULT_PREFILL_CHUNK = 192
 DEFAULT_SOLO_PREFILL_TOKENS = 256
 
 
