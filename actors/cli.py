@@ -106,14 +106,16 @@ def _parser() -> argparse.ArgumentParser:
         "--prefill-chunk",
         type=_positive,
         default=DEFAULT_PREFILL_CHUNK,
-        help="most prompt tokens one request computes in a step",
+        help="most prompt tokens one request computes in a step beside decoding rows "
+        "(alone, a prompt takes 512 a step, or --max-num-batched-tokens if lower)",
     )
     serve.add_argument(
         "--max-num-batched-tokens",
         type=_positive,
         default=None,
-        help="most tokens a step computes over all rows: decoding rows first, prompt chunks "
-        "fill the rest (default: --max-batch + --prefill-chunk)",
+        help="most tokens a step computes over all rows, a prompt alone included: decoding "
+        "rows first, prompt chunks fill the rest (default: --max-batch + --prefill-chunk, "
+        "and 512 prompt tokens when no row decodes)",
     )
     serve.add_argument(
         "--batch-ladder",

@@ -31,7 +31,7 @@ from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.kv.blocks import BlockPool
 from runtime.ladder import measure_ladder
 from runtime.runner import PlanRunner
-from runtime.scheduler import DEFAULT_PREFILL_CHUNK, FcfsScheduler
+from runtime.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_SOLO_PREFILL_TOKENS, FcfsScheduler
 from runtime.sequence import SamplingParams
 from runtime.tool_prompts import tool_style_for
 
@@ -90,7 +90,9 @@ async def open_llm(
 
     `kv_budget` sizes the paged KV pool: bytes, a fraction of available memory, or
     None for the default (see `runtime.engine.Engine`). `max_num_batched_tokens` caps
-    a step's tokens (default `max_batch + prefill_chunk`; see runtime/scheduler.py).
+    a step's tokens, a prompt computed alone included (default `max_batch +
+    prefill_chunk` beside decoding rows, and 512 prompt tokens with none; see
+    runtime/scheduler.py).
     `batch_ladder` times the model's dense layers at 1..max_batch tokens at start-up
     and pads steps to a cheaper size (runtime/ladder.py).
     `prefix_cache=False` turns prefix caching off. `lookahead` (>= 1) is how many engine steps stay queued
@@ -155,8 +157,12 @@ async def open_llm(
         is_caching=prefix_cache,
         layout=kv.layout,
     )
-    budget = max_batch + prefill_chunk if max_num_batched_tokens is None else max_num_batched_tokens
-    policy = FcfsScheduler(max_batch, pool, engine.max_context, prefill_chunk, budget)
+    # An explicit budget is a hard cap: a prompt alone does not grow past it either.
+    if max_num_batched_tokens is None:
+        budget, solo = max_batch + prefill_chunk, DEFAULT_SOLO_PREFILL_TOKENS
+    else:
+        budget, solo = max_num_batched_tokens, min(DEFAULT_SOLO_PREFILL_TOKENS, max_num_batched_tokens)
+    policy = FcfsScheduler(max_batch, pool, engine.max_context, prefill_chunk, budget, solo)
     async with run_actors(
         thread, loaded, engine, policy, max_waiting, drain_timeout, lookahead
     ) as llm:

@@ -1,4 +1,6 @@
-"""Load cadence's C++ quantized CPU kernels (kernels/cpu/, built by setup.py), or say why not.
+"""Load cadence's C++ CPU kernels (kernels/cpu/, built by setup.py), or say why not.
+
+They hold the quantized and few-row dense matmuls, paged attention and SwiGLU.
 
 The extension links the libmlx of the mlx it was built against. pip builds it in an
 isolated environment, whose mlx can differ from the one installed beside cadence, and
@@ -28,7 +30,7 @@ def cpu_extension() -> ModuleType | None:
 
 
 def kernel_status() -> str:
-    """One line for the logs: which quantized CPU kernels run, or why none do."""
+    """One line for the logs: which CPU kernels run, or why none do."""
     cpu_extension()
     return str(_state["status"])
 
@@ -45,20 +47,21 @@ def refusal_reason(built_for_mlx: str, runtime_mlx: str) -> str | None:
 
 
 def _load() -> tuple[ModuleType | None, str]:
-    fallback = "the float32 path (mlx's own ops)"
+    fallback = "mlx's own ops (quantized weights expanded to float32)"
     if os.environ.get("CADENCE_CPU_KERNELS", "").lower() in ("off", "0", "no"):
-        return None, f"quantized CPU kernels off (CADENCE_CPU_KERNELS); using {fallback}"
+        return None, f"CPU kernels off (CADENCE_CPU_KERNELS); using {fallback}"
     try:
         module = importlib.import_module("kernels._cpu_ext")
     except ImportError as exc:
-        return None, f"quantized CPU kernels not built ({exc}); using {fallback}"
+        return None, f"CPU kernels not built ({exc}); using {fallback}"
     reason = refusal_reason(module.built_for_mlx, getattr(mx, "__version__", "unknown"))
     if reason is None:
         reason = _smoke_test(module)
     if reason is not None:
-        return None, f"quantized CPU kernels refused: {reason}; using {fallback}"
+        return None, f"CPU kernels refused: {reason}; using {fallback}"
     return module, (
-        f"quantized CPU kernels: {module.isa()}, {module.num_threads()} threads "
+        f"CPU kernels: quantized matmul {module.isa()}, attention {module.attention_isa()}, "
+        f"{module.num_threads()} threads "
         f"(built for mlx {module.built_for_mlx})"
     )
 

@@ -120,16 +120,17 @@ class StepPlan:
         return sum(span.num_new > 1 for span in self.spans)
 
 
-# Measured with the serving bench (then examples/bench_serving.py; 4 clients, before
-# the budget counted decoding rows, so add their count to compare): a step computing 128 prompt
-# tokens beside the decoding rows takes ~0.45 s on the 2-core box, 96 ~0.4 s; the
-# worst gap a decoding stream saw was 0.55 s at 128 and 0.42 s at 96, at the same
-# throughput. With no row decoding nobody can stall, and a prompt alone is computed
-# 256 tokens a step (examples/bench_prefill.py, 512 / 6,000-token prompts: 287 / 78
-# tok/s in 128-token steps, 284 / 86 in 256, 211 / 90 in 512: a longer chunk pays
-# its masked half of attention, a shorter one streams the weights more often).
+# Measured on the 2-core box with the native CPU attention (kernels/cpu/), 200M fp32
+# bench model. Beside decoding rows (`cadence bench serve --clients 4 16 --max-tokens 64
+# --prompt-tokens 150 --cadence-args="--prefill-chunk N"`): N = 96 / 144 / 192 gave 16
+# clients 84 / 87 / 93 tok/s, TTFT p99 6.3 / 6.1 / 5.2 s, inter-token p99 314 / 368 /
+# 417 ms, and a worst gap at 4 clients of 0.28 / 0.36 / 0.47 s; 288 took the 16-client
+# inter-token p99 to 596 ms, past the 0.5 s target. With no row decoding nobody can
+# stall, and a prompt alone is computed 512 tokens a step (examples/bench_prefill.py,
+# 512 / 6,000-token prompts: 555 / 240 tok/s in 256-token steps, 531 / 249 in 384,
+# 547 / 266 in 512: a longer step streams the weights less often).
 DEFAULT_PREFILL_CHUNK = 192
-DEFAULT_SOLO_PREFILL_TOKENS = 256
+DEFAULT_SOLO_PREFILL_TOKENS = 512
 
 
 @attrs.define

@@ -23,6 +23,8 @@ namespace {
 constexpr int L = CADENCE_LANES;
 constexpr int kChunk = 16;  // keys scored, exponentiated and summed together
 constexpr int kMaxGroup = 64;  // query heads per KV head (checked by the op)
+constexpr int kMaxTileHeadDim = 256;  // a tile's transposed queries and outputs (checked by the op)
+constexpr int kTileKeys = L == 16 ? 16 : 8;  // keys a tile scores together: its scores fill half the registers
 
 typedef float F __attribute__((vector_size(4 * L)));
 typedef int32_t FI __attribute__((vector_size(4 * L)));
@@ -126,9 +128,13 @@ inline void rescale_add(float* acc, float keep, const float* p, const float* v, 
   }
 }
 
-}  // namespace
+// The first key a query at `pos` sees.
+inline int first_visible(const PagedAttentionJob& job, int pos) {
+  return job.window > 0 && pos - job.window + 1 > 0 ? pos - job.window + 1 : 0;
+}
 
-void paged_attention_items(const PagedAttentionJob& job, int begin, int end) {
+// One token's G query heads, key by key (decode).
+void attend_token(const PagedAttentionJob& job, int n, int h) {
   const int G = job.H / job.Hkv, D = job.D, bs = job.block_size;
   K16 lane = {};
   for (int j = 0; j < kChunk; ++j) {
@@ -136,10 +142,9 @@ void paged_attention_items(const PagedAttentionJob& job, int begin, int end) {
   }
   float scores[kMaxGroup][kChunk];
   float running_max[kMaxGroup], total[kMaxGroup];
-  for (int item = begin; item < end; ++item) {
-    const int n = item / job.Hkv, h = item % job.Hkv;
+  {
     const int pos = job.token_pos[n];
-    const int first = job.window > 0 && pos - job.window + 1 > 0 ? pos - job.window + 1 : 0;
+    const int first = first_visible(job, pos);
     const int32_t* table = job.tables + static_cast<int64_t>(job.token_row[n]) * job.table_width;
     const int64_t head0 = (static_cast<int64_t>(n) * job.H + static_cast<int64_t>(h) * G) * D;
     const float* q = job.q + head0;  // [G, D]
@@ -188,46 +193,117 @@ void paged_attention_items(const PagedAttentionJob& job, int begin, int end) {
     }
   }
 }
-
-void masked_softmax_rows(const MaskedSoftmaxJob& job, int begin, int end) {
-  const int Lc = job.L;
-  for (int i = begin; i < end; ++i) {
-    const int bound = (i / job.group) % job.num_bounds;
-    const int lo = job.lo[bound], hi = job.hi[bound];
-    const float* s = job.scores + static_cast<int64_t>(i) * Lc;
-    float* o = job.out + static_cast<int64_t>(i) * Lc;
-    for (int j = 0; j < lo; ++j) o[j] = 0.0f;
-    for (int j = hi; j < Lc; ++j) o[j] = 0.0f;
-    if (lo >= hi) {
+// A tile of a prefill chunk: its count x G query heads are the lanes of F.
+void attend_tile(const PagedAttentionJob& job, int first, int count, int h) {
+  const int G = job.H / job.Hkv, D = job.D, bs = job.block_size, lanes = count * G;
+  alignas(64) float q_t[kMaxTileHeadDim * L];  // [D][lane]: the queries, scaled, transposed
+  alignas(64) float acc_t[kMaxTileHeadDim * L];  // [D][lane]: the outputs, unnormalised
+  F lane_pos = {}, lane_first = {};
+  for (int i = 0; i < L; ++i) {
+    if (i >= lanes) {  // a lane past the tile sees nothing
+      lane_pos[i] = -1.0f;
+      lane_first[i] = 0.0f;
+      for (int d = 0; d < D; ++d) q_t[d * L + i] = 0.0f;
       continue;
     }
-    const int vector_end = lo + (hi - lo) / L * L;
-    F vmax = F{} - INFINITY;
-    for (int j = lo; j < vector_end; j += L) {
-      const F x = load<F>(s + j);
-      vmax = x > vmax ? x : vmax;
-    }
-    float top = max_lanes(vmax);
-    for (int j = vector_end; j < hi; ++j) top = fmaxf(top, s[j]);
-    const float shift = top * job.scale;
-    F vsum = {};
-    for (int j = lo; j < vector_end; j += L) {
-      const F e = exp_approx<F, FI>(load<F>(s + j) * job.scale - shift);
-      store(o + j, e);
-      vsum += e;
-    }
-    float sum = sum_lanes(vsum);
-    if (vector_end < hi) {  // the tail, padded into one vector
-      float tail[L];
-      for (int j = 0; j < L; ++j) tail[j] = vector_end + j < hi ? s[vector_end + j] * job.scale - shift : -87.0f;
-      store(tail, exp_approx<F, FI>(load<F>(tail)));
-      for (int j = vector_end; j < hi; ++j) {
-        o[j] = tail[j - vector_end];
-        sum += o[j];
+    const int token = first + i / G, pos = job.token_pos[token];
+    lane_pos[i] = static_cast<float>(pos);
+    lane_first[i] = static_cast<float>(first_visible(job, pos));
+    const float* q = job.q + (static_cast<int64_t>(token) * job.H + h * G + i % G) * D;
+    for (int d = 0; d < D; ++d) q_t[d * L + i] = q[d] * job.scale;
+  }
+  memset(acc_t, 0, sizeof(float) * D * L);
+  const int last_pos = job.token_pos[first + count - 1];
+  const int earliest_pos = job.token_pos[first];  // the real lanes' least position
+  const int latest_first = first_visible(job, last_pos);  // and greatest first key
+  const int32_t* table = job.tables + static_cast<int64_t>(job.token_row[first]) * job.table_width;
+  const float* head_keys = job.keys + static_cast<int64_t>(h) * job.num_slots * D;
+  const float* head_values = job.values + static_cast<int64_t>(h) * job.num_slots * D;
+  const F minus_inf = F{} - INFINITY;
+  F running_max = minus_inf, total = {};
+  for (int p = first_visible(job, earliest_pos); p <= last_pos;) {
+    const int in_block = p % bs;
+    int n = bs - in_block;
+    n = n < last_pos + 1 - p ? n : last_pos + 1 - p;
+    n = n < kTileKeys ? n : kTileKeys;
+    const int64_t slot = static_cast<int64_t>(table[p / bs]) * bs + in_block;
+    const float* k = head_keys + slot * D;
+    const float* v = head_values + slot * D;
+    F s[kTileKeys];
+    for (int j = 0; j < kTileKeys; ++j) s[j] = F{};
+    if (n == kTileKeys) {  // the usual case, a whole chunk: a fixed trip count
+      for (int d = 0; d < D; ++d) {
+        const F q = load<F>(q_t + d * L);
+        for (int j = 0; j < kTileKeys; ++j) s[j] += q * k[j * D + d];
+      }
+    } else {
+      for (int d = 0; d < D; ++d) {
+        const F q = load<F>(q_t + d * L);
+        for (int j = 0; j < n; ++j) s[j] += q * k[j * D + d];
       }
     }
-    const float inverse = 1.0f / sum;
-    for (int j = lo; j < hi; ++j) o[j] *= inverse;
+    // Only the chunks at the edges of the tile's keys hold keys some lane must not see
+    // (the padded lanes' results are never read, so they need no mask).
+    const bool is_edge = p + n - 1 > earliest_pos || p < latest_first;
+    F chunk_max = minus_inf;
+    for (int j = 0; j < n; ++j) {
+      if (is_edge) {
+        const float key_pos = static_cast<float>(p + j);
+        s[j] = key_pos <= lane_pos && key_pos >= lane_first ? s[j] : minus_inf;
+      }
+      chunk_max = s[j] > chunk_max ? s[j] : chunk_max;
+    }
+    const F new_max = chunk_max > running_max ? chunk_max : running_max;
+    const F shift = new_max == minus_inf ? F{} : new_max;  // a lane that has seen nothing yet
+    const F keep = running_max == minus_inf ? F{} : exp_approx<F, FI>(running_max - shift);
+    F weight[kTileKeys];
+    F weight_sum = {};
+    for (int j = 0; j < n; ++j) {
+      weight[j] = exp_approx<F, FI>(s[j] - shift);
+      if (is_edge) {
+        weight[j] = s[j] == minus_inf ? F{} : weight[j];
+      }
+      weight_sum += weight[j];
+    }
+    total = total * keep + weight_sum;
+    running_max = new_max;
+    if (n == kTileKeys) {
+      for (int d = 0; d < D; ++d) {
+        F a = load<F>(acc_t + d * L) * keep;
+        for (int j = 0; j < kTileKeys; ++j) a += weight[j] * v[j * D + d];
+        store(acc_t + d * L, a);
+      }
+    } else {
+      for (int d = 0; d < D; ++d) {
+        F a = load<F>(acc_t + d * L) * keep;
+        for (int j = 0; j < n; ++j) a += weight[j] * v[j * D + d];
+        store(acc_t + d * L, a);
+      }
+    }
+    p += n;
+  }
+  for (int i = 0; i < lanes; ++i) {  // every real lane saw its own key: total > 0
+    const int token = first + i / G;
+    float* out = job.out + (static_cast<int64_t>(token) * job.H + h * G + i % G) * D;
+    const float inverse = 1.0f / total[i];
+    for (int d = 0; d < D; ++d) out[d] = acc_t[d * L + i] * inverse;
+  }
+}
+
+}  // namespace
+
+int attention_lanes() {
+  return L;
+}
+
+void paged_attention_items(const PagedAttentionJob& job, int begin, int end) {
+  for (int item = begin; item < end; ++item) {
+    const int tile = item / job.Hkv, h = item % job.Hkv;
+    if (job.tile_count[tile] == 1) {
+      attend_token(job, job.tile_first[tile], h);
+    } else {
+      attend_tile(job, job.tile_first[tile], job.tile_count[tile], h);
+    }
   }
 }
 

@@ -24,11 +24,12 @@ std::atomic<uint64_t> attention_calls{0};
 // A chunk of work should be worth waking a sleeping worker (~10-20 us).
 constexpr int64_t kMinFlopsPerChunk = 1 << 18;
 constexpr int kMaxQueriesPerKv = 64;  // attention_kernels.cpp's kMaxGroup
+constexpr int kMaxTileHeadDim = 256;  // and its kMaxTileHeadDim: larger heads go token by token
 
 struct Kernels {
   AttentionItems attention;
-  SoftmaxRows softmax;
   SiluMulRange silu_mul;
+  int lanes;  // query heads a prefill tile holds
 };
 
 const Kernels& kernels() {
@@ -36,15 +37,15 @@ const Kernels& kernels() {
     switch (best_isa()) {
 #if defined(CADENCE_HAS_X86_KERNELS)
       case Isa::avx512:
-        return Kernels{avx512::paged_attention_items, avx512::masked_softmax_rows,
-                       avx512::silu_mul_range};
+        return Kernels{avx512::paged_attention_items, avx512::silu_mul_range,
+                       avx512::attention_lanes()};
       case Isa::avx2:
-        return Kernels{avx2::paged_attention_items, avx2::masked_softmax_rows,
-                       avx2::silu_mul_range};
+        return Kernels{avx2::paged_attention_items, avx2::silu_mul_range,
+                       avx2::attention_lanes()};
 #endif
       default:
-        return Kernels{baseline::paged_attention_items, baseline::masked_softmax_rows,
-                       baseline::silu_mul_range};
+        return Kernels{baseline::paged_attention_items, baseline::silu_mul_range,
+                       baseline::attention_lanes()};
     }
   }();
   return chosen;
@@ -95,6 +96,29 @@ struct AttentionTask {
   AttentionItems items;
 };
 
+// Tiles of the step's tokens: a run of tokens of one row at consecutive positions
+// (a prefill chunk) is cut in tiles of lanes / G tokens; any other token is its own.
+void build_tiles(const PagedAttentionJob& job, int N, int lanes, std::vector<int32_t>& first,
+                 std::vector<int32_t>& count) {
+  const int G = job.H / job.Hkv;
+  const int per_tile = job.D <= kMaxTileHeadDim ? lanes / G : 0;
+  first.clear();
+  count.clear();
+  for (int n = 0; n < N;) {
+    int run = 1;
+    while (n + run < N && job.token_row[n + run] == job.token_row[n] &&
+           job.token_pos[n + run] == job.token_pos[n] + run) {
+      ++run;
+    }
+    const int step = per_tile >= 2 && run * G >= lanes ? per_tile : 1;
+    for (int t = 0; t < run; t += step) {
+      first.push_back(n + t);
+      count.push_back(std::min(step, run - t));
+    }
+    n += run;
+  }
+}
+
 }  // namespace
 
 mx::array paged_attention(
@@ -141,11 +165,11 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
     const auto &q = in[0], &keys = in[1], &values = in[2], &tables = in[3];
     const int N = q.shape(0), H = q.shape(1), D = q.shape(2), R = tables.shape(0);
     const int num_slots = keys.shape(0) / kv;
-    const AttentionTask task{
+    AttentionTask task{
         PagedAttentionJob{q.data<float>(), keys.data<float>(), values.data<float>(),
                           tables.data<int32_t>(), in[4].data<int32_t>(), in[5].data<int32_t>(),
-                          out.data<float>(), H, kv, D, num_slots, bs, tables.shape(1), window,
-                          scale},
+                          nullptr, nullptr, out.data<float>(), H, kv, D, num_slots, bs,
+                          tables.shape(1), window, scale},
         kernels().attention};
     if (N == 0) {
       return;
@@ -154,13 +178,17 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
       fill_nan(out);
       return;
     }
+    thread_local std::vector<int32_t> tile_first, tile_count;  // the stream's one thread
+    build_tiles(task.job, N, kernels().lanes, tile_first, tile_count);
+    task.job.tile_first = tile_first.data();
+    task.job.tile_count = tile_count.data();
     int64_t flops = 0;  // ~ keys seen x query heads x D, to size the chunks
     for (int n = 0; n < N; ++n) {
       const int pos = task.job.token_pos[n];
       flops += window > 0 ? std::min(pos + 1, window) : pos + 1;
     }
     flops = std::max<int64_t>(1, flops * H * D);
-    const int items = N * kv;
+    const int items = static_cast<int>(tile_first.size()) * kv;
     const int min_items =
         static_cast<int>(std::clamp<int64_t>(kMinFlopsPerChunk * items / flops, 1, items));
     row_pool()->run(
@@ -169,40 +197,6 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
           t.items(t.job, begin, end);
         },
         &task, items, min_items);
-  });
-}
-
-mx::array masked_softmax(
-    const mx::array& scores, const mx::array& lo, const mx::array& hi, int group, float scale) {
-  require(scores.ndim() == 2 && scores.dtype() == mx::float32, "scores must be [rows, L] float32");
-  require(group > 0, "group must be positive");
-  require(lo.ndim() == 1 && lo.dtype() == mx::int32 && lo.shape() == hi.shape() &&
-              hi.dtype() == mx::int32 && lo.shape(0) > 0,
-          "lo and hi must be [B] int32, B > 0");
-  auto s = cpu_stream();
-  return mx::array(
-      scores.shape(), mx::float32, std::make_shared<MaskedSoftmax>(s, group, scale),
-      {row_major(scores, s), row_major(lo, s), row_major(hi, s)});
-}
-
-void MaskedSoftmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  run_on_stream(stream(), inputs, out, [group = group_, scale = scale_](
-                                           std::vector<mx::array>& in, mx::array& out) {
-    const int rows = in[0].shape(0), L = in[0].shape(1), num_bounds = in[1].shape(0);
-    const MaskedSoftmaxJob job{in[0].data<float>(), out.data<float>(), in[1].data<int32_t>(),
-                               in[2].data<int32_t>(), L, group, num_bounds, scale};
-    for (int b = 0; b < num_bounds; ++b) {
-      if (job.lo[b] < 0 || job.hi[b] > L || job.lo[b] > job.hi[b]) {
-        fill_nan(out);
-        return;
-      }
-    }
-    const int min_rows = std::max(1, static_cast<int>((1 << 15) / std::max(1, L)));
-    row_pool()->run(
-        [](const void* context, int begin, int end) {
-          kernels().softmax(*static_cast<const MaskedSoftmaxJob*>(context), begin, end);
-        },
-        &job, rows, min_rows);
   });
 }
 
@@ -240,10 +234,6 @@ void PagedAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error("cadence's paged attention kernel runs on the CPU only");
 }
 
-void MaskedSoftmax::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("cadence's masked softmax kernel runs on the CPU only");
-}
-
 void SiluMul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error("cadence's SwiGLU kernel runs on the CPU only");
 }
@@ -252,11 +242,6 @@ bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const PagedAttention&>(other);
   return num_kv_heads_ == o.num_kv_heads_ && block_size_ == o.block_size_ &&
       window_ == o.window_ && scale_ == o.scale_;
-}
-
-bool MaskedSoftmax::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const MaskedSoftmax&>(other);
-  return group_ == o.group_ && scale_ == o.scale_;
 }
 
 uint64_t num_attention_calls() {

@@ -24,11 +24,6 @@ mx::array paged_attention(
     int window,
     float scale);
 
-// softmax(scale * scores) of each row over the columns [lo, hi) of its bound
-// ((row / group) % len(lo)); the other columns are 0. scores [rows, L].
-mx::array masked_softmax(
-    const mx::array& scores, const mx::array& lo, const mx::array& hi, int group, float scale);
-
 mx::array silu_mul(const mx::array& gate, const mx::array& up);
 
 uint64_t num_attention_calls();  // evaluations of paged_attention on the CPU, ever
@@ -50,22 +45,6 @@ class PagedAttention : public mx::UnaryPrimitive {
 
  private:
   int num_kv_heads_, block_size_, window_;
-  float scale_;
-};
-
-class MaskedSoftmax : public mx::UnaryPrimitive {
- public:
-  MaskedSoftmax(mx::Stream stream, int group, float scale)
-      : mx::UnaryPrimitive(stream), group_(group), scale_(scale) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  const char* name() const override {
-    return "CadenceMaskedSoftmax";
-  }
-  bool is_equivalent(const mx::Primitive& other) const override;
-
- private:
-  int group_;
   float scale_;
 };
 

@@ -29,8 +29,6 @@ NB_MODULE(_cpu_ext, m) {
         "tables"_a, "token_row"_a, "token_pos"_a, "num_kv_heads"_a, "block_size"_a,
         "window"_a, "scale"_a,
         "Paged attention of q [N, H, D] over head-major pools (kernels/paged_attention.py).");
-  m.def("masked_softmax", &cadence_cpu::masked_softmax, "scores"_a, "lo"_a, "hi"_a, "group"_a,
-        "scale"_a, "softmax(scale * scores) over each row's columns [lo, hi); 0 elsewhere.");
   m.def("silu_mul", &cadence_cpu::silu_mul, "gate"_a, "up"_a, "silu(gate) * up, float32.");
   m.def("num_attention_calls", &cadence_cpu::num_attention_calls,
         "How many times the paged attention kernel has run.");

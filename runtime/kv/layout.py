@@ -37,7 +37,7 @@ NULL_BLOCK = -1  # a table entry whose block fell out of the window and went bac
 # The longest span a row computes at once, for sizing windowed pools: the scheduler's
 # default solo prefill (DEFAULT_SOLO_PREFILL_TOKENS). A longer chunk is shrunk to the
 # windowed blocks free (BlockPool.num_growable), never refused.
-SIZING_CHUNK = 256
+SIZING_CHUNK = 512
 
 
 @attrs.frozen

@@ -115,6 +115,24 @@ async def test_an_abort_during_prefill_stops_it_and_frees_the_row(tiny):
         assert after.finish_reason == "length"
 
 
+@pytest.mark.parametrize(("budget", "largest_step"), [(None, 300), (40, 40)])
+async def test_a_prompt_alone_grows_its_step_but_never_past_an_explicit_budget(
+    tiny, budget, largest_step
+):
+    steps = []
+    async with actors.open_llm(tiny, max_batch=2, max_num_batched_tokens=budget) as llm:
+        engine = llm._engine
+        submit = engine.submit
+
+        def recording_submit(batch):
+            steps.append(sum(s.num_new for s in batch.spans))
+            return submit(batch)
+
+        engine.submit = recording_submit
+        await complete(llm, list(range(10, 310)), max_tokens=2)  # 300 prompt tokens, alone
+    assert max(steps) == largest_step
+
+
 async def test_an_engine_fault_in_one_row_leaves_the_others_streaming(tiny):
     async with actors.open_llm(tiny, max_batch=4) as llm:
         clean = [(await complete(llm, p, max_tokens=16, ignore_eos=True))[0] for p in PROMPTS[:3]]

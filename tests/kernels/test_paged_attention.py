@@ -1,6 +1,10 @@
 """Paged attention: the native and vectorized paths against the gather reference, from one pool state."""
 
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -69,6 +73,8 @@ SHAPES = {
     "mixed": ([9, 0, 22, 3], [1, 13, 1, 6]),
     "prefill chunks straddling blocks": ([3, 7], [9, 5]),
     "one row": ([40], [1]),
+    # Native tiles of 16 query heads: whole ones, and partial ones of 2 and 3 tokens.
+    "long chunks, partial tiles": ([0, 2], [34, 19]),
 }
 
 
@@ -227,3 +233,34 @@ def test_dispatch_counts_every_step_and_logs_each_outcome_once(monkeypatch):
     assert pa.dispatch_counts["fast"] == before + 3
     events = [(e["path"], e["reason"], e["log_level"]) for e in logs if e["event"] == "paged_attention"]
     assert events == [("fast", "forced", "info"), ("gather", "forced", "info")]
+
+
+EVERY_SHAPE_SCRIPT = """
+import mlx.core as mx
+from kernels.cpu_extension import cpu_extension
+from tests.kernels.test_paged_attention import SHAPES, make_step, run
+for shape in SHAPES.values():
+    for group in (1, 4, 7):
+        step, _, keys, values, q, k, v = make_step(*shape, 2, group)
+        native, _ = run("native", step, keys, values, q, k, v)
+        gather, _ = run("gather", step, keys, values, q, k, v)
+        assert mx.allclose(native, gather, atol=1e-5, rtol=1e-5).item(), (shape, group)
+print(cpu_extension().attention_isa())
+"""
+
+
+@needs_native
+@pytest.mark.parametrize("cap", ["baseline", "avx2"])
+def test_every_instruction_set_of_the_native_kernel_matches_gather(cap):
+    """Tiles hold 16 query heads with AVX-512 and 8 otherwise: both tilings, and the
+    token-by-token path, against the reference."""
+    out = subprocess.run(
+        [sys.executable, "-c", EVERY_SHAPE_SCRIPT],
+        env={**os.environ, "CADENCE_CPU_ISA": cap},
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == cap

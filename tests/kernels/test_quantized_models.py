@@ -56,7 +56,7 @@ def kernel_layers(model):
 @pytest.fixture
 def kernels_off(monkeypatch):
     monkeypatch.setitem(loader._state, "module", None)
-    monkeypatch.setitem(loader._state, "status", "quantized CPU kernels off for the test")
+    monkeypatch.setitem(loader._state, "status", "CPU kernels off for the test")
 
 
 @pytest.mark.skipif(not IS_BUILT, reason="the C++ kernels were not built here")

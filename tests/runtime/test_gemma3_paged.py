@@ -6,7 +6,7 @@ import itertools
 from runtime.checkpoint import load_model
 from runtime.engine import Engine
 from runtime.kv.blocks import BlockPool
-from runtime.kv.layout import NULL_BLOCK
+from runtime.kv.layout import NULL_BLOCK, SIZING_CHUNK
 from runtime.runner import run_offline
 from runtime.scheduler import FcfsScheduler
 from runtime.sequence import SequenceParams
@@ -55,7 +55,7 @@ def test_the_layout_has_a_full_and_a_windowed_group_each_with_its_own_pool(engin
     assert layout.group_windows == (None, WINDOW)
     assert layout.group_layers == ((1, 3), (0, 2)) and layout.group_of_layer == (1, 0, 1, 0)
     # The windowed pool holds max_batch rows at their largest: window + chunk, in blocks.
-    assert layout.group_num_blocks == (engine.kv.num_blocks, 4 * (-(-(WINDOW - 1 + 256) // BLOCK) + 1))
+    assert layout.group_num_blocks == (engine.kv.num_blocks, 4 * (-(-(WINDOW - 1 + SIZING_CHUNK) // BLOCK) + 1))
     assert engine.kv.keys[0].shape[0] == layout.group_num_blocks[1] * BLOCK  # one KV head
     assert engine.kv.keys[1].shape[0] == engine.kv.num_blocks * BLOCK
     # The KV budget's accounting is what the storage really allocates.
