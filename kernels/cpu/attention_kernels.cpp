@@ -24,7 +24,8 @@ constexpr int L = CADENCE_LANES;
 constexpr int kChunk = 16;  // keys scored, exponentiated and summed together
 constexpr int kMaxGroup = 64;  // query heads per KV head (checked by the op)
 constexpr int kMaxTileHeadDim = 256;  // a tile's transposed queries and outputs (checked by the op)
-constexpr int kTileKeys = L == 16 ? 16 : 8;  // keys a tile scores together: its scores fill half the registers
+constexpr int kTileVectors = L == 16 ? 2 : 1;  // vectors of query heads in a tile
+constexpr int kTileKeys = 8;  // keys a tile scores together: its scores fill half the registers
 
 typedef float F __attribute__((vector_size(4 * L)));
 typedef int32_t FI __attribute__((vector_size(4 * L)));
@@ -193,34 +194,42 @@ void attend_token(const PagedAttentionJob& job, int n, int h) {
     }
   }
 }
-// A tile of a prefill chunk: its count x G query heads are the lanes of F.
+// A tile of a prefill chunk: its count x G query heads are the lanes of V vectors
+// of F (kTileVectors: with 2, each key value loaded feeds two FMAs).
 void attend_tile(const PagedAttentionJob& job, int first, int count, int h) {
+  constexpr int V = kTileVectors, TL = V * L;
   const int G = job.H / job.Hkv, D = job.D, bs = job.block_size, lanes = count * G;
-  alignas(64) float q_t[kMaxTileHeadDim * L];  // [D][lane]: the queries, scaled, transposed
-  alignas(64) float acc_t[kMaxTileHeadDim * L];  // [D][lane]: the outputs, unnormalised
-  F lane_pos = {}, lane_first = {};
-  for (int i = 0; i < L; ++i) {
+  alignas(64) float q_t[kMaxTileHeadDim * TL];  // [D][lane]: the queries, scaled, transposed
+  alignas(64) float acc_t[kMaxTileHeadDim * TL];  // [D][lane]: the outputs, unnormalised
+  alignas(64) float pos_lanes[TL], first_lanes[TL];
+  for (int i = 0; i < TL; ++i) {
     if (i >= lanes) {  // a lane past the tile sees nothing
-      lane_pos[i] = -1.0f;
-      lane_first[i] = 0.0f;
-      for (int d = 0; d < D; ++d) q_t[d * L + i] = 0.0f;
+      pos_lanes[i] = -1.0f;
+      first_lanes[i] = 0.0f;
+      for (int d = 0; d < D; ++d) q_t[d * TL + i] = 0.0f;
       continue;
     }
     const int token = first + i / G, pos = job.token_pos[token];
-    lane_pos[i] = static_cast<float>(pos);
-    lane_first[i] = static_cast<float>(first_visible(job, pos));
+    pos_lanes[i] = static_cast<float>(pos);
+    first_lanes[i] = static_cast<float>(first_visible(job, pos));
     const float* q = job.q + (static_cast<int64_t>(token) * job.H + h * G + i % G) * D;
-    for (int d = 0; d < D; ++d) q_t[d * L + i] = q[d] * job.scale;
+    for (int d = 0; d < D; ++d) q_t[d * TL + i] = q[d] * job.scale;
   }
-  memset(acc_t, 0, sizeof(float) * D * L);
+  F lane_pos[V], lane_first[V], running_max[V], total[V];
+  const F minus_inf = F{} - INFINITY;
+  for (int c = 0; c < V; ++c) {
+    lane_pos[c] = load<F>(pos_lanes + c * L);
+    lane_first[c] = load<F>(first_lanes + c * L);
+    running_max[c] = minus_inf;
+    total[c] = F{};
+  }
+  memset(acc_t, 0, sizeof(float) * D * TL);
   const int last_pos = job.token_pos[first + count - 1];
   const int earliest_pos = job.token_pos[first];  // the real lanes' least position
   const int latest_first = first_visible(job, last_pos);  // and greatest first key
   const int32_t* table = job.tables + static_cast<int64_t>(job.token_row[first]) * job.table_width;
   const float* head_keys = job.keys + static_cast<int64_t>(h) * job.num_slots * D;
   const float* head_values = job.values + static_cast<int64_t>(h) * job.num_slots * D;
-  const F minus_inf = F{} - INFINITY;
-  F running_max = minus_inf, total = {};
   for (int p = first_visible(job, earliest_pos); p <= last_pos;) {
     const int in_block = p % bs;
     int n = bs - in_block;
@@ -229,71 +238,94 @@ void attend_tile(const PagedAttentionJob& job, int first, int count, int h) {
     const int64_t slot = static_cast<int64_t>(table[p / bs]) * bs + in_block;
     const float* k = head_keys + slot * D;
     const float* v = head_values + slot * D;
-    F s[kTileKeys];
-    for (int j = 0; j < kTileKeys; ++j) s[j] = F{};
+    F s[kTileKeys][V];
+    for (int j = 0; j < kTileKeys; ++j) {
+      for (int c = 0; c < V; ++c) s[j][c] = F{};
+    }
     if (n == kTileKeys) {  // the usual case, a whole chunk: a fixed trip count
       for (int d = 0; d < D; ++d) {
-        const F q = load<F>(q_t + d * L);
-        for (int j = 0; j < kTileKeys; ++j) s[j] += q * k[j * D + d];
+        F q[V];
+        for (int c = 0; c < V; ++c) q[c] = load<F>(q_t + d * TL + c * L);
+        for (int j = 0; j < kTileKeys; ++j) {
+          const float key = k[j * D + d];
+          for (int c = 0; c < V; ++c) s[j][c] += q[c] * key;
+        }
       }
     } else {
       for (int d = 0; d < D; ++d) {
-        const F q = load<F>(q_t + d * L);
-        for (int j = 0; j < n; ++j) s[j] += q * k[j * D + d];
+        F q[V];
+        for (int c = 0; c < V; ++c) q[c] = load<F>(q_t + d * TL + c * L);
+        for (int j = 0; j < n; ++j) {
+          const float key = k[j * D + d];
+          for (int c = 0; c < V; ++c) s[j][c] += q[c] * key;
+        }
       }
     }
     // Only the chunks at the edges of the tile's keys hold keys some lane must not see
     // (the padded lanes' results are never read, so they need no mask).
     const bool is_edge = p + n - 1 > earliest_pos || p < latest_first;
-    F chunk_max = minus_inf;
-    for (int j = 0; j < n; ++j) {
-      if (is_edge) {
-        const float key_pos = static_cast<float>(p + j);
-        s[j] = key_pos <= lane_pos && key_pos >= lane_first ? s[j] : minus_inf;
+    F keep[V];
+    F weight[kTileKeys][V];
+    for (int c = 0; c < V; ++c) {
+      F chunk_max = minus_inf;
+      for (int j = 0; j < n; ++j) {
+        if (is_edge) {
+          const float key_pos = static_cast<float>(p + j);
+          s[j][c] = key_pos <= lane_pos[c] && key_pos >= lane_first[c] ? s[j][c] : minus_inf;
+        }
+        chunk_max = s[j][c] > chunk_max ? s[j][c] : chunk_max;
       }
-      chunk_max = s[j] > chunk_max ? s[j] : chunk_max;
-    }
-    const F new_max = chunk_max > running_max ? chunk_max : running_max;
-    const F shift = new_max == minus_inf ? F{} : new_max;  // a lane that has seen nothing yet
-    const F keep = running_max == minus_inf ? F{} : exp_approx<F, FI>(running_max - shift);
-    F weight[kTileKeys];
-    F weight_sum = {};
-    for (int j = 0; j < n; ++j) {
-      weight[j] = exp_approx<F, FI>(s[j] - shift);
-      if (is_edge) {
-        weight[j] = s[j] == minus_inf ? F{} : weight[j];
+      const F new_max = chunk_max > running_max[c] ? chunk_max : running_max[c];
+      const F shift = new_max == minus_inf ? F{} : new_max;  // a lane that has seen nothing yet
+      keep[c] = running_max[c] == minus_inf ? F{} : exp_approx<F, FI>(running_max[c] - shift);
+      F weight_sum = {};
+      for (int j = 0; j < n; ++j) {
+        weight[j][c] = exp_approx<F, FI>(s[j][c] - shift);
+        if (is_edge) {
+          weight[j][c] = s[j][c] == minus_inf ? F{} : weight[j][c];
+        }
+        weight_sum += weight[j][c];
       }
-      weight_sum += weight[j];
+      total[c] = total[c] * keep[c] + weight_sum;
+      running_max[c] = new_max;
     }
-    total = total * keep + weight_sum;
-    running_max = new_max;
     if (n == kTileKeys) {
       for (int d = 0; d < D; ++d) {
-        F a = load<F>(acc_t + d * L) * keep;
-        for (int j = 0; j < kTileKeys; ++j) a += weight[j] * v[j * D + d];
-        store(acc_t + d * L, a);
+        F a[V];
+        for (int c = 0; c < V; ++c) a[c] = load<F>(acc_t + d * TL + c * L) * keep[c];
+        for (int j = 0; j < kTileKeys; ++j) {
+          const float value = v[j * D + d];
+          for (int c = 0; c < V; ++c) a[c] += weight[j][c] * value;
+        }
+        for (int c = 0; c < V; ++c) store(acc_t + d * TL + c * L, a[c]);
       }
     } else {
       for (int d = 0; d < D; ++d) {
-        F a = load<F>(acc_t + d * L) * keep;
-        for (int j = 0; j < n; ++j) a += weight[j] * v[j * D + d];
-        store(acc_t + d * L, a);
+        F a[V];
+        for (int c = 0; c < V; ++c) a[c] = load<F>(acc_t + d * TL + c * L) * keep[c];
+        for (int j = 0; j < n; ++j) {
+          const float value = v[j * D + d];
+          for (int c = 0; c < V; ++c) a[c] += weight[j][c] * value;
+        }
+        for (int c = 0; c < V; ++c) store(acc_t + d * TL + c * L, a[c]);
       }
     }
     p += n;
   }
+  alignas(64) float totals[TL];
+  for (int c = 0; c < V; ++c) store(totals + c * L, total[c]);
   for (int i = 0; i < lanes; ++i) {  // every real lane saw its own key: total > 0
     const int token = first + i / G;
     float* out = job.out + (static_cast<int64_t>(token) * job.H + h * G + i % G) * D;
-    const float inverse = 1.0f / total[i];
-    for (int d = 0; d < D; ++d) out[d] = acc_t[d * L + i] * inverse;
+    const float inverse = 1.0f / totals[i];
+    for (int d = 0; d < D; ++d) out[d] = acc_t[d * TL + i] * inverse;
   }
 }
 
 }  // namespace
 
 int attention_lanes() {
-  return L;
+  return kTileVectors * L;
 }
 
 void paged_attention_items(const PagedAttentionJob& job, int begin, int end) {
