@@ -21,12 +21,12 @@ positions `(own - window, own]` (as mlx-lm's and transformers' masks: the key at
 - `native` (the CPU's): one C++ primitive of the CPU extension (kernels/cpu/) for
   the whole step. It reads every row's blocks in place with an online softmax and a
   vectorized exp, threaded: a decoding token's query heads go key by key; a prefill
-  chunk's tokens form tiles whose query heads are the lanes of one vector, so each
+  chunk's tokens form tiles whose query heads are vector lanes (32 with AVX-512), so each
   key is loaded once for the tile and no dot product needs a horizontal sum. It runs
   whenever the extension is loaded, the default device is the CPU and the pool is
   float32, since it measured faster than either other path at every size tried
-  (`cadence bench paged-attention`; a 256-token chunk over 6,000 keys: 39 ms a
-  layer against 0.93 s for `fast`).
+  (`cadence bench paged-attention`; a 256-token chunk over 6,000 keys: 34 ms a
+  layer against 1.03 s for `fast`).
 
 All three read a windowed layer's rows from the first key its window sees, so a
 local layer's cost follows the window, not the row's length; the blocks before it

@@ -9,40 +9,21 @@
 
 #include "attention_kernels.h"
 
-#ifndef CADENCE_ISA
-#error "compile with -DCADENCE_ISA=<namespace>"
-#endif
-#ifndef CADENCE_LANES
-#define CADENCE_LANES 8
-#endif
-
 namespace cadence_cpu {
 namespace CADENCE_ISA {
+
+#include "isa_vectors.h"
+
 namespace {
 
-constexpr int L = CADENCE_LANES;
 constexpr int kChunk = 16;  // keys scored, exponentiated and summed together
 constexpr int kMaxGroup = 64;  // query heads per KV head (checked by the op)
 constexpr int kMaxTileHeadDim = 256;  // a tile's transposed queries and outputs (checked by the op)
 constexpr int kTileVectors = L == 16 ? 2 : 1;  // vectors of query heads in a tile
 constexpr int kTileKeys = 8;  // keys a tile scores together: its scores fill half the registers
 
-typedef float F __attribute__((vector_size(4 * L)));
-typedef int32_t FI __attribute__((vector_size(4 * L)));
 typedef float K16 __attribute__((vector_size(4 * kChunk)));
 typedef int32_t K16I __attribute__((vector_size(4 * kChunk)));
-
-template <class V>
-inline V load(const float* p) {
-  V v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
-
-template <class V>
-inline void store(float* p, V v) {
-  memcpy(p, &v, sizeof v);
-}
 
 // e^x lane by lane, x clamped to [-87, 88].
 template <class V, class VI>
@@ -63,19 +44,6 @@ inline V exp_approx(V x) {
   V two_n;
   memcpy(&two_n, &bits, sizeof two_n);
   return p * two_n;
-}
-
-template <class V>
-inline float sum_lanes(V v) {
-  constexpr int n = sizeof(V) / 4;
-  float lanes[n];
-  memcpy(lanes, &v, sizeof v);
-  for (int width = n / 2; width > 0; width /= 2) {  // pairwise: the compiler shuffles
-    for (int i = 0; i < width; ++i) {
-      lanes[i] += lanes[i + width];
-    }
-  }
-  return lanes[0];
 }
 
 template <class V>

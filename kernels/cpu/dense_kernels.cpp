@@ -6,36 +6,12 @@
 
 #include "row_kernels.h"
 
-#ifndef CADENCE_ISA
-#error "compile with -DCADENCE_ISA=<namespace>"
-#endif
-#ifndef CADENCE_LANES
-#define CADENCE_LANES 8
-#endif
-
 namespace cadence_cpu {
 namespace CADENCE_ISA {
+
+#include "isa_vectors.h"
+
 namespace {
-
-constexpr int L = CADENCE_LANES;
-typedef float F __attribute__((vector_size(4 * L)));
-
-inline F load(const float* p) {
-  F v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline float sum_lanes(F v) {
-  float lanes[L];
-  memcpy(lanes, &v, sizeof v);
-  for (int width = L / 2; width > 0; width /= 2) {
-    for (int i = 0; i < width; ++i) {
-      lanes[i] += lanes[i + width];
-    }
-  }
-  return lanes[0];
-}
 
 // out[m0 + j, n0 + i] = x[m0 + j] . w[n0 + i], i < NR, j < MR.
 template <int NR, int MR>
@@ -49,9 +25,9 @@ void block(const DenseMatmulJob& job, int n0, int m0) {
   const int vector_end = K / L * L;
   for (int k = 0; k < vector_end; k += L) {
     F wv[NR];
-    for (int i = 0; i < NR; ++i) wv[i] = load(w[i] + k);
+    for (int i = 0; i < NR; ++i) wv[i] = load<F>(w[i] + k);
     for (int j = 0; j < MR; ++j) {
-      const F xv = load(x[j] + k);
+      const F xv = load<F>(x[j] + k);
       for (int i = 0; i < NR; ++i) acc[i][j] += wv[i] * xv;
     }
   }

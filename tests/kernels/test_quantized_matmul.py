@@ -103,12 +103,10 @@ print(ext.isa())
 """
 
 
-@needs_kernels
-@pytest.mark.parametrize("cap", ["baseline", "avx2"])
-def test_every_instruction_set_matches_the_reference(cap):
-    """The widest kernels run by default; CADENCE_CPU_ISA caps them to test the others."""
+def run_with_isa_cap(script, cap):
+    """Run `script` in a fresh interpreter with CADENCE_CPU_ISA=cap; its last printed line."""
     out = subprocess.run(
-        [sys.executable, "-c", EVERY_LAYOUT_SCRIPT],
+        [sys.executable, "-c", script],
         env={**os.environ, "CADENCE_CPU_ISA": cap},
         cwd=Path(__file__).resolve().parents[2],
         capture_output=True,
@@ -116,7 +114,14 @@ def test_every_instruction_set_matches_the_reference(cap):
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    isa = out.stdout.strip().splitlines()[-1]
+    return out.stdout.strip().splitlines()[-1]
+
+
+@needs_kernels
+@pytest.mark.parametrize("cap", ["baseline", "avx2"])
+def test_every_instruction_set_matches_the_reference(cap):
+    """The widest kernels run by default; CADENCE_CPU_ISA caps them to test the others."""
+    isa = run_with_isa_cap(EVERY_LAYOUT_SCRIPT, cap)
     assert "avx512" not in isa
     if cap == "baseline":
         assert isa in ("baseline", "neon")
