@@ -169,7 +169,7 @@ def test_a_declined_fast_path_builds_nothing_and_the_pool_is_written_once(monkey
     def never(*args):
         raise AssertionError("a declined step built the fast plan")
 
-    monkeypatch.setattr(pa._FastPlan, "__init__", never)
+    monkeypatch.setattr(pa.FastPlan, "__init__", never)
     out, pools = run(path, step, keys, values, q, k, v)
     monkeypatch.undo()
     _, reference_pools = run("gather", step, keys, values, q, k, v)
