@@ -350,11 +350,21 @@ class FcfsScheduler:
         num_lookup: int,
         computing: dict[bytes, int],
     ) -> bool:
-        """Its next uncached block is being computed by a running request that ranks no lower."""
-        if num_hits >= min(num_lookup, len(request.block_hashes)):
+        """Most of its uncached blocks are being computed by running requests that rank no
+        lower. "Most": holding costs the held request at least a step, which pays for a
+        whole shared prompt (n choices, a long system prompt) but not for the first block
+        or two a chat template gives every prompt (16 clients of distinct 150-token chat
+        prompts behind one: 3 held through a 0.54 s step to save 16 tokens each)."""
+        end = min(num_lookup, len(request.block_hashes))
+        if num_hits >= end:
             return False
-        best = computing.get(request.block_hashes[num_hits])
-        return best is not None and best <= request.params.priority
+        shared = 0
+        for block_hash in request.block_hashes[num_hits:end]:
+            best = computing.get(block_hash)
+            if best is None or best > request.params.priority:
+                break
+            shared += 1
+        return 2 * shared >= end - num_hits
 
     def _note_in_progress(self, request: ScheduledRequest, computing: dict[bytes, int]) -> None:
         if not self.pool.is_caching:

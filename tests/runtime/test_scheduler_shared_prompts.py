@@ -80,3 +80,18 @@ def test_a_sibling_is_released_when_the_first_leaves_before_caching_its_blocks()
     assert [o[0] for o in p.schedule().opens] == ["c0"]
     p.abort("c0")  # its blocks will never be cached
     assert [o[0] for o in p.schedule().opens] == ["c1"]
+
+
+def test_a_request_sharing_only_a_short_head_is_not_held():
+    """A chat template's common first block is not worth a step of waiting: the second
+    request is admitted beside the first and computes its own copy of that block."""
+    p = siblings_policy()
+    head = PROMPT[:4]  # one shared block of ten
+    p.add("a", params())
+    p.add("b", params(head + tuple(range(100, 137))))
+    first = p.schedule()
+    assert [o[0] for o in first.opens] == ["a", "b"]
+    p2 = siblings_policy()
+    p2.add("a", params())
+    p2.add("b", params(PROMPT[:24] + tuple(range(100, 117))))  # six shared blocks of ten: held
+    assert [o[0] for o in p2.schedule().opens] == ["a"]
