@@ -17,8 +17,6 @@ namespace CADENCE_ISA {
 namespace {
 
 constexpr int kChunk = 16;  // keys scored, exponentiated and summed together
-constexpr int kMaxGroup = 64;  // query heads per KV head (checked by the op)
-constexpr int kMaxTileHeadDim = 256;  // a tile's transposed queries and outputs (checked by the op)
 constexpr int kTileVectors = L == 16 ? 2 : 1;  // vectors of query heads in a tile
 constexpr int kTileKeys = 8;  // keys a tile scores together: its scores fill half the registers
 
@@ -109,8 +107,8 @@ void attend_token(const PagedAttentionJob& job, int n, int h) {
   for (int j = 0; j < kChunk; ++j) {
     lane[j] = static_cast<float>(j);
   }
-  float scores[kMaxGroup][kChunk];
-  float running_max[kMaxGroup], total[kMaxGroup];
+  float scores[kMaxQueriesPerKv][kChunk];
+  float running_max[kMaxQueriesPerKv], total[kMaxQueriesPerKv];
   {
     const int pos = job.token_pos[n];
     const int first = first_visible(job, pos);

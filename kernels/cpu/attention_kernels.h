@@ -7,6 +7,10 @@
 
 namespace cadence_cpu {
 
+// Limits of the kernels' stack buffers; the op checks them before any kernel runs.
+constexpr int kMaxQueriesPerKv = 64;  // query heads per KV head
+constexpr int kMaxTileHeadDim = 256;  // head dim a prefill tile holds; larger go token by token
+
 // Paged attention over a ragged step (see kernels/paged_attention.py for the layout).
 // Item i = (tile i / Hkv, KV head i % Hkv). A tile is `count` consecutive tokens of one
 // row at consecutive positions; each of its count x G query heads (G = H / Hkv)

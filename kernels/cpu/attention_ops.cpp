@@ -23,8 +23,6 @@ std::atomic<uint64_t> attention_calls{0};
 
 // A chunk of work should be worth waking a sleeping worker (~10-20 us).
 constexpr int64_t kMinFlopsPerChunk = 1 << 18;
-constexpr int kMaxQueriesPerKv = 64;  // attention_kernels.cpp's kMaxGroup
-constexpr int kMaxTileHeadDim = 256;  // and its kMaxTileHeadDim: larger heads go token by token
 
 struct Kernels {
   AttentionItems attention;
