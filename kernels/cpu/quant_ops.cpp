@@ -97,6 +97,13 @@ void require_row_contiguous(const mx::array& a, const char* what) {
   }
 }
 
+// inputs[first..first+2] are w, scales and biases, read in place by the row kernels.
+void require_packed_weight(const std::vector<mx::array>& inputs, size_t first) {
+  require_row_contiguous(inputs[first], "w");
+  require_row_contiguous(inputs[first + 1], "scales");
+  require_row_contiguous(inputs[first + 2], "biases");
+}
+
 struct MatmulTask {
   MatmulJob job;
   MatmulRows rows;
@@ -186,9 +193,7 @@ mx::array dequantize(
 }
 
 void QuantizedRowsMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  require_row_contiguous(inputs[1], "w");
-  require_row_contiguous(inputs[2], "scales");
-  require_row_contiguous(inputs[3], "biases");
+  require_packed_weight(inputs, 1);
   run_on_stream(stream(), inputs, out, [group_size = group_size_, bits = bits_](
                                            std::vector<mx::array>& in, mx::array& out) {
     kernel_calls.fetch_add(1, std::memory_order_relaxed);
@@ -216,9 +221,7 @@ void QuantizedRowsMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::arr
 }
 
 void QuantizedRowsDequantize::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  require_row_contiguous(inputs[0], "w");
-  require_row_contiguous(inputs[1], "scales");
-  require_row_contiguous(inputs[2], "biases");
+  require_packed_weight(inputs, 0);
   run_on_stream(stream(), inputs, out, [group_size = group_size_, bits = bits_](
                                            std::vector<mx::array>& in, mx::array& out) {
     kernel_calls.fetch_add(1, std::memory_order_relaxed);
