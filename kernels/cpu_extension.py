@@ -61,7 +61,7 @@ def _load() -> tuple[ModuleType | None, str]:
         return None, f"CPU kernels refused: {reason}; using {fallback}"
     return module, (
         f"CPU kernels: quantized matmul {module.isa()}, attention {module.attention_isa()}, "
-        f"{module.num_threads()} threads "
+        f"{module.num_threads()} threads (idle ones spin {module.spin_microseconds()} us, then sleep) "
         f"(built for mlx {module.built_for_mlx})"
     )
 

@@ -59,10 +59,6 @@ mx::Stream cpu_stream() {
   return mx::to_stream(mx::StreamOrDevice{}, mx::Device::cpu);
 }
 
-mx::array row_major(const mx::array& a, mx::Stream s) {
-  return mx::contiguous(a, false, s);
-}
-
 void fill_nan(mx::array& out) {
   std::fill_n(out.data<float>(), out.size(), std::numeric_limits<float>::quiet_NaN());
 }
@@ -152,8 +148,7 @@ mx::array paged_attention(
       q.shape(),
       mx::float32,
       std::make_shared<PagedAttention>(s, num_kv_heads, block_size, window, scale),
-      {row_major(q, s), row_major(keys, s), row_major(values, s), row_major(tables, s),
-       row_major(token_row, s), row_major(token_pos, s)});
+      {q, keys, values, tables, token_row, token_pos});
 }
 
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -163,9 +158,12 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
     const auto &q = in[0], &keys = in[1], &values = in[2], &tables = in[3];
     const int N = q.shape(0), H = q.shape(1), D = q.shape(2), R = tables.shape(0);
     const int num_slots = keys.shape(0) / kv;
+    std::vector<float> q_copy, keys_copy, values_copy;  // stay empty: the pools are dense
+    std::vector<int32_t> tables_copy, row_copy, pos_copy;
     AttentionTask task{
-        PagedAttentionJob{q.data<float>(), keys.data<float>(), values.data<float>(),
-                          tables.data<int32_t>(), in[4].data<int32_t>(), in[5].data<int32_t>(),
+        PagedAttentionJob{row_major_data(q, q_copy), row_major_data(keys, keys_copy),
+                          row_major_data(values, values_copy), row_major_data(tables, tables_copy),
+                          row_major_data(in[4], row_copy), row_major_data(in[5], pos_copy),
                           nullptr, nullptr, out.data<float>(), H, kv, D, num_slots, bs,
                           tables.shape(1), window, scale},
         kernels().attention};
@@ -202,8 +200,7 @@ mx::array silu_mul(const mx::array& gate, const mx::array& up) {
   require(gate.dtype() == mx::float32 && up.dtype() == mx::float32 && gate.shape() == up.shape(),
           "gate and up must be float32 of one shape");
   auto s = cpu_stream();
-  return mx::array(gate.shape(), mx::float32, std::make_shared<SiluMul>(s),
-                   {row_major(gate, s), row_major(up, s)});
+  return mx::array(gate.shape(), mx::float32, std::make_shared<SiluMul>(s), {gate, up});
 }
 
 namespace {
@@ -216,7 +213,9 @@ struct SiluTask {
 
 void SiluMul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   run_on_stream(stream(), inputs, out, [](std::vector<mx::array>& in, mx::array& out) {
-    const SiluTask task{SiluMulJob{in[0].data<float>(), in[1].data<float>(), out.data<float>()},
+    std::vector<float> gate_copy, up_copy;
+    const SiluTask task{SiluMulJob{row_major_data(in[0], gate_copy), row_major_data(in[1], up_copy),
+                                   out.data<float>()},
                         static_cast<int64_t>(out.size())};
     const int units = static_cast<int>((task.size + kSiluUnit - 1) / kSiluUnit);
     row_pool()->run(

@@ -7,6 +7,8 @@
 #include "attention_ops.h"
 #include "dense_ops.h"
 #include "isa.h"
+#include "norm_rope_ops.h"
+#include "row_pool.h"
 #include "quant_ops.h"
 
 namespace nb = nanobind;
@@ -16,7 +18,7 @@ using namespace nb::literals;
 #define CADENCE_STR(x) CADENCE_STR2(x)
 
 NB_MODULE(_cpu_ext, m) {
-  m.doc() = "cadence's CPU primitives for mlx: quantized matmuls, paged attention, SwiGLU";
+  m.doc() = "cadence's CPU primitives for mlx: quantized matmuls, paged attention, SwiGLU, RMSNorm, RoPE";
   // The mlx this was compiled against; the loader refuses a different runtime mlx.
   m.attr("built_for_mlx") = CADENCE_STR(MLX_VERSION_MAJOR) "." CADENCE_STR(
       MLX_VERSION_MINOR) "." CADENCE_STR(MLX_VERSION_PATCH);
@@ -30,6 +32,12 @@ NB_MODULE(_cpu_ext, m) {
         "window"_a, "scale"_a,
         "Paged attention of q [N, H, D] over head-major pools (kernels/paged_attention.py).");
   m.def("silu_mul", &cadence_cpu::silu_mul, "gate"_a, "up"_a, "silu(gate) * up, float32.");
+  m.def("rms_norm", &cadence_cpu::rms_norm, "x"_a, "weight"_a, "eps"_a,
+        "x * rsqrt(mean(x^2, -1) + eps) * weight, float32 (kernels/norm_rope.py).");
+  m.def("rope", &cadence_cpu::rope, "x"_a, "positions"_a, "inv_freqs"_a, "scale"_a,
+        "Rotary embedding of x [N, H, D] at per-token positions [N] (kernels/norm_rope.py).");
+  m.def("num_rms_norm_calls", &cadence_cpu::num_rms_norm_calls);
+  m.def("num_rope_calls", &cadence_cpu::num_rope_calls);
   m.def("num_attention_calls", &cadence_cpu::num_attention_calls,
         "How many times the paged attention kernel has run.");
   m.def("attention_isa", [] { return std::string(cadence_cpu::isa_name(cadence_cpu::best_isa())); },
@@ -43,4 +51,6 @@ NB_MODULE(_cpu_ext, m) {
   m.def("isa", &cadence_cpu::isa, "The instruction set the kernels use.");
   m.def("num_threads", &cadence_cpu::num_threads);
   m.def("set_num_threads", &cadence_cpu::set_threads, "num_threads"_a);
+  m.def("spin_microseconds", &cadence_cpu::spin_microseconds,
+        "How long an idle kernel thread watches for work before it sleeps (CADENCE_CPU_SPIN_US).");
 }

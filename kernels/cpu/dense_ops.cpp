@@ -42,34 +42,37 @@ struct DenseTask {
 }  // namespace
 
 mx::array dense_matmul(const mx::array& x, const mx::array& w) {
-  if (x.ndim() != 2 || w.ndim() != 2 || x.shape(1) != w.shape(1) || x.dtype() != mx::float32 ||
+  if (x.ndim() < 1 || w.ndim() != 2 || x.shape(-1) != w.shape(1) || x.dtype() != mx::float32 ||
       w.dtype() != mx::float32) {
-    throw std::invalid_argument("cadence dense matmul: x [M, K] and w [N, K] must be float32");
+    throw std::invalid_argument("cadence dense matmul: x [..., K] and w [N, K] must be float32");
   }
   auto s = mx::to_stream(mx::StreamOrDevice{}, mx::Device::cpu);
-  return mx::array(
-      {x.shape(0), w.shape(0)}, mx::float32, std::make_shared<DenseRowsMatmul>(s),
-      {mx::contiguous(x, false, s), mx::contiguous(w, false, s)});
+  mx::Shape shape = x.shape();
+  shape.back() = w.shape(0);
+  return mx::array(std::move(shape), mx::float32, std::make_shared<DenseRowsMatmul>(s), {x, w});
 }
 
 void DenseRowsMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   run_on_stream(stream(), inputs, out, [](std::vector<mx::array>& in, mx::array& out) {
     dense_calls.fetch_add(1, std::memory_order_relaxed);
-    const auto &x = in[0], &w = in[1];
-    const int M = x.shape(0), K = x.shape(1), N = w.shape(0);
+    const auto& w = in[1];
+    const int K = w.shape(1), N = w.shape(0);
+    const int M = leading_rows(in[0]);
     if (M == 0 || N == 0) {
       return;
     }
+    std::vector<float> x_copy, w_copy;
+    const float* x = row_major_data(in[0], x_copy);
     // x's rows copied a cache line further apart than K floats: with K a multiple of
     // 1024 they would all fall in one L1 set, and evict each other (measured 2x slower).
     const int64_t stride = K + 16;
     thread_local std::vector<float> spaced;  // this runs on the stream's one thread
     spaced.resize(static_cast<size_t>(M) * stride);
     for (int m = 0; m < M; ++m) {
-      std::copy_n(x.data<float>() + static_cast<int64_t>(m) * K, K, spaced.data() + m * stride);
+      std::copy_n(x + static_cast<int64_t>(m) * K, K, spaced.data() + m * stride);
     }
     const DenseTask task{
-        DenseMatmulJob{spaced.data(), w.data<float>(), out.data<float>(), M, N, K, stride},
+        DenseMatmulJob{spaced.data(), row_major_data(w, w_copy), out.data<float>(), M, N, K, stride},
         dense_kernel()};
     const int min_rows = static_cast<int>(
         std::clamp<int64_t>(kMinWeightsPerChunk / std::max(1, K), 4, std::max(4, N)));

@@ -21,7 +21,7 @@ std::atomic<uint64_t> kernel_calls{0};
 
 // A chunk should stream at least this many weights: waking a sleeping worker costs
 // ~10-20 us, about what one core needs to read 256K 4-bit weights.
-constexpr int64_t kMinValuesPerChunk = 1 << 18;
+constexpr int64_t kMinValuesPerChunk = 1 << 16;
 constexpr int kMostRowsForWideLanes = 3;
 
 struct Kernels {
@@ -165,12 +165,14 @@ mx::array matmul(
     int bits) {
   check_operands(w, scales, biases, group_size, bits);
   const int K = w.shape(1) * 32 / bits;
-  if (x.ndim() != 2 || x.shape(1) != K) {
-    throw std::invalid_argument("cadence quantized matmul: x must be [M, K] with K = w's columns");
+  if (x.ndim() < 1 || x.shape(-1) != K) {
+    throw std::invalid_argument("cadence quantized matmul: x must be [..., K] with K = w's columns");
   }
   auto s = mx::to_stream(mx::StreamOrDevice{}, mx::Device::cpu);
+  mx::Shape shape = x.shape();
+  shape.back() = w.shape(0);
   return mx::array(
-      {x.shape(0), w.shape(0)},
+      std::move(shape),
       mx::float32,
       std::make_shared<QuantizedRowsMatmul>(s, group_size, bits),
       {as_float32(x, s), w, as_float32(scales, s), as_float32(biases, s)});
@@ -198,15 +200,19 @@ void QuantizedRowsMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::arr
                                            std::vector<mx::array>& in, mx::array& out) {
     kernel_calls.fetch_add(1, std::memory_order_relaxed);
     const auto &x = in[0], &w = in[1];
-    const int M = x.shape(0), K = x.shape(1), N = w.shape(0);
+    const int K = x.shape(-1), N = w.shape(0);
+    const int M = leading_rows(x);
     // Reused across calls: this runs on the stream's one thread.
     thread_local std::vector<float> xt, xsum;
     xt.resize(static_cast<size_t>(M) * K);
     xsum.resize(static_cast<size_t>(M) * (K / group_size));
     const Kernels& chosen = kernels(M);
+    // [M, K] as strides: a 2-D x as it lies, a deeper one dense (copied if it is not).
+    std::vector<float> x_copy;
+    const bool is_2d = x.ndim() == 2;
     pack_activations(
-        x.data<float>(), x.strides(0), x.strides(1), M, K, group_size, bits,
-        chosen.lanes, xt.data(), xsum.data());
+        is_2d ? x.data<float>() : row_major_data(x, x_copy), is_2d ? x.strides(0) : K,
+        is_2d ? x.strides(1) : 1, M, K, group_size, bits, chosen.lanes, xt.data(), xsum.data());
     const MatmulTask task{
         MatmulJob{w.data<uint32_t>(), in[2].data<float>(), in[3].data<float>(), xt.data(),
                   xsum.data(), out.data<float>(), M, N, K, group_size, bits},

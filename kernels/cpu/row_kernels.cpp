@@ -6,6 +6,10 @@
 // cadence promises greedy parity with mlx-lm, whose reference rounds only the weights.
 #include <string.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>  // always-inline intrinsics only: no symbol a baseline copy could bind
+#endif
+
 #include "row_kernels.h"
 
 #ifndef CADENCE_ISA
@@ -48,14 +52,49 @@ inline float sum_lanes(Vec<16>::f32 v) {
                    Vec<8>::f32(__builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)));
 }
 
-// Adds the products of blocks [first_block, end_block) of L words to partial[0..rows).
-// Lane l of block b holds word b * L + l; x is packed to match (MatmulJob::xt).
+// The low BITS bits of each lane as float. With 16 lanes and 4 bits, one permute
+// looks the value up in {0, ..., 15} (vpermps reads only an index's low 4 bits), in
+// place of a mask and a conversion: AVX-512 runs conversions and shifts on one port.
 template <int BITS, int L>
+inline typename Vec<L>::f32 unpack(typename Vec<L>::u32 shifted) {
+  using F = typename Vec<L>::f32;
+  using I = typename Vec<L>::i32;
+#if defined(__AVX512F__)
+  if constexpr (BITS == 4 && L == 16) {
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return (F)_mm512_permutexvar_ps((__m512i)shifted, values);
+  }
+#endif
+  return __builtin_convertvector((I)(shifted & ((1u << BITS) - 1)), F);
+}
+
+// Each lane's scale: lane l of a block belongs to group first + lane_group[l].
+template <int L>
+inline typename Vec<L>::f32 block_scale(
+    const float* scales, int groups_per_block, typename Vec<L>::i32 lane_group) {
+  using F = typename Vec<L>::f32;
+#if defined(__AVX512F__)
+  if constexpr (L == 16) {  // a masked load reads only the block's groups, never past the row
+    const __m512 loaded = _mm512_maskz_loadu_ps((__mmask16)((1u << groups_per_block) - 1), scales);
+    return (F)_mm512_permutexvar_ps((__m512i)lane_group, loaded);
+  }
+#endif
+  F s = F{} + scales[0];
+  for (int g = 1; g < groups_per_block; ++g) {
+    s = lane_group == g ? F{} + scales[g] : s;
+  }
+  return s;
+}
+
+// Adds the products of blocks [first_block, end_block) of L words to partial[0..ROWS).
+// Lane l of block b holds word b * L + l; x is packed to match (MatmulJob::xt).
+// ROWS is a template argument so that the totals live in registers: indexed by a
+// run-time count they went through the stack on every block (19% of a decode).
+template <int BITS, int L, int ROWS>
 void add_blocks(
     const uint32_t* w,
     const float* scales,
     const float* const* x_rows,
-    int rows,
     int group,
     int first_word,
     int end_word,
@@ -65,15 +104,14 @@ void add_blocks(
   using U = typename Vec<L>::u32;
   constexpr int kPerWord = 32 / BITS;
   constexpr int kBlock = L * kPerWord;  // values in one block
-  constexpr uint32_t kMask = (1u << BITS) - 1;
-  F total[kMaxRowsTogether] = {};
+  F total[ROWS] = {};
   // A block spans kBlock / group groups (up to 4): lane l belongs to group l * kPerWord / group.
-  const int groups_per_block = group >= kBlock ? 1 : kBlock / group;
-  I lane_group = {};
-  if (groups_per_block > 1) {
-    for (int l = 0; l < L; ++l) {
-      lane_group[l] = l * kPerWord / group;
-    }
+  // group is 32, 64 or 128: shifts, not divisions (an idiv per block cost 9% of a decode).
+  const int group_shift = __builtin_ctz(static_cast<unsigned>(group));
+  const int groups_per_block = group >= kBlock ? 1 : kBlock >> group_shift;
+  I lane_group;
+  for (int l = 0; l < L; ++l) {
+    lane_group[l] = (l * kPerWord) >> group_shift;
   }
   for (int word = first_word; word < end_word; word += L) {
     const int first_value = word * kPerWord;
@@ -81,14 +119,10 @@ void add_blocks(
     memcpy(&packed, w + word, sizeof packed);
     F q[kPerWord];
     for (int j = 0; j < kPerWord; ++j) {
-      q[j] = __builtin_convertvector((I)((packed >> (BITS * j)) & kMask), F);
+      q[j] = unpack<BITS, L>(packed >> (BITS * j));
     }
-    const float* block_scales = scales + first_value / group;
-    F s = F{} + block_scales[0];
-    for (int g = 1; g < groups_per_block; ++g) {
-      s = lane_group == g ? F{} + block_scales[g] : s;
-    }
-    for (int r = 0; r < rows; ++r) {
+    const F s = block_scale<L>(scales + (first_value >> group_shift), groups_per_block, lane_group);
+    for (int r = 0; r < ROWS; ++r) {
       const float* xb = x_rows[r] + first_value;
       // Two chains of FMAs instead of one: their latency, not the loads, bounds a row.
       F even = q[0] * load<L>(xb), odd = q[1] * load<L>(xb + L);
@@ -99,8 +133,24 @@ void add_blocks(
       total[r] += s * (even + odd);
     }
   }
-  for (int r = 0; r < rows; ++r) {
+  for (int r = 0; r < ROWS; ++r) {
     partial[r] += sum_lanes(total[r]);
+  }
+}
+
+template <int BITS, int L>
+void add_blocks(const uint32_t* w, const float* scales, const float* const* x_rows, int rows,
+                int group, int first_word, int end_word, float* partial) {
+  static_assert(kMaxRowsTogether == 4, "one case per row count");
+  switch (rows) {
+    case 1:
+      return add_blocks<BITS, L, 1>(w, scales, x_rows, group, first_word, end_word, partial);
+    case 2:
+      return add_blocks<BITS, L, 2>(w, scales, x_rows, group, first_word, end_word, partial);
+    case 3:
+      return add_blocks<BITS, L, 3>(w, scales, x_rows, group, first_word, end_word, partial);
+    default:
+      return add_blocks<BITS, L, 4>(w, scales, x_rows, group, first_word, end_word, partial);
   }
 }
 

@@ -1,12 +1,44 @@
 #include "row_pool.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <memory>
 
 namespace cadence_cpu {
 
-RowPool::RowPool(int num_threads) {
+namespace {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+}  // namespace
+
+template <class Done>
+bool RowPool::spin_until(Done done) const {
+  if (spin_us_ <= 0) {
+    return done();
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+  while (true) {
+    for (int i = 0; i < 64; ++i) {
+      if (done()) {
+        return true;
+      }
+      cpu_relax();
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return done();
+    }
+  }
+}
+
+RowPool::RowPool(int num_threads) : spin_us_(spin_microseconds()) {
   for (int i = 1; i < num_threads; ++i) {
     workers_.emplace_back([this] { worker_loop(); });
   }
@@ -47,6 +79,9 @@ void RowPool::run(Work work, const void* context, int num_rows, int min_rows_per
   }
   wake_workers_.notify_all();
   if (run_claimed_chunks(generation)) {
+    return;
+  }
+  if (spin_until([this] { return chunks_left_.load() == 0; })) {
     return;
   }
   std::unique_lock<std::mutex> lock(mutex_);
@@ -93,6 +128,7 @@ void RowPool::worker_loop() {
   uint32_t seen = 0;
   while (true) {
     uint32_t generation;
+    spin_until([&] { return generation_.load() != seen; });  // is_stopping_ waits for the lock
     {
       std::unique_lock<std::mutex> lock(mutex_);
       wake_workers_.wait(lock, [&] { return is_stopping_ || generation_ != seen; });
@@ -109,6 +145,17 @@ void RowPool::worker_loop() {
 }
 
 namespace {
+
+int integer_from_environment(const char* name, int fallback, int most) {
+  if (const char* value = std::getenv(name)) {
+    char* end = nullptr;
+    const long n = std::strtol(value, &end, 10);
+    if (end != value && *end == '\0' && n >= 0) {
+      return static_cast<int>(std::min<long>(n, most));
+    }
+  }
+  return fallback;
+}
 
 int threads_from_environment() {
   if (const char* value = std::getenv("CADENCE_CPU_THREADS")) {
@@ -139,6 +186,11 @@ std::shared_ptr<RowPool> row_pool() {
     pool = std::make_shared<RowPool>(threads_from_environment());
   }
   return pool;
+}
+
+int spin_microseconds() {
+  static const int spin = integer_from_environment("CADENCE_CPU_SPIN_US", 50, 10000);
+  return spin;
 }
 
 void set_num_threads(int num_threads) {

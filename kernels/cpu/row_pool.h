@@ -1,8 +1,11 @@
-// Threads over output rows that sleep, never spin, between calls.
+// Threads over output rows that sleep between calls, after at most a short spin.
 //
 // llama.cpp's spinning workers collapsed to 2-50 tok/s when another process shared
-// this box's two cores. Here the calling thread works too, idle workers wait on a
-// condition variable, and the caller sleeps on one until the last chunk is done.
+// this box's two cores: they spin for as long as a job lasts. Here the calling thread
+// works too, and a thread that runs out of work watches for the next job for at most
+// CADENCE_CPU_SPIN_US microseconds (default 50), then sleeps on a condition variable.
+// The spin is there because a decode step is hundreds of calls a few tens of us
+// apart, and waking a sleeping thread took longer than most of them.
 #pragma once
 
 #include <atomic>
@@ -33,6 +36,9 @@ class RowPool {
  private:
   void worker_loop();
   bool run_claimed_chunks(uint32_t generation);
+  // Spins for at most the spin budget until done() holds; false if it never did.
+  template <class Done>
+  bool spin_until(Done done) const;
 
   std::mutex run_mutex_;  // held by the one caller whose job the workers share
   std::mutex mutex_;
@@ -40,8 +46,10 @@ class RowPool {
   std::condition_variable chunks_done_;
   std::vector<std::thread> workers_;
   bool is_stopping_ = false;
-  // The job of the current generation; workers read it under mutex_.
-  uint32_t generation_ = 0;
+  // The job of the current generation; workers read it under mutex_ (a spinning
+  // worker watches it without the lock, then takes the lock to read the job).
+  std::atomic<uint32_t> generation_{0};
+  int spin_us_ = 0;
   Work work_ = nullptr;
   const void* context_ = nullptr;
   int num_rows_ = 0;
@@ -55,5 +63,6 @@ class RowPool {
 // The process-wide pool, sized by CADENCE_CPU_THREADS (default: the hardware threads).
 std::shared_ptr<RowPool> row_pool();  // shared: a resize never frees a pool in use
 void set_num_threads(int num_threads);
+int spin_microseconds();  // CADENCE_CPU_SPIN_US, default 50; 0 never spins
 
 }  // namespace cadence_cpu

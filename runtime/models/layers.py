@@ -18,6 +18,7 @@ from runtime.kv.base import CausalNoCache, ForwardKV
 import mlx.core as mx
 import mlx.nn as nn
 
+from kernels.norm_rope import inverse_frequencies, rms_norm, rope
 from kernels.swiglu import swiglu
 
 
@@ -37,10 +38,18 @@ class RoPE(nn.Module):
         elif kind == "llama3":
             self._freqs = _llama3_freqs(dims, base, scaling)
             self.base = None
+        self._inv_freqs = inverse_frequencies(dims, self.base, self._freqs)
 
-    def __call__(self, x: mx.array, offset: mx.array | int) -> mx.array:
-        return mx.fast.rope(
-            x, self.dims, traditional=False, base=self.base, scale=self.scale, offset=offset, freqs=self._freqs
+    def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
+        """x [N, H, D], token n at positions[n] (int32 [N])."""
+        return rope(
+            x,
+            positions,
+            dims=self.dims,
+            base=self.base,
+            scale=self.scale,
+            freqs=self._freqs,
+            inv_freqs=self._inv_freqs,
         )
 
 
@@ -58,6 +67,13 @@ def _llama3_freqs(dims: int, base: float, scaling: dict) -> mx.array:
     return mx.where(is_medium, smooth_freqs, freqs)
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (same parameter), through `kernels.norm_rope.rms_norm`."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return rms_norm(x, self["weight"], self.eps)
+
+
 class OffsetRMSNorm(nn.Module):
     """Gemma's RMSNorm: the stored weight is an offset from 1, `x / rms(x) * (1 + w)`."""
 
@@ -67,7 +83,7 @@ class OffsetRMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
+        return rms_norm(x, 1.0 + self.weight, self.eps)
 
 
 Norm = Callable[[int, float], nn.Module]
@@ -111,9 +127,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).reshape(N, self.num_kv_heads, self.head_dim)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
-        # RoPE per token: each token is a batch row of length 1 at its own position.
-        q = self.rope(q[:, :, None, :], kv.positions)[:, :, 0, :]  # [N, H, D]
-        k = self.rope(k[:, :, None, :], kv.positions)[:, :, 0, :]  # [N, Hkv, D]
+        q = self.rope(q, kv.positions)  # [N, H, D], each token at its own position
+        k = self.rope(k, kv.positions)  # [N, Hkv, D]
         out = kv.attend(self.layer, q, k, v, self.scale)  # [N, H, D]
         return self.o_proj(out.reshape(B, T, -1))
 

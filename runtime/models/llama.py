@@ -12,7 +12,7 @@ from typing import Any
 
 from runtime.config import ConfigFields, ModelConfig
 from runtime.kv.base import ForwardKV
-from runtime.models.layers import Attention, CausalLM, GatedMLP, RoPE
+from runtime.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, RoPE
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,11 +29,11 @@ class DecoderLayer(nn.Module):
             rope=rope,
             qkv_bias=config.qkv_bias,
             o_bias=config.o_bias,
-            qk_norm=nn.RMSNorm if config.qk_norm else None,
+            qk_norm=RMSNorm if config.qk_norm else None,
         )
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def __call__(self, x: mx.array, kv: ForwardKV) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), kv)
@@ -45,7 +45,7 @@ class DecoderBody(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
 class Decoder(CausalLM):
