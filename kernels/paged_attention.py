@@ -247,16 +247,15 @@ def paged_attention(
     q [N, H, D] -> [N, H, D]. `path` is what `dispatch` chose for this step.
     """
     keys, values = pools
+    if path == "native":  # one op writes and attends
+        out, keys[layer], values[layer] = step.native.write_and_attend(
+            keys[layer], values[layer], q, k, v, scale
+        )
+        return out
     D = k.shape[-1]
     keys[layer][step.write_rows] = k.transpose(1, 0, 2).reshape(-1, D)  # [Hkv * N, D]
     values[layer][step.write_rows] = v.transpose(1, 0, 2).reshape(-1, D)
-    plan: _NativePlan | FastPlan | GatherPlan
-    if path == "native":
-        plan = step.native
-    elif path == "fast":
-        plan = step.fast
-    else:
-        plan = step.gather
+    plan = step.fast if path == "fast" else step.gather
     return plan.attend(keys[layer], values[layer], q, scale)
 
 
@@ -281,16 +280,20 @@ def dispatch(step: PagedStep) -> str:
 
 
 class _NativePlan:
-    """The CPU extension's kernel: the whole step in one call per layer."""
+    """The CPU extension's kernel: the whole step in one call per layer, the K/V write too."""
 
     def __init__(self, step: PagedStep):
         self.step = step
 
-    def attend(self, keys: mx.array, values: mx.array, q: mx.array, scale: float) -> mx.array:
+    def write_and_attend(
+        self, keys: mx.array, values: mx.array, q: mx.array, k: mx.array, v: mx.array, scale: float
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """(out [N, H, D], keys, values): the pools as written, which replace the old ones."""
         step = self.step
         ext = cpu_extension()
         assert ext is not None, "select_path chose the native kernel without the extension"
-        return ext.paged_attention(
-            q, keys, values, step.tables, step.row_of_token, step.positions,
+        out, keys, values = ext.paged_attention_write(
+            q, k, v, keys, values, step.tables, step.row_of_token, step.positions,
             step.num_kv_heads, step.block_size, step.window or 0, scale,
         )
+        return out, keys, values

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 
 #include "attention_kernels.h"
@@ -20,6 +22,7 @@ namespace cadence_cpu {
 namespace {
 
 std::atomic<uint64_t> attention_calls{0};
+std::atomic<uint64_t> pool_copies{0};
 
 // A chunk of work should be worth waking a sleeping worker (~10-20 us).
 constexpr int64_t kMinFlopsPerChunk = 1 << 18;
@@ -115,7 +118,9 @@ void build_tiles(const PagedAttentionJob& job, int N, int lanes, std::vector<int
 
 }  // namespace
 
-mx::array paged_attention(
+namespace {
+
+void check_attention_operands(
     const mx::array& q,
     const mx::array& keys,
     const mx::array& values,
@@ -124,8 +129,7 @@ mx::array paged_attention(
     const mx::array& token_pos,
     int num_kv_heads,
     int block_size,
-    int window,
-    float scale) {
+    int window) {
   require(q.ndim() == 3 && q.dtype() == mx::float32, "q must be [N, H, D] float32");
   const int N = q.shape(0), H = q.shape(1), D = q.shape(2);
   require(num_kv_heads > 0 && H % num_kv_heads == 0, "H must be a multiple of num_kv_heads");
@@ -143,6 +147,36 @@ mx::array paged_attention(
     require(index->ndim() == 1 && index->shape(0) == N && index->dtype() == mx::int32,
             "token_row and token_pos must be [N] int32");
   }
+}
+
+// The pool `in` as the output `out`: its own buffer when nothing else holds it (a
+// step's write then costs its new rows, not the pool), else a new one that the
+// step fills with a copy first (returns true).
+bool take_pool(const mx::array& in, mx::array& out) {
+  if (in.is_donatable() && in.flags().row_contiguous) {
+    out.copy_shared_buffer(in);
+    return false;
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  pool_copies.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+}  // namespace
+
+mx::array paged_attention(
+    const mx::array& q,
+    const mx::array& keys,
+    const mx::array& values,
+    const mx::array& tables,
+    const mx::array& token_row,
+    const mx::array& token_pos,
+    int num_kv_heads,
+    int block_size,
+    int window,
+    float scale) {
+  check_attention_operands(q, keys, values, tables, token_row, token_pos, num_kv_heads,
+                           block_size, window);
   auto s = cpu_stream();
   return mx::array(
       q.shape(),
@@ -151,28 +185,106 @@ mx::array paged_attention(
       {q, keys, values, tables, token_row, token_pos});
 }
 
-void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  run_on_stream(stream(), inputs, out, [kv = num_kv_heads_, bs = block_size_, window = window_,
-                                        scale = scale_](std::vector<mx::array>& in, mx::array& out) {
+std::vector<mx::array> paged_attention_write(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    const mx::array& keys,
+    const mx::array& values,
+    const mx::array& tables,
+    const mx::array& token_row,
+    const mx::array& token_pos,
+    int num_kv_heads,
+    int block_size,
+    int window,
+    float scale) {
+  check_attention_operands(q, keys, values, tables, token_row, token_pos, num_kv_heads,
+                           block_size, window);
+  const mx::Shape new_kv{q.shape(0), num_kv_heads, q.shape(2)};
+  require(k.shape() == new_kv && v.shape() == new_kv && k.dtype() == mx::float32 &&
+              v.dtype() == mx::float32,
+          "k and v must be [N, Hkv, D] float32");
+  auto s = cpu_stream();
+  return mx::array::make_arrays(
+      {q.shape(), keys.shape(), values.shape()},
+      {mx::float32, mx::float32, mx::float32},
+      std::make_shared<PagedAttention>(s, num_kv_heads, block_size, window, scale),
+      {q, keys, values, tables, token_row, token_pos, k, v});
+}
+
+void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const bool writes = outputs.size() == 3;
+  // Each output of a multi-output primitive holds its own copy of the inputs, so the
+  // old pools would count three holders and never be donated (every step copied them
+  // whole: 7 tok/s instead of 54). The outputs other than the one being evaluated,
+  // whose inputs are `inputs`, let go of theirs now; mlx detaches them all once this
+  // returns anyway.
+  for (auto& output : outputs) {
+    if (&output.inputs() != &inputs) {
+      output.inputs().clear();
+    }
+  }
+  outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+  const bool copies_keys = writes && take_pool(inputs[1], outputs[1]);
+  const bool copies_values = writes && take_pool(inputs[2], outputs[2]);
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  std::vector<mx::array> in, out;
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+    in.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  for (auto& a : outputs) {
+    encoder.set_output_array(a);
+    out.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  encoder.dispatch([in = std::move(in), out = std::move(out), writes, copies_keys, copies_values,
+                    kv = num_kv_heads_, bs = block_size_, window = window_,
+                    scale = scale_]() mutable {
     attention_calls.fetch_add(1, std::memory_order_relaxed);
-    const auto &q = in[0], &keys = in[1], &values = in[2], &tables = in[3];
+    const auto& q = in[0];
+    const auto& tables = in[3];
     const int N = q.shape(0), H = q.shape(1), D = q.shape(2), R = tables.shape(0);
-    const int num_slots = keys.shape(0) / kv;
-    std::vector<float> q_copy, keys_copy, values_copy;  // stay empty: the pools are dense
+    const int num_slots = in[1].shape(0) / kv;
+    std::vector<float> q_copy, keys_copy, values_copy, k_copy, v_copy;
     std::vector<int32_t> tables_copy, row_copy, pos_copy;
+    const float* keys = row_major_data(in[1], keys_copy);  // the pools are dense: no copy
+    const float* values = row_major_data(in[2], values_copy);
+    if (copies_keys) {
+      std::copy_n(keys, in[1].size(), out[1].data<float>());
+    }
+    if (copies_values) {
+      std::copy_n(values, in[2].size(), out[2].data<float>());
+    }
     AttentionTask task{
-        PagedAttentionJob{row_major_data(q, q_copy), row_major_data(keys, keys_copy),
-                          row_major_data(values, values_copy), row_major_data(tables, tables_copy),
-                          row_major_data(in[4], row_copy), row_major_data(in[5], pos_copy),
-                          nullptr, nullptr, out.data<float>(), H, kv, D, num_slots, bs,
-                          tables.shape(1), window, scale},
+        PagedAttentionJob{row_major_data(q, q_copy), writes ? out[1].data<float>() : keys,
+                          writes ? out[2].data<float>() : values,
+                          row_major_data(tables, tables_copy), row_major_data(in[4], row_copy),
+                          row_major_data(in[5], pos_copy), nullptr, nullptr, out[0].data<float>(),
+                          H, kv, D, num_slots, bs, tables.shape(1), window, scale},
         kernels().attention};
     if (N == 0) {
       return;
     }
     if (!tables_are_sound(task.job, N, R, num_slots / bs)) {
-      fill_nan(out);
+      fill_nan(out[0]);  // and nothing written: the pools stay as they were
       return;
+    }
+    if (writes) {  // each token's K/V into its slot, head-major: row h * num_slots + slot
+      const float* k = row_major_data(in[6], k_copy);
+      const float* v = row_major_data(in[7], v_copy);
+      const auto& job = task.job;
+      for (int n = 0; n < N; ++n) {
+        const int pos = job.token_pos[n];
+        const int64_t block = job.tables[static_cast<int64_t>(job.token_row[n]) * job.table_width +
+                                         pos / bs];
+        const int64_t slot = block * bs + pos % bs;
+        for (int h = 0; h < kv; ++h) {
+          const int64_t src = (static_cast<int64_t>(n) * kv + h) * D;
+          const int64_t dst = (h * static_cast<int64_t>(num_slots) + slot) * D;
+          std::copy_n(k + src, D, out[1].data<float>() + dst);
+          std::copy_n(v + src, D, out[2].data<float>() + dst);
+        }
+      }
     }
     thread_local std::vector<int32_t> tile_first, tile_count;  // the stream's one thread
     build_tiles(task.job, N, kernels().lanes, tile_first, tile_count);
@@ -227,7 +339,7 @@ void SiluMul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   });
 }
 
-void PagedAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+void PagedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("cadence's paged attention kernel runs on the CPU only");
 }
 
@@ -243,6 +355,10 @@ bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
 
 uint64_t num_attention_calls() {
   return attention_calls.load();
+}
+
+uint64_t num_pool_copies() {
+  return pool_copies.load();
 }
 
 }  // namespace cadence_cpu

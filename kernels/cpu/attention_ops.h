@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "mlx/array.h"
 #include "mlx/primitives.h"
@@ -24,20 +25,41 @@ mx::array paged_attention(
     int window,
     float scale);
 
+// The same, after writing k, v [N, Hkv, D] (each token's new K/V) into the pools at the
+// token's slot: returns {out, keys', values'}, the pools' buffers donated when nothing
+// else holds them (as mlx's own scatter does), copied otherwise. One op per layer in
+// place of a transpose, a reshape and a scatter for each of K and V.
+std::vector<mx::array> paged_attention_write(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    const mx::array& keys,
+    const mx::array& values,
+    const mx::array& tables,
+    const mx::array& token_row,
+    const mx::array& token_pos,
+    int num_kv_heads,
+    int block_size,
+    int window,
+    float scale);
+
 mx::array silu_mul(const mx::array& gate, const mx::array& up);
 
 uint64_t num_attention_calls();  // evaluations of paged_attention on the CPU, ever
+uint64_t num_pool_copies();  // pools paged_attention_write had to copy (not donated), ever
 
-class PagedAttention : public mx::UnaryPrimitive {
+// Inputs q, keys, values, tables, token_row, token_pos (then k, v to write); outputs
+// out (then keys', values').
+class PagedAttention : public mx::Primitive {
  public:
   PagedAttention(mx::Stream stream, int num_kv_heads, int block_size, int window, float scale)
-      : mx::UnaryPrimitive(stream),
+      : mx::Primitive(stream),
         num_kv_heads_(num_kv_heads),
         block_size_(block_size),
         window_(window),
         scale_(scale) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override {
     return "CadencePagedAttention";
   }

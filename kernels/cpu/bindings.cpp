@@ -1,6 +1,7 @@
 // The Python module `kernels._cpu_ext` (loaded by kernels/cpu_extension.py).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/version.h"
 
@@ -31,11 +32,17 @@ NB_MODULE(_cpu_ext, m) {
         "tables"_a, "token_row"_a, "token_pos"_a, "num_kv_heads"_a, "block_size"_a,
         "window"_a, "scale"_a,
         "Paged attention of q [N, H, D] over head-major pools (kernels/paged_attention.py).");
+  m.def("paged_attention_write", &cadence_cpu::paged_attention_write, "q"_a, "k"_a, "v"_a,
+        "keys"_a, "values"_a, "tables"_a, "token_row"_a, "token_pos"_a, "num_kv_heads"_a,
+        "block_size"_a, "window"_a, "scale"_a,
+        "Write k, v [N, Hkv, D] into the pools, then attend: [out, keys, values].");
   m.def("silu_mul", &cadence_cpu::silu_mul, "gate"_a, "up"_a, "silu(gate) * up, float32.");
   m.def("rms_norm", &cadence_cpu::rms_norm, "x"_a, "weight"_a, "eps"_a,
         "x * rsqrt(mean(x^2, -1) + eps) * weight, float32 (kernels/norm_rope.py).");
   m.def("rope", &cadence_cpu::rope, "x"_a, "positions"_a, "inv_freqs"_a, "scale"_a,
         "Rotary embedding of x [N, H, D] at per-token positions [N] (kernels/norm_rope.py).");
+  m.def("num_pool_copies", &cadence_cpu::num_pool_copies,
+        "How many pools paged_attention_write copied because something else held them.");
   m.def("num_rms_norm_calls", &cadence_cpu::num_rms_norm_calls);
   m.def("num_rope_calls", &cadence_cpu::num_rope_calls);
   m.def("num_attention_calls", &cadence_cpu::num_attention_calls,

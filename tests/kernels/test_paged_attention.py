@@ -252,3 +252,31 @@ def test_every_instruction_set_of_the_native_kernel_matches_gather(cap):
     """Tiles hold 32 query heads with AVX-512 and 8 otherwise: both tilings, and the
     token-by-token path, against the reference."""
     assert run_with_isa_cap(EVERY_SHAPE_SCRIPT, cap) == cap
+
+
+@needs_native
+def test_the_native_write_takes_the_pools_buffers_unless_someone_still_holds_them():
+    """The K/V write donates the old pools (no copy a step) yet never changes an array
+    someone still holds: a held pool is copied, and keeps its old contents."""
+    ext = cpu_extension()
+    step, _, keys, values, q, k, v = make_step([5, 17], [1, 3], 2, 4)
+    index = (step.tables, step.row_of_token, step.positions, 2, BLOCK, 0, 0.25)
+    held_keys, held_values = mx.array(keys), mx.array(values)
+    mx.eval(held_keys, held_values)
+    snapshot = np.array(held_keys)
+    copies = ext.num_pool_copies()
+    out, new_keys, new_values = ext.paged_attention_write(q, k, v, held_keys, held_values, *index)
+    mx.eval(out, new_keys, new_values)
+    assert ext.num_pool_copies() == copies + 2
+    assert np.array_equal(np.array(held_keys), snapshot)  # the held pool is untouched
+    assert not mx.array_equal(new_keys, held_keys).item()  # the new one has the step's rows
+    _, pools = run("gather", step, keys, values, q, k, v)
+    assert mx.array_equal(new_keys, pools[0][0]).item() and mx.array_equal(new_values, pools[1][0]).item()
+    # Held by nothing but the call: donated, not copied.
+    lone = [mx.array(keys), mx.array(values)]
+    mx.eval(lone)
+    copies = ext.num_pool_copies()
+    out, lone[0], lone[1] = ext.paged_attention_write(q, k, v, lone[0], lone[1], *index)
+    mx.eval(out, lone)
+    assert ext.num_pool_copies() == copies
+    assert mx.array_equal(lone[0], pools[0][0]).item()

@@ -17,6 +17,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from kernels import paged_attention
+from kernels.cpu_extension import cpu_extension
 from tests.kernels.test_paged_attention import ATTENTION_PATHS
 
 NEW_TOKENS = 64
@@ -115,9 +116,13 @@ def test_a_row_prefilling_in_chunks_beside_three_decoding_rows_keeps_mlx_lm_pari
     # arrives in 7-token chunks (not a multiple of the 4-token block) beside them.
     policy = policy_for(engine, chunk=7, budget=12)
     ran_before = dict(paged_attention.dispatch_counts)
+    ext = cpu_extension()
+    copies_before = ext.num_pool_copies() if ext is not None else 0
     got = run_offline(engine, policy, requests, on_step=note)
     assert len(mixed_steps) >= 5
     assert paged_attention.dispatch_counts[path] > ran_before.get(path, 0)  # no silent fallback
+    if path == "native":  # each step writes K/V into the pools' own buffers, never a copy
+        assert ext.num_pool_copies() == copies_before
     for other in {"gather", "fast", "native"} - {path}:
         assert paged_attention.dispatch_counts[other] == ran_before.get(other, 0), other
     for request_id, request in requests.items():
