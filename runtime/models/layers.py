@@ -122,9 +122,14 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, kv: ForwardKV) -> mx.array:
         B, T, _ = x.shape
         N = B * T  # the engine's ragged step is one flat batch: B = 1, T = N
-        q = self.q_proj(x).reshape(N, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(N, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(N, self.num_kv_heads, self.head_dim)
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if "qkv_proj" in self:  # stacked at load on the CPU (runtime/cpu_weights.py)
+            heads = self.qkv_proj(x).reshape(N, H + 2 * Hkv, D)
+            q, k, v = heads[:, :H], heads[:, H : H + Hkv], heads[:, H + Hkv :]
+        else:
+            q = self.q_proj(x).reshape(N, H, D)
+            k = self.k_proj(x).reshape(N, Hkv, D)
+            v = self.v_proj(x).reshape(N, Hkv, D)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q = self.rope(q, kv.positions)  # [N, H, D], each token at its own position
@@ -144,7 +149,10 @@ class GatedMLP(nn.Module):
         self.activation = activation
 
     def __call__(self, x: mx.array) -> mx.array:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        if "gate_up_proj" in self:  # stacked at load on the CPU (runtime/cpu_weights.py)
+            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         if self.activation == "gelu_tanh":
             return self.down_proj(nn.gelu_approx(gate) * up)
         return self.down_proj(swiglu(gate, up))

@@ -97,7 +97,7 @@ def test_unknown_repo_id_offline_is_a_clean_error(tmp_path, monkeypatch):
 
 def test_sharded_and_quantized_checkpoints_load(make_checkpoint):
     sharded = load_model(make_checkpoint("llama", shards=2))
-    assert sharded.model.model.layers[1].self_attn.q_proj.weight.dtype == mx.float32
+    assert sharded.model.model.layers[1].self_attn.o_proj.weight.dtype == mx.float32
     quantized = load_model(make_checkpoint("llama", quantize=(32, 4), hidden_size=128, intermediate_size=256), keep_dtype=True)
     assert quantized.config.quantization.bits == 4
     assert quantized.model.model.layers[0].mlp.up_proj.weight.dtype == mx.uint32

@@ -109,8 +109,8 @@ def test_q4_0_q4_1_q8_0_stay_mlx_quantized_layers_when_the_dtype_is_kept(convert
     assert (layer.self_attn.q_proj.bits, layer.self_attn.q_proj.group_size) == (4, 32)
     assert isinstance(layer.mlp.down_proj, nn.QuantizedLinear) and layer.mlp.down_proj.bits == 8
     assert isinstance(loaded.model.model.embed_tokens, nn.Embedding)  # Q6_K: expanded
-    reference = load_model(reference_dir)
-    q_proj = reference.model.model.layers[0].self_attn.q_proj.weight
+    reference = load_model(reference_dir, keep_dtype=True)  # as stored: q_proj not stacked
+    q_proj = reference.model.model.layers[0].self_attn.q_proj.weight.astype(mx.float32)
     packed = layer.self_attn.q_proj
     scales, biases = packed.scales.astype(mx.float32), packed.biases.astype(mx.float32)
     weight = mx.dequantize(packed.weight, scales, biases, group_size=32, bits=4)
