@@ -89,7 +89,7 @@ inline typename Vec<L>::f32 block_scale(
 // Adds the products of blocks [first_block, end_block) of L words to partial[0..ROWS).
 // Lane l of block b holds word b * L + l; x is packed to match (MatmulJob::xt).
 // ROWS is a template argument so that the totals live in registers: indexed by a
-// run-time count they went through the stack on every block (19% of a decode).
+// run-time count they went through the stack on every block.
 template <int BITS, int L, int ROWS>
 void add_blocks(
     const uint32_t* w,
@@ -109,10 +109,10 @@ void add_blocks(
   // group is 32, 64 or 128: shifts, not divisions (an idiv per block cost 9% of a decode).
   const int group_shift = __builtin_ctz(static_cast<unsigned>(group));
   const int groups_per_block = group >= kBlock ? 1 : kBlock >> group_shift;
-  I lane_group;
-  for (int l = 0; l < L; ++l) {
-    lane_group[l] = (l * kPerWord) >> group_shift;
-  }
+  static const int32_t kLanes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  I lane;
+  memcpy(&lane, kLanes, sizeof lane);
+  const I lane_group = (lane * kPerWord) >> group_shift;
   for (int word = first_word; word < end_word; word += L) {
     const int first_value = word * kPerWord;
     U packed;
@@ -189,8 +189,15 @@ void matmul_rows_bits(const MatmulJob& job, int row_begin, int row_end) {
           }
         }
         const float* xsum = job.xsum + m * num_groups;
-        float offset = 0.0f;
-        for (int g = 0; g < num_groups; ++g) {
+        float sums[4] = {};  // four chains: one would wait on each add
+        int g = 0;
+        for (; g + 4 <= num_groups; g += 4) {
+          for (int j = 0; j < 4; ++j) {
+            sums[j] += biases[g + j] * xsum[g + j];
+          }
+        }
+        float offset = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+        for (; g < num_groups; ++g) {
           offset += biases[g] * xsum[g];
         }
         job.out[m * job.N + n] = partial[r] + tail + offset;
