@@ -40,6 +40,14 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return mx.concatenate([first, second]).reshape(gate.shape)
 
 
+def swiglu_halves(gate_up: mx.array) -> mx.array:
+    """gate_up: [..., 2 * intermediate], gate then up (a stacked projection) -> [..., intermediate]."""
+    ext = cpu_extension() if mx.default_device() == mx.cpu and gate_up.dtype == mx.float32 else None
+    if ext is not None:
+        return ext.silu_mul_halves(gate_up)
+    return swiglu(*mx.split(gate_up, 2, axis=-1))
+
+
 def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
     e_r, bits = exp_parts(-gate)
     return _combine(gate, up, e_r, scale_of(bits))

@@ -315,6 +315,15 @@ mx::array silu_mul(const mx::array& gate, const mx::array& up) {
   return mx::array(gate.shape(), mx::float32, std::make_shared<SiluMul>(s), {gate, up});
 }
 
+mx::array silu_mul_halves(const mx::array& gate_up) {
+  require(gate_up.dtype() == mx::float32 && gate_up.ndim() >= 1 && gate_up.shape(-1) % 2 == 0,
+          "gate_up must be float32 [..., 2 * I]");
+  mx::Shape shape = gate_up.shape();
+  shape.back() /= 2;
+  auto s = cpu_stream();
+  return mx::array(std::move(shape), mx::float32, std::make_shared<SiluMul>(s), {gate_up});
+}
+
 namespace {
 constexpr int64_t kSiluUnit = 1024;  // elements per unit of work handed to the pool
 struct SiluTask {
@@ -323,9 +332,30 @@ struct SiluTask {
 };
 }  // namespace
 
+struct SiluHalvesTask {
+  const float* gate_up;  // [rows, 2 * width]
+  float* out;  // [rows, width]
+  int64_t width;
+};
+
 void SiluMul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   run_on_stream(stream(), inputs, out, [](std::vector<mx::array>& in, mx::array& out) {
     std::vector<float> gate_copy, up_copy;
+    if (in.size() == 1) {  // one input: gate and up are the two halves of each row
+      const int64_t width = out.shape(-1);
+      const SiluHalvesTask task{row_major_data(in[0], gate_copy), out.data<float>(), width};
+      const int rows = width == 0 ? 0 : static_cast<int>(out.size() / width);
+      row_pool()->run(
+          [](const void* context, int begin, int end) {
+            const auto& t = *static_cast<const SiluHalvesTask*>(context);
+            for (int64_t r = begin; r < end; ++r) {
+              const float* gate = t.gate_up + r * 2 * t.width;
+              kernels().silu_mul(SiluMulJob{gate, gate + t.width, t.out + r * t.width}, 0, t.width);
+            }
+          },
+          &task, rows, static_cast<int>(std::max<int64_t>(1, 64 * kSiluUnit / std::max<int64_t>(1, width))));
+      return;
+    }
     const SiluTask task{SiluMulJob{row_major_data(in[0], gate_copy), row_major_data(in[1], up_copy),
                                    out.data<float>()},
                         static_cast<int64_t>(out.size())};

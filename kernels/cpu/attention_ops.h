@@ -44,6 +44,9 @@ std::vector<mx::array> paged_attention_write(
     float scale);
 
 mx::array silu_mul(const mx::array& gate, const mx::array& up);
+// The same with gate and up the halves of each row of gate_up [..., 2 * I] -> [..., I]:
+// a stacked gate/up projection's output, with no split or copy between.
+mx::array silu_mul_halves(const mx::array& gate_up);
 
 uint64_t num_attention_calls();  // evaluations of paged_attention on the CPU, ever
 uint64_t num_pool_copies();  // pools paged_attention_write had to copy (not donated), ever

@@ -37,6 +37,8 @@ NB_MODULE(_cpu_ext, m) {
         "block_size"_a, "window"_a, "scale"_a,
         "Write k, v [N, Hkv, D] into the pools, then attend: [out, keys, values].");
   m.def("silu_mul", &cadence_cpu::silu_mul, "gate"_a, "up"_a, "silu(gate) * up, float32.");
+  m.def("silu_mul_halves", &cadence_cpu::silu_mul_halves, "gate_up"_a,
+        "silu(gate) * up for gate, up the two halves of each row of gate_up, float32.");
   m.def("rms_norm", &cadence_cpu::rms_norm, "x"_a, "weight"_a, "eps"_a,
         "x * rsqrt(mean(x^2, -1) + eps) * weight, float32 (kernels/norm_rope.py).");
   m.def("rope", &cadence_cpu::rope, "x"_a, "positions"_a, "inv_freqs"_a, "scale"_a,

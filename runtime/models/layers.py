@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kernels.norm_rope import inverse_frequencies, rms_norm, rope
-from kernels.swiglu import swiglu
+from kernels.swiglu import swiglu, swiglu_halves
 
 
 class RoPE(nn.Module):
@@ -150,7 +150,10 @@ class GatedMLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         if "gate_up_proj" in self:  # stacked at load on the CPU (runtime/cpu_weights.py)
-            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+            gate_up = self.gate_up_proj(x)
+            if self.activation != "gelu_tanh":
+                return self.down_proj(swiglu_halves(gate_up))
+            gate, up = mx.split(gate_up, 2, axis=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         if self.activation == "gelu_tanh":

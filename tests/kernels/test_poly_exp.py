@@ -46,3 +46,17 @@ def test_swiglu_runs_the_cpu_kernel_when_it_is_loaded(monkeypatch):
     monkeypatch.setattr(swiglu_module, "cpu_extension", lambda: None)  # the mx-op fallback
     assert mx.allclose(swiglu(gate, gate), reference_swiglu(gate, gate), rtol=1e-5, atol=1e-6).item()
     assert calls == [(3, 7)]
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 2 * 1536), (5, 2 * 64), (2, 300, 2 * 40)])
+def test_swiglu_of_stacked_halves_matches_reference(shape):
+    """A stacked gate/up projection's output: gate and up are each row's two halves."""
+    gate_up = mx.random.normal(shape, key=mx.random.key(shape[0])) * 4
+    gate, up = mx.split(gate_up, 2, axis=-1)
+    want = reference_swiglu(gate, up)
+    got = swiglu_module.swiglu_halves(gate_up)
+    assert got.shape == want.shape
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
+    strided = mx.random.normal((shape[-1], 3)).T  # not dense rows
+    want = reference_swiglu(*mx.split(mx.contiguous(strided), 2, axis=-1))
+    assert mx.allclose(swiglu_module.swiglu_halves(strided), want, rtol=1e-5, atol=1e-6).item()
