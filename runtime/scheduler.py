@@ -125,11 +125,15 @@ class StepPlan:
 # --prompt-tokens 150 --cadence-args="--prefill-chunk N"`): N = 96 / 144 / 192 gave 16
 # clients 84 / 87 / 93 tok/s, TTFT p99 6.3 / 6.1 / 5.2 s, inter-token p99 314 / 368 /
 # 417 ms, and a worst gap at 4 clients of 0.28 / 0.36 / 0.47 s; 288 took the 16-client
-# inter-token p99 to 596 ms, past the 0.5 s target. With no row decoding nobody can
-# stall, and a prompt alone is computed 512 tokens a step (examples/bench_prefill.py,
-# 512 / 6,000-token prompts: 555 / 240 tok/s in 256-token steps, 531 / 249 in 384,
-# 547 / 266 in 512: a longer step streams the weights less often).
-DEFAULT_PREFILL_CHUNK = 192
+# inter-token p99 to 596 ms, past the 0.5 s target. After the op-count work of the
+# same day (faster steps), N = 128 / 160 / 192 gave 16 clients 109 / 112 / 111 and
+# 106 / 108 / 109 tok/s and a 4-client worst gap of 0.25 / 0.29 / 0.34 and 0.27 / 0.30
+# / 0.36 s; 192 also showed 0.44 and 0.56 s gaps in two `--compare` runs, 160 0.32 and
+# 0.34 s. With no row decoding nobody can stall, and a prompt alone is computed 512
+# tokens a step (examples/bench_prefill.py, 512 / 6,000-token prompts: 555 / 240 tok/s
+# in 256-token steps, 531 / 249 in 384, 547 / 266 in 512: a longer step streams the
+# weights less often).
+DEFAULT_PREFILL_CHUNK = 160
 DEFAULT_SOLO_PREFILL_TOKENS = 512
 
 
