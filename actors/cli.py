@@ -168,7 +168,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--cpu-quantize",
         choices=CPU_QUANTIZE_CHOICES,
         default=DEFAULT_CPU_QUANTIZE,
-        help="on CPU, quantize a 16/32-bit checkpoint's layers to 8 or 4 bits at load "
+        help="on CPU, a 16/32-bit checkpoint's linear layers: off keeps 16-bit weights "
+        "(float32 compute), float32 expands them, 8 or 4 quantizes them at load "
         f"(default: {DEFAULT_CPU_QUANTIZE}; quantized checkpoints stay quantized either way)",
     )
 

@@ -9,7 +9,8 @@ Writes a random-weight checkpoint with SmolLM2-135M's geometry (hidden 576, 30 l
 
   - "kernels": the quantized weights kept, cadence's C++ kernels (the default on CPU);
   - "fp32": CADENCE_CPU_KERNELS=off, the weights expanded to float32 (OpenBLAS);
-  - with --bits 16: "fp32" (the default), "cpu-quantize 8" and "cpu-quantize 4".
+  - with --bits 16: "16-bit storage" (the default: the linear weights kept in 16 bits,
+    computed in float32), "fp32" (`--cpu-quantize float32`), "cpu-quantize 8" and "4".
 
 and prints single-stream decode tok/s, B=16 decode tok/s, a 512-token prefill and peak
 memory.
@@ -204,7 +205,8 @@ def main() -> None:
     path = make_checkpoint(args.bits)
     print(f"model: {path} ({args.bits}-bit, SmolLM2-135M geometry, random weights)")
     if args.bits == 16:
-        rows = {"fp32": run_child(path, args.decode_tokens, True)}
+        rows = {"16-bit storage": run_child(path, args.decode_tokens, True)}
+        rows["fp32"] = run_child(path, args.decode_tokens, True, "float32")
         for bits in ("8", "4"):
             rows[f"cpu-quantize {bits}"] = run_child(path, args.decode_tokens, True, bits)
     else:

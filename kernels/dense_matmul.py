@@ -40,20 +40,28 @@ def uses_dense_kernel(rows: int) -> bool:
     return 0 < rows <= MOST_ROWS and mx.default_device() == mx.cpu and cpu_extension() is not None
 
 
+HALF_DTYPES = (mx.float16, mx.bfloat16)
+
+
 def dense_matmul(x: mx.array, w: mx.array) -> mx.array:
-    """x: [..., K]; w: [N, K] -> x @ w.T, [..., N]."""
-    if x.dtype != mx.float32 or w.dtype != mx.float32:
+    """x: [..., K]; w: [N, K] -> x @ w.T, [..., N].
+
+    A 16-bit w beside a float32 x is 16-bit storage: computed in float32, w widened
+    exactly (in the kernel as it is read; for the sgemm, the whole layer per call).
+    """
+    if x.dtype != mx.float32 or (w.dtype != mx.float32 and w.dtype not in HALF_DTYPES):
         return x @ w.T
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
     if not uses_dense_kernel(rows):
-        return x @ w.T
+        return x @ (w if w.dtype == mx.float32 else w.astype(mx.float32)).T
     ext = cpu_extension()
     assert ext is not None
     return ext.dense_matmul(x, w)  # [..., K] as it is: no reshape in or out
 
 
 class KernelLinear(nn.Linear):
-    """nn.Linear whose matmul is `dense_matmul`; same parameters and names."""
+    """nn.Linear whose matmul is `dense_matmul`; same parameters and names. Its weight
+    is float32, or 16-bit storage (computed in float32); a bias is float32."""
 
     @classmethod
     def adopt(cls, layer: nn.Linear) -> KernelLinear:
@@ -61,7 +69,7 @@ class KernelLinear(nn.Linear):
         nn.Module.__init__(new)
         new.weight = mx.contiguous(layer.weight)
         if "bias" in layer:
-            new.bias = layer.bias
+            new.bias = layer.bias.astype(mx.float32)
         return new
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -70,7 +78,8 @@ class KernelLinear(nn.Linear):
 
 
 class KernelEmbedding(nn.Embedding):
-    """nn.Embedding whose `as_linear` (a tied output head) is `dense_matmul`."""
+    """nn.Embedding whose `as_linear` (a tied output head) is `dense_matmul`; a 16-bit
+    table's rows are looked up as float32."""
 
     @classmethod
     def adopt(cls, layer: nn.Embedding) -> KernelEmbedding:
@@ -78,6 +87,10 @@ class KernelEmbedding(nn.Embedding):
         nn.Module.__init__(new)
         new.weight = mx.contiguous(layer.weight)
         return new
+
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = self.weight[x]
+        return rows if rows.dtype == mx.float32 else rows.astype(mx.float32)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return dense_matmul(x, self.weight)

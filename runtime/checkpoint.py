@@ -50,9 +50,10 @@ def load_model(
 ) -> LoadedModel:
     """Resolve, read and check a checkpoint; None loads the built-in demo model.
 
-    On CPU the weights take the form runtime/cpu_weights.py decides (quantized
-    checkpoints stay quantized when cadence's kernels are built; others are expanded
-    to float32, or quantized at load with `cpu_quantize` "8"/"4"), unless `keep_dtype`.
+    On CPU the weights take the form runtime/cpu_weights.py decides (with cadence's
+    kernels built, quantized checkpoints stay quantized and 16-bit ones keep their
+    linear weights in 16 bits, computed in float32; `cpu_quantize` "float32" expands
+    them, "8"/"4" quantizes them at load), unless `keep_dtype`.
     On a GPU the checkpoint's dtype is kept.
     """
     progress = on_progress or (lambda message: None)

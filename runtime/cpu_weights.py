@@ -3,8 +3,11 @@
 Single-stream decode on a CPU is memory-bound, so its speed is the bytes of weights
 streamed per token. With cadence's quantized kernels (kernels/cpu/):
   - a quantized checkpoint stays quantized (4 or 8 bits, ~1/7 and ~1/3.5 of fp32's bytes);
-  - a 16- or 32-bit checkpoint is expanded to float32, or, with `cpu_quantize` "8" or "4",
-    quantized at load (group 64) so it decodes through the kernels too.
+  - a 16-bit checkpoint keeps its linear and embedding weights in 16 bits, computed in
+    float32 (the kernels widen them exactly as they read them, so the results are the
+    float32 expansion's, from half its bytes); everything else becomes float32.
+    `cpu_quantize` "float32" expands them too, "8" or "4" quantizes them at load (group
+    64) so they decode through the quantized kernels.
 Without them (no compiler at install, or CADENCE_CPU_KERNELS=off) the old policy holds:
 everything is expanded to float32 when memory allows (bf16 and mlx's 4-bit matmuls run
 20-40x slower than fp32 on the CPU), else kept as stored.
@@ -33,8 +36,9 @@ from kernels.dense_matmul import KernelEmbedding, KernelLinear
 from kernels.quantized_linear import KernelQuantizedEmbedding, KernelQuantizedLinear
 from kernels.quantized_matmul import is_kernel_layout
 
-CPU_QUANTIZE_CHOICES = ("off", "8", "4")
+CPU_QUANTIZE_CHOICES = ("off", "float32", "8", "4")
 DEFAULT_CPU_QUANTIZE = "off"  # see README "Quantized weights on the CPU" for why
+HALF_DTYPES = (mx.float16, mx.bfloat16)
 LOAD_TIME_GROUP_SIZE = 64
 
 
@@ -59,12 +63,19 @@ def prepare_for_cpu(
         progress(f"weights kept as stored: {describe_layers(model)}")
         return model
     if cpu_extension() is not None:
-        if model.config.quantization is None and cpu_quantize != "off":
+        if model.config.quantization is None and cpu_quantize in ("8", "4"):
             progress(f"quantizing weights to {cpu_quantize} bits for the CPU")
             _quantize(model, int(cpu_quantize))
         if _has_kernel_layers(model):
             _adopt_kernel_layers(model)
             _float32_except_quantized(model)
+            _adopt_dense_layers(model)
+            _stack_projections(model)
+            progress(f"weights: {describe_layers(model)}")
+            return model
+        if cpu_quantize == "off" and _has_16_bit_matmuls(model):
+            progress("keeping the 16-bit weights of linear layers (float32 compute)")
+            _float32_except_16_bit_matmuls(model)
             _adopt_dense_layers(model)
             _stack_projections(model)
             progress(f"weights: {describe_layers(model)}")
@@ -130,8 +141,11 @@ def _stack_projections(model: CausalLM) -> None:
 def describe_layers(model: CausalLM) -> str:
     """e.g. "linear 4-bit g64 (cadence kernel) x14, embedding 4-bit g64 (cadence kernel) x1, ..."."""
     kinds: Counter[str] = Counter(_layer_kind(module) for _, module in _leaves(model))
-    params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
-    dtypes = {p.dtype for _, p in params if p.dtype != mx.uint32}
+    dtypes = set()
+    for _, module in _leaves(model):
+        if not _layer_kind(module):  # norms and the like: not the matmuls named above
+            params: list[tuple[str, mx.array]] = tree_flatten(module.parameters())  # type: ignore[assignment]
+            dtypes |= {p.dtype for _, p in params if p.dtype != mx.uint32}
     others = "/".join(sorted(str(d).removeprefix("mlx.core.") for d in dtypes))
     return ", ".join(f"{kind} x{n}" for kind, n in sorted(kinds.items()) if kind) + (
         f"; other weights {others}"
@@ -189,15 +203,34 @@ def _adopt_kernel_layers(model: CausalLM) -> None:
     model.update_modules(tree_unflatten([(path, adopt(m)) for path, m in _leaves(model)]))
 
 
+def _is_16_bit_matmul(module: nn.Module) -> bool:
+    return type(module) in (nn.Linear, nn.Embedding) and module.weight.dtype in HALF_DTYPES
+
+
+def _has_16_bit_matmuls(model: CausalLM) -> bool:
+    return any(_is_16_bit_matmul(module) for _, module in _leaves(model))
+
+
+def _float32_except_16_bit_matmuls(model: CausalLM) -> None:
+    # set_dtype is lazy: the float32 copies of the kept weights are dropped unevaluated.
+    kept = {path: module.weight for path, module in _leaves(model) if _is_16_bit_matmul(module)}
+    model.set_dtype(mx.float32)
+    for path, module in _leaves(model):
+        if path in kept:
+            module.weight = kept[path]
+
+
 def _adopt_dense_layers(model: CausalLM) -> None:
-    """float32 nn.Linear / nn.Embedding -> their dense-kernel twins (same arrays)."""
+    """float32 or 16-bit nn.Linear / nn.Embedding -> their dense-kernel twins (same arrays)."""
 
     def adopt(module: nn.Module) -> nn.Module:
-        if type(module) is nn.Linear and module.weight.dtype == mx.float32:
+        if type(module) not in (nn.Linear, nn.Embedding):
+            return module
+        if module.weight.dtype != mx.float32 and module.weight.dtype not in HALF_DTYPES:
+            return module
+        if type(module) is nn.Linear:
             return KernelLinear.adopt(module)
-        if type(module) is nn.Embedding and module.weight.dtype == mx.float32:
-            return KernelEmbedding.adopt(module)
-        return module
+        return KernelEmbedding.adopt(module)  # type: ignore[arg-type]
 
     model.update_modules(tree_unflatten([(path, adopt(m)) for path, m in _leaves(model)]))
 

@@ -143,7 +143,6 @@ class _QueuedStep:
     is_finite: mx.array  # [S] bool: the row's logits had no NaN/inf
     logprobs: Logprobs | None  # [S] and [S, K], when any sampling row asks
     failures: tuple[tuple[int, str], ...]  # rows that failed while the step was built
-    writes: tuple[mx.array, ...]  # what a step without samples waits on: its KV writes
 
 
 def check_sequence(
@@ -304,8 +303,14 @@ class Engine:
         sampling = [row for part, _ in ran for row in part.sampling]
         if not sampling:  # prefill chunks only: just the K/V writes are wanted
             # Every slot's pool: with layer groups the last slot is not always written last.
-            writes = (*self.kv.keys, *self.kv.values) if ran else ()
-            self._queue(plan, [], None, writes)
+            # Evaluated here, not queued: a queued reference to a pool (or an op reading
+            # it, still waiting to run) would keep the next step's K/V write from taking
+            # its buffer over (kernels/cpu/attention_ops.cpp), and the pool would be
+            # copied. Such a step is a whole prefill chunk: waiting costs it only the
+            # overlap with the next step's graph building (a few ms of hundreds).
+            if ran:
+                mx.eval(*self.kv.keys, *self.kv.values)
+            self._queue(plan, [], None)
             return
         parts = [out for _, out in ran if out is not None]  # more than one if it was split
         sampled, is_finite = parts[0] if len(parts) == 1 else joined(parts)
@@ -313,7 +318,7 @@ class Engine:
             row.next_input = sampled.tokens[i : i + 1]
             row.sampler.record(row.next_input)
             row.num_pending += 1
-        self._queue(plan, sampling, (sampled, is_finite), ())
+        self._queue(plan, sampling, (sampled, is_finite))
 
     def collect(self) -> list[StepOutcome]:
         """Block for the oldest queued step and decide which rows it finished."""
@@ -321,8 +326,6 @@ class Engine:
         outcomes = [StepOutcome(sid, None, FinishCause.ERROR, err) for sid, err in step.failures]
         # An error raised while evaluating cannot be pinned on a row (the graph is built):
         # it propagates, and the runner fails every row of the step.
-        if step.writes:
-            mx.eval(*step.writes)
         tokens: list[int] = step.tokens.tolist()  # type: ignore[assignment]  # [S] -> list
         finite: list[bool] = step.is_finite.tolist()  # type: ignore[assignment]
         logprobs = logprob_rows(step.logprobs, len(tokens))
@@ -436,15 +439,14 @@ class Engine:
         plan: _Plan,
         sampling: list[_Row],
         sampled: _Sampled | None,
-        writes: tuple[mx.array, ...],
     ) -> None:
         samples, is_finite = sampled or (Sampled(mx.array([], mx.int32)), mx.array([], mx.bool_))
         logprobs = samples.logprobs
         extra = () if logprobs is None else (logprobs.token, logprobs.top_ids, logprobs.top)
-        mx.async_eval(samples.tokens, is_finite, *extra, *writes)
+        mx.async_eval(samples.tokens, is_finite, *extra)
         seq_ids = tuple(row.handle.seq_id for row in sampling)
         self._queued.append(
-            _QueuedStep(seq_ids, samples.tokens, is_finite, logprobs, tuple(plan.failures), writes)
+            _QueuedStep(seq_ids, samples.tokens, is_finite, logprobs, tuple(plan.failures))
         )
 
     def _row_input(self, row: _Row, span: RowSpan) -> mx.array | None:

@@ -1,8 +1,15 @@
-// See DenseMatmulJob in row_kernels.h: few rows of x against a float32 weight read
-// in place. A block of 4 weight rows x 4 rows of x keeps 16 accumulators of L lanes
-// in registers (8 loads per 16 FMAs); the 4 weight rows are re-read from cache, not
-// memory, for the next 4 rows of x. Compiled once per instruction set, as row_kernels.cpp.
+// See DenseMatmulJob in row_kernels.h: few rows of x against a weight read in place,
+// float32 or 16-bit (float16, bfloat16: widened as loaded, exactly, so the products and
+// their order are those of the float32 expansion: 16-bit storage at half the bytes).
+// A block of 4 weight rows x 4 rows of x keeps 16 accumulators of L lanes in registers
+// (8 loads per 16 FMAs); the 4 weight rows are re-read from cache, not memory, for the
+// next 4 rows of x. Compiled once per instruction set, as row_kernels.cpp.
+#include <stdint.h>
 #include <string.h>
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>  // always-inline intrinsics only: no symbol a baseline copy could bind
+#endif
 
 #include "row_kernels.h"
 
@@ -13,19 +20,91 @@ namespace CADENCE_ISA {
 
 namespace {
 
+typedef uint16_t H __attribute__((vector_size(2 * L)));
+typedef uint32_t U __attribute__((vector_size(4 * L)));
+
+// IEEE half to float, exactly (subnormals, infinities and NaNs included).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+  if (exponent == 31) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: shift until the leading 1 is the implicit bit
+    uint32_t shift = 0;
+    while ((mantissa & 0x400u) == 0) {
+      mantissa <<= 1;
+      ++shift;
+    }
+    bits = sign | ((113 - shift) << 23) | ((mantissa & 0x3ffu) << 13);
+  }
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <WeightKind KIND>
+inline float weight_at(const void* w, int64_t i) {
+  if constexpr (KIND == WeightKind::f32) {
+    return static_cast<const float*>(w)[i];
+  } else if constexpr (KIND == WeightKind::bf16) {
+    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(w)[i]) << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+  } else {
+    return half_to_float(static_cast<const uint16_t*>(w)[i]);
+  }
+}
+
+// L weights from element i on, as float32.
+template <WeightKind KIND>
+inline F load_weights(const void* w, int64_t i) {
+  if constexpr (KIND == WeightKind::f32) {
+    return load<F>(static_cast<const float*>(w) + i);
+  } else if constexpr (KIND == WeightKind::bf16) {  // the high half of a float's bits
+    H h;
+    memcpy(&h, static_cast<const uint16_t*>(w) + i, sizeof h);
+    const U bits = __builtin_convertvector(h, U) << 16;
+    F f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+  } else {
+    const uint16_t* p = static_cast<const uint16_t*>(w) + i;
+#if defined(__AVX512F__)
+    if constexpr (L == 16) {
+      return (F)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    }
+#endif
+#if defined(__F16C__)
+    if constexpr (L == 8) {
+      return (F)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    }
+#endif
+    F f;
+    for (int l = 0; l < L; ++l) {
+      f[l] = half_to_float(p[l]);
+    }
+    return f;
+  }
+}
+
 // out[m0 + j, n0 + i] = x[m0 + j] . w[n0 + i], i < NR, j < MR.
-template <int NR, int MR>
+template <WeightKind KIND, int NR, int MR>
 void block(const DenseMatmulJob& job, int n0, int m0) {
   const int K = job.K;
-  const float* w[NR];
+  int64_t w[NR];
   const float* x[MR];
-  for (int i = 0; i < NR; ++i) w[i] = job.w + static_cast<int64_t>(n0 + i) * K;
+  for (int i = 0; i < NR; ++i) w[i] = static_cast<int64_t>(n0 + i) * K;
   for (int j = 0; j < MR; ++j) x[j] = job.x + static_cast<int64_t>(m0 + j) * job.x_stride;
   F acc[NR][MR] = {};
   const int vector_end = K / L * L;
   for (int k = 0; k < vector_end; k += L) {
     F wv[NR];
-    for (int i = 0; i < NR; ++i) wv[i] = load<F>(w[i] + k);
+    for (int i = 0; i < NR; ++i) wv[i] = load_weights<KIND>(job.w, w[i] + k);
     for (int j = 0; j < MR; ++j) {
       const F xv = load<F>(x[j] + k);
       for (int i = 0; i < NR; ++i) acc[i][j] += wv[i] * xv;
@@ -34,30 +113,42 @@ void block(const DenseMatmulJob& job, int n0, int m0) {
   for (int i = 0; i < NR; ++i) {
     for (int j = 0; j < MR; ++j) {
       float total = sum_lanes(acc[i][j]);
-      for (int k = vector_end; k < K; ++k) total += w[i][k] * x[j][k];
+      for (int k = vector_end; k < K; ++k) total += weight_at<KIND>(job.w, w[i] + k) * x[j][k];
       job.out[static_cast<int64_t>(m0 + j) * job.N + n0 + i] = total;
     }
   }
 }
 
-template <int NR>
+template <WeightKind KIND, int NR>
 void rows_of_x(const DenseMatmulJob& job, int n0) {
   int m0 = 0;
-  for (; m0 + 4 <= job.M; m0 += 4) block<NR, 4>(job, n0, m0);
+  for (; m0 + 4 <= job.M; m0 += 4) block<KIND, NR, 4>(job, n0, m0);
   switch (job.M - m0) {
-    case 3: block<NR, 3>(job, n0, m0); break;
-    case 2: block<NR, 2>(job, n0, m0); break;
-    case 1: block<NR, 1>(job, n0, m0); break;
+    case 3: block<KIND, NR, 3>(job, n0, m0); break;
+    case 2: block<KIND, NR, 2>(job, n0, m0); break;
+    case 1: block<KIND, NR, 1>(job, n0, m0); break;
     default: break;
   }
+}
+
+template <WeightKind KIND>
+void weight_rows(const DenseMatmulJob& job, int row_begin, int row_end) {
+  int n0 = row_begin;
+  for (; n0 + 4 <= row_end; n0 += 4) rows_of_x<KIND, 4>(job, n0);
+  for (; n0 < row_end; ++n0) rows_of_x<KIND, 1>(job, n0);
 }
 
 }  // namespace
 
 void dense_matmul_rows(const DenseMatmulJob& job, int row_begin, int row_end) {
-  int n0 = row_begin;
-  for (; n0 + 4 <= row_end; n0 += 4) rows_of_x<4>(job, n0);
-  for (; n0 < row_end; ++n0) rows_of_x<1>(job, n0);
+  switch (job.w_kind) {
+    case WeightKind::f16:
+      return weight_rows<WeightKind::f16>(job, row_begin, row_end);
+    case WeightKind::bf16:
+      return weight_rows<WeightKind::bf16>(job, row_begin, row_end);
+    default:
+      return weight_rows<WeightKind::f32>(job, row_begin, row_end);
+  }
 }
 
 }  // namespace CADENCE_ISA

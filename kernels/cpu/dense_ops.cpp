@@ -42,9 +42,11 @@ struct DenseTask {
 }  // namespace
 
 mx::array dense_matmul(const mx::array& x, const mx::array& w) {
+  const bool w_ok = w.dtype() == mx::float32 || w.dtype() == mx::float16 || w.dtype() == mx::bfloat16;
   if (x.ndim() < 1 || w.ndim() != 2 || x.shape(-1) != w.shape(1) || x.dtype() != mx::float32 ||
-      w.dtype() != mx::float32) {
-    throw std::invalid_argument("cadence dense matmul: x [..., K] and w [N, K] must be float32");
+      !w_ok) {
+    throw std::invalid_argument(
+        "cadence dense matmul: x [..., K] float32 and w [N, K] float32, float16 or bfloat16");
   }
   auto s = mx::to_stream(mx::StreamOrDevice{}, mx::Device::cpu);
   mx::Shape shape = x.shape();
@@ -61,7 +63,7 @@ void DenseRowsMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
     if (M == 0 || N == 0) {
       return;
     }
-    std::vector<float> x_copy, w_copy;
+    std::vector<float> x_copy;
     const float* x = row_major_data(in[0], x_copy);
     // x's rows copied a cache line further apart than K floats: with K a multiple of
     // 1024 they would all fall in one L1 set, and evict each other (measured 2x slower).
@@ -71,8 +73,16 @@ void DenseRowsMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
     for (int m = 0; m < M; ++m) {
       std::copy_n(x + static_cast<int64_t>(m) * K, K, spaced.data() + m * stride);
     }
+    // The weight as stored: a parameter is dense rows (16-bit ones viewed as their bits).
+    std::vector<float> w32_copy;
+    std::vector<uint16_t> w16_copy;
+    const bool is_f32 = w.dtype() == mx::float32;
+    const void* weight = is_f32 ? static_cast<const void*>(row_major_data(w, w32_copy))
+                                : static_cast<const void*>(row_major_data(w, w16_copy));
+    const WeightKind kind = is_f32 ? WeightKind::f32
+        : w.dtype() == mx::float16 ? WeightKind::f16 : WeightKind::bf16;
     const DenseTask task{
-        DenseMatmulJob{spaced.data(), row_major_data(w, w_copy), out.data<float>(), M, N, K, stride},
+        DenseMatmulJob{spaced.data(), weight, out.data<float>(), M, N, K, stride, kind},
         dense_kernel()};
     const int min_rows = static_cast<int>(
         std::clamp<int64_t>(kMinWeightsPerChunk / std::max(1, K), 4, std::max(4, N)));

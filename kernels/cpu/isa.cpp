@@ -24,7 +24,7 @@ bool is_allowed(Isa isa) {
 Isa detect() {
 #if defined(CADENCE_HAS_X86_KERNELS)
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      is_allowed(Isa::avx2);
+      __builtin_cpu_supports("f16c") && is_allowed(Isa::avx2);
   if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
       is_allowed(Isa::avx512)) {
     return Isa::avx512;

@@ -32,14 +32,19 @@ struct DequantizeJob {
   int N, K, group_size, bits;
 };
 
-// out = x @ w.T for float32 w [N, K] as stored (nn.Linear's layout), few rows of x:
-// each weight is read from memory once per call, never packed (an sgemm copies it).
+// How a dense weight is stored: float32, or 16 bits (widened to float32 exactly as
+// they are read, so the products are those of the float32 expansion).
+enum class WeightKind { f32, f16, bf16 };
+
+// out = x @ w.T for w [N, K] as stored (nn.Linear's layout), few rows of x: each
+// weight is read from memory once per call, never packed (an sgemm copies it).
 struct DenseMatmulJob {
   const float* x;  // [M, K], rows x_stride apart
-  const float* w;  // [N, K]
+  const void* w;  // [N, K] of `w_kind`
   float* out;  // [M, N]
   int M, N, K;
   int64_t x_stride;
+  WeightKind w_kind;
 };
 
 using MatmulRows = void (*)(const MatmulJob&, int row_begin, int row_end);

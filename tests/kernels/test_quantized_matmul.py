@@ -46,7 +46,8 @@ def test_keeps_leading_dimensions_and_the_input_dtype():
     ours = quantized_matmul(x, w, scales, biases, 64, 4)
     reference = reference_quantized_matmul(x, w, scales, biases, 64, 4)
     assert ours.shape == (2, 5, 24) and ours.dtype == mx.bfloat16
-    assert mx.allclose(ours.astype(mx.float32), reference.astype(mx.float32), atol=0.1).item()
+    # bfloat16 has 8 bits of mantissa: one rounding step of a value near 30 is 0.125.
+    assert mx.allclose(ours.astype(mx.float32), reference.astype(mx.float32), rtol=1e-2, atol=0.1).item()
 
 
 def test_a_strided_input_gives_the_contiguous_result():

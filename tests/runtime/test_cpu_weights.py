@@ -9,7 +9,7 @@ import pytest
 
 from kernels.dense_matmul import KernelLinear
 from kernels.quantized_linear import KernelQuantizedLinear
-from tests.kernels.test_quantized_matmul import needs_kernels
+from tests.kernels.test_quantized_matmul import needs_kernels, run_with_isa_cap
 from tests.kernels.test_quantized_models import PROMPT, SHAPE
 
 
@@ -72,3 +72,59 @@ def test_loading_stacks_every_layer_and_the_logits_stay_the_same(make_checkpoint
     tokens = mx.array([PROMPT])
     want = separate.model(tokens)
     assert mx.allclose(stacked.model(tokens), want, rtol=1e-4, atol=1e-4 * mx.abs(want).max().item()).item()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_16_bit_checkpoint_keeps_16_bit_weights_with_the_float32_results(make_checkpoint, dtype):
+    """The default keeps the linear weights in 16 bits; the kernel widens them exactly, so
+    decode-sized steps give the float32 expansion's logits bit for bit, prefill-sized ones
+    (the sgemm on the widened layer) the same values."""
+    path = make_checkpoint("qwen2", dtype=dtype, **SHAPE)
+    lines = []
+    kept = load_model(path, on_progress=lines.append)
+    expanded = load_model(path, cpu_quantize="float32")
+    layer = kept.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == getattr(mx, dtype)
+    assert layer.self_attn.qkv_proj.bias.dtype == mx.float32
+    assert layer.input_layernorm.weight.dtype == mx.float32
+    assert expanded.model.model.layers[0].self_attn.qkv_proj.weight.dtype == mx.float32
+    assert any(f"linear {dtype} (cadence kernel, sgemm)" in line for line in lines)
+    short = mx.array([PROMPT[:5]])
+    assert mx.array_equal(kept.model(short), expanded.model(short)).item()
+    long = mx.array([(PROMPT * 4)[:40]])  # past the kernel's 32 rows: the sgemm
+    want = expanded.model(long)
+    assert mx.allclose(kept.model(long), want, rtol=1e-5, atol=1e-5 * mx.abs(want).max().item()).item()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_dense_kernel_widens_16_bit_weights_exactly(dtype):
+    from kernels.cpu_extension import cpu_extension
+
+    ext = cpu_extension()
+    specials = [0.0, -0.0, 6e-8, -6e-8, 3e-5, 1.0, -2.5, 0.333, 1000.0, 60000.0]  # subnormals too
+    w = mx.array([specials * 7] * 9 + [[1.0] * 70], dtype=getattr(mx, dtype))  # K = 70: a tail
+    for rows in (1, 3, 6):
+        x = mx.random.normal((rows, 70), key=mx.random.key(rows))
+        assert mx.array_equal(ext.dense_matmul(x, w), ext.dense_matmul(x, w.astype(mx.float32))).item()
+
+
+WIDEN_SCRIPT = """
+import runtime
+import mlx.core as mx
+from kernels.cpu_extension import cpu_extension
+ext = cpu_extension()
+w = mx.array([[0.0, -0.0, 6e-8, -6e-8, 3e-5, 1.0, -2.5, 0.333, 1000.0, 60000.0] * 7] * 5)
+x = mx.random.normal((3, 70))
+for dtype in (mx.float16, mx.bfloat16):
+    half = w.astype(dtype)
+    assert mx.array_equal(ext.dense_matmul(x, half), ext.dense_matmul(x, half.astype(mx.float32))).item()
+print(ext.isa())
+"""
+
+
+@needs_kernels
+@pytest.mark.parametrize("cap", ["baseline", "avx2"])
+def test_every_instruction_set_widens_16_bit_weights_exactly(cap):
+    assert "avx512" not in run_with_isa_cap(WIDEN_SCRIPT, cap)
