@@ -164,27 +164,6 @@ bool take_pool(const mx::array& in, mx::array& out) {
 
 }  // namespace
 
-mx::array paged_attention(
-    const mx::array& q,
-    const mx::array& keys,
-    const mx::array& values,
-    const mx::array& tables,
-    const mx::array& token_row,
-    const mx::array& token_pos,
-    int num_kv_heads,
-    int block_size,
-    int window,
-    float scale) {
-  check_attention_operands(q, keys, values, tables, token_row, token_pos, num_kv_heads,
-                           block_size, window);
-  auto s = cpu_stream();
-  return mx::array(
-      q.shape(),
-      mx::float32,
-      std::make_shared<PagedAttention>(s, num_kv_heads, block_size, window, scale),
-      {q, keys, values, tables, token_row, token_pos});
-}
-
 std::vector<mx::array> paged_attention_write(
     const mx::array& q,
     const mx::array& k,
@@ -213,7 +192,6 @@ std::vector<mx::array> paged_attention_write(
 }
 
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  const bool writes = outputs.size() == 3;
   // Each output of a multi-output primitive holds its own copy of the inputs, so the
   // old pools would count three holders and never be donated (every step copied them
   // whole: 7 tok/s instead of 54). The outputs other than the one being evaluated,
@@ -225,8 +203,8 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     }
   }
   outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
-  const bool copies_keys = writes && take_pool(inputs[1], outputs[1]);
-  const bool copies_values = writes && take_pool(inputs[2], outputs[2]);
+  const bool copies_keys = take_pool(inputs[1], outputs[1]);
+  const bool copies_values = take_pool(inputs[2], outputs[2]);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   std::vector<mx::array> in, out;
   for (const auto& a : inputs) {
@@ -237,7 +215,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     encoder.set_output_array(a);
     out.push_back(mx::array::unsafe_weak_copy(a));
   }
-  encoder.dispatch([in = std::move(in), out = std::move(out), writes, copies_keys, copies_values,
+  encoder.dispatch([in = std::move(in), out = std::move(out), copies_keys, copies_values,
                     kv = num_kv_heads_, bs = block_size_, window = window_,
                     scale = scale_]() mutable {
     attention_calls.fetch_add(1, std::memory_order_relaxed);
@@ -256,8 +234,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       std::copy_n(values, in[2].size(), out[2].data<float>());
     }
     AttentionTask task{
-        PagedAttentionJob{row_major_data(q, q_copy), writes ? out[1].data<float>() : keys,
-                          writes ? out[2].data<float>() : values,
+        PagedAttentionJob{row_major_data(q, q_copy), out[1].data<float>(), out[2].data<float>(),
                           row_major_data(tables, tables_copy), row_major_data(in[4], row_copy),
                           row_major_data(in[5], pos_copy), nullptr, nullptr, out[0].data<float>(),
                           H, kv, D, num_slots, bs, tables.shape(1), window, scale},
@@ -269,7 +246,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       fill_nan(out[0]);  // and nothing written: the pools stay as they were
       return;
     }
-    if (writes) {  // each token's K/V into its slot, head-major: row h * num_slots + slot
+    {  // each token's K/V into its slot, head-major: row h * num_slots + slot
       const float* k = row_major_data(in[6], k_copy);
       const float* v = row_major_data(in[7], v_copy);
       const auto& job = task.job;

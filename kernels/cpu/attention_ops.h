@@ -11,24 +11,12 @@ namespace cadence_cpu {
 
 namespace mx = mlx::core;
 
-// Paged attention of q [N, H, D] over head-major pools [Hkv * slots, D]; token n
-// attends its table row token_row[n] up to position token_pos[n] (see attention_kernels.h).
-mx::array paged_attention(
-    const mx::array& q,
-    const mx::array& keys,
-    const mx::array& values,
-    const mx::array& tables,
-    const mx::array& token_row,
-    const mx::array& token_pos,
-    int num_kv_heads,
-    int block_size,
-    int window,
-    float scale);
-
-// The same, after writing k, v [N, Hkv, D] (each token's new K/V) into the pools at the
-// token's slot: returns {out, keys', values'}, the pools' buffers donated when nothing
-// else holds them (as mlx's own scatter does), copied otherwise. One op per layer in
-// place of a transpose, a reshape and a scatter for each of K and V.
+// Paged attention of q [N, H, D] over head-major pools [Hkv * slots, D], after writing
+// k, v [N, Hkv, D] (each token's new K/V) into the pools at the token's slot; token n
+// attends its table row token_row[n] up to position token_pos[n] (see
+// attention_kernels.h). Returns {out, keys', values'}, the pools' buffers donated when
+// nothing else holds them (as mlx's own scatter does), copied otherwise. One op per
+// layer in place of a transpose, a reshape and a scatter for each of K and V.
 std::vector<mx::array> paged_attention_write(
     const mx::array& q,
     const mx::array& k,
@@ -48,11 +36,10 @@ mx::array silu_mul(const mx::array& gate, const mx::array& up);
 // a stacked gate/up projection's output, with no split or copy between.
 mx::array silu_mul_halves(const mx::array& gate_up);
 
-uint64_t num_attention_calls();  // evaluations of paged_attention on the CPU, ever
+uint64_t num_attention_calls();  // evaluations of paged_attention_write on the CPU, ever
 uint64_t num_pool_copies();  // pools paged_attention_write had to copy (not donated), ever
 
-// Inputs q, keys, values, tables, token_row, token_pos (then k, v to write); outputs
-// out (then keys', values').
+// Inputs q, keys, values, tables, token_row, token_pos, k, v; outputs out, keys', values'.
 class PagedAttention : public mx::Primitive {
  public:
   PagedAttention(mx::Stream stream, int num_kv_heads, int block_size, int window, float scale)

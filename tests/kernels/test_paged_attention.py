@@ -103,17 +103,19 @@ def test_the_native_path_runs_the_cpu_kernel():
 def test_a_table_pointing_outside_the_pool_gives_nan_not_a_wild_read():
     step, tables, keys, values, q, k, v = make_step([5, 17], [1, 1], 2, 4)
     ext = cpu_extension()
-    args = (q, keys, values)
+    args = (q, k, v, keys, values)
     index = (step.row_of_token, step.positions, 2, BLOCK, 0, 0.25)
-    sound = ext.paged_attention(*args, step.tables, *index)
+    sound, _, _ = ext.paged_attention_write(*args, step.tables, *index)
     assert mx.isfinite(sound).all().item()
     for bad_block in (64, -1, 1 << 30):  # the pool has 64 blocks
         bad = np.array(step.tables)
         bad[1, 2] = bad_block
-        out = ext.paged_attention(*args, mx.array(bad), *index)
+        out, written_keys, _ = ext.paged_attention_write(*args, mx.array(bad), *index)
         assert mx.isnan(out).all().item(), bad_block
+        assert mx.array_equal(written_keys, keys).item()  # and nothing written
     past_the_table = mx.array([0, 1000], dtype=mx.int32)
-    assert mx.isnan(ext.paged_attention(*args, step.tables, step.row_of_token, past_the_table, 2, BLOCK, 0, 0.25)).all().item()
+    out, _, _ = ext.paged_attention_write(*args, step.tables, step.row_of_token, past_the_table, 2, BLOCK, 0, 0.25)
+    assert mx.isnan(out).all().item()
 
 
 @pytest.mark.parametrize("group", [1, 4])
