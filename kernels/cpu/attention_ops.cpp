@@ -116,39 +116,6 @@ void build_tiles(const PagedAttentionJob& job, int N, int lanes, std::vector<int
   }
 }
 
-}  // namespace
-
-namespace {
-
-void check_attention_operands(
-    const mx::array& q,
-    const mx::array& keys,
-    const mx::array& values,
-    const mx::array& tables,
-    const mx::array& token_row,
-    const mx::array& token_pos,
-    int num_kv_heads,
-    int block_size,
-    int window) {
-  require(q.ndim() == 3 && q.dtype() == mx::float32, "q must be [N, H, D] float32");
-  const int N = q.shape(0), H = q.shape(1), D = q.shape(2);
-  require(num_kv_heads > 0 && H % num_kv_heads == 0, "H must be a multiple of num_kv_heads");
-  require(H / num_kv_heads <= kMaxQueriesPerKv, "at most 64 query heads per KV head");
-  require(block_size > 0 && window >= 0, "block_size must be positive, window not negative");
-  for (const auto* pool : {&keys, &values}) {
-    require(pool->ndim() == 2 && pool->dtype() == mx::float32 && pool->shape(1) == D,
-            "the pools must be [Hkv * slots, D] float32");
-    require(pool->shape(0) == keys.shape(0) && pool->shape(0) % num_kv_heads == 0 &&
-                (pool->shape(0) / num_kv_heads) % block_size == 0,
-            "the pools must hold whole blocks of every KV head");
-  }
-  require(tables.ndim() == 2 && tables.dtype() == mx::int32, "tables must be [R, W] int32");
-  for (const auto* index : {&token_row, &token_pos}) {
-    require(index->ndim() == 1 && index->shape(0) == N && index->dtype() == mx::int32,
-            "token_row and token_pos must be [N] int32");
-  }
-}
-
 // The pool `in` as the output `out`: its own buffer when nothing else holds it (a
 // step's write then costs its new rows, not the pool), else a new one that the
 // step fills with a copy first (returns true).
@@ -177,9 +144,24 @@ std::vector<mx::array> paged_attention_write(
     int block_size,
     int window,
     float scale) {
-  check_attention_operands(q, keys, values, tables, token_row, token_pos, num_kv_heads,
-                           block_size, window);
-  const mx::Shape new_kv{q.shape(0), num_kv_heads, q.shape(2)};
+  require(q.ndim() == 3 && q.dtype() == mx::float32, "q must be [N, H, D] float32");
+  const int N = q.shape(0), H = q.shape(1), D = q.shape(2);
+  require(num_kv_heads > 0 && H % num_kv_heads == 0, "H must be a multiple of num_kv_heads");
+  require(H / num_kv_heads <= kMaxQueriesPerKv, "at most 64 query heads per KV head");
+  require(block_size > 0 && window >= 0, "block_size must be positive, window not negative");
+  for (const auto* pool : {&keys, &values}) {
+    require(pool->ndim() == 2 && pool->dtype() == mx::float32 && pool->shape(1) == D,
+            "the pools must be [Hkv * slots, D] float32");
+    require(pool->shape(0) == keys.shape(0) && pool->shape(0) % num_kv_heads == 0 &&
+                (pool->shape(0) / num_kv_heads) % block_size == 0,
+            "the pools must hold whole blocks of every KV head");
+  }
+  require(tables.ndim() == 2 && tables.dtype() == mx::int32, "tables must be [R, W] int32");
+  for (const auto* index : {&token_row, &token_pos}) {
+    require(index->ndim() == 1 && index->shape(0) == N && index->dtype() == mx::int32,
+            "token_row and token_pos must be [N] int32");
+  }
+  const mx::Shape new_kv{N, num_kv_heads, D};
   require(k.shape() == new_kv && v.shape() == new_kv && k.dtype() == mx::float32 &&
               v.dtype() == mx::float32,
           "k and v must be [N, Hkv, D] float32");
