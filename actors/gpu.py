@@ -1,7 +1,9 @@
 """The GPU actor: owns the Engine and makes every engine call on the one MLX thread.
 
 Lookahead: it launches plan N+1 before it collects step N, so while the trio side
-streams step N's tokens, step N+1 is already running. The plan-to-engine mapping
+streams step N's tokens, step N+1 is already running. On the CPU the engine builds
+step N+1's graph then, and runs it once step N is read (`Engine.defers_start`): the
+MLX thread hands step N's tokens back first, then starts step N+1. The plan-to-engine mapping
 (request ids to row handles) is `runtime.runner.PlanRunner`; this actor only moves
 it onto the MLX thread and the results onto the channels.
 """
@@ -49,7 +51,9 @@ class GpuActor:
                 if pending and (plan is None or len(pending) == self.lookahead):
                     # One trip to the MLX thread: queue step N+1, then read step N.
                     oldest = pending.popleft()
-                    launched, rows = await self.thread.run(self._launch_then_collect, plan, oldest)
+                    launched, rows = await self.thread.run(
+                        self._launch_then_collect, plan, oldest, then=self.runner.start
+                    )
                     pending.extend([launched] if launched else [])
                     await self._report(oldest, rows)
                 elif plan is not None:

@@ -20,9 +20,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import outcome
+import structlog
 import trio
 
 T = TypeVar("T")
+log = structlog.get_logger("cadence.mlx_thread")
 
 
 class MlxThread:
@@ -35,8 +37,18 @@ class MlxThread:
         self._thread.start()
         self.ident = self._thread.ident
 
-    async def run(self, fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False) -> T:
+    async def run(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        abandon_on_cancel: bool = False,
+        then: Callable[[], None] | None = None,
+    ) -> T:
         """Run `fn(*args)` on the MLX thread and return (or raise) its result.
+
+        `then`, if given, runs on the thread right after the result is handed back,
+        before any later call: work that must follow `fn` but need not delay its caller.
+        It must not raise (it is logged and dropped if it does).
 
         An MLX call cannot be interrupted, so by default a cancelled caller waits for
         it to finish (the engine's state stays consistent). With `abandon_on_cancel`
@@ -50,6 +62,11 @@ class MlxThread:
             box.append(outcome.capture(fn, *args))
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(done.set)
+            if then is not None:
+                try:
+                    then()
+                except Exception:
+                    log.exception("MLX thread follow-up failed", fn=getattr(then, "__name__", "?"))
 
         self._jobs.put(job)
         if abandon_on_cancel:

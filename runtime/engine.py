@@ -136,13 +136,19 @@ class _Plan:
 _Sampled = tuple[Sampled, mx.array]  # a forward's samples [S], and is_finite [S] bool
 
 
-@attrs.frozen
+@attrs.define
 class _QueuedStep:
     seq_ids: tuple[int, ...]  # rows that sample, in the order of `tokens`
     tokens: mx.array  # [S] int32
     is_finite: mx.array  # [S] bool: the row's logits had no NaN/inf
     logprobs: Logprobs | None  # [S] and [S, K], when any sampling row asks
     failures: tuple[tuple[int, str], ...]  # rows that failed while the step was built
+    is_started: bool = False  # handed to mlx to run (`Engine.start_queued`)
+
+    @property
+    def outputs(self) -> tuple[mx.array, ...]:
+        lp = self.logprobs
+        return (self.tokens, self.is_finite) + (() if lp is None else (lp.token, lp.top_ids, lp.top))
 
 
 def check_sequence(
@@ -229,6 +235,13 @@ class Engine:
         self.max_context = min(self.model_max_context, self.kv_tokens)
         self._rows: dict[int, _Row] = {}
         self._queued: deque[_QueuedStep] = deque()
+        # On the CPU, mx.async_eval returns only when all but the last ~100 queued ops
+        # have run (mlx bounds its active tasks), so starting step N+1 before step N is
+        # read would hold N's tokens back until N+1 is nearly done: one step of latency
+        # on every token (a 1-row step read 400 ms late behind a 175-token chunk). There,
+        # a step submitted while another is in flight is only built; `start_queued`,
+        # called once the older step is read, runs it. Elsewhere it starts at once.
+        self.defers_start = mx.default_device() == mx.cpu
         self._ids = itertools.count()
         self._fault = _fault_from_env()  # (token id, samples) or None
         self.ladder: BatchLadder | None = None  # pads steps to cheaper sizes when set
@@ -288,6 +301,14 @@ class Engine:
     def num_pending(self) -> int:
         return len(self._queued)
 
+    def start_queued(self) -> None:
+        """Hand every built, unstarted step to mlx, oldest first. On the CPU this
+        returns when little of them is left to run (see `defers_start`)."""
+        for step in self._queued:
+            if not step.is_started:
+                step.is_started = True
+                mx.async_eval(*step.outputs)
+
     # -- steps -------------------------------------------------------------------
 
     def step(self, batch: StepBatch) -> list[StepOutcome]:
@@ -295,7 +316,8 @@ class Engine:
         return self.collect()
 
     def submit(self, batch: StepBatch) -> None:
-        """Queue one forward over every span of `batch`: plan, forward, sample.
+        """Queue one forward over every span of `batch`: plan, forward, sample; and start
+        it, unless it waits for `start_queued` behind a step in flight (`defers_start`).
 
         Rows whose forward raises fail alone; the rest are sampled in this one step."""
         plan = self._plan(batch)
@@ -441,13 +463,12 @@ class Engine:
         sampled: _Sampled | None,
     ) -> None:
         samples, is_finite = sampled or (Sampled(mx.array([], mx.int32)), mx.array([], mx.bool_))
-        logprobs = samples.logprobs
-        extra = () if logprobs is None else (logprobs.token, logprobs.top_ids, logprobs.top)
-        mx.async_eval(samples.tokens, is_finite, *extra)
         seq_ids = tuple(row.handle.seq_id for row in sampling)
-        self._queued.append(
-            _QueuedStep(seq_ids, samples.tokens, is_finite, logprobs, tuple(plan.failures))
-        )
+        step = _QueuedStep(seq_ids, samples.tokens, is_finite, samples.logprobs, tuple(plan.failures))
+        is_behind_another = bool(self._queued)
+        self._queued.append(step)
+        if not (self.defers_start and is_behind_another):
+            self.start_queued()
 
     def _row_input(self, row: _Row, span: RowSpan) -> mx.array | None:
         """The span's input tokens: [num_new] int32, the last possibly not computed yet.

@@ -3,6 +3,7 @@
     runner = PlanRunner(engine)
     launched = runner.launch(plan)        # opens, closes, one submitted step
     results = runner.collect(launched)    # that step's tokens, by request id
+    runner.start()                        # steps launched behind it run now (CPU)
 
 `run_offline` drives a policy and an engine to completion on the calling thread
 with the same lookahead as the actors (step N+1 launched before step N is
@@ -106,6 +107,14 @@ class PlanRunner:
                 self.engine.close(self.rows.pop(request_id))
         return tuple(results)
 
+    def start(self) -> None:
+        """Run the launched steps the engine holds back behind the one just collected
+        (`Engine.defers_start`: on the CPU, starting them earlier would delay its tokens)."""
+        try:
+            self.engine.start_queued()
+        except Exception:  # its collect evaluates the step again and fails its rows there
+            log.exception("start failed")
+
     def close_all(self) -> None:
         for seq in self.rows.values():
             self.engine.close(seq)
@@ -165,6 +174,7 @@ def run_offline(
             break
         oldest = pending.popleft()
         results = runner.collect(oldest)
+        runner.start()
         for result in results:
             if result.token is not None:
                 tokens[result.request_id].append(result.token)

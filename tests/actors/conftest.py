@@ -113,6 +113,9 @@ class FakeEngine:
     def num_pending(self) -> int:
         return len(self.queued)
 
+    def start_queued(self) -> None:
+        self.calls.append(("start",))
+
     def submits_with(self, request_id: str) -> list[int]:
         return [c[1] for c in self.calls if c[0] == "submit" and request_id in c[2]]
 
@@ -123,10 +126,15 @@ class InlineThread:
     def __init__(self, step_seconds: float = 0.01):
         self.step_seconds = step_seconds
 
-    async def run(self, fn: Any, *args: Any, abandon_on_cancel: bool = False) -> Any:
+    async def run(
+        self, fn: Any, *args: Any, abandon_on_cancel: bool = False, then: Any = None
+    ) -> Any:
         if getattr(fn, "__name__", "") in ("collect", "_launch_then_collect"):
             await trio.sleep(self.step_seconds)
-        return fn(*args)
+        result = fn(*args)
+        if then is not None:
+            then()
+        return result
 
 
 def fake_loaded(name: str = "fake") -> Any:

@@ -58,6 +58,21 @@ async def test_step_n_plus_one_is_submitted_before_step_n_is_collected(pipeline,
         ), f"step {step + 1} was not queued before step {step} was collected"
 
 
+async def test_a_step_held_back_behind_another_is_started_right_after_that_one_is_read(
+    pipeline, autojump_clock
+):
+    # Engine.defers_start: on the CPU, step N+1 runs only when `start_queued` is called;
+    # the GPU actor must call it right after collecting step N, before anything else.
+    async with pipeline() as (llm, engine):
+        await collect(llm.generate([5, 6, 7], max_tokens=8))
+    order = engine.calls
+    collects = [i for i, c in enumerate(order) if c[0] == "collect"]
+    assert len(collects) >= 8
+    followed_by_start = [i + 1 < len(order) and order[i + 1] == ("start",) for i in collects]
+    # All but the last collects (the drain, with nothing behind) start the next step.
+    assert all(followed_by_start[:-1]), order
+
+
 async def test_exiting_the_block_drains_and_the_close_cascades_through_every_actor(
     pipeline, autojump_clock
 ):
@@ -189,7 +204,7 @@ async def test_the_default_lookahead_keeps_exactly_one_step_queued_behind_the_ru
         await collect(llm.generate([5, 6, 7], max_tokens=12))
     outstanding, deepest = 0, 0
     for call in engine.calls:
-        outstanding += 1 if call[0] == "submit" else -1
+        outstanding += {"submit": 1, "collect": -1}.get(call[0], 0)
         deepest = max(deepest, outstanding)
     assert deepest == 2  # step N+1 submitted while N is uncollected, never N+2
 

@@ -221,6 +221,34 @@ def test_a_pool_too_small_for_every_request_preempts_and_each_gets_its_text_alon
     assert policy.pool.num_used_blocks == 0 and engine.num_open == 0
 
 
+def test_on_the_cpu_a_step_behind_another_runs_only_once_that_one_is_read(
+    make_checkpoint, monkeypatch
+):
+    """Engine.defers_start: mx.async_eval on the CPU returns only when the step is nearly
+    done, so starting step N+1 before step N is read would hold N's tokens back a step."""
+    engine = Engine(load_model(make_checkpoint("llama")), max_batch=2)
+    assert engine.defers_start == (mx.default_device() == mx.cpu)
+    engine.defers_start = True
+    alone, _ = generate(engine, PROMPT, max_tokens=3)
+    started: list[int] = []
+    real_async_eval = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (started.append(len(a)), real_async_eval(*a)))
+    seq = engine.open(params(PROMPT, 3))
+    span = lambda start, n: RowSpan(seq.seq_id, start, n, tuple(range(2)))  # noqa: E731
+    engine.submit(StepBatch((span(0, len(PROMPT)),), 0))
+    assert len(started) == 1  # nothing in flight: it starts at once
+    engine.submit(StepBatch((span(len(PROMPT), 1),), 0))
+    assert len(started) == 1  # held back behind the first
+    first = engine.collect()
+    engine.start_queued()
+    assert len(started) == 2
+    engine.start_queued()
+    assert len(started) == 2  # a started step is not handed over twice
+    second = engine.collect()
+    engine.close(seq)
+    assert [first[0].token, second[0].token] == alone[:2]
+
+
 def test_lookahead_2_finishes_rows_at_max_tokens_and_at_the_context_bound(make_checkpoint):
     """No speculative step runs past a row's max_tokens or context bound (it used to fail
     every row of the step with a CapacityError)."""
