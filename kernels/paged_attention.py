@@ -297,3 +297,24 @@ class _NativePlan:
             step.num_kv_heads, step.block_size, step.window or 0, scale,
         )
         return out, keys, values
+
+    def rotate_write_and_attend(
+        self,
+        keys: mx.array,
+        values: mx.array,
+        qkv: mx.array,
+        num_heads: int,
+        inv_freqs: mx.array,
+        rope_scale: float,
+        scale: float,
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """The same from a stacked qkv [..., (H + 2 Hkv) * D], q and k rotated in the op
+        (at the step's positions): (out [..., H * D], keys, values)."""
+        step = self.step
+        ext = cpu_extension()
+        assert ext is not None, "select_path chose the native kernel without the extension"
+        out, keys, values = ext.paged_attention_rotary(
+            qkv, keys, values, step.tables, step.row_of_token, step.positions, inv_freqs,
+            num_heads, step.num_kv_heads, step.block_size, step.window or 0, scale, rope_scale,
+        )
+        return out, keys, values

@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from runtime.kv.base import attend_stacked_by_parts
+
 import attrs
 import mlx.core as mx
 import mlx.nn as nn
@@ -114,6 +116,9 @@ class PaddedForward:
         n = self._num_real
         out = self._inner.attend(layer, q[:n], k[:n], v[:n], *args, **kwargs)
         return mx.concatenate([out, mx.zeros((self._pad, *out.shape[1:]), dtype=out.dtype)])
+
+    def attend_stacked(self, layer: int, qkv: mx.array, *args: Any) -> mx.array:
+        return attend_stacked_by_parts(self, layer, qkv, *args)  # pads cut in `attend`
 
     def __getattr__(self, name: str) -> Any:  # the storage's other attributes (e.g. path)
         return getattr(self._inner, name)

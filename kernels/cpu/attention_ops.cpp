@@ -15,6 +15,7 @@
 #include "attention_kernels.h"
 #include "cpu_dispatch.h"
 #include "isa.h"
+#include "norm_rope_ops.h"
 #include "row_pool.h"
 
 namespace cadence_cpu {
@@ -131,21 +132,14 @@ bool take_pool(const mx::array& in, mx::array& out) {
 
 }  // namespace
 
-std::vector<mx::array> paged_attention_write(
-    const mx::array& q,
-    const mx::array& k,
-    const mx::array& v,
-    const mx::array& keys,
-    const mx::array& values,
-    const mx::array& tables,
-    const mx::array& token_row,
-    const mx::array& token_pos,
-    int num_kv_heads,
-    int block_size,
-    int window,
-    float scale) {
-  require(q.ndim() == 3 && q.dtype() == mx::float32, "q must be [N, H, D] float32");
-  const int N = q.shape(0), H = q.shape(1), D = q.shape(2);
+namespace {
+
+// The operands both builders share: pools of whole blocks of D-wide heads, tables,
+// and each of the N tokens' table row and position.
+void require_pools_and_tables(const mx::array& keys, const mx::array& values,
+                              const mx::array& tables, const mx::array& token_row,
+                              const mx::array& token_pos, int N, int H, int num_kv_heads, int D,
+                              int block_size, int window) {
   require(num_kv_heads > 0 && H % num_kv_heads == 0, "H must be a multiple of num_kv_heads");
   require(H / num_kv_heads <= kMaxQueriesPerKv, "at most 64 query heads per KV head");
   require(block_size > 0 && window >= 0, "block_size must be positive, window not negative");
@@ -161,6 +155,27 @@ std::vector<mx::array> paged_attention_write(
     require(index->ndim() == 1 && index->shape(0) == N && index->dtype() == mx::int32,
             "token_row and token_pos must be [N] int32");
   }
+}
+
+}  // namespace
+
+std::vector<mx::array> paged_attention_write(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    const mx::array& keys,
+    const mx::array& values,
+    const mx::array& tables,
+    const mx::array& token_row,
+    const mx::array& token_pos,
+    int num_kv_heads,
+    int block_size,
+    int window,
+    float scale) {
+  require(q.ndim() == 3 && q.dtype() == mx::float32, "q must be [N, H, D] float32");
+  const int N = q.shape(0), H = q.shape(1), D = q.shape(2);
+  require_pools_and_tables(keys, values, tables, token_row, token_pos, N, H, num_kv_heads, D,
+                           block_size, window);
   const mx::Shape new_kv{N, num_kv_heads, D};
   require(k.shape() == new_kv && v.shape() == new_kv && k.dtype() == mx::float32 &&
               v.dtype() == mx::float32,
@@ -171,6 +186,43 @@ std::vector<mx::array> paged_attention_write(
       {mx::float32, mx::float32, mx::float32},
       std::make_shared<PagedAttention>(s, num_kv_heads, block_size, window, scale),
       {q, keys, values, tables, token_row, token_pos, k, v});
+}
+
+std::vector<mx::array> paged_attention_rotary(
+    const mx::array& qkv,
+    const mx::array& keys,
+    const mx::array& values,
+    const mx::array& tables,
+    const mx::array& token_row,
+    const mx::array& token_pos,
+    const mx::array& inv_freqs,
+    int num_heads,
+    int num_kv_heads,
+    int block_size,
+    int window,
+    float scale,
+    float rope_scale) {
+  require(num_heads > 0, "num_heads must be positive");
+  require(keys.ndim() == 2, "the pools must be [Hkv * slots, D] float32");
+  const int N = token_row.ndim() == 1 ? token_row.shape(0) : -1, D = keys.shape(1);
+  require_pools_and_tables(keys, values, tables, token_row, token_pos, N, num_heads, num_kv_heads,
+                           D, block_size, window);
+  const int64_t width = static_cast<int64_t>(num_heads + 2 * num_kv_heads) * D;
+  require(qkv.dtype() == mx::float32 && qkv.ndim() >= 1 && qkv.shape(-1) == width &&
+              qkv.size() == static_cast<size_t>(N) * width,
+          "qkv must be float32 [..., (H + 2 Hkv) * D] holding N tokens");
+  require(inv_freqs.ndim() == 1 && inv_freqs.dtype() == mx::float32 &&
+              2 * inv_freqs.shape(0) <= D && inv_freqs.shape(0) <= 512,
+          "inv_freqs must be float32 [dims / 2], dims <= D and at most 1024");
+  mx::Shape out_shape = qkv.shape();
+  out_shape.back() = num_heads * D;
+  auto s = cpu_stream();
+  return mx::array::make_arrays(
+      {std::move(out_shape), keys.shape(), values.shape()},
+      {mx::float32, mx::float32, mx::float32},
+      std::make_shared<PagedAttention>(s, num_kv_heads, block_size, window, scale, num_heads,
+                                       rope_scale),
+      {qkv, keys, values, tables, token_row, token_pos, inv_freqs});
 }
 
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -198,15 +250,39 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     out.push_back(mx::array::unsafe_weak_copy(a));
   }
   encoder.dispatch([in = std::move(in), out = std::move(out), copies_keys, copies_values,
-                    kv = num_kv_heads_, bs = block_size_, window = window_,
-                    scale = scale_]() mutable {
+                    kv = num_kv_heads_, bs = block_size_, window = window_, scale = scale_,
+                    rotary_heads = num_heads_, rope_scale = rope_scale_]() mutable {
     attention_calls.fetch_add(1, std::memory_order_relaxed);
-    const auto& q = in[0];
     const auto& tables = in[3];
-    const int N = q.shape(0), H = q.shape(1), D = q.shape(2), R = tables.shape(0);
+    const bool rotary = rotary_heads > 0;
+    const int N = in[4].shape(0), D = in[1].shape(1), R = tables.shape(0);
+    const int H = rotary ? rotary_heads : in[0].shape(1);
     const int num_slots = in[1].shape(0) / kv;
-    std::vector<float> q_copy, keys_copy, values_copy, k_copy, v_copy;
+    std::vector<float> q_copy, keys_copy, values_copy, k_copy, v_copy, freqs_copy;
     std::vector<int32_t> tables_copy, row_copy, pos_copy;
+    // q [N, H, D]; each token's Hkv new key heads at k + n * kv_stride, values alike.
+    const float *q, *k, *v;
+    int64_t kv_stride = static_cast<int64_t>(kv) * D;
+    thread_local std::vector<float> rotated;  // the stream's one thread
+    if (rotary) {  // q and k rotated into [N, H, D] and [N, Hkv, D]; v read in place
+      const float* qkv = row_major_data(in[0], q_copy);
+      kv_stride = static_cast<int64_t>(H + 2 * kv) * D;
+      rotated.resize(static_cast<size_t>(N) * (H + kv) * D);
+      float* q_rot = rotated.data();
+      float* k_rot = q_rot + static_cast<int64_t>(N) * H * D;
+      rope_tokens(RopeJob{qkv, row_major_data(in[5], pos_copy), row_major_data(in[6], freqs_copy),
+                          q_rot, H, D, in[6].shape(0), rope_scale, kv_stride, qkv + H * D, k_rot,
+                          kv},
+                  N);
+      q = q_rot;
+      k = k_rot;
+      v = qkv + static_cast<int64_t>(H + kv) * D;
+    } else {
+      q = row_major_data(in[0], q_copy);
+      k = row_major_data(in[6], k_copy);
+      v = row_major_data(in[7], v_copy);
+    }
+    const int64_t k_stride = rotary ? static_cast<int64_t>(kv) * D : kv_stride;
     const float* keys = row_major_data(in[1], keys_copy);  // the pools are dense: no copy
     const float* values = row_major_data(in[2], values_copy);
     if (copies_keys) {
@@ -216,7 +292,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       std::copy_n(values, in[2].size(), out[2].data<float>());
     }
     AttentionTask task{
-        PagedAttentionJob{row_major_data(q, q_copy), out[1].data<float>(), out[2].data<float>(),
+        PagedAttentionJob{q, out[1].data<float>(), out[2].data<float>(),
                           row_major_data(tables, tables_copy), row_major_data(in[4], row_copy),
                           row_major_data(in[5], pos_copy), nullptr, nullptr, out[0].data<float>(),
                           H, kv, D, num_slots, bs, tables.shape(1), window, scale},
@@ -229,8 +305,6 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       return;
     }
     {  // each token's K/V into its slot, head-major: row h * num_slots + slot
-      const float* k = row_major_data(in[6], k_copy);
-      const float* v = row_major_data(in[7], v_copy);
       const auto& job = task.job;
       for (int n = 0; n < N; ++n) {
         const int pos = job.token_pos[n];
@@ -238,10 +312,9 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
                                          pos / bs];
         const int64_t slot = block * bs + pos % bs;
         for (int h = 0; h < kv; ++h) {
-          const int64_t src = (static_cast<int64_t>(n) * kv + h) * D;
           const int64_t dst = (h * static_cast<int64_t>(num_slots) + slot) * D;
-          std::copy_n(k + src, D, out[1].data<float>() + dst);
-          std::copy_n(v + src, D, out[2].data<float>() + dst);
+          std::copy_n(k + n * k_stride + h * D, D, out[1].data<float>() + dst);
+          std::copy_n(v + n * kv_stride + h * D, D, out[2].data<float>() + dst);
         }
       }
     }
@@ -339,7 +412,8 @@ void SiluMul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const PagedAttention&>(other);
   return num_kv_heads_ == o.num_kv_heads_ && block_size_ == o.block_size_ &&
-      window_ == o.window_ && scale_ == o.scale_;
+      window_ == o.window_ && scale_ == o.scale_ && num_heads_ == o.num_heads_ &&
+      rope_scale_ == o.rope_scale_;
 }
 
 uint64_t num_attention_calls() {

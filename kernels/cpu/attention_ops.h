@@ -31,6 +31,26 @@ std::vector<mx::array> paged_attention_write(
     int window,
     float scale);
 
+// The same from a stacked q/k/v projection: qkv [..., (H + 2 Hkv) * D] (N tokens; per
+// token H query heads, then Hkv key and Hkv value heads). q and k are rotated first
+// (rope's half-split layout, angle (token_pos * rope_scale) * inv_freqs[i], as
+// norm_rope_ops.h), the angles computed once for both. out is [..., H * D]. One op in
+// place of the reshape, three slices and two RoPEs that would feed the other.
+std::vector<mx::array> paged_attention_rotary(
+    const mx::array& qkv,
+    const mx::array& keys,
+    const mx::array& values,
+    const mx::array& tables,
+    const mx::array& token_row,
+    const mx::array& token_pos,
+    const mx::array& inv_freqs,
+    int num_heads,
+    int num_kv_heads,
+    int block_size,
+    int window,
+    float scale,
+    float rope_scale);
+
 mx::array silu_mul(const mx::array& gate, const mx::array& up);
 // The same with gate and up the halves of each row of gate_up [..., 2 * I] -> [..., I]:
 // a stacked gate/up projection's output, with no split or copy between.
@@ -39,15 +59,19 @@ mx::array silu_mul_halves(const mx::array& gate_up);
 uint64_t num_attention_calls();  // evaluations of paged_attention_write on the CPU, ever
 uint64_t num_pool_copies();  // pools paged_attention_write had to copy (not donated), ever
 
-// Inputs q, keys, values, tables, token_row, token_pos, k, v; outputs out, keys', values'.
+// Inputs q, keys, values, tables, token_row, token_pos, k, v; or, rotary (num_heads > 0),
+// qkv, keys, values, tables, token_row, token_pos, inv_freqs. Outputs out, keys', values'.
 class PagedAttention : public mx::Primitive {
  public:
-  PagedAttention(mx::Stream stream, int num_kv_heads, int block_size, int window, float scale)
+  PagedAttention(mx::Stream stream, int num_kv_heads, int block_size, int window, float scale,
+                 int num_heads = 0, float rope_scale = 1.0f)
       : mx::Primitive(stream),
         num_kv_heads_(num_kv_heads),
         block_size_(block_size),
         window_(window),
-        scale_(scale) {}
+        scale_(scale),
+        num_heads_(num_heads),
+        rope_scale_(rope_scale) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override {
@@ -58,6 +82,8 @@ class PagedAttention : public mx::Primitive {
  private:
   int num_kv_heads_, block_size_, window_;
   float scale_;
+  int num_heads_;  // > 0: the rotary form, which reads the query heads' count from here
+  float rope_scale_;
 };
 
 class SiluMul : public mx::UnaryPrimitive {

@@ -32,6 +32,11 @@ NB_MODULE(_cpu_ext, m) {
         "keys"_a, "values"_a, "tables"_a, "token_row"_a, "token_pos"_a, "num_kv_heads"_a,
         "block_size"_a, "window"_a, "scale"_a,
         "Write k, v [N, Hkv, D] into the pools, then attend: [out, keys, values].");
+  m.def("paged_attention_rotary", &cadence_cpu::paged_attention_rotary, "qkv"_a, "keys"_a,
+        "values"_a, "tables"_a, "token_row"_a, "token_pos"_a, "inv_freqs"_a, "num_heads"_a,
+        "num_kv_heads"_a, "block_size"_a, "window"_a, "scale"_a, "rope_scale"_a,
+        "Rotate q and k of a stacked qkv [..., (H + 2 Hkv) * D], write k, v into the pools, "
+        "then attend: [out [..., H * D], keys, values].");
   m.def("silu_mul", &cadence_cpu::silu_mul, "gate"_a, "up"_a, "silu(gate) * up, float32.");
   m.def("silu_mul_halves", &cadence_cpu::silu_mul_halves, "gate_up"_a,
         "silu(gate) * up for gate, up the two halves of each row of gate_up, float32.");

@@ -81,6 +81,23 @@ void rms_norm_rows(const NormJob& job, int begin, int end) {
   }
 }
 
+namespace {
+// One token's H heads [H, D] from x into out, rotated by the token's angles.
+void rotate_heads(const float* x, float* out, int H, int D, int half, const float* cosines,
+                  const float* sines) {
+  for (int h = 0; h < H; ++h, x += D, out += D) {
+    for (int i = 0; i < half; ++i) {
+      const float x1 = x[i], x2 = x[i + half];
+      out[i] = x1 * cosines[i] - x2 * sines[i];
+      out[i + half] = x1 * sines[i] + x2 * cosines[i];
+    }
+    for (int i = 2 * half; i < D; ++i) {
+      out[i] = x[i];
+    }
+  }
+}
+}  // namespace
+
 void rope_tokens(const RopeJob& job, int begin, int end) {
   const int H = job.H, D = job.D, half = job.half;
   float cosines[kMaxHalf], sines[kMaxHalf];
@@ -90,17 +107,10 @@ void rope_tokens(const RopeJob& job, int begin, int end) {
     for (int i = 0; i < half; ++i) {
       sin_cos(position * job.inv_freqs[i], sines[i], cosines[i]);
     }
-    for (int h = 0; h < H; ++h) {
-      const float* x = job.x + (n * H + h) * D;
-      float* out = job.out + (n * H + h) * D;
-      for (int i = 0; i < half; ++i) {
-        const float x1 = x[i], x2 = x[i + half];
-        out[i] = x1 * cosines[i] - x2 * sines[i];
-        out[i + half] = x1 * sines[i] + x2 * cosines[i];
-      }
-      for (int i = 2 * half; i < D; ++i) {
-        out[i] = x[i];
-      }
+    rotate_heads(job.x + n * job.x_stride, job.out + n * H * D, H, D, half, cosines, sines);
+    if (job.H2 > 0) {
+      rotate_heads(job.x2 + n * job.x_stride, job.out2 + n * job.H2 * D, job.H2, D, half,
+                   cosines, sines);
     }
   }
 }

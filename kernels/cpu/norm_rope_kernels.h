@@ -15,12 +15,18 @@ struct NormJob {
 };
 
 struct RopeJob {
-  const float* x;  // [N, H, D]
+  const float* x;  // token n's H heads [H, D] at x + n * x_stride
   const int32_t* positions;  // [N]
   const float* inv_freqs;  // [half]
   float* out;  // [N, H, D]
   int H, D, half;
   float scale;
+  int64_t x_stride;  // H * D for a dense x
+  // Optionally a second group of H2 heads at x2 + n * x_stride, rotated by the same
+  // angles into out2 [N, H2, D]: a stacked q/k projection's k (attention_ops.cpp).
+  const float* x2;
+  float* out2;
+  int H2;
 };
 
 using NormRows = void (*)(const NormJob& job, int begin, int end);

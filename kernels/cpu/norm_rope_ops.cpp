@@ -107,15 +107,20 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     const auto& x = in[0];
     std::vector<float> x_copy, inv_freqs_copy;
     std::vector<int32_t> positions_copy;
-    const RopeJob job{row_major_data(x, x_copy), row_major_data(in[1], positions_copy),
-                      row_major_data(in[2], inv_freqs_copy), out.data<float>(),
-                      x.shape(1), x.shape(2), in[2].shape(0), scale};
-    row_pool()->run(
-        [](const void* context, int begin, int end) {
-          kernels().rope(*static_cast<const RopeJob*>(context), begin, end);
-        },
-        &job, x.shape(0), min_rows_per_chunk(static_cast<int64_t>(job.H) * job.D));
+    const int H = x.shape(1), D = x.shape(2);
+    rope_tokens(RopeJob{row_major_data(x, x_copy), row_major_data(in[1], positions_copy),
+                        row_major_data(in[2], inv_freqs_copy), out.data<float>(), H, D,
+                        in[2].shape(0), scale, static_cast<int64_t>(H) * D, nullptr, nullptr, 0},
+                x.shape(0));
   });
+}
+
+void rope_tokens(const RopeJob& job, int num_tokens) {
+  row_pool()->run(
+      [](const void* context, int begin, int end) {
+        kernels().rope(*static_cast<const RopeJob*>(context), begin, end);
+      },
+      &job, num_tokens, min_rows_per_chunk(static_cast<int64_t>(job.H + job.H2) * job.D));
 }
 
 uint64_t num_rms_norm_calls() {

@@ -10,6 +10,8 @@
 #include "mlx/array.h"
 #include "mlx/primitives.h"
 
+#include "norm_rope_kernels.h"
+
 namespace cadence_cpu {
 
 namespace mx = mlx::core;
@@ -22,6 +24,10 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps);
 // each head rotate by angle (position * scale) * inv_freqs[i], the rest pass through.
 mx::array rope(const mx::array& x, const mx::array& positions, const mx::array& inv_freqs,
                float scale);
+
+// The Rope primitive's work, on the kernel threads: for attention_ops.cpp, which
+// rotates a stacked q/k projection's heads inside its own op.
+void rope_tokens(const RopeJob& job, int num_tokens);
 
 uint64_t num_rms_norm_calls();  // evaluations on the CPU, ever
 uint64_t num_rope_calls();

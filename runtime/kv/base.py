@@ -3,12 +3,14 @@
 A step is a ragged batch: the new tokens of every row in it, concatenated into
 one flat batch `[N]`. For every forward the engine asks the storage for a
 `ForwardKV`: each token's position and where the rows' keys and values live.
-The model calls `kv.attend(layer, q, k, v, scale)` in every layer and never
-branches on storage or on prefill versus decode.
+The model calls `kv.attend(layer, q, k, v, scale)` in every layer (or, with its
+q/k/v projections stacked, `kv.attend_stacked`) and never branches on storage or on
+prefill versus decode.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import attrs
@@ -54,6 +56,34 @@ class ForwardKV(Protocol):
         """
         ...
 
+    def attend_stacked(
+        self, layer: int, qkv: mx.array, rope: Rotary, num_heads: int, num_kv_heads: int, scale: float
+    ) -> mx.array:
+        """`attend` from a stacked projection: qkv [..., (H + 2 Hkv) * D] holds each token's
+        H query, then Hkv key and Hkv value heads; q and k are rotated by `rope` at
+        `positions` first. Returns [..., H * D]. `attend_stacked_by_parts` is the reference.
+        """
+        ...
+
+
+Rotary = Callable[[mx.array, mx.array], mx.array]  # (x [N, H, D], positions [N]) -> rotated x
+
+
+def split_heads(qkv: mx.array, num_heads: int, num_kv_heads: int) -> tuple[mx.array, mx.array, mx.array]:
+    """A stacked projection's [..., (H + 2 Hkv) * D] -> q [N, H, D], k and v [N, Hkv, D]."""
+    H, Hkv = num_heads, num_kv_heads
+    heads = qkv.reshape(-1, H + 2 * Hkv, qkv.shape[-1] // (H + 2 * Hkv))
+    return heads[:, :H], heads[:, H : H + Hkv], heads[:, H + Hkv :]
+
+
+def attend_stacked_by_parts(
+    kv: ForwardKV, layer: int, qkv: mx.array, rope: Rotary, num_heads: int, num_kv_heads: int, scale: float
+) -> mx.array:
+    """`ForwardKV.attend_stacked` as separate ops: split, rotate q and k, `kv.attend`."""
+    q, k, v = split_heads(qkv, num_heads, num_kv_heads)
+    out = kv.attend(layer, rope(q, kv.positions), rope(k, kv.positions), v, scale)
+    return out.reshape(*qkv.shape[:-1], -1)
+
 
 class CausalNoCache:
     """`ForwardKV` for a plain causal forward over `[B, T]` tokens with no cache (training,
@@ -78,3 +108,8 @@ class CausalNoCache:
             heads_first(q), heads_first(k), heads_first(v), scale=scale, mask=mask
         )
         return out.transpose(0, 2, 1, 3).reshape(B * T, *q.shape[1:])
+
+    def attend_stacked(
+        self, layer: int, qkv: mx.array, rope: Rotary, num_heads: int, num_kv_heads: int, scale: float
+    ) -> mx.array:
+        return attend_stacked_by_parts(self, layer, qkv, rope, num_heads, num_kv_heads, scale)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from runtime.kv.base import RowSpan
+from runtime.kv.base import Rotary, RowSpan, attend_stacked_by_parts
 from runtime.kv.layout import NULL_BLOCK, SIZING_CHUNK, KVLayout
 
 import attrs
@@ -165,6 +165,22 @@ class PagedForward:
         s = self._storage
         step = self.steps[s.layout.group_of_layer[layer]]
         return paged_attention((s.keys, s.values), layer, q, k, v, scale, step, self.path)
+
+    def attend_stacked(
+        self, layer: int, qkv: mx.array, rope: Rotary, num_heads: int, num_kv_heads: int, scale: float
+    ) -> mx.array:
+        """On the native path with a rotary table (`RoPE`), one op: the rotation, the K/V
+        write and attention (kernels/cpu/attention_ops.h); otherwise by parts."""
+        inv_freqs = getattr(rope, "inv_freqs", None)
+        if self.path != "native" or inv_freqs is None or qkv.dtype != mx.float32:
+            return attend_stacked_by_parts(self, layer, qkv, rope, num_heads, num_kv_heads, scale)
+        s = self._storage
+        step = self.steps[s.layout.group_of_layer[layer]]
+        keys, values = s.keys, s.values
+        out, keys[layer], values[layer] = step.native.rotate_write_and_attend(
+            keys[layer], values[layer], qkv, num_heads, inv_freqs, rope.scale, scale  # type: ignore[attr-defined]
+        )
+        return out
 
 
 def available_memory() -> int | None:

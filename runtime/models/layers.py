@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runtime.config import ModelConfig
-from runtime.kv.base import CausalNoCache, ForwardKV
+from runtime.kv.base import CausalNoCache, ForwardKV, split_heads
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -38,7 +38,12 @@ class RoPE(nn.Module):
         elif kind == "llama3":
             self._freqs = _llama3_freqs(dims, base, scaling)
             self.base = None
-        self._inv_freqs = inverse_frequencies(dims, self.base, self._freqs)
+        self._inv_freqs = inverse_frequencies(dims, self.base, self._freqs)  # not a parameter
+
+    @property
+    def inv_freqs(self) -> mx.array:
+        """[dims / 2] float32: angle i of position p is (p * scale) * inv_freqs[i]."""
+        return self._inv_freqs
 
     def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
         """x [N, H, D], token n at positions[n] (int32 [N])."""
@@ -124,8 +129,10 @@ class Attention(nn.Module):
         N = B * T  # the engine's ragged step is one flat batch: B = 1, T = N
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if "qkv_proj" in self:  # stacked at load on the CPU (runtime/cpu_weights.py)
-            heads = self.qkv_proj(x).reshape(N, H + 2 * Hkv, D)
-            q, k, v = heads[:, :H], heads[:, H : H + Hkv], heads[:, H + Hkv :]
+            if "q_norm" not in self:  # one op rotates, stores and attends where it can
+                out = kv.attend_stacked(self.layer, self.qkv_proj(x), self.rope, H, Hkv, self.scale)
+                return self.o_proj(out)
+            q, k, v = split_heads(self.qkv_proj(x), H, Hkv)
         else:
             q = self.q_proj(x).reshape(N, H, D)
             k = self.k_proj(x).reshape(N, Hkv, D)

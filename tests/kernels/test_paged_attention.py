@@ -282,3 +282,47 @@ def test_the_native_write_takes_the_pools_buffers_unless_someone_still_holds_the
     mx.eval(out, lone)
     assert ext.num_pool_copies() == copies
     assert mx.array_equal(lone[0], pools[0][0]).item()
+
+
+@needs_native
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(
+    ("group", "rotated_dims", "rope_scale", "window"),
+    [(1, 16, 1.0, 0), (4, 16, 0.25, 0), (4, 8, 1.0, 0), (2, 16, 1.0, 6)],
+)
+def test_the_rotary_op_equals_rope_then_the_write_op_exactly(shape, group, rotated_dims, rope_scale, window):
+    """paged_attention_rotary reads a stacked qkv [N, (H + 2 Hkv) * D]: its outputs and
+    pools must be those of RoPE on the q and k slices, then paged_attention_write."""
+    ext = cpu_extension()
+    starts, num_new = SHAPES[shape]
+    step, _, keys, values, q, k, v = make_step(starts, num_new, 2, group)
+    N, H, D = q.shape
+    qkv = mx.concatenate([q, k, v], axis=1).reshape(1, N, -1)  # as the stacked projection gives it
+    inv_freqs = mx.exp(mx.arange(0, -(rotated_dims // 2), -1, dtype=mx.float32) * 0.7)
+    index = (step.tables, step.row_of_token, step.positions)
+    rotate = lambda x: ext.rope(x, step.positions, inv_freqs, rope_scale)  # noqa: E731
+    want = ext.paged_attention_write(
+        rotate(q), rotate(k), v, mx.array(keys), mx.array(values), *index, 2, BLOCK, window, 0.25
+    )
+    mx.eval(want)
+    rope_calls = ext.num_rope_calls()
+    got = ext.paged_attention_rotary(
+        qkv, mx.array(keys), mx.array(values), *index, inv_freqs, H, 2, BLOCK, window, 0.25, rope_scale
+    )
+    mx.eval(got)
+    assert got[0].shape == (1, N, H * D)
+    assert mx.array_equal(got[0].reshape(N, H, D), want[0]).item()
+    assert mx.array_equal(got[1], want[1]).item() and mx.array_equal(got[2], want[2]).item()
+    assert ext.num_rope_calls() == rope_calls  # the rotation ran inside the one op
+
+
+@needs_native
+def test_the_rotary_op_refuses_a_qkv_of_the_wrong_width():
+    ext = cpu_extension()
+    step, _, keys, values, q, k, v = make_step([5], [1], 2, 4)
+    narrow = mx.concatenate([q, k], axis=1).reshape(1, 1, -1)  # no value heads
+    with pytest.raises(ValueError, match="qkv must be"):
+        ext.paged_attention_rotary(
+            narrow, keys, values, step.tables, step.row_of_token, step.positions,
+            mx.ones((8,)), 8, 2, BLOCK, 0, 0.25, 1.0,
+        )

@@ -221,32 +221,40 @@ def test_a_pool_too_small_for_every_request_preempts_and_each_gets_its_text_alon
     assert policy.pool.num_used_blocks == 0 and engine.num_open == 0
 
 
-def test_on_the_cpu_a_step_behind_another_runs_only_once_that_one_is_read(
+def test_on_the_cpu_a_prompt_chunk_behind_another_step_runs_only_once_that_one_is_read(
     make_checkpoint, monkeypatch
 ):
     """Engine.defers_start: mx.async_eval on the CPU returns only when the step is nearly
-    done, so starting step N+1 before step N is read would hold N's tokens back a step."""
+    done, so starting a prompt chunk before the step ahead of it is read would hold that
+    step's tokens back for the whole chunk. A decode-only step starts at once."""
     engine = Engine(load_model(make_checkpoint("llama")), max_batch=2)
     assert engine.defers_start == (mx.default_device() == mx.cpu)
     engine.defers_start = True
-    alone, _ = generate(engine, PROMPT, max_tokens=3)
+    prompt_b = PROMPT[3:9]
+    alone_a, alone_b = generate(engine, PROMPT, max_tokens=3)[0], generate(engine, prompt_b, max_tokens=2)[0]
     started: list[int] = []
     real_async_eval = mx.async_eval
     monkeypatch.setattr(mx, "async_eval", lambda *a: (started.append(len(a)), real_async_eval(*a)))
-    seq = engine.open(params(PROMPT, 3))
-    span = lambda start, n: RowSpan(seq.seq_id, start, n, tuple(range(2)))  # noqa: E731
-    engine.submit(StepBatch((span(0, len(PROMPT)),), 0))
+    a, b = engine.open(params(PROMPT, 3)), engine.open(params(prompt_b, 2))
+    span = lambda seq, start, n, first: RowSpan(seq.seq_id, start, n, (first, first + 1))  # noqa: E731
+    engine.submit(StepBatch((span(a, 0, len(PROMPT), 0),), 0))
     assert len(started) == 1  # nothing in flight: it starts at once
-    engine.submit(StepBatch((span(len(PROMPT), 1),), 0))
-    assert len(started) == 1  # held back behind the first
+    engine.submit(StepBatch((span(a, len(PROMPT), 1, 0), span(b, 0, len(prompt_b), 2)), 0))
+    assert len(started) == 1  # a prompt chunk, held back behind the first step
     first = engine.collect()
     engine.start_queued()
     assert len(started) == 2
     engine.start_queued()
     assert len(started) == 2  # a started step is not handed over twice
-    second = engine.collect()
-    engine.close(seq)
-    assert [first[0].token, second[0].token] == alone[:2]
+    engine.submit(StepBatch((span(a, len(PROMPT) + 1, 1, 0), span(b, len(prompt_b), 1, 2)), 0))
+    assert len(started) == 3  # decoding rows only: started at once
+    second, third = engine.collect(), engine.collect()
+    tokens = {seq: [] for seq in (a.seq_id, b.seq_id)}
+    for outcome in first + second + third:
+        tokens[outcome.seq_id].append(outcome.token)
+    engine.close(a)
+    engine.close(b)
+    assert tokens == {a.seq_id: alone_a, b.seq_id: alone_b}
 
 
 def test_lookahead_2_finishes_rows_at_max_tokens_and_at_the_context_bound(make_checkpoint):
@@ -436,6 +444,22 @@ def test_prefill_only_steps_leave_the_pools_to_the_next_steps_write(make_checkpo
     got = run_offline(engine, policy, {"a": params((PROMPT * 4)[:45], 4, ignore_eos=True)})
     assert len(got["a"].tokens) == 4
     assert_pools_are_rarely_copied(ext, copies_before, calls_before)
+
+
+@pytest.mark.skipif(cpu_extension() is None, reason="the C++ kernels were not built here")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_stacked_projections_rotate_q_and_k_inside_the_attention_op(make_checkpoint, monkeypatch, family):
+    """On the CPU with q/k/v stacked at load, each layer's RoPE runs inside the native
+    attention op (ForwardKV.attend_stacked): no RoPE op of its own, same tokens."""
+    monkeypatch.delenv("CADENCE_PAGED_ATTENTION", raising=False)
+    loaded = load_model(make_checkpoint(family))
+    assert "qkv_proj" in loaded.model.model.layers[0].self_attn
+    engine = Engine(loaded, max_batch=2)
+    ext = cpu_extension()
+    ropes, calls = ext.num_rope_calls(), ext.num_attention_calls()
+    tokens, _ = generate(engine, PROMPT, max_tokens=6)
+    assert ext.num_attention_calls() > calls and ext.num_rope_calls() == ropes
+    assert tokens == mlx_lm_greedy(make_checkpoint(family), PROMPT, 6)
 
 
 def assert_pools_are_rarely_copied(ext, copies_before, calls_before):
