@@ -73,7 +73,7 @@ def write_gguf(
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(out_file), arch)
     _write_hparams(writer, arch, config)
-    _write_byte_level_vocab(writer, checkpoint, pre_tokenizer)
+    _write_byte_level_vocab(writer, checkpoint, pre_tokenizer, config["vocab_size"])
     reference = {}
     for name, value in weights.items():
         matches = [kind for part, kind in (types_by_name or {}).items() if part in name]
@@ -162,9 +162,13 @@ def _write_hparams(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -
         writer.add_sliding_window(config["sliding_window"])
 
 
-def _write_byte_level_vocab(writer: gguf.GGUFWriter, checkpoint: Path, pre: str) -> None:
+def _write_byte_level_vocab(
+    writer: gguf.GGUFWriter, checkpoint: Path, pre: str, vocab_size: int
+) -> None:
     """As llama.cpp's _set_vocab_gpt2: every id's token, CONTROL for special added tokens,
-    USER_DEFINED for other added ones, the merges as "left right"."""
+    USER_DEFINED for other added ones, the merges as "left right"; ids past the
+    tokenizer's, up to the model's `vocab_size` rows, as UNUSED "[PAD<id>]" tokens
+    (llama.cpp refuses a file whose token list is shorter than its embedding)."""
     raw = json.loads((checkpoint / "tokenizer.json").read_text(encoding="utf-8"))
     config = json.loads((checkpoint / "tokenizer_config.json").read_text(encoding="utf-8"))
     vocab = dict(raw["model"]["vocab"])
@@ -179,6 +183,9 @@ def _write_byte_level_vocab(writer: gguf.GGUFWriter, checkpoint: Path, pre: str)
             )
         else:
             types.append(gguf.TokenType.NORMAL)
+    for token_id in range(len(tokens), vocab_size):
+        tokens.append(f"[PAD{token_id}]")
+        types.append(gguf.TokenType.UNUSED)
     merges = [m if isinstance(m, str) else " ".join(m) for m in raw["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)

@@ -100,6 +100,25 @@ def test_greedy_decoding_from_a_gguf_matches_mlx_lm_on_the_original(convert, fam
     assert tokens == expected
 
 
+def test_a_vocabulary_past_the_tokenizers_is_padded_as_llama_cpps_converter_pads_it(
+    make_checkpoint, tmp_path
+):
+    """llama.cpp refuses a file with fewer tokens than embedding rows; its converter
+    pads the list with UNUSED "[PAD<id>]" tokens, and cadence loads such a file."""
+    checkpoint = make_checkpoint("llama", **SHAPE, vocab_size=3000)
+    path = write_gguf(checkpoint, tmp_path / "padded.gguf", tmp_path / "padded-reference")
+    fields = gguf.GGUFReader(path).fields
+    tokens = fields["tokenizer.ggml.tokens"]
+    types = fields["tokenizer.ggml.token_type"]
+    assert len(tokens.data) == 3000 == len(types.data)
+    assert bytes(tokens.parts[tokens.data[-1]]).decode() == "[PAD2999]"
+    assert int(types.parts[types.data[-1]][0]) == gguf.TokenType.UNUSED
+    loaded = load_model(path)
+    assert loaded.config.vocab_size == 3000
+    text = "def f(x): return x"
+    assert loaded.tokenizer.encode(text) == load_model(checkpoint).tokenizer.encode(text)
+
+
 def test_q4_0_q4_1_q8_0_stay_mlx_quantized_layers_when_the_dtype_is_kept(convert):
     types = {"mlp.down_proj": GGMLType.Q8_0, "embed_tokens": GGMLType.Q6_K}
     path, reference_dir = convert("llama", GGMLType.Q4_0, types_by_name=types)
