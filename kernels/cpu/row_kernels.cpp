@@ -91,7 +91,7 @@ inline typename Vec<L>::f32 block_scale(
 // ROWS is a template argument so that the totals live in registers: indexed by a
 // run-time count they went through the stack on every block.
 template <int BITS, int L, int ROWS>
-void add_blocks(
+__attribute__((always_inline)) inline void add_blocks(
     const uint32_t* w,
     const float* scales,
     const float* const* x_rows,
@@ -139,8 +139,9 @@ void add_blocks(
 }
 
 template <int BITS, int L>
-void add_blocks(const uint32_t* w, const float* scales, const float* const* x_rows, int rows,
-                int group, int first_word, int end_word, float* partial) {
+__attribute__((always_inline)) inline void add_blocks(
+    const uint32_t* w, const float* scales, const float* const* x_rows, int rows, int group,
+    int first_word, int end_word, float* partial) {
   static_assert(kMaxRowsTogether == 4, "one case per row count");
   switch (rows) {
     case 1:
@@ -152,6 +153,22 @@ void add_blocks(const uint32_t* w, const float* scales, const float* const* x_ro
     default:
       return add_blocks<BITS, L, 4>(w, scales, x_rows, group, first_word, end_word, partial);
   }
+}
+
+// sum over g of biases[g] * xsum[g]: a group's bias times its sum of x, L groups a step.
+template <int L>
+inline float bias_term(const float* biases, const float* xsum, int num_groups) {
+  using F = typename Vec<L>::f32;
+  F sums = {};
+  int g = 0;
+  for (; g + L <= num_groups; g += L) {
+    sums += load<L>(biases + g) * load<L>(xsum + g);
+  }
+  float offset = sum_lanes(sums);
+  for (; g < num_groups; ++g) {
+    offset += biases[g] * xsum[g];
+  }
+  return offset;
 }
 
 template <int BITS>
@@ -175,7 +192,7 @@ void matmul_rows_bits(const MatmulJob& job, int row_begin, int row_end) {
         x_rows[r] = job.xt + static_cast<int64_t>(m0 + r) * K;
       }
       add_blocks<BITS, kWideLanes>(w, scales, x_rows, rows, group, 0, wide_end, partial);
-      if (kWideLanes != 8) {
+      if (kWideLanes != 8 && narrow_end > wide_end) {
         add_blocks<BITS, 8>(w, scales, x_rows, rows, group, wide_end, narrow_end, partial);
       }
       for (int r = 0; r < rows; ++r) {
@@ -188,19 +205,8 @@ void matmul_rows_bits(const MatmulJob& job, int row_begin, int row_end) {
             tail += static_cast<float>((w[word] >> (BITS * j)) & kMask) * scales[k / group] * x[k];
           }
         }
-        const float* xsum = job.xsum + m * num_groups;
-        float sums[4] = {};  // four chains: one would wait on each add
-        int g = 0;
-        for (; g + 4 <= num_groups; g += 4) {
-          for (int j = 0; j < 4; ++j) {
-            sums[j] += biases[g + j] * xsum[g + j];
-          }
-        }
-        float offset = (sums[0] + sums[1]) + (sums[2] + sums[3]);
-        for (; g < num_groups; ++g) {
-          offset += biases[g] * xsum[g];
-        }
-        job.out[m * job.N + n] = partial[r] + tail + offset;
+        job.out[m * job.N + n] =
+            partial[r] + tail + bias_term<kWideLanes>(biases, job.xsum + m * num_groups, num_groups);
       }
     }
   }
