@@ -1,4 +1,5 @@
-"""SwiGLU, silu(gate) * up, the gated MLP activation of every supported family.
+"""The gated MLP activations: SwiGLU, silu(gate) * up (llama, qwen), and Gemma's
+GELU-tanh, gelu_approx(gate) * up.
 
 On the CPU, float32, it is one primitive of the CPU extension (kernels/cpu/): a
 vectorized exp, threaded. Without the extension the sigmoid goes through the
@@ -46,6 +47,30 @@ def swiglu_halves(gate_up: mx.array) -> mx.array:
     if ext is not None:
         return ext.silu_mul_halves(gate_up)
     return swiglu(*mx.split(gate_up, 2, axis=-1))
+
+
+def gelu_tanh(gate: mx.array, up: mx.array) -> mx.array:
+    """gate, up: [..., intermediate] -> nn.gelu_approx(gate) * up, same shape.
+
+    On the CPU in float32, one primitive of the extension: mlx's own gelu_approx there is
+    a fused but single-threaded, unvectorized tanh (16 x 6912: 3.0 ms against 0.05;
+    512 x 6912: 95 ms against 0.8, as SwiGLU's kernel, with which it shares its exp)."""
+    ext = cpu_extension() if mx.default_device() == mx.cpu else None
+    if ext is None or gate.dtype != mx.float32 or up.dtype != mx.float32 or gate.shape != up.shape:
+        return reference_gelu_tanh(gate, up)
+    return ext.gelu_tanh_mul(gate, up)
+
+
+def gelu_tanh_halves(gate_up: mx.array) -> mx.array:
+    """gate_up: [..., 2 * intermediate], gate then up (a stacked projection) -> [..., intermediate]."""
+    ext = cpu_extension() if mx.default_device() == mx.cpu and gate_up.dtype == mx.float32 else None
+    if ext is not None:
+        return ext.gelu_tanh_mul_halves(gate_up)
+    return reference_gelu_tanh(*mx.split(gate_up, 2, axis=-1))
+
+
+def reference_gelu_tanh(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.gelu_approx(gate) * up
 
 
 def _swiglu(gate: mx.array, up: mx.array) -> mx.array:

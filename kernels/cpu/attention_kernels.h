@@ -43,12 +43,15 @@ struct SiluMulJob {
 
 using AttentionItems = void (*)(const PagedAttentionJob&, int begin, int end);
 using SiluMulRange = void (*)(const SiluMulJob&, int64_t begin, int64_t end);
+// The same job with Gemma's activation: out = gelu_tanh(gate) * up, where
+// gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), as nn.gelu_approx.
 
 #define CADENCE_DECLARE_ATTENTION_KERNELS(ns)                                       \
   namespace ns {                                                                    \
   int attention_lanes();                                                            \
   void paged_attention_items(const PagedAttentionJob& job, int begin, int end);    \
   void silu_mul_range(const SiluMulJob& job, int64_t begin, int64_t end);           \
+  void gelu_tanh_mul_range(const SiluMulJob& job, int64_t begin, int64_t end);      \
   }
 
 CADENCE_DECLARE_ATTENTION_KERNELS(baseline)

@@ -24,6 +24,7 @@ namespace {
 
 std::atomic<uint64_t> attention_calls{0};
 std::atomic<uint64_t> pool_copies{0};
+std::atomic<uint64_t> gated_calls{0};
 
 // A chunk of work should be worth waking a sleeping worker (~10-20 us).
 constexpr int64_t kMinFlopsPerChunk = 1 << 18;
@@ -31,6 +32,7 @@ constexpr int64_t kMinFlopsPerChunk = 1 << 18;
 struct Kernels {
   AttentionItems attention;
   SiluMulRange silu_mul;
+  SiluMulRange gelu_tanh_mul;
   int lanes;  // query heads a prefill tile holds
 };
 
@@ -39,14 +41,14 @@ const Kernels& kernels() {
     switch (best_isa()) {
 #if defined(CADENCE_HAS_X86_KERNELS)
       case Isa::avx512:
-        return Kernels{avx512::paged_attention_items, avx512::silu_mul_range,
+        return Kernels{avx512::paged_attention_items, avx512::silu_mul_range, avx512::gelu_tanh_mul_range,
                        avx512::attention_lanes()};
       case Isa::avx2:
-        return Kernels{avx2::paged_attention_items, avx2::silu_mul_range,
+        return Kernels{avx2::paged_attention_items, avx2::silu_mul_range, avx2::gelu_tanh_mul_range,
                        avx2::attention_lanes()};
 #endif
       default:
-        return Kernels{baseline::paged_attention_items, baseline::silu_mul_range,
+        return Kernels{baseline::paged_attention_items, baseline::silu_mul_range, baseline::gelu_tanh_mul_range,
                        baseline::attention_lanes()};
     }
   }();
@@ -340,62 +342,69 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   });
 }
 
-mx::array silu_mul(const mx::array& gate, const mx::array& up) {
+mx::array gated_activation(const mx::array& gate, const mx::array& up, Activation activation) {
   require(gate.dtype() == mx::float32 && up.dtype() == mx::float32 && gate.shape() == up.shape(),
           "gate and up must be float32 of one shape");
   auto s = cpu_stream();
-  return mx::array(gate.shape(), mx::float32, std::make_shared<SiluMul>(s), {gate, up});
+  return mx::array(gate.shape(), mx::float32, std::make_shared<GatedActivation>(s, activation),
+                   {gate, up});
 }
 
-mx::array silu_mul_halves(const mx::array& gate_up) {
+mx::array gated_activation_halves(const mx::array& gate_up, Activation activation) {
   require(gate_up.dtype() == mx::float32 && gate_up.ndim() >= 1 && gate_up.shape(-1) % 2 == 0,
           "gate_up must be float32 [..., 2 * I]");
   mx::Shape shape = gate_up.shape();
   shape.back() /= 2;
   auto s = cpu_stream();
-  return mx::array(std::move(shape), mx::float32, std::make_shared<SiluMul>(s), {gate_up});
+  return mx::array(std::move(shape), mx::float32, std::make_shared<GatedActivation>(s, activation),
+                   {gate_up});
 }
 
 namespace {
-constexpr int64_t kSiluUnit = 1024;  // elements per unit of work handed to the pool
-struct SiluTask {
+constexpr int64_t kGatedUnit = 1024;  // elements per unit of work handed to the pool
+struct GatedTask {
   SiluMulJob job;
   int64_t size;
+  SiluMulRange range;  // the activation's kernel
 };
-}  // namespace
-
-struct SiluHalvesTask {
+struct GatedHalvesTask {
   const float* gate_up;  // [rows, 2 * width]
   float* out;  // [rows, width]
   int64_t width;
+  SiluMulRange range;
 };
+}  // namespace
 
-void SiluMul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  run_on_stream(stream(), inputs, out, [](std::vector<mx::array>& in, mx::array& out) {
+void GatedActivation::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  run_on_stream(stream(), inputs, out, [activation = activation_](std::vector<mx::array>& in,
+                                                                  mx::array& out) {
+    gated_calls.fetch_add(1, std::memory_order_relaxed);
+    const SiluMulRange range =
+        activation == Activation::silu ? kernels().silu_mul : kernels().gelu_tanh_mul;
     std::vector<float> gate_copy, up_copy;
     if (in.size() == 1) {  // one input: gate and up are the two halves of each row
       const int64_t width = out.shape(-1);
-      const SiluHalvesTask task{row_major_data(in[0], gate_copy), out.data<float>(), width};
+      const GatedHalvesTask task{row_major_data(in[0], gate_copy), out.data<float>(), width, range};
       const int rows = width == 0 ? 0 : static_cast<int>(out.size() / width);
       row_pool()->run(
           [](const void* context, int begin, int end) {
-            const auto& t = *static_cast<const SiluHalvesTask*>(context);
+            const auto& t = *static_cast<const GatedHalvesTask*>(context);
             for (int64_t r = begin; r < end; ++r) {
               const float* gate = t.gate_up + r * 2 * t.width;
-              kernels().silu_mul(SiluMulJob{gate, gate + t.width, t.out + r * t.width}, 0, t.width);
+              t.range(SiluMulJob{gate, gate + t.width, t.out + r * t.width}, 0, t.width);
             }
           },
-          &task, rows, static_cast<int>(std::max<int64_t>(1, 64 * kSiluUnit / std::max<int64_t>(1, width))));
+          &task, rows, static_cast<int>(std::max<int64_t>(1, 64 * kGatedUnit / std::max<int64_t>(1, width))));
       return;
     }
-    const SiluTask task{SiluMulJob{row_major_data(in[0], gate_copy), row_major_data(in[1], up_copy),
-                                   out.data<float>()},
-                        static_cast<int64_t>(out.size())};
-    const int units = static_cast<int>((task.size + kSiluUnit - 1) / kSiluUnit);
+    const GatedTask task{SiluMulJob{row_major_data(in[0], gate_copy), row_major_data(in[1], up_copy),
+                                    out.data<float>()},
+                         static_cast<int64_t>(out.size()), range};
+    const int units = static_cast<int>((task.size + kGatedUnit - 1) / kGatedUnit);
     row_pool()->run(
         [](const void* context, int begin, int end) {
-          const auto& t = *static_cast<const SiluTask*>(context);
-          kernels().silu_mul(t.job, begin * kSiluUnit, std::min(t.size, end * kSiluUnit));
+          const auto& t = *static_cast<const GatedTask*>(context);
+          t.range(t.job, begin * kGatedUnit, std::min(t.size, end * kGatedUnit));
         },
         &task, units, 64);
   });
@@ -405,8 +414,8 @@ void PagedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arr
   throw std::runtime_error("cadence's paged attention kernel runs on the CPU only");
 }
 
-void SiluMul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("cadence's SwiGLU kernel runs on the CPU only");
+void GatedActivation::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("cadence's gated activation kernel runs on the CPU only");
 }
 
 bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
@@ -422,6 +431,10 @@ uint64_t num_attention_calls() {
 
 uint64_t num_pool_copies() {
   return pool_copies.load();
+}
+
+uint64_t num_gated_calls() {
+  return gated_calls.load();
 }
 
 }  // namespace cadence_cpu

@@ -51,13 +51,17 @@ std::vector<mx::array> paged_attention_rotary(
     float scale,
     float rope_scale);
 
-mx::array silu_mul(const mx::array& gate, const mx::array& up);
+// The gated MLP's activation, act(gate) * up, float32: SwiGLU (silu) or Gemma's
+// GELU with the tanh approximation (nn.gelu_approx).
+enum class Activation { silu, gelu_tanh };
+mx::array gated_activation(const mx::array& gate, const mx::array& up, Activation activation);
 // The same with gate and up the halves of each row of gate_up [..., 2 * I] -> [..., I]:
 // a stacked gate/up projection's output, with no split or copy between.
-mx::array silu_mul_halves(const mx::array& gate_up);
+mx::array gated_activation_halves(const mx::array& gate_up, Activation activation);
 
 uint64_t num_attention_calls();  // evaluations of paged_attention_write on the CPU, ever
 uint64_t num_pool_copies();  // pools paged_attention_write had to copy (not donated), ever
+uint64_t num_gated_calls();  // evaluations of gated_activation(_halves) on the CPU, ever
 
 // Inputs q, keys, values, tables, token_row, token_pos, k, v; or, rotary (num_heads > 0),
 // qkv, keys, values, tables, token_row, token_pos, inv_freqs. Outputs out, keys', values'.
@@ -86,17 +90,21 @@ class PagedAttention : public mx::Primitive {
   float rope_scale_;
 };
 
-class SiluMul : public mx::UnaryPrimitive {
+class GatedActivation : public mx::UnaryPrimitive {
  public:
-  explicit SiluMul(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  GatedActivation(mx::Stream stream, Activation activation)
+      : mx::UnaryPrimitive(stream), activation_(activation) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
-    return "CadenceSiluMul";
+    return "CadenceGatedActivation";
   }
-  bool is_equivalent(const mx::Primitive&) const override {
-    return true;
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return activation_ == static_cast<const GatedActivation&>(other).activation_;
   }
+
+ private:
+  Activation activation_;
 };
 
 }  // namespace cadence_cpu

@@ -13,6 +13,7 @@
 #include "quant_ops.h"
 
 namespace nb = nanobind;
+namespace mx = mlx::core;
 using namespace nb::literals;
 
 #define CADENCE_STR2(x) #x
@@ -37,9 +38,19 @@ NB_MODULE(_cpu_ext, m) {
         "num_kv_heads"_a, "block_size"_a, "window"_a, "scale"_a, "rope_scale"_a,
         "Rotate q and k of a stacked qkv [..., (H + 2 Hkv) * D], write k, v into the pools, "
         "then attend: [out [..., H * D], keys, values].");
-  m.def("silu_mul", &cadence_cpu::silu_mul, "gate"_a, "up"_a, "silu(gate) * up, float32.");
-  m.def("silu_mul_halves", &cadence_cpu::silu_mul_halves, "gate_up"_a,
-        "silu(gate) * up for gate, up the two halves of each row of gate_up, float32.");
+  using cadence_cpu::Activation;
+  m.def("silu_mul", [](const mx::array& gate, const mx::array& up) {
+        return cadence_cpu::gated_activation(gate, up, Activation::silu); },
+        "gate"_a, "up"_a, "silu(gate) * up, float32.");
+  m.def("silu_mul_halves", [](const mx::array& gate_up) {
+        return cadence_cpu::gated_activation_halves(gate_up, Activation::silu); },
+        "gate_up"_a, "silu(gate) * up for gate, up the two halves of each row of gate_up, float32.");
+  m.def("gelu_tanh_mul", [](const mx::array& gate, const mx::array& up) {
+        return cadence_cpu::gated_activation(gate, up, Activation::gelu_tanh); },
+        "gate"_a, "up"_a, "gelu_tanh(gate) * up (nn.gelu_approx), float32.");
+  m.def("gelu_tanh_mul_halves", [](const mx::array& gate_up) {
+        return cadence_cpu::gated_activation_halves(gate_up, Activation::gelu_tanh); },
+        "gate_up"_a, "gelu_tanh(gate) * up for gate, up the two halves of each row of gate_up.");
   m.def("rms_norm", &cadence_cpu::rms_norm, "x"_a, "weight"_a, "eps"_a,
         "x * rsqrt(mean(x^2, -1) + eps) * weight, float32 (kernels/norm_rope.py).");
   m.def("rope", &cadence_cpu::rope, "x"_a, "positions"_a, "inv_freqs"_a, "scale"_a,
@@ -47,6 +58,8 @@ NB_MODULE(_cpu_ext, m) {
   m.def("num_pool_copies", &cadence_cpu::num_pool_copies,
         "How many pools paged_attention_write copied because something else held them.");
   m.def("num_rms_norm_calls", &cadence_cpu::num_rms_norm_calls);
+  m.def("num_gated_calls", &cadence_cpu::num_gated_calls,
+        "How many times the gated activation kernel (SwiGLU, GELU-tanh) has run.");
   m.def("num_rope_calls", &cadence_cpu::num_rope_calls);
   m.def("num_attention_calls", &cadence_cpu::num_attention_calls,
         "How many times the paged attention kernel has run.");

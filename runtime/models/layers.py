@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kernels.norm_rope import inverse_frequencies, rms_norm, rope
-from kernels.swiglu import swiglu, swiglu_halves
+from kernels.swiglu import gelu_tanh, gelu_tanh_halves, swiglu, swiglu_halves
 
 
 class RoPE(nn.Module):
@@ -156,16 +156,12 @@ class GatedMLP(nn.Module):
         self.activation = activation
 
     def __call__(self, x: mx.array) -> mx.array:
+        is_gelu = self.activation == "gelu_tanh"
         if "gate_up_proj" in self:  # stacked at load on the CPU (runtime/cpu_weights.py)
             gate_up = self.gate_up_proj(x)
-            if self.activation != "gelu_tanh":
-                return self.down_proj(swiglu_halves(gate_up))
-            gate, up = mx.split(gate_up, 2, axis=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.activation == "gelu_tanh":
-            return self.down_proj(nn.gelu_approx(gate) * up)
-        return self.down_proj(swiglu(gate, up))
+            return self.down_proj(gelu_tanh_halves(gate_up) if is_gelu else swiglu_halves(gate_up))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(gelu_tanh(gate, up) if is_gelu else swiglu(gate, up))
 
 
 class CausalLM(nn.Module):

@@ -5,8 +5,18 @@ import numpy as np
 import pytest
 
 from kernels import swiglu as swiglu_module
+from kernels.cpu_extension import cpu_extension
 from kernels.poly_exp import poly_exp
-from kernels.swiglu import reference_swiglu, swiglu
+from kernels.swiglu import (
+    gelu_tanh,
+    gelu_tanh_halves,
+    reference_gelu_tanh,
+    reference_swiglu,
+    swiglu,
+)
+from tests.kernels.test_quantized_matmul import run_with_isa_cap
+
+needs_kernels = pytest.mark.skipif(cpu_extension() is None, reason="the C++ kernels were not built here")
 
 
 def test_poly_exp_is_float32_accurate():
@@ -60,3 +70,52 @@ def test_swiglu_of_stacked_halves_matches_reference(shape):
     strided = mx.random.normal((shape[-1], 3)).T  # not dense rows
     want = reference_swiglu(*mx.split(mx.contiguous(strided), 2, axis=-1))
     assert mx.allclose(swiglu_module.swiglu_halves(strided), want, rtol=1e-5, atol=1e-6).item()
+
+
+@pytest.mark.parametrize("shape", [(16, 1, 6912), (1, 7, 64), (3,)])
+def test_gemmas_gelu_tanh_matches_nn_gelu_approx(shape):
+    gate = mx.random.normal(shape, key=mx.random.key(len(shape))) * 4
+    up = mx.random.normal(shape)
+    assert mx.allclose(gelu_tanh(gate, up), reference_gelu_tanh(gate, up), rtol=1e-5, atol=1e-6).item()
+    extreme = mx.array([-200.0, -20.0, -5.0, -1e-3, 0.0, 1e-3, 5.0, 20.0, 200.0])
+    got, want = gelu_tanh(extreme, mx.ones(9)), reference_gelu_tanh(extreme, mx.ones(9))
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-6).item(), (got, want)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 2 * 1536), (5, 2 * 64), (2, 300, 2 * 40)])
+def test_gelu_tanh_of_stacked_halves_matches_reference(shape):
+    gate_up = mx.random.normal(shape, key=mx.random.key(shape[0])) * 4
+    want = reference_gelu_tanh(*mx.split(gate_up, 2, axis=-1))
+    got = gelu_tanh_halves(gate_up)
+    assert got.shape == want.shape
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
+
+
+@needs_kernels
+def test_gelu_tanh_runs_the_cpu_kernel_when_it_is_loaded(monkeypatch):
+    ext = cpu_extension()
+    gate = mx.random.normal((4, 96))
+    before = ext.num_gated_calls()
+    mx.eval(gelu_tanh(gate, gate), gelu_tanh_halves(gate))
+    assert ext.num_gated_calls() == before + 2
+    monkeypatch.setattr(swiglu_module, "cpu_extension", lambda: None)  # the mx-op fallback
+    mx.eval(gelu_tanh(gate, gate), gelu_tanh_halves(gate))
+    assert ext.num_gated_calls() == before + 2
+
+
+GATED_SCRIPT = """
+import mlx.core as mx
+from kernels.cpu_extension import cpu_extension
+from kernels.swiglu import gelu_tanh, gelu_tanh_halves, reference_gelu_tanh, reference_swiglu, swiglu
+gate, up = mx.random.normal((3, 1037)) * 4, mx.random.normal((3, 1037))  # a ragged tail
+for got, want in ((gelu_tanh(gate, up), reference_gelu_tanh(gate, up)), (swiglu(gate, up), reference_swiglu(gate, up)),
+                  (gelu_tanh_halves(gate[:, :1036]), reference_gelu_tanh(gate[:, :518], gate[:, 518:1036]))):
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
+print(cpu_extension().attention_isa())
+"""
+
+
+@needs_kernels
+@pytest.mark.parametrize("cap", ["baseline", "avx2"])
+def test_every_instruction_set_of_the_gated_activations_matches_the_reference(cap):
+    assert run_with_isa_cap(GATED_SCRIPT, cap) == cap

@@ -16,6 +16,7 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
+from kernels.cpu_extension import cpu_extension
 from tests.kernels.test_paged_attention import ATTENTION_PATHS
 
 WINDOW, BLOCK = 8, 4
@@ -168,3 +169,14 @@ def test_a_pool_too_small_for_every_row_at_once_stays_correct(checkpoint, engine
         want = mlx_lm_greedy(checkpoint, list(request.prompt_tokens), request.max_tokens)
         assert list(got[request_id].tokens) == want, request_id
     assert policy.pool.num_used_blocks == 0
+
+
+@pytest.mark.skipif(cpu_extension() is None, reason="the C++ kernels were not built here")
+def test_the_mlps_gelu_runs_in_the_cpu_kernel_with_parity(checkpoint, engine):
+    """Gemma's GELU-tanh is the extension's gated activation on the CPU (mlx's own is a
+    single-threaded tanh), and the tokens stay mlx-lm's."""
+    ext = cpu_extension()
+    before = ext.num_gated_calls()
+    got = run_offline(engine, policy_for(engine), {"a": params(PROMPT, 6)})["a"]
+    assert ext.num_gated_calls() - before >= 4 * 6  # every layer, every step
+    assert list(got.tokens) == mlx_lm_greedy(checkpoint, PROMPT, 6)
