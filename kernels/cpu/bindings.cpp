@@ -1,4 +1,7 @@
 // The Python module `kernels._cpu_ext` (loaded by kernels/cpu_extension.py).
+#include <string>
+#include <tuple>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -38,19 +41,18 @@ NB_MODULE(_cpu_ext, m) {
         "num_kv_heads"_a, "block_size"_a, "window"_a, "scale"_a, "rope_scale"_a,
         "Rotate q and k of a stacked qkv [..., (H + 2 Hkv) * D], write k, v into the pools, "
         "then attend: [out [..., H * D], keys, values].");
-  using cadence_cpu::Activation;
-  m.def("silu_mul", [](const mx::array& gate, const mx::array& up) {
-        return cadence_cpu::gated_activation(gate, up, Activation::silu); },
-        "gate"_a, "up"_a, "silu(gate) * up, float32.");
-  m.def("silu_mul_halves", [](const mx::array& gate_up) {
-        return cadence_cpu::gated_activation_halves(gate_up, Activation::silu); },
-        "gate_up"_a, "silu(gate) * up for gate, up the two halves of each row of gate_up, float32.");
-  m.def("gelu_tanh_mul", [](const mx::array& gate, const mx::array& up) {
-        return cadence_cpu::gated_activation(gate, up, Activation::gelu_tanh); },
-        "gate"_a, "up"_a, "gelu_tanh(gate) * up (nn.gelu_approx), float32.");
-  m.def("gelu_tanh_mul_halves", [](const mx::array& gate_up) {
-        return cadence_cpu::gated_activation_halves(gate_up, Activation::gelu_tanh); },
-        "gate_up"_a, "gelu_tanh(gate) * up for gate, up the two halves of each row of gate_up.");
+  // Each activation twice: act(gate) * up, and over the two halves of each row of gate_up.
+  for (const auto& [name, activation, what] :
+       {std::tuple{"silu_mul", cadence_cpu::Activation::silu, "silu(gate) * up, float32"},
+        std::tuple{"gelu_tanh_mul", cadence_cpu::Activation::gelu_tanh,
+                   "gelu_tanh(gate) * up (nn.gelu_approx), float32"}}) {
+    m.def(name, [activation](const mx::array& gate, const mx::array& up) {
+      return cadence_cpu::gated_activation(gate, up, activation);
+    }, "gate"_a, "up"_a, what);
+    m.def((std::string(name) + "_halves").c_str(), [activation](const mx::array& gate_up) {
+      return cadence_cpu::gated_activation_halves(gate_up, activation);
+    }, "gate_up"_a, (std::string(what) + ", gate and up the halves of each row of gate_up").c_str());
+  }
   m.def("rms_norm", &cadence_cpu::rms_norm, "x"_a, "weight"_a, "eps"_a,
         "x * rsqrt(mean(x^2, -1) + eps) * weight, float32 (kernels/norm_rope.py).");
   m.def("rope", &cadence_cpu::rope, "x"_a, "positions"_a, "inv_freqs"_a, "scale"_a,
