@@ -12,11 +12,13 @@ Without them (no compiler at install, or CADENCE_CPU_KERNELS=off) the old policy
 everything is expanded to float32 when memory allows (bf16 and mlx's 4-bit matmuls run
 20-40x slower than fp32 on the CPU), else kept as stored.
 Everything that is not a quantized matmul (norms, a dense embedding) computes in float32.
-With the extension loaded, float32 linear layers (and a tied output head) run their
-few-row products (decode) through its dense kernel (kernels/dense_matmul.py), which
-streams the weights once instead of packing them for an sgemm.
+With the extension loaded, a tied output head runs its few-row products (decode)
+through its dense kernel (kernels/dense_matmul.py), which streams the weights once
+instead of packing them for an sgemm.
 Once adopted, the kernel layers that read one input are stacked into one (q, k and v
-as `qkv_proj`; gate and up as `gate_up_proj`, see `stack_rows`).
+as `qkv_proj`; gate and up as `gate_up_proj`, see `stack_rows`), and then every
+float32 or 16-bit one is packed into column panels for the panel kernel
+(`PanelLinear`), which serves every step size.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from kernels.cpu_extension import cpu_extension, kernel_status
-from kernels.dense_matmul import KernelEmbedding, KernelLinear
+from kernels.dense_matmul import KernelEmbedding, KernelLinear, PanelLinear
 from kernels.quantized_linear import KernelQuantizedEmbedding, KernelQuantizedLinear
 from kernels.quantized_matmul import is_kernel_layout
 
@@ -71,6 +73,7 @@ def prepare_for_cpu(
             _float32_except_quantized(model)
             _adopt_dense_layers(model)
             _stack_projections(model)
+            _pack_panels(model)
             progress(f"weights: {describe_layers(model)}")
             return model
         if cpu_quantize == "off" and _has_16_bit_matmuls(model):
@@ -78,6 +81,7 @@ def prepare_for_cpu(
             _float32_except_16_bit_matmuls(model)
             _adopt_dense_layers(model)
             _stack_projections(model)
+            _pack_panels(model)
             progress(f"weights: {describe_layers(model)}")
             return model
     if _fits_as_float32(model):
@@ -86,6 +90,7 @@ def prepare_for_cpu(
     if cpu_extension() is not None:
         _adopt_dense_layers(model)
         _stack_projections(model)
+        _pack_panels(model)
     progress(f"weights: {describe_layers(model)}")
     return model
 
@@ -138,6 +143,17 @@ def _stack_projections(model: CausalLM) -> None:
     mx.eval(model.parameters())
 
 
+def _pack_panels(model: CausalLM) -> None:
+    """Every KernelLinear (float32 or 16-bit storage) -> PanelLinear, one at a time (each
+    packed and evaluated before the next: loading never holds two copies of the model)."""
+    for _, owner in model.named_modules():
+        for name, child in list(owner.children().items()):
+            if type(child) is KernelLinear:
+                packed = PanelLinear.adopt(child)
+                mx.eval(packed.parameters())
+                owner[name] = packed
+
+
 def describe_layers(model: CausalLM) -> str:
     """e.g. "linear 4-bit g64 (cadence kernel) x14, embedding 4-bit g64 (cadence kernel) x1, ..."."""
     kinds: Counter[str] = Counter(_layer_kind(module) for _, module in _leaves(model))
@@ -161,6 +177,8 @@ def _layer_kind(module: nn.Module) -> str:
             else "mlx quantized_matmul"
         )
         return f"{name} {module.bits}-bit g{module.group_size} ({path})"
+    if isinstance(module, PanelLinear):
+        return f"linear {str(module.weight.dtype).removeprefix('mlx.core.')} (cadence panel kernel)"
     if isinstance(module, (nn.Linear, nn.Embedding)):
         name = "linear" if isinstance(module, nn.Linear) else "embedding"
         path = "cadence kernel, sgemm" if isinstance(module, (KernelLinear, KernelEmbedding)) else "matmul"

@@ -138,7 +138,96 @@ void weight_rows(const DenseMatmulJob& job, int row_begin, int row_end) {
   for (; n0 < row_end; ++n0) rows_of_x<KIND, 1>(job, n0);
 }
 
+// Rows of x a panel tile holds: with 16 lanes, 12 rows x 2 vectors of sums (24 of the
+// 32 registers, beside the panel's 2 and x's broadcast); with 8, 2 rows x 4 (of 16).
+constexpr int kPanelRows = L == 16 ? 12 : 2;
+constexpr int kPanelVectors = kPanelWidth / L;
+constexpr int kPanelDepth = 256;  // k per pass: the panel's 32 KB slice stays in L1 across rows
+
+// out[0..ROWS) x [0, cols) (+)= xp . w over kc: xp is [kc][kPanelRows] (x transposed),
+// w the panel's [kc][32] slice from element `first` on, widened as loaded if 16-bit.
+template <WeightKind KIND, int ROWS>
+void panel_tile(int kc, const float* xp, const void* w, int64_t first, float* out,
+                int64_t out_stride, bool accumulate, int cols) {
+  F sums[ROWS][kPanelVectors] = {};
+  for (int k = 0; k < kc; ++k) {
+    F wv[kPanelVectors];
+    for (int v = 0; v < kPanelVectors; ++v) {
+      wv[v] = load_weights<KIND>(w, first + k * kPanelWidth + v * L);
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const F xv = F{} + xp[k * kPanelRows + r];
+      for (int v = 0; v < kPanelVectors; ++v) sums[r][v] += xv * wv[v];
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    float* o = out + r * out_stride;
+    float row[kPanelWidth];
+    for (int v = 0; v < kPanelVectors; ++v) store(row + v * L, sums[r][v]);
+    for (int c = 0; c < cols; ++c) o[c] = accumulate ? o[c] + row[c] : row[c];
+  }
+}
+
+// panel_tile for `rows` (1..ROWS) rows: each count its own unrolled copy.
+template <WeightKind KIND, int ROWS>
+void panel_tiles_of(int rows, int kc, const float* xp, const void* w, int64_t first, float* out,
+                    int64_t out_stride, bool accumulate, int cols) {
+  if constexpr (ROWS > 1) {
+    if (rows < ROWS) {
+      return panel_tiles_of<KIND, ROWS - 1>(rows, kc, xp, w, first, out, out_stride, accumulate, cols);
+    }
+  }
+  panel_tile<KIND, ROWS>(kc, xp, w, first, out, out_stride, accumulate, cols);
+}
+
+template <WeightKind KIND>
+void panel_matmul_of(const PanelMatmulJob& job, int panel_begin, int panel_end) {
+  const int M = job.M, K = job.K;
+  const int blocks = (M + kPanelRows - 1) / kPanelRows;
+  for (int k0 = 0; k0 < K; k0 += kPanelDepth) {
+    const int kc = K - k0 < kPanelDepth ? K - k0 : kPanelDepth;
+    for (int panel = panel_begin; panel < panel_end; ++panel) {
+      const int64_t first = (static_cast<int64_t>(panel) * K + k0) * kPanelWidth;
+      const int n0 = panel * kPanelWidth;
+      const int cols = job.N - n0 < kPanelWidth ? job.N - n0 : kPanelWidth;
+      for (int b = 0; b < blocks; ++b) {
+        const int m0 = b * kPanelRows;
+        const float* xp = job.x_panels + (static_cast<int64_t>(b) * K + k0) * kPanelRows;
+        panel_tiles_of<KIND, kPanelRows>(M - m0, kc, xp, job.w, first,
+                                         job.out + static_cast<int64_t>(m0) * job.N + n0, job.N,
+                                         k0 > 0, cols);
+      }
+    }
+  }
+}
+
 }  // namespace
+
+int panel_rows() {
+  return kPanelRows;
+}
+
+void pack_panel_rows(const PanelMatmulJob& job, float* xp, int block_begin, int block_end) {
+  for (int b = block_begin; b < block_end; ++b) {
+    float* t = xp + static_cast<int64_t>(b) * job.K * kPanelRows;
+    for (int r = 0; r < kPanelRows; ++r) {
+      const int m = b * kPanelRows + r;
+      const float* x = job.x + m * job.x_stride;
+      for (int k = 0; k < job.K; ++k) t[k * kPanelRows + r] = m < job.M ? x[k] : 0.0f;
+    }
+  }
+}
+
+void panel_matmul(const PanelMatmulJob& job, int panel_begin, int panel_end) {
+  switch (job.w_kind) {
+    case WeightKind::f16:
+      return panel_matmul_of<WeightKind::f16>(job, panel_begin, panel_end);
+    case WeightKind::bf16:
+      return panel_matmul_of<WeightKind::bf16>(job, panel_begin, panel_end);
+    default:
+      return panel_matmul_of<WeightKind::f32>(job, panel_begin, panel_end);
+  }
+}
 
 void dense_matmul_rows(const DenseMatmulJob& job, int row_begin, int row_end) {
   switch (job.w_kind) {

@@ -39,7 +39,104 @@ struct DenseTask {
   DenseMatmulRows rows;
 };
 
+std::atomic<uint64_t> panel_calls{0};
+
+struct PanelKernels {
+  int (*rows)();
+  void (*pack)(const PanelMatmulJob&, float*, int, int);
+  PanelMatmul matmul;
+};
+
+const PanelKernels& panel_kernels() {
+  static const PanelKernels chosen = [] {
+    switch (best_isa()) {
+#if defined(CADENCE_HAS_X86_KERNELS)
+      case Isa::avx512:
+        return PanelKernels{avx512::panel_rows, avx512::pack_panel_rows, avx512::panel_matmul};
+      case Isa::avx2:
+        return PanelKernels{avx2::panel_rows, avx2::pack_panel_rows, avx2::panel_matmul};
+#endif
+      default:
+        return PanelKernels{baseline::panel_rows, baseline::pack_panel_rows, baseline::panel_matmul};
+    }
+  }();
+  return chosen;
+}
+
 }  // namespace
+
+mx::array panel_matmul(const mx::array& x, const mx::array& w_panels, int N) {
+  const auto w_dtype = w_panels.dtype();
+  if (x.ndim() < 1 || x.dtype() != mx::float32 || w_panels.ndim() != 3 ||
+      (w_dtype != mx::float32 && w_dtype != mx::float16 && w_dtype != mx::bfloat16) ||
+      w_panels.shape(2) != kPanelWidth ||
+      w_panels.shape(1) != x.shape(-1) || N < 0 ||
+      static_cast<int64_t>(w_panels.shape(0)) * kPanelWidth < N ||
+      static_cast<int64_t>(w_panels.shape(0) - 1) * kPanelWidth >= std::max(N, 1)) {
+    throw std::invalid_argument(
+        "cadence panel matmul: x [..., K] float32, w_panels [ceil(N / 32), K, 32] float32, "
+        "float16 or bfloat16");
+  }
+  auto s = mx::to_stream(mx::StreamOrDevice{}, mx::Device::cpu);
+  mx::Shape shape = x.shape();
+  shape.back() = N;
+  return mx::array(std::move(shape), mx::float32, std::make_shared<PanelMatmulOp>(s, N),
+                   {x, w_panels});
+}
+
+void PanelMatmulOp::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  run_on_stream(stream(), inputs, out, [N = N_](std::vector<mx::array>& in, mx::array& out) {
+    panel_calls.fetch_add(1, std::memory_order_relaxed);
+    const auto& w = in[1];
+    const int K = w.shape(1), panels = w.shape(0);
+    const int M = leading_rows(in[0]);
+    if (M == 0 || N == 0) {
+      return;
+    }
+    std::vector<float> x_copy, w32_copy;
+    std::vector<uint16_t> w16_copy;
+    const bool is_f32 = w.dtype() == mx::float32;
+    const void* weight = is_f32 ? static_cast<const void*>(row_major_data(w, w32_copy))
+                                : static_cast<const void*>(row_major_data(w, w16_copy));
+    const WeightKind kind = is_f32 ? WeightKind::f32
+        : w.dtype() == mx::float16 ? WeightKind::f16 : WeightKind::bf16;
+    const PanelKernels& kernels = panel_kernels();
+    PanelMatmulJob job{row_major_data(in[0], x_copy), nullptr, weight, out.data<float>(),
+                       M, N, K, K, kind};
+    // x transposed into blocks of the tile's rows, once for every panel and thread.
+    thread_local std::vector<float> x_panels;  // this runs on the stream's one thread
+    const int rows = kernels.rows(), blocks = (M + rows - 1) / rows;
+    x_panels.resize(static_cast<size_t>(blocks) * rows * K);
+    job.x_panels = x_panels.data();
+    const struct {
+      PanelMatmulJob job;
+      const PanelKernels* kernels;
+    } task{job, &kernels};
+    row_pool()->run(
+        [](const void* context, int begin, int end) {
+          const auto& t = *static_cast<const decltype(task)*>(context);
+          t.kernels->pack(t.job, const_cast<float*>(t.job.x_panels), begin, end);
+        },
+        &task, blocks, static_cast<int>(std::max<int64_t>(1, kMinWeightsPerChunk / 4 / (int64_t{rows} * K))));
+    const int64_t weights_per_panel = static_cast<int64_t>(K) * kPanelWidth;
+    const int min_panels = static_cast<int>(std::clamp<int64_t>(
+        kMinWeightsPerChunk / std::max<int64_t>(1, weights_per_panel * ((M + 15) / 16)), 1, panels));
+    row_pool()->run(
+        [](const void* context, int begin, int end) {
+          const auto& t = *static_cast<const decltype(task)*>(context);
+          t.kernels->matmul(t.job, begin, end);
+        },
+        &task, panels, min_panels);
+  });
+}
+
+void PanelMatmulOp::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("cadence's panel matmul kernel runs on the CPU only");
+}
+
+uint64_t num_panel_calls() {
+  return panel_calls.load();
+}
 
 mx::array dense_matmul(const mx::array& x, const mx::array& w) {
   const bool w_ok = w.dtype() == mx::float32 || w.dtype() == mx::float16 || w.dtype() == mx::bfloat16;

@@ -15,6 +15,27 @@ mx::array dense_matmul(const mx::array& x, const mx::array& w);
 
 uint64_t num_dense_calls();  // evaluations on the CPU, ever
 
+// x[..., K] @ W.T -> [..., N] float32 for a float32 W [N, K] packed into panels of 32
+// columns, [ceil(N / 32), K, 32] (row_kernels.h): every number of rows, decode to prefill.
+mx::array panel_matmul(const mx::array& x, const mx::array& w_panels, int N);
+uint64_t num_panel_calls();  // evaluations on the CPU, ever
+
+class PanelMatmulOp : public mx::UnaryPrimitive {
+ public:
+  PanelMatmulOp(mx::Stream stream, int N) : mx::UnaryPrimitive(stream), N_(N) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "CadencePanelMatmul";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return N_ == static_cast<const PanelMatmulOp&>(other).N_;
+  }
+
+ private:
+  int N_;
+};
+
 class DenseRowsMatmul : public mx::UnaryPrimitive {
  public:
   explicit DenseRowsMatmul(mx::Stream stream) : mx::UnaryPrimitive(stream) {}

@@ -47,7 +47,24 @@ struct DenseMatmulJob {
   WeightKind w_kind;
 };
 
+// out = x @ w.T for a float32 or 16-bit w packed once, at load, into panels of kPanelWidth output
+// columns: [ceil(N / 32), K, 32], column n at panel n / 32, lane n % 32, the last
+// panel's missing columns zero. A panel is one contiguous stream, and a tile of rows x
+// 32 columns keeps its sums in registers across K: an sgemm's inner kernel, without
+// the sgemm's copy of the whole weight on every call.
+constexpr int kPanelWidth = 32;
+struct PanelMatmulJob {
+  const float* x;  // [M, K], rows x_stride apart
+  const float* x_panels;  // x by pack_panel_rows: [blocks of panel_rows() rows][K][rows]
+  const void* w;  // [panels, K, kPanelWidth] of `w_kind` (16 bits widened as loaded)
+  float* out;  // [M, N]
+  int M, N, K;
+  int64_t x_stride;
+  WeightKind w_kind;
+};
+
 using MatmulRows = void (*)(const MatmulJob&, int row_begin, int row_end);
+using PanelMatmul = void (*)(const PanelMatmulJob&, int panel_begin, int panel_end);
 using DenseMatmulRows = void (*)(const DenseMatmulJob&, int row_begin, int row_end);
 using DequantizeRows = void (*)(const DequantizeJob&, int row_begin, int row_end);
 
@@ -64,6 +81,9 @@ void pack_activations(
   void matmul_rows(const MatmulJob& job, int row_begin, int row_end);    \
   void dequantize_rows(const DequantizeJob& job, int row_begin, int row_end); \
   void dense_matmul_rows(const DenseMatmulJob& job, int row_begin, int row_end); \
+  int panel_rows();                                                      \
+  void pack_panel_rows(const PanelMatmulJob& job, float* x_panels, int block_begin, int block_end); \
+  void panel_matmul(const PanelMatmulJob& job, int panel_begin, int panel_end); \
   }
 
 CADENCE_DECLARE_ROW_KERNELS(baseline)

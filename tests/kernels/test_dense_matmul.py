@@ -8,7 +8,7 @@ import pytest
 
 from kernels import dense_matmul as dm
 from kernels.cpu_extension import cpu_extension
-from tests.kernels.test_quantized_matmul import needs_kernels
+from tests.kernels.test_quantized_matmul import needs_kernels, run_with_isa_cap
 from tests.kernels.test_quantized_models import FAMILIES, SHAPE, greedy, kernels_off, mlx_lm_greedy
 
 __all__ = ["kernels_off"]  # a fixture, imported for the test below
@@ -68,16 +68,68 @@ def test_odd_shapes_and_an_empty_batch_do_not_crash():
 
 @needs_kernels
 @pytest.mark.parametrize("family", FAMILIES)
-def test_float32_checkpoints_decode_through_the_kernel_with_mlx_lm_parity(make_checkpoint, family):
+def test_float32_checkpoints_run_through_the_panel_kernel_with_mlx_lm_parity(make_checkpoint, family):
     path = make_checkpoint(family, **SHAPE, **FAMILIES[family])
     lines = []
     loaded = load_model(path, on_progress=lines.append)
     leaves = [m for _, m in nn.utils.tree_flatten(loaded.model.leaf_modules(), is_leaf=nn.Module.is_module)]
-    assert any(isinstance(m, dm.KernelLinear) for m in leaves)
-    assert "linear float32 (cadence kernel, sgemm)" in next(x for x in lines if x.startswith("weights"))
-    before = cpu_extension().num_dense_calls()
+    assert any(isinstance(m, dm.PanelLinear) for m in leaves)
+    assert not any(isinstance(m, dm.KernelLinear) for m in leaves)  # every one packed
+    assert "linear float32 (cadence panel kernel)" in next(x for x in lines if x.startswith("weights"))
+    before = cpu_extension().num_panel_calls()
     assert greedy(loaded) == mlx_lm_greedy(path)
-    assert cpu_extension().num_dense_calls() > before  # the decode steps ran it
+    assert cpu_extension().num_panel_calls() > before  # prefill and decode steps ran it
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 12, 13, 16, 33, 200])
+@pytest.mark.parametrize(("k", "n"), [(64, 32), (37, 7), (300, 33), (1000, 65)])
+def test_the_panel_kernel_matches_matmul_and_really_runs(rows, k, n):
+    """Every tile height (12 rows a tile with AVX-512), a partial last panel, K past one
+    256-deep pass, as the models call it ([1, T, K])."""
+    x = mx.random.normal((1, rows, k), key=mx.random.key(rows))
+    linear = nn.Linear(k, n, bias=True)
+    panel = dm.PanelLinear.adopt(dm.KernelLinear.adopt(linear))
+    assert panel.weight.shape == (-(-n // 32), k, 32)
+    ext = cpu_extension()
+    before = ext.num_panel_calls()
+    got = panel(x)
+    mx.eval(got)
+    assert ext.num_panel_calls() == before + 1
+    assert got.shape == (1, rows, n)
+    assert mx.allclose(got, linear(x), rtol=1e-4, atol=1e-4).item()
+
+
+@needs_kernels
+def test_the_panel_kernel_refuses_a_weight_that_is_not_its_panels():
+    ext = cpu_extension()
+    packed = dm.pack_panels(mx.ones((40, 8)))  # 2 panels
+    assert ext.panel_matmul(mx.zeros((0, 8)), packed, 40).shape == (0, 40)
+    for bad in ((mx.zeros((2, 9)), packed, 40), (mx.zeros((2, 8)), packed, 65), (mx.zeros((2, 8)), packed, 31),
+                (mx.zeros((2, 8)), mx.ones((2, 8, 16)), 40)):
+        with pytest.raises(ValueError):
+            ext.panel_matmul(*bad)
+
+
+PANEL_SCRIPT = """
+import mlx.core as mx
+import mlx.nn as nn
+from kernels import dense_matmul as dm
+from kernels.cpu_extension import cpu_extension
+for rows in (1, 2, 3, 5, 40):
+    linear = nn.Linear(300, 70)
+    x = mx.random.normal((rows, 300))
+    got = dm.PanelLinear.adopt(dm.KernelLinear.adopt(linear))(x)
+    assert mx.allclose(got, linear(x), rtol=1e-4, atol=1e-4).item(), rows
+print(cpu_extension().isa())
+"""
+
+
+@needs_kernels
+@pytest.mark.parametrize("cap", ["baseline", "avx2"])
+def test_every_instruction_set_of_the_panel_kernel_matches_matmul(cap):
+    """Tiles of 2 rows x 4 vectors of 8 lanes there, against 12 x 2 of 16 with AVX-512."""
+    assert cap in run_with_isa_cap(PANEL_SCRIPT, cap)
 
 
 def test_without_the_extension_float32_layers_stay_mlx_layers(make_checkpoint, kernels_off):

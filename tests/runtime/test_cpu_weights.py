@@ -77,9 +77,9 @@ def test_loading_stacks_every_layer_and_the_logits_stay_the_same(make_checkpoint
 @needs_kernels
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_a_16_bit_checkpoint_keeps_16_bit_weights_with_the_float32_results(make_checkpoint, dtype):
-    """The default keeps the linear weights in 16 bits; the kernel widens them exactly, so
-    decode-sized steps give the float32 expansion's logits bit for bit, prefill-sized ones
-    (the sgemm on the widened layer) the same values."""
+    """The default keeps the linear weights in 16 bits; the panel kernel widens them
+    exactly as it reads them, so every step size gives the float32 expansion's logits
+    bit for bit (both run the same kernel, in the same order)."""
     path = make_checkpoint("qwen2", dtype=dtype, **SHAPE)
     lines = []
     kept = load_model(path, on_progress=lines.append)
@@ -89,12 +89,11 @@ def test_a_16_bit_checkpoint_keeps_16_bit_weights_with_the_float32_results(make_
     assert layer.self_attn.qkv_proj.bias.dtype == mx.float32
     assert layer.input_layernorm.weight.dtype == mx.float32
     assert expanded.model.model.layers[0].self_attn.qkv_proj.weight.dtype == mx.float32
-    assert any(f"linear {dtype} (cadence kernel, sgemm)" in line for line in lines)
+    assert any(f"linear {dtype} (cadence panel kernel)" in line for line in lines)
     short = mx.array([PROMPT[:5]])
     assert mx.array_equal(kept.model(short), expanded.model(short)).item()
-    long = mx.array([(PROMPT * 4)[:40]])  # past the kernel's 32 rows: the sgemm
-    want = expanded.model(long)
-    assert mx.allclose(kept.model(long), want, rtol=1e-5, atol=1e-5 * mx.abs(want).max().item()).item()
+    long = mx.array([(PROMPT * 4)[:40]])  # past a tile's 12 rows and the row kernel's 32
+    assert mx.array_equal(kept.model(long), expanded.model(long)).item()
 
 
 @needs_kernels
@@ -108,6 +107,21 @@ def test_the_dense_kernel_widens_16_bit_weights_exactly(dtype):
     for rows in (1, 3, 6):
         x = mx.random.normal((rows, 70), key=mx.random.key(rows))
         assert mx.array_equal(ext.dense_matmul(x, w), ext.dense_matmul(x, w.astype(mx.float32))).item()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_panel_kernel_widens_16_bit_weights_exactly(dtype):
+    from kernels.cpu_extension import cpu_extension
+    from kernels.dense_matmul import pack_panels
+
+    ext = cpu_extension()
+    specials = [0.0, -0.0, 6e-8, -6e-8, 3e-5, 1.0, -2.5, 0.333, 1000.0, 60000.0]  # subnormals too
+    w = mx.array([specials * 7] * 9 + [[1.0] * 70], dtype=getattr(mx, dtype))  # 10 columns: a partial panel
+    for rows in (1, 3, 13):
+        x = mx.random.normal((rows, 70), key=mx.random.key(rows))
+        half, full = pack_panels(w), pack_panels(w.astype(mx.float32))
+        assert mx.array_equal(ext.panel_matmul(x, half, 10), ext.panel_matmul(x, full, 10)).item()
 
 
 WIDEN_SCRIPT = """
