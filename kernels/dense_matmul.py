@@ -1,4 +1,10 @@
-"""x @ W.T for a float32 weight W as nn.Linear stores it: one entry for the CPU's dense layers.
+"""x @ W.T for a float32 or 16-bit weight on the CPU: the row kernel, and the panel kernel.
+
+Linear layers are packed at load into column panels and run the panel kernel at every
+step size (`PanelLinear`, below). The row kernel (`dense_matmul`) reads a weight as
+nn.Linear stores it; it serves a tied output head, whose table must stay in rows for
+the embedding lookups, and the layers between their adoption and their packing. The
+measurements that put it there:
 
 With few rows (decode), an sgemm is the wrong tool on the CPU: it copies (packs) the
 whole weight before multiplying, so each weight crosses memory three times. cadence's
