@@ -26,6 +26,8 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
+from kernels.dense_matmul import PanelLinear
+
 MIN_GAIN = 0.05  # below a 5% saving, timing noise decides: never pad for it
 REPEATS = 5  # the fastest of 5 timings: noise only ever adds time
 
@@ -82,13 +84,14 @@ def measure_ladder(model: nn.Module, num_layers: int, max_tokens: int) -> BatchL
 def _layer_linears(model: nn.Module) -> list[Callable[[mx.array], mx.array]]:
     """The first decoder layer's linear layers, as callables on [N, in_features]."""
     layer = model.model.layers[0]
-    return [m for _, m in layer.named_modules() if isinstance(m, nn.Linear | nn.QuantizedLinear)]
+    kinds = nn.Linear | nn.QuantizedLinear | PanelLinear
+    return [m for _, m in layer.named_modules() if isinstance(m, kinds)]
 
 
 def _in_features(linear: Any) -> int:
     if isinstance(linear, nn.QuantizedLinear):
         return linear.weight.shape[1] * 32 // linear.bits
-    return linear.weight.shape[1]
+    return linear.weight.shape[1]  # [N, K], or a PanelLinear's [N / 32, K, 32]
 
 
 def _dtype(linear: Any) -> mx.Dtype:

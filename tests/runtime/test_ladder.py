@@ -4,7 +4,7 @@ step changes no token and stores no K/V for the pads."""
 from runtime.checkpoint import load_model
 from runtime.engine import Engine
 from runtime.kv.base import RowSpan
-from runtime.ladder import BatchLadder, PaddedForward, measure_ladder, pad_step
+from runtime.ladder import BatchLadder, PaddedForward, _layer_linears, measure_ladder, pad_step
 from runtime.runner import run_offline
 
 import mlx.core as mx
@@ -89,6 +89,11 @@ def test_padded_steps_give_the_same_greedy_tokens(engine):
 
 
 def test_measures_every_size_for_the_models_own_layers(engine):
+    layer = engine.model.model.layers[0]
+    projections = {"q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj",
+                   "gate_up_proj", "down_proj"}
+    named = {name.rsplit(".", 1)[-1] for name, _ in layer.named_modules()} & projections
+    assert len(_layer_linears(engine.model)) == len(named) >= 4  # every projection, whatever its kind
     ladder = measure_ladder(engine.model, engine.config.num_hidden_layers, 6)
     assert len(ladder.ms) == 6 and all(ms > 0 for ms in ladder.ms)
     assert all(n <= ladder.padded(n) <= 6 for n in range(1, 7))
