@@ -1,11 +1,11 @@
 """The GPU actor: owns the Engine and makes every engine call on the one MLX thread.
 
 Lookahead: it launches plan N+1 before it collects step N, so while the trio side
-streams step N's tokens, step N+1 is already running. On the CPU the engine builds
-step N+1's graph then, and runs it once step N is read (`Engine.defers_start`): the
-MLX thread hands step N's tokens back first, then starts step N+1. The plan-to-engine mapping
-(request ids to row handles) is `runtime.runner.PlanRunner`; this actor only moves
-it onto the MLX thread and the results onto the channels.
+streams step N's tokens, step N+1 is already running. On the CPU, a step N+1 with a
+prompt chunk is only built then, and runs once step N is read (`Engine.defers_start`):
+the MLX thread hands step N's tokens back first, then starts step N+1. The
+plan-to-engine mapping (request ids to row handles) is `runtime.runner.PlanRunner`;
+this actor only moves it onto the MLX thread and the results onto the channels.
 """
 
 from __future__ import annotations

@@ -212,8 +212,12 @@ void pack_panel_rows(const PanelMatmulJob& job, float* xp, int block_begin, int 
     float* t = xp + static_cast<int64_t>(b) * job.K * kPanelRows;
     for (int r = 0; r < kPanelRows; ++r) {
       const int m = b * kPanelRows + r;
+      if (m >= job.M) {  // the last block's missing rows: zeros, never read back out
+        for (int k = 0; k < job.K; ++k) t[k * kPanelRows + r] = 0.0f;
+        continue;
+      }
       const float* x = job.x + m * job.x_stride;
-      for (int k = 0; k < job.K; ++k) t[k * kPanelRows + r] = m < job.M ? x[k] : 0.0f;
+      for (int k = 0; k < job.K; ++k) t[k * kPanelRows + r] = x[k];
     }
   }
 }

@@ -93,6 +93,10 @@ void PanelMatmulOp::eval_cpu(const std::vector<mx::array>& inputs, mx::array& ou
     if (M == 0 || N == 0) {
       return;
     }
+    if (K == 0) {  // an empty sum
+      std::fill_n(out.data<float>(), out.size(), 0.0f);
+      return;
+    }
     std::vector<float> x_copy, w32_copy;
     std::vector<uint16_t> w16_copy;
     const bool is_f32 = w.dtype() == mx::float32;
@@ -111,11 +115,12 @@ void PanelMatmulOp::eval_cpu(const std::vector<mx::array>& inputs, mx::array& ou
     const struct {
       PanelMatmulJob job;
       const PanelKernels* kernels;
-    } task{job, &kernels};
+      float* x_panels;  // written by the first pass, read by the second through `job`
+    } task{job, &kernels, x_panels.data()};
     row_pool()->run(
         [](const void* context, int begin, int end) {
           const auto& t = *static_cast<const decltype(task)*>(context);
-          t.kernels->pack(t.job, const_cast<float*>(t.job.x_panels), begin, end);
+          t.kernels->pack(t.job, t.x_panels, begin, end);
         },
         &task, blocks, static_cast<int>(std::max<int64_t>(1, kMinWeightsPerChunk / 4 / (int64_t{rows} * K))));
     const int64_t weights_per_panel = static_cast<int64_t>(K) * kPanelWidth;

@@ -15,8 +15,9 @@ mx::array dense_matmul(const mx::array& x, const mx::array& w);
 
 uint64_t num_dense_calls();  // evaluations on the CPU, ever
 
-// x[..., K] @ W.T -> [..., N] float32 for a float32 W [N, K] packed into panels of 32
-// columns, [ceil(N / 32), K, 32] (row_kernels.h): every number of rows, decode to prefill.
+// x[..., K] @ W.T -> [..., N] float32 for a W [N, K] (float32, or 16 bits widened exactly
+// as read) packed into panels of 32 columns, [ceil(N / 32), K, 32] (row_kernels.h): every
+// number of rows, decode to prefill.
 mx::array panel_matmul(const mx::array& x, const mx::array& w_panels, int N);
 uint64_t num_panel_calls();  // evaluations on the CPU, ever
 

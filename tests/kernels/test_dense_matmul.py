@@ -105,6 +105,8 @@ def test_the_panel_kernel_refuses_a_weight_that_is_not_its_panels():
     ext = cpu_extension()
     packed = dm.pack_panels(mx.ones((40, 8)))  # 2 panels
     assert ext.panel_matmul(mx.zeros((0, 8)), packed, 40).shape == (0, 40)
+    empty_sum = ext.panel_matmul(mx.ones((3, 0)), dm.pack_panels(mx.ones((40, 0))), 40)
+    assert mx.array_equal(empty_sum, mx.zeros((3, 40))).item()  # K = 0: zeros, not garbage
     for bad in ((mx.zeros((2, 9)), packed, 40), (mx.zeros((2, 8)), packed, 65), (mx.zeros((2, 8)), packed, 31),
                 (mx.zeros((2, 8)), mx.ones((2, 8, 16)), 40)):
         with pytest.raises(ValueError):
