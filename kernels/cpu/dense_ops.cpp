@@ -39,6 +39,21 @@ struct DenseTask {
   DenseMatmulRows rows;
 };
 
+// A float32 or 16-bit weight as stored: a parameter is dense (16-bit values viewed as
+// their bits); anything else is copied into one of the buffers first.
+struct StoredWeight {
+  explicit StoredWeight(const mx::array& w)
+      : data(w.dtype() == mx::float32 ? static_cast<const void*>(row_major_data(w, f32_copy))
+                                      : static_cast<const void*>(row_major_data(w, bits_copy))),
+        kind(w.dtype() == mx::float32   ? WeightKind::f32
+             : w.dtype() == mx::float16 ? WeightKind::f16
+                                        : WeightKind::bf16) {}
+  std::vector<float> f32_copy;
+  std::vector<uint16_t> bits_copy;
+  const void* data;
+  WeightKind kind;
+};
+
 std::atomic<uint64_t> panel_calls{0};
 
 struct PanelKernels {
@@ -97,16 +112,11 @@ void PanelMatmulOp::eval_cpu(const std::vector<mx::array>& inputs, mx::array& ou
       std::fill_n(out.data<float>(), out.size(), 0.0f);
       return;
     }
-    std::vector<float> x_copy, w32_copy;
-    std::vector<uint16_t> w16_copy;
-    const bool is_f32 = w.dtype() == mx::float32;
-    const void* weight = is_f32 ? static_cast<const void*>(row_major_data(w, w32_copy))
-                                : static_cast<const void*>(row_major_data(w, w16_copy));
-    const WeightKind kind = is_f32 ? WeightKind::f32
-        : w.dtype() == mx::float16 ? WeightKind::f16 : WeightKind::bf16;
+    std::vector<float> x_copy;
+    StoredWeight weight(w);
     const PanelKernels& kernels = panel_kernels();
-    PanelMatmulJob job{row_major_data(in[0], x_copy), nullptr, weight, out.data<float>(),
-                       M, N, K, K, kind};
+    PanelMatmulJob job{row_major_data(in[0], x_copy), nullptr, weight.data, out.data<float>(),
+                       M, N, K, K, weight.kind};
     // x transposed into blocks of the tile's rows, once for every panel and thread.
     thread_local std::vector<float> x_panels;  // this runs on the stream's one thread
     const int rows = kernels.rows(), blocks = (M + rows - 1) / rows;
@@ -175,16 +185,9 @@ void DenseRowsMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
     for (int m = 0; m < M; ++m) {
       std::copy_n(x + static_cast<int64_t>(m) * K, K, spaced.data() + m * stride);
     }
-    // The weight as stored: a parameter is dense rows (16-bit ones viewed as their bits).
-    std::vector<float> w32_copy;
-    std::vector<uint16_t> w16_copy;
-    const bool is_f32 = w.dtype() == mx::float32;
-    const void* weight = is_f32 ? static_cast<const void*>(row_major_data(w, w32_copy))
-                                : static_cast<const void*>(row_major_data(w, w16_copy));
-    const WeightKind kind = is_f32 ? WeightKind::f32
-        : w.dtype() == mx::float16 ? WeightKind::f16 : WeightKind::bf16;
+    StoredWeight weight(w);
     const DenseTask task{
-        DenseMatmulJob{spaced.data(), weight, out.data<float>(), M, N, K, stride, kind},
+        DenseMatmulJob{spaced.data(), weight.data, out.data<float>(), M, N, K, stride, weight.kind},
         dense_kernel()};
     const int min_rows = static_cast<int>(
         std::clamp<int64_t>(kMinWeightsPerChunk / std::max(1, K), 4, std::max(4, N)));
