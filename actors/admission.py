@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import contextlib
 
-from runtime.engine import check_sequence
 from runtime.errors import CadenceError, RequestError
 from runtime.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
-from runtime.sequence import SequenceParams
+from runtime.sequence import SequenceParams, check_sequence
 from runtime.tokenizer import Tokenizer
 from runtime.tool_prompts import chat_for_template, template_knows_tools, tool_call_grammar
 

@@ -43,7 +43,7 @@ import os
 from collections import deque
 
 from runtime.checkpoint import LoadedModel
-from runtime.errors import CadenceError, RequestError
+from runtime.errors import CadenceError
 from runtime.finishing import finish_step
 from runtime.grammar import GrammarState, token_masks
 from runtime.kv.base import RowSpan
@@ -58,6 +58,7 @@ from runtime.sequence import (
     StepBatch,
     StepOutcome,
     TokenLogprob,
+    check_sequence,
 )
 
 import attrs
@@ -149,44 +150,6 @@ class _QueuedStep:
     def outputs(self) -> tuple[mx.array, ...]:
         lp = self.logprobs
         return (self.tokens, self.is_finite) + (() if lp is None else (lp.token, lp.top_ids, lp.top))
-
-
-def check_sequence(
-    params: SequenceParams,
-    *,
-    max_context: int,
-    vocab_size: int,
-    prompt_field: str = "prompt",
-    kv_tokens: int | None = None,
-) -> None:
-    """Raise RequestError unless `params` can run; pure, so admission calls it off-thread too.
-
-    `prompt_field` names the request field the prompt came from ("prompt" or "messages");
-    `kv_tokens`, when it is what bounds `max_context`, is named in the error.
-    """
-    prompt = params.prompt_tokens
-    if not prompt:
-        raise RequestError(f"'{prompt_field}' encodes to no tokens", param=prompt_field)
-    if params.max_tokens is not None and params.max_tokens < 1:
-        raise RequestError("'max_tokens' must be at least 1", param="max_tokens")
-    if len(prompt) + (params.max_tokens or 1) > max_context:
-        asked = params.max_tokens or "at least 1"
-        limit = f"this model's maximum context length is {max_context} tokens"
-        if kv_tokens is not None and kv_tokens <= max_context:
-            limit = f"the KV budget holds {kv_tokens} tokens in all (--kv-budget)"
-        raise RequestError(
-            f"{limit}; the prompt has {len(prompt)} tokens and max_tokens asks for {asked} more",
-            param="max_tokens" if params.max_tokens else prompt_field,
-            code="context_length_exceeded",
-        )
-    if any(not 0 <= t < vocab_size for t in prompt):
-        raise RequestError(
-            f"token ids in '{prompt_field}' must be in 0..{vocab_size - 1}", param=prompt_field
-        )
-    if any(not 0 <= t < vocab_size for t, _ in params.sampling.logit_bias):
-        raise RequestError(
-            f"logit_bias keys must be token ids in 0..{vocab_size - 1}", param="logit_bias"
-        )
 
 
 def rows_are_finite(logits: mx.array) -> mx.array:
