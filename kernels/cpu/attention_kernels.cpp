@@ -95,6 +95,27 @@ inline void rescale_add(float* acc, float keep, const float* p, const float* v, 
   }
 }
 
+// Asks for the keys and values of the next two blocks of a row's table, into L2, while
+// block `block` is scored. A row's blocks lie anywhere in the pool, so the hardware
+// prefetcher meets each one cold, and a decode token that only streams its history
+// stalls on every block: with the pools past L3 (16 rows x 2,048 keys), a layer went
+// from 7.1 to 4.5 ms and one row over 8,192 keys from 0.98 to 0.75 ms (the next block
+// alone, into L1, changed nothing measurable; two, three or four ahead about the same).
+inline void prefetch_blocks_after(const int32_t* table, int block, int last_pos,
+                                  const float* keys, const float* values, int bs, int D) {
+  for (int ahead = 1; ahead <= 2; ++ahead) {
+    const int first_pos = (block + ahead) * bs;
+    if (first_pos > last_pos) {
+      return;
+    }
+    const int64_t begin = static_cast<int64_t>(table[block + ahead]) * bs * D;
+    for (int64_t i = 0; i < static_cast<int64_t>(bs) * D; i += 16) {  // 64-byte lines
+      __builtin_prefetch(keys + begin + i, 0, 1);
+      __builtin_prefetch(values + begin + i, 0, 1);
+    }
+  }
+}
+
 // The first key a query at `pos` sees.
 inline int first_visible(const PagedAttentionJob& job, int pos) {
   return job.window > 0 && pos - job.window + 1 > 0 ? pos - job.window + 1 : 0;
@@ -131,6 +152,7 @@ void attend_token(const PagedAttentionJob& job, int n, int h) {
       const int64_t slot = static_cast<int64_t>(table[p / bs]) * bs + in_block;
       const float* k = head_keys + slot * D;  // `count` consecutive keys of one block
       const float* v = head_values + slot * D;
+      prefetch_blocks_after(table, p / bs, pos, head_keys, head_values, bs, D);
       for (int j = 0; j < count; ++j) {
         for (int g = 0; g < G; ++g) {
           scores[g][j] = dot(q + g * D, k + static_cast<int64_t>(j) * D, D) * job.scale;
