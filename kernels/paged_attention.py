@@ -53,7 +53,9 @@ import mlx.core as mx
 import numpy as np
 import structlog
 
+from kernels import fused_blocks
 from kernels.cpu_extension import cpu_extension
+from kernels.fused_blocks import NormedLayers
 from kernels.paged_attention_mx import FastPlan, GatherPlan
 
 log = structlog.get_logger("cadence.paged_attention")
@@ -316,5 +318,29 @@ class _NativePlan:
         out, keys, values = ext.paged_attention_rotary(
             qkv, keys, values, step.tables, step.row_of_token, step.positions, inv_freqs,
             num_heads, step.num_kv_heads, step.block_size, step.window or 0, scale, rope_scale,
+        )
+        return out, keys, values
+
+    def residual_attention(
+        self,
+        x: mx.array,
+        block: NormedLayers,
+        keys: mx.array,
+        values: mx.array,
+        num_heads: int,
+        inv_freqs: mx.array,
+        rope_scale: float,
+        scale: float,
+    ) -> tuple[mx.array, mx.array, mx.array] | None:
+        """x + o(`rotate_write_and_attend`(qkv(norm(x)))) as one op for a step of few rows
+        (kernels/fused_blocks.py): (out, keys, values), or None where it cannot run so."""
+        ext = fused_blocks.kernel_for(x)
+        if ext is None:
+            return None
+        step = self.step
+        out, keys, values = ext.residual_attention(
+            x, block.norm_weight, block.eps, block.first, block.second, keys, values,
+            step.tables, step.row_of_token, step.positions, inv_freqs, num_heads,
+            step.num_kv_heads, step.block_size, step.window or 0, scale, rope_scale,
         )
         return out, keys, values

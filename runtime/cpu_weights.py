@@ -74,6 +74,7 @@ def prepare_for_cpu(
             _adopt_dense_layers(model)
             _stack_projections(model)
             _pack_panels(model)
+            _plan_blocks(model)
             progress(f"weights: {describe_layers(model)}")
             return model
         if cpu_quantize == "off" and _has_16_bit_matmuls(model):
@@ -93,6 +94,14 @@ def prepare_for_cpu(
         _pack_panels(model)
     progress(f"weights: {describe_layers(model)}")
     return model
+
+
+def _plan_blocks(model: CausalLM) -> None:
+    """Let each layer that can decide which of its residual blocks run as one op
+    (kernels/fused_blocks.py), now that its weights have their final form."""
+    for module in model.modules():
+        if hasattr(module, "plan_blocks"):
+            module.plan_blocks()
 
 
 # The layer groups that read one input: (the stacked layer's name, the layers' names).

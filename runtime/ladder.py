@@ -123,6 +123,9 @@ class PaddedForward:
     def attend_stacked(self, layer: int, qkv: mx.array, *args: Any) -> mx.array:
         return attend_stacked_by_parts(self, layer, qkv, *args)  # pads cut in `attend`
 
+    def residual_attention(self, *args: Any) -> None:
+        return None  # by parts, so the pads are cut around attention
+
     def __getattr__(self, name: str) -> Any:  # the storage's other attributes (e.g. path)
         return getattr(self._inner, name)
 

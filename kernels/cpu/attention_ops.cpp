@@ -65,10 +65,6 @@ mx::Stream cpu_stream() {
   return mx::to_stream(mx::StreamOrDevice{}, mx::Device::cpu);
 }
 
-void fill_nan(mx::array& out) {
-  std::fill_n(out.data<float>(), out.size(), std::numeric_limits<float>::quiet_NaN());
-}
-
 // True if every block a token reads is a real pool block: a bad table must give NaN
 // (which fails the rows that read it, see runtime/engine.py), never a wild read.
 bool tables_are_sound(const PagedAttentionJob& job, int N, int R, int num_blocks) {
@@ -119,6 +115,8 @@ void build_tiles(const PagedAttentionJob& job, int N, int lanes, std::vector<int
   }
 }
 
+}  // namespace
+
 // The pool `in` as the output `out`: its own buffer when nothing else holds it (a
 // step's write then costs its new rows, not the pool), else a new one that the
 // step fills with a copy first (returns true).
@@ -131,10 +129,6 @@ bool take_pool(const mx::array& in, mx::array& out) {
   pool_copies.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
-
-}  // namespace
-
-namespace {
 
 // The operands both builders share: pools of whole blocks of D-wide heads, tables,
 // and each of the N tokens' table row and position.
@@ -158,8 +152,6 @@ void require_pools_and_tables(const mx::array& keys, const mx::array& values,
             "token_row and token_pos must be [N] int32");
   }
 }
-
-}  // namespace
 
 std::vector<mx::array> paged_attention_write(
     const mx::array& q,
@@ -254,37 +246,12 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   encoder.dispatch([in = std::move(in), out = std::move(out), copies_keys, copies_values,
                     kv = num_kv_heads_, bs = block_size_, window = window_, scale = scale_,
                     rotary_heads = num_heads_, rope_scale = rope_scale_]() mutable {
-    attention_calls.fetch_add(1, std::memory_order_relaxed);
     const auto& tables = in[3];
     const bool rotary = rotary_heads > 0;
-    const int N = in[4].shape(0), D = in[1].shape(1), R = tables.shape(0);
+    const int D = in[1].shape(1);
     const int H = rotary ? rotary_heads : in[0].shape(1);
-    const int num_slots = in[1].shape(0) / kv;
     std::vector<float> q_copy, keys_copy, values_copy, k_copy, v_copy, freqs_copy;
     std::vector<int32_t> tables_copy, row_copy, pos_copy;
-    // q [N, H, D]; each token's Hkv new key heads at k + n * kv_stride, values alike.
-    const float *q, *k, *v;
-    int64_t kv_stride = static_cast<int64_t>(kv) * D;
-    thread_local std::vector<float> rotated;  // the stream's one thread
-    if (rotary) {  // q and k rotated into [N, H, D] and [N, Hkv, D]; v read in place
-      const float* qkv = row_major_data(in[0], q_copy);
-      kv_stride = static_cast<int64_t>(H + 2 * kv) * D;
-      rotated.resize(static_cast<size_t>(N) * (H + kv) * D);
-      float* q_rot = rotated.data();
-      float* k_rot = q_rot + static_cast<int64_t>(N) * H * D;
-      rope_tokens(RopeJob{qkv, row_major_data(in[5], pos_copy), row_major_data(in[6], freqs_copy),
-                          q_rot, H, D, in[6].shape(0), rope_scale, kv_stride, qkv + H * D, k_rot,
-                          kv},
-                  N);
-      q = q_rot;
-      k = k_rot;
-      v = qkv + static_cast<int64_t>(H + kv) * D;
-    } else {
-      q = row_major_data(in[0], q_copy);
-      k = row_major_data(in[6], k_copy);
-      v = row_major_data(in[7], v_copy);
-    }
-    const int64_t k_stride = rotary ? static_cast<int64_t>(kv) * D : kv_stride;
     const float* keys = row_major_data(in[1], keys_copy);  // the pools are dense: no copy
     const float* values = row_major_data(in[2], values_copy);
     if (copies_keys) {
@@ -293,53 +260,87 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     if (copies_values) {
       std::copy_n(values, in[2].size(), out[2].data<float>());
     }
-    AttentionTask task{
-        PagedAttentionJob{q, out[1].data<float>(), out[2].data<float>(),
-                          row_major_data(tables, tables_copy), row_major_data(in[4], row_copy),
-                          row_major_data(in[5], pos_copy), nullptr, nullptr, out[0].data<float>(),
-                          H, kv, D, num_slots, bs, tables.shape(1), window, scale},
-        kernels().attention};
-    if (N == 0) {
-      return;
+    const AttentionStep step{row_major_data(tables, tables_copy), tables.shape(0), tables.shape(1),
+                             row_major_data(in[4], row_copy), row_major_data(in[5], pos_copy),
+                             in[4].shape(0), out[1].data<float>(), out[2].data<float>(),
+                             in[1].shape(0) / kv, kv, D, bs, window, scale};
+    if (rotary) {
+      attend_rotary(step, H, row_major_data(in[0], q_copy), row_major_data(in[6], freqs_copy),
+                    in[6].shape(0), rope_scale, out[0].data<float>());
+    } else {
+      const int64_t kv_stride = static_cast<int64_t>(kv) * D;
+      attend(step, H, row_major_data(in[0], q_copy), row_major_data(in[6], k_copy), kv_stride,
+             row_major_data(in[7], v_copy), kv_stride, out[0].data<float>());
     }
-    if (!tables_are_sound(task.job, N, R, num_slots / bs)) {
-      fill_nan(out[0]);  // and nothing written: the pools stay as they were
-      return;
-    }
-    {  // each token's K/V into its slot, head-major: row h * num_slots + slot
-      const auto& job = task.job;
-      for (int n = 0; n < N; ++n) {
-        const int pos = job.token_pos[n];
-        const int64_t block = job.tables[static_cast<int64_t>(job.token_row[n]) * job.table_width +
-                                         pos / bs];
-        const int64_t slot = block * bs + pos % bs;
-        for (int h = 0; h < kv; ++h) {
-          const int64_t dst = (h * static_cast<int64_t>(num_slots) + slot) * D;
-          std::copy_n(k + n * k_stride + h * D, D, out[1].data<float>() + dst);
-          std::copy_n(v + n * kv_stride + h * D, D, out[2].data<float>() + dst);
-        }
+  });
+}
+
+void attend_rotary(const AttentionStep& step, int H, const float* qkv, const float* inv_freqs,
+                   int half, float rope_scale, float* out) {
+  // q and k rotated into [N, H, D] and [N, Hkv, D]; v read in place.
+  const int N = step.N, D = step.D, kv = step.Hkv;
+  const int64_t qkv_stride = static_cast<int64_t>(H + 2 * kv) * D;
+  thread_local std::vector<float> rotated;  // the stream's one thread
+  rotated.resize(static_cast<size_t>(N) * (H + kv) * D);
+  float* q_rot = rotated.data();
+  float* k_rot = q_rot + static_cast<int64_t>(N) * H * D;
+  rope_tokens(RopeJob{qkv, step.token_pos, inv_freqs, q_rot, H, D, half, rope_scale, qkv_stride,
+                      qkv + H * D, k_rot, kv},
+              N);
+  attend(step, H, q_rot, k_rot, static_cast<int64_t>(kv) * D,
+         qkv + static_cast<int64_t>(H + kv) * D, qkv_stride, out);
+}
+
+void attend(const AttentionStep& step, int H, const float* q, const float* k, int64_t k_stride,
+            const float* v, int64_t v_stride, float* out) {
+  attention_calls.fetch_add(1, std::memory_order_relaxed);
+  const int N = step.N, D = step.D, kv = step.Hkv, bs = step.block_size;
+  const int window = step.window;
+  AttentionTask task{
+      PagedAttentionJob{q, step.keys, step.values, step.tables, step.token_row, step.token_pos,
+                        nullptr, nullptr, out, H, kv, D, step.num_slots, bs, step.table_width,
+                        window, step.scale},
+      kernels().attention};
+  if (N == 0) {
+    return;
+  }
+  if (!tables_are_sound(task.job, N, step.R, step.num_slots / bs)) {
+    std::fill_n(out, static_cast<int64_t>(N) * H * D, std::numeric_limits<float>::quiet_NaN());
+    return;  // and nothing written: the pools stay as they were
+  }
+  {  // each token's K/V into its slot, head-major: row h * num_slots + slot
+    const auto& job = task.job;
+    for (int n = 0; n < N; ++n) {
+      const int pos = job.token_pos[n];
+      const int64_t block =
+          job.tables[static_cast<int64_t>(job.token_row[n]) * job.table_width + pos / bs];
+      const int64_t slot = block * bs + pos % bs;
+      for (int h = 0; h < kv; ++h) {
+        const int64_t dst = (h * static_cast<int64_t>(step.num_slots) + slot) * D;
+        std::copy_n(k + n * k_stride + h * D, D, step.keys + dst);
+        std::copy_n(v + n * v_stride + h * D, D, step.values + dst);
       }
     }
-    thread_local std::vector<int32_t> tile_first, tile_count;  // the stream's one thread
-    build_tiles(task.job, N, kernels().lanes, tile_first, tile_count);
-    task.job.tile_first = tile_first.data();
-    task.job.tile_count = tile_count.data();
-    int64_t flops = 0;  // ~ keys seen x query heads x D, to size the chunks
-    for (int n = 0; n < N; ++n) {
-      const int pos = task.job.token_pos[n];
-      flops += window > 0 ? std::min(pos + 1, window) : pos + 1;
-    }
-    flops = std::max<int64_t>(1, flops * H * D);
-    const int items = static_cast<int>(tile_first.size()) * kv;
-    const int min_items =
-        static_cast<int>(std::clamp<int64_t>(kMinFlopsPerChunk * items / flops, 1, items));
-    row_pool()->run(
-        [](const void* context, int begin, int end) {
-          const auto& t = *static_cast<const AttentionTask*>(context);
-          t.items(t.job, begin, end);
-        },
-        &task, items, min_items);
-  });
+  }
+  thread_local std::vector<int32_t> tile_first, tile_count;  // the stream's one thread
+  build_tiles(task.job, N, kernels().lanes, tile_first, tile_count);
+  task.job.tile_first = tile_first.data();
+  task.job.tile_count = tile_count.data();
+  int64_t flops = 0;  // ~ keys seen x query heads x D, to size the chunks
+  for (int n = 0; n < N; ++n) {
+    const int pos = task.job.token_pos[n];
+    flops += window > 0 ? std::min(pos + 1, window) : pos + 1;
+  }
+  flops = std::max<int64_t>(1, flops * H * D);
+  const int items = static_cast<int>(tile_first.size()) * kv;
+  const int min_items =
+      static_cast<int>(std::clamp<int64_t>(kMinFlopsPerChunk * items / flops, 1, items));
+  row_pool()->run(
+      [](const void* context, int begin, int end) {
+        const auto& t = *static_cast<const AttentionTask*>(context);
+        t.items(t.job, begin, end);
+      },
+      &task, items, min_items);
 }
 
 mx::array gated_activation(const mx::array& gate, const mx::array& up, Activation activation) {
@@ -378,25 +379,17 @@ struct GatedHalvesTask {
 void GatedActivation::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   run_on_stream(stream(), inputs, out, [activation = activation_](std::vector<mx::array>& in,
                                                                   mx::array& out) {
-    gated_calls.fetch_add(1, std::memory_order_relaxed);
-    const SiluMulRange range =
-        activation == Activation::silu ? kernels().silu_mul : kernels().gelu_tanh_mul;
     std::vector<float> gate_copy, up_copy;
     if (in.size() == 1) {  // one input: gate and up are the two halves of each row
       const int64_t width = out.shape(-1);
-      const GatedHalvesTask task{row_major_data(in[0], gate_copy), out.data<float>(), width, range};
       const int rows = width == 0 ? 0 : static_cast<int>(out.size() / width);
-      row_pool()->run(
-          [](const void* context, int begin, int end) {
-            const auto& t = *static_cast<const GatedHalvesTask*>(context);
-            for (int64_t r = begin; r < end; ++r) {
-              const float* gate = t.gate_up + r * 2 * t.width;
-              t.range(SiluMulJob{gate, gate + t.width, t.out + r * t.width}, 0, t.width);
-            }
-          },
-          &task, rows, static_cast<int>(std::max<int64_t>(1, 64 * kGatedUnit / std::max<int64_t>(1, width))));
+      gated_activation_rows(row_major_data(in[0], gate_copy), out.data<float>(), rows, width,
+                            activation);
       return;
     }
+    gated_calls.fetch_add(1, std::memory_order_relaxed);
+    const SiluMulRange range =
+        activation == Activation::silu ? kernels().silu_mul : kernels().gelu_tanh_mul;
     const GatedTask task{SiluMulJob{row_major_data(in[0], gate_copy), row_major_data(in[1], up_copy),
                                     out.data<float>()},
                          static_cast<int64_t>(out.size()), range};
@@ -408,6 +401,23 @@ void GatedActivation::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
         },
         &task, units, 64);
   });
+}
+
+void gated_activation_rows(const float* gate_up, float* out, int rows, int64_t width,
+                           Activation activation) {
+  gated_calls.fetch_add(1, std::memory_order_relaxed);
+  const SiluMulRange range =
+      activation == Activation::silu ? kernels().silu_mul : kernels().gelu_tanh_mul;
+  const GatedHalvesTask task{gate_up, out, width, range};
+  row_pool()->run(
+      [](const void* context, int begin, int end) {
+        const auto& t = *static_cast<const GatedHalvesTask*>(context);
+        for (int64_t r = begin; r < end; ++r) {
+          const float* gate = t.gate_up + r * 2 * t.width;
+          t.range(SiluMulJob{gate, gate + t.width, t.out + r * t.width}, 0, t.width);
+        }
+      },
+      &task, rows, static_cast<int>(std::max<int64_t>(1, 64 * kGatedUnit / std::max<int64_t>(1, width))));
 }
 
 void PagedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

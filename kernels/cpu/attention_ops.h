@@ -51,6 +51,38 @@ std::vector<mx::array> paged_attention_rotary(
     float scale,
     float rope_scale);
 
+// One layer's paged attention over a ragged step, as the primitive's work, for ops
+// that run it inside their own (block_ops.cpp). Call from the stream's thread.
+struct AttentionStep {
+  const int32_t* tables;  // [R, table_width]
+  int R, table_width;
+  const int32_t* token_row;  // [N]
+  const int32_t* token_pos;  // [N]
+  int N;
+  float* keys;  // [Hkv * num_slots, D]: the pools, written in place
+  float* values;
+  int num_slots, Hkv, D, block_size, window;
+  float scale;
+};
+// Writes each token's k, v (token n's Hkv heads at k + n * k_stride, v alike) into the
+// pools, then q [N, H, D] attends -> out [N, H, D]; a table that points outside the pool
+// gives NaN and writes nothing.
+void attend(const AttentionStep& step, int H, const float* q, const float* k, int64_t k_stride,
+            const float* v, int64_t v_stride, float* out);
+// The same from a dense stacked qkv [N, (H + 2 Hkv) * D], q and k rotated first by
+// `half` inverse frequencies (paged_attention_rotary).
+void attend_rotary(const AttentionStep& step, int H, const float* qkv, const float* inv_freqs,
+                   int half, float rope_scale, float* out);
+// Throws std::invalid_argument unless the pools hold whole blocks of Hkv heads of D
+// float32 values and tables, token_row, token_pos fit N tokens of H query heads.
+void require_pools_and_tables(const mx::array& keys, const mx::array& values,
+                              const mx::array& tables, const mx::array& token_row,
+                              const mx::array& token_pos, int N, int H, int num_kv_heads, int D,
+                              int block_size, int window);
+// The pool `in` as the output `out`: its buffer when nothing else holds it, else a new
+// one (returns true: the caller copies the pool into it before writing).
+bool take_pool(const mx::array& in, mx::array& out);
+
 // The gated MLP's activation, act(gate) * up, float32: SwiGLU (silu) or Gemma's
 // GELU with the tanh approximation (nn.gelu_approx).
 enum class Activation { silu, gelu_tanh };
@@ -58,6 +90,11 @@ mx::array gated_activation(const mx::array& gate, const mx::array& up, Activatio
 // The same with gate and up the halves of each row of gate_up [..., 2 * I] -> [..., I]:
 // a stacked gate/up projection's output, with no split or copy between.
 mx::array gated_activation_halves(const mx::array& gate_up, Activation activation);
+
+// The halves form's work over dense rows of gate_up [rows, 2 * width] -> out [rows,
+// width], on the kernel threads (block_ops.cpp).
+void gated_activation_rows(const float* gate_up, float* out, int rows, int64_t width,
+                           Activation activation);
 
 uint64_t num_attention_calls();  // evaluations of paged_attention_write on the CPU, ever
 uint64_t num_pool_copies();  // pools paged_attention_write had to copy (not donated), ever

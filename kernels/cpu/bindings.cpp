@@ -4,11 +4,13 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include "mlx/version.h"
 
 #include "attention_ops.h"
+#include "block_ops.h"
 #include "dense_ops.h"
 #include "isa.h"
 #include "norm_rope_ops.h"
@@ -77,6 +79,40 @@ NB_MODULE(_cpu_ext, m) {
         "How many times the dense matmul kernel has run.");
   m.def("num_kernel_calls", &cadence_cpu::num_kernel_calls,
         "How many times the kernels have run, for tests that must see them run.");
+  // A quantized layer as (w, scales, biases, bias, group_size, bits); bias may be empty.
+  using Layer = std::tuple<mx::array, mx::array, mx::array, mx::array, int, int>;
+  auto layer = [](const Layer& t) {
+    return cadence_cpu::QuantizedLayer{std::get<0>(t), std::get<1>(t), std::get<2>(t),
+                                       std::get<3>(t), std::get<4>(t), std::get<5>(t)};
+  };
+  auto activation_named = [](const std::string& name) {
+    if (name != "silu" && name != "gelu_tanh") {
+      throw std::invalid_argument("activation must be silu or gelu_tanh");
+    }
+    return name == "silu" ? cadence_cpu::Activation::silu : cadence_cpu::Activation::gelu_tanh;
+  };
+  m.def("residual_mlp", [layer, activation_named](const mx::array& x, const mx::array& norm_weight,
+                                                  float eps, const Layer& gate_up,
+                                                  const Layer& down, const std::string& activation) {
+    return cadence_cpu::residual_mlp(x, norm_weight, eps, layer(gate_up), layer(down),
+                                     activation_named(activation));
+  }, "x"_a, "norm_weight"_a, "eps"_a, "gate_up"_a, "down"_a, "activation"_a,
+        "x + down(act(gate and up halves of gate_up(rms_norm(x)))), one op (few rows).");
+  m.def("residual_attention", [layer](const mx::array& x, const mx::array& norm_weight, float eps,
+                                      const Layer& qkv, const Layer& o, const mx::array& keys,
+                                      const mx::array& values, const mx::array& tables,
+                                      const mx::array& token_row, const mx::array& token_pos,
+                                      const mx::array& inv_freqs, int num_heads, int num_kv_heads,
+                                      int block_size, int window, float scale, float rope_scale) {
+    return cadence_cpu::residual_attention(x, norm_weight, eps, layer(qkv), layer(o), keys, values,
+                                           tables, token_row, token_pos, inv_freqs, num_heads,
+                                           num_kv_heads, block_size, window, scale, rope_scale);
+  }, "x"_a, "norm_weight"_a, "eps"_a, "qkv"_a, "o"_a, "keys"_a, "values"_a, "tables"_a,
+        "token_row"_a, "token_pos"_a, "inv_freqs"_a, "num_heads"_a, "num_kv_heads"_a,
+        "block_size"_a, "window"_a, "scale"_a, "rope_scale"_a,
+        "x + o(paged_attention_rotary(qkv(rms_norm(x)))): [out, keys, values], one op.");
+  m.def("num_block_calls", &cadence_cpu::num_block_calls,
+        "How many times a residual block (residual_mlp, residual_attention) has run.");
   m.def("isa", &cadence_cpu::isa, "The instruction set the kernels use.");
   m.def("num_threads", &cadence_cpu::num_threads);
   m.def("set_num_threads", &cadence_cpu::set_threads, "num_threads"_a);

@@ -76,14 +76,18 @@ void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     const int D = in[0].shape(-1);
     const int rows = D == 0 ? 0 : static_cast<int>(in[0].size() / D);
     std::vector<float> x_copy, weight_copy;
-    const NormJob job{row_major_data(in[0], x_copy), row_major_data(in[1], weight_copy),
-                      out.data<float>(), D, eps};
-    row_pool()->run(
-        [](const void* context, int begin, int end) {
-          kernels().rms_norm(*static_cast<const NormJob*>(context), begin, end);
-        },
-        &job, rows, min_rows_per_chunk(D));
+    rms_norm_rows(row_major_data(in[0], x_copy), row_major_data(in[1], weight_copy),
+                  out.data<float>(), rows, D, eps);
   });
+}
+
+void rms_norm_rows(const float* x, const float* weight, float* out, int rows, int D, float eps) {
+  const NormJob job{x, weight, out, D, eps};
+  row_pool()->run(
+      [](const void* context, int begin, int end) {
+        kernels().rms_norm(*static_cast<const NormJob*>(context), begin, end);
+      },
+      &job, rows, min_rows_per_chunk(D));
 }
 
 mx::array rope(const mx::array& x, const mx::array& positions, const mx::array& inv_freqs,

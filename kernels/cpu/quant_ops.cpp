@@ -60,7 +60,9 @@ const Kernels& kernels(int num_rows) {
   return baseline_kernels;
 }
 
-void check_operands(
+}  // namespace
+
+void check_quantized_operands(
     const mx::array& w,
     const mx::array& scales,
     const mx::array& biases,
@@ -85,6 +87,8 @@ void check_operands(
         "cadence quantized kernels: scales and biases must be [N, K / group_size]");
   }
 }
+
+namespace {
 
 mx::array as_float32(const mx::array& a, mx::Stream s) {
   return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s);
@@ -163,7 +167,7 @@ mx::array matmul(
     const mx::array& biases,
     int group_size,
     int bits) {
-  check_operands(w, scales, biases, group_size, bits);
+  check_quantized_operands(w, scales, biases, group_size, bits);
   const int K = w.shape(1) * 32 / bits;
   if (x.ndim() < 1 || x.shape(-1) != K) {
     throw std::invalid_argument("cadence quantized matmul: x must be [..., K] with K = w's columns");
@@ -184,7 +188,7 @@ mx::array dequantize(
     const mx::array& biases,
     int group_size,
     int bits) {
-  check_operands(w, scales, biases, group_size, bits);
+  check_quantized_operands(w, scales, biases, group_size, bits);
   auto s = mx::to_stream(mx::StreamOrDevice{}, mx::Device::cpu);
   const int K = w.shape(1) * 32 / bits;
   return mx::array(
@@ -194,35 +198,40 @@ mx::array dequantize(
       {w, as_float32(scales, s), as_float32(biases, s)});
 }
 
+void quantized_matmul_rows(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
+                           const uint32_t* w, const float* scales, const float* biases, int N,
+                           int group_size, int bits, float* out) {
+  kernel_calls.fetch_add(1, std::memory_order_relaxed);
+  // Reused across calls: this runs on the stream's one thread.
+  thread_local std::vector<float> xt, xsum;
+  xt.resize(static_cast<size_t>(M) * K);
+  xsum.resize(static_cast<size_t>(M) * (K / group_size));
+  const Kernels& chosen = kernels(M);
+  pack_activations(x, row_stride, col_stride, M, K, group_size, bits, chosen.lanes, xt.data(),
+                   xsum.data());
+  const MatmulTask task{
+      MatmulJob{w, scales, biases, xt.data(), xsum.data(), out, M, N, K, group_size, bits},
+      chosen.matmul};
+  // Rows sharing a decode (4 at a time) make a row's work grow with M (at least 1:
+  // an empty x or K gives no work, and must not divide by zero).
+  const int64_t work_per_row = std::max<int64_t>(1, static_cast<int64_t>(K) * ((M + 3) / 4));
+  const int min_rows = static_cast<int>(std::max<int64_t>(1, kMinValuesPerChunk / work_per_row));
+  row_pool()->run(run_matmul_chunk, &task, N, min_rows);
+}
+
 void QuantizedRowsMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   require_packed_weight(inputs, 1);
   run_on_stream(stream(), inputs, out, [group_size = group_size_, bits = bits_](
                                            std::vector<mx::array>& in, mx::array& out) {
-    kernel_calls.fetch_add(1, std::memory_order_relaxed);
     const auto &x = in[0], &w = in[1];
-    const int K = x.shape(-1), N = w.shape(0);
-    const int M = leading_rows(x);
-    // Reused across calls: this runs on the stream's one thread.
-    thread_local std::vector<float> xt, xsum;
-    xt.resize(static_cast<size_t>(M) * K);
-    xsum.resize(static_cast<size_t>(M) * (K / group_size));
-    const Kernels& chosen = kernels(M);
+    const int K = x.shape(-1);
     // [M, K] as strides: a 2-D x as it lies, a deeper one dense (copied if it is not).
     std::vector<float> x_copy;
     const bool is_2d = x.ndim() == 2;
-    pack_activations(
+    quantized_matmul_rows(
         is_2d ? x.data<float>() : row_major_data(x, x_copy), is_2d ? x.strides(0) : K,
-        is_2d ? x.strides(1) : 1, M, K, group_size, bits, chosen.lanes, xt.data(), xsum.data());
-    const MatmulTask task{
-        MatmulJob{w.data<uint32_t>(), in[2].data<float>(), in[3].data<float>(), xt.data(),
-                  xsum.data(), out.data<float>(), M, N, K, group_size, bits},
-        chosen.matmul};
-    // Rows sharing a decode (4 at a time) make a row's work grow with M (at least 1:
-    // an empty x or K gives no work, and must not divide by zero).
-    const int64_t work_per_row =
-        std::max<int64_t>(1, static_cast<int64_t>(K) * ((M + 3) / 4));
-    const int min_rows = static_cast<int>(std::max<int64_t>(1, kMinValuesPerChunk / work_per_row));
-    row_pool()->run(run_matmul_chunk, &task, N, min_rows);
+        is_2d ? x.strides(1) : 1, leading_rows(x), K, w.data<uint32_t>(), in[2].data<float>(),
+        in[3].data<float>(), w.shape(0), group_size, bits, out.data<float>());
   });
 }
 

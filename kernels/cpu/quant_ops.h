@@ -28,7 +28,18 @@ mx::array dequantize(
     int group_size,
     int bits);
 
-uint64_t num_kernel_calls();  // evaluations of either primitive on the CPU, ever
+// The matmul primitive's work, for ops that run it inside their own (block_ops.cpp):
+// out[M, N] = x @ dequantize(w).T, x[m, k] at x + m * row_stride + k * col_stride,
+// on the kernel threads. Call it from the stream's thread (its buffers are per thread).
+void quantized_matmul_rows(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
+                           const uint32_t* w, const float* scales, const float* biases, int N,
+                           int group_size, int bits, float* out);
+
+// Throws std::invalid_argument unless w, scales, biases are a kernel layout of bits, group_size.
+void check_quantized_operands(const mx::array& w, const mx::array& scales,
+                              const mx::array& biases, int group_size, int bits);
+
+uint64_t num_kernel_calls();  // quantized matmuls and dequantizations run on the CPU, ever
 std::string isa();  // the instruction set the row kernels run with
 int num_threads();
 void set_threads(int num_threads);

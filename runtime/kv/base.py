@@ -4,17 +4,20 @@ A step is a ragged batch: the new tokens of every row in it, concatenated into
 one flat batch `[N]`. For every forward the engine asks the storage for a
 `ForwardKV`: each token's position and where the rows' keys and values live.
 The model calls `kv.attend(layer, q, k, v, scale)` in every layer (or, with its
-q/k/v projections stacked, `kv.attend_stacked`) and never branches on storage or on
-prefill versus decode.
+q/k/v projections stacked, `kv.attend_stacked`, or the whole attention block,
+`kv.residual_attention`) and never branches on storage or on prefill versus decode.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import mlx.core as mx
+
+if TYPE_CHECKING:
+    from kernels.fused_blocks import NormedLayers
 
 
 @attrs.frozen
@@ -65,6 +68,21 @@ class ForwardKV(Protocol):
         """
         ...
 
+    def residual_attention(
+        self,
+        layer: int,
+        x: mx.array,
+        block: NormedLayers,
+        rope: Rotary,
+        num_heads: int,
+        num_kv_heads: int,
+        scale: float,
+    ) -> mx.array | None:
+        """x + o(`attend_stacked`(qkv(norm(x)))) as one op (kernels/fused_blocks.py), the
+        block's norm and layers (qkv, then o) in `block`; None where the storage cannot,
+        and the caller runs the parts."""
+        ...
+
 
 Rotary = Callable[[mx.array, mx.array], mx.array]  # (x [N, H, D], positions [N]) -> rotated x
 
@@ -113,3 +131,6 @@ class CausalNoCache:
         self, layer: int, qkv: mx.array, rope: Rotary, num_heads: int, num_kv_heads: int, scale: float
     ) -> mx.array:
         return attend_stacked_by_parts(self, layer, qkv, rope, num_heads, num_kv_heads, scale)
+
+    def residual_attention(self, *args: object) -> None:
+        return None  # no cache to write in place: by parts

@@ -31,6 +31,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
+from kernels.fused_blocks import NormedLayers
 from kernels.paged_attention import PagedStep, dispatch, paged_attention
 
 
@@ -180,6 +181,31 @@ class PagedForward:
         out, keys[layer], values[layer] = step.native.rotate_write_and_attend(
             keys[layer], values[layer], qkv, num_heads, inv_freqs, rope.scale, scale  # type: ignore[attr-defined]
         )
+        return out
+
+    def residual_attention(
+        self,
+        layer: int,
+        x: mx.array,
+        block: NormedLayers,
+        rope: Rotary,
+        num_heads: int,
+        num_kv_heads: int,
+        scale: float,
+    ) -> mx.array | None:
+        """One op on the native path for few rows (kernels/fused_blocks.py), else None."""
+        inv_freqs = getattr(rope, "inv_freqs", None)
+        if self.path != "native" or inv_freqs is None:
+            return None
+        s = self._storage
+        step = self.steps[s.layout.group_of_layer[layer]]
+        keys, values = s.keys, s.values
+        written = step.native.residual_attention(
+            x, block, keys[layer], values[layer], num_heads, inv_freqs, rope.scale, scale  # type: ignore[attr-defined]
+        )
+        if written is None:
+            return None
+        out, keys[layer], values[layer] = written
         return out
 
 

@@ -17,6 +17,8 @@ from runtime.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, RoPE
 import mlx.core as mx
 import mlx.nn as nn
 
+from kernels.fused_blocks import NormedLayers, mlp_block, normed_layers
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
@@ -35,9 +37,37 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    # Each residual block as one op where the CPU kernels allow (kernels/fused_blocks.py):
+    # planned once the CPU weights are in place (runtime/cpu_weights.py), else None.
+    attention_block: NormedLayers | None = None
+    mlp_block: NormedLayers | None = None
+
     def __call__(self, x: mx.array, kv: ForwardKV) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn
+        h = None
+        if self.attention_block is not None:
+            H, Hkv = attn.num_heads, attn.num_kv_heads
+            h = kv.residual_attention(attn.layer, x, self.attention_block, attn.rope, H, Hkv, attn.scale)
+        if h is None:
+            h = x + attn(self.input_layernorm(x), kv)
+        out = None if self.mlp_block is None else mlp_block(h, self.mlp_block, "silu")
+        return out if out is not None else h + self.mlp(self.post_attention_layernorm(h))
+
+    def plan_blocks(self) -> None:
+        """Which residual blocks run as one op: those whose layers are stacked and run on
+        the quantized kernels, with plain RMSNorms (no per-head q/k norm in attention)."""
+        attn, mlp = self.self_attn, self.mlp
+        norm, post_norm = self.input_layernorm, self.post_attention_layernorm  # RMSNorms
+        self.attention_block = (
+            normed_layers(norm.weight, norm.eps, attn["qkv_proj"], attn.o_proj)
+            if "qkv_proj" in attn and "q_norm" not in attn
+            else None
+        )
+        self.mlp_block = (
+            normed_layers(post_norm.weight, post_norm.eps, mlp["gate_up_proj"], mlp.down_proj)
+            if "gate_up_proj" in mlp and mlp.activation == "silu"
+            else None
+        )
 
 
 class DecoderBody(nn.Module):

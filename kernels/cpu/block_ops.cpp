@@ -1,0 +1,237 @@
+#include "block_ops.h"
+
+#include <atomic>
+#include <stdexcept>
+#include <string>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+
+#include "cpu_dispatch.h"
+#include "norm_rope_ops.h"
+#include "quant_ops.h"
+
+namespace cadence_cpu {
+
+namespace {
+
+std::atomic<uint64_t> block_calls{0};
+
+void require(bool ok, const std::string& what) {
+  if (!ok) {
+    throw std::invalid_argument("cadence residual blocks: " + what);
+  }
+}
+
+// A layer reading K values a row and writing N: its kernel layout, float32 scales,
+// biases and bias ([N] or empty).
+void check_layer(const QuantizedLayer& layer, int64_t K, int64_t N, const char* name) {
+  check_quantized_operands(layer.w, layer.scales, layer.biases, layer.group_size, layer.bits);
+  const std::string what = name;
+  require(static_cast<int64_t>(layer.w.shape(1)) * 32 / layer.bits == K && layer.w.shape(0) == N,
+          what + " must be [" + std::to_string(N) + ", " + std::to_string(K) + "]");
+  require(layer.scales.dtype() == mx::float32 && layer.biases.dtype() == mx::float32,
+          what + "'s scales and biases must be float32");
+  require(layer.bias.dtype() == mx::float32 &&
+              (layer.bias.size() == 0 || (layer.bias.ndim() == 1 && layer.bias.shape(0) == N)),
+          what + "'s bias must be float32 [N] or empty");
+}
+
+void append(std::vector<mx::array>& inputs, const QuantizedLayer& layer) {
+  inputs.insert(inputs.end(), {layer.w, layer.scales, layer.biases, layer.bias});
+}
+
+// out[M, N] = x[M, K] @ dequantize(w).T (+ bias), the layer's four arrays at in[first].
+void run_linear(const float* x, int M, int K, const std::vector<mx::array>& in, size_t first,
+                int group_size, int bits, float* out) {
+  const auto &w = in[first], &bias = in[first + 3];
+  for (size_t i = first; i < first + 3; ++i) {
+    if (!in[i].flags().row_contiguous) {
+      throw std::runtime_error("cadence residual blocks: quantized weights must be row-contiguous");
+    }
+  }
+  const int N = w.shape(0);
+  quantized_matmul_rows(x, K, 1, M, K, w.data<uint32_t>(), in[first + 1].data<float>(),
+                        in[first + 2].data<float>(), N, group_size, bits, out);
+  if (bias.size() > 0) {  // as the parts' add: y + bias, broadcast over the rows
+    std::vector<float> bias_copy;
+    const float* b = row_major_data(bias, bias_copy);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int n = 0; n < N; ++n) {
+        out[m * N + n] += b[n];
+      }
+    }
+  }
+}
+
+void add_residual(const float* x, float* out, int64_t size) {
+  for (int64_t i = 0; i < size; ++i) {
+    out[i] = x[i] + out[i];
+  }
+}
+
+mx::Stream cpu_stream() {
+  return mx::to_stream(mx::StreamOrDevice{}, mx::Device::cpu);
+}
+
+}  // namespace
+
+mx::array residual_mlp(const mx::array& x, const mx::array& norm_weight, float eps,
+                       const QuantizedLayer& gate_up, const QuantizedLayer& down,
+                       Activation activation) {
+  require(x.dtype() == mx::float32 && x.ndim() >= 1, "x must be float32 [..., K]");
+  const int K = x.shape(-1);
+  require(norm_weight.dtype() == mx::float32 && norm_weight.ndim() == 1 &&
+              norm_weight.shape(0) == K,
+          "norm_weight must be float32 [K]");
+  const int I = gate_up.w.shape(0) / 2;
+  check_layer(gate_up, K, 2 * static_cast<int64_t>(I), "gate_up");
+  check_layer(down, I, K, "down");
+  std::vector<mx::array> inputs{x, norm_weight};
+  append(inputs, gate_up);
+  append(inputs, down);
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<ResidualMlp>(cpu_stream(), eps, gate_up.group_size,
+                                                 gate_up.bits, down.group_size, down.bits,
+                                                 activation),
+                   std::move(inputs));
+}
+
+void ResidualMlp::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  run_on_stream(stream(), inputs, out, [eps = eps_, l = std::vector<int>(layouts_, layouts_ + 4),
+                                        activation = activation_](std::vector<mx::array>& in,
+                                                                  mx::array& out) {
+    block_calls.fetch_add(1, std::memory_order_relaxed);
+    const int K = in[0].shape(-1), M = leading_rows(in[0]);
+    const int I = in[2].shape(0) / 2;
+    std::vector<float> x_copy, weight_copy;
+    const float* x = row_major_data(in[0], x_copy);
+    thread_local std::vector<float> normed, gate_up, act;  // the stream's one thread
+    normed.resize(static_cast<size_t>(M) * K);
+    gate_up.resize(static_cast<size_t>(M) * 2 * I);
+    act.resize(static_cast<size_t>(M) * I);
+    rms_norm_rows(x, row_major_data(in[1], weight_copy), normed.data(), M, K, eps);
+    run_linear(normed.data(), M, K, in, 2, l[0], l[1], gate_up.data());
+    gated_activation_rows(gate_up.data(), act.data(), M, I, activation);
+    run_linear(act.data(), M, I, in, 6, l[2], l[3], out.data<float>());
+    add_residual(x, out.data<float>(), static_cast<int64_t>(M) * K);
+  });
+}
+
+std::vector<mx::array> residual_attention(
+    const mx::array& x, const mx::array& norm_weight, float eps, const QuantizedLayer& qkv,
+    const QuantizedLayer& o, const mx::array& keys, const mx::array& values,
+    const mx::array& tables, const mx::array& token_row, const mx::array& token_pos,
+    const mx::array& inv_freqs, int num_heads, int num_kv_heads, int block_size, int window,
+    float scale, float rope_scale) {
+  require(x.dtype() == mx::float32 && x.ndim() >= 1, "x must be float32 [..., K]");
+  const int K = x.shape(-1);
+  require(norm_weight.dtype() == mx::float32 && norm_weight.ndim() == 1 &&
+              norm_weight.shape(0) == K,
+          "norm_weight must be float32 [K]");
+  require(num_heads > 0 && keys.ndim() == 2, "num_heads must be positive, the pools 2-D");
+  const int D = keys.shape(1), N = leading_rows(x);
+  require_pools_and_tables(keys, values, tables, token_row, token_pos, N, num_heads,
+                           num_kv_heads, D, block_size, window);
+  require(inv_freqs.ndim() == 1 && inv_freqs.dtype() == mx::float32 &&
+              2 * inv_freqs.shape(0) <= D && inv_freqs.shape(0) <= 512,
+          "inv_freqs must be float32 [dims / 2], dims <= D and at most 1024");
+  check_layer(qkv, K, static_cast<int64_t>(num_heads + 2 * num_kv_heads) * D, "qkv");
+  check_layer(o, static_cast<int64_t>(num_heads) * D, K, "o");
+  std::vector<mx::array> inputs{x, norm_weight};
+  append(inputs, qkv);
+  append(inputs, o);
+  inputs.insert(inputs.end(), {keys, values, tables, token_row, token_pos, inv_freqs});
+  return mx::array::make_arrays(
+      {x.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
+      std::make_shared<ResidualAttention>(cpu_stream(), eps, qkv.group_size, qkv.bits,
+                                          o.group_size, o.bits, num_heads, num_kv_heads,
+                                          block_size, window, scale, rope_scale),
+      std::move(inputs));
+}
+
+void ResidualAttention::eval_cpu(const std::vector<mx::array>& inputs,
+                                 std::vector<mx::array>& outputs) {
+  // As PagedAttention::eval_cpu: the other outputs let go of their copies of the
+  // inputs, so the old pools can be donated.
+  for (auto& output : outputs) {
+    if (&output.inputs() != &inputs) {
+      output.inputs().clear();
+    }
+  }
+  constexpr size_t kKeys = 10;  // inputs: x, norm, 4 of qkv, 4 of o, then the pools
+  outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+  const bool copies_keys = take_pool(inputs[kKeys], outputs[1]);
+  const bool copies_values = take_pool(inputs[kKeys + 1], outputs[2]);
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  std::vector<mx::array> in, out;
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+    in.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  for (auto& a : outputs) {
+    encoder.set_output_array(a);
+    out.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  encoder.dispatch([in = std::move(in), out = std::move(out), copies_keys, copies_values,
+                    eps = eps_, l = std::vector<int>(layouts_, layouts_ + 4),
+                    h = std::vector<int>(heads_, heads_ + 4), scale = scale_,
+                    rope_scale = rope_scale_]() mutable {
+    block_calls.fetch_add(1, std::memory_order_relaxed);
+    const int H = h[0], kv = h[1];
+    const int K = in[0].shape(-1), M = leading_rows(in[0]);
+    const auto &keys = in[kKeys], &values = in[kKeys + 1], &tables = in[kKeys + 2];
+    const int D = keys.shape(1);
+    std::vector<float> x_copy, weight_copy, keys_copy, values_copy, freqs_copy;
+    std::vector<int32_t> tables_copy, row_copy, pos_copy;
+    const float* x = row_major_data(in[0], x_copy);
+    if (copies_keys) {
+      std::copy_n(row_major_data(keys, keys_copy), keys.size(), out[1].data<float>());
+    }
+    if (copies_values) {
+      std::copy_n(row_major_data(values, values_copy), values.size(), out[2].data<float>());
+    }
+    thread_local std::vector<float> normed, qkv, attended;  // the stream's one thread
+    normed.resize(static_cast<size_t>(M) * K);
+    qkv.resize(static_cast<size_t>(M) * (H + 2 * kv) * D);
+    attended.resize(static_cast<size_t>(M) * H * D);
+    rms_norm_rows(x, row_major_data(in[1], weight_copy), normed.data(), M, K, eps);
+    run_linear(normed.data(), M, K, in, 2, l[0], l[1], qkv.data());
+    const AttentionStep step{row_major_data(tables, tables_copy), tables.shape(0),
+                             tables.shape(1), row_major_data(in[kKeys + 3], row_copy),
+                             row_major_data(in[kKeys + 4], pos_copy), M, out[1].data<float>(),
+                             out[2].data<float>(), keys.shape(0) / kv, kv, D, h[2], h[3], scale};
+    attend_rotary(step, H, qkv.data(), row_major_data(in[kKeys + 5], freqs_copy),
+                  in[kKeys + 5].shape(0), rope_scale, attended.data());
+    run_linear(attended.data(), M, H * D, in, 6, l[2], l[3], out[0].data<float>());
+    add_residual(x, out[0].data<float>(), static_cast<int64_t>(M) * K);
+  });
+}
+
+void ResidualMlp::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("cadence's residual blocks run on the CPU only");
+}
+
+void ResidualAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("cadence's residual blocks run on the CPU only");
+}
+
+bool ResidualMlp::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const ResidualMlp&>(other);
+  return eps_ == o.eps_ && std::equal(layouts_, layouts_ + 4, o.layouts_) &&
+      activation_ == o.activation_;
+}
+
+bool ResidualAttention::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const ResidualAttention&>(other);
+  return eps_ == o.eps_ && std::equal(layouts_, layouts_ + 4, o.layouts_) &&
+      std::equal(heads_, heads_ + 4, o.heads_) && scale_ == o.scale_ &&
+      rope_scale_ == o.rope_scale_;
+}
+
+uint64_t num_block_calls() {
+  return block_calls.load();
+}
+
+}  // namespace cadence_cpu

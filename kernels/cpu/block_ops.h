@@ -1,0 +1,96 @@
+// A decoder layer's two residual blocks, each as one primitive on the CPU, for steps
+// of few rows over quantized weights (kernels/fused_blocks.py).
+//
+// A single-stream decode step of a 30-layer model was ~370 ops: ten a layer (two norms,
+// four matmuls, attention, the activation, two adds). Each op costs its build in
+// Python, its dispatch in mlx and an output buffer, ~2.6 ms of a ~10 ms token on
+// this box; here a layer is two ops. Each block runs the same kernels in the same
+// order as its parts, so the result is bit-identical to them.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+
+#include "attention_ops.h"
+
+namespace cadence_cpu {
+
+namespace mx = mlx::core;
+
+// One quantized linear layer (mlx's affine layout, float32 scales and biases) and its
+// optional bias ([N] float32, or size 0 for none).
+struct QuantizedLayer {
+  mx::array w, scales, biases, bias;
+  int group_size, bits;
+};
+
+// x + down(act(gate_up(rms_norm(x) * norm_weight))): gate and up are the halves of
+// gate_up's output (a stacked projection), act is silu or gelu_tanh. x [..., K] float32.
+mx::array residual_mlp(const mx::array& x, const mx::array& norm_weight, float eps,
+                       const QuantizedLayer& gate_up, const QuantizedLayer& down,
+                       Activation activation);
+
+// x + o(attention(qkv(rms_norm(x) * norm_weight))) with the paged K/V write and RoPE
+// of paged_attention_rotary: {out [..., K], keys', values'} (the pools donated as there).
+std::vector<mx::array> residual_attention(
+    const mx::array& x, const mx::array& norm_weight, float eps, const QuantizedLayer& qkv,
+    const QuantizedLayer& o, const mx::array& keys, const mx::array& values,
+    const mx::array& tables, const mx::array& token_row, const mx::array& token_pos,
+    const mx::array& inv_freqs, int num_heads, int num_kv_heads, int block_size, int window,
+    float scale, float rope_scale);
+
+uint64_t num_block_calls();  // evaluations of either block on the CPU, ever
+
+// Inputs x, norm_weight, then (w, scales, biases, bias) of gate_up and of down.
+class ResidualMlp : public mx::UnaryPrimitive {
+ public:
+  ResidualMlp(mx::Stream stream, float eps, int gate_up_group, int gate_up_bits, int down_group,
+              int down_bits, Activation activation)
+      : mx::UnaryPrimitive(stream),
+        eps_(eps),
+        layouts_{gate_up_group, gate_up_bits, down_group, down_bits},
+        activation_(activation) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "CadenceResidualMlp";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  float eps_;
+  int layouts_[4];  // group and bits of gate_up, then of down
+  Activation activation_;
+};
+
+// Inputs x, norm_weight, (w, scales, biases, bias) of qkv and of o, keys, values,
+// tables, token_row, token_pos, inv_freqs. Outputs out, keys', values'.
+class ResidualAttention : public mx::Primitive {
+ public:
+  ResidualAttention(mx::Stream stream, float eps, int qkv_group, int qkv_bits, int o_group,
+                    int o_bits, int num_heads, int num_kv_heads, int block_size, int window,
+                    float scale, float rope_scale)
+      : mx::Primitive(stream),
+        eps_(eps),
+        layouts_{qkv_group, qkv_bits, o_group, o_bits},
+        heads_{num_heads, num_kv_heads, block_size, window},
+        scale_(scale),
+        rope_scale_(rope_scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "CadenceResidualAttention";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  float eps_;
+  int layouts_[4];  // group and bits of qkv, then of o
+  int heads_[4];  // num_heads, num_kv_heads, block_size, window
+  float scale_, rope_scale_;
+};
+
+}  // namespace cadence_cpu

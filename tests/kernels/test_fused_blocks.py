@@ -1,0 +1,166 @@
+"""The residual blocks as one op (kernels/fused_blocks.py): equal to their parts bit for
+bit, close to the mx-op definition, and run by the models on quantized weights."""
+
+import importlib.util
+
+from runtime.checkpoint import load_model
+from runtime.models.llama import DecoderLayer
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kernels import fused_blocks
+from kernels.cpu_extension import cpu_extension
+from tests.kernels.test_paged_attention import BLOCK, make_step
+from tests.kernels.test_quantized_models import PROMPT, greedy
+
+IS_BUILT = importlib.util.find_spec("kernels._cpu_ext") is not None
+pytestmark = pytest.mark.skipif(not IS_BUILT, reason="the C++ kernels were not built here")
+
+
+def quantized(n, k, group_size, bits, seed, with_bias=False):
+    rng = np.random.default_rng(seed)
+    w, scales, biases = mx.quantize(
+        mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.2), group_size=group_size, bits=bits
+    )
+    bias = mx.array(rng.standard_normal(n).astype(np.float32)) if with_bias else mx.zeros((0,))
+    return (w, scales.astype(mx.float32), biases.astype(mx.float32), bias, group_size, bits)
+
+
+def linear_by_parts(x, layer):
+    ext = cpu_extension()
+    w, scales, biases, bias, group_size, bits = layer
+    y = ext.matmul(x, w, scales, biases, group_size, bits)
+    return y + bias if bias.size else y
+
+
+def inputs(rows, k, seed):
+    rng = np.random.default_rng(seed)
+    x = mx.array(rng.standard_normal((1, rows, k)).astype(np.float32))
+    norm = mx.array(1.0 + 0.1 * rng.standard_normal(k).astype(np.float32))
+    return x, norm
+
+
+@pytest.mark.parametrize("activation", fused_blocks.ACTIVATIONS)
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 64), (8, 128), (4, 128)])
+@pytest.mark.parametrize("rows", [1, 3, 16, 31])
+def test_the_mlp_block_equals_its_parts_exactly(rows, bits, group_size, activation):
+    ext = cpu_extension()
+    K, I = 256, 160  # noqa: E741  (an intermediate width that is no power of two)
+    x, norm = inputs(rows, K, seed=rows)
+    gate_up = quantized(2 * I, K, group_size, bits, seed=1)
+    down = quantized(K, I, 32, 4, seed=2)  # a layout of its own
+    halves = ext.silu_mul_halves if activation == "silu" else ext.gelu_tanh_mul_halves
+    parts = x + linear_by_parts(halves(linear_by_parts(ext.rms_norm(x, norm, 1e-5), gate_up)), down)
+    before = ext.num_block_calls()
+    block = fused_blocks.NormedLayers(norm, 1e-5, gate_up, down)
+    fused = fused_blocks.mlp_block(x, block, activation)
+    mx.eval(fused)
+    assert ext.num_block_calls() == before + 1
+    assert fused.shape == x.shape
+    assert mx.array_equal(fused, parts).item()
+    reference = fused_blocks.reference_mlp_block(x, block, activation)
+    assert mx.allclose(fused, reference, atol=1e-4, rtol=1e-4).item()
+
+
+def test_a_block_runs_by_parts_from_32_rows_or_off_the_cpu():
+    x, _ = inputs(32, 64, seed=0)
+    assert fused_blocks.kernel_for(x) is None  # the parts' matmuls switch to the sgemm there
+    assert fused_blocks.kernel_for(x[:, :31]) is not None
+    assert fused_blocks.kernel_for(x.astype(mx.float16)[:, :1]) is None
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("shape", [([5, 17, 0, 30], [1, 1, 1, 1]), ([9, 0], [1, 13]), ([40], [1])])
+def test_the_attention_block_equals_its_parts_exactly(shape, with_bias):
+    """norm, qkv (+ bias), the rotary attention op with its K/V write, o (+ bias), + x."""
+    ext = cpu_extension()
+    starts, num_new = shape
+    step, _, keys, values, q, _, _ = make_step(starts, num_new, 2, 4)
+    N, H, D = q.shape
+    K = 96
+    x, norm = inputs(N, K, seed=N)
+    qkv = quantized((H + 4) * D, K, 32, 4, seed=3, with_bias=with_bias)
+    o = quantized(K, H * D, 64, 8, seed=4, with_bias=with_bias)
+    inv_freqs = mx.exp(mx.arange(0, -(D // 2), -1, dtype=mx.float32) * 0.7)
+    index = (step.tables, step.row_of_token, step.positions)
+    attended, want_keys, want_values = ext.paged_attention_rotary(
+        linear_by_parts(ext.rms_norm(x, norm, 1e-5), qkv), mx.array(keys), mx.array(values),
+        *index, inv_freqs, H, 2, BLOCK, 0, 0.25, 1.5,
+    )
+    want = x + linear_by_parts(attended, o)
+    mx.eval(want, want_keys, want_values)
+    got, got_keys, got_values = ext.residual_attention(
+        x, norm, 1e-5, qkv, o, mx.array(keys), mx.array(values), *index, inv_freqs, H, 2, BLOCK,
+        0, 0.25, 1.5,
+    )
+    mx.eval(got, got_keys, got_values)
+    assert not mx.array_equal(got_keys, keys).item()  # the new tokens' K/V were written
+    assert mx.array_equal(got, want).item()
+    assert mx.array_equal(got_keys, want_keys).item() and mx.array_equal(got_values, want_values).item()
+
+
+def test_a_table_outside_the_pool_gives_nan_and_writes_nothing():
+    ext = cpu_extension()
+    step, _, keys, values, q, _, _ = make_step([5], [1], 2, 4)
+    N, H, D = q.shape
+    x, norm = inputs(N, 64, seed=0)
+    qkv, o = quantized((H + 4) * D, 64, 32, 4, seed=3), quantized(64, H * D, 32, 4, seed=4)
+    bad_tables = mx.full(step.tables.shape, 10_000, dtype=mx.int32)
+    out, got_keys, _ = ext.residual_attention(
+        x, norm, 1e-5, qkv, o, mx.array(keys), mx.array(values), bad_tables, step.row_of_token,
+        step.positions, mx.ones((D // 2,)), H, 2, BLOCK, 0, 0.25, 1.0,
+    )
+    mx.eval(out, got_keys)
+    assert mx.isnan(out).all().item()
+    assert mx.array_equal(got_keys, keys).item()
+
+
+def test_mismatched_operands_are_refused_at_build_time():
+    ext = cpu_extension()
+    x, norm = inputs(1, 64, seed=0)
+    gate_up, down = quantized(128, 64, 32, 4, seed=1), quantized(64, 64, 32, 4, seed=2)
+    with pytest.raises(ValueError, match="down must be"):
+        ext.residual_mlp(x, norm, 1e-5, gate_up, quantized(64, 32, 32, 4, seed=2), "silu")
+    with pytest.raises(ValueError, match="norm_weight"):
+        ext.residual_mlp(x, norm[:32], 1e-5, gate_up, down, "silu")
+    with pytest.raises(ValueError, match="activation"):
+        ext.residual_mlp(x, norm, 1e-5, gate_up, down, "relu")
+
+
+def planned_layers(model):
+    return [m for m in model.modules() if isinstance(m, DecoderLayer)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: biases on q, k and v
+def test_a_quantized_model_decodes_through_the_blocks_with_the_same_tokens_and_logits(
+    make_checkpoint, family
+):
+    path = make_checkpoint(family, quantize=(64, 4), hidden_size=128, intermediate_size=256)
+    loaded = load_model(path)
+    layers = planned_layers(loaded.model)
+    assert layers and all(layer.attention_block and layer.mlp_block for layer in layers)
+    ext = cpu_extension()
+    before = ext.num_block_calls()
+    fused_tokens = greedy(loaded)
+    assert ext.num_block_calls() >= before + 2 * len(layers) * 20  # every decode step
+    tokens = mx.array([PROMPT[:3]])  # CausalNoCache: attention by parts, the MLP fused
+    fused_logits = loaded.model(tokens)
+    mx.eval(fused_logits)
+    for layer in layers:
+        layer.attention_block = layer.mlp_block = None
+    before = ext.num_block_calls()
+    assert greedy(loaded) == fused_tokens
+    assert mx.array_equal(loaded.model(tokens), fused_logits).item()
+    assert ext.num_block_calls() == before
+
+
+def test_the_blocks_are_not_planned_without_the_kernels(make_checkpoint, monkeypatch):
+    from kernels import cpu_extension as loader
+
+    monkeypatch.setitem(loader._state, "module", None)
+    monkeypatch.setitem(loader._state, "status", "CPU kernels off for the test")
+    path = make_checkpoint("llama", quantize=(64, 4), hidden_size=128, intermediate_size=256)
+    layers = planned_layers(load_model(path).model)
+    assert layers and not any(layer.attention_block or layer.mlp_block for layer in layers)
