@@ -3,20 +3,23 @@
     h = x + o(attention(qkv(norm(x))))          # residual_attention
     out = h + down(act(gate_up(norm(h))))       # residual_mlp
 
-On the CPU, for a step of fewer than `MAX_ROWS` rows over quantized weights that
-cadence's kernels run, each block is one primitive: the same kernels, in the same
-order, as its parts (so the same bits), without the ~8 ops a layer between them.
+On the CPU, for a step of fewer than `MAX_ROWS` rows over weights that cadence's
+kernels run (quantized, or float32 / 16-bit packed in panels), each block is one
+primitive: the same kernels, in the same order, as its parts (so the same bits),
+without the ~8 ops a layer between them.
 A single-stream decode step of a 30-layer model was ~370 ops, and each op costs its
 build here in Python, its dispatch in mlx and an output buffer: ~2.5 ms of a ~10 ms
 token on a 2-core x86-64 box. More rows go by parts: their matmuls dequantize for the
 sgemm (kernels/quantized_matmul.py), and the ops' overhead is small beside them.
 
-`plan_blocks` decides once, at load, whether a layer's weights allow it;
-`mlp_block` and `attention_operands` decide per step (device, dtype, rows).
+A layer's `plan_blocks` decides once, at load, whether its weights allow it;
+`kernel_for` decides per step (device, dtype, rows). CADENCE_CPU_BLOCKS=off runs every
+block by parts (to measure what the blocks save, or to rule them out).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import attrs
@@ -24,28 +27,35 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kernels.cpu_extension import cpu_extension
+from kernels.dense_matmul import PanelLinear
 from kernels.quantized_linear import KernelQuantizedLinear
 from kernels.quantized_matmul import SGEMM_MIN_ROWS, is_kernel_layout
 
 MAX_ROWS = SGEMM_MIN_ROWS  # below it the parts' matmuls run the row kernel too
+IS_ON = os.environ.get("CADENCE_CPU_BLOCKS", "").lower() not in ("off", "0", "no")
 ACTIVATIONS = ("silu", "gelu_tanh")
 
-# A quantized layer as the extension takes it: (w, scales, biases, bias, group_size,
-# bits), bias empty when the layer has none.
-QuantizedLayer = tuple[mx.array, mx.array, mx.array, mx.array, int, int]
+# A layer as the extension takes it, its bias empty when it has none: quantized,
+# (w, scales, biases, bias, group_size, bits); or packed in panels, (w_panels, bias, N).
+KernelLayer = (
+    tuple[mx.array, mx.array, mx.array, mx.array, int, int] | tuple[mx.array, mx.array, int]
+)
 
 
-def quantized_layer(linear: nn.Module) -> QuantizedLayer | None:
-    """`linear`'s operands if cadence's quantized kernels run it, else None."""
+def kernel_layer(linear: nn.Module) -> KernelLayer | None:
+    """`linear`'s operands if cadence's quantized or panel kernel runs it, else None."""
+    bias = linear["bias"] if "bias" in linear else mx.zeros((0,), mx.float32)
+    if bias.dtype != mx.float32:
+        return None
+    if isinstance(linear, PanelLinear):
+        return (linear.weight, bias, linear.out_features)
     if not isinstance(linear, KernelQuantizedLinear):
         return None
     if not is_kernel_layout(linear.group_size, linear.bits, linear.mode):
         return None
-    bias = linear["bias"] if "bias" in linear else mx.zeros((0,), mx.float32)
-    arrays = (linear.weight, linear.scales, linear["biases"], bias)
-    if any(a.dtype != mx.float32 for a in arrays[1:]):
+    if linear.scales.dtype != mx.float32 or linear["biases"].dtype != mx.float32:
         return None
-    return (*arrays, linear.group_size, linear.bits)
+    return (linear.weight, linear.scales, linear["biases"], bias, linear.group_size, linear.bits)
 
 
 @attrs.frozen
@@ -54,18 +64,18 @@ class NormedLayers:
 
     norm_weight: mx.array
     eps: float
-    first: QuantizedLayer
-    second: QuantizedLayer
+    first: KernelLayer
+    second: KernelLayer
 
 
 def normed_layers(
     norm_weight: mx.array, eps: float, first: nn.Module, second: nn.Module
 ) -> NormedLayers | None:
     """The operands of a block whose norm is RMSNorm, x * rsqrt(mean(x^2) + eps) *
-    norm_weight (float32), and whose layers both run on the quantized kernels; else None."""
+    norm_weight (float32), and whose layers both run on cadence's kernels; else None."""
     if norm_weight.dtype != mx.float32 or norm_weight.ndim != 1:
         return None
-    layers = quantized_layer(first), quantized_layer(second)
+    layers = kernel_layer(first), kernel_layer(second)
     if layers[0] is None or layers[1] is None:
         return None
     return NormedLayers(norm_weight, float(eps), layers[0], layers[1])
@@ -73,7 +83,7 @@ def normed_layers(
 
 def kernel_for(x: mx.array) -> Any:  # noqa: ANN401  (the extension module, untyped)
     """The extension when a block over `x` [..., K] runs as one op here and now."""
-    if mx.default_device() != mx.cpu or x.dtype != mx.float32 or x.ndim < 1:
+    if not IS_ON or mx.default_device() != mx.cpu or x.dtype != mx.float32 or x.ndim < 1:
         return None
     if x.shape[-1] == 0 or x.size // x.shape[-1] >= MAX_ROWS:
         return None
@@ -96,7 +106,12 @@ def reference_mlp_block(x: mx.array, block: NormedLayers, activation: str) -> mx
     return x + _linear(act * up, block.second)
 
 
-def _linear(x: mx.array, layer: QuantizedLayer) -> mx.array:
-    w, scales, biases, bias, group_size, bits = layer
-    y = x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).T
+def _linear(x: mx.array, layer: KernelLayer) -> mx.array:
+    if len(layer) == 3:  # panels [ceil(N / 32), K, 32] back to the weight's rows [N, K]
+        panels, bias, n = layer
+        weight = panels.astype(mx.float32).transpose(0, 2, 1).reshape(-1, panels.shape[1])[:n]
+    else:
+        w, scales, biases, bias, group_size, bits = layer
+        weight = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
+    y = x @ weight.T
     return y + bias if bias.size else y

@@ -18,7 +18,8 @@ instead of packing them for an sgemm.
 Once adopted, the kernel layers that read one input are stacked into one (q, k and v
 as `qkv_proj`; gate and up as `gate_up_proj`, see `stack_rows`), and then every
 float32 or 16-bit one is packed into column panels for the panel kernel
-(`PanelLinear`), which serves every step size.
+(`PanelLinear`), which serves every step size. Last, each layer plans which of its
+residual blocks run as one op on few-row steps (`plan_blocks`, kernels/fused_blocks.py).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def prepare_for_cpu(
             _adopt_dense_layers(model)
             _stack_projections(model)
             _pack_panels(model)
+            _plan_blocks(model)
             progress(f"weights: {describe_layers(model)}")
             return model
     if _fits_as_float32(model):
@@ -92,6 +94,7 @@ def prepare_for_cpu(
         _adopt_dense_layers(model)
         _stack_projections(model)
         _pack_panels(model)
+        _plan_blocks(model)
     progress(f"weights: {describe_layers(model)}")
     return model
 

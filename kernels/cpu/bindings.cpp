@@ -1,10 +1,12 @@
 // The Python module `kernels._cpu_ext` (loaded by kernels/cpu_extension.py).
 #include <string>
 #include <tuple>
+#include <variant>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include "mlx/version.h"
@@ -79,11 +81,20 @@ NB_MODULE(_cpu_ext, m) {
         "How many times the dense matmul kernel has run.");
   m.def("num_kernel_calls", &cadence_cpu::num_kernel_calls,
         "How many times the kernels have run, for tests that must see them run.");
-  // A quantized layer as (w, scales, biases, bias, group_size, bits); bias may be empty.
-  using Layer = std::tuple<mx::array, mx::array, mx::array, mx::array, int, int>;
-  auto layer = [](const Layer& t) {
-    return cadence_cpu::QuantizedLayer{std::get<0>(t), std::get<1>(t), std::get<2>(t),
-                                       std::get<3>(t), std::get<4>(t), std::get<5>(t)};
+  // A block's layer: quantized, (w, scales, biases, bias, group_size, bits), or packed
+  // in panels, (w_panels, bias, N); bias may be empty.
+  using Quantized = std::tuple<mx::array, mx::array, mx::array, mx::array, int, int>;
+  using Panels = std::tuple<mx::array, mx::array, int>;
+  using Layer = std::variant<Quantized, Panels>;
+  auto layer = [](const Layer& held) {
+    if (const auto* t = std::get_if<Quantized>(&held)) {
+      const auto& w = std::get<0>(*t);
+      return cadence_cpu::BlockLayer{w, std::get<1>(*t), std::get<2>(*t), std::get<3>(*t),
+                                     std::get<4>(*t), std::get<5>(*t), w.ndim() ? w.shape(0) : 0};
+    }
+    const auto& [w_panels, bias, N] = std::get<Panels>(held);
+    const mx::array unused(0.0f);
+    return cadence_cpu::BlockLayer{w_panels, unused, unused, bias, 0, 0, N};
   };
   auto activation_named = [](const std::string& name) {
     if (name != "silu" && name != "gelu_tanh") {

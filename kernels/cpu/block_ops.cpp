@@ -9,6 +9,7 @@
 #include "mlx/ops.h"
 
 #include "cpu_dispatch.h"
+#include "dense_ops.h"
 #include "norm_rope_ops.h"
 #include "quant_ops.h"
 
@@ -24,36 +25,47 @@ void require(bool ok, const std::string& what) {
   }
 }
 
-// A layer reading K values a row and writing N: its kernel layout, float32 scales,
-// biases and bias ([N] or empty).
-void check_layer(const QuantizedLayer& layer, int64_t K, int64_t N, const char* name) {
-  check_quantized_operands(layer.w, layer.scales, layer.biases, layer.group_size, layer.bits);
+// A layer reading K values a row and writing N: a kernel layout (float32 scales and
+// biases) or panels, and a bias of [N] or none.
+void check_layer(const BlockLayer& layer, int64_t K, int64_t N, const char* name) {
   const std::string what = name;
-  require(static_cast<int64_t>(layer.w.shape(1)) * 32 / layer.bits == K && layer.w.shape(0) == N,
-          what + " must be [" + std::to_string(N) + ", " + std::to_string(K) + "]");
-  require(layer.scales.dtype() == mx::float32 && layer.biases.dtype() == mx::float32,
-          what + "'s scales and biases must be float32");
+  require(layer.N == N, what + " must have " + std::to_string(N) + " outputs");
+  if (layer.bits == 0) {
+    check_panels(layer.w, static_cast<int>(K), layer.N);
+  } else {
+    check_quantized_operands(layer.w, layer.scales, layer.biases, layer.group_size, layer.bits);
+    require(layer.w.ndim() == 2 && static_cast<int64_t>(layer.w.shape(1)) * 32 / layer.bits == K &&
+                layer.w.shape(0) == N,
+            what + " must be [" + std::to_string(N) + ", " + std::to_string(K) + "]");
+    require(layer.scales.dtype() == mx::float32 && layer.biases.dtype() == mx::float32,
+            what + "'s scales and biases must be float32");
+  }
   require(layer.bias.dtype() == mx::float32 &&
               (layer.bias.size() == 0 || (layer.bias.ndim() == 1 && layer.bias.shape(0) == N)),
           what + "'s bias must be float32 [N] or empty");
 }
 
-void append(std::vector<mx::array>& inputs, const QuantizedLayer& layer) {
+void append(std::vector<mx::array>& inputs, const BlockLayer& layer) {
   inputs.insert(inputs.end(), {layer.w, layer.scales, layer.biases, layer.bias});
 }
 
-// out[M, N] = x[M, K] @ dequantize(w).T (+ bias), the layer's four arrays at in[first].
+// out[M, N] = x[M, K] @ W.T (+ bias), the layer's four arrays at in[first] and its
+// group size, bits and N at layout[0..3).
 void run_linear(const float* x, int M, int K, const std::vector<mx::array>& in, size_t first,
-                int group_size, int bits, float* out) {
+                const int* layout, float* out) {
   const auto &w = in[first], &bias = in[first + 3];
-  for (size_t i = first; i < first + 3; ++i) {
-    if (!in[i].flags().row_contiguous) {
-      throw std::runtime_error("cadence residual blocks: quantized weights must be row-contiguous");
+  const int group_size = layout[0], bits = layout[1], N = layout[2];
+  if (bits == 0) {
+    panel_matmul_rows(x, M, w, N, out);
+  } else {
+    for (size_t i = first; i < first + 3; ++i) {
+      if (!in[i].flags().row_contiguous) {
+        throw std::runtime_error("cadence residual blocks: quantized weights must be row-contiguous");
+      }
     }
+    quantized_matmul_rows(x, K, 1, M, K, w.data<uint32_t>(), in[first + 1].data<float>(),
+                          in[first + 2].data<float>(), N, group_size, bits, out);
   }
-  const int N = w.shape(0);
-  quantized_matmul_rows(x, K, 1, M, K, w.data<uint32_t>(), in[first + 1].data<float>(),
-                        in[first + 2].data<float>(), N, group_size, bits, out);
   if (bias.size() > 0) {  // as the parts' add: y + bias, broadcast over the rows
     std::vector<float> bias_copy;
     const float* b = row_major_data(bias, bias_copy);
@@ -78,33 +90,32 @@ mx::Stream cpu_stream() {
 }  // namespace
 
 mx::array residual_mlp(const mx::array& x, const mx::array& norm_weight, float eps,
-                       const QuantizedLayer& gate_up, const QuantizedLayer& down,
+                       const BlockLayer& gate_up, const BlockLayer& down,
                        Activation activation) {
   require(x.dtype() == mx::float32 && x.ndim() >= 1, "x must be float32 [..., K]");
   const int K = x.shape(-1);
   require(norm_weight.dtype() == mx::float32 && norm_weight.ndim() == 1 &&
               norm_weight.shape(0) == K,
           "norm_weight must be float32 [K]");
-  const int I = gate_up.w.shape(0) / 2;
+  require(gate_up.N % 2 == 0, "gate_up must have an even number of outputs");
+  const int I = gate_up.N / 2;
   check_layer(gate_up, K, 2 * static_cast<int64_t>(I), "gate_up");
   check_layer(down, I, K, "down");
   std::vector<mx::array> inputs{x, norm_weight};
   append(inputs, gate_up);
   append(inputs, down);
   return mx::array(x.shape(), mx::float32,
-                   std::make_shared<ResidualMlp>(cpu_stream(), eps, gate_up.group_size,
-                                                 gate_up.bits, down.group_size, down.bits,
-                                                 activation),
+                   std::make_shared<ResidualMlp>(cpu_stream(), eps, gate_up, down, activation),
                    std::move(inputs));
 }
 
 void ResidualMlp::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  run_on_stream(stream(), inputs, out, [eps = eps_, l = std::vector<int>(layouts_, layouts_ + 4),
+  run_on_stream(stream(), inputs, out, [eps = eps_, l = std::vector<int>(layouts_, layouts_ + 6),
                                         activation = activation_](std::vector<mx::array>& in,
                                                                   mx::array& out) {
     block_calls.fetch_add(1, std::memory_order_relaxed);
     const int K = in[0].shape(-1), M = leading_rows(in[0]);
-    const int I = in[2].shape(0) / 2;
+    const int I = l[2] / 2;
     std::vector<float> x_copy, weight_copy;
     const float* x = row_major_data(in[0], x_copy);
     thread_local std::vector<float> normed, gate_up, act;  // the stream's one thread
@@ -112,16 +123,16 @@ void ResidualMlp::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
     gate_up.resize(static_cast<size_t>(M) * 2 * I);
     act.resize(static_cast<size_t>(M) * I);
     rms_norm_rows(x, row_major_data(in[1], weight_copy), normed.data(), M, K, eps);
-    run_linear(normed.data(), M, K, in, 2, l[0], l[1], gate_up.data());
+    run_linear(normed.data(), M, K, in, 2, &l[0], gate_up.data());
     gated_activation_rows(gate_up.data(), act.data(), M, I, activation);
-    run_linear(act.data(), M, I, in, 6, l[2], l[3], out.data<float>());
+    run_linear(act.data(), M, I, in, 6, &l[3], out.data<float>());
     add_residual(x, out.data<float>(), static_cast<int64_t>(M) * K);
   });
 }
 
 std::vector<mx::array> residual_attention(
-    const mx::array& x, const mx::array& norm_weight, float eps, const QuantizedLayer& qkv,
-    const QuantizedLayer& o, const mx::array& keys, const mx::array& values,
+    const mx::array& x, const mx::array& norm_weight, float eps, const BlockLayer& qkv,
+    const BlockLayer& o, const mx::array& keys, const mx::array& values,
     const mx::array& tables, const mx::array& token_row, const mx::array& token_pos,
     const mx::array& inv_freqs, int num_heads, int num_kv_heads, int block_size, int window,
     float scale, float rope_scale) {
@@ -145,8 +156,7 @@ std::vector<mx::array> residual_attention(
   inputs.insert(inputs.end(), {keys, values, tables, token_row, token_pos, inv_freqs});
   return mx::array::make_arrays(
       {x.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
-      std::make_shared<ResidualAttention>(cpu_stream(), eps, qkv.group_size, qkv.bits,
-                                          o.group_size, o.bits, num_heads, num_kv_heads,
+      std::make_shared<ResidualAttention>(cpu_stream(), eps, qkv, o, num_heads, num_kv_heads,
                                           block_size, window, scale, rope_scale),
       std::move(inputs));
 }
@@ -175,7 +185,7 @@ void ResidualAttention::eval_cpu(const std::vector<mx::array>& inputs,
     out.push_back(mx::array::unsafe_weak_copy(a));
   }
   encoder.dispatch([in = std::move(in), out = std::move(out), copies_keys, copies_values,
-                    eps = eps_, l = std::vector<int>(layouts_, layouts_ + 4),
+                    eps = eps_, l = std::vector<int>(layouts_, layouts_ + 6),
                     h = std::vector<int>(heads_, heads_ + 4), scale = scale_,
                     rope_scale = rope_scale_]() mutable {
     block_calls.fetch_add(1, std::memory_order_relaxed);
@@ -197,14 +207,14 @@ void ResidualAttention::eval_cpu(const std::vector<mx::array>& inputs,
     qkv.resize(static_cast<size_t>(M) * (H + 2 * kv) * D);
     attended.resize(static_cast<size_t>(M) * H * D);
     rms_norm_rows(x, row_major_data(in[1], weight_copy), normed.data(), M, K, eps);
-    run_linear(normed.data(), M, K, in, 2, l[0], l[1], qkv.data());
+    run_linear(normed.data(), M, K, in, 2, &l[0], qkv.data());
     const AttentionStep step{row_major_data(tables, tables_copy), tables.shape(0),
                              tables.shape(1), row_major_data(in[kKeys + 3], row_copy),
                              row_major_data(in[kKeys + 4], pos_copy), M, out[1].data<float>(),
                              out[2].data<float>(), keys.shape(0) / kv, kv, D, h[2], h[3], scale};
     attend_rotary(step, H, qkv.data(), row_major_data(in[kKeys + 5], freqs_copy),
                   in[kKeys + 5].shape(0), rope_scale, attended.data());
-    run_linear(attended.data(), M, H * D, in, 6, l[2], l[3], out[0].data<float>());
+    run_linear(attended.data(), M, H * D, in, 6, &l[3], out[0].data<float>());
     add_residual(x, out[0].data<float>(), static_cast<int64_t>(M) * K);
   });
 }
@@ -219,13 +229,13 @@ void ResidualAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::
 
 bool ResidualMlp::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const ResidualMlp&>(other);
-  return eps_ == o.eps_ && std::equal(layouts_, layouts_ + 4, o.layouts_) &&
+  return eps_ == o.eps_ && std::equal(layouts_, layouts_ + 6, o.layouts_) &&
       activation_ == o.activation_;
 }
 
 bool ResidualAttention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const ResidualAttention&>(other);
-  return eps_ == o.eps_ && std::equal(layouts_, layouts_ + 4, o.layouts_) &&
+  return eps_ == o.eps_ && std::equal(layouts_, layouts_ + 6, o.layouts_) &&
       std::equal(heads_, heads_ + 4, o.heads_) && scale_ == o.scale_ &&
       rope_scale_ == o.rope_scale_;
 }

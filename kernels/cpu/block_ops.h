@@ -1,5 +1,6 @@
 // A decoder layer's two residual blocks, each as one primitive on the CPU, for steps
-// of few rows over quantized weights (kernels/fused_blocks.py).
+// of few rows over the kernels' weights, quantized or packed in panels
+// (kernels/fused_blocks.py).
 //
 // A single-stream decode step of a 30-layer model was ~370 ops: ten a layer (two norms,
 // four matmuls, attention, the activation, two adds). Each op costs its build in
@@ -20,24 +21,26 @@ namespace cadence_cpu {
 
 namespace mx = mlx::core;
 
-// One quantized linear layer (mlx's affine layout, float32 scales and biases) and its
-// optional bias ([N] float32, or size 0 for none).
-struct QuantizedLayer {
+// One linear layer of N outputs as the kernels hold it, and its optional bias ([N]
+// float32, or size 0 for none): bits 4 or 8, mlx's affine layout with float32 scales
+// and biases (quant_ops.h); bits 0, w packed in panels [ceil(N / 32), K, 32] of
+// float32 or 16 bits (dense_ops.h), scales and biases unused.
+struct BlockLayer {
   mx::array w, scales, biases, bias;
-  int group_size, bits;
+  int group_size, bits, N;
 };
 
 // x + down(act(gate_up(rms_norm(x) * norm_weight))): gate and up are the halves of
 // gate_up's output (a stacked projection), act is silu or gelu_tanh. x [..., K] float32.
 mx::array residual_mlp(const mx::array& x, const mx::array& norm_weight, float eps,
-                       const QuantizedLayer& gate_up, const QuantizedLayer& down,
+                       const BlockLayer& gate_up, const BlockLayer& down,
                        Activation activation);
 
 // x + o(attention(qkv(rms_norm(x) * norm_weight))) with the paged K/V write and RoPE
 // of paged_attention_rotary: {out [..., K], keys', values'} (the pools donated as there).
 std::vector<mx::array> residual_attention(
-    const mx::array& x, const mx::array& norm_weight, float eps, const QuantizedLayer& qkv,
-    const QuantizedLayer& o, const mx::array& keys, const mx::array& values,
+    const mx::array& x, const mx::array& norm_weight, float eps, const BlockLayer& qkv,
+    const BlockLayer& o, const mx::array& keys, const mx::array& values,
     const mx::array& tables, const mx::array& token_row, const mx::array& token_pos,
     const mx::array& inv_freqs, int num_heads, int num_kv_heads, int block_size, int window,
     float scale, float rope_scale);
@@ -47,11 +50,11 @@ uint64_t num_block_calls();  // evaluations of either block on the CPU, ever
 // Inputs x, norm_weight, then (w, scales, biases, bias) of gate_up and of down.
 class ResidualMlp : public mx::UnaryPrimitive {
  public:
-  ResidualMlp(mx::Stream stream, float eps, int gate_up_group, int gate_up_bits, int down_group,
-              int down_bits, Activation activation)
+  ResidualMlp(mx::Stream stream, float eps, const BlockLayer& gate_up, const BlockLayer& down,
+              Activation activation)
       : mx::UnaryPrimitive(stream),
         eps_(eps),
-        layouts_{gate_up_group, gate_up_bits, down_group, down_bits},
+        layouts_{gate_up.group_size, gate_up.bits, gate_up.N, down.group_size, down.bits, down.N},
         activation_(activation) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -62,7 +65,7 @@ class ResidualMlp : public mx::UnaryPrimitive {
 
  private:
   float eps_;
-  int layouts_[4];  // group and bits of gate_up, then of down
+  int layouts_[6];  // group, bits and N of gate_up, then of down
   Activation activation_;
 };
 
@@ -70,12 +73,12 @@ class ResidualMlp : public mx::UnaryPrimitive {
 // tables, token_row, token_pos, inv_freqs. Outputs out, keys', values'.
 class ResidualAttention : public mx::Primitive {
  public:
-  ResidualAttention(mx::Stream stream, float eps, int qkv_group, int qkv_bits, int o_group,
-                    int o_bits, int num_heads, int num_kv_heads, int block_size, int window,
-                    float scale, float rope_scale)
+  ResidualAttention(mx::Stream stream, float eps, const BlockLayer& qkv, const BlockLayer& o,
+                    int num_heads, int num_kv_heads, int block_size, int window, float scale,
+                    float rope_scale)
       : mx::Primitive(stream),
         eps_(eps),
-        layouts_{qkv_group, qkv_bits, o_group, o_bits},
+        layouts_{qkv.group_size, qkv.bits, qkv.N, o.group_size, o.bits, o.N},
         heads_{num_heads, num_kv_heads, block_size, window},
         scale_(scale),
         rope_scale_(rope_scale) {}
@@ -88,7 +91,7 @@ class ResidualAttention : public mx::Primitive {
 
  private:
   float eps_;
-  int layouts_[4];  // group and bits of qkv, then of o
+  int layouts_[6];  // group, bits and N of qkv, then of o
   int heads_[4];  // num_heads, num_kv_heads, block_size, window
   float scale_, rope_scale_;
 };

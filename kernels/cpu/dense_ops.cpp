@@ -80,18 +80,26 @@ const PanelKernels& panel_kernels() {
 
 }  // namespace
 
-mx::array panel_matmul(const mx::array& x, const mx::array& w_panels, int N) {
+void check_panels(const mx::array& w_panels, int K, int N) {
   const auto w_dtype = w_panels.dtype();
-  if (x.ndim() < 1 || x.dtype() != mx::float32 || w_panels.ndim() != 3 ||
+  if (w_panels.ndim() != 3 ||
       (w_dtype != mx::float32 && w_dtype != mx::float16 && w_dtype != mx::bfloat16) ||
-      w_panels.shape(2) != kPanelWidth ||
-      w_panels.shape(1) != x.shape(-1) || N < 0 ||
+      w_panels.shape(2) != kPanelWidth || w_panels.shape(1) != K || N < 0 ||
       static_cast<int64_t>(w_panels.shape(0)) * kPanelWidth < N ||
       static_cast<int64_t>(w_panels.shape(0) - 1) * kPanelWidth >= std::max(N, 1)) {
     throw std::invalid_argument(
         "cadence panel matmul: x [..., K] float32, w_panels [ceil(N / 32), K, 32] float32, "
         "float16 or bfloat16");
   }
+}
+
+mx::array panel_matmul(const mx::array& x, const mx::array& w_panels, int N) {
+  if (x.ndim() < 1 || x.dtype() != mx::float32) {
+    throw std::invalid_argument(
+        "cadence panel matmul: x [..., K] float32, w_panels [ceil(N / 32), K, 32] float32, "
+        "float16 or bfloat16");
+  }
+  check_panels(w_panels, x.shape(-1), N);
   auto s = mx::to_stream(mx::StreamOrDevice{}, mx::Device::cpu);
   mx::Shape shape = x.shape();
   shape.back() = N;
@@ -101,48 +109,50 @@ mx::array panel_matmul(const mx::array& x, const mx::array& w_panels, int N) {
 
 void PanelMatmulOp::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   run_on_stream(stream(), inputs, out, [N = N_](std::vector<mx::array>& in, mx::array& out) {
-    panel_calls.fetch_add(1, std::memory_order_relaxed);
-    const auto& w = in[1];
-    const int K = w.shape(1), panels = w.shape(0);
-    const int M = leading_rows(in[0]);
-    if (M == 0 || N == 0) {
-      return;
-    }
-    if (K == 0) {  // an empty sum
-      std::fill_n(out.data<float>(), out.size(), 0.0f);
-      return;
-    }
     std::vector<float> x_copy;
-    StoredWeight weight(w);
-    const PanelKernels& kernels = panel_kernels();
-    PanelMatmulJob job{row_major_data(in[0], x_copy), nullptr, weight.data, out.data<float>(),
-                       M, N, K, K, weight.kind};
-    // x transposed into blocks of the tile's rows, once for every panel and thread.
-    thread_local std::vector<float> x_panels;  // this runs on the stream's one thread
-    const int rows = kernels.rows(), blocks = (M + rows - 1) / rows;
-    x_panels.resize(static_cast<size_t>(blocks) * rows * K);
-    job.x_panels = x_panels.data();
-    const struct {
-      PanelMatmulJob job;
-      const PanelKernels* kernels;
-      float* x_panels;  // written by the first pass, read by the second through `job`
-    } task{job, &kernels, x_panels.data()};
-    row_pool()->run(
-        [](const void* context, int begin, int end) {
-          const auto& t = *static_cast<const decltype(task)*>(context);
-          t.kernels->pack(t.job, t.x_panels, begin, end);
-        },
-        &task, blocks, static_cast<int>(std::max<int64_t>(1, kMinWeightsPerChunk / 4 / (int64_t{rows} * K))));
-    const int64_t weights_per_panel = static_cast<int64_t>(K) * kPanelWidth;
-    const int min_panels = static_cast<int>(std::clamp<int64_t>(
-        kMinWeightsPerChunk / std::max<int64_t>(1, weights_per_panel * ((M + 15) / 16)), 1, panels));
-    row_pool()->run(
-        [](const void* context, int begin, int end) {
-          const auto& t = *static_cast<const decltype(task)*>(context);
-          t.kernels->matmul(t.job, begin, end);
-        },
-        &task, panels, min_panels);
+    panel_matmul_rows(row_major_data(in[0], x_copy), leading_rows(in[0]), in[1], N,
+                      out.data<float>());
   });
+}
+
+void panel_matmul_rows(const float* x, int M, const mx::array& w, int N, float* out) {
+  panel_calls.fetch_add(1, std::memory_order_relaxed);
+  const int K = w.shape(1), panels = w.shape(0);
+  if (M == 0 || N == 0) {
+    return;
+  }
+  if (K == 0) {  // an empty sum
+    std::fill_n(out, static_cast<int64_t>(M) * N, 0.0f);
+    return;
+  }
+  StoredWeight weight(w);
+  const PanelKernels& kernels = panel_kernels();
+  PanelMatmulJob job{x, nullptr, weight.data, out, M, N, K, K, weight.kind};
+  // x transposed into blocks of the tile's rows, once for every panel and thread.
+  thread_local std::vector<float> x_panels;  // this runs on the stream's one thread
+  const int rows = kernels.rows(), blocks = (M + rows - 1) / rows;
+  x_panels.resize(static_cast<size_t>(blocks) * rows * K);
+  job.x_panels = x_panels.data();
+  const struct {
+    PanelMatmulJob job;
+    const PanelKernels* kernels;
+    float* x_panels;  // written by the first pass, read by the second through `job`
+  } task{job, &kernels, x_panels.data()};
+  row_pool()->run(
+      [](const void* context, int begin, int end) {
+        const auto& t = *static_cast<const decltype(task)*>(context);
+        t.kernels->pack(t.job, t.x_panels, begin, end);
+      },
+      &task, blocks, static_cast<int>(std::max<int64_t>(1, kMinWeightsPerChunk / 4 / (int64_t{rows} * K))));
+  const int64_t weights_per_panel = static_cast<int64_t>(K) * kPanelWidth;
+  const int min_panels = static_cast<int>(std::clamp<int64_t>(
+      kMinWeightsPerChunk / std::max<int64_t>(1, weights_per_panel * ((M + 15) / 16)), 1, panels));
+  row_pool()->run(
+      [](const void* context, int begin, int end) {
+        const auto& t = *static_cast<const decltype(task)*>(context);
+        t.kernels->matmul(t.job, begin, end);
+      },
+      &task, panels, min_panels);
 }
 
 void PanelMatmulOp::eval_gpu(const std::vector<mx::array>&, mx::array&) {

@@ -19,6 +19,14 @@ uint64_t num_dense_calls();  // evaluations on the CPU, ever
 // as read) packed into panels of 32 columns, [ceil(N / 32), K, 32] (row_kernels.h): every
 // number of rows, decode to prefill.
 mx::array panel_matmul(const mx::array& x, const mx::array& w_panels, int N);
+
+// The panel primitive's work, for ops that run it inside their own (block_ops.cpp):
+// out[M, N] = x[M, K] (dense rows) @ W.T for W packed in w_panels [ceil(N / 32), K, 32].
+// Call it from the stream's thread (its buffers are per thread).
+void panel_matmul_rows(const float* x, int M, const mx::array& w_panels, int N, float* out);
+
+// Throws std::invalid_argument unless w_panels packs N output columns of K inputs.
+void check_panels(const mx::array& w_panels, int K, int N);
 uint64_t num_panel_calls();  // evaluations on the CPU, ever
 
 class PanelMatmulOp : public mx::UnaryPrimitive {

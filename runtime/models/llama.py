@@ -55,7 +55,8 @@ class DecoderLayer(nn.Module):
 
     def plan_blocks(self) -> None:
         """Which residual blocks run as one op: those whose layers are stacked and run on
-        the quantized kernels, with plain RMSNorms (no per-head q/k norm in attention)."""
+        cadence's kernels (quantized or panels), with plain RMSNorms (no per-head q/k
+        norm in attention)."""
         attn, mlp = self.self_attn, self.mlp
         norm, post_norm = self.input_layernorm, self.post_attention_layernorm  # RMSNorms
         self.attention_block = (

@@ -1,5 +1,6 @@
 """The residual blocks as one op (kernels/fused_blocks.py): equal to their parts bit for
-bit, close to the mx-op definition, and run by the models on quantized weights."""
+bit, close to the mx-op definition, and run by the models on quantized weights and on
+float32 / 16-bit weights packed in panels."""
 
 import importlib.util
 
@@ -12,6 +13,7 @@ import pytest
 
 from kernels import fused_blocks
 from kernels.cpu_extension import cpu_extension
+from kernels.dense_matmul import pack_panels
 from tests.kernels.test_paged_attention import BLOCK, make_step
 from tests.kernels.test_quantized_models import PROMPT, greedy
 
@@ -28,11 +30,42 @@ def quantized(n, k, group_size, bits, seed, with_bias=False):
     return (w, scales.astype(mx.float32), biases.astype(mx.float32), bias, group_size, bits)
 
 
+def panels(n, k, dtype, seed, with_bias=False):
+    rng = np.random.default_rng(seed)
+    weight = mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.2).astype(dtype)
+    bias = mx.array(rng.standard_normal(n).astype(np.float32)) if with_bias else mx.zeros((0,))
+    return (pack_panels(weight), bias, n)
+
+
 def linear_by_parts(x, layer):
     ext = cpu_extension()
-    w, scales, biases, bias, group_size, bits = layer
-    y = ext.matmul(x, w, scales, biases, group_size, bits)
+    if len(layer) == 3:
+        w_panels, bias, n = layer
+        y = ext.panel_matmul(x, w_panels, n)
+    else:
+        w, scales, biases, bias, group_size, bits = layer
+        y = ext.matmul(x, w, scales, biases, group_size, bits)
     return y + bias if bias.size else y
+
+
+# Each block's two layers: quantized (two layouts), in panels (three dtypes), and mixed.
+LAYERS = {
+    "4-bit g32, 4-bit g32": lambda n1, k1, n2, k2, bias: (
+        quantized(n1, k1, 32, 4, 1, bias), quantized(n2, k2, 32, 4, 2, bias)
+    ),
+    "8-bit g64, 4-bit g128": lambda n1, k1, n2, k2, bias: (
+        quantized(n1, k1, 64, 8, 1, bias), quantized(n2, k2, 128, 4, 2, bias)
+    ),
+    "panels f32": lambda n1, k1, n2, k2, bias: (
+        panels(n1, k1, mx.float32, 1, bias), panels(n2, k2, mx.float32, 2, bias)
+    ),
+    "panels f16, bf16": lambda n1, k1, n2, k2, bias: (
+        panels(n1, k1, mx.float16, 1, bias), panels(n2, k2, mx.bfloat16, 2, bias)
+    ),
+    "panels, 4-bit": lambda n1, k1, n2, k2, bias: (
+        panels(n1, k1, mx.bfloat16, 1, bias), quantized(n2, k2, 32, 4, 2, bias)
+    ),
+}
 
 
 def inputs(rows, k, seed):
@@ -43,14 +76,15 @@ def inputs(rows, k, seed):
 
 
 @pytest.mark.parametrize("activation", fused_blocks.ACTIVATIONS)
-@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 64), (8, 128), (4, 128)])
+@pytest.mark.parametrize("layers", LAYERS)
 @pytest.mark.parametrize("rows", [1, 3, 16, 31])
-def test_the_mlp_block_equals_its_parts_exactly(rows, bits, group_size, activation):
+def test_the_mlp_block_equals_its_parts_exactly(rows, layers, activation):
     ext = cpu_extension()
-    K, I = 256, 160  # noqa: E741  (an intermediate width that is no power of two)
+    # Panels take any width (152: a last panel half full); a group size must divide a row.
+    I = 152 if "bit" not in layers else 384  # noqa: E741
+    K = 256
     x, norm = inputs(rows, K, seed=rows)
-    gate_up = quantized(2 * I, K, group_size, bits, seed=1)
-    down = quantized(K, I, 32, 4, seed=2)  # a layout of its own
+    gate_up, down = LAYERS[layers](2 * I, K, K, I, False)
     halves = ext.silu_mul_halves if activation == "silu" else ext.gelu_tanh_mul_halves
     parts = x + linear_by_parts(halves(linear_by_parts(ext.rms_norm(x, norm, 1e-5), gate_up)), down)
     before = ext.num_block_calls()
@@ -71,18 +105,24 @@ def test_a_block_runs_by_parts_from_32_rows_or_off_the_cpu():
     assert fused_blocks.kernel_for(x.astype(mx.float16)[:, :1]) is None
 
 
+def test_cadence_cpu_blocks_off_runs_every_block_by_parts(monkeypatch):
+    x, _ = inputs(1, 64, seed=0)
+    monkeypatch.setattr(fused_blocks, "IS_ON", False)  # what CADENCE_CPU_BLOCKS=off sets at import
+    assert fused_blocks.kernel_for(x) is None
+
+
+@pytest.mark.parametrize("layers", LAYERS)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("shape", [([5, 17, 0, 30], [1, 1, 1, 1]), ([9, 0], [1, 13]), ([40], [1])])
-def test_the_attention_block_equals_its_parts_exactly(shape, with_bias):
+def test_the_attention_block_equals_its_parts_exactly(shape, with_bias, layers):
     """norm, qkv (+ bias), the rotary attention op with its K/V write, o (+ bias), + x."""
     ext = cpu_extension()
     starts, num_new = shape
     step, _, keys, values, q, _, _ = make_step(starts, num_new, 2, 4)
     N, H, D = q.shape
-    K = 96
+    K = 128
     x, norm = inputs(N, K, seed=N)
-    qkv = quantized((H + 4) * D, K, 32, 4, seed=3, with_bias=with_bias)
-    o = quantized(K, H * D, 64, 8, seed=4, with_bias=with_bias)
+    qkv, o = LAYERS[layers]((H + 4) * D, K, K, H * D, with_bias)
     inv_freqs = mx.exp(mx.arange(0, -(D // 2), -1, dtype=mx.float32) * 0.7)
     index = (step.tables, step.row_of_token, step.positions)
     attended, want_keys, want_values = ext.paged_attention_rotary(
@@ -133,11 +173,15 @@ def planned_layers(model):
     return [m for m in model.modules() if isinstance(m, DecoderLayer)]
 
 
+WEIGHTS = {"4-bit": dict(quantize=(64, 4)), "float16": dict(dtype="float16"), "float32": {}}
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)  # quantized kernels; panels of 16 and 32 bits
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: biases on q, k and v
-def test_a_quantized_model_decodes_through_the_blocks_with_the_same_tokens_and_logits(
-    make_checkpoint, family
+def test_a_model_decodes_through_the_blocks_with_the_same_tokens_and_logits(
+    make_checkpoint, family, weights
 ):
-    path = make_checkpoint(family, quantize=(64, 4), hidden_size=128, intermediate_size=256)
+    path = make_checkpoint(family, hidden_size=128, intermediate_size=256, **WEIGHTS[weights])
     loaded = load_model(path)
     layers = planned_layers(loaded.model)
     assert layers and all(layer.attention_block and layer.mlp_block for layer in layers)
