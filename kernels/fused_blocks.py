@@ -60,25 +60,32 @@ def kernel_layer(linear: nn.Module) -> KernelLayer | None:
 
 @attrs.frozen
 class NormedLayers:
-    """One block's norm (weight and eps) and its two quantized layers, in order."""
+    """One block's norm (weight and eps) and its two layers, in order; an attention
+    block may norm each query and key head too: (q_norm [D], k_norm [D], eps)."""
 
     norm_weight: mx.array
     eps: float
     first: KernelLayer
     second: KernelLayer
+    qk_norm: tuple[mx.array, mx.array, float] | None = None
 
 
 def normed_layers(
-    norm_weight: mx.array, eps: float, first: nn.Module, second: nn.Module
+    norm_weight: mx.array,
+    eps: float,
+    first: nn.Module,
+    second: nn.Module,
+    qk_norm: tuple[mx.array, mx.array, float] | None = None,
 ) -> NormedLayers | None:
-    """The operands of a block whose norm is RMSNorm, x * rsqrt(mean(x^2) + eps) *
-    norm_weight (float32), and whose layers both run on cadence's kernels; else None."""
-    if norm_weight.dtype != mx.float32 or norm_weight.ndim != 1:
+    """The operands of a block whose norms are RMSNorms, x * rsqrt(mean(x^2) + eps) *
+    weight (float32 weights), and whose layers both run on cadence's kernels; else None."""
+    weights = [norm_weight] + ([] if qk_norm is None else list(qk_norm[:2]))
+    if any(w.dtype != mx.float32 or w.ndim != 1 for w in weights):
         return None
     layers = kernel_layer(first), kernel_layer(second)
     if layers[0] is None or layers[1] is None:
         return None
-    return NormedLayers(norm_weight, float(eps), layers[0], layers[1])
+    return NormedLayers(norm_weight, float(eps), layers[0], layers[1], qk_norm)
 
 
 def kernel_for(x: mx.array) -> Any:  # noqa: ANN401  (the extension module, untyped)

@@ -1,14 +1,17 @@
 // The Python module `kernels._cpu_ext` (loaded by kernels/cpu_extension.py).
 #include <string>
+#include <optional>
 #include <tuple>
 #include <variant>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include "mlx/ops.h"
 #include "mlx/version.h"
 
 #include "attention_ops.h"
@@ -114,14 +117,19 @@ NB_MODULE(_cpu_ext, m) {
                                       const mx::array& values, const mx::array& tables,
                                       const mx::array& token_row, const mx::array& token_pos,
                                       const mx::array& inv_freqs, int num_heads, int num_kv_heads,
-                                      int block_size, int window, float scale, float rope_scale) {
-    return cadence_cpu::residual_attention(x, norm_weight, eps, layer(qkv), layer(o), keys, values,
-                                           tables, token_row, token_pos, inv_freqs, num_heads,
-                                           num_kv_heads, block_size, window, scale, rope_scale);
+                                      int block_size, int window, float scale, float rope_scale,
+                                      const std::optional<std::tuple<mx::array, mx::array, float>>& qk_norm) {
+    const mx::array none = mx::zeros({0}, mx::float32);
+    return cadence_cpu::residual_attention(
+        x, norm_weight, eps, layer(qkv), layer(o), keys, values, tables, token_row, token_pos,
+        inv_freqs, num_heads, num_kv_heads, block_size, window, scale, rope_scale,
+        qk_norm ? std::get<0>(*qk_norm) : none, qk_norm ? std::get<1>(*qk_norm) : none,
+        qk_norm ? std::get<2>(*qk_norm) : 0.0f);
   }, "x"_a, "norm_weight"_a, "eps"_a, "qkv"_a, "o"_a, "keys"_a, "values"_a, "tables"_a,
         "token_row"_a, "token_pos"_a, "inv_freqs"_a, "num_heads"_a, "num_kv_heads"_a,
-        "block_size"_a, "window"_a, "scale"_a, "rope_scale"_a,
-        "x + o(paged_attention_rotary(qkv(rms_norm(x)))): [out, keys, values], one op.");
+        "block_size"_a, "window"_a, "scale"_a, "rope_scale"_a, "qk_norm"_a = nb::none(),
+        "x + o(paged_attention_rotary(qkv(rms_norm(x)))): [out, keys, values], one op; "
+        "qk_norm = (q_norm [D], k_norm [D], eps) norms each q and k head before RoPE.");
   m.def("num_block_calls", &cadence_cpu::num_block_calls,
         "How many times a residual block (residual_mlp, residual_attention) has run.");
   m.def("isa", &cadence_cpu::isa, "The instruction set the kernels use.");

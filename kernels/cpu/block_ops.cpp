@@ -135,7 +135,8 @@ std::vector<mx::array> residual_attention(
     const BlockLayer& o, const mx::array& keys, const mx::array& values,
     const mx::array& tables, const mx::array& token_row, const mx::array& token_pos,
     const mx::array& inv_freqs, int num_heads, int num_kv_heads, int block_size, int window,
-    float scale, float rope_scale) {
+    float scale, float rope_scale, const mx::array& q_norm, const mx::array& k_norm,
+    float qk_eps) {
   require(x.dtype() == mx::float32 && x.ndim() >= 1, "x must be float32 [..., K]");
   const int K = x.shape(-1);
   require(norm_weight.dtype() == mx::float32 && norm_weight.ndim() == 1 &&
@@ -150,14 +151,21 @@ std::vector<mx::array> residual_attention(
           "inv_freqs must be float32 [dims / 2], dims <= D and at most 1024");
   check_layer(qkv, K, static_cast<int64_t>(num_heads + 2 * num_kv_heads) * D, "qkv");
   check_layer(o, static_cast<int64_t>(num_heads) * D, K, "o");
+  const bool has_qk_norm = q_norm.size() > 0 || k_norm.size() > 0;
+  for (const auto* norm : {&q_norm, &k_norm}) {
+    require(norm->dtype() == mx::float32 &&
+                (has_qk_norm ? norm->ndim() == 1 && norm->shape(0) == D : norm->size() == 0),
+            "q_norm and k_norm must both be float32 [D], or both empty");
+  }
   std::vector<mx::array> inputs{x, norm_weight};
   append(inputs, qkv);
   append(inputs, o);
-  inputs.insert(inputs.end(), {keys, values, tables, token_row, token_pos, inv_freqs});
+  inputs.insert(inputs.end(),
+                {keys, values, tables, token_row, token_pos, inv_freqs, q_norm, k_norm});
   return mx::array::make_arrays(
       {x.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
       std::make_shared<ResidualAttention>(cpu_stream(), eps, qkv, o, num_heads, num_kv_heads,
-                                          block_size, window, scale, rope_scale),
+                                          block_size, window, scale, rope_scale, qk_eps),
       std::move(inputs));
 }
 
@@ -187,7 +195,7 @@ void ResidualAttention::eval_cpu(const std::vector<mx::array>& inputs,
   encoder.dispatch([in = std::move(in), out = std::move(out), copies_keys, copies_values,
                     eps = eps_, l = std::vector<int>(layouts_, layouts_ + 6),
                     h = std::vector<int>(heads_, heads_ + 4), scale = scale_,
-                    rope_scale = rope_scale_]() mutable {
+                    rope_scale = rope_scale_, qk_eps = qk_eps_]() mutable {
     block_calls.fetch_add(1, std::memory_order_relaxed);
     const int H = h[0], kv = h[1];
     const int K = in[0].shape(-1), M = leading_rows(in[0]);
@@ -208,6 +216,17 @@ void ResidualAttention::eval_cpu(const std::vector<mx::array>& inputs,
     attended.resize(static_cast<size_t>(M) * H * D);
     rms_norm_rows(x, row_major_data(in[1], weight_copy), normed.data(), M, K, eps);
     run_linear(normed.data(), M, K, in, 2, &l[0], qkv.data());
+    if (in[kKeys + 6].size() > 0) {  // each token's H query, then Hkv key heads, normed in place
+      std::vector<float> q_norm_copy, k_norm_copy;
+      const float* q_norm = row_major_data(in[kKeys + 6], q_norm_copy);
+      const float* k_norm = row_major_data(in[kKeys + 7], k_norm_copy);
+      for (int64_t n = 0; n < M; ++n) {
+        float* heads = qkv.data() + n * (H + 2 * kv) * D;
+        rms_norm_rows(heads, q_norm, heads, H, D, qk_eps);
+        rms_norm_rows(heads + static_cast<int64_t>(H) * D, k_norm, heads + static_cast<int64_t>(H) * D,
+                      kv, D, qk_eps);
+      }
+    }
     const AttentionStep step{row_major_data(tables, tables_copy), tables.shape(0),
                              tables.shape(1), row_major_data(in[kKeys + 3], row_copy),
                              row_major_data(in[kKeys + 4], pos_copy), M, out[1].data<float>(),
@@ -235,7 +254,7 @@ bool ResidualMlp::is_equivalent(const mx::Primitive& other) const {
 
 bool ResidualAttention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const ResidualAttention&>(other);
-  return eps_ == o.eps_ && std::equal(layouts_, layouts_ + 6, o.layouts_) &&
+  return eps_ == o.eps_ && qk_eps_ == o.qk_eps_ && std::equal(layouts_, layouts_ + 6, o.layouts_) &&
       std::equal(heads_, heads_ + 4, o.heads_) && scale_ == o.scale_ &&
       rope_scale_ == o.rope_scale_;
 }

@@ -38,12 +38,15 @@ mx::array residual_mlp(const mx::array& x, const mx::array& norm_weight, float e
 
 // x + o(attention(qkv(rms_norm(x) * norm_weight))) with the paged K/V write and RoPE
 // of paged_attention_rotary: {out [..., K], keys', values'} (the pools donated as there).
+// With q_norm and k_norm ([D] float32; both empty for none), each query and key head is
+// RMS-normed (eps qk_eps) before its rotation, as qwen3's attention does.
 std::vector<mx::array> residual_attention(
     const mx::array& x, const mx::array& norm_weight, float eps, const BlockLayer& qkv,
     const BlockLayer& o, const mx::array& keys, const mx::array& values,
     const mx::array& tables, const mx::array& token_row, const mx::array& token_pos,
     const mx::array& inv_freqs, int num_heads, int num_kv_heads, int block_size, int window,
-    float scale, float rope_scale);
+    float scale, float rope_scale, const mx::array& q_norm, const mx::array& k_norm,
+    float qk_eps);
 
 uint64_t num_block_calls();  // evaluations of either block on the CPU, ever
 
@@ -70,14 +73,15 @@ class ResidualMlp : public mx::UnaryPrimitive {
 };
 
 // Inputs x, norm_weight, (w, scales, biases, bias) of qkv and of o, keys, values,
-// tables, token_row, token_pos, inv_freqs. Outputs out, keys', values'.
+// tables, token_row, token_pos, inv_freqs, q_norm, k_norm. Outputs out, keys', values'.
 class ResidualAttention : public mx::Primitive {
  public:
   ResidualAttention(mx::Stream stream, float eps, const BlockLayer& qkv, const BlockLayer& o,
                     int num_heads, int num_kv_heads, int block_size, int window, float scale,
-                    float rope_scale)
+                    float rope_scale, float qk_eps)
       : mx::Primitive(stream),
         eps_(eps),
+        qk_eps_(qk_eps),
         layouts_{qkv.group_size, qkv.bits, qkv.N, o.group_size, o.bits, o.N},
         heads_{num_heads, num_kv_heads, block_size, window},
         scale_(scale),
@@ -90,7 +94,7 @@ class ResidualAttention : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override;
 
  private:
-  float eps_;
+  float eps_, qk_eps_;
   int layouts_[6];  // group, bits and N of qkv, then of o
   int heads_[4];  // num_heads, num_kv_heads, block_size, window
   float scale_, rope_scale_;

@@ -25,7 +25,8 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps);
 mx::array rope(const mx::array& x, const mx::array& positions, const mx::array& inv_freqs,
                float scale);
 
-// The RmsNorm primitive's work over dense rows, on the kernel threads (block_ops.cpp).
+// The RmsNorm primitive's work over dense rows, on the kernel threads (block_ops.cpp);
+// out may be x (each row's sum is taken before it is written).
 void rms_norm_rows(const float* x, const float* weight, float* out, int rows, int D, float eps);
 
 // The Rope primitive's work, on the kernel threads: for attention_ops.cpp, which

@@ -55,13 +55,15 @@ class DecoderLayer(nn.Module):
 
     def plan_blocks(self) -> None:
         """Which residual blocks run as one op: those whose layers are stacked and run on
-        cadence's kernels (quantized or panels), with plain RMSNorms (no per-head q/k
-        norm in attention)."""
+        cadence's kernels (quantized or panels), their norms RMSNorms."""
         attn, mlp = self.self_attn, self.mlp
         norm, post_norm = self.input_layernorm, self.post_attention_layernorm  # RMSNorms
+        qk_norm = None
+        if "q_norm" in attn:  # qwen3: RMSNorms of one eps (the config's) on each head
+            qk_norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
         self.attention_block = (
-            normed_layers(norm.weight, norm.eps, attn["qkv_proj"], attn.o_proj)
-            if "qkv_proj" in attn and "q_norm" not in attn
+            normed_layers(norm.weight, norm.eps, attn["qkv_proj"], attn.o_proj, qk_norm)
+            if "qkv_proj" in attn
             else None
         )
         self.mlp_block = (

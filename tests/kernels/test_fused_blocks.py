@@ -141,6 +141,41 @@ def test_the_attention_block_equals_its_parts_exactly(shape, with_bias, layers):
     assert mx.array_equal(got_keys, want_keys).item() and mx.array_equal(got_values, want_values).item()
 
 
+@pytest.mark.parametrize("shape", [([5, 17, 0, 30], [1, 1, 1, 1]), ([9, 0], [1, 13])])
+def test_the_attention_block_with_per_head_norms_equals_qwen3s_parts_exactly(shape):
+    """qwen3 by parts: split the heads, RMSNorm each q and k head, RoPE, the write op."""
+    ext = cpu_extension()
+    starts, num_new = shape
+    step, _, keys, values, q, _, _ = make_step(starts, num_new, 2, 4)
+    N, H, D = q.shape
+    x, norm = inputs(N, 128, seed=N)
+    qkv, o = LAYERS["4-bit g32, 4-bit g32"]((H + 4) * D, 128, 128, H * D, False)
+    rng = np.random.default_rng(7)
+    q_norm, k_norm = (mx.array(1.0 + 0.2 * rng.standard_normal(D).astype(np.float32)) for _ in range(2))
+    inv_freqs = mx.exp(mx.arange(0, -(D // 2), -1, dtype=mx.float32) * 0.7)
+    index = (step.tables, step.row_of_token, step.positions)
+    heads = linear_by_parts(ext.rms_norm(x, norm, 1e-5), qkv).reshape(N, H + 4, D)
+    q_part, k_part, v_part = heads[:, :H], heads[:, H : H + 2], heads[:, H + 2 :]
+    rotate = lambda t: ext.rope(t, step.positions, inv_freqs, 1.0)  # noqa: E731
+    attended, want_keys, _ = ext.paged_attention_write(
+        rotate(ext.rms_norm(q_part, q_norm, 1e-6)), rotate(ext.rms_norm(k_part, k_norm, 1e-6)),
+        v_part, mx.array(keys), mx.array(values), *index, 2, BLOCK, 0, 0.25,
+    )
+    want = x + linear_by_parts(attended.reshape(1, N, H * D), o)
+    got, got_keys, _ = ext.residual_attention(
+        x, norm, 1e-5, qkv, o, mx.array(keys), mx.array(values), *index, inv_freqs, H, 2, BLOCK,
+        0, 0.25, 1.0, (q_norm, k_norm, 1e-6),
+    )
+    mx.eval(got, got_keys, want, want_keys)
+    assert mx.array_equal(got, want).item()
+    assert mx.array_equal(got_keys, want_keys).item()
+    without = ext.residual_attention(
+        x, norm, 1e-5, qkv, o, mx.array(keys), mx.array(values), *index, inv_freqs, H, 2, BLOCK,
+        0, 0.25, 1.0,
+    )[0]
+    assert not mx.allclose(without, got).item()  # the norms did something
+
+
 def test_a_table_outside_the_pool_gives_nan_and_writes_nothing():
     ext = cpu_extension()
     step, _, keys, values, q, _, _ = make_step([5], [1], 2, 4)
@@ -177,11 +212,12 @@ WEIGHTS = {"4-bit": dict(quantize=(64, 4)), "float16": dict(dtype="float16"), "f
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)  # quantized kernels; panels of 16 and 32 bits
-@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: biases on q, k and v
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])  # qkv biases; per-head norms
 def test_a_model_decodes_through_the_blocks_with_the_same_tokens_and_logits(
     make_checkpoint, family, weights
 ):
-    path = make_checkpoint(family, hidden_size=128, intermediate_size=256, **WEIGHTS[weights])
+    shape = dict(hidden_size=128, intermediate_size=256, **WEIGHTS[weights])
+    path = make_checkpoint(family, **shape, **({"head_dim": 32} if family == "qwen3" else {}))
     loaded = load_model(path)
     layers = planned_layers(loaded.model)
     assert layers and all(layer.attention_block and layer.mlp_block for layer in layers)
