@@ -61,13 +61,15 @@ def kernel_layer(linear: nn.Module) -> KernelLayer | None:
 @attrs.frozen
 class NormedLayers:
     """One block's norm (weight and eps) and its two layers, in order; an attention
-    block may norm each query and key head too: (q_norm [D], k_norm [D], eps)."""
+    block may norm each query and key head too, (q_norm [D], k_norm [D], eps); either
+    block may norm its output before the residual add (`post_norm` [K], same eps)."""
 
     norm_weight: mx.array
     eps: float
     first: KernelLayer
     second: KernelLayer
     qk_norm: tuple[mx.array, mx.array, float] | None = None
+    post_norm: mx.array | None = None
 
 
 def normed_layers(
@@ -76,16 +78,18 @@ def normed_layers(
     first: nn.Module,
     second: nn.Module,
     qk_norm: tuple[mx.array, mx.array, float] | None = None,
+    post_norm: mx.array | None = None,
 ) -> NormedLayers | None:
     """The operands of a block whose norms are RMSNorms, x * rsqrt(mean(x^2) + eps) *
     weight (float32 weights), and whose layers both run on cadence's kernels; else None."""
     weights = [norm_weight] + ([] if qk_norm is None else list(qk_norm[:2]))
+    weights += [] if post_norm is None else [post_norm]
     if any(w.dtype != mx.float32 or w.ndim != 1 for w in weights):
         return None
     layers = kernel_layer(first), kernel_layer(second)
     if layers[0] is None or layers[1] is None:
         return None
-    return NormedLayers(norm_weight, float(eps), layers[0], layers[1], qk_norm)
+    return NormedLayers(norm_weight, float(eps), layers[0], layers[1], qk_norm, post_norm)
 
 
 def kernel_for(x: mx.array) -> Any:  # noqa: ANN401  (the extension module, untyped)
@@ -102,7 +106,9 @@ def mlp_block(x: mx.array, block: NormedLayers, activation: str) -> mx.array | N
     ext = kernel_for(x)
     if ext is None:
         return None
-    return ext.residual_mlp(x, block.norm_weight, block.eps, block.first, block.second, activation)
+    return ext.residual_mlp(
+        x, block.norm_weight, block.eps, block.first, block.second, activation, block.post_norm
+    )
 
 
 def reference_mlp_block(x: mx.array, block: NormedLayers, activation: str) -> mx.array:
@@ -110,7 +116,8 @@ def reference_mlp_block(x: mx.array, block: NormedLayers, activation: str) -> mx
     normed = mx.fast.rms_norm(x, block.norm_weight, block.eps)
     gate, up = mx.split(_linear(normed, block.first), 2, axis=-1)
     act = nn.silu(gate) if activation == "silu" else nn.gelu_approx(gate)
-    return x + _linear(act * up, block.second)
+    y = _linear(act * up, block.second)
+    return x + (y if block.post_norm is None else mx.fast.rms_norm(y, block.post_norm, block.eps))
 
 
 def _linear(x: mx.array, layer: KernelLayer) -> mx.array:

@@ -342,6 +342,6 @@ class _NativePlan:
             x, block.norm_weight, block.eps, block.first, block.second, keys, values,
             step.tables, step.row_of_token, step.positions, inv_freqs, num_heads,
             step.num_kv_heads, step.block_size, step.window or 0, scale, rope_scale,
-            block.qk_norm,
+            block.qk_norm, block.post_norm,
         )
         return out, keys, values

@@ -105,31 +105,41 @@ NB_MODULE(_cpu_ext, m) {
     }
     return name == "silu" ? cadence_cpu::Activation::silu : cadence_cpu::Activation::gelu_tanh;
   };
-  m.def("residual_mlp", [layer, activation_named](const mx::array& x, const mx::array& norm_weight,
-                                                  float eps, const Layer& gate_up,
-                                                  const Layer& down, const std::string& activation) {
+  // An optional [K] weight; empty for none.
+  auto weight_or_none = [](const std::optional<mx::array>& w) {
+    return w ? *w : mx::zeros({0}, mx::float32);
+  };
+  m.def("residual_mlp", [layer, activation_named, weight_or_none](
+                            const mx::array& x, const mx::array& norm_weight, float eps,
+                            const Layer& gate_up, const Layer& down, const std::string& activation,
+                            const std::optional<mx::array>& post_norm) {
     return cadence_cpu::residual_mlp(x, norm_weight, eps, layer(gate_up), layer(down),
-                                     activation_named(activation));
+                                     activation_named(activation), weight_or_none(post_norm));
   }, "x"_a, "norm_weight"_a, "eps"_a, "gate_up"_a, "down"_a, "activation"_a,
-        "x + down(act(gate and up halves of gate_up(rms_norm(x)))), one op (few rows).");
-  m.def("residual_attention", [layer](const mx::array& x, const mx::array& norm_weight, float eps,
+        "post_norm"_a = nb::none(),
+        "x + down(act(gate and up halves of gate_up(rms_norm(x)))), one op (few rows); "
+        "post_norm [K] norms the block's output before the add.");
+  m.def("residual_attention", [layer, weight_or_none](const mx::array& x, const mx::array& norm_weight, float eps,
                                       const Layer& qkv, const Layer& o, const mx::array& keys,
                                       const mx::array& values, const mx::array& tables,
                                       const mx::array& token_row, const mx::array& token_pos,
                                       const mx::array& inv_freqs, int num_heads, int num_kv_heads,
                                       int block_size, int window, float scale, float rope_scale,
-                                      const std::optional<std::tuple<mx::array, mx::array, float>>& qk_norm) {
+                                      const std::optional<std::tuple<mx::array, mx::array, float>>& qk_norm,
+                                      const std::optional<mx::array>& post_norm) {
     const mx::array none = mx::zeros({0}, mx::float32);
     return cadence_cpu::residual_attention(
         x, norm_weight, eps, layer(qkv), layer(o), keys, values, tables, token_row, token_pos,
         inv_freqs, num_heads, num_kv_heads, block_size, window, scale, rope_scale,
         qk_norm ? std::get<0>(*qk_norm) : none, qk_norm ? std::get<1>(*qk_norm) : none,
-        qk_norm ? std::get<2>(*qk_norm) : 0.0f);
+        qk_norm ? std::get<2>(*qk_norm) : 0.0f, weight_or_none(post_norm));
   }, "x"_a, "norm_weight"_a, "eps"_a, "qkv"_a, "o"_a, "keys"_a, "values"_a, "tables"_a,
         "token_row"_a, "token_pos"_a, "inv_freqs"_a, "num_heads"_a, "num_kv_heads"_a,
         "block_size"_a, "window"_a, "scale"_a, "rope_scale"_a, "qk_norm"_a = nb::none(),
+        "post_norm"_a = nb::none(),
         "x + o(paged_attention_rotary(qkv(rms_norm(x)))): [out, keys, values], one op; "
-        "qk_norm = (q_norm [D], k_norm [D], eps) norms each q and k head before RoPE.");
+        "qk_norm = (q_norm [D], k_norm [D], eps) norms each q and k head before RoPE, "
+        "post_norm [K] the block's output before the add.");
   m.def("num_block_calls", &cadence_cpu::num_block_calls,
         "How many times a residual block (residual_mlp, residual_attention) has run.");
   m.def("isa", &cadence_cpu::isa, "The instruction set the kernels use.");

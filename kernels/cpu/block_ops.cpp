@@ -77,10 +77,23 @@ void run_linear(const float* x, int M, int K, const std::vector<mx::array>& in, 
   }
 }
 
-void add_residual(const float* x, float* out, int64_t size) {
+// out = x + out, out first RMS-normed by post_norm when it is not empty.
+void add_residual(const float* x, float* out, int M, int K, const mx::array& post_norm,
+                  float eps) {
+  if (post_norm.size() > 0) {
+    std::vector<float> weight_copy;
+    rms_norm_rows(out, row_major_data(post_norm, weight_copy), out, M, K, eps);
+  }
+  const int64_t size = static_cast<int64_t>(M) * K;
   for (int64_t i = 0; i < size; ++i) {
     out[i] = x[i] + out[i];
   }
+}
+
+void check_post_norm(const mx::array& post_norm, int K) {
+  require(post_norm.dtype() == mx::float32 &&
+              (post_norm.size() == 0 || (post_norm.ndim() == 1 && post_norm.shape(0) == K)),
+          "post_norm must be float32 [K] or empty");
 }
 
 mx::Stream cpu_stream() {
@@ -91,7 +104,7 @@ mx::Stream cpu_stream() {
 
 mx::array residual_mlp(const mx::array& x, const mx::array& norm_weight, float eps,
                        const BlockLayer& gate_up, const BlockLayer& down,
-                       Activation activation) {
+                       Activation activation, const mx::array& post_norm) {
   require(x.dtype() == mx::float32 && x.ndim() >= 1, "x must be float32 [..., K]");
   const int K = x.shape(-1);
   require(norm_weight.dtype() == mx::float32 && norm_weight.ndim() == 1 &&
@@ -101,9 +114,11 @@ mx::array residual_mlp(const mx::array& x, const mx::array& norm_weight, float e
   const int I = gate_up.N / 2;
   check_layer(gate_up, K, 2 * static_cast<int64_t>(I), "gate_up");
   check_layer(down, I, K, "down");
+  check_post_norm(post_norm, K);
   std::vector<mx::array> inputs{x, norm_weight};
   append(inputs, gate_up);
   append(inputs, down);
+  inputs.push_back(post_norm);
   return mx::array(x.shape(), mx::float32,
                    std::make_shared<ResidualMlp>(cpu_stream(), eps, gate_up, down, activation),
                    std::move(inputs));
@@ -126,7 +141,7 @@ void ResidualMlp::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
     run_linear(normed.data(), M, K, in, 2, &l[0], gate_up.data());
     gated_activation_rows(gate_up.data(), act.data(), M, I, activation);
     run_linear(act.data(), M, I, in, 6, &l[3], out.data<float>());
-    add_residual(x, out.data<float>(), static_cast<int64_t>(M) * K);
+    add_residual(x, out.data<float>(), M, K, in[10], eps);
   });
 }
 
@@ -136,7 +151,7 @@ std::vector<mx::array> residual_attention(
     const mx::array& tables, const mx::array& token_row, const mx::array& token_pos,
     const mx::array& inv_freqs, int num_heads, int num_kv_heads, int block_size, int window,
     float scale, float rope_scale, const mx::array& q_norm, const mx::array& k_norm,
-    float qk_eps) {
+    float qk_eps, const mx::array& post_norm) {
   require(x.dtype() == mx::float32 && x.ndim() >= 1, "x must be float32 [..., K]");
   const int K = x.shape(-1);
   require(norm_weight.dtype() == mx::float32 && norm_weight.ndim() == 1 &&
@@ -157,11 +172,12 @@ std::vector<mx::array> residual_attention(
                 (has_qk_norm ? norm->ndim() == 1 && norm->shape(0) == D : norm->size() == 0),
             "q_norm and k_norm must both be float32 [D], or both empty");
   }
+  check_post_norm(post_norm, K);
   std::vector<mx::array> inputs{x, norm_weight};
   append(inputs, qkv);
   append(inputs, o);
-  inputs.insert(inputs.end(),
-                {keys, values, tables, token_row, token_pos, inv_freqs, q_norm, k_norm});
+  inputs.insert(inputs.end(), {keys, values, tables, token_row, token_pos, inv_freqs, q_norm,
+                               k_norm, post_norm});
   return mx::array::make_arrays(
       {x.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
       std::make_shared<ResidualAttention>(cpu_stream(), eps, qkv, o, num_heads, num_kv_heads,
@@ -234,7 +250,7 @@ void ResidualAttention::eval_cpu(const std::vector<mx::array>& inputs,
     attend_rotary(step, H, qkv.data(), row_major_data(in[kKeys + 5], freqs_copy),
                   in[kKeys + 5].shape(0), rope_scale, attended.data());
     run_linear(attended.data(), M, H * D, in, 6, &l[3], out[0].data<float>());
-    add_residual(x, out[0].data<float>(), static_cast<int64_t>(M) * K);
+    add_residual(x, out[0].data<float>(), M, K, in[kKeys + 8], eps);
   });
 }
 

@@ -32,9 +32,11 @@ struct BlockLayer {
 
 // x + down(act(gate_up(rms_norm(x) * norm_weight))): gate and up are the halves of
 // gate_up's output (a stacked projection), act is silu or gelu_tanh. x [..., K] float32.
+// With a post_norm ([K] float32; empty for none) the block's output is RMS-normed by it
+// (eps) before the add, as Gemma's layers do; so in residual_attention.
 mx::array residual_mlp(const mx::array& x, const mx::array& norm_weight, float eps,
                        const BlockLayer& gate_up, const BlockLayer& down,
-                       Activation activation);
+                       Activation activation, const mx::array& post_norm);
 
 // x + o(attention(qkv(rms_norm(x) * norm_weight))) with the paged K/V write and RoPE
 // of paged_attention_rotary: {out [..., K], keys', values'} (the pools donated as there).
@@ -46,11 +48,11 @@ std::vector<mx::array> residual_attention(
     const mx::array& tables, const mx::array& token_row, const mx::array& token_pos,
     const mx::array& inv_freqs, int num_heads, int num_kv_heads, int block_size, int window,
     float scale, float rope_scale, const mx::array& q_norm, const mx::array& k_norm,
-    float qk_eps);
+    float qk_eps, const mx::array& post_norm);
 
 uint64_t num_block_calls();  // evaluations of either block on the CPU, ever
 
-// Inputs x, norm_weight, then (w, scales, biases, bias) of gate_up and of down.
+// Inputs x, norm_weight, then (w, scales, biases, bias) of gate_up and of down, post_norm.
 class ResidualMlp : public mx::UnaryPrimitive {
  public:
   ResidualMlp(mx::Stream stream, float eps, const BlockLayer& gate_up, const BlockLayer& down,
@@ -73,7 +75,8 @@ class ResidualMlp : public mx::UnaryPrimitive {
 };
 
 // Inputs x, norm_weight, (w, scales, biases, bias) of qkv and of o, keys, values,
-// tables, token_row, token_pos, inv_freqs, q_norm, k_norm. Outputs out, keys', values'.
+// tables, token_row, token_pos, inv_freqs, q_norm, k_norm, post_norm. Outputs out,
+// keys', values'.
 class ResidualAttention : public mx::Primitive {
  public:
   ResidualAttention(mx::Stream stream, float eps, const BlockLayer& qkv, const BlockLayer& o,

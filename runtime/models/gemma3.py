@@ -32,6 +32,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import structlog
 
+from kernels.fused_blocks import NormedLayers
+
 log = structlog.get_logger("cadence.models")
 
 # transformers' Gemma3TextConfig defaults, for fields a config may leave out
@@ -169,9 +171,24 @@ class Gemma3Layer(nn.Module):
         self.pre_feedforward_layernorm = OffsetRMSNorm(hidden, eps)
         self.post_feedforward_layernorm = OffsetRMSNorm(hidden, eps)
 
+    # Each residual block as one op where the CPU kernels allow (kernels/fused_blocks.py),
+    # its post-norm inside it: planned once the CPU weights are in place, else None.
+    attention_block: NormedLayers | None = None
+    mlp_block: NormedLayers | None = None
+
     def __call__(self, x: mx.array, kv: ForwardKV) -> mx.array:
-        h = _add_residual(x, self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), kv)))
-        return _add_residual(h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))))
+        h = self.self_attn.as_block(x, kv, self.attention_block)
+        if h is None:
+            h = _add_residual(x, self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), kv)))
+        out = self.mlp.as_block(h, self.mlp_block)
+        if out is None:
+            out = _add_residual(h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))))
+        return out
+
+    def plan_blocks(self) -> None:
+        attn, mlp = self.self_attn, self.mlp
+        self.attention_block = attn.block_operands(self.input_layernorm, self.post_attention_layernorm)
+        self.mlp_block = mlp.block_operands(self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
 
 
 class Gemma3Body(nn.Module):

@@ -18,6 +18,7 @@ from runtime.kv.base import CausalNoCache, ForwardKV, split_heads
 import mlx.core as mx
 import mlx.nn as nn
 
+from kernels.fused_blocks import NormedLayers, mlp_block, normed_layers
 from kernels.norm_rope import inverse_frequencies, rms_norm, rope
 from kernels.swiglu import gelu_tanh, gelu_tanh_halves, swiglu, swiglu_halves
 
@@ -78,6 +79,10 @@ class RMSNorm(nn.RMSNorm):
     def __call__(self, x: mx.array) -> mx.array:
         return rms_norm(x, self["weight"], self.eps)
 
+    def rms_weight(self) -> mx.array:
+        """What x / rms(x) is multiplied by (the residual blocks take it as it is)."""
+        return self["weight"]
+
 
 class OffsetRMSNorm(nn.Module):
     """Gemma's RMSNorm: the stored weight is an offset from 1, `x / rms(x) * (1 + w)`."""
@@ -89,6 +94,16 @@ class OffsetRMSNorm(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return rms_norm(x, 1.0 + self.weight, self.eps)
+
+    def rms_weight(self) -> mx.array:
+        """What x / rms(x) is multiplied by: 1 + w, computed once (the same float32 add
+        each call makes)."""
+        weight = 1.0 + self.weight
+        mx.eval(weight)
+        return weight
+
+
+AnyRMSNorm = RMSNorm | OffsetRMSNorm
 
 
 Norm = Callable[[int, float], nn.Module]
@@ -144,6 +159,24 @@ class Attention(nn.Module):
         out = kv.attend(self.layer, q, k, v, self.scale)  # [N, H, D]
         return self.o_proj(out.reshape(B, T, -1))
 
+    def block_operands(self, norm: AnyRMSNorm, post_norm: AnyRMSNorm | None = None) -> NormedLayers | None:
+        """x + [post_norm](self(norm(x))) as one op's operands (kernels/fused_blocks.py), or
+        None where the weights do not allow it (see `normed_layers`)."""
+        if "qkv_proj" not in self or (post_norm is not None and post_norm.eps != norm.eps):
+            return None
+        qk_norm = None
+        if "q_norm" in self:  # per-head norms of one eps (the config's)
+            qk_norm = (self.q_norm.rms_weight(), self.k_norm.rms_weight(), self.q_norm.eps)
+        post = None if post_norm is None else post_norm.rms_weight()
+        return normed_layers(norm.rms_weight(), norm.eps, self.qkv_proj, self.o_proj, qk_norm, post)
+
+    def as_block(self, x: mx.array, kv: ForwardKV, block: NormedLayers | None) -> mx.array | None:
+        """The residual block of `block_operands` over x, or None: then run it by parts."""
+        if block is None:
+            return None
+        H, Hkv = self.num_heads, self.num_kv_heads
+        return kv.residual_attention(self.layer, x, block, self.rope, H, Hkv, self.scale)
+
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU (llama, qwen) or GELU-tanh (gemma)."""
@@ -162,6 +195,18 @@ class GatedMLP(nn.Module):
             return self.down_proj(gelu_tanh_halves(gate_up) if is_gelu else swiglu_halves(gate_up))
         gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(gelu_tanh(gate, up) if is_gelu else swiglu(gate, up))
+
+    def block_operands(self, norm: AnyRMSNorm, post_norm: AnyRMSNorm | None = None) -> NormedLayers | None:
+        """h + [post_norm](self(norm(h))) as one op's operands (kernels/fused_blocks.py), or
+        None where the weights do not allow it (see `normed_layers`)."""
+        if "gate_up_proj" not in self or (post_norm is not None and post_norm.eps != norm.eps):
+            return None
+        post = None if post_norm is None else post_norm.rms_weight()
+        return normed_layers(norm.rms_weight(), norm.eps, self.gate_up_proj, self.down_proj, post_norm=post)
+
+    def as_block(self, h: mx.array, block: NormedLayers | None) -> mx.array | None:
+        """The residual block of `block_operands` over h, or None: then run it by parts."""
+        return None if block is None else mlp_block(h, block, self.activation)
 
 
 class CausalLM(nn.Module):

@@ -17,7 +17,7 @@ from runtime.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, RoPE
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels.fused_blocks import NormedLayers, mlp_block, normed_layers
+from kernels.fused_blocks import NormedLayers
 
 
 class DecoderLayer(nn.Module):
@@ -43,34 +43,15 @@ class DecoderLayer(nn.Module):
     mlp_block: NormedLayers | None = None
 
     def __call__(self, x: mx.array, kv: ForwardKV) -> mx.array:
-        attn = self.self_attn
-        h = None
-        if self.attention_block is not None:
-            H, Hkv = attn.num_heads, attn.num_kv_heads
-            h = kv.residual_attention(attn.layer, x, self.attention_block, attn.rope, H, Hkv, attn.scale)
+        h = self.self_attn.as_block(x, kv, self.attention_block)
         if h is None:
-            h = x + attn(self.input_layernorm(x), kv)
-        out = None if self.mlp_block is None else mlp_block(h, self.mlp_block, "silu")
+            h = x + self.self_attn(self.input_layernorm(x), kv)
+        out = self.mlp.as_block(h, self.mlp_block)
         return out if out is not None else h + self.mlp(self.post_attention_layernorm(h))
 
     def plan_blocks(self) -> None:
-        """Which residual blocks run as one op: those whose layers are stacked and run on
-        cadence's kernels (quantized or panels), their norms RMSNorms."""
-        attn, mlp = self.self_attn, self.mlp
-        norm, post_norm = self.input_layernorm, self.post_attention_layernorm  # RMSNorms
-        qk_norm = None
-        if "q_norm" in attn:  # qwen3: RMSNorms of one eps (the config's) on each head
-            qk_norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
-        self.attention_block = (
-            normed_layers(norm.weight, norm.eps, attn["qkv_proj"], attn.o_proj, qk_norm)
-            if "qkv_proj" in attn
-            else None
-        )
-        self.mlp_block = (
-            normed_layers(post_norm.weight, post_norm.eps, mlp["gate_up_proj"], mlp.down_proj)
-            if "gate_up_proj" in mlp and mlp.activation == "silu"
-            else None
-        )
+        self.attention_block = self.self_attn.block_operands(self.input_layernorm)
+        self.mlp_block = self.mlp.block_operands(self.post_attention_layernorm)
 
 
 class DecoderBody(nn.Module):

@@ -5,6 +5,7 @@ float32 / 16-bit weights packed in panels."""
 import importlib.util
 
 from runtime.checkpoint import load_model
+from runtime.models.gemma3 import Gemma3Layer
 from runtime.models.llama import DecoderLayer
 
 import mlx.core as mx
@@ -96,6 +97,38 @@ def test_the_mlp_block_equals_its_parts_exactly(rows, layers, activation):
     assert mx.array_equal(fused, parts).item()
     reference = fused_blocks.reference_mlp_block(x, block, activation)
     assert mx.allclose(fused, reference, atol=1e-4, rtol=1e-4).item()
+
+
+def test_a_post_norm_is_applied_to_each_blocks_output_before_the_add():
+    """Gemma's layers: x + rms_norm(block(x), post_norm), in both blocks, as the parts."""
+    ext = cpu_extension()
+    x, norm = inputs(3, 256, seed=3)
+    post = mx.array(np.linspace(0.5, 1.5, 256, dtype=np.float32))
+    gate_up, down = LAYERS["panels, 4-bit"](2 * 384, 256, 256, 384, False)
+    mlp = linear_by_parts(ext.gelu_tanh_mul_halves(linear_by_parts(ext.rms_norm(x, norm, 1e-6), gate_up)), down)
+    block = fused_blocks.NormedLayers(norm, 1e-6, gate_up, down, post_norm=post)
+    fused = fused_blocks.mlp_block(x, block, "gelu_tanh")
+    assert mx.array_equal(fused, x + ext.rms_norm(mlp, post, 1e-6)).item()
+    reference = fused_blocks.reference_mlp_block(x, block, "gelu_tanh")
+    assert mx.allclose(fused, reference, atol=1e-4, rtol=1e-4).item()
+
+    step, _, keys, values, q, _, _ = make_step([5, 17], [1, 1], 2, 4)
+    N, H, D = q.shape
+    x, norm = inputs(N, 128, seed=N)
+    post = mx.array(np.linspace(1.5, 0.5, 128, dtype=np.float32))
+    qkv, o = LAYERS["panels f32"]((H + 4) * D, 128, 128, H * D, False)
+    inv_freqs = mx.exp(mx.arange(0, -(D // 2), -1, dtype=mx.float32) * 0.7)
+    index = (step.tables, step.row_of_token, step.positions)
+    attended, _, _ = ext.paged_attention_rotary(
+        linear_by_parts(ext.rms_norm(x, norm, 1e-6), qkv), mx.array(keys), mx.array(values),
+        *index, inv_freqs, H, 2, BLOCK, 8, 0.25, 1.0,
+    )
+    want = x + ext.rms_norm(linear_by_parts(attended, o), post, 1e-6)
+    got = ext.residual_attention(
+        x, norm, 1e-6, qkv, o, mx.array(keys), mx.array(values), *index, inv_freqs, H, 2, BLOCK,
+        8, 0.25, 1.0, post_norm=post,
+    )[0]
+    assert mx.array_equal(got, want).item()
 
 
 def test_a_block_runs_by_parts_from_32_rows_or_off_the_cpu():
@@ -205,19 +238,28 @@ def test_mismatched_operands_are_refused_at_build_time():
 
 
 def planned_layers(model):
-    return [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    return [m for m in model.modules() if isinstance(m, (DecoderLayer, Gemma3Layer))]
 
 
 WEIGHTS = {"4-bit": dict(quantize=(64, 4)), "float16": dict(dtype="float16"), "float32": {}}
 
 
+FAMILY_SHAPES = {
+    "llama": {},
+    "qwen2": {},  # biases on q, k and v
+    "qwen3": dict(head_dim=32),  # per-head q/k norms
+    # offset norms, a norm after each block, GELU, windowed layers (window 8) beside global ones
+    "gemma3_text": dict(head_dim=32, num_layers=4, num_kv_heads=1, sliding_window=8),
+}
+
+
 @pytest.mark.parametrize("weights", WEIGHTS)  # quantized kernels; panels of 16 and 32 bits
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])  # qkv biases; per-head norms
+@pytest.mark.parametrize("family", FAMILY_SHAPES)
 def test_a_model_decodes_through_the_blocks_with_the_same_tokens_and_logits(
     make_checkpoint, family, weights
 ):
     shape = dict(hidden_size=128, intermediate_size=256, **WEIGHTS[weights])
-    path = make_checkpoint(family, **shape, **({"head_dim": 32} if family == "qwen3" else {}))
+    path = make_checkpoint(family, **shape, **FAMILY_SHAPES[family])
     loaded = load_model(path)
     layers = planned_layers(loaded.model)
     assert layers and all(layer.attention_block and layer.mlp_block for layer in layers)
