@@ -243,15 +243,19 @@ def paged_attention(
     scale: float,
     step: PagedStep,
     path: str,
+    pools_in_place: bool = False,
 ) -> mx.array:
     """Write k, v [N, Hkv, D] into layer `layer` of (keys, values) pools, then attend.
 
     q [N, H, D] -> [N, H, D]. `path` is what `dispatch` chose for this step.
+    `pools_in_place`: the pools are a storage's own, which only these ops read and
+    write; the native op then writes into their buffers even while mlx still holds them
+    for an op queued before it (see take_pool in kernels/cpu/attention_ops.h).
     """
     keys, values = pools
     if path == "native":  # one op writes and attends
         out, keys[layer], values[layer] = step.native.write_and_attend(
-            keys[layer], values[layer], q, k, v, scale
+            keys[layer], values[layer], q, k, v, scale, pools_in_place
         )
         return out
     D = k.shape[-1]
@@ -288,7 +292,14 @@ class _NativePlan:
         self.step = step
 
     def write_and_attend(
-        self, keys: mx.array, values: mx.array, q: mx.array, k: mx.array, v: mx.array, scale: float
+        self,
+        keys: mx.array,
+        values: mx.array,
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        scale: float,
+        pools_in_place: bool = False,
     ) -> tuple[mx.array, mx.array, mx.array]:
         """(out [N, H, D], keys, values): the pools as written, which replace the old ones."""
         step = self.step
@@ -296,7 +307,7 @@ class _NativePlan:
         assert ext is not None, "select_path chose the native kernel without the extension"
         out, keys, values = ext.paged_attention_write(
             q, k, v, keys, values, step.tables, step.row_of_token, step.positions,
-            step.num_kv_heads, step.block_size, step.window or 0, scale,
+            step.num_kv_heads, step.block_size, step.window or 0, scale, pools_in_place,
         )
         return out, keys, values
 
@@ -309,6 +320,7 @@ class _NativePlan:
         inv_freqs: mx.array,
         rope_scale: float,
         scale: float,
+        pools_in_place: bool = False,
     ) -> tuple[mx.array, mx.array, mx.array]:
         """The same from a stacked qkv [..., (H + 2 Hkv) * D], q and k rotated in the op
         (at the step's positions): (out [..., H * D], keys, values)."""
@@ -318,6 +330,7 @@ class _NativePlan:
         out, keys, values = ext.paged_attention_rotary(
             qkv, keys, values, step.tables, step.row_of_token, step.positions, inv_freqs,
             num_heads, step.num_kv_heads, step.block_size, step.window or 0, scale, rope_scale,
+            pools_in_place,
         )
         return out, keys, values
 
@@ -331,6 +344,7 @@ class _NativePlan:
         inv_freqs: mx.array,
         rope_scale: float,
         scale: float,
+        pools_in_place: bool = False,
     ) -> tuple[mx.array, mx.array, mx.array] | None:
         """x + o(`rotate_write_and_attend`(qkv(norm(x)))) as one op for a step of few rows
         (kernels/fused_blocks.py): (out, keys, values), or None where it cannot run so."""
@@ -342,6 +356,6 @@ class _NativePlan:
             x, block.norm_weight, block.eps, block.first, block.second, keys, values,
             step.tables, step.row_of_token, step.positions, inv_freqs, num_heads,
             step.num_kv_heads, step.block_size, step.window or 0, scale, rope_scale,
-            block.qk_norm, block.post_norm,
+            block.qk_norm, block.post_norm, pools_in_place,
         )
         return out, keys, values

@@ -120,8 +120,8 @@ void build_tiles(const PagedAttentionJob& job, int N, int lanes, std::vector<int
 // The pool `in` as the output `out`: its own buffer when nothing else holds it (a
 // step's write then costs its new rows, not the pool), else a new one that the
 // step fills with a copy first (returns true).
-bool take_pool(const mx::array& in, mx::array& out) {
-  if (in.is_donatable() && in.flags().row_contiguous) {
+bool take_pool(const mx::array& in, mx::array& out, bool in_place) {
+  if ((in_place || in.is_donatable()) && in.flags().row_contiguous) {
     out.copy_shared_buffer(in);
     return false;
   }
@@ -165,7 +165,8 @@ std::vector<mx::array> paged_attention_write(
     int num_kv_heads,
     int block_size,
     int window,
-    float scale) {
+    float scale,
+    bool pools_in_place) {
   require(q.ndim() == 3 && q.dtype() == mx::float32, "q must be [N, H, D] float32");
   const int N = q.shape(0), H = q.shape(1), D = q.shape(2);
   require_pools_and_tables(keys, values, tables, token_row, token_pos, N, H, num_kv_heads, D,
@@ -178,7 +179,7 @@ std::vector<mx::array> paged_attention_write(
   return mx::array::make_arrays(
       {q.shape(), keys.shape(), values.shape()},
       {mx::float32, mx::float32, mx::float32},
-      std::make_shared<PagedAttention>(s, num_kv_heads, block_size, window, scale),
+      std::make_shared<PagedAttention>(s, num_kv_heads, block_size, window, scale, pools_in_place),
       {q, keys, values, tables, token_row, token_pos, k, v});
 }
 
@@ -195,7 +196,8 @@ std::vector<mx::array> paged_attention_rotary(
     int block_size,
     int window,
     float scale,
-    float rope_scale) {
+    float rope_scale,
+    bool pools_in_place) {
   require(num_heads > 0, "num_heads must be positive");
   require(keys.ndim() == 2, "the pools must be [Hkv * slots, D] float32");
   const int N = token_row.ndim() == 1 ? token_row.shape(0) : -1, D = keys.shape(1);
@@ -214,8 +216,8 @@ std::vector<mx::array> paged_attention_rotary(
   return mx::array::make_arrays(
       {std::move(out_shape), keys.shape(), values.shape()},
       {mx::float32, mx::float32, mx::float32},
-      std::make_shared<PagedAttention>(s, num_kv_heads, block_size, window, scale, num_heads,
-                                       rope_scale),
+      std::make_shared<PagedAttention>(s, num_kv_heads, block_size, window, scale, pools_in_place,
+                                       num_heads, rope_scale),
       {qkv, keys, values, tables, token_row, token_pos, inv_freqs});
 }
 
@@ -231,8 +233,8 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     }
   }
   outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
-  const bool copies_keys = take_pool(inputs[1], outputs[1]);
-  const bool copies_values = take_pool(inputs[2], outputs[2]);
+  const bool copies_keys = take_pool(inputs[1], outputs[1], pools_in_place_);
+  const bool copies_values = take_pool(inputs[2], outputs[2], pools_in_place_);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   std::vector<mx::array> in, out;
   for (const auto& a : inputs) {
@@ -431,7 +433,8 @@ void GatedActivation::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const PagedAttention&>(other);
   return num_kv_heads_ == o.num_kv_heads_ && block_size_ == o.block_size_ &&
-      window_ == o.window_ && scale_ == o.scale_ && num_heads_ == o.num_heads_ &&
+      window_ == o.window_ && scale_ == o.scale_ && pools_in_place_ == o.pools_in_place_ &&
+      num_heads_ == o.num_heads_ &&
       rope_scale_ == o.rope_scale_;
 }
 

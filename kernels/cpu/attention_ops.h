@@ -29,7 +29,8 @@ std::vector<mx::array> paged_attention_write(
     int num_kv_heads,
     int block_size,
     int window,
-    float scale);
+    float scale,
+    bool pools_in_place = false);
 
 // The same from a stacked q/k/v projection: qkv [..., (H + 2 Hkv) * D] (N tokens; per
 // token H query heads, then Hkv key and Hkv value heads). q and k are rotated first
@@ -49,7 +50,8 @@ std::vector<mx::array> paged_attention_rotary(
     int block_size,
     int window,
     float scale,
-    float rope_scale);
+    float rope_scale,
+    bool pools_in_place = false);
 
 // One layer's paged attention over a ragged step, as the primitive's work, for ops
 // that run it inside their own (block_ops.cpp). Call from the stream's thread.
@@ -81,7 +83,16 @@ void require_pools_and_tables(const mx::array& keys, const mx::array& values,
                               int block_size, int window);
 // The pool `in` as the output `out`: its buffer when nothing else holds it, else a new
 // one (returns true: the caller copies the pool into it before writing).
-bool take_pool(const mx::array& in, mx::array& out);
+//
+// With `in_place` its buffer whoever holds it, for pools only these ops read and write
+// (PagedKV's, see kernels/paged_attention.py). mlx keeps a multi-output op's output
+// buffers referenced until the op has run, and decides here, when a step is queued:
+// a step queued while the one before it still runs (a small model's decode step is
+// too few ops for mlx to hold the caller back) found every pool still held, and copied
+// all of them each layer (Gemma's bench model at 1 row: 28 instead of 85 tok/s). Ops
+// on one stream run in order, so a write queued behind the earlier readers of a pool
+// happens after they read it.
+bool take_pool(const mx::array& in, mx::array& out, bool in_place);
 
 // The gated MLP's activation, act(gate) * up, float32: SwiGLU (silu) or Gemma's
 // GELU with the tanh approximation (nn.gelu_approx).
@@ -105,12 +116,13 @@ uint64_t num_gated_calls();  // evaluations of gated_activation(_halves) on the 
 class PagedAttention : public mx::Primitive {
  public:
   PagedAttention(mx::Stream stream, int num_kv_heads, int block_size, int window, float scale,
-                 int num_heads = 0, float rope_scale = 1.0f)
+                 bool pools_in_place, int num_heads = 0, float rope_scale = 1.0f)
       : mx::Primitive(stream),
         num_kv_heads_(num_kv_heads),
         block_size_(block_size),
         window_(window),
         scale_(scale),
+        pools_in_place_(pools_in_place),
         num_heads_(num_heads),
         rope_scale_(rope_scale) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -123,6 +135,7 @@ class PagedAttention : public mx::Primitive {
  private:
   int num_kv_heads_, block_size_, window_;
   float scale_;
+  bool pools_in_place_;  // see take_pool
   int num_heads_;  // > 0: the rotary form, which reads the query heads' count from here
   float rope_scale_;
 };

@@ -41,11 +41,14 @@ NB_MODULE(_cpu_ext, m) {
         "group_size"_a, "bits"_a, "dequantize(w) -> [N, K] float32.");
   m.def("paged_attention_write", &cadence_cpu::paged_attention_write, "q"_a, "k"_a, "v"_a,
         "keys"_a, "values"_a, "tables"_a, "token_row"_a, "token_pos"_a, "num_kv_heads"_a,
-        "block_size"_a, "window"_a, "scale"_a,
-        "Write k, v [N, Hkv, D] into the pools, then attend: [out, keys, values].");
+        "block_size"_a, "window"_a, "scale"_a, "pools_in_place"_a = false,
+        "Write k, v [N, Hkv, D] into the pools, then attend: [out, keys, values]. "
+        "pools_in_place: write into the pools' buffers even while something holds them "
+        "(for pools only these ops use).");
   m.def("paged_attention_rotary", &cadence_cpu::paged_attention_rotary, "qkv"_a, "keys"_a,
         "values"_a, "tables"_a, "token_row"_a, "token_pos"_a, "inv_freqs"_a, "num_heads"_a,
         "num_kv_heads"_a, "block_size"_a, "window"_a, "scale"_a, "rope_scale"_a,
+        "pools_in_place"_a = false,
         "Rotate q and k of a stacked qkv [..., (H + 2 Hkv) * D], write k, v into the pools, "
         "then attend: [out [..., H * D], keys, values].");
   // Each activation twice: act(gate) * up, and over the two halves of each row of gate_up.
@@ -126,17 +129,18 @@ NB_MODULE(_cpu_ext, m) {
                                       const mx::array& inv_freqs, int num_heads, int num_kv_heads,
                                       int block_size, int window, float scale, float rope_scale,
                                       const std::optional<std::tuple<mx::array, mx::array, float>>& qk_norm,
-                                      const std::optional<mx::array>& post_norm) {
+                                      const std::optional<mx::array>& post_norm,
+                                      bool pools_in_place) {
     const mx::array none = mx::zeros({0}, mx::float32);
     return cadence_cpu::residual_attention(
         x, norm_weight, eps, layer(qkv), layer(o), keys, values, tables, token_row, token_pos,
         inv_freqs, num_heads, num_kv_heads, block_size, window, scale, rope_scale,
         qk_norm ? std::get<0>(*qk_norm) : none, qk_norm ? std::get<1>(*qk_norm) : none,
-        qk_norm ? std::get<2>(*qk_norm) : 0.0f, weight_or_none(post_norm));
+        qk_norm ? std::get<2>(*qk_norm) : 0.0f, weight_or_none(post_norm), pools_in_place);
   }, "x"_a, "norm_weight"_a, "eps"_a, "qkv"_a, "o"_a, "keys"_a, "values"_a, "tables"_a,
         "token_row"_a, "token_pos"_a, "inv_freqs"_a, "num_heads"_a, "num_kv_heads"_a,
         "block_size"_a, "window"_a, "scale"_a, "rope_scale"_a, "qk_norm"_a = nb::none(),
-        "post_norm"_a = nb::none(),
+        "post_norm"_a = nb::none(), "pools_in_place"_a = false,
         "x + o(paged_attention_rotary(qkv(rms_norm(x)))): [out, keys, values], one op; "
         "qk_norm = (q_norm [D], k_norm [D], eps) norms each q and k head before RoPE, "
         "post_norm [K] the block's output before the add.");

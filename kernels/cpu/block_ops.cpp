@@ -151,7 +151,7 @@ std::vector<mx::array> residual_attention(
     const mx::array& tables, const mx::array& token_row, const mx::array& token_pos,
     const mx::array& inv_freqs, int num_heads, int num_kv_heads, int block_size, int window,
     float scale, float rope_scale, const mx::array& q_norm, const mx::array& k_norm,
-    float qk_eps, const mx::array& post_norm) {
+    float qk_eps, const mx::array& post_norm, bool pools_in_place) {
   require(x.dtype() == mx::float32 && x.ndim() >= 1, "x must be float32 [..., K]");
   const int K = x.shape(-1);
   require(norm_weight.dtype() == mx::float32 && norm_weight.ndim() == 1 &&
@@ -181,7 +181,8 @@ std::vector<mx::array> residual_attention(
   return mx::array::make_arrays(
       {x.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
       std::make_shared<ResidualAttention>(cpu_stream(), eps, qkv, o, num_heads, num_kv_heads,
-                                          block_size, window, scale, rope_scale, qk_eps),
+                                          block_size, window, scale, rope_scale, qk_eps,
+                                          pools_in_place),
       std::move(inputs));
 }
 
@@ -196,8 +197,8 @@ void ResidualAttention::eval_cpu(const std::vector<mx::array>& inputs,
   }
   constexpr size_t kKeys = 10;  // inputs: x, norm, 4 of qkv, 4 of o, then the pools
   outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
-  const bool copies_keys = take_pool(inputs[kKeys], outputs[1]);
-  const bool copies_values = take_pool(inputs[kKeys + 1], outputs[2]);
+  const bool copies_keys = take_pool(inputs[kKeys], outputs[1], pools_in_place_);
+  const bool copies_values = take_pool(inputs[kKeys + 1], outputs[2], pools_in_place_);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   std::vector<mx::array> in, out;
   for (const auto& a : inputs) {
@@ -270,7 +271,8 @@ bool ResidualMlp::is_equivalent(const mx::Primitive& other) const {
 
 bool ResidualAttention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const ResidualAttention&>(other);
-  return eps_ == o.eps_ && qk_eps_ == o.qk_eps_ && std::equal(layouts_, layouts_ + 6, o.layouts_) &&
+  return eps_ == o.eps_ && qk_eps_ == o.qk_eps_ && pools_in_place_ == o.pools_in_place_ &&
+      std::equal(layouts_, layouts_ + 6, o.layouts_) &&
       std::equal(heads_, heads_ + 4, o.heads_) && scale_ == o.scale_ &&
       rope_scale_ == o.rope_scale_;
 }

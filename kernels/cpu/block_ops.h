@@ -39,7 +39,8 @@ mx::array residual_mlp(const mx::array& x, const mx::array& norm_weight, float e
                        Activation activation, const mx::array& post_norm);
 
 // x + o(attention(qkv(rms_norm(x) * norm_weight))) with the paged K/V write and RoPE
-// of paged_attention_rotary: {out [..., K], keys', values'} (the pools donated as there).
+// of paged_attention_rotary: {out [..., K], keys', values'} (the pools taken over as
+// there; `pools_in_place`: see take_pool).
 // With q_norm and k_norm ([D] float32; both empty for none), each query and key head is
 // RMS-normed (eps qk_eps) before its rotation, as qwen3's attention does.
 std::vector<mx::array> residual_attention(
@@ -48,7 +49,7 @@ std::vector<mx::array> residual_attention(
     const mx::array& tables, const mx::array& token_row, const mx::array& token_pos,
     const mx::array& inv_freqs, int num_heads, int num_kv_heads, int block_size, int window,
     float scale, float rope_scale, const mx::array& q_norm, const mx::array& k_norm,
-    float qk_eps, const mx::array& post_norm);
+    float qk_eps, const mx::array& post_norm, bool pools_in_place);
 
 uint64_t num_block_calls();  // evaluations of either block on the CPU, ever
 
@@ -81,10 +82,11 @@ class ResidualAttention : public mx::Primitive {
  public:
   ResidualAttention(mx::Stream stream, float eps, const BlockLayer& qkv, const BlockLayer& o,
                     int num_heads, int num_kv_heads, int block_size, int window, float scale,
-                    float rope_scale, float qk_eps)
+                    float rope_scale, float qk_eps, bool pools_in_place)
       : mx::Primitive(stream),
         eps_(eps),
         qk_eps_(qk_eps),
+        pools_in_place_(pools_in_place),
         layouts_{qkv.group_size, qkv.bits, qkv.N, o.group_size, o.bits, o.N},
         heads_{num_heads, num_kv_heads, block_size, window},
         scale_(scale),
@@ -98,6 +100,7 @@ class ResidualAttention : public mx::Primitive {
 
  private:
   float eps_, qk_eps_;
+  bool pools_in_place_;
   int layouts_[6];  // group, bits and N of qkv, then of o
   int heads_[4];  // num_heads, num_kv_heads, block_size, window
   float scale_, rope_scale_;

@@ -34,6 +34,13 @@ import numpy as np
 from kernels.fused_blocks import NormedLayers
 from kernels.paged_attention import PagedStep, dispatch, paged_attention
 
+# The pools are this storage's own: only the attention ops read and write them, each
+# layer's in one stream's order, and nothing keeps an old version to read later. So the
+# native ops write a step's K/V into the pools' buffers even when mlx still holds them
+# for an op queued before (see take_pool, kernels/cpu/attention_ops.h): a step queued
+# while the one before it runs would otherwise copy every pool it writes.
+POOLS_IN_PLACE = True
+
 
 class PagedKV:
     def __init__(
@@ -165,7 +172,7 @@ class PagedForward:
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         s = self._storage
         step = self.steps[s.layout.group_of_layer[layer]]
-        return paged_attention((s.keys, s.values), layer, q, k, v, scale, step, self.path)
+        return paged_attention((s.keys, s.values), layer, q, k, v, scale, step, self.path, POOLS_IN_PLACE)
 
     def attend_stacked(
         self, layer: int, qkv: mx.array, rope: Rotary, num_heads: int, num_kv_heads: int, scale: float
@@ -179,7 +186,7 @@ class PagedForward:
         step = self.steps[s.layout.group_of_layer[layer]]
         keys, values = s.keys, s.values
         out, keys[layer], values[layer] = step.native.rotate_write_and_attend(
-            keys[layer], values[layer], qkv, num_heads, inv_freqs, rope.scale, scale  # type: ignore[attr-defined]
+            keys[layer], values[layer], qkv, num_heads, inv_freqs, rope.scale, scale, POOLS_IN_PLACE  # type: ignore[attr-defined]
         )
         return out
 
@@ -201,7 +208,8 @@ class PagedForward:
         step = self.steps[s.layout.group_of_layer[layer]]
         keys, values = s.keys, s.values
         written = step.native.residual_attention(
-            x, block, keys[layer], values[layer], num_heads, inv_freqs, rope.scale, scale  # type: ignore[attr-defined]
+            x, block, keys[layer], values[layer], num_heads, inv_freqs, rope.scale, scale,  # type: ignore[attr-defined]
+            POOLS_IN_PLACE,
         )
         if written is None:
             return None

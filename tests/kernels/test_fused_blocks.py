@@ -264,9 +264,12 @@ def test_a_model_decodes_through_the_blocks_with_the_same_tokens_and_logits(
     layers = planned_layers(loaded.model)
     assert layers and all(layer.attention_block and layer.mlp_block for layer in layers)
     ext = cpu_extension()
-    before = ext.num_block_calls()
+    before, copies = ext.num_block_calls(), ext.num_pool_copies()
     fused_tokens = greedy(loaded)
     assert ext.num_block_calls() >= before + 2 * len(layers) * 20  # every decode step
+    # Two ops a layer: a step is queued while the one before it still runs, and its K/V
+    # writes must still take the pools over (take_pool, kernels/cpu/attention_ops.h).
+    assert ext.num_pool_copies() == copies
     tokens = mx.array([PROMPT[:3]])  # CausalNoCache: attention by parts, the MLP fused
     fused_logits = loaded.model(tokens)
     mx.eval(fused_logits)

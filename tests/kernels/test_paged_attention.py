@@ -326,3 +326,23 @@ def test_the_rotary_op_refuses_a_qkv_of_the_wrong_width():
             narrow, keys, values, step.tables, step.row_of_token, step.positions,
             mx.ones((8,)), 8, 2, BLOCK, 0, 0.25, 1.0,
         )
+
+
+@needs_native
+@pytest.mark.parametrize("in_place", [False, True])
+def test_pools_in_place_writes_into_a_pool_something_else_holds(in_place):
+    """A pool something else still holds is copied before the write, unless the caller
+    owns it (`pools_in_place`, as PagedKV does): then the write goes into its buffer."""
+    ext = cpu_extension()
+    step, _, keys, values, q, k, v = make_step([5, 17], [1, 1], 2, 4)
+    held_keys, held_values = mx.array(keys), mx.array(values)
+    mx.eval(held_keys, held_values)
+    copies = ext.num_pool_copies()
+    out, new_keys, _ = ext.paged_attention_write(
+        q, k, v, held_keys, held_values, step.tables, step.row_of_token, step.positions,
+        2, BLOCK, 0, 0.25, in_place,
+    )
+    mx.eval(out, new_keys)
+    assert not mx.array_equal(new_keys, keys).item()
+    assert ext.num_pool_copies() == copies + (0 if in_place else 2)
+    assert mx.array_equal(held_keys, new_keys if in_place else keys).item()
