@@ -57,12 +57,7 @@ void run_linear(const float* x, int M, int K, const std::vector<mx::array>& in, 
   const int group_size = layout[0], bits = layout[1], N = layout[2];
   if (bits == 0) {
     panel_matmul_rows(x, M, w, N, out);
-  } else {
-    for (size_t i = first; i < first + 3; ++i) {
-      if (!in[i].flags().row_contiguous) {
-        throw std::runtime_error("cadence residual blocks: quantized weights must be row-contiguous");
-      }
-    }
+  } else {  // read in place: require_packed (at dispatch) checked they are dense
     quantized_matmul_rows(x, K, 1, M, K, w.data<uint32_t>(), in[first + 1].data<float>(),
                           in[first + 2].data<float>(), N, group_size, bits, out);
   }
@@ -96,6 +91,21 @@ void check_post_norm(const mx::array& post_norm, int K) {
           "post_norm must be float32 [K] or empty");
 }
 
+// The quantized layers' w, scales and biases are read in place. Checked when the op is
+// queued, on the caller's thread: an exception in the queued work would end the process.
+void require_packed(const std::vector<mx::array>& inputs, const int* layouts, size_t num_layers) {
+  for (size_t layer = 0; layer < num_layers; ++layer) {
+    if (layouts[3 * layer + 1] == 0) {
+      continue;  // panels: StoredWeight copies a strided one
+    }
+    for (size_t i = 2 + 4 * layer; i < 5 + 4 * layer; ++i) {
+      if (!inputs[i].flags().row_contiguous) {
+        throw std::runtime_error("cadence residual blocks: quantized weights must be row-contiguous");
+      }
+    }
+  }
+}
+
 mx::Stream cpu_stream() {
   return mx::to_stream(mx::StreamOrDevice{}, mx::Device::cpu);
 }
@@ -125,6 +135,7 @@ mx::array residual_mlp(const mx::array& x, const mx::array& norm_weight, float e
 }
 
 void ResidualMlp::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  require_packed(inputs, layouts_, 2);
   run_on_stream(stream(), inputs, out, [eps = eps_, l = std::vector<int>(layouts_, layouts_ + 6),
                                         activation = activation_](std::vector<mx::array>& in,
                                                                   mx::array& out) {
@@ -196,6 +207,7 @@ void ResidualAttention::eval_cpu(const std::vector<mx::array>& inputs,
     }
   }
   constexpr size_t kKeys = 10;  // inputs: x, norm, 4 of qkv, 4 of o, then the pools
+  require_packed(inputs, layouts_, 2);
   outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
   const bool copies_keys = take_pool(inputs[kKeys], outputs[1], pools_in_place_);
   const bool copies_values = take_pool(inputs[kKeys + 1], outputs[2], pools_in_place_);

@@ -237,6 +237,22 @@ def test_mismatched_operands_are_refused_at_build_time():
         ext.residual_mlp(x, norm, 1e-5, gate_up, down, "relu")
 
 
+def test_a_strided_quantized_weight_is_refused_when_queued_not_in_the_kernel_threads():
+    """The kernels read w in place; a view that is not dense raises in mx.eval (on the
+    caller's thread) instead of ending the process from the stream's thread."""
+    ext = cpu_extension()
+    x, norm = inputs(1, 64, seed=0)
+    gate_up, down = quantized(128, 64, 32, 4, seed=1), quantized(64, 64, 32, 4, seed=2)
+    wide = mx.concatenate([gate_up[0], gate_up[0]], axis=1)  # [128, 16]: every other half
+    strided = (wide[:, : gate_up[0].shape[1]], *gate_up[1:])
+    out = ext.residual_mlp(x, norm, 1e-5, strided, down, "silu")
+    with pytest.raises(RuntimeError, match="row-contiguous"):
+        mx.eval(out)
+    fine = ext.residual_mlp(x, norm, 1e-5, gate_up, down, "silu")
+    mx.eval(fine)  # the stream still runs
+    assert mx.isfinite(fine).all().item()
+
+
 def planned_layers(model):
     return [m for m in model.modules() if isinstance(m, (DecoderLayer, Gemma3Layer))]
 
