@@ -276,20 +276,22 @@ def _print(
             f"floor: (prompt + output tokens) x 2 x {floor.num_params / 1e6:.0f}M parameters "
             f"at {floor.gemm_flops / 1e9:.1f} GFLOP/s (the best fp32 [{m}, {k}] @ [{k}, {n}] "
             "matmul here, before or after the runs);\n       compute only: no attention, "
-            "no memory-bandwidth limit, no overhead"
+            "no memory-bandwidth limit, no overhead;\n       prompt floor: the run's prompt "
+            "tokens (as the server counts them) alone at that rate, beside TTFT p99"
         )
     print(
-        "\n| load | server | tok/s | floor tok/s (share) | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
-        "| worst gap | errors |"
+        "\n| load | server | tok/s | floor tok/s (share) | TTFT p50 | TTFT p99 "
+        "| prompt floor (TTFT p99 / it) | ITL p50 | ITL p99 | worst gap | errors |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     names = list(results)
     for i in range(len(results[names[0]])):
         rows = {name: results[name][i] for name in names}
         for name, r in rows.items():
             print(
                 f"| {r.label} | {name} | {r.output_tok_s:.1f} | {_floor_tok_s(floor, r)} "
-                f"| {r.ttft_p50:.2f} s | {r.ttft_p99:.2f} s | {r.itl_p50 * 1e3:.0f} ms "
+                f"| {r.ttft_p50:.2f} s | {r.ttft_p99:.2f} s | {_prompt_floor(floor, r)} "
+                f"| {r.itl_p50 * 1e3:.0f} ms "
                 f"| {r.itl_p99 * 1e3:.0f} ms | {r.worst_gap:.2f} s | {r.num_errors} |"
             )
         if len(names) == 2:
@@ -298,7 +300,9 @@ def _print(
             ratio = [_ratio(getattr(ours, f), getattr(peer, f)) for f in fields]
             print(
                 f"| {ours.label} | {names[0]} / {names[1]} | {ratio[0]} | | "
-                + " | ".join(ratio[1:])
+                + " | ".join(ratio[1:3])
+                + " | | "
+                + " | ".join(ratio[3:])
                 + " | |"
             )
     for name, runs in results.items():
@@ -315,6 +319,15 @@ def _floor_tok_s(floor: Floor | None, r: RunResult) -> str:
     return f"{floor_tok_s:.1f} ({r.output_tok_s / floor_tok_s:.0%})"
 
 
+def _prompt_floor(floor: Floor | None, r: RunResult) -> str:
+    """Seconds the run's prompts alone take at the floor's rate, and TTFT p99 against it:
+    the last first token can come no sooner than every prompt computed."""
+    if floor is None or not r.num_prompt_tokens:
+        return "-"
+    seconds = floor.seconds(r.num_prompt_tokens)
+    return f"{seconds:.2f} s ({r.ttft_p99 / seconds:.2f}x)"
+
+
 def _ratio(ours: float, peer: float) -> str:
     return f"{ours / peer:.2f}x" if peer else "-"
 
@@ -329,7 +342,8 @@ def _report(
 
     def run(r: RunResult) -> dict[str, Any]:
         floor_s = floor.seconds(r.num_prompt_tokens + r.num_output_tokens) if floor else None
-        return {**attrs.asdict(r), "floor_seconds": floor_s}
+        prompt_s = floor.seconds(r.num_prompt_tokens) if floor else None
+        return {**attrs.asdict(r), "floor_seconds": floor_s, "prompt_floor_seconds": prompt_s}
 
     return {
         "argv": sys.argv,

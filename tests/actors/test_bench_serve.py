@@ -63,6 +63,21 @@ async def test_a_run_against_a_live_server_counts_every_token(tiny, tmp_path, en
     assert 0 <= run["itl_p50"] <= run["itl_p99"] <= run["worst_gap"]
 
 
+async def test_with_the_checkpoint_the_report_holds_each_runs_floors(tiny, tmp_path, capsys):
+    async with serving(tiny) as url:
+        status, report = await bench(tmp_path, "--url", url, "--checkpoint", str(tiny), *LOAD)
+    (run,) = report["runs"]["server"]
+    rate = report["floor"]["gemm_flops"] / report["floor"]["flops_per_token"]  # tokens a second
+    assert status == 0 and rate > 0
+    assert run["prompt_floor_seconds"] == pytest.approx(run["num_prompt_tokens"] / rate)
+    assert run["floor_seconds"] == pytest.approx(
+        (run["num_prompt_tokens"] + run["num_output_tokens"]) / rate
+    )
+    printed = capsys.readouterr().out
+    ratio = run["ttft_p99"] / run["prompt_floor_seconds"]
+    assert f"{run['prompt_floor_seconds']:.2f} s ({ratio:.2f}x)" in printed
+
+
 async def test_a_rate_run_sends_every_request(tiny, tmp_path):
     async with serving(tiny) as url:
         argv = ["--url", url, "--rate", "20", "--requests", "5", "--max-tokens", "4:6"]
