@@ -16,8 +16,9 @@ and prints single-stream decode tok/s, B=16 decode tok/s, a 512-token prefill an
 memory.
 
 With `--llama-cpp-python PYTHON` (an interpreter where `import llama_cpp` works; it
-need not be this one), the same random weights are also written as a Q4_1 GGUF, and
-single-stream decode runs on that one file in three alternating rounds: through llama.cpp
+need not be this one), or without it when this interpreter can import llama_cpp, the
+same random weights are also written as a Q4_1 GGUF, and single-stream decode runs on
+that one file in three alternating rounds: through llama.cpp
 (its low-level API, `llama_decode` a token at a time, 2 threads, greedy on the logits,
 EOS ignored) and through cadence (which repacks Q4_1 as mlx 4-bit group 32, so its
 kernels run it); the best round of each and their ratio are printed. Figures on a
@@ -27,6 +28,7 @@ shared or busy machine are noisy: run it twice.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -244,10 +246,13 @@ def main() -> None:
             f"{row['prefill512_s']:.3f} | {row['weights_mb']:.0f} | {row['peak_mlx_mb']:.0f} | "
             f"{row['max_rss_mb']:.0f} |"
         )
-    if args.llama_cpp_python:
-        llama_cpp_peer(args.llama_cpp_python, args.decode_tokens)
+    peer = args.llama_cpp_python
+    if peer is None and importlib.util.find_spec("llama_cpp") is not None:
+        peer = sys.executable  # importable here: the peer runs in this interpreter
+    if peer:
+        llama_cpp_peer(peer, args.decode_tokens)
     else:
-        print("llama.cpp: not measured (pass --llama-cpp-python)")
+        print("llama.cpp: not measured (llama_cpp is not importable here; pass --llama-cpp-python)")
 
 
 if __name__ == "__main__":
