@@ -222,46 +222,16 @@ std::vector<mx::array> paged_attention_rotary(
 }
 
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  // Each output of a multi-output primitive holds its own copy of the inputs, so the
-  // old pools would count three holders and never be donated (every step copied them
-  // whole: 7 tok/s instead of 54). The outputs other than the one being evaluated,
-  // whose inputs are `inputs`, let go of theirs now; mlx detaches them all once this
-  // returns anyway.
-  for (auto& output : outputs) {
-    if (&output.inputs() != &inputs) {
-      output.inputs().clear();
-    }
-  }
-  outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
-  const bool copies_keys = take_pool(inputs[1], outputs[1], pools_in_place_);
-  const bool copies_values = take_pool(inputs[2], outputs[2], pools_in_place_);
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  std::vector<mx::array> in, out;
-  for (const auto& a : inputs) {
-    encoder.set_input_array(a);
-    in.push_back(mx::array::unsafe_weak_copy(a));
-  }
-  for (auto& a : outputs) {
-    encoder.set_output_array(a);
-    out.push_back(mx::array::unsafe_weak_copy(a));
-  }
-  encoder.dispatch([in = std::move(in), out = std::move(out), copies_keys, copies_values,
-                    kv = num_kv_heads_, bs = block_size_, window = window_, scale = scale_,
-                    rotary_heads = num_heads_, rope_scale = rope_scale_]() mutable {
+  run_writing_pools(stream(), inputs, outputs, 1, pools_in_place_,
+                    [kv = num_kv_heads_, bs = block_size_, window = window_, scale = scale_,
+                     rotary_heads = num_heads_, rope_scale = rope_scale_](
+                        std::vector<mx::array>& in, std::vector<mx::array>& out) {
     const auto& tables = in[3];
     const bool rotary = rotary_heads > 0;
     const int D = in[1].shape(1);
     const int H = rotary ? rotary_heads : in[0].shape(1);
-    std::vector<float> q_copy, keys_copy, values_copy, k_copy, v_copy, freqs_copy;
+    std::vector<float> q_copy, k_copy, v_copy, freqs_copy;
     std::vector<int32_t> tables_copy, row_copy, pos_copy;
-    const float* keys = row_major_data(in[1], keys_copy);  // the pools are dense: no copy
-    const float* values = row_major_data(in[2], values_copy);
-    if (copies_keys) {
-      std::copy_n(keys, in[1].size(), out[1].data<float>());
-    }
-    if (copies_values) {
-      std::copy_n(values, in[2].size(), out[2].data<float>());
-    }
     const AttentionStep step{row_major_data(tables, tables_copy), tables.shape(0), tables.shape(1),
                              row_major_data(in[4], row_copy), row_major_data(in[5], pos_copy),
                              in[4].shape(0), out[1].data<float>(), out[2].data<float>(),

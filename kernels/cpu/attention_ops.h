@@ -4,8 +4,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "mlx/allocator.h"
 #include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
+
+#include "cpu_dispatch.h"
 
 namespace cadence_cpu {
 
@@ -93,6 +97,49 @@ void require_pools_and_tables(const mx::array& keys, const mx::array& values,
 // on one stream run in order, so a write queued behind the earlier readers of a pool
 // happens after they read it.
 bool take_pool(const mx::array& in, mx::array& out, bool in_place);
+
+// The shell of an eval_cpu whose outputs are {out, keys', values'}, the pools at
+// inputs[pools] and inputs[pools + 1]: out allocated, the pools taken over (take_pool),
+// then `body(in, out)` queued on the stream's thread, after a pool that could not be
+// taken over is copied into its output.
+template <class Body>  // Body: void(std::vector<mx::array>& in, std::vector<mx::array>& out)
+void run_writing_pools(mx::Stream stream, const std::vector<mx::array>& inputs,
+                       std::vector<mx::array>& outputs, size_t pools, bool in_place, Body body) {
+  // Each output of a multi-output primitive holds its own copy of the inputs, so the
+  // old pools would count three holders and never be donated (every step copied them
+  // whole: 7 tok/s instead of 54). The outputs other than the one being evaluated,
+  // whose inputs are `inputs`, let go of theirs now; mlx detaches them all once this
+  // returns anyway.
+  for (auto& output : outputs) {
+    if (&output.inputs() != &inputs) {
+      output.inputs().clear();
+    }
+  }
+  outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+  const bool copies[2] = {take_pool(inputs[pools], outputs[1], in_place),
+                          take_pool(inputs[pools + 1], outputs[2], in_place)};
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  std::vector<mx::array> in, out;
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+    in.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  for (auto& a : outputs) {
+    encoder.set_output_array(a);
+    out.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  encoder.dispatch([in = std::move(in), out = std::move(out), copies = std::vector<bool>(copies, copies + 2),
+                    pools, body = std::move(body)]() mutable {
+    for (size_t i = 0; i < 2; ++i) {
+      if (copies[i]) {
+        std::vector<float> dense;
+        const auto& pool = in[pools + i];
+        std::copy_n(row_major_data(pool, dense), pool.size(), out[1 + i].data<float>());
+      }
+    }
+    body(in, out);
+  });
+}
 
 // The gated MLP's activation, act(gate) * up, float32: SwiGLU (silu) or Gemma's
 // GELU with the tanh approximation (nn.gelu_approx).

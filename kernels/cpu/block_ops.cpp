@@ -4,8 +4,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 
 #include "cpu_dispatch.h"
@@ -199,46 +197,21 @@ std::vector<mx::array> residual_attention(
 
 void ResidualAttention::eval_cpu(const std::vector<mx::array>& inputs,
                                  std::vector<mx::array>& outputs) {
-  // As PagedAttention::eval_cpu: the other outputs let go of their copies of the
-  // inputs, so the old pools can be donated.
-  for (auto& output : outputs) {
-    if (&output.inputs() != &inputs) {
-      output.inputs().clear();
-    }
-  }
   constexpr size_t kKeys = 10;  // inputs: x, norm, 4 of qkv, 4 of o, then the pools
   require_packed(inputs, layouts_, 2);
-  outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
-  const bool copies_keys = take_pool(inputs[kKeys], outputs[1], pools_in_place_);
-  const bool copies_values = take_pool(inputs[kKeys + 1], outputs[2], pools_in_place_);
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  std::vector<mx::array> in, out;
-  for (const auto& a : inputs) {
-    encoder.set_input_array(a);
-    in.push_back(mx::array::unsafe_weak_copy(a));
-  }
-  for (auto& a : outputs) {
-    encoder.set_output_array(a);
-    out.push_back(mx::array::unsafe_weak_copy(a));
-  }
-  encoder.dispatch([in = std::move(in), out = std::move(out), copies_keys, copies_values,
-                    eps = eps_, l = std::vector<int>(layouts_, layouts_ + 6),
-                    h = std::vector<int>(heads_, heads_ + 4), scale = scale_,
-                    rope_scale = rope_scale_, qk_eps = qk_eps_]() mutable {
+  run_writing_pools(stream(), inputs, outputs, kKeys, pools_in_place_,
+                    [eps = eps_, l = std::vector<int>(layouts_, layouts_ + 6),
+                     h = std::vector<int>(heads_, heads_ + 4), scale = scale_,
+                     rope_scale = rope_scale_, qk_eps = qk_eps_](std::vector<mx::array>& in,
+                                                                 std::vector<mx::array>& out) {
     block_calls.fetch_add(1, std::memory_order_relaxed);
     const int H = h[0], kv = h[1];
     const int K = in[0].shape(-1), M = leading_rows(in[0]);
-    const auto &keys = in[kKeys], &values = in[kKeys + 1], &tables = in[kKeys + 2];
+    const auto &keys = in[kKeys], &tables = in[kKeys + 2];
     const int D = keys.shape(1);
-    std::vector<float> x_copy, weight_copy, keys_copy, values_copy, freqs_copy;
+    std::vector<float> x_copy, weight_copy, freqs_copy;
     std::vector<int32_t> tables_copy, row_copy, pos_copy;
     const float* x = row_major_data(in[0], x_copy);
-    if (copies_keys) {
-      std::copy_n(row_major_data(keys, keys_copy), keys.size(), out[1].data<float>());
-    }
-    if (copies_values) {
-      std::copy_n(row_major_data(values, values_copy), values.size(), out[2].data<float>());
-    }
     thread_local std::vector<float> normed, qkv, attended;  // the stream's one thread
     normed.resize(static_cast<size_t>(M) * K);
     qkv.resize(static_cast<size_t>(M) * (H + 2 * kv) * D);
