@@ -9,8 +9,8 @@ primitive: the same kernels, in the same order, as its parts (so the same bits),
 without the ~8 ops a layer between them.
 A single-stream decode step of a 30-layer model was ~370 ops, and each op costs its
 build here in Python, its dispatch in mlx and an output buffer: ~2.5 ms of a ~10 ms
-token on a 2-core x86-64 box. More rows go by parts: their matmuls dequantize for the
-sgemm (kernels/quantized_matmul.py), and the ops' overhead is small beside them.
+token on a 2-core x86-64 box. More rows go by parts: the ops' overhead is small beside
+their matmuls.
 
 A layer's `plan_blocks` decides once, at load, whether its weights allow it;
 `kernel_for` decides per step (device, dtype, rows). CADENCE_CPU_BLOCKS=off runs every
@@ -29,9 +29,11 @@ import mlx.nn as nn
 from kernels.cpu_extension import cpu_extension
 from kernels.dense_matmul import PanelLinear
 from kernels.quantized_linear import KernelQuantizedLinear
-from kernels.quantized_matmul import SGEMM_MIN_ROWS, is_kernel_layout
+from kernels.quantized_matmul import is_kernel_layout
 
-MAX_ROWS = SGEMM_MIN_ROWS  # below it the parts' matmuls run the row kernel too
+# Where the ops between the matmuls are a large share of a step; beyond, by parts (the
+# same kernels, so the same results, whichever way a step goes).
+MAX_ROWS = 32
 IS_ON = os.environ.get("CADENCE_CPU_BLOCKS", "").lower() not in ("off", "0", "no")
 ACTIVATIONS = ("silu", "gelu_tanh")
 

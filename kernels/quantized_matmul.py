@@ -10,9 +10,18 @@ group 64, ms; see the README for more):
 | 1 | 10.6 ms | 4.2 ms | 0.85 ms |
 | 16 | 183 ms | 22 ms | 8.1 ms |
 
-Few rows (decode) stream the packed weights once through a vectorized fp32 dot product;
-many rows (prefill) dequantize the weight to fp32 in one threaded pass and hand it to
-the sgemm (OpenBLAS, kernels/blas.py), whose blocking beats a hand-written loop there.
+Up to 7 rows (decode) stream the packed weights once through a vectorized fp32 dot
+product. From 8 rows each 32-column panel of the weight is dequantized, 2,048 k at a
+time, into a tile the panel kernel multiplies (kernels/cpu/row_kernels.h,
+QuantizedPanelJob): each weight decoded once, no fp32 copy of the layer. It replaced
+dequantizing the whole layer for OpenBLAS's sgemm from 32 rows (ms, group 64, 4 bits):
+
+| rows | layer [K -> N] | panels | dequantize + sgemm |
+|---|---|---|---|
+| 64 | 576 -> 3072 | 2.35 | 3.23 |
+| 176 | 1024 -> 5632 | 10.2 | 13.5 |
+| 512 | 1024 -> 5632 | 29.2 | 32.2 |
+| 176 | 4096 -> 4096 | 29.6 | 58.2 |
 """
 
 from __future__ import annotations
@@ -21,10 +30,6 @@ import mlx.core as mx
 
 from kernels.cpu_extension import cpu_extension
 
-# From this many rows of x on, dequantize + sgemm: on a 1536x576 layer it overtook the
-# row kernel between 24 and 32 rows (2.1 vs 2.4 ms at 24); on a loaded box a 4096x4096
-# layer favoured the row kernel up to 64 rows, so this is a compromise, not an optimum.
-SGEMM_MIN_ROWS = 32
 KERNEL_BITS = (4, 8)
 KERNEL_GROUP_SIZES = (32, 64, 128)
 
@@ -62,11 +67,7 @@ def quantized_matmul(
         )
     # Every mx op costs its dispatch (~2-3 us on the CPU): the kernel takes x [..., K] as
     # it is, so no reshape goes in or out.
-    rows = x.size // x.shape[-1] if x.shape[-1] else 0
-    if rows < SGEMM_MIN_ROWS:
-        y = ext.matmul(x, w, scales, biases, group_size, bits)
-    else:
-        y = x.astype(mx.float32) @ ext.dequantize(w, scales, biases, group_size, bits).T
+    y = ext.matmul(x, w, scales, biases, group_size, bits)
     return y if x.dtype == mx.float32 else y.astype(x.dtype)
 
 

@@ -142,11 +142,11 @@ void weight_rows(const DenseMatmulJob& job, int row_begin, int row_end) {
 // 32 registers, beside the panel's 2 and x's broadcast); with 8, 2 rows x 4 (of 16).
 constexpr int kPanelRows = L == 16 ? 12 : 2;
 constexpr int kPanelVectors = kPanelWidth / L;
-// k per pass. Each pass past the first reloads and adds to the outputs; a panel's 2048 x 32
-// slice (256 KB) and a row block's x (96 KB) stay in L2 across the row blocks, which
-// feeds the FMAs as well as L1 did. At 256 (a 32 KB slice for L1), [176, 2816] -> 1024
-// ran 186 against 198 GFLOP/s and [176, 1024] -> 5632 194 against 206 (OpenBLAS 180-201).
-constexpr int kPanelDepth = 2048;
+// kPanelDepth (row_kernels.h), k per pass: each pass past the first reloads and adds to
+// the outputs; a panel's 2048 x 32 slice (256 KB) and a row block's x (96 KB) stay in L2
+// across the row blocks, which feeds the FMAs as well as L1 did. At 256 (a 32 KB slice
+// for L1), [176, 2816] -> 1024 ran 186 against 198 GFLOP/s and [176, 1024] -> 5632 194
+// against 206 (OpenBLAS 180-201).
 
 // out[0..ROWS) x [0, cols) (+)= xp . w over kc: xp is [kc][kPanelRows] (x transposed),
 // w the panel's [kc][32] slice from element `first` on, widened as loaded if 16-bit.
@@ -205,7 +205,70 @@ void panel_matmul_of(const PanelMatmulJob& job, int panel_begin, int panel_end) 
   }
 }
 
+// tile[k - k0][j] = dequantize(w)[32 panel + j][k] for k in [k0, k0 + kc), j < 32: q x
+// scale + bias of its group, as mlx's dequantize; columns past N are zeros. The 32
+// columns' words at one k are gathered into vectors, so each of a word's values is a
+// shift, a mask, a conversion and an FMA across L columns, stored as one row of the tile.
+void dequantize_panel(const QuantizedPanelJob& job, int panel, int k0, int kc, float* tile) {
+  const int bits = job.bits, per_word = 32 / bits;
+  const uint32_t mask = (1u << bits) - 1;
+  const int words_per_row = job.K / per_word, groups_per_row = job.K / job.group_size;
+  const int n0 = panel * kPanelWidth;
+  const int cols = job.N - n0 < kPanelWidth ? job.N - n0 : kPanelWidth;
+  const uint32_t* rows[kPanelWidth];
+  for (int j = 0; j < kPanelWidth; ++j) {  // a missing column reads row n0, zeroed by its scale
+    rows[j] = job.w + static_cast<int64_t>(j < cols ? n0 + j : n0) * words_per_row;
+  }
+  F scale[kPanelVectors], bias[kPanelVectors];
+  int group = -1;
+  for (int k = k0; k < k0 + kc; k += per_word) {
+    if (k / job.group_size != group) {  // a word's values share one group (group >= 32)
+      group = k / job.group_size;
+      for (int v = 0; v < kPanelVectors; ++v) {
+        for (int l = 0; l < L; ++l) {
+          const int j = v * L + l;
+          const int64_t at = static_cast<int64_t>(n0 + j) * groups_per_row + group;
+          scale[v][l] = j < cols ? job.scales[at] : 0.0f;
+          bias[v][l] = j < cols ? job.biases[at] : 0.0f;
+        }
+      }
+    }
+    U words[kPanelVectors];
+    for (int v = 0; v < kPanelVectors; ++v) {
+      for (int l = 0; l < L; ++l) words[v][l] = rows[v * L + l][k / per_word];
+    }
+    for (int t = 0; t < per_word; ++t) {
+      float* row = tile + static_cast<int64_t>(k + t - k0) * kPanelWidth;
+      for (int v = 0; v < kPanelVectors; ++v) {
+        const F q = __builtin_convertvector((FI)((words[v] >> (bits * t)) & mask), F);
+        store(row + v * L, q * scale[v] + bias[v]);
+      }
+    }
+  }
+}
+
 }  // namespace
+
+void quantized_panel_matmul(const QuantizedPanelJob& job, int panel_begin, int panel_end,
+                            float* tile) {
+  const int M = job.M, K = job.K;
+  const int blocks = (M + kPanelRows - 1) / kPanelRows;
+  for (int panel = panel_begin; panel < panel_end; ++panel) {
+    const int n0 = panel * kPanelWidth;
+    const int cols = job.N - n0 < kPanelWidth ? job.N - n0 : kPanelWidth;
+    for (int k0 = 0; k0 < K; k0 += kPanelDepth) {
+      const int kc = K - k0 < kPanelDepth ? K - k0 : kPanelDepth;
+      dequantize_panel(job, panel, k0, kc, tile);
+      for (int b = 0; b < blocks; ++b) {
+        const int m0 = b * kPanelRows;
+        const float* xp = job.x_panels + (static_cast<int64_t>(b) * K + k0) * kPanelRows;
+        panel_tiles_of<WeightKind::f32, kPanelRows>(
+            M - m0, kc, xp, tile, 0, job.out + static_cast<int64_t>(m0) * job.N + n0, job.N,
+            k0 > 0, cols);
+      }
+    }
+  }
+}
 
 int panel_rows() {
   return kPanelRows;

@@ -63,7 +63,27 @@ struct PanelMatmulJob {
   WeightKind w_kind;
 };
 
+// k per pass of the panel kernels (dense_kernels.cpp): a quantized panel's tile holds
+// kPanelDepth x kPanelWidth floats.
+constexpr int kPanelDepth = 2048;
+
+// out = x @ dequantize(w).T over mlx's affine layout (MatmulJob's w, scales, biases),
+// for several rows of x: each 32-column panel of w is dequantized, kPanelDepth k at a
+// time, into a [k][32] tile (`tile`, the calling thread's), and the panel kernel's
+// register tiles multiply it by x_panels (pack_panel_rows). Each weight is decoded
+// once per call, where the row kernel decodes it once per 4 rows of x.
+struct QuantizedPanelJob {
+  const float* x_panels;  // x by pack_panel_rows
+  const uint32_t* w;  // [N, K * bits / 32]
+  const float* scales;  // [N, K / group_size]
+  const float* biases;
+  float* out;  // [M, N]
+  int M, N, K, group_size, bits;
+};
+
 using MatmulRows = void (*)(const MatmulJob&, int row_begin, int row_end);
+using QuantizedPanelMatmul = void (*)(const QuantizedPanelJob&, int panel_begin, int panel_end,
+                                      float* tile);
 using PanelMatmul = void (*)(const PanelMatmulJob&, int panel_begin, int panel_end);
 using DenseMatmulRows = void (*)(const DenseMatmulJob&, int row_begin, int row_end);
 using DequantizeRows = void (*)(const DequantizeJob&, int row_begin, int row_end);
@@ -84,6 +104,8 @@ void pack_activations(
   int panel_rows();                                                      \
   void pack_panel_rows(const PanelMatmulJob& job, float* x_panels, int block_begin, int block_end); \
   void panel_matmul(const PanelMatmulJob& job, int panel_begin, int panel_end); \
+  void quantized_panel_matmul(const QuantizedPanelJob& job, int panel_begin, int panel_end, \
+                              float* tile);                                  \
   }
 
 CADENCE_DECLARE_ROW_KERNELS(baseline)

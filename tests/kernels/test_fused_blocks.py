@@ -133,7 +133,7 @@ def test_a_post_norm_is_applied_to_each_blocks_output_before_the_add():
 
 def test_a_block_runs_by_parts_from_32_rows_or_off_the_cpu():
     x, _ = inputs(32, 64, seed=0)
-    assert fused_blocks.kernel_for(x) is None  # the parts' matmuls switch to the sgemm there
+    assert fused_blocks.kernel_for(x) is None  # many rows: by parts
     assert fused_blocks.kernel_for(x[:, :31]) is not None
     assert fused_blocks.kernel_for(x.astype(mx.float16)[:, :1]) is None
 

@@ -11,7 +11,6 @@ import pytest
 
 from kernels import cpu_extension as loader
 from kernels.quantized_matmul import (
-    SGEMM_MIN_ROWS,
     quantized_matmul,
     reference_quantized_matmul,
     uses_cpu_kernel,
@@ -40,6 +39,19 @@ def test_matches_the_reference_for_every_layout_and_row_count(bits, group_size):
         assert mx.allclose(ours, reference, rtol=1e-4, atol=1e-4).item(), (bits, group_size, m)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows_past_the_row_kernel_go_through_panel_tiles_in_passes_of_2048(bits):
+    """From 8 rows each 32-column panel is dequantized 2,048 k at a time: K = 2,432 takes
+    two passes (the second adds to the first), N = 37 leaves a panel 5 columns wide."""
+    n, k = 37, 2432
+    w, scales, biases = quantized(n, k, 128, bits, seed=3)
+    for m in (8, 13, 40):
+        x = mx.random.normal((m, k), key=mx.random.key(m))
+        ours = quantized_matmul(x, w, scales, biases, 128, bits)
+        reference = reference_quantized_matmul(x, w, scales, biases, 128, bits)
+        assert mx.allclose(ours, reference, rtol=1e-4, atol=1e-3).item(), (bits, m)
+
+
 def test_keeps_leading_dimensions_and_the_input_dtype():
     w, scales, biases = quantized(24, 128, 64, 4)
     x = mx.random.normal((2, 5, 128)).astype(mx.bfloat16)
@@ -64,7 +76,7 @@ def test_the_kernel_really_runs_on_the_cpu_when_built():
     assert ext is not None, loader.kernel_status()
     assert uses_cpu_kernel(64, 4)
     w, scales, biases = quantized(8, 128, 64, 4)
-    for m in (1, SGEMM_MIN_ROWS):
+    for m in (1, 8, 200):  # the row kernel, then the panels (decode, prefill)
         before = ext.num_kernel_calls()
         mx.eval(quantized_matmul(mx.ones((m, 128)), w, scales, biases, 64, 4))
         assert ext.num_kernel_calls() == before + 1
