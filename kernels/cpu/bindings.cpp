@@ -108,10 +108,10 @@ NB_MODULE(_cpu_ext, m) {
     }
     return name == "silu" ? cadence_cpu::Activation::silu : cadence_cpu::Activation::gelu_tanh;
   };
-  // An optional [K] weight; empty for none.
-  auto weight_or_none = [](const std::optional<mx::array>& w) {
-    return w ? *w : mx::zeros({0}, mx::float32);
-  };
+  // An optional [K] weight; empty for none. An array built with its (no) data, not an op
+  // such as mx::zeros: each op is one more for mlx to run, two a layer a step.
+  auto empty = [] { return mx::array(std::initializer_list<float>{}); };
+  auto weight_or_none = [empty](const std::optional<mx::array>& w) { return w ? *w : empty(); };
   m.def("residual_mlp", [layer, activation_named, weight_or_none](
                             const mx::array& x, const mx::array& norm_weight, float eps,
                             const Layer& gate_up, const Layer& down, const std::string& activation,
@@ -122,7 +122,7 @@ NB_MODULE(_cpu_ext, m) {
         "post_norm"_a = nb::none(),
         "x + down(act(gate and up halves of gate_up(rms_norm(x)))), one op (few rows); "
         "post_norm [K] norms the block's output before the add.");
-  m.def("residual_attention", [layer, weight_or_none](const mx::array& x, const mx::array& norm_weight, float eps,
+  m.def("residual_attention", [layer, empty, weight_or_none](const mx::array& x, const mx::array& norm_weight, float eps,
                                       const Layer& qkv, const Layer& o, const mx::array& keys,
                                       const mx::array& values, const mx::array& tables,
                                       const mx::array& token_row, const mx::array& token_pos,
@@ -131,7 +131,7 @@ NB_MODULE(_cpu_ext, m) {
                                       const std::optional<std::tuple<mx::array, mx::array, float>>& qk_norm,
                                       const std::optional<mx::array>& post_norm,
                                       bool pools_in_place) {
-    const mx::array none = mx::zeros({0}, mx::float32);
+    const mx::array none = empty();
     return cadence_cpu::residual_attention(
         x, norm_weight, eps, layer(qkv), layer(o), keys, values, tables, token_row, token_pos,
         inv_freqs, num_heads, num_kv_heads, block_size, window, scale, rope_scale,
