@@ -37,8 +37,6 @@ NB_MODULE(_cpu_ext, m) {
   m.def("matmul", &cadence_cpu::matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a,
         "x[M, K] @ dequantize(w).T -> [M, N] float32 (mlx affine layout, 4 or 8 bits).");
-  m.def("dequantize", &cadence_cpu::dequantize, "w"_a, "scales"_a, "biases"_a,
-        "group_size"_a, "bits"_a, "dequantize(w) -> [N, K] float32.");
   m.def("paged_attention_write", &cadence_cpu::paged_attention_write, "q"_a, "k"_a, "v"_a,
         "keys"_a, "values"_a, "tables"_a, "token_row"_a, "token_pos"_a, "num_kv_heads"_a,
         "block_size"_a, "window"_a, "scale"_a, "pools_in_place"_a = false,

@@ -31,7 +31,6 @@ constexpr int kMinRowsForPanels = 8;
 
 struct Kernels {
   MatmulRows matmul;
-  DequantizeRows dequantize;
   int lanes;  // how the activations are packed for `matmul`
   const char* name;
 };
@@ -48,12 +47,12 @@ constexpr const char* kBaselineName = "baseline";
 // 120 vs 150 ms of CPU for a SmolLM2-135M-shaped pass; M=1: 24 vs 24 ms; 8-bit M=1: 35 vs 28).
 const Kernels& kernels(int num_rows) {
   static const Kernels baseline_kernels{
-      baseline::matmul_rows, baseline::dequantize_rows, baseline::matmul_lanes(), kBaselineName};
+      baseline::matmul_rows, baseline::matmul_lanes(), kBaselineName};
 #if defined(CADENCE_HAS_X86_KERNELS)
   static const Kernels avx2_kernels{
-      avx2::matmul_rows, avx2::dequantize_rows, avx2::matmul_lanes(), "avx2+fma"};
+      avx2::matmul_rows, avx2::matmul_lanes(), "avx2+fma"};
   static const Kernels avx512_kernels{
-      avx512::matmul_rows, avx512::dequantize_rows, avx512::matmul_lanes(), "avx512"};
+      avx512::matmul_rows, avx512::matmul_lanes(), "avx512"};
   if (best_isa() == Isa::avx512 && num_rows <= kMostRowsForWideLanes) {
     return avx512_kernels;
   }
@@ -186,10 +185,6 @@ void quantized_panel_rows(const float* x, int64_t row_stride, int M, int K, cons
   row_pool()->run(run_quantized_panels, &task, panels, min_panels);
 }
 
-void run_dequantize_chunk(const void* context, int row_begin, int row_end) {
-  kernels(0).dequantize(*static_cast<const DequantizeJob*>(context), row_begin, row_end);
-}
-
 }  // namespace
 
 void pack_activations(
@@ -250,22 +245,6 @@ mx::array matmul(
       {as_float32(x, s), w, as_float32(scales, s), as_float32(biases, s)});
 }
 
-mx::array dequantize(
-    const mx::array& w,
-    const mx::array& scales,
-    const mx::array& biases,
-    int group_size,
-    int bits) {
-  check_quantized_operands(w, scales, biases, group_size, bits);
-  auto s = mx::to_stream(mx::StreamOrDevice{}, mx::Device::cpu);
-  const int K = w.shape(1) * 32 / bits;
-  return mx::array(
-      {w.shape(0), K},
-      mx::float32,
-      std::make_shared<QuantizedRowsDequantize>(s, group_size, bits),
-      {w, as_float32(scales, s), as_float32(biases, s)});
-}
-
 void quantized_matmul_rows(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
                            const uint32_t* w, const float* scales, const float* biases, int N,
                            int group_size, int bits, float* out) {
@@ -307,35 +286,12 @@ void QuantizedRowsMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::arr
   });
 }
 
-void QuantizedRowsDequantize::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  require_packed_weight(inputs, 0);
-  run_on_stream(stream(), inputs, out, [group_size = group_size_, bits = bits_](
-                                           std::vector<mx::array>& in, mx::array& out) {
-    kernel_calls.fetch_add(1, std::memory_order_relaxed);
-    const int N = in[0].shape(0), K = out.shape(1);
-    const DequantizeJob job{
-        in[0].data<uint32_t>(), in[1].data<float>(), in[2].data<float>(), out.data<float>(),
-        N, K, group_size, bits};
-    const int min_rows = std::max(1, static_cast<int>(kMinValuesPerChunk / 4 / std::max(1, K)));
-    row_pool()->run(run_dequantize_chunk, &job, N, min_rows);
-  });
-}
-
 void QuantizedRowsMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("cadence quantized kernels run on the CPU only");
-}
-
-void QuantizedRowsDequantize::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error("cadence quantized kernels run on the CPU only");
 }
 
 bool QuantizedRowsMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedRowsMatmul&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
-}
-
-bool QuantizedRowsDequantize::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const QuantizedRowsDequantize&>(other);
   return group_size_ == o.group_size_ && bits_ == o.bits_;
 }
 
@@ -345,8 +301,11 @@ uint64_t num_kernel_calls() {
 
 std::string isa() {
   const std::string decode = kernels(1).name, batch = kernels(kMostRowsForWideLanes + 1).name;
-  return decode == batch ? decode : decode + " (1-" + std::to_string(kMostRowsForWideLanes) +
-          " rows), " + batch;
+  const std::string rows = decode == batch ? decode + " (1-" : decode + " (1-" +
+      std::to_string(kMostRowsForWideLanes) + " rows), " + batch + " (" +
+      std::to_string(kMostRowsForWideLanes + 1) + "-";
+  return rows + std::to_string(kMinRowsForPanels - 1) + " rows), panels from " +
+      std::to_string(kMinRowsForPanels) + " rows";
 }
 
 int num_threads() {

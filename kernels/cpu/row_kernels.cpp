@@ -212,42 +212,6 @@ void matmul_rows_bits(const MatmulJob& job, int row_begin, int row_end) {
   }
 }
 
-template <int BITS>
-void dequantize_rows_bits(const DequantizeJob& job, int row_begin, int row_end) {
-  using F = Vec<8>::f32;
-  using I = Vec<8>::i32;
-  using U = Vec<8>::u32;
-  constexpr int kPerWord = 32 / BITS;
-  constexpr uint32_t kMask = (1u << BITS) - 1;
-  const int K = job.K, group = job.group_size;
-  const int words_per_row = K / kPerWord;
-  const int num_groups = K / group;
-  // Lane l of 8 consecutive values reads word l / kPerWord at shift (l % kPerWord) * BITS.
-  U shifts;
-  for (int l = 0; l < 8; ++l) {
-    shifts[l] = (l % kPerWord) * BITS;
-  }
-  for (int n = row_begin; n < row_end; ++n) {
-    const uint32_t* w = job.w + static_cast<int64_t>(n) * words_per_row;
-    float* out = job.out + static_cast<int64_t>(n) * K;
-    for (int g = 0; g < num_groups; ++g) {
-      const F s = F{} + job.scales[static_cast<int64_t>(n) * num_groups + g];
-      const F bias = F{} + job.biases[static_cast<int64_t>(n) * num_groups + g];
-      for (int k = g * group; k < (g + 1) * group; k += 8) {
-        // 8 values span one word (4 bits) or two (8 bits): broadcast, then shift per lane.
-        const uint32_t first = w[k / kPerWord];
-        const uint32_t second = w[(k + 7) / kPerWord];
-        const U words = kPerWord >= 8
-            ? U{} + first
-            : U{first, first, first, first, second, second, second, second};
-        const F q = __builtin_convertvector((I)((words >> shifts) & kMask), F);
-        const F value = q * s + bias;
-        memcpy(out + k, &value, sizeof value);
-      }
-    }
-  }
-}
-
 }  // namespace
 
 int matmul_lanes() {
@@ -259,14 +223,6 @@ void matmul_rows(const MatmulJob& job, int row_begin, int row_end) {
     matmul_rows_bits<4>(job, row_begin, row_end);
   } else {
     matmul_rows_bits<8>(job, row_begin, row_end);
-  }
-}
-
-void dequantize_rows(const DequantizeJob& job, int row_begin, int row_end) {
-  if (job.bits == 4) {
-    dequantize_rows_bits<4>(job, row_begin, row_end);
-  } else {
-    dequantize_rows_bits<8>(job, row_begin, row_end);
   }
 }
 

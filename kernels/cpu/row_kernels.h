@@ -24,14 +24,6 @@ struct MatmulJob {
   int M, N, K, group_size, bits;
 };
 
-struct DequantizeJob {
-  const uint32_t* w;
-  const float* scales;
-  const float* biases;
-  float* out;  // [N, K]
-  int N, K, group_size, bits;
-};
-
 // How a dense weight is stored: float32, or 16 bits (widened to float32 exactly as
 // they are read, so the products are those of the float32 expansion).
 enum class WeightKind { f32, f16, bf16 };
@@ -86,7 +78,6 @@ using QuantizedPanelMatmul = void (*)(const QuantizedPanelJob&, int panel_begin,
                                       float* tile);
 using PanelMatmul = void (*)(const PanelMatmulJob&, int panel_begin, int panel_end);
 using DenseMatmulRows = void (*)(const DenseMatmulJob&, int row_begin, int row_end);
-using DequantizeRows = void (*)(const DequantizeJob&, int row_begin, int row_end);
 
 // x[M, K] (any strides) -> xt, xsum for a kernel of `lanes` lanes: the packed words of
 // a row form blocks of `lanes` words, then one block of 8 if `lanes` is 16, then a tail;
@@ -99,7 +90,6 @@ void pack_activations(
   namespace ns {                                                         \
   int matmul_lanes();                                                    \
   void matmul_rows(const MatmulJob& job, int row_begin, int row_end);    \
-  void dequantize_rows(const DequantizeJob& job, int row_begin, int row_end); \
   void dense_matmul_rows(const DenseMatmulJob& job, int row_begin, int row_end); \
   int panel_rows();                                                      \
   void pack_panel_rows(const PanelMatmulJob& job, float* x_panels, int block_begin, int block_end); \

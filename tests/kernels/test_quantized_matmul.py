@@ -94,7 +94,6 @@ def test_empty_operands_give_empty_or_zero_results_instead_of_crashing():
     mx.eval(ours)
     assert ours.shape == (0, 8) and ext.num_kernel_calls() == before + 1
     no_columns = mx.zeros((8, 0), dtype=mx.uint32), mx.zeros((8, 0)), mx.zeros((8, 0))
-    assert ext.dequantize(*no_columns, 32, 4).shape == (8, 0)
     assert mx.array_equal(ext.matmul(mx.ones((2, 0)), *no_columns, 32, 4), mx.zeros((2, 8))).item()
 
 EVERY_LAYOUT_SCRIPT = """
@@ -137,7 +136,8 @@ def test_every_instruction_set_matches_the_reference(cap):
     isa = run_with_isa_cap(EVERY_LAYOUT_SCRIPT, cap)
     assert "avx512" not in isa
     if cap == "baseline":
-        assert isa in ("baseline", "neon")
+        assert isa.split(" ")[0] in ("baseline", "neon")
+        assert "avx2" not in isa
 
 
 @needs_kernels
