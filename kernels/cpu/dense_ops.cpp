@@ -57,9 +57,10 @@ struct StoredWeight {
 std::atomic<uint64_t> panel_calls{0};
 
 struct PanelKernels {
-  int (*rows)();
+  int (*rows)();  // rows of x a register tile holds
   void (*pack)(const PanelMatmulJob&, float*, int, int);
   PanelMatmul matmul;
+  QuantizedPanelMatmul quantized;
 };
 
 const PanelKernels& panel_kernels() {
@@ -67,15 +68,59 @@ const PanelKernels& panel_kernels() {
     switch (best_isa()) {
 #if defined(CADENCE_HAS_X86_KERNELS)
       case Isa::avx512:
-        return PanelKernels{avx512::panel_rows, avx512::pack_panel_rows, avx512::panel_matmul};
+        return PanelKernels{avx512::panel_rows, avx512::pack_panel_rows, avx512::panel_matmul,
+                            avx512::quantized_panel_matmul};
       case Isa::avx2:
-        return PanelKernels{avx2::panel_rows, avx2::pack_panel_rows, avx2::panel_matmul};
+        return PanelKernels{avx2::panel_rows, avx2::pack_panel_rows, avx2::panel_matmul,
+                            avx2::quantized_panel_matmul};
 #endif
       default:
-        return PanelKernels{baseline::panel_rows, baseline::pack_panel_rows, baseline::panel_matmul};
+        return PanelKernels{baseline::panel_rows, baseline::pack_panel_rows, baseline::panel_matmul,
+                            baseline::quantized_panel_matmul};
     }
   }();
   return chosen;
+}
+
+// x [M, K] (rows x_stride apart) transposed into blocks of the register tile's rows
+// (pack_panel_rows), on the kernel threads, into the calling thread's buffer.
+const float* pack_x_panels(const float* x, int64_t x_stride, int M, int K) {
+  const PanelKernels& kernels = panel_kernels();
+  const PanelMatmulJob job{x, nullptr, nullptr, nullptr, M, 0, K, x_stride, WeightKind::f32};
+  thread_local std::vector<float> x_panels;  // the stream's one thread
+  const int rows = kernels.rows(), blocks = (M + rows - 1) / rows;
+  x_panels.resize(static_cast<size_t>(blocks) * rows * K);
+  const struct {
+    const PanelMatmulJob* job;
+    const PanelKernels* kernels;
+    float* x_panels;
+  } task{&job, &kernels, x_panels.data()};
+  row_pool()->run(
+      [](const void* context, int begin, int end) {
+        const auto& t = *static_cast<const decltype(task)*>(context);
+        t.kernels->pack(*t.job, t.x_panels, begin, end);
+      },
+      &task, blocks, static_cast<int>(std::max<int64_t>(1, kMinWeightsPerChunk / 4 / (int64_t{rows} * K))));
+  return x_panels.data();
+}
+
+// Panels of `weights_per_panel` weights a chunk of work holds at least, for M rows of x.
+int min_panels_per_chunk(int64_t weights_per_panel, int M, int panels) {
+  return static_cast<int>(std::clamp<int64_t>(
+      kMinWeightsPerChunk / std::max<int64_t>(1, weights_per_panel * ((M + 15) / 16)), 1,
+      std::max(1, panels)));
+}
+
+struct QuantizedPanelTask {
+  QuantizedPanelJob job;
+  QuantizedPanelMatmul matmul;
+};
+
+void run_quantized_panels(const void* context, int panel_begin, int panel_end) {
+  const auto& task = *static_cast<const QuantizedPanelTask*>(context);
+  thread_local std::vector<float> tile;  // each kernel thread its own
+  tile.resize(static_cast<size_t>(kPanelDepth) * kPanelWidth);
+  task.matmul(task.job, panel_begin, panel_end, tile.data());
 }
 
 }  // namespace
@@ -126,33 +171,32 @@ void panel_matmul_rows(const float* x, int M, const mx::array& w, int N, float* 
     return;
   }
   StoredWeight weight(w);
-  const PanelKernels& kernels = panel_kernels();
-  PanelMatmulJob job{x, nullptr, weight.data, out, M, N, K, K, weight.kind};
-  // x transposed into blocks of the tile's rows, once for every panel and thread.
-  thread_local std::vector<float> x_panels;  // this runs on the stream's one thread
-  const int rows = kernels.rows(), blocks = (M + rows - 1) / rows;
-  x_panels.resize(static_cast<size_t>(blocks) * rows * K);
-  job.x_panels = x_panels.data();
   const struct {
     PanelMatmulJob job;
-    const PanelKernels* kernels;
-    float* x_panels;  // written by the first pass, read by the second through `job`
-  } task{job, &kernels, x_panels.data()};
+    PanelMatmul matmul;
+  } task{PanelMatmulJob{x, pack_x_panels(x, K, M, K), weight.data, out, M, N, K, K, weight.kind},
+         panel_kernels().matmul};
   row_pool()->run(
       [](const void* context, int begin, int end) {
         const auto& t = *static_cast<const decltype(task)*>(context);
-        t.kernels->pack(t.job, t.x_panels, begin, end);
+        t.matmul(t.job, begin, end);
       },
-      &task, blocks, static_cast<int>(std::max<int64_t>(1, kMinWeightsPerChunk / 4 / (int64_t{rows} * K))));
-  const int64_t weights_per_panel = static_cast<int64_t>(K) * kPanelWidth;
+      &task, panels, min_panels_per_chunk(static_cast<int64_t>(K) * kPanelWidth, M, panels));
+}
+
+void quantized_panel_matmul_rows(const float* x, int64_t x_stride, int M, int K, const uint32_t* w,
+                                 const float* scales, const float* biases, int N, int group_size,
+                                 int bits, float* out) {
+  const QuantizedPanelTask task{
+      QuantizedPanelJob{pack_x_panels(x, x_stride, M, K), w, scales, biases, out, M, N, K,
+                        group_size, bits},
+      panel_kernels().quantized};
+  // A chunk of at least 64K weights whatever M: dequantizing a panel costs as much as
+  // multiplying it by a few rows, so chunks stay small enough to split small layers.
+  const int panels = (N + kPanelWidth - 1) / kPanelWidth;
   const int min_panels = static_cast<int>(std::clamp<int64_t>(
-      kMinWeightsPerChunk / std::max<int64_t>(1, weights_per_panel * ((M + 15) / 16)), 1, panels));
-  row_pool()->run(
-      [](const void* context, int begin, int end) {
-        const auto& t = *static_cast<const decltype(task)*>(context);
-        t.kernels->matmul(t.job, begin, end);
-      },
-      &task, panels, min_panels);
+      (int64_t{1} << 16) / std::max<int64_t>(1, int64_t{K} * kPanelWidth), 1, std::max(1, panels)));
+  row_pool()->run(run_quantized_panels, &task, panels, min_panels);
 }
 
 void PanelMatmulOp::eval_gpu(const std::vector<mx::array>&, mx::array&) {

@@ -25,6 +25,13 @@ mx::array panel_matmul(const mx::array& x, const mx::array& w_panels, int N);
 // Call it from the stream's thread (its buffers are per thread).
 void panel_matmul_rows(const float* x, int M, const mx::array& w_panels, int N, float* out);
 
+// The same for a quantized weight (mlx's affine layout), each 32-column panel dequantized
+// into a tile on the way (QuantizedPanelJob, row_kernels.h): out[M, N] = x @
+// dequantize(w).T for x [M, K] dense rows x_stride apart. From the stream's thread.
+void quantized_panel_matmul_rows(const float* x, int64_t x_stride, int M, int K, const uint32_t* w,
+                                 const float* scales, const float* biases, int N, int group_size,
+                                 int bits, float* out);
+
 // Throws std::invalid_argument unless w_panels packs N output columns of K inputs.
 void check_panels(const mx::array& w_panels, int K, int N);
 uint64_t num_panel_calls();  // evaluations on the CPU, ever

@@ -9,6 +9,7 @@
 #include "mlx/utils.h"
 
 #include "cpu_dispatch.h"
+#include "dense_ops.h"
 #include "isa.h"
 #include "row_kernels.h"
 #include "row_pool.h"
@@ -122,69 +123,6 @@ void run_matmul_chunk(const void* context, int row_begin, int row_end) {
   task.rows(task.job, row_begin, row_end);
 }
 
-struct PanelKernels {
-  int (*rows)();  // rows of x a register tile holds
-  void (*pack)(const PanelMatmulJob&, float*, int, int);
-  QuantizedPanelMatmul matmul;
-};
-
-const PanelKernels& panel_kernels() {
-  static const PanelKernels chosen = [] {
-    switch (best_isa()) {
-#if defined(CADENCE_HAS_X86_KERNELS)
-      case Isa::avx512:
-        return PanelKernels{avx512::panel_rows, avx512::pack_panel_rows, avx512::quantized_panel_matmul};
-      case Isa::avx2:
-        return PanelKernels{avx2::panel_rows, avx2::pack_panel_rows, avx2::quantized_panel_matmul};
-#endif
-      default:
-        return PanelKernels{baseline::panel_rows, baseline::pack_panel_rows, baseline::quantized_panel_matmul};
-    }
-  }();
-  return chosen;
-}
-
-struct QuantizedPanelTask {
-  QuantizedPanelJob job;
-  QuantizedPanelMatmul matmul;
-};
-
-void run_quantized_panels(const void* context, int panel_begin, int panel_end) {
-  const auto& task = *static_cast<const QuantizedPanelTask*>(context);
-  thread_local std::vector<float> tile;  // each kernel thread its own
-  tile.resize(static_cast<size_t>(kPanelDepth) * kPanelWidth);
-  task.matmul(task.job, panel_begin, panel_end, tile.data());
-}
-
-// quantized_matmul_rows for x [M, K] dense rows (row_stride apart) through the panels.
-void quantized_panel_rows(const float* x, int64_t row_stride, int M, int K, const uint32_t* w,
-                          const float* scales, const float* biases, int N, int group_size,
-                          int bits, float* out) {
-  const PanelKernels& kernels = panel_kernels();
-  const PanelMatmulJob pack_job{x, nullptr, nullptr, nullptr, M, N, K, row_stride, WeightKind::f32};
-  thread_local std::vector<float> x_panels;  // the stream's one thread
-  const int rows = kernels.rows(), blocks = (M + rows - 1) / rows;
-  x_panels.resize(static_cast<size_t>(blocks) * rows * K);
-  const struct {
-    const PanelMatmulJob* job;
-    const PanelKernels* kernels;
-    float* x_panels;
-  } pack{&pack_job, &kernels, x_panels.data()};
-  row_pool()->run(
-      [](const void* context, int begin, int end) {
-        const auto& p = *static_cast<const decltype(pack)*>(context);
-        p.kernels->pack(*p.job, p.x_panels, begin, end);
-      },
-      &pack, blocks, std::max(1, static_cast<int>(kMinValuesPerChunk / 4 / (int64_t{rows} * K))));
-  const QuantizedPanelTask task{
-      QuantizedPanelJob{x_panels.data(), w, scales, biases, out, M, N, K, group_size, bits},
-      kernels.matmul};
-  const int panels = (N + kPanelWidth - 1) / kPanelWidth;
-  const int min_panels = static_cast<int>(std::clamp<int64_t>(
-      kMinValuesPerChunk / std::max<int64_t>(1, int64_t{K} * kPanelWidth), 1, std::max(1, panels)));
-  row_pool()->run(run_quantized_panels, &task, panels, min_panels);
-}
-
 }  // namespace
 
 void pack_activations(
@@ -250,7 +188,7 @@ void quantized_matmul_rows(const float* x, int64_t row_stride, int64_t col_strid
                            int group_size, int bits, float* out) {
   kernel_calls.fetch_add(1, std::memory_order_relaxed);
   if (M >= kMinRowsForPanels && col_stride == 1 && K > 0 && N > 0) {
-    quantized_panel_rows(x, row_stride, M, K, w, scales, biases, N, group_size, bits, out);
+    quantized_panel_matmul_rows(x, row_stride, M, K, w, scales, biases, N, group_size, bits, out);
     return;
   }
   // Reused across calls: this runs on the stream's one thread.
