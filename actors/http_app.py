@@ -147,9 +147,11 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
-        llm = _ready(state)
-        card = {"id": llm.name, "object": "model", "created": 0, "owned_by": "cadence"}
-        return _json({"object": "list", "data": [card]})
+        return _json({"object": "list", "data": [_model_card(_ready(state))]})
+
+    @app.get("/v1/models/<path:model>")  # a Hub id has a slash
+    async def model(model: str) -> Response:
+        return _json(_model_card(_served(state, model)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
@@ -190,16 +192,26 @@ def _ready(state: ServerState) -> LLM:
     return state.llm
 
 
-async def _complete(state: ServerState, api: ApiRequest) -> Response:
+def _served(state: ServerState, model: str) -> LLM:
+    """The LLM, if `model` names it; else OpenAI's 404 for an unknown model."""
     llm = _ready(state)
-    if api.model != llm.name:
+    if model != llm.name:
         raise ApiError(
             404,
-            f"the model '{api.model}' does not exist; this server has '{llm.name}'",
+            f"the model '{model[:256]}' does not exist; this server has '{llm.name}'",
             "not_found_error",
             param="model",
             code="model_not_found",
         )
+    return llm
+
+
+def _model_card(llm: LLM) -> dict[str, Any]:
+    return {"id": llm.name, "object": "model", "created": 0, "owned_by": "cadence"}
+
+
+async def _complete(state: ServerState, api: ApiRequest) -> Response:
+    llm = _served(state, api.model)
     ids = [g.request_id] if api.n == 1 else [f"{g.request_id}-{i}" for i in range(api.n)]
     generations = [
         Generation(llm, choice, request_id=request_id)

@@ -121,6 +121,13 @@ def _reject_constant(name: str) -> None:
 
 
 def parse_chat(body: dict[str, Any], *, max_n: int = DEFAULT_MAX_N) -> ApiRequest:
+    for name, why in UNSUPPORTED_CHAT_FIELDS.items():
+        if body.get(name) is not None:  # null is absent, as SDKs serialize an unset field
+            raise ApiError(400, f"'{name}' is not supported: {why}", param=name)
+    if _field(body, "modalities", list) not in (None, ["text"]):
+        raise ApiError(
+            400, "'modalities' must be [\"text\"]: this server writes text only", param="modalities"
+        )
     messages = _field(body, "messages", list, required=True)
     # check_request holds the allowlist of keys and their types.
     template_kwargs = _field(body, "chat_template_kwargs", dict) or {}
@@ -427,7 +434,16 @@ _COMMON_FIELDS = frozenset(
         "function_call",
     }
 )
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs"}
+# OpenAI chat fields for features this server lacks: refused with what is missing, where
+# an unknown field would only say "unknown".
+UNSUPPORTED_CHAT_FIELDS = {
+    "audio": "this server writes text only",
+    "prediction": "predicted outputs are not implemented",
+    "reasoning_effort": "a template's thinking switch, if any, is in 'chat_template_kwargs'",
+    "verbosity": "bound a reply's length with 'max_tokens'",
+    "web_search_options": "this server does not search the web",
+}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "modalities", *UNSUPPORTED_CHAT_FIELDS}
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 
 _TYPE_NAMES = {

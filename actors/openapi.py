@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from actors.choices import DEFAULT_MAX_N
+from actors.openai_requests import UNSUPPORTED_CHAT_FIELDS
 from actors.openapi_tools import (
     STRUCTURED_OUTPUT_FIELDS,
     TOOL_CALLS_REPLY,
@@ -183,6 +184,13 @@ _SCHEMAS: dict[str, Any] = {
                 {**_NUM_TOP_LOGPROBS, "description": "alternatives per token; needs logprobs"}
             ),
             **TOOL_FIELDS,
+            "modalities": _or_null(
+                {"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}
+            ),
+            **{
+                name: {"type": "null", "description": f"not supported: {why}"}
+                for name, why in UNSUPPORTED_CHAT_FIELDS.items()
+            },
             "chat_template_kwargs": _or_null(
                 {
                     "type": "object",
@@ -276,24 +284,22 @@ _SCHEMAS: dict[str, Any] = {
         },
     ),
     "Completion": _completion_schema("text_completion", "text", {"type": "string"}),
+    "Model": {
+        "type": "object",
+        "required": ["id", "object", "created", "owned_by"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "model"},
+            "created": {"type": "integer"},
+            "owned_by": {"type": "string"},
+        },
+    },
     "ModelList": {
         "type": "object",
         "required": ["object", "data"],
         "properties": {
             "object": {"const": "list"},
-            "data": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "required": ["id", "object", "created", "owned_by"],
-                    "properties": {
-                        "id": {"type": "string"},
-                        "object": {"const": "model"},
-                        "created": {"type": "integer"},
-                        "owned_by": {"type": "string"},
-                    },
-                },
-            },
+            "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}},
         },
     },
     "Health": {
@@ -421,6 +427,19 @@ OPENAPI: dict[str, Any] = {
             "get": {
                 "summary": "the one model this server has",
                 "responses": {"200": _json("ModelList", "the model"), **_ERRORS},
+            }
+        },
+        "/v1/models/{model}": {
+            "get": {
+                "summary": "the model, if it is this server's (404 model_not_found if not)",
+                "parameters": [
+                    {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "responses": {
+                    "200": _json("Model", "the model"),
+                    "404": _json("Error", "not this server's model"),
+                    **_ERRORS,
+                },
             }
         },
         "/v1/chat/completions": _completion_route(

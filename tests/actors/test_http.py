@@ -101,10 +101,32 @@ async def test_models_and_health(tiny):
     async with serving(tiny) as server:
         models = await in_thread(server.client().models.list)
         assert [m.id for m in models.data] == [server.model]
+        model = await in_thread(server.client().models.retrieve, server.model)
+        assert (model.id, model.object) == (server.model, "model")
+        with pytest.raises(openai.NotFoundError) as raised:
+            await in_thread(server.client().models.retrieve, "org/other-model")
+        assert raised.value.code == "model_not_found"
         assert (await in_thread(request, server.url, "GET", "/health"))[0] == 200
         server.state.is_draining = True
         status, _, body = await in_thread(request, server.url, "GET", "/health")
         assert (status, body) == (503, {"status": "draining"})
+
+
+async def test_text_modalities_and_null_unsupported_fields_are_accepted(tiny):
+    """What SDKs send for an unset field (null) and for text output is no error."""
+    async with serving(tiny) as server:
+        reply = await in_thread(
+            lambda: server.client().chat.completions.create(
+                model=server.model,
+                messages=CHAT,
+                max_tokens=3,
+                modalities=["text"],
+                audio=None,
+                reasoning_effort=None,
+                extra_body={"ignore_eos": True},
+            )
+        )
+    assert reply.choices[0].finish_reason == "length"
 
 
 async def test_health_is_503_while_loading():
@@ -401,6 +423,18 @@ ERROR_CASES = {
         400,
         "reasoning_effort",
         "unknown_field",
+    ),
+    "a chat feature this server lacks": (
+        {"model": "M", "messages": CHAT, "audio": {"voice": "alloy", "format": "mp3"}},
+        400,
+        "audio",
+        None,
+    ),
+    "audio output asked": (
+        {"model": "M", "messages": CHAT, "modalities": ["text", "audio"]},
+        400,
+        "modalities",
+        None,
     ),
     "chat field on completions": (
         {"model": "M", "prompt": "x", "messages": []},
