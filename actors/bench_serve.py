@@ -42,6 +42,7 @@ from runtime.tokenizer import Tokenizer
 import attrs
 import trio
 
+from actors import arg_types
 from actors.bench_model import Floor, bench_checkpoint, measure_floor
 from actors.loadgen import (
     Request,
@@ -73,20 +74,31 @@ def add_parser(which: argparse._SubParsersAction) -> None:
     target.add_argument(
         "--compare", action="store_true", help="then mlx_lm.server, same checkpoint"
     )
-    target.add_argument("--max-batch", type=int, default=16)
+    target.add_argument("--max-batch", type=arg_types.positive_int, default=16)
     target.add_argument("--cadence-args", default="", help="extra `cadence serve` flags, quoted")
     load = serve.add_argument_group("workload")
-    load.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="one run each")
-    load.add_argument("--rate", type=float, default=None, help="Poisson arrivals, req/s")
     load.add_argument(
-        "--requests", type=int, default=None, help="per run (default: the clients; 32 at a rate)"
+        "--clients", type=arg_types.positive_int, nargs="+", default=[1, 4, 16], help="one run each"
+    )
+    load.add_argument(
+        "--rate", type=arg_types.positive_float, default=None, help="Poisson arrivals, req/s"
+    )
+    load.add_argument(
+        "--requests",
+        type=arg_types.positive_int,
+        default=None,
+        help="per run (default: the clients; 32 at a rate)",
     )
     load.add_argument("--prompt-tokens", type=_span, default="100", help="N or LOW:HIGH")
     load.add_argument("--max-tokens", type=_span, default="64", help="N or LOW:HIGH")
-    load.add_argument("--shared-prefix", type=float, default=0.0, help="fraction of each prompt")
+    load.add_argument(
+        "--shared-prefix", type=arg_types.fraction, default=0.0, help="fraction of each prompt"
+    )
     load.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
     load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
-    load.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    load.add_argument(
+        "--timeout", type=arg_types.positive_float, default=600.0, help="seconds per request"
+    )
     load.add_argument("--seed", type=int, default=0)
     serve.add_argument("--json", type=Path, default=None, help="also write the results here")
     serve.set_defaults(run=main)
@@ -117,9 +129,6 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
 
 
 def main(args: argparse.Namespace) -> int:
-    if not 0.0 <= args.shared_prefix <= 1.0:
-        print("cadence bench serve: --shared-prefix must be in 0..1", file=sys.stderr)
-        return 2
     if args.compare and args.url is not None:
         print("cadence bench serve: --compare starts its own servers; drop --url", file=sys.stderr)
         return 2

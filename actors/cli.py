@@ -25,7 +25,7 @@ from runtime.scheduler import DEFAULT_PREFILL_CHUNK
 import structlog
 import trio
 
-from actors import bench, timeline
+from actors import arg_types, bench, timeline
 from actors.choices import DEFAULT_MAX_N
 from actors.cors import CorsPolicy, parse_origins
 from actors.http_app import ServerState, create_app
@@ -67,27 +67,32 @@ def _parser() -> argparse.ArgumentParser:
         help="let browser pages from this origin call the API (repeatable; '*' for any); "
         "CORS is off without it",
     )
-    serve.add_argument("--port", type=_port, default=8000, help="0: any free port")
-    serve.add_argument("--max-batch", type=_positive, default=16, help="rows decoded together")
+    serve.add_argument("--port", type=arg_types.port, default=8000, help="0: any free port")
     serve.add_argument(
-        "--max-waiting", type=_positive, default=64, help="queued requests before new ones get 503"
+        "--max-batch", type=arg_types.positive_int, default=16, help="rows decoded together"
+    )
+    serve.add_argument(
+        "--max-waiting",
+        type=arg_types.positive_int,
+        default=64,
+        help="queued requests before new ones get 503",
     )
     serve.add_argument(
         "--max-context",
-        type=_positive,
+        type=arg_types.positive_int,
         default=None,
         help="tokens per sequence (default: the model's)",
     )
     serve.add_argument(
         "--drain-timeout",
-        type=float,
+        type=arg_types.non_negative_float,
         default=30.0,
         help="seconds in-flight requests get after SIGINT/SIGTERM",
     )
-    serve.add_argument("--max-body-bytes", type=_positive, default=4 << 20)
+    serve.add_argument("--max-body-bytes", type=arg_types.positive_int, default=4 << 20)
     serve.add_argument(
         "--max-n",
-        type=_positive,
+        type=arg_types.positive_int,
         default=None,
         help=f"most choices ('n') one request may ask for; each counts as a request "
         f"(default: {DEFAULT_MAX_N}, or --max-waiting if that is lower)",
@@ -100,18 +105,21 @@ def _parser() -> argparse.ArgumentParser:
         "default: 30%% of free memory, at most what --max-batch rows of --max-context need",
     )
     serve.add_argument(
-        "--block-size", type=_positive, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block"
+        "--block-size",
+        type=arg_types.positive_int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="tokens per KV block",
     )
     serve.add_argument(
         "--prefill-chunk",
-        type=_positive,
+        type=arg_types.positive_int,
         default=DEFAULT_PREFILL_CHUNK,
         help="most prompt tokens one request computes in a step beside decoding rows "
         "(alone, a prompt takes 512 a step, or --max-num-batched-tokens if lower)",
     )
     serve.add_argument(
         "--max-num-batched-tokens",
-        type=_positive,
+        type=arg_types.positive_int,
         default=None,
         help="most tokens a step computes over all rows, a prompt alone included: decoding "
         "rows first, prompt chunks fill the rest (default: --max-batch + --prefill-chunk, "
@@ -135,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="stream one completion to stdout")
     generate.add_argument("prompt")
     _add_model_args(generate)
-    generate.add_argument("--max-tokens", type=_positive, default=128)
+    generate.add_argument("--max-tokens", type=arg_types.positive_int, default=128)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--top-k", type=int, default=0)
@@ -179,20 +187,6 @@ def _add_log_args(parser: argparse.ArgumentParser, default_level: str) -> None:
     parser.add_argument("--log-level", choices=LEVELS, default=default_level)
 
 
-def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-
-
-def _positive(text: str) -> int:
-    value = _integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def _api_keys(args: argparse.Namespace) -> list[str]:
     keys = [*args.api_key]
     if env := os.environ.get("CADENCE_API_KEY"):
@@ -213,13 +207,6 @@ def _kv_budget(text: str) -> int | float:
         return parse_kv_budget(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _port(text: str) -> int:
-    value = _integer(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {text}")
-    return value
 
 
 def _progress(message: str) -> None:

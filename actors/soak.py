@@ -35,6 +35,7 @@ import attrs
 import h11
 import trio
 
+from actors import arg_types
 from actors.http_app import ServerState, create_app
 from actors.http_server import serving_on_loopback
 from actors.service import LLM, open_llm
@@ -312,13 +313,22 @@ def _rss_mb() -> float:
 def add_parser(which: argparse._SubParsersAction) -> None:
     soak = which.add_parser("soak", help="rude and faulty clients against the server; count leaks")
     soak.add_argument("--model", default=None, help="a checkpoint directory (default: the demo)")
-    soak.add_argument("--requests", type=int, default=1000)
-    soak.add_argument("--concurrency", type=int, default=24)
-    soak.add_argument("--disconnect", type=float, default=0.2, help="fraction that hang up")
-    soak.add_argument("--fault", type=float, default=0.01, help="fraction with a faulty row")
-    soak.add_argument("--max-tokens", type=int, default=16)
-    soak.add_argument("--warmup", type=int, default=500, help="requests before RSS is first read")
-    soak.add_argument("--max-rss-growth", type=float, default=0.10)
+    soak.add_argument("--requests", type=arg_types.positive_int, default=1000)
+    soak.add_argument("--concurrency", type=arg_types.positive_int, default=24)
+    soak.add_argument(
+        "--disconnect", type=arg_types.fraction, default=0.2, help="fraction that hang up"
+    )
+    soak.add_argument(
+        "--fault", type=arg_types.fraction, default=0.01, help="fraction with a faulty row"
+    )
+    soak.add_argument("--max-tokens", type=arg_types.positive_int, default=16)
+    soak.add_argument(
+        "--warmup",
+        type=arg_types.non_negative_int,
+        default=500,
+        help="requests before RSS is first read",
+    )
+    soak.add_argument("--max-rss-growth", type=arg_types.non_negative_float, default=0.10)
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--json", type=Path, default=None, help="also write the report here")
     soak.set_defaults(run=main)

@@ -59,6 +59,29 @@ def test_bad_input_is_one_line_on_stderr_and_exit_status_2(tiny, args):
     assert "Traceback" not in result.stderr
 
 
+# Each case ends with a second bad flag: were the first one's check gone, argparse would
+# name that one instead of running a server or a load (the test would fail, not hang).
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["serve", "--drain-timeout", "nan", "--port", "-1"],
+        ["bench", "serve", "--clients", "4", "0", "--max-batch", "0"],
+        ["bench", "serve", "--requests", "0", "--max-batch", "0"],
+        ["bench", "serve", "--rate", "-2", "--max-batch", "0"],
+        ["bench", "serve", "--shared-prefix", "1.5", "--max-batch", "0"],
+        ["bench", "serve", "--timeout", "inf", "--max-batch", "0"],
+        ["bench", "soak", "--fault", "2", "--requests", "0"],
+        ["bench", "soak", "--concurrency", "0", "--requests", "0"],
+    ],
+    ids=lambda args: "-".join(args[:3]),
+)
+def test_a_bad_number_is_refused_by_its_flag_before_anything_starts(args):
+    result = run_cli(*args)
+    first_flag = next(a for a in args if a.startswith("--"))
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and f"argument {first_flag}: " in result.stderr
+
+
 def events_until(process, name):
     events = []
     for line in process.stderr:
