@@ -95,3 +95,11 @@ def test_a_request_sharing_only_a_short_head_is_not_held():
     p2.add("a", params())
     p2.add("b", params(PROMPT[:24] + tuple(range(100, 117))))  # six shared blocks of ten: held
     assert [o[0] for o in p2.schedule().opens] == ["a"]
+    p3 = siblings_policy()
+    p3.add("a", params())
+    p3.add("b", params(PROMPT[:20] + tuple(range(100, 121))))  # five of ten, half: held
+    assert [o[0] for o in p3.schedule().opens] == ["a"]
+    p4 = siblings_policy()
+    p4.add("a", params())
+    p4.add("b", params(PROMPT[:16] + tuple(range(100, 121))))  # four of nine: not held
+    assert [o[0] for o in p4.schedule().opens] == ["a", "b"]
