@@ -160,7 +160,7 @@ class _Delimited:
             at = self.pending.find(self.closing)
             body = self.pending if at < 0 else self.pending[:at]
             if self.streams_arguments or at >= 0:
-                events += self._body_events(body, is_final=at >= 0)
+                events += self._body_events(body, is_final=at >= 0, closing=self.closing)
             if at < 0:
                 return events
             self.pending, self.in_call = self.pending[at + len(self.closing) :], False
@@ -169,15 +169,16 @@ class _Delimited:
         if not self.in_call:
             events, self.pending = _content(self.pending), ""
             return events
-        events = self._body_events(self.pending, is_final=True)  # a call cut short
+        # A call cut short (max_tokens): its closing marker was never written.
+        events = self._body_events(self.pending, is_final=True, closing="")
         self.pending, self.in_call = "", False
         return events
 
-    def _body_events(self, body: str, is_final: bool) -> list[Event]:
+    def _body_events(self, body: str, is_final: bool, closing: str) -> list[Event]:
         if not self.streams_arguments and not body.lstrip().startswith("{"):
             calls = python_calls(body) if is_final else None
-            if calls is None:
-                return [Content(self.opening + body + self.closing)] if is_final else []
+            if calls is None:  # not a call: the text as the model wrote it
+                return [Content(self.opening + body + closing)] if is_final else []
             events = [
                 e for i, call in enumerate(calls) for e in _whole_call(self.num_calls + i, call)
             ]

@@ -91,6 +91,11 @@ CASES = [
         ("", [("f", '{"a": [1, 2]}')]),
     ),
     ("gemma", "```tool_code\nnot a call(\n```", ("```tool_code\nnot a call(\n```", [])),
+    (
+        "gemma",  # cut short by max_tokens inside a call: the text as written, no fence added
+        'Sure.\n```tool_code\nget_weather(city="Par',
+        ('Sure.\n```tool_code\nget_weather(city="Par', []),
+    ),
 ]
 
 
