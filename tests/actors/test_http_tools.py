@@ -103,6 +103,7 @@ async def test_auto_finds_the_call_the_model_writes(styled):
         done = await in_thread(whole, server, **body)
         content, calls, finish = await in_thread(streamed, server, **body)
         plain = await in_thread(whole, server, **{**body, "tool_choice": "none"})
+        untooled = await in_thread(whole, server, **{k: v for k, v in body.items() if k != "tools"})
     message = done.choices[0].message
     assert done.choices[0].finish_reason == "tool_calls"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
@@ -114,9 +115,10 @@ async def test_auto_finds_the_call_the_model_writes(styled):
     assert [(n, a) for _, n, a in calls.values()] == [
         (c.function.name, c.function.arguments) for c in message.tool_calls
     ]
-    # With tool_choice none the same text is just text.
+    # With tool_choice none the same text is just text, and the tools stay out of the prompt.
     assert plain.choices[0].message.content == text and not plain.choices[0].message.tool_calls
     assert plain.choices[0].finish_reason == "stop"
+    assert plain.usage.prompt_tokens == untooled.usage.prompt_tokens < done.usage.prompt_tokens
 
 
 async def test_a_tool_history_is_accepted_and_shapes_the_prompt(styled):
