@@ -5,6 +5,7 @@ import math
 
 import openai
 import pytest
+import tokenizers
 
 from tests.actors.test_http import in_thread, request, serving
 
@@ -109,6 +110,24 @@ async def test_sampled_rows_report_logprobs_of_their_masked_distribution(tiny):
         values = [top["logprob"] for top in entry["top_logprobs"]]
         assert all(v > -9999.0 for v in values[:2]) and values[2:] == [-9999.0] * 3
         assert math.isclose(sum(math.exp(v) for v in values[:2]), 1.0, rel_tol=1e-4)
+
+
+async def test_a_special_token_is_spelled_in_logprobs_though_the_text_skips_it(tiny):
+    im_start = tokenizers.Tokenizer.from_file(str(tiny / "tokenizer.json")).token_to_id(
+        "<|im_start|>"
+    )
+    async with serving(tiny) as server:
+        done = await in_thread(
+            lambda: server.client().chat.completions.create(
+                model=server.model,
+                messages=MESSAGES,
+                max_tokens=2,
+                logprobs=True,
+                logit_bias={str(im_start): 100},  # every token is <|im_start|>
+            )
+        )
+    assert [e.token for e in done.choices[0].logprobs.content] == ["<|im_start|>"] * 2
+    assert done.choices[0].message.content == ""
 
 
 BAD = [

@@ -166,6 +166,17 @@ async def test_a_stop_string_finishes_the_request_and_frees_its_row(
         assert len(engine.calls) < 20  # not 1000 steps
 
 
+async def test_text_held_for_a_stop_string_that_never_completes_comes_out_at_the_end(
+    pipeline, demo_tokenizer, autojump_clock
+):
+    async with pipeline(max_context=10_000) as (llm, engine):
+        # The text always ends in the stop's first two pieces: they are held to the end.
+        stop = demo_tokenizer.decode([engine.token] * 2) + "\x00never"
+        deltas = await collect(llm.generate([1], max_tokens=5, stop=stop))
+    assert deltas[-1].finish_reason == "length"
+    assert "".join(d.text for d in deltas) == demo_tokenizer.decode([engine.token] * 5)
+
+
 async def test_drain_aborts_what_outlives_its_timeout(pipeline, autojump_clock):
     failures = []
 
