@@ -45,6 +45,16 @@ async def test_constrained_and_free_generations_share_the_batch(tiny):
     assert results["free"] == free_alone
 
 
+async def test_a_completed_grammar_finishes_on_its_last_token(tiny):
+    """Nothing but EOS could follow: the row stops there, not a step later on an EOS."""
+    async with actors.open_llm(tiny) as llm:
+        grammar = GrammarSpec("regex", "x", "grammar")  # one character: one token
+        async with llm.generate("Hello", max_tokens=60, grammar=grammar) as generation:
+            text = "".join([delta.text async for delta in generation])
+    assert (text, generation.finish_reason) == ("x", "stop")
+    assert generation.usage.completion_tokens == 1
+
+
 async def test_a_grammar_that_does_not_compile_fails_start(tiny):
     async with actors.open_llm(tiny) as llm:
         with pytest.raises(RequestError) as raised:
