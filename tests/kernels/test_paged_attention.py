@@ -2,6 +2,7 @@
 
 import importlib.util
 
+import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -188,6 +189,10 @@ def test_without_native_select_path_follows_the_floor_the_cap_and_the_environmen
     assert pa.select_path(small).reason == "below_floor" and pa.select_path(small).path == "gather"
     assert pa.select_path(big).path == "fast"
     assert pa.select_path(huge_prefill).reason == "scores_over_cap"
+    at_the_floor = pa.StepShape(1, 1, pa.FAST_MIN_KEYS, 0, 4, 4)  # 1 row x the floor's keys
+    assert pa.select_path(at_the_floor).reason == "at_or_above_floor"
+    below = attrs.evolve(at_the_floor, max_visible=pa.FAST_MIN_KEYS - 1)
+    assert pa.select_path(below).path == "gather"
     monkeypatch.setenv("CADENCE_PAGED_FAST_MIN_KEYS", "1")
     assert pa.select_path(small).path == "fast"
     monkeypatch.setenv("CADENCE_PAGED_FAST_MIN_KEYS", "lots")  # a typo keeps the measured floor
