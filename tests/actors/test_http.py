@@ -198,7 +198,13 @@ async def test_completions_streaming_and_not_agree(tiny):
         client = server.client()
         kwargs = dict(model=server.model, prompt="def fib(n):", max_tokens=10)
         whole = await in_thread(client.completions.create, **kwargs)
-        chunks = await in_thread(lambda: list(client.completions.create(**kwargs, stream=True)))
+        raw = await in_thread(
+            lambda: client.completions.with_raw_response.create(**kwargs, stream=True)
+        )
+        chunks = await in_thread(lambda: list(raw.parse()))
+    # A stream must not be cached or buffered by anything between the server and the client.
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert raw.headers["cache-control"] == "no-cache"
     assert whole.object == "text_completion"
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
@@ -733,6 +739,9 @@ async def test_with_api_keys_every_route_but_health_needs_a_valid_bearer_token(t
             {"Authorization": "Bearer nope"},
             {"Authorization": "key-one"},
             {"Authorization": "Basic key-one"},
+            {"Authorization": "Bearer key-oneX"},  # the whole key, not a prefix, must match
+            {"Authorization": "Bearer key-"},
+            {"Authorization": "Bearer key-three"},
         ):
             status, got_headers, got = await in_thread(
                 request, server.url, "POST", "/v1/completions", body, headers
@@ -749,5 +758,14 @@ async def test_with_api_keys_every_route_but_health_needs_a_valid_bearer_token(t
                 client.completions.create, model=server.model, prompt="x", max_tokens=2
             )
             assert done.usage.completion_tokens >= 1
+        # The scheme is case-insensitive (RFC 9110), the key is not.
+        status, _, _ = await in_thread(
+            request, server.url, "GET", "/v1/models", None, {"Authorization": "bearer key-two"}
+        )
+        assert status == 200
+        status, _, _ = await in_thread(
+            request, server.url, "GET", "/v1/models", None, {"Authorization": "Bearer KEY-TWO"}
+        )
+        assert status == 401
         with pytest.raises(openai.AuthenticationError):
             await in_thread(server.client().models.list)  # api_key="unused"

@@ -116,18 +116,18 @@ async def test_a_special_token_is_spelled_in_logprobs_though_the_text_skips_it(t
     im_start = tokenizers.Tokenizer.from_file(str(tiny / "tokenizer.json")).token_to_id(
         "<|im_start|>"
     )
+    body = dict(logprobs=True, logit_bias={str(im_start): 100})  # every token is <|im_start|>
     async with serving(tiny) as server:
         done = await in_thread(
             lambda: server.client().chat.completions.create(
-                model=server.model,
-                messages=MESSAGES,
-                max_tokens=2,
-                logprobs=True,
-                logit_bias={str(im_start): 100},  # every token is <|im_start|>
+                model=server.model, messages=MESSAGES, max_tokens=MAX_TOKENS, **body
             )
         )
-    assert [e.token for e in done.choices[0].logprobs.content] == ["<|im_start|>"] * 2
+        streamed, _ = await in_thread(chat_entries, server, True, **body)
+    assert [e.token for e in done.choices[0].logprobs.content] == ["<|im_start|>"] * MAX_TOKENS
     assert done.choices[0].message.content == ""
+    # Streamed, their entries come without text, and still one per token.
+    assert [e["token"] for e in streamed] == ["<|im_start|>"] * MAX_TOKENS
 
 
 BAD = [
