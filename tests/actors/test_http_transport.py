@@ -198,10 +198,18 @@ async def test_a_named_origin_gets_its_preflight_before_the_key_check_and_others
         assert headers["access-control-allow-origin"] == "https://app.example:8443"
         assert "authorization" in headers["access-control-allow-headers"]
         assert "post" in headers["access-control-allow-methods"]
+        assert headers["vary"].lower() == "origin"  # no cache may hand it to another origin
+        # The allowed origin exactly: one that extends it is another site.
+        for other in (evil, "Origin: https://app.example:84430", "Origin: https://app.example"):
+            status, headers = await in_thread(
+                cors_exchange, port, "OPTIONS", "/v1/chat/completions", (other, *PREFLIGHT)
+            )
+            assert status.split()[1] == "401" and "access-control-allow-origin" not in headers
+        # An OPTIONS that asks for no method is no preflight: the key check answers it.
         status, headers = await in_thread(
-            cors_exchange, port, "OPTIONS", "/v1/chat/completions", (evil, *PREFLIGHT)
+            cors_exchange, port, "OPTIONS", "/v1/chat/completions", (good,)
         )
-        assert status.split()[1] == "401" and "access-control-allow-origin" not in headers
+        assert status.split()[1] == "401"
         # Real requests: the allowed origin can read the answer (errors included).
         status, headers = await in_thread(
             cors_exchange, port, "GET", "/v1/models", (good, "Authorization: Bearer sesame")
