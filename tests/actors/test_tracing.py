@@ -3,10 +3,14 @@
 import io
 import json
 
+from runtime.runner import Launched
+from runtime.scheduler import StepPlan
+
 import structlog
 import trio
 from structlog.testing import capture_logs
 
+from actors.gpu import GpuActor
 from actors.tracing import configure_logging
 
 SECRET = "a prompt that must never reach the logs"
@@ -50,6 +54,20 @@ async def test_an_abort_is_logged_with_its_request_id_and_cause(pipeline, autoju
     assert SECRET not in repr(logs)
 
 
+async def test_a_stop_string_ends_a_request_without_an_aborted_event(
+    pipeline, demo_tokenizer, autojump_clock
+):
+    with capture_logs() as logs:
+        async with pipeline(max_context=10_000) as (llm, engine):
+            stop = demo_tokenizer.decode([engine.token] * 2)
+            async with llm.generate([1], max_tokens=100, stop=stop) as generation:
+                async for _ in generation:
+                    pass
+    assert generation.finish_reason == "stop"
+    events = [e["event"] for e in logs if e.get("request_id") == generation.request_id]
+    assert "finished" in events and "aborted" not in events
+
+
 def test_the_cli_configuration_writes_iso_utc_json_lines():
     stream = io.StringIO()
     try:
@@ -63,3 +81,16 @@ def test_the_cli_configuration_writes_iso_utc_json_lines():
     event = json.loads(line)
     assert event["event"] == "finished" and event["request_id"] == "r1"
     assert event["level"] == "info" and event["timestamp"].endswith("Z")
+
+
+async def test_a_steps_time_starts_when_the_step_before_it_was_collected():
+    """Under lookahead step 2 is submitted while step 1 runs: its step_ms is its own run,
+    from step 1's collection, not the time it waited behind step 1."""
+    to_streamer, from_gpu = trio.open_memory_channel(4)
+    to_scheduler, from_gpu_too = trio.open_memory_channel(4)
+    gpu = GpuActor(None, None, None, to_streamer, to_scheduler)  # type: ignore[arg-type]
+    with capture_logs() as logs:
+        for step, submitted_at, collected_at in ((1, 0.0, 1.0), (2, 0.1, 1.5)):
+            launched = Launched(StepPlan(step), (), (), True, submitted_at, collected_at)
+            await gpu._report(launched, ())
+    assert [e["step_ms"] for e in logs if e["event"] == "step"] == [1000.0, 500.0]
