@@ -1,0 +1,51 @@
+"""`check_sequence`, the one gate every request passes before it may take a row: its
+bounds, each at its edge."""
+
+from runtime.errors import RequestError
+from runtime.sequence import SamplingParams, SequenceParams, check_sequence
+
+import pytest
+
+VOCAB, CONTEXT = 100, 64
+
+
+def check(prompt=(1, 2, 3), max_tokens=8, logit_bias=(), kv_tokens=None):
+    sampling = SamplingParams(logit_bias=tuple(logit_bias))
+    params = SequenceParams(prompt_tokens=tuple(prompt), max_tokens=max_tokens, sampling=sampling)
+    check_sequence(params, max_context=CONTEXT, vocab_size=VOCAB, kv_tokens=kv_tokens)
+
+
+def refusal(**kwargs) -> RequestError:
+    with pytest.raises(RequestError) as raised:
+        check(**kwargs)
+    return raised.value
+
+
+def test_a_sequence_may_fill_the_context_exactly_and_not_one_token_more():
+    check(prompt=[1] * 60, max_tokens=4)
+    error = refusal(prompt=[1] * 60, max_tokens=5)
+    assert (error.code, error.param) == ("context_length_exceeded", "max_tokens")
+    check(prompt=[1] * 63, max_tokens=None)  # no max_tokens: room for one token will do
+    assert refusal(prompt=[1] * 64, max_tokens=None).param == "prompt"
+
+
+def test_the_kv_budget_is_named_when_it_is_the_bound():
+    assert "--kv-budget" in str(refusal(prompt=[1] * 60, max_tokens=5, kv_tokens=CONTEXT))
+    assert "--kv-budget" not in str(refusal(prompt=[1] * 60, max_tokens=5, kv_tokens=10_000))
+
+
+@pytest.mark.parametrize("token", [-1, VOCAB, VOCAB + 1])
+def test_a_prompt_token_outside_the_vocabulary_is_refused(token):
+    check(prompt=[0, VOCAB - 1])
+    assert refusal(prompt=[0, token]).param == "prompt"
+
+
+@pytest.mark.parametrize("token", [-1, VOCAB])
+def test_a_logit_bias_outside_the_vocabulary_is_refused(token):
+    check(logit_bias=[(0, 1.0), (VOCAB - 1, -1.0)])
+    assert refusal(logit_bias=[(token, 1.0)]).param == "logit_bias"
+
+
+def test_an_empty_prompt_and_a_max_tokens_below_one_are_refused():
+    assert refusal(prompt=[]).param == "prompt"
+    assert refusal(max_tokens=0).param == "max_tokens"
