@@ -54,6 +54,20 @@ def test_wrong_config_type_is_named(broken):
     assert "num_hidden_layers" in error_for(broken)
 
 
+def test_query_heads_that_do_not_share_kv_heads_evenly_are_named(broken):
+    edit_config(broken, num_attention_heads=6, num_key_value_heads=4)
+    message = error_for(broken)
+    assert "num_attention_heads (6)" in message and "num_key_value_heads (4)" in message
+
+
+def test_eos_ids_come_from_both_config_files(broken):
+    edit_config(broken, eos_token_id=7)
+    (broken / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 3]}))
+    assert set(load_model(broken).config.eos_token_ids) == {2, 3, 7}
+    (broken / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    assert set(load_model(broken).config.eos_token_ids) == {2, 3, 7}
+
+
 def test_missing_tensor_is_named(broken):
     weights = mx.load(str(broken / "model.safetensors"))
     del weights["model.layers.1.mlp.down_proj.weight"]
