@@ -299,7 +299,7 @@ _SCHEMAS: dict[str, Any] = {
         "required": ["object", "data"],
         "properties": {
             "object": {"const": "list"},
-            "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}},
+            "data": {"type": "array", "items": {"$ref": _REF + "Model"}},
         },
     },
     "Health": {
