@@ -7,6 +7,7 @@ import urllib.parse
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+import actors
 from tests.actors.test_http import in_thread, request, serving, slow_down
 
 LONG_PROMPT = list(range(1, 65))  # four full 16-token KV blocks
@@ -120,3 +121,23 @@ async def test_running_and_waiting_show_the_requests_in_flight(tiny):
                     if (running, waiting) == (1, 1):
                         break
                     await trio.sleep(0.01)
+
+
+async def test_only_a_request_that_was_scheduled_observes_its_queue_time(tiny):
+    """One that leaves the queue before it gets a row (here: its caller gave up) waited
+    for nothing: the histogram counts the scheduled one only."""
+    async with actors.open_llm(tiny, max_batch=1) as llm:
+        running = llm.generate("a", max_tokens=400, ignore_eos=True)
+        async with running:
+            await running.__anext__()  # it holds the one row
+            waiting = llm.generate("b", max_tokens=5)
+            await waiting.start()  # queued behind it
+            await waiting.aclose()  # and gone before it was scheduled
+        labels = {"model_name": llm.name}
+        with trio.fail_after(10):  # the scheduler hears of both leaving
+            while llm.metrics.registry.get_sample_value("cadence:num_requests_waiting", labels):
+                await trio.sleep(0.01)
+        count = llm.metrics.registry.get_sample_value(
+            "cadence:request_queue_time_seconds_count", labels
+        )
+    assert count == 1
