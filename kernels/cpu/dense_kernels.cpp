@@ -160,7 +160,7 @@ void panel_tile(int kc, const float* xp, const void* w, int64_t first, float* ou
       wv[v] = load_weights<KIND>(w, first + k * kPanelWidth + v * L);
     }
     for (int r = 0; r < ROWS; ++r) {
-      const F xv = F{} + xp[k * kPanelRows + r];
+      const F xv = splat<F>(xp[k * kPanelRows + r]);
       for (int v = 0; v < kPanelVectors; ++v) sums[r][v] += xv * wv[v];
     }
   }
