@@ -166,6 +166,12 @@ void panel_tile(int kc, const float* xp, const void* w, int64_t first, float* ou
   }
   for (int r = 0; r < ROWS; ++r) {
     float* o = out + r * out_stride;
+    if (cols == kPanelWidth) {  // a whole panel: vector stores (the loop below became a
+      for (int v = 0; v < kPanelVectors; ++v) {  // memmove call a row)
+        store(o + v * L, accumulate ? load<F>(o + v * L) + sums[r][v] : sums[r][v]);
+      }
+      continue;
+    }
     float row[kPanelWidth];
     for (int v = 0; v < kPanelVectors; ++v) store(row + v * L, sums[r][v]);
     for (int c = 0; c < cols; ++c) o[c] = accumulate ? o[c] + row[c] : row[c];
