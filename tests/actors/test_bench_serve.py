@@ -4,6 +4,7 @@ import argparse
 import contextlib
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -176,3 +177,12 @@ def test_the_floor_counts_the_weights_a_token_multiplies(make_checkpoint):
     assert count_parameters(make_checkpoint("llama", quantize=(32, 4))) == expected  # unpacked
     floor = Floor(expected, gemm_flops=1e9, gemm_shape=(256, 64, 128))
     assert floor.seconds(1000) == pytest.approx(1000 * 2 * expected / 1e9)
+
+
+def test_the_peer_runs_as_many_prompts_and_streams_at_once_as_cadence():
+    """Its best configuration: its defaults (8 prompts at a time) ran 16 clients slower."""
+    args = bench_serve.mlx_lm_args(Path("ckpt"), 8123, 12)
+    flags = dict(zip(args[::2], args[1::2], strict=True))
+    assert flags["--decode-concurrency"] == "12"
+    assert flags["--prompt-concurrency"] == "12"
+    assert flags["--model"] == "ckpt" and flags["--port"] == "8123"
