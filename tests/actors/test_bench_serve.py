@@ -21,9 +21,11 @@ from actors.loadgen import (
     Span,
     Target,
     Workload,
+    _Stream,
     build_requests,
     parse_span,
     percentile,
+    summarize,
 )
 
 
@@ -186,3 +188,42 @@ def test_the_peer_runs_as_many_prompts_and_streams_at_once_as_cadence():
     assert flags["--decode-concurrency"] == "12"
     assert flags["--prompt-concurrency"] == "12"
     assert flags["--model"] == "ckpt" and flags["--port"] == "8123"
+
+
+def test_a_runs_figures_come_from_its_streams_stamps():
+    """TTFT to the first text, gaps between texts pooled over streams, the worst gap, the
+    wall time to the last end (failed streams included) and tokens from the good ones."""
+    ok_a = Outcome(None, 10, 4, start=0.0, end=2.0, stamps=(0.5, 0.7, 1.2, 1.3))
+    ok_b = Outcome(None, 20, 3, start=0.1, end=1.5, stamps=(0.4, 0.6, 0.8))
+    failed = Outcome("connection: reset", 30, 9, start=0.2, end=4.0, stamps=(3.0, 3.5))
+    result = summarize("x", [ok_a, ok_b, failed], start=0.0)
+    assert (result.num_requests, result.num_ok, result.num_errors) == (3, 2, 1)
+    assert result.errors == {"connection: reset": 1}
+    assert result.seconds == 4.0  # the run lasts until its last stream ended
+    assert (result.num_prompt_tokens, result.num_output_tokens) == (30, 7)
+    assert result.output_tok_s == pytest.approx(7 / 4.0)
+    ttfts, gaps = [0.5, 0.3], [0.2, 0.5, 0.1, 0.2, 0.2]
+    assert result.ttft_p50 == pytest.approx(np.percentile(ttfts, 50))
+    assert result.ttft_p99 == pytest.approx(np.percentile(ttfts, 99))
+    assert result.itl_p50 == pytest.approx(np.percentile(gaps, 50))
+    assert result.itl_p99 == pytest.approx(np.percentile(gaps, 99))
+    assert result.worst_gap == pytest.approx(0.5)
+
+
+def test_only_chunks_that_carry_text_are_stamped():
+    """A role-only first delta, an empty content and the usage chunk are no token's arrival."""
+    stream = _Stream(start=0.0)
+    events = [
+        {"choices": [{"delta": {"role": "assistant"}}]},
+        {"choices": [{"delta": {"content": ""}}]},
+        {"choices": [{"delta": {"content": "Hi"}}]},
+        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1}},
+    ]
+    for event in events:
+        stream.on_event(json.dumps(event).encode(), "chat")
+    stream.on_event(b"[DONE]", "chat")
+    assert len(stream.stamps) == 1 and stream.is_done
+    assert (stream.num_prompt_tokens, stream.num_output_tokens) == (5, 1)
+    text = _Stream(start=0.0)
+    text.on_event(json.dumps({"choices": [{"text": ""}, {"text": "a"}]}).encode(), "completions")
+    assert len(text.stamps) == 1

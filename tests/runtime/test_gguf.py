@@ -2,13 +2,15 @@
 (runtime/gguf_synth.py), loaded with `load_model` and checked against the very weights
 they encode, loaded from safetensors."""
 
+from types import SimpleNamespace
+
 import runtime  # noqa: F401  (the fast BLAS loads before mlx)
 from runtime.checkpoint import load_model
 from runtime.engine import Engine
 from runtime.errors import CheckpointError
 from runtime.gguf import read_gguf
 from runtime.gguf_synth import write_gguf
-from runtime.gguf_tensors import convert_tensor
+from runtime.gguf_tensors import convert_tensor, decode_tensor, quantization_config
 from runtime.kv.blocks import BlockPool
 from runtime.runner import run_offline
 from runtime.scheduler import FcfsScheduler
@@ -299,8 +301,16 @@ V = gguf.GGUFValueType
     [
         ("qwen2.attention.head_count", (0, V.UINT32, V.UINT32), "must be positive, got 0"),
         ("tokenizer.ggml.merges", (["zzz yyy"], V.ARRAY, V.STRING), "unusable BPE vocabulary"),
-        ("tokenizer.ggml.token_type", (1, V.INT32, V.INT32), "'tokenizer.ggml.token_type' should be list"),
-        ("tokenizer.chat_template", (5, V.UINT32, V.UINT32), "'tokenizer.chat_template' should be str"),
+        (
+            "tokenizer.ggml.token_type",
+            (1, V.INT32, V.INT32),
+            "'tokenizer.ggml.token_type' should be list",
+        ),
+        (
+            "tokenizer.chat_template",
+            (5, V.UINT32, V.UINT32),
+            "'tokenizer.chat_template' should be str",
+        ),
     ],
     ids=["no heads", "merge of unknown tokens", "token types not a list", "template not text"],
 )
@@ -319,3 +329,30 @@ def test_a_tensor_of_more_dimensions_is_named_by_its_shape_not_as_truncated(conv
     )
     rows, columns = values.shape
     assert f"has shape (2, {rows // 2}, {columns})" in one_line_error(damaged)
+
+
+def test_the_quantization_config_defaults_to_4_bits_and_names_the_8_bit_layers():
+    layers = {"model.layers.0.mlp.down_proj": 8, "model.layers.0.mlp.up_proj": 4}
+    assert quantization_config(layers) == {
+        "group_size": 32,
+        "bits": 4,
+        "model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 8},
+    }
+    assert quantization_config({"lm_head": 8}) == {"group_size": 32, "bits": 8}
+    assert quantization_config({}) is None
+
+
+def test_a_tensor_with_fewer_rows_than_its_shape_is_named_truncated():
+    """GGUFReader's own reshape refuses a short file first; a reader that hands over a
+    short array must not turn into a wrong-shaped weight either."""
+    short = SimpleNamespace(
+        name="blk.0.ffn_down.weight",
+        tensor_type=GGMLType.F32,
+        shape=[4, 3],
+        data=np.zeros((2, 4), np.float32),
+    )
+    with pytest.raises(CheckpointError, match="'blk.0.ffn_down.weight' is truncated"):
+        decode_tensor(short, "model.layers.0.mlp.down_proj.weight", None, 0.0, "x.gguf")
+    whole = SimpleNamespace(**{**vars(short), "data": np.zeros((3, 4), np.float32)})
+    got = decode_tensor(whole, "w", None, 0.0, "x.gguf")
+    assert got["w"].shape == (3, 4)

@@ -201,3 +201,25 @@ def test_a_constrained_row_is_never_planned_ahead_of_its_token(engine, compiler,
     # While the free rows decode every step, it takes one in lookahead + 1.
     assert len(sampled_in) == len(got["g"].tokens)
     assert sampled_in[2] - sampled_in[1] == lookahead + 1
+
+
+def test_every_choice_is_allowed_at_the_start(compiler, model):
+    choices = ["yes", "no", "maybe"]
+    grammar = compiler.compile(GrammarSpec("choice", json.dumps(choices), "guided_choice"))
+    allowed = token_masks([grammar.start()], compiler.vocab_size)[0]
+    for choice in choices:
+        first = model.tokenizer.encode(choice, add_special_tokens=False)[0]
+        assert allowed[first].item(), choice
+
+
+def test_a_row_is_done_only_when_its_grammar_can_take_nothing_more(compiler, model):
+    """Complete but extensible (one digit of [0-9]+) is not done; a finished choice is."""
+
+    def fed(kind, source, text):
+        state = compiler.compile(GrammarSpec(kind, source, "guided")).start()
+        for token in model.tokenizer.encode(text, add_special_tokens=False):
+            assert state.advance(token) is None
+        return state
+
+    assert not fed("regex", "[0-9]+", "5").is_done
+    assert fed("choice", json.dumps(["yes"]), "yes").is_done
