@@ -158,3 +158,17 @@ async def test_bad_logprobs_fields_are_a_400_naming_them(tiny):
                 top_logprobs=21,
                 logprobs=True,
             )
+
+
+async def test_a_completions_sampled_token_is_listed_beside_the_top_alternatives(tiny):
+    """OpenAI's completions logprobs: each top_logprobs dict holds the sampled token too,
+    so one that was not the most likely makes the dict one longer than `logprobs`."""
+    async with serving(tiny) as server:
+        tokens, token_logprobs, top_logprobs, *_ = await in_thread(
+            completion_logprobs, server, False, logprobs=1, temperature=1.5, seed=7
+        )
+    for token, logprob, top in zip(tokens, token_logprobs, top_logprobs, strict=True):
+        assert top[token] == logprob
+    assert any(
+        len(top) == 2 for top in top_logprobs
+    )  # fixed by the seed: some draw was not the top

@@ -801,3 +801,27 @@ def test_a_long_stop_string_costs_memory_linear_in_its_length():
     tracemalloc.stop()
     assert is_stop and emitted == "xy"
     assert peak < 2_000_000
+
+
+def test_a_skipped_special_token_does_not_split_a_byte_fallback_character(ours, checkpoint_dirs):
+    """é as its two byte pieces with a special token between them: decoding skips the
+    special token and joins the bytes, so the stream must hold the first byte across it."""
+    tok = ours["llama"]
+    backend = RustTokenizer.from_file(str(checkpoint_dirs["llama"] / "tokenizer.json"))
+    c3, a9, e6 = (backend.token_to_id(f"<0x{b}>") for b in ("C3", "A9", "E6"))
+    special = min(tok.eos_token_ids)
+    for ids in ([c3, special, a9], [c3, a9, special, e6]):
+        # The decode joins the pieces around the skipped token into one run, where one
+        # invalid byte (a lone E6) makes every piece of the run U+FFFD: "é" is not final.
+        whole = tok.decode(ids)
+        deltas = stream(tok, ids, True, may_hold=frozenset(ids))
+        assert "".join(deltas) == whole, ids
+    assert tok.decode([c3, special, a9]) == "é" and "é" not in tok.decode([c3, a9, special, e6])
+
+
+def test_a_null_special_token_in_the_config_means_none(checkpoint_dirs, tmp_path):
+    """An explicit null in tokenizer_config.json is not filled from special_tokens_map.json."""
+    path = shutil.copytree(checkpoint_dirs["metaspace"], tmp_path / "ckpt")
+    edit_json(path / "tokenizer_config.json", bos_token=None)
+    edit_json(path / "special_tokens_map.json", bos_token={"content": "<s>", "special": True})
+    assert Tokenizer.from_dir(path).bos_token_id is None
