@@ -94,3 +94,46 @@ async def test_a_steps_time_starts_when_the_step_before_it_was_collected():
             launched = Launched(StepPlan(step), (), (), True, submitted_at, collected_at)
             await gpu._report(launched, ())
     assert [e["step_ms"] for e in logs if e["event"] == "step"] == [1000.0, 500.0]
+
+
+async def drain(generation):
+    async with generation:
+        async for _ in generation:
+            pass
+
+
+async def test_step_events_count_prefill_rows_cached_tokens_and_preemptions(pipeline):
+    """What `cadence trace timeline` draws: prefill versus decode rows, the tokens a
+    prompt took from the prefix cache, and the rows each step preempted. On the real
+    clock: under autojump, virtual steps run while admission's worker thread tokenizes,
+    and the decoding row could end before the repeat joins it."""
+    prompt = list(range(1, 13))  # three whole blocks of 4
+    with capture_logs() as logs:
+        async with pipeline() as (llm, engine):
+            await drain(llm.generate(prompt, max_tokens=2))
+            async with llm.generate([7, 8, 9], max_tokens=30) as decoding:
+                await decoding.__anext__()  # it decodes now: the repeat joins its steps
+                await drain(llm.generate(prompt, max_tokens=2))
+                async for _ in decoding:
+                    pass
+    steps = [e for e in logs if e["event"] == "step"]
+    finished = [e for e in logs if e["event"] == "finished"]
+    # The repeat's two blocks (its last block is computed again, for its logits).
+    assert sorted(e["cached_tokens"] for e in finished) == [0, 0, 8]
+    assert sum(e["cached_tokens"] for e in steps) == 8
+    for e in steps:
+        assert e["prefill_rows"] + e["decode_rows"] == e["rows"], e
+        assert e["prefill_tokens"] + e["decode_rows"] == e["tokens"], e
+    assert any(e["prefill_rows"] and e["decode_rows"] for e in steps)  # a mixed step
+    assert all(e["preempted"] == 0 for e in steps)
+
+
+async def test_a_step_event_counts_the_rows_its_plan_preempted():
+    to_streamer, _ = trio.open_memory_channel(4)
+    to_scheduler, _ = trio.open_memory_channel(4)
+    gpu = GpuActor(None, None, None, to_streamer, to_scheduler)  # type: ignore[arg-type]
+    plan = StepPlan(3, preempted=("a", "b"))
+    with capture_logs() as logs:
+        await gpu._report(Launched(plan, (), (), True, 0.0, 1.0), ())
+    (step,) = [e for e in logs if e["event"] == "step"]
+    assert step["preempted"] == 2
