@@ -1,13 +1,18 @@
 """The actors' protocol on trio's virtual clock, around a pure-Python engine (see conftest.py)."""
 
 from runtime.errors import RequestError
+from runtime.kv.blocks import BlockPool
+from runtime.scheduler import FcfsScheduler
+from runtime.sequence import SequenceParams
 
 import pytest
 import trio
 import trio.testing
 
 from actors import GenerationError, OverloadedError, ServiceClosedError
-from actors.messages import REPLY_BUFFER
+from actors.messages import REPLY_BUFFER, AbortAll, Submit
+from actors.metrics import Metrics
+from actors.scheduler import SchedulerActor
 
 
 async def collect(generation):
@@ -250,3 +255,18 @@ async def test_a_reader_that_falls_behind_gets_every_logprob_entry_once_in_order
     assert [entry.logprob for entry in entries] == [-n / 1000 for n in range(1, 201)]
     token = demo_tokenizer.decode([engine.token], skip_special_tokens=False)
     assert all(e.token == token and e.top == ((token, e.logprob),) * 2 for e in entries)
+
+
+async def test_a_request_that_arrives_after_abort_all_is_aborted_at_once():
+    """A Submit still in the inbox when the drain's deadline aborted everything: it must
+    not start, and admission's reservation comes back."""
+    policy = FcfsScheduler(4, BlockPool(num_blocks=64, block_size=4), 256)
+    to_gpu, _ = trio.open_memory_channel(8)
+    _, inbox = trio.open_memory_channel(8)
+    slots = trio.Semaphore(4)
+    await slots.acquire()  # admission's reservation for the late request
+    actor = SchedulerActor(policy, inbox, to_gpu, slots, Metrics("fake", policy))
+    actor._apply(AbortAll("shutdown"))
+    actor._apply(Submit("late", SequenceParams((1, 2, 3), max_tokens=4, request_id="late")))
+    assert not policy.waiting and not policy.running and slots.value == 4
+    assert policy.pending_closes == ["late"]  # reported as released with the next plan
