@@ -79,9 +79,11 @@ inline typename Vec<L>::f32 block_scale(
     return (F)_mm512_permutexvar_ps((__m512i)lane_group, loaded);
   }
 #endif
-  F s = F{} + scales[0];
+  // `x - F{}` is x in every lane, broadcast from memory (`F{} + x` is not x for -0:
+  // an add and a register shuffle; see splat in isa_vectors.h).
+  F s = scales[0] - F{};
   for (int g = 1; g < groups_per_block; ++g) {
-    s = lane_group == g ? F{} + scales[g] : s;
+    s = lane_group == g ? scales[g] - F{} : s;
   }
   return s;
 }
