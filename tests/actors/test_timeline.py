@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from actors.timeline import FIELDS, StepSample, Timeline, draw, read_timeline
+from actors.timeline import FIELDS, StepSample, Timeline, _boxes, draw, read_timeline
 
 CLI = [sys.executable, "-m", "actors.cli"]
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -130,3 +130,17 @@ def test_a_real_debug_log_has_every_field_the_timeline_needs(tiny, tmp_path):
     drawn = run_cli("trace", "timeline", str(log), "-o", str(tmp_path / "t.png"))
     assert drawn.returncode == 0, drawn.stderr
     assert (tmp_path / "t.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_ready_event_whose_max_batch_is_not_a_number_draws_no_cap_line(tmp_path):
+    ready = '{"max_batch": "16", "event": "ready", "timestamp": "2026-01-01T00:00:00Z"}'
+    step = step_line(1, end_s=1.0, step_ms=100, rows=1, prefill_tokens=8, decode_rows=0)
+    assert read_timeline(write_log(tmp_path / "serve.jsonl", [ready, step])).max_batch is None
+
+
+def test_each_step_is_a_box_from_its_start_to_its_end_at_its_value():
+    """Zero between boxes, so an idle gap between two steps shows as a gap."""
+    steps = (StepSample(1, 0.0, 500, 2, 96, 0, 0, 0), StepSample(2, 0.75, 250, 3, 40, 2, 0, 0))
+    xs, ys = _boxes(steps, [2.0, 3.0])
+    assert xs == [0.0, 0.0, 0.5, 0.5, 0.75, 0.75, 1.0, 1.0]
+    assert ys == [0.0, 2.0, 2.0, 0.0, 0.0, 3.0, 3.0, 0.0]
