@@ -22,6 +22,7 @@ def test_pads_to_the_cheapest_larger_size_only_past_the_noise_margin():
     assert ladder.padded(5) == 8  # 4.5 < 0.95 * 6.0, three pads
     assert ladder.padded(9) == 9  # above the table: as is
     assert BatchLadder((5.0, 4.9)).padded(1) == 1  # a 2% saving is noise, not a rung
+    assert BatchLadder((9.0, 4.0, 4.0)).padded(1) == 2  # of equal costs, the fewest pads
     assert ladder.describe()["pads"] == {
         "2->4": 1.0,
         "3->4": 0.8,
