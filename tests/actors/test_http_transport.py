@@ -15,10 +15,11 @@ from runtime.errors import CadenceError
 import openai
 import pytest
 import trio
+import trio.testing
 
 from actors.cors import CorsPolicy, parse_origins
 from actors.http_app import ServerState, create_app
-from actors.http_server import serving_on_loopback
+from actors.http_server import _InFlight, serving_on_loopback
 
 LIMIT = 1000  # max body bytes of the test server
 
@@ -224,3 +225,41 @@ async def test_a_named_origin_gets_its_preflight_before_the_key_check_and_others
 def test_a_malformed_allowed_origin_is_refused(bad):
     with pytest.raises(CadenceError, match="--allowed-origin"):
         parse_origins([bad])
+
+
+async def test_an_early_answer_to_a_request_with_an_empty_body_keeps_the_connection():
+    """Content-Length: 0 leaves nothing unread on the wire: no reason to close."""
+    async with loading_server() as port:
+
+        def exchange():
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(post_head("/v1/nowhere", 0))
+                first = read_response(sock)
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+                return first, read_response(sock)
+
+        (status, headers), (next_status, _) = await in_thread(exchange)
+    assert status.split()[1] == "404" and headers.get("connection") != "close"
+    assert next_status.split()[1] == "503"  # answered on the same connection
+
+
+async def test_idle_waits_for_every_request_in_flight():
+    """A drain waits until the last response is sent, not the first."""
+    releases = [trio.Event(), trio.Event()]
+
+    async def app(scope, receive, send):
+        await releases[scope["n"]].wait()
+
+    tracker = _InFlight(app)
+    async with trio.open_nursery() as nursery:
+        for n in (0, 1):
+            nursery.start_soon(tracker, {"type": "http", "n": n}, None, None)
+        await trio.testing.wait_all_tasks_blocked()
+        releases[0].set()
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.move_on_after(0.05) as waited:
+            await tracker.wait_idle()
+        assert waited.cancelled_caught and tracker.num_requests == 1
+        releases[1].set()
+        with trio.fail_after(1):
+            await tracker.wait_idle()
