@@ -12,6 +12,7 @@ from structlog.testing import capture_logs
 
 from actors.gpu import GpuActor
 from actors.tracing import configure_logging
+from tests.actors.test_pipeline import collect
 
 SECRET = "a prompt that must never reach the logs"
 
@@ -83,12 +84,17 @@ def test_the_cli_configuration_writes_iso_utc_json_lines():
     assert event["level"] == "info" and event["timestamp"].endswith("Z")
 
 
+def reporting_gpu() -> GpuActor:
+    """A GPU actor with only its reporting side: `_report` logs a step and sends it on."""
+    to_streamer, _ = trio.open_memory_channel(4)
+    to_scheduler, _ = trio.open_memory_channel(4)
+    return GpuActor(None, None, None, to_streamer, to_scheduler)  # type: ignore[arg-type]
+
+
 async def test_a_steps_time_starts_when_the_step_before_it_was_collected():
     """Under lookahead step 2 is submitted while step 1 runs: its step_ms is its own run,
     from step 1's collection, not the time it waited behind step 1."""
-    to_streamer, from_gpu = trio.open_memory_channel(4)
-    to_scheduler, from_gpu_too = trio.open_memory_channel(4)
-    gpu = GpuActor(None, None, None, to_streamer, to_scheduler)  # type: ignore[arg-type]
+    gpu = reporting_gpu()
     with capture_logs() as logs:
         for step, submitted_at, collected_at in ((1, 0.0, 1.0), (2, 0.1, 1.5)):
             launched = Launched(StepPlan(step), (), (), True, submitted_at, collected_at)
@@ -96,24 +102,18 @@ async def test_a_steps_time_starts_when_the_step_before_it_was_collected():
     assert [e["step_ms"] for e in logs if e["event"] == "step"] == [1000.0, 500.0]
 
 
-async def drain(generation):
-    async with generation:
-        async for _ in generation:
-            pass
-
-
 async def test_step_events_count_prefill_rows_cached_tokens_and_preemptions(pipeline):
     """What `cadence trace timeline` draws: prefill versus decode rows, the tokens a
     prompt took from the prefix cache, and the rows each step preempted. On the real
-    clock: under autojump, virtual steps run while admission's worker thread tokenizes,
+    clock: under autojump, virtual steps run while admission's worker thread works,
     and the decoding row could end before the repeat joins it."""
     prompt = list(range(1, 13))  # three whole blocks of 4
     with capture_logs() as logs:
         async with pipeline() as (llm, engine):
-            await drain(llm.generate(prompt, max_tokens=2))
+            await collect(llm.generate(prompt, max_tokens=2))
             async with llm.generate([7, 8, 9], max_tokens=30) as decoding:
                 await decoding.__anext__()  # it decodes now: the repeat joins its steps
-                await drain(llm.generate(prompt, max_tokens=2))
+                await collect(llm.generate(prompt, max_tokens=2))
                 async for _ in decoding:
                     pass
     steps = [e for e in logs if e["event"] == "step"]
@@ -129,9 +129,7 @@ async def test_step_events_count_prefill_rows_cached_tokens_and_preemptions(pipe
 
 
 async def test_a_step_event_counts_the_rows_its_plan_preempted():
-    to_streamer, _ = trio.open_memory_channel(4)
-    to_scheduler, _ = trio.open_memory_channel(4)
-    gpu = GpuActor(None, None, None, to_streamer, to_scheduler)  # type: ignore[arg-type]
+    gpu = reporting_gpu()
     plan = StepPlan(3, preempted=("a", "b"))
     with capture_logs() as logs:
         await gpu._report(Launched(plan, (), (), True, 0.0, 1.0), ())
