@@ -56,63 +56,20 @@ inline float max_lanes(V v) {
   return m;
 }
 
-inline float dot(const float* a, const float* b, int D) {
-  const int vector_end = D / L * L;
-  F even = {}, odd = {};
-  int d = 0;
-  for (; d + 2 * L <= vector_end; d += 2 * L) {  // two chains: FMA latency, not loads
-    even += load<F>(a + d) * load<F>(b + d);
-    odd += load<F>(a + d + L) * load<F>(b + d + L);
-  }
-  if (d < vector_end) {
-    even += load<F>(a + d) * load<F>(b + d);
-    d += L;
-  }
-  float total = sum_lanes(even + odd);
-  for (; d < D; ++d) {
-    total += a[d] * b[d];
-  }
-  return total;
-}
-
-// acc[0..D) = acc * keep + sum_j p[j] * v[j * D ..], j < count.
-inline void rescale_add(float* acc, float keep, const float* p, const float* v, int count, int D) {
-  const int vector_end = D / L * L;
-  int d = 0;
-  for (; d < vector_end; d += L) {
-    F a = load<F>(acc + d) * keep;
-    for (int j = 0; j < count; ++j) {
-      a += p[j] * load<F>(v + static_cast<int64_t>(j) * D + d);
-    }
-    store(acc + d, a);
-  }
-  for (; d < D; ++d) {
-    float a = acc[d] * keep;
-    for (int j = 0; j < count; ++j) {
-      a += p[j] * v[static_cast<int64_t>(j) * D + d];
-    }
-    acc[d] = a;
-  }
-}
-
-// Asks for the keys and values of the next two blocks of a row's table, into L2, while
-// block `block` is scored. A row's blocks lie anywhere in the pool, so the hardware
-// prefetcher meets each one cold, and a decode token that only streams its history
-// stalls on every block: with the pools past L3 (16 rows x 2,048 keys), a layer went
-// from 7.1 to 4.5 ms and one row over 8,192 keys from 0.98 to 0.75 ms (the next block
-// alone, into L1, changed nothing measurable; two, three or four ahead about the same).
-inline void prefetch_blocks_after(const int32_t* table, int block, int last_pos,
-                                  const float* keys, const float* values, int bs, int D) {
-  for (int ahead = 1; ahead <= 2; ++ahead) {
-    const int first_pos = (block + ahead) * bs;
-    if (first_pos > last_pos) {
-      return;
-    }
-    const int64_t begin = static_cast<int64_t>(table[block + ahead]) * bs * D;
-    for (int64_t i = 0; i < static_cast<int64_t>(bs) * D; i += 16) {  // 64-byte lines
-      __builtin_prefetch(keys + begin + i, 0, 1);
-      __builtin_prefetch(values + begin + i, 0, 1);
-    }
+// Asks for the key and value rows at position `at` of a row's table, into L2. A row's
+// blocks lie anywhere in the pool, so the hardware prefetcher meets each one cold, and a
+// decode token that only streams its history stalls on every block. A token asks for
+// its first two blocks' rows at once, then, as it scores each key, for the key two
+// blocks on: a steady trickle, as fast as the keys are used. (Asking for whole blocks,
+// the next two at every chunk, took a sixth of the kernel's time in prefetch
+// instructions; the trickle made a 16-row decode step of the bench model ~1.5 ms
+// faster, 41-43 -> 39-41 ms.)
+inline void prefetch_position(const int32_t* table, int at, const float* keys,
+                              const float* values, int bs, int D) {
+  const int64_t row = (static_cast<int64_t>(table[at / bs]) * bs + at % bs) * D;
+  for (int i = 0; i < D; i += 16) {  // 64-byte lines
+    __builtin_prefetch(keys + row + i, 0, 1);
+    __builtin_prefetch(values + row + i, 0, 1);
   }
 }
 
@@ -121,67 +78,174 @@ inline int first_visible(const PagedAttentionJob& job, int pos) {
   return job.window > 0 && pos - job.window + 1 > 0 ? pos - job.window + 1 : 0;
 }
 
-// One token's G query heads, key by key (decode).
-void attend_token(const PagedAttentionJob& job, int n, int h) {
+// Lane j of the result: the sum of v[j]'s lanes, for 16 vectors at once. Each level
+// adds the two halves of pairs of vectors, so every addition is a whole vector's (16
+// dot products reduced one by one took a horizontal sum each: ~40% of a decode step's
+// attention). Lanes are summed pairwise by halves, as sum_lanes does.
+template <class V>  // F (a template, so only its width's branch is compiled)
+inline K16 lane_sums(const V* v) {
+  if constexpr (sizeof(V) == 64) {
+    V u[8], w[4], x[2];
+    for (int i = 0; i < 8; ++i) {  // lanes 0-7: v[2i]'s halves, 8-15: v[2i + 1]'s
+      u[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                     18, 19, 20, 21, 22, 23) +
+             __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                     25, 26, 27, 28, 29, 30, 31);
+    }
+    for (int i = 0; i < 4; ++i) {  // 4 lanes a vector
+      w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                     18, 19, 24, 25, 26, 27) +
+             __builtin_shufflevector(u[2 * i], u[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                     22, 23, 28, 29, 30, 31);
+    }
+    for (int i = 0; i < 2; ++i) {  // 2 lanes a vector
+      x[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                     20, 21, 24, 25, 28, 29) +
+             __builtin_shufflevector(w[2 * i], w[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                     22, 23, 26, 27, 30, 31);
+    }
+    return __builtin_shufflevector(x[0], x[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                   26, 28, 30) +
+           __builtin_shufflevector(x[0], x[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                   29, 31);
+  } else {  // 8 lanes: two sets of 8 vectors, each to one vector of 8 sums
+    static_assert(sizeof(V) == 32, "8 or 16 lanes");
+    typedef float F8 __attribute__((vector_size(32)));
+    F8 half[2];
+    for (int set = 0; set < 2; ++set) {
+      F8 u[4], w[2];
+      for (int i = 0; i < 4; ++i) {
+        const F8 a = v[8 * set + 2 * i], b = v[8 * set + 2 * i + 1];
+        u[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+      }
+      for (int i = 0; i < 2; ++i) {
+        w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+      }
+      half[set] = __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+                  __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15);
+    }
+    return __builtin_shufflevector(half[0], half[1], 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                   13, 14, 15);
+  }
+}
+
+// GB of one token's query heads (from g0 on), key by key (decode). Each key is loaded
+// once for the GB heads; its GB dot products stay vectors until lane_sums, and each
+// value row feeds GB independent sums (one head's sums are a chain of dependent FMAs).
+template <int GB>
+void attend_token_heads(const PagedAttentionJob& job, int n, int h, int g0) {
   const int G = job.H / job.Hkv, D = job.D, bs = job.block_size;
+  const int vector_end = D / L * L;
   K16 lane = {};
   for (int j = 0; j < kChunk; ++j) {
     lane[j] = static_cast<float>(j);
   }
-  float scores[kMaxQueriesPerKv][kChunk];
-  float running_max[kMaxQueriesPerKv], total[kMaxQueriesPerKv];
-  {
-    const int pos = job.token_pos[n];
-    const int first = first_visible(job, pos);
-    const int32_t* table = job.tables + static_cast<int64_t>(job.token_row[n]) * job.table_width;
-    const int64_t head0 = (static_cast<int64_t>(n) * job.H + static_cast<int64_t>(h) * G) * D;
-    const float* q = job.q + head0;  // [G, D]
-    float* acc = job.out + head0;  // [G, D], normalised at the end
-    memset(acc, 0, sizeof(float) * G * D);
-    for (int g = 0; g < G; ++g) {
-      running_max[g] = -INFINITY;
-      total[g] = 0.0f;
-    }
-    const float* head_keys = job.keys + static_cast<int64_t>(h) * job.num_slots * D;
-    const float* head_values = job.values + static_cast<int64_t>(h) * job.num_slots * D;
-    for (int p = first; p <= pos;) {
-      const int in_block = p % bs;
-      int count = bs - in_block;
-      count = count < pos + 1 - p ? count : pos + 1 - p;
-      count = count < kChunk ? count : kChunk;
-      const int64_t slot = static_cast<int64_t>(table[p / bs]) * bs + in_block;
-      const float* k = head_keys + slot * D;  // `count` consecutive keys of one block
-      const float* v = head_values + slot * D;
-      prefetch_blocks_after(table, p / bs, pos, head_keys, head_values, bs, D);
-      for (int j = 0; j < count; ++j) {
-        for (int g = 0; g < G; ++g) {
-          scores[g][j] = dot(q + g * D, k + static_cast<int64_t>(j) * D, D) * job.scale;
+  alignas(64) F partial[GB][kChunk];  // [head][key]: a dot product's lanes
+  alignas(64) float tail[GB][kChunk];  // [head][key]: its elements past the last vector
+  alignas(64) float weights[GB][kChunk];
+  float running_max[GB], total[GB], keep[GB];
+  const int pos = job.token_pos[n];
+  const int first = first_visible(job, pos);
+  const int32_t* table = job.tables + static_cast<int64_t>(job.token_row[n]) * job.table_width;
+  const int64_t head0 = (static_cast<int64_t>(n) * job.H + static_cast<int64_t>(h) * G + g0) * D;
+  const float* q = job.q + head0;  // [GB, D]
+  float* acc = job.out + head0;  // [GB, D], normalised at the end
+  memset(acc, 0, sizeof(float) * GB * D);
+  memset(tail, 0, sizeof tail);
+  for (int g = 0; g < GB; ++g) {
+    running_max[g] = -INFINITY;
+    total[g] = 0.0f;
+  }
+  const float* head_keys = job.keys + static_cast<int64_t>(h) * job.num_slots * D;
+  const float* head_values = job.values + static_cast<int64_t>(h) * job.num_slots * D;
+  const int ahead = 2 * bs;
+  for (int at = first; at < first + ahead && at <= pos; ++at) {
+    prefetch_position(table, at, head_keys, head_values, bs, D);
+  }
+  for (int p = first; p <= pos;) {
+    const int in_block = p % bs;
+    int count = bs - in_block;
+    count = count < pos + 1 - p ? count : pos + 1 - p;
+    count = count < kChunk ? count : kChunk;
+    const int64_t slot = static_cast<int64_t>(table[p / bs]) * bs + in_block;
+    const float* k = head_keys + slot * D;  // `count` consecutive keys of one block
+    const float* v = head_values + slot * D;
+    for (int j = 0; j < kChunk; ++j) {
+      F dot[GB] = {};
+      if (j < count) {
+        if (p + j + ahead <= pos) {
+          prefetch_position(table, p + j + ahead, head_keys, head_values, bs, D);
+        }
+        const float* key = k + static_cast<int64_t>(j) * D;
+        for (int d = 0; d < vector_end; d += L) {
+          const F kv = load<F>(key + d);
+          for (int g = 0; g < GB; ++g) dot[g] += load<F>(q + g * D + d) * kv;
+        }
+        for (int d = vector_end; d < D; ++d) {
+          for (int g = 0; g < GB; ++g) tail[g][j] += q[g * D + d] * key[d];
         }
       }
-      const K16I is_key = lane < static_cast<float>(count);
-      for (int g = 0; g < G; ++g) {
-        const K16 s = is_key ? load<K16>(scores[g]) : K16{} - INFINITY;
-        const float new_max = fmaxf(running_max[g], max_lanes(s));
-        const K16 e = exp_approx<K16, K16I>(s - new_max);
-        const K16 weights = is_key ? e : K16{};
-        // The first chunk has nothing to rescale (and -inf - -inf would be NaN).
-        const float keep = running_max[g] == -INFINITY ? 0.0f : expf(running_max[g] - new_max);
-        running_max[g] = new_max;
-        total[g] = total[g] * keep + sum_lanes(weights);
-        float w[kChunk];
-        store(w, weights);
-        rescale_add(acc + g * D, keep, w, v, count, D);
-      }
-      p += count;
+      for (int g = 0; g < GB; ++g) partial[g][j] = dot[g];
     }
-    for (int g = 0; g < G; ++g) {
-      const float inverse = 1.0f / total[g];
-      for (int d = 0; d < D; ++d) {
-        acc[g * D + d] *= inverse;
+    const K16I is_key = lane < static_cast<float>(count);
+    for (int g = 0; g < GB; ++g) {
+      K16 s = lane_sums(partial[g]);
+      if (vector_end < D) {
+        s += load<K16>(tail[g]);
+        memset(tail[g], 0, sizeof tail[g]);
       }
+      s = is_key ? s * job.scale : K16{} - INFINITY;
+      const float new_max = fmaxf(running_max[g], max_lanes(s));
+      const K16 e = exp_approx<K16, K16I>(s - new_max);
+      const K16 w = is_key ? e : K16{};
+      // The first chunk has nothing to rescale (and -inf - -inf would be NaN).
+      keep[g] = running_max[g] == -INFINITY ? 0.0f : expf(running_max[g] - new_max);
+      running_max[g] = new_max;
+      total[g] = total[g] * keep[g] + sum_lanes(w);
+      store(weights[g], w);
+    }
+    for (int d = 0; d < vector_end; d += L) {
+      F a[GB];
+      for (int g = 0; g < GB; ++g) a[g] = load<F>(acc + g * D + d) * keep[g];
+      for (int j = 0; j < count; ++j) {
+        const F value = load<F>(v + static_cast<int64_t>(j) * D + d);
+        for (int g = 0; g < GB; ++g) a[g] += splat<F>(weights[g][j]) * value;
+      }
+      for (int g = 0; g < GB; ++g) store(acc + g * D + d, a[g]);
+    }
+    for (int d = vector_end; d < D; ++d) {
+      for (int g = 0; g < GB; ++g) {
+        float a = acc[g * D + d] * keep[g];
+        for (int j = 0; j < count; ++j) a += weights[g][j] * v[static_cast<int64_t>(j) * D + d];
+        acc[g * D + d] = a;
+      }
+    }
+    p += count;
+  }
+  for (int g = 0; g < GB; ++g) {
+    const float inverse = 1.0f / total[g];
+    for (int d = 0; d < D; ++d) {
+      acc[g * D + d] *= inverse;
     }
   }
 }
+
+// One token's G query heads (decode), four at a time: each group reads the row's keys
+// and values again, from cache by then.
+void attend_token(const PagedAttentionJob& job, int n, int h) {
+  const int G = job.H / job.Hkv;
+  int g0 = 0;
+  for (; g0 + 4 <= G; g0 += 4) attend_token_heads<4>(job, n, h, g0);
+  switch (G - g0) {
+    case 3: return attend_token_heads<3>(job, n, h, g0);
+    case 2: return attend_token_heads<2>(job, n, h, g0);
+    case 1: return attend_token_heads<1>(job, n, h, g0);
+    default: return;
+  }
+}
+
 // A tile of a prefill chunk: its count x G query heads are the lanes of V vectors
 // of F (kTileVectors: with 2, each key value loaded feeds two FMAs).
 void attend_tile(const PagedAttentionJob& job, int first, int count, int h) {

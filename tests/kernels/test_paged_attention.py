@@ -30,7 +30,7 @@ def reference_attention(q, k, v, scale, mask):
 BLOCK = 4
 
 
-def make_step(starts, num_new, num_kv_heads, group, num_blocks=64, seed=0):
+def make_step(starts, num_new, num_kv_heads, group, num_blocks=64, seed=0, head_dim=16):
     """A pool with random history for each row, and a step of new tokens on top."""
     rng = np.random.default_rng(seed)
     tables, free = [], list(rng.permutation(num_blocks))  # scattered, not contiguous
@@ -49,7 +49,7 @@ def make_step(starts, num_new, num_kv_heads, group, num_blocks=64, seed=0):
         num_kv_heads=num_kv_heads,
         num_queries_per_kv=group,
     )
-    D, N = 16, sum(num_new)
+    D, N = head_dim, sum(num_new)
     shape = (num_kv_heads * num_blocks * BLOCK, D)
     keys = mx.array(rng.standard_normal(shape).astype(np.float32))
     values = mx.array(rng.standard_normal(shape).astype(np.float32))
@@ -88,6 +88,21 @@ def test_each_path_matches_gather_from_the_same_pool_state(shape, group, path):
     assert mx.allclose(out, gather, atol=1e-5, rtol=1e-5).item()
     assert mx.array_equal(pools[0][0], gather_pools[0][0]).item()
     assert before == pa.dispatch_counts[path]  # run() forces paths; dispatch() counts
+
+
+@needs_native
+@pytest.mark.parametrize("head_dim", [20, 40, 64])
+@pytest.mark.parametrize("group", [2, 3, 5, 8])
+def test_a_decode_token_matches_gather_whatever_its_heads_and_head_dim(group, head_dim):
+    """A decode token's query heads go four at a time and the rest together; a head dim
+    that is not whole vectors ends in scalars; histories of many blocks (prefetched as
+    they are read)."""
+    step, _, keys, values, q, k, v = make_step(
+        [5, 47, 0, 63, 16], [1] * 5, 2, group, num_blocks=96, head_dim=head_dim
+    )
+    native, _ = run("native", step, keys, values, q, k, v)
+    gather, _ = run("gather", step, keys, values, q, k, v)
+    assert mx.allclose(native, gather, atol=1e-5, rtol=1e-5).item()
 
 
 @needs_native
@@ -244,11 +259,11 @@ import mlx.core as mx
 from kernels.cpu_extension import cpu_extension
 from tests.kernels.test_paged_attention import SHAPES, make_step, run
 for shape in SHAPES.values():
-    for group in (1, 4, 7):
-        step, _, keys, values, q, k, v = make_step(*shape, 2, group)
+    for group, head_dim in ((1, 16), (4, 16), (7, 16), (5, 20), (2, 40)):
+        step, _, keys, values, q, k, v = make_step(*shape, 2, group, head_dim=head_dim)
         native, _ = run("native", step, keys, values, q, k, v)
         gather, _ = run("gather", step, keys, values, q, k, v)
-        assert mx.allclose(native, gather, atol=1e-5, rtol=1e-5).item(), (shape, group)
+        assert mx.allclose(native, gather, atol=1e-5, rtol=1e-5).item(), (shape, group, head_dim)
 print(cpu_extension().attention_isa())
 """
 
