@@ -253,8 +253,7 @@ void attend_rotary(const AttentionStep& step, int H, const float* qkv, const flo
   const int N = step.N, D = step.D, kv = step.Hkv;
   const int64_t qkv_stride = static_cast<int64_t>(H + 2 * kv) * D;
   thread_local std::vector<float> rotated;  // the stream's one thread
-  rotated.resize(static_cast<size_t>(N) * (H + kv) * D);
-  float* q_rot = rotated.data();
+  float* q_rot = scratch(rotated, static_cast<size_t>(N) * (H + kv) * D);
   float* k_rot = q_rot + static_cast<int64_t>(N) * H * D;
   rope_tokens(RopeJob{qkv, step.token_pos, inv_freqs, q_rot, H, D, half, rope_scale, qkv_stride,
                       qkv + H * D, k_rot, kv},

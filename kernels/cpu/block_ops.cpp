@@ -143,13 +143,13 @@ void ResidualMlp::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
     std::vector<float> x_copy, weight_copy;
     const float* x = row_major_data(in[0], x_copy);
     thread_local std::vector<float> normed, gate_up, act;  // the stream's one thread
-    normed.resize(static_cast<size_t>(M) * K);
-    gate_up.resize(static_cast<size_t>(M) * 2 * I);
-    act.resize(static_cast<size_t>(M) * I);
-    rms_norm_rows(x, row_major_data(in[1], weight_copy), normed.data(), M, K, eps);
-    run_linear(normed.data(), M, K, in, 2, &l[0], gate_up.data());
-    gated_activation_rows(gate_up.data(), act.data(), M, I, activation);
-    run_linear(act.data(), M, I, in, 6, &l[3], out.data<float>());
+    float* normed_x = scratch(normed, static_cast<size_t>(M) * K);
+    float* gate_up_x = scratch(gate_up, static_cast<size_t>(M) * 2 * I);
+    float* act_x = scratch(act, static_cast<size_t>(M) * I);
+    rms_norm_rows(x, row_major_data(in[1], weight_copy), normed_x, M, K, eps);
+    run_linear(normed_x, M, K, in, 2, &l[0], gate_up_x);
+    gated_activation_rows(gate_up_x, act_x, M, I, activation);
+    run_linear(act_x, M, I, in, 6, &l[3], out.data<float>());
     add_residual(x, out.data<float>(), M, K, in[10], eps);
   });
 }
@@ -213,17 +213,17 @@ void ResidualAttention::eval_cpu(const std::vector<mx::array>& inputs,
     std::vector<int32_t> tables_copy, row_copy, pos_copy;
     const float* x = row_major_data(in[0], x_copy);
     thread_local std::vector<float> normed, qkv, attended;  // the stream's one thread
-    normed.resize(static_cast<size_t>(M) * K);
-    qkv.resize(static_cast<size_t>(M) * (H + 2 * kv) * D);
-    attended.resize(static_cast<size_t>(M) * H * D);
-    rms_norm_rows(x, row_major_data(in[1], weight_copy), normed.data(), M, K, eps);
-    run_linear(normed.data(), M, K, in, 2, &l[0], qkv.data());
+    float* normed_x = scratch(normed, static_cast<size_t>(M) * K);
+    float* qkv_x = scratch(qkv, static_cast<size_t>(M) * (H + 2 * kv) * D);
+    float* attended_x = scratch(attended, static_cast<size_t>(M) * H * D);
+    rms_norm_rows(x, row_major_data(in[1], weight_copy), normed_x, M, K, eps);
+    run_linear(normed_x, M, K, in, 2, &l[0], qkv_x);
     if (in[kKeys + 6].size() > 0) {  // each token's H query, then Hkv key heads, normed in place
       std::vector<float> q_norm_copy, k_norm_copy;
       const float* q_norm = row_major_data(in[kKeys + 6], q_norm_copy);
       const float* k_norm = row_major_data(in[kKeys + 7], k_norm_copy);
       for (int64_t n = 0; n < M; ++n) {
-        float* heads = qkv.data() + n * (H + 2 * kv) * D;
+        float* heads = qkv_x + n * (H + 2 * kv) * D;
         rms_norm_rows(heads, q_norm, heads, H, D, qk_eps);
         rms_norm_rows(heads + static_cast<int64_t>(H) * D, k_norm, heads + static_cast<int64_t>(H) * D,
                       kv, D, qk_eps);
@@ -233,9 +233,9 @@ void ResidualAttention::eval_cpu(const std::vector<mx::array>& inputs,
                              tables.shape(1), row_major_data(in[kKeys + 3], row_copy),
                              row_major_data(in[kKeys + 4], pos_copy), M, out[1].data<float>(),
                              out[2].data<float>(), keys.shape(0) / kv, kv, D, h[2], h[3], scale};
-    attend_rotary(step, H, qkv.data(), row_major_data(in[kKeys + 5], freqs_copy),
-                  in[kKeys + 5].shape(0), rope_scale, attended.data());
-    run_linear(attended.data(), M, H * D, in, 6, &l[3], out[0].data<float>());
+    attend_rotary(step, H, qkv_x, row_major_data(in[kKeys + 5], freqs_copy),
+                  in[kKeys + 5].shape(0), rope_scale, attended_x);
+    run_linear(attended_x, M, H * D, in, 6, &l[3], out[0].data<float>());
     add_residual(x, out[0].data<float>(), M, K, in[kKeys + 8], eps);
   });
 }

@@ -31,6 +31,18 @@ void run_on_stream(
                     body = std::move(body)]() mutable { body(inputs, out); });
 }
 
+// A kernel's reused buffer, at least n elements long: grown, never shrunk. (resize
+// zero-fills whatever it grows, and a step's layers alternate between sizes: the panel
+// kernel's packed x went from K = 1024 to the FFN's 2816 and back every layer, and
+// zeroing it was 1% of a 16-row decode step.)
+template <class T>
+T* scratch(std::vector<T>& buffer, size_t n) {
+  if (buffer.size() < n) {
+    buffer.resize(n);
+  }
+  return buffer.data();
+}
+
 // Rows of an x [..., K]: the product of its leading dimensions (K may be 0).
 inline int leading_rows(const mlx::core::array& x) {
   int64_t rows = 1;

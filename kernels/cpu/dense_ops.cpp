@@ -83,25 +83,40 @@ const PanelKernels& panel_kernels() {
 }
 
 // x [M, K] (rows x_stride apart) transposed into blocks of the register tile's rows
-// (pack_panel_rows), on the kernel threads, into the calling thread's buffer.
+// (pack_panel_rows), on the kernel threads, into the calling thread's buffer. A unit of
+// work is one block's k in [k0, k0 + kPackDepth): by blocks alone, the two blocks of a
+// 16-row decode step were one chunk, packed by one thread while the other waited (~2%
+// of the step).
+constexpr int kPackDepth = 512;
+
 const float* pack_x_panels(const float* x, int64_t x_stride, int M, int K) {
   const PanelKernels& kernels = panel_kernels();
   const PanelMatmulJob job{x, nullptr, nullptr, nullptr, M, 0, K, x_stride, WeightKind::f32};
   thread_local std::vector<float> x_panels;  // the stream's one thread
   const int rows = kernels.rows(), blocks = (M + rows - 1) / rows;
-  x_panels.resize(static_cast<size_t>(blocks) * rows * K);
+  const int depths = std::max(1, (K + kPackDepth - 1) / kPackDepth);
   const struct {
     const PanelMatmulJob* job;
     const PanelKernels* kernels;
     float* x_panels;
-  } task{&job, &kernels, x_panels.data()};
+    int rows, depths;
+  } task{&job, &kernels, scratch(x_panels, static_cast<size_t>(blocks) * rows * K), rows, depths};
   row_pool()->run(
       [](const void* context, int begin, int end) {
         const auto& t = *static_cast<const decltype(task)*>(context);
-        t.kernels->pack(*t.job, t.x_panels, begin, end);
+        for (int unit = begin; unit < end; ++unit) {
+          // Block b's k in [k0, k0 + depth) is block 0 of the job for x from row b x rows,
+          // column k0 on, K = depth; it lands at b's panel, k0 rows in.
+          const int b = unit / t.depths, k0 = unit % t.depths * kPackDepth;
+          PanelMatmulJob part = *t.job;
+          part.x = t.job->x + static_cast<int64_t>(b) * t.rows * t.job->x_stride + k0;
+          part.M = t.job->M - b * t.rows;
+          part.K = std::min(kPackDepth, t.job->K - k0);
+          t.kernels->pack(part, t.x_panels + (static_cast<int64_t>(b) * t.job->K + k0) * t.rows, 0, 1);
+        }
       },
-      &task, blocks, static_cast<int>(std::max<int64_t>(1, kMinWeightsPerChunk / 4 / (int64_t{rows} * K))));
-  return x_panels.data();
+      &task, blocks * depths, 2);
+  return task.x_panels;
 }
 
 // Panels of `weights_per_panel` weights a chunk of work holds at least, for M rows of x.
@@ -235,7 +250,7 @@ void DenseRowsMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
     // 1024 they would all fall in one L1 set, and evict each other (measured 2x slower).
     const int64_t stride = K + 16;
     thread_local std::vector<float> spaced;  // this runs on the stream's one thread
-    spaced.resize(static_cast<size_t>(M) * stride);
+    scratch(spaced, static_cast<size_t>(M) * stride);
     for (int m = 0; m < M; ++m) {
       std::copy_n(x + static_cast<int64_t>(m) * K, K, spaced.data() + m * stride);
     }

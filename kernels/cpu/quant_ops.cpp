@@ -193,8 +193,8 @@ void quantized_matmul_rows(const float* x, int64_t row_stride, int64_t col_strid
   }
   // Reused across calls: this runs on the stream's one thread.
   thread_local std::vector<float> xt, xsum;
-  xt.resize(static_cast<size_t>(M) * K);
-  xsum.resize(static_cast<size_t>(M) * (K / group_size));
+  scratch(xt, static_cast<size_t>(M) * K);
+  scratch(xsum, static_cast<size_t>(M) * (K / group_size));
   const Kernels& chosen = kernels(M);
   pack_activations(x, row_stride, col_stride, M, K, group_size, bits, chosen.lanes, xt.data(),
                    xsum.data());
