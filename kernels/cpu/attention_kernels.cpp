@@ -80,8 +80,8 @@ inline int first_visible(const PagedAttentionJob& job, int pos) {
 
 // Lane j of the result: the sum of v[j]'s lanes, for 16 vectors at once. Each level
 // adds the two halves of pairs of vectors, so every addition is a whole vector's (16
-// dot products reduced one by one took a horizontal sum each: ~40% of a decode step's
-// attention). Lanes are summed pairwise by halves, as sum_lanes does.
+// dot products reduced one by one took a horizontal sum each). Lanes are summed
+// pairwise by halves, as sum_lanes does.
 template <class V>  // F (a template, so only its width's branch is compiled)
 inline K16 lane_sums(const V* v) {
   if constexpr (sizeof(V) == 64) {
