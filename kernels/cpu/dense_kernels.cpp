@@ -283,21 +283,17 @@ int panel_rows() {
   return kPanelRows;
 }
 
-void pack_panel_rows(const PanelMatmulJob& job, float* xp, int block_begin, int block_end) {
-  for (int b = block_begin; b < block_end; ++b) {
-    float* t = xp + static_cast<int64_t>(b) * job.K * kPanelRows;
-    const int m0 = b * kPanelRows;
-    const int rows = job.M - m0 < kPanelRows ? job.M - m0 : kPanelRows;
-    const float* x[kPanelRows];
-    for (int r = 0; r < rows; ++r) x[r] = job.x + static_cast<int64_t>(m0 + r) * job.x_stride;
-    // k outer: each k's kPanelRows values are one contiguous write, and each row is read
-    // in order (row by row, every write strode across the whole block: ~2.5% of a
-    // 16-row decode step). The last block's missing rows are zeros, never read back out.
-    for (int k = 0; k < job.K; ++k, t += kPanelRows) {
-      int r = 0;
-      for (; r < rows; ++r) t[r] = x[r][k];
-      for (; r < kPanelRows; ++r) t[r] = 0.0f;
-    }
+void pack_panel_block(const PanelMatmulJob& job, float* t) {
+  const int rows = job.M < kPanelRows ? job.M : kPanelRows;
+  const float* x[kPanelRows];
+  for (int r = 0; r < rows; ++r) x[r] = job.x + static_cast<int64_t>(r) * job.x_stride;
+  // k outer: each k's kPanelRows values are one contiguous write, and each row is read
+  // in order (row by row, every write strode across the whole block: ~2.5% of a 16-row
+  // decode step). A last block's missing rows are zeros, never read back out.
+  for (int k = 0; k < job.K; ++k, t += kPanelRows) {
+    int r = 0;
+    for (; r < rows; ++r) t[r] = x[r][k];
+    for (; r < kPanelRows; ++r) t[r] = 0.0f;
   }
 }
 

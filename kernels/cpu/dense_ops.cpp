@@ -58,7 +58,7 @@ std::atomic<uint64_t> panel_calls{0};
 
 struct PanelKernels {
   int (*rows)();  // rows of x a register tile holds
-  void (*pack)(const PanelMatmulJob&, float*, int, int);
+  void (*pack)(const PanelMatmulJob&, float*);
   PanelMatmul matmul;
   QuantizedPanelMatmul quantized;
 };
@@ -68,14 +68,14 @@ const PanelKernels& panel_kernels() {
     switch (best_isa()) {
 #if defined(CADENCE_HAS_X86_KERNELS)
       case Isa::avx512:
-        return PanelKernels{avx512::panel_rows, avx512::pack_panel_rows, avx512::panel_matmul,
+        return PanelKernels{avx512::panel_rows, avx512::pack_panel_block, avx512::panel_matmul,
                             avx512::quantized_panel_matmul};
       case Isa::avx2:
-        return PanelKernels{avx2::panel_rows, avx2::pack_panel_rows, avx2::panel_matmul,
+        return PanelKernels{avx2::panel_rows, avx2::pack_panel_block, avx2::panel_matmul,
                             avx2::quantized_panel_matmul};
 #endif
       default:
-        return PanelKernels{baseline::panel_rows, baseline::pack_panel_rows, baseline::panel_matmul,
+        return PanelKernels{baseline::panel_rows, baseline::pack_panel_block, baseline::panel_matmul,
                             baseline::quantized_panel_matmul};
     }
   }();
@@ -83,7 +83,7 @@ const PanelKernels& panel_kernels() {
 }
 
 // x [M, K] (rows x_stride apart) transposed into blocks of the register tile's rows
-// (pack_panel_rows), on the kernel threads, into the calling thread's buffer. A unit of
+// (pack_panel_block), on the kernel threads, into the calling thread's buffer. A unit of
 // work is one block's k in [k0, k0 + kPackDepth): by blocks alone, the two blocks of a
 // 16-row decode step were one chunk, packed by one thread while the other waited (~2%
 // of the step).
@@ -105,14 +105,14 @@ const float* pack_x_panels(const float* x, int64_t x_stride, int M, int K) {
       [](const void* context, int begin, int end) {
         const auto& t = *static_cast<const decltype(task)*>(context);
         for (int unit = begin; unit < end; ++unit) {
-          // Block b's k in [k0, k0 + depth) is block 0 of the job for x from row b x rows,
-          // column k0 on, K = depth; it lands at b's panel, k0 rows in.
+          // Block b's k in [k0, k0 + depth): the block of x from row b x rows, column k0
+          // on, K = depth; it lands at b's panel, k0 rows in.
           const int b = unit / t.depths, k0 = unit % t.depths * kPackDepth;
           PanelMatmulJob part = *t.job;
           part.x = t.job->x + static_cast<int64_t>(b) * t.rows * t.job->x_stride + k0;
           part.M = t.job->M - b * t.rows;
           part.K = std::min(kPackDepth, t.job->K - k0);
-          t.kernels->pack(part, t.x_panels + (static_cast<int64_t>(b) * t.job->K + k0) * t.rows, 0, 1);
+          t.kernels->pack(part, t.x_panels + (static_cast<int64_t>(b) * t.job->K + k0) * t.rows);
         }
       },
       &task, blocks * depths, 2);

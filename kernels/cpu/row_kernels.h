@@ -47,7 +47,7 @@ struct DenseMatmulJob {
 constexpr int kPanelWidth = 32;
 struct PanelMatmulJob {
   const float* x;  // [M, K], rows x_stride apart
-  const float* x_panels;  // x by pack_panel_rows: [blocks of panel_rows() rows][K][rows]
+  const float* x_panels;  // x by pack_panel_block: [blocks of panel_rows() rows][K][rows]
   const void* w;  // [panels, K, kPanelWidth] of `w_kind` (16 bits widened as loaded)
   float* out;  // [M, N]
   int M, N, K;
@@ -62,10 +62,10 @@ constexpr int kPanelDepth = 2048;
 // out = x @ dequantize(w).T over mlx's affine layout (MatmulJob's w, scales, biases),
 // for several rows of x: each 32-column panel of w is dequantized, kPanelDepth k at a
 // time, into a [k][32] tile (`tile`, the calling thread's), and the panel kernel's
-// register tiles multiply it by x_panels (pack_panel_rows). Each weight is decoded
+// register tiles multiply it by x_panels (pack_panel_block). Each weight is decoded
 // once per call, where the row kernel decodes it once per 4 rows of x.
 struct QuantizedPanelJob {
-  const float* x_panels;  // x by pack_panel_rows
+  const float* x_panels;  // x by pack_panel_block
   const uint32_t* w;  // [N, K * bits / 32]
   const float* scales;  // [N, K / group_size]
   const float* biases;
@@ -92,7 +92,7 @@ void pack_activations(
   void matmul_rows(const MatmulJob& job, int row_begin, int row_end);    \
   void dense_matmul_rows(const DenseMatmulJob& job, int row_begin, int row_end); \
   int panel_rows();                                                      \
-  void pack_panel_rows(const PanelMatmulJob& job, float* x_panels, int block_begin, int block_end); \
+  void pack_panel_block(const PanelMatmulJob& job, float* x_panel);     \
   void panel_matmul(const PanelMatmulJob& job, int panel_begin, int panel_end); \
   void quantized_panel_matmul(const QuantizedPanelJob& job, int panel_begin, int panel_end, \
                               float* tile);                                  \
