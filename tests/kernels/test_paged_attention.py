@@ -30,12 +30,14 @@ def reference_attention(q, k, v, scale, mask):
 BLOCK = 4
 
 
-def make_step(starts, num_new, num_kv_heads, group, num_blocks=64, seed=0, head_dim=16):
+def make_step(
+    starts, num_new, num_kv_heads, group, num_blocks=64, seed=0, head_dim=16, block_size=BLOCK
+):
     """A pool with random history for each row, and a step of new tokens on top."""
     rng = np.random.default_rng(seed)
     tables, free = [], list(rng.permutation(num_blocks))  # scattered, not contiguous
     for s, n in zip(starts, num_new, strict=True):
-        tables.append([int(free.pop()) for _ in range(-(-(s + n) // BLOCK))])
+        tables.append([int(free.pop()) for _ in range(-(-(s + n) // block_size))])
     width = max(len(t) for t in tables)
     table = np.zeros((len(tables), width), dtype=np.int32)
     for i, t in enumerate(tables):
@@ -44,13 +46,13 @@ def make_step(starts, num_new, num_kv_heads, group, num_blocks=64, seed=0, head_
         tables=mx.array(table),
         starts=tuple(starts),
         num_new=tuple(num_new),
-        block_size=BLOCK,
-        num_slots=num_blocks * BLOCK,
+        block_size=block_size,
+        num_slots=num_blocks * block_size,
         num_kv_heads=num_kv_heads,
         num_queries_per_kv=group,
     )
     D, N = head_dim, sum(num_new)
-    shape = (num_kv_heads * num_blocks * BLOCK, D)
+    shape = (num_kv_heads * num_blocks * block_size, D)
     keys = mx.array(rng.standard_normal(shape).astype(np.float32))
     values = mx.array(rng.standard_normal(shape).astype(np.float32))
     q = mx.array(rng.standard_normal((N, num_kv_heads * group, D)).astype(np.float32))
@@ -91,14 +93,15 @@ def test_each_path_matches_gather_from_the_same_pool_state(shape, group, path):
 
 
 @needs_native
+@pytest.mark.parametrize("block_size", [BLOCK, 16, 32])
 @pytest.mark.parametrize("head_dim", [20, 40, 64])
 @pytest.mark.parametrize("group", [2, 3, 5, 8])
-def test_a_decode_token_matches_gather_whatever_its_heads_and_head_dim(group, head_dim):
+def test_a_decode_token_matches_gather_whatever_its_heads_and_head_dim(group, head_dim, block_size):
     """A decode token's query heads go four at a time and the rest together; a head dim
-    that is not whole vectors ends in scalars; histories of many blocks (prefetched as
-    they are read)."""
+    that is not whole vectors ends in scalars; keys go 16 at a time at most (blocks of 16
+    are whole chunks, of 32 two); histories of many blocks (prefetched as they are read)."""
     step, _, keys, values, q, k, v = make_step(
-        [5, 47, 0, 63, 16], [1] * 5, 2, group, num_blocks=96, head_dim=head_dim
+        [5, 47, 0, 63, 16], [1] * 5, 2, group, num_blocks=96, head_dim=head_dim, block_size=block_size
     )
     native, _ = run("native", step, keys, values, q, k, v)
     gather, _ = run("gather", step, keys, values, q, k, v)
@@ -259,8 +262,8 @@ import mlx.core as mx
 from kernels.cpu_extension import cpu_extension
 from tests.kernels.test_paged_attention import SHAPES, make_step, run
 for shape in SHAPES.values():
-    for group, head_dim in ((1, 16), (4, 16), (7, 16), (5, 20), (2, 40)):
-        step, _, keys, values, q, k, v = make_step(*shape, 2, group, head_dim=head_dim)
+    for group, head_dim, block in ((1, 16, 4), (4, 16, 4), (7, 16, 4), (5, 20, 16), (2, 40, 16)):
+        step, _, keys, values, q, k, v = make_step(*shape, 2, group, head_dim=head_dim, block_size=block)
         native, _ = run("native", step, keys, values, q, k, v)
         gather, _ = run("gather", step, keys, values, q, k, v)
         assert mx.allclose(native, gather, atol=1e-5, rtol=1e-5).item(), (shape, group, head_dim)
