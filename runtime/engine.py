@@ -406,12 +406,16 @@ class Engine:
         on the rows, so a forward that raises can be retried."""
         view = self.kv.forward(plan.spans, epoch)
         tokens, view = pad_step(self.ladder, mx.concatenate(plan.inputs), view)
-        hidden = self.model.hidden(tokens[None], view)[0]  # [N (+ pads), hidden]
+        # Only the sampling tokens' states are wanted. When that is every token (a decode
+        # step), selecting them would only add ops; when none samples, nothing reads them.
+        is_selective = 0 < len(plan.sample_at) < tokens.size
+        keep = mx.array(plan.sample_at, mx.int32) if is_selective else None
+        hidden = self.model.hidden(tokens[None], view, keep)[0]  # [S, hidden]
         if self._fault is not None:
             self._inject_fault(plan)
         if not plan.sampling:
-            return None
-        logits = self.model.project(hidden[mx.array(plan.sample_at)])  # [S, V]
+            return None  # its K/V writes are evaluated (`submit`); the states never are
+        logits = self.model.project(hidden)  # [S, V]
         allowed = token_masks([row.grammar for row in plan.sampling], logits.shape[-1])
         samples = sample(logits, [row.sampler for row in plan.sampling], allowed)
         return samples, rows_are_finite(logits)

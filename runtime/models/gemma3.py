@@ -26,7 +26,7 @@ from typing import Any
 from runtime.config import ConfigFields, ModelConfig
 from runtime.errors import CheckpointError
 from runtime.kv.base import ForwardKV
-from runtime.models.layers import Attention, CausalLM, GatedMLP, OffsetRMSNorm, RoPE
+from runtime.models.layers import Attention, CausalLM, GatedMLP, OffsetRMSNorm, RoPE, kept_rows
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -176,10 +176,14 @@ class Gemma3Layer(nn.Module):
     attention_block: NormedLayers | None = None
     mlp_block: NormedLayers | None = None
 
-    def __call__(self, x: mx.array, kv: ForwardKV) -> mx.array:
+    def __call__(self, x: mx.array, kv: ForwardKV, keep: mx.array | None = None) -> mx.array:
+        """x [B, T, hidden] -> [B, T, hidden], or [B, S, hidden] at the tokens `keep`."""
         h = self.self_attn.as_block(x, kv, self.attention_block)
         if h is None:
-            h = _add_residual(x, self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), kv)))
+            attended = self.self_attn(self.input_layernorm(x), kv, keep)
+            h = _add_residual(kept_rows(x, keep), self.post_attention_layernorm(attended))
+        else:
+            h = kept_rows(h, keep)
         out = self.mlp.as_block(h, self.mlp_block)
         if out is None:
             out = _add_residual(h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))))

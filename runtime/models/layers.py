@@ -109,6 +109,11 @@ AnyRMSNorm = RMSNorm | OffsetRMSNorm
 Norm = Callable[[int, float], nn.Module]
 
 
+def kept_rows(x: mx.array, keep: mx.array | None) -> mx.array:
+    """x [B, T, ...] at the tokens `keep` [S] int32 only, or all of x when None."""
+    return x if keep is None else x[:, keep]
+
+
 class Attention(nn.Module):
     """Grouped-query attention; the family chooses biases, q/k norms, scale and RoPE."""
 
@@ -139,14 +144,16 @@ class Attention(nn.Module):
             self.k_norm = qk_norm(d, config.rms_norm_eps)
         self.rope = rope
 
-    def __call__(self, x: mx.array, kv: ForwardKV) -> mx.array:
+    def __call__(self, x: mx.array, kv: ForwardKV, keep: mx.array | None = None) -> mx.array:
+        """Attends from every token of x [B, T, hidden], storing each one's K/V; projects
+        out only the tokens `keep` (all when None): [B, S, hidden]."""
         B, T, _ = x.shape
         N = B * T  # the engine's ragged step is one flat batch: B = 1, T = N
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if "qkv_proj" in self:  # stacked at load on the CPU (runtime/cpu_weights.py)
             if "q_norm" not in self:  # one op rotates, stores and attends where it can
                 out = kv.attend_stacked(self.layer, self.qkv_proj(x), self.rope, H, Hkv, self.scale)
-                return self.o_proj(out)
+                return self.o_proj(kept_rows(out, keep))
             q, k, v = split_heads(self.qkv_proj(x), H, Hkv)
         else:
             q = self.q_proj(x).reshape(N, H, D)
@@ -157,7 +164,7 @@ class Attention(nn.Module):
         q = self.rope(q, kv.positions)  # [N, H, D], each token at its own position
         k = self.rope(k, kv.positions)  # [N, Hkv, D]
         out = kv.attend(self.layer, q, k, v, self.scale)  # [N, H, D]
-        return self.o_proj(out.reshape(B, T, -1))
+        return self.o_proj(kept_rows(out.reshape(B, T, -1), keep))
 
     def block_operands(self, norm: AnyRMSNorm, post_norm: AnyRMSNorm | None = None) -> NormedLayers | None:
         """x + [post_norm](self(norm(x))) as one op's operands (kernels/fused_blocks.py), or
@@ -225,15 +232,24 @@ class CausalLM(nn.Module):
     def embed(self, tokens: mx.array) -> mx.array:
         return self.model.embed_tokens(tokens)
 
-    def hidden(self, tokens: mx.array, kv: ForwardKV | None = None) -> mx.array:
-        """tokens [B, T] -> final normed hidden states [B, T, hidden]; no vocab projection."""
+    def hidden(
+        self, tokens: mx.array, kv: ForwardKV | None = None, keep: mx.array | None = None
+    ) -> mx.array:
+        """tokens [B, T] -> final normed hidden states [B, T, hidden]; no vocab projection.
+
+        `keep` [S] int32: only these tokens' states are wanted, [B, S, hidden]. The last
+        layer still attends from (and stores the K/V of) every token, but projects out
+        and runs its MLP for these alone: in a step of prompt chunks that is ~1/L of
+        the matmuls skipped, since only a row's newest token samples.
+        """
         if kv is None:
             batch, length = tokens.shape
             kv = CausalNoCache(batch, length, windows=self.config.layer_windows)
         h = self.embed(tokens)
-        for layer in self.model.layers:
+        *body, last = self.model.layers
+        for layer in body:
             h = layer(h, kv)
-        return self.model.norm(h)
+        return self.model.norm(last(h, kv, keep))
 
     def project(self, h: mx.array) -> mx.array:
         """Final hidden states [..., hidden] -> logits [..., vocab]."""

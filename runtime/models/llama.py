@@ -12,7 +12,7 @@ from typing import Any
 
 from runtime.config import ConfigFields, ModelConfig
 from runtime.kv.base import ForwardKV
-from runtime.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, RoPE
+from runtime.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, RoPE, kept_rows
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -42,10 +42,13 @@ class DecoderLayer(nn.Module):
     attention_block: NormedLayers | None = None
     mlp_block: NormedLayers | None = None
 
-    def __call__(self, x: mx.array, kv: ForwardKV) -> mx.array:
+    def __call__(self, x: mx.array, kv: ForwardKV, keep: mx.array | None = None) -> mx.array:
+        """x [B, T, hidden] -> [B, T, hidden], or [B, S, hidden] at the tokens `keep`."""
         h = self.self_attn.as_block(x, kv, self.attention_block)
         if h is None:
-            h = x + self.self_attn(self.input_layernorm(x), kv)
+            h = kept_rows(x, keep) + self.self_attn(self.input_layernorm(x), kv, keep)
+        else:
+            h = kept_rows(h, keep)
         out = self.mlp.as_block(h, self.mlp_block)
         return out if out is not None else h + self.mlp(self.post_attention_layernorm(h))
 

@@ -168,6 +168,44 @@ def test_logits_of_a_row_alone_and_in_a_mixed_step_agree(make_checkpoint, monkey
     assert mx.allclose(logits[3:], alone, atol=1e-4, rtol=1e-4).item()
 
 
+@pytest.mark.parametrize("length", [12, 48], ids=["one-op-blocks", "by-parts"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text"])
+def test_kept_tokens_get_the_full_forwards_states(make_checkpoint, family, length):
+    """`hidden(..., keep)`: the last layer runs past its attention for the kept tokens
+    alone, and they come out as the full forward has them."""
+    model = load_model(make_checkpoint(family)).model
+    tokens = mx.array([(PROMPT * 4)[:length]])
+    full = model.hidden(tokens)
+    for keep in ([length - 1], [0, 5, length - 1], list(range(0, length, 5))):
+        kept = model.hidden(tokens, None, mx.array(keep, mx.int32))
+        assert kept.shape == (1, len(keep), full.shape[-1])
+        assert mx.allclose(kept, full[:, mx.array(keep)], atol=1e-5, rtol=1e-5).item(), keep
+
+
+def test_a_prompt_runs_the_last_layers_mlp_for_its_sampling_token_alone(
+    make_checkpoint, monkeypatch
+):
+    engine = Engine(load_model(make_checkpoint("llama")), max_batch=2)
+    layers = engine.model.model.layers
+    rows_seen: dict[str, list[int]] = {"first": [], "last": []}
+    for name, mlp in (("first", layers[0].mlp), ("last", layers[-1].mlp)):
+
+        def as_block(h, block, run=mlp.as_block, seen=rows_seen[name]):
+            seen.append(h.shape[1])
+            return run(h, block)
+
+        monkeypatch.setattr(mlp, "as_block", as_block)
+    requests = {
+        "a": params(PROMPT * 2, 2, ignore_eos=True),
+        "b": params(PROMPT[:5], 2, ignore_eos=True),
+    }
+    got = run_offline(engine, policy_for(engine, chunk=64, budget=64), requests, lookahead=1)
+    assert all(len(r.tokens) == 2 for r in got.values())
+    # Step 1: both prompts, 29 tokens, 2 of them sampling; then a 2-row decode step.
+    assert rows_seen["first"] == [29, 2]
+    assert rows_seen["last"] == [2, 2]
+
+
 @pytest.mark.parametrize(("chunk", "block_size"), [(1, 16), (3, 4), (5, 16), (7, 4), (64, 4)])
 def test_chunked_prefill_equals_one_shot(make_checkpoint, chunk, block_size):
     engine = Engine(load_model(make_checkpoint("qwen2")), max_batch=1, block_size=block_size)

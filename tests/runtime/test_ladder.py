@@ -80,7 +80,7 @@ def test_padded_steps_give_the_same_greedy_tokens(engine):
     assert engine.ladder.padded(5) == 32
     calls = []
     hidden = engine.model.hidden
-    engine.model.hidden = lambda tokens, kv: calls.append(tokens.shape[1]) or hidden(tokens, kv)
+    engine.model.hidden = lambda tokens, kv, keep: calls.append(tokens.shape[1]) or hidden(tokens, kv, keep)
     try:
         assert run() == plain
     finally:

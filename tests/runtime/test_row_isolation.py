@@ -73,8 +73,8 @@ def test_a_model_error_mid_forward_fails_only_its_row(make_checkpoint, monkeypat
         seen[:] = [engine._rows[s.seq_id] for s in spans]
         return forward(spans, epoch)
 
-    def failing_hidden(model, tokens, kv=None):
-        h = hidden(model, tokens, kv)
+    def failing_hidden(model, tokens, kv=None, keep=None):
+        h = hidden(model, tokens, kv, keep)
         if any(r.params.request_id == "faulty" and r.num_generated >= 2 for r in seen):
             raise ValueError("model blew up")
         return h
@@ -95,7 +95,7 @@ def test_a_forward_that_always_raises_fails_every_row_after_bounded_retries(
     engine = Engine(load_model(make_checkpoint("llama")), max_batch=5)
     calls = []
 
-    def broken_hidden(model, tokens, kv=None):
+    def broken_hidden(model, tokens, kv=None, keep=None):
         calls.append(tokens.shape[1])
         raise RuntimeError("broken")
 
