@@ -13,7 +13,12 @@ gets its best configuration: the same optimized BLAS loaded first, and
 57.0 and 57.0).
 
 One run per `--clients` value (or one `--rate` run), each after a short warm-up
-request; the workload and its figures are in actors/loadgen.py. Beside the figures
+request; the workload and its figures are in actors/loadgen.py. `--rounds N` repeats
+them all N times, each round on fresh prompts (a prefix cache must not carry over)
+and, with `--compare`, with the servers taking turns to go first; then it prints
+each server's median and the ratio of every round. On a shared 2-core box one run's
+ratio moved from 2.29x to 2.69x between two consecutive runs (the peer read 50.9 and
+56.5 tok/s), so a claim rests on the median. Beside the figures
 it prints the compute floor of each run (actors/bench_model.py's `Floor`), when the
 checkpoint is known, so the distance to the machine's limit shows next to the
 distance to the peer.
@@ -28,6 +33,7 @@ import importlib.util
 import json
 import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -102,6 +108,13 @@ def add_parser(which: argparse._SubParsersAction) -> None:
         "--timeout", type=arg_types.positive_float, default=600.0, help="seconds per request"
     )
     load.add_argument("--seed", type=int, default=0)
+    load.add_argument(
+        "--rounds",
+        type=arg_types.positive_int,
+        default=1,
+        help="repeat the runs, on fresh prompts, servers taking turns to go first; "
+        "print the medians",
+    )
     serve.add_argument("--json", type=Path, default=None, help="also write the results here")
     serve.set_defaults(run=main)
 
@@ -113,7 +126,8 @@ def _span(text: str):
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def workloads(args: argparse.Namespace) -> list[Workload]:
+def workloads(args: argparse.Namespace, round_index: int = 0) -> list[Workload]:
+    """One round's runs; every run of every round draws its prompts from its own seed."""
     shape = dict(
         prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens,
@@ -123,9 +137,11 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
         timeout=args.timeout,
     )
     if args.rate:
-        return [Workload(args.requests or 32, rate=args.rate, seed=args.seed, **shape)]
+        seed = args.seed + round_index
+        return [Workload(args.requests or 32, rate=args.rate, seed=seed, **shape)]
+    first_seed = args.seed + round_index * len(args.clients)
     return [
-        Workload(args.requests or n, clients=n, seed=args.seed + i, **shape)
+        Workload(args.requests or n, clients=n, seed=first_seed + i, **shape)
         for i, n in enumerate(args.clients)
     ]
 
@@ -139,7 +155,10 @@ def main(args: argparse.Namespace) -> int:
         checkpoint = bench_checkpoint(args.cache_dir)
     first_floor = measure_floor(checkpoint) if checkpoint is not None else None
     tokenizer = Tokenizer.from_dir(checkpoint) if checkpoint is not None else None
-    runs = [(w, build_requests(w, tokenizer)) for w in workloads(args)]
+    rounds = [
+        [(w, build_requests(w, tokenizer)) for w in workloads(args, r)] for r in range(args.rounds)
+    ]
+    # Each server's runs, round after round.
     results: dict[str, list[RunResult]] = {}
     if args.url is not None:
         try:
@@ -148,16 +167,20 @@ def main(args: argparse.Namespace) -> int:
             print(f"cadence bench serve: {args.url}/v1/models: {error}", file=sys.stderr)
             return 2
         target = Target(args.url, model, args.api_key)
-        results["server"] = _measure(target, runs)
+        results["server"] = [r for runs in rounds for r in _measure(target, runs)]
     else:
-        with _cadence(checkpoint, args) as target:
-            results["cadence"] = _measure(target, runs)
+        servers = {"cadence": functools.partial(_cadence, checkpoint, args)}
         if args.compare:
             if _has_mlx_lm():
-                with _mlx_lm(checkpoint, args.max_batch) as target:
-                    results["mlx-lm"] = _measure(target, runs)
+                servers["mlx-lm"] = functools.partial(_mlx_lm, checkpoint, args.max_batch)
             else:
                 print("mlx_lm is not importable: the mlx-lm comparison is skipped")
+        results = {name: [] for name in servers}
+        for i, runs in enumerate(rounds):
+            # Turns, so that neither server always meets the box's next slow phase.
+            for name in list(servers)[:: -1 if i % 2 else 1]:
+                with servers[name]() as target:
+                    results[name] += _measure(target, runs)
     # Timed before and after the runs, when no server computes; a busy machine only slows it.
     floor = None
     if checkpoint is not None:
@@ -304,11 +327,15 @@ def _print(
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     names = list(results)
+    num_loads = len(results[names[0]]) // args.rounds
     for i in range(len(results[names[0]])):
         rows = {name: results[name][i] for name in names}
+        label = rows[names[0]].label
+        if args.rounds > 1:
+            label = f"{label}, round {i // num_loads + 1}"
         for name, r in rows.items():
             print(
-                f"| {r.label} | {name} | {r.output_tok_s:.1f} | {_floor_tok_s(floor, r)} "
+                f"| {label} | {name} | {r.output_tok_s:.1f} | {_floor_tok_s(floor, r)} "
                 f"| {r.ttft_p50:.2f} s | {r.ttft_p99:.2f} s | {_prompt_floor(floor, r)} "
                 f"| {r.itl_p50 * 1e3:.0f} ms "
                 f"| {r.itl_p99 * 1e3:.0f} ms | {r.worst_gap:.2f} s | {r.num_errors} |"
@@ -318,16 +345,66 @@ def _print(
             fields = ("output_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "worst_gap")
             ratio = [_ratio(getattr(ours, f), getattr(peer, f)) for f in fields]
             print(
-                f"| {ours.label} | {names[0]} / {names[1]} | {ratio[0]} | | "
+                f"| {label} | {names[0]} / {names[1]} | {ratio[0]} | | "
                 + " | ".join(ratio[1:3])
                 + " | | "
                 + " | ".join(ratio[3:])
                 + " | |"
             )
+    if args.rounds > 1:
+        _print_medians(args.rounds, results)
     for name, runs in results.items():
         for r in runs:
             for message, count in r.errors.items():
                 print(f"{name}, {r.label}: {count} x {message}", file=sys.stderr)
+
+
+def _print_medians(num_rounds: int, results: dict[str, list[RunResult]]) -> None:
+    names = list(results)
+    first_went = "the servers took turns to go first" if len(names) == 2 else "one server"
+    print(f"\nmedians of {num_rounds} rounds ({first_went}; fresh prompts each round):\n")
+    columns = [f"{name} tok/s (min-max)" for name in names]
+    if len(names) == 2:
+        columns += [f"{names[0]} / {names[1]}, round by round", "median ratio"]
+    print("| load | " + " | ".join(columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
+    for load in run_medians(num_rounds, results):
+        cells = [f"{m:.1f} ({lo:.1f}-{hi:.1f})" for m, lo, hi in load.tok_s.values()]
+        if load.ratios:
+            cells += [", ".join(f"{x:.2f}x" for x in load.ratios), f"{load.median_ratio:.2f}x"]
+        print(f"| {load.label} | " + " | ".join(cells) + " |")
+
+
+@attrs.frozen
+class LoadMedians:
+    label: str
+    tok_s: dict[str, tuple[float, float, float]]  # server -> (median, min, max) output tok/s
+    ratios: tuple[float, ...]  # the first server's tok/s over the second's, each round
+    median_ratio: float | None
+
+
+def run_medians(num_rounds: int, results: dict[str, list[RunResult]]) -> list[LoadMedians]:
+    """Per load (a `--clients` value or the rate), over the rounds of `results`, whose
+    lists hold each server's runs round after round."""
+    names = list(results)
+    num_loads = len(results[names[0]]) // num_rounds
+    loads = []
+    for i in range(num_loads):
+        runs = {name: results[name][i::num_loads] for name in names}
+        tok_s = {name: [r.output_tok_s for r in rs] for name, rs in runs.items()}
+        ratios: tuple[float, ...] = ()
+        if len(names) == 2:
+            ours, peer = tok_s[names[0]], tok_s[names[1]]
+            ratios = tuple(a / b if b else 0.0 for a, b in zip(ours, peer, strict=True))
+        loads.append(
+            LoadMedians(
+                runs[names[0]][0].label,
+                {name: (statistics.median(v), min(v), max(v)) for name, v in tok_s.items()},
+                ratios,
+                statistics.median(ratios) if ratios else None,
+            )
+        )
+    return loads
 
 
 def _floor_tok_s(floor: Floor | None, r: RunResult) -> str:
@@ -359,10 +436,17 @@ def _report(
 ) -> dict[str, Any]:
     w = workloads(args)[0]
 
-    def run(r: RunResult) -> dict[str, Any]:
+    num_loads = len(next(iter(results.values()))) // args.rounds
+
+    def run(i: int, r: RunResult) -> dict[str, Any]:
         floor_s = floor.seconds(r.num_prompt_tokens + r.num_output_tokens) if floor else None
         prompt_s = floor.seconds(r.num_prompt_tokens) if floor else None
-        return {**attrs.asdict(r), "floor_seconds": floor_s, "prompt_floor_seconds": prompt_s}
+        return {
+            **attrs.asdict(r),
+            "round": i // num_loads + 1,
+            "floor_seconds": floor_s,
+            "prompt_floor_seconds": prompt_s,
+        }
 
     return {
         "argv": sys.argv,
@@ -377,9 +461,11 @@ def _report(
             "endpoint": w.endpoint,
             "ignore_eos": w.ignore_eos,
             "seed": args.seed,
+            "rounds": args.rounds,
         },
         "floor": None
         if floor is None
         else {**attrs.asdict(floor), "flops_per_token": floor.flops_per_token},
-        "runs": {name: [run(r) for r in rows] for name, rows in results.items()},
+        "runs": {name: [run(i, r) for i, r in enumerate(rows)] for name, rows in results.items()},
+        "medians": [attrs.asdict(m) for m in run_medians(args.rounds, results)],
     }

@@ -227,3 +227,82 @@ def test_only_chunks_that_carry_text_are_stamped():
     text = _Stream(start=0.0)
     text.on_event(json.dumps({"choices": [{"text": ""}, {"text": "a"}]}).encode(), "completions")
     assert len(text.stamps) == 1
+
+
+async def test_rounds_repeat_every_run_on_fresh_prompts_and_print_the_medians(
+    tiny, tmp_path, capsys
+):
+    async with serving(tiny) as url:
+        argv = ["--url", url, "--rounds", "2", "--clients", "2", "1", "--max-tokens", "4"]
+        status, report = await bench(tmp_path, *argv)
+    runs = report["runs"]["server"]
+    assert status == 0 and report["workload"]["rounds"] == 2
+    assert [(r["label"], r["round"]) for r in runs] == [
+        ("2 clients", 1),
+        ("1 client", 1),
+        ("2 clients", 2),
+        ("1 client", 2),
+    ]
+    assert [m["label"] for m in report["medians"]] == ["2 clients", "1 client"]
+    out = capsys.readouterr().out
+    assert "| 2 clients, round 2 | server |" in out and "medians of 2 rounds" in out
+    args = argparse.Namespace(
+        rate=None, clients=[2, 1], requests=None, seed=0, prompt_tokens=Span(20, 20),
+        max_tokens=Span(4, 4), shared_prefix=0.0, endpoint="chat", ignore_eos=True, timeout=9.0,
+    )  # fmt: skip
+    prompts = [
+        {r.prompt for w in bench_serve.workloads(args, i) for r in build_requests(w, None)}
+        for i in range(2)
+    ]
+    assert len(prompts[0]) == 3 and not prompts[0] & prompts[1]  # no prompt seen twice
+
+
+def result(label, tok_s):
+    return loadgen.RunResult(label, 1, 1, 0, {}, 1.0, 10, 10, tok_s, 0, 0, 0, 0, 0)
+
+
+def test_the_medians_are_per_load_and_the_ratios_per_round():
+    ours = [result("1 client", 30), result("16 clients", 130), result("1 client", 33)]
+    ours += [result("16 clients", 140), result("1 client", 36), result("16 clients", 120)]
+    peer = [result("1 client", 10), result("16 clients", 50), result("1 client", 11)]
+    peer += [result("16 clients", 70), result("1 client", 12), result("16 clients", 60)]
+    one, sixteen = bench_serve.run_medians(3, {"cadence": ours, "mlx-lm": peer})
+    assert one.label == "1 client" and sixteen.label == "16 clients"
+    assert one.tok_s == {"cadence": (33, 30, 36), "mlx-lm": (11, 10, 12)}
+    assert sixteen.ratios == pytest.approx((130 / 50, 140 / 70, 120 / 60))
+    assert sixteen.median_ratio == pytest.approx(2.0)  # of the ratios, not 130 / 60
+    alone, _ = bench_serve.run_medians(3, {"server": ours})
+    assert alone.tok_s == {"server": (33, 30, 36)}
+    assert alone.ratios == () and alone.median_ratio is None
+
+
+def test_with_compare_the_servers_take_turns_to_go_first(tiny, monkeypatch, tmp_path):
+    started = []
+
+    def fake_server(name):
+        @contextlib.contextmanager
+        def server(*args):
+            started.append(name)
+            yield Target("http://x", name)
+
+        return server
+
+    monkeypatch.setattr(bench_serve, "_cadence", fake_server("cadence"))
+    monkeypatch.setattr(bench_serve, "_mlx_lm", fake_server("mlx-lm"))
+    monkeypatch.setattr(bench_serve, "_has_mlx_lm", lambda: True)
+    monkeypatch.setattr(
+        bench_serve,
+        "_measure",
+        lambda target, runs: [
+            result(w.label, 100 if target.model == "cadence" else 50) for w, _ in runs
+        ],
+    )
+    parser = argparse.ArgumentParser()
+    bench_serve.add_parser(parser.add_subparsers())
+    argv = ["serve", "--checkpoint", str(tiny), "--compare", "--rounds", "3", "--clients", "1"]
+    args = parser.parse_args([*argv, "--json", str(tmp_path / "out.json")])
+    assert bench_serve.main(args) == 0
+    assert started == ["cadence", "mlx-lm", "mlx-lm", "cadence", "cadence", "mlx-lm"]
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert [len(runs) for runs in report["runs"].values()] == [3, 3]
+    assert report["medians"][0]["median_ratio"] == pytest.approx(2.0)
