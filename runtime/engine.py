@@ -7,7 +7,8 @@
 A step is a flat list of row spans: a prefill chunk of any length, or one decode
 token. A span that reaches the row's newest token samples the next one, so a row
 takes its last prefill chunk and its first decode in the same step. The spans'
-tokens become one batch `[N]`; logits are projected only where a row samples.
+tokens become one batch `[N]`; past the last layer's attention (its output projection,
+its MLP, the logits) only the tokens where a row samples are computed.
 
 The engine never allocates KV: spans carry block tables chosen by the policy's
 block pool (runtime/scheduler.py), and the engine only reads and writes them.
