@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import functools
 import importlib.util
+import itertools
 import json
 import shlex
 import socket
@@ -63,6 +64,8 @@ from actors.loadgen import (
 )
 
 READY_TIMEOUT_S = 600.0  # loading a large checkpoint from a cold disk
+
+Results = dict[str, list[list[RunResult]]]  # server -> rounds -> its runs, in --clients order
 
 
 def add_parser(which: argparse._SubParsersAction) -> None:
@@ -158,8 +161,7 @@ def main(args: argparse.Namespace) -> int:
     rounds = [
         [(w, build_requests(w, tokenizer)) for w in workloads(args, r)] for r in range(args.rounds)
     ]
-    # Each server's runs, round after round.
-    results: dict[str, list[RunResult]] = {}
+    results: Results = {}
     if args.url is not None:
         try:
             model = args.model or _first_model(args.url, args.api_key)
@@ -167,7 +169,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"cadence bench serve: {args.url}/v1/models: {error}", file=sys.stderr)
             return 2
         target = Target(args.url, model, args.api_key)
-        results["server"] = [r for runs in rounds for r in _measure(target, runs)]
+        results["server"] = [_measure(target, runs) for runs in rounds]
     else:
         servers = {"cadence": functools.partial(_cadence, checkpoint, args)}
         if args.compare:
@@ -180,7 +182,7 @@ def main(args: argparse.Namespace) -> int:
             # Turns, so that neither server always meets the box's next slow phase.
             for name in list(servers)[:: -1 if i % 2 else 1]:
                 with servers[name]() as target:
-                    results[name] += _measure(target, runs)
+                    results[name].append(_measure(target, runs))
     # Timed before and after the runs, when no server computes; a busy machine only slows it.
     floor = None
     if checkpoint is not None:
@@ -188,7 +190,8 @@ def main(args: argparse.Namespace) -> int:
     _print(args, checkpoint, floor, results)
     if args.json is not None:
         args.json.write_text(json.dumps(_report(args, checkpoint, floor, results), indent=2))
-    return 1 if any(r.num_errors for rows in results.values() for r in rows) else 0
+    every_run = [r for server in results.values() for round_runs in server for r in round_runs]
+    return 1 if any(r.num_errors for r in every_run) else 0
 
 
 def _measure(target: Target, runs: list[tuple[Workload, list[Request]]]) -> list[RunResult]:
@@ -303,9 +306,7 @@ def _free_port() -> int:
 # -- output ---------------------------------------------------------------------------
 
 
-def _print(
-    args, checkpoint: Path | None, floor: Floor | None, results: dict[str, list[RunResult]]
-) -> None:
+def _print(args, checkpoint: Path | None, floor: Floor | None, results: Results) -> None:
     w = workloads(args)[0]
     eos = "ignore_eos" if w.ignore_eos else "until EOS"
     print(
@@ -327,12 +328,12 @@ def _print(
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     names = list(results)
-    num_loads = len(results[names[0]]) // args.rounds
-    for i in range(len(results[names[0]])):
-        rows = {name: results[name][i] for name in names}
+    num_loads = len(results[names[0]][0])
+    for round_index, i in itertools.product(range(args.rounds), range(num_loads)):
+        rows = {name: results[name][round_index][i] for name in names}
         label = rows[names[0]].label
         if args.rounds > 1:
-            label = f"{label}, round {i // num_loads + 1}"
+            label = f"{label}, round {round_index + 1}"
         for name, r in rows.items():
             print(
                 f"| {label} | {name} | {r.output_tok_s:.1f} | {_floor_tok_s(floor, r)} "
@@ -353,13 +354,14 @@ def _print(
             )
     if args.rounds > 1:
         _print_medians(args.rounds, results)
-    for name, runs in results.items():
-        for r in runs:
-            for message, count in r.errors.items():
-                print(f"{name}, {r.label}: {count} x {message}", file=sys.stderr)
+    for name, rounds in results.items():
+        for round_runs in rounds:
+            for r in round_runs:
+                for message, count in r.errors.items():
+                    print(f"{name}, {r.label}: {count} x {message}", file=sys.stderr)
 
 
-def _print_medians(num_rounds: int, results: dict[str, list[RunResult]]) -> None:
+def _print_medians(num_rounds: int, results: Results) -> None:
     names = list(results)
     first_went = "the servers took turns to go first" if len(names) == 2 else "one server"
     print(f"\nmedians of {num_rounds} rounds ({first_went}; fresh prompts each round):\n")
@@ -368,7 +370,7 @@ def _print_medians(num_rounds: int, results: dict[str, list[RunResult]]) -> None
         columns += [f"{names[0]} / {names[1]}, round by round", "median ratio"]
     print("| load | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
-    for load in run_medians(num_rounds, results):
+    for load in run_medians(results):
         cells = [f"{m:.1f} ({lo:.1f}-{hi:.1f})" for m, lo, hi in load.tok_s.values()]
         if load.ratios:
             cells += [", ".join(f"{x:.2f}x" for x in load.ratios), f"{load.median_ratio:.2f}x"]
@@ -383,14 +385,12 @@ class LoadMedians:
     median_ratio: float | None
 
 
-def run_medians(num_rounds: int, results: dict[str, list[RunResult]]) -> list[LoadMedians]:
-    """Per load (a `--clients` value or the rate), over the rounds of `results`, whose
-    lists hold each server's runs round after round."""
+def run_medians(results: Results) -> list[LoadMedians]:
+    """Per load (a `--clients` value or the rate), over the rounds of `results`."""
     names = list(results)
-    num_loads = len(results[names[0]]) // num_rounds
     loads = []
-    for i in range(num_loads):
-        runs = {name: results[name][i::num_loads] for name in names}
+    for i in range(len(results[names[0]][0])):
+        runs = {name: [round_runs[i] for round_runs in results[name]] for name in names}
         tok_s = {name: [r.output_tok_s for r in rs] for name, rs in runs.items()}
         ratios: tuple[float, ...] = ()
         if len(names) == 2:
@@ -432,18 +432,16 @@ def _report(
     args: argparse.Namespace,
     checkpoint: Path | None,
     floor: Floor | None,
-    results: dict[str, list[RunResult]],
+    results: Results,
 ) -> dict[str, Any]:
     w = workloads(args)[0]
 
-    num_loads = len(next(iter(results.values()))) // args.rounds
-
-    def run(i: int, r: RunResult) -> dict[str, Any]:
+    def run(round_index: int, r: RunResult) -> dict[str, Any]:
         floor_s = floor.seconds(r.num_prompt_tokens + r.num_output_tokens) if floor else None
         prompt_s = floor.seconds(r.num_prompt_tokens) if floor else None
         return {
             **attrs.asdict(r),
-            "round": i // num_loads + 1,
+            "round": round_index + 1,
             "floor_seconds": floor_s,
             "prompt_floor_seconds": prompt_s,
         }
@@ -466,6 +464,9 @@ def _report(
         "floor": None
         if floor is None
         else {**attrs.asdict(floor), "flops_per_token": floor.flops_per_token},
-        "runs": {name: [run(i, r) for i, r in enumerate(rows)] for name, rows in results.items()},
-        "medians": [attrs.asdict(m) for m in run_medians(args.rounds, results)],
+        "runs": {
+            name: [run(i, r) for i, round_runs in enumerate(rounds) for r in round_runs]
+            for name, rounds in results.items()
+        },
+        "medians": [attrs.asdict(m) for m in run_medians(results)],
     }

@@ -261,17 +261,21 @@ def result(label, tok_s):
     return loadgen.RunResult(label, 1, 1, 0, {}, 1.0, 10, 10, tok_s, 0, 0, 0, 0, 0)
 
 
+def by_round(runs, loads=2):
+    return [runs[i : i + loads] for i in range(0, len(runs), loads)]
+
+
 def test_the_medians_are_per_load_and_the_ratios_per_round():
     ours = [result("1 client", 30), result("16 clients", 130), result("1 client", 33)]
     ours += [result("16 clients", 140), result("1 client", 36), result("16 clients", 120)]
     peer = [result("1 client", 10), result("16 clients", 50), result("1 client", 11)]
     peer += [result("16 clients", 70), result("1 client", 12), result("16 clients", 60)]
-    one, sixteen = bench_serve.run_medians(3, {"cadence": ours, "mlx-lm": peer})
+    one, sixteen = bench_serve.run_medians({"cadence": by_round(ours), "mlx-lm": by_round(peer)})
     assert one.label == "1 client" and sixteen.label == "16 clients"
     assert one.tok_s == {"cadence": (33, 30, 36), "mlx-lm": (11, 10, 12)}
     assert sixteen.ratios == pytest.approx((130 / 50, 140 / 70, 120 / 60))
     assert sixteen.median_ratio == pytest.approx(2.0)  # of the ratios, not 130 / 60
-    alone, _ = bench_serve.run_medians(3, {"server": ours})
+    alone, _ = bench_serve.run_medians({"server": by_round(ours)})
     assert alone.tok_s == {"server": (33, 30, 36)}
     assert alone.ratios == () and alone.median_ratio is None
 
