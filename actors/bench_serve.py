@@ -190,8 +190,7 @@ def main(args: argparse.Namespace) -> int:
     _print(args, checkpoint, floor, results)
     if args.json is not None:
         args.json.write_text(json.dumps(_report(args, checkpoint, floor, results), indent=2))
-    every_run = [r for server in results.values() for round_runs in server for r in round_runs]
-    return 1 if any(r.num_errors for r in every_run) else 0
+    return 1 if any(r.num_errors for _, r in _every_run(results)) else 0
 
 
 def _measure(target: Target, runs: list[tuple[Workload, list[Request]]]) -> list[RunResult]:
@@ -354,11 +353,17 @@ def _print(args, checkpoint: Path | None, floor: Floor | None, results: Results)
             )
     if args.rounds > 1:
         _print_medians(args.rounds, results)
+    for name, r in _every_run(results):
+        for message, count in r.errors.items():
+            print(f"{name}, {r.label}: {count} x {message}", file=sys.stderr)
+
+
+def _every_run(results: Results) -> Iterator[tuple[str, RunResult]]:
+    """(server, run) for every run of every round."""
     for name, rounds in results.items():
         for round_runs in rounds:
             for r in round_runs:
-                for message, count in r.errors.items():
-                    print(f"{name}, {r.label}: {count} x {message}", file=sys.stderr)
+                yield name, r
 
 
 def _print_medians(num_rounds: int, results: Results) -> None:
