@@ -36,6 +36,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from kernels.cpu_extension import cpu_extension, kernel_status
 from kernels.dense_matmul import KernelEmbedding, KernelLinear, PanelLinear
+from kernels.huge_pages import move_weights_to_huge_pages
 from kernels.quantized_linear import KernelQuantizedEmbedding, KernelQuantizedLinear
 from kernels.quantized_matmul import is_kernel_layout
 
@@ -74,8 +75,7 @@ def prepare_for_cpu(
             _float32_except_quantized(model)
             _adopt_dense_layers(model)
             _stack_projections(model)
-            _pack_panels(model)
-            _plan_blocks(model)
+            _settle(model, progress)
             progress(f"weights: {describe_layers(model)}")
             return model
         if cpu_quantize == "off" and _has_16_bit_matmuls(model):
@@ -83,8 +83,7 @@ def prepare_for_cpu(
             _float32_except_16_bit_matmuls(model)
             _adopt_dense_layers(model)
             _stack_projections(model)
-            _pack_panels(model)
-            _plan_blocks(model)
+            _settle(model, progress)
             progress(f"weights: {describe_layers(model)}")
             return model
     if _fits_as_float32(model):
@@ -93,10 +92,19 @@ def prepare_for_cpu(
     if cpu_extension() is not None:
         _adopt_dense_layers(model)
         _stack_projections(model)
-        _pack_panels(model)
-        _plan_blocks(model)
+        _settle(model, progress)
     progress(f"weights: {describe_layers(model)}")
     return model
+
+
+def _settle(model: CausalLM, progress: Callable[[str], None]) -> None:
+    """The kernel layers' final form: packed into panels, moved onto 2 MB pages
+    (kernels/huge_pages.py), then each layer's plan of its residual blocks, which holds
+    the weights it found."""
+    _pack_panels(model)
+    if moved := move_weights_to_huge_pages(model):
+        progress(f"weights on 2 MB pages where Linux grants them: {moved / 2**20:.0f} MB")
+    _plan_blocks(model)
 
 
 def _plan_blocks(model: CausalLM) -> None:

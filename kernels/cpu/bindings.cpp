@@ -17,6 +17,7 @@
 #include "attention_ops.h"
 #include "block_ops.h"
 #include "dense_ops.h"
+#include "huge_pages.h"
 #include "isa.h"
 #include "norm_rope_ops.h"
 #include "row_pool.h"
@@ -37,6 +38,11 @@ NB_MODULE(_cpu_ext, m) {
   m.def("matmul", &cadence_cpu::matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a,
         "x[M, K] @ dequantize(w).T -> [M, N] float32 (mlx affine layout, 4 or 8 bits).");
+  m.def("copy_to_huge_pages", &cadence_cpu::copy_to_huge_pages, "a"_a,
+        "A copy of a on a fresh mapping advised for 2 MB pages (Linux), or a itself when it "
+        "is under 2 MB or the platform has none.");
+  m.def("huge_page_bytes", &cadence_cpu::huge_page_bytes, "a"_a,
+        "Bytes of the mapping holding a's data on 2 MB pages now (/proc/self/smaps), 0 if unknown.");
   m.def("paged_attention_write", &cadence_cpu::paged_attention_write, "q"_a, "k"_a, "v"_a,
         "keys"_a, "values"_a, "tables"_a, "token_row"_a, "token_pos"_a, "num_kv_heads"_a,
         "block_size"_a, "window"_a, "scale"_a, "pools_in_place"_a = false,
