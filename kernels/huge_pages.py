@@ -57,5 +57,4 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
             if isinstance(value, mx.array) and value.nbytes >= HUGE_PAGE_BYTES:
                 module[name] = ext.copy_to_huge_pages(value)
                 moved += value.nbytes
-        mx.clear_cache()  # the old buffers go back to the system, not to mlx's cache
     return moved
