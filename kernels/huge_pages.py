@@ -2,7 +2,7 @@
 
 A decode step streams every weight from memory. With 4 KB pages each 4 KB of that
 stream is another TLB entry and a point where the hardware prefetchers stop: on the
-2-core box a plain two-thread read ran 26-28 GB/s on 4 KB pages and 32-33 GB/s on 2 MB
+2-core box a plain two-thread read ran 25-28 GB/s on 4 KB pages and 32-34 GB/s on 2 MB
 ones, and an offline copy of the bench model's 16-client burst ran ~3% faster with its
 weights on 2 MB pages (README, "The CPU kernels").
 

@@ -17,9 +17,9 @@ namespace cadence_cpu {
 
 namespace {
 
+#if defined(__linux__)
 constexpr size_t kHugePage = size_t{2} << 20;
 
-#if defined(__linux__)
 // How far before an array's data mlx's CPU allocator keeps a buffer's start (its size,
 // a size_t, sits there): Buffer::raw_ptr() is that offset on (8 in mlx 0.32's CPU
 // build, 0 in older ones). -1 for anything else: a GPU build's buffers are not plain
@@ -32,56 +32,38 @@ std::ptrdiff_t buffer_header() {
   }();
   return header;
 }
-
-// An array of `shape` on a fresh zero-filled mapping whose data starts on a 2 MB
-// boundary, advised for huge pages before anything touches it; *data is nullptr if the
-// platform or the system refuses.
-mx::array mapped_array(const mx::Shape& shape, mx::Dtype dtype, char** data) {
-  *data = nullptr;
-  size_t bytes = dtype.size();
-  for (const auto dim : shape) {
-    bytes *= static_cast<size_t>(dim);
-  }
-  const std::ptrdiff_t header = buffer_header();
-  if (header < 0) {
-    return mx::array(0.0f);
-  }
-  const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
-  const size_t length = rounded + 2 * kHugePage;  // room for the header and the alignment
-  void* raw = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (raw == MAP_FAILED) {
-    return mx::array(0.0f);
-  }
-  const auto start =
-      (reinterpret_cast<uintptr_t>(raw) + sizeof(size_t) + kHugePage - 1) & ~(kHugePage - 1);
-  *data = reinterpret_cast<char*>(start);
-  madvise(*data, rounded, MADV_HUGEPAGE);  // refused (THP "never"): 4 KB pages, same result
-  char* buffer = *data - header;
-  if (header > 0) {
-    std::memcpy(buffer, &bytes, sizeof bytes);  // what mlx's allocator would keep there
-  }
-  mx::allocator::Data owner(mx::allocator::Buffer(buffer),
-                            [raw, length](mx::allocator::Buffer) { munmap(raw, length); });
-  return mx::array(std::move(owner), shape, dtype);
-}
 #endif
 
 }  // namespace
 
 mx::array copy_to_huge_pages(const mx::array& a) {
 #if defined(__linux__)
+  const std::ptrdiff_t header = buffer_header();
   mx::array source = mx::contiguous(a);
   source.eval();
-  if (source.nbytes() < kHugePage) {
+  const size_t bytes = source.nbytes();
+  if (header < 0 || bytes < kHugePage) {
     return a;
   }
-  char* data = nullptr;
-  mx::array copy = mapped_array(source.shape(), source.dtype(), &data);
-  if (data == nullptr) {
+  // A fresh mapping whose data starts on a 2 MB boundary, advised before its first write.
+  const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  const size_t length = rounded + 2 * kHugePage;  // room for the header and the alignment
+  void* raw = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) {
     return a;
   }
-  std::memcpy(data, source.data<char>(), source.nbytes());
-  return copy;
+  const auto start =
+      (reinterpret_cast<uintptr_t>(raw) + sizeof(size_t) + kHugePage - 1) & ~(kHugePage - 1);
+  char* data = reinterpret_cast<char*>(start);
+  madvise(data, rounded, MADV_HUGEPAGE);  // refused (THP "never"): 4 KB pages, same result
+  std::memcpy(data, source.data<char>(), bytes);
+  char* buffer = data - header;
+  if (header > 0) {
+    std::memcpy(buffer, &bytes, sizeof bytes);  // what mlx's allocator would keep there
+  }
+  mx::allocator::Data owner(mx::allocator::Buffer(buffer),
+                            [raw, length](mx::allocator::Buffer) { munmap(raw, length); });
+  return mx::array(std::move(owner), source.shape(), source.dtype());
 #else
   return a;
 #endif
