@@ -172,15 +172,17 @@ def build_decoder(config: ModelConfig, weights: dict[str, mx.array], source: str
     if config.quantization is not None:
         q = config.quantization
 
-        def quantized_as(path: str, _module: nn.Module) -> bool | dict[str, int]:
+        def quantized_as(path: str, _module: nn.Module) -> bool | dict[str, int | str]:
             if f"{path}.scales" not in weights:
                 return False  # stored unquantized (e.g. a layer the quantizer skipped)
             if path in q.per_layer:
-                group_size, bits = q.per_layer[path]
-                return {"group_size": group_size, "bits": bits}
+                group_size, bits, mode = q.per_layer[path]
+                return {"group_size": group_size, "bits": bits, "mode": mode}
             return True
 
-        nn.quantize(decoder, group_size=q.group_size, bits=q.bits, class_predicate=quantized_as)
+        nn.quantize(
+            decoder, group_size=q.group_size, bits=q.bits, mode=q.mode, class_predicate=quantized_as
+        )
     expected = dict(tree_flatten(decoder.parameters()))
     for name, param in expected.items():
         if name not in weights:

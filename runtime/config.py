@@ -10,13 +10,18 @@ from runtime.errors import CheckpointError
 
 import attrs
 
+# mlx's quantization modes (`mode` in config.json's `quantization`; mlx-lm's `--q-mode`):
+# affine stores `.scales` and `.biases`, the microscaling ones `.scales` alone.
+QUANTIZATION_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
+
 
 @attrs.frozen
 class Quantization:
     group_size: int
     bits: int
-    # Mixed-precision checkpoints: {module path: (group_size, bits)} overriding the default.
-    per_layer: dict[str, tuple[int, int]] = attrs.field(factory=dict)
+    # Mixed-precision checkpoints: {module path: (group_size, bits, mode)} overriding the default.
+    per_layer: dict[str, tuple[int, int, str]] = attrs.field(factory=dict)
+    mode: str = "affine"
 
 
 @attrs.frozen
@@ -151,16 +156,28 @@ def _quantization(quant: dict[str, Any] | None, source: str) -> Quantization | N
     if quant is None:
         return None
     try:
+        mode = quant.get("mode", "affine")
         per_layer = {
-            path: (int(spec.get("group_size", quant["group_size"])), int(spec["bits"]))
+            path: (
+                int(spec.get("group_size", quant["group_size"])),
+                int(spec["bits"]),
+                spec.get("mode", mode),
+            )
             for path, spec in quant.items()
             if isinstance(spec, dict)
         }
-        return Quantization(int(quant["group_size"]), int(quant["bits"]), per_layer)
+        quantization = Quantization(int(quant["group_size"]), int(quant["bits"]), per_layer, mode)
     except (KeyError, TypeError, ValueError, AttributeError):
         raise CheckpointError(
             f"{source}: field 'quantization' needs integer group_size and bits, got {quant!r}"
         ) from None
+    for each in (mode, *(layer_mode for _, _, layer_mode in per_layer.values())):
+        if each not in QUANTIZATION_MODES:
+            raise CheckpointError(
+                f"{source}: quantization mode {each!r} is not supported "
+                f"(supported: {', '.join(QUANTIZATION_MODES)})"
+            )
+    return quantization
 
 
 def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:

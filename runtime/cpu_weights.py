@@ -196,7 +196,9 @@ def _layer_kind(module: nn.Module) -> str:
             if isinstance(module, (KernelQuantizedLinear, KernelQuantizedEmbedding))
             else "mlx quantized_matmul"
         )
-        return f"{name} {module.bits}-bit g{module.group_size} ({path})"
+        mode = getattr(module, "mode", "affine")
+        layout = f"{module.bits}-bit g{module.group_size}" if mode == "affine" else mode
+        return f"{name} {layout} ({path})"
     if isinstance(module, PanelLinear):
         return f"linear {str(module.weight.dtype).removeprefix('mlx.core.')} (cadence panel kernel)"
     if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -298,18 +300,14 @@ def to_float32(model: CausalLM) -> CausalLM:
 
     def expand(module: nn.Module) -> nn.Module:
         if isinstance(module, nn.QuantizedLinear):
-            weight = mx.dequantize(
-                module.weight, module.scales, module.biases, module.group_size, module.bits
-            )
+            weight = _dequantized(module)
             linear = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
             linear.weight = weight.astype(mx.float32)
             if "bias" in module:
                 linear.bias = module.bias.astype(mx.float32)
             return linear
         if isinstance(module, nn.QuantizedEmbedding):
-            weight = mx.dequantize(
-                module.weight, module.scales, module.biases, module.group_size, module.bits
-            )
+            weight = _dequantized(module)
             embedding = nn.Embedding(weight.shape[0], weight.shape[1])
             embedding.weight = weight.astype(mx.float32)
             return embedding
@@ -318,3 +316,16 @@ def to_float32(model: CausalLM) -> CausalLM:
     model.update_modules(tree_unflatten([(path, expand(m)) for path, m in _leaves(model)]))
     model.set_dtype(mx.float32)
     return model
+
+
+def _dequantized(module: nn.QuantizedLinear | nn.QuantizedEmbedding) -> mx.array:
+    """The layer's weight unpacked, in any of mlx's quantization modes (the microscaling
+    ones store no biases)."""
+    return mx.dequantize(
+        module.weight,
+        module.scales,
+        module.get("biases"),
+        module.group_size,
+        module.bits,
+        mode=getattr(module, "mode", "affine"),
+    )

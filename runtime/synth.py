@@ -54,6 +54,7 @@ def make_tiny_checkpoint(
     intermediate_size: int = 128,
     tie_word_embeddings: bool = False,
     quantize: tuple[int, int] | None = None,
+    quantize_mode: str = "affine",
     dtype: str = "float32",
     seed: int = 0,
     max_position_embeddings: int = 1024,
@@ -74,7 +75,9 @@ def make_tiny_checkpoint(
     (a large-vocabulary model, e.g. 151,936 as Qwen's).
 
     `quantize` is `(group_size, bits)`: every Linear and the embedding whose last
-    dimension is a multiple of `group_size` is stored packed, with `.scales` and `.biases`.
+    dimension is a multiple of `group_size` is stored packed, with `.scales` and `.biases`;
+    `quantize_mode` names mlx's mode (runtime/config.py: the microscaling ones, e.g.
+    `mxfp4` at `(32, 4)` or `nvfp4` at `(16, 4)`, store no `.biases`).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -107,8 +110,8 @@ def make_tiny_checkpoint(
             weights[name] = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(DTYPES[dtype])
     if quantize is not None:
         group_size, bits = quantize
-        weights = quantize_weights(weights, group_size, bits)
-        raw["quantization"] = {"group_size": group_size, "bits": bits}
+        weights = quantize_weights(weights, group_size, bits, quantize_mode)
+        raw["quantization"] = {"group_size": group_size, "bits": bits, "mode": quantize_mode}
     write_json(out_dir / "config.json", raw)
     write_json(out_dir / "generation_config.json", generation_config(raw["eos_token_id"]))
     save_weights(out_dir, weights, shards=shards, is_mlx_format=quantize is not None)
@@ -240,16 +243,18 @@ def random_weights(model: CausalLM, seed: int) -> dict[str, mx.array]:
 
 
 def quantize_weights(
-    weights: dict[str, mx.array], group_size: int, bits: int
+    weights: dict[str, mx.array], group_size: int, bits: int, mode: str = "affine"
 ) -> dict[str, mx.array]:
-    """mlx-community layout: `X.weight` packed uint32 plus `X.scales` and `X.biases`."""
+    """mlx-community layout: `X.weight` packed uint32 plus `X.scales` and (affine) `X.biases`."""
     out = {}
     for name, w in weights.items():
         prefix = name.removesuffix(".weight")
         is_matrix = name.endswith(".weight") and w.ndim == 2 and "norm" not in name
         if is_matrix and w.shape[-1] % group_size == 0:
-            packed, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
-            out[name], out[f"{prefix}.scales"], out[f"{prefix}.biases"] = packed, scales, biases
+            packed, scales, *biases = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
+            out[name], out[f"{prefix}.scales"] = packed, scales
+            if biases:
+                out[f"{prefix}.biases"] = biases[0]
         else:
             out[name] = w
     return out

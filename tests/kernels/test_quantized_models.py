@@ -154,3 +154,28 @@ def test_a_16_bit_checkpoint_can_be_quantized_at_load(make_checkpoint, bits):
 def test_an_unknown_cpu_quantize_value_is_refused(make_checkpoint):
     with pytest.raises(ValueError, match="cpu_quantize"):
         load_model(make_checkpoint("llama"), cpu_quantize="2")
+
+
+# mlx's microscaling modes (mlx-lm's `--q-mode`), each at its group size and bits: one
+# scale per group and no biases, so not the kernels' layout.
+MICROSCALING = {"mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
+
+
+@pytest.mark.parametrize("keep_dtype", [False, True], ids=["float32", "kept"])
+@pytest.mark.parametrize("mode", MICROSCALING)
+def test_microscaling_checkpoints_keep_greedy_parity_with_mlx_lm(make_checkpoint, mode, keep_dtype):
+    """Expanded to float32 (the CPU default) or kept packed, as a model too large for
+    float32 is, the tokens are mlx-lm's."""
+    path = make_checkpoint(
+        "llama", quantize=MICROSCALING[mode], quantize_mode=mode, **SHAPE, tie_word_embeddings=True
+    )
+    loaded = load_model(path, keep_dtype=keep_dtype)
+    leaves = nn.utils.tree_flatten(loaded.model.leaf_modules(), is_leaf=nn.Module.is_module)
+    packed = [m for _, m in leaves if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    if keep_dtype:  # 2 layers x 7 projections, and the embedding (the tied head)
+        assert len(packed) == 15 and all(m.mode == mode for m in packed)
+    else:
+        assert not packed
+    ours = greedy(loaded)
+    assert ours == mlx_lm_greedy(path)
+    assert len(set(ours)) > 4, "the test model should not be degenerate"

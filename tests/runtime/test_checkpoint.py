@@ -54,6 +54,20 @@ def test_wrong_config_type_is_named(broken):
     assert "num_hidden_layers" in error_for(broken)
 
 
+@pytest.mark.parametrize(
+    "quantization",
+    [
+        {"group_size": 32, "bits": 4, "mode": "fp3"},
+        {"group_size": 32, "bits": 4, "model.layers.0.mlp.up_proj": {"bits": 4, "mode": "fp3"}},
+    ],
+    ids=["model", "layer"],
+)
+def test_an_unknown_quantization_mode_is_named_with_the_supported_ones(broken, quantization):
+    edit_config(broken, quantization=quantization)
+    message = error_for(broken)
+    assert "'fp3'" in message and all(m in message for m in ("affine", "mxfp4", "nvfp4", "mxfp8"))
+
+
 def test_query_heads_that_do_not_share_kv_heads_evenly_are_named(broken):
     edit_config(broken, num_attention_heads=6, num_key_value_heads=4)
     message = error_for(broken)
@@ -152,6 +166,34 @@ def test_mixed_precision_quantization_loads_like_mlx_lm(make_checkpoint, tmp_pat
     loaded = load_model(path, keep_dtype=True)
     assert loaded.model.model.layers[0].mlp.down_proj.bits == 8
     assert loaded.model.model.layers[1].mlp.down_proj.bits == 4
+    peer, _ = mlx_lm.load(str(path))
+    tokens = mx.array([[5, 17, 99, 3, 44]])
+    assert mx.allclose(loaded.model(tokens), peer(tokens), atol=1e-4).item()
+
+
+def test_a_layer_can_take_another_quantization_mode(make_checkpoint, tmp_path):
+    """mlx-lm gives a per-layer entry its own mode as well as its own bits."""
+    import mlx_lm
+
+    path = tmp_path / "mixed_modes"
+    shutil.copytree(make_checkpoint("llama", hidden_size=128, intermediate_size=256), path)
+    weights = mx.load(str(path / "model.safetensors"))
+    mixed = {}
+    for name, w in weights.items():
+        prefix = name.removesuffix(".weight")
+        if prefix == "model.layers.0.mlp.down_proj":
+            mixed[name], mixed[f"{prefix}.scales"] = mx.quantize(w, 32, 8, mode="mxfp8")
+        elif name.endswith("proj.weight"):
+            mixed[name], mixed[f"{prefix}.scales"], mixed[f"{prefix}.biases"] = mx.quantize(w, 32, 4)
+        else:
+            mixed[name] = w
+    mx.save_safetensors(str(path / "model.safetensors"), mixed, metadata={"format": "mlx"})
+    edit_config(path, quantization={"group_size": 32, "bits": 4, "mode": "affine",
+                                    "model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 8, "mode": "mxfp8"}})
+
+    loaded = load_model(path, keep_dtype=True)
+    assert loaded.model.model.layers[0].mlp.down_proj.mode == "mxfp8"
+    assert loaded.model.model.layers[1].mlp.down_proj.mode == "affine"
     peer, _ = mlx_lm.load(str(path))
     tokens = mx.array([[5, 17, 99, 3, 44]])
     assert mx.allclose(loaded.model(tokens), peer(tokens), atol=1e-4).item()

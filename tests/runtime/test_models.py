@@ -145,7 +145,7 @@ def test_quantized_gemma3_matches_mlx_lm(tmp_path: Path, family: str):
     config = load_config(path)
     assert config.quantization is not None
     if family == "gemma3":
-        assert config.quantization.per_layer == {"model.layers.0.mlp.down_proj": (64, 8)}
+        assert config.quantization.per_layer == {"model.layers.0.mlp.down_proj": (64, 8, "affine")}
     ours = load_model(path, keep_dtype=True)
     reference, _ = mlx_lm.load(str(path))
     assert mx.allclose(ours.model(TOKENS), reference(TOKENS), atol=1e-3).item()
