@@ -172,7 +172,7 @@ def build_decoder(config: ModelConfig, weights: dict[str, mx.array], source: str
     if config.quantization is not None:
         q = config.quantization
 
-        def quantized_as(path: str, _module: nn.Module) -> bool | dict[str, int | str]:
+        def quantized_as(path: str, _module: nn.Module) -> bool | dict[str, int | str | None]:
             if f"{path}.scales" not in weights:
                 return False  # stored unquantized (e.g. a layer the quantizer skipped)
             if path in q.per_layer:

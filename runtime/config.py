@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from runtime.errors import CheckpointError
 
@@ -19,8 +19,9 @@ QUANTIZATION_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
 class Quantization:
     group_size: int
     bits: int
-    # Mixed-precision checkpoints: {module path: (group_size, bits, mode)} overriding the default.
-    per_layer: dict[str, tuple[int, int, str]] = attrs.field(factory=dict)
+    # Mixed-precision checkpoints: {module path: (group_size, bits, mode)} overriding the
+    # default; None is the mode's default (mlx's).
+    per_layer: dict[str, tuple[int | None, int | None, str]] = attrs.field(factory=dict)
     mode: str = "affine"
 
 
@@ -155,29 +156,41 @@ def config_from_dict(
 def _quantization(quant: dict[str, Any] | None, source: str) -> Quantization | None:
     if quant is None:
         return None
-    try:
-        mode = quant.get("mode", "affine")
-        per_layer = {
-            path: (
-                int(spec.get("group_size", quant["group_size"])),
-                int(spec["bits"]),
-                spec.get("mode", mode),
-            )
-            for path, spec in quant.items()
-            if isinstance(spec, dict)
-        }
-        quantization = Quantization(int(quant["group_size"]), int(quant["bits"]), per_layer, mode)
-    except (KeyError, TypeError, ValueError, AttributeError):
+    group_size, bits, mode = quant.get("group_size"), quant.get("bits"), quant.get("mode", "affine")
+    if not (_is_int(group_size) and _is_int(bits)):
         raise CheckpointError(
-            f"{source}: field 'quantization' needs integer group_size and bits, got {quant!r}"
-        ) from None
-    for each in (mode, *(layer_mode for _, _, layer_mode in per_layer.values())):
-        if each not in QUANTIZATION_MODES:
+            f"{source}: field 'quantization' needs integer group_size and bits, "
+            f"got group_size={group_size!r}, bits={bits!r}"
+        )
+    _check_mode(mode, source)
+    per_layer: dict[str, tuple[int | None, int | None, str]] = {}
+    for path, spec in quant.items():
+        if not isinstance(spec, dict):
+            continue  # the defaults above, or a layer marked unquantized (false)
+        # As mlx-lm passes such an entry to mlx: a group_size or bits that is null or
+        # absent is the mode's default (mlx-lm's mixed recipes write group_size null).
+        layer_group, layer_bits = spec.get("group_size"), spec.get("bits")
+        layer_mode = spec.get("mode", mode)
+        if not all(value is None or _is_int(value) for value in (layer_group, layer_bits)):
             raise CheckpointError(
-                f"{source}: quantization mode {each!r} is not supported "
-                f"(supported: {', '.join(QUANTIZATION_MODES)})"
+                f"{source}: quantization entry {path!r} needs integer group_size and bits, "
+                f"got {spec!r}"
             )
-    return quantization
+        _check_mode(layer_mode, source)
+        per_layer[path] = (layer_group, layer_bits, layer_mode)
+    return Quantization(group_size, bits, per_layer, mode)
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_mode(mode: Any, source: str) -> None:
+    if mode not in QUANTIZATION_MODES:
+        raise CheckpointError(
+            f"{source}: quantization mode {mode!r} is not supported "
+            f"(supported: {', '.join(QUANTIZATION_MODES)})"
+        )
 
 
 def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:

@@ -197,3 +197,50 @@ def test_a_layer_can_take_another_quantization_mode(make_checkpoint, tmp_path):
     peer, _ = mlx_lm.load(str(path))
     tokens = mx.array([[5, 17, 99, 3, 44]])
     assert mx.allclose(loaded.model(tokens), peer(tokens), atol=1e-4).item()
+
+
+def test_a_null_group_size_in_a_layer_entry_is_the_modes_default_as_in_mlx_lm(make_checkpoint, tmp_path):
+    """mlx-lm's mixed recipes (`--quant-predicate mixed_4_6`) write a layer's group_size
+    as null: mlx then takes the mode's default (64 for affine), not the top-level one."""
+    import mlx_lm
+
+    path = tmp_path / "recipe"
+    shutil.copytree(make_checkpoint("llama", hidden_size=128, intermediate_size=256), path)
+    weights = mx.load(str(path / "model.safetensors"))
+    mixed = {}
+    for name, w in weights.items():
+        prefix = name.removesuffix(".weight")
+        if name.endswith("proj.weight"):
+            group_size, bits = (64, 6) if prefix.endswith("v_proj") else (32, 4)
+            packed = mx.quantize(w, group_size, bits)
+            mixed[name], mixed[f"{prefix}.scales"], mixed[f"{prefix}.biases"] = packed
+        else:
+            mixed[name] = w
+    mx.save_safetensors(str(path / "model.safetensors"), mixed, metadata={"format": "mlx"})
+    entries = {
+        f"model.layers.{i}.self_attn.v_proj": {"group_size": None, "bits": 6, "mode": "affine"}
+        for i in range(2)
+    }
+    edit_config(path, quantization={"group_size": 32, "bits": 4, "mode": "affine", **entries})
+
+    loaded = load_model(path, keep_dtype=True)
+    v_proj = loaded.model.model.layers[1].self_attn.v_proj
+    assert (v_proj.group_size, v_proj.bits) == (64, 6)
+    assert loaded.model.model.layers[1].self_attn.q_proj.group_size == 32
+    peer, _ = mlx_lm.load(str(path))
+    tokens = mx.array([[5, 17, 99, 3, 44]])
+    assert mx.allclose(loaded.model(tokens), peer(tokens), atol=1e-4).item()
+
+
+@pytest.mark.parametrize(
+    "quantization",
+    [
+        {"group_size": "64", "bits": 4},
+        {"group_size": 64, "bits": 4, "model.layers.0.mlp.up_proj": {"group_size": 64, "bits": "4"}},
+    ],
+    ids=["model", "layer"],
+)
+def test_a_non_integer_quantization_field_is_named_briefly(broken, quantization):
+    edit_config(broken, quantization={**quantization, **{f"layer{i}": {"bits": 4} for i in range(200)}})
+    message = error_for(broken)
+    assert "group_size" in message and "bits" in message and len(message) < 300
