@@ -179,3 +179,20 @@ def test_microscaling_checkpoints_keep_greedy_parity_with_mlx_lm(make_checkpoint
     ours = greedy(loaded)
     assert ours == mlx_lm_greedy(path)
     assert len(set(ours)) > 4, "the test model should not be degenerate"
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4", "mixed_3_6"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_what_mlx_lm_convert_writes_gives_its_greedy_tokens(make_checkpoint, tmp_path, family, recipe):
+    """mlx-lm's own converter, as mlx-community checkpoints are made: a microscaling mode,
+    and a mixed recipe (per-layer bits with a null group size). mlx-lm computes in float32
+    here, as cadence does on the CPU, so that the tokens compare the formats alone."""
+    source = make_checkpoint(family, **SHAPE, **FAMILIES[family])
+    path = tmp_path / recipe
+    options = {"q_mode": recipe} if recipe == "mxfp4" else {"quant_predicate": recipe}
+    mlx_lm.convert(str(source), str(path), quantize=True, **options)
+    ours = greedy(load_model(path))
+    model, _ = mlx_lm.load(str(path))
+    model.set_dtype(mx.float32)
+    assert ours == [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=NEW_TOKENS)]
+    assert len(set(ours)) > 4, "the test model should not be degenerate"
