@@ -5,6 +5,7 @@ import shutil
 
 from runtime.checkpoint import DEMO_CHECKPOINT, load_model, resolve_checkpoint
 from runtime.errors import CheckpointError
+from runtime.synth import quantize_weights
 
 import mlx.core as mx
 import pytest
@@ -144,92 +145,72 @@ def test_demo_checkpoint_loads():
     assert loaded.tokenizer.has_chat_template
 
 
-def test_mixed_precision_quantization_loads_like_mlx_lm(make_checkpoint, tmp_path):
-    """mlx-community's mixed quants give some layers their own bits in config.json."""
-    import mlx_lm
-
-    path = tmp_path / "mixed"
+def mixed_checkpoint(make_checkpoint, path, layers, quantization):
+    """A tiny llama whose projections are packed at group 32, 4 bits, affine, except those
+    `layers` names ({module path: (group_size, bits, mode)}), with `quantization` as
+    config.json's field."""
     shutil.copytree(make_checkpoint("llama", hidden_size=128, intermediate_size=256), path)
-    weights = mx.load(str(path / "model.safetensors"))
     mixed = {}
-    for name, w in weights.items():
-        prefix = name.removesuffix(".weight")
+    for name, w in mx.load(str(path / "model.safetensors")).items():
         if name.endswith("proj.weight"):
-            bits = 8 if prefix == "model.layers.0.mlp.down_proj" else 4
-            mixed[name], mixed[f"{prefix}.scales"], mixed[f"{prefix}.biases"] = mx.quantize(w, 32, bits)
+            spec = layers.get(name.removesuffix(".weight"), (32, 4, "affine"))
+            mixed.update(quantize_weights({name: w}, *spec))
         else:
             mixed[name] = w
     mx.save_safetensors(str(path / "model.safetensors"), mixed, metadata={"format": "mlx"})
-    edit_config(path, quantization={"group_size": 32, "bits": 4,
-                                    "model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 8}})
+    edit_config(path, quantization=quantization)
+    return path
+
+
+def load_like_mlx_lm(path):
+    """The checkpoint as stored (keep_dtype), once its logits are checked against mlx-lm's."""
+    import mlx_lm
 
     loaded = load_model(path, keep_dtype=True)
-    assert loaded.model.model.layers[0].mlp.down_proj.bits == 8
-    assert loaded.model.model.layers[1].mlp.down_proj.bits == 4
     peer, _ = mlx_lm.load(str(path))
     tokens = mx.array([[5, 17, 99, 3, 44]])
     assert mx.allclose(loaded.model(tokens), peer(tokens), atol=1e-4).item()
+    return loaded
+
+
+def test_mixed_precision_quantization_loads_like_mlx_lm(make_checkpoint, tmp_path):
+    """mlx-community's mixed quants give some layers their own bits in config.json."""
+    down_proj = "model.layers.0.mlp.down_proj"
+    path = mixed_checkpoint(
+        make_checkpoint, tmp_path / "mixed", {down_proj: (32, 8, "affine")},
+        {"group_size": 32, "bits": 4, down_proj: {"group_size": 32, "bits": 8}},
+    )
+    loaded = load_like_mlx_lm(path)
+    assert loaded.model.model.layers[0].mlp.down_proj.bits == 8
+    assert loaded.model.model.layers[1].mlp.down_proj.bits == 4
 
 
 def test_a_layer_can_take_another_quantization_mode(make_checkpoint, tmp_path):
     """mlx-lm gives a per-layer entry its own mode as well as its own bits."""
-    import mlx_lm
-
-    path = tmp_path / "mixed_modes"
-    shutil.copytree(make_checkpoint("llama", hidden_size=128, intermediate_size=256), path)
-    weights = mx.load(str(path / "model.safetensors"))
-    mixed = {}
-    for name, w in weights.items():
-        prefix = name.removesuffix(".weight")
-        if prefix == "model.layers.0.mlp.down_proj":
-            mixed[name], mixed[f"{prefix}.scales"] = mx.quantize(w, 32, 8, mode="mxfp8")
-        elif name.endswith("proj.weight"):
-            mixed[name], mixed[f"{prefix}.scales"], mixed[f"{prefix}.biases"] = mx.quantize(w, 32, 4)
-        else:
-            mixed[name] = w
-    mx.save_safetensors(str(path / "model.safetensors"), mixed, metadata={"format": "mlx"})
-    edit_config(path, quantization={"group_size": 32, "bits": 4, "mode": "affine",
-                                    "model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 8, "mode": "mxfp8"}})
-
-    loaded = load_model(path, keep_dtype=True)
+    down_proj = "model.layers.0.mlp.down_proj"
+    path = mixed_checkpoint(
+        make_checkpoint, tmp_path / "mixed_modes", {down_proj: (32, 8, "mxfp8")},
+        {"group_size": 32, "bits": 4, "mode": "affine",
+         down_proj: {"group_size": 32, "bits": 8, "mode": "mxfp8"}},
+    )
+    loaded = load_like_mlx_lm(path)
     assert loaded.model.model.layers[0].mlp.down_proj.mode == "mxfp8"
     assert loaded.model.model.layers[1].mlp.down_proj.mode == "affine"
-    peer, _ = mlx_lm.load(str(path))
-    tokens = mx.array([[5, 17, 99, 3, 44]])
-    assert mx.allclose(loaded.model(tokens), peer(tokens), atol=1e-4).item()
 
 
 def test_a_null_group_size_in_a_layer_entry_is_the_modes_default_as_in_mlx_lm(make_checkpoint, tmp_path):
     """mlx-lm's mixed recipes (`--quant-predicate mixed_4_6`) write a layer's group_size
     as null: mlx then takes the mode's default (64 for affine), not the top-level one."""
-    import mlx_lm
-
-    path = tmp_path / "recipe"
-    shutil.copytree(make_checkpoint("llama", hidden_size=128, intermediate_size=256), path)
-    weights = mx.load(str(path / "model.safetensors"))
-    mixed = {}
-    for name, w in weights.items():
-        prefix = name.removesuffix(".weight")
-        if name.endswith("proj.weight"):
-            group_size, bits = (64, 6) if prefix.endswith("v_proj") else (32, 4)
-            packed = mx.quantize(w, group_size, bits)
-            mixed[name], mixed[f"{prefix}.scales"], mixed[f"{prefix}.biases"] = packed
-        else:
-            mixed[name] = w
-    mx.save_safetensors(str(path / "model.safetensors"), mixed, metadata={"format": "mlx"})
-    entries = {
-        f"model.layers.{i}.self_attn.v_proj": {"group_size": None, "bits": 6, "mode": "affine"}
-        for i in range(2)
-    }
-    edit_config(path, quantization={"group_size": 32, "bits": 4, "mode": "affine", **entries})
-
-    loaded = load_model(path, keep_dtype=True)
+    v_projs = [f"model.layers.{i}.self_attn.v_proj" for i in range(2)]
+    path = mixed_checkpoint(
+        make_checkpoint, tmp_path / "recipe", {v: (64, 6, "affine") for v in v_projs},
+        {"group_size": 32, "bits": 4, "mode": "affine",
+         **{v: {"group_size": None, "bits": 6, "mode": "affine"} for v in v_projs}},
+    )
+    loaded = load_like_mlx_lm(path)
     v_proj = loaded.model.model.layers[1].self_attn.v_proj
     assert (v_proj.group_size, v_proj.bits) == (64, 6)
     assert loaded.model.model.layers[1].self_attn.q_proj.group_size == 32
-    peer, _ = mlx_lm.load(str(path))
-    tokens = mx.array([[5, 17, 99, 3, 44]])
-    assert mx.allclose(loaded.model(tokens), peer(tokens), atol=1e-4).item()
 
 
 @pytest.mark.parametrize(
