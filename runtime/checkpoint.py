@@ -172,17 +172,24 @@ def build_decoder(config: ModelConfig, weights: dict[str, mx.array], source: str
     if config.quantization is not None:
         q = config.quantization
 
+        last_quantized = [""]  # the layer mlx is quantizing, for its error
+
         def quantized_as(path: str, _module: nn.Module) -> bool | dict[str, int | str | None]:
             if f"{path}.scales" not in weights:
                 return False  # stored unquantized (e.g. a layer the quantizer skipped)
+            last_quantized[0] = path
             if path in q.per_layer:
                 group_size, bits, mode = q.per_layer[path]
                 return {"group_size": group_size, "bits": bits, "mode": mode}
             return True
 
-        nn.quantize(
-            decoder, group_size=q.group_size, bits=q.bits, mode=q.mode, class_predicate=quantized_as
-        )
+        try:
+            nn.quantize(
+                decoder, group_size=q.group_size, bits=q.bits, mode=q.mode, class_predicate=quantized_as
+            )
+        except ValueError as error:  # bits or a group size mlx has no kernel for
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise CheckpointError(f"{source}: layer '{last_quantized[0]}': {reason}") from None
     expected = dict(tree_flatten(decoder.parameters()))
     for name, param in expected.items():
         if name not in weights:

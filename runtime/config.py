@@ -157,9 +157,9 @@ def _quantization(quant: dict[str, Any] | None, source: str) -> Quantization | N
     if quant is None:
         return None
     group_size, bits, mode = quant.get("group_size"), quant.get("bits"), quant.get("mode", "affine")
-    if not (_is_int(group_size) and _is_int(bits)):
+    if not (_is_positive_int(group_size) and _is_positive_int(bits)):
         raise CheckpointError(
-            f"{source}: field 'quantization' needs integer group_size and bits, "
+            f"{source}: field 'quantization' needs positive integer group_size and bits, "
             f"got group_size={group_size!r}, bits={bits!r}"
         )
     _check_mode(mode, source)
@@ -171,18 +171,19 @@ def _quantization(quant: dict[str, Any] | None, source: str) -> Quantization | N
         # absent is the mode's default (mlx-lm's mixed recipes write group_size null).
         layer_group, layer_bits = spec.get("group_size"), spec.get("bits")
         layer_mode = spec.get("mode", mode)
-        if not all(value is None or _is_int(value) for value in (layer_group, layer_bits)):
+        if not all(v is None or _is_positive_int(v) for v in (layer_group, layer_bits)):
             raise CheckpointError(
-                f"{source}: quantization entry {path!r} needs integer group_size and bits, "
-                f"got {spec!r}"
+                f"{source}: quantization entry {path!r} needs positive integer group_size "
+                f"and bits, got {spec!r}"
             )
         _check_mode(layer_mode, source)
         per_layer[path] = (layer_group, layer_bits, layer_mode)
     return Quantization(group_size, bits, per_layer, mode)
 
 
-def _is_int(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _is_positive_int(value: Any) -> TypeGuard[int]:
+    # mlx divides by the group size unchecked: a 0 killed the process (SIGFPE).
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _check_mode(mode: Any, source: str) -> None:

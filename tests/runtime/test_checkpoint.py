@@ -69,6 +69,28 @@ def test_an_unknown_quantization_mode_is_named_with_the_supported_ones(broken, q
     assert "'fp3'" in message and all(m in message for m in ("affine", "mxfp4", "nvfp4", "mxfp8"))
 
 
+@pytest.mark.parametrize(
+    ("quantization", "named"),
+    [
+        ({"group_size": 0, "bits": 4}, "positive integer"),  # mlx divided by it: SIGFPE
+        ({"group_size": 32, "bits": -4}, "positive integer"),
+        ({"group_size": 32, "bits": 4, "model.layers.0.mlp.up_proj": {"group_size": 0}}, "up_proj"),
+        ({"group_size": 32, "bits": 99}, "bits 99"),  # refused by mlx itself
+        ({"group_size": 32, "bits": 4, "model.layers.1.mlp.down_proj": {"group_size": 7, "bits": 4}},
+         "model.layers.1.mlp.down_proj"),
+        ({"group_size": 32, "bits": 4, "mode": "mxfp4"}, "biases"),  # affine tensors, mxfp4 said
+    ],
+    ids=["zero-group", "negative-bits", "zero-layer-group", "mlx-bits", "mlx-layer-group", "wrong-mode"],
+)
+def test_quantization_parameters_mlx_cannot_take_are_a_one_line_error(
+    make_checkpoint, tmp_path, quantization, named
+):
+    path = tmp_path / "quantized"
+    shutil.copytree(make_checkpoint("llama", quantize=(32, 4), hidden_size=128, intermediate_size=256), path)
+    edit_config(path, quantization=quantization)
+    assert named in error_for(path)
+
+
 def test_query_heads_that_do_not_share_kv_heads_evenly_are_named(broken):
     edit_config(broken, num_attention_heads=6, num_key_value_heads=4)
     message = error_for(broken)
