@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -133,6 +134,7 @@ def config_from_dict(
                 f"{source}: unsupported rope_scaling type '{rope_type}' "
                 "(supported: default, linear, llama3)"
             )
+        _check_rope_scaling(rope_type, rope_scaling, source)
     common: dict[str, Any] = dict(
         model_type=raw["model_type"],
         hidden_size=hidden,
@@ -192,6 +194,34 @@ def _check_mode(mode: Any, source: str) -> None:
             f"{source}: quantization mode {mode!r} is not supported "
             f"(supported: {', '.join(QUANTIZATION_MODES)})"
         )
+
+
+def _check_rope_scaling(kind: str, scaling: dict[str, Any], source: str) -> None:
+    """The numbers a scaling divides by or multiplies with must be positive, and llama3's
+    high_freq_factor above its low one (RoPE divides by their difference); the defaults
+    are those RoPE takes (runtime/models/layers.py)."""
+    if kind == "default":
+        return
+
+    def positive(name: str, default: float | None = None) -> float:
+        value = scaling.get(name, default)
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool)) or not (
+            math.isfinite(value) and value > 0
+        ):
+            raise CheckpointError(
+                f"{source}: rope_scaling {kind} needs a positive number '{name}', got {value!r}"
+            )
+        return float(value)
+
+    positive("factor")
+    if kind == "llama3":
+        low, high = positive("low_freq_factor", 1.0), positive("high_freq_factor", 4.0)
+        positive("original_max_position_embeddings", 8192)
+        if high <= low:
+            raise CheckpointError(
+                f"{source}: rope_scaling llama3 needs high_freq_factor above low_freq_factor, "
+                f"got {high:g} and {low:g}"
+            )
 
 
 def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:

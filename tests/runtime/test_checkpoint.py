@@ -91,6 +91,24 @@ def test_quantization_parameters_mlx_cannot_take_are_a_one_line_error(
     assert named in error_for(path)
 
 
+@pytest.mark.parametrize(
+    ("rope_scaling", "named"),
+    [
+        ({"rope_type": "linear", "factor": 0}, "'factor', got 0"),  # was a ZeroDivisionError
+        ({"rope_type": "linear"}, "'factor', got None"),  # was a KeyError
+        ({"type": "linear", "factor": -2.0}, "'factor', got -2.0"),
+        ({"rope_type": "llama3", "factor": 0}, "'factor'"),  # was non-finite logits
+        ({"rope_type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 4}, "above"),
+        ({"rope_type": "llama3", "factor": 8, "original_max_position_embeddings": "8k"}, "original"),
+    ],
+    ids=["linear-zero", "linear-missing", "linear-negative", "llama3-zero", "llama3-equal", "llama3-text"],
+)
+def test_rope_scaling_numbers_rope_cannot_use_are_named(broken, rope_scaling, named):
+    edit_config(broken, rope_scaling=rope_scaling)
+    message = error_for(broken)
+    assert "rope_scaling" in message and named in message
+
+
 def test_query_heads_that_do_not_share_kv_heads_evenly_are_named(broken):
     edit_config(broken, num_attention_heads=6, num_key_value_heads=4)
     message = error_for(broken)
