@@ -196,10 +196,17 @@ def _check_mode(mode: Any, source: str) -> None:
         )
 
 
+# What llama3 RoPE scaling takes for a field its config leaves out (as transformers).
+LLAMA3_ROPE_DEFAULTS = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
 def _check_rope_scaling(kind: str, scaling: dict[str, Any], source: str) -> None:
     """The numbers a scaling divides by or multiplies with must be positive, and llama3's
-    high_freq_factor above its low one (RoPE divides by their difference); the defaults
-    are those RoPE takes (runtime/models/layers.py)."""
+    high_freq_factor above its low one (RoPE divides by their difference)."""
     if kind == "default":
         return
 
@@ -215,8 +222,7 @@ def _check_rope_scaling(kind: str, scaling: dict[str, Any], source: str) -> None
 
     positive("factor")
     if kind == "llama3":
-        low, high = positive("low_freq_factor", 1.0), positive("high_freq_factor", 4.0)
-        positive("original_max_position_embeddings", 8192)
+        low, high, _ = (positive(name, default) for name, default in LLAMA3_ROPE_DEFAULTS.items())
         if high <= low:
             raise CheckpointError(
                 f"{source}: rope_scaling llama3 needs high_freq_factor above low_freq_factor, "

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from runtime.config import ModelConfig
+from runtime.config import LLAMA3_ROPE_DEFAULTS, ModelConfig
 from runtime.kv.base import CausalNoCache, ForwardKV, split_heads
 
 import mlx.core as mx
@@ -61,9 +61,7 @@ class RoPE(nn.Module):
 
 def _llama3_freqs(dims: int, base: float, scaling: dict) -> mx.array:
     factor = float(scaling["factor"])
-    low = float(scaling.get("low_freq_factor", 1.0))
-    high = float(scaling.get("high_freq_factor", 4.0))
-    old_context = float(scaling.get("original_max_position_embeddings", 8192))
+    low, high, old_context = (float(scaling.get(k, v)) for k, v in LLAMA3_ROPE_DEFAULTS.items())
     freqs = base ** (mx.arange(0, dims, 2) / dims)
     wavelens = 2 * math.pi * freqs
     freqs = mx.where(wavelens > old_context / low, freqs * factor, freqs)
