@@ -735,6 +735,14 @@ def test_overlapping_stops_first_to_complete_wins():
     assert run_stops(["abcd", "bc"], ["ab", "cd"]) == ("a", True)
 
 
+def test_of_stops_completing_together_the_longer_starts_first():
+    # "b" and "ab" both complete at the same character; "ab" began earlier, so the text
+    # ends before it, whichever order the stops were given in.
+    assert run_stops(["ab", "b"], ["xab"]) == ("x", True)
+    assert run_stops(["b", "ab"], ["xa", "b"]) == ("x", True)
+    assert run_stops(["c", "abc", "bc"], ["xabc"]) == ("x", True)
+
+
 def test_a_stop_found_after_a_partial_match_of_itself_fails():
     # "aa" then "a": the match falls back to "aa" (KMP), not to nothing, so "aab" is seen.
     assert run_stops(["aab"], ["aaab"]) == ("a", True)
