@@ -326,6 +326,14 @@ def test_lower_priority_values_are_admitted_first_then_first_come_first_served()
     assert order == ["urgent", "normal-1", "normal-2", "late-low"]
 
 
+def test_among_running_prompts_priority_orders_the_chunks_before_tokens_left():
+    p = policy(max_batch=2, chunk=8, budget=10)
+    p.add("short-background", params(9, priority=5))
+    p.add("long-urgent", params(40, first=100, priority=-1))
+    # Both are admitted; the urgent prompt takes the chunk although it has more left.
+    assert spans(p.schedule()) == [("long-urgent", 0, 8), ("short-background", 0, 2)]
+
+
 def test_preemption_takes_the_lowest_priority_then_the_newest_and_readmits_it():
     p = policy(max_batch=3, num_blocks=6, block_size=4, max_context=24)
     p.add("old", params(3, max_tokens=20, priority=0))
