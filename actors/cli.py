@@ -170,7 +170,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--keep-dtype",
         action="store_true",
-        help="keep the checkpoint's dtype on CPU (default: expand to float32 when memory allows)",
+        help="on CPU, keep and compute in the checkpoint's stored dtype (default: the --cpu-quantize policy)",
     )
     parser.add_argument(
         "--cpu-quantize",
