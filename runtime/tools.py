@@ -92,10 +92,13 @@ class _JsonCalls:
                     events.append(Content(body[start:]))  # text that never became a call
                     self.position = len(body)
                 return events
+            is_call = self.name_seen
             if not self.name_seen:  # a call whose keys came in another order: reported whole
                 raw = body[start:whole]
-                events += _whole_call(self.num_calls, json.loads(raw), raw)
-            self.num_calls += 1
+                whole_events = _whole_call(self.num_calls, json.loads(raw), raw)
+                is_call = isinstance(whole_events[0], CallStart)  # else JSON left as text
+                events += whole_events
+            self.num_calls += is_call  # indexes count calls only: 0, 1, ... as OpenAI's
             self.position, self.name_seen, self.num_sent = whole, False, 0
 
 

@@ -48,6 +48,22 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     assert stream.finish_reason("stop") == "tool_calls" and content == "Sure."
 
 
+@pytest.mark.parametrize("is_parallel", [True, False])
+def test_json_that_is_no_call_before_a_call_stays_content_and_the_call_is_kept(is_parallel):
+    # The model's "[1]" once counted as call 0: the real call came as 1, past the ids
+    # (IndexError: a 500, or a stream cut off), and parallel_tool_calls false dropped it.
+    text = '<tool_call>\n[1]\n{"name": "f", "arguments": {"a": 2}}\n</tool_call>'
+    for step in (1, 4, len(text)):
+        stream = ToolCallStream("hermes", is_parallel=is_parallel)
+        content, deltas = run(stream, text, step)
+        calls = whole_tool_calls(deltas)
+        assert content == "[1]" and [d["index"] for d in deltas if "id" in d] == [0]
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            ("f", '{"a": 2}')
+        ]
+        assert stream.finish_reason("stop") == "tool_calls"
+
+
 def test_a_reply_without_calls_keeps_its_whitespace_and_reason():
     stream = ToolCallStream("hermes")
     assert run(stream, "plain text \n", 4) == ("plain text \n", [])

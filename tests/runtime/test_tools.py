@@ -47,6 +47,7 @@ def parse(style, text, cuts=()):
         elif isinstance(event, CallArguments):
             calls[event.index][1] += event.fragment
     content = "".join(e.text for e in events if isinstance(e, Content))
+    assert sorted(calls) == list(range(len(calls)))  # indexes count the calls: 0, 1, ...
     return content, [tuple(calls[i]) for i in sorted(calls)]
 
 
@@ -91,6 +92,18 @@ CASES = [
         ("", [("f", '{"a": [1, 2]}')]),
     ),
     ("gemma", "```tool_code\nnot a call(\n```", ("```tool_code\nnot a call(\n```", [])),
+    # JSON that is no call stays text and takes no call index: the call after it is 0.
+    (
+        "hermes",
+        '<tool_call>\n[1]\n{"name": "f", "arguments": {}}\n</tool_call>',
+        ("[1]", [("f", "{}")]),
+    ),
+    (
+        "hermes",
+        '<tool_call>\n5; {"arguments": {"a": 1}, "name": "f"}\n</tool_call>',
+        ("5", [("f", '{"a": 1}')]),
+    ),
+    ("llama3_json", '{"a": 1}; {"name": "f", "parameters": {}}', ('{"a": 1}', [("f", "{}")])),
     (
         "gemma",  # cut short by max_tokens inside a call: the text as written, no fence added
         'Sure.\n```tool_code\nget_weather(city="Par',
