@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import json
 import re
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -45,7 +44,7 @@ from actors.choices import (
 from actors.cors import CorsPolicy
 from actors.generation import Generation
 from actors.openai_requests import ApiError, ApiRequest, parse_chat, parse_completion, parse_json
-from actors.openai_responses import SSE_DONE, ChunkWriter, sse
+from actors.openai_responses import SSE_DONE, ChunkWriter, sse, wire_json
 from actors.openai_tools import ToolCallDeltas, with_tool_calls
 from actors.openapi import OPENAPI
 from actors.requests import LogprobEntry, ServiceClosedError, Usage
@@ -390,7 +389,7 @@ def request_ids(sent: str | None) -> tuple[str, str]:
 
 
 def _json(body: dict[str, Any], status: int = 200) -> Response:
-    return Response(json.dumps(body, ensure_ascii=False), status, mimetype="application/json")
+    return Response(wire_json(body), status, mimetype="application/json")
 
 
 def _error_response(error: ApiError) -> Response:

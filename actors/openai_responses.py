@@ -178,10 +178,18 @@ def usage_json(usage: Usage) -> dict[str, Any]:
     }
 
 
+def wire_json(data: dict[str, Any]) -> bytes:
+    """`data` as compact JSON in UTF-8. A lone surrogate (a tool call's name decoded
+    from a model's "\\ud800") has no UTF-8 form: then the text goes out \\u-escaped,
+    as JSON allows, rather than failing the response."""
+    try:
+        return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(data, separators=(",", ":")).encode()
+
+
 def sse(data: dict[str, Any]) -> bytes:
-    return (
-        b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-    )
+    return b"data: " + wire_json(data) + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -1,9 +1,12 @@
 """Tool calls into OpenAI's deltas, without a server: ids, blank content, parallel calls."""
 
+import json
+
 from runtime.errors import RequestError
 
 import pytest
 
+from actors.openai_responses import sse, wire_json
 from actors.openai_tools import (
     ToolCallStream,
     structured_output,
@@ -62,6 +65,24 @@ def test_json_that_is_no_call_before_a_call_stays_content_and_the_call_is_kept(i
             ("f", '{"a": 2}')
         ]
         assert stream.finish_reason("stop") == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>\n{"name": "\\ud800", "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"arguments": {"a": "\\udfff"}, "name": "f"}\n</tool_call>',
+    ],
+)
+def test_a_lone_surrogate_a_model_escapes_into_a_call_still_goes_out_as_json(text):
+    # Decoded, "\ud800" is a lone surrogate with no UTF-8 form: encoding the response
+    # raised UnicodeEncodeError (a 500, or a stream cut off).
+    _, deltas = run(ToolCallStream("hermes"), text, 5)
+    (call,) = whole_tool_calls(deltas)
+    chunk = {"choices": [{"index": 0, "delta": {"tool_calls": deltas}}]}
+    for wire in (sse(chunk)[len(b"data: ") :], wire_json({"tool_calls": [call]})):
+        assert json.loads(wire.decode("utf-8"))  # valid UTF-8 and valid JSON
+    assert json.loads(wire)["tool_calls"][0] == call  # nothing lost: the escape goes out
 
 
 def test_a_reply_without_calls_keeps_its_whitespace_and_reason():
