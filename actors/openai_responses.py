@@ -166,7 +166,8 @@ def _token_json(token: str, logprob: float) -> dict[str, Any]:
 
 
 def _finite(logprob: float) -> float:
-    return max(logprob, MIN_LOGPROB)
+    # NaN too: JSON has no NaN (strict parsers refuse the whole response).
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:

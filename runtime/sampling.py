@@ -91,7 +91,7 @@ def sample(logits: mx.array, rows: Sequence[RowSampler], allowed: mx.array | Non
     if all(p.is_greedy for p in params):
         return Sampled(greedy, _logprobs(logits, greedy, params))
     unscaled = logits
-    temperature = mx.array([p.temperature if p.temperature > 0 else 1.0 for p in params])
+    temperature = mx.array([1.0 if p.is_greedy else p.temperature for p in params])
     logits = logits / temperature[:, None]
     if any(p.top_k > 0 for p in params):
         vocab = logits.shape[-1]  # a k past the vocabulary keeps all; and int32 can't hold 2**31
@@ -136,7 +136,9 @@ def apply_penalties(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
     zeros = mx.zeros((vocab,), dtype=mx.float32)
     counts = mx.stack([r.output_counts if r.output_counts is not None else zeros for r in rows])
     prompt = mx.stack([r.prompt_mask if r.prompt_mask is not None else zeros for r in rows])
-    rep = mx.array([r.params.repetition_penalty for r in rows])[:, None]
+    # A penalty under 1e-6 already multiplies every seen token's logit past any other;
+    # smaller ones became 0 in float32 (1e-300), and logits / 0 inf and NaN.
+    rep = mx.maximum(mx.array([r.params.repetition_penalty for r in rows]), 1e-6)[:, None]
     presence = mx.array([r.params.presence_penalty for r in rows])[:, None]
     frequency = mx.array([r.params.frequency_penalty for r in rows])[:, None]
     seen = (counts + prompt) > 0

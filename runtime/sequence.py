@@ -24,9 +24,16 @@ def _bias_pairs(
     return tuple(sorted((int(token), float(value)) for token, value in items))
 
 
+# Temperatures this small sample the top token anyway; dividing by them does not: in
+# float32 1e-40 is 0 or a subnormal, and logits / T were inf and their logprobs NaN.
+# (vLLM's epsilon for the same rule.)
+GREEDY_BELOW = 1e-5
+
+
 @attrs.frozen
 class SamplingParams:
-    """Per-row sampling. `temperature == 0` is greedy; every field batches with any other."""
+    """Per-row sampling. A temperature under GREEDY_BELOW is greedy; every field batches
+    with any other."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -43,7 +50,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

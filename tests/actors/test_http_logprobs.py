@@ -1,7 +1,10 @@
 """Logprobs through real HTTP, read by the official openai client: OpenAI's chat and
 completions shapes, streamed and not, and the requests that are refused."""
 
+import http.client
+import json
 import math
+import urllib.parse
 
 import openai
 import pytest
@@ -128,6 +131,40 @@ async def test_a_special_token_is_spelled_in_logprobs_though_the_text_skips_it(t
     assert done.choices[0].message.content == ""
     # Streamed, their entries come without text, and still one per token.
     assert [e["token"] for e in streamed] == ["<|im_start|>"] * MAX_TOKENS
+
+
+def strict_json(url, path, body):
+    """POST `body`; the response parsed as strict JSON (no NaN or Infinity)."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    headers = {"Content-Type": "application/json"}
+    connection.request("POST", path, body=json.dumps(body).encode(), headers=headers)
+    response = connection.getresponse()
+    payload = response.read()
+    connection.close()
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} in a response: not JSON")
+
+    return response.status, json.loads(payload, parse_constant=refuse)
+
+
+async def test_a_tiny_temperature_or_penalty_answers_greedily_in_strict_json(tiny):
+    """1e-300 is 0 in float32: these answered garbage with "logprob": NaN, which strict
+    JSON parsers (JavaScript's) refuse."""
+    chat = {"messages": MESSAGES, "max_tokens": MAX_TOKENS, "logprobs": True, "top_logprobs": 2}
+    completion = {"prompt": "Once upon", "max_tokens": MAX_TOKENS, "logprobs": 2}
+    async with serving(tiny) as server:
+        answers = {}
+        for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+            for extra in ({}, {"temperature": 1e-300}, {"repetition_penalty": 1e-300}):
+                status, reply = await in_thread(
+                    strict_json, server.url, path, {"model": server.model, **body, **extra}
+                )
+                assert status == 200, reply
+                answers[path, tuple(extra)] = reply["choices"][0]
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        assert answers[path, ("temperature",)] == answers[path, ()]  # greedy, logprobs too
 
 
 BAD = [

@@ -75,6 +75,23 @@ def test_penalties_match_numpy():
     np.testing.assert_allclose(ours[1], LOGITS[1], rtol=1e-6)
 
 
+def test_a_tiny_temperature_is_greedy_and_a_tiny_penalty_stays_finite():
+    # 1e-300 is 0 in float32: logits / T and logits / penalty were inf, logprobs NaN.
+    logits = mx.array(LOGITS[:2])
+    greedy = sample(logits, [RowSampler.create(SamplingParams(logprobs=3), [], 50)] * 2)
+    for temperature in (1e-300, 1e-40, 1e-6):
+        row = RowSampler.create(SamplingParams(temperature=temperature, logprobs=3), [], 50)
+        tiny = sample(logits, [row, row])
+        assert tiny.tokens.tolist() == greedy.tokens.tolist() == list(LOGITS[:2].argmax(-1))
+        np.testing.assert_array_equal(np.array(tiny.logprobs.top), np.array(greedy.logprobs.top))
+    second = int(np.argsort(LOGITS[0])[-2])  # a positive logit: divided by the penalty, it wins
+    row = RowSampler.create(SamplingParams(repetition_penalty=1e-300, logprobs=3), [second], 50)
+    penalised = sample(mx.array(LOGITS[:1]), [row])
+    assert penalised.tokens.tolist() == [second]
+    assert np.isfinite(np.array(penalised.logprobs.top)).all()
+    assert np.isfinite(np.array(apply_penalties(mx.array(LOGITS[:1]), [row]))).all()
+
+
 def test_logit_bias_and_greedy_rows_in_one_batch():
     logits = mx.array(LOGITS[:3])
     rows = [
