@@ -101,7 +101,7 @@ class GrammarState:
         """Take a sampled token; an error message when the grammar cannot (never under its mask)."""
         if self.matcher.consume_token(token):
             return None
-        return f"the structured-output grammar refused token {token}: {self.matcher.get_error()}"
+        return f"the structured-output grammar refused token {token}: {_reason(self.matcher)}"
 
     @property
     def is_done(self) -> bool:
@@ -142,10 +142,31 @@ class GrammarCompiler:
             initial_lexer_fuel=_LEXER_FUEL, max_grammar_size=_MAX_GRAMMAR_SIZE
         )
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=limits)
-        if matcher.is_error():
-            reason = " ".join(matcher.get_error().split())[:300]
-            raise RequestError(f"'{spec.param}' cannot be compiled: {reason}", param=spec.param)
+        if matcher.is_error() or (matcher := self._first_step(matcher)).is_error():
+            raise RequestError(
+                f"'{spec.param}' cannot be compiled: {_reason(matcher)}", param=spec.param
+            )
         return CompiledGrammar(spec, matcher)
+
+    def _first_step(self, matcher: llguidance.LLMatcher) -> llguidance.LLMatcher:
+        """`matcher`, or a copy that failed its first mask or token. llguidance builds
+        its lexer and parser rows lazily, so a grammar past their limits (a{100000}{100000},
+        20,000 alternatives on one prefix) compiles, then fails at the first token: a
+        row's failure mid-reply, where a 400 at admission is what the client needs."""
+        probe = matcher.deep_copy()
+        bitmask = allocate_token_bitmask(1, self.vocab_size)
+        fill_next_token_bitmask(probe, bitmask, 0)
+        allowed = [t for t in np.flatnonzero(unpack_mask(bitmask, self.vocab_size)[0])]
+        first = next((int(t) for t in allowed if t not in self._eos_ids), None)
+        if probe.is_error() or (first is not None and not probe.consume_token(first)):
+            return probe
+        return matcher
+
+
+def _reason(matcher: llguidance.LLMatcher) -> str:
+    """llguidance's error, without the parser state it appends (which quotes the whole
+    grammar: 250 KB for a large one), on one line."""
+    return " ".join(matcher.get_error().split("<state>")[0].split())[:300]
 
 
 def token_masks(states: Sequence[GrammarState | None], vocab_size: int) -> mx.array | None:

@@ -227,6 +227,7 @@ async def test_the_vllm_style_extensions_constrain_text(tiny):
         ),
         ({"guided_regex": "([a-z]"}, "guided_regex"),
         ({"guided_grammar": "start: nowhere"}, "guided_grammar"),
+        ({"guided_regex": "a{100000}{100000}"}, "guided_regex"),  # past the lexer's limits
         ({"structured_outputs": {"json": 5}}, "structured_outputs.json"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),

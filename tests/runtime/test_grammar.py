@@ -171,6 +171,33 @@ def test_a_pathological_schema_is_refused_within_limits(compiler, schema):
     assert time.perf_counter() - started < 5  # ~0.1-0.5 s measured; the limit stops it
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GrammarSpec("regex", "a{100000}{100000}", "guided_regex"),
+        GrammarSpec("lark", "start: " + " | ".join(f'"t{i}"' for i in range(20_000)), "guided_grammar"),
+        GrammarSpec("json_schema", '{"$ref": "#"}', "guided_json"),  # a schema with no end
+    ],
+)
+def test_a_grammar_past_the_limits_at_its_first_token_is_refused_at_compile(compiler, spec):
+    """llguidance builds its lexer and parser rows lazily: these compiled, then failed
+    the reply at its first token (a 500 quoting the whole grammar, 250 KB for the lark)."""
+    with pytest.raises(RequestError) as raised:
+        compiler.compile(spec)
+    assert raised.value.param == spec.param and len(str(raised.value)) < 400
+    assert "<state>" not in str(raised.value)
+
+
+def test_a_refused_token_says_why_in_one_short_line(compiler, model):
+    """A row's grammar error names the cause without the parser state llguidance
+    appends (multi-line, and for a large grammar it quotes the grammar: 250 KB)."""
+    state = compiler.compile(GrammarSpec("choice", json.dumps(["yes"]), "guided_choice")).start()
+    n = model.tokenizer.encode("no", add_special_tokens=False)[0]
+    refused = state.advance(n)
+    assert refused is not None and "doesn't satisfy the grammar" in refused
+    assert "<state>" not in refused and "\n" not in refused and len(refused) < 400
+
+
 def test_masks_allow_everything_on_free_rows(compiler):
     grammar = compiler.compile(GrammarSpec("choice", json.dumps(["yes"]), "guided_choice"))
     masks = token_masks([None, grammar.start(), None], compiler.vocab_size)
