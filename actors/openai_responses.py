@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 from collections.abc import Sequence
@@ -22,8 +23,9 @@ class ChunkWriter:
 
     Each chunk carries one choice, named by its `index` (0 to n-1); the chunks of
     different choices interleave. With `has_logprobs`, every choice carries OpenAI's
-    logprobs object for its tokens; completions' `text_offset` counts characters of
-    the token strings from the start of that choice's generated text, across chunks.
+    logprobs object for its tokens; completions' `text_offset` counts the characters
+    the tokens' bytes complete, from the start of that choice's generated text, across
+    chunks (the bytes of one emoji, four tokens, all start at its offset).
     """
 
     kind: str
@@ -32,8 +34,10 @@ class ChunkWriter:
     include_usage: bool = False
     has_logprobs: bool = False
     created: int = attrs.Factory(lambda: int(time.time()))
-    # Per choice: characters of token strings written so far, the next text_offset.
+    # Per choice: characters the tokens' bytes completed so far (the next text_offset),
+    # and the decoder holding a character's first bytes until its last arrives.
     num_chars: dict[int, int] = attrs.Factory(dict)
+    decoders: dict[int, codecs.IncrementalDecoder] = attrs.Factory(dict)
 
     def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> bytes:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -80,9 +84,11 @@ class ChunkWriter:
         if self.kind == "chat":
             return {"content": [_chat_logprob(e) for e in entries], "refusal": None}
         offsets = []
+        decoder = self.decoders.setdefault(index, codecs.getincrementaldecoder("utf-8")("replace"))
         for entry in entries:
             offsets.append(self.num_chars.get(index, 0))
-            self.num_chars[index] = offsets[-1] + len(entry.token)
+            completed = decoder.decode(_token_bytes(entry.token, entry.token_bytes))
+            self.num_chars[index] = offsets[-1] + len(completed)
         return {
             "tokens": [e.token for e in entries],
             "token_logprobs": [_finite(e.logprob) for e in entries],
@@ -151,18 +157,22 @@ class ChunkWriter:
 
 
 def _chat_logprob(entry: LogprobEntry) -> dict[str, Any]:
+    top_bytes = entry.top_bytes or (None,) * len(entry.top)
     return {
-        **_token_json(entry.token, entry.logprob),
-        "top_logprobs": [_token_json(token, value) for token, value in entry.top],
+        **_token_json(entry.token, entry.logprob, entry.token_bytes),
+        "top_logprobs": [
+            _token_json(token, value, raw)
+            for (token, value), raw in zip(entry.top, top_bytes, strict=True)
+        ],
     }
 
 
-def _token_json(token: str, logprob: float) -> dict[str, Any]:
-    return {
-        "token": token,
-        "logprob": _finite(logprob),
-        "bytes": list(token.encode("utf-8", "surrogatepass")),
-    }
+def _token_json(token: str, logprob: float, raw: bytes | None) -> dict[str, Any]:
+    return {"token": token, "logprob": _finite(logprob), "bytes": list(_token_bytes(token, raw))}
+
+
+def _token_bytes(token: str, raw: bytes | None) -> bytes:
+    return raw if raw is not None else token.encode("utf-8", "surrogatepass")
 
 
 def _finite(logprob: float) -> float:

@@ -74,13 +74,17 @@ class Usage:
 class LogprobEntry:
     """One generated token's logprob and its top alternatives, most likely first.
 
-    `token` is the token id decoded alone, so a piece of a multi-byte character
-    decodes to U+FFFD; -inf marks a token the sampler's masks excluded.
+    `token` is the token id decoded alone; a piece of a multi-byte character, which
+    has no text of its own, is spelled as OpenAI does ("bytes:\\xf0\\x9f"), and its
+    real bytes are in `token_bytes` (`top_bytes` for the alternatives, in order; empty
+    or None: each text's UTF-8). -inf marks a token the sampler's masks excluded.
     """
 
     token: str
     logprob: float
     top: tuple[tuple[str, float], ...] = ()
+    token_bytes: bytes | None = None
+    top_bytes: tuple[bytes, ...] = ()
 
 
 @attrs.frozen

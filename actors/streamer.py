@@ -178,11 +178,10 @@ class Streamer:
         return self._send(stream, TextDelta(stream.request_id, text, logprobs))
 
     def _logprob_entry(self, token: int, logprob: TokenLogprob) -> LogprobEntry:
-        top = tuple((self._token_text(t), value) for t, value in logprob.top)
-        return LogprobEntry(self._token_text(token), logprob.logprob, top)
-
-    def _token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False)
+        text, raw = self.tokenizer.token_piece(token)
+        pieces = [(self.tokenizer.token_piece(t), value) for t, value in logprob.top]
+        top = tuple((top_text, value) for (top_text, _), value in pieces)
+        return LogprobEntry(text, logprob.logprob, top, raw, tuple(b for (_, b), _ in pieces))
 
     def _send(self, stream: _Stream, message: Reply) -> bool:
         try:

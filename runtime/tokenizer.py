@@ -20,6 +20,24 @@ import tokenizers
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) valid UTF-8
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece byte-fallback tokens
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's, kept by Llama 3 and Qwen): each byte is a
+    printable character, itself where it is printable, else 256 upwards."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL_DECODER = _byte_level_decoder()
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -124,6 +142,28 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_piece(self, token_id: int) -> tuple[str, bytes]:
+        """A token alone, for logprobs: (its text, the bytes it adds to the output).
+
+        A token that is part of a multi-byte character (one byte of an emoji) decodes
+        alone to U+FFFD, so its bytes come from the vocabulary instead: a byte-level
+        BPE piece maps back to bytes, a `<0xNN>` piece is byte NN. Its text is then
+        OpenAI's spelling of such a token, "bytes:\\xf0\\x9f"."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if REPLACEMENT_CHAR not in text:
+            return text, text.encode()
+        piece = self._backend.id_to_token(token_id) or ""
+        if token_id in self._byte_piece_ids:
+            raw = bytes([int(piece[3:5], 16)])
+        elif piece and all(c in _BYTE_LEVEL_DECODER for c in piece):
+            raw = bytes(_BYTE_LEVEL_DECODER[c] for c in piece)
+        else:  # a piece whose text really holds U+FFFD, or a vocabulary we cannot map
+            return text, text.encode()
+        try:
+            return raw.decode(), raw
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
 
     @property
     def chat_template_source(self) -> str:

@@ -1,6 +1,7 @@
 """Logprobs through real HTTP, read by the official openai client: OpenAI's chat and
 completions shapes, streamed and not, and the requests that are refused."""
 
+import codecs
 import http.client
 import json
 import math
@@ -91,7 +92,12 @@ async def test_completion_logprobs_streamed_equal_whole_in_openai_shape(tiny):
     assert streamed == whole
     tokens, token_logprobs, top_logprobs, text_offset, text, num_tokens = whole
     assert len(tokens) == len(token_logprobs) == len(top_logprobs) == num_tokens > 0
-    assert text_offset == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    # Each offset counts the characters the tokens before it complete (a random model
+    # writes stray bytes: each invalid one is a U+FFFD, as in its text).
+    decoder, completed = codecs.getincrementaldecoder("utf-8")("replace"), [0]
+    for token in tokens[:-1]:
+        completed.append(completed[-1] + len(decoder.decode(_spelled_bytes(token))))
+    assert text_offset == completed
     for token, logprob, top in zip(tokens, token_logprobs, top_logprobs, strict=True):
         assert 1 <= len(top) <= 3 and top[token] == logprob == max(top.values())
 
@@ -165,6 +171,50 @@ async def test_a_tiny_temperature_or_penalty_answers_greedily_in_strict_json(tin
                 answers[path, tuple(extra)] = reply["choices"][0]
     for path in ("/v1/chat/completions", "/v1/completions"):
         assert answers[path, ("temperature",)] == answers[path, ()]  # greedy, logprobs too
+
+
+async def test_the_bytes_of_tokens_inside_a_character_rebuild_the_text(tiny):
+    """An emoji's bytes are separate tokens here: decoded alone each is U+FFFD, so every
+    entry said "\ufffd" with U+FFFD's bytes, completions' top_logprobs merged such tokens
+    under one key, and text_offset counted a character per token."""
+    text = "x😀é"  # 7 byte tokens, within MAX_TOKENS
+    body = {"extra_body": {"guided_regex": text}}
+    async with serving(tiny) as server:
+        entries, _ = await in_thread(chat_entries, server, False, logprobs=True, top_logprobs=3, **body)
+        streamed, _ = await in_thread(chat_entries, server, True, logprobs=True, top_logprobs=3, **body)
+        tokens, _, tops, offsets, completion, _ = await in_thread(
+            completion_logprobs, server, False, logprobs=3, **body
+        )
+    assert streamed == entries
+    assert bytes(b for e in entries for b in e["bytes"]) == text.encode()
+    assert all("\ufffd" not in e["token"] for e in entries)
+    assert any(e["token"].startswith("bytes:\\x") for e in entries)
+    for entry in entries:  # an alternative's bytes are its own too
+        for top in entry["top_logprobs"]:
+            if top["token"].startswith("bytes:"):
+                assert len(top["bytes"]) == top["token"].count("\\x")
+    assert completion == text and all("\ufffd" not in t for t in tokens)
+    # Distinct tokens, distinct keys: the sampled one beside at least the top 3.
+    assert all(t in top and len(top) >= 3 for t, top in zip(tokens, tops, strict=True))
+    # Each token starts at the character it belongs to: x, then 4 bytes of 😀 at 1, ...
+    starts = [len(completion.encode()[:i].decode("utf-8", "ignore")) for i in _byte_starts(tokens)]
+    assert offsets == starts and offsets[0] == 0 and offsets[-1] <= len(text) - 1
+
+
+def _byte_starts(tokens):
+    """Where each completion token starts in the text's bytes, from its spelling."""
+    starts, at = [], 0
+    for token in tokens:
+        starts.append(at)
+        at += len(_spelled_bytes(token))
+    return starts
+
+
+def _spelled_bytes(token):
+    """A completion token's bytes: OpenAI's "bytes:\\xf0\\x9f" spelling, or its text."""
+    if token.startswith("bytes:"):
+        return bytes(int(h, 16) for h in token.removeprefix("bytes:").split("\\x")[1:])
+    return token.encode()
 
 
 BAD = [

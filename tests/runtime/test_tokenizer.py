@@ -827,6 +827,21 @@ def test_a_skipped_special_token_does_not_split_a_byte_fallback_character(ours, 
     assert tok.decode([c3, special, a9]) == "é" and "é" not in tok.decode([c3, a9, special, e6])
 
 
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_a_tokens_bytes_for_logprobs_rebuild_the_text_even_within_a_character(ours, kind):
+    """Each byte of an emoji is its own token in these vocabularies (byte-level BPE, or
+    <0xNN> pieces): decoded alone each is U+FFFD, so their `bytes` were those of U+FFFD."""
+    tok = ours[kind]
+    ids = tok.encode("x 😀é中", add_special_tokens=False)
+    pieces = [tok.token_piece(i) for i in ids]
+    partial = [(text, raw) for text, raw in pieces if text.startswith("bytes:")]
+    assert partial and all(len(raw) == text.count("\\x") for text, raw in partial)
+    assert b"".join(raw for _, raw in pieces).decode().endswith("😀é中")
+    assert "\ufffd" not in "".join(text for text, _ in pieces)
+    whole = tok.encode("hello", add_special_tokens=False)
+    assert [tok.token_piece(i)[0] for i in whole] == [tok.decode([i]) for i in whole]
+
+
 def test_a_null_special_token_in_the_config_means_none(checkpoint_dirs, tmp_path):
     """An explicit null in tokenizer_config.json is not filled from special_tokens_map.json."""
     path = shutil.copytree(checkpoint_dirs["metaspace"], tmp_path / "ckpt")
