@@ -97,7 +97,9 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     except json.JSONDecodeError as error:
         raise ApiError(
             400,
-            f"the request body is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}",
+            # json's own wording ("Unterminated string starting at: line 1 column 11"):
+            # its messages may end in "at", so appending " at line" read "at at line".
+            f"the request body is not valid JSON: {error.msg}: line {error.lineno} column {error.colno}",
         ) from None
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply") from None
