@@ -172,8 +172,11 @@ class _Delimited:
         if not self.in_call:
             events, self.pending = _content(self.pending), ""
             return events
-        # A call cut short (max_tokens): its closing marker was never written.
-        events = self._body_events(self.pending, is_final=True, closing="")
+        # A call cut short (max_tokens): its closing marker was never written, or only
+        # begun ("</tool_call"), which is markup, not content.
+        keep = _marker_prefix_length(self.pending, self.closing)
+        body = self.pending[: len(self.pending) - keep]
+        events = self._body_events(body, is_final=True, closing="")
         self.pending, self.in_call = "", False
         return events
 

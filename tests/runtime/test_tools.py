@@ -68,6 +68,11 @@ CASES = [
         ("A ", [("f", '{"a": "xy')]),
     ),
     (
+        "hermes",  # cut short inside the closing marker: no markup left as content
+        'A <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call',
+        ("A ", [("f", "{}")]),
+    ),
+    (
         "llama3_json",
         '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "g", "parameters": {"n": 123}}',
         ("", [("get_weather", '{"city": "Rome"}'), ("g", '{"n": 123}')]),
