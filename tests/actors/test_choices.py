@@ -1,8 +1,13 @@
 """The pieces of `n` that need no server: per-choice seeds and the combined usage."""
 
+import types
+
+from runtime.errors import RequestError
 from runtime.sequence import SamplingParams
 
-from actors.choices import choice_requests, combined_usage
+import pytest
+
+from actors.choices import choice_requests, combined_usage, start_together
 from actors.requests import MAX_SEED, GenerateRequest, Usage, check_request
 
 
@@ -23,3 +28,31 @@ def test_usage_counts_the_prompt_once_and_sums_the_completions():
     usage = combined_usage([Usage(100, 7, 0), Usage(100, 9, 96), Usage(100, 3, 96)])
     assert usage == Usage(prompt_tokens=100, completion_tokens=19, cached_tokens=0)
     assert usage.total_tokens == 119
+
+
+class FakeChoice:
+    def __init__(self, log, name, fails=False):
+        self.log, self.name, self.fails = log, name, fails
+
+    def submit(self):
+        self.log.append(("submit", self.name))
+
+    async def start(self):
+        if self.fails:
+            raise RequestError("bad", param="prompt")
+        self.log.append(("start", self.name))
+
+    async def aclose(self):
+        self.log.append(("close", self.name))
+
+
+async def test_one_choice_failing_to_start_aborts_every_choice_queued_with_it():
+    log = []
+    choices = [FakeChoice(log, 0), FakeChoice(log, 1, fails=True), FakeChoice(log, 2)]
+    llm = types.SimpleNamespace(max_waiting=8, num_waiting=0)
+    with pytest.raises(RequestError):
+        await start_together(llm, choices)
+    # All three were queued (one go, no await between); the failure closes all of them,
+    # so none is left waiting for a slot or decoding for nobody.
+    assert [e for e in log if e[0] == "submit"] == [("submit", i) for i in range(3)]
+    assert sorted(e for e in log if e[0] == "close") == [("close", i) for i in range(3)]

@@ -5,6 +5,7 @@ from functools import partial
 
 from runtime.errors import RequestError
 from runtime.grammar import GrammarSpec
+from runtime.tokenizer import Tokenizer
 
 import jsonschema
 import pytest
@@ -60,3 +61,17 @@ async def test_a_grammar_that_does_not_compile_fails_start(tiny):
         with pytest.raises(RequestError) as raised:
             await text_of(llm, "Hi", grammar=GrammarSpec("regex", "([", "grammar"))
     assert raised.value.param == "grammar"
+
+
+async def test_a_reply_cut_inside_a_character_keeps_the_bytes_held_for_it(tiny):
+    """max_tokens ends the reply two bytes into an emoji: the detokenizer held them for
+    the rest of the character, and the last delta must carry them (as U+FFFD), so the
+    text is the tokens' decode, not one that silently drops what they said."""
+    tokenizer = Tokenizer.from_dir(tiny)
+    ids = tokenizer.encode("x😀", add_special_tokens=False)[:3]  # x and two of 😀's bytes
+    async with actors.open_llm(tiny) as llm:
+        grammar = GrammarSpec("regex", "x😀", "grammar")
+        async with llm.generate("Hello", max_tokens=3, grammar=grammar) as generation:
+            text = "".join([delta.text async for delta in generation])
+    assert generation.finish_reason == "length"
+    assert text == tokenizer.decode(ids) and text.startswith("x") and "\ufffd" in text
