@@ -193,10 +193,15 @@ def _api_keys(args: argparse.Namespace) -> list[str]:
         keys.append(env)
     if args.api_key_file is not None:
         try:
-            lines = args.api_key_file.read_text().splitlines()
+            lines = args.api_key_file.read_text(encoding="utf-8").splitlines()
         except OSError as error:
             raise CadenceError(f"--api-key-file {args.api_key_file}: {error.strerror}") from None
-        keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+        except UnicodeDecodeError:
+            raise CadenceError(f"--api-key-file {args.api_key_file}: not UTF-8 text") from None
+        in_file = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+        if not in_file:  # an empty file must not quietly mean "no authentication"
+            raise CadenceError(f"--api-key-file {args.api_key_file} holds no keys")
+        keys += in_file
     if any(not key or any(c.isspace() for c in key) for key in keys):
         raise CadenceError("API keys must be non-empty and contain no whitespace")
     return keys

@@ -59,6 +59,21 @@ def test_bad_input_is_one_line_on_stderr_and_exit_status_2(tiny, args):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [(b"", "holds no keys"), (b"# only a comment\n\n", "holds no keys"), (b"\xff\xfe", "not UTF-8")],
+    ids=["empty", "comments-only", "binary"],
+)
+def test_a_key_file_without_keys_is_refused_not_served_open(tmp_path, content, said):
+    """An empty --api-key-file started the server with no authentication at all. The
+    bad origin after it is checked later: it is what fails were the key check gone."""
+    keys = tmp_path / "keys"
+    keys.write_bytes(content)
+    result = run_cli("serve", "--api-key-file", str(keys), "--allowed-origin", "example.com/x")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len(result.stderr.splitlines()) == 1 and said in result.stderr
+
+
 # Each case ends with a second bad flag: were the first one's check gone, argparse would
 # name that one instead of running a server or a load (the test would fail, not hang).
 @pytest.mark.parametrize(
