@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 
 
 def integer(text: str) -> int:
@@ -28,11 +29,19 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def port(text: str) -> int:
-    value = integer(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {text}")
-    return value
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """An integer in low..high, both included."""
+
+    def checked(text: str) -> int:
+        value = integer(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {text}")
+        return value
+
+    return checked
+
+
+port = int_in(0, 65535)
 
 
 def _finite(text: str) -> float:

@@ -16,7 +16,7 @@ from typing import NoReturn
 
 import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
 from runtime.cpu_weights import CPU_QUANTIZE_CHOICES, DEFAULT_CPU_QUANTIZE
-from runtime.engine import DEFAULT_BLOCK_SIZE
+from runtime.engine import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE
 from runtime.errors import CadenceError
 from runtime.kv.paged import parse_kv_budget
 from runtime.models import FAMILIES
@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--block-size",
-        type=arg_types.positive_int,
+        type=arg_types.int_in(1, MAX_BLOCK_SIZE),
         default=DEFAULT_BLOCK_SIZE,
         help="tokens per KV block",
     )

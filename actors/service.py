@@ -25,8 +25,8 @@ from typing import Any
 
 from runtime.checkpoint import LoadedModel, load_model
 from runtime.cpu_weights import DEFAULT_CPU_QUANTIZE
-from runtime.engine import DEFAULT_BLOCK_SIZE, Engine
-from runtime.errors import RequestError
+from runtime.engine import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, Engine
+from runtime.errors import CadenceError, RequestError
 from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.kv.blocks import BlockPool
 from runtime.ladder import measure_ladder
@@ -66,6 +66,32 @@ class EngineStats:
     num_used_blocks: int  # KV blocks held by a running request
 
 
+def _check_settings(
+    model: object,
+    counts: dict[str, object],
+    optional_counts: dict[str, object],
+    drain_timeout: object,
+) -> None:
+    """open_llm's settings, as their types and ranges require: a float max_batch was a
+    std::bad_cast from mlx, a bad drain_timeout an error only at exit, max_waiting 0 a
+    service that refuses every request."""
+    if model is not None and not isinstance(model, str | Path):
+        raise CadenceError(f"model must be a path, a Hugging Face repo id or None, got {model!r}")
+    counts |= {name: value for name, value in optional_counts.items() if value is not None}
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CadenceError(f"{name} must be a positive integer, got {value!r}")
+    if counts["block_size"] > MAX_BLOCK_SIZE:  # type: ignore[operator]
+        raise CadenceError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {counts['block_size']}")
+    if drain_timeout is not None and (
+        isinstance(drain_timeout, bool)
+        or not isinstance(drain_timeout, int | float)
+        or not math.isfinite(drain_timeout)
+        or drain_timeout < 0
+    ):
+        raise CadenceError(f"drain_timeout must be None or seconds >= 0, got {drain_timeout!r}")
+
+
 @contextlib.asynccontextmanager
 async def open_llm(
     model: str | Path | None = None,
@@ -99,8 +125,21 @@ async def open_llm(
     behind the running one (more hides more scheduling latency, and costs that many
     speculative steps per finish).
     `on_progress` is called from the loading thread with one-line messages.
-    Raises `runtime.errors.CheckpointError` for a bad checkpoint.
+    Raises `runtime.errors.CheckpointError` for a bad checkpoint, and `CadenceError`
+    naming the setting for a bad setting, before anything loads.
     """
+    _check_settings(
+        model,
+        {
+            "max_batch": max_batch,
+            "max_waiting": max_waiting,
+            "block_size": block_size,
+            "prefill_chunk": prefill_chunk,
+            "lookahead": lookahead,
+        },
+        {"max_context": max_context, "max_num_batched_tokens": max_num_batched_tokens},
+        drain_timeout,
+    )
     thread = shared_mlx_thread()
     load = functools.partial(
         load_model,

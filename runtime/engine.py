@@ -69,6 +69,9 @@ import structlog
 log = structlog.get_logger("cadence.engine")
 
 DEFAULT_BLOCK_SIZE = 16
+# Past this a block outgrows any sensible context, and the kernels' int32 slot numbers
+# (block x block_size) overflow: --block-size 100000000 crashed the process.
+MAX_BLOCK_SIZE = 1024
 DEFAULT_FREE_FRACTION = 0.3  # of available memory, when no --kv-budget is given
 FAULT_ENV = "CADENCE_FAULT_TOKEN"
 
@@ -213,6 +216,10 @@ class Engine:
         self.ladder: BatchLadder | None = None  # pads steps to cheaper sizes when set
 
     def _num_blocks(self, kv_budget: int | float | None, block_size: int) -> int:
+        if isinstance(block_size, bool) or not isinstance(block_size, int):
+            raise CadenceError(f"block_size must be an integer, got {block_size!r}")
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise CadenceError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
         if isinstance(kv_budget, bool) or not (
             kv_budget is None
             or (isinstance(kv_budget, int) and kv_budget > 0)
@@ -223,9 +230,16 @@ class Engine:
             )
         blocks_per_row = self.kv_layout.row_blocks(0, self.model_max_context, block_size)
         wanted = self.max_batch * blocks_per_row
-        if isinstance(kv_budget, int):
-            return max((kv_budget - self.window_bytes) // self.bytes_per_block, 1)
         available = available_memory()
+        if isinstance(kv_budget, int):
+            # A pool the OS cannot back would fail deep in mlx (std::bad_cast, an
+            # OverflowError) or swap the machine to a halt while it fills.
+            if available is not None and kv_budget > available:
+                raise CadenceError(
+                    f"KV budget of {kv_budget / 2**30:.1f} GiB is more than the "
+                    f"{available / 2**30:.1f} GiB of memory available (--kv-budget)"
+                )
+            return max((kv_budget - self.window_bytes) // self.bytes_per_block, 1)
         if available is None:
             return wanted
         fraction = DEFAULT_FREE_FRACTION if kv_budget is None else kv_budget

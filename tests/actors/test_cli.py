@@ -37,6 +37,7 @@ def test_generate_streams_text_to_stdout_and_keeps_stderr_quiet(tiny):
         ["serve", "--max-batch", "8", "--max-num-batched-tokens", "4", "--model", "{tiny}"],
         ["serve", "--max-n", "0", "--model", "{tiny}"],
         ["serve", "--max-n", "9", "--max-waiting", "4", "--model", "{tiny}"],
+        ["serve", "--block-size", "100000000", "--model", "{tiny}"],
     ],
     ids=[
         "bad-model",
@@ -50,6 +51,7 @@ def test_generate_streams_text_to_stdout_and_keeps_stderr_quiet(tiny):
         "budget-below-batch",
         "n-of-0",
         "n-above-the-queue",
+        "huge-block",  # crashed the process (SIGSEGV) while the pool was allocated
     ],
 )
 def test_bad_input_is_one_line_on_stderr_and_exit_status_2(tiny, args):

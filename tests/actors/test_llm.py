@@ -4,6 +4,7 @@ import functools
 import threading
 import time
 
+from runtime.errors import CadenceError
 from runtime.tokenizer import Tokenizer
 
 import pytest
@@ -255,3 +256,33 @@ async def test_a_lower_priority_value_is_scheduled_first(tiny):
                 await trio.sleep(0.001)
             nursery.start_soon(one, "urgent", -10)
     assert order == ["first", "urgent", "background"]
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ({"max_batch": 1.5}, "max_batch"),  # was std::bad_cast from mlx
+        ({"max_batch": 0}, "max_batch"),
+        ({"max_context": 1.5}, "max_context"),
+        ({"block_size": 0}, "block_size"),  # was ZeroDivisionError
+        ({"block_size": 4096}, "block_size"),
+        ({"max_waiting": 0}, "max_waiting"),  # served, and refused every request
+        ({"drain_timeout": -1}, "drain_timeout"),  # failed only at exit
+        ({"drain_timeout": float("nan")}, "drain_timeout"),
+        ({"lookahead": True}, "lookahead"),
+        ({"model": 5}, "model"),
+    ],
+)
+async def test_a_bad_setting_is_a_cadence_error_naming_it_before_anything_loads(setting, named):
+    loads = []
+    with pytest.raises(CadenceError) as raised:
+        async with actors.open_llm(**{"on_progress": loads.append, **setting}):
+            pass
+    assert named in str(raised.value) and loads == []
+
+
+async def test_a_kv_budget_beyond_the_memory_there_is_says_so(tiny):
+    """2**60 bytes went on to mlx: std::bad_cast or an OverflowError, from deep inside."""
+    with pytest.raises(CadenceError, match="--kv-budget"):
+        async with actors.open_llm(tiny, kv_budget=2**60):
+            pass
