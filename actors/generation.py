@@ -50,6 +50,12 @@ class Generation:
         self._replies: trio.MemoryReceiveChannel[Reply] | None = None
         self._stash: Reply | None = None
 
+    @property
+    def is_answered(self) -> bool:
+        """Its last reply (finished, failed, refused) is queued for the reader: the
+        service, which closes its end of the channel then, owes it nothing more."""
+        return self._replies is not None and self._replies.statistics().open_send_channels == 0
+
     def submit(self) -> None:
         """Queue the request for admission now, taking a waiting slot; never waits.
 
@@ -59,7 +65,7 @@ class Generation:
         if self._state is not _State.NEW:
             raise RuntimeError("a Generation starts once")
         send, self._replies = trio.open_memory_channel[Reply](REPLY_BUFFER)
-        self._llm._admit(Admit(self.request_id, self.request, send, trio.current_time()))
+        self._llm._admit(Admit(self.request_id, self.request, send, trio.current_time()), self)
         self._state = _State.ADMITTING
 
     async def start(self) -> int:
@@ -151,4 +157,4 @@ class Generation:
         self._state = _State.DONE
         if self._replies is not None:
             self._replies.close()
-        self._llm._release()
+        self._llm._release(self)

@@ -310,6 +310,7 @@ class LLM:
         self.max_waiting = admission.waiting_slots.value  # all free: nothing admitted yet
         self.is_draining = False
         self.num_active = 0  # generations started and not yet done
+        self._active: set[Generation] = set()  # ... those generations
         self._engine = engine
         self._policy = policy
         self._thread = thread
@@ -385,8 +386,8 @@ class LLM:
             return
         self._is_closed = self.is_draining = True
         with trio.move_on_after(math.inf if timeout is None else timeout):
-            await self._idle.wait()
-        if self.num_active:
+            await self._until_idle_or_answered()
+        if self.num_active and not self._is_all_answered():
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await self._to_scheduler.send(AbortAll("shutdown"))
             # Readers see the abort at once; one that never reads must not hold us up.
@@ -397,7 +398,18 @@ class LLM:
 
     # -- for Generation ------------------------------------------------------------------
 
-    def _admit(self, admit: Admit) -> None:
+    async def _until_idle_or_answered(self) -> None:
+        """Until every generation is done, or holds its whole answer unread: a caller
+        that started one and never read it (nor closed it) kept drain, and so the end
+        of `open_llm`'s block, waiting forever for a request the engine had finished."""
+        while self.num_active and not self._is_all_answered():
+            with trio.move_on_after(0.05):  # nothing signals "answered": look again
+                await self._idle.wait()
+
+    def _is_all_answered(self) -> bool:
+        return all(generation.is_answered for generation in self._active)
+
+    def _admit(self, admit: Admit, generation: Generation) -> None:
         if self.is_draining:
             raise ServiceClosedError("the service is shutting down")
         self._admission.reserve()
@@ -407,9 +419,11 @@ class LLM:
             self._admission.waiting_slots.release()
             raise ServiceClosedError("the service is shutting down") from None
         self.num_active += 1
+        self._active.add(generation)
         self._idle = trio.Event() if self.num_active == 1 else self._idle
 
-    def _release(self) -> None:
+    def _release(self, generation: Generation) -> None:
         self.num_active -= 1
+        self._active.discard(generation)
         if self.num_active == 0:
             self._idle.set()

@@ -286,3 +286,22 @@ async def test_a_kv_budget_beyond_the_memory_there_is_says_so(tiny):
     with pytest.raises(CadenceError, match="--kv-budget"):
         async with actors.open_llm(tiny, kv_budget=2**60):
             pass
+
+
+async def test_leaving_the_block_does_not_wait_for_an_answer_nobody_reads(tiny):
+    """A generation started and then neither read nor closed kept drain, and so the
+    block's exit, waiting forever, though the engine had finished it long before."""
+    with trio.fail_after(20):
+        async with actors.open_llm(tiny) as llm:
+            generation = llm.generate("Hello", max_tokens=4, ignore_eos=True)
+            await generation.start()
+            await wait_for_no_open_rows(llm)
+    # Nothing is lost: the whole answer is still there to read.
+    text = "".join([delta.text async for delta in generation])
+    assert generation.finish_reason == "length" and generation.usage.completion_tokens == 4
+    assert text == (await _complete_alone(tiny, "Hello", max_tokens=4, ignore_eos=True))
+
+
+async def _complete_alone(checkpoint, prompt, **kwargs):
+    async with actors.open_llm(checkpoint) as llm:
+        return (await complete(llm, prompt, **kwargs))[0]
