@@ -130,6 +130,8 @@ class AsyncioLLM:
 
     def _run_trio(self) -> None:
         result = outcome.capture(trio.run, self._serve)
+        if isinstance(result, outcome.Error):  # the bridge's nursery is not the caller's
+            result = outcome.Error(_sole(result.error))
         stopped = outcome.Error(ServiceClosedError("stopped before it started"))
         self._hand_back(self._ready, result if isinstance(result, outcome.Error) else stopped)
         self._hand_back(self._finished, result)
@@ -335,3 +337,12 @@ class AsyncioGeneration:
         if isinstance(result, outcome.Error):
             self._is_done = True
         return result.unwrap()
+
+
+def _sole(error: BaseException) -> BaseException:
+    """The one exception a group of one wraps: the bridge's own nursery grouped what
+    open_llm raised (a CheckpointError became an ExceptionGroup that `except
+    CheckpointError` missed), where Trio's caller gets it bare."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error

@@ -6,7 +6,7 @@ import sys
 import threading
 from pathlib import Path
 
-from runtime.errors import RequestError
+from runtime.errors import CadenceError, CheckpointError, RequestError
 
 import pytest
 import trio
@@ -92,6 +92,22 @@ def test_errors_keep_their_types(tiny):
             return await complete(llm, "hi", max_tokens=4)  # still serving
 
     assert asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error"),
+    [({"model": "/no/such/checkpoint"}, CheckpointError), ({"max_batch": 0}, CadenceError)],
+)
+def test_errors_opening_it_are_the_ones_trio_sees_not_a_group(arguments, error):
+    """The bridge's own nursery wrapped them: `except CheckpointError` missed."""
+
+    async def main():
+        async with actors.open_llm_asyncio(**arguments):
+            pass
+
+    with pytest.raises(error) as raised:
+        asyncio.run(main())
+    assert not isinstance(raised.value, BaseExceptionGroup)
 
 
 def test_no_thread_is_left_behind(tiny):
