@@ -149,6 +149,9 @@ async def open_llm(
         cpu_quantize=cpu_quantize,
         on_progress=on_progress,
     )
+    # Loading, filling the KV pool (seconds for a large one) and timing the ladder are
+    # abandoned on cancel, so a signal during start-up stops the server at once; the
+    # MLX thread finishes the call and drops what it built.
     loaded = await thread.run(load, abandon_on_cancel=True)
     engine = await thread.run(
         functools.partial(
@@ -158,11 +161,13 @@ async def open_llm(
             max_context=max_context,
             kv_budget=kv_budget,
             block_size=block_size,
-        )
+        ),
+        abandon_on_cancel=True,
     )
     if batch_ladder:
         engine.ladder = await thread.run(
-            functools.partial(measure_ladder, engine.model, loaded.config.num_hidden_layers, max_batch)
+            functools.partial(measure_ladder, engine.model, loaded.config.num_hidden_layers, max_batch),
+            abandon_on_cancel=True,
         )
         log.info("batch_ladder", **engine.ladder.describe())
     kv = engine.kv

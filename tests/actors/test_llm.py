@@ -305,3 +305,23 @@ async def test_leaving_the_block_does_not_wait_for_an_answer_nobody_reads(tiny):
 async def _complete_alone(checkpoint, prompt, **kwargs):
     async with actors.open_llm(checkpoint) as llm:
         return (await complete(llm, prompt, **kwargs))[0]
+
+
+async def test_cancelling_start_up_does_not_wait_for_the_kv_pool_to_fill(tiny, monkeypatch):
+    """A signal while a large pool was being filled logged "stopping now" and then
+    waited for the whole allocation (44 s for 12 GiB) before it stopped."""
+    import actors.service
+
+    real_engine = actors.service.Engine
+
+    def slow_engine(*args, **kwargs):
+        time.sleep(8)  # a pool that takes long to fill, on the MLX thread
+        return real_engine(*args, **kwargs)
+
+    monkeypatch.setattr(actors.service, "Engine", slow_engine)
+    started = trio.current_time()
+    with trio.move_on_after(0.5):
+        async with actors.open_llm(tiny):
+            pass
+    assert trio.current_time() - started < 4
+    await actors.service.shared_mlx_thread().run(lambda: None)  # the next test's thread is free
