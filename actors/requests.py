@@ -110,6 +110,14 @@ def check_request(request: GenerateRequest) -> GenerateRequest:
     """Raise RequestError naming the first bad field; return the request unchanged."""
     if (request.prompt is None) == (request.messages is None):
         raise RequestError("give exactly one of 'prompt' and 'messages'", param="prompt")
+    # Types first: the embedding API passes whatever a caller gives (5, b"abc", a dict:
+    # a TypeError, or a traceback from the tokenizer in admission).
+    if request.prompt is not None and not isinstance(request.prompt, str | tuple):
+        raise RequestError("'prompt' must be text or a list of token ids", param="prompt")
+    if not isinstance(request.ignore_eos, bool):
+        raise RequestError("'ignore_eos' must be a boolean", param="ignore_eos")
+    if request.grammar is not None and not isinstance(request.grammar, GrammarSpec):
+        raise RequestError("'grammar' must be a runtime.grammar.GrammarSpec", param="grammar")
     if request.prompt is not None and len(request.prompt) == 0:
         raise RequestError("'prompt' must not be empty", param="prompt")
     if isinstance(request.prompt, tuple) and not all(_is_int(t) and t >= 0 for t in request.prompt):

@@ -332,7 +332,7 @@ class LLM:
         *,
         messages: list[dict[str, Any]] | None = None,
         max_tokens: int | None = None,
-        stop: str | list[str] | tuple[str, ...] = (),
+        stop: str | list[str] | tuple[str, ...] | None = (),
         ignore_eos: bool = False,
         priority: int = 0,
         grammar: GrammarSpec | None = None,
@@ -355,6 +355,10 @@ class LLM:
             params = SamplingParams(**sampling)
         except (TypeError, ValueError) as error:
             raise RequestError(f"bad sampling parameter: {error}") from None
+        if stop is None:  # as OpenAI's clients send an unset stop
+            stop = ()
+        elif not isinstance(stop, str | list | tuple):
+            raise RequestError("'stop' must be a string or a list of strings", param="stop")
         request = GenerateRequest(
             prompt=tuple(prompt) if isinstance(prompt, list) else prompt,
             messages=tuple(messages) if messages is not None else None,

@@ -4,7 +4,7 @@ import functools
 import threading
 import time
 
-from runtime.errors import CadenceError
+from runtime.errors import CadenceError, RequestError
 from runtime.tokenizer import Tokenizer
 
 import pytest
@@ -325,3 +325,23 @@ async def test_cancelling_start_up_does_not_wait_for_the_kv_pool_to_fill(tiny, m
             pass
     assert trio.current_time() - started < 4
     await actors.service.shared_mlx_thread().run(lambda: None)  # the next test's thread is free
+
+
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        ({"prompt": 5}, "prompt"),  # was a TypeError
+        ({"prompt": b"abc"}, "prompt"),  # was generated from, as if text
+        ({"prompt": {"a": 1}}, "prompt"),  # failed in admission, with a logged traceback
+        ({"prompt": "hi", "stop": 5}, "stop"),
+        ({"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
+        ({"prompt": "hi", "grammar": "{}"}, "grammar"),
+    ],
+)
+async def test_a_bad_argument_to_generate_is_a_request_error_naming_it(tiny, arguments, named):
+    async with actors.open_llm(tiny) as llm:
+        with pytest.raises(RequestError) as raised:
+            llm.generate(**arguments)
+        assert raised.value.param == named
+        # An unset stop (None, as OpenAI's clients send) is no stop, not a TypeError.
+        assert (await complete(llm, "hi", stop=None, max_tokens=2, ignore_eos=True))[0]
