@@ -49,6 +49,7 @@ class Generation:
         self._state = _State.NEW
         self._replies: trio.MemoryReceiveChannel[Reply] | None = None
         self._stash: Reply | None = None
+        self._is_reading = False
 
     @property
     def is_answered(self) -> bool:
@@ -97,6 +98,17 @@ class Generation:
         return self
 
     async def __anext__(self) -> Delta:
+        # Two readers would split the deltas between them, and the one left waiting
+        # when the other took the last was told "the service stopped".
+        if self._is_reading:
+            raise RuntimeError("another task is already reading this generation")
+        self._is_reading = True
+        try:
+            return await self._next()
+        finally:
+            self._is_reading = False
+
+    async def _next(self) -> Delta:
         if self._state is _State.NEW:
             await self.start()
         while self._state is not _State.DONE:

@@ -345,3 +345,23 @@ async def test_a_bad_argument_to_generate_is_a_request_error_naming_it(tiny, arg
         assert raised.value.param == named
         # An unset stop (None, as OpenAI's clients send) is no stop, not a TypeError.
         assert (await complete(llm, "hi", stop=None, max_tokens=2, ignore_eos=True))[0]
+
+
+async def test_a_second_reader_of_one_generation_is_told_so(tiny):
+    """It got GenerationError("the service stopped") when the first took the last delta."""
+    async with actors.open_llm(tiny) as llm:
+        async with llm.generate("Hello", max_tokens=16, ignore_eos=True) as generation:
+            errors = []
+
+            async def read():
+                try:
+                    async for _ in generation:
+                        pass
+                except RuntimeError as error:
+                    errors.append(str(error))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read)
+                nursery.start_soon(read)
+        assert errors == ["another task is already reading this generation"]
+        assert generation.finish_reason == "length"  # the first reader got it all
