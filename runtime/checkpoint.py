@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeGuard
 
 from runtime.config import ModelConfig, config_from_dict, load_config
 from runtime.cpu_weights import DEFAULT_CPU_QUANTIZE, prepare_for_cpu
@@ -29,6 +31,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 DEMO_CHECKPOINT = Path(__file__).with_name("demo")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed, never loaded
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @attrs.frozen
@@ -115,7 +118,8 @@ def read_weights(path: Path, progress: Callable[[str], None]) -> dict[str, mx.ar
         try:
             loaded = mx.load(str(file))
         except Exception as exc:
-            raise CheckpointError(f"{file}: unreadable safetensors ({exc})") from None
+            reason = " ".join(str(exc).split())  # mlx quotes tensor names verbatim, newlines too
+            raise CheckpointError(f"{file}: unreadable safetensors ({reason})") from None
         weights.update(loaded)  # type: ignore[arg-type]
     return {k: v for k, v in weights.items() if not k.endswith(_IGNORED_SUFFIXES)}
 
@@ -125,12 +129,22 @@ def _weight_files(path: Path) -> list[Path]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, RecursionError, OSError):
             raise CheckpointError(f"{index}: not a valid safetensors index") from None
-        missing = [n for n in names if not (path / n).exists()]
-        if missing:
-            raise CheckpointError(f"{index}: names shard {missing[0]}, which is missing")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise CheckpointError(f"{index}: weight_map should map tensor names to file names")
+        names = sorted(set(weight_map.values()))
+        for name in names:
+            # Checked by name, not resolved: the Hugging Face cache links each shard to a
+            # blob outside the snapshot directory.
+            if Path(name).is_absolute() or ".." in Path(name).parts:
+                raise CheckpointError(
+                    f"{index}: shard {name!r} is outside the checkpoint directory"
+                )
+            if not (path / name).is_file():
+                raise CheckpointError(f"{index}: names shard {name!r}, which is missing")
         return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -150,23 +164,63 @@ def _check_safetensors(file: Path) -> None:
             raise CheckpointError(f"{file}: truncated (header runs past the end of the file)")
         try:
             header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             raise CheckpointError(f"{file}: corrupt safetensors header") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: corrupt safetensors header (not a JSON object)")
     data_len = size - 8 - header_len
     for name, info in header.items():
         if name == "__metadata__":
-            continue
-        end = info.get("data_offsets", [0, 0])[1] if isinstance(info, dict) else 0
+            continue  # free-form (mlx writes null); mlx's own error for a bad one is one line
+        problem = _tensor_entry_problem(info)
+        if problem:
+            raise CheckpointError(f"{file}: corrupt safetensors header: tensor {name!r} {problem}")
+        end = info["data_offsets"][1]
         if end > data_len:
             raise CheckpointError(
-                f"{file}: truncated: tensor '{name}' ends at byte {end} of {data_len}"
+                f"{file}: truncated: tensor {name!r} ends at byte {end} of {data_len}"
             )
+
+
+def _tensor_entry_problem(info: object) -> str | None:
+    """What is wrong with one tensor's header entry, if anything."""
+    if not isinstance(info, dict):
+        return "is not an object"
+    if not isinstance(info.get("dtype"), str):
+        return "has no dtype string"
+    if not _naturals(info.get("shape")):
+        return "has no shape of non-negative integers"
+    offsets = info.get("data_offsets")
+    if not (_naturals(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
+        return "has no data_offsets [begin, end]"
+    return None
+
+
+def _naturals(value: object) -> TypeGuard[list[int]]:
+    return isinstance(value, list) and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value
+    )
 
 
 def build_decoder(config: ModelConfig, weights: dict[str, mx.array], source: str) -> CausalLM:
     """Instantiate the model for `config` and load `weights`, checking names and shapes."""
-    decoder = build_model(config)
     weights = rename_weights(config, weights)
+    # Building a layer costs time and memory before any shape can be checked: a layer
+    # count beyond the weights' took 30 s and 5 GB at 10**6 layers to end in "missing tensor".
+    stored = 1 + max(
+        (int(m[1]) for name in weights if (m := _LAYER_INDEX.match(name))), default=-1
+    )
+    if stored != config.num_hidden_layers:
+        raise CheckpointError(
+            f"{source}: num_hidden_layers is {config.num_hidden_layers}, "
+            f"but the weights hold {stored} layers"
+        )
+    try:
+        decoder = build_model(config)
+    except OverflowError as exc:  # sizes whose products exceed mlx's int32 shapes
+        raise CheckpointError(
+            f"{source}: the config's sizes are too large for mlx ({exc})"
+        ) from None
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     if config.quantization is not None:
@@ -193,14 +247,14 @@ def build_decoder(config: ModelConfig, weights: dict[str, mx.array], source: str
     expected = dict(tree_flatten(decoder.parameters()))
     for name, param in expected.items():
         if name not in weights:
-            raise CheckpointError(f"{source}: missing tensor '{name}'")
+            raise CheckpointError(f"{source}: missing tensor {name!r}")
         if weights[name].shape != param.shape:
             raise CheckpointError(
-                f"{source}: tensor '{name}' has shape {tuple(weights[name].shape)}, "
+                f"{source}: tensor {name!r} has shape {tuple(weights[name].shape)}, "
                 f"expected {tuple(param.shape)}"
             )
     unexpected = sorted(set(weights) - set(expected))
     if unexpected:
-        raise CheckpointError(f"{source}: unexpected tensor '{unexpected[0]}' for {config.model_type}")
+        raise CheckpointError(f"{source}: unexpected tensor {unexpected[0]!r} for {config.model_type}")
     decoder.update(tree_unflatten(list(weights.items())))
     return decoder

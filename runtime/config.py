@@ -15,6 +15,12 @@ import attrs
 # affine stores `.scales` and `.biases`, the microscaling ones `.scales` alone.
 QUANTIZATION_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
 
+# mlx's shapes are int32: a larger size raised OverflowError deep inside mlx.
+MAX_INT_FIELD = 2**31 - 1
+# Far above any real model's depth (the deepest have ~130 layers), so a config's
+# layer count can be checked against the weights before per-layer lists are built.
+MAX_LAYERS = 10_000
+
 
 @attrs.frozen
 class Quantization:
@@ -86,6 +92,10 @@ class ConfigFields:
             )
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
             raise CheckpointError(f"{self.source}: field '{name}' must be positive, got {value}")
+        if isinstance(value, int) and value > MAX_INT_FIELD:
+            raise CheckpointError(
+                f"{self.source}: field '{name}' is too large, got {value} (at most {MAX_INT_FIELD})"
+            )
         return value
 
 
@@ -124,6 +134,16 @@ def config_from_dict(
             f"num_key_value_heads ({kv_heads})"
         )
     head_dim = field("head_dim", int, None) or hidden // heads
+    if head_dim == 0:  # RoPE and the attention scale divide by it
+        raise CheckpointError(
+            f"{source}: num_attention_heads ({heads}) is larger than hidden_size ({hidden}) "
+            "and no head_dim is given"
+        )
+    num_layers = field("num_hidden_layers", int)
+    if num_layers > MAX_LAYERS:  # before the family's read_config builds per-layer lists
+        raise CheckpointError(
+            f"{source}: field 'num_hidden_layers' is {num_layers}, more than {MAX_LAYERS}"
+        )
     if field("mlp_bias", bool, False):
         raise CheckpointError(f"{source}: mlp_bias=true is not supported")
     rope_scaling = field("rope_scaling", dict, None)
@@ -138,7 +158,7 @@ def config_from_dict(
     common: dict[str, Any] = dict(
         model_type=raw["model_type"],
         hidden_size=hidden,
-        num_hidden_layers=field("num_hidden_layers", int),
+        num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
@@ -249,6 +269,11 @@ def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:  # json's parser recurses once per level of nesting
+        raise CheckpointError(f"{path}: not valid JSON (nested too deeply)") from None
+    except OSError as exc:  # a directory or an unreadable file by that name
+        reason = exc.strerror or type(exc).__name__
+        raise CheckpointError(f"{path}: unreadable ({reason})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return data

@@ -4,6 +4,7 @@ import json
 import shutil
 
 from runtime.checkpoint import DEMO_CHECKPOINT, load_model, resolve_checkpoint
+from runtime.config import config_from_dict
 from runtime.errors import CheckpointError
 from runtime.synth import quantize_weights
 
@@ -265,3 +266,120 @@ def test_a_non_integer_quantization_field_is_named_briefly(broken, quantization)
     edit_config(broken, quantization={**quantization, **{f"layer{i}": {"bits": 4} for i in range(200)}})
     message = error_for(broken)
     assert "group_size" in message and "bits" in message and len(message) < 300
+
+
+@pytest.mark.parametrize("layers", [200, 1], ids=["more", "fewer"])
+def test_a_layer_count_the_weights_do_not_have_is_named_before_building(broken, layers):
+    """Building layers the weights lack took minutes and gigabytes at 10**6 of them."""
+    edit_config(broken, num_hidden_layers=layers)
+    message = error_for(broken)
+    assert f"num_hidden_layers is {layers}" in message and "2 layers" in message
+
+
+def test_a_layer_count_beyond_any_model_is_refused_with_the_config(broken):
+    """Families build per-layer lists while reading the config, before the weights are counted."""
+    raw = json.loads((broken / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="num_hidden_layers"):
+        config_from_dict({**raw, "num_hidden_layers": 10**6})
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"vocab_size": 10**12}, "vocab_size"),  # was mlx's OverflowError
+        # head_dim hidden // heads came to 0: a ZeroDivisionError
+        ({"num_attention_heads": 10**6, "num_key_value_heads": 1}, "num_attention_heads"),
+        ({"num_attention_heads": 2**16, "num_key_value_heads": 2**16, "head_dim": 2**16},
+         "too large"),  # each fits int32, q_proj's rows (heads * head_dim) do not
+    ],
+    ids=["int32", "head-dim-zero", "int32-product"],
+)
+def test_sizes_the_model_cannot_be_built_with_are_named(broken, changes, named):
+    edit_config(broken, **changes)
+    assert named in error_for(broken)
+
+
+def write_safetensors(file, header, data=b"\0" * 8):
+    """A safetensors file with this header (a JSON value, or raw bytes) and data."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    file.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+
+
+def entry(**changes):
+    return {"model.norm.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], **changes}}
+
+
+@pytest.mark.parametrize(
+    ("header", "named"),
+    [
+        ([1, 2], "not a JSON object"),  # was AttributeError
+        ("text", "not a JSON object"),
+        (b"[" * 100_000 + b"]" * 100_000, "corrupt"),  # was RecursionError
+        ({"model.norm.weight": [0, 8]}, "not an object"),
+        (entry(data_offsets=[0]), "data_offsets"),  # was IndexError
+        (entry(data_offsets="zz"), "data_offsets"),  # was TypeError
+        (entry(data_offsets=[8, 0]), "data_offsets"),
+        (entry(dtype=5), "dtype"),
+        (entry(shape=["2"]), "shape"),
+        (entry(shape=[-1]), "shape"),
+    ],
+    ids=["list", "string", "deep", "entry-list", "one-offset", "text-offsets", "backwards", "dtype",
+         "text-shape", "negative-shape"],
+)
+def test_a_malformed_safetensors_header_is_named(broken, header, named):
+    write_safetensors(broken / "model.safetensors", header)
+    message = error_for(broken)
+    assert "model.safetensors" in message and named in message
+
+
+def test_a_tensor_name_with_a_newline_stays_on_one_line(broken):
+    weights = mx.load(str(broken / "model.safetensors"))
+    mx.save_safetensors(str(broken / "model.safetensors"), {**weights, "odd\nname": mx.ones((2,))})
+    assert "odd\\nname" in error_for(broken)  # error_for checks for a newline
+    bad_length = {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}  # mlx refuses it
+    write_safetensors(broken / "model.safetensors", {"odd\nname": bad_length})
+    assert "odd" in error_for(broken)  # mlx's error for it, made one line
+
+
+def write_index(path, weight_map):
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("shard", [5, None, ["model.safetensors"]], ids=["number", "null", "list"])
+def test_an_index_naming_shards_by_anything_but_a_string_is_named(broken, shard):
+    write_index(broken, {"model.norm.weight": shard})  # a number was a TypeError
+    message = error_for(broken)
+    assert "model.safetensors.index.json" in message and "weight_map" in message
+
+
+@pytest.mark.parametrize("where", ["relative", "absolute"])
+def test_an_index_naming_a_shard_outside_the_checkpoint_is_refused(broken, tmp_path, where):
+    outside = tmp_path / "outside.safetensors"  # a complete set of weights: it would load
+    shutil.move(broken / "model.safetensors", outside)
+    shard = "../outside.safetensors" if where == "relative" else str(outside)
+    write_index(broken, {"model.norm.weight": shard})
+    message = error_for(broken)
+    assert "outside the checkpoint" in message and "outside.safetensors" in message
+
+
+def test_a_shard_linked_from_outside_loads_as_in_the_hugging_face_cache(broken, tmp_path):
+    blob = tmp_path / "blobs" / "0123abcd"
+    blob.parent.mkdir()
+    shutil.move(broken / "model.safetensors", blob)
+    (broken / "model.safetensors").symlink_to(blob)
+    write_index(broken, {"model.norm.weight": "model.safetensors"})
+    assert load_model(broken).config.num_hidden_layers == 2
+
+
+@pytest.mark.parametrize(
+    "name", ["config.json", "generation_config.json", "model.safetensors.index.json"]
+)
+def test_deeply_nested_json_is_a_checkpoint_error(broken, name):
+    (broken / name).write_text("[" * 100_000 + "]" * 100_000)  # was a RecursionError
+    assert name in error_for(broken)
+
+
+def test_a_config_json_that_is_a_directory_is_named(broken):
+    (broken / "config.json").unlink()
+    (broken / "config.json").mkdir()  # was IsADirectoryError
+    assert "config.json" in error_for(broken)
