@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -17,7 +18,7 @@ import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
 import mlx.core as mx
 import numpy as np
 
-from actors import bench_ladder, bench_serve, soak
+from actors import arg_types, bench_ladder, bench_serve, soak
 from kernels import paged_attention as pa
 
 
@@ -27,15 +28,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     paged = which.add_parser(
         "paged-attention", help="native vs fast vs gather paged attention per decode step"
     )
-    paged.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    paged.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048, 8192])
-    paged.add_argument("--layers", type=int, default=16, help="layers per step (scales the figure)")
-    paged.add_argument("--heads", type=int, default=16)
-    paged.add_argument("--kv-heads", type=int, default=4)
-    paged.add_argument("--head-dim", type=int, default=64)
-    paged.add_argument("--block-size", type=int, default=16)
-    paged.add_argument("--repeats", type=int, default=5)
-    paged.set_defaults(run=paged_attention)
+    count = arg_types.positive_int
+    paged.add_argument("--batches", type=count, nargs="+", default=[1, 4, 16])
+    paged.add_argument("--contexts", type=count, nargs="+", default=[128, 512, 2048, 8192])
+    paged.add_argument(
+        "--layers", type=count, default=16, help="layers per step (scales the figure)"
+    )
+    paged.add_argument("--heads", type=count, default=16)
+    paged.add_argument("--kv-heads", type=count, default=4)
+    paged.add_argument("--head-dim", type=count, default=64)
+    paged.add_argument("--block-size", type=count, default=16)
+    paged.add_argument("--repeats", type=count, default=5)
+    paged.set_defaults(run=functools.partial(_checked_paged_attention, paged))
     soak.add_parser(which)
     bench_serve.add_parser(which)
     bench_ladder.add_parser(which)
@@ -76,6 +80,13 @@ def _time_arm(path: str, step, pools, q, k, v, repeats: int) -> float:
         mx.eval(out, pools)
         times.append(time.perf_counter() - start)
     return float(np.median(times[1:]))
+
+
+def _checked_paged_attention(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    # Each KV head serves a whole group of query heads; the kernels assume equal groups.
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    return paged_attention(args)
 
 
 def paged_attention(args: argparse.Namespace) -> int:

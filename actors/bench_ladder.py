@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from runtime.checkpoint import load_model
 from runtime.engine import Engine
+from runtime.errors import CadenceError
 from runtime.kv.base import RowSpan
 from runtime.ladder import BatchLadder, measure_ladder, pad_step
 
 import mlx.core as mx
 
+from actors import arg_types
 from actors.bench_model import bench_checkpoint
 
 
@@ -30,15 +33,31 @@ def add_parser(which: argparse._SubParsersAction) -> None:
         "--model", default=None, help="a checkpoint (default: the 200M bench model)"
     )
     ladder.add_argument("--cache-dir", type=Path, default=Path(".bench"))
-    ladder.add_argument("--max-tokens", type=int, default=32, help="sizes 1..N")
-    ladder.add_argument("--context", type=int, default=200, help="each row's tokens so far")
-    ladder.add_argument("--repeats", type=int, default=7)
+    count = arg_types.positive_int
+    ladder.add_argument("--max-tokens", type=count, default=32, help="sizes 1..N")
+    ladder.add_argument("--context", type=count, default=200, help="each row's tokens so far")
+    ladder.add_argument("--repeats", type=count, default=7)
     ladder.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except CadenceError as error:  # a bad checkpoint, or a context the model cannot hold
+        print(f"cadence bench ladder: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     loaded = load_model(args.model or bench_checkpoint(args.cache_dir))
-    engine = Engine(loaded, max_batch=args.max_tokens, max_context=args.context + 2)
+    # Each row holds its context, the token it decodes, and one spare.
+    max_context = args.context + 2
+    if max_context > (limit := loaded.config.max_position_embeddings):
+        raise CadenceError(
+            f"--context {args.context} needs {max_context} positions; "
+            f"{loaded.name} has {limit} (--context {limit - 2} at most)"
+        )
+    engine = Engine(loaded, max_batch=args.max_tokens, max_context=max_context)
     start = time.perf_counter()
     ladder = measure_ladder(engine.model, loaded.config.num_hidden_layers, args.max_tokens)
     print(

@@ -7,6 +7,7 @@ import sys
 from structlog.testing import capture_logs
 
 import actors
+from actors.cli import _parser
 
 
 async def test_batch_ladder_is_measured_at_start_up_and_changes_no_token(tiny):
@@ -41,3 +42,18 @@ def test_bench_ladder_prints_a_row_per_size(tiny):
     ]
     assert [row.split("|")[1].strip() for row in rows[1:]] == ["1", "2", "3"]
     assert "ms padded" in result.stdout
+
+
+def test_bench_ladder_refuses_a_context_beyond_the_model_in_one_line(tiny, capsys):
+    argv = ["bench", "ladder", "--model", str(tiny), "--context", "99999", "--max-tokens", "2"]
+    args = _parser().parse_args(argv)
+    assert args.run(args) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("cadence bench ladder: error: --context 99999 needs 100001 positions")
+
+
+def test_bench_ladder_refuses_a_missing_checkpoint_in_one_line(tmp_path, capsys):
+    args = _parser().parse_args(["bench", "ladder", "--model", str(tmp_path / "absent")])
+    assert args.run(args) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"cadence bench ladder: error: {tmp_path / 'absent'}")
