@@ -29,9 +29,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import http.client
 import importlib.util
 import itertools
 import json
+import os
 import shlex
 import socket
 import statistics
@@ -59,6 +61,7 @@ from actors.loadgen import (
     Target,
     Workload,
     build_requests,
+    one_line,
     parse_span,
     run_load,
 )
@@ -118,8 +121,32 @@ def add_parser(which: argparse._SubParsersAction) -> None:
         help="repeat the runs, on fresh prompts, servers taking turns to go first; "
         "print the medians",
     )
-    serve.add_argument("--json", type=Path, default=None, help="also write the results here")
+    serve.add_argument("--json", type=output_file, default=None, help="also write the results here")
     serve.set_defaults(run=main)
+
+
+def output_file(text: str) -> Path:
+    """A path a report can be written to, checked before a run whose result it would lose."""
+    path = Path(text)
+    if not text:
+        raise argparse.ArgumentTypeError("'' is not a file name")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: no directory {str(path.parent)!r}")
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: permission denied")
+    return path
+
+
+def write_json(command: str, path: Path, report: Any) -> bool:
+    """Write `report` to `path`; on failure (a full disk) say so in one line and return False."""
+    try:
+        path.write_text(json.dumps(report, indent=2))
+    except OSError as error:
+        print(f"{command}: {path}: {error.strerror or error}", file=sys.stderr)
+        return False
+    return True
 
 
 def _span(text: str):
@@ -165,8 +192,8 @@ def main(args: argparse.Namespace) -> int:
     if args.url is not None:
         try:
             model = args.model or _first_model(args.url, args.api_key)
-        except (OSError, ValueError, LookupError) as error:
-            print(f"cadence bench serve: {args.url}/v1/models: {error}", file=sys.stderr)
+        except (OSError, ValueError, http.client.HTTPException) as error:
+            print(f"cadence bench serve: {_models_url(args.url)}: {error}", file=sys.stderr)
             return 2
         target = Target(args.url, model, args.api_key)
         results["server"] = [_measure(target, runs) for runs in rounds]
@@ -188,8 +215,9 @@ def main(args: argparse.Namespace) -> int:
     if checkpoint is not None:
         floor = max(first_floor, measure_floor(checkpoint), key=lambda f: f.gemm_flops)
     _print(args, checkpoint, floor, results)
-    if args.json is not None:
-        args.json.write_text(json.dumps(_report(args, checkpoint, floor, results), indent=2))
+    report = _report(args, checkpoint, floor, results)
+    if args.json is not None and not write_json("cadence bench serve", args.json, report):
+        return 2
     return 1 if any(r.num_errors for _, r in _every_run(results)) else 0
 
 
@@ -288,12 +316,23 @@ def _answers(url: str) -> bool | None:
         return None
 
 
+def _models_url(url: str) -> str:
+    return f"{url.rstrip('/').removesuffix('/v1')}/v1/models"
+
+
 def _first_model(url: str, api_key: str | None) -> str:
-    request = urllib.request.Request(f"{url.rstrip('/').removesuffix('/v1')}/v1/models")
+    """The first model id the server lists; ValueError if its answer holds none."""
+    request = urllib.request.Request(_models_url(url))
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
     with urllib.request.urlopen(request, timeout=30) as response:
-        return json.load(response)["data"][0]["id"]
+        body = response.read()
+    with contextlib.suppress(ValueError, LookupError, TypeError):  # not OpenAI's shape
+        model = json.loads(body)["data"][0]["id"]
+        if isinstance(model, str) and model:
+            return model
+    answer = one_line(body) or "an empty body"
+    raise ValueError(f"did not list a model (pass --model); it answered: {answer}")
 
 
 def _free_port() -> int:

@@ -362,9 +362,17 @@ async def _read(
 def _error_message(body: bytes) -> str:
     try:
         error = json.loads(body)["error"]
-        return str(error["message"] if isinstance(error, dict) else error)[:200]
+        return one_line(str(error["message"] if isinstance(error, dict) else error))
     except (ValueError, KeyError, TypeError):
-        return body.decode(errors="replace").strip()[:200]
+        return one_line(body)
+
+
+def one_line(text: str | bytes, limit: int = 200) -> str:
+    """A server's answer (an HTML error page, say) as one line of at most `limit` characters."""
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 class _Progress:

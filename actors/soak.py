@@ -36,6 +36,7 @@ import h11
 import trio
 
 from actors import arg_types
+from actors.bench_serve import output_file, write_json
 from actors.http_app import ServerState, create_app
 from actors.http_server import serving_on_loopback
 from actors.service import LLM, open_llm
@@ -182,9 +183,11 @@ async def _load(
         if kind == "fault" and outcome.error is None:
             report.problems.append("a faulty row was not reported as an error")
 
+    # Mid-stream hang-ups come before the last chunk, where there is more than one.
+    last_hang_up = max(1, config.max_tokens - 1)
     async with trio.open_nursery() as nursery:
         for kind in kinds:
-            which, hang_up_after = rng.randrange(len(prompts)), rng.randrange(1, config.max_tokens)
+            which, hang_up_after = rng.randrange(len(prompts)), rng.randint(1, last_hang_up)
             nursery.start_soon(one, kind, which, hang_up_after)
 
 
@@ -330,7 +333,7 @@ def add_parser(which: argparse._SubParsersAction) -> None:
     )
     soak.add_argument("--max-rss-growth", type=arg_types.non_negative_float, default=0.10)
     soak.add_argument("--seed", type=int, default=0)
-    soak.add_argument("--json", type=Path, default=None, help="also write the report here")
+    soak.add_argument("--json", type=output_file, default=None, help="also write the report here")
     soak.set_defaults(run=main)
 
 
@@ -358,7 +361,8 @@ def main(args: argparse.Namespace) -> int:
     )
     for problem in report.problems:
         print(f"PROBLEM: {problem}", file=sys.stderr)
-    if args.json is not None:
-        args.json.write_text(json.dumps(attrs.asdict(report), indent=2))
     print("clean" if report.is_clean else f"{len(report.problems)} problems")
+    as_json = attrs.asdict(report)
+    if args.json is not None and not write_json("cadence bench soak", args.json, as_json):
+        return 2
     return 0 if report.is_clean else 1

@@ -2,8 +2,10 @@
 
 import argparse
 import contextlib
+import http.server
 import json
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -310,3 +312,67 @@ def test_with_compare_the_servers_take_turns_to_go_first(tiny, monkeypatch, tmp_
     report = json.loads((tmp_path / "out.json").read_text())
     assert [len(runs) for runs in report["runs"].values()] == [3, 3]
     assert report["medians"][0]["median_ratio"] == pytest.approx(2.0)
+
+
+@contextlib.contextmanager
+def answering(body: bytes):
+    """A loopback HTTP server that answers every GET with `body`: its base URL."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.HTTPServer(("127.0.0.1", 0), Handler) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{server.server_address[1]}"
+        finally:
+            server.shutdown()
+
+
+HTML_PAGE = b"<!DOCTYPE HTML>\n<html>\n  <body>\n" + b"<p>not an API</p>\n" * 100 + b"</html>\n"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'{"data": "x"}', b"[1, 2]", b'{"data": []}', b'{"data": [{"id": 5}]}', b"", HTML_PAGE],
+    ids=["data-not-a-list", "a-list", "no-models", "id-not-a-string", "empty", "html"],
+)
+def test_a_server_that_lists_no_model_is_one_short_line_asking_for_model(capsys, body):
+    with answering(body) as url:
+        parser = argparse.ArgumentParser()
+        bench_serve.add_parser(parser.add_subparsers())
+        assert bench_serve.main(parser.parse_args(["serve", "--url", f"{url}/v1"])) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"cadence bench serve: {url}/v1/models: did not list a model")
+    assert "(pass --model)" in line and len(line) < 350
+
+
+def test_an_error_page_is_quoted_in_one_short_line():
+    message = loadgen._error_message(HTML_PAGE)
+    assert message.startswith("<!DOCTYPE HTML> <html> <body> <p>not an API</p>")
+    assert "\n" not in message and len(message) <= 200
+    json_error = b'{"error": {"message": "two\\nlines"}}'
+    assert loadgen._error_message(json_error) == "two lines"
+
+
+async def test_a_json_file_that_cannot_be_written_is_one_line_after_the_table(tiny, capsys):
+    """/dev/full: the path checks pass, then the write fails as on a full disk."""
+    parser = argparse.ArgumentParser()
+    bench_serve.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", *LOAD, "--json", "/dev/full"])
+    async with serving(tiny) as url:
+        args.url = url
+        status = await trio.to_thread.run_sync(bench_serve.main, args)
+    assert status == 2
+    captured = capsys.readouterr()
+    assert "| 3 clients | server |" in captured.out
+    (line,) = captured.err.splitlines()
+    assert line == "cadence bench serve: /dev/full: No space left on device"
