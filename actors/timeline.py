@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -22,6 +23,9 @@ from typing import Any
 from runtime.errors import CadenceError
 
 import attrs
+
+# Formats matplotlib writes by itself: others need Pillow plugins or LaTeX.
+IMAGE_FORMATS = ("png", "svg", "pdf")
 
 # What a step event must carry for the picture (besides its timestamp).
 FIELDS = ("step", "rows", "prefill_tokens", "decode_rows", "cached_tokens", "preempted", "step_ms")
@@ -50,14 +54,23 @@ class Timeline:
 
 
 def read_timeline(path: Path) -> Timeline:
-    """Every step event in the log, in order; other lines (not JSON, other events) are skipped."""
+    """Every step event in the log, in order; other lines (not JSON, other events) are skipped.
+
+    A step event whose numbers cannot be drawn (NaN, negative, too large for a float)
+    is a CadenceError naming its line: a picture of a corrupt log would mislead."""
     try:
         with path.open(encoding="utf-8", errors="replace") as lines:
-            events = [event for line in lines if (event := _event(line)) is not None]
+            events = [
+                (number, event)
+                for number, line in enumerate(lines, 1)
+                if (event := _event(line)) is not None
+            ]
     except OSError as error:
         raise CadenceError(f"{path}: {error.strerror or error}") from None
-    max_batch = next((e.get("max_batch") for e in events if e.get("event") == "ready"), None)
-    raw = [(end, e) for e in events if (end := _step_end(e)) is not None]
+    max_batch = next((e.get("max_batch") for _, e in events if e.get("event") == "ready"), None)
+    raw = [
+        (end, e) for number, e in events if (end := _step_end(e, f"{path}:{number}")) is not None
+    ]
     if not raw:
         raise CadenceError(
             f"{path}: no step events (log with `cadence serve --log-format json --log-level debug`)"
@@ -87,16 +100,33 @@ def _event(line: str) -> dict[str, Any] | None:
     return event if isinstance(event, dict) else None
 
 
-def _step_end(event: dict[str, Any]) -> float | None:
-    """When a well-formed step event's step ended, in POSIX seconds; None for anything else."""
+def _step_end(event: dict[str, Any], where: str) -> float | None:
+    """When a well-formed step event's step ended, in POSIX seconds; None for anything else,
+    and a CadenceError naming `where` for a step event whose numbers cannot be drawn."""
     if event.get("event") != "step" or not all(
         isinstance(event.get(name), int | float) for name in FIELDS
     ):
         return None
     try:
-        return datetime.fromisoformat(event["timestamp"]).timestamp()
-    except (KeyError, TypeError, ValueError):
+        end = datetime.fromisoformat(event["timestamp"]).timestamp()
+    except (KeyError, TypeError, ValueError, OverflowError):
         return None
+    for name in FIELDS:
+        if not _is_drawable(event[name]):
+            shown = repr(event[name])
+            shown = shown if len(shown) <= 20 else f"{shown[:17]}..."
+            raise CadenceError(
+                f"{where}: a step event's {name} is {shown}, not a finite number >= 0"
+            )
+    return end
+
+
+def _is_drawable(value: int | float) -> bool:
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond any float
+        return False
+    return math.isfinite(number) and number >= 0
 
 
 def _boxes(steps: tuple[StepSample, ...], values: list[float]) -> tuple[list[float], list[float]]:
@@ -164,8 +194,27 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     timeline.add_argument(
         "log", type=Path, help="from `cadence serve --log-format json --log-level debug`"
     )
-    timeline.add_argument("-o", "--output", type=Path, default=Path("timeline.png"))
+    timeline.add_argument(
+        "-o",
+        "--output",
+        type=image_path,
+        default=Path("timeline.png"),
+        help="the image file; its suffix picks the format: .png, .svg or .pdf",
+    )
     timeline.set_defaults(run=run)
+
+
+def image_path(text: str) -> Path:
+    """An image file named as it will be written: matplotlib would add ".png" to a name
+    without a suffix (to a directory's name too), so the file written would not be the
+    file named."""
+    path = Path(text)
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not an image file")
+    if path.suffix[1:].lower() not in IMAGE_FORMATS:
+        suffixes = ", ".join(f".{f}" for f in IMAGE_FORMATS)
+        raise argparse.ArgumentTypeError(f"{text!r}: the image's suffix must be one of {suffixes}")
+    return path
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,8 +5,11 @@ import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
 
+from runtime.errors import CadenceError
+
 import pytest
 
+from actors.cli import _parser
 from actors.timeline import FIELDS, StepSample, Timeline, _boxes, draw, read_timeline
 
 CLI = [sys.executable, "-m", "actors.cli"]
@@ -144,3 +147,46 @@ def test_each_step_is_a_box_from_its_start_to_its_end_at_its_value():
     xs, ys = _boxes(steps, [2.0, 3.0])
     assert xs == [0.0, 0.0, 0.5, 0.5, 0.75, 0.75, 1.0, 1.0]
     assert ys == [0.0, 2.0, 2.0, 0.0, 0.0, 3.0, 3.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "shown"),
+    [
+        ("step_ms", float("nan"), "nan"),
+        ("step_ms", float("inf"), "inf"),
+        ("rows", -2, "-2"),
+        ("cached_tokens", -0.5, "-0.5"),
+        ("rows", 10**400, "10000000000000000..."),  # valid JSON, beyond any float
+    ],
+    ids=["nan", "infinity", "negative-int", "negative-float", "beyond-float"],
+)
+def test_a_step_event_whose_numbers_cannot_be_drawn_is_an_error_naming_its_line(
+    tmp_path, field, value, shown
+):
+    good = step_line(1, end_s=1.0, step_ms=100, rows=2, prefill_tokens=8, decode_rows=0)
+    bad = json.loads(step_line(2, end_s=1.5, step_ms=100, rows=2, prefill_tokens=0, decode_rows=2))
+    log = write_log(tmp_path / "serve.jsonl", ["not json", good, json.dumps({**bad, field: value})])
+    with pytest.raises(CadenceError) as error:
+        read_timeline(log)
+    assert str(error.value) == (
+        f"{log}:3: a step event's {field} is {shown}, not a finite number >= 0"
+    )
+
+
+@pytest.mark.parametrize("name", ["", ".", "timeline", ".png", "timeline.unknownext"])
+def test_the_output_must_be_an_image_file_it_is_written_as(tmp_path, capsys, name):
+    """matplotlib adds ".png" to a name without a suffix, and refuses other suffixes."""
+    log = write_log(tmp_path / "serve.jsonl", [step_line(1, 1.0, 10, 1, 5, 0)])
+    with pytest.raises(SystemExit) as exit:
+        _parser().parse_args(["trace", "timeline", str(log), "-o", name])
+    assert exit.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"cadence trace timeline: error: argument -o/--output: {name!r}")
+
+
+def test_any_case_of_a_known_suffix_is_written_under_the_name_given(tmp_path, capsys):
+    log = write_log(tmp_path / "serve.jsonl", [step_line(1, 1.0, 10, 1, 5, 0)])
+    args = _parser().parse_args(["trace", "timeline", str(log), "-o", str(tmp_path / "t.SVG")])
+    assert args.run(args) == 0
+    assert capsys.readouterr().out == f"{tmp_path / 't.SVG'}: 1 steps\n"
+    assert (tmp_path / "t.SVG").read_bytes().lstrip().startswith(b"<?xml")
