@@ -359,7 +359,9 @@ def _read_json(file: Path, *, required: bool) -> dict[str, Any]:
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{file}: invalid JSON ({exc.msg} at line {exc.lineno})") from exc
+        raise CheckpointError(f"{file}: invalid JSON ({exc.msg}: line {exc.lineno})") from exc
+    except RecursionError:  # json's parser recurses once per level of nesting
+        raise CheckpointError(f"{file}: invalid JSON (nested too deeply)") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{file}: unreadable ({_one_line(exc)})") from exc
     if not isinstance(data, dict):

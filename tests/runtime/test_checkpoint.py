@@ -372,7 +372,15 @@ def test_a_shard_linked_from_outside_loads_as_in_the_hugging_face_cache(broken, 
 
 
 @pytest.mark.parametrize(
-    "name", ["config.json", "generation_config.json", "model.safetensors.index.json"]
+    "name",
+    [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    ],
 )
 def test_deeply_nested_json_is_a_checkpoint_error(broken, name):
     (broken / name).write_text("[" * 100_000 + "]" * 100_000)  # was a RecursionError
