@@ -266,7 +266,7 @@ async def _start_actors(
         loaded.tokenizer,
         engine.max_context,
         loaded.config.vocab_size,
-        engine.kv_tokens,
+        engine.kv_bound,
         admit_recv,
         sched_send.clone(),
         stream_send.clone(),

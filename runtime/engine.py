@@ -248,12 +248,18 @@ class Engine:
 
     # -- sequences ---------------------------------------------------------------
 
+    @property
+    def kv_bound(self) -> int | None:
+        """The KV pool's tokens when they, not the model, bound a row's context: what a
+        too-long request's error names (a pool sized to the context is the model's bound)."""
+        return self.kv_tokens if self.kv_tokens < self.model_max_context else None
+
     def open(self, params: SequenceParams) -> SeqHandle:
         check_sequence(
             params,
             max_context=self.max_context,
             vocab_size=self.config.vocab_size,
-            kv_tokens=self.kv_tokens,
+            kv_tokens=self.kv_bound,
         )
         handle = SeqHandle(next(self._ids))
         fault = self._fault

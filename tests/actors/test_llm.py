@@ -365,3 +365,13 @@ async def test_a_second_reader_of_one_generation_is_told_so(tiny):
                 nursery.start_soon(read)
         assert errors == ["another task is already reading this generation"]
         assert generation.finish_reason == "length"  # the first reader got it all
+
+
+async def test_a_prompt_past_the_models_context_is_not_blamed_on_the_kv_budget(tiny):
+    """With one row the default pool holds exactly the model's context; `cadence
+    generate` (which has no --kv-budget) said to raise the KV budget."""
+    async with actors.open_llm(tiny, max_batch=1) as llm:
+        with pytest.raises(RequestError) as raised:
+            await complete(llm, "word " * (llm.max_context + 10), max_tokens=4)
+    assert "maximum context length" in str(raised.value)
+    assert "kv-budget" not in str(raised.value)
