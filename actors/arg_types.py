@@ -44,6 +44,12 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
 port = int_in(0, 65535)
 
 
+def non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def _finite(text: str) -> float:
     try:
         value = float(text)

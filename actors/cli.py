@@ -161,6 +161,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
+        type=arg_types.non_empty,  # "" was the current directory
         help=(
             "checkpoint directory, GGUF file or Hugging Face repo id (default: the demo); "
             f"model_type one of: {', '.join(sorted(FAMILIES))}"

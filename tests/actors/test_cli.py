@@ -61,6 +61,11 @@ def test_bad_input_is_one_line_on_stderr_and_exit_status_2(tiny, args):
     assert "Traceback" not in result.stderr
 
 
+def test_an_empty_model_is_refused_not_read_as_the_current_directory():
+    result = run_cli("generate", "Hello", "--model", "")
+    assert result.returncode == 2 and result.stderr.strip().endswith("--model: must not be empty")
+
+
 @pytest.mark.parametrize(
     ("content", "said"),
     [(b"", "holds no keys"), (b"# only a comment\n\n", "holds no keys"), (b"\xff\xfe", "not UTF-8")],
