@@ -44,6 +44,7 @@ class FakeEngine:
     def __init__(self, *, max_batch: int = 4, max_context: int = 256, token: int = 300):
         self.max_batch = max_batch
         self.max_context = self.kv_tokens = max_context
+        self.kv_bound = None  # the pool holds the context: the model's bound is named
         self.eos_ids: frozenset[int] = frozenset()  # rows end at max_tokens
         self.token = token
         self.rows: dict[int, list[Any]] = {}  # seq_id -> [params, num_generated, num_pending]
