@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 
 def integer(text: str) -> int:
@@ -79,3 +81,17 @@ def fraction(text: str) -> float:
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
     return value
+
+
+def output_file(text: str) -> Path:
+    """A path a report can be written to, checked before a run whose result it would lose."""
+    path = Path(text)
+    if not text:
+        raise argparse.ArgumentTypeError("'' is not a file name")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: no directory {str(path.parent)!r}")
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: permission denied")
+    return path

@@ -33,7 +33,6 @@ import http.client
 import importlib.util
 import itertools
 import json
-import os
 import shlex
 import socket
 import statistics
@@ -121,22 +120,8 @@ def add_parser(which: argparse._SubParsersAction) -> None:
         help="repeat the runs, on fresh prompts, servers taking turns to go first; "
         "print the medians",
     )
-    serve.add_argument("--json", type=output_file, default=None, help="also write the results here")
+    serve.add_argument("--json", type=arg_types.output_file, default=None, help="also write the results here")
     serve.set_defaults(run=main)
-
-
-def output_file(text: str) -> Path:
-    """A path a report can be written to, checked before a run whose result it would lose."""
-    path = Path(text)
-    if not text:
-        raise argparse.ArgumentTypeError("'' is not a file name")
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
-    if not path.parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r}: no directory {str(path.parent)!r}")
-    if not os.access(path if path.exists() else path.parent, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{text!r}: permission denied")
-    return path
 
 
 def write_json(command: str, path: Path, report: Any) -> bool:

@@ -36,7 +36,7 @@ import h11
 import trio
 
 from actors import arg_types
-from actors.bench_serve import output_file, write_json
+from actors.bench_serve import write_json
 from actors.http_app import ServerState, create_app
 from actors.http_server import serving_on_loopback
 from actors.service import LLM, open_llm
@@ -333,7 +333,7 @@ def add_parser(which: argparse._SubParsersAction) -> None:
     )
     soak.add_argument("--max-rss-growth", type=arg_types.non_negative_float, default=0.10)
     soak.add_argument("--seed", type=int, default=0)
-    soak.add_argument("--json", type=output_file, default=None, help="also write the report here")
+    soak.add_argument("--json", type=arg_types.output_file, default=None, help="also write the report here")
     soak.set_defaults(run=main)
 
 
