@@ -25,7 +25,7 @@ from typing import Any
 
 from runtime.checkpoint import LoadedModel, load_model
 from runtime.cpu_weights import DEFAULT_CPU_QUANTIZE
-from runtime.engine import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, Engine
+from runtime.engine import DEFAULT_BLOCK_SIZE, Engine, check_block_size
 from runtime.errors import CadenceError, RequestError
 from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.kv.blocks import BlockPool
@@ -68,6 +68,7 @@ class EngineStats:
 
 def _check_settings(
     model: object,
+    block_size: object,
     counts: dict[str, object],
     optional_counts: dict[str, object],
     drain_timeout: object,
@@ -77,12 +78,11 @@ def _check_settings(
     service that refuses every request."""
     if model is not None and not isinstance(model, str | Path):
         raise CadenceError(f"model must be a path, a Hugging Face repo id or None, got {model!r}")
+    check_block_size(block_size)
     counts |= {name: value for name, value in optional_counts.items() if value is not None}
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CadenceError(f"{name} must be a positive integer, got {value!r}")
-    if counts["block_size"] > MAX_BLOCK_SIZE:  # type: ignore[operator]
-        raise CadenceError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {counts['block_size']}")
     if drain_timeout is not None and (
         isinstance(drain_timeout, bool)
         or not isinstance(drain_timeout, int | float)
@@ -130,10 +130,10 @@ async def open_llm(
     """
     _check_settings(
         model,
+        block_size,
         {
             "max_batch": max_batch,
             "max_waiting": max_waiting,
-            "block_size": block_size,
             "prefill_chunk": prefill_chunk,
             "lookahead": lookahead,
         },

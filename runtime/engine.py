@@ -72,6 +72,14 @@ DEFAULT_BLOCK_SIZE = 16
 # Past this a block outgrows any sensible context, and the kernels' int32 slot numbers
 # (block x block_size) overflow: --block-size 100000000 crashed the process.
 MAX_BLOCK_SIZE = 1024
+
+
+def check_block_size(block_size: object) -> None:
+    """Raise CadenceError unless `block_size` is an integer in 1..MAX_BLOCK_SIZE."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise CadenceError(f"block_size must be an integer, got {block_size!r}")
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise CadenceError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
 DEFAULT_FREE_FRACTION = 0.3  # of available memory, when no --kv-budget is given
 FAULT_ENV = "CADENCE_FAULT_TOKEN"
 
@@ -174,6 +182,7 @@ class Engine:
     ):
         """`kv_budget`: bytes, a fraction of available memory, or None for the default
         (30% of available memory, at most what `max_batch` rows of `max_context` need)."""
+        check_block_size(block_size)  # before the pool's sizing divides by it
         config = loaded.config
         self.model = loaded.model
         self.config = config
@@ -216,10 +225,6 @@ class Engine:
         self.ladder: BatchLadder | None = None  # pads steps to cheaper sizes when set
 
     def _num_blocks(self, kv_budget: int | float | None, block_size: int) -> int:
-        if isinstance(block_size, bool) or not isinstance(block_size, int):
-            raise CadenceError(f"block_size must be an integer, got {block_size!r}")
-        if not 1 <= block_size <= MAX_BLOCK_SIZE:
-            raise CadenceError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
         if isinstance(kv_budget, bool) or not (
             kv_budget is None
             or (isinstance(kv_budget, int) and kv_budget > 0)
