@@ -2,7 +2,7 @@
 
 import pytest
 
-from actors.openai_requests import ApiError, parse_json
+from actors.openai_requests import ApiError, parse_chat, parse_json
 
 
 @pytest.mark.parametrize(
@@ -18,3 +18,21 @@ def test_a_body_that_is_not_json_says_what_and_where_once(body, said):
         parse_json(body)
     assert raised.value.status == 400
     assert raised.value.message == f"the request body is not valid JSON: {said}"
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_max_completion_tokens_wins_over_max_tokens_and_both_are_checked():
+    both = parse_chat({**CHAT, "max_tokens": 5, "max_completion_tokens": 2})
+    assert both.request.max_tokens == 2  # OpenAI's newer name
+    assert parse_chat({**CHAT, "max_tokens": 5}).request.max_tokens == 5
+    with pytest.raises(ApiError) as raised:
+        parse_chat({**CHAT, "max_tokens": 0, "max_completion_tokens": 2})
+    assert raised.value.param == "max_tokens"
+
+
+@pytest.mark.parametrize("top_k", [-1, 0, 2**40])
+def test_top_k_of_minus_one_or_past_any_vocabulary_is_off(top_k):
+    # -1 is what OpenAI-compatible clients commonly send for "off"
+    assert parse_chat({**CHAT, "top_k": top_k}).request.sampling.top_k == 0
