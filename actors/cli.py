@@ -18,6 +18,7 @@ import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
 from runtime.cpu_weights import CPU_QUANTIZE_CHOICES, DEFAULT_CPU_QUANTIZE
 from runtime.engine import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE
 from runtime.errors import CadenceError
+from runtime.files import shortened
 from runtime.kv.paged import parse_kv_budget
 from runtime.models import FAMILIES
 from runtime.scheduler import DEFAULT_PREFILL_CHUNK
@@ -356,7 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"cadence: error: {error}", file=sys.stderr)
             return 2
         if isinstance(os_error := _leaf(exc, OSError), OSError):  # e.g. the port is taken
-            print(f"cadence: error: {os_error.strerror or os_error}", file=sys.stderr)
+            where = f"{shortened(str(os_error.filename))}: " if os_error.filename else ""
+            print(f"cadence: error: {where}{os_error.strerror or os_error}", file=sys.stderr)
             return 2
         if _leaf(exc, KeyboardInterrupt) is not None:
             return 130

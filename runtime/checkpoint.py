@@ -19,6 +19,7 @@ from typing import TypeGuard
 from runtime.config import ModelConfig, config_from_dict, load_config
 from runtime.cpu_weights import DEFAULT_CPU_QUANTIZE, prepare_for_cpu
 from runtime.errors import CheckpointError
+from runtime.files import check_regular, one_line, read_json, shortened
 from runtime.gguf import is_gguf_file, read_gguf
 from runtime.models import build_model, rename_weights
 from runtime.models.layers import CausalLM
@@ -86,10 +87,14 @@ def resolve_checkpoint(model: str | Path | None, *, offline: bool = False) -> tu
     if model is None:
         return DEMO_CHECKPOINT, "cadence-demo"
     path = Path(model).expanduser()
-    if path.is_dir() or is_gguf_file(path):
-        return path.resolve(), path.name
     text = str(model)
-    if path.exists():
+    try:
+        if path.is_dir() or is_gguf_file(path):
+            return path.resolve(), path.name
+        exists = path.exists()
+    except OSError as exc:  # a name too long, a file that cannot be read
+        raise CheckpointError(f"{shortened(text)}: {one_line(exc)}") from None
+    if exists:
         raise CheckpointError(f"{text}: not a checkpoint directory or a GGUF file")
     if text.endswith(".gguf"):
         raise CheckpointError(f"{text}: no such file")
@@ -127,10 +132,8 @@ def read_weights(path: Path, progress: Callable[[str], None]) -> dict[str, mx.ar
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError, RecursionError, OSError):
-            raise CheckpointError(f"{index}: not a valid safetensors index") from None
+        index_data = read_json(index)
+        weight_map = index_data.get("weight_map") if isinstance(index_data, dict) else None
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
         ):
@@ -143,12 +146,15 @@ def _weight_files(path: Path) -> list[Path]:
                 raise CheckpointError(
                     f"{index}: shard {name!r} is outside the checkpoint directory"
                 )
-            if not (path / name).is_file():
+            if not (path / name).exists():
                 raise CheckpointError(f"{index}: names shard {name!r}, which is missing")
-        return [path / n for n in names]
-    files = sorted(path.glob("*.safetensors"))
+        files = [path / n for n in names]
+    else:
+        files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors weight files")
+    for file in files:
+        check_regular(file)
     return files
 
 

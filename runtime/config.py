@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, TypeGuard
 
 from runtime.errors import CheckpointError
+from runtime.files import read_json
 
 import attrs
 
@@ -265,15 +265,7 @@ def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
         if required:
             raise CheckpointError(f"{path}: file not found")
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-    except RecursionError:  # json's parser recurses once per level of nesting
-        raise CheckpointError(f"{path}: not valid JSON (nested too deeply)") from None
-    except OSError as exc:  # a directory or an unreadable file by that name
-        reason = exc.strerror or type(exc).__name__
-        raise CheckpointError(f"{path}: unreadable ({reason})") from None
+    data = read_json(path)
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return data

@@ -11,6 +11,8 @@ from runtime.synth import quantize_weights
 import mlx.core as mx
 import pytest
 
+from tests.runtime.test_files import releasing_fifo
+
 
 @pytest.fixture
 def broken(make_checkpoint, tmp_path):
@@ -391,3 +393,33 @@ def test_a_config_json_that_is_a_directory_is_named(broken):
     (broken / "config.json").unlink()
     (broken / "config.json").mkdir()  # was IsADirectoryError
     assert "config.json" in error_for(broken)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["config.json", "tokenizer.json", "chat_template.jinja", "model.safetensors.index.json"],
+)
+def test_a_fifo_in_the_checkpoint_is_refused_not_waited_on(broken, name):
+    if (broken / name).exists():
+        (broken / name).unlink()
+    timer = releasing_fifo(broken / name)  # a reader blocked forever here
+    try:
+        assert f"{name}: not a regular file" in error_for(broken)
+    finally:
+        timer.cancel()
+
+
+@pytest.mark.parametrize("indexed", [False, True], ids=["globbed", "indexed"])
+def test_a_directory_by_a_weight_files_name_is_named(broken, indexed):
+    (broken / "model.safetensors").unlink()
+    (broken / "model.safetensors").mkdir()  # was a bare "Is a directory"
+    if indexed:
+        write_index(broken, {"model.norm.weight": "model.safetensors"})
+    assert "model.safetensors: not a regular file" in error_for(broken)
+
+
+def test_a_model_name_too_long_for_the_file_system_is_a_short_checkpoint_error(tmp_path):
+    with pytest.raises(CheckpointError) as info:
+        resolve_checkpoint(str(tmp_path / ("x" * 5000)))  # was OSError from is_dir
+    message = str(info.value)
+    assert "File name too long" in message and len(message) < 400
