@@ -6,14 +6,14 @@ checkpoint ships; transformers is never imported (it is only the tests' oracle).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from runtime.chat_template import CHATML_TEMPLATE, ChatTemplate
-from runtime.errors import CheckpointError
+from runtime.errors import CheckpointError, RequestError
+from runtime.files import one_line, read_json, read_text
 
 import jinja2
 import tokenizers
@@ -106,7 +106,7 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # the Rust loader raises a bare Exception
             raise CheckpointError(
-                f"{tokenizer_file}: not a tokenizers file ({_one_line(exc)})"
+                f"{tokenizer_file}: not a tokenizers file ({one_line(exc)})"
             ) from exc
         config_file = path / "tokenizer_config.json"
         config = _read_json(config_file, required=False)
@@ -133,10 +133,11 @@ class Tokenizer:
             )
         except jinja2.TemplateSyntaxError as exc:
             raise CheckpointError(
-                f"{template_file}: chat template does not compile ({_one_line(exc)})"
+                f"{template_file}: chat template does not compile ({one_line(exc)})"
             ) from exc
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        _check_unicode(text)
         ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         return [*self._bos_to_prepend, *ids] if add_special_tokens else ids
 
@@ -205,6 +206,7 @@ class Tokenizer:
         prompt, spans = self._chat_template.render_with_spans(
             messages, add_generation_prompt, template_kwargs, self._spells_special_token, tools
         )
+        _check_unicode(prompt)
         encoding = self._backend.encode(prompt, add_special_tokens=False)
         if not spans:
             return encoding.ids  # no message spells a special token: the encoding as is
@@ -356,14 +358,7 @@ def _read_json(file: Path, *, required: bool) -> dict[str, Any]:
         if required:
             raise CheckpointError(f"{file}: not found (the checkpoint has no tokenizer)")
         return {}
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{file}: invalid JSON ({exc.msg}: line {exc.lineno})") from exc
-    except RecursionError:  # json's parser recurses once per level of nesting
-        raise CheckpointError(f"{file}: invalid JSON (nested too deeply)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{file}: unreadable ({_one_line(exc)})") from exc
+    data = read_json(file)
     if not isinstance(data, dict):
         raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -433,10 +428,7 @@ def _chat_template_source(
     """(template text or None, the file it came from)."""
     jinja_file = path / "chat_template.jinja"
     if jinja_file.exists():
-        try:
-            return jinja_file.read_text(encoding="utf-8"), jinja_file
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{jinja_file}: unreadable ({_one_line(exc)})") from exc
+        return read_text(jinja_file), jinja_file
     template = config.get("chat_template")
     if isinstance(template, list):
         # Several named templates: the "default" one is for plain chat.
@@ -484,9 +476,21 @@ def _plain_text_ids(
     return {token_id: e.ids for token_id, e in zip(spellings, encodings, strict=True)}
 
 
+def _check_unicode(text: str) -> None:
+    """Raise RequestError if `text` holds a lone surrogate: a command-line byte that is
+    not UTF-8 (Python's surrogateescape), or a str an embedding application built. HTTP
+    bodies are refused earlier (actors/openai_requests.py). The Rust tokenizer's own
+    refusal was "TextInputSequence must be str", for a str, and a logged traceback."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        byte = f" (byte 0x{code - 0xDC00:02X}, which is not UTF-8)" if 0xDC80 <= code <= 0xDCFF else ""
+        raise RequestError(
+            f"the prompt holds a lone surrogate, U+{code:04X}{byte}: it is not valid Unicode text"
+        ) from None
+
+
 def _token_id(backend: tokenizers.Tokenizer, token: str | None) -> int | None:
     return None if token is None else backend.token_to_id(token)
 
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__

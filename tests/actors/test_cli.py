@@ -61,6 +61,16 @@ def test_bad_input_is_one_line_on_stderr_and_exit_status_2(tiny, args):
     assert "Traceback" not in result.stderr
 
 
+def test_a_prompt_argument_that_is_not_utf8_is_named_in_one_line(tiny):
+    # "\udcff" reaches the subprocess as the byte 0xFF (os.fsencode), as a shell passes it.
+    result = run_cli("generate", "a\udcff", "--max-tokens", "2", "--model", str(tiny))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        "cadence: error: the prompt holds a lone surrogate, U+DCFF (byte 0xFF, which is not"
+        " UTF-8): it is not valid Unicode text"
+    )
+
+
 def test_an_empty_model_is_refused_not_read_as_the_current_directory():
     result = run_cli("generate", "Hello", "--model", "")
     assert result.returncode == 2 and result.stderr.strip().endswith("--model: must not be empty")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pydoc_data.topics
+import re
 import shutil
 from pathlib import Path
 
@@ -848,3 +849,22 @@ def test_a_null_special_token_in_the_config_means_none(checkpoint_dirs, tmp_path
     edit_json(path / "tokenizer_config.json", bos_token=None)
     edit_json(path / "special_tokens_map.json", bos_token={"content": "<s>", "special": True})
     assert Tokenizer.from_dir(path).bos_token_id is None
+
+
+# --- text that is not Unicode -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("ab\ud800", "U+D800: it is not valid Unicode"),  # built in Python
+        ("\udcff", "U+DCFF (byte 0xFF, which is not UTF-8)"),  # a command-line byte
+    ],
+    ids=["built-in-python", "command-line-byte"],
+)
+def test_a_lone_surrogate_is_a_request_error_naming_it(ours, text, said):
+    # The Rust tokenizer's own refusal was "TextInputSequence must be str".
+    for encode in (ours["llama"].encode, lambda t: ours["llama"].encode_chat([{"role": "user", "content": t}])):
+        with pytest.raises(RequestError, match=re.escape(said)):
+            encode(text)
+    assert ours["llama"].encode("ab\U0001f600")  # a real astral character still encodes
