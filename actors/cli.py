@@ -16,10 +16,9 @@ from typing import NoReturn
 
 import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
 from runtime.cpu_weights import CPU_QUANTIZE_CHOICES, DEFAULT_CPU_QUANTIZE
-from runtime.engine import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE
 from runtime.errors import CadenceError
 from runtime.files import shortened
-from runtime.kv.paged import parse_kv_budget
+from runtime.kv.budget import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, parse_kv_budget
 from runtime.models import FAMILIES
 from runtime.scheduler import DEFAULT_PREFILL_CHUNK
 

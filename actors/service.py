@@ -25,10 +25,11 @@ from typing import Any
 
 from runtime.checkpoint import LoadedModel, load_model
 from runtime.cpu_weights import DEFAULT_CPU_QUANTIZE
-from runtime.engine import DEFAULT_BLOCK_SIZE, Engine, check_block_size
+from runtime.engine import Engine
 from runtime.errors import CadenceError, RequestError
 from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.kv.blocks import BlockPool
+from runtime.kv.budget import DEFAULT_BLOCK_SIZE, check_block_size
 from runtime.ladder import measure_ladder
 from runtime.runner import PlanRunner
 from runtime.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_SOLO_PREFILL_TOKENS, FcfsScheduler

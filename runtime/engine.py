@@ -48,8 +48,9 @@ from runtime.errors import CadenceError
 from runtime.finishing import finish_step
 from runtime.grammar import GrammarState, token_masks
 from runtime.kv.base import RowSpan
+from runtime.kv.budget import DEFAULT_BLOCK_SIZE, check_block_size, pool_blocks
 from runtime.kv.layout import KVLayout
-from runtime.kv.paged import PagedKV, available_memory
+from runtime.kv.paged import PagedKV
 from runtime.ladder import BatchLadder, pad_step
 from runtime.sampling import Logprobs, RowSampler, Sampled, joined, logprob_rows, sample
 from runtime.sequence import (
@@ -68,19 +69,6 @@ import structlog
 
 log = structlog.get_logger("cadence.engine")
 
-DEFAULT_BLOCK_SIZE = 16
-# Past this a block outgrows any sensible context, and the kernels' int32 slot numbers
-# (block x block_size) overflow: --block-size 100000000 crashed the process.
-MAX_BLOCK_SIZE = 1024
-
-
-def check_block_size(block_size: object) -> None:
-    """Raise CadenceError unless `block_size` is an integer in 1..MAX_BLOCK_SIZE."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise CadenceError(f"block_size must be an integer, got {block_size!r}")
-    if not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise CadenceError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
-DEFAULT_FREE_FRACTION = 0.3  # of available memory, when no --kv-budget is given
 FAULT_ENV = "CADENCE_FAULT_TOKEN"
 
 
@@ -202,7 +190,10 @@ class Engine:
         self.bytes_per_block, self.window_bytes = PagedKV.sizing(
             self.kv_layout, *geometry[1:], block_size, dtype, max_batch
         )
-        num_blocks = self._num_blocks(kv_budget, block_size)
+        blocks_per_row = self.kv_layout.row_blocks(0, self.model_max_context, block_size)
+        num_blocks = pool_blocks(
+            kv_budget, max_batch * blocks_per_row, self.bytes_per_block, self.window_bytes
+        )
         self.kv = PagedKV(
             *geometry, config.num_queries_per_kv, num_blocks, block_size, dtype,
             config.layer_windows, max_batch,
@@ -223,33 +214,6 @@ class Engine:
         self._ids = itertools.count()
         self._fault = _fault_from_env()  # (token id, samples) or None
         self.ladder: BatchLadder | None = None  # pads steps to cheaper sizes when set
-
-    def _num_blocks(self, kv_budget: int | float | None, block_size: int) -> int:
-        if isinstance(kv_budget, bool) or not (
-            kv_budget is None
-            or (isinstance(kv_budget, int) and kv_budget > 0)
-            or (isinstance(kv_budget, float) and 0 < kv_budget < 1)
-        ):
-            raise ValueError(
-                f"kv_budget must be bytes > 0 or a fraction in (0, 1), got {kv_budget!r}"
-            )
-        blocks_per_row = self.kv_layout.row_blocks(0, self.model_max_context, block_size)
-        wanted = self.max_batch * blocks_per_row
-        available = available_memory()
-        if isinstance(kv_budget, int):
-            # A pool the OS cannot back would fail deep in mlx (std::bad_cast, an
-            # OverflowError) or swap the machine to a halt while it fills.
-            if available is not None and kv_budget > available:
-                raise CadenceError(
-                    f"KV budget of {kv_budget / 2**30:.1f} GiB is more than the "
-                    f"{available / 2**30:.1f} GiB of memory available (--kv-budget)"
-                )
-            return max((kv_budget - self.window_bytes) // self.bytes_per_block, 1)
-        if available is None:
-            return wanted
-        fraction = DEFAULT_FREE_FRACTION if kv_budget is None else kv_budget
-        affordable = max((int(available * fraction) - self.window_bytes) // self.bytes_per_block, 1)
-        return min(wanted, affordable) if kv_budget is None else affordable
 
     # -- sequences ---------------------------------------------------------------
 

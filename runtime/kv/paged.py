@@ -21,7 +21,6 @@ positions are recomputed every step.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 from runtime.kv.base import Rotary, RowSpan, attend_stacked_by_parts
@@ -215,35 +214,3 @@ class PagedForward:
             return None
         out, keys[layer], values[layer] = written
         return out
-
-
-def available_memory() -> int | None:
-    """Bytes the OS could give us now (Linux MemAvailable; mlx's limit elsewhere)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return int(mx.get_memory_limit())  # Metal: the recommended working set
-    except Exception:  # noqa: BLE001  (no backend limit: the caller falls back)
-        return None
-
-
-_UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-_BUDGET = re.compile(r"(\d+(?:\.\d+)?)\s*(kib|mib|gib|kb|mb|gb|b)?", re.IGNORECASE)
-
-
-def parse_kv_budget(text: str) -> float | int:
-    """"2GiB", "512MB", "1073741824" -> bytes; "0.3" -> a fraction of free memory."""
-    if (match := _BUDGET.fullmatch(text.strip())) is not None:
-        number, unit = match.groups()
-        if unit is not None and float(number) > 0:
-            return max(int(float(number) * _UNITS[unit.lower()]), 1)
-        if unit is None and "." in number and 0 < float(number) < 1:
-            return float(number)
-        if unit is None and "." not in number and int(number) > 0:
-            return int(number)
-    raise ValueError(f"KV budget {text!r}: give bytes (e.g. 2GiB, 512MB) or a fraction in (0, 1)")

@@ -1,0 +1,88 @@
+"""How big the KV pool is: the block size, the budget a user gives, and the memory there is.
+
+    num_blocks = pool_blocks(kv_budget, wanted_blocks, bytes_per_block, window_bytes)
+
+A budget is bytes, a fraction of the memory available now, or None: 30% of it, but no
+more than `max_batch` rows of the longest context need (the Engine's `wanted_blocks`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from runtime.errors import CadenceError
+
+import mlx.core as mx
+
+DEFAULT_BLOCK_SIZE = 16
+# Past this a block outgrows any sensible context, and the kernels' int32 slot numbers
+# (block x block_size) overflow: --block-size 100000000 crashed the process.
+MAX_BLOCK_SIZE = 1024
+DEFAULT_FREE_FRACTION = 0.3  # of available memory, when no --kv-budget is given
+
+
+def check_block_size(block_size: object) -> None:
+    """Raise CadenceError unless `block_size` is an integer in 1..MAX_BLOCK_SIZE."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise CadenceError(f"block_size must be an integer, got {block_size!r}")
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise CadenceError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
+
+
+def pool_blocks(
+    kv_budget: int | float | None, wanted_blocks: int, bytes_per_block: int, window_bytes: int
+) -> int:
+    """The pool's blocks under `kv_budget`, past the sliding-window pools' `window_bytes`."""
+    if isinstance(kv_budget, bool) or not (
+        kv_budget is None
+        or (isinstance(kv_budget, int) and kv_budget > 0)
+        or (isinstance(kv_budget, float) and 0 < kv_budget < 1)
+    ):
+        raise ValueError(f"kv_budget must be bytes > 0 or a fraction in (0, 1), got {kv_budget!r}")
+    available = available_memory()
+    if isinstance(kv_budget, int):
+        # A pool the OS cannot back would fail deep in mlx (std::bad_cast, an
+        # OverflowError) or swap the machine to a halt while it fills.
+        if available is not None and kv_budget > available:
+            raise CadenceError(
+                f"KV budget of {kv_budget / 2**30:.1f} GiB is more than the "
+                f"{available / 2**30:.1f} GiB of memory available (--kv-budget)"
+            )
+        return max((kv_budget - window_bytes) // bytes_per_block, 1)
+    if available is None:
+        return wanted_blocks
+    fraction = DEFAULT_FREE_FRACTION if kv_budget is None else kv_budget
+    affordable = max((int(available * fraction) - window_bytes) // bytes_per_block, 1)
+    return min(wanted_blocks, affordable) if kv_budget is None else affordable
+
+
+def available_memory() -> int | None:
+    """Bytes the OS could give us now (Linux MemAvailable; mlx's limit elsewhere)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(mx.get_memory_limit())  # Metal: the recommended working set
+    except Exception:  # noqa: BLE001  (no backend limit: the caller falls back)
+        return None
+
+
+_UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+_BUDGET = re.compile(r"(\d+(?:\.\d+)?)\s*(kib|mib|gib|kb|mb|gb|b)?", re.IGNORECASE)
+
+
+def parse_kv_budget(text: str) -> float | int:
+    """"2GiB", "512MB", "1073741824" -> bytes; "0.3" -> a fraction of free memory."""
+    if (match := _BUDGET.fullmatch(text.strip())) is not None:
+        number, unit = match.groups()
+        if unit is not None and float(number) > 0:
+            return max(int(float(number) * _UNITS[unit.lower()]), 1)
+        if unit is None and "." in number and 0 < float(number) < 1:
+            return float(number)
+        if unit is None and "." not in number and int(number) > 0:
+            return int(number)
+    raise ValueError(f"KV budget {text!r}: give bytes (e.g. 2GiB, 512MB) or a fraction in (0, 1)")

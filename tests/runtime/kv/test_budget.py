@@ -1,0 +1,69 @@
+"""The KV pool's size: the --kv-budget values a user types, and the blocks they buy."""
+
+from runtime.errors import CadenceError
+from runtime.kv import budget
+from runtime.kv.budget import parse_kv_budget
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("2GiB", 2 << 30), ("512MB", 512 * 10**6), (" 8 gib ", 8 << 30), ("1073741824", 1 << 30),
+     ("0.3", 0.3), ("2.5KiB", 2560), ("0.0001KiB", 1)],  # a sliver of a unit: one byte
+)
+def test_bytes_and_fractions(text, value):
+    assert parse_kv_budget(text) == value
+
+
+@pytest.mark.parametrize("text", ["abc", "-1", "0", "0.0", "1.0", "1.5", "inf", "nan", "1e9", "5 TB", "0KiB", ""])
+def test_anything_else_is_a_clear_error(text):
+    with pytest.raises(ValueError, match="KV budget"):
+        parse_kv_budget(text)
+
+
+# --- pool_blocks: the pool's size under a budget ----------------------------------------
+
+GIB = 1 << 30
+
+
+@pytest.fixture
+def eight_gib_free(monkeypatch):
+    monkeypatch.setattr(budget, "available_memory", lambda: 8 * GIB)
+
+
+@pytest.mark.parametrize(
+    ("kv_budget", "blocks"),
+    [
+        (1000 + 10 * 100, 10),  # bytes: the windows' pools first, then whole blocks
+        (1000 + 10 * 100 + 99, 10),
+        (500, 1),  # never no block at all
+        (0.5, (4 * GIB - 1000) // 100),  # a fraction of what is free, whatever is wanted
+        (None, 50),  # the default: 30% of what is free, but only what max_batch rows want
+    ],
+)
+def test_a_budget_buys_blocks_past_the_window_pools(eight_gib_free, kv_budget, blocks):
+    assert budget.pool_blocks(kv_budget, 50, bytes_per_block=100, window_bytes=1000) == blocks
+
+
+def test_the_default_budget_is_capped_by_what_is_free(monkeypatch):
+    monkeypatch.setattr(budget, "available_memory", lambda: 10_000)
+    assert budget.pool_blocks(None, 1_000, bytes_per_block=100, window_bytes=0) == 30
+
+
+@pytest.mark.parametrize("kv_budget", [0, -5, 1.0, 0.0, True, "1GiB"])
+def test_a_budget_of_no_known_form_is_refused(eight_gib_free, kv_budget):
+    with pytest.raises(ValueError, match="kv_budget must be"):
+        budget.pool_blocks(kv_budget, 50, bytes_per_block=100, window_bytes=0)
+
+
+def test_bytes_beyond_the_memory_available_are_refused(eight_gib_free):
+    with pytest.raises(CadenceError, match=r"9\.0 GiB is more than the 8\.0 GiB"):
+        budget.pool_blocks(9 * GIB, 50, bytes_per_block=100, window_bytes=0)
+
+
+@pytest.mark.parametrize("size", [0, 1025, 16.0, True, None])
+def test_a_block_size_outside_1_to_1024_is_refused(size):
+    with pytest.raises(CadenceError, match="block_size"):
+        budget.check_block_size(size)
+    budget.check_block_size(1024)  # the largest allowed
