@@ -13,7 +13,7 @@ import pytest
 import trio
 
 import actors
-from actors import bench_serve, loadgen
+from actors import bench_serve, bench_servers, loadgen
 from actors.bench_model import Floor, count_parameters
 from actors.http_app import ServerState, create_app
 from actors.http_server import serving_on_loopback
@@ -185,7 +185,7 @@ def test_the_floor_counts_the_weights_a_token_multiplies(make_checkpoint):
 
 def test_the_peer_runs_as_many_prompts_and_streams_at_once_as_cadence():
     """Its best configuration: its defaults (8 prompts at a time) ran 16 clients slower."""
-    args = bench_serve.mlx_lm_args(Path("ckpt"), 8123, 12)
+    args = bench_servers.mlx_lm_args(Path("ckpt"), 8123, 12)
     flags = dict(zip(args[::2], args[1::2], strict=True))
     assert flags["--decode-concurrency"] == "12"
     assert flags["--prompt-concurrency"] == "12"
@@ -293,9 +293,9 @@ def test_with_compare_the_servers_take_turns_to_go_first(tiny, monkeypatch, tmp_
 
         return server
 
-    monkeypatch.setattr(bench_serve, "_cadence", fake_server("cadence"))
-    monkeypatch.setattr(bench_serve, "_mlx_lm", fake_server("mlx-lm"))
-    monkeypatch.setattr(bench_serve, "_has_mlx_lm", lambda: True)
+    monkeypatch.setattr(bench_serve, "cadence_server", fake_server("cadence"))
+    monkeypatch.setattr(bench_serve, "mlx_lm_server", fake_server("mlx-lm"))
+    monkeypatch.setattr(bench_serve, "has_mlx_lm", lambda: True)
     monkeypatch.setattr(
         bench_serve,
         "_measure",
