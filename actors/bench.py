@@ -14,6 +14,7 @@ import sys
 import time
 
 import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
+from runtime.kv.budget import available_memory
 
 import mlx.core as mx
 import numpy as np
@@ -86,6 +87,15 @@ def _checked_paged_attention(parser: argparse.ArgumentParser, args: argparse.Nam
     # Each KV head serves a whole group of query heads; the kernels assume equal groups.
     if args.heads % args.kv_heads:
         parser.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    # The largest step's pools, and what the gather arm copies out of them (K and V for
+    # every query head): a step past the memory there is would be killed, not measured.
+    tokens = max(args.batches) * -(-max(args.contexts) // args.block_size) * args.block_size
+    needed = 4 * tokens * args.head_dim * 2 * (args.kv_heads + args.heads)
+    if (available := available_memory()) is not None and needed > available:
+        parser.error(
+            f"the largest step ({max(args.batches)} rows of {max(args.contexts)} tokens) needs "
+            f"~{needed / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB available"
+        )
     return paged_attention(args)
 
 

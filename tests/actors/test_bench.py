@@ -2,6 +2,7 @@
 
 import pytest
 
+from actors import bench
 from actors.cli import _parser
 
 PAGED = ["bench", "paged-attention", "--batches", "1", "--contexts", "16", "--repeats", "1"]
@@ -33,6 +34,19 @@ def test_paged_attention_refuses_heads_that_do_not_share_kv_heads_evenly(capsys)
     assert exit.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.endswith("--heads (3) must be a multiple of --kv-heads (2)")
+
+
+def test_paged_attention_refuses_a_step_past_the_memory_available(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "available_memory", lambda: 1 << 30)
+    # 16 rows x 16,384 tokens x 64 x 2 x (4 + 16) heads x 4 bytes: 2.5 GiB
+    args = _parser().parse_args([*PAGED, "--batches", "1", "16", "--contexts", "16384"])
+    with pytest.raises(SystemExit) as exit:
+        args.run(args)  # was killed for memory (--contexts 100000000), not refused
+    assert exit.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.endswith(
+        "the largest step (16 rows of 16384 tokens) needs ~2.5 GiB, more than the 1.0 GiB available"
+    )
 
 
 @pytest.mark.parametrize("command", ["serve", "soak"])
