@@ -82,6 +82,20 @@ def test_breaking_out_of_the_loop_frees_its_row(tiny):
     asyncio.run(main())
 
 
+def test_start_returns_the_prompt_length_and_a_finished_stream_stays_finished(tiny):
+    async def main():
+        async with actors.open_llm_asyncio(tiny) as llm:
+            generation = llm.generate([1, 2, 3], max_tokens=2, ignore_eos=True)
+            num_prompt_tokens = await generation.start()
+            deltas = [d async for d in generation]
+            again = [d async for d in generation]  # finished: it ends at once
+            return num_prompt_tokens, generation, deltas, again
+
+    num_prompt_tokens, generation, deltas, again = asyncio.run(main())
+    assert num_prompt_tokens == 3 == generation.num_prompt_tokens
+    assert deltas[-1].finish_reason == "length" and again == []
+
+
 def test_errors_keep_their_types(tiny):
     async def main():
         async with actors.open_llm_asyncio(tiny) as llm:

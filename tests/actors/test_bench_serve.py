@@ -8,6 +8,7 @@ import random
 import threading
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 import trio
@@ -282,6 +283,21 @@ def test_the_medians_are_per_load_and_the_ratios_per_round():
     assert alone.ratios == () and alone.median_ratio is None
 
 
+def test_the_floor_columns_compare_the_run_with_its_compute_floor():
+    """1,000 tokens a second at the floor: 3,000 prompt and 1,000 output tokens take it 4 s,
+    so 1,000 output tokens over the run make 250 tok/s, of which 100 is 40%."""
+    floor = Floor(1_000_000, gemm_flops=2e9, gemm_shape=(1, 1, 1))
+    run = attrs.evolve(
+        result("4 clients", 100.0), num_prompt_tokens=3000, num_output_tokens=1000, ttft_p99=1.5
+    )
+    assert bench_serve._floor_tok_s(floor, run) == "250.0 (40%)"
+    assert bench_serve._prompt_floor(floor, run) == "3.00 s (0.50x)"
+    idle = attrs.evolve(run, num_prompt_tokens=0, num_output_tokens=0)
+    assert bench_serve._floor_tok_s(floor, idle) == bench_serve._prompt_floor(floor, idle) == "-"
+    assert bench_serve._floor_tok_s(None, run) == "-"
+    assert (bench_serve._ratio(3.0, 2.0), bench_serve._ratio(3.0, 0.0)) == ("1.50x", "-")
+
+
 def test_with_compare_the_servers_take_turns_to_go_first(tiny, monkeypatch, tmp_path):
     started = []
 
@@ -296,6 +312,8 @@ def test_with_compare_the_servers_take_turns_to_go_first(tiny, monkeypatch, tmp_
     monkeypatch.setattr(bench_serve, "cadence_server", fake_server("cadence"))
     monkeypatch.setattr(bench_serve, "mlx_lm_server", fake_server("mlx-lm"))
     monkeypatch.setattr(bench_serve, "has_mlx_lm", lambda: True)
+    floors = iter([Floor(1000, 1e9, (1, 1, 1)), Floor(1000, 3e9, (1, 1, 1))])  # before, after
+    monkeypatch.setattr(bench_serve, "measure_floor", lambda checkpoint: next(floors))
     monkeypatch.setattr(
         bench_serve,
         "_measure",
@@ -312,11 +330,12 @@ def test_with_compare_the_servers_take_turns_to_go_first(tiny, monkeypatch, tmp_
     report = json.loads((tmp_path / "out.json").read_text())
     assert [len(runs) for runs in report["runs"].values()] == [3, 3]
     assert report["medians"][0]["median_ratio"] == pytest.approx(2.0)
+    assert report["floor"]["gemm_flops"] == 3e9  # the faster timing: a busy box only slows it
 
 
 @contextlib.contextmanager
 def answering(body: bytes):
-    """A loopback HTTP server that answers every GET with `body`: its base URL."""
+    """A loopback HTTP server that answers every GET and POST with `body`: its base URL."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -324,6 +343,10 @@ def answering(body: bytes):
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.do_GET()
 
         def log_message(self, *args):
             pass
@@ -353,6 +376,41 @@ def test_a_server_that_lists_no_model_is_one_short_line_asking_for_model(capsys,
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"cadence bench serve: {url}/v1/models: did not list a model")
     assert "(pass --model)" in line and len(line) < 350
+
+
+def sse_body(*events):
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + (
+        b"data: [DONE]\n\n"
+    )
+
+
+async def test_a_stream_without_usage_counts_its_text_chunks_and_the_prompt_as_built():
+    """A server that sends no usage chunk: a token per chunk that carried text, and the
+    prompt's length as the load generator built it."""
+    text = [{"choices": [{"delta": {"content": word}}]} for word in ("a", "b", "c")]
+    body = sse_body({"choices": [{"delta": {"role": "assistant"}}]}, *text)
+    with answering(body) as url:
+        outcome = await loadgen.stream_request(
+            Target(url, "m"), Workload(1, clients=1), Request("hi", 3, 7)
+        )
+    assert outcome.error is None and len(outcome.stamps) == 3
+    assert (outcome.num_prompt_tokens, outcome.num_output_tokens) == (7, 3)
+    usage = {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 5}}
+    with answering(sse_body(*text, usage)) as url:
+        counted = await loadgen.stream_request(
+            Target(url, "m"), Workload(1, clients=1), Request("hi", 3, 7)
+        )
+    assert (counted.num_prompt_tokens, counted.num_output_tokens) == (12, 5)  # the server's
+
+
+def test_a_run_with_no_streams_has_zero_figures_not_an_error():
+    result = summarize("1 client", [], start=5.0)
+    assert (result.num_requests, result.seconds, result.output_tok_s) == (0, 0.0, 0.0)
+    assert (result.ttft_p50, result.itl_p99, result.worst_gap) == (0.0, 0.0, 0.0)
+    # One stream that ended at once, with a single text chunk: no gap, no time.
+    instant = Outcome(None, 3, 1, start=5.0, end=5.0, stamps=(5.0,))
+    result = summarize("1 client", [instant], start=5.0)
+    assert (result.seconds, result.output_tok_s, result.worst_gap) == (0.0, 0.0, 0.0)
 
 
 def test_an_error_page_is_quoted_in_one_short_line():

@@ -7,6 +7,7 @@ import functools
 import http.client
 import json
 import time
+import types
 import urllib.parse
 
 import attrs
@@ -110,6 +111,14 @@ async def test_models_and_health(tiny):
         server.state.is_draining = True
         status, _, body = await in_thread(request, server.url, "GET", "/health")
         assert (status, body) == (503, {"status": "draining"})
+        # Draining, it takes no new work; its metrics are still worth watching.
+        status, _, body = await in_thread(
+            request, server.url, "POST", "/v1/completions", {"model": server.model, "prompt": "x"}
+        )
+        assert status == 503 and body["error"]["code"] == "unavailable"
+        assert "draining" in body["error"]["message"]
+        assert (await in_thread(request, server.url, "GET", "/v1/models"))[0] == 503
+        assert (await in_thread(request, server.url, "GET", "/v1/cadence/stats"))[0] == 200
 
 
 async def test_text_modalities_and_null_unsupported_fields_are_accepted(tiny):
@@ -162,6 +171,7 @@ async def test_chat_streaming_and_not_agree_and_chunks_follow_openai(tiny):
 
         chunks = await in_thread(stream)
     assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert whole.id.startswith("chatcmpl-") and chunks[0].id.startswith("chatcmpl-")
     assert len({(c.id, c.created) for c in chunks}) == 1
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -206,6 +216,7 @@ async def test_completions_streaming_and_not_agree(tiny):
     assert raw.headers["content-type"].startswith("text/event-stream")
     assert raw.headers["cache-control"] == "no-cache"
     assert whole.object == "text_completion"
+    assert whole.id.startswith("cmpl-") and chunks[0].id.startswith("cmpl-")
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     assert whole.usage.completion_tokens <= 10
@@ -641,9 +652,9 @@ async def test_every_bad_request_gets_an_openai_error_object(tiny):
         )
         assert status == 200, got
         status, _, got = await in_thread(request, server.url, "GET", "/v1/nowhere")
-        assert status == 404 and "error" in got
+        assert status == 404 and got["error"]["type"] == "not_found_error"
         status, _, got = await in_thread(request, server.url, "GET", "/v1/completions")
-        assert status == 405 and "error" in got
+        assert status == 405 and got["error"]["type"] == "invalid_request_error"
         # None of the above took the server down: a plain request still completes.
         done = await in_thread(
             server.client().completions.create, model=server.model, prompt="x", max_tokens=3, seed=7
@@ -723,6 +734,16 @@ async def test_every_response_carries_an_x_request_id_and_a_clients_own_is_echoe
         assert twice[0] == 200 and twice[2]["id"] != got["id"]  # reused: still unique inside
         status, headers, _ = await in_thread(request, server.url, "GET", "/v1/nowhere")
         assert status == 404 and len(headers["x-request-id"]) == 32
+        longest = {"x-request-id": "a" * 64}
+        status, headers, _ = await in_thread(
+            request, server.url, "POST", "/v1/completions", body, longest
+        )
+        assert status == 200 and headers["x-request-id"] == "a" * 64
+        too_long = {"x-request-id": "a" * 65}  # not echoed: it would bloat every log line
+        status, headers, _ = await in_thread(
+            request, server.url, "POST", "/v1/completions", body, too_long
+        )
+        assert status == 200 and headers["x-request-id"] != too_long["x-request-id"]
         bad = {"x-request-id": "has spaces and {braces}"}
         status, headers, got = await in_thread(
             request, server.url, "POST", "/v1/completions", body, bad
@@ -764,8 +785,31 @@ async def test_with_api_keys_every_route_but_health_needs_a_valid_bearer_token(t
         )
         assert status == 200
         status, _, _ = await in_thread(
+            request, server.url, "GET", "/v1/models", None, {"Authorization": "Bearer  key-two"}
+        )
+        assert status == 200  # the space around the key is not part of it
+        status, _, _ = await in_thread(
             request, server.url, "GET", "/v1/models", None, {"Authorization": "Bearer KEY-TWO"}
         )
         assert status == 401
         with pytest.raises(openai.AuthenticationError):
             await in_thread(server.client().models.list)  # api_key="unused"
+
+
+async def test_an_unhandled_error_is_a_500_openai_error_object_that_reveals_nothing():
+    """A bug in a route (here: a served LLM without metrics) is OpenAI's server_error,
+    with the request id, and logged with its traceback, not sent to the client."""
+    state = ServerState(llm=types.SimpleNamespace(name="broken"))  # type: ignore[arg-type]
+    async with serving_on_loopback(create_app(state), graceful_timeout=0.1) as url:
+        with capture_logs() as logs:
+            status, headers, body = await in_thread(request, url, "GET", "/v1/cadence/stats")
+    assert status == 500 and len(headers["x-request-id"]) == 32
+    assert body == {
+        "error": {
+            "message": "internal server error",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+    }
+    assert [e["event"] for e in logs] == ["unhandled error"]

@@ -233,8 +233,11 @@ async def test_streams_cut_by_preemption_resume_with_no_gap_and_no_duplicate(tin
             async with trio.open_nursery() as nursery:
                 for priority, prompt in enumerate(PROMPTS):
                     nursery.start_soon(one, prompt, priority)
+        labels = {"model_name": llm.name}
+        counted = llm.metrics.registry.get_sample_value("cadence:num_preemptions_total", labels)
     assert together == alone
     preempted = [e for e in logs if e["event"] == "preempted"]
+    assert counted == llm.num_preemptions == len(preempted)
     assert preempted and all(e["cause"] == "kv_pool_full" for e in preempted)
     assert PROMPTS[0] not in {e["request_id"] for e in preempted} or len(preempted) > 3
 
@@ -249,11 +252,12 @@ async def test_a_lower_priority_value_is_scheduled_first(tiny):
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(one, "first", 0, 150)  # takes the only row for a while
-            while llm.num_waiting or not (await llm.engine_stats()).num_open:
-                await trio.sleep(0.001)
-            nursery.start_soon(one, "background", 10)
-            while llm.num_waiting < 1:
-                await trio.sleep(0.001)
+            with trio.fail_after(30):  # a broken count fails here rather than hanging
+                while llm.num_waiting or not (await llm.engine_stats()).num_open:
+                    await trio.sleep(0.001)
+                nursery.start_soon(one, "background", 10)
+                while llm.num_waiting < 1:
+                    await trio.sleep(0.001)
             nursery.start_soon(one, "urgent", -10)
     assert order == ["first", "urgent", "background"]
 
@@ -375,3 +379,22 @@ async def test_a_prompt_past_the_models_context_is_not_blamed_on_the_kv_budget(t
             await complete(llm, "word " * (llm.max_context + 10), max_tokens=4)
     assert "maximum context length" in str(raised.value)
     assert "kv-budget" not in str(raised.value)
+
+
+async def test_ignore_eos_runs_past_an_end_of_sequence_token_to_max_tokens(tiny):
+    async with actors.open_llm(tiny) as llm:
+        eos = min(llm._engine.eos_ids)
+        forced = {"max_tokens": 6, "logit_bias": {eos: 100.0}}  # greedy: EOS every time
+        _, stopped = await complete(llm, "Hello", **forced)
+        _, ignored = await complete(llm, "Hello", ignore_eos=True, **forced)
+    assert (stopped.finish_reason, stopped.usage.completion_tokens) == ("stop", 1)
+    assert (ignored.finish_reason, ignored.usage.completion_tokens) == ("length", 6)
+
+
+async def test_a_drain_timeout_of_zero_aborts_what_runs_at_the_blocks_exit(tiny):
+    async with actors.open_llm(tiny, drain_timeout=0) as llm:
+        generation = llm.generate("Hello", max_tokens=900, ignore_eos=True)
+        await generation.start()
+    with pytest.raises(GenerationError, match="aborted"):
+        async for _ in generation:
+            pass

@@ -3,15 +3,17 @@
 from runtime.errors import RequestError
 from runtime.kv.blocks import BlockPool
 from runtime.scheduler import FcfsScheduler
-from runtime.sequence import SequenceParams
+from runtime.sequence import FinishCause, SequenceParams
 
 import pytest
 import trio
 import trio.testing
 
 from actors import GenerationError, OverloadedError, ServiceClosedError
-from actors.messages import REPLY_BUFFER, AbortAll, Submit
+from actors.generation import Generation
+from actors.messages import REPLY_BUFFER, AbortAll, Failed, Finished, Submit, TextDelta
 from actors.metrics import Metrics
+from actors.requests import GenerateRequest, Usage
 from actors.scheduler import SchedulerActor
 
 
@@ -270,3 +272,134 @@ async def test_a_request_that_arrives_after_abort_all_is_aborted_at_once():
     actor._apply(Submit("late", SequenceParams((1, 2, 3), max_tokens=4, request_id="late")))
     assert not policy.waiting and not policy.running and slots.value == 4
     assert policy.pending_closes == ["late"]  # reported as released with the next plan
+
+
+async def test_a_caller_gone_before_admission_answered_returns_its_reservation(
+    pipeline, autojump_clock
+):
+    """Admission found the reply channel closed when it went to say Accepted: its Abort
+    takes the request out of the queue, rather than holding a waiting slot until a row
+    frees up for a request nobody reads."""
+    async with (
+        pipeline(max_batch=1, max_waiting=1, max_context=10_000) as (llm, engine),
+        llm.generate([1], max_tokens=5000) as running,
+    ):
+        await running.__anext__()  # it holds the only row
+        gone = llm.generate([2], max_tokens=5)
+        gone.submit()
+        await gone.aclose()  # before admission got to it
+        await wait_for(lambda: llm.num_waiting == 0)
+        extra = llm.generate([3], max_tokens=5)
+        await extra.start()  # the slot came back
+        await extra.aclose()
+    assert engine.submits_with(gone.request_id) == []
+
+
+async def test_an_unexpected_error_preparing_a_prompt_is_a_request_error_for_it_only(
+    pipeline, autojump_clock
+):
+    """A tokenizer or template bug (not a CadenceError) fails that request as a
+    RequestError, returns its reservation, and the service goes on."""
+    async with pipeline(max_waiting=1) as (llm, engine):
+        tokenizer = llm._admission.tokenizer
+        encode = tokenizer.encode
+
+        def broken_encode(text, *args, **kwargs):
+            if text == "boom":
+                raise KeyError("a tokenizer bug")
+            return encode(text, *args, **kwargs)
+
+        tokenizer.encode = broken_encode
+        try:
+            for _ in range(2):
+                with pytest.raises(RequestError, match="could not prepare the prompt"):
+                    await llm.generate("boom", max_tokens=2).start()
+        finally:
+            del tokenizer.encode
+        deltas = await collect(llm.generate("fine", max_tokens=2))
+    assert deltas[-1].finish_reason == "length"
+
+
+def scheduler_actor(policy, slots):
+    to_gpu, _ = trio.open_memory_channel(8)
+    _, inbox = trio.open_memory_channel(8)
+    return SchedulerActor(policy, inbox, to_gpu, slots, Metrics("fake", policy))
+
+
+async def test_abort_all_takes_the_waiting_requests_too_and_returns_their_reservations():
+    policy = FcfsScheduler(1, BlockPool(num_blocks=64, block_size=4), 256)
+    slots = trio.Semaphore(4)
+    actor = scheduler_actor(policy, slots)
+    for request_id in ("running", "queued"):
+        await slots.acquire()
+        params = SequenceParams((1, 2, 3), max_tokens=40, request_id=request_id)
+        actor._apply(Submit(request_id, params))
+    await actor._dispatch()  # "running" gets the only row, "queued" waits
+    assert list(policy.running) == ["running"] and slots.value == 3
+    actor._apply(AbortAll("shutdown"))
+    assert not policy.waiting and not policy.running and slots.value == 4
+
+
+async def test_a_request_the_pool_can_never_hold_returns_its_reservation_unqueued():
+    """Rejected by the policy (admission had no KV bound to check): its slot comes back,
+    and it observes no queue time, as it was never scheduled."""
+    policy = FcfsScheduler(1, BlockPool(num_blocks=8, block_size=4), 256)
+    slots = trio.Semaphore(4)
+    actor = scheduler_actor(policy, slots)
+    await slots.acquire()
+    huge = SequenceParams(tuple(range(1, 41)), max_tokens=4, request_id="huge")
+    actor._apply(Submit("huge", huge))
+    await actor._dispatch()
+    assert not policy.waiting and slots.value == 4
+    labels = {"model_name": "fake"}
+    count = actor.metrics.registry.get_sample_value(
+        "cadence:request_queue_time_seconds_count", labels
+    )
+    assert count == 0
+
+
+async def test_a_generation_starts_once(pipeline, autojump_clock):
+    async with pipeline() as (llm, engine):
+        generation = llm.generate([1, 2], max_tokens=3)
+        assert await generation.start() == 2
+        with pytest.raises(RuntimeError, match="starts once"):
+            await generation.start()  # it must not read a delta as if it were the answer
+        deltas = await collect(generation)
+    assert deltas[-1].usage.completion_tokens == 3 and len(deltas) == 3
+
+
+class ScriptedLLM:
+    """What a Generation needs of its LLM: admission answers with `replies` at once."""
+
+    def __init__(self, *replies):
+        self.replies = replies
+        self.num_released = 0
+
+    def _admit(self, admit, generation):
+        for reply in self.replies:
+            admit.reply.send_nowait(reply(admit.request_id))
+        admit.reply.close()
+
+    def _release(self, generation):
+        self.num_released += 1
+
+
+async def test_a_service_that_stops_before_accepting_is_service_closed_at_start():
+    llm = ScriptedLLM(lambda request_id: Failed(request_id, "the service stopped"))
+    generation = Generation(llm, GenerateRequest(prompt="hi"))  # type: ignore[arg-type]
+    with pytest.raises(ServiceClosedError, match="the service stopped"):
+        await generation.start()
+    assert llm.num_released == 1
+
+
+async def test_deltas_that_overtake_accepted_still_tell_the_prompt_length_at_the_end():
+    usage = Usage(prompt_tokens=5, completion_tokens=2)
+    llm = ScriptedLLM(
+        lambda request_id: TextDelta(request_id, "a"),
+        lambda request_id: Finished(request_id, "b", FinishCause.LENGTH, usage),
+    )
+    generation = Generation(llm, GenerateRequest(prompt="hi"))  # type: ignore[arg-type]
+    texts = [delta.text async for delta in generation]
+    assert texts == ["a", "b"] and generation.finish_reason == "length"
+    assert generation.num_prompt_tokens == 5 and generation.usage == usage
+    assert llm.num_released == 1

@@ -8,6 +8,7 @@ import tempfile
 import urllib.request
 
 import pytest
+import trio
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
@@ -51,6 +52,26 @@ async def test_the_stats_count_generated_tokens(tiny):
         assert status == 200
         _, _, stats = await in_thread(request, server.url, "GET", "/v1/cadence/stats")
     assert stats["generation_tokens_total"] == 5
+
+
+async def test_the_stats_show_a_running_request_and_one_waiting_behind_it(tiny):
+    async with serving(tiny, max_batch=1) as server:
+        running = server.llm.generate("a", max_tokens=900, ignore_eos=True)
+        async with running:
+            await running.__anext__()  # it holds the only row, and KV blocks
+            _, _, alone = await in_thread(request, server.url, "GET", "/v1/cadence/stats")
+            async with server.llm.generate("b", max_tokens=5):  # queued behind it
+                with trio.fail_after(10):  # until the scheduler has it
+                    while True:
+                        _, _, both = await in_thread(
+                            request, server.url, "GET", "/v1/cadence/stats"
+                        )
+                        if both["num_waiting"]:
+                            break
+                        await trio.sleep(0.005)
+    assert (alone["num_running"], alone["num_waiting"]) == (1, 0)
+    assert (both["num_running"], both["num_waiting"]) == (1, 1)
+    assert 0 < alone["kv_cache_usage"] < 1 and alone["generation_tokens_total"] >= 1
 
 
 @contextlib.contextmanager

@@ -59,6 +59,8 @@ def test_only_step_events_become_steps_timed_from_the_first_steps_start(tmp_path
                 3, end_s=11.0, step_ms=100, rows=2, prefill_tokens=0, decode_rows=2, preempted=1
             ),
             '{"step": 4, "event": "step", "step_ms": 5}',  # from an older cadence: fields missing
+            json.dumps({**json.loads(step_line(5, 11.5, 10, 1, 0, 1)), "rows": "1"}),  # a string
+            json.dumps({**json.loads(step_line(6, 11.5, 10, 1, 0, 1)), "timestamp": "soon"}),
         ],
     )
     timeline = read_timeline(log)
@@ -190,3 +192,31 @@ def test_any_case_of_a_known_suffix_is_written_under_the_name_given(tmp_path, ca
     assert args.run(args) == 0
     assert capsys.readouterr().out == f"{tmp_path / 't.SVG'}: 1 steps\n"
     assert (tmp_path / "t.SVG").read_bytes().lstrip().startswith(b"<?xml")
+
+
+def test_a_step_logged_after_one_that_started_later_still_starts_at_or_after_zero(tmp_path):
+    """Two models in one process log their steps into one log, each when it ends: the
+    first line need not be the first step to start."""
+    log = write_log(
+        tmp_path / "serve.jsonl",
+        [
+            step_line(1, end_s=10.5, step_ms=100, rows=1, prefill_tokens=8, decode_rows=0),
+            step_line(1, end_s=10.6, step_ms=400, rows=1, prefill_tokens=16, decode_rows=0),
+        ],
+    )
+    first, second = read_timeline(log).steps
+    assert second.start_s == 0.0 and first.start_s == pytest.approx(0.2, abs=1e-3)
+
+
+def test_the_title_sums_the_tokens_computed_the_cached_tokens_and_the_preemptions(tmp_path):
+    import matplotlib
+
+    steps = (
+        StepSample(1, 0.0, 500, 2, 96, 0, cached_tokens=32, preempted=0),
+        StepSample(2, 0.5, 250, 3, 40, 2, cached_tokens=0, preempted=1),
+    )
+    output = tmp_path / "timeline.svg"
+    with matplotlib.rc_context({"svg.fonttype": "none"}):  # text as text, not paths
+        draw(Timeline(steps), output)
+    title = "2 steps, 138 tokens computed, 32 prompt tokens from the prefix cache, 1 preemptions"
+    assert title in output.read_text()

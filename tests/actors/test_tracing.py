@@ -6,6 +6,7 @@ import json
 from runtime.runner import Launched
 from runtime.scheduler import StepPlan
 
+import pytest
 import structlog
 import trio
 from structlog.testing import capture_logs
@@ -84,6 +85,14 @@ def test_the_cli_configuration_writes_iso_utc_json_lines():
     assert event["level"] == "info" and event["timestamp"].endswith("Z")
 
 
+def test_an_unknown_log_format_is_refused_not_rendered_as_console():
+    try:
+        with pytest.raises(ValueError, match="unknown log format 'xml'"):
+            configure_logging("xml", "info", io.StringIO())
+    finally:
+        structlog.reset_defaults()
+
+
 def reporting_gpu() -> GpuActor:
     """A GPU actor with only its reporting side: `_report` logs a step and sends it on."""
     to_streamer, _ = trio.open_memory_channel(4)
@@ -130,8 +139,9 @@ async def test_step_events_count_prefill_rows_cached_tokens_and_preemptions(pipe
 
 async def test_a_step_event_counts_the_rows_its_plan_preempted():
     gpu = reporting_gpu()
-    plan = StepPlan(3, preempted=("a", "b"))
+    plan = StepPlan(3, preempted=("a", "b"), num_free_blocks=17, hit_rate=0.25)
     with capture_logs() as logs:
         await gpu._report(Launched(plan, (), (), True, 0.0, 1.0), ())
     (step,) = [e for e in logs if e["event"] == "step"]
     assert step["preempted"] == 2
+    assert (step["free_blocks"], step["prefix_hit_rate"]) == (17, 0.25)
