@@ -7,6 +7,7 @@ closes the reply channel so the streamer aborts the row at its next token.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import uuid
@@ -48,7 +49,7 @@ class Generation:
         self._llm = llm
         self._state = _State.NEW
         self._replies: trio.MemoryReceiveChannel[Reply] | None = None
-        self._stash: Reply | None = None
+        self._stash: collections.deque[Reply] = collections.deque()  # read before the channel
         self._is_reading = False
 
     @property
@@ -79,18 +80,24 @@ class Generation:
             self.submit()
         elif self._state is not _State.ADMITTING:
             raise RuntimeError("a Generation starts once")
-        first = await self._receive()
-        match first:
+        reply = await self._receive()
+        while isinstance(reply, TextDelta):  # text overtook Accepted (sent after the Submit),
+            self._stash.append(reply)  # which is on its way: it still tells the prompt length
+            reply = await self._receive()
+        match reply:
             case Accepted(_, num_prompt_tokens):
                 self.num_prompt_tokens = num_prompt_tokens
+            case Finished(_, _, _, usage, _):  # overtook it too, and tells the length as well
+                self._stash.append(reply)
+                self.num_prompt_tokens = usage.prompt_tokens
             case Rejected(_, error):
                 self._done()
                 raise error.with_traceback(None)  # admission's frames are not the caller's
-            case Failed(_, message):
+            case Failed(_, message) if not self._stash:
                 self._done()
                 raise ServiceClosedError(message)
-            case _:  # a delta overtook Accepted: admitted all the same
-                self._stash = first
+            case Failed():  # after text: the reader's GenerationError
+                self._stash.append(reply)
         self._state = _State.STREAMING
         return self.num_prompt_tokens or 0
 
@@ -112,7 +119,7 @@ class Generation:
         if self._state is _State.NEW:
             await self.start()
         while self._state is not _State.DONE:
-            message, self._stash = self._stash or await self._receive(), None
+            message = self._stash.popleft() if self._stash else await self._receive()
             match message:
                 case TextDelta(_, text, logprobs):
                     return Delta(text, logprobs=logprobs)

@@ -11,7 +11,15 @@ import trio.testing
 
 from actors import GenerationError, OverloadedError, ServiceClosedError
 from actors.generation import Generation
-from actors.messages import REPLY_BUFFER, AbortAll, Failed, Finished, Submit, TextDelta
+from actors.messages import (
+    REPLY_BUFFER,
+    AbortAll,
+    Accepted,
+    Failed,
+    Finished,
+    Submit,
+    TextDelta,
+)
 from actors.metrics import Metrics
 from actors.requests import GenerateRequest, Usage
 from actors.scheduler import SchedulerActor
@@ -403,3 +411,31 @@ async def test_deltas_that_overtake_accepted_still_tell_the_prompt_length_at_the
     assert texts == ["a", "b"] and generation.finish_reason == "length"
     assert generation.num_prompt_tokens == 5 and generation.usage == usage
     assert llm.num_released == 1
+
+
+@pytest.mark.parametrize("num_deltas", [1, 3])
+async def test_start_tells_the_prompt_length_when_text_overtakes_accepted(num_deltas):
+    """Admission says Accepted after its Submit, so the first text can reach the caller
+    first: start() waits for Accepted (it returned 0), and no text is lost."""
+    usage = Usage(prompt_tokens=7, completion_tokens=num_deltas + 1)
+    llm = ScriptedLLM(
+        *[lambda request_id, i=i: TextDelta(request_id, str(i)) for i in range(num_deltas)],
+        lambda request_id: Accepted(request_id, 7),
+        lambda request_id: Finished(request_id, "end", FinishCause.LENGTH, usage),
+    )
+    generation = Generation(llm, GenerateRequest(prompt="hi"))  # type: ignore[arg-type]
+    assert await generation.start() == 7
+    texts = [delta.text async for delta in generation]
+    assert texts == [*map(str, range(num_deltas)), "end"]
+
+
+async def test_a_failure_after_text_that_overtook_accepted_is_a_generation_error():
+    llm = ScriptedLLM(
+        lambda request_id: TextDelta(request_id, "a"),
+        lambda request_id: Failed(request_id, "non-finite logits"),
+    )
+    generation = Generation(llm, GenerateRequest(prompt="hi"))  # type: ignore[arg-type]
+    await generation.start()  # admitted: its text came
+    assert (await generation.__anext__()).text == "a"
+    with pytest.raises(GenerationError, match="non-finite logits"):
+        await generation.__anext__()
