@@ -369,3 +369,81 @@ def test_pools_in_place_writes_into_a_pool_something_else_holds(in_place):
     assert not mx.array_equal(new_keys, keys).item()
     assert ext.num_pool_copies() == copies + (0 if in_place else 2)
     assert mx.array_equal(held_keys, new_keys if in_place else keys).item()
+
+
+def test_a_steps_shape_counts_its_rows_tokens_and_visible_keys():
+    step = make_step([5, 0, 30], [1, 13, 1], 2, 4)[0]
+    assert step.shape == pa.StepShape(
+        num_rows=3, max_new=13, max_visible=31, num_multi_rows=1, num_kv_heads=2, num_queries_per_kv=4
+    )
+    prefill = make_step([0], [600], 1, 1, num_blocks=160)[0]  # the chunk's own keys are visible
+    assert prefill.shape.max_visible == 600 and prefill.shape.num_multi_rows == 1
+
+
+def test_only_rows_bringing_several_tokens_count_towards_the_score_cap(monkeypatch):
+    without_native(monkeypatch)
+    monkeypatch.delenv("CADENCE_PAGED_ATTENTION", raising=False)
+    monkeypatch.delenv("CADENCE_PAGED_FAST_MIN_KEYS", raising=False)
+    # One chunk of 4096 queries over 4096 keys, 8 KV heads: 4 * 8 * 4096 * 4096 bytes, the cap.
+    at_the_cap = pa.StepShape(1, 4096, 4096, 1, 8, 1)
+    assert pa.FAST_MAX_SCORE_BYTES == 4 * 8 * 4096 * 4096
+    assert pa.select_path(at_the_cap).path == "fast"
+    with_decoding_rows = attrs.evolve(at_the_cap, num_rows=64)  # 63 one-token rows beside it
+    assert pa.select_path(with_decoding_rows).path == "fast"
+    two_chunks = attrs.evolve(with_decoding_rows, num_multi_rows=2)
+    assert pa.select_path(two_chunks).reason == "scores_over_cap"
+
+
+def test_the_native_kernel_declines_a_step_off_the_cpu(monkeypatch):
+    monkeypatch.setattr(pa.mx, "default_device", lambda: mx.Device(mx.gpu))
+    shape = pa.StepShape(1, 1, 64, 0, 4, 4)
+    assert pa.native_kernel_reason(shape).startswith("default device is")
+    assert pa.select_path(shape).path != "native"
+
+
+@needs_native
+def test_the_native_kernel_takes_up_to_its_limit_of_query_heads_per_kv_head(monkeypatch):
+    monkeypatch.delenv("CADENCE_PAGED_ATTENTION", raising=False)
+    group = pa.MAX_NATIVE_QUERIES_PER_KV
+    step, _, keys, values, q, k, v = make_step([5, 17], [1, 3], 1, group)
+    assert pa.native_kernel_reason(step.shape) is None and pa.dispatch(step) == "native"
+    native, _ = run("native", step, keys, values, q, k, v)
+    gather, _ = run("gather", step, keys, values, q, k, v)
+    assert mx.allclose(native, gather, atol=1e-5, rtol=1e-5).item()
+    monkeypatch.setenv("CADENCE_PAGED_ATTENTION", "native")
+    assert pa.select_path(step.shape).reason == "forced"
+
+
+def test_the_fast_path_runs_the_vectorized_plan(monkeypatch):
+    step, _, keys, values, q, k, v = make_step([5, 2], [1, 7], 2, 2)
+
+    def never(*args):
+        raise AssertionError("the fast path built the per-row plan")
+
+    monkeypatch.setattr(pa.GatherPlan, "__init__", never)
+    out, _ = run("fast", step, keys, values, q, k, v)
+    monkeypatch.undo()
+    gather, _ = run("gather", step, keys, values, q, k, v)
+    assert mx.allclose(out, gather, atol=1e-5, rtol=1e-5).item()
+
+
+def test_key_positions_past_the_table_read_its_last_entry():
+    step, tables, *_ = make_step([5, 1], [1, 1], 2, 1)  # tables of 2 and 1 blocks: width 2
+    rows = step.key_rows([0], np.array([[0, 7, 8, 13]]))  # positions 8 and 13: past both columns
+    first, last = tables[0][0] * BLOCK, tables[0][1] * BLOCK
+    expected = [first + 0, last + 3, last + 0, last + 1]
+    assert rows.tolist() == expected + [step.num_slots + slot for slot in expected]  # KV head 0, 1
+
+
+@needs_native
+def test_paged_attention_writes_in_place_into_a_held_pool_when_it_owns_the_pools():
+    ext = cpu_extension()
+    step, _, keys, values, q, k, v = make_step([5, 17], [1, 1], 2, 4)
+    held = ([mx.array(keys)], [mx.array(values)])
+    mx.eval(held)
+    before = held[0][0]
+    copies = ext.num_pool_copies()
+    out = pa.paged_attention(held, 0, q, k, v, 0.25, step, "native", pools_in_place=True)
+    mx.eval(out, held)
+    assert ext.num_pool_copies() == copies
+    assert mx.array_equal(before, held[0][0]).item() and not mx.array_equal(before, keys).item()

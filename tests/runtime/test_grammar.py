@@ -177,6 +177,8 @@ def test_a_pathological_schema_is_refused_within_limits(compiler, schema):
         GrammarSpec("regex", "a{100000}{100000}", "guided_regex"),
         GrammarSpec("lark", "start: " + " | ".join(f'"t{i}"' for i in range(20_000)), "guided_grammar"),
         GrammarSpec("json_schema", '{"$ref": "#"}', "guided_json"),  # a schema with no end
+        # Complete when empty: the probe must take a real token, not an EOS, to find out.
+        GrammarSpec("lark", 'start: "" | ' + " | ".join(f'"t{i}"' for i in range(20_000)), "guided_grammar"),
     ],
 )
 def test_a_grammar_past_the_limits_at_its_first_token_is_refused_at_compile(compiler, spec):
@@ -250,3 +252,33 @@ def test_a_row_is_done_only_when_its_grammar_can_take_nothing_more(compiler, mod
 
     assert not fed("regex", "[0-9]+", "5").is_done
     assert fed("choice", json.dumps(["yes"]), "yes").is_done
+
+
+def test_a_long_grammar_error_is_cut_to_one_short_line(compiler):
+    with pytest.raises(RequestError) as raised:
+        compiler.compile(GrammarSpec("lark", "start: " + "x" * 2000, "guided_grammar"))
+    assert "unknown name" in str(raised.value) and len(str(raised.value)) < 400
+
+
+def test_choices_match_as_text_and_a_choice_that_is_no_list_is_refused(compiler, model):
+    grammar = compiler.compile(GrammarSpec("choice", json.dumps([1, 22]), "guided_choice"))
+    state = grammar.start()
+    for token in model.tokenizer.encode("22", add_special_tokens=False):
+        assert state.advance(token) is None
+    assert state.is_done
+    with pytest.raises(RequestError) as raised:
+        compiler.compile(GrammarSpec("choice", "5", "guided_choice"))
+    assert raised.value.param == "guided_choice"
+
+
+@pytest.mark.parametrize("kind", ["json_object", "json_schema"])
+def test_generated_json_has_no_free_whitespace(compiler, model, kind):
+    grammar = compiler.compile(GrammarSpec(kind, json.dumps(SCHEMA), "response_format"))
+    state = grammar.start()
+    (brace,) = model.tokenizer.encode("{", add_special_tokens=False)
+    assert state.advance(brace) is None
+    allowed = token_masks([state], compiler.vocab_size)[0]
+    for blank in (" ", "\n", "  "):
+        (token,) = model.tokenizer.encode(blank, add_special_tokens=False)
+        assert not allowed[token].item(), repr(blank)
+    assert allowed.any().item()

@@ -4,10 +4,19 @@ step changes no token and stores no K/V for the pads."""
 from runtime.checkpoint import load_model
 from runtime.engine import Engine
 from runtime.kv.base import RowSpan
-from runtime.ladder import BatchLadder, PaddedForward, _layer_linears, measure_ladder, pad_step
+from runtime.ladder import (
+    BatchLadder,
+    PaddedForward,
+    _dtype,
+    _in_features,
+    _layer_linears,
+    measure_ladder,
+    pad_step,
+)
 from runtime.runner import run_offline
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 from tests.runtime.test_engine import params, policy_for
@@ -23,6 +32,9 @@ def test_pads_to_the_cheapest_larger_size_only_past_the_noise_margin():
     assert ladder.padded(9) == 9  # above the table: as is
     assert BatchLadder((5.0, 4.9)).padded(1) == 1  # a 2% saving is noise, not a rung
     assert BatchLadder((9.0, 4.0, 4.0)).padded(1) == 2  # of equal costs, the fewest pads
+    assert BatchLadder((20.0, 19.0)).padded(1) == 1  # exactly 5% is not below the margin
+    assert BatchLadder((20.0, 18.9)).padded(1) == 2
+    assert ladder.padded(0) == 0  # an empty step stays empty
     assert ladder.describe()["pads"] == {
         "2->4": 1.0,
         "3->4": 0.8,
@@ -119,3 +131,27 @@ def test_the_real_rows_k_v_is_stored_as_without_pads(engine):
     assert mx.allclose(plain_out, padded_out, atol=1e-5).item()
     for a, b in zip(plain_keys, padded_keys, strict=True):
         assert mx.array_equal(a, b).item()
+
+
+class _QuantizedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up_proj = nn.QuantizedLinear(64, 32, bits=8)  # weight [32, 64 * 8 / 32]
+        self.down_proj = nn.QuantizedLinear(128, 64, bits=4)
+        self.down_proj.scales = self.down_proj.scales.astype(mx.float16)
+        self.down_proj.biases = self.down_proj.biases.astype(mx.float16)
+
+
+def test_measures_quantized_layers_at_their_real_input_width_and_dtype():
+    """A quantized layer's packed weight is narrower than its input: 8 bits, 4 a word."""
+
+    class Model:
+        model = type("Inner", (), {"layers": [_QuantizedLayer()]})()
+
+    linears = _layer_linears(Model())
+    assert sorted((_in_features(m), str(_dtype(m))) for m in linears) == [
+        (64, str(mx.float32)),
+        (128, str(mx.float16)),
+    ]
+    ladder = measure_ladder(Model(), 2, 3)
+    assert len(ladder.ms) == 3 and all(ms > 0 for ms in ladder.ms)

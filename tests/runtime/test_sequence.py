@@ -2,7 +2,7 @@
 bounds, each at its edge."""
 
 from runtime.errors import RequestError
-from runtime.sequence import SamplingParams, SequenceParams, check_sequence
+from runtime.sequence import FinishCause, SamplingParams, SequenceParams, check_sequence
 
 import pytest
 
@@ -49,3 +49,29 @@ def test_a_logit_bias_outside_the_vocabulary_is_refused(token):
 def test_an_empty_prompt_and_a_max_tokens_below_one_are_refused():
     assert refusal(prompt=[]).param == "prompt"
     assert refusal(max_tokens=0).param == "max_tokens"
+
+
+@pytest.mark.parametrize(
+    "penalty",
+    [{"repetition_penalty": 1.3}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.25},
+     {"presence_penalty": -0.5}],
+)
+def test_any_one_penalty_turns_penalties_on(penalty):
+    assert SamplingParams(**penalty).has_penalties
+    assert not SamplingParams(temperature=1.0, top_k=5, logit_bias={3: 1.0}).has_penalties
+
+
+def test_equal_logit_biases_compare_equal_however_given():
+    by_mapping = SamplingParams(logit_bias={7: -1.0, 2: 0.5})
+    by_pairs = SamplingParams(logit_bias=[(2, 0.5), (7, -1)])
+    assert by_mapping == by_pairs and by_mapping.logit_bias == ((2, 0.5), (7, -1.0))
+
+
+@pytest.mark.parametrize(
+    ("cause", "reason"),
+    [(FinishCause.ERROR, "error"), (FinishCause.EOS, "stop"), (FinishCause.STOP_SEQUENCE, "stop"),
+     (FinishCause.LENGTH, "length"), (FinishCause.CONTEXT_EXHAUSTED, "length"),
+     (FinishCause.REPETITION_LOOP, "stop")],
+)
+def test_each_finish_cause_reports_its_openai_reason(cause, reason):
+    assert cause.openai_reason == reason

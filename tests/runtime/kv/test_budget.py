@@ -1,5 +1,7 @@
 """The KV pool's size: the --kv-budget values a user types, and the blocks they buy."""
 
+import io
+
 from runtime.errors import CadenceError
 from runtime.kv import budget
 from runtime.kv.budget import parse_kv_budget
@@ -67,3 +69,9 @@ def test_a_block_size_outside_1_to_1024_is_refused(size):
     with pytest.raises(CadenceError, match="block_size"):
         budget.check_block_size(size)
     budget.check_block_size(1024)  # the largest allowed
+
+
+def test_available_memory_reads_memavailable_in_kib(monkeypatch):
+    meminfo = "MemTotal:       16000000 kB\nMemFree:         1000 kB\nMemAvailable:    2048 kB\n"
+    monkeypatch.setattr(budget, "open", lambda path: io.StringIO(meminfo), raising=False)
+    assert budget.available_memory() == 2048 * 1024

@@ -46,3 +46,14 @@ def test_a_rows_windowed_blocks_go_back_to_their_own_pool():
     pool.release_tables(tables)
     assert pool.num_free_blocks == 20 and pool.group_pools[1].num_free_blocks == 6
     pool.check()
+
+
+def test_a_windowed_row_holds_exactly_the_blocks_its_worst_placed_chunk_spans():
+    """A chunk of 8 at position s reads keys s - 8 .. s + 7 with a window of 9: 16
+    positions, which span 5 blocks of 4 at worst (s = 9: keys 1-16), never 6."""
+    layout = KVLayout.for_layers(1, (9,))
+    spans = [
+        (s + 7) // 4 - layout.first_needed_block(0, s, 4) + 1 for s in range(0, 64)
+    ]
+    assert max(spans) == layout.row_blocks(0, 10**6, 4, max_chunk=8) == 5
+    assert layout.first_needed_block(0, 0, 4) == 0 and layout.first_needed_block(0, 12, 4) == 1

@@ -1,0 +1,74 @@
+"""The paged storage's own checks, block-table cache and sizing (runtime/kv/paged.py)."""
+
+from runtime.kv.base import RowSpan, attend_stacked_by_parts
+from runtime.kv.paged import PagedKV
+from runtime.models.layers import RoPE
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+
+def windowed_kv():
+    """2 layers: layer 0 full (group 0), layer 1 with a window of 4 (group 1)."""
+    return PagedKV(2, 2, 16, 2, num_blocks=16, block_size=4, layer_windows=(None, 4), max_rows=1)
+
+
+def test_a_row_whose_tables_cannot_hold_its_positions_is_refused():
+    kv = PagedKV(2, 1, 8, 1, num_blocks=8, block_size=4)
+    kv.forward([RowSpan(0, 3, 5, (0, 1))], 0)  # 8 positions in 2 blocks: exactly full
+    with pytest.raises(ValueError, match="cannot hold 9 positions"):
+        kv.forward([RowSpan(0, 3, 6, (0, 1))], 0)
+    with pytest.raises(ValueError, match="block tables for 1 layer groups"):
+        kv.forward([RowSpan(0, 0, 1, (0,), ((1,),))], 0)
+    windowed = windowed_kv()
+    windowed.forward([RowSpan(0, 0, 8, (0, 1), ((0, 1),))], 0)
+    with pytest.raises(ValueError, match="block tables for 2 layer groups"):
+        windowed.forward([RowSpan(0, 0, 8, (0, 1))], 0)  # the windowed group's table is missing
+    with pytest.raises(ValueError, match="cannot hold 8 positions"):
+        windowed.forward([RowSpan(0, 0, 8, (0, 1), ((0,),))], 0)  # its table is one block short
+
+
+def test_block_tables_are_rebuilt_only_when_a_row_gains_a_block_or_the_pool_moves():
+    kv = PagedKV(2, 1, 8, 1, num_blocks=8, block_size=4)
+    rows = [RowSpan(0, 4, 1, (2, 3)), RowSpan(1, 0, 3, (5,))]
+    first = kv.forward(rows, 0).step.tables
+    assert kv.num_table_builds == 1 and first.tolist() == [[2, 3], [5, 0]]
+    decoded = [RowSpan(0, 5, 1, (2, 3)), RowSpan(1, 3, 1, (5,))]  # same blocks, later positions
+    assert kv.forward(decoded, 0).step.tables is first and kv.num_table_builds == 1
+    grown = [RowSpan(0, 6, 1, (2, 3)), RowSpan(1, 4, 1, (5, 7))]
+    assert kv.forward(grown, 0).step.tables.tolist() == [[2, 3], [5, 7]]
+    assert kv.num_table_builds == 2
+    # The pool moved row 0's blocks (same count, new ids): a new epoch, a new table.
+    moved = [RowSpan(0, 7, 1, (6, 1)), RowSpan(1, 5, 1, (5, 7))]
+    assert kv.forward(moved, 1).step.tables.tolist() == [[6, 1], [5, 7]]
+    assert kv.num_table_builds == 3
+
+
+def test_row_bytes_counts_what_a_row_holds_in_each_group():
+    layer_block = PagedKV.bytes_per_block(1, 2, 16, 4, mx.float32)
+    assert layer_block == 2 * 2 * 4 * 16 * 4
+    plain = PagedKV(3, 2, 16, 2, num_blocks=16, block_size=4)
+    assert plain.row_bytes(9) == (3 * 3 * layer_block,) * 2  # 3 blocks (one partial) x 3 layers
+    windowed = PagedKV(3, 2, 16, 2, num_blocks=16, block_size=4, layer_windows=(4, None, 4))
+    full = -(-2000 // 4) * 3 * layer_block
+    window_blocks = windowed.layout.row_blocks(1, 2000, 4)
+    assert window_blocks < 500
+    assert windowed.row_bytes(2000) == ((500 * 1 + window_blocks * 2) * layer_block, full)
+
+
+def test_attend_stacked_in_a_windowed_layer_attends_over_its_window():
+    """The one-op path (rotation, write, attention) of a windowed layer equals the parts,
+    and differs from the same layer's full attention."""
+    rows = [RowSpan(0, 0, 12, (0, 1, 2), ((0, 1, 2),))]
+    qkv = mx.array(np.random.default_rng(0).standard_normal((12, (4 + 2 * 2) * 16)).astype(np.float32))
+    rope = RoPE(16, 10000.0, None)
+    outs = []
+    for layer in (1, 0):
+        one_op = windowed_kv().forward(rows, 0)
+        by_parts = windowed_kv().forward(rows, 0)
+        out = one_op.attend_stacked(layer, qkv, rope, 4, 2, 0.25)
+        want = attend_stacked_by_parts(by_parts, layer, qkv, rope, 4, 2, 0.25)
+        assert mx.allclose(out, want, atol=1e-5).item(), layer
+        outs.append(out)
+    assert not mx.allclose(outs[0], outs[1], atol=1e-3).item()  # the window made a difference
