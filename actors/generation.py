@@ -13,6 +13,8 @@ import enum
 import uuid
 from typing import TYPE_CHECKING
 
+from runtime.errors import RequestError
+
 import trio
 
 from actors.messages import (
@@ -128,9 +130,12 @@ class Generation:
                     self.finish_reason, self.usage = cause.openai_reason, usage
                     self.num_prompt_tokens = usage.prompt_tokens
                     return Delta(text, cause.openai_reason, cause.value, usage, logprobs)
-                case Failed(_, error):
+                case Failed(_, error, None):
                     self._done()
                     raise GenerationError(error)
+                case Failed(_, error, param):  # the request's own value failed mid-reply
+                    self._done()
+                    raise RequestError(error, param=param)
         raise StopAsyncIteration
 
     async def aclose(self, cause: str = "cancelled") -> None:

@@ -60,6 +60,7 @@ class Finished:
 class Failed:
     request_id: str
     message: str
+    param: str | None = None  # the request field whose value failed it (a grammar's)
 
 
 Reply: TypeAlias = Accepted | Rejected | TextDelta | Finished | Failed

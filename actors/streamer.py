@@ -107,7 +107,8 @@ class Streamer:
     def _on_token(self, stream: _Stream, row: RowToken) -> str | None:
         """Stream one token; returns an abort cause when the row must be closed."""
         if row.token is None or row.finish is FinishCause.ERROR:
-            self._end(stream, Failed(stream.request_id, row.error or "generation failed"))
+            message = row.error or "generation failed"
+            self._end(stream, Failed(stream.request_id, message, row.error_param))
             return None
         now = trio.current_time()
         if stream.first_token_at is None:

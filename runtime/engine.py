@@ -323,7 +323,10 @@ class Engine:
             row.tokens.append(token)
             if row.grammar is not None and (refused := row.grammar.advance(token)) is not None:
                 row.finished = FinishCause.ERROR
-                outcomes.append(StepOutcome(seq_id, None, FinishCause.ERROR, refused))
+                param = row.params.grammar.spec.param if row.params.grammar is not None else None
+                outcomes.append(
+                    StepOutcome(seq_id, None, FinishCause.ERROR, refused, error_param=param)
+                )
                 continue
             row.finished = finish_step(
                 token=token,

@@ -38,6 +38,7 @@ class RowResult:
     finish: FinishCause | None = None
     error: str | None = None
     logprob: TokenLogprob | None = None  # when the request asks for logprobs
+    error_param: str | None = None  # the request field at fault for `error`, if any
 
 
 @attrs.define
@@ -101,7 +102,14 @@ class PlanRunner:
             if request_id is None:
                 continue  # closed by an abort after this step was queued
             results.append(
-                RowResult(request_id, outcome.token, outcome.finish, outcome.error, outcome.logprob)
+                RowResult(
+                    request_id,
+                    outcome.token,
+                    outcome.finish,
+                    outcome.error,
+                    outcome.logprob,
+                    outcome.error_param,
+                )
             )
             if outcome.finish is not None:
                 self.engine.close(self.rows.pop(request_id))

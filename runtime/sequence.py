@@ -136,6 +136,9 @@ class StepOutcome:
     finish: FinishCause | None = None
     error: str | None = None
     logprob: TokenLogprob | None = None  # when the row's sampling asks for logprobs
+    # The request field whose value failed the row (a grammar past llguidance's limits
+    # mid-reply): the client's fault, not the server's.
+    error_param: str | None = None
 
 
 def check_sequence(

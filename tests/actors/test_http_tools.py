@@ -6,7 +6,11 @@ which the parser must then find. Each tool-call format runs on a tiny checkpoint
 whose chat template takes tools (tests/actors/tool_templates.py).
 """
 
+import http.client
 import json
+import urllib.parse
+
+from runtime.tokenizer import Tokenizer
 
 import jsonschema
 import pytest
@@ -263,3 +267,45 @@ async def test_bad_structured_output_or_tools_are_a_400_naming_the_field(tiny, b
         answer["error"]["param"] == param
         and param.split(".")[0].split("[")[0] in answer["error"]["message"]
     )
+
+
+def raw_post(url, body) -> tuple[int, bytes]:
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    connection.request(
+        "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
+    response = connection.getresponse()
+    status, payload = response.status, response.read()
+    connection.close()
+    return status, payload
+
+
+async def test_a_grammar_failing_mid_reply_is_the_clients_error_naming_its_field(tiny):
+    """`(a{100000}{100000})?` passes the compile probe, then blows past llguidance's
+    lexer limits at its second "a" (forced here by logit_bias): the client's grammar is
+    at fault, so the reply is a 400 naming it (it was a 500 'generation_failed'), and
+    a stream ends with an invalid_request_error event and [DONE]."""
+    (a,) = Tokenizer.from_dir(tiny).encode("a", add_special_tokens=False)
+    async with serving(tiny) as server:
+        body = {
+            "model": server.model,
+            "messages": ASK,
+            "max_tokens": 8,
+            "guided_regex": "(a{100000}{100000})?",
+            "logit_bias": {str(a): 100},
+        }
+        status, payload = await in_thread(raw_post, server.url, body)
+        assert status == 400, payload
+        error = json.loads(payload)["error"]
+        assert (error["type"], error["param"]) == ("invalid_request_error", "guided_regex")
+        assert "too many expressions" in error["message"]
+        status, payload = await in_thread(raw_post, server.url, {**body, "stream": True})
+        assert status == 200
+        events = [e.strip() for e in payload.split(b"\n\n") if e.strip()]
+        assert events[-1] == b"data: [DONE]"
+        error = json.loads(events[-2].removeprefix(b"data: "))["error"]
+        assert (error["type"], error["param"]) == ("invalid_request_error", "guided_regex")
+        # The server goes on: a plain request still completes.
+        done = await in_thread(whole, server, messages=ASK, max_tokens=3)
+        assert done.choices[0].finish_reason == "length"

@@ -282,3 +282,41 @@ def test_generated_json_has_no_free_whitespace(compiler, model, kind):
         (token,) = model.tokenizer.encode(blank, add_special_tokens=False)
         assert not allowed[token].item(), repr(blank)
     assert allowed.any().item()
+
+
+def test_a_grammar_failing_past_its_first_token_fails_the_row_naming_its_field(
+    engine, compiler, model
+):
+    """`(a{100000}{100000})?` passes the compile probe (its first token may be EOS or
+    anything cheap), then blows past llguidance's lexer limits at the second "a". The
+    row fails alone, and its outcome names the request field whose value is at fault,
+    so the client hears a 400 about its grammar, not a 500 about the server."""
+    grammar = compiler.compile(GrammarSpec("regex", "(a{100000}{100000})?", "guided_regex"))
+    (a,) = model.tokenizer.encode("a", add_special_tokens=False)
+    forced = SamplingParams(temperature=0.0, logit_bias=((a, 100.0),))  # greedy: "a" each time
+    requests = {
+        **free_rows(12),
+        "g": SequenceParams(
+            (11, 305), max_tokens=8, request_id="g", grammar=grammar, sampling=forced
+        ),
+    }
+    pool = BlockPool(engine.kv.num_blocks, engine.kv.block_size)
+    policy = FcfsScheduler(engine.max_batch, pool, engine.max_context)
+    outcomes = []
+    original_collect = engine.collect
+
+    def collect():
+        step = original_collect()
+        outcomes.extend(step)
+        return step
+
+    engine.collect = collect
+    try:
+        got = run_offline(engine, policy, requests)
+    finally:
+        del engine.collect
+    assert got["g"].finish is FinishCause.ERROR and got["g"].tokens == (a,)
+    assert "too many expressions" in got["g"].error
+    (failed,) = [o for o in outcomes if o.error is not None]
+    assert failed.error_param == "guided_regex"
+    assert all(got[name].finish is FinishCause.LENGTH for name in free_rows(12))
