@@ -6,7 +6,7 @@ import shutil
 from runtime.checkpoint import DEMO_CHECKPOINT, load_model, resolve_checkpoint
 from runtime.config import config_from_dict
 from runtime.errors import CheckpointError
-from runtime.synth import quantize_weights
+from runtime.synth import hf_config, quantize_weights
 
 import mlx.core as mx
 import pytest
@@ -423,3 +423,122 @@ def test_a_model_name_too_long_for_the_file_system_is_a_short_checkpoint_error(t
         resolve_checkpoint(str(tmp_path / ("x" * 5000)))  # was OSError from is_dir
     message = str(info.value)
     assert "File name too long" in message and len(message) < 400
+
+
+def llama_config(**changes):
+    """A small llama config.json dict, with fields replaced or (None) left out."""
+    raw = hf_config(
+        "llama", vocab_size=300, eos_token_id=[2], hidden_size=64, num_layers=2,
+        num_heads=4, num_kv_heads=2, intermediate_size=128,
+    )
+    raw.update(changes)
+    return {key: value for key, value in raw.items() if value is not None}
+
+
+def test_fields_a_config_leaves_out_take_transformers_defaults():
+    config = config_from_dict(
+        llama_config(
+            num_key_value_heads=None, rms_norm_eps=None, rope_theta=None,
+            max_position_embeddings=None, tie_word_embeddings=None,
+        )
+    )
+    assert config.num_key_value_heads == config.num_attention_heads == 4  # no GQA said: none
+    assert config.rms_norm_eps == 1e-6 and config.rope_theta == 10000.0
+    assert config.max_position_embeddings == 4096
+    assert config.tie_word_embeddings is False
+    assert config.head_dim == 16  # hidden_size / num_attention_heads
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"mlp_bias": True}, "mlp_bias=true is not supported"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_scaling type 'yarn'"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "type 'dynamic'"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": float("inf")}}, "'factor', got inf"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": float("nan")}}, "'factor', got nan"),
+        ({"vocab_size": 2**31}, "too large"),
+    ],
+    ids=["mlp-bias", "yarn", "dynamic", "infinite-factor", "nan-factor", "past-int32"],
+)
+def test_config_settings_cadence_cannot_honour_are_named(changes, named):
+    with pytest.raises(CheckpointError, match="config.json") as error:
+        config_from_dict(llama_config(**changes))
+    assert named in str(error.value)
+
+
+def test_the_largest_int32_size_is_accepted():
+    assert config_from_dict(llama_config(vocab_size=2**31 - 1)).vocab_size == 2**31 - 1
+
+
+def test_llama3_rope_scaling_may_leave_its_frequency_factors_to_the_defaults():
+    scaling = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+    assert config_from_dict(llama_config(rope_scaling=scaling)).rope_scaling == scaling
+
+
+def test_a_layer_entry_without_a_mode_takes_the_checkpoints_mode():
+    quantization = {
+        "group_size": 32, "bits": 4, "mode": "mxfp4",
+        "model.layers.0.mlp.up_proj": {"bits": 8},
+        "model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 8, "mode": "affine"},
+    }
+    q = config_from_dict(llama_config(quantization=quantization)).quantization
+    assert (q.group_size, q.bits, q.mode) == (32, 4, "mxfp4")
+    assert q.per_layer == {
+        "model.layers.0.mlp.up_proj": (None, 8, "mxfp4"),
+        "model.layers.0.mlp.down_proj": (32, 8, "affine"),
+    }
+
+
+def test_eos_ids_are_listed_once_generation_configs_first():
+    config = config_from_dict(llama_config(eos_token_id=[7, 2]), {"eos_token_id": [2, 3, 2]})
+    assert config.eos_token_ids == (2, 3, 7)
+
+
+def test_a_config_json_that_is_no_object_is_named(broken):
+    (broken / "config.json").write_text("[1, 2]")
+    assert "expected a JSON object" in error_for(broken)
+
+
+def test_without_eos_ids_in_the_config_the_tokenizers_are_used(broken):
+    edit_config(broken, eos_token_id=None)
+    (broken / "generation_config.json").unlink()
+    loaded = load_model(broken)
+    assert loaded.config.eos_token_ids
+    assert loaded.config.eos_token_ids == tuple(sorted(loaded.tokenizer.eos_token_ids))
+
+
+def test_rotary_inv_freq_tensors_are_ignored(broken):
+    weights = mx.load(str(broken / "model.safetensors"))
+    inv_freq = {"model.layers.0.self_attn.rotary_emb.inv_freq": mx.ones((8,))}
+    mx.save_safetensors(str(broken / "model.safetensors"), {**weights, **inv_freq})
+    assert load_model(broken).config.num_hidden_layers == 2
+
+
+def test_a_tied_checkpoint_that_also_stores_lm_head_loads(make_checkpoint, tmp_path):
+    path = tmp_path / "tied"
+    shutil.copytree(make_checkpoint("llama", tie_word_embeddings=True), path)
+    weights = mx.load(str(path / "model.safetensors"))
+    assert "lm_head.weight" not in weights
+    head = {"lm_head.weight": weights["model.embed_tokens.weight"]}
+    mx.save_safetensors(str(path / "model.safetensors"), {**weights, **head})
+    tokens = mx.array([[5, 17, 99]])
+    as_made = load_model(make_checkpoint("llama", tie_word_embeddings=True))
+    assert mx.array_equal(load_model(path).model(tokens), as_made.model(tokens))
+
+
+def test_an_index_naming_a_missing_shard_is_named(broken):
+    write_index(broken, {"model.norm.weight": "model-00002-of-00002.safetensors"})
+    assert "names shard 'model-00002-of-00002.safetensors', which is missing" in error_for(broken)
+
+
+def test_a_directory_without_weights_is_named(broken):
+    (broken / "model.safetensors").unlink()
+    assert "no *.safetensors weight files" in error_for(broken)
+
+
+@pytest.mark.parametrize("name", ["a/b/c", "nobody"])
+def test_a_name_that_is_no_path_and_no_repo_id_is_named(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match="not a Hugging Face repo id"):
+        resolve_checkpoint(name, offline=True)

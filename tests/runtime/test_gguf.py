@@ -2,6 +2,8 @@
 (runtime/gguf_synth.py), loaded with `load_model` and checked against the very weights
 they encode, loaded from safetensors."""
 
+import json
+import shutil
 from types import SimpleNamespace
 
 import runtime  # noqa: F401  (the fast BLAS loads before mlx)
@@ -168,6 +170,9 @@ def rewritten(path, out, metadata=(), tensors=()):
             writer.add_key_value(field.name, *replaced[field.name])
         elif not field.name.startswith(("GGUF.", "general.architecture")):
             writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1])
+    for key, value in replaced.items():
+        if key not in reader.fields:
+            writer.add_key_value(key, *value)
     for tensor in reader.tensors:
         if tensor.name not in dict(tensors):
             writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
@@ -311,8 +316,21 @@ V = gguf.GGUFValueType
             (5, V.UINT32, V.UINT32),
             "'tokenizer.chat_template' should be str",
         ),
+        ("tokenizer.ggml.merges", (["zzz"], V.ARRAY, V.STRING), "malformed merge 'zzz'"),
+        (
+            "tokenizer.ggml.token_type",
+            ([1, 1, 1], V.ARRAY, V.INT32),
+            "token_type does not match the vocabulary",
+        ),
     ],
-    ids=["no heads", "merge of unknown tokens", "token types not a list", "template not text"],
+    ids=[
+        "no heads",
+        "merge of unknown tokens",
+        "token types not a list",
+        "template not text",
+        "malformed merge",
+        "token types not one a token",
+    ],
 )
 def test_bad_metadata_is_a_one_line_error(convert, tmp_path, key, value, expected):
     path, _ = convert("qwen2", GGMLType.F32)
@@ -355,4 +373,134 @@ def test_a_tensor_with_fewer_rows_than_its_shape_is_named_truncated():
         decode_tensor(short, "model.layers.0.mlp.down_proj.weight", None, 0.0, "x.gguf")
     whole = SimpleNamespace(**{**vars(short), "data": np.zeros((3, 4), np.float32)})
     got = decode_tensor(whole, "w", None, 0.0, "x.gguf")
+    assert got["w"].shape == (3, 4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_the_config_read_from_a_gguf_is_the_checkpoints_config_json(convert, family):
+    path, reference_dir = convert(family, GGMLType.F32)
+    config = read_gguf(path).config
+    expected = json.loads((reference_dir / "config.json").read_text())
+    shared = (set(config) & set(expected)) - {"rms_norm_eps"}  # stored as a float32
+    assert {"max_position_embeddings", "num_hidden_layers", "rope_theta"} <= shared
+    assert {k: config[k] for k in shared} == {k: expected[k] for k in shared}
+    assert config["rms_norm_eps"] == pytest.approx(expected["rms_norm_eps"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("family", "options"),
+    [
+        ("llama", {"head_dim": 32}),  # q/k rows un-permuted per head of 32, not 64
+        ("qwen3", {"head_dim": 32}),
+        ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    ],
+    ids=["llama-head-dim", "qwen3-head-dim", "linear-rope"],
+)
+def test_settings_the_gguf_states_reach_the_model(make_checkpoint, tmp_path, family, options):
+    checkpoint = make_checkpoint(family, **SHAPE, **options)
+    path = write_gguf(checkpoint, tmp_path / "model.gguf", tmp_path / "reference")
+    from_gguf, reference = load_model(path), load_model(tmp_path / "reference")
+    assert from_gguf.config.head_dim == reference.config.head_dim
+    assert from_gguf.config.rope_scaling == reference.config.rope_scaling
+    assert mx.array_equal(from_gguf.model(PROMPT), reference.model(PROMPT))
+
+
+def test_gemma3_layer_pattern_and_local_rope_base_are_read_when_the_file_states_them(
+    convert, tmp_path
+):
+    path, _ = convert("gemma3_text", GGMLType.F32)
+    pattern = [True, False, True, True, True, False]
+    stated = rewritten(
+        path,
+        tmp_path / "stated.gguf",
+        metadata={
+            "gemma3.attention.sliding_window_pattern": (pattern, V.ARRAY, V.BOOL),
+            "gemma3.rope.freq_base_swa": (5000.0, V.FLOAT32, V.FLOAT32),
+        },
+    )
+    config = read_gguf(stated).config
+    assert config["layer_types"] == [
+        "sliding_attention" if is_sliding else "full_attention" for is_sliding in pattern
+    ]
+    assert config["rope_local_base_freq"] == 5000.0
+    assert load_model(stated).config.layer_windows == (8, None, 8, 8, 8, None)
+    default = read_gguf(path).config  # llama.cpp's hard-coded Gemma 3 values
+    assert "layer_types" not in default and default["rope_local_base_freq"] == 10000.0
+
+
+def test_llama_attention_biases_are_loaded_and_un_permuted(convert, tmp_path):
+    """convert_hf_to_gguf.py permutes the q/k biases' rows as it does the weights'."""
+    path, reference_dir = convert("llama", GGMLType.F32)
+    rng = np.random.default_rng(1)
+    biases, stored = {}, {}
+    sizes = {"q": (256, 4), "k": (128, 2), "v": (128, None), "o": (256, None)}
+    gguf_names = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output"}
+    for layer in range(2):
+        for short, (size, heads) in sizes.items():
+            values = rng.standard_normal(size).astype(np.float32)
+            biases[f"model.layers.{layer}.self_attn.{short}_proj.bias"] = mx.array(values)
+            if heads is not None:  # HF row h*d + p*(d/2) + i is GGUF row h*d + 2*i + p
+                values = values.reshape(heads, 2, -1).swapaxes(1, 2).reshape(-1)
+            stored[f"blk.{layer}.{gguf_names[short]}.bias"] = values
+    with_biases = rewritten(path, tmp_path / "biased.gguf", tensors=stored)
+    assert read_gguf(with_biases).config["attention_bias"] is True
+    assert read_gguf(path).config["attention_bias"] is False
+    reference = tmp_path / "biased-reference"
+    shutil.copytree(reference_dir, reference)
+    config = json.loads((reference / "config.json").read_text())
+    (reference / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
+    weights = mx.load(str(reference / "model.safetensors"))
+    mx.save_safetensors(str(reference / "model.safetensors"), {**weights, **biases})
+    expected = load_model(reference).model(PROMPT)
+    assert mx.allclose(load_model(with_biases).model(PROMPT), expected, atol=1e-5).item()
+
+
+def token_types(path):
+    field = gguf.GGUFReader(path).fields["tokenizer.ggml.token_type"]
+    return [int(field.parts[i][0]) for i in field.data]
+
+
+def test_only_control_tokens_spelled_as_an_end_of_turn_stop_generation(convert, tmp_path):
+    path, _ = convert("qwen2", GGMLType.F32)
+    assert read_gguf(path).config["eos_token_id"] == [2, 0]  # <|im_end|>, then <|endoftext|>
+    types = token_types(path)
+    types[0] = gguf.TokenType.USER_DEFINED  # <|endoftext|> as plain added text
+    retyped = rewritten(
+        path,
+        tmp_path / "retyped.gguf",
+        metadata={"tokenizer.ggml.token_type": (types, V.ARRAY, V.INT32)},
+    )
+    assert read_gguf(retyped).config["eos_token_id"] == [2]
+
+
+def test_a_special_token_id_past_the_vocabulary_is_no_special_token(convert, tmp_path):
+    path, _ = convert("qwen2", GGMLType.F32)
+    past = len(token_types(path))
+    damaged = rewritten(
+        path,
+        tmp_path / "past.gguf",
+        metadata={"tokenizer.ggml.bos_token_id": (past, V.UINT32, V.UINT32)},
+    )
+    tokenizer = read_gguf(damaged).tokenizer
+    assert tokenizer.bos_token_id is None
+    assert tokenizer.encode("hi") == read_gguf(path).tokenizer.encode("hi")
+
+
+def test_bf16_weights_stay_bfloat16_when_the_dtype_is_kept(convert):
+    path, _ = convert("qwen2", GGMLType.BF16)
+    layer = load_model(path, keep_dtype=True).model.model.layers[0]
+    assert layer.self_attn.q_proj.weight.dtype == mx.bfloat16
+    assert layer.mlp.down_proj.weight.dtype == mx.bfloat16
+
+
+def test_a_row_order_for_another_number_of_rows_is_refused():
+    tensor = SimpleNamespace(
+        name="blk.0.attn_q.weight",
+        tensor_type=GGMLType.F32,
+        shape=[4, 3],
+        data=np.zeros((3, 4), np.float32),
+    )
+    with pytest.raises(CheckpointError, match="has 3 rows, expected 2"):
+        decode_tensor(tensor, "model.layers.0.self_attn.q_proj.weight", [1, 0], 0.0, "x.gguf")
+    got = decode_tensor(tensor, "w", [2, 0, 1], 0.0, "x.gguf")
     assert got["w"].shape == (3, 4)

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import runtime  # noqa: F401  (the fast BLAS loads before mlx)
+from runtime.errors import CheckpointError
 from runtime.gguf import Metadata, read_gguf
 from runtime.gguf_synth import write_gguf
 from runtime.gguf_tokenizer import tokenizer_from_gguf
@@ -175,9 +176,12 @@ def sentencepiece_model(tmp_path: Path, add_dummy_prefix: bool) -> Path:
     return model
 
 
-def sentencepiece_gguf(model_file: Path, hf, out: Path) -> Path:
+def sentencepiece_gguf(
+    model_file: Path, hf, out: Path, add_bos: bool | None = True, num_scores: int | None = None
+) -> Path:
     """As llama.cpp's _create_vocab_sentencepiece: piece, score and type per id (added
-    tokens typed from the Hugging Face tokenizer), plus the special ids and the flags."""
+    tokens typed from the Hugging Face tokenizer), plus the special ids and the flags
+    (`add_bos` None: the flag left out); `num_scores` keeps only that many scores."""
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(model_file.read_bytes())
     processor = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
@@ -199,13 +203,14 @@ def sentencepiece_gguf(model_file: Path, hf, out: Path) -> Path:
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
+    writer.add_token_scores(scores[:num_scores])
     writer.add_token_types(types)
     writer.add_add_space_prefix(proto.normalizer_spec.add_dummy_prefix)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
-    writer.add_add_bos_token(True)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
     writer.add_chat_template(hf.chat_template)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -258,3 +263,28 @@ def test_sentencepiece_matches_hugging_face(tmp_path, style):
         return ids
 
     assert_same_as_hf(ours, hf, encode)
+
+
+def sentencepiece_tokenizer(tmp_path, **options):
+    """Ours for a Llama-style SentencePiece GGUF written with `sentencepiece_gguf`'s options."""
+    model_file = sentencepiece_model(tmp_path, add_dummy_prefix=True)
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "LlamaTokenizer", "chat_template": TURNS})
+    )
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    path = sentencepiece_gguf(model_file, hf, tmp_path / "spm.gguf", **options)
+    return tokenizer_from_gguf(Metadata(gguf.GGUFReader(path), str(path)), "llama")
+
+
+@pytest.mark.parametrize(("add_bos", "expected"), [(None, True), (False, False), (True, True)])
+def test_a_sentencepiece_vocabulary_adds_bos_unless_the_file_says_not(
+    tmp_path, add_bos, expected
+):
+    """As llama.cpp: a `llama` vocabulary without `add_bos_token` adds BOS."""
+    ids = sentencepiece_tokenizer(tmp_path, add_bos=add_bos).encode("Hello")
+    assert (ids[0] == 1) is expected and ids.count(1) == int(expected)
+
+
+def test_scores_that_do_not_match_the_vocabulary_are_named(tmp_path):
+    with pytest.raises(CheckpointError, match="scores does not match the vocabulary"):
+        sentencepiece_tokenizer(tmp_path, num_scores=10)

@@ -343,6 +343,17 @@ def test_bad_chat_input_is_a_request_error(ours, messages, param):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("messages", [[], (), "hi"], ids=["list", "tuple", "string"])
+def test_no_messages_is_a_request_error_even_for_a_template_that_would_render_it(
+    ours, messages
+):
+    """ChatML (the fallback) renders an empty chat without complaint: an empty prompt
+    must be refused before the template runs."""
+    with pytest.raises(RequestError, match="non-empty list") as info:
+        ours["metaspace"].encode_chat(messages)
+    assert info.value.param == "messages"
+
+
 def test_template_raise_exception_message_reaches_the_client(ours):
     with pytest.raises(RequestError, match="roles must alternate"):
         ours["llama"].apply_chat_template([{"role": "assistant", "content": "first"}])
@@ -516,6 +527,39 @@ def test_a_template_that_branches_on_a_special_spelling_is_refused(checkpoint_di
     tok = with_template(checkpoint_dirs, tmp_path, template)
     with pytest.raises(RequestError, match="special token"):
         tok.encode_chat([{"role": "user", "content": "<|im_start|>"}])
+
+
+def test_a_template_that_branches_on_a_special_spelling_before_writing_it_is_refused(
+    checkpoint_dirs, tmp_path
+):
+    """The branch's text has the same length either way: only the text before the message
+    tells the prompt from the template's own render."""
+    template = (
+        "{% for m in messages %}{% if '<|im_start|>' in m.content %}Y{% else %}N{% endif %}"
+        "{{ m.content }}{% endfor %}"
+    )
+    tok = with_template(checkpoint_dirs, tmp_path, template)
+    assert tok.encode_chat([{"role": "user", "content": "hi"}])  # no spelling: fine
+    with pytest.raises(RequestError, match="special token"):
+        tok.encode_chat([{"role": "user", "content": "<|im_start|>"}])
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{% set ns = namespace(_hidden=1) %}{{ ns._hidden }}",
+        "{% set ns = namespace() %}{% set ns._hidden = 1 %}x",
+        "{% set ns = namespace({'_hidden': 1}) %}x",
+    ],
+    ids=["keyword", "assigned", "mapping"],
+)
+def test_a_namespace_refuses_underscore_attributes(checkpoint_dirs, tmp_path, template):
+    """Hub templates are untrusted: `namespace` names that start with `_` are refused."""
+    tok = with_template(checkpoint_dirs, tmp_path, template)
+    with pytest.raises(RequestError, match="starts with '_'"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    fine = with_template(checkpoint_dirs, tmp_path / "fine", "{% set ns = namespace(n=1) %}{{ ns.n }}")
+    assert fine.apply_chat_template([{"role": "user", "content": "hi"}]) == "1"
 
 
 def test_a_template_that_rewrites_a_special_spelling_is_refused(checkpoint_dirs, tmp_path):

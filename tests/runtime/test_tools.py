@@ -114,6 +114,37 @@ CASES = [
         'Sure.\n```tool_code\nget_weather(city="Par',
         ('Sure.\n```tool_code\nget_weather(city="Par', []),
     ),
+    # Keys in another order: the call is reported whole, its arguments under either key.
+    (
+        "llama3_json",
+        '{"parameters": {"city": "Rome"}, "name": "get_weather"}',
+        ("", [("get_weather", '{"city": "Rome"}')]),
+    ),
+    (
+        "hermes",  # arguments the model wrote as JSON text are that text, not re-encoded
+        '<tool_call>\n{"arguments": "{\\"a\\": 1}", "name": "f"}\n</tool_call>',
+        ("", [("f", '{"a": 1}')]),
+    ),
+    (
+        "gemma",  # arguments keep their characters, as JSON text not \\u-escaped
+        '```tool_code\nget_weather(city="Zürich")\n```',
+        ("", [("get_weather", '{"city": "Zürich"}')]),
+    ),
+    (
+        "gemma",  # one block after another: the second block's call is the second call
+        'A\n```tool_code\nf(a=1)\n```\nB\n```tool_code\ng(b=2)\n```',
+        ("A\n\nB\n", [("f", '{"a": 1}'), ("g", '{"b": 2}')]),
+    ),
+    (
+        "gemma",  # one call a line
+        '```tool_code\nf(a=1)\ng(b="x")\n```',
+        ("", [("f", '{"a": 1}'), ("g", '{"b": "x"}')]),
+    ),
+    ("gemma", "```tool_code\n[]\n```", ("```tool_code\n[]\n```", [])),  # no call: text
+    # Blanks before the first character do not decide the reply is text...
+    ("llama3_json", '\n {"name": "f", "parameters": {}}', ("", [("f", "{}")])),
+    # ...and a reply of blanks alone is its text.
+    ("llama3_json", " \n\n", (" \n\n", [])),
 ]
 
 
@@ -155,6 +186,11 @@ def test_python_calls():
         assert python_calls(f"f(a={value})") is None
     text = "```tool_code\nf(a={1, 2})\n```"
     assert parse("gemma", text) == (text, [])
+    assert python_calls('f(a=1)\ng(b="x")') == [
+        {"name": "f", "arguments": {"a": 1}},
+        {"name": "g", "arguments": {"b": "x"}},
+    ]
+    assert python_calls("[]") is None and python_calls("") is None  # no call at all
 
 
 def test_the_format_follows_the_template():
@@ -162,6 +198,9 @@ def test_the_format_follows_the_template():
     assert tool_style_for(LLAMA3_JSON, "llama") == "llama3_json"
     assert tool_style_for(GEMMA, "gemma3_text") == "gemma"
     assert tool_style_for("{{ messages }}", "mistral") == "hermes"
+    # Gemma is known by its model_type too, or by its turn markers in any family.
+    assert tool_style_for("{{ messages }}", "gemma3_text") == "gemma"
+    assert tool_style_for("<start_of_turn>{{ messages }}", "custom") == "gemma"
     assert template_knows_tools(HERMES) and not template_knows_tools(GEMMA)
 
 
@@ -264,3 +303,50 @@ def test_tools_render_as_transformers_renders_them(tmp_path, template):
     text = oracle.apply_chat_template(chat, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     expected = oracle(text, add_special_tokens=False)["input_ids"]
     assert Tokenizer.from_dir(tmp_path).encode_chat(chat, tools=TOOLS) == expected
+
+
+@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma"])
+def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(style):
+    said = {**HISTORY[1], "content": "Let me check."}
+    chat = chat_for_template([HISTORY[0], said, HISTORY[2]], TOOLS, style, knows_tools=False)
+    first = chat[0]["content"]
+    assert first.endswith("\n\nWeather in Paris?")  # the user's own words stay, after it
+    taught = {
+        "hermes": '<tool_call>\n{"name": <function-name>, "arguments"',
+        "llama3_json": '{"name": <function-name>, "parameters"',
+        "gemma": "```tool_code\nfunction_name(",
+    }
+    assert taught[style] in first and json.dumps(TOOLS[0]["function"]) in first
+    # The assistant's text, then its call in the model's own format: it parses back.
+    assert chat[1]["content"].startswith("Let me check.\n")
+    content, calls = parse(style, chat[1]["content"].removeprefix("Let me check.\n"))
+    assert (content, calls) == ("", [("get_weather", '{"city": "Paris"}')])
+
+
+def test_a_chat_without_a_user_turn_gets_the_tools_in_one_of_its_own():
+    system = {"role": "system", "content": "Be brief."}
+    chat = chat_for_template([system], TOOLS, "hermes", knows_tools=False)
+    assert [m["role"] for m in chat] == ["user", "system"]
+    assert "get_weather" in chat[0]["content"] and chat[1] == system
+
+
+def test_call_arguments_that_are_not_json_reach_the_template_as_sent():
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
+    message = {"role": "assistant", "content": "", "tool_calls": [call]}
+    (kept,) = chat_for_template([message], [], "hermes", knows_tools=True)
+    assert kept["tool_calls"][0]["function"]["arguments"] == "{oops"
+
+
+def test_a_forced_name_admits_only_that_function():
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    grammar = compiler.compile(tool_call_grammar("llama3_json", [other, *TOOLS], "get_weather"))
+    state = grammar.start()
+    refused = None
+    for token in DEMO.encode('{"name": "get_time"', add_special_tokens=False):
+        refused = refused or state.advance(token)
+    assert refused is not None
+    state = grammar.start()
+    call = '{"name": "get_weather", "parameters": {"city": "Rome"}}'
+    assert all(state.advance(t) is None for t in DEMO.encode(call, add_special_tokens=False))
+    assert state.is_done
