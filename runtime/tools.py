@@ -80,12 +80,7 @@ class _JsonCalls:
                 events.append(CallStart(self.num_calls, named[0]))
                 self.name_seen, self.arguments_at = True, named[1]
             if self.name_seen:
-                end = _json_end(body, self.arguments_at, is_final)
-                known = len(body) if end is None else end
-                if known > self.arguments_at + self.num_sent:
-                    fragment = body[self.arguments_at + self.num_sent : known]
-                    events.append(CallArguments(self.num_calls, fragment))
-                    self.num_sent += len(fragment)
+                events += self._arguments(body, is_final)
             whole = _json_end(body, start, is_final)
             if whole is None:  # the call is not complete yet
                 if is_final and not self.name_seen:
@@ -100,6 +95,26 @@ class _JsonCalls:
                 events += whole_events
             self.num_calls += is_call  # indexes count calls only: 0, 1, ... as OpenAI's
             self.position, self.name_seen, self.num_sent = whole, False, 0
+
+
+    def _arguments(self, body: str, is_final: bool) -> list[Event]:
+        """The current call's arguments text not yet reported. Arguments the model wrote
+        as a JSON string (`"arguments": "{\\"a\\": 1}"`) are that string's text, sent
+        once it is complete, as `_whole_call` reports them when the keys come the other
+        way round; a string cut off by the end of the reply is sent as it stands."""
+        at = self.arguments_at
+        end = _json_end(body, at, is_final)
+        if body[at] == '"' and end is not None and self.num_sent == 0:
+            self.num_sent = end - at
+            return [CallArguments(self.num_calls, json.loads(body[at:end]))]
+        if body[at] == '"' and not is_final:
+            return []
+        known = len(body) if end is None else end
+        if known <= at + self.num_sent:
+            return []
+        fragment = body[at + self.num_sent : known]
+        self.num_sent += len(fragment)
+        return [CallArguments(self.num_calls, fragment)]
 
 
 def _name_first(body: str, start: int) -> tuple[str, int] | None:

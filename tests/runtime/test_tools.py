@@ -126,6 +126,11 @@ CASES = [
         ("", [("f", '{"a": 1}')]),
     ),
     (
+        "hermes",  # ... whichever key comes first (streamed, it was the quoted string)
+        '<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>',
+        ("", [("f", '{"a": 1}')]),
+    ),
+    (
         "gemma",  # arguments keep their characters, as JSON text not \\u-escaped
         '```tool_code\nget_weather(city="Zürich")\n```',
         ("", [("get_weather", '{"city": "Zürich"}')]),
