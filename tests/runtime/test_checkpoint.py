@@ -435,7 +435,7 @@ def llama_config(**changes):
     return {key: value for key, value in raw.items() if value is not None}
 
 
-def test_fields_a_config_leaves_out_take_transformers_defaults():
+def test_fields_a_config_leaves_out_take_their_defaults():
     config = config_from_dict(
         llama_config(
             num_key_value_heads=None, rms_norm_eps=None, rope_theta=None,
