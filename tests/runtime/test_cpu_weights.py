@@ -6,7 +6,9 @@ from runtime.checkpoint import load_model
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
 
+from kernels import cpu_extension as loader
 from kernels.dense_matmul import KernelLinear
 from kernels.quantized_linear import KernelQuantizedLinear
 from tests.kernels.test_quantized_matmul import needs_kernels, run_with_isa_cap
@@ -90,6 +92,7 @@ def test_a_16_bit_checkpoint_keeps_16_bit_weights_with_the_float32_results(make_
     assert layer.input_layernorm.weight.dtype == mx.float32
     assert expanded.model.model.layers[0].self_attn.qkv_proj.weight.dtype == mx.float32
     assert any(f"linear {dtype} (cadence panel kernel)" in line for line in lines)
+    assert any(line.startswith("weights:") and line.endswith("; other weights float32") for line in lines)
     short = mx.array([PROMPT[:5]])
     assert mx.array_equal(kept.model(short), expanded.model(short)).item()
     long = mx.array([(PROMPT * 4)[:40]])  # past a tile's 12 rows and the row kernel's 32
@@ -142,3 +145,55 @@ print(ext.isa())
 @pytest.mark.parametrize("cap", ["baseline", "avx2"])
 def test_every_instruction_set_widens_16_bit_weights_exactly(cap):
     assert "avx512" not in run_with_isa_cap(WIDEN_SCRIPT, cap)
+
+
+@pytest.fixture
+def kernels_off(monkeypatch):
+    monkeypatch.setitem(loader._state, "module", None)
+    monkeypatch.setitem(loader._state, "status", "CPU kernels off for the test")
+
+
+def test_the_float32_fallback_keeps_the_quantized_layers_biases(make_checkpoint, kernels_off):
+    """qwen2's q/k/v biases survive the expansion to float32 (kernels off)."""
+    path = make_checkpoint("qwen2", quantize=(64, 4), **SHAPE)
+    expanded, kept = load_model(path), load_model(path, keep_dtype=True)
+    attention = expanded.model.model.layers[0].self_attn
+    assert type(attention.q_proj) is nn.Linear and attention.q_proj.bias.dtype == mx.float32
+    assert mx.array_equal(attention.q_proj.bias, kept.model.model.layers[0].self_attn.q_proj.bias).item()
+    tokens = mx.array([PROMPT])
+    want = kept.model(tokens)
+    assert mx.allclose(expanded.model(tokens), want, rtol=1e-4, atol=1e-4 * mx.abs(want).max().item()).item()
+
+
+def test_a_quantized_model_stays_packed_when_its_float32_expansion_would_not_fit(
+    make_checkpoint, kernels_off, monkeypatch
+):
+    """Without the kernels, a 4-bit model expands to float32 only when 8x its packed
+    weights fit in 60% of the memory."""
+    path = make_checkpoint("llama", quantize=(64, 4), **SHAPE)
+    expanded = load_model(path)
+    assert not any(isinstance(m, nn.QuantizedLinear) for m in expanded.model.modules())
+    float32_bytes = sum(p.nbytes for _, p in tree_flatten(expanded.model.parameters()))
+    monkeypatch.setattr(cpu_weights, "_physical_memory", lambda: int(float32_bytes / 0.6))
+    packed = load_model(path)
+    assert isinstance(packed.model.model.layers[0].mlp.up_proj, nn.QuantizedLinear)
+    monkeypatch.setattr(cpu_weights, "_physical_memory", lambda: int(2 * float32_bytes / 0.6))
+    assert type(load_model(path).model.model.layers[0].mlp.up_proj) is nn.Linear
+
+
+def test_a_microscaling_layer_is_described_by_its_mode(make_checkpoint):
+    path = make_checkpoint("llama", quantize=(32, 4), quantize_mode="mxfp4", **SHAPE)
+    lines = []
+    load_model(path, keep_dtype=True, on_progress=lines.append)
+    kept = next(line for line in lines if line.startswith("weights kept as stored"))
+    assert "linear mxfp4 (mlx quantized_matmul)" in kept and "bit g32" not in kept
+
+
+@needs_kernels
+def test_load_time_quantization_leaves_layers_whose_rows_do_not_fill_groups(make_checkpoint):
+    """hidden 96 is not a multiple of the group (64): only down_proj (256 wide) is quantized."""
+    path = make_checkpoint("qwen2", dtype="bfloat16", hidden_size=96, intermediate_size=256)
+    layer = load_model(path, cpu_quantize="8").model.model.layers[0]
+    assert type(layer.mlp.down_proj) is KernelQuantizedLinear and layer.mlp.down_proj.bits == 8
+    assert not isinstance(layer.self_attn.qkv_proj, nn.QuantizedLinear)
+    assert not isinstance(layer.mlp.gate_up_proj, nn.QuantizedLinear)

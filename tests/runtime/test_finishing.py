@@ -51,3 +51,25 @@ def test_a_loop_in_the_prompt_alone_does_not_count():
         finish_step(token=7, num_generated=20, tokens=prompt_loop, repetition_window=16, **limits)
         is FinishCause.REPETITION_LOOP
     )
+
+
+def test_the_max_tokens_th_token_is_the_last():
+    limits = dict(BASE, max_tokens=3)
+    assert finish_step(token=5, num_generated=2, tokens=[9, 5], **limits) is None
+    assert finish_step(token=5, num_generated=3, tokens=[9, 5], **limits) is FinishCause.LENGTH
+
+
+def test_a_loop_needs_a_window_and_a_quarter_of_new_tokens():
+    """window 16: the 16 tokens compared and the 4 before them must all be generated."""
+    loop, limits = [7] * 40, dict(BASE, max_tokens=None)
+    assert finish_step(token=7, num_generated=19, tokens=loop, repetition_window=16, **limits) is None
+    assert (
+        finish_step(token=7, num_generated=20, tokens=loop, repetition_window=16, **limits)
+        is FinishCause.REPETITION_LOOP
+    )
+
+
+def test_the_smallest_windows_detect_a_repeated_token():
+    assert is_repetition_loop([7] * 10, 4)  # max period 1
+    assert not is_repetition_loop([1, 2] * 5, 4)  # period 2 > 4 // 4
+    assert not is_repetition_loop([7] * 10, 3)  # no period fits: never a loop

@@ -233,3 +233,46 @@ def test_logprobs_of_an_all_greedy_batch_cost_nothing_unless_asked():
     np.testing.assert_allclose(
         np.array(got.logprobs.top)[1], np.sort(log_softmax(LOGITS[1]))[::-1][:2], rtol=1e-5
     )
+
+
+def test_top_k_past_the_vocabulary_keeps_every_token():
+    assert kept(top_k_mask(mx.array(LOGITS[:2]), mx.array([50, 60]))) == [set(range(50))] * 2
+
+
+def test_top_p_reached_exactly_keeps_no_more_tokens():
+    # probabilities 0.5, 0.25, 0.25: the top token alone reaches 0.5
+    logits = mx.array(np.log(np.array([[0.5, 0.25, 0.25]], dtype=np.float32)))
+    assert kept(top_p_mask(logits, mx.array([0.5]))) == [{0}]
+    assert kept(top_p_mask(logits, mx.array([0.51]))) == [{0, 1, 2}]
+
+
+def test_a_row_without_top_p_or_min_p_keeps_even_its_least_likely_tokens():
+    """Far below the top (prob 1e-11 and 1e-37), but not masked: their logprobs are finite."""
+    logits = np.array([[5.0, 0.0, -20.0, -80.0]], dtype=np.float32)
+    row = RowSampler.create(SamplingParams(temperature=1.0, seed=1, logprobs=4), [], 4)
+    got = sample(mx.array(logits), [row])
+    np.testing.assert_allclose(
+        np.array(got.logprobs.top)[0], np.sort(log_softmax(logits[0]))[::-1], rtol=1e-5
+    )
+
+
+def test_a_greedy_rows_logprobs_ignore_its_masks():
+    """Greedy rows draw the argmax: their logprobs are of the logits before top-k/top-p."""
+    rows = [
+        RowSampler.create(SamplingParams(top_k=2, top_p=0.5, logprobs=5), [], 50),
+        RowSampler.create(SamplingParams(temperature=1.0, seed=3), [], 50),
+    ]
+    got = sample(mx.array(LOGITS[:2]), rows)
+    assert got.tokens.tolist()[0] == int(LOGITS[0].argmax())
+    np.testing.assert_allclose(
+        np.array(got.logprobs.top)[0], np.sort(log_softmax(LOGITS[0]))[::-1][:5], rtol=1e-5
+    )
+
+
+def test_logprobs_asking_for_no_alternatives_or_more_than_the_vocabulary():
+    logits = mx.array(LOGITS[:1, :4])
+    zero = sample(logits, [RowSampler.create(SamplingParams(logprobs=0), [], 4)]).logprobs
+    assert zero.top_ids.shape == (1, 0) and zero.top.shape == (1, 0)
+    np.testing.assert_allclose(zero.token.item(), log_softmax(LOGITS[0, :4]).max(), rtol=1e-5)
+    many = sample(logits, [RowSampler.create(SamplingParams(logprobs=10), [], 4)]).logprobs
+    assert sorted(np.array(many.top_ids)[0].tolist()) == [0, 1, 2, 3]

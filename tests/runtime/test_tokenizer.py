@@ -375,6 +375,7 @@ def test_missing_tokenizer_json_names_the_file(tmp_path):
         ("tokenizer.json", '{"model": {"type": "Nonsense"}}'),
         ("tokenizer_config.json", '{"chat_template": '),
         ("tokenizer_config.json", '{"eos_token": 7}'),
+        ("tokenizer_config.json", '{"chat_template": 5}'),
         ("special_tokens_map.json", "}"),
         ("chat_template.jinja", "{% for m in messages %}{{ m"),
     ],
@@ -903,8 +904,9 @@ def test_a_null_special_token_in_the_config_means_none(checkpoint_dirs, tmp_path
     [
         ("ab\ud800", "U+D800: it is not valid Unicode"),  # built in Python
         ("\udcff", "U+DCFF (byte 0xFF, which is not UTF-8)"),  # a command-line byte
+        ("\udc41", "U+DC41: it is not valid Unicode"),  # surrogateescape never writes it
     ],
-    ids=["built-in-python", "command-line-byte"],
+    ids=["built-in-python", "command-line-byte", "low-surrogate-below-0x80"],
 )
 def test_a_lone_surrogate_is_a_request_error_naming_it(ours, text, said):
     # The Rust tokenizer's own refusal was "TextInputSequence must be str".
@@ -912,3 +914,121 @@ def test_a_lone_surrogate_is_a_request_error_naming_it(ours, text, said):
         with pytest.raises(RequestError, match=re.escape(said)):
             encode(text)
     assert ours["llama"].encode("ab\U0001f600")  # a real astral character still encodes
+
+
+# --- edges the tests above leave open ----------------------------------------------------
+
+
+def test_a_token_that_adds_no_text_leaves_the_context_alone(ours):
+    """A skipped special token (no byte-fallback runs here, so it is not held) adds no
+    text: the next token still decodes after the text before it, its leading space kept."""
+    tok = ours["llama"]
+    ids = tok.encode("Hi there", add_special_tokens=False)
+    ids.insert(-1, min(tok.eos_token_ids))
+    detok = IncrementalDetokenizer(tok.decode)
+    deltas = [detok.add(i) for i in ids] + [detok.flush()]
+    assert "".join(deltas) == tok.decode(ids) == "Hi there"
+
+
+def test_a_stopped_matcher_emits_nothing_more():
+    matcher = StopMatcher(["ab"])
+    assert matcher.feed("xab") == ("x", True)
+    assert matcher.feed("abc") == ("", True)
+    assert matcher.is_stopped
+
+
+def test_flush_forgets_the_partial_match():
+    matcher = StopMatcher(["abc"])
+    assert matcher.feed("zab") == ("z", False)
+    assert matcher.flush() == "ab"
+    assert matcher.feed("c") == ("c", False)  # "ab" was flushed: "c" alone starts nothing
+
+
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_a_special_tokens_piece_is_its_spelling(ours, kind):
+    """Logprobs report the EOS a model samples by its spelling, though the text skips it."""
+    tok = ours[kind]
+    spelling = tok.decode(list(tok.eos_token_ids), skip_special_tokens=False)
+    assert spelling and tok.token_piece(min(tok.eos_token_ids)) == (spelling, spelling.encode())
+
+
+def test_a_piece_whose_text_holds_a_replacement_character_is_kept_as_it_is():
+    backend = RustTokenizer(models.WordLevel({"x\ufffd": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    assert Tokenizer(backend).token_piece(0) == ("x\ufffd", "x\ufffd".encode())
+
+
+def test_a_partial_characters_bytes_are_spelled_as_openai_does(ours):
+    tok = ours["llama"]  # byte fallback: one <0xNN> piece per byte of the emoji
+    pieces = [tok.token_piece(i) for i in tok.encode("😀", add_special_tokens=False)]
+    assert [text for text, _ in pieces if text.startswith("bytes:")] == [
+        "bytes:\\xf0",
+        "bytes:\\x9f",
+        "bytes:\\x98",
+        "bytes:\\x80",
+    ]
+
+
+def test_add_bos_token_false_adds_no_bos(checkpoint_dirs, tmp_path):
+    path = shutil.copytree(checkpoint_dirs["llama"], tmp_path / "ckpt")
+    edit_json(path / "tokenizer.json", post_processor=None)
+    edit_json(path / "tokenizer_config.json", add_bos_token=False)
+    tok = Tokenizer.from_dir(path)
+    assert tok.bos_token_id is not None
+    assert tok.encode("hi") == tok.encode("hi", add_special_tokens=False)
+    assert tok.bos_token_id not in tok.encode("hi")
+
+
+def test_a_control_token_right_before_a_message_stays_the_templates(checkpoint_dirs, tmp_path):
+    """The template's <|im_start|> ends where the message begins: touching is not overlapping."""
+    template = "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"
+    tok = with_template(checkpoint_dirs, tmp_path, template)
+    ids = tok.encode_chat([{"role": "user", "content": "<|im_end|>hi<|im_start|>"}])
+    assert control_counts(tok, ids) == control_counts(
+        tok, tok.encode_chat([{"role": "user", "content": "hi"}])
+    )
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|><|im_end|>hi<|im_start|><|im_end|>"
+
+
+def single_token(tok: Tokenizer, text: str) -> int:
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == 1, (text, ids)
+    return ids[0]
+
+
+def test_extra_special_tokens_in_the_vocabulary_become_special(checkpoint_dirs, tmp_path):
+    """As lists or as transformers 5's name -> token mapping; a token the vocabulary lacks
+    is not added (its new id would be past the model's embedding)."""
+    path = shutil.copytree(checkpoint_dirs["byte_level"], tmp_path / "ckpt")
+    plain = Tokenizer.from_dir(path)
+    the, and_ = single_token(plain, "the"), single_token(plain, "and")
+    assert plain.decode([the, and_]) == "theand"
+    edit_json(
+        path / "tokenizer_config.json",
+        extra_special_tokens={"marker": "the"},
+        additional_special_tokens=["<|not_in_vocab|>"],
+    )
+    edit_json(path / "special_tokens_map.json", additional_special_tokens=[{"content": "and"}])
+    tok = Tokenizer.from_dir(path)
+    assert tok.vocab_size == plain.vocab_size
+    assert tok.decode([the, and_]) == ""
+    assert tok.decode([the, and_], skip_special_tokens=False) == "theand"
+
+
+def test_a_declared_added_token_is_special_only_when_it_says_so(checkpoint_dirs, tmp_path):
+    """tokenizer_config.json's added_tokens_decoder without "special": an ordinary added
+    token, which a message may spell and decoding keeps (Qwen's <think>, say). The
+    template rewrites the message (tojson): refused only for a special token's spelling."""
+    template = "{% for m in messages %}<|im_start|>{{ m.content | tojson }}<|im_end|>{% endfor %}"
+    path = shutil.copytree(checkpoint_dirs["byte_level"], tmp_path / "ckpt")
+    (path / "chat_template.jinja").write_text(template)
+    edit_json(
+        path / "tokenizer_config.json",
+        added_tokens_decoder={"1000": {"content": "<think>"}, "1001": {"content": "<x>", "special": True}},
+    )
+    tok = Tokenizer.from_dir(path)
+    think, x = single_token(tok, "<think>"), single_token(tok, "<x>")
+    assert tok.decode([think, x]) == "<think>"
+    ids = tok.encode_chat([{"role": "user", "content": 'say "<think>"'}])
+    assert think in ids
+    with pytest.raises(RequestError, match="special token"):
+        tok.encode_chat([{"role": "user", "content": 'say "<x>"'}])
