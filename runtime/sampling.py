@@ -164,15 +164,19 @@ def top_p_mask(logits: mx.array, top_p: mx.array) -> mx.array:
     keep = (1.0 - mass_at_or_below) < top_p[:, None]
     first_kept = mx.argmax(keep, axis=-1)[:, None]
     threshold = mx.take_along_axis(ascending, first_kept, axis=-1)
-    return mx.where(logits < threshold, -mx.inf, logits)
+    # A row at 1.0 keeps everything: in float32, 1 - cumsum is 1.0 for its least likely
+    # tokens (mass under ~6e-8), and it must not lose them because a neighbour set top_p.
+    is_off = (top_p >= 1.0)[:, None]
+    return mx.where((logits < threshold) & ~is_off, -mx.inf, logits)
 
 
 def min_p_mask(logits: mx.array, min_p: mx.array) -> mx.array:
     """Drop tokens whose probability is below `min_p` times the top token's. min_p [B]."""
     top = mx.max(logits, axis=-1, keepdims=True)
-    # p / p_max = exp(logit - top); compare in log space.
+    # p / p_max = exp(logit - top); compare in log space. A row at 0 keeps everything
+    # (its floor would be log(1e-30): logits 69 below the top, dropped for a neighbour's min_p).
     floor = top + mx.log(mx.maximum(min_p[:, None], 1e-30))
-    return mx.where(logits < floor, -mx.inf, logits)
+    return mx.where((logits < floor) & (min_p > 0.0)[:, None], -mx.inf, logits)
 
 
 def _bias_matrix(params: Sequence[SamplingParams], vocab: int) -> mx.array:

@@ -256,6 +256,29 @@ def test_a_row_without_top_p_or_min_p_keeps_even_its_least_likely_tokens():
     )
 
 
+@pytest.mark.parametrize(
+    "neighbour",
+    [{"top_p": 0.9}, {"min_p": 0.01}, {"top_p": 0.9, "min_p": 0.01}],
+    ids=["top_p", "min_p", "both"],
+)
+def test_a_rows_masks_are_its_own_whatever_its_neighbour_asks(neighbour):
+    """top_p 1.0 and min_p 0 are no masks at all: beside a neighbour that sets them, a
+    row kept its top tokens only (the float32 mass above its tail rounds to 1.0, and the
+    min_p floor's epsilon sits 69 below the top), so its logprobs depended on the batch."""
+    logits = np.array([[5.0, 0.0, -20.0, -80.0]] * 2, dtype=np.float32)
+    plain = SamplingParams(temperature=1.0, seed=1, logprobs=4)
+    alone = sample(mx.array(logits[:1]), [RowSampler.create(plain, [], 4)])
+    beside = sample(
+        mx.array(logits),
+        [
+            RowSampler.create(plain, [], 4),
+            RowSampler.create(SamplingParams(temperature=1.0, seed=2, **neighbour), [], 4),
+        ],
+    )
+    assert np.isfinite(np.array(beside.logprobs.top)[0]).all()
+    np.testing.assert_array_equal(np.array(beside.logprobs.top)[0], np.array(alone.logprobs.top)[0])
+
+
 def test_a_greedy_rows_logprobs_ignore_its_masks():
     """Greedy rows draw the argmax: their logprobs are of the logits before top-k/top-p."""
     rows = [
