@@ -121,7 +121,8 @@ class Streamer:
         stream.last_token_at = now
         stream.num_completion_tokens += 1
         if row.logprob is not None:
-            stream.unsent_logprobs.append(self._logprob_entry(row.token, row.logprob))
+            after_text = stream.detokenizer.has_text  # before this token joins it
+            stream.unsent_logprobs.append(self._logprob_entry(row.token, row.logprob, after_text))
         text, is_stop = stream.stop_matcher.feed(stream.detokenizer.add(row.token))
         cause = first_cause(row.finish, FinishCause.STOP_SEQUENCE if is_stop else None)
         if cause is not None and not is_stop:
@@ -178,9 +179,9 @@ class Streamer:
         logprobs, stream.unsent_logprobs = tuple(stream.unsent_logprobs), []
         return self._send(stream, TextDelta(stream.request_id, text, logprobs))
 
-    def _logprob_entry(self, token: int, logprob: TokenLogprob) -> LogprobEntry:
-        text, raw = self.tokenizer.token_piece(token)
-        pieces = [(self.tokenizer.token_piece(t), value) for t, value in logprob.top]
+    def _logprob_entry(self, token: int, logprob: TokenLogprob, after_text: bool) -> LogprobEntry:
+        text, raw = self.tokenizer.token_piece(token, after_text)
+        pieces = [(self.tokenizer.token_piece(t, after_text), value) for t, value in logprob.top]
         top = tuple((top_text, value) for (top_text, _), value in pieces)
         return LogprobEntry(text, logprob.logprob, top, raw, tuple(b for (_, b), _ in pieces))
 

@@ -78,6 +78,9 @@ class Tokenizer:
         self.has_chat_template: bool = bool(chat_template)
         self._chat_template = ChatTemplate(chat_template or CHATML_TEMPLATE, special_tokens)
         self._byte_piece_ids = _byte_piece_ids(backend) if byte_fallback else frozenset()
+        # Text that decodes as itself, for decoding a token as it does after other text.
+        context = backend.encode("a", add_special_tokens=False).ids
+        self._piece_context = (context, backend.decode(context)) if context else None
         special_spellings = {
             token_id: token.content
             for token_id, token in backend.get_added_tokens_decoder().items()
@@ -144,14 +147,23 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def token_piece(self, token_id: int) -> tuple[str, bytes]:
-        """A token alone, for logprobs: (its text, the bytes it adds to the output).
+    def token_piece(self, token_id: int, after_text: bool = True) -> tuple[str, bytes]:
+        """A token, for logprobs: (its text, the bytes it adds to the output).
+
+        `after_text`: the output already holds text, so the token decodes as it does
+        mid-sequence. A SentencePiece word start keeps its space there (" there"); first
+        in an output, as decoded alone, a Strip decoder drops it ("there").
 
         A token that is part of a multi-byte character (one byte of an emoji) decodes
         alone to U+FFFD, so its bytes come from the vocabulary instead: a byte-level
         BPE piece maps back to bytes, a `<0xNN>` piece is byte NN. Its text is then
         OpenAI's spelling of such a token, "bytes:\\xf0\\x9f"."""
         text = self.decode([token_id], skip_special_tokens=False)
+        if after_text and self._piece_context:
+            context, context_text = self._piece_context
+            within = self.decode([*context, token_id], skip_special_tokens=False)
+            if within.startswith(context_text):
+                text = within[len(context_text) :]
         if REPLACEMENT_CHAR not in text:
             return text, text.encode()
         piece = self._backend.id_to_token(token_id) or ""
@@ -276,6 +288,11 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         """Everything emitted so far."""
         return "".join(self._chunks)
+
+    @property
+    def has_text(self) -> bool:
+        """Whether the tokens so far decode to any text, emitted or held back."""
+        return bool(self._chunks) or bool(self._ids and self._decode(self._ids))
 
     def _emit(self, is_final: bool) -> str:
         window_text = self._decode(self._ids[self._prefix_offset :])

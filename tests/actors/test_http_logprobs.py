@@ -5,6 +5,7 @@ import codecs
 import http.client
 import json
 import math
+import shutil
 import urllib.parse
 
 import openai
@@ -12,6 +13,7 @@ import pytest
 import tokenizers
 
 from tests.actors.test_http import in_thread, request, serving
+from tests.runtime.test_tokenizer import build_llama
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 MAX_TOKENS = 8
@@ -259,3 +261,32 @@ async def test_a_completions_sampled_token_is_listed_beside_the_top_alternatives
     assert any(
         len(top) == 2 for top in top_logprobs
     )  # fixed by the seed: some draw was not the top
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tiny(tiny, tmp_path_factory):
+    """The tiny checkpoint with a Llama-2/Mistral-style tokenizer: `▁` word starts, byte
+    fallback, and a Strip decoder that drops an output's first space."""
+    out = tmp_path_factory.mktemp("sentencepiece")
+    shutil.copytree(tiny, out, dirs_exist_ok=True)
+    tokenizer = build_llama(tmp_path_factory.mktemp("tokenizer"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, out / name)
+    return out
+
+
+async def test_a_sentencepiece_models_token_bytes_keep_their_word_starting_spaces(
+    sentencepiece_tiny,
+):
+    """Decoded alone, "▁there" is "there" (the Strip decoder), so the entries' bytes for
+    "Hi there again" joined to "Hithereagain"; each is now what it adds to the text."""
+    text = "Hi there again"
+    body = {"extra_body": {"guided_regex": text}}
+    async with serving(sentencepiece_tiny) as server:
+        for stream in (False, True):
+            entries, _ = await in_thread(
+                chat_entries, server, stream, logprobs=True, top_logprobs=2, **body
+            )
+            assert bytes(b for e in entries for b in e["bytes"]) == text.encode(), stream
+            assert "".join(e["token"] for e in entries) == text
+            assert any(e["token"] == " there" for e in entries)

@@ -885,7 +885,25 @@ def test_a_tokens_bytes_for_logprobs_rebuild_the_text_even_within_a_character(ou
     assert b"".join(raw for _, raw in pieces).decode().endswith("😀é中")
     assert "\ufffd" not in "".join(text for text, _ in pieces)
     whole = tok.encode("hello", add_special_tokens=False)
-    assert [tok.token_piece(i)[0] for i in whole] == [tok.decode([i]) for i in whole]
+    alone = [tok.token_piece(i, after_text=False)[0] for i in whole]
+    assert alone == [tok.decode([i]) for i in whole]
+
+
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_a_tokens_pieces_rebuild_the_output_with_its_word_starting_spaces(ours, kind):
+    """Decoded alone, a SentencePiece word start ("▁there") loses its space to the Strip
+    decoder, so logprobs' bytes for "Hi there" joined to "Hithere". A token after text
+    decodes as it does there; the output's first decodes alone, as the output does."""
+    tok = ours[kind]
+    ids = tok.encode("Hi there, x 😀é中 again", add_special_tokens=False)
+    detokenizer = tok.detokenizer()
+    pieces = []
+    for i in ids:
+        pieces.append(tok.token_piece(i, after_text=detokenizer.has_text))
+        detokenizer.add(i)
+    assert b"".join(raw for _, raw in pieces).decode() == tok.decode(ids) == detokenizer.text + detokenizer.flush()
+    there = tok.encode("Hi there", add_special_tokens=False)[-1]
+    assert tok.token_piece(there)[0].startswith(" ")  # mid-sequence: the space is the token's
 
 
 def test_a_null_special_token_in_the_config_means_none(checkpoint_dirs, tmp_path):
@@ -954,7 +972,9 @@ def test_a_special_tokens_piece_is_its_spelling(ours, kind):
 
 def test_a_piece_whose_text_holds_a_replacement_character_is_kept_as_it_is():
     backend = RustTokenizer(models.WordLevel({"x\ufffd": 0, "[UNK]": 1}, unk_token="[UNK]"))
-    assert Tokenizer(backend).token_piece(0) == ("x\ufffd", "x\ufffd".encode())
+    assert Tokenizer(backend).token_piece(0, after_text=False) == ("x\ufffd", "x\ufffd".encode())
+    # No decoder: tokens are joined with spaces, so after text the piece adds one too.
+    assert Tokenizer(backend).token_piece(0) == (" x\ufffd", " x\ufffd".encode())
 
 
 def test_a_partial_characters_bytes_are_spelled_as_openai_does(ours):
