@@ -138,3 +138,39 @@ def test_without_the_extension_float32_layers_stay_mlx_layers(make_checkpoint, k
     loaded = load_model(make_checkpoint("llama", **SHAPE))
     leaves = [m for _, m in nn.utils.tree_flatten(loaded.model.leaf_modules(), is_leaf=nn.Module.is_module)]
     assert not any(isinstance(m, (dm.KernelLinear, dm.KernelEmbedding)) for m in leaves)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_the_kernel_takes_up_to_most_rows_and_16_bit_weights_as_stored(dtype):
+    ext = cpu_extension()
+    w = mx.random.normal((24, 40), key=mx.random.key(1)).astype(dtype)
+    x = mx.random.normal((1, dm.MOST_ROWS, 40), key=mx.random.key(2))  # [B, T, K], T at the limit
+    before = ext.num_dense_calls()
+    got = dm.dense_matmul(x, w)
+    mx.eval(got)
+    assert ext.num_dense_calls() == before + 1
+    assert got.dtype == mx.float32
+    assert mx.allclose(got, x @ w.astype(mx.float32).T, rtol=1e-4, atol=1e-4).item()
+
+
+@needs_kernels
+def test_off_the_cpu_the_kernel_is_not_used(monkeypatch):
+    assert dm.uses_dense_kernel(1) and not dm.uses_dense_kernel(0)
+    monkeypatch.setattr(dm.mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert not dm.uses_dense_kernel(1)
+
+
+@needs_kernels
+def test_16_bit_layers_compute_in_float32_with_a_float32_bias():
+    linear = nn.Linear(40, 24, bias=True)
+    linear.update({"weight": linear.weight.astype(mx.float16), "bias": linear.bias.astype(mx.float16)})
+    adopted = dm.KernelLinear.adopt(linear)
+    assert adopted.weight.dtype == mx.float16 and adopted.bias.dtype == mx.float32
+    x = mx.random.normal((2, 40))
+    assert adopted(x).dtype == mx.float32
+    embedding = nn.Embedding(50, 40)
+    embedding.weight = embedding.weight.astype(mx.bfloat16)
+    rows = dm.KernelEmbedding.adopt(embedding)(mx.array([3, 7]))
+    assert rows.dtype == mx.float32
+    assert mx.array_equal(rows, embedding.weight[mx.array([3, 7])].astype(mx.float32)).item()

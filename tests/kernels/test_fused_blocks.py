@@ -3,12 +3,17 @@ bit, close to the mx-op definition, and run by the models on quantized weights a
 float32 / 16-bit weights packed in panels."""
 
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from runtime.checkpoint import load_model
 from runtime.models.gemma3 import Gemma3Layer
 from runtime.models.llama import DecoderLayer
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -305,3 +310,60 @@ def test_the_blocks_are_not_planned_without_the_kernels(make_checkpoint, monkeyp
     path = make_checkpoint("llama", quantize=(64, 4), hidden_size=128, intermediate_size=256)
     layers = planned_layers(load_model(path).model)
     assert layers and not any(layer.attention_block or layer.mlp_block for layer in layers)
+
+
+def test_a_block_runs_by_parts_off_the_cpu_or_over_rows_of_no_width(monkeypatch):
+    x, _ = inputs(1, 64, seed=0)
+    assert fused_blocks.kernel_for(mx.zeros((1, 1, 0))) is None
+    monkeypatch.setattr(fused_blocks.mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert fused_blocks.kernel_for(x) is None
+
+
+def test_only_layers_and_norms_the_kernels_take_as_they_are_make_a_block():
+    from kernels.dense_matmul import KernelLinear, PanelLinear
+    from kernels.quantized_linear import KernelQuantizedLinear
+
+    panel = PanelLinear.adopt(KernelLinear.adopt(nn.Linear(64, 64, bias=True)))
+    four_bit = KernelQuantizedLinear.adopt(nn.QuantizedLinear(64, 64, bias=False, group_size=32, bits=4))
+    assert fused_blocks.kernel_layer(panel) is not None and fused_blocks.kernel_layer(four_bit) is not None
+    norm = mx.ones((64,))
+    assert fused_blocks.normed_layers(norm, 1e-5, panel, four_bit) is not None
+    half_bias = PanelLinear.adopt(KernelLinear.adopt(nn.Linear(64, 64, bias=True)))
+    half_bias.bias = half_bias.bias.astype(mx.float16)
+    three_bit = KernelQuantizedLinear.adopt(nn.QuantizedLinear(64, 64, bias=False, group_size=32, bits=3))
+    half_scales = KernelQuantizedLinear.adopt(nn.QuantizedLinear(64, 64, bias=False, group_size=32, bits=4))
+    half_scales.scales = half_scales.scales.astype(mx.float16)
+    for layer in (half_bias, three_bit, half_scales, nn.Linear(64, 64)):
+        assert fused_blocks.kernel_layer(layer) is None
+        assert fused_blocks.normed_layers(norm, 1e-5, panel, layer) is None
+    for bad_norm in (norm.astype(mx.float16), norm.reshape(1, 64)):
+        assert fused_blocks.normed_layers(bad_norm, 1e-5, panel, four_bit) is None
+        assert fused_blocks.normed_layers(norm, 1e-5, panel, four_bit, post_norm=bad_norm) is None
+
+
+@pytest.mark.parametrize(("value", "is_on"), [("off", False), ("0", False), ("No", False), ("", True), ("on", True)])
+def test_cadence_cpu_blocks_is_read_at_import(value, is_on):
+    out = subprocess.run(
+        [sys.executable, "-c", "from kernels import fused_blocks; print(fused_blocks.IS_ON)"],
+        env={**os.environ, "CADENCE_CPU_BLOCKS": value},
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(is_on)]
+
+
+def test_a_post_norm_of_another_eps_than_the_blocks_norm_keeps_the_block_by_parts(make_checkpoint):
+    """The op norms the block's input and output with one eps."""
+    from runtime.models.layers import OffsetRMSNorm
+
+    shape = dict(hidden_size=128, intermediate_size=256, **FAMILY_SHAPES["gemma3_text"])
+    layer = planned_layers(load_model(make_checkpoint("gemma3_text", **shape)).model)[0]
+    attention, mlp = layer.self_attn, layer.mlp
+    assert attention.block_operands(layer.input_layernorm, layer.post_attention_layernorm) is not None
+    assert mlp.block_operands(layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) is not None
+    other_eps = OffsetRMSNorm(128, 1e-3)
+    assert attention.block_operands(layer.input_layernorm, other_eps) is None
+    assert mlp.block_operands(layer.pre_feedforward_layernorm, other_eps) is None

@@ -447,3 +447,31 @@ def test_paged_attention_writes_in_place_into_a_held_pool_when_it_owns_the_pools
     mx.eval(out, held)
     assert ext.num_pool_copies() == copies
     assert mx.array_equal(before, held[0][0]).item() and not mx.array_equal(before, keys).item()
+
+
+def test_a_chunk_large_enough_to_split_its_kv_heads_over_two_streams_matches_gather():
+    """2 KV heads x 2 queries each x 512 queries x 512 keys: 2^20 scores, the split's floor."""
+    step, _, keys, values, q, k, v = make_step([0], [512], 2, 2, num_blocks=160)
+    plan = step.fast
+    assert [type(g).__name__ for g in plan.groups] == ["_CopyGroup"] and plan.groups[0].is_split
+    out, _ = run("fast", step, keys, values, q, k, v)
+    gather, _ = run("gather", step, keys, values, q, k, v)
+    assert mx.allclose(out, gather, atol=1e-5, rtol=1e-5).item()
+
+
+def test_a_two_token_chunk_is_causal_on_every_path():
+    step, _, keys, values, q, k, v = make_step([6, 0], [2, 2], 2, 2)
+    out, _ = run("gather", step, keys, values, q, k, v)
+    fast, _ = run("fast", step, keys, values, q, k, v)
+    assert mx.allclose(out, fast, atol=1e-5, rtol=1e-5).item()
+    # Row 1's first token sees only itself: its output is its own value, whatever q is.
+    assert mx.allclose(out[2], mx.repeat(v[2], 2, axis=0), atol=1e-6).item()
+
+
+def test_a_groups_padding_queries_repeat_each_rows_last_token():
+    """Pads stay inside the step's tokens (never an index past them), and are dropped."""
+    step = make_step([9, 0, 22, 3], [1, 13, 1, 6], 2, 2)[0]  # tokens 0 | 1-13 | 14 | 15-20
+    singles, multis = step.fast.groups
+    assert singles.query_tokens.tolist() == [[0], [14]]
+    assert multis.query_tokens.tolist() == [list(range(1, 14)), list(range(15, 21)) + [20] * 7]
+    assert multis.is_real.sum() == 19 and multis.query_pos[1].tolist() == list(range(3, 9)) + [8] * 7

@@ -8,7 +8,8 @@ from pathlib import Path
 from runtime.checkpoint import load_model
 from runtime.config import config_from_dict, load_config
 from runtime.errors import CheckpointError
-from runtime.models import FAMILIES
+from runtime.models import FAMILIES, build_model
+from runtime.models.gemma3 import _add_residual
 from runtime.synth import hf_config, make_tiny_checkpoint
 
 import attrs
@@ -149,3 +150,127 @@ def test_quantized_gemma3_matches_mlx_lm(tmp_path: Path, family: str):
     ours = load_model(path, keep_dtype=True)
     reference, _ = mlx_lm.load(str(path))
     assert mx.allclose(ours.model(TOKENS), reference(TOKENS), atol=1e-3).item()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"use_bidirectional_attention": True}, "bidirectional attention is not supported"),
+        (
+            {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0}}},
+            "unsupported rope_type 'yarn'",
+        ),
+    ],
+)
+def test_gemma3_settings_it_cannot_run_are_refused(fields, message):
+    with pytest.raises(CheckpointError, match=message):
+        config_from_dict(gemma_config(**fields))
+
+
+def test_gemma3_takes_both_names_of_its_gelu_and_rope_parameters_without_a_theta():
+    assert config_from_dict(gemma_config(hidden_activation="gelu_tanh")).model_type == "gemma3_text"
+    # A full_attention entry naming no rope_theta keeps the config's own, unscaled.
+    config = config_from_dict(
+        gemma_config(rope_theta=250_000.0, rope_parameters={"full_attention": {"rope_type": "default"}})
+    )
+    assert config.rope_theta == 250_000.0 and config.rope_scaling is None
+
+
+def test_multimodal_gemma3_quantization_keeps_only_the_text_models_entries():
+    text = gemma_config()
+    raw = {
+        "model_type": "gemma3",
+        "text_config": text,
+        "vocab_size": text["vocab_size"],
+        "quantization": {
+            "group_size": 64,
+            "bits": 4,
+            "language_model.model.layers.1.mlp.up_proj": {"group_size": 32, "bits": 8},
+            "vision_tower.vision_model.encoder.layers.0.mlp.fc1": {"group_size": 64, "bits": 8},
+            "model.multi_modal_projector.mm_input_projection": {"group_size": 64, "bits": 8},
+        },
+    }
+    config = config_from_dict(raw)
+    assert config.quantization.per_layer == {"model.layers.1.mlp.up_proj": (32, 8, "affine")}
+
+
+def test_gemma3_in_the_newer_multimodal_layout_loads_as_the_older_one(tmp_path: Path):
+    """transformers >= 4.52 names the text model `model.language_model.` and the vision
+    tower `model.vision_tower.`; the head stays `lm_head`."""
+    older = make_tiny_checkpoint(tmp_path / "older", "gemma3", num_layers=2, seed=5)
+    newer = make_tiny_checkpoint(tmp_path / "newer", "gemma3", num_layers=2, seed=5)
+    weights = mx.load(str(newer / "model.safetensors"))
+    renamed = {}
+    for name, tensor in weights.items():
+        if name.startswith("language_model.model."):
+            name = "model.language_model." + name.removeprefix("language_model.model.")
+        elif name.startswith("language_model."):
+            name = name.removeprefix("language_model.")
+        else:  # the vision tower and projector
+            name = "model." + name
+        renamed[name] = tensor
+    assert any(k.startswith("model.vision_tower.") for k in renamed)
+    mx.save_safetensors(str(newer / "model.safetensors"), renamed, metadata={"format": "pt"})
+    with capture_logs() as logs:
+        ours = load_model(newer)
+    assert [e for e in logs if "vision tower skipped" in e["event"]]
+    want = load_model(older).model(TOKENS[:, :12])
+    assert mx.array_equal(ours.model(TOKENS[:, :12]), want).item()
+
+
+def test_gemma3_residual_adds_in_float32_and_clips_to_float16s_range():
+    x = mx.array([60000.0, -60000.0, 1.0, 2048.0], dtype=mx.float16)
+    y = mx.array([10000.0, -10000.0, 2.0, 1.0], dtype=mx.float16)
+    got = _add_residual(x, y)
+    assert got.dtype == mx.float16
+    bound = float(mx.finfo(mx.float16).max)
+    want = mx.array([bound, -bound, 3.0, 2049.0], dtype=mx.float32).astype(mx.float16)
+    assert mx.array_equal(got, want).item()
+    wide = _add_residual(x.astype(mx.float32), y.astype(mx.float32))  # float32: a plain add
+    assert mx.array_equal(wide, mx.array([70000.0, -70000.0, 3.0, 2049.0])).item()
+
+
+@pytest.mark.parametrize("key", ["rope_type", "type"])  # "type": older configs' name
+def test_linear_rope_scaling_matches_mlx_lm(tmp_path: Path, key: str):
+    scaling = {key: "linear", "factor": 4.0}
+    path = make_tiny_checkpoint(tmp_path / "scaled", "llama", rope_scaling=scaling, seed=3)
+    reference, _ = mlx_lm.load(str(path))
+    want = reference(TOKENS)
+    assert mx.allclose(load_model(path).model(TOKENS), want, atol=1e-4).item()
+    unscaled = load_model(make_tiny_checkpoint(tmp_path / "plain", "llama", seed=3))  # same weights
+    assert not mx.allclose(unscaled.model(TOKENS), want, atol=1e-2).item()
+
+
+def test_llama_attention_bias_puts_a_bias_on_q_k_v_and_o():
+    raw = hf_config("llama", vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=1,
+                    num_heads=4, num_kv_heads=2, intermediate_size=128)
+    del raw["attention_bias"]
+    assert (config_from_dict(raw).qkv_bias, config_from_dict(raw).o_bias) == (False, False)
+    config = config_from_dict({**raw, "attention_bias": True})
+    assert config.qkv_bias and config.o_bias
+    attention = build_model(config).model.layers[0].self_attn
+    assert all("bias" in getattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+
+
+def test_a_bfloat16_gemma3_kept_in_its_dtype_matches_mlx_lm(tmp_path: Path):
+    """The embedding's sqrt(hidden) factor is cast to the weights' dtype: a bfloat16 model
+    stays bfloat16 from the embedding on (hidden 128: the factor is not exact)."""
+    path = make_tiny_checkpoint(tmp_path, "gemma3_text", num_layers=2, dtype="bfloat16", hidden_size=128, seed=6)
+    ours = load_model(path, keep_dtype=True)
+    assert ours.model.embed(TOKENS).dtype == mx.bfloat16
+    reference, _ = mlx_lm.load(str(path))
+    got, want = ours.model(TOKENS), reference(TOKENS)
+    assert got.dtype == want.dtype == mx.bfloat16
+    assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=1e-2).item()
+
+
+def test_gemma3_scales_rope_on_its_global_layers_only_as_mlx_lm(tmp_path: Path):
+    scaling = {"rope_type": "linear", "factor": 8.0}
+    path = make_tiny_checkpoint(tmp_path / "scaled", "gemma3_text", num_layers=4, rope_scaling=scaling, seed=2)
+    ours = load_model(path)
+    assert ours.config.rope_scaling == scaling
+    reference, _ = mlx_lm.load(str(path))
+    want = reference(TOKENS)
+    assert mx.allclose(ours.model(TOKENS), want, atol=1e-4).item()
+    unscaled = load_model(make_tiny_checkpoint(tmp_path / "plain", "gemma3_text", num_layers=4, seed=2))
+    assert not mx.allclose(unscaled.model(TOKENS), want, atol=1e-2).item()
