@@ -1,15 +1,13 @@
 """The BLAS loader: an optimized BLAS is active on Linux, and matmuls stay correct."""
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from kernels.blas import active_blas, ensure_fast_blas
+from tests.kernels.fresh_python import last_line
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="only Linux's CPU wheel links the reference BLAS")
@@ -28,24 +26,11 @@ def test_matmul_is_correct_under_the_loaded_blas():
     np.testing.assert_allclose(got_t, a @ b, rtol=1e-4, atol=1e-4)
 
 
-def _fresh(script, **env):
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        env={**os.environ, **env},
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout.strip().splitlines()[-1]
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="only Linux's CPU wheel links the reference BLAS")
 def test_the_reference_blas_stays_when_asked_or_when_mlx_came_first():
     load = "from kernels.blas import ensure_fast_blas, active_blas; print(ensure_fast_blas(), '|', active_blas())"
-    assert _fresh(load, CADENCE_BLAS="Reference") == (
+    assert last_line(load, {"CADENCE_BLAS": "Reference"}) == (
         "reference (CADENCE_BLAS=reference) | reference (CADENCE_BLAS=reference)"
     )
-    late = _fresh("import mlx.core; " + load, CADENCE_BLAS="")
+    late = last_line("import mlx.core; " + load, {"CADENCE_BLAS": ""})
     assert late.startswith("reference (mlx.core was imported before")

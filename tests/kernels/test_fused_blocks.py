@@ -3,10 +3,6 @@ bit, close to the mx-op definition, and run by the models on quantized weights a
 float32 / 16-bit weights packed in panels."""
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 from runtime.checkpoint import load_model
 from runtime.models.gemma3 import Gemma3Layer
@@ -20,6 +16,7 @@ import pytest
 from kernels import fused_blocks
 from kernels.cpu_extension import cpu_extension
 from kernels.dense_matmul import pack_panels
+from tests.kernels.fresh_python import last_line
 from tests.kernels.test_paged_attention import BLOCK, make_step
 from tests.kernels.test_quantized_models import PROMPT, greedy
 
@@ -343,16 +340,8 @@ def test_only_layers_and_norms_the_kernels_take_as_they_are_make_a_block():
 
 @pytest.mark.parametrize(("value", "is_on"), [("off", False), ("0", False), ("No", False), ("", True), ("on", True)])
 def test_cadence_cpu_blocks_is_read_at_import(value, is_on):
-    out = subprocess.run(
-        [sys.executable, "-c", "from kernels import fused_blocks; print(fused_blocks.IS_ON)"],
-        env={**os.environ, "CADENCE_CPU_BLOCKS": value},
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == [str(is_on)]
+    script = "from kernels import fused_blocks; print(fused_blocks.IS_ON)"
+    assert last_line(script, {"CADENCE_CPU_BLOCKS": value}) == str(is_on)
 
 
 def test_a_post_norm_of_another_eps_than_the_blocks_norm_keeps_the_block_by_parts(make_checkpoint):

@@ -1,10 +1,6 @@
 """kernels/quantized_matmul.py and the C++ kernels under it, against the pure-mx reference."""
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -15,6 +11,7 @@ from kernels.quantized_matmul import (
     reference_quantized_matmul,
     uses_cpu_kernel,
 )
+from tests.kernels.fresh_python import last_line
 
 IS_BUILT = importlib.util.find_spec("kernels._cpu_ext") is not None
 needs_kernels = pytest.mark.skipif(not IS_BUILT, reason="the C++ kernels were not built here")
@@ -117,16 +114,7 @@ print(ext.isa())
 
 def run_with_isa_cap(script, cap):
     """Run `script` in a fresh interpreter with CADENCE_CPU_ISA=cap; its last printed line."""
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        env={**os.environ, "CADENCE_CPU_ISA": cap},
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout.strip().splitlines()[-1]
+    return last_line(script, {"CADENCE_CPU_ISA": cap}, timeout=600)
 
 
 @needs_kernels
