@@ -158,12 +158,14 @@ class Tokenizer:
         alone to U+FFFD, so its bytes come from the vocabulary instead: a byte-level
         BPE piece maps back to bytes, a `<0xNN>` piece is byte NN. Its text is then
         OpenAI's spelling of such a token, "bytes:\\xf0\\x9f"."""
-        text = self.decode([token_id], skip_special_tokens=False)
+        text = None
         if after_text and self._piece_context:
             context, context_text = self._piece_context
             within = self.decode([*context, token_id], skip_special_tokens=False)
             if within.startswith(context_text):
                 text = within[len(context_text) :]
+        if text is None:
+            text = self.decode([token_id], skip_special_tokens=False)
         if REPLACEMENT_CHAR not in text:
             return text, text.encode()
         piece = self._backend.id_to_token(token_id) or ""
