@@ -17,7 +17,8 @@ import contextlib
 
 from runtime.finishing import first_cause
 from runtime.sequence import FinishCause, TokenLogprob
-from runtime.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
+from runtime.stop_strings import StopMatcher
+from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 import attrs
 import structlog

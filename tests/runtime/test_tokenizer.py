@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from runtime.errors import CheckpointError, RequestError
-from runtime.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
+from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 import pytest
 import transformers
@@ -740,123 +740,6 @@ def test_long_stream_decodes_short_windows(ours):
     assert len(ids) > 1000 and max(window_lengths) < 16
 
 
-# --- stop strings ----------------------------------------------------------------------
-
-
-def run_stops(stops: list[str], deltas: list[str]) -> tuple[str, bool]:
-    matcher = StopMatcher(stops)
-    out = []
-    for delta in deltas:
-        emitted, hit = matcher.feed(delta)
-        out.append(emitted)
-        if hit:
-            return "".join(out), True
-    return "".join(out) + matcher.flush(), False
-
-
-def reference_stop(stops: list[str], text: str) -> tuple[str, bool]:
-    """The text before whichever stop string completes first, scanning the whole text."""
-    for end in range(len(text) + 1):
-        for stop in sorted(filter(None, stops), key=len, reverse=True):
-            if text[:end].endswith(stop):
-                return text[: end - len(stop)], True
-    return text, False
-
-
-def test_stop_split_across_deltas():
-    assert run_stops(["</answer>"], ["The answer is 4</an", "swer> trailing"]) == (
-        "The answer is 4",
-        True,
-    )
-
-
-def test_stop_at_the_very_start():
-    assert run_stops(["STOP"], ["STOP and more"]) == ("", True)
-    assert run_stops(["STOP"], ["ST", "OP"]) == ("", True)
-
-
-def test_overlapping_stops_first_to_complete_wins():
-    assert run_stops(["abc", "bcd"], ["xab", "cd"]) == ("x", True)
-    assert run_stops(["abc", "bcd"], ["xbc", "d"]) == ("x", True)
-    assert run_stops(["abcd", "bc"], ["ab", "cd"]) == ("a", True)
-
-
-def test_of_stops_completing_together_the_longer_starts_first():
-    # "b" and "ab" both complete at the same character; "ab" began earlier, so the text
-    # ends before it, whichever order the stops were given in.
-    assert run_stops(["ab", "b"], ["xab"]) == ("x", True)
-    assert run_stops(["b", "ab"], ["xa", "b"]) == ("x", True)
-    assert run_stops(["c", "abc", "bc"], ["xabc"]) == ("x", True)
-
-
-def test_a_stop_found_after_a_partial_match_of_itself_fails():
-    # "aa" then "a": the match falls back to "aa" (KMP), not to nothing, so "aab" is seen.
-    assert run_stops(["aab"], ["aaab"]) == ("a", True)
-    assert run_stops(["aab"], ["aa", "a", "b!"]) == ("a", True)
-    assert run_stops(["abab"], ["abaabab"]) == ("aba", True)
-    assert run_stops(["abcabd"], ["abcab", "cabd"]) == ("abc", True)
-    # The fallback table itself needs fallbacks: "aabaaa" fails on "b" back to "aab".
-    assert run_stops(["aabaaaa"], ["aabaaab", "aaaa"]) == ("aaba", True)
-
-
-def test_multiple_stops():
-    assert run_stops(["\n\n", "User:", "###"], ["line one\nline two ", "###", " rest"]) == (
-        "line one\nline two ",
-        True,
-    )
-
-
-def test_no_hold_back_once_a_partial_stop_fails():
-    matcher = StopMatcher(["<end>"])
-    assert matcher.feed("a <en") == ("a ", False)
-    assert matcher.feed("x more") == ("<enx more", False)
-    assert matcher.feed("<") == ("", False)
-    assert matcher.flush() == "<"
-
-
-def test_flush_returns_held_text():
-    matcher = StopMatcher(["abc", "abd"])
-    assert matcher.feed("zzab") == ("zz", False)
-    assert matcher.flush() == "ab"
-
-
-def test_no_stops_passes_text_through():
-    matcher = StopMatcher(["", *[]])
-    assert matcher.feed("anything") == ("anything", False)
-    assert matcher.flush() == ""
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    stops=st.lists(st.text("abc", min_size=1, max_size=4), max_size=3),
-    text=st.text("abcd", max_size=20),
-    cuts=st.lists(st.integers(0, 20), max_size=6),
-)
-def test_stop_result_does_not_depend_on_how_text_is_split(stops, text, cuts):
-    bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
-    deltas = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
-    assert run_stops(stops, deltas) == reference_stop(stops, text)
-
-
-def test_a_long_stop_string_costs_memory_linear_in_its_length():
-    """Holding every prefix of a 20,000-character stop took ~200 MB (100 KB: 5 GB)."""
-    import tracemalloc
-
-    stop = "ab" * 10_000
-    tracemalloc.start()
-    matcher = StopMatcher([stop, "never"])
-    emitted = ""
-    for i in range(0, len(stop) + 100, 7):  # the stop arrives split across many deltas
-        text, is_stop = matcher.feed(("xy" + stop)[i : i + 7])
-        emitted += text
-        if is_stop:
-            break
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    assert is_stop and emitted == "xy"
-    assert peak < 2_000_000
-
-
 def test_a_skipped_special_token_does_not_split_a_byte_fallback_character(ours, checkpoint_dirs):
     """é as its two byte pieces with a special token between them: decoding skips the
     special token and joins the bytes, so the stream must hold the first byte across it."""
@@ -946,20 +829,6 @@ def test_a_token_that_adds_no_text_leaves_the_context_alone(ours):
     detok = IncrementalDetokenizer(tok.decode)
     deltas = [detok.add(i) for i in ids] + [detok.flush()]
     assert "".join(deltas) == tok.decode(ids) == "Hi there"
-
-
-def test_a_stopped_matcher_emits_nothing_more():
-    matcher = StopMatcher(["ab"])
-    assert matcher.feed("xab") == ("x", True)
-    assert matcher.feed("abc") == ("", True)
-    assert matcher.is_stopped
-
-
-def test_flush_forgets_the_partial_match():
-    matcher = StopMatcher(["abc"])
-    assert matcher.feed("zab") == ("z", False)
-    assert matcher.flush() == "ab"
-    assert matcher.feed("c") == ("c", False)  # "ab" was flushed: "c" alone starts nothing
 
 
 @pytest.mark.parametrize("kind", sorted(BUILDERS))
