@@ -12,6 +12,7 @@ import pytest
 import trio
 
 import actors
+from actors.asyncio_bridge import _sole
 from actors.mlx_thread import shared_mlx_thread
 
 PROMPTS = ["The quick brown fox", "def main():", "Hello", "1, 2, 3, 4"]
@@ -122,6 +123,14 @@ def test_errors_opening_it_are_the_ones_trio_sees_not_a_group(arguments, error):
     with pytest.raises(error) as raised:
         asyncio.run(main())
     assert not isinstance(raised.value, BaseExceptionGroup)
+
+
+def test_a_group_of_several_errors_stays_a_group():
+    """Only a group of one is the bridge's own wrapping; several errors are all reported."""
+    several = ExceptionGroup("two failures", [ValueError("a"), KeyError("b")])
+    assert _sole(several) is several
+    assert isinstance(_sole(ExceptionGroup("one", [several])), ExceptionGroup)
+    assert isinstance(_sole(ExceptionGroup("one", [ExceptionGroup("one", [KeyError()])])), KeyError)
 
 
 def test_no_thread_is_left_behind(tiny):

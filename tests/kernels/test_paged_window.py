@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kernels import paged_attention as pa
+from kernels import paged_attention_mx
 from tests.kernels.test_paged_attention import ATTENTION_PATHS
 
 BLOCK, D, HKV, NUM_BLOCKS = 4, 16, 2, 64
@@ -87,3 +88,18 @@ def test_without_the_window_the_same_step_differs():
     narrow = attrs.evolve(step, window=8)
     windowed = pa.paged_attention(([keys], [values]), 0, q, k, v, 0.25, narrow, "fast")
     assert not mx.allclose(full, windowed, atol=1e-3).item()
+
+
+def test_block_columns_past_a_rows_table_stay_inside_it():
+    """A windowed row starts its block columns late, so the batch's widest span runs past
+    the table's width. mlx's gather does not check bounds: those columns must read the
+    row's own last entry, never the next row's or memory past the table."""
+    step, tables, *_ = windowed_step([21, 0, 11], [1, 19, 1], window=8, group=1)
+    width = max(map(len, tables))
+    group = paged_attention_mx._Group(step, rows=[0, 1, 2], token_lo=[0, 1, 20])
+    first_block = [max(0, s - 8 + 1) // BLOCK for s in (21, 0, 11)]
+    assert first_block[0] + group.num_blocks > width  # the case in question
+    padded = np.array(step.tables)
+    for r, first in enumerate(first_block):
+        columns = np.minimum(first + np.arange(group.num_blocks), width - 1)
+        assert np.array(group.table)[r].tolist() == padded[r, columns].tolist()

@@ -288,3 +288,58 @@ def test_a_sentencepiece_vocabulary_adds_bos_unless_the_file_says_not(
 def test_scores_that_do_not_match_the_vocabulary_are_named(tmp_path):
     with pytest.raises(CheckpointError, match="scores does not match the vocabulary"):
         sentencepiece_tokenizer(tmp_path, num_scores=10)
+
+
+def handmade_sentencepiece(
+    tmp_path: Path, pieces: dict[str, float], architecture: str = "llama", merges=None
+):
+    """Ours for a SentencePiece GGUF of `pieces` (piece -> score, after <unk> <s> </s>),
+    with no word-boundary prefix and, if given, the file's own `merges`."""
+    path = tmp_path / "handmade.gguf"
+    tokens = ["<unk>", "<s>", "</s>", *pieces]
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0, 0.0, 0.0, *pieces.values()])
+    writer.add_token_types(
+        [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+        + [gguf.TokenType.NORMAL] * len(pieces)
+    )
+    if merges is not None:
+        writer.add_token_merges(merges)
+    writer.add_add_space_prefix(False)
+    writer.add_bos_token_id(1)
+    writer.add_add_bos_token(False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    ours = tokenizer_from_gguf(Metadata(gguf.GGUFReader(path), str(path)), architecture)
+    return ours, {token: i for i, token in enumerate(tokens)}
+
+
+def test_a_files_own_merges_outrank_the_scores(tmp_path):
+    """Newer converters write the merges: their order, not the pieces' scores, decides."""
+    pieces = {"a": -5.0, "b": -5.0, "c": -5.0, "ab": -1.0, "bc": -2.0}
+    by_scores, ids = handmade_sentencepiece(tmp_path, pieces)
+    assert by_scores.encode("abc") == [ids["ab"], ids["c"]]
+    by_merges, _ = handmade_sentencepiece(tmp_path, pieces, merges=["b c", "a b"])
+    assert by_merges.encode("abc") == [ids["a"], ids["bc"]]
+
+
+def test_tied_scores_merge_the_longer_left_piece_first(tmp_path):
+    """Two merges of equal score compete for "c": the one whose left piece is longer
+    ("ab" + "c", not "c" + "de") goes first, as transformers orders them, although
+    "cde" is listed before "abc" in the vocabulary."""
+    letters = {letter: -9.0 for letter in "abcde"}
+    pieces = {**letters, "ab": 0.0, "de": 0.0, "cde": -1.0, "abc": -1.0}
+    ours, ids = handmade_sentencepiece(tmp_path, pieces)
+    assert ours.encode("abcde") == [ids["abc"], ids["de"]]
+
+
+def test_gemma_runs_of_spaces_stored_as_spaces_are_word_boundary_pieces(tmp_path):
+    """Gemma files store the "▁▁" piece as two spaces; text's spaces become "▁"s first,
+    so only the renamed piece can match them."""
+    pieces = {"\u2581": -1.0, "a": -1.0, "  ": -2.0}
+    ours, ids = handmade_sentencepiece(tmp_path, pieces, architecture="gemma3")
+    assert ours.encode("a  a") == [ids["a"], ids["  "], ids["a"]]
+    assert ours.decode(ours.encode("a  a")) == "a  a"
