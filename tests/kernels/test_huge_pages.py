@@ -3,13 +3,16 @@
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from runtime.checkpoint import load_model
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
+from kernels import huge_pages
 from kernels.cpu_extension import cpu_extension
 from tests.kernels.test_quantized_matmul import needs_kernels
 
@@ -112,3 +115,32 @@ def test_loading_moves_the_large_weights_before_the_blocks_take_them(make_checkp
     plain = load_model(path)
     assert address(plain.model.model.layers[0].mlp.gate_up_proj.weight) % (2 * MB) != 0
     assert mx.array_equal(got, plain.model(tokens)).item()
+
+
+@needs_kernels
+@needs_linux
+@pytest.mark.parametrize(
+    ("value", "is_on"),
+    [("off", False), ("0", False), ("no", False), ("OFF", False), ("", True), ("on", True)],
+)
+def test_cadence_huge_pages_turns_the_copy_off_in_any_case(monkeypatch, value, is_on):
+    monkeypatch.setenv("CADENCE_HUGE_PAGES", value)
+    assert huge_pages.huge_pages_wanted() is is_on
+
+
+@needs_kernels
+@needs_linux
+@pytest.mark.parametrize("gpu", ["metal", "cuda"])
+def test_a_gpu_build_keeps_mlxs_buffers(monkeypatch, gpu):
+    """A GPU build's buffers are not plain memory: nothing is copied."""
+    monkeypatch.setattr(mx, gpu, SimpleNamespace(is_available=lambda: True), raising=False)
+    assert not huge_pages.huge_pages_wanted()
+
+
+@needs_kernels
+@needs_linux
+def test_moving_counts_the_bytes_of_the_arrays_it_moved():
+    model = nn.Linear(1024, 1024)  # a 4 MB weight and a 4 KB bias
+    mx.eval(model.parameters())
+    assert huge_pages.move_weights_to_huge_pages(model) == 4 * MB
+    assert address(model.weight) % (2 * MB) == 0

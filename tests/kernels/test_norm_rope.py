@@ -3,6 +3,7 @@
 import math
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from kernels import norm_rope
@@ -104,6 +105,31 @@ def test_other_dtypes_and_devices_use_mlx():
     mx.eval(normed)
     if ext is not None:
         assert (ext.num_rope_calls(), ext.num_rms_norm_calls()) == before
+
+
+def test_a_16_bit_weight_or_int64_positions_beside_float32_x_use_mlx():
+    """The primitives take float32 operands and int32 positions; other operands are mlx's."""
+    x = mx.random.normal((3, 2, 16), key=mx.random.key(8))
+    w = mx.random.normal((16,), key=mx.random.key(9)).astype(mx.bfloat16)
+    want = mx.fast.rms_norm(x, w, 1e-5)
+    assert mx.allclose(norm_rope.rms_norm(x, w, 1e-5), want, rtol=1e-5, atol=1e-6).item()
+    positions = mx.array(np.array([1, 2, 300]))  # numpy's int64
+    inv = norm_rope.inverse_frequencies(16, 10000.0, None)
+    got = norm_rope.rope(x, positions, dims=16, base=10000.0, scale=1.0, freqs=None, inv_freqs=inv)
+    assert mx.array_equal(got, mlx_rope(x, positions, 16, 10000.0, 1.0)).item()
+
+
+@needs_kernels
+def test_off_the_cpu_mlxs_own_ops_run(monkeypatch):
+    ext = cpu_extension()
+    x = mx.random.normal((3, 2, 16))
+    positions = mx.array([1, 2, 3], dtype=mx.int32)
+    inv = norm_rope.inverse_frequencies(16, 10000.0, None)
+    before = (ext.num_rope_calls(), ext.num_rms_norm_calls())
+    monkeypatch.setattr(norm_rope.mx, "default_device", lambda: mx.Device(mx.gpu))
+    got = norm_rope.rope(x, positions, dims=16, base=10000.0, scale=1.0, freqs=None, inv_freqs=inv)
+    mx.eval(got, norm_rope.rms_norm(x, mx.ones((16,)), 1e-5))
+    assert (ext.num_rope_calls(), ext.num_rms_norm_calls()) == before
 
 
 @needs_kernels

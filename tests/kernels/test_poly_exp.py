@@ -125,3 +125,36 @@ def test_poly_exp_stays_finite_at_its_upper_clamp():
     out = poly_exp(mx.array([88.0, 88.7, 89.0, 1000.0, mx.inf]))
     assert mx.isfinite(out).all().item()  # e^88 ~ 1.65e38, below float32's max
     assert mx.allclose(out, mx.full((5,), np.exp(np.float64(88.0)).astype(np.float32)), rtol=1e-6).item()
+
+
+def test_16_bit_halves_go_through_mlxs_ops():
+    """The extension takes float32 alone; other dtypes are mlx's, and stay in their dtype."""
+    gate_up = (mx.random.normal((3, 16), key=mx.random.key(3)) * 4).astype(mx.float16)
+    halves = mx.split(gate_up, 2, axis=-1)
+    for got, want in ((swiglu_module.swiglu_halves(gate_up), reference_swiglu(*halves)),
+                      (gelu_tanh_halves(gate_up), reference_gelu_tanh(*halves))):
+        assert got.dtype == mx.float16 and mx.allclose(got, want, rtol=1e-2, atol=1e-2).item()
+
+
+def test_without_the_extension_split_rows_and_halves_compute_the_reference(monkeypatch):
+    monkeypatch.setattr(swiglu_module, "cpu_extension", lambda: None)
+    gate_up = mx.random.normal((2, 33, 2 * 4096), key=mx.random.key(4)) * 4
+    gate, up = mx.split(gate_up, 2, axis=-1)
+    assert gate.size >= swiglu_module.SPLIT_MIN_ELEMENTS  # the rows' halves on two CPU streams
+    split = swiglu(gate, up)
+    assert split.shape == gate.shape
+    for got, want in ((split, reference_swiglu(gate, up)),
+                      (swiglu_module.swiglu_halves(gate_up), reference_swiglu(gate, up)),
+                      (gelu_tanh_halves(gate_up), reference_gelu_tanh(gate, up))):
+        assert mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
+
+
+@needs_kernels
+def test_off_the_cpu_the_activations_are_mlxs(monkeypatch):
+    ext = cpu_extension()
+    gate = mx.random.normal((4, 96))
+    monkeypatch.setattr(swiglu_module.mx, "default_device", lambda: mx.Device(mx.gpu))
+    before = ext.num_gated_calls()
+    halves = swiglu_module.swiglu_halves(gate), gelu_tanh_halves(gate)
+    mx.eval(swiglu(gate, gate), gelu_tanh(gate, gate), *halves)
+    assert ext.num_gated_calls() == before

@@ -80,6 +80,22 @@ def test_the_kernel_really_runs_on_the_cpu_when_built():
 
 
 
+@pytest.mark.parametrize("bits", [3, 6])  # mlx-lm's mixed recipes: not the kernels' layouts
+def test_layouts_the_kernels_lack_go_through_mlx(bits):
+    assert not uses_cpu_kernel(64, bits)
+    w, scales, biases = quantized(9, 128, 64, bits)
+    x = mx.random.normal((3, 128))
+    ours = quantized_matmul(x, w, scales, biases, 64, bits)
+    want = reference_quantized_matmul(x, w, scales, biases, 64, bits)
+    assert mx.allclose(ours, want, atol=1e-4).item()
+
+
+@needs_kernels
+def test_off_the_cpu_the_kernel_is_not_used(monkeypatch):
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert not uses_cpu_kernel(64, 4)
+
+
 @needs_kernels
 def test_empty_operands_give_empty_or_zero_results_instead_of_crashing():
     """No rows of x (M = 0) or no columns of w (K = 0) once divided by zero in the kernels."""

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 from runtime.errors import CheckpointError
-from runtime.files import read_json, read_text, shortened
+from runtime.files import one_line, read_json, read_text, shortened
 
 import pytest
 
@@ -70,4 +70,29 @@ def test_a_link_to_a_regular_file_is_read(tmp_path):
 
 def test_shortened_keeps_short_text_and_counts_what_it_cut():
     assert shortened("abc") == "abc"
+    assert shortened("x" * 10, 10) == "x" * 10  # at the limit: kept whole
     assert shortened("x" * 5000, 10) == "xxxxxxxxxx... (5000 characters)"
+
+
+def test_a_missing_file_is_named_once_with_the_systems_reason(tmp_path):
+    with pytest.raises(CheckpointError) as info:
+        read_json(tmp_path / "config.json")
+    assert str(info.value) == f"{tmp_path / 'config.json'}: unreadable (No such file or directory)"
+
+
+def test_one_line_joins_lines_and_names_a_messageless_exception_by_its_type():
+    assert one_line(ValueError("bad\n  tensor\tname")) == "bad tensor name"
+    assert one_line(ValueError()) == "ValueError"
+
+
+def test_a_read_failing_after_the_check_is_named_with_the_systems_reason(tmp_path, monkeypatch):
+    """As a file the user may not read does (the suite may run as root, who may)."""
+    (tmp_path / "config.json").write_text("{}")
+
+    def refuse(self, encoding=None):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_text", refuse)
+    with pytest.raises(CheckpointError) as info:
+        read_json(tmp_path / "config.json")
+    assert str(info.value) == f"{tmp_path / 'config.json'}: unreadable (Permission denied)"

@@ -10,12 +10,14 @@ from runtime.config import config_from_dict, load_config
 from runtime.errors import CheckpointError
 from runtime.models import FAMILIES, build_model
 from runtime.models.gemma3 import _add_residual
+from runtime.models.layers import RoPE
 from runtime.synth import hf_config, make_tiny_checkpoint
 
 import attrs
 import mlx.core as mx
 import mlx_lm
 import pytest
+from mlx_lm.models.rope_utils import Llama3RoPE
 from structlog.testing import capture_logs
 
 TOKENS = mx.array([list(range(5, 45))])  # 40 positions: several times an 8-key window
@@ -241,10 +243,12 @@ def test_linear_rope_scaling_matches_mlx_lm(tmp_path: Path, key: str):
     assert not mx.allclose(unscaled.model(TOKENS), want, atol=1e-2).item()
 
 
-def test_llama_attention_bias_puts_a_bias_on_q_k_v_and_o():
-    raw = hf_config("llama", vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=1,
+# mistral as mlx-lm runs it (as llama), qwen3 as transformers does (mlx-lm drops its biases)
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
+def test_attention_bias_puts_a_bias_on_q_k_v_and_o(family):
+    raw = hf_config(family, vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=1,
                     num_heads=4, num_kv_heads=2, intermediate_size=128)
-    del raw["attention_bias"]
+    raw.pop("attention_bias", None)
     assert (config_from_dict(raw).qkv_bias, config_from_dict(raw).o_bias) == (False, False)
     config = config_from_dict({**raw, "attention_bias": True})
     assert config.qkv_bias and config.o_bias
@@ -274,3 +278,25 @@ def test_gemma3_scales_rope_on_its_global_layers_only_as_mlx_lm(tmp_path: Path):
     assert mx.allclose(ours.model(TOKENS), want, atol=1e-4).item()
     unscaled = load_model(make_tiny_checkpoint(tmp_path / "plain", "gemma3_text", num_layers=4, seed=2))
     assert not mx.allclose(unscaled.model(TOKENS), want, atol=1e-2).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16], ids=["cpu-kernel", "mlx-fallback"])
+def test_llama3_rope_rotates_as_mlx_lms(dtype):
+    """Original context 64 at head_dim 16: two frequencies smoothed, five scaled by the factor."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}
+    x = mx.random.normal((6, 2, 16), key=mx.random.key(0)).astype(dtype)
+    positions = mx.array([0, 1, 7, 40, 300, 4000], dtype=mx.int32)
+    got = RoPE(16, 10000.0, scaling)(x, positions)
+    want = Llama3RoPE(16, base=10000.0, scaling_config=scaling)(x[:, :, None, :], positions)
+    assert got.dtype == dtype
+    tolerance = 1e-5 if dtype == mx.float32 else 1e-2
+    assert mx.allclose(got, want[:, :, 0, :], atol=tolerance).item()
+    assert not mx.allclose(got, RoPE(16, 10000.0, None)(x, positions), atol=1e-2).item()
+
+
+def test_every_norm_takes_the_configs_rms_norm_eps_as_mlx_lm(tmp_path: Path):
+    path = make_tiny_checkpoint(tmp_path, "qwen3", seed=3)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "rms_norm_eps": 0.5}))
+    reference, _ = mlx_lm.load(str(path))
+    assert mx.allclose(load_model(path).model(TOKENS), reference(TOKENS), atol=1e-4).item()
