@@ -8,7 +8,13 @@ import subprocess
 import sys
 import time
 
+from runtime.errors import CadenceError
+
 import pytest
+import trio
+
+from actors import cli
+from actors.cors import CorsPolicy
 
 CLI = [sys.executable, "-m", "actors.cli"]
 
@@ -248,3 +254,55 @@ def test_serve_with_a_small_max_waiting_starts_and_caps_n_to_it(tiny):
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
+
+
+def test_api_keys_come_from_flags_the_environment_and_the_file(tmp_path, monkeypatch):
+    keys = tmp_path / "keys"
+    keys.write_text("# the team's\nfrom-file\n\n")
+    monkeypatch.setenv("CADENCE_API_KEY", "from-env")
+    args = cli._parser().parse_args(["serve", "--api-key", "flag", "--api-key-file", str(keys)])
+    assert cli._api_keys(args) == ["flag", "from-env", "from-file"]
+    for bad in ("", "a b"):
+        with pytest.raises(CadenceError, match="no whitespace"):
+            cli._api_keys(cli._parser().parse_args(["serve", "--api-key", bad]))
+
+
+def test_serve_listens_on_loopback_and_reuses_prompt_prefixes_unless_told():
+    args = cli._parser().parse_args(["serve"])
+    assert (args.host, args.prefix_cache) == ("127.0.0.1", True)
+    assert not cli._parser().parse_args(["serve", "--no-prefix-cache"]).prefix_cache
+
+
+def serve_until_loading(monkeypatch, *argv):
+    """`cadence serve ARGV` in this process until it would load the model: the options
+    its app was built with (a refused flag raises its CadenceError)."""
+    built = []
+
+    def create_app(state, **options):
+        built.append(options)
+        return real_create_app(state, **options)
+
+    def open_llm(*args, **kwargs):
+        raise CadenceError("loading")
+
+    real_create_app = cli.create_app
+    monkeypatch.setattr(cli, "create_app", create_app)
+    monkeypatch.setattr(cli, "open_llm", open_llm)
+    args = cli._parser().parse_args(["serve", "--port", "0", *argv])
+    try:
+        trio.run(cli._serve, args)
+    except BaseException as error:  # trio wraps it in a group
+        if str(cli._leaf(error, CadenceError)) != "loading":
+            raise
+    return built[0]
+
+
+def test_flags_at_their_bounds_are_taken_and_reach_the_app(monkeypatch):
+    options = serve_until_loading(
+        monkeypatch,
+        *("--max-batch", "8", "--max-num-batched-tokens", "8"),  # a token per decoding row
+        *("--max-waiting", "4", "--max-n", "4"),
+        *("--allowed-origin", "https://app.example"),
+    )
+    assert options["max_n"] == 4
+    assert options["cors"] == CorsPolicy(frozenset({"https://app.example"}))

@@ -12,15 +12,21 @@ import json
 import re
 
 import hypothesis
+import jsonschema
+import pytest
 import requests
 import schemathesis
 import trio
 from schemathesis import GenerationMode
 
 import actors
+from actors.choices import DEFAULT_MAX_N
 from actors.http_app import ServerState, create_app
 from actors.http_server import serving_on_loopback
+from actors.openai_requests import ApiError, parse_chat, parse_completion
+from actors.openai_tools import MAX_TOOLS
 from actors.openapi import OPENAPI
+from actors.requests import MAX_PRIORITY, MAX_SEED, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 API_KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -196,3 +202,62 @@ async def test_what_the_fuzzer_found_stays_fixed(tiny):
         )
         assert response.status_code == 405 and "GET" in response.headers["allow"].split(", ")
         assert_openai_error(response)
+
+
+def documented(schema_name):
+    """A validator for one of the document's schemas (its $refs resolved in the document)."""
+    root = {"$ref": f"#/components/schemas/{schema_name}", "components": OPENAPI["components"]}
+    return jsonschema.Draft202012Validator(root)
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "hi"}
+TOOL = {"type": "function", "function": {"name": "f"}}
+# (request, field, a value at the edge of what the parser takes, one just past it)
+EDGES = [
+    (COMPLETION, "max_tokens", 1, 0),
+    (COMPLETION, "temperature", 2, 2.01),
+    (COMPLETION, "temperature", 0, -0.01),
+    (COMPLETION, "top_p", 0.01, 0),
+    (COMPLETION, "top_k", -1, -2),
+    (COMPLETION, "seed", MAX_SEED, MAX_SEED + 1),
+    (COMPLETION, "logit_bias", {"5": -100}, {"5": -101}),
+    (COMPLETION, "stop", ["s"] * MAX_STOP_STRINGS, ["s"] * (MAX_STOP_STRINGS + 1)),
+    (COMPLETION, "n", DEFAULT_MAX_N, DEFAULT_MAX_N + 1),
+    (COMPLETION, "priority", -MAX_PRIORITY, -MAX_PRIORITY - 1),
+    (COMPLETION, "logprobs", MAX_TOP_LOGPROBS, MAX_TOP_LOGPROBS + 1),
+    (COMPLETION, "prompt", [0], [-1]),
+    (COMPLETION, "prompt", ["a"], ["a", "b"]),
+    (COMPLETION, "echo", False, True),
+    (COMPLETION, "suffix", "", "x"),
+    (COMPLETION, "stream_options", None, {"include_usage": True}),
+    (COMPLETION, "no_such_field", None, 1),
+    (CHAT, "no_such_field", None, 1),
+    (CHAT, "messages", CHAT["messages"], []),
+    (CHAT, "messages", [{"role": "developer"}], [{"role": "function"}]),
+    (CHAT, "top_logprobs", None, 2),
+    (CHAT, "guided_regex", "a", ""),
+    (CHAT, "guided_choice", ["a"], []),
+    (CHAT, "structured_outputs", {"regex": "a"}, {"regex": "a", "choice": ["a"]}),
+    (CHAT, "structured_outputs", {"regex": "a"}, {"pattern": "a"}),
+    (CHAT, "tools", [TOOL] * MAX_TOOLS, [TOOL] * (MAX_TOOLS + 1)),
+    (CHAT, "tools", [TOOL], [{"type": "function", "function": {"name": ""}}]),
+    ({**CHAT, "tools": [TOOL]}, "tool_choice", "required", "any"),
+    (CHAT, "response_format", {"type": "text"}, {"type": "xml"}),
+]
+
+
+@pytest.mark.parametrize(("base", "field", "edge", "past"), EDGES)
+def test_the_document_takes_a_value_exactly_when_the_parser_does(base, field, edge, past):
+    """The fuzzer cannot check that schema-valid bodies are accepted (a prompt may still
+    overflow the model), so a document looser than the parser passes it: edges here."""
+    is_chat = "messages" in base
+    kind = "ChatCompletionRequest" if is_chat else "CompletionRequest"
+    parse = parse_chat if is_chat else parse_completion
+    at_edge = {**base, field: edge} if edge is not None else base
+    assert documented(kind).is_valid(at_edge)
+    parse(at_edge)
+    assert not documented(kind).is_valid({**base, field: past})
+    with pytest.raises(ApiError) as refused:
+        parse({**base, field: past})
+    assert refused.value.param.startswith(field)

@@ -17,6 +17,7 @@ import pytest
 import trio
 import trio.testing
 
+from actors import http_server
 from actors.cors import CorsPolicy, parse_origins
 from actors.http_app import ServerState, create_app
 from actors.http_server import _InFlight, serving_on_loopback
@@ -99,6 +100,24 @@ async def test_an_answer_before_the_body_was_read_closes_the_connection(status, 
     assert status_line.split()[1] == status
     assert headers.get("connection") == "close"
     assert is_closed
+
+
+async def test_a_chunked_body_cut_off_at_the_limit_closes_the_connection():
+    """The 413 comes after part of the body was read: the rest must not be parsed as
+    the next request."""
+    async with loading_server() as port:
+
+        def exchange():
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                head = post_head("/v1/completions", 0).replace(
+                    b"Content-Length: 0", b"Transfer-Encoding: chunked"
+                )
+                sock.sendall(head + b"%x\r\n%s\r\n" % (LIMIT, b"x" * LIMIT) * 2)
+                status, headers = read_response(sock)
+                return status, headers, is_closed_by_server(sock)
+
+        status, headers, is_closed = await in_thread(exchange)
+    assert status.split()[1] == "413" and headers.get("connection") == "close" and is_closed
 
 
 async def test_the_openai_clients_next_request_after_a_413_is_answered():
@@ -217,6 +236,8 @@ async def test_a_named_origin_gets_its_preflight_before_the_key_check_and_others
         )
         assert headers["access-control-allow-origin"] == "https://app.example:8443"
         assert "x-request-id" in headers["access-control-expose-headers"]
+        assert "retry-after" in headers["access-control-expose-headers"]  # a 503's wait
+        assert "origin" in headers["vary"].lower()
         _, headers = await in_thread(cors_exchange, port, "GET", "/health", (evil,))
         assert "access-control-allow-origin" not in headers
 
@@ -225,6 +246,15 @@ async def test_a_named_origin_gets_its_preflight_before_the_key_check_and_others
 def test_a_malformed_allowed_origin_is_refused(bad):
     with pytest.raises(CadenceError, match="--allowed-origin"):
         parse_origins([bad])
+
+
+def test_origins_match_in_any_case_and_a_star_allows_every_origin():
+    named = CorsPolicy(parse_origins(["https://App.Example:8443"]))
+    assert named.allows("https://app.example:8443") and named.allows("HTTPS://APP.EXAMPLE:8443")
+    assert not named.allows("https://app.example")
+    star = CorsPolicy(parse_origins(["*"]))
+    headers = star.response_headers("https://any.example")
+    assert headers["Access-Control-Allow-Origin"] == "https://any.example"
 
 
 async def test_an_early_answer_to_a_request_with_an_empty_body_keeps_the_connection():
@@ -263,3 +293,20 @@ async def test_idle_waits_for_every_request_in_flight():
         releases[1].set()
         with trio.fail_after(1):
             await tracker.wait_idle()
+
+
+async def test_hypercorn_gives_in_flight_requests_the_whole_grace_not_its_default(monkeypatch):
+    """Hypercorn cancels what is in flight graceful_timeout after shutdown (3 s unless
+    told): a longer drain must reach it, or streams are cut 3 s into every drain."""
+    configs = []
+
+    async def serve(app, config, *, shutdown_trigger, task_status):
+        configs.append(config)
+        task_status.started([])
+
+    monkeypatch.setattr(http_server, "serve", serve)
+    await http_server.serve_http(
+        None, "127.0.0.1", 0, shutdown_trigger=trio.sleep_forever, graceful_timeout=35.0
+    )
+    assert [config.graceful_timeout for config in configs] == [35.0]
+

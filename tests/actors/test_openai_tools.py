@@ -3,17 +3,21 @@
 import json
 
 from runtime.errors import RequestError
+from runtime.grammar import GrammarSpec
 
 import pytest
 
 from actors.openai_responses import sse, wire_json
 from actors.openai_tools import (
+    MAX_TOOLS,
+    ToolCallDeltas,
     ToolCallStream,
     structured_output,
     tool_request,
     whole_tool_calls,
     with_tool_calls,
 )
+from actors.requests import Delta
 
 TWO_CALLS = (
     'Sure. \n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
@@ -106,3 +110,87 @@ def test_a_bad_strict_is_named_as_strict_not_as_the_schema():
         structured_output(body)
     assert caught.value.param == "response_format.json_schema.strict"
     assert "strict" in str(caught.value)
+
+
+def test_whitespace_before_a_call_does_not_reappear_after_it():
+    text = 'A \n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\nDone. '
+    for step in (1, 4, len(text)):
+        assert run(ToolCallStream("hermes"), text, step)[0] == "A\nDone."
+
+
+def test_a_reply_cut_short_after_a_call_keeps_length_as_its_reason():
+    stream = ToolCallStream("hermes")
+    run(stream, TWO_CALLS, 7)
+    assert stream.finish_reason("length") == "length"
+
+
+def test_each_choice_has_its_own_calls_and_its_last_delta_releases_what_was_held():
+    deltas = ToolCallDeltas("gemma", is_parallel=False)
+    cut = deltas.convert(0, Delta("```tool_code\nf(a=1)\ng(b=2)"))  # cut short: parsed at the end
+    plain = deltas.convert(1, Delta("hi \n"))
+    assert (cut.text, cut.tool_calls, plain.text, plain.tool_calls) == ("", (), "hi", ())
+    last = deltas.convert(0, Delta("", finish_reason="length"))
+    calls = whole_tool_calls(list(last.tool_calls))
+    assert [c["function"] for c in calls] == [{"name": "f", "arguments": '{"a": 1}'}]  # not g
+    assert (last.text, last.finish_reason) == ("", "length")
+    end = deltas.convert(1, Delta("", finish_reason="stop"))
+    assert (end.text, end.tool_calls, end.finish_reason) == (" \n", (), "stop")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+            "response_format.json_schema",
+        ),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": ""}, "guided_regex"),
+    ],
+)
+def test_bad_structured_output_is_refused_naming_the_field(body, param):
+    with pytest.raises(RequestError) as caught:
+        structured_output(body)
+    assert caught.value.param == param
+
+
+def test_a_schema_may_come_as_json_text_or_a_boolean_and_text_format_constrains_nothing():
+    assert structured_output({"guided_json": '{"type": "object"}'}) == GrammarSpec(
+        "json_schema", '{"type": "object"}', "guided_json"
+    )
+    schema = {"type": "json_schema", "json_schema": {"name": "any", "schema": True}}
+    assert structured_output({"response_format": schema}).source == "true"
+    text = {"response_format": {"type": "text"}}
+    assert structured_output(text) is None
+    assert structured_output({**text, "guided_regex": "a"}).kind == "regex"
+
+
+TOOL = {"type": "function", "function": {"name": "f"}}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"function_call": "auto"}, "function_call"),
+        ({"tools": [TOOL] * (MAX_TOOLS + 1)}, "tools"),
+        ({"tools": [{**TOOL, "type": "retrieval"}]}, "tools[0]"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0]"),
+        ({"tools": [{**TOOL, "function": {"name": "f", "parameters": []}}]}, "tools[0]"),
+        ({"tools": [TOOL], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+        ({"tool_choice": "auto"}, "tool_choice"),  # a choice among no tools
+        ({"tools": [TOOL], "tool_choice": {**TOOL, "type": "tool"}}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": {**TOOL, "function": {"name": "g"}}}, "tool_choice"),
+    ],
+)
+def test_bad_tools_are_refused_naming_the_field(body, param):
+    with pytest.raises(RequestError) as caught:
+        tool_request(body)
+    assert caught.value.param == param
+
+
+def test_parallel_tool_calls_are_on_unless_turned_off():
+    assert tool_request({"tools": [TOOL]}).is_parallel
+    assert tool_request({"tools": [TOOL], "parallel_tool_calls": None}).is_parallel
+    assert not tool_request({"tools": [TOOL], "parallel_tool_calls": False}).is_parallel
+    assert tool_request({"tools": [TOOL] * MAX_TOOLS, "tool_choice": "none"}).choice == "none"

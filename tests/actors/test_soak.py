@@ -1,5 +1,7 @@
 """The soak (`cadence bench soak`), short: rude and faulty clients, then zero leaks."""
 
+import random
+
 from runtime.kv.blocks import BlockPool
 
 from actors import soak
@@ -45,3 +47,13 @@ def test_a_report_that_cannot_be_written_is_one_line_after_the_figures(tiny, cap
 
 def test_one_token_per_request_leaves_no_point_to_hang_up_mid_stream_but_runs(tiny):
     assert soak_cli(tiny, "--requests", "12", "--max-tokens", "1", "--disconnect", "1") == 0
+
+
+def test_a_soak_with_problems_exits_1(tiny, monkeypatch):
+    monkeypatch.setattr(BlockPool, "release", lambda self, blocks: None)  # blocks never return
+    assert soak_cli(tiny, "--requests", "2", "--max-tokens", "2") == 1
+
+
+def test_the_fault_and_disconnect_fractions_together_leave_no_healthy_client():
+    config = soak.SoakConfig(disconnect=0.5, fault=0.5)
+    assert "healthy" not in soak._kinds(random.Random(0), config, 200)

@@ -62,6 +62,13 @@ def test_a_stop_found_after_a_partial_match_of_itself_fails():
     assert run_stops(["aabaaaa"], ["aabaaab", "aaaa"]) == ("aaba", True)
 
 
+def test_a_failed_partial_match_falls_back_only_to_a_real_prefix():
+    # No proper suffix of "aaab" starts the stop, so a mismatch after it falls back to
+    # nothing; a table built with one fallback step (not as many as needed) said "a",
+    # and then "found" "aaabb" in a text that does not hold it.
+    assert run_stops(["aaabb"], ["aaabaabb"]) == ("aaabaabb", False)
+
+
 def test_multiple_stops():
     assert run_stops(["\n\n", "User:", "###"], ["line one\nline two ", "###", " rest"]) == (
         "line one\nline two ",
@@ -125,6 +132,9 @@ def test_a_stopped_matcher_emits_nothing_more():
     assert matcher.feed("xab") == ("x", True)
     assert matcher.feed("abc") == ("", True)
     assert matcher.is_stopped
+    held = StopMatcher(["abc", "bx"])  # "ab" is held back when "bx" completes
+    assert held.feed("ab") == ("", False) and held.feed("x") == ("a", True)
+    assert held.flush() == ""
 
 
 def test_flush_forgets_the_partial_match():

@@ -1,0 +1,99 @@
+"""actors/openai_responses.py: the chunks' and responses' OpenAI shapes, without a server
+(the same shapes read through the openai client: test_http.py, test_http_logprobs.py)."""
+
+import json
+
+from actors.openai_responses import ChunkWriter
+from actors.requests import LogprobEntry, Usage
+
+
+def frames(sse):
+    """The JSON objects of SSE bytes (one or more `data: ...` events)."""
+    events = [e for e in sse.decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    return [json.loads(e.removeprefix("data: ")) for e in events]
+
+
+def test_chat_chunks_carry_the_role_once_per_choice_and_usage_null_until_the_last():
+    writer = ChunkWriter("chat", "chatcmpl-1", "m", include_usage=True)
+    starts = frames(writer.start(num_choices=2))
+    (text,) = frames(writer.text("hi", index=1))
+    (finish,) = frames(writer.finish("length", index=1))
+    (usage,) = frames(writer.usage(Usage(3, 2, cached_tokens=1)))
+    role = {"role": "assistant", "content": ""}
+    assert [s["choices"] for s in starts] == [
+        [{"index": i, "delta": role, "logprobs": None, "finish_reason": None}] for i in (0, 1)
+    ]
+    for chunk in (*starts, text, finish, usage):
+        assert chunk["object"] == "chat.completion.chunk" and chunk["id"] == "chatcmpl-1"
+    assert all(chunk["usage"] is None for chunk in (*starts, text, finish))  # present, null
+    assert text["choices"] == [
+        {"index": 1, "delta": {"content": "hi"}, "logprobs": None, "finish_reason": None}
+    ]
+    assert finish["choices"] == [
+        {"index": 1, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    ]
+    assert usage["choices"] == [] and usage["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
+
+
+def test_completion_streams_have_no_start_chunk_and_no_usage_unless_asked():
+    writer = ChunkWriter("completion", "cmpl-1", "m")
+    assert writer.start(num_choices=2) is None
+    (chunk,) = frames(writer.text("hi", index=1))
+    assert "usage" not in chunk and chunk["object"] == "text_completion"
+    assert chunk["choices"] == [{"index": 1, "text": "hi", "logprobs": None, "finish_reason": None}]
+
+
+def test_chat_logprobs_hold_the_content_and_a_null_refusal():
+    writer = ChunkWriter("chat", "chatcmpl-1", "m", has_logprobs=True)
+    entry = LogprobEntry("a", -0.5, (("a", -0.5), ("b", float("-inf"))))
+    (chunk,) = frames(writer.text("a", [entry]))
+    assert chunk["choices"][0]["logprobs"] == {
+        "content": [
+            {
+                "token": "a",
+                "logprob": -0.5,
+                "bytes": [97],
+                "top_logprobs": [
+                    {"token": "a", "logprob": -0.5, "bytes": [97]},
+                    {"token": "b", "logprob": -9999.0, "bytes": [98]},  # -inf is no JSON
+                ],
+            }
+        ],
+        "refusal": None,
+    }
+
+
+def test_logprobs_below_openais_floor_or_nan_are_reported_at_the_floor():
+    writer = ChunkWriter("completion", "cmpl-1", "m", has_logprobs=True)
+    entries = [LogprobEntry(t, v) for t, v in (("a", -1e5), ("b", float("nan")), ("c", -3.0))]
+    (chunk,) = frames(writer.text("abc", entries))
+    assert chunk["choices"][0]["logprobs"]["token_logprobs"] == [-9999.0, -9999.0, -3.0]
+
+
+def test_each_choice_counts_its_own_text_offsets_across_a_split_character():
+    """Two choices each write "😀x" as three tokens, interleaved: the first two tokens
+    complete one character between them, whichever choice's bytes arrive in between."""
+    writer = ChunkWriter("completion", "cmpl-1", "m", has_logprobs=True)
+    pieces = [b"\xf0\x9f", b"\x98\x80", b"x"]
+    offsets = {0: [], 1: []}
+    for piece in pieces:
+        for index in (0, 1):
+            entry = LogprobEntry(f"bytes:{piece!r}", -1.0, token_bytes=piece)
+            (chunk,) = frames(writer.text("", [entry], index=index))
+            offsets[index] += chunk["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == {0: [0, 0, 1], 1: [0, 0, 1]}
+
+
+def test_a_tool_call_chunk_names_its_choice():
+    writer = ChunkWriter("chat", "chatcmpl-1", "m")
+    call = {"index": 0, "function": {"arguments": "{}"}}
+    (chunk,) = frames(writer.tool_calls([call], index=2))
+    assert chunk["choices"] == [
+        {"index": 2, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}
+    ]
