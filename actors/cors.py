@@ -3,7 +3,9 @@
 Off, a browser page on another origin can't read our responses, and can't send a
 JSON POST at all without a preflight we don't answer. On, a named origin gets its
 preflight answered before the API-key check (browsers never send credentials on a
-preflight) and its responses carry `Access-Control-Allow-Origin`.
+preflight) and its responses carry `Access-Control-Allow-Origin`. A preflight may ask
+for any well-formed request headers (the OpenAI SDKs in a browser send their own
+`x-stainless-*` ones): the origin is trusted already, and the API key still decides.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from runtime.errors import CadenceError
 
 import attrs
 
-_ORIGIN = re.compile(r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?|\*")
+_ORIGIN = re.compile(r"https?://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(:(?P<port>[0-9]{1,5}))?|\*")
 _METHODS = "GET, POST, OPTIONS"
-_HEADERS = "Authorization, Content-Type, X-Request-Id"
+_HEADERS = ("Authorization", "Content-Type", "X-Request-Id")
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110's token
 _MAX_AGE_S = "600"
 
 
@@ -27,7 +30,8 @@ def parse_origins(values: Iterable[str]) -> frozenset[str]:
     origins = set()
     for value in values:
         origin = value.strip().rstrip("/")
-        if _ORIGIN.fullmatch(origin) is None:
+        match = _ORIGIN.fullmatch(origin)
+        if match is None or int(match["port"] or 0) > 65535:
             raise CadenceError(f"--allowed-origin {value!r}: expected scheme://host[:port] or '*'")
         origins.add(origin.lower())
     return frozenset(origins)
@@ -52,9 +56,11 @@ class CorsPolicy:
         return {
             "Access-Control-Allow-Origin": origin,
             "Access-Control-Allow-Methods": _METHODS,
-            "Access-Control-Allow-Headers": _HEADERS,
+            "Access-Control-Allow-Headers": _allowed_headers(
+                request_headers.get("Access-Control-Request-Headers")
+            ),
             "Access-Control-Max-Age": _MAX_AGE_S,
-            "Vary": "Origin",
+            "Vary": "Origin, Access-Control-Request-Headers",
         }
 
     def response_headers(self, origin: str | None) -> dict[str, str]:
@@ -66,3 +72,13 @@ class CorsPolicy:
             "Access-Control-Expose-Headers": "X-Request-Id, Retry-After",
             "Vary": "Origin",
         }
+
+
+def _allowed_headers(requested: str | None) -> str:
+    """Ours and the ones a preflight asks for, when every name it gives is a token."""
+    names = [name.strip() for name in (requested or "").split(",") if name.strip()]
+    if not all(_HEADER_NAME.fullmatch(name) for name in names):
+        names = []  # a malformed list gets ours alone: the browser then refuses it
+    known = {header.lower() for header in _HEADERS}
+    extra = sorted({name.lower() for name in names} - known)
+    return ", ".join([*_HEADERS, *extra])

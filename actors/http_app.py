@@ -102,7 +102,10 @@ def create_app(
     @app.after_request
     async def echo_the_request_id(response: Response) -> Response:
         response.headers["x-request-id"] = g.get("client_request_id") or uuid.uuid4().hex
-        response.headers.update(cors.response_headers(request.headers.get("Origin")))
+        allowed = cors.response_headers(request.headers.get("Origin"))
+        if vary := allowed.pop("Vary", None):  # added to a preflight's, not over it
+            response.vary.add(vary)
+        response.headers.update(allowed)
         return response
 
     @app.errorhandler(ApiError)

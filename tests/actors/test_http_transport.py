@@ -218,7 +218,8 @@ async def test_a_named_origin_gets_its_preflight_before_the_key_check_and_others
         assert headers["access-control-allow-origin"] == "https://app.example:8443"
         assert "authorization" in headers["access-control-allow-headers"]
         assert "post" in headers["access-control-allow-methods"]
-        assert headers["vary"].lower() == "origin"  # no cache may hand it to another origin
+        # No cache may hand it to another origin, or to a preflight asking for other headers.
+        assert headers["vary"].lower() == "origin, access-control-request-headers"
         # The allowed origin exactly: one that extends it is another site.
         for other in (evil, "Origin: https://app.example:84430", "Origin: https://app.example"):
             status, headers = await in_thread(
@@ -240,6 +241,38 @@ async def test_a_named_origin_gets_its_preflight_before_the_key_check_and_others
         assert "origin" in headers["vary"].lower()
         _, headers = await in_thread(cors_exchange, port, "GET", "/health", (evil,))
         assert "access-control-allow-origin" not in headers
+
+
+async def test_a_preflight_may_ask_for_the_openai_sdks_own_headers():
+    """The OpenAI SDKs in a browser send `x-stainless-*` headers: a preflight that lists
+    them must be allowed them, or the browser never sends the request."""
+    cors = CorsPolicy(parse_origins(["https://app.example"]))
+    asked = "authorization, content-type, x-stainless-os, X-Stainless-Retry-Count"
+    async with loading_server(api_keys=("sesame",), cors=cors) as port:
+        _, headers = await in_thread(
+            cors_exchange, port, "OPTIONS", "/v1/chat/completions",
+            ("Origin: https://app.example", "Access-Control-Request-Method: POST",
+             f"Access-Control-Request-Headers: {asked}"),
+        )
+    allowed = {name.strip().lower() for name in headers["access-control-allow-headers"].split(",")}
+    assert {name.strip().lower() for name in asked.split(",")} <= allowed
+
+
+def test_a_malformed_header_list_in_a_preflight_gets_only_ours():
+    policy = CorsPolicy(parse_origins(["https://app.example"]))
+    asked = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    for bad in ("x-ok, bad header", "x-ok, a:b", "x-ok\r\nSet-Cookie: a=b"):
+        headers = policy.preflight_headers({**asked, "Access-Control-Request-Headers": bad})
+        assert headers is not None
+        assert headers["Access-Control-Allow-Headers"] == "Authorization, Content-Type, X-Request-Id"
+
+
+def test_an_ipv6_origin_is_allowed_and_a_port_past_65535_is_not():
+    assert CorsPolicy(parse_origins(["http://[::1]:8000"])).allows("http://[::1]:8000")
+    for bad in ("http://app.example:65536", "http://app.example:99999"):
+        with pytest.raises(CadenceError, match="--allowed-origin"):
+            parse_origins([bad])
+    assert parse_origins(["http://app.example:65535"]) == {"http://app.example:65535"}
 
 
 @pytest.mark.parametrize("bad", ["app.example", "https://app.example/path", "ftp://x", ""])
