@@ -199,7 +199,7 @@ def _api_keys(args: argparse.Namespace) -> list[str]:
             raise CadenceError(f"--api-key-file {args.api_key_file}: {error.strerror}") from None
         except UnicodeDecodeError:
             raise CadenceError(f"--api-key-file {args.api_key_file}: not UTF-8 text") from None
-        in_file = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+        in_file = [k for k in map(str.strip, lines) if k and not k.startswith("#")]
         if not in_file:  # an empty file must not quietly mean "no authentication"
             raise CadenceError(f"--api-key-file {args.api_key_file} holds no keys")
         keys += in_file

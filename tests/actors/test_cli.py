@@ -258,7 +258,7 @@ def test_serve_with_a_small_max_waiting_starts_and_caps_n_to_it(tiny):
 
 def test_api_keys_come_from_flags_the_environment_and_the_file(tmp_path, monkeypatch):
     keys = tmp_path / "keys"
-    keys.write_text("# the team's\nfrom-file\n\n")
+    keys.write_text("# the team's\nfrom-file\n\n   # an indented comment is a comment\n")
     monkeypatch.setenv("CADENCE_API_KEY", "from-env")
     args = cli._parser().parse_args(["serve", "--api-key", "flag", "--api-key-file", str(keys)])
     assert cli._api_keys(args) == ["flag", "from-env", "from-file"]
