@@ -149,10 +149,10 @@ def fake_loaded(name: str = "fake") -> Any:
 
 @pytest.fixture
 def pipeline():
-    """`async with pipeline(max_batch=.., max_waiting=.., **engine_args) as (llm, engine)`."""
+    """`async with pipeline(max_batch=.., max_waiting=.., lookahead=.., **engine_args) as (llm, engine)`."""
 
     @contextlib.asynccontextmanager
-    async def start(*, max_batch=4, max_waiting=8, drain_timeout=None, **engine_args):
+    async def start(*, max_batch=4, max_waiting=8, drain_timeout=None, lookahead=1, **engine_args):
         engine = FakeEngine(max_batch=max_batch, **engine_args)
         pool = BlockPool(num_blocks=256, block_size=4)
         policy = FcfsScheduler(
@@ -163,7 +163,7 @@ def pipeline():
             max_num_batched_tokens=max_batch + 4,
         )
         async with run_actors(
-            InlineThread(), fake_loaded(), engine, policy, max_waiting, drain_timeout
+            InlineThread(), fake_loaded(), engine, policy, max_waiting, drain_timeout, lookahead
         ) as llm:
             yield llm, engine
 

@@ -235,6 +235,21 @@ async def test_the_default_lookahead_keeps_exactly_one_step_queued_behind_the_ru
     assert deepest == 2  # step N+1 submitted while N is uncollected, never N+2
 
 
+async def test_lookahead_2_keeps_two_steps_queued_and_drains_them_when_nothing_is_left(
+    pipeline, autojump_clock
+):
+    """The last steps are collected one Idle at a time: the scheduler owes one per step."""
+    async with pipeline(lookahead=2) as (llm, engine):
+        with trio.fail_after(10):  # virtual seconds: a missing Idle would leave it waiting
+            deltas = await collect(llm.generate([5, 6, 7], max_tokens=12))
+    assert deltas[-1].usage.completion_tokens == 12
+    outstanding, deepest = 0, 0
+    for call in engine.calls:
+        outstanding += {"submit": 1, "collect": -1}.get(call[0], 0)
+        deepest = max(deepest, outstanding)
+    assert deepest == 3
+
+
 async def test_a_reader_that_falls_behind_gets_its_text_coalesced_and_holds_up_no_one(
     pipeline, demo_tokenizer, autojump_clock
 ):
@@ -346,6 +361,7 @@ async def test_abort_all_takes_the_waiting_requests_too_and_returns_their_reserv
     assert list(policy.running) == ["running"] and slots.value == 3
     actor._apply(AbortAll("shutdown"))
     assert not policy.waiting and not policy.running and slots.value == 4
+    assert not actor.metrics._queued_at  # no queue-time entry is kept for the aborted one
 
 
 async def test_a_request_the_pool_can_never_hold_returns_its_reservation_unqueued():
@@ -439,3 +455,24 @@ async def test_a_failure_after_text_that_overtook_accepted_is_a_generation_error
     assert (await generation.__anext__()).text == "a"
     with pytest.raises(GenerationError, match="non-finite logits"):
         await generation.__anext__()
+
+
+async def test_the_scheduler_owes_the_gpu_one_idle_until_a_step_is_done():
+    """More events with nothing to plan send no more Idles: each would make the GPU read
+    a step early (and they could fill the channel the scheduler never waits on)."""
+    policy = FcfsScheduler(4, BlockPool(num_blocks=64, block_size=4), 256)
+    to_gpu, sent = trio.open_memory_channel(8)
+    _, inbox = trio.open_memory_channel(8)
+    slots = trio.Semaphore(4)
+    actor = SchedulerActor(policy, inbox, to_gpu, slots, Metrics("fake", policy))
+    await slots.acquire()
+    actor._apply(Submit("a", SequenceParams((1, 2, 3), max_tokens=1, request_id="a")))
+    await actor._dispatch()  # its one token is planned: then nothing is left to plan
+    await actor._dispatch()  # another event, still nothing to plan
+    kinds = []
+    while True:
+        try:
+            kinds.append(type(sent.receive_nowait()).__name__)
+        except trio.WouldBlock:
+            break
+    assert kinds == ["StepPlan", "Idle"]

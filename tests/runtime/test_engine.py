@@ -407,14 +407,56 @@ def test_context_exhausted_without_max_tokens(make_checkpoint):
     assert len(PROMPT) + len(tokens) == 16
 
 
-def test_a_span_past_the_rows_tokens_is_that_rows_error(make_checkpoint):
+@pytest.mark.parametrize(("start", "num_new"), [(0, 13), (-1, 2), (4, 0)])
+def test_a_span_outside_the_rows_tokens_is_that_rows_error(make_checkpoint, start, num_new):
     engine = Engine(load_model(make_checkpoint("llama")), max_batch=2)
     good, bad = engine.open(params(PROMPT, 4)), engine.open(params(PROMPT, 4))
-    spans = (RowSpan(good.seq_id, 0, 12, (0,)), RowSpan(bad.seq_id, 0, 13, (1,)))
+    spans = (RowSpan(good.seq_id, 0, 12, (0,)), RowSpan(bad.seq_id, start, num_new, (1,)))
     outcomes = engine.step(StepBatch(spans))
     by_row = {o.seq_id: o for o in outcomes}
     assert by_row[bad.seq_id].finish is FinishCause.ERROR and "outside" in by_row[bad.seq_id].error
     assert by_row[good.seq_id].token is not None and by_row[good.seq_id].finish is None
+
+
+def test_a_row_with_a_queued_sample_can_be_fed_only_that_sample(make_checkpoint):
+    engine = Engine(load_model(make_checkpoint("llama")), max_batch=1)
+    seq = engine.open(params(PROMPT, 4))
+    engine.submit(StepBatch((RowSpan(seq.seq_id, 0, 12, (0,)),)))  # samples token 12
+    engine.submit(StepBatch((RowSpan(seq.seq_id, 11, 2, (0,)),)))  # its last token and that
+    outcomes = engine.collect() + engine.collect()
+    assert [o.finish for o in outcomes] == [FinishCause.ERROR]  # its queued sample is dropped
+    assert "queued sample" in outcomes[0].error
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens"), [(PROMPT, 1), (PROMPT + [1, 2, 3], None)], ids=["max_tokens", "context"]
+)
+def test_a_span_that_would_sample_past_the_rows_bounds_runs_no_forward(
+    make_checkpoint, prompt, max_tokens
+):
+    engine = Engine(load_model(make_checkpoint("llama")), max_batch=1, max_context=16)
+    seq = engine.open(params(prompt, max_tokens))
+    engine.submit(StepBatch((RowSpan(seq.seq_id, 0, len(prompt), (0,)),)))  # its last token
+    forwards = []
+    engine.kv.forward = lambda spans, epoch: forwards.append(spans)
+    engine.submit(StepBatch((RowSpan(seq.seq_id, len(prompt), 1, (0,)),)))
+    assert forwards == []
+    outcomes = engine.collect() + engine.collect()
+    assert [o.finish for o in outcomes] == [FinishCause.LENGTH if max_tokens else FinishCause.CONTEXT_EXHAUSTED]
+
+
+def test_a_block_size_out_of_range_is_refused_before_the_pool_is_sized(make_checkpoint):
+    with pytest.raises(CadenceError, match="block_size"):
+        Engine(load_model(make_checkpoint("llama")), max_batch=1, block_size=0)
+
+
+def test_a_kv_pool_that_holds_the_whole_context_names_the_models_limit(make_checkpoint):
+    loaded = load_model(make_checkpoint("llama"))
+    per_block = Engine(loaded, max_batch=1).bytes_per_block
+    engine = Engine(loaded, max_batch=1, max_context=32, kv_budget=per_block * 2)  # 2 x 16
+    assert engine.kv_tokens == engine.max_context == 32 and engine.kv_bound is None
+    with pytest.raises(RequestError, match="this model's maximum context length is 32"):
+        engine.open(params(range(1, 41), 4))
 
 
 def test_a_row_with_non_finite_logits_fails_alone(make_checkpoint, monkeypatch):

@@ -13,10 +13,11 @@ from runtime.checkpoint import load_model
 from runtime.engine import Engine
 from runtime.errors import RequestError
 from runtime.grammar import GrammarCompiler, GrammarSpec, token_masks
+from runtime.kv.base import RowSpan
 from runtime.kv.blocks import BlockPool
 from runtime.runner import run_offline
 from runtime.scheduler import FcfsScheduler
-from runtime.sequence import FinishCause, SamplingParams, SequenceParams
+from runtime.sequence import FinishCause, SamplingParams, SequenceParams, StepBatch
 
 import jsonschema
 import pytest
@@ -129,6 +130,7 @@ def test_each_grammar_kind_constrains_sampled_text(engine, compiler, model, kind
     for rid, result in run(engine, requests).items():
         text = model.tokenizer.decode(result.tokens)
         assert result.finish is FinishCause.EOS and check(text), (rid, text)
+        assert not engine.eos_ids & set(result.tokens)  # it ends on completion, not on an EOS
 
 
 @pytest.mark.parametrize(
@@ -230,6 +232,17 @@ def test_a_constrained_row_is_never_planned_ahead_of_its_token(engine, compiler,
     # While the free rows decode every step, it takes one in lookahead + 1.
     assert len(sampled_in) == len(got["g"].tokens)
     assert sampled_in[2] - sampled_in[1] == lookahead + 1
+
+
+def test_the_engine_fails_a_constrained_row_fed_its_queued_sample(compiler, model):
+    """Its mask needs the token collected first; a plan that feeds it one is refused."""
+    engine = Engine(model, max_batch=1)
+    grammar = compiler.compile(GrammarSpec("regex", "[a-z]{30}", "guided_regex"))
+    seq = engine.open(SequenceParams((11, 305), max_tokens=30, grammar=grammar))
+    engine.submit(StepBatch((RowSpan(seq.seq_id, 0, 2, (0,)),)))
+    engine.submit(StepBatch((RowSpan(seq.seq_id, 2, 1, (0,)),)))  # its queued sample
+    outcomes = engine.collect() + engine.collect()
+    assert [o.finish for o in outcomes] == [FinishCause.ERROR] and "constrained" in outcomes[0].error
 
 
 def test_every_choice_is_allowed_at_the_start(compiler, model):

@@ -2,7 +2,7 @@
 their greedy tokens; the retries are bounded; the CADENCE_FAULT_TOKEN hook drives it."""
 
 from runtime.checkpoint import load_model
-from runtime.engine import FAULT_ENV, Engine
+from runtime.engine import FAULT_ENV, Engine, _fault_from_env
 from runtime.errors import CadenceError
 from runtime.kv.blocks import BlockPool
 from runtime.runner import run_offline
@@ -119,7 +119,30 @@ def test_the_hook_is_inert_when_unset(make_checkpoint, monkeypatch):
     assert all(r.finish is FinishCause.LENGTH and len(r.tokens) == 12 for r in got.values())
 
 
+@pytest.mark.parametrize(("value", "fault"), [("999", (999, 0)), (" 999:3 ", (999, 3)), ("", None)])
+def test_the_hook_value_names_a_token_and_the_samples_it_faults_at(monkeypatch, value, fault):
+    """N alone faults the row's prefill (K = 0)."""
+    monkeypatch.setenv(FAULT_ENV, value)
+    assert _fault_from_env() == fault
+
+
 def test_a_malformed_hook_value_is_a_start_up_error(make_checkpoint, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "999:x")
     with pytest.raises(CadenceError, match=FAULT_ENV):
         Engine(load_model(make_checkpoint("llama")), max_batch=1)
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_a_row_failed_mid_prompt_is_left_out_of_the_steps_queued_behind_it(
+    make_checkpoint, monkeypatch, lookahead
+):
+    """Its next prompt chunks were planned before its failure was read: they are dropped,
+    not run (and failed) again."""
+    monkeypatch.setenv(FAULT_ENV, str(FAULT_TOKEN))
+    engine = Engine(load_model(make_checkpoint("llama")), max_batch=2)
+    policy = FcfsScheduler(2, BlockPool(engine.kv.num_blocks, engine.kv.block_size), 1024, 8, 10, 0)
+    with capture_logs() as logs:
+        got = run_offline(engine, policy, requests({"faulty": FAULTY * 8, "a": PROMPT}), lookahead=lookahead)
+    assert got["faulty"].finish is FinishCause.ERROR and got["a"].finish is FinishCause.LENGTH
+    isolated = [e for e in logs if e["event"] == "row failed alone in the forward"]
+    assert [e["request_id"] for e in isolated] == ["faulty"]

@@ -4,6 +4,7 @@ import random
 
 from runtime.errors import CadenceError
 from runtime.kv.blocks import BlockPool
+from runtime.kv.layout import KVLayout
 from runtime.scheduler import FcfsScheduler
 from runtime.sequence import SequenceParams
 
@@ -50,6 +51,12 @@ def test_nothing_to_do_means_no_plan():
     p = policy()
     assert not p.has_work
     assert p.schedule() is None
+
+
+def test_a_request_not_yet_scheduled_is_work():
+    p = policy()
+    p.add("a", params(3))
+    assert p.has_work and not p.running
 
 
 def test_a_short_prompt_prefills_and_samples_in_its_first_step():
@@ -369,3 +376,121 @@ def test_equal_prompts_finish_their_prefill_one_by_one_in_arrival_order():
         first_samples += [s.request_id for s in plan.spans if s.samples and s.num_new > 1]
         done(p, plan)
     assert first_samples == ["a", "b", "c"] and p.num_steps <= 6
+
+
+def test_a_prefill_chunk_below_one_is_refused():
+    with pytest.raises(CadenceError, match="prefill_chunk"):
+        policy(chunk=0)
+
+
+def test_a_budget_of_exactly_one_token_per_row_is_accepted():
+    p = policy(max_batch=4, chunk=2, budget=4)
+    p.add("a", params(2))
+    assert spans(p.schedule()) == [("a", 0, 2)] and p.max_num_batched_tokens == 4
+
+
+def test_a_decoding_row_that_cannot_grow_is_preempted_never_skipped_in_a_tight_pool():
+    rng = random.Random(3)
+    p = policy(max_batch=4, num_blocks=12, block_size=4, max_context=48, chunk=6, budget=10, solo=16)
+    for i in range(12):
+        p.add(f"r{i}", params(rng.randrange(1, 20), max_tokens=rng.randrange(4, 24), first=i * 50))
+    for _ in range(2000):
+        decoding = {
+            rid
+            for rid, r in p.running.items()
+            if not r.is_prefilling and r.num_samples < (r.params.max_tokens or 10**9)
+        }
+        if (plan := p.schedule()) is None:
+            break
+        assert decoding - set(plan.preempted) <= {s.request_id for s in plan.spans}
+        done(p, plan)
+        p.pool.check()
+    assert not p.has_work and p.num_preemptions > 0
+
+
+def test_a_row_that_cannot_grow_waits_for_the_queued_steps_before_anyone_is_preempted():
+    """Lookahead's queued steps keep their blocks: preemption waits until they are done."""
+    p = policy(max_batch=2, num_blocks=3, block_size=4, max_context=12)
+    p.add("a", params(3, max_tokens=9))
+    p.add("b", params(3, max_tokens=9, first=50))
+    queued = []
+    while (plan := p.schedule()) is not None:  # plan ahead without any step reported done
+        queued.append(plan)
+    assert len(queued) == 2 and p.num_preemptions == 0 and set(p.running) == {"a", "b"}
+    for plan in queued:
+        done(p, plan)
+    assert p.schedule().preempted == ("b",)
+
+
+def test_aborting_a_preempted_request_reports_it_as_running_and_closes_its_row():
+    """It left the queue for a row once: admission's reservation went back then, and the
+    GPU still holds its row."""
+    p = policy(max_batch=2, num_blocks=3, block_size=4, max_context=12)
+    p.add("a", params(3, max_tokens=9))
+    p.add("b", params(3, max_tokens=9, first=50))
+    plan = p.schedule()
+    while p.num_preemptions == 0:
+        done(p, plan)
+        plan = p.schedule()
+    assert [r.request_id for r in p.waiting] == ["b"]
+    assert p.abort("b") == "running"
+    assert not p.waiting and p.schedule().closes == ("b",)
+
+
+def test_admission_reserves_the_block_a_running_rows_first_sample_needs():
+    p = policy(max_batch=2, num_blocks=2, block_size=4)
+    p.add("a", params(4))  # a full block of prompt: its first sample's K/V needs a second
+    p.add("b", params(3, first=50))
+    assert [o[0] for o in p.schedule().opens] == ["a"]
+
+
+def test_a_prompt_chunk_shrinks_to_the_blocks_the_pool_has_left():
+    p = policy(max_batch=2, num_blocks=6, block_size=4, chunk=8, budget=9)
+    p.add("a", params(3, max_tokens=30))
+    p.add("b", params(17, first=50))
+    plans = []
+    for _ in range(3):
+        plans.append(p.schedule())
+        done(p, plans[-1])
+    assert spans(plans[0]) == [("a", 0, 3), ("b", 0, 6)]
+    assert spans(plans[1]) == [("a", 3, 1), ("b", 6, 8)]
+    # a's next token takes the last free block: of b's 3 tokens left, the 2 its blocks hold.
+    assert spans(plans[2]) == [("a", 4, 1), ("b", 14, 2)] and p.pool.num_free_blocks == 0
+    assert not plans[2].spans[1].samples
+
+
+def test_a_prompt_with_one_token_left_after_a_cache_hit_is_still_prefilling():
+    """Its one-token span does not count as a decoding row: a long prompt beside it still
+    gets the solo budget."""
+    p = policy(max_batch=3, block_size=4, chunk=4, budget=6, solo=16)
+    p.add("a", params(8, max_tokens=1))
+    done(p, p.schedule(), finished={"a"})
+    p.add("b", params(9))  # a's 8 tokens, cached, and one more
+    p.add("c", params(40, first=100))
+    plan = p.schedule()
+    assert plan.opens[0] == ("b", params(9), 8)
+    assert spans(plan) == [("b", 8, 1), ("c", 0, 15)]
+
+
+def test_a_preempted_request_requeues_by_its_rank_behind_better_priorities():
+    p = policy(max_batch=2, num_blocks=3, block_size=4, max_context=12)
+    p.add("a", params(3, max_tokens=9))
+    p.add("background", params(3, max_tokens=9, first=50, priority=5))
+    plan = p.schedule()
+    p.add("c", params(3, max_tokens=9, first=90, priority=1))  # no row for it
+    while not plan.preempted:
+        done(p, plan)
+        plan = p.schedule()
+    # Its row goes to c, which outranks it in the queue.
+    assert plan.preempted == ("background",) and [o[0] for o in plan.opens] == ["c"]
+    assert [r.request_id for r in p.waiting] == ["background"]
+
+
+def test_a_windowed_rows_reservation_covers_its_window_and_the_solo_span():
+    """Every layer windowed (8 tokens): a row holds at most the blocks its window and its
+    longest span touch, and that span is the solo prefill's 16 tokens, not the 4-token chunk."""
+    pool = BlockPool(10, 4, layout=KVLayout.for_layers(1, (8,)))
+    p = FcfsScheduler(2, pool, 1000, prefill_chunk=4, max_num_batched_tokens=6, solo_prefill_tokens=16)
+    p.add("a", params(40))
+    p.add("b", params(40, first=100))
+    assert [o[0] for o in p.schedule().opens] == ["a"]  # 7 blocks each: b waits for a

@@ -103,3 +103,16 @@ def test_a_request_sharing_only_a_short_head_is_not_held():
     p4.add("a", params())
     p4.add("b", params(PROMPT[:16] + tuple(range(100, 121))))  # four of nine: not held
     assert [o[0] for o in p4.schedule().opens] == ["a", "b"]
+
+
+def test_a_request_is_held_behind_the_best_priority_computing_its_prompt():
+    """Two running requests compute the prompt, one of priority 5 and one of 0: a third
+    of priority 0 waits for their blocks, since one of them ranks as high as it does."""
+    p = siblings_policy()
+    p.add("background", params(priority=5))
+    p.schedule()
+    p.add("urgent", params(priority=0))
+    assert [o[0] for o in p.schedule().opens] == ["urgent"]
+    p.add("sibling", params(priority=0))
+    p.schedule()
+    assert [r.request_id for r in p.waiting] == ["sibling"]

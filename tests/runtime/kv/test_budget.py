@@ -40,6 +40,7 @@ def eight_gib_free(monkeypatch):
         (1000 + 10 * 100, 10),  # bytes: the windows' pools first, then whole blocks
         (1000 + 10 * 100 + 99, 10),
         (500, 1),  # never no block at all
+        (1e-9, 1),  # ... nor for a sliver of what is free
         (0.5, (4 * GIB - 1000) // 100),  # a fraction of what is free, whatever is wanted
         (None, 50),  # the default: 30% of what is free, but only what max_batch rows want
     ],
@@ -75,3 +76,12 @@ def test_available_memory_reads_memavailable_in_kib(monkeypatch):
     meminfo = "MemTotal:       16000000 kB\nMemFree:         1000 kB\nMemAvailable:    2048 kB\n"
     monkeypatch.setattr(budget, "open", lambda path: io.StringIO(meminfo), raising=False)
     assert budget.available_memory() == 2048 * 1024
+
+
+def test_bytes_of_exactly_the_memory_available_are_accepted(eight_gib_free):
+    assert budget.pool_blocks(8 * GIB, 50, bytes_per_block=GIB, window_bytes=0) == 8
+
+
+def test_with_no_memory_figure_the_default_budget_is_what_the_rows_want(monkeypatch):
+    monkeypatch.setattr(budget, "available_memory", lambda: None)
+    assert budget.pool_blocks(None, 50, bytes_per_block=100, window_bytes=1000) == 50
