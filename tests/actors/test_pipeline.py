@@ -236,11 +236,11 @@ async def test_the_default_lookahead_keeps_exactly_one_step_queued_behind_the_ru
 
 
 async def test_lookahead_2_keeps_two_steps_queued_and_drains_them_when_nothing_is_left(
-    pipeline, autojump_clock
+    pipeline, demo_tokenizer
 ):
     """The last steps are collected one Idle at a time: the scheduler owes one per step."""
     async with pipeline(lookahead=2) as (llm, engine):
-        with trio.fail_after(10):  # virtual seconds: a missing Idle would leave it waiting
+        with trio.fail_after(30):  # real seconds (admission runs in a thread): a missing Idle hangs
             deltas = await collect(llm.generate([5, 6, 7], max_tokens=12))
     assert deltas[-1].usage.completion_tokens == 12
     outstanding, deepest = 0, 0
