@@ -283,18 +283,22 @@ def test_steps_are_numbered():
     assert [p.schedule().step for _ in range(3)] == [1, 2, 3]
 
 
+def decoding_rows(p):
+    """Rows that have sampled, are not at their bounds, and whose K/V is caught up."""
+    return {
+        rid
+        for rid, r in p.running.items()
+        if not r.is_prefilling and r.num_samples < (r.params.max_tokens or 10**9)
+    }
+
+
 def test_the_token_budget_and_the_row_cap_hold_and_decoding_rows_are_never_skipped():
     rng = random.Random(7)
     p = policy(max_batch=5, num_blocks=400, chunk=12, budget=20, solo=32)
     for i in range(30):
         p.add(f"r{i}", params(rng.randrange(1, 90), max_tokens=rng.randrange(1, 12), first=i * 7))
     for _ in range(2000):
-        # Rows that have sampled, are not at their bounds, and whose K/V is caught up.
-        decoding = {
-            rid
-            for rid, r in p.running.items()
-            if not r.is_prefilling and r.num_samples < (r.params.max_tokens or 10**9)
-        }
+        decoding = decoding_rows(p)
         if (plan := p.schedule()) is None:
             break
         rows = [s.request_id for s in plan.spans]
@@ -395,11 +399,7 @@ def test_a_decoding_row_that_cannot_grow_is_preempted_never_skipped_in_a_tight_p
     for i in range(12):
         p.add(f"r{i}", params(rng.randrange(1, 20), max_tokens=rng.randrange(4, 24), first=i * 50))
     for _ in range(2000):
-        decoding = {
-            rid
-            for rid, r in p.running.items()
-            if not r.is_prefilling and r.num_samples < (r.params.max_tokens or 10**9)
-        }
+        decoding = decoding_rows(p)
         if (plan := p.schedule()) is None:
             break
         assert decoding - set(plan.preempted) <= {s.request_id for s in plan.spans}
