@@ -1,5 +1,7 @@
 """`cadence generate` and `cadence serve`, run as a user would: in a subprocess."""
 
+import contextlib
+import errno
 import http.client
 import json
 import os
@@ -7,14 +9,20 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 from runtime.errors import CadenceError
 
 import pytest
+import structlog
 import trio
+import trio.testing
+from structlog.testing import capture_logs
 
 from actors import cli
+from actors.choices import DEFAULT_MAX_N
 from actors.cors import CorsPolicy
+from actors.http_app import ServerState
 
 CLI = [sys.executable, "-m", "actors.cli"]
 
@@ -306,3 +314,144 @@ def test_flags_at_their_bounds_are_taken_and_reach_the_app(monkeypatch):
     )
     assert options["max_n"] == 4
     assert options["cors"] == CorsPolicy(frozenset({"https://app.example"}))
+
+
+async def after_signals(state, *signums):
+    """(shutdown set, everything cancelled) once `_watch_signals` has taken SIGNUMS."""
+    shutdown = trio.Event()
+    everything = trio.CancelScope()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(cli._watch_signals, state, shutdown, everything)
+        for signum in signums:
+            os.kill(os.getpid(), signum)
+            await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    return shutdown.is_set(), everything.cancel_called
+
+
+async def test_a_signal_while_the_model_loads_stops_at_once_instead_of_draining():
+    assert await after_signals(ServerState(), signal.SIGTERM) == (False, True)
+
+
+async def test_a_first_signal_drains_and_a_second_one_stops_at_once():
+    state = ServerState(llm=object())
+    assert await after_signals(state, signal.SIGTERM) == (True, False)
+    assert await after_signals(state, signal.SIGTERM, signal.SIGTERM) == (True, True)
+
+
+class FakeGeneration:
+    def __init__(self, texts):
+        self.texts = texts
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc_info):
+        return None
+
+    async def __aiter__(self):
+        for text in self.texts:
+            yield types.SimpleNamespace(text=text)
+
+
+def test_generate_sends_the_chat_prompt_and_sampling_flags_and_ends_with_a_newline(
+    monkeypatch, capsys
+):
+    calls = []
+
+    class Llm:
+        def generate(self, *args, **kwargs):
+            calls.append((args, kwargs))
+            return FakeGeneration(["Hel", "lo"])
+
+    @contextlib.asynccontextmanager
+    async def open_llm(*args, **kwargs):
+        yield Llm()
+
+    monkeypatch.setattr(cli, "open_llm", open_llm)
+    argv = ["generate", "Hi", "--chat", "--max-tokens", "5", "--seed", "7", "--top-k", "3"]
+    with capture_logs():  # unconfigured, structlog would print to stdout
+        trio.run(cli._generate, cli._parser().parse_args(argv))
+    assert capsys.readouterr().out == "Hello\n"
+    sampling = dict(temperature=0.0, top_p=1.0, top_k=3, min_p=0.0, seed=7)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert calls == [((), dict(messages=messages, max_tokens=5, **sampling))]
+
+
+@pytest.mark.parametrize(
+    ("raised", "status", "said"),
+    [
+        (OSError(errno.EADDRINUSE, "Address already in use"), 2, "Address already in use"),
+        (KeyboardInterrupt(), 130, ""),
+    ],
+    ids=["os-error", "interrupt"],
+)
+def test_an_os_error_is_one_line_and_exit_2_and_an_interrupt_exit_130(
+    monkeypatch, capsys, raised, status, said
+):
+    async def serve(args):
+        async with trio.open_nursery():  # as a real failure comes: in a group
+            raise raised
+
+    monkeypatch.setattr(cli, "_serve", serve)
+    try:
+        assert cli.main(["serve"]) == status
+    finally:
+        structlog.reset_defaults()  # main configured logging
+    stderr = capsys.readouterr().err
+    assert stderr == (f"cadence: error: {said}\n" if said else "")
+
+
+def test_max_n_left_unset_is_the_default_or_a_lower_max_waiting(monkeypatch):
+    assert serve_until_loading(monkeypatch)["max_n"] == DEFAULT_MAX_N
+    assert serve_until_loading(monkeypatch, "--max-waiting", "4")["max_n"] == 4
+
+
+def test_a_signal_once_ready_marks_the_server_draining_and_drains_the_model_in_time(
+    monkeypatch,
+):
+    """The HTTP server outwaits the engine's drain, so streams it aborts still end well."""
+    states, seen = [], {}
+    real_create_app, real_serve_http = cli.create_app, cli.serve_http
+
+    def create_app(state, **options):
+        states.append(state)
+        return real_create_app(state, **options)
+
+    async def serve_http(*args, **kwargs):
+        seen["graceful_timeout"] = kwargs["graceful_timeout"]
+        await real_serve_http(*args, **kwargs)
+
+    class Llm:
+        name, max_batch, max_context = "fake", 1, 8
+
+        async def drain(self, timeout):
+            seen["drain"] = (states[0].is_draining, timeout)
+
+    async def signal_once_idle():
+        await trio.testing.wait_all_tasks_blocked()  # ready, waiting for shutdown
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    @contextlib.asynccontextmanager
+    async def open_llm(*args, **kwargs):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(signal_once_idle)
+            yield Llm()
+
+    monkeypatch.setattr(cli, "create_app", create_app)
+    monkeypatch.setattr(cli, "serve_http", serve_http)
+    monkeypatch.setattr(cli, "open_llm", open_llm)
+    args = cli._parser().parse_args(["serve", "--port", "0", "--drain-timeout", "2.5"])
+    with capture_logs():
+        trio.run(cli._serve, args)
+    assert seen["drain"] == (True, 2.5)
+    assert seen["graceful_timeout"] > 2.5
+
+
+def test_main_returns_the_exit_status_of_a_synchronous_command(tmp_path, capsys):
+    argv = ["trace", "timeline", str(tmp_path / "no.log"), "-o", str(tmp_path / "t.png")]
+    try:
+        status = cli.main(argv)
+    finally:
+        structlog.reset_defaults()  # main configured logging
+    assert status == 2 and capsys.readouterr().err.startswith("cadence: error: ")
