@@ -35,8 +35,8 @@ def cadence_server(checkpoint: Path, max_batch: int, extra_args: str) -> Iterato
     serve = ["serve", "--model", str(checkpoint), "--port", "0", "--max-batch", str(max_batch)]
     logs = ["--log-format", "json", "--log-level", "info"]
     command = [sys.executable, "-m", "actors.cli", *serve, *logs, *shlex.split(extra_args)]
-    with _running("cadence serve", command) as (server, lines):
-        ready = _wait(server, lines, lambda: _ready_event(lines))
+    with _running("cadence serve", command) as (server, lines, reader):
+        ready = _wait(server, lines, reader, lambda: _ready_event(lines))
         yield Target(ready["url"], ready["model"])
 
 
@@ -50,8 +50,8 @@ def mlx_lm_server(checkpoint: Path, max_batch: int) -> Iterator[Target]:
     port = _free_port()
     command = [sys.executable, "-c", launch, *mlx_lm_args(checkpoint, port, max_batch)]
     url = f"http://127.0.0.1:{port}"
-    with _running("mlx_lm.server", command) as (server, lines):
-        _wait(server, lines, lambda: _answers(url))
+    with _running("mlx_lm.server", command) as (server, lines, reader):
+        _wait(server, lines, reader, lambda: _answers(url))
         yield Target(url, str(checkpoint))
 
 
@@ -70,15 +70,18 @@ def has_mlx_lm() -> bool:
 
 
 @contextlib.contextmanager
-def _running(name: str, command: list[str]) -> Iterator[tuple[subprocess.Popen[str], deque[str]]]:
+def _running(
+    name: str, command: list[str]
+) -> Iterator[tuple[subprocess.Popen[str], deque[str], threading.Thread]]:
     """The server in a subprocess, its stderr read on a thread (a full pipe would stall it)."""
     print(f"starting {name}", file=sys.stderr)
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: deque[str] = deque(maxlen=200)
     assert server.stderr is not None
-    threading.Thread(target=lambda: lines.extend(server.stderr), daemon=True).start()  # type: ignore[arg-type]
+    reader = threading.Thread(target=lambda: lines.extend(server.stderr), daemon=True)  # type: ignore[arg-type]
+    reader.start()
     try:
-        yield server, lines
+        yield server, lines, reader
     finally:
         server.terminate()
         try:
@@ -88,12 +91,13 @@ def _running(name: str, command: list[str]) -> Iterator[tuple[subprocess.Popen[s
             server.wait()
 
 
-def _wait(server: subprocess.Popen[str], lines: deque[str], ready):
+def _wait(server: subprocess.Popen[str], lines: deque[str], reader: threading.Thread, ready):
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if (found := ready()) is not None:
             return found
         if server.poll() is not None:
+            reader.join(timeout=5)  # its last lines may still be in the pipe
             tail = "".join(list(lines)[-10:])
             raise SystemExit(f"the server exited with {server.returncode}:\n{tail}")
         time.sleep(0.2)
