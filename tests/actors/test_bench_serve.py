@@ -5,7 +5,9 @@ import contextlib
 import http.server
 import json
 import random
+import sys
 import threading
+from collections import deque
 from pathlib import Path
 
 import attrs
@@ -334,11 +336,13 @@ def test_with_compare_the_servers_take_turns_to_go_first(tiny, monkeypatch, tmp_
 
 
 @contextlib.contextmanager
-def answering(body: bytes):
+def answering(body: bytes, headers_seen: list | None = None):
     """A loopback HTTP server that answers every GET and POST with `body`: its base URL."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
+            if headers_seen is not None:
+                headers_seen.append(dict(self.headers))
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -365,8 +369,11 @@ HTML_PAGE = b"<!DOCTYPE HTML>\n<html>\n  <body>\n" + b"<p>not an API</p>\n" * 10
 
 @pytest.mark.parametrize(
     "body",
-    [b'{"data": "x"}', b"[1, 2]", b'{"data": []}', b'{"data": [{"id": 5}]}', b"", HTML_PAGE],
-    ids=["data-not-a-list", "a-list", "no-models", "id-not-a-string", "empty", "html"],
+    [
+        *(b'{"data": "x"}', b"[1, 2]", b'{"data": []}', b'{"data": [{"id": 5}]}'),
+        *(b'{"data": [{"id": ""}]}', b"", HTML_PAGE),
+    ],
+    ids=["data-not-a-list", "a-list", "no-models", "id-not-a-string", "empty-id", "empty", "html"],
 )
 def test_a_server_that_lists_no_model_is_one_short_line_asking_for_model(capsys, body):
     with answering(body) as url:
@@ -376,6 +383,33 @@ def test_a_server_that_lists_no_model_is_one_short_line_asking_for_model(capsys,
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"cadence bench serve: {url}/v1/models: did not list a model")
     assert "(pass --model)" in line and len(line) < 350
+
+
+def test_the_model_list_is_asked_for_with_the_api_key_when_there_is_one():
+    headers_seen: list[dict] = []
+    with answering(b'{"data": [{"id": "m"}]}', headers_seen) as url:
+        assert bench_servers.first_model(f"{url}/v1", "sk-1") == "m"
+        assert bench_servers.first_model(url, None) == "m"
+    assert [seen.get("Authorization") for seen in headers_seen] == ["Bearer sk-1", None]
+
+
+def test_cadence_is_ready_at_its_ready_event_not_at_an_earlier_one():
+    lines = deque(["not json\n", '{"event": "loading", "model": "m"}\n'])
+    assert bench_servers._ready_event(lines) is None
+    lines.append('{"event": "ready", "url": "http://127.0.0.1:9", "model": "m"}\n')
+    assert bench_servers._ready_event(lines) == {
+        "event": "ready",
+        "url": "http://127.0.0.1:9",
+        "model": "m",
+    }
+
+
+def test_a_server_that_exits_before_it_is_ready_ends_the_bench_with_its_last_lines():
+    crash = "import sys; print('loading', file=sys.stderr); sys.exit('no such checkpoint')"
+    command = [sys.executable, "-c", crash]
+    with pytest.raises(SystemExit) as exited, bench_servers._running("x", command) as running:
+        bench_servers._wait(*running, ready=lambda: None)
+    assert str(exited.value) == "the server exited with 1:\nloading\nno such checkpoint\n"
 
 
 def sse_body(*events):

@@ -1,8 +1,13 @@
 """The soak (`cadence bench soak`), short: rude and faulty clients, then zero leaks."""
 
+import contextlib
+import os
 import random
 
 from runtime.kv.blocks import BlockPool
+
+import attrs
+import pytest
 
 from actors import soak
 from actors.cli import _parser
@@ -57,3 +62,74 @@ def test_a_soak_with_problems_exits_1(tiny, monkeypatch):
 def test_the_fault_and_disconnect_fractions_together_leave_no_healthy_client():
     config = soak.SoakConfig(disconnect=0.5, fault=0.5)
     assert "healthy" not in soak._kinds(random.Random(0), config, 200)
+
+
+QUICK = dict(SHORT, num_requests=12, num_warmup=4, fault=0.0, disconnect=0.0)
+
+
+async def test_a_faulty_row_that_does_not_fail_is_a_problem(tiny, monkeypatch):
+    monkeypatch.setattr(soak, "_fault_hook", contextlib.nullcontext)  # the engine never raises
+    report = await soak.run_soak(soak.SoakConfig(str(tiny), **{**QUICK, "fault": 0.5}))
+    assert "a faulty row was not reported as an error" in report.problems
+
+
+async def test_a_wrong_text_during_warm_up_is_a_problem_of_the_report(tiny, monkeypatch):
+    load, calls = soak._load, []
+
+    async def warm_up_expects_other_texts(client, prompts, kinds, expected, *rest):
+        calls.append(len(kinds))
+        if len(calls) == 1:
+            expected = [text + "?" for text in expected]
+        await load(client, prompts, kinds, expected, *rest)
+
+    monkeypatch.setattr(soak, "_load", warm_up_expects_other_texts)
+    report = await soak.run_soak(soak.SoakConfig(str(tiny), **QUICK))
+    assert calls == [4, 12]
+    assert len(report.problems) == 4 and "not its own text" in report.problems[0]
+
+
+async def test_rss_and_task_growth_past_warm_up_are_problems(tiny, monkeypatch):
+    """Both are read after warm-up's settle and again after the load's."""
+    settle, count_tasks, num_settles = soak._settle, soak._num_tasks, []
+
+    async def count_settles(*args):
+        await settle(*args)
+        num_settles.append(None)
+
+    monkeypatch.setattr(soak, "_settle", count_settles)
+    monkeypatch.setattr(soak, "_rss_mb", lambda: 100.0 * (1 + len(num_settles)))
+    monkeypatch.setattr(soak, "_num_tasks", lambda: count_tasks() + 1000 * len(num_settles))
+    config = soak.SoakConfig(str(tiny), **QUICK, max_rss_growth=0.4)
+    problems = (await soak.run_soak(config)).problems
+    assert "RSS grew from 200 MB to 300 MB" in problems
+    assert "1000 more trio tasks than after warm-up" in problems
+
+
+async def test_a_server_that_answers_wrongly_after_the_soak_is_a_problem(tiny, monkeypatch):
+    stream, leaks_checked = soak._Client.stream, []
+
+    async def wrong_once_leaks_are_counted(self, prompt, *rest):
+        outcome = await stream(self, prompt, *rest)
+        return attrs.evolve(outcome, text=outcome.text + "?") if leaks_checked else outcome
+
+    check_leaks = soak._check_leaks
+
+    async def check_then_mark(*args):
+        await check_leaks(*args)
+        leaks_checked.append(True)
+
+    monkeypatch.setattr(soak._Client, "stream", wrong_once_leaks_are_counted)
+    monkeypatch.setattr(soak, "_check_leaks", check_then_mark)
+    report = await soak.run_soak(soak.SoakConfig(str(tiny), **QUICK))
+    assert report.problems == ["the server no longer answers correctly after the soak"]
+
+
+@pytest.mark.parametrize("before", [None, "7:1"])
+def test_the_fault_hook_is_armed_inside_and_restored_after(monkeypatch, before):
+    if before is None:
+        monkeypatch.delenv("CADENCE_FAULT_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("CADENCE_FAULT_TOKEN", before)
+    with soak._fault_hook():
+        assert os.environ["CADENCE_FAULT_TOKEN"] == f"{soak.FAULT_TOKEN}:{soak.FAULT_AT}"
+    assert os.environ.get("CADENCE_FAULT_TOKEN") == before
