@@ -28,9 +28,10 @@ async def serve_http(
     """Run Hypercorn until `shutdown_trigger` returns; reports the bound URLs on start.
 
     On shutdown it stops accepting, gives in-flight requests `graceful_timeout`
-    seconds, then cancels what is left (which aborts their rows) and returns. It does
-    not wait out the timeout for idle keep-alive connections: Hypercorn does not
-    close a connection whose response was in flight when shutdown began.
+    seconds, then cancels what is left (which aborts their rows) and returns. Once the
+    last response is sent it returns without waiting out the timeout for connections
+    still open: Hypercorn (0.17, 0.18) closes a keep-alive connection itself when
+    shutdown began during its response, and this is the backstop should one not.
     """
     tracked = _InFlight(_CloseAfterEarlyResponse(app))
     config = Config()

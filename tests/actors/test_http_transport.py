@@ -343,3 +343,50 @@ async def test_hypercorn_gives_in_flight_requests_the_whole_grace_not_its_defaul
     )
     assert [config.graceful_timeout for config in configs] == [35.0]
 
+
+async def test_a_drain_ends_when_its_last_response_is_sent_not_when_the_grace_runs_out():
+    """Hypercorn keeps a keep-alive connection open when its response was in flight at
+    shutdown: the drain must end with that response, neither cut it nor wait out the grace."""
+    release, stop, stopped = trio.Event(), trio.Event(), trio.Event()
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
+        )
+        await send({"type": "http.response.body", "body": b"o", "more_body": True})
+        await release.wait()
+        await send({"type": "http.response.body", "body": b"k"})
+
+    async def serve(task_status):
+        run = http_server.serve_http
+        await run(
+            app,
+            "127.0.0.1",
+            0,
+            shutdown_trigger=stop.wait,
+            graceful_timeout=60,
+            task_status=task_status,
+        )
+        stopped.set()
+
+    async with trio.open_nursery() as nursery:
+        (url,) = await nursery.start(serve)
+        port = int(url.rsplit(":", 1)[1])
+        async with await trio.open_tcp_stream("127.0.0.1", port) as client:
+            await client.send_all(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+            received = b""
+            while not received.endswith(b"\r\n\r\no"):
+                received += await client.receive_some()
+            stop.set()  # shutdown begins with the response in flight
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+            with trio.fail_after(10):  # the grace is 60 s
+                while not received.endswith(b"ok"):
+                    received += await client.receive_some()
+                await stopped.wait()
+    assert received.startswith(b"HTTP/1.1 200")
