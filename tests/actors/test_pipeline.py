@@ -349,6 +349,22 @@ def scheduler_actor(policy, slots):
     return SchedulerActor(policy, inbox, to_gpu, slots, Metrics("fake", policy))
 
 
+async def test_a_burst_of_submits_already_in_the_inbox_opens_together_in_the_first_plan():
+    """The scheduler takes every message waiting before it plans: one step, not three."""
+    policy = FcfsScheduler(4, BlockPool(num_blocks=64, block_size=4), 256)
+    to_gpu, from_scheduler = trio.open_memory_channel(8)
+    to_scheduler, inbox = trio.open_memory_channel(8)
+    actor = SchedulerActor(policy, inbox, to_gpu, trio.Semaphore(4), Metrics("fake", policy))
+    for request_id in ("a", "b", "c"):
+        params = SequenceParams((1, 2, 3), max_tokens=4, request_id=request_id)
+        await to_scheduler.send(Submit(request_id, params))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(actor.run)
+        first = await from_scheduler.receive()
+        nursery.cancel_scope.cancel()
+    assert [request_id for request_id, *_ in first.opens] == ["a", "b", "c"]
+
+
 async def test_abort_all_takes_the_waiting_requests_too_and_returns_their_reservations():
     policy = FcfsScheduler(1, BlockPool(num_blocks=64, block_size=4), 256)
     slots = trio.Semaphore(4)
