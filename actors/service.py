@@ -19,6 +19,7 @@ import contextlib
 import functools
 import hashlib
 import math
+import weakref
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -316,7 +317,10 @@ class LLM:
         self.max_waiting = admission.waiting_slots.value  # all free: nothing admitted yet
         self.is_draining = False
         self.num_active = 0  # generations started and not yet done
-        self._active: set[Generation] = set()  # ... those generations
+        # ... those generations, held weakly: a strong reference here kept one its caller
+        # dropped mid-stream (a `break` out of `async for` without `async with`) from
+        # ever being collected, so its row ran on to max_tokens or the context's end.
+        self._active: weakref.WeakSet[Generation] = weakref.WeakSet()
         self._engine = engine
         self._policy = policy
         self._thread = thread

@@ -1,6 +1,7 @@
 """The embedding API end to end, on a real tiny checkpoint and the real Engine."""
 
 import functools
+import gc
 import threading
 import time
 
@@ -89,6 +90,21 @@ async def test_a_cancelled_consumer_frees_its_row_and_the_rest_go_on(tiny):
         await wait_for_no_open_rows(llm)
         text, after = await complete(llm, "again", max_tokens=5)
         assert after.finish_reason == "length"
+
+
+async def test_a_generation_dropped_mid_stream_unclosed_is_aborted_once_collected(tiny):
+    async with actors.open_llm(tiny, max_batch=2) as llm:
+        with capture_logs() as logs:
+            generation = llm.generate("Once", ignore_eos=True)  # runs to the context's end
+            request_id = generation.request_id
+            async for _ in generation:
+                break  # no `async with`, no aclose(): only garbage collection is left
+            del generation
+            gc.collect()
+            await wait_for_no_open_rows(llm)
+        aborted = [e for e in logs if e["event"] == "aborted" and e["request_id"] == request_id]
+        assert aborted  # by the streamer, not finished at the context's end
+        assert llm.num_active == 0
 
 
 async def test_an_abort_during_prefill_stops_it_and_frees_the_row(tiny):
