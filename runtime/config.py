@@ -146,7 +146,7 @@ def config_from_dict(
         )
     if field("mlp_bias", bool, False):
         raise CheckpointError(f"{source}: mlp_bias=true is not supported")
-    rope_scaling = field("rope_scaling", dict, None)
+    rope_theta, rope_scaling = _rope_fields(fields)
     if rope_scaling is not None:
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
         if rope_type not in ("default", "linear", "llama3"):
@@ -165,7 +165,7 @@ def config_from_dict(
         intermediate_size=field("intermediate_size", int),
         vocab_size=field("vocab_size", int),
         rms_norm_eps=field("rms_norm_eps", float, 1e-6),
-        rope_theta=field("rope_theta", float, 10000.0),
+        rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=field("max_position_embeddings", int, 4096),
         tie_word_embeddings=field("tie_word_embeddings", bool, False),
@@ -173,6 +173,23 @@ def config_from_dict(
         eos_token_ids=_eos_ids(raw, generation or {}),
     )
     return ModelConfig(**{**common, **family.read_config(fields)})
+
+
+def _rope_fields(fields: ConfigFields) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling). transformers 5 writes neither: both go under
+    `rope_parameters` (`{"rope_theta": 500000.0, "rope_type": "llama3", "factor": ...}`),
+    and reading only the old names ran such a Llama or Qwen at theta 10,000, unscaled,
+    with no error. Gemma 3's per-layer-type form is its own file's to read."""
+    rope_theta = fields.get("rope_theta", float, None)
+    rope_scaling = fields.get("rope_scaling", dict, None)
+    parameters = fields.get("rope_parameters", dict, None) or {}
+    if not any(isinstance(value, dict) for value in parameters.values()):
+        if rope_theta is None and "rope_theta" in parameters:
+            nested = ConfigFields(parameters, f"{fields.source}: rope_parameters")
+            rope_theta = nested.get("rope_theta", float)
+        if rope_scaling is None and parameters.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in parameters.items() if k != "rope_theta"}
+    return (10000.0 if rope_theta is None else rope_theta), rope_scaling
 
 
 def _quantization(quant: dict[str, Any] | None, source: str) -> Quantization | None:

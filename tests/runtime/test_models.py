@@ -17,6 +17,7 @@ import attrs
 import mlx.core as mx
 import mlx_lm
 import pytest
+import transformers
 from mlx_lm.models.rope_utils import Llama3RoPE
 from structlog.testing import capture_logs
 
@@ -93,6 +94,32 @@ def test_gemma3_rope_parameters_of_transformers_5():
     assert config.rope_theta == 500000.0
     assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
     assert config.extra["rope_local_base_freq"] == 5000.0
+
+
+@pytest.mark.parametrize(
+    ("family", "rope"),
+    [
+        ("llama", {"rope_theta": 500000.0, "rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}}),
+        ("qwen3", {"rope_theta": 1000000.0}),
+    ],
+)
+def test_rope_parameters_as_transformers_5_writes_them_give_the_old_layouts_model(
+    tmp_path: Path, family, rope
+):
+    path = make_tiny_checkpoint(tmp_path, family, seed=3)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, **rope}))
+    old = load_model(path)
+    # transformers 5 rewrites it with neither rope_theta nor rope_scaling at the top level
+    transformers.AutoConfig.from_pretrained(path).save_pretrained(path)
+    rewritten = json.loads((path / "config.json").read_text())
+    assert "rope_parameters" in rewritten and "rope_theta" not in rewritten
+    new = load_model(path)
+    assert (new.config.rope_theta, new.config.rope_scaling) == (old.config.rope_theta, old.config.rope_scaling)
+    assert new.config.rope_theta == rope["rope_theta"]
+    assert mx.allclose(new.model(TOKENS), old.model(TOKENS), atol=1e-5).item()
 
 
 @pytest.mark.parametrize(
