@@ -251,16 +251,33 @@ def build_decoder(config: ModelConfig, weights: dict[str, mx.array], source: str
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise CheckpointError(f"{source}: layer '{last_quantized[0]}': {reason}") from None
     expected = dict(tree_flatten(decoder.parameters()))
+    if (problem := _weights_problem(expected, weights, config.model_type)) is not None:
+        if (method := config.foreign_quantization) is not None:
+            # A GPTQ/AWQ/bitsandbytes/fp8 layout fails here, on a tensor name that does
+            # not say why; a stale quantization_config over float weights still loads.
+            raise CheckpointError(
+                f"{source}: quantized with '{method}' (config.json's quantization_config), "
+                "which cadence does not load; use the float16/bfloat16 original or an "
+                f"MLX-quantized conversion ({problem})"
+            )
+        raise CheckpointError(f"{source}: {problem}")
+    decoder.update(tree_unflatten(list(weights.items())))
+    return decoder
+
+
+def _weights_problem(
+    expected: dict[str, mx.array], weights: dict[str, mx.array], model_type: str
+) -> str | None:
+    """The first tensor missing, misshapen or unexpected, if any."""
     for name, param in expected.items():
         if name not in weights:
-            raise CheckpointError(f"{source}: missing tensor {name!r}")
+            return f"missing tensor {name!r}"
         if weights[name].shape != param.shape:
-            raise CheckpointError(
-                f"{source}: tensor {name!r} has shape {tuple(weights[name].shape)}, "
+            return (
+                f"tensor {name!r} has shape {tuple(weights[name].shape)}, "
                 f"expected {tuple(param.shape)}"
             )
     unexpected = sorted(set(weights) - set(expected))
     if unexpected:
-        raise CheckpointError(f"{source}: unexpected tensor {unexpected[0]!r} for {config.model_type}")
-    decoder.update(tree_unflatten(list(weights.items())))
-    return decoder
+        return f"unexpected tensor {unexpected[0]!r} for {model_type}"
+    return None

@@ -63,6 +63,9 @@ class ModelConfig:
     # or None for full attention. Empty: every layer is full.
     layer_windows: tuple[int | None, ...] = ()
     extra: dict[str, Any] = attrs.field(factory=dict)  # the family's own settings
+    # config.json's `quantization_config.quant_method` when it has no MLX `quantization`
+    # (GPTQ, AWQ, bitsandbytes, fp8, ...): named if the weights then do not fit.
+    foreign_quantization: str | None = None
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -171,6 +174,7 @@ def config_from_dict(
         tie_word_embeddings=field("tie_word_embeddings", bool, False),
         quantization=_quantization(field("quantization", dict, None), source),
         eos_token_ids=_eos_ids(raw, generation or {}),
+        foreign_quantization=_foreign_quantization(raw),
     )
     return ModelConfig(**{**common, **family.read_config(fields)})
 
@@ -190,6 +194,16 @@ def _rope_fields(fields: ConfigFields) -> tuple[float, dict[str, Any] | None]:
         if rope_scaling is None and parameters.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in parameters.items() if k != "rope_theta"}
     return (10000.0 if rope_theta is None else rope_theta), rope_scaling
+
+
+def _foreign_quantization(raw: dict[str, Any]) -> str | None:
+    """The quant_method of a Hugging Face quantization_config, unless an MLX
+    `quantization` says how the weights are stored (mlx-community writes both)."""
+    quant = raw.get("quantization_config")
+    if "quantization" in raw or not isinstance(quant, dict):
+        return None
+    method = quant.get("quant_method")
+    return method if isinstance(method, str) and method else "unknown"
 
 
 def _quantization(quant: dict[str, Any] | None, source: str) -> Quantization | None:

@@ -527,6 +527,26 @@ def test_a_tied_checkpoint_that_also_stores_lm_head_loads(make_checkpoint, tmp_p
     assert mx.array_equal(load_model(path).model(tokens), as_made.model(tokens))
 
 
+def test_a_gptq_checkpoint_is_refused_naming_its_quant_method(broken):
+    """GPTQ/AWQ store `qweight`, `qzeros` and `scales` where a Linear's `weight` was."""
+    weights = dict(mx.load(str(broken / "model.safetensors")))
+    for name in [n for n in weights if n.endswith("_proj.weight")]:
+        out_features, in_features = weights.pop(name).shape
+        prefix = name.removesuffix(".weight")
+        weights[f"{prefix}.qweight"] = mx.zeros((in_features // 8, out_features), dtype=mx.int32)
+        weights[f"{prefix}.qzeros"] = mx.zeros((1, out_features // 8), dtype=mx.int32)
+        weights[f"{prefix}.scales"] = mx.ones((1, out_features), dtype=mx.float16)
+    mx.save_safetensors(str(broken / "model.safetensors"), weights)
+    edit_config(broken, quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128})
+    message = error_for(broken)
+    assert "quantized with 'gptq'" in message and "quantization_config" in message
+
+
+def test_a_stale_quantization_config_over_float_weights_still_loads(broken):
+    edit_config(broken, quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
+    assert load_model(broken).config.foreign_quantization == "bitsandbytes"
+
+
 def test_an_index_naming_a_missing_shard_is_named(broken):
     write_index(broken, {"model.norm.weight": "model-00002-of-00002.safetensors"})
     assert "names shard 'model-00002-of-00002.safetensors', which is missing" in error_for(broken)
