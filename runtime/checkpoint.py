@@ -32,6 +32,12 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 DEMO_CHECKPOINT = Path(__file__).with_name("demo")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed, never loaded
+# What a Hub snapshot needs: the top-level config, tokenizer and weight files. Mistral's
+# repos also hold their own format's weights (consolidated.safetensors: 14.5 GB more for
+# Mistral-7B-Instruct-v0.3), others keep other formats in folders (original/, onnx/);
+# none of those is ever read.
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
+HUB_IGNORE_PATTERNS = ["*/*", "consolidated*.safetensors"]
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -105,7 +111,8 @@ def resolve_checkpoint(model: str | Path | None, *, offline: bool = False) -> tu
 
         local = snapshot_download(
             text,
-            allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer.model"],
+            allow_patterns=HUB_ALLOW_PATTERNS,
+            ignore_patterns=HUB_IGNORE_PATTERNS,
             local_files_only=offline or os.environ.get("HF_HUB_OFFLINE") == "1",
         )
     except Exception as exc:  # the hub raises many kinds; all mean "not available"
@@ -149,8 +156,9 @@ def _weight_files(path: Path) -> list[Path]:
             if not (path / name).exists():
                 raise CheckpointError(f"{index}: names shard {name!r}, which is missing")
         files = [path / n for n in names]
-    else:
-        files = sorted(path.glob("*.safetensors"))
+    else:  # Hugging Face's names first, as mlx-lm: a consolidated.safetensors beside
+        # them holds the same weights in Mistral's own names
+        files = sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors weight files")
     for file in files:

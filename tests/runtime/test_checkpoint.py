@@ -167,6 +167,38 @@ def test_unknown_repo_id_offline_is_a_clean_error(tmp_path, monkeypatch):
     assert "nobody/no-such-model" in str(err.value)
 
 
+def test_a_hub_snapshot_fetches_only_the_top_level_files_it_reads(broken, tmp_path, monkeypatch):
+    """A Mistral repo also holds consolidated.safetensors (the same weights in Mistral's
+    names, as large again) and other formats in folders: none of them is fetched."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    mx.save_safetensors(str(broken / "consolidated.safetensors"), {"layers.0.attention.wq.weight": mx.zeros((4, 4))})
+    (broken / "original").mkdir()
+    (broken / "original" / "params.json").write_text("{}")
+    repo = [str(f.relative_to(broken)) for f in broken.rglob("*") if f.is_file()]
+    fetched = tmp_path / "snapshot"
+
+    def snapshot_download(repo_id, *, allow_patterns, ignore_patterns=None, local_files_only):
+        wanted = huggingface_hub.utils.filter_repo_objects(
+            repo, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns
+        )
+        for name in wanted:  # the filter snapshot_download applies to the repo's files
+            (fetched / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(broken / name, fetched / name)
+        return str(fetched)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    loaded = load_model("mistralai/some-model")
+    assert loaded.name == "mistralai/some-model" and loaded.config.num_hidden_layers == 2
+    assert sorted(f.name for f in fetched.iterdir()) == sorted(
+        f.name for f in broken.iterdir() if f.is_file() and f.name != "consolidated.safetensors"
+    )
+
+
+def test_a_consolidated_safetensors_beside_the_model_files_is_left_alone_as_by_mlx_lm(broken):
+    mx.save_safetensors(str(broken / "consolidated.safetensors"), {"layers.0.attention.wq.weight": mx.zeros((4, 4))})
+    assert load_model(broken).config.num_hidden_layers == 2
+
+
 def test_sharded_and_quantized_checkpoints_load(make_checkpoint):
     sharded = load_model(make_checkpoint("llama", shards=2))
     assert sharded.model.model.layers[1].self_attn.o_proj.weight.dtype == mx.float32
