@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from runtime.checkpoint import LoadedModel, load_model
-from runtime.cpu_weights import DEFAULT_CPU_QUANTIZE
+from runtime.cpu_weights import CPU_QUANTIZE_CHOICES, DEFAULT_CPU_QUANTIZE
 from runtime.engine import Engine
 from runtime.errors import CadenceError, RequestError
 from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.kv.blocks import BlockPool
-from runtime.kv.budget import DEFAULT_BLOCK_SIZE, check_block_size
+from runtime.kv.budget import DEFAULT_BLOCK_SIZE, check_block_size, is_kv_budget
 from runtime.ladder import measure_ladder
 from runtime.runner import PlanRunner
 from runtime.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_SOLO_PREFILL_TOKENS, FcfsScheduler
@@ -74,13 +74,22 @@ def _check_settings(
     counts: dict[str, object],
     optional_counts: dict[str, object],
     drain_timeout: object,
+    kv_budget: object = None,
+    cpu_quantize: object = DEFAULT_CPU_QUANTIZE,
 ) -> None:
     """open_llm's settings, as their types and ranges require: a float max_batch was a
     std::bad_cast from mlx, a bad drain_timeout an error only at exit, max_waiting 0 a
-    service that refuses every request."""
+    service that refuses every request, a bad kv_budget or cpu_quantize a ValueError
+    once the model had loaded."""
     if model is not None and not isinstance(model, str | Path):
         raise CadenceError(f"model must be a path, a Hugging Face repo id or None, got {model!r}")
     check_block_size(block_size)
+    if not is_kv_budget(kv_budget):
+        raise CadenceError(
+            f"kv_budget must be None, bytes > 0 or a fraction in (0, 1), got {kv_budget!r}"
+        )
+    if cpu_quantize not in CPU_QUANTIZE_CHOICES:
+        raise CadenceError(f"cpu_quantize must be one of {CPU_QUANTIZE_CHOICES}, got {cpu_quantize!r}")
     counts |= {name: value for name, value in optional_counts.items() if value is not None}
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -141,6 +150,8 @@ async def open_llm(
         },
         {"max_context": max_context, "max_num_batched_tokens": max_num_batched_tokens},
         drain_timeout,
+        kv_budget,
+        cpu_quantize,
     )
     thread = shared_mlx_thread()
     load = functools.partial(

@@ -29,15 +29,20 @@ def check_block_size(block_size: object) -> None:
         raise CadenceError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
 
 
+def is_kv_budget(kv_budget: object) -> bool:
+    """None (the default), bytes > 0, or a fraction of available memory in (0, 1)."""
+    return not isinstance(kv_budget, bool) and (
+        kv_budget is None
+        or (isinstance(kv_budget, int) and kv_budget > 0)
+        or (isinstance(kv_budget, float) and 0 < kv_budget < 1)
+    )
+
+
 def pool_blocks(
     kv_budget: int | float | None, wanted_blocks: int, bytes_per_block: int, window_bytes: int
 ) -> int:
     """The pool's blocks under `kv_budget`, past the sliding-window pools' `window_bytes`."""
-    if isinstance(kv_budget, bool) or not (
-        kv_budget is None
-        or (isinstance(kv_budget, int) and kv_budget > 0)
-        or (isinstance(kv_budget, float) and 0 < kv_budget < 1)
-    ):
+    if not is_kv_budget(kv_budget):
         raise ValueError(f"kv_budget must be bytes > 0 or a fraction in (0, 1), got {kv_budget!r}")
     available = available_memory()
     if isinstance(kv_budget, int):

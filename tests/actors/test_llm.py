@@ -291,6 +291,9 @@ async def test_a_lower_priority_value_is_scheduled_first(tiny):
         ({"drain_timeout": float("nan")}, "drain_timeout"),
         ({"lookahead": True}, "lookahead"),
         ({"model": 5}, "model"),
+        ({"kv_budget": "8GiB"}, "kv_budget"),  # these two were a ValueError once loaded
+        ({"kv_budget": 1.5}, "kv_budget"),
+        ({"cpu_quantize": 4}, "cpu_quantize"),
     ],
 )
 async def test_a_bad_setting_is_a_cadence_error_naming_it_before_anything_loads(setting, named):
