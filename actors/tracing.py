@@ -19,6 +19,7 @@ import sys
 from typing import TextIO
 
 import structlog
+import structlog.tracebacks
 
 LEVELS = ("debug", "info", "warning", "error")
 
@@ -29,10 +30,21 @@ def configure_logging(
     """ISO UTC timestamps, contextvars merged, console or JSON lines, to stderr by default."""
     stream = stream or sys.stderr
     renderers: list[structlog.typing.Processor]
+    # Tracebacks without their frames' locals: structlog's defaults print them, and a
+    # request's locals hold its prompt (a failed prepare printed the messages), nested
+    # values a line per level (one deep tool call: ~100,000 lines).
     if log_format == "json":
-        renderers = [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
+        tracebacks = structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+        renderers = [
+            structlog.processors.ExceptionRenderer(tracebacks),
+            structlog.processors.JSONRenderer(),
+        ]
     elif log_format == "console":  # renders exc_info itself
-        renderers = [structlog.dev.ConsoleRenderer(colors=stream.isatty())]
+        renderers = [
+            structlog.dev.ConsoleRenderer(
+                colors=stream.isatty(), exception_formatter=structlog.dev.plain_traceback
+            )
+        ]
     else:
         raise ValueError(f"unknown log format {log_format!r} (console or json)")
     structlog.configure(

@@ -85,6 +85,26 @@ def test_the_cli_configuration_writes_iso_utc_json_lines():
     assert event["level"] == "info" and event["timestamp"].endswith("Z")
 
 
+@pytest.mark.parametrize("log_format", ["console", "json"])
+def test_a_logged_traceback_shows_no_locals_so_no_prompt_text(log_format):
+    def prepare(prompt):
+        raise ValueError("the template failed")
+
+    prompt = "tpmorp terces"[::-1]  # reversed: the traceback shows source lines, not values
+    stream = io.StringIO()
+    try:
+        configure_logging(log_format, "info", stream)
+        try:
+            prepare(prompt)
+        except ValueError:
+            structlog.get_logger("cadence.test").exception("prepare failed")
+    finally:
+        structlog.reset_defaults()
+    written = stream.getvalue()
+    assert "the template failed" in written and "prepare" in written
+    assert "secret prompt" not in written
+
+
 def test_an_unknown_log_format_is_refused_not_rendered_as_console():
     try:
         with pytest.raises(ValueError, match="unknown log format 'xml'"):
