@@ -108,8 +108,10 @@ def _with_parsed_arguments(message: Mapping[str, Any]) -> dict[str, Any]:
         function = dict(call.get("function") or {})
         arguments = function.get("arguments")
         if isinstance(arguments, str):
-            # Text that is not JSON reaches the template as the client sent it.
-            with contextlib.suppress(json.JSONDecodeError):
+            # Text that is not JSON reaches the template as the client sent it, and so
+            # does JSON that Python cannot read: an integer past 4,300 digits (ValueError)
+            # or nesting past the recursion limit.
+            with contextlib.suppress(ValueError, RecursionError):
                 function["arguments"] = json.loads(arguments)
         parsed.append({**call, "function": function})
     return {**message, "tool_calls": parsed}

@@ -342,6 +342,18 @@ def test_call_arguments_that_are_not_json_reach_the_template_as_sent():
     assert kept["tool_calls"][0]["function"]["arguments"] == "{oops"
 
 
+@pytest.mark.parametrize(
+    "arguments",
+    ['{"n": ' + "9" * 5000 + "}", "[" * 100_000 + "]" * 100_000],
+    ids=["integer past 4,300 digits", "nested past the recursion limit"],
+)
+def test_call_arguments_python_cannot_read_reach_the_template_as_sent(arguments):
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    message = {"role": "assistant", "content": "", "tool_calls": [call]}
+    (kept,) = chat_for_template([message], [], "hermes", knows_tools=True)
+    assert kept["tool_calls"][0]["function"]["arguments"] == arguments
+
+
 def test_a_forced_name_admits_only_that_function():
     other = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
     compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
