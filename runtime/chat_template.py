@@ -119,7 +119,10 @@ class ChatTemplate:
             picked.append(text)
             return f"@{nonce}:{len(picked) - 1}@"
 
-        with_sentinels = _map_strings(messages, to_sentinel)
+        try:
+            with_sentinels = _map_strings(messages, to_sentinel)
+        except RecursionError:  # parsed tool-call arguments nesting ~500 deep: 2 frames a level
+            raise RequestError("the messages nest too deeply to render", param="messages") from None
         if not picked:
             return prompt, []
         skeleton = self.render(with_sentinels, add_generation_prompt, variables, tools)

@@ -4,8 +4,10 @@ implies; the chat a template sees; and the grammar that forces a call."""
 import json
 import random
 import shutil
+import sys
 from pathlib import Path
 
+from runtime.errors import RequestError
 from runtime.grammar import GrammarCompiler
 from runtime.tokenizer import Tokenizer
 from runtime.tool_prompts import (
@@ -352,6 +354,20 @@ def test_call_arguments_python_cannot_read_reach_the_template_as_sent(arguments)
     message = {"role": "assistant", "content": "", "tool_calls": [call]}
     (kept,) = chat_for_template([message], [], "hermes", knows_tools=True)
     assert kept["tool_calls"][0]["function"]["arguments"] == arguments
+
+
+def test_call_arguments_nested_too_deeply_to_render_are_a_request_error():
+    """Half the recursion limit: json.dumps writes it, a Python walk of it overflows."""
+    depth = sys.getrecursionlimit() // 2
+    arguments = "[" * depth + "]" * depth
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    chat = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+    ]
+    with pytest.raises(RequestError, match="nest too deeply") as info:
+        with_template(HERMES).encode_chat(chat_for_template(chat, [], "hermes", knows_tools=True))
+    assert info.value.param == "messages"
 
 
 def test_a_forced_name_admits_only_that_function():
