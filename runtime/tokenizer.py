@@ -141,7 +141,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         _check_unicode(text)
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = _encode_without_gil(self._backend, text, add_special_tokens).ids
         return [*self._bos_to_prepend, *ids] if add_special_tokens else ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -221,7 +221,7 @@ class Tokenizer:
             messages, add_generation_prompt, template_kwargs, self._spells_special_token, tools
         )
         _check_unicode(prompt)
-        encoding = self._backend.encode(prompt, add_special_tokens=False)
+        encoding = _encode_without_gil(self._backend, prompt, add_special_tokens=False)
         if not spans:
             return encoding.ids  # no message spells a special token: the encoding as is
         # One encode of the whole prompt, then each special token spelled inside a message
@@ -431,6 +431,18 @@ def _plain_text_ids(
     finally:
         backend.encode_special_tokens = was_encoding_special
     return {token_id: e.ids for token_id, e in zip(spellings, encodings, strict=True)}
+
+
+def _encode_without_gil(
+    backend: tokenizers.Tokenizer, text: str, add_special_tokens: bool
+) -> tokenizers.Encoding:
+    """`backend.encode(text)`, with the GIL released while it runs.
+
+    `encode` holds the GIL for the whole call: a prompt of a few MB (~5 s to encode on
+    a 2-core box) froze the event loop on the other thread, and with it every stream
+    and request. `encode_batch` does the same work with the GIL released."""
+    (encoding,) = backend.encode_batch([text], add_special_tokens=add_special_tokens)
+    return encoding
 
 
 def _check_unicode(text: str) -> None:

@@ -462,6 +462,28 @@ def test_a_chat_without_special_spellings_encodes_as_its_whole_prompt(ours, kind
     assert tok.encode_chat(messages) == tok.encode(prompt, add_special_tokens=False)
 
 
+class GilHoldingEncodeRefused:
+    """A `tokenizers` backend whose `encode`, which holds the GIL for the whole call, fails."""
+
+    def __init__(self, backend: RustTokenizer):
+        self._backend = backend
+
+    def __getattr__(self, name: str):
+        assert name != "encode", "a prompt was encoded with the GIL held"
+        return getattr(self._backend, name)
+
+
+@pytest.mark.parametrize("kind", CHAT_KINDS)
+def test_prompts_are_encoded_with_the_gil_released(checkpoint_dirs, kind):
+    """A prompt of a few MB takes seconds to encode (~5 s for 4 MB on 2 cores): with
+    the GIL held, the server's event loop, and every stream with it, froze meanwhile."""
+    tok = Tokenizer.from_dir(checkpoint_dirs[kind])
+    chats = [CONVERSATIONS["multi_turn"], CONVERSATIONS["special_text_in_content"]]
+    expected = [tok.encode(text) for text in TEXTS], [tok.encode_chat(chat) for chat in chats]
+    tok._backend = GilHoldingEncodeRefused(tok._backend)
+    assert ([tok.encode(text) for text in TEXTS], [tok.encode_chat(c) for c in chats]) == expected
+
+
 def with_template(checkpoint_dirs, tmp_path, template: str) -> Tokenizer:
     path = tmp_path / "templated"
     shutil.copytree(checkpoint_dirs["byte_level"], path)
