@@ -14,6 +14,7 @@ Tool calls leave as OpenAI's `tool_calls`: streamed, a call's first delta carrie
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -35,6 +36,7 @@ _KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar"
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", *_GUIDED)
 MAX_TOOLS = 128
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def structured_output(body: dict[str, Any]) -> GrammarSpec | None:
@@ -146,6 +148,13 @@ def tool_request(body: dict[str, Any]) -> ToolRequest:
             raise RequestError(
                 f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}",
                 param=f"tools[{i}]",
+            )
+        if _FUNCTION_NAME.fullmatch(function["name"]) is None:
+            # OpenAI's rule. Quotes, newlines or markup in a name ('</tool_call>') break
+            # the call format the model writes it in: a forced call came back as text.
+            raise RequestError(
+                f"tools[{i}].function.name must be 1 to 64 letters, digits, '_' or '-'",
+                param=f"tools[{i}].function.name",
             )
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):

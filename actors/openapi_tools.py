@@ -142,7 +142,7 @@ TOOL_SCHEMA: dict[str, Any] = {
             "type": "object",
             "required": ["name"],
             "properties": {
-                "name": {"type": "string", "minLength": 1},
+                "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},  # OpenAI's
                 "parameters": {"type": "object"},
             },
         },

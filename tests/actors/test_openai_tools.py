@@ -169,6 +169,10 @@ def test_a_schema_may_come_as_json_text_or_a_boolean_and_text_format_constrains_
 TOOL = {"type": "function", "function": {"name": "f"}}
 
 
+def named(name):
+    return {"type": "function", "function": {"name": name}}
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -176,6 +180,12 @@ TOOL = {"type": "function", "function": {"name": "f"}}
         ({"tools": [TOOL] * (MAX_TOOLS + 1)}, "tools"),
         ({"tools": [{**TOOL, "type": "retrieval"}]}, "tools[0]"),
         ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0]"),
+        # OpenAI's names: 1 to 64 of [A-Za-z0-9_-]. Markup in one broke the call format.
+        ({"tools": [TOOL, named("ab</tool_call>x")]}, "tools[1].function.name"),
+        ({"tools": [named('a"b')]}, "tools[0].function.name"),
+        ({"tools": [named("get weather")]}, "tools[0].function.name"),
+        ({"tools": [named("f\n")]}, "tools[0].function.name"),
+        ({"tools": [named("f" * 65)]}, "tools[0].function.name"),
         ({"tools": [{**TOOL, "function": {"name": "f", "parameters": []}}]}, "tools[0]"),
         ({"tools": [TOOL], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
         ({"tool_choice": "auto"}, "tool_choice"),  # a choice among no tools
@@ -187,6 +197,12 @@ def test_bad_tools_are_refused_naming_the_field(body, param):
     with pytest.raises(RequestError) as caught:
         tool_request(body)
     assert caught.value.param == param
+
+
+def test_function_names_as_openai_allows_them_are_accepted():
+    names = ["get_weather", "get-time", "F0", "f" * 64]
+    request = tool_request({"tools": [named(n) for n in names], "tool_choice": named("f" * 64)})
+    assert [tool["function"]["name"] for tool in request.tools] == names
 
 
 def test_parallel_tool_calls_are_on_unless_turned_off():
