@@ -203,8 +203,10 @@ def _api_keys(args: argparse.Namespace) -> list[str]:
         if not in_file:  # an empty file must not quietly mean "no authentication"
             raise CadenceError(f"--api-key-file {args.api_key_file} holds no keys")
         keys += in_file
-    if any(not key or any(c.isspace() for c in key) for key in keys):
-        raise CadenceError("API keys must be non-empty and contain no whitespace")
+    # Printable ASCII: clients send no other header bytes (the OpenAI SDKs refuse to, and
+    # what curl sends never matched), so a key like 'clé' locked every client out.
+    if any(not key or not key.isascii() or not key.isprintable() or " " in key for key in keys):
+        raise CadenceError("API keys must be non-empty printable ASCII with no whitespace")
     return keys
 
 

@@ -270,7 +270,7 @@ def test_api_keys_come_from_flags_the_environment_and_the_file(tmp_path, monkeyp
     monkeypatch.setenv("CADENCE_API_KEY", "from-env")
     args = cli._parser().parse_args(["serve", "--api-key", "flag", "--api-key-file", str(keys)])
     assert cli._api_keys(args) == ["flag", "from-env", "from-file"]
-    for bad in ("", "a b"):
+    for bad in ("", "a b", "a\tb", "clé", "a\x01b"):
         with pytest.raises(CadenceError, match="no whitespace"):
             cli._api_keys(cli._parser().parse_args(["serve", "--api-key", bad]))
 
