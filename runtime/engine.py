@@ -45,7 +45,7 @@ from collections import deque
 
 from runtime.checkpoint import LoadedModel
 from runtime.errors import CadenceError
-from runtime.finishing import finish_step
+from runtime.finishing import finish_step, first_cause
 from runtime.grammar import GrammarState, token_masks
 from runtime.kv.base import RowSpan
 from runtime.kv.budget import DEFAULT_BLOCK_SIZE, check_block_size, pool_blocks
@@ -338,8 +338,10 @@ class Engine:
                 eos_ids=row.eos_ids,
                 repetition_window=row.params.repetition_window,
             )
-            if row.finished is None and row.grammar is not None and row.grammar.is_done:
-                row.finished = FinishCause.EOS  # complete: nothing but EOS could follow
+            if row.grammar is not None and row.grammar.is_done:
+                # Complete: nothing but EOS could follow. It outranks LENGTH, as a sampled
+                # EOS does: a whole answer on its max_tokens-th token was not cut short.
+                row.finished = first_cause(row.finished, FinishCause.EOS)
             num_top = row.params.sampling.logprobs
             asked = None if num_top is None else TokenLogprob(logprob[0], logprob[1][:num_top])
             outcomes.append(StepOutcome(seq_id, token, row.finished, logprob=asked))

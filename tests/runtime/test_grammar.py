@@ -101,6 +101,19 @@ def test_max_tokens_cuts_a_json_short_as_length(engine, compiler, model):
     assert text.startswith("{") and text.endswith("}") is False
 
 
+def test_a_grammar_completed_by_the_last_allowed_token_finishes_as_eos_not_length(
+    engine, compiler, model
+):
+    """A choice completed by its max_tokens-th token is whole: reported as LENGTH
+    (`finish_reason: length`), a client would take it for an answer cut short."""
+    grammar = compiler.compile(GrammarSpec("choice", json.dumps(["a"]), "guided_choice"))
+    got = run(
+        engine, {"c": SequenceParams((11, 305), max_tokens=1, request_id="c", grammar=grammar)}
+    )
+    assert model.tokenizer.decode(got["c"].tokens) == "a"
+    assert got["c"].finish is FinishCause.EOS
+
+
 @pytest.mark.parametrize(
     ("kind", "source", "check"),
     [
