@@ -53,12 +53,12 @@ def tool_call_grammar(
             "type": "object",
             "properties": {
                 "name": {"const": f["name"]},
-                key: f.get("parameters") or _ANY_OBJECT,
+                key: _own_resource(f.get("parameters") or _ANY_OBJECT, i),
             },
             "required": ["name", key],
             "additionalProperties": False,
         }
-        for f in functions
+        for i, f in enumerate(functions)
     ]
     schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
     call = f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
@@ -69,6 +69,14 @@ def tool_call_grammar(
     else:
         lark = f"start: {call}"
     return GrammarSpec("lark", lark, "tool_choice")
+
+
+def _own_resource(parameters: dict[str, Any], index: int) -> dict[str, Any]:
+    """A tool's parameters as a schema resource of their own (an `$id`), so that their
+    "#..." refs resolve against them: inside the call schema that wraps them, "#" was
+    the call, and "#/$defs/Item" (as Pydantic writes nested models) pointed at nothing.
+    An `$id` the parameters already have is theirs to keep."""
+    return {"$id": f"urn:cadence:tool:{index}", **parameters}
 
 
 def chat_for_template(

@@ -383,3 +383,44 @@ def test_a_forced_name_admits_only_that_function():
     call = '{"name": "get_weather", "parameters": {"city": "Rome"}}'
     assert all(state.advance(t) is None for t in DEMO.encode(call, add_special_tokens=False))
     assert state.is_done
+
+
+ORDER = {
+    "type": "object",
+    "properties": {
+        "items": {"type": "array", "items": {"$ref": "#/$defs/Item"}},
+        "then": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+    },
+    "required": ["items", "then"],
+    "additionalProperties": False,
+    "$defs": {
+        "Item": {
+            "type": "object",
+            "properties": {"sku": {"type": "string"}},
+            "required": ["sku"],
+            "additionalProperties": False,
+        }
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "order",
+    [ORDER, {"$id": "https://example.com/order.json", **ORDER}],
+    ids=["pydantic", "own_id"],
+)
+def test_a_forced_call_follows_parameters_that_refer_to_their_own_defs(order):
+    """Pydantic writes nested models as "#/$defs/..." refs and recursion as "#"; both
+    mean the parameters schema, not the call object the grammar wraps it in."""
+    tools = [*TOOLS, {"type": "function", "function": {"name": "order", "parameters": order}}]
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    grammar = compiler.compile(tool_call_grammar("hermes", tools, None))
+
+    def admits(arguments):
+        text = f'<tool_call>\n{{"name": "order", "arguments": {arguments}}}\n</tool_call>'
+        state = grammar.start()
+        return all(state.advance(t) is None for t in DEMO.encode(text, add_special_tokens=False))
+
+    assert admits('{"items": [{"sku": "a"}], "then": {"items": [], "then": null}}')
+    assert not admits('{"items": [{"name": "a"}], "then": null}')
+    assert not admits('{"items": [], "then": {"sku": "a"}}')
