@@ -60,8 +60,13 @@ class GrammarSpec:
         """llguidance's grammar text; raises RequestError when `source` is not of `kind`."""
         match self.kind:
             case "json_schema":
+                # A boolean schema: llguidance applies its options to objects only. `true`
+                # admits any JSON, as `{}` does; `false` admits nothing.
+                boolean = str(self.source).strip()  # str(): an embedder may pass anything
+                if boolean == "false":
+                    raise ValueError("the schema `false` admits no value")
                 return llguidance.LLMatcher.grammar_from_json_schema(
-                    self.source,
+                    "{}" if boolean == "true" else self.source,
                     overrides=JSON_OPTIONS,  # type: ignore[arg-type]
                 )
             case "json_object":

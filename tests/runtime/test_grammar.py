@@ -166,6 +166,19 @@ def test_a_bad_grammar_is_refused_naming_its_field(compiler, spec, named):
     assert raised.value.param == named and named in str(raised.value)
 
 
+def test_the_boolean_schemas_admit_any_json_and_nothing(compiler, model):
+    """`true` is the schema `{}`, as JSON Schema defines it; `false` a 400 that says why."""
+    grammar = compiler.compile(GrammarSpec("json_schema", "true", "guided_json"))
+    for text in ('[1, "a"]', "5", '{"k": null}'):
+        state = grammar.start()
+        assert all(state.advance(t) is None for t in model.tokenizer.encode(text, add_special_tokens=False)), text
+    with pytest.raises(RequestError) as raised:
+        compiler.compile(GrammarSpec("json_schema", "false", "guided_json"))
+    assert raised.value.param == "guided_json" and "admits no value" in str(raised.value)
+    with pytest.raises(RequestError):  # an embedder's source that is no text at all
+        compiler.compile(GrammarSpec("json_schema", 5, "grammar"))  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     "schema",
     [
