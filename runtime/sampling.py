@@ -158,14 +158,16 @@ def top_k_mask(logits: mx.array, top_k: mx.array) -> mx.array:
 def top_p_mask(logits: mx.array, top_p: mx.array) -> mx.array:
     """Keep the smallest set of tokens whose probability mass reaches `top_p`. top_p [B]."""
     ascending = mx.sort(logits, axis=-1)
-    mass_at_or_below = mx.cumsum(mx.softmax(ascending, axis=-1), axis=-1)
-    # A token survives when the mass strictly above it is still short of top_p;
-    # the top token always does (the mass above it is 0).
-    keep = (1.0 - mass_at_or_below) < top_p[:, None]
+    # A token survives when the mass strictly above it is still short of top_p; the top
+    # token always does. Summed from the top, that mass is exactly 0 for it: as
+    # 1 - cumsum from the bottom it was float32's error in the vocabulary's total
+    # (6e-8 to 2e-7 over 2,048 tokens), and a top_p below that kept no token, so all.
+    mass_above = mx.cumsum(mx.softmax(ascending, axis=-1), axis=-1, reverse=True, inclusive=False)
+    keep = mass_above < top_p[:, None]
     first_kept = mx.argmax(keep, axis=-1)[:, None]
     threshold = mx.take_along_axis(ascending, first_kept, axis=-1)
-    # A row at 1.0 keeps everything: in float32, 1 - cumsum is 1.0 for its least likely
-    # tokens (mass under ~6e-8), and it must not lose them because a neighbour set top_p.
+    # A row at 1.0 keeps everything: in float32 the mass above its least likely tokens
+    # (under ~6e-8 each) comes to 1.0, and it must not lose them because a neighbour set top_p.
     is_off = (top_p >= 1.0)[:, None]
     return mx.where((logits < threshold) & ~is_off, -mx.inf, logits)
 

@@ -246,6 +246,15 @@ def test_top_p_reached_exactly_keeps_no_more_tokens():
     assert kept(top_p_mask(logits, mx.array([0.51]))) == [{0, 1, 2}]
 
 
+def test_a_tiny_top_p_keeps_the_top_token_alone_over_a_large_vocabulary():
+    """The mass above the top token is 0, whatever float32 makes of the whole vocabulary's
+    sum (1 - its cumsum came out 6e-8 or 2e-7 over 2,048 tokens, not below 1e-9): the top
+    token must survive, or no token does and the mask kept every one."""
+    logits = mx.array(np.random.default_rng(1).normal(size=(32, 2048)).astype(np.float32) * 3)
+    ours = kept(top_p_mask(logits, mx.array([1e-9] * 32)))
+    assert ours == [{int(i)} for i in np.argmax(np.array(logits), axis=-1)]
+
+
 def test_a_row_without_top_p_or_min_p_keeps_even_its_least_likely_tokens():
     """Far below the top (prob 1e-11 and 1e-37), but not masked: their logprobs are finite."""
     logits = np.array([[5.0, 0.0, -20.0, -80.0]], dtype=np.float32)
