@@ -104,6 +104,8 @@ def _guided(kind: str, value: Any, param: str) -> GrammarSpec:
                 raise RequestError(
                     f"'{param}' is not valid JSON: {error.msg}", param=param
                 ) from None
+            except RecursionError:  # the body's own depth check never saw inside this text
+                raise RequestError(f"'{param}' is nested too deeply", param=param) from None
         if not isinstance(value, dict | bool):
             raise RequestError(f"'{param}' must be a JSON schema", param=param)
         return GrammarSpec("json_schema", json.dumps(value), param)

@@ -147,6 +147,9 @@ def test_each_choice_has_its_own_calls_and_its_last_delta_releases_what_was_held
         ),
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_regex": ""}, "guided_regex"),
+        # JSON text nested past json's depth: a RecursionError was a 500.
+        ({"guided_json": "[" * 100_000 + "]" * 100_000}, "guided_json"),
+        ({"structured_outputs": {"json": "[" * 100_000}}, "structured_outputs.json"),
     ],
 )
 def test_bad_structured_output_is_refused_naming_the_field(body, param):
