@@ -76,11 +76,14 @@ def _check_settings(
     drain_timeout: object,
     kv_budget: object = None,
     cpu_quantize: object = DEFAULT_CPU_QUANTIZE,
+    flags: dict[str, object] | None = None,
+    on_progress: object = None,
 ) -> None:
     """open_llm's settings, as their types and ranges require: a float max_batch was a
     std::bad_cast from mlx, a bad drain_timeout an error only at exit, max_waiting 0 a
     service that refuses every request, a bad kv_budget or cpu_quantize a ValueError
-    once the model had loaded."""
+    once the model had loaded, and a flag was read by its truth (prefix_cache="no"
+    left caching on)."""
     if model is not None and not isinstance(model, str | Path):
         raise CadenceError(f"model must be a path, a Hugging Face repo id or None, got {model!r}")
     check_block_size(block_size)
@@ -90,6 +93,11 @@ def _check_settings(
         )
     if cpu_quantize not in CPU_QUANTIZE_CHOICES:
         raise CadenceError(f"cpu_quantize must be one of {CPU_QUANTIZE_CHOICES}, got {cpu_quantize!r}")
+    for name, value in (flags or {}).items():
+        if not isinstance(value, bool):
+            raise CadenceError(f"{name} must be True or False, got {value!r}")
+    if on_progress is not None and not callable(on_progress):
+        raise CadenceError(f"on_progress must be None or a callable, got {on_progress!r}")
     counts |= {name: value for name, value in optional_counts.items() if value is not None}
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -152,6 +160,13 @@ async def open_llm(
         drain_timeout,
         kv_budget,
         cpu_quantize,
+        {
+            "prefix_cache": prefix_cache,
+            "batch_ladder": batch_ladder,
+            "offline": offline,
+            "keep_dtype": keep_dtype,
+        },
+        on_progress,
     )
     thread = shared_mlx_thread()
     load = functools.partial(

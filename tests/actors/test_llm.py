@@ -294,6 +294,11 @@ async def test_a_lower_priority_value_is_scheduled_first(tiny):
         ({"kv_budget": "8GiB"}, "kv_budget"),  # these two were a ValueError once loaded
         ({"kv_budget": 1.5}, "kv_budget"),
         ({"cpu_quantize": 4}, "cpu_quantize"),
+        ({"prefix_cache": "no"}, "prefix_cache"),  # these were read by their truth
+        ({"batch_ladder": "x"}, "batch_ladder"),
+        ({"offline": 1}, "offline"),
+        ({"keep_dtype": None}, "keep_dtype"),
+        ({"on_progress": "x"}, "on_progress"),  # a TypeError once loading began
     ],
 )
 async def test_a_bad_setting_is_a_cadence_error_naming_it_before_anything_loads(setting, named):
