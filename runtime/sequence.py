@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
@@ -19,9 +20,14 @@ if TYPE_CHECKING:
 def _bias_pairs(
     bias: Mapping[int, float] | Iterable[tuple[int, float]],
 ) -> tuple[tuple[int, float], ...]:
-    """{token: bias} or (token, bias) pairs -> sorted pairs, so equal biases compare equal."""
+    """{token: bias} or (token, bias) pairs -> pairs sorted by token, so equal biases
+    compare equal. Nothing is coerced (int() made a key of 1.5 token 1): admission's
+    `check_sampling` names a key or value that is not one."""
     items = bias.items() if isinstance(bias, Mapping) else bias
-    return tuple(sorted((int(token), float(value)) for token, value in items))
+    pairs = tuple((token, value) for token, value in items)
+    with contextlib.suppress(TypeError):  # keys that do not order are the check's to name
+        pairs = tuple(sorted(pairs))
+    return pairs
 
 
 # Temperatures this small sample the top token anyway; dividing by them does not: in

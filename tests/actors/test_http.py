@@ -552,6 +552,12 @@ ERROR_CASES = {
         "logit_bias",
         None,
     ),
+    "logit_bias naming a token twice": (
+        {"model": "M", "prompt": "x", "logit_bias": {"5": 1, "05": -1}},
+        400,
+        "logit_bias",
+        None,
+    ),
     "logit_bias key ²": (
         {"model": "M", "prompt": "x", "logit_bias": {"²": 1}},
         400,

@@ -364,6 +364,8 @@ async def test_cancelling_start_up_does_not_wait_for_the_kv_pool_to_fill(tiny, m
         ({"prompt": "hi", "stop": 5}, "stop"),
         ({"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
         ({"prompt": "hi", "grammar": "{}"}, "grammar"),
+        ({"prompt": "hi", "logit_bias": {1.5: 1.0}}, "logit_bias"),  # was token 1's
+        ({"prompt": "hi", "logit_bias": [(3, 1.0), (3, -1.0)]}, "logit_bias"),
     ],
 )
 async def test_a_bad_argument_to_generate_is_a_request_error_naming_it(tiny, arguments, named):
