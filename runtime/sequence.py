@@ -172,7 +172,8 @@ def check_sequence(
             limit = f"the KV budget holds {kv_tokens} tokens in all (--kv-budget)"
         raise RequestError(
             f"{limit}; the prompt has {len(prompt)} tokens and max_tokens asks for {asked} more",
-            param="max_tokens" if params.max_tokens else prompt_field,
+            # The prompt's fault when it leaves no room for even one token.
+            param="max_tokens" if params.max_tokens and len(prompt) < max_context else prompt_field,
             code="context_length_exceeded",
         )
     if any(not 0 <= t < vocab_size for t in prompt):

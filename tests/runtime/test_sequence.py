@@ -27,6 +27,9 @@ def test_a_sequence_may_fill_the_context_exactly_and_not_one_token_more():
     assert (error.code, error.param) == ("context_length_exceeded", "max_tokens")
     check(prompt=[1] * 63, max_tokens=None)  # no max_tokens: room for one token will do
     assert refusal(prompt=[1] * 64, max_tokens=None).param == "prompt"
+    # A prompt that leaves no room for one token is the prompt's fault, whatever max_tokens.
+    assert refusal(prompt=[1] * 64, max_tokens=5).param == "prompt"
+    assert refusal(prompt=[1] * 63, max_tokens=5).param == "max_tokens"
 
 
 def test_the_kv_budget_is_named_when_it_is_the_bound():
