@@ -21,6 +21,8 @@ from runtime.tools import TOOL_STYLES
 
 # Arguments stay JSON objects in forced calls, whatever a tool's own schema omits.
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# OpenAI: "omitting parameters defines a function with an empty parameter list".
+_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def tool_style_for(template_source: str, model_type: str) -> str:
@@ -53,7 +55,7 @@ def tool_call_grammar(
             "type": "object",
             "properties": {
                 "name": {"const": f["name"]},
-                key: _own_resource(f.get("parameters") or _ANY_OBJECT, i),
+                key: _own_resource(_parameters(f), i),
             },
             "required": ["name", key],
             "additionalProperties": False,
@@ -69,6 +71,12 @@ def tool_call_grammar(
     else:
         lark = f"start: {call}"
     return GrammarSpec("lark", lark, "tool_choice")
+
+
+def _parameters(function: Mapping[str, Any]) -> dict[str, Any]:
+    if (parameters := function.get("parameters")) is None:
+        return _NO_PARAMETERS
+    return parameters or _ANY_OBJECT
 
 
 def _own_resource(parameters: dict[str, Any], index: int) -> dict[str, Any]:

@@ -385,6 +385,20 @@ def test_a_forced_name_admits_only_that_function():
     assert state.is_done
 
 
+def test_a_forced_call_of_a_function_without_parameters_takes_no_arguments():
+    """OpenAI: omitting parameters defines an empty parameter list (it was any object)."""
+    bare = {"type": "function", "function": {"name": "now"}}
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    grammar = compiler.compile(tool_call_grammar("llama3_json", [bare], "now"))
+
+    def admits(call):
+        state = grammar.start()
+        return all(state.advance(t) is None for t in DEMO.encode(call, add_special_tokens=False))
+
+    assert admits('{"name": "now", "parameters": {}}')
+    assert not admits('{"name": "now", "parameters": {"tz": "UTC"}}')
+
+
 ORDER = {
     "type": "object",
     "properties": {
