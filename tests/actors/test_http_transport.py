@@ -7,6 +7,9 @@ unless origins are named, and then only those origins get the headers.
 """
 
 import contextlib
+import gzip
+import http.client
+import json
 import socket
 import time
 
@@ -288,6 +291,22 @@ def test_origins_match_in_any_case_and_a_star_allows_every_origin():
     star = CorsPolicy(parse_origins(["*"]))
     headers = star.response_headers("https://any.example")
     assert headers["Access-Control-Allow-Origin"] == "https://any.example"
+
+
+@pytest.mark.parametrize("coding", ["gzip", "br, gzip"])
+async def test_a_compressed_body_is_a_415_naming_its_content_encoding(coding):
+    body = gzip.compress(b'{"model": "m", "prompt": "hi"}')
+    async with loading_server() as port:
+
+        def exchange():
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            headers = {"Content-Type": "application/json", "Content-Encoding": coding}
+            connection.request("POST", "/v1/completions", body, headers)
+            response = connection.getresponse()
+            return response.status, json.loads(response.read())
+
+        status, answer = await in_thread(exchange)
+    assert status == 415 and coding in answer["error"]["message"]
 
 
 async def test_an_early_answer_to_a_request_with_an_empty_body_keeps_the_connection():
