@@ -67,6 +67,8 @@ class _JsonCalls:
     name_seen: bool = False  # the current call's name was reported
     arguments_at: int = 0  # where its arguments' text begins in the body
     num_sent: int = 0  # characters of its arguments reported
+    call_end: _ValueEnd | None = None  # where the current call object ends, once it does
+    arguments_end: _ValueEnd | None = None  # ... and its arguments' value
 
     def update(self, body: str, is_final: bool) -> list[Event]:
         events: list[Event] = []
@@ -81,7 +83,9 @@ class _JsonCalls:
                 self.name_seen, self.arguments_at = True, named[1]
             if self.name_seen:
                 events += self._arguments(body, is_final)
-            whole = _json_end(body, start, is_final)
+            if self.call_end is None or self.call_end.start != start:
+                self.call_end = _ValueEnd(start)
+            whole = self.call_end.find(body, is_final)
             if whole is None:  # the call is not complete yet
                 if is_final and not self.name_seen:
                     events.append(Content(body[start:]))  # text that never became a call
@@ -95,6 +99,7 @@ class _JsonCalls:
                 events += whole_events
             self.num_calls += is_call  # indexes count calls only: 0, 1, ... as OpenAI's
             self.position, self.name_seen, self.num_sent = whole, False, 0
+            self.call_end = self.arguments_end = None
 
 
     def _arguments(self, body: str, is_final: bool) -> list[Event]:
@@ -103,7 +108,9 @@ class _JsonCalls:
         once it is complete, as `_whole_call` reports them when the keys come the other
         way round; a string cut off by the end of the reply is sent as it stands."""
         at = self.arguments_at
-        end = _json_end(body, at, is_final)
+        if self.arguments_end is None or self.arguments_end.start != at:
+            self.arguments_end = _ValueEnd(at)
+        end = self.arguments_end.find(body, is_final)
         if body[at] == '"' and end is not None and self.num_sent == 0:
             self.num_sent = end - at
             return [CallArguments(self.num_calls, json.loads(body[at:end]))]
@@ -140,6 +147,65 @@ def _json_end(text: str, start: int, is_final: bool) -> int | None:
     return end if is_closed or is_final else None
 
 
+_IN_STRING = re.compile(r'["\\]')
+_STRUCTURE = re.compile(r'["{}\[\]]')
+
+
+@attrs.define
+class _ValueEnd:
+    """Where the JSON value at `start` of a growing text ends, or None while it is
+    incomplete: `_json_end`, with each character of an object, array or string scanned
+    once. Decoding the whole value again at every token made a call's arguments cost
+    O(n^2): a 16,000-token call took ~7 s of the event loop. What the scan finds closed
+    is decoded once, so invalid JSON is still never complete."""
+
+    start: int
+    at: int = attrs.field(init=False)  # the next character to scan
+    depth: int = 0
+    in_string: bool = False
+    closed_at: int | None = None  # just past the last character, by the scan
+    decoded_end: int | None = None  # ... confirmed by the decoder
+
+    def __attrs_post_init__(self) -> None:
+        self.at = self.start
+
+    def find(self, text: str, is_final: bool) -> int | None:
+        if text[self.start] not in '{["':  # a number or a literal: short, decoded whole
+            return _json_end(text, self.start, is_final)
+        # The text only grows, but for a closing marker cut off its end once found: the
+        # characters cut (`</tool_call>`'s) cannot close a value, so the scan's answer holds.
+        if self.closed_at is None:
+            self._scan(text)
+            if self.closed_at is not None:
+                self.decoded_end = _json_end(text, self.start, is_final)
+        return self.decoded_end
+
+    def _scan(self, text: str) -> None:
+        at = self.at
+        while self.closed_at is None:
+            if self.in_string:
+                found = _IN_STRING.search(text, at)
+                if found is None or (found.group() == "\\" and found.end() == len(text)):
+                    at = len(text) if found is None else found.start()  # wait for more
+                    break
+                at = found.end() + (found.group() == "\\")  # an escape: skip what it escapes
+                if found.group() == '"':
+                    self.in_string = False
+                    self.closed_at = at if self.depth == 0 else None
+                continue
+            found = _STRUCTURE.search(text, at)
+            if found is None:
+                at = len(text)
+                break
+            at, char = found.end(), found.group()
+            if char == '"':
+                self.in_string = True
+            else:
+                self.depth += 1 if char in "{[" else -1
+                self.closed_at = at if self.depth <= 0 else None
+        self.at = at
+
+
 def _whole_call(index: int, call: object, raw: str = "") -> list[Event]:
     """A parsed call's events; JSON that is not a call stays the text it was (`raw`)."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
@@ -160,6 +226,7 @@ class _Delimited:
     in_call: bool = False
     calls: _JsonCalls = attrs.Factory(_JsonCalls)
     num_calls: int = 0
+    closing_searched: int = 0  # pending holds no closing marker before this
 
     def feed(self, text: str) -> list[Event]:
         self.pending += text
@@ -174,8 +241,10 @@ class _Delimited:
                     return events
                 events += _content(self.pending[:at])
                 self.pending, self.in_call = self.pending[at + len(self.opening) :], True
-                self.calls = _JsonCalls(num_calls=self.num_calls)
-            at = self.pending.find(self.closing)
+                self.calls, self.closing_searched = _JsonCalls(num_calls=self.num_calls), 0
+            # Searched from where the last search left off: a long call is not rescanned.
+            at = self.pending.find(self.closing, self.closing_searched)
+            self.closing_searched = max(0, len(self.pending) - len(self.closing) + 1)
             body = self.pending if at < 0 else self.pending[:at]
             if self.streams_arguments or at >= 0:
                 events += self._body_events(body, is_final=at >= 0, closing=self.closing)
@@ -217,6 +286,8 @@ class _WholeReply:
     pending: str = ""
     mode: str = "undecided"  # "calls" or "text" once the first visible characters tell
     calls: _JsonCalls = attrs.Factory(_JsonCalls)
+    is_tag_blanked: bool = False
+    tag_searched: int = 0  # pending holds no whole tag before this
 
     def feed(self, text: str) -> list[Event]:
         self.pending += text
@@ -238,8 +309,16 @@ class _WholeReply:
         return self.calls.update(self._body(), is_final=True)
 
     def _body(self) -> str:
+        """The text, its first `<|python_tag|>` blanked (same length: positions hold);
+        blanked in place once, not copied at every token."""
         tag = "<|python_tag|>"
-        return self.pending.replace(tag, " " * len(tag), 1)  # same length: positions hold
+        if not self.is_tag_blanked:
+            at = self.pending.find(tag, self.tag_searched)
+            if at >= 0:
+                blanked = self.pending[:at] + " " * len(tag) + self.pending[at + len(tag) :]
+                self.pending, self.is_tag_blanked = blanked, True
+            self.tag_searched = max(0, len(self.pending) - len(tag) + 1)
+        return self.pending
 
 
 def python_calls(body: str) -> list[dict[str, object]] | None:

@@ -7,6 +7,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from runtime import tools
 from runtime.errors import RequestError
 from runtime.grammar import GrammarCompiler
 from runtime.tokenizer import Tokenizer
@@ -150,6 +151,12 @@ CASES = [
     ("gemma", "```tool_code\n[]\n```", ("```tool_code\n[]\n```", [])),  # no call: text
     # Blanks before the first character do not decide the reply is text...
     ("llama3_json", '\n {"name": "f", "parameters": {}}', ("", [("f", "{}")])),
+    # A second call after its own tag (the first tag anywhere is markup, not text).
+    (
+        "llama3_json",
+        '{"name": "f", "parameters": {}}; <|python_tag|>{"name": "g", "parameters": {"a": 1}}',
+        ("", [("f", "{}"), ("g", '{"a": 1}')]),
+    ),
     # ...and a reply of blanks alone is its text.
     ("llama3_json", " \n\n", (" \n\n", [])),
 ]
@@ -162,6 +169,50 @@ def test_every_split_of_the_text_gives_the_same_calls(style, text, expected):
     for _ in range(200):  # multi-token deltas from lookahead split anywhere
         cuts = rng.sample(range(1, len(text)), k=rng.randint(1, min(12, len(text) - 1)))
         assert parse(style, text, cuts) == expected, cuts
+
+
+def random_json(rng, depth=0):
+    kind = rng.choice(["str", "num", "lit", "list", "dict"] if depth < 4 else ["str", "num"])
+    if kind == "str":
+        characters = 'ab "{}[]\\/\n\u00e9\U0001f600,:'  # quotes, brackets, escapes, wide
+        return "".join(rng.choice(characters) for _ in range(rng.randint(0, 12)))
+    if kind == "num":
+        return rng.choice([0, -3, 12.5, 10**20, 1e-7])
+    if kind == "lit":
+        return rng.choice([True, False, None])
+    if kind == "list":
+        return [random_json(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {random_json(rng, 9): random_json(rng, depth + 1) for _ in range(rng.randint(0, 3))}
+
+
+@pytest.mark.parametrize("style", ["hermes", "llama3_json"])
+def test_scanning_each_character_once_finds_the_ends_decoding_everything_again_finds(
+    style, monkeypatch
+):
+    """The incremental scan (each token's text scanned once: decoding the whole call at
+    every token was O(n^2), seconds for a long one) gives what decoding gives, for calls
+    whole, cut short, and broken, fed in any split."""
+    rng = random.Random(7)
+    texts = []
+    for _ in range(150):
+        call = {"name": "f", "arguments" if style == "hermes" else "parameters": random_json(rng)}
+        body = json.dumps(call, ensure_ascii=rng.random() < 0.5)
+        if rng.random() < 0.3:  # broken: a character dropped
+            at = rng.randrange(len(body))
+            body = body[:at] + body[at + 1 :]
+        text = f"<tool_call>\n{body}\n</tool_call>" if style == "hermes" else body
+        texts.append(text[: rng.randint(1, len(text))] if rng.random() < 0.3 else text)
+    scanned = []
+    for text in texts:
+        cuts = rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(0, 40)))
+        scanned.append((text, cuts, parse(style, text, cuts)))
+
+    def decoded(value_end, text, is_final):
+        return tools._json_end(text, value_end.start, is_final)
+
+    monkeypatch.setattr(tools._ValueEnd, "find", decoded)
+    for text, cuts, got in scanned:
+        assert parse(style, text, cuts) == got, text
 
 
 def test_hermes_streams_the_name_then_argument_fragments():
