@@ -206,9 +206,49 @@ class Metadata:
         return self.require(key, str)  # type: ignore[no-any-return]
 
 
+class _BoundedReader(gguf.GGUFReader):
+    """The gguf package's reader, refusing any read past the end of the file.
+
+    Its own reader clamps such a read to the bytes left and carries on with what it got,
+    so an array declaring more elements than the file holds was iterated to its declared
+    count, reading nothing and appending empty parts: a 40-byte file declaring 2**62
+    uint8s never finished, its memory growing.
+    """
+
+    # The fewest bytes one array element of each type takes: a string's length, an
+    # array's item type and count.
+    _MIN_ITEM_BYTES = {gguf.GGUFValueType.STRING: 8, gguf.GGUFValueType.ARRAY: 12}
+
+    def _get(
+        self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
+    ) -> np.ndarray:
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise ValueError(
+                f"a value at byte {int(offset)} runs past the end of the file "
+                f"({len(self.data)} bytes)"
+            )
+        return super()._get(offset, dtype, count, override_order)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+        if raw_type == gguf.GGUFValueType.ARRAY:
+            item_type = gguf.GGUFValueType(int(self._get(orig_offs, np.uint32)[0]))
+            count = int(self._get(orig_offs + 4, np.uint64)[0])
+            scalar = self.gguf_scalar_to_np.get(item_type)
+            item_bytes = self._MIN_ITEM_BYTES.get(item_type, 1)
+            if scalar is not None:
+                item_bytes = np.dtype(scalar).itemsize
+            if count * item_bytes > len(self.data) - (orig_offs + 12):
+                raise ValueError(
+                    f"an array at byte {orig_offs} declares {count} elements, more than "
+                    "the rest of the file holds"
+                )
+        return super()._get_field_parts(orig_offs, raw_type)
+
+
 def _open(path: Path) -> gguf.GGUFReader:
     try:
-        return gguf.GGUFReader(path)
+        return _BoundedReader(path)
     except Exception as exc:  # the reader raises ValueError, KeyError, IndexError, ...
         reason = " ".join(str(exc).split()) or type(exc).__name__
         if "GGML" in reason or "is not a valid" in reason:

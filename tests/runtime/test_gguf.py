@@ -4,6 +4,7 @@ they encode, loaded from safetensors."""
 
 import json
 import shutil
+import struct
 from types import SimpleNamespace
 
 import runtime  # noqa: F401  (the fast BLAS loads before mlx)
@@ -296,6 +297,33 @@ def test_a_file_that_is_not_gguf_and_a_missing_one(tmp_path):
     assert "not a checkpoint directory or a GGUF file" in one_line_error(tmp_path / "fake.gguf")
     with pytest.raises(CheckpointError, match="no such file"):
         load_model(tmp_path / "missing.gguf")
+
+
+def headed_gguf(path, metadata_bytes, num_kv=1):
+    """A GGUF file of no tensors whose metadata section is `metadata_bytes`, as written."""
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, num_kv) + metadata_bytes)
+    return path
+
+
+def gguf_string(text):
+    return struct.pack("<Q", len(text)) + text.encode()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        struct.pack("<IIQ", 9, 0, 10**6) + bytes(64),  # an array of 10**6 uint8
+        struct.pack("<IIQ", 9, 9, 10**6) + bytes(64),  # an array of 10**6 arrays
+        struct.pack("<IQ", 8, 2**40) + b"abc",  # a string of 2**40 bytes
+    ],
+    ids=["uint8 array", "nested array", "string"],
+)
+def test_a_value_longer_than_the_rest_of_the_file_is_refused_before_it_is_read(tmp_path, value):
+    """The gguf package's reader clamps a read at the end of the file and goes on: an
+    array's declared count was iterated element by element (2**62 never finished)."""
+    path = headed_gguf(tmp_path / "long.gguf", gguf_string("general.architecture") + value)
+    message = one_line_error(path)
+    assert "truncated" in message and ("past the end" in message or "rest of the file" in message)
 
 
 V = gguf.GGUFValueType
