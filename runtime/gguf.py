@@ -102,6 +102,7 @@ def is_gguf_file(path: Path) -> bool:
 def read_gguf(path: Path, progress: Callable[[str], None] = lambda message: None) -> GGUFCheckpoint:
     """Read and check a GGUF file; every failure is a one-line `CheckpointError` naming it."""
     reader = _open(path)
+    _check_tensor_layout(reader, path)
     metadata = Metadata(reader, str(path))
     if (num_splits := metadata.get("split.count", 1)) != 1:
         raise CheckpointError(
@@ -248,12 +249,38 @@ class _BoundedReader(gguf.GGUFReader):
 
 def _open(path: Path) -> gguf.GGUFReader:
     try:
-        return _BoundedReader(path)
+        # A tensor offset that wraps round is refused by _check_tensor_layout, not
+        # warned about by numpy as the reader adds it up.
+        with np.errstate(over="ignore"):
+            return _BoundedReader(path)
     except Exception as exc:  # the reader raises ValueError, KeyError, IndexError, ...
         reason = " ".join(str(exc).split()) or type(exc).__name__
         if "GGML" in reason or "is not a valid" in reason:
             raise CheckpointError(f"{path}: unsupported GGUF tensor type ({reason})") from None
         raise CheckpointError(f"{path}: unreadable or truncated GGUF ({reason})") from None
+
+
+def _check_tensor_layout(reader: gguf.GGUFReader, path: Path) -> None:
+    """Each tensor's data where llama.cpp's loader requires it: in the order of the
+    tensor infos, each at the next multiple of the alignment after the one before, and
+    within the file. The gguf package's reader takes any offset, so tensors sharing
+    bytes, a misaligned one, or one whose uint64 offset wrapped round to point into the
+    metadata loaded as weights no one wrote."""
+    expected = 0  # from the start of the data section
+    for tensor in reader.tensors:
+        offset = int(tensor.field.parts[-1][0])
+        if offset != expected:
+            raise CheckpointError(
+                f"{path}: tensor '{tensor.name}' has its data at offset {offset}, expected "
+                f"{expected} (tensors overlapping, misaligned or out of order)"
+            )
+        block_size, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+        num_bytes = math.prod(int(n) for n in tensor.shape) // block_size * block_bytes
+        if reader.data_offset + offset + num_bytes > len(reader.data):
+            raise CheckpointError(
+                f"{path}: truncated GGUF: tensor '{tensor.name}' runs past the end of the file"
+            )
+        expected = offset + -(-num_bytes // reader.alignment) * reader.alignment
 
 
 def _hf_config(

@@ -326,6 +326,31 @@ def test_a_value_longer_than_the_rest_of_the_file_is_refused_before_it_is_read(t
     assert "truncated" in message and ("past the end" in message or "rest of the file" in message)
 
 
+@pytest.mark.parametrize(
+    "moved_to",
+    [
+        lambda tensors, reader: tensors["blk.0.attn_k.weight"],  # the same bytes as attn_k
+        lambda tensors, reader: tensors["blk.0.attn_v.weight"] + 2,  # misaligned
+        lambda tensors, reader: 2**64 - reader.data_offset + 64,  # wraps into the metadata
+    ],
+    ids=["overlapping", "misaligned", "wrapped round"],
+)
+def test_tensor_data_where_llama_cpp_would_refuse_it_is_named(convert, tmp_path, moved_to):
+    """llama.cpp requires each tensor's data right after the one before it; the gguf
+    package's reader takes any offset, and such files loaded as garbage weights."""
+    path, _ = convert("qwen2", GGMLType.F32)
+    damaged = tmp_path / "moved.gguf"
+    shutil.copy(path, damaged)
+    reader = gguf.GGUFReader(damaged, "r+")
+    offsets = {tensor.name: tensor.field.parts[-1] for tensor in reader.tensors}
+    new_offset = moved_to({name: int(offset[0]) for name, offset in offsets.items()}, reader)
+    offsets["blk.0.attn_v.weight"][0] = new_offset
+    reader.data.flush()
+    del reader
+    message = one_line_error(damaged)
+    assert f"tensor 'blk.0.attn_v.weight' has its data at offset {new_offset}" in message
+
+
 V = gguf.GGUFValueType
 
 
