@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import CheckpointError
+from runtime.files import shortened
 from runtime.gguf_tensors import NATIVE_BITS, decode_tensor, quantization_config, to_mlx
 from runtime.gguf_tokenizer import tokenizer_from_gguf
 from runtime.tokenizer import Tokenizer
@@ -191,7 +192,8 @@ class Metadata:
             value = float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise CheckpointError(
-                f"{self.source}: GGUF metadata '{key}' should be {kind.__name__}, got {value!r}"
+                f"{self.source}: GGUF metadata '{key}' should be {kind.__name__}, "
+                f"got {shortened(repr(value))}"
             )
         if kind in (int, float) and isinstance(value, (int, float)) and value <= 0:
             raise CheckpointError(
@@ -202,6 +204,20 @@ class Metadata:
     def optional(self, key: str, kind: type, default: Any = None) -> Any:
         """`require(key, kind)` when the file has `key`, else `default`."""
         return self.require(key, kind) if key in self else default
+
+    def array(self, key: str, item_kind: type, *, required: bool = True) -> Any:
+        """`require(key, list)` (or `optional`), every item of type `item_kind` (a float
+        may be stored as an int): merges stored as numbers failed deep in the tokenizer's
+        construction, with an AttributeError."""
+        items = self.require(key, list) if required else self.optional(key, list)
+        kinds = (int, float) if item_kind is float else item_kind
+        if items is not None and not all(
+            isinstance(item, kinds) and not isinstance(item, bool) for item in items
+        ):
+            raise CheckpointError(
+                f"{self.source}: GGUF metadata '{key}' should be an array of {item_kind.__name__}"
+            )
+        return items
 
     def string(self, key: str) -> str:
         return self.require(key, str)  # type: ignore[no-any-return]
@@ -306,7 +322,7 @@ def _hf_config(
         "num_key_value_heads": metadata.get(key("attention.head_count_kv"), heads),
         "head_dim": metadata.get(key("attention.key_length"), hidden // heads),
         "rms_norm_eps": float(metadata.require(key("attention.layer_norm_rms_epsilon"), float)),
-        "rope_theta": float(metadata.get(key("rope.freq_base"), 10000.0)),
+        "rope_theta": metadata.optional(key("rope.freq_base"), float, 10000.0),
         "max_position_embeddings": metadata.get(key("context_length"), 4096),
         "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -365,7 +381,7 @@ def _llama3_scaling(
     Meta's published values (the file keeps only the context length), checked here by
     recomputing every factor."""
     factors = [float(x) for x in tensor.data.reshape(-1)]
-    old_context = metadata.get(key("rope.scaling.original_context_length"), 8192)
+    old_context = metadata.optional(key("rope.scaling.original_context_length"), int, 8192)
     scaling = {
         "rope_type": "llama3",
         "factor": max(factors),
@@ -414,7 +430,7 @@ def _gemma3_fields(
         "hidden_activation": "gelu_pytorch_tanh",
         "sliding_window": metadata.require(key("attention.sliding_window"), int),
         "sliding_window_pattern": 6,
-        "rope_local_base_freq": float(metadata.get(key("rope.freq_base_swa"), 10000.0)),
+        "rope_local_base_freq": metadata.optional(key("rope.freq_base_swa"), float, 10000.0),
         "query_pre_attn_scalar": (
             config["hidden_size"] // config["num_attention_heads"] if is_27b else config["head_dim"]
         ),

@@ -66,8 +66,9 @@ def tokenizer_from_gguf(metadata: Metadata, architecture: str) -> Tokenizer:
     """The tokenizer and chat template the file describes; `CheckpointError` if it cannot."""
     source = metadata.source
     kind = metadata.string("tokenizer.ggml.model")
-    tokens = metadata.require("tokenizer.ggml.tokens", list)
-    token_types = metadata.optional("tokenizer.ggml.token_type", list) or [_NORMAL] * len(tokens)
+    tokens = metadata.array("tokenizer.ggml.tokens", str)
+    token_types = metadata.array("tokenizer.ggml.token_type", int, required=False)
+    token_types = token_types or [_NORMAL] * len(tokens)
     if len(token_types) != len(tokens):
         raise CheckpointError(f"{source}: tokenizer.ggml.token_type does not match the vocabulary")
     if kind == "gpt2":
@@ -97,7 +98,7 @@ def tokenizer_from_gguf(metadata: Metadata, architecture: str) -> Tokenizer:
         if isinstance(token_id, int) and 0 <= token_id < len(tokens):
             special_tokens[name] = tokens[token_id]
     # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
-    add_bos = metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")
+    add_bos = metadata.optional("tokenizer.ggml.add_bos_token", bool, kind == "llama")
     try:
         return Tokenizer(
             backend,
@@ -113,7 +114,7 @@ def tokenizer_from_gguf(metadata: Metadata, architecture: str) -> Tokenizer:
 
 def _byte_level_bpe(metadata: Metadata, tokens: list[str]) -> tokenizers.Tokenizer:
     source = metadata.source
-    pre = metadata.get("tokenizer.ggml.pre", "default")
+    pre = metadata.optional("tokenizer.ggml.pre", str, "default")
     if pre not in _BYTE_LEVEL_PRE:
         supported = ", ".join(sorted(_BYTE_LEVEL_PRE))
         raise CheckpointError(
@@ -148,7 +149,7 @@ def _byte_level_bpe(metadata: Metadata, tokens: list[str]) -> tokenizers.Tokeniz
 def _sentencepiece_bpe(
     metadata: Metadata, tokens: list[str], token_types: list[int], is_gemma: bool
 ) -> tokenizers.Tokenizer:
-    scores = metadata.require("tokenizer.ggml.scores", list)
+    scores = metadata.array("tokenizer.ggml.scores", float)
     if len(scores) != len(tokens):
         raise CheckpointError(
             f"{metadata.source}: tokenizer.ggml.scores does not match the vocabulary"
@@ -173,7 +174,7 @@ def _sentencepiece_bpe(
         merges = _merges_from_scores(vocab, mergeable)
     backend = _bpe(metadata, vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
     steps: list[Any] = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if metadata.get("tokenizer.ggml.add_space_prefix", True):
+    if metadata.optional("tokenizer.ggml.add_space_prefix", bool, True):
         # Llama 2: a word-boundary piece before the text, even one that starts with a
         # space (as SentencePiece and llama.cpp do), dropped again when decoding.
         backend.normalizer = normalizers.Sequence(
@@ -198,7 +199,7 @@ def _bpe(
 
 def _file_merges(metadata: Metadata) -> list[tuple[str, str]]:
     pairs = []
-    for merge in metadata.require("tokenizer.ggml.merges", list):
+    for merge in metadata.array("tokenizer.ggml.merges", str):
         left, space, right = merge.partition(" ")
         if not space:
             raise CheckpointError(

@@ -371,6 +371,19 @@ V = gguf.GGUFValueType
         ),
         ("tokenizer.ggml.merges", (["zzz"], V.ARRAY, V.STRING), "malformed merge 'zzz'"),
         (
+            "tokenizer.ggml.merges",
+            ([1, 2], V.ARRAY, V.INT32),
+            "'tokenizer.ggml.merges' should be an array of str",
+        ),
+        (
+            "tokenizer.ggml.token_type",
+            (["1"] * 2048, V.ARRAY, V.STRING),
+            "'tokenizer.ggml.token_type' should be an array of int",
+        ),
+        ("qwen2.rope.freq_base", ("1e6", V.STRING, V.STRING), "should be float, got '1e6'"),
+        ("tokenizer.ggml.pre", (["qwen2"], V.ARRAY, V.STRING), "should be str, got ['qwen2']"),
+        ("tokenizer.ggml.add_bos_token", ("false", V.STRING, V.STRING), "should be bool"),
+        (
             "tokenizer.ggml.token_type",
             ([1, 1, 1], V.ARRAY, V.INT32),
             "token_type does not match the vocabulary",
@@ -382,6 +395,11 @@ V = gguf.GGUFValueType
         "token types not a list",
         "template not text",
         "malformed merge",
+        "merges of numbers",
+        "token types of text",
+        "rope base as text",
+        "pre-tokenizer as an array",
+        "add_bos as text",
         "token types not one a token",
     ],
 )
