@@ -344,11 +344,14 @@ def _eos_ids(metadata: Metadata) -> list[int]:
     control tokens spelled as a known end of turn (Hugging Face lists them in
     generation_config.json, which a GGUF does not carry)."""
     ids: list[int] = []
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
     for name in ("eos_token_id", "eot_token_id", "eom_token_id"):
         value = metadata.get(f"tokenizer.ggml.{name}")
-        if isinstance(value, int) and value not in ids:
+        # One past the vocabulary is no token (as for the tokenizer's special tokens):
+        # kept, it made llguidance refuse every structured-output request.
+        is_token = isinstance(value, int) and not isinstance(value, bool)
+        if is_token and 0 <= value < len(tokens) and value not in ids:
             ids.append(value)
-    tokens = metadata.get("tokenizer.ggml.tokens") or []
     types = metadata.get("tokenizer.ggml.token_type") or []
     for token_id, (token, token_type) in enumerate(zip(tokens, types, strict=False)):
         is_end_of_turn = token in _END_OF_TURN_TOKENS and token_type == gguf.TokenType.CONTROL

@@ -14,6 +14,7 @@ from runtime.errors import CheckpointError
 from runtime.gguf import read_gguf
 from runtime.gguf_synth import write_gguf
 from runtime.gguf_tensors import convert_tensor, decode_tensor, quantization_config
+from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.kv.blocks import BlockPool
 from runtime.runner import run_offline
 from runtime.scheduler import FcfsScheduler
@@ -555,6 +556,23 @@ def test_a_special_token_id_past_the_vocabulary_is_no_special_token(convert, tmp
     tokenizer = read_gguf(damaged).tokenizer
     assert tokenizer.bos_token_id is None
     assert tokenizer.encode("hi") == read_gguf(path).tokenizer.encode("hi")
+
+
+def test_an_eos_id_past_the_vocabulary_is_no_eos_and_grammars_still_compile(convert, tmp_path):
+    """Kept, an EOS id past the vocabulary made llguidance refuse every grammar."""
+    path, _ = convert("qwen2", GGMLType.F32)
+    past = len(token_types(path))
+    damaged = rewritten(
+        path,
+        tmp_path / "past.gguf",
+        metadata={"tokenizer.ggml.eos_token_id": (past, V.UINT32, V.UINT32)},
+    )
+    loaded = load_model(damaged)
+    assert past not in loaded.config.eos_token_ids
+    compiler = GrammarCompiler(
+        loaded.tokenizer, loaded.config.vocab_size, loaded.config.eos_token_ids
+    )
+    assert compiler.compile(GrammarSpec("regex", "[a-z]+", "guided_regex")) is not None
 
 
 def test_bf16_weights_stay_bfloat16_when_the_dtype_is_kept(convert):
