@@ -312,6 +312,14 @@ def _hf_config(
     if "token_embd.weight" not in tensors:
         raise CheckpointError(f"{metadata.source}: missing tensor 'token_embd.weight'")
     vocab_size = int(tensors["token_embd.weight"].shape[-1])  # GGUF shapes run innermost first
+    num_tokens = len(metadata.get("tokenizer.ggml.tokens") or ())
+    if num_tokens > vocab_size:
+        # As llama.cpp refuses it: the tokenizer would give ids the model has no row for,
+        # and every chat whose template used one was refused as out of the vocabulary.
+        raise CheckpointError(
+            f"{metadata.source}: the vocabulary holds {num_tokens} tokens, but "
+            f"'token_embd.weight' has rows for {vocab_size}"
+        )
     config: dict[str, Any] = {
         "architectures": [arch.hf_architecture],
         "model_type": arch.model_type,

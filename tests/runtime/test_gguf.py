@@ -575,6 +575,23 @@ def test_an_eos_id_past_the_vocabulary_is_no_eos_and_grammars_still_compile(conv
     assert compiler.compile(GrammarSpec("regex", "[a-z]+", "guided_regex")) is not None
 
 
+def test_a_vocabulary_longer_than_the_embedding_is_refused(convert, tmp_path):
+    """llama.cpp refuses it too: the tokenizer would give ids the model has no row for."""
+    path, _ = convert("qwen2", GGMLType.F32)
+    field = gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"]
+    tokens = field.contents() + ["<extra>"]
+    damaged = rewritten(
+        path,
+        tmp_path / "longer.gguf",
+        metadata={
+            "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
+            "tokenizer.ggml.token_type": (token_types(path) + [4], V.ARRAY, V.INT32),
+        },
+    )
+    message = one_line_error(damaged)
+    assert f"holds {len(tokens)} tokens" in message and "rows for 2048" in message
+
+
 def test_bf16_weights_stay_bfloat16_when_the_dtype_is_kept(convert):
     path, _ = convert("qwen2", GGMLType.BF16)
     layer = load_model(path, keep_dtype=True).model.model.layers[0]
