@@ -39,6 +39,13 @@ async def serve_http(
     config.graceful_timeout = graceful_timeout
     config.accesslog = None
     config.errorlog = logging.getLogger("cadence.hypercorn")  # silent unless the app configures it
+    # HTTP/1.1 only: Hypercorn also speaks cleartext HTTP/2 to a client that opens with
+    # its preface, and its HTTP/2 code raised out of the whole server (KeyError) when a
+    # request's body arrived after its answer (a 404, 401 or 413 sent early). A peer
+    # allowed no streams can send no request; it gets GOAWAY and a closed connection.
+    # (An `Upgrade: h2c` request, bodiless by Hypercorn's rule, is still answered: it
+    # arrives whole, so nothing can follow its answer.)
+    config.h2_max_concurrent_streams = 0
     stopping = trio.Event()
 
     async def trigger() -> None:

@@ -15,6 +15,9 @@ import time
 
 from runtime.errors import CadenceError
 
+import h2.config
+import h2.connection
+import h2.events
 import openai
 import pytest
 import trio
@@ -323,6 +326,39 @@ async def test_an_early_answer_to_a_request_with_an_empty_body_keeps_the_connect
         (status, headers), (next_status, _) = await in_thread(exchange)
     assert status.split()[1] == "404" and headers.get("connection") != "close"
     assert next_status.split()[1] == "503"  # answered on the same connection
+
+
+async def test_an_http2_client_is_refused_and_the_server_keeps_serving():
+    """Hypercorn speaks cleartext HTTP/2 to a client that opens with its preface, and its
+    HTTP/2 code raised out of the whole server when a body came after an early answer."""
+    async with loading_server() as port:
+
+        def exchange():
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+                client.initiate_connection()
+                head = [(":method", "POST"), (":path", "/v1/nowhere"), (":scheme", "http")]
+                client.send_headers(1, [*head, (":authority", "t"), ("content-length", "500")])
+                sock.sendall(client.data_to_send())
+                events: list[h2.events.Event] = []
+                while not any(isinstance(e, H2_ENDS) for e in events):
+                    if not (data := sock.recv(65536)):
+                        break
+                    events += client.receive_data(data)
+                if client.state_machine.state is not h2.connection.ConnectionState.CLOSED:
+                    client.send_data(1, b"x" * 500, end_stream=True)  # after the 404
+                    sock.sendall(client.data_to_send())
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+                return events, read_response(sock)
+
+        events, (status, _) = await in_thread(exchange)
+    assert not any(isinstance(e, h2.events.ResponseReceived) for e in events)
+    assert any(isinstance(e, h2.events.ConnectionTerminated) for e in events)
+    assert status.split()[1] == "503"  # still serving (the model is loading)
+
+
+H2_ENDS = (h2.events.StreamEnded, h2.events.StreamReset, h2.events.ConnectionTerminated)
 
 
 async def test_idle_waits_for_every_request_in_flight():
