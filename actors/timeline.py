@@ -95,7 +95,7 @@ def read_timeline(path: Path) -> Timeline:
 def _event(line: str) -> dict[str, Any] | None:
     try:
         event = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past Python's limit: not a step event either
         return None
     return event if isinstance(event, dict) else None
 

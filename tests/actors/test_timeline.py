@@ -97,6 +97,14 @@ def run_cli(*args):
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
 
 
+def test_a_line_nested_past_pythons_limit_is_skipped_like_any_other_line(tmp_path):
+    deep = "[" * 100_000  # json.loads raises RecursionError, not ValueError
+    step = step_line(1, end_s=1.0, step_ms=10, rows=1, prefill_tokens=5, decode_rows=0)
+    log = write_log(tmp_path / "serve.jsonl", [deep, '{"a": ' * 100_000, step])
+    (only,) = read_timeline(log).steps
+    assert only.step == 1 and only.prefill_tokens == 5
+
+
 def test_a_missing_log_or_one_without_steps_is_one_error_line_and_status_2(tmp_path):
     no_steps = write_log(tmp_path / "info.jsonl", ['{"event": "ready"}', "not json"])
     for log in (tmp_path / "absent.jsonl", no_steps):
