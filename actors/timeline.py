@@ -118,6 +118,11 @@ def _step_end(event: dict[str, Any], where: str) -> float | None:
             raise CadenceError(
                 f"{where}: a step event's {name} is {shown}, not a finite number >= 0"
             )
+    # The two are drawn stacked: each may fit a float while their sum does not.
+    if not _is_drawable(event["prefill_tokens"] + event["decode_rows"]):
+        raise CadenceError(
+            f"{where}: a step event's prefill_tokens + decode_rows is beyond any float"
+        )
     return end
 
 

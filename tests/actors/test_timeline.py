@@ -183,6 +183,20 @@ def test_a_step_event_whose_numbers_cannot_be_drawn_is_an_error_naming_its_line(
     )
 
 
+@pytest.mark.parametrize("huge", [10**308, 1.5e308], ids=["int", "float"])
+def test_token_counts_whose_stacked_sum_is_beyond_any_float_are_an_error_naming_the_line(
+    tmp_path, huge
+):
+    """Each fits a float alone; the drawing stacks them (it raised OverflowError for ints)."""
+    line = step_line(1, end_s=1.0, step_ms=10, rows=1, prefill_tokens=huge, decode_rows=huge)
+    log = write_log(tmp_path / "serve.jsonl", [line])
+    with pytest.raises(CadenceError) as error:
+        read_timeline(log)
+    assert str(error.value) == (
+        f"{log}:1: a step event's prefill_tokens + decode_rows is beyond any float"
+    )
+
+
 @pytest.mark.parametrize("name", ["", ".", "timeline", ".png", "timeline.unknownext"])
 def test_the_output_must_be_an_image_file_it_is_written_as(tmp_path, capsys, name):
     """matplotlib adds ".png" to a name without a suffix, and refuses other suffixes."""
