@@ -45,6 +45,16 @@ def pool_blocks(
     if not is_kv_budget(kv_budget):
         raise ValueError(f"kv_budget must be bytes > 0 or a fraction in (0, 1), got {kv_budget!r}")
     available = available_memory()
+    # The sliding-window pools are reserved for --max-batch rows whatever the budget
+    # (runtime/kv/layout.py), beside at least one block: past the memory there is
+    # (Gemma 3 12B, bf16, at --max-batch 64: 30 GiB of them) they crashed in mlx or
+    # swapped the machine to a halt while they filled, as an oversized budget did.
+    if available is not None and window_bytes + bytes_per_block > available:
+        raise CadenceError(
+            f"the sliding-window layers' KV for --max-batch rows takes "
+            f"{window_bytes / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of "
+            "memory available: lower --max-batch"
+        )
     if isinstance(kv_budget, int):
         # A pool the OS cannot back would fail deep in mlx (std::bad_cast, an
         # OverflowError) or swap the machine to a halt while it fills.

@@ -85,3 +85,11 @@ def test_bytes_of_exactly_the_memory_available_are_accepted(eight_gib_free):
 def test_with_no_memory_figure_the_default_budget_is_what_the_rows_want(monkeypatch):
     monkeypatch.setattr(budget, "available_memory", lambda: None)
     assert budget.pool_blocks(None, 50, bytes_per_block=100, window_bytes=1000) == 50
+
+
+@pytest.mark.parametrize("kv_budget", [None, 0.5, GIB])
+def test_sliding_window_pools_beyond_the_memory_available_are_refused(eight_gib_free, kv_budget):
+    """They are reserved for max_batch rows whatever the budget: Gemma 3 at a large
+    --max-batch crashed in mlx, or swapped, while they filled."""
+    with pytest.raises(CadenceError, match=r"sliding-window .* 9\.0 GiB, more than the 8\.0 GiB"):
+        budget.pool_blocks(kv_budget, 50, bytes_per_block=100, window_bytes=9 * GIB)
