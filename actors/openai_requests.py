@@ -198,6 +198,16 @@ def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any)
     if body.get("stream_options") is not None and not is_stream:
         raise ApiError(400, "'stream_options' needs 'stream': true", param="stream_options")
     stream_options = _field(body, "stream_options", dict) or {}
+    # As for top-level fields: vLLM's continuous_usage_stats, say, was dropped silently.
+    if unknown := sorted(name for name in stream_options if name not in _STREAM_OPTIONS):
+        name = f"stream_options.{unknown[0][:64]}"
+        raise ApiError(400, f"unknown field '{name}'", param=name, code="unknown_field")
+    if not isinstance(stream_options.get("include_obfuscation"), bool | None):
+        raise ApiError(
+            400,
+            "'stream_options.include_obfuscation' must be a boolean",
+            param="stream_options.include_obfuscation",
+        )
     include_usage = stream_options.get("include_usage")
     include_usage = False if include_usage is None else include_usage  # null: absent, as elsewhere
     if not isinstance(include_usage, bool):
@@ -404,6 +414,9 @@ _IGNORED_FIELDS: dict[str, type | tuple[type, ...]] = {
     "prompt_cache_key": str,  # prefix caching is automatic
     "store": bool,  # false only
 }
+# OpenAI's stream options; include_obfuscation only pads chunks against length side
+# channels, so it is accepted without effect.
+_STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
 _COMMON_FIELDS = frozenset(
     {
         "model",

@@ -86,7 +86,11 @@ _COMMON_FIELDS: dict[str, Any] = {
         {
             "type": "object",
             "description": "needs 'stream': true",
-            "properties": {"include_usage": _or_null({"type": "boolean"})},
+            "properties": {
+                "include_usage": _or_null({"type": "boolean"}),
+                "include_obfuscation": _or_null({"type": "boolean"}),  # without effect
+            },
+            "additionalProperties": False,  # an unknown option is a 400
         }
     ),
     "n": _or_null(

@@ -231,6 +231,12 @@ EDGES = [
     (COMPLETION, "echo", False, True),
     (COMPLETION, "suffix", "", "x"),
     (COMPLETION, "stream_options", None, {"include_usage": True}),
+    (
+        {**COMPLETION, "stream": True},
+        "stream_options",
+        {"include_usage": True, "include_obfuscation": False},
+        {"continuous_usage_stats": True},
+    ),
     (COMPLETION, "no_such_field", None, 1),
     (CHAT, "no_such_field", None, 1),
     (CHAT, "messages", CHAT["messages"], []),

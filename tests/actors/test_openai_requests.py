@@ -36,3 +36,20 @@ def test_max_completion_tokens_wins_over_max_tokens_and_both_are_checked():
 def test_top_k_of_minus_one_or_past_any_vocabulary_is_off(top_k):
     # -1 is what OpenAI-compatible clients commonly send for "off"
     assert parse_chat({**CHAT, "top_k": top_k}).request.sampling.top_k == 0
+
+
+def test_an_unknown_stream_option_is_refused_naming_it_and_openais_are_accepted():
+    stream = {**CHAT, "stream": True}
+    # vLLM's usage in every chunk: dropped silently, its client would wait for it.
+    with pytest.raises(ApiError) as raised:
+        parse_chat({**stream, "stream_options": {"continuous_usage_stats": True}})
+    assert raised.value.status == 400
+    assert (raised.value.param, raised.value.code) == (
+        "stream_options.continuous_usage_stats",
+        "unknown_field",
+    )
+    options = {"include_usage": True, "include_obfuscation": False}
+    assert parse_chat({**stream, "stream_options": options}).include_usage
+    with pytest.raises(ApiError) as raised:
+        parse_chat({**stream, "stream_options": {"include_obfuscation": "no"}})
+    assert raised.value.param == "stream_options.include_obfuscation"
