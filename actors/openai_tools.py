@@ -43,6 +43,8 @@ def structured_output(body: dict[str, Any]) -> GrammarSpec | None:
     """The one grammar `body` asks the output to follow, or None for free text."""
     asked = [name for name in STRUCTURED_FIELDS if body.get(name) is not None]
     response_format = body.get("response_format")
+    if isinstance(response_format, dict):
+        _refuse_unknown_keys(response_format, _RESPONSE_FORMAT_KEYS, "response_format")
     if isinstance(response_format, dict) and response_format.get("type") == "text":
         asked.remove("response_format")  # text is no constraint
     if len(asked) > 1:
@@ -80,6 +82,7 @@ def _response_format(value: Any) -> GrammarSpec:
             "'response_format.json_schema' must be an object with a 'name'",
             param="response_format.json_schema",
         )
+    _refuse_unknown_keys(spec, _JSON_SCHEMA_KEYS, "response_format.json_schema")
     if not isinstance(spec.get("strict"), bool | None):
         raise RequestError(
             "'response_format.json_schema.strict' must be a boolean",
@@ -93,6 +96,18 @@ def _response_format(value: Any) -> GrammarSpec:
         )
     # strict or not, the output follows the schema: llguidance enforces it either way.
     return GrammarSpec("json_schema", json.dumps(schema), "response_format.json_schema.schema")
+
+
+# OpenAI's keys. Another one was dropped silently: {"type": "json_object", "schema": {...}},
+# as some other servers take a schema, gave any JSON object, not one of that schema.
+_RESPONSE_FORMAT_KEYS = frozenset({"type", "json_schema"})
+_JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})  # description: a hint
+
+
+def _refuse_unknown_keys(value: dict[str, Any], known: frozenset[str], where: str) -> None:
+    if unknown := sorted(key for key in value if key not in known):
+        param = f"{where}.{unknown[0][:64]}"
+        raise RequestError(f"unknown field '{param}'", param=param, code="unknown_field")
 
 
 def _guided(kind: str, value: Any, param: str) -> GrammarSpec:

@@ -28,9 +28,11 @@ STRUCTURED_OUTPUT_FIELDS: dict[str, Any] = {
                 "type": {"enum": ["text", "json_object", "json_schema"]},
                 # Read only when the type is json_schema, so any value passes the schema.
                 "json_schema": {
-                    "description": "{name, schema (a JSON schema), strict}; for json_schema"
+                    "description": "{name, description, schema (a JSON schema), strict}; "
+                    "for json_schema"
                 },
             },
+            "additionalProperties": False,  # an unknown key is a 400
         }
     ),
     "structured_outputs": or_null(

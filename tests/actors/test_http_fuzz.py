@@ -250,6 +250,7 @@ EDGES = [
     (CHAT, "tools", [TOOL], [{"type": "function", "function": {"name": ""}}]),
     ({**CHAT, "tools": [TOOL]}, "tool_choice", "required", "any"),
     (CHAT, "response_format", {"type": "text"}, {"type": "xml"}),
+    (CHAT, "response_format", {"type": "json_object"}, {"type": "json_object", "schema": {}}),
 ]
 
 

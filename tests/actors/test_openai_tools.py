@@ -158,6 +158,30 @@ def test_bad_structured_output_is_refused_naming_the_field(body, param):
     assert caught.value.param == param
 
 
+@pytest.mark.parametrize(
+    ("response_format", "param"),
+    [
+        # Some servers take a schema here; this one gave any JSON object, not that schema.
+        ({"type": "json_object", "schema": {"type": "integer"}}, "response_format.schema"),
+        ({"type": "text", "strict": True}, "response_format.strict"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "pattern": "a"}},
+            "response_format.json_schema.pattern",
+        ),
+    ],
+)
+def test_an_unknown_response_format_key_is_refused_naming_it(response_format, param):
+    with pytest.raises(RequestError) as caught:
+        structured_output({"response_format": response_format})
+    assert (caught.value.param, caught.value.code) == (param, "unknown_field")
+
+
+def test_openais_json_schema_keys_are_all_accepted():
+    spec = {"name": "x", "description": "a hint", "schema": {"type": "integer"}, "strict": True}
+    response_format = {"type": "json_schema", "json_schema": spec}
+    assert structured_output({"response_format": response_format}).source == '{"type": "integer"}'
+
+
 def test_a_schema_may_come_as_json_text_or_a_boolean_and_text_format_constrains_nothing():
     assert structured_output({"guided_json": '{"type": "object"}'}) == GrammarSpec(
         "json_schema", '{"type": "object"}', "guided_json"
