@@ -268,6 +268,7 @@ class AsyncioGeneration:
         self._generation = generation
         self._pump: _Pump | None = None
         self._is_done = False
+        self._is_reading = False
 
     @property
     def num_prompt_tokens(self) -> int | None:
@@ -319,6 +320,18 @@ class AsyncioGeneration:
                 self._llm._call_soon(self._pump.close)
 
     async def _read(self, *, is_start: bool) -> Any:
+        # Refused here, as Generation.__anext__ refuses it: refused by the pump, a second
+        # reader's error ended the stream for the first one too, whose loop then stopped
+        # after one delta while the row ran on to max_tokens.
+        if self._is_reading:
+            raise RuntimeError("another task is already reading this generation")
+        self._is_reading = True
+        try:
+            return await self._read_one(is_start=is_start)
+        finally:
+            self._is_reading = False
+
+    async def _read_one(self, *, is_start: bool) -> Any:
         done: asyncio.Future[_Result] = self._llm._loop.create_future()
         read = _Read(done, is_start)
         try:

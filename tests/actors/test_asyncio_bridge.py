@@ -83,6 +83,27 @@ def test_breaking_out_of_the_loop_frees_its_row(tiny):
     asyncio.run(main())
 
 
+def test_a_second_reader_is_refused_and_the_first_reads_on(tiny):
+    """Refused by the pump, the second reader's error ended the first one's stream too:
+    its loop stopped after one delta, as if the generation had finished."""
+
+    async def main():
+        async with actors.open_llm_asyncio(tiny) as llm:
+            alone = await complete(llm, PROMPTS[0], max_tokens=16, ignore_eos=True)
+            generation = llm.generate(PROMPTS[0], max_tokens=16, ignore_eos=True)
+
+            async def read_all():
+                return "".join([d.text async for d in generation])
+
+            first, second = await asyncio.gather(read_all(), read_all(), return_exceptions=True)
+            await wait_for_no_open_rows(llm)
+            return alone, first, second, generation.finish_reason
+
+    alone, first, second, finish_reason = asyncio.run(main())
+    assert first == alone and finish_reason == "length"
+    assert isinstance(second, RuntimeError) and "already reading" in str(second)
+
+
 def test_start_returns_the_prompt_length_and_a_finished_stream_stays_finished(tiny):
     async def main():
         async with actors.open_llm_asyncio(tiny) as llm:
