@@ -248,11 +248,21 @@ class _Pump:
                         break  # finished, refused or failed: the generation is done
         finally:
             self._is_finished = True
+            self._answer_queued_reads()
             self._reads.close()
             with trio.CancelScope(shield=True):
                 await self.generation.aclose()  # still streaming: the Abort
             for done in self._on_finished:
                 self._llm._hand_back(done, outcome.Value(None))
+
+    def _answer_queued_reads(self) -> None:
+        """A read still in the channel (the first one waits there until this task runs,
+        and a close or stop can come first) was dropped with it: its reader hung."""
+        with contextlib.suppress(trio.WouldBlock):
+            while True:
+                read = self._reads.receive_nowait()
+                stopped = ServiceClosedError("the service has stopped")
+                self._llm._hand_back(read.done, outcome.Error(stopped))
 
     async def _start(self) -> int | None:
         await self.generation.__aenter__()  # admits it unless it already started

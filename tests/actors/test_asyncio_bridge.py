@@ -14,6 +14,7 @@ import trio
 import actors
 from actors.asyncio_bridge import _sole
 from actors.mlx_thread import shared_mlx_thread
+from actors.requests import ServiceClosedError
 
 PROMPTS = ["The quick brown fox", "def main():", "Hello", "1, 2, 3, 4"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,6 +103,29 @@ def test_a_second_reader_is_refused_and_the_first_reads_on(tiny):
     alone, first, second, finish_reason = asyncio.run(main())
     assert first == alone and finish_reason == "length"
     assert isinstance(second, RuntimeError) and "already reading" in str(second)
+
+
+def test_a_first_read_queued_when_its_generation_closes_is_answered(tiny):
+    """The first read waits in the pump's channel until the pump task runs; a close
+    (or a stop) before that dropped it with the channel, and its reader waited forever."""
+
+    async def main():
+        async with actors.open_llm_asyncio(tiny) as llm:
+            generation = llm.generate("Once upon a time", max_tokens=900, ignore_eos=True)
+            trio_is_free = threading.Event()
+            llm._call_soon(trio_is_free.wait)  # the next two calls queue up behind it...
+            read = asyncio.create_task(generation.__anext__())
+            await asyncio.sleep(0)  # (its read is queued)
+            close = asyncio.create_task(generation.aclose())
+            await asyncio.sleep(0)
+            trio_is_free.set()  # ... and run together, before the pump task starts
+            await close
+            async with asyncio.timeout(5):
+                with pytest.raises(ServiceClosedError):
+                    await read
+            await wait_for_no_open_rows(llm)
+
+    asyncio.run(main())
 
 
 def test_start_returns_the_prompt_length_and_a_finished_stream_stays_finished(tiny):
