@@ -21,6 +21,7 @@ exit closes the Generation: its Abort frees the row within an engine step.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -77,6 +78,7 @@ class AsyncioLLM:
         self._tasks: trio.Nursery | None = None
         self._root: trio.CancelScope | None = None
         self._stop_event: trio.Event | None = None
+        self._pumps: set[_Pump] = set()  # those running
 
     def generate(self, prompt: str | list[int] | None = None, **kwargs: Any) -> AsyncioGeneration:
         """`LLM.generate` for asyncio: iterate it, ideally inside `async with`.
@@ -149,7 +151,11 @@ class AsyncioLLM:
                     self._llm = llm
                     self._hand_back(self._ready, outcome.Value(llm.name))
                     await self._stop_event.wait()
-                self._tasks.cancel_scope.cancel()  # drained: a pump left has no reader
+                # Drained. An answer all in is kept for its reader, who may read it after
+                # this thread has gone, as a Trio caller reads its after open_llm's block:
+                # cancelled, a slow reader lost the end of an answer the engine had done.
+                for pump in list(self._pumps):
+                    pump.keep_answer()
 
     def _apply_stop(self) -> None:
         assert self._root is not None and self._stop_event is not None
@@ -213,14 +219,25 @@ class _Pump:
         self._reads_send, self._reads = trio.open_memory_channel[_Read](1)
         self._is_finished = False
         self._on_finished: list[asyncio.Future[_Result]] = []
+        self._is_keeping = False  # the service has drained: the answer is being kept
+        self.kept: collections.deque[_Result] = collections.deque()  # read once finished
+        self._late_reads: list[_Read] = []  # asked for while it was being kept
 
     def start(self, read: _Read) -> None:
-        if not self._llm._spawn(self._run):
+        if self._llm._spawn(self._run):
+            self._llm._pumps.add(self)
+        else:
             self._is_finished = True
             self._reads.close()  # so `request` answers ServiceClosedError
         self.request(read)
 
     def request(self, read: _Read) -> None:
+        if self._is_keeping:  # answered from what is kept, once all of it is
+            if self._is_finished:
+                self._llm._hand_back(read.done, self.answer_from_kept(read))
+            else:
+                self._late_reads.append(read)
+            return
         try:
             self._reads_send.send_nowait(read)
         except trio.WouldBlock:
@@ -239,6 +256,15 @@ class _Pump:
         else:
             self._on_finished.append(done)
 
+    def keep_answer(self) -> None:
+        """The service has drained: read out an answer that is all in, to keep; close
+        a generation that has none (never started, or aborted without its reply)."""
+        if self.generation.is_answered:
+            self._is_keeping = True
+            self._reads_send.close()  # the reads already asked for are answered first
+        else:
+            self._scope.cancel()
+
     async def _run(self) -> None:
         try:
             with self._scope:
@@ -246,23 +272,49 @@ class _Pump:
                     step = self._start if read.is_start else self.generation.__anext__
                     if isinstance(await self._llm._deliver(read.done, step), outcome.Error):
                         break  # finished, refused or failed: the generation is done
+                if self._is_keeping:
+                    await self._keep_rest()
         finally:
             self._is_finished = True
-            self._answer_queued_reads()
+            self._llm._pumps.discard(self)
+            self._answer_late_reads()
             self._reads.close()
             with trio.CancelScope(shield=True):
                 await self.generation.aclose()  # still streaming: the Abort
             for done in self._on_finished:
                 self._llm._hand_back(done, outcome.Value(None))
 
-    def _answer_queued_reads(self) -> None:
-        """A read still in the channel (the first one waits there until this task runs,
-        and a close or stop can come first) was dropped with it: its reader hung."""
-        with contextlib.suppress(trio.WouldBlock):
+    async def _keep_rest(self) -> None:
+        """Read the answer out to its end; all of it is in the channel: nothing waits."""
+        while True:
+            try:
+                self.kept.append(outcome.Value(await self.generation.__anext__()))
+            except Exception as error:  # trio.Cancelled is not one: it propagates
+                self.kept.append(outcome.Error(error))
+                return
+
+    def answer_from_kept(self, read: _Read) -> _Result:
+        """A read it does not take: the next of what is kept, or ServiceClosedError."""
+        if not self.kept:
+            return outcome.Error(ServiceClosedError("the service has stopped"))
+        if read.is_start:  # it has started: what start() returns
+            return outcome.Value(self.generation.num_prompt_tokens)
+        return self.kept.popleft()
+
+    def _answer_late_reads(self) -> None:
+        """Answer the reads it will not take: from what is kept, or ServiceClosedError.
+
+        A read still in the channel (the first one waits there until this task runs,
+        and a close or stop can come first) was dropped with it: its reader hung.
+        """
+        queued: list[_Read] = []
+        with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel):
             while True:
-                read = self._reads.receive_nowait()
-                stopped = ServiceClosedError("the service has stopped")
-                self._llm._hand_back(read.done, outcome.Error(stopped))
+                queued.append(self._reads.receive_nowait())
+        self._late_reads[:0] = queued  # those came first
+        for read in self._late_reads:
+            self._llm._hand_back(read.done, self.answer_from_kept(read))
+        self._late_reads.clear()
 
     async def _start(self) -> int | None:
         await self.generation.__aenter__()  # admits it unless it already started
@@ -341,6 +393,14 @@ class AsyncioGeneration:
         finally:
             self._is_reading = False
 
+    def _request(self, pump: _Pump, read: _Read) -> None:
+        try:
+            self._llm._call_soon(pump.request, read)
+        except ServiceClosedError:  # the Trio thread has gone: what the pump kept is all
+            if not pump.kept:
+                raise
+            read.done.set_result(pump.answer_from_kept(read))
+
     async def _read_one(self, *, is_start: bool) -> Any:
         done: asyncio.Future[_Result] = self._llm._loop.create_future()
         read = _Read(done, is_start)
@@ -349,7 +409,7 @@ class AsyncioGeneration:
                 self._pump = _Pump(self._llm, self._generation)
                 self._llm._call_soon(self._pump.start, read)
             else:
-                self._llm._call_soon(self._pump.request, read)
+                self._request(self._pump, read)
             result = await done
         except BaseException:  # cancelled (or the service stopped): abort the request
             self._is_done = True

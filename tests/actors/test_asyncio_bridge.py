@@ -128,6 +128,31 @@ def test_a_first_read_queued_when_its_generation_closes_is_answered(tiny):
     asyncio.run(main())
 
 
+def test_a_reader_slower_than_the_drain_still_gets_the_whole_answer(tiny):
+    """The block ends once every answer is in, read or not; the bridge then cancelled
+    its pumps, and a reader still reading got ServiceClosedError for the rest of an
+    answer that a Trio caller reads to its end after `open_llm`'s block."""
+
+    async def main():
+        read_on = asyncio.Event()
+        async with actors.open_llm_asyncio(tiny) as llm:
+            alone = await complete(llm, PROMPTS[1], max_tokens=64, ignore_eos=True)
+            generation = llm.generate(PROMPTS[1], max_tokens=64, ignore_eos=True)
+            first = await generation.__anext__()
+
+            async def read_the_rest():
+                await read_on.wait()
+                return first.text + "".join([d.text async for d in generation])
+
+            reader = asyncio.create_task(read_the_rest())
+        read_on.set()  # the service has drained and its thread has gone
+        async with asyncio.timeout(5):
+            return alone, await reader, generation.finish_reason
+
+    alone, read_late, finish_reason = asyncio.run(main())
+    assert read_late == alone and finish_reason == "length"
+
+
 def test_start_returns_the_prompt_length_and_a_finished_stream_stays_finished(tiny):
     async def main():
         async with actors.open_llm_asyncio(tiny) as llm:
