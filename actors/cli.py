@@ -347,11 +347,16 @@ async def _generate(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command in ("bench", "trace"):  # synchronous, and return their exit status
+    synchronous = args.command in ("bench", "trace")  # they return their exit status
+    if synchronous:
         configure_logging("console", "warning")
-        return int(args.run(args))
-    configure_logging(args.log_format, args.log_level)
+    else:
+        configure_logging(args.log_format, args.log_level)
     try:
+        # A bench's bad --model or --checkpoint (soak's open_llm, serve's config.json)
+        # raised out of here as a traceback: they get the same one line as serve's.
+        if synchronous:
+            return int(args.run(args))
         trio.run(args.run, args)
     except BaseException as exc:  # trio wraps errors from nurseries in groups
         if (error := _leaf(exc, CadenceError)) is not None:

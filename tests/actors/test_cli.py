@@ -455,3 +455,26 @@ def test_main_returns_the_exit_status_of_a_synchronous_command(tmp_path, capsys)
     finally:
         structlog.reset_defaults()  # main configured logging
     assert status == 2 and capsys.readouterr().err.startswith("cadence: error: ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["bench", "soak", "--model", "{missing}"], "no such directory"),
+        (
+            ["bench", "serve", "--url", "http://127.0.0.1:1", "--checkpoint", "{missing}"],
+            "config.json: No such file or directory",
+        ),
+    ],
+    ids=["soak-model", "serve-checkpoint"],
+)
+def test_a_bench_with_a_missing_checkpoint_is_one_line_and_exit_2(tmp_path, capsys, argv, said):
+    missing = tmp_path / "missing"
+    try:
+        status = cli.main([a.format(missing=missing) for a in argv])
+    finally:
+        structlog.reset_defaults()  # main configured logging
+    stderr = capsys.readouterr().err
+    assert status == 2
+    assert stderr.startswith("cadence: error: ") and said in stderr
+    assert len(stderr.splitlines()) == 1
