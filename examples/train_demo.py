@@ -26,9 +26,13 @@ from pydoc_data.topics import topics
 # Threaded OpenBLAS made small batched matmuls ~100x slower when another process
 # shared the 2 cores (1 s vs 5 ms for the attention scores); one thread is steady.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# cadence's CPU kernels serve inference: their primitives have no gradient, and the
+# first step raised "[Primitive::vjp] Not implemented for CadenceRmsNorm". Training
+# runs mlx's own ops (below, the MLP activations too: their polynomial exp has none).
+os.environ["CADENCE_CPU_KERNELS"] = "off"
 
 from runtime.config import config_from_dict
-from runtime.models import build_model
+from runtime.models import build_model, layers
 from runtime.models.layers import CausalLM
 from runtime.synth import (
     DEMO_DIR,
@@ -45,6 +49,10 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from kernels.swiglu import reference_gelu_tanh, reference_swiglu
+
+layers.swiglu, layers.gelu_tanh = reference_swiglu, reference_gelu_tanh
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
