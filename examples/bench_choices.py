@@ -13,11 +13,13 @@ prompt tokens taken from the cache.
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 
 import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
 from runtime.sequence import SamplingParams
 
+import structlog
 import trio
 
 import actors
@@ -81,4 +83,7 @@ if __name__ == "__main__":
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=16)
+    # cadence leaves structlog's configuration to the program, and structlog's own
+    # prints every event, a debug line per engine step included, between the figures.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     trio.run(main, parser.parse_args())
