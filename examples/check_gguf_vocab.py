@@ -12,7 +12,7 @@ and counts the matches, and decodes each encoding back to its string:
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 import runtime  # noqa: F401  (the fast BLAS loads before mlx)
@@ -44,11 +44,18 @@ def check(path: Path) -> str:
     return f"encode {num_encoded}/{len(texts)}, decode round trip {num_decoded}/{len(texts)}"
 
 
-def main(models_dir: str) -> None:
-    for path in sorted(Path(models_dir).glob("ggml-vocab-*.gguf")):
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models_dir", type=Path, help="llama.cpp's models/ directory")
+    args = parser.parse_args()
+    paths = sorted(args.models_dir.glob("ggml-vocab-*.gguf"))
+    # A wrong directory printed nothing and exited 0, as if every vocabulary had passed.
+    if not any(Path(f"{path}.inp").exists() for path in paths):
+        parser.error(f"{args.models_dir}: no ggml-vocab-*.gguf files with their .inp tests")
+    for path in paths:
         if Path(f"{path}.inp").exists():
             print(f"{path.name}: {check(path)}", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()
