@@ -224,10 +224,11 @@ def check_sampling(sampling: SamplingParams) -> None:
             raise RequestError(
                 f"logit_bias values must be in [-100, 100], got {bias!r}", param="logit_bias"
             )
-    tokens = [token for token, _ in sampling.logit_bias]
-    if len(set(tokens)) < len(tokens):  # "5" and "05" in one JSON object: which bias?
-        twice = next(t for t in tokens if tokens.count(t) > 1)
-        raise RequestError(f"logit_bias names token {twice} twice", param="logit_bias")
+    seen: set[int] = set()
+    for token, _ in sampling.logit_bias:  # "5" and "05" in one JSON object: which bias?
+        if token in seen:
+            raise RequestError(f"logit_bias names token {token} twice", param="logit_bias")
+        seen.add(token)
 
 
 def _is_int(value: object) -> bool:
