@@ -173,7 +173,7 @@ def config_from_dict(
         max_position_embeddings=field("max_position_embeddings", int, 4096),
         tie_word_embeddings=field("tie_word_embeddings", bool, False),
         quantization=_quantization(field("quantization", dict, None), source),
-        eos_token_ids=_eos_ids(raw, generation or {}),
+        eos_token_ids=_eos_ids(raw, generation or {}, field("vocab_size", int)),
         foreign_quantization=_foreign_quantization(raw),
     )
     return ModelConfig(**{**common, **family.read_config(fields)})
@@ -281,12 +281,17 @@ def _check_rope_scaling(kind: str, scaling: dict[str, Any], source: str) -> None
             )
 
 
-def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
+def _eos_ids(raw: dict[str, Any], generation: dict[str, Any], vocab_size: int) -> tuple[int, ...]:
+    """The end-of-sequence ids both files name; one that is no token of the vocabulary
+    (past it, negative, a boolean) is none: kept, it made llguidance refuse every
+    structured-output request, as a GGUF's did."""
     ids: list[int] = []
     for source in (generation, raw):
         value = source.get("eos_token_id")
         for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, int) and item not in ids:
+            if isinstance(item, bool) or not isinstance(item, int):
+                continue
+            if 0 <= item < vocab_size and item not in ids:
                 ids.append(item)
     return tuple(ids)
 

@@ -6,6 +6,7 @@ import shutil
 from runtime.checkpoint import DEMO_CHECKPOINT, load_model, resolve_checkpoint
 from runtime.config import config_from_dict
 from runtime.errors import CheckpointError
+from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.synth import hf_config, quantize_weights
 
 import mlx.core as mx
@@ -124,6 +125,17 @@ def test_eos_ids_come_from_both_config_files(broken):
     assert set(load_model(broken).config.eos_token_ids) == {2, 3, 7}
     (broken / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
     assert set(load_model(broken).config.eos_token_ids) == {2, 3, 7}
+
+
+def test_an_eos_id_that_is_no_token_is_none_and_grammars_still_compile(broken):
+    """Kept, an id past the vocabulary (or negative) made llguidance refuse every grammar."""
+    vocab_size = json.loads((broken / "config.json").read_text())["vocab_size"]
+    edit_config(broken, eos_token_id=[vocab_size, -1, True, 3])
+    (broken / "generation_config.json").write_text(json.dumps({"eos_token_id": vocab_size + 7}))
+    loaded = load_model(broken)
+    assert loaded.config.eos_token_ids == (3,)
+    compiler = GrammarCompiler(loaded.tokenizer, vocab_size, loaded.config.eos_token_ids)
+    assert compiler.compile(GrammarSpec("regex", "[a-z]+", "guided_regex")) is not None
 
 
 def test_missing_tensor_is_named(broken):
