@@ -292,22 +292,31 @@ def decoding_rows(p):
     }
 
 
+def planned_steps(p, *, check_pool=False, max_steps=2000):
+    """(decoding rows before the plan, the plan) for each step until the policy is idle;
+    each step is done after the caller's checks (and the pool checked, if asked)."""
+    for _ in range(max_steps):
+        decoding = decoding_rows(p)
+        if (plan := p.schedule()) is None:
+            return
+        yield decoding, plan
+        done(p, plan)
+        if check_pool:
+            p.pool.check()
+
+
 def test_the_token_budget_and_the_row_cap_hold_and_decoding_rows_are_never_skipped():
     rng = random.Random(7)
     p = policy(max_batch=5, num_blocks=400, chunk=12, budget=20, solo=32)
     for i in range(30):
         p.add(f"r{i}", params(rng.randrange(1, 90), max_tokens=rng.randrange(1, 12), first=i * 7))
-    for _ in range(2000):
-        decoding = decoding_rows(p)
-        if (plan := p.schedule()) is None:
-            break
+    for decoding, plan in planned_steps(p):
         rows = [s.request_id for s in plan.spans]
         prefill = [s for s in plan.spans if s.request_id not in decoding]
         assert plan.num_tokens <= (20 if decoding else 32)
         assert len(set(rows)) == len(rows) <= 5
         assert all(s.num_new <= (12 if decoding else 32) for s in prefill)
         assert decoding <= set(rows)  # every decoding row, every step, prompts or not
-        done(p, plan)
     assert not p.has_work
 
 
@@ -398,13 +407,8 @@ def test_a_decoding_row_that_cannot_grow_is_preempted_never_skipped_in_a_tight_p
     p = policy(max_batch=4, num_blocks=12, block_size=4, max_context=48, chunk=6, budget=10, solo=16)
     for i in range(12):
         p.add(f"r{i}", params(rng.randrange(1, 20), max_tokens=rng.randrange(4, 24), first=i * 50))
-    for _ in range(2000):
-        decoding = decoding_rows(p)
-        if (plan := p.schedule()) is None:
-            break
+    for decoding, plan in planned_steps(p, check_pool=True):
         assert decoding - set(plan.preempted) <= {s.request_id for s in plan.spans}
-        done(p, plan)
-        p.pool.check()
     assert not p.has_work and p.num_preemptions > 0
 
 
