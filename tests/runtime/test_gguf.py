@@ -545,14 +545,16 @@ def test_only_control_tokens_spelled_as_an_end_of_turn_stop_generation(convert, 
     assert read_gguf(retyped).config["eos_token_id"] == [2]
 
 
-def test_a_special_token_id_past_the_vocabulary_is_no_special_token(convert, tmp_path):
+def with_id_past_the_vocabulary(convert, tmp_path, key):
+    """(a qwen2 file, its copy whose `key` names the first id past the vocabulary, that id)."""
     path, _ = convert("qwen2", GGMLType.F32)
     past = len(token_types(path))
-    damaged = rewritten(
-        path,
-        tmp_path / "past.gguf",
-        metadata={"tokenizer.ggml.bos_token_id": (past, V.UINT32, V.UINT32)},
-    )
+    damaged = rewritten(path, tmp_path / "past.gguf", metadata={key: (past, V.UINT32, V.UINT32)})
+    return path, damaged, past
+
+
+def test_a_special_token_id_past_the_vocabulary_is_no_special_token(convert, tmp_path):
+    path, damaged, _ = with_id_past_the_vocabulary(convert, tmp_path, "tokenizer.ggml.bos_token_id")
     tokenizer = read_gguf(damaged).tokenizer
     assert tokenizer.bos_token_id is None
     assert tokenizer.encode("hi") == read_gguf(path).tokenizer.encode("hi")
@@ -560,13 +562,7 @@ def test_a_special_token_id_past_the_vocabulary_is_no_special_token(convert, tmp
 
 def test_an_eos_id_past_the_vocabulary_is_no_eos_and_grammars_still_compile(convert, tmp_path):
     """Kept, an EOS id past the vocabulary made llguidance refuse every grammar."""
-    path, _ = convert("qwen2", GGMLType.F32)
-    past = len(token_types(path))
-    damaged = rewritten(
-        path,
-        tmp_path / "past.gguf",
-        metadata={"tokenizer.ggml.eos_token_id": (past, V.UINT32, V.UINT32)},
-    )
+    _, damaged, past = with_id_past_the_vocabulary(convert, tmp_path, "tokenizer.ggml.eos_token_id")
     loaded = load_model(damaged)
     assert past not in loaded.config.eos_token_ids
     compiler = GrammarCompiler(
