@@ -289,11 +289,14 @@ def _eos_ids(raw: dict[str, Any], generation: dict[str, Any], vocab_size: int) -
     for source in (generation, raw):
         value = source.get("eos_token_id")
         for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, bool) or not isinstance(item, int):
-                continue
-            if 0 <= item < vocab_size and item not in ids:
+            if is_token_id(item, vocab_size) and item not in ids:
                 ids.append(item)
     return tuple(ids)
+
+
+def is_token_id(value: object, vocab_size: int) -> TypeGuard[int]:
+    """An id of the vocabulary: an int (not a bool) in [0, vocab_size)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
 
 
 def _read_json(path: Path, required: bool) -> dict[str, Any] | None:

@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from runtime.config import is_token_id
 from runtime.errors import CheckpointError
 from runtime.files import shortened
 from runtime.gguf_tensors import NATIVE_BITS, decode_tensor, quantization_config, to_mlx
@@ -357,8 +358,7 @@ def _eos_ids(metadata: Metadata) -> list[int]:
         value = metadata.get(f"tokenizer.ggml.{name}")
         # One past the vocabulary is no token (as for the tokenizer's special tokens):
         # kept, it made llguidance refuse every structured-output request.
-        is_token = isinstance(value, int) and not isinstance(value, bool)
-        if is_token and 0 <= value < len(tokens) and value not in ids:
+        if is_token_id(value, len(tokens)) and value not in ids:
             ids.append(value)
     types = metadata.get("tokenizer.ggml.token_type") or []
     for token_id, (token, token_type) in enumerate(zip(tokens, types, strict=False)):
