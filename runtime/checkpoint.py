@@ -18,6 +18,7 @@ from typing import TypeGuard
 
 from runtime.config import ModelConfig, config_from_dict, load_config
 from runtime.cpu_weights import DEFAULT_CPU_QUANTIZE, prepare_for_cpu
+from runtime.environment import environment_problems
 from runtime.errors import CheckpointError
 from runtime.files import check_regular, one_line, read_json, shortened
 from runtime.gguf import is_gguf_file, read_gguf
@@ -28,6 +29,7 @@ from runtime.tokenizer import Tokenizer
 import attrs
 import mlx.core as mx
 import mlx.nn as nn
+import structlog
 from mlx.utils import tree_flatten, tree_unflatten
 
 DEMO_CHECKPOINT = Path(__file__).with_name("demo")
@@ -39,6 +41,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed, never loaded
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
 HUB_IGNORE_PATTERNS = ["*/*", "consolidated*.safetensors"]
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+log = structlog.get_logger("cadence.load")
 
 
 @attrs.frozen
@@ -67,6 +71,8 @@ def load_model(
     On a GPU the checkpoint's dtype is kept.
     """
     progress = on_progress or (lambda message: None)
+    for problem in environment_problems():
+        log.warning("environment", problem=problem)
     path, name = resolve_checkpoint(model, offline=offline)
     progress(f"reading {path}")
     if is_gguf_file(path):
