@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from runtime.config import is_token_id
 from runtime.errors import CheckpointError
 from runtime.tokenizer import Tokenizer
 
@@ -95,7 +96,7 @@ def tokenizer_from_gguf(metadata: Metadata, architecture: str) -> Tokenizer:
         ("pad_token", "padding_token_id"),
     ):
         token_id = metadata.get(f"tokenizer.ggml.{key}")
-        if isinstance(token_id, int) and 0 <= token_id < len(tokens):
+        if is_token_id(token_id, len(tokens)):
             special_tokens[name] = tokens[token_id]
     # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
     add_bos = metadata.optional("tokenizer.ggml.add_bos_token", bool, kind == "llama")
@@ -162,7 +163,7 @@ def _sentencepiece_bpe(
         scores = [-float(i) for i in range(len(tokens))]
     vocab = {token: i for i, token in enumerate(tokens)}
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
+    unk = tokens[unk_id] if is_token_id(unk_id, len(tokens)) else None
     mergeable = {
         token: score
         for token, score, token_type in zip(tokens, scores, token_types, strict=True)

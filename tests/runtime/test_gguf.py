@@ -560,6 +560,17 @@ def test_a_special_token_id_past_the_vocabulary_is_no_special_token(convert, tmp
     assert tokenizer.encode("hi") == read_gguf(path).tokenizer.encode("hi")
 
 
+def test_a_boolean_special_token_id_is_no_special_token(convert, tmp_path):
+    """GGUF has a bool type; `true` is not token 1, as config.json's `true` is no EOS."""
+    path, _ = convert("qwen2", GGMLType.F32)
+    damaged = rewritten(
+        path, tmp_path / "bool.gguf", metadata={"tokenizer.ggml.bos_token_id": (True, V.BOOL, V.BOOL)}
+    )
+    tokenizer = read_gguf(damaged).tokenizer
+    assert tokenizer.bos_token_id is None
+    assert tokenizer.encode("hi") == read_gguf(path).tokenizer.encode("hi")
+
+
 def test_an_eos_id_past_the_vocabulary_is_no_eos_and_grammars_still_compile(convert, tmp_path):
     """Kept, an EOS id past the vocabulary made llguidance refuse every grammar."""
     _, damaged, past = with_id_past_the_vocabulary(convert, tmp_path, "tokenizer.ggml.eos_token_id")
