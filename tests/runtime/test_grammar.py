@@ -7,7 +7,6 @@ is complete, max_tokens cuts it short as LENGTH, and a bad grammar is refused by
 
 import json
 import re
-import time
 
 from runtime.checkpoint import load_model
 from runtime.engine import Engine
@@ -192,11 +191,12 @@ def test_the_boolean_schemas_admit_any_json_and_nothing(compiler, model):
     ],
 )
 def test_a_pathological_schema_is_refused_within_limits(compiler, schema):
-    started = time.perf_counter()
+    """Refused by a size limit, at once (0.3-2.7 s on a loaded box). Without cadence's
+    limits the enum compiled and the anyOf ran 18 s into another of llguidance's limits."""
     with pytest.raises(RequestError) as raised:
         compiler.compile(GrammarSpec("json_schema", json.dumps(schema), "response_format"))
     assert raised.value.param == "response_format"
-    assert time.perf_counter() - started < 5  # ~0.1-0.5 s measured; the limit stops it
+    assert re.search(r"too (big|large)", str(raised.value)), raised.value
 
 
 @pytest.mark.parametrize(
