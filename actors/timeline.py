@@ -58,19 +58,19 @@ def read_timeline(path: Path) -> Timeline:
 
     A step event whose numbers cannot be drawn (NaN, negative, too large for a float)
     is a CadenceError naming its line: a picture of a corrupt log would mislead."""
-    try:
+    max_batch = None
+    raw = []  # (when the step ended, its event): only step events are kept, as a log
+    try:  # of a long-running server is mostly other lines
         with path.open(encoding="utf-8", errors="replace") as lines:
-            events = [
-                (number, event)
-                for number, line in enumerate(lines, 1)
-                if (event := _event(line)) is not None
-            ]
+            for number, line in enumerate(lines, 1):
+                if (e := _event(line)) is None:
+                    continue
+                if e.get("event") == "ready" and max_batch is None:
+                    max_batch = e.get("max_batch")
+                elif (end := _step_end(e, f"{path}:{number}")) is not None:
+                    raw.append((end, e))
     except OSError as error:
         raise CadenceError(f"{path}: {error.strerror or error}") from None
-    max_batch = next((e.get("max_batch") for _, e in events if e.get("event") == "ready"), None)
-    raw = [
-        (end, e) for number, e in events if (end := _step_end(e, f"{path}:{number}")) is not None
-    ]
     if not raw:
         raise CadenceError(
             f"{path}: no step events (log with `cadence serve --log-format json --log-level debug`)"

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import tracemalloc
 from datetime import UTC, datetime, timedelta
 
 from runtime.errors import CadenceError
@@ -242,3 +243,18 @@ def test_the_title_sums_the_tokens_computed_the_cached_tokens_and_the_preemption
         draw(Timeline(steps), output)
     title = "2 steps, 138 tokens computed, 32 prompt tokens from the prefix cache, 1 preemptions"
     assert title in output.read_text()
+
+
+def test_a_long_log_is_read_in_memory_for_its_steps_not_its_lines(tmp_path):
+    """A long-running server's log is mostly request events: they are skipped as read."""
+    request = json.dumps({"request_id": "r" * 32, "event": "finished", "text_chars": 100, "pad": "x" * 300})
+    lines = [request] * 30_000 + [step_line(1, end_s=1.0, step_ms=50, rows=1, prefill_tokens=0, decode_rows=1)]
+    log = write_log(tmp_path / "long.jsonl", lines)  # 12 MB
+    tracemalloc.start()
+    try:
+        timeline = read_timeline(log)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(timeline.steps) == 1
+    assert peak < 2 << 20  # every line kept: 30 MB
