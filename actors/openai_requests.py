@@ -131,12 +131,12 @@ def parse_chat(body: dict[str, Any], *, max_n: int = DEFAULT_MAX_N) -> ApiReques
             400, "'modalities' must be [\"text\"]: this server writes text only", param="modalities"
         )
     messages = _field(body, "messages", list, required=True)
-    # check_request holds the allowlist of keys and their types.
+    # check_request holds the allowlists of keys (messages', the template's) and their types.
     template_kwargs = _field(body, "chat_template_kwargs", dict) or {}
     return _parse_common(
         body,
         "chat",
-        messages=tuple(_message(m, i) for i, m in enumerate(messages)),
+        messages=tuple(messages),
         chat_template_kwargs=tuple(template_kwargs.items()),
         max_n=max_n,
     )
@@ -238,7 +238,7 @@ def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any)
         tool_name=tools.name,
     )
     try:
-        check_request(request)
+        request = check_request(request)
     except RequestError as error:
         raise ApiError.from_error(error) from None
     return ApiRequest(
@@ -332,79 +332,7 @@ def _as_float(value: int | float) -> float:
         return math.inf if value > 0 else -math.inf
 
 
-def _message(message: Any, index: int) -> dict[str, Any]:
-    where = f"messages[{index}]"
-    if not isinstance(message, dict):
-        raise ApiError(400, f"{where} must be an object", param=where)
-    role, content = message.get("role"), message.get("content")
-    # A closed set: any other string would reach the template as a role of its own.
-    # `developer` renders as `system` where the template does not know it (ChatTemplate).
-    if not isinstance(role, str) or role not in _ROLES:
-        raise ApiError(
-            400,
-            f"{where}.role must be one of {', '.join(_ROLES)}, got {json.dumps(role)[:40]}",
-            param=f"{where}.role",
-        )
-    if isinstance(content, list):  # content parts: only text ones
-        if not all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content
-        ):
-            raise ApiError(
-                400, f"{where}.content parts must be text parts", param=f"{where}.content"
-            )
-        content = "".join(p["text"] for p in content)
-    if content is None:
-        content = ""
-    if not isinstance(content, str):
-        raise ApiError(
-            400,
-            f"{where}.content must be a string or a list of text parts",
-            param=f"{where}.content",
-        )
-    return {"role": role, "content": content, **_tool_keys(message, where)}
-
-
-def _tool_keys(message: dict[str, Any], where: str) -> dict[str, Any]:
-    """An assistant turn's `tool_calls`, a tool turn's `tool_call_id` (and `name`), checked."""
-    keys: dict[str, Any] = {}
-    for name in ("tool_call_id", "name"):
-        if (value := message.get(name)) is not None:
-            if not isinstance(value, str):
-                raise ApiError(400, f"{where}.{name} must be a string", param=f"{where}.{name}")
-            keys[name] = value
-    calls = message.get("tool_calls")
-    if calls is None:
-        return keys
-    if message.get("role") != "assistant" or not isinstance(calls, list):
-        raise ApiError(
-            400,
-            f"{where}.tool_calls must be a list on an assistant message",
-            param=f"{where}.tool_calls",
-        )
-    for i, call in enumerate(calls):
-        function = call.get("function") if isinstance(call, dict) else None
-        if not (
-            isinstance(function, dict)
-            and isinstance(function.get("name"), str)
-            and isinstance(function.get("arguments"), str)
-        ):
-            raise ApiError(
-                400,
-                f"{where}.tool_calls[{i}] must have function.name and function.arguments (a string)",
-                param=f"{where}.tool_calls[{i}]",
-            )
-        if not isinstance(call.get("id", ""), str):
-            param = f"{where}.tool_calls[{i}].id"
-            raise ApiError(400, f"{param} must be a string", param=param)
-        keys.setdefault("tool_calls", []).append(
-            {"id": call.get("id", ""), "type": "function", "function": dict(function)}
-        )
-    return keys
-
-
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
-_ROLES = ("system", "user", "assistant", "tool", "developer")
 # Fields OpenAI defines as having no effect on the output (end-user ids, tags, hints).
 _IGNORED_FIELDS: dict[str, type | tuple[type, ...]] = {
     "user": str,

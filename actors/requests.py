@@ -11,6 +11,8 @@ from runtime.sequence import SamplingParams
 
 import attrs
 
+from actors.chat_messages import chat_messages
+
 MAX_STOP_STRINGS = 16
 MAX_PRIORITY = 2**31 - 1
 MAX_STOP_BYTES = 4096  # per stop string, in UTF-8
@@ -107,7 +109,9 @@ class Delta:
 
 
 def check_request(request: GenerateRequest) -> GenerateRequest:
-    """Raise RequestError naming the first bad field; return the request unchanged."""
+    """The request in the form the actors take (its messages as actors/chat_messages.py
+    rebuilds them), or RequestError naming the first bad field. HTTP and the embedding
+    API both pass through here, so both follow one rule."""
     if (request.prompt is None) == (request.messages is None):
         raise RequestError("give exactly one of 'prompt' and 'messages'", param="prompt")
     # Types first: the embedding API passes whatever a caller gives (5, b"abc", a dict:
@@ -123,7 +127,7 @@ def check_request(request: GenerateRequest) -> GenerateRequest:
     if isinstance(request.prompt, tuple) and not all(_is_int(t) and t >= 0 for t in request.prompt):
         raise RequestError("token ids in 'prompt' must be non-negative integers", param="prompt")
     if request.messages is not None:
-        check_messages(request.messages)
+        request = attrs.evolve(request, messages=chat_messages(request.messages))
     check_chat_template_kwargs(request)
     if request.max_tokens is not None and (
         not _is_int(request.max_tokens) or request.max_tokens < 1
@@ -144,20 +148,6 @@ def check_request(request: GenerateRequest) -> GenerateRequest:
         raise RequestError(f"stop strings are limited to {MAX_STOP_BYTES} bytes each", param="stop")
     check_sampling(request.sampling)
     return request
-
-
-def check_messages(messages: tuple[dict[str, Any], ...]) -> None:
-    if not messages:
-        raise RequestError("'messages' must not be empty", param="messages")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise RequestError(f"messages[{i}] must be an object", param=f"messages[{i}]")
-        if not isinstance(message.get("role"), str):
-            raise RequestError(f"messages[{i}].role must be a string", param=f"messages[{i}].role")
-        if not isinstance(message.get("content"), str):
-            raise RequestError(
-                f"messages[{i}].content must be a string", param=f"messages[{i}].content"
-            )
 
 
 def check_chat_template_kwargs(request: GenerateRequest) -> None:

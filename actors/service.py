@@ -392,7 +392,7 @@ class LLM:
             raise RequestError("'stop' must be a string or a list of strings", param="stop")
         request = GenerateRequest(
             prompt=tuple(prompt) if isinstance(prompt, list) else prompt,
-            messages=tuple(messages) if messages is not None else None,
+            messages=tuple(messages) if isinstance(messages, list) else messages,
             max_tokens=max_tokens,
             sampling=params,
             stop=(stop,) if isinstance(stop, str) else tuple(stop),

@@ -179,6 +179,22 @@ def test_errors_keep_their_types(tiny):
     assert asyncio.run(main())
 
 
+def test_chat_messages_follow_the_rules_http_follows(tiny):
+    """A role outside HTTP's closed set reached the template; text parts were refused."""
+
+    async def main():
+        async with actors.open_llm_asyncio(tiny) as llm:
+            with pytest.raises(RequestError) as raised:
+                llm.generate(messages=[{"role": "robot", "content": "hi"}])
+            parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+            stream = llm.generate(messages=parts, max_tokens=3, ignore_eos=True)
+            return raised.value.param, [d async for d in stream]
+
+    param, deltas = asyncio.run(main())
+    assert param == "messages[0].role"
+    assert deltas[-1].usage.completion_tokens == 3
+
+
 @pytest.mark.parametrize(
     ("arguments", "error"),
     [({"model": "/no/such/checkpoint"}, CheckpointError), ({"max_batch": 0}, CadenceError)],

@@ -64,6 +64,40 @@ async def test_chat_messages_go_through_the_template(tiny):
     assert deltas[-1].usage.completion_tokens == 4
 
 
+async def test_chat_messages_follow_the_rules_http_follows(tiny):
+    """Embedded, any role reached the template as a turn of its own, and text parts or
+    a null content (an assistant turn of tool calls) were refused; over HTTP the roles
+    are a closed set and both of the others are accepted."""
+    as_text = [{"role": "user", "content": "hi there"}]
+    as_parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}],
+        }
+    ]
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    with_a_call = [
+        *as_text,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "4"},
+    ]
+    async with actors.open_llm(tiny) as llm:
+        with pytest.raises(RequestError) as raised:
+            llm.generate(messages=[{"role": "robot", "content": "hi"}])
+        assert raised.value.param == "messages[0].role"
+        assert "must be one of system, user, assistant, tool, developer" in str(raised.value)
+        with pytest.raises(RequestError) as raised:
+            llm.generate(messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+        assert raised.value.param == "messages[0].content"
+        replies = []
+        for messages in (as_text, as_parts, with_a_call):
+            async with llm.generate(messages=messages, max_tokens=4, ignore_eos=True) as generation:
+                replies.append(("".join([d.text async for d in generation]), generation))
+    (text, plain), (parts_text, parts) = replies[:2]
+    assert (parts_text, parts.num_prompt_tokens) == (text, plain.num_prompt_tokens)
+    assert replies[2][1].num_prompt_tokens > plain.num_prompt_tokens
+
+
 async def test_every_engine_call_runs_on_the_one_mlx_thread(tiny):
     idents = set()
     async with actors.open_llm(tiny) as llm:
@@ -366,6 +400,7 @@ async def test_cancelling_start_up_does_not_wait_for_the_kv_pool_to_fill(tiny, m
         ({"prompt": "hi", "grammar": "{}"}, "grammar"),
         ({"prompt": "hi", "logit_bias": {1.5: 1.0}}, "logit_bias"),  # was token 1's
         ({"prompt": "hi", "logit_bias": [(3, 1.0), (3, -1.0)]}, "logit_bias"),
+        ({"messages": "hi"}, "messages"),  # was "messages[0] must be an object"
     ],
 )
 async def test_a_bad_argument_to_generate_is_a_request_error_naming_it(tiny, arguments, named):

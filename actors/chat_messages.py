@@ -1,0 +1,93 @@
+"""Chat messages as the template sees them: one rule for HTTP and the embedding API.
+
+A message is checked and rebuilt from the keys cadence knows (`role`, `content`, a
+tool turn's `tool_call_id` and `name`, an assistant turn's `tool_calls`); any other
+key is dropped, as OpenAI's SDK replays an assistant message with `refusal`,
+`annotations` and `audio` set to null. Bad values raise RequestError naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from runtime.errors import RequestError
+
+# A closed set: any other string would reach the template as a role of its own.
+# `developer` renders as `system` where the template does not know it (ChatTemplate).
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def chat_messages(messages: Sequence[Any]) -> tuple[dict[str, Any], ...]:
+    """`messages` checked, each as a dict of string `role` and `content` (text parts
+    joined, a null content empty) and its tool keys; RequestError names the first bad one."""
+    if not isinstance(messages, list | tuple):
+        raise RequestError("'messages' must be a list of messages", param="messages")
+    if not messages:
+        raise RequestError("'messages' must not be empty", param="messages")
+    return tuple(_message(message, i) for i, message in enumerate(messages))
+
+
+def _message(message: Any, index: int) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise RequestError(f"{where} must be an object", param=where)
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str) or role not in ROLES:
+        shown = json.dumps(role, default=repr)[:40]
+        raise RequestError(
+            f"{where}.role must be one of {', '.join(ROLES)}, got {shown}", param=f"{where}.role"
+        )
+    if isinstance(content, list):  # content parts: only text ones
+        if not all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content
+        ):
+            raise RequestError(
+                f"{where}.content parts must be text parts", param=f"{where}.content"
+            )
+        content = "".join(p["text"] for p in content)
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise RequestError(
+            f"{where}.content must be a string or a list of text parts", param=f"{where}.content"
+        )
+    return {"role": role, "content": content, **_tool_keys(message, where)}
+
+
+def _tool_keys(message: dict[str, Any], where: str) -> dict[str, Any]:
+    """An assistant turn's `tool_calls`, a tool turn's `tool_call_id` (and `name`), checked."""
+    keys: dict[str, Any] = {}
+    for name in ("tool_call_id", "name"):
+        if (value := message.get(name)) is not None:
+            if not isinstance(value, str):
+                raise RequestError(f"{where}.{name} must be a string", param=f"{where}.{name}")
+            keys[name] = value
+    calls = message.get("tool_calls")
+    if calls is None:
+        return keys
+    if message.get("role") != "assistant" or not isinstance(calls, list):
+        raise RequestError(
+            f"{where}.tool_calls must be a list on an assistant message",
+            param=f"{where}.tool_calls",
+        )
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (
+            isinstance(function, dict)
+            and isinstance(function.get("name"), str)
+            and isinstance(function.get("arguments"), str)
+        ):
+            raise RequestError(
+                f"{where}.tool_calls[{i}] must have function.name and function.arguments (a string)",
+                param=f"{where}.tool_calls[{i}]",
+            )
+        if not isinstance(call.get("id", ""), str):
+            param = f"{where}.tool_calls[{i}].id"
+            raise RequestError(f"{param} must be a string", param=param)
+        keys.setdefault("tool_calls", []).append(
+            {"id": call.get("id", ""), "type": "function", "function": dict(function)}
+        )
+    return keys
