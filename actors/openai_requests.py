@@ -7,7 +7,6 @@ Every bad request becomes an `ApiError` whose body is exactly OpenAI's
 from __future__ import annotations
 
 import json
-import math
 import re
 from typing import Any
 
@@ -30,7 +29,9 @@ from actors.requests import (
     GenerationError,
     OverloadedError,
     ServiceClosedError,
+    as_float,
     check_request,
+    stop_strings,
 )
 
 
@@ -216,8 +217,7 @@ def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any)
             "'stream_options.include_usage' must be a boolean",
             param="stream_options.include_usage",
         )
-    stop = _field(body, "stop", (str, list)) or ()
-    stop = (stop,) if isinstance(stop, str) else stop  # check_request checks the items
+    stop = stop_strings(_field(body, "stop", (str, list)))
     # OpenAI's newer name wins, but both are checked: a bad one is refused, not ignored.
     limits = {name: _field(body, name, int) for name in ("max_completion_tokens", "max_tokens")}
     for name, limit in limits.items():
@@ -229,7 +229,7 @@ def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any)
         **prompt,
         max_tokens=max_tokens,
         sampling=sampling,
-        stop=tuple(stop),
+        stop=stop,
         ignore_eos=bool(_field(body, "ignore_eos", bool)),
         priority=_field(body, "priority", int, default=0),
         grammar=grammar,
@@ -300,12 +300,8 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
         "frequency_penalty",
     ):
         value = _field(body, name, (int, float))
-        values[name] = getattr(defaults, name) if value is None else _as_float(value)
-    values["top_k"] = _field(body, "top_k", int, default=0)
-    # -1: OpenAI-compatible servers commonly send it for "off". A k past any vocabulary
-    # keeps every token, as off does, and would overflow the engine's int32 top-k array.
-    if values["top_k"] == -1 or values["top_k"] > _MAX_TOP_K:
-        values["top_k"] = 0
+        values[name] = getattr(defaults, name) if value is None else as_float(value)
+    values["top_k"] = _field(body, "top_k", int, default=0)  # check_request reads -1 as off
     values["seed"] = _field(body, "seed", int)
     bias = _field(body, "logit_bias", dict) or {}
     pairs = []
@@ -317,19 +313,8 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
             or isinstance(value, bool)
         ):
             raise ApiError(400, "'logit_bias' maps token ids to numbers", param="logit_bias")
-        pairs.append((int(key), _as_float(value)))
+        pairs.append((int(key), as_float(value)))
     return SamplingParams(**values, logit_bias=pairs)
-
-
-_MAX_TOP_K = 2**31 - 1
-
-
-def _as_float(value: int | float) -> float:
-    """An integer too large for a float becomes infinite, which the range checks refuse."""
-    try:
-        return float(value)
-    except OverflowError:  # JSON integers are unbounded: 1 followed by 400 zeros
-        return math.inf if value > 0 else -math.inf
 
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")

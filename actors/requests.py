@@ -18,6 +18,7 @@ MAX_PRIORITY = 2**31 - 1
 MAX_STOP_BYTES = 4096  # per stop string, in UTF-8
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (chat) and logprobs (completions)
 MAX_SEED = 2**63 - 1  # mx.random.key takes [0, 2**64); vLLM and numpy stop at int64
+MAX_TOP_K = 2**31 - 1  # the engine's top-k array is int32
 # The chat template switches a client may set, and their types: `enable_thinking`
 # (Qwen3, GLM-4.5) and `thinking` (DeepSeek-V3.1, Hermes 4). Any variable beyond these
 # could steer a template in ways nobody reviewed, so the rest are refused.
@@ -146,8 +147,7 @@ def check_request(request: GenerateRequest) -> GenerateRequest:
         raise RequestError("stop strings must be non-empty strings", param="stop")
     if any(len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES for s in request.stop):
         raise RequestError(f"stop strings are limited to {MAX_STOP_BYTES} bytes each", param="stop")
-    check_sampling(request.sampling)
-    return request
+    return attrs.evolve(request, sampling=check_sampling(request.sampling))
 
 
 def check_chat_template_kwargs(request: GenerateRequest) -> None:
@@ -176,24 +176,27 @@ _RANGES: tuple[tuple[str, float, float, bool], ...] = (
 )
 
 
-def check_sampling(sampling: SamplingParams) -> None:
+def check_sampling(sampling: SamplingParams) -> SamplingParams:
+    """`sampling` with top_k's spellings of "off" as 0, or RequestError naming the first
+    bad field."""
     for name, low, high, low_ok in _RANGES:
         value = getattr(sampling, name)
-        if (
-            not isinstance(value, int | float)
-            or isinstance(value, bool)
-            or not math.isfinite(value)
-        ):
-            raise RequestError(f"'{name}' must be a finite number, got {value!r}", param=name)
+        if not _is_number(value) or not math.isfinite(as_float(value)):
+            raise RequestError(f"'{name}' must be a finite number, got {_shown(value)}", param=name)
         if value > high or value < low or (value == low and not low_ok):
             bracket = "[" if low_ok else "("
             raise RequestError(
                 f"'{name}' must be in {bracket}{low:g}, {high:g}], got {value!r}", param=name
             )
-    if not _is_int(sampling.top_k) or sampling.top_k < 0:
+    if not _is_int(sampling.top_k) or sampling.top_k < -1:
         raise RequestError(
-            f"'top_k' must be an integer >= 0, got {sampling.top_k!r}", param="top_k"
+            f"'top_k' must be an integer >= -1 (-1 or 0: off), got {_shown(sampling.top_k)}",
+            param="top_k",
         )
+    # -1: OpenAI-compatible servers commonly send it for "off". A k past any vocabulary
+    # keeps every token, as off does, and would overflow the engine's int32 top-k array.
+    if sampling.top_k == -1 or sampling.top_k > MAX_TOP_K:
+        sampling = attrs.evolve(sampling, top_k=0)
     if sampling.seed is not None and (
         not _is_int(sampling.seed) or not 0 <= sampling.seed <= MAX_SEED
     ):
@@ -210,15 +213,47 @@ def check_sampling(sampling: SamplingParams) -> None:
     for token, bias in sampling.logit_bias:
         if not _is_int(token) or token < 0:
             raise RequestError(f"logit_bias key {token!r} is not a token id", param="logit_bias")
-        if not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
+        if not _is_number(bias) or not -100.0 <= bias <= 100.0:
             raise RequestError(
-                f"logit_bias values must be in [-100, 100], got {bias!r}", param="logit_bias"
+                f"logit_bias values must be numbers in [-100, 100], got {_shown(bias)}",
+                param="logit_bias",
             )
     seen: set[int] = set()
     for token, _ in sampling.logit_bias:  # "5" and "05" in one JSON object: which bias?
         if token in seen:
             raise RequestError(f"logit_bias names token {token} twice", param="logit_bias")
         seen.add(token)
+    return sampling
+
+
+def stop_strings(stop: object) -> tuple[str, ...]:
+    """A request's `stop` as a tuple (check_request checks the strings): None or "" is
+    none, as HTTP's null and empty string, and one string is a list of one."""
+    if stop is None or stop == "":
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if not isinstance(stop, list | tuple):
+        raise RequestError("'stop' must be a string or a list of strings", param="stop")
+    return tuple(stop)
+
+
+def as_float(value: int | float) -> float:
+    """An integer too large for a float becomes infinite, which the range checks refuse."""
+    try:
+        return float(value)
+    except OverflowError:  # JSON integers are unbounded, and so are Python's: 10**400
+        return math.inf if value > 0 else -math.inf
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _shown(value: object) -> str:
+    """A value in an error message, cut short: a caller's value may be a megabyte."""
+    shown = repr(value)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
 
 
 def _is_int(value: object) -> bool:

@@ -47,7 +47,7 @@ from actors.gpu import GpuActor
 from actors.messages import AbortAll, Admit, GpuMessage, SchedulerMessage, StreamerMessage
 from actors.metrics import Metrics
 from actors.mlx_thread import MlxThread, shared_mlx_thread
-from actors.requests import GenerateRequest, ServiceClosedError, check_request
+from actors.requests import GenerateRequest, ServiceClosedError, check_request, stop_strings
 from actors.scheduler import SchedulerActor
 from actors.streamer import Streamer
 
@@ -374,7 +374,8 @@ class LLM:
         `sampling` takes `runtime.sequence.SamplingParams` fields (temperature, top_p,
         top_k, min_p, seed, penalties, logit_bias as {token_id: bias}, logprobs=N for
         each token's logprob and its N most likely alternatives, 0..20, in
-        `Delta.logprobs`); temperature 0 (the default) is greedy. `grammar`: structured
+        `Delta.logprobs`); temperature 0 (the default) is greedy. They are checked as
+        the HTTP server checks them (top_k -1 is off, None is the default). `grammar`: structured
         output, e.g. `GrammarSpec("json_schema", schema_text, "grammar")` (runtime/grammar.py);
         a grammar that does not compile fails `start()` with RequestError. `priority`: lower values are scheduled first and
         preempted last (vLLM's meaning); equal ones first come, first served.
@@ -382,20 +383,18 @@ class LLM:
         `async with`, so that leaving early aborts the request at once.
         Raises RequestError for a bad argument.
         """
+        # None is the default, as null is over HTTP (and as OpenAI's clients send unset fields).
+        given = {name: value for name, value in sampling.items() if value is not None}
         try:
-            params = SamplingParams(**sampling)
+            params = SamplingParams(**given)
         except (TypeError, ValueError) as error:
             raise RequestError(f"bad sampling parameter: {error}") from None
-        if stop is None:  # as OpenAI's clients send an unset stop
-            stop = ()
-        elif not isinstance(stop, str | list | tuple):
-            raise RequestError("'stop' must be a string or a list of strings", param="stop")
         request = GenerateRequest(
             prompt=tuple(prompt) if isinstance(prompt, list) else prompt,
             messages=tuple(messages) if isinstance(messages, list) else messages,
             max_tokens=max_tokens,
             sampling=params,
-            stop=(stop,) if isinstance(stop, str) else tuple(stop),
+            stop=stop_strings(stop),
             ignore_eos=ignore_eos,
             priority=priority,
             grammar=grammar,

@@ -401,6 +401,9 @@ async def test_cancelling_start_up_does_not_wait_for_the_kv_pool_to_fill(tiny, m
         ({"prompt": "hi", "logit_bias": {1.5: 1.0}}, "logit_bias"),  # was token 1's
         ({"prompt": "hi", "logit_bias": [(3, 1.0), (3, -1.0)]}, "logit_bias"),
         ({"messages": "hi"}, "messages"),  # was "messages[0] must be an object"
+        ({"prompt": "hi", "logit_bias": {3: True}}, "logit_bias"),  # was a bias of 1
+        ({"prompt": "hi", "temperature": 10**400}, "temperature"),  # was an OverflowError
+        ({"prompt": "hi", "top_k": -2}, "top_k"),
     ],
 )
 async def test_a_bad_argument_to_generate_is_a_request_error_naming_it(tiny, arguments, named):
@@ -410,6 +413,25 @@ async def test_a_bad_argument_to_generate_is_a_request_error_naming_it(tiny, arg
         assert raised.value.param == named
         # An unset stop (None, as OpenAI's clients send) is no stop, not a TypeError.
         assert (await complete(llm, "hi", stop=None, max_tokens=2, ignore_eos=True))[0]
+
+
+async def test_sampling_arguments_mean_what_the_same_http_fields_mean(tiny):
+    """top_k -1 (off over HTTP) was refused embedded, and so was None for a field (null,
+    its default, over HTTP); an empty stop string is no stop, as over HTTP."""
+    async with actors.open_llm(tiny) as llm:
+        plain, _ = await complete(llm, "hi", max_tokens=6, ignore_eos=True)
+        as_http, generation = await complete(
+            llm,
+            "hi",
+            max_tokens=6,
+            ignore_eos=True,
+            top_k=-1,
+            temperature=None,
+            top_p=None,
+            logit_bias=None,
+            stop="",
+        )
+    assert as_http == plain and generation.finish_reason == "length"
 
 
 async def test_a_second_reader_of_one_generation_is_told_so(tiny):
