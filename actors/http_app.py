@@ -212,7 +212,7 @@ def _served(state: ServerState, model: str) -> LLM:
 
 
 def _model_card(llm: LLM) -> dict[str, Any]:
-    return {"id": llm.name, "object": "model", "created": 0, "owned_by": "cadence"}
+    return {"id": llm.name, "object": "model", "created": llm.loaded_at, "owned_by": "cadence"}
 
 
 async def _complete(state: ServerState, api: ApiRequest) -> Response:

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import hashlib
 import math
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -335,6 +336,7 @@ class LLM:
         metrics: Metrics,
     ):
         self.name = name  # what /v1/models reports
+        self.loaded_at = int(time.time())  # Unix seconds: /v1/models' `created`, as OpenAI's
         self.metrics = metrics  # what /metrics exposes
         self.max_context = engine.max_context
         self.max_batch = engine.max_batch

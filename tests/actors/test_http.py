@@ -99,11 +99,14 @@ CHAT = [{"role": "user", "content": "Tell me about Python."}]
 
 
 async def test_models_and_health(tiny):
+    started = int(time.time())
     async with serving(tiny) as server:
         models = await in_thread(server.client().models.list)
         assert [m.id for m in models.data] == [server.model]
         model = await in_thread(server.client().models.retrieve, server.model)
         assert (model.id, model.object) == (server.model, "model")
+        # When it was loaded, in Unix seconds, as OpenAI's; it was 0.
+        assert started <= model.created == models.data[0].created <= time.time()
         with pytest.raises(openai.NotFoundError) as raised:
             await in_thread(server.client().models.retrieve, "org/other-model")
         assert raised.value.code == "model_not_found"
