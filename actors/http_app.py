@@ -94,7 +94,6 @@ def create_app(
             raise ApiError(
                 401,
                 "a valid API key is required: send 'Authorization: Bearer <key>'",
-                "authentication_error",
                 code="invalid_api_key",
             )
         return None
@@ -114,16 +113,18 @@ def create_app(
 
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException) -> Response:
-        kind = "not_found_error" if error.code == 404 else "invalid_request_error"
         # A 405 must name the allowed methods (RFC 9110); werkzeug's error holds them.
         allow = tuple((k, v) for k, v in error.get_headers() if k.lower() == "allow")
+        if error.code == 404:  # OpenAI's words and code for a path it does not serve
+            where = f"{request.method} {request.path}"[:200]
+            return _error_response(ApiError(404, f"Invalid URL ({where})", code="unknown_url"))
         message = error.description or error.name
-        return _error_response(ApiError(error.code or 500, message, kind, headers=allow))
+        return _error_response(ApiError(error.code or 500, message, headers=allow))
 
     @app.errorhandler(Exception)
     async def unexpected(error: Exception) -> Response:
         log.exception("unhandled error")
-        return _error_response(ApiError(500, "internal server error", "server_error"))
+        return _error_response(ApiError(500, "internal server error"))
 
     @app.get("/")
     async def playground() -> Response:
@@ -204,7 +205,6 @@ def _served(state: ServerState, model: str) -> LLM:
         raise ApiError(
             404,
             f"the model '{model[:256]}' does not exist; this server has '{llm.name}'",
-            "not_found_error",
             param="model",
             code="model_not_found",
         )

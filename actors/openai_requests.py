@@ -39,10 +39,16 @@ from actors.requests import (
 class ApiError(Exception):
     status: int
     message: str
-    type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
     headers: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def type(self) -> str:
+        """OpenAI's type for the status: it answers a bad key, an unknown model or URL
+        with invalid_request_error too (`code` tells them apart), and a fault of its own
+        with server_error."""
+        return "server_error" if self.status >= 500 else "invalid_request_error"
 
     def body(self) -> dict[str, Any]:
         return {
@@ -61,13 +67,13 @@ class ApiError(Exception):
                 return cls(400, str(error), param=error.param, code=error.code)
             case OverloadedError():
                 headers = (("Retry-After", str(error.retry_after)),)
-                return cls(503, str(error), "server_error", code="overloaded", headers=headers)
+                return cls(503, str(error), code="overloaded", headers=headers)
             case ServiceClosedError():
                 headers = (("Retry-After", "1"),)
-                return cls(503, str(error), "server_error", code="unavailable", headers=headers)
+                return cls(503, str(error), code="unavailable", headers=headers)
             case GenerationError():
-                return cls(500, str(error), "server_error", code="generation_failed")
-        return cls(500, str(error), "server_error")
+                return cls(500, str(error), code="generation_failed")
+        return cls(500, str(error))
 
 
 @attrs.frozen

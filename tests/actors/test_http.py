@@ -109,7 +109,9 @@ async def test_models_and_health(tiny):
         assert started <= model.created == models.data[0].created <= time.time()
         with pytest.raises(openai.NotFoundError) as raised:
             await in_thread(server.client().models.retrieve, "org/other-model")
-        assert raised.value.code == "model_not_found"
+        # OpenAI's type and code for an unknown model (its type was not_found_error).
+        error = (raised.value.type, raised.value.code)
+        assert error == ("invalid_request_error", "model_not_found")
         assert (await in_thread(request, server.url, "GET", "/health"))[0] == 200
         server.state.is_draining = True
         status, _, body = await in_thread(request, server.url, "GET", "/health")
@@ -629,6 +631,7 @@ async def test_every_bad_request_gets_an_openai_error_object(tiny):
                 "code",
             }, name
             assert (got["error"]["param"], got["error"]["code"]) == (param, code), name
+            assert got["error"]["type"] == "invalid_request_error", name  # OpenAI's, for any 4xx
             assert got["error"]["message"], name
         too_large = json.dumps({"model": server.model, "prompt": "x" * 20000}).encode()
         status, _, got = await in_thread(
@@ -661,7 +664,16 @@ async def test_every_bad_request_gets_an_openai_error_object(tiny):
         )
         assert status == 200, got
         status, _, got = await in_thread(request, server.url, "GET", "/v1/nowhere")
-        assert status == 404 and got["error"]["type"] == "not_found_error"
+        # OpenAI's answer to a path it does not serve: its type was not_found_error.
+        assert (status, got["error"]) == (
+            404,
+            {
+                "message": "Invalid URL (GET /v1/nowhere)",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "unknown_url",
+            },
+        )
         status, _, got = await in_thread(request, server.url, "GET", "/v1/completions")
         assert status == 405 and got["error"]["type"] == "invalid_request_error"
         # None of the above took the server down: a plain request still completes.
@@ -777,7 +789,7 @@ async def test_with_api_keys_every_route_but_health_needs_a_valid_bearer_token(t
                 request, server.url, "POST", "/v1/completions", body, headers
             )
             assert status == 401, headers
-            assert got["error"]["type"] == "authentication_error"
+            assert got["error"]["type"] == "invalid_request_error"  # OpenAI's, with the code below
             assert got["error"]["code"] == "invalid_api_key" and "x-request-id" in got_headers
         status, _, _ = await in_thread(request, server.url, "GET", "/v1/models")
         assert status == 401
