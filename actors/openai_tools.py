@@ -177,12 +177,14 @@ def tool_request(body: dict[str, Any]) -> ToolRequest:
     if parallel is not None and not isinstance(parallel, bool):
         raise RequestError("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
     choice = body.get("tool_choice")
+    # As OpenAI: a choice among no tools, or how to call none, is a mistake.
+    for field, value in (("tool_choice", choice), ("parallel_tool_calls", parallel)):
+        if value is not None and not tools:
+            raise RequestError(f"'{field}' is only allowed when 'tools' are specified", param=field)
     names = [tool["function"]["name"] for tool in tools]
     is_parallel = parallel is not False
     if choice is None:
         return ToolRequest(tuple(tools), "auto", is_parallel=is_parallel)
-    if not tools:  # as OpenAI: a choice among no tools is a mistake
-        raise RequestError("'tool_choice' needs 'tools'", param="tool_choice")
     if choice in ("auto", "none", "required"):
         return ToolRequest(tuple(tools), choice, is_parallel=is_parallel)
     function = choice.get("function") if isinstance(choice, dict) else None

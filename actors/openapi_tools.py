@@ -68,7 +68,7 @@ TOOL_FIELDS: dict[str, Any] = {
     "tools": or_null({"type": "array", "maxItems": MAX_TOOLS, "items": {"$ref": _REF + "Tool"}}),
     "tool_choice": or_null(
         {
-            "description": "required and a named function need 'tools'",
+            "description": "only beside 'tools'",
             "anyOf": [
                 {"enum": ["auto", "none", "required"]},
                 {
@@ -86,7 +86,7 @@ TOOL_FIELDS: dict[str, Any] = {
             ],
         }
     ),
-    "parallel_tool_calls": or_null({"type": "boolean"}),
+    "parallel_tool_calls": or_null({"type": "boolean", "description": "only beside 'tools'"}),
 }
 
 # A chat message's tool parts.

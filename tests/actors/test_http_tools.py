@@ -13,6 +13,7 @@ import urllib.parse
 from runtime.tokenizer import Tokenizer
 
 import jsonschema
+import openai
 import pytest
 
 from tests.actors.test_http import in_thread, request, serving
@@ -267,6 +268,21 @@ async def test_bad_structured_output_or_tools_are_a_400_naming_the_field(tiny, b
         answer["error"]["param"] == param
         and param.split(".")[0].split("[")[0] in answer["error"]["message"]
     )
+
+
+async def test_tool_settings_without_tools_are_a_400_as_openais(tiny):
+    """parallel_tool_calls without tools was accepted, and did nothing: OpenAI answers
+    400 to it, as to a tool_choice without tools."""
+    async with serving(tiny) as server:
+        for field, value in (("parallel_tool_calls", False), ("tool_choice", "none")):
+            with pytest.raises(openai.BadRequestError) as raised:
+                await in_thread(whole, server, messages=ASK, max_tokens=2, **{field: value})
+            assert raised.value.param == field
+            assert f"'{field}' is only allowed when 'tools' are specified" in str(raised.value)
+        done = await in_thread(
+            whole, server, messages=ASK, max_tokens=2, tools=TOOLS, parallel_tool_calls=False
+        )
+    assert done.usage.completion_tokens >= 1
 
 
 def raw_post(url, body) -> tuple[int, bytes]:

@@ -216,6 +216,8 @@ def named(name):
         ({"tools": [{**TOOL, "function": {"name": "f", "parameters": []}}]}, "tools[0]"),
         ({"tools": [TOOL], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
         ({"tool_choice": "auto"}, "tool_choice"),  # a choice among no tools
+        ({"parallel_tool_calls": False}, "parallel_tool_calls"),  # as OpenAI; it was accepted
+        ({"tools": [], "parallel_tool_calls": True}, "parallel_tool_calls"),
         ({"tools": [TOOL], "tool_choice": {**TOOL, "type": "tool"}}, "tool_choice"),
         ({"tools": [TOOL], "tool_choice": {**TOOL, "function": {"name": "g"}}}, "tool_choice"),
     ],
