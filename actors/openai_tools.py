@@ -102,6 +102,10 @@ def _response_format(value: Any) -> GrammarSpec:
 # as some other servers take a schema, gave any JSON object, not one of that schema.
 _RESPONSE_FORMAT_KEYS = frozenset({"type", "json_schema"})
 _JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})  # description: a hint
+# OpenAI's keys of a function tool. `strict` changes nothing: a forced call follows the
+# parameters' schema whatever it says, and an `auto` one is not constrained either way.
+_TOOL_KEYS = frozenset({"type", "function"})
+_FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
 
 
 def _refuse_unknown_keys(value: dict[str, Any], known: frozenset[str], where: str) -> None:
@@ -166,6 +170,9 @@ def tool_request(body: dict[str, Any]) -> ToolRequest:
                 f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}",
                 param=f"tools[{i}]",
             )
+        # A typo'd key was dropped: "paramters" made a tool that takes no parameters.
+        _refuse_unknown_keys(tool, _TOOL_KEYS, f"tools[{i}]")
+        _refuse_unknown_keys(function, _FUNCTION_KEYS, f"tools[{i}].function")
         if _FUNCTION_NAME.fullmatch(function["name"]) is None:
             # OpenAI's rule. Quotes, newlines or markup in a name ('</tool_call>') break
             # the call format the model writes it in: a forced call came back as text.

@@ -145,8 +145,12 @@ TOOL_SCHEMA: dict[str, Any] = {
             "required": ["name"],
             "properties": {
                 "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},  # OpenAI's
+                "description": {},
                 "parameters": {"type": "object"},
+                "strict": {},
             },
+            "additionalProperties": False,
         },
     },
+    "additionalProperties": False,
 }

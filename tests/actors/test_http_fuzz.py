@@ -252,6 +252,8 @@ EDGES = [
     (CHAT, "structured_outputs", {"regex": "a"}, {"pattern": "a"}),
     (CHAT, "tools", [TOOL] * MAX_TOOLS, [TOOL] * (MAX_TOOLS + 1)),
     (CHAT, "tools", [TOOL], [{"type": "function", "function": {"name": ""}}]),
+    (CHAT, "tools", [TOOL], [{**TOOL, "strict": True}]),
+    (CHAT, "tools", [TOOL], [{"type": "function", "function": {"name": "f", "paramters": {}}}]),
     ({**CHAT, "tools": [TOOL]}, "tool_choice", "required", "any"),
     (CHAT, "response_format", {"type": "text"}, {"type": "xml"}),
     (CHAT, "response_format", {"type": "json_object"}, {"type": "json_object", "schema": {}}),

@@ -285,6 +285,38 @@ async def test_tool_settings_without_tools_are_a_400_as_openais(tiny):
     assert done.usage.completion_tokens >= 1
 
 
+async def test_an_unknown_key_in_a_tool_is_a_400_naming_it_and_one_in_a_message_is_not(tiny):
+    """A typo'd `paramters` was dropped, leaving a tool without parameters. Messages
+    stay lenient: OpenAI's SDK replays a reply with refusal, annotations, audio null."""
+    typo = {"type": "function", "function": {"name": "get_weather", "paramters": WEATHER}}
+    misplaced = {**TOOLS[0], "strict": True}  # strict belongs inside `function`
+    async with serving(tiny) as server:
+        for tools, param in (
+            (TOOLS[:1] + [typo], "tools[1].function.paramters"),
+            ([misplaced], "tools[0].strict"),
+        ):
+            with pytest.raises(openai.BadRequestError) as raised:
+                await in_thread(whole, server, messages=ASK, max_tokens=2, tools=tools)
+            assert (raised.value.param, raised.value.code) == (param, "unknown_field")
+            assert param in str(raised.value)
+        reply = await in_thread(whole, server, messages=ASK, max_tokens=3)
+        replayed = reply.choices[0].message.model_dump()  # every field, None where unset
+        assert {"refusal", "annotations", "audio"} <= replayed.keys()
+        again = await in_thread(
+            whole,
+            server,
+            messages=[*ASK, replayed, {"role": "user", "content": "And in Rome?"}],
+            max_tokens=3,
+            tools=[
+                {
+                    "type": "function",
+                    "function": {**TOOLS[0]["function"], "description": "d", "strict": True},
+                }
+            ],
+        )
+    assert again.usage.prompt_tokens > reply.usage.prompt_tokens
+
+
 def raw_post(url, body) -> tuple[int, bytes]:
     parts = urllib.parse.urlsplit(url)
     connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)

@@ -217,6 +217,12 @@ def named(name):
         ({"tools": [TOOL], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
         ({"tool_choice": "auto"}, "tool_choice"),  # a choice among no tools
         ({"parallel_tool_calls": False}, "parallel_tool_calls"),  # as OpenAI; it was accepted
+        # Unknown keys were dropped: a typo'd "paramters" made a tool without parameters.
+        (
+            {"tools": [{**TOOL, "function": {"name": "f", "paramters": {}}}]},
+            "tools[0].function.paramters",
+        ),
+        ({"tools": [TOOL, {**TOOL, "strict": True}]}, "tools[1].strict"),
         ({"tools": [], "parallel_tool_calls": True}, "parallel_tool_calls"),
         ({"tools": [TOOL], "tool_choice": {**TOOL, "type": "tool"}}, "tool_choice"),
         ({"tools": [TOOL], "tool_choice": {**TOOL, "function": {"name": "g"}}}, "tool_choice"),
@@ -226,6 +232,11 @@ def test_bad_tools_are_refused_naming_the_field(body, param):
     with pytest.raises(RequestError) as caught:
         tool_request(body)
     assert caught.value.param == param
+
+
+def test_openais_function_tool_keys_are_all_accepted():
+    function = {"name": "f", "description": "d", "parameters": {"type": "object"}, "strict": True}
+    assert tool_request({"tools": [{"type": "function", "function": function}]}).tools
 
 
 def test_function_names_as_openai_allows_them_are_accepted():
