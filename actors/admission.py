@@ -126,7 +126,12 @@ class Admission:
         """Render, tokenize and size the request (runs on a worker thread: no MLX here)."""
         if request.messages is not None:
             tools = request.tools if request.tool_choice != "none" else ()
-            source = self.tokenizer.chat_template_source
+            # A checkpoint may name a template of its own for a chat with tools (`tool_use`).
+            source = (
+                self.tokenizer.tool_use_template_source
+                if tools
+                else self.tokenizer.chat_template_source
+            )
             tokens = self.tokenizer.encode_chat(
                 chat_for_template(
                     request.messages, tools, self.tool_style, template_knows_tools(source)

@@ -301,7 +301,7 @@ async def _start_actors(
         stream_send.clone(),
         waiting_slots,
         GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, engine.eos_ids),
-        tool_style_for(loaded.tokenizer.chat_template_source, loaded.config.model_type),
+        tool_style_for(loaded.tokenizer.tool_use_template_source, loaded.config.model_type),
     )
     actors = (
         Streamer(loaded.tokenizer, stream_recv, sched_send.clone(), metrics),

@@ -56,12 +56,15 @@ class Tokenizer:
         special_tokens: Mapping[str, str] | None = None,
         add_bos_token: bool | None = None,
         chat_template: str | None = None,
+        tool_use_template: str | None = None,
         byte_fallback: bool = False,
     ):
         """`special_tokens` maps `bos_token`/`eos_token`/... to token strings.
 
+        `tool_use_template` is the template a chat with tools renders through, where the
+        checkpoint names one (`tool_use`) beside its default `chat_template`.
         `byte_fallback` says the decoder joins `<0xNN>` pieces into characters.
-        Raises `jinja2.TemplateSyntaxError` if `chat_template` does not compile.
+        Raises `jinja2.TemplateSyntaxError` if a template does not compile.
         """
         self._backend = backend
         special_tokens = dict(special_tokens or {})
@@ -77,6 +80,9 @@ class Tokenizer:
             self._bos_to_prepend = [bos_id]
         self.has_chat_template: bool = bool(chat_template)
         self._chat_template = ChatTemplate(chat_template or CHATML_TEMPLATE, special_tokens)
+        self._tool_use_template = (
+            ChatTemplate(tool_use_template, special_tokens) if tool_use_template else None
+        )
         self._byte_piece_ids = _byte_piece_ids(backend) if byte_fallback else frozenset()
         # Text that decodes as itself, for decoding a token as it does after other text.
         context = backend.encode("a", add_special_tokens=False).ids
@@ -100,7 +106,9 @@ class Tokenizer:
 
         Reads tokenizer.json (required) and, when present, tokenizer_config.json,
         special_tokens_map.json and chat_template.jinja (which wins over the config's
-        `chat_template`, as in transformers). Raises `CheckpointError` naming the bad file.
+        `chat_template`, as in transformers; a config listing named templates gives
+        "default" for chat and "tool_use" for a chat with tools). Raises
+        `CheckpointError` naming the bad file.
         """
         path = Path(path)
         tokenizer_file = path / "tokenizer.json"
@@ -125,6 +133,7 @@ class Tokenizer:
                 special_tokens[name] = text
         _register_special_tokens(backend, config, special_map, special_tokens.values())
         template, template_file = _chat_template_source(path, config, config_file)
+        tool_use_template = _tool_use_template(path, config, config_file, special_tokens)
         add_bos_token = config.get("add_bos_token")
         try:
             return cls(
@@ -132,6 +141,7 @@ class Tokenizer:
                 special_tokens=special_tokens,
                 add_bos_token=add_bos_token if isinstance(add_bos_token, bool) else None,
                 chat_template=template,
+                tool_use_template=tool_use_template,
                 byte_fallback=_has_byte_fallback(raw.get("decoder")),
             )
         except jinja2.TemplateSyntaxError as exc:
@@ -185,6 +195,17 @@ class Tokenizer:
         """The Jinja source in use: the checkpoint's, or the ChatML fallback."""
         return self._chat_template.source
 
+    @property
+    def tool_use_template_source(self) -> str:
+        """The Jinja source a chat with tools renders through: the checkpoint's
+        "tool_use" template where it names one, as transformers chooses, else the chat's."""
+        return self._template_for(has_tools=True).source
+
+    def _template_for(self, has_tools: bool) -> ChatTemplate:
+        if has_tools and self._tool_use_template is not None:
+            return self._tool_use_template
+        return self._chat_template
+
     def backend_json(self) -> str:
         """The `tokenizers` tokenizer as its JSON file reads (llguidance builds its own from it)."""
         return self._backend.to_str()
@@ -217,7 +238,7 @@ class Tokenizer:
         forge a turn; unlike transformers, which parses it. Raises `RequestError` when the
         template rewrites such a message so that its text cannot be told from the template's.
         """
-        prompt, spans = self._chat_template.render_with_spans(
+        prompt, spans = self._template_for(bool(tools)).render_with_spans(
             messages, add_generation_prompt, template_kwargs, self._spells_special_token, tools
         )
         _check_unicode(prompt)
@@ -389,17 +410,47 @@ def _chat_template_source(
     template = config.get("chat_template")
     if isinstance(template, list):
         # Several named templates: the "default" one is for plain chat.
-        named = {
-            entry.get("name"): entry.get("template")
-            for entry in template
-            if isinstance(entry, dict)
-        }
+        named = _named_templates(config)
         template = named.get("default", next(iter(named.values()), None))
     if template is not None and not isinstance(template, str):
         raise CheckpointError(
             f"{config_file}: 'chat_template' should be a string, got {type(template).__name__}"
         )
     return template, config_file
+
+
+def _named_templates(config: dict[str, Any]) -> dict[Any, Any]:
+    """{name: template} of a config whose `chat_template` is a list of named templates
+    (`[{"name": "default", ...}, {"name": "tool_use", ...}]`, as Hermes models ship);
+    {} for a single template. Each template is its user's to check."""
+    entries = config.get("chat_template")
+    if not isinstance(entries, list):
+        return {}
+    return {
+        entry.get("name"): entry.get("template") for entry in entries if isinstance(entry, dict)
+    }
+
+
+def _tool_use_template(
+    path: Path, config: dict[str, Any], config_file: Path, special_tokens: Mapping[str, str]
+) -> str | None:
+    """The config's "tool_use" template, checked: a string that compiles. As in
+    transformers, a chat_template.jinja replaces all of the config's templates."""
+    template = _named_templates(config).get("tool_use")
+    if template is None or (path / "chat_template.jinja").exists():
+        return None
+    if not isinstance(template, str):
+        raise CheckpointError(
+            f"{config_file}: the 'tool_use' chat template should be a string, "
+            f"got {type(template).__name__}"
+        )
+    try:
+        ChatTemplate(template, special_tokens)
+    except jinja2.TemplateSyntaxError as exc:
+        raise CheckpointError(
+            f"{config_file}: the 'tool_use' chat template does not compile ({one_line(exc)})"
+        ) from exc
+    return template
 
 
 def _has_byte_fallback(decoder: Any) -> bool:

@@ -15,6 +15,7 @@ from runtime.tokenizer import Tokenizer
 import jsonschema
 import openai
 import pytest
+import transformers
 
 from tests.actors.test_http import in_thread, request, serving
 from tests.actors.tool_templates import TEMPLATES, with_template
@@ -151,6 +152,33 @@ async def test_a_tool_history_is_accepted_and_shapes_the_prompt(styled):
         longer = await in_thread(whole, server, messages=history, tools=TOOLS, max_tokens=1)
         bare = await in_thread(whole, server, messages=ASK, max_tokens=1)
     assert longer.usage.prompt_tokens > short.usage.prompt_tokens > bare.usage.prompt_tokens
+
+
+async def test_a_named_tool_use_template_renders_a_chat_with_tools_and_sets_the_format(
+    make_checkpoint, tmp_path
+):
+    """A Hermes-style checkpoint names a `default` template and a `tool_use` one: a chat
+    with tools is rendered through `tool_use`, as transformers renders it, and the call
+    format is read from it; a chat without tools keeps `default`."""
+    named = [
+        {"name": "default", "template": TEMPLATES["gemma"]},
+        {"name": "tool_use", "template": TEMPLATES["llama3_json"]},
+    ]
+    checkpoint = with_template(make_checkpoint("llama"), tmp_path / "named", named)
+    reference = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    async with serving(checkpoint) as server:
+        assert server.llm.tool_style == "llama3_json"
+        tooled = await in_thread(
+            whole, server, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80
+        )
+        bare = await in_thread(whole, server, messages=ASK, max_tokens=1)
+    for usage, tools in ((tooled.usage, TOOLS), (bare.usage, None)):
+        want = reference.apply_chat_template(
+            ASK, tools=tools, add_generation_prompt=True, return_dict=False
+        )
+        assert usage.prompt_tokens == len(want)
+    (call,) = tooled.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
 PERSON = {

@@ -416,6 +416,50 @@ def test_named_templates_use_the_default(checkpoint_dirs, tmp_path):
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi!"
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object"}},
+}
+
+
+def test_a_chat_with_tools_renders_through_the_named_tool_use_template(checkpoint_dirs, tmp_path):
+    """Hermes models ship `default` and `tool_use`: transformers renders a chat with tools
+    through `tool_use`, which is where the model was shown its tools."""
+    path = shutil.copytree(checkpoint_dirs["llama"], tmp_path / "ckpt")
+    templates = [
+        {"name": "default", "template": CHATML_TEMPLATE},
+        {"name": "tool_use", "template": "{{ tools | tojson }}\n" + CHATML_TEMPLATE},
+    ]
+    edit_json(path / "tokenizer_config.json", chat_template=templates)
+    tok, ref = Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(str(path))
+    messages = CONVERSATIONS["single"]
+    for tools in (None, [WEATHER_TOOL]):
+        want = ref.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, return_dict=False
+        )
+        assert tok.encode_chat(messages, tools=tools) == want
+    assert "get_weather" in tok.decode(tok.encode_chat(messages, tools=[WEATHER_TOOL]))
+    assert tok.tool_use_template_source == templates[1]["template"]
+    assert tok.chat_template_source == CHATML_TEMPLATE
+
+
+@pytest.mark.parametrize(
+    ("template", "named"), [(5, "should be a string"), ("{% if %}", "does not compile")]
+)
+def test_a_broken_tool_use_template_is_a_checkpoint_error_naming_it(
+    checkpoint_dirs, tmp_path, template, named
+):
+    path = shutil.copytree(checkpoint_dirs["llama"], tmp_path / "ckpt")
+    templates = [
+        {"name": "default", "template": CHATML_TEMPLATE},
+        {"name": "tool_use", "template": template},
+    ]
+    edit_json(path / "tokenizer_config.json", chat_template=templates)
+    message = f"tokenizer_config.json: the 'tool_use' chat template {named}"
+    with pytest.raises(CheckpointError, match=message):
+        Tokenizer.from_dir(path)
+
+
 def test_add_bos_token_without_a_bos_post_processor(checkpoint_dirs, tmp_path):
     # Older Llama exports say add_bos_token in the config and leave BOS out of tokenizer.json.
     path = shutil.copytree(checkpoint_dirs["llama"], tmp_path / "ckpt")
