@@ -24,7 +24,7 @@ from runtime.files import check_regular, one_line, read_json, shortened
 from runtime.gguf import is_gguf_file, read_gguf
 from runtime.models import build_model, rename_weights
 from runtime.models.layers import CausalLM
-from runtime.tokenizer import Tokenizer
+from runtime.tokenizer import TOOL_USE_TEMPLATE_FILE, Tokenizer
 
 import attrs
 import mlx.core as mx
@@ -34,12 +34,20 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 DEMO_CHECKPOINT = Path(__file__).with_name("demo")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed, never loaded
-# What a Hub snapshot needs: the top-level config, tokenizer and weight files. Mistral's
+# What a Hub snapshot needs: the top-level config, tokenizer and weight files, and the
+# chat templates (transformers saves a named "tool_use" one in a folder). Mistral's
 # repos also hold their own format's weights (consolidated.safetensors: 14.5 GB more for
 # Mistral-7B-Instruct-v0.3), others keep other formats in folders (original/, onnx/);
-# none of those is ever read.
-HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
-HUB_IGNORE_PATTERNS = ["*/*", "consolidated*.safetensors"]
+# none of those is ever read. (fnmatch's `*` crosses folders: "*.json" alone matched
+# original/params.json.)
+HUB_ALLOW_PATTERNS = [
+    "*.json",
+    "*.safetensors",
+    "tokenizer.model",
+    "chat_template.jinja",
+    TOOL_USE_TEMPLATE_FILE,
+]
+HUB_IGNORE_PATTERNS = ["*/*.json", "*/*.safetensors", "*/tokenizer.model", "consolidated*.safetensors"]
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 log = structlog.get_logger("cadence.load")

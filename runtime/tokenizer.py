@@ -39,6 +39,7 @@ def _byte_level_decoder() -> dict[str, int]:
 
 _BYTE_LEVEL_DECODER = _byte_level_decoder()
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+TOOL_USE_TEMPLATE_FILE = "additional_chat_templates/tool_use.jinja"
 
 
 class Tokenizer:
@@ -107,8 +108,9 @@ class Tokenizer:
         Reads tokenizer.json (required) and, when present, tokenizer_config.json,
         special_tokens_map.json and chat_template.jinja (which wins over the config's
         `chat_template`, as in transformers; a config listing named templates gives
-        "default" for chat and "tool_use" for a chat with tools). Raises
-        `CheckpointError` naming the bad file.
+        "default" for chat and "tool_use" for a chat with tools, and so does
+        additional_chat_templates/tool_use.jinja). Raises `CheckpointError` naming the
+        bad file.
         """
         path = Path(path)
         tokenizer_file = path / "tokenizer.json"
@@ -434,21 +436,29 @@ def _named_templates(config: dict[str, Any]) -> dict[Any, Any]:
 def _tool_use_template(
     path: Path, config: dict[str, Any], config_file: Path, special_tokens: Mapping[str, str]
 ) -> str | None:
-    """The config's "tool_use" template, checked: a string that compiles. As in
-    transformers, a chat_template.jinja replaces all of the config's templates."""
-    template = _named_templates(config).get("tool_use")
-    if template is None or (path / "chat_template.jinja").exists():
+    """The checkpoint's "tool_use" template, checked: a string that compiles. As in
+    transformers, template files (chat_template.jinja, and additional_chat_templates/,
+    where transformers saves the named ones beside it) replace the config's templates."""
+    tool_use_file = path / TOOL_USE_TEMPLATE_FILE
+    template: Any  # the config's value is checked below
+    if tool_use_file.exists():
+        template, source = read_text(tool_use_file), tool_use_file
+    elif (path / "chat_template.jinja").exists():
+        return None
+    else:
+        template, source = _named_templates(config).get("tool_use"), config_file
+    if template is None:
         return None
     if not isinstance(template, str):
         raise CheckpointError(
-            f"{config_file}: the 'tool_use' chat template should be a string, "
+            f"{source}: the 'tool_use' chat template should be a string, "
             f"got {type(template).__name__}"
         )
     try:
         ChatTemplate(template, special_tokens)
     except jinja2.TemplateSyntaxError as exc:
         raise CheckpointError(
-            f"{config_file}: the 'tool_use' chat template does not compile ({one_line(exc)})"
+            f"{source}: the 'tool_use' chat template does not compile ({one_line(exc)})"
         ) from exc
     return template
 

@@ -206,6 +206,31 @@ def test_a_hub_snapshot_fetches_only_the_top_level_files_it_reads(broken, tmp_pa
     )
 
 
+def test_a_hub_snapshot_fetches_the_tool_use_template_transformers_saves_in_a_folder(
+    broken, tmp_path, monkeypatch
+):
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    folders = ("additional_chat_templates/tool_use.jinja", "original/params.json", "onnx/model.safetensors")
+    for name in folders:
+        (broken / name).parent.mkdir(exist_ok=True)
+        (broken / name).write_text("{{ tools | tojson }}" if name.endswith(".jinja") else "{}")
+    repo = [str(f.relative_to(broken)) for f in broken.rglob("*") if f.is_file()]
+    fetched = tmp_path / "snapshot"
+
+    def snapshot_download(repo_id, *, allow_patterns, ignore_patterns=None, local_files_only):
+        for name in huggingface_hub.utils.filter_repo_objects(
+            repo, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns
+        ):
+            (fetched / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(broken / name, fetched / name)
+        return str(fetched)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    loaded = load_model("NousResearch/some-model")
+    assert loaded.tokenizer.tool_use_template_source == "{{ tools | tojson }}"
+    assert sorted(f.parent.name for f in fetched.glob("*/*")) == ["additional_chat_templates"]
+
+
 def test_a_consolidated_safetensors_beside_the_model_files_is_left_alone_as_by_mlx_lm(broken):
     mx.save_safetensors(str(broken / "consolidated.safetensors"), {"layers.0.attention.wq.weight": mx.zeros((4, 4))})
     assert load_model(broken).config.num_hidden_layers == 2

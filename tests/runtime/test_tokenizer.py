@@ -443,6 +443,34 @@ def test_a_chat_with_tools_renders_through_the_named_tool_use_template(checkpoin
     assert tok.chat_template_source == CHATML_TEMPLATE
 
 
+@pytest.mark.parametrize("beside", [None, "tool_use"], ids=["alone", "over-the-configs"])
+def test_template_files_as_transformers_saves_named_ones_are_read_as_it_reads_them(
+    checkpoint_dirs, tmp_path, beside
+):
+    """transformers saves `default` as chat_template.jinja and the others in
+    additional_chat_templates/; files replace the config's templates, so a tool_use
+    template left in the config is not used beside them."""
+    path = shutil.copytree(checkpoint_dirs["llama"], tmp_path / "ckpt")
+    if beside:
+        stale = [{"name": "default", "template": "x"}, {"name": beside, "template": "stale"}]
+        edit_json(path / "tokenizer_config.json", chat_template=stale)
+    (path / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+    (path / "additional_chat_templates").mkdir()
+    tool_use = "{{ tools | tojson }}\n" + CHATML_TEMPLATE
+    (path / "additional_chat_templates" / "tool_use.jinja").write_text(tool_use)
+    tok, ref = Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(str(path))
+    messages = CONVERSATIONS["single"]
+    for tools in (None, [WEATHER_TOOL]):
+        want = ref.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, return_dict=False
+        )
+        assert tok.encode_chat(messages, tools=tools) == want
+    assert tok.tool_use_template_source == tool_use
+    # Without the folder, chat_template.jinja is every template, as in transformers.
+    shutil.rmtree(path / "additional_chat_templates")
+    assert Tokenizer.from_dir(path).tool_use_template_source == CHATML_TEMPLATE
+
+
 @pytest.mark.parametrize(
     ("template", "named"), [(5, "should be a string"), ("{% if %}", "does not compile")]
 )
