@@ -179,6 +179,22 @@ def config_from_dict(
     return ModelConfig(**{**common, **family.read_config(fields)})
 
 
+def read_sliding_layers(fields: ConfigFields) -> list[bool] | None:
+    """Which layers attend through a sliding window, from `layer_types` (as transformers
+    writes it: one "sliding_attention" or "full_attention" per layer); None without it."""
+    num_layers = fields.get("num_hidden_layers", int)
+    layer_types = fields.get("layer_types", list, None)
+    if layer_types is None:
+        return None
+    kinds = ("sliding_attention", "full_attention")
+    if len(layer_types) != num_layers or not all(kind in kinds for kind in layer_types):
+        raise CheckpointError(
+            f"{fields.source}: layer_types needs {num_layers} entries of "
+            "'sliding_attention' or 'full_attention'"
+        )
+    return [kind == "sliding_attention" for kind in layer_types]
+
+
 def _rope_fields(fields: ConfigFields) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling). transformers 5 writes neither: both go under
     `rope_parameters` (`{"rope_theta": 500000.0, "rope_type": "llama3", "factor": ...}`),

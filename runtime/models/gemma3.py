@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.config import ConfigFields, ModelConfig
+from runtime.config import ConfigFields, ModelConfig, read_sliding_layers
 from runtime.errors import CheckpointError
 from runtime.kv.base import ForwardKV
 from runtime.models.layers import Attention, CausalLM, GatedMLP, OffsetRMSNorm, RoPE, kept_rows
@@ -85,19 +85,10 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
     activation = fields.get("hidden_activation", str, "gelu_pytorch_tanh")
     if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise CheckpointError(f"{fields.source}: gemma3 hidden_activation '{activation}' is not supported")
-    num_layers = fields.get("num_hidden_layers", int)
-    layer_types = fields.get("layer_types", list, None)
-    if layer_types is None:
+    is_sliding = read_sliding_layers(fields)
+    if is_sliding is None:
         pattern = fields.get("sliding_window_pattern", int, 6)
-        is_sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
-    else:
-        kinds = ("sliding_attention", "full_attention")
-        if len(layer_types) != num_layers or not all(kind in kinds for kind in layer_types):
-            raise CheckpointError(
-                f"{fields.source}: layer_types needs {num_layers} entries of "
-                "'sliding_attention' or 'full_attention'"
-            )
-        is_sliding = [kind == "sliding_attention" for kind in layer_types]
+        is_sliding = [(i + 1) % pattern != 0 for i in range(fields.get("num_hidden_layers", int))]
     window = fields.get("sliding_window", int)
     local_base = fields.get("rope_local_base_freq", float)
     overrides: dict[str, Any] = {}

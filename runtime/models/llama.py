@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.config import ConfigFields, ModelConfig
+from runtime.config import ConfigFields, ModelConfig, read_sliding_layers
 from runtime.kv.base import ForwardKV
 from runtime.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, RoPE, kept_rows
 
@@ -77,6 +77,17 @@ build = Decoder
 
 
 def read_config(fields: ConfigFields) -> dict[str, Any]:
-    """attention_bias puts a bias on q, k, v and o alike."""
+    """attention_bias puts a bias on q, k, v and o alike; `layer_types` may make some
+    layers slide over the last `sliding_window` positions (mlx-lm's llama reads both)."""
     bias = fields.get("attention_bias", bool, False)
-    return {"qkv_bias": bias, "o_bias": bias}
+    return {"qkv_bias": bias, "o_bias": bias, "layer_windows": sliding_windows(fields)}
+
+
+def sliding_windows(fields: ConfigFields) -> tuple[int | None, ...]:
+    """Per layer, its window where `layer_types` names sliding layers; () when none does
+    (a config's `sliding_window` alone, as Mistral v0.1's, is not applied: see mistral.py)."""
+    is_sliding = read_sliding_layers(fields)
+    if not is_sliding or not any(is_sliding):
+        return ()
+    window = fields.get("sliding_window", int)
+    return tuple(window if sliding else None for sliding in is_sliding)

@@ -12,4 +12,4 @@ build = llama.Decoder
 
 
 def read_config(fields: ConfigFields) -> dict[str, Any]:
-    return {"qkv_bias": True, "o_bias": False}
+    return {"qkv_bias": True, "o_bias": False, "layer_windows": llama.sliding_windows(fields)}

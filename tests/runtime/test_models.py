@@ -18,8 +18,11 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 import transformers
+from mlx_lm.generate import generate_step
 from mlx_lm.models.rope_utils import Llama3RoPE
 from structlog.testing import capture_logs
+
+from tests.kernels.test_quantized_models import greedy
 
 TOKENS = mx.array([list(range(5, 45))])  # 40 positions: several times an 8-key window
 
@@ -59,6 +62,39 @@ def test_gemma3_logits_match_mlx_lm_past_the_window(tmp_path: Path, family: str,
     # The window is honoured: the same weights with every layer global differ.
     ours.model.config = attrs.evolve(ours.config, layer_windows=())
     assert not mx.allclose(ours.model(TOKENS), want, atol=1e-2).item()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_layer_types_naming_sliding_layers_make_them_slide_as_in_mlx_lm(tmp_path: Path, family):
+    """mlx-lm's llama (Mistral's too) windows the layers `layer_types` calls sliding;
+    ignoring it gave full attention, different tokens past the window, and no error."""
+    path = make_tiny_checkpoint(tmp_path, family, seed=2)
+    raw = json.loads((path / "config.json").read_text())
+    sliding = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+    (path / "config.json").write_text(json.dumps({**raw, **sliding}))
+    ours = load_model(path)
+    assert ours.config.layer_windows == (8, None)
+    reference, _ = mlx_lm.load(str(path))
+    want = reference(TOKENS)
+    assert mx.allclose(ours.model(TOKENS), want, atol=1e-4).item()
+    prompt = TOKENS[0, :30].tolist()  # through the engine's paged pools, a windowed one
+    steps = generate_step(mx.array(prompt), reference, max_tokens=16)
+    assert greedy(ours, prompt, 16) == [int(token) for token, _ in steps]
+    ours.model.config = attrs.evolve(ours.config, layer_windows=())  # the window matters here
+    assert not mx.allclose(ours.model(TOKENS), want, atol=1e-2).item()
+
+
+def test_layer_types_of_full_layers_only_or_a_qwen2s_sliding_ones_are_read():
+    raw = hf_config("qwen2", vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=3,
+                    num_heads=4, num_kv_heads=2, intermediate_size=128)
+    every_full = {**raw, "sliding_window": 8, "layer_types": ["full_attention"] * 3}
+    assert config_from_dict(every_full).layer_windows == ()
+    later_slide = {**every_full, "layer_types": ["full_attention"] + ["sliding_attention"] * 2}
+    assert config_from_dict(later_slide).layer_windows == (None, 8, 8)
+    with pytest.raises(CheckpointError, match="layer_types needs 3 entries"):
+        config_from_dict({**raw, "layer_types": ["sliding_attention"]})
+    with pytest.raises(CheckpointError, match="field 'sliding_window' should be int"):
+        config_from_dict({**later_slide, "sliding_window": None})
 
 
 def test_gemma3_reads_layer_types_or_the_older_sliding_window_pattern():
