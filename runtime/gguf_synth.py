@@ -201,5 +201,5 @@ def _write_byte_level_vocab(
             add(vocab[config[name]])
     if isinstance(config.get("add_bos_token"), bool):
         writer.add_add_bos_token(config["add_bos_token"])
-    if isinstance(config.get("chat_template"), str):
+    if isinstance(config.get("chat_template"), (str, list)):  # a list: named templates
         writer.add_chat_template(config["chat_template"])

@@ -106,6 +106,8 @@ def tokenizer_from_gguf(metadata: Metadata, architecture: str) -> Tokenizer:
             special_tokens=special_tokens,
             add_bos_token=bool(add_bos),
             chat_template=metadata.optional("tokenizer.chat_template", str),
+            # llama.cpp's converter stores a named "tool_use" template (Hermes) beside it.
+            tool_use_template=metadata.optional("tokenizer.chat_template.tool_use", str),
             byte_fallback=kind == "llama",
         )
     except jinja2.TemplateSyntaxError as exc:

@@ -138,6 +138,34 @@ def test_byte_level_bpe_matches_hugging_face(make_checkpoint, tmp_path, pre):
     assert_same_as_hf(tokenizer_from_gguf(Metadata(gguf.GGUFReader(path), str(path)), "qwen2"), hf)
 
 
+def test_a_named_tool_use_template_renders_a_chat_with_tools_as_from_the_hugging_face_files(
+    make_checkpoint, tmp_path
+):
+    """llama.cpp's converter writes a Hermes model's templates as tokenizer.chat_template
+    and tokenizer.chat_template.tool_use; a chat with tools renders through the second."""
+    checkpoint = byte_level_checkpoint(make_checkpoint, tmp_path, "qwen2")
+    config_file = checkpoint / "tokenizer_config.json"
+    plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    named = [
+        {"name": "default", "template": plain},
+        {"name": "tool_use", "template": "{{ tools | tojson }}\n" + plain},
+    ]
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "chat_template": named}))
+    path = write_gguf(
+        checkpoint, tmp_path / "model.gguf", tmp_path / "reference", pre_tokenizer="qwen2"
+    )
+    ours = tokenizer_from_gguf(Metadata(gguf.GGUFReader(path), str(path)), "qwen2")
+    hf = hf_tokenizer(checkpoint, tmp_path)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    for tools in (None, [tool]):
+        want = hf.apply_chat_template(
+            CHAT, tools=tools, add_generation_prompt=True, return_dict=False
+        )
+        assert ours.encode_chat(CHAT, tools=tools) == want
+    assert ours.tool_use_template_source == named[1]["template"]
+
+
 def test_the_pre_tokenizers_really_differ(make_checkpoint, tmp_path):
     """Guards the test above: each pre-tokenizer splits some text its own way."""
     encodings = {}
