@@ -441,7 +441,11 @@ class FcfsScheduler:
         self.pool.release_out_of_window(request.tables, request.num_computed)
         room = len(request.blocks) * self.pool.block_size - request.num_computed
         missing = self.pool.blocks_for(max(num_new - room, 0))
-        missing = min(missing, self.pool.num_growable(request.tables, request.num_computed))
+        # A prompt chunk leaves every row a windowed block for its next token: the windowed
+        # pools are sized for 512-token chunks (runtime/kv/layout.py), and a longer chunk
+        # taking them all would stall the decoding rows until the prompt was done.
+        keep_free = len(self.running) if request.is_prefilling else 0
+        missing = min(missing, self.pool.num_growable(request.tables, request.num_computed, keep_free))
         self.pool.grow_tables(request.tables, missing)
         return min(num_new, room + missing * self.pool.block_size)
 

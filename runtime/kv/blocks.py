@@ -242,13 +242,19 @@ class BlockPool:
         for pool, table in zip(self.group_pools[1:], tables[1:], strict=True):
             pool.take_cached([b for b in table if b != NULL_BLOCK], 0)
 
-    def num_growable(self, tables: Sequence[Sequence[int]], next_position: int) -> int:
+    def num_growable(
+        self, tables: Sequence[Sequence[int]], next_position: int, keep_windowed_free: int = 0
+    ) -> int:
         """Blocks of positions every group can add to `tables` now (after giving back
-        what fell out of its windows at `next_position`)."""
-        return min(
-            pool.num_free_blocks + self._num_out_of_window(group, tables[group], next_position)
+        what fell out of its windows at `next_position`), leaving `keep_windowed_free`
+        blocks free in each windowed group's pool."""
+        growable = min(
+            pool.num_free_blocks
+            - (keep_windowed_free if group else 0)
+            + self._num_out_of_window(group, tables[group], next_position)
             for group, pool in enumerate(self.group_pools)
         )
+        return max(growable, 0)
 
     def grow_tables(self, tables: list[list[int]], num_blocks: int) -> None:
         """Append `num_blocks` fresh blocks to every group's table."""

@@ -36,7 +36,7 @@ import attrs
 NULL_BLOCK = -1  # a table entry whose block fell out of the window and went back
 # The longest span a row computes at once, for sizing windowed pools: the scheduler's
 # default solo prefill (DEFAULT_SOLO_PREFILL_TOKENS). A longer chunk is shrunk to the
-# windowed blocks free (BlockPool.num_growable), never refused.
+# windowed blocks free beyond one per row (BlockPool.num_growable), never refused.
 SIZING_CHUNK = 512
 
 

@@ -18,6 +18,7 @@ from mlx_lm.generate import generate_step
 
 from kernels.cpu_extension import cpu_extension
 from tests.kernels.test_paged_attention import ATTENTION_PATHS
+from tests.runtime.test_scheduler import planned_steps
 
 WINDOW, BLOCK = 8, 4
 PROMPT = [11, 305, 42, 977, 5, 1203, 64, 88, 300, 7, 1500, 19]
@@ -33,6 +34,15 @@ def checkpoint(make_checkpoint):
 @pytest.fixture(scope="module")
 def engine(checkpoint):
     return Engine(load_model(checkpoint), max_batch=4, block_size=BLOCK, kv_budget=1 << 22)
+
+
+@pytest.fixture(scope="module")
+def long_context_engine(make_checkpoint):
+    """Room for prompts of several long chunks (the policy tests only use its layout)."""
+    path = make_checkpoint(
+        "gemma3_text", num_layers=4, num_kv_heads=1, sliding_window=WINDOW, max_position_embeddings=1 << 14
+    )
+    return Engine(load_model(path), max_batch=4, block_size=BLOCK, kv_budget=1 << 22)
 
 
 def policy_for(engine, *, chunk=256, budget=512, solo=0, caching=True, num_blocks=None):
@@ -151,6 +161,33 @@ def test_a_long_row_gives_its_windowed_blocks_back_as_it_goes(engine):
     assert any(later > earlier for earlier, later in itertools.pairwise(free_counts))
     # Net, the windowed pool gave the row ~3 blocks, not the 16 the full one did.
     assert policy.pool.group_pools[1].num_blocks - min(free_counts) <= WINDOW // BLOCK + 1
+    assert policy.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize(("chunk", "num_prompts"), [(4096, 1), (700, 3)])
+def test_a_chunk_past_512_tokens_never_takes_the_windowed_block_a_decoding_row_needs(
+    long_context_engine, chunk, num_prompts
+):
+    """The windowed pool holds max_batch rows at their largest for 512-token chunks
+    (SIZING_CHUNK): a longer chunk shrinks to what it has left, but only after leaving
+    every row the block its next token needs, so no decoding row misses a step."""
+    engine = long_context_engine
+    budget = engine.max_batch + num_prompts * chunk
+    policy = policy_for(engine, chunk=chunk, budget=budget, solo=SIZING_CHUNK)
+    for i in range(engine.max_batch - num_prompts):
+        policy.add(f"decode{i}", params(PROMPT[i : i + 3], 200))
+    steps = planned_steps(policy, check_pool=True)
+    for _ in range(3):  # the short prompts are decoding when the long ones arrive
+        next(steps)
+    prompt_len = 3 * chunk
+    for i in range(num_prompts):
+        policy.add(f"prompt{i}", params(range(1000 * i, 1000 * i + prompt_len), 2))
+    prompt_chunks = []
+    for decoding, plan in steps:
+        assert decoding <= {s.request_id for s in plan.spans}, f"step {plan.step} left a row out"
+        prompt_chunks += [s.num_new for s in plan.spans if s.request_id.startswith("prompt")]
+    assert sum(prompt_chunks) == num_prompts * prompt_len + num_prompts  # and their 2 tokens
+    assert any(1 < n < chunk for n in prompt_chunks), "the windowed pool should have bound"
     assert policy.pool.num_used_blocks == 0
 
 
