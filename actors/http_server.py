@@ -8,12 +8,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
-from hypercorn.config import Config
+from hypercorn.config import Config, Sockets
 from hypercorn.trio import serve
+
+# A response write that makes no progress for this long drops the connection, as
+# nginx's send_timeout (60 s) does: a client that stops reading a stream would
+# otherwise hold its connection, its answer's text and a task forever, and keep the
+# server from stopping (Hypercorn's writes are shielded from cancellation).
+SEND_TIMEOUT_S = 60.0
 
 
 async def serve_http(
@@ -23,6 +30,7 @@ async def serve_http(
     *,
     shutdown_trigger: Callable[[], Awaitable[None]],
     graceful_timeout: float = 30.0,
+    send_timeout: float = SEND_TIMEOUT_S,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run Hypercorn until `shutdown_trigger` returns; reports the bound URLs on start.
@@ -34,7 +42,7 @@ async def serve_http(
     shutdown began during its response, and this is the backstop should one not.
     """
     tracked = _InFlight(_CloseAfterEarlyResponse(app))
-    config = Config()
+    config = _Config(send_timeout)
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.graceful_timeout = graceful_timeout
     config.accesslog = None
@@ -65,8 +73,28 @@ async def serve_http(
         nursery.cancel_scope.cancel()
 
 
+class _Config(Config):
+    """Hypercorn's config, its listening sockets set to drop a connection whose sent
+    data goes unacknowledged for `send_timeout` (TCP_USER_TIMEOUT, which accepted
+    connections inherit, and which covers a receive window that stays shut)."""
+
+    def __init__(self, send_timeout: float):
+        super().__init__()
+        self.send_timeout = send_timeout
+
+    def create_sockets(self) -> Sockets:
+        sockets = super().create_sockets()
+        if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux; not macOS
+            for listener in sockets.insecure_sockets:
+                milliseconds = max(1, round(self.send_timeout * 1000))
+                listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, milliseconds)
+        return sockets
+
+
 @contextlib.asynccontextmanager
-async def serving_on_loopback(app: Any, *, graceful_timeout: float = 30.0) -> AsyncIterator[str]:
+async def serving_on_loopback(
+    app: Any, *, graceful_timeout: float = 30.0, send_timeout: float = SEND_TIMEOUT_S
+) -> AsyncIterator[str]:
     """`app` served on 127.0.0.1 at a free port while the block runs; yields its URL.
 
     For the soak, the benchmarks and the tests: a real server in the caller's event loop.
@@ -80,6 +108,7 @@ async def serving_on_loopback(app: Any, *, graceful_timeout: float = 30.0) -> As
             0,
             shutdown_trigger=stop.wait,
             graceful_timeout=graceful_timeout,
+            send_timeout=send_timeout,
         )
         (url,) = await nursery.start(run)
         try:

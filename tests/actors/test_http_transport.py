@@ -445,3 +445,50 @@ async def test_a_drain_ends_when_its_last_response_is_sent_not_when_the_grace_ru
                     received += await client.receive_some()
                 await stopped.wait()
     assert received.startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="Linux's TCP_USER_TIMEOUT")
+async def test_a_client_that_stops_reading_is_dropped_and_cannot_hold_the_server_open():
+    """A stream whose client never reads fills the socket buffers and then its write
+    blocks, shielded from cancellation: without a send timeout the connection, its task
+    and the server's shutdown all waited for as long as the client stayed."""
+    stop, stopped, writing = trio.Event(), trio.Event(), trio.Event()
+
+    async def app(scope, receive, send):  # an endless stream, like a long generation's
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        while True:
+            writing.set()
+            await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+
+    async def serve(task_status):
+        await http_server.serve_http(
+            app,
+            "127.0.0.1",
+            0,
+            shutdown_trigger=stop.wait,
+            graceful_timeout=0.5,
+            send_timeout=1.0,
+            task_status=task_status,
+        )
+        stopped.set()
+
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    async with trio.open_nursery() as nursery:
+        (url,) = await nursery.start(serve)
+        client.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        client.sendall(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")  # and never reads
+        await writing.wait()
+        await trio.sleep(0.5)  # the buffers fill and the write blocks
+        started = trio.current_time()
+        stop.set()
+        with trio.move_on_after(10):  # then the client leaves, which unblocks the write
+            await stopped.wait()
+        client.close()
+        await stopped.wait()
+    assert trio.current_time() - started < 5  # the send timeout and the grace, not the client
