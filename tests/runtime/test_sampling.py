@@ -103,6 +103,18 @@ def test_logit_bias_and_greedy_rows_in_one_batch():
     assert tokens == [7, int(LOGITS[1].argmax()), int(LOGITS[2].argmax())]
 
 
+def test_logit_bias_is_added_after_the_penalties_as_vllm_orders_them():
+    """Token 1 (logit 2, in the prompt) under repetition penalty 2 and bias +2: penalised
+    first it is 2 / 2 + 2 = 3 and beats token 0's 2.5; biased first, (2 + 2) / 2 = 2 loses."""
+    logits = mx.array([[2.5, 2.0, 0.0, 0.0]])
+    params = SamplingParams(repetition_penalty=2.0, logit_bias={1: 2.0}, logprobs=1)
+    got = sample(logits, [RowSampler.create(params, [1], 4)])
+    assert got.tokens.tolist() == [1]
+    np.testing.assert_allclose(
+        got.logprobs.token.item(), log_softmax(np.array([2.5, 3.0, 0.0, 0.0]))[1], rtol=1e-5
+    )
+
+
 def test_a_rows_logit_bias_is_made_dense_once_and_holds_at_every_step():
     """Rebuilt from its pairs every step, a whole vocabulary's bias cost ~20 ms a row."""
     row = RowSampler.create(SamplingParams(temperature=1.0, logit_bias={7: 100.0, 3: -5.0}), [], 50)
@@ -123,6 +135,17 @@ def test_draws_follow_the_distribution():
     counts = collections.Counter(sample(logits, [row]).tokens.item() for _ in range(2000))
     assert counts[3] == 0
     assert abs(counts[0] / 2000 - 0.7) < 0.05 and abs(counts[2] / 2000 - 0.1) < 0.03
+
+
+def test_unseeded_rows_beside_a_seeded_one_draw_independently():
+    """Two unseeded rows over the same uniform logits, in a batch with a seeded row (n=2
+    choices beside another client's seeded request): each draws its own token, so they
+    agree about once in 50 steps, not at every step."""
+    logits = mx.zeros((3, 50))
+    rows = [RowSampler.create(SamplingParams(temperature=1.0, seed=5), [], 50)]
+    rows += [RowSampler.create(SamplingParams(temperature=1.0), [], 50) for _ in range(2)]
+    draws = [sample(logits, rows).tokens.tolist() for _ in range(40)]
+    assert sum(a == b for _, a, b in draws) < 10
 
 
 def test_sample_combines_temperature_top_k_top_p_and_min_p_as_numpy_does():
