@@ -142,9 +142,15 @@ def _json_end(text: str, start: int, is_final: bool) -> int | None:
         _, end = _DECODER.raw_decode(text, start)
     except (json.JSONDecodeError, RecursionError):  # nested too deep for json: never a call
         return None
-    # A number at the very end may still grow ("12" of "123"): wait for what follows.
-    is_closed = end < len(text) or text[end - 1] in '}]"' or text[start] in "{["
+    # A number may still grow while what follows it could begin the rest of one: "12" of
+    # "123", and "2" of "2." or "2e-", which the decoder ends before the "." or "e".
+    is_closed = (
+        text[start] in "{[" or text[end - 1] in '}]"' or not _NUMBER_GOES_ON.fullmatch(text, end)
+    )
     return end if is_closed or is_final else None
+
+
+_NUMBER_GOES_ON = re.compile(r"(?:\.|[eE][+-]?)?")
 
 
 _IN_STRING = re.compile(r'["\\]')

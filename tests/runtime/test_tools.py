@@ -111,6 +111,11 @@ CASES = [
         '<tool_call>\n5; {"arguments": {"a": 1}, "name": "f"}\n</tool_call>',
         ("5", [("f", '{"a": 1}')]),
     ),
+    (
+        "hermes",  # a number is whole only once what follows it is seen: "2.5" of "2.5e3"
+        '<tool_call>\n2.5e3; {"name": "f", "arguments": {}}\n</tool_call>',
+        ("2.5e3", [("f", "{}")]),
+    ),
     ("llama3_json", '{"a": 1}; {"name": "f", "parameters": {}}', ('{"a": 1}', [("f", "{}")])),
     (
         "gemma",  # cut short by max_tokens inside a call: the text as written, no fence added
