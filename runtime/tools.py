@@ -108,6 +108,8 @@ class _JsonCalls:
         once it is complete, as `_whole_call` reports them when the keys come the other
         way round; a string cut off by the end of the reply is sent as it stands."""
         at = self.arguments_at
+        if at == len(body):  # cut where they would begin, by the closing marker: none yet
+            return []
         if self.arguments_end is None or self.arguments_end.start != at:
             self.arguments_end = _ValueEnd(at)
         end = self.arguments_end.find(body, is_final)

@@ -231,6 +231,18 @@ def test_hermes_streams_the_name_then_argument_fragments():
     assert parser.finish() == []
 
 
+@pytest.mark.parametrize("end", ["</tool_call>", "</tool"])
+def test_a_call_closed_where_its_arguments_should_begin_is_no_error(end):
+    """The name is reported once something follows `"arguments": `; when that something
+    was the closing marker (whole, or begun when max_tokens cut the reply), the body
+    ended where the arguments begin, and reading their first character raised
+    IndexError out of the HTTP handler (ToolCallDeltas.convert)."""
+    text = '<tool_call>\n{"name": "f", "arguments": ' + end
+    for cut in range(1, len(text)):
+        content, calls = parse("hermes", text, [cut])
+        assert [name for name, _ in calls] in ([], ["f"]) and "tool_call" not in content
+
+
 def test_json_nested_too_deep_to_decode_is_text_or_raw_arguments_not_an_error():
     deep = "[" * 3000
     assert parse("hermes", f"<tool_call>{deep}</tool_call>") == (deep, [])
