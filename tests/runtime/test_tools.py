@@ -231,6 +231,19 @@ def test_hermes_streams_the_name_then_argument_fragments():
     assert parser.finish() == []
 
 
+@pytest.mark.parametrize("style", ["hermes", "llama3_json"])
+def test_argument_fragments_are_never_empty_whatever_the_split(style):
+    """A delta that adds nothing to a call's arguments sends nothing: an empty fragment
+    is an empty `tool_calls` delta on the wire."""
+    key = "arguments" if style == "hermes" else "parameters"
+    body = f'{{"name": "f", "{key}": {{"city": "Paris"}}}}'
+    text = f"<tool_call>\n{body}\n</tool_call>" if style == "hermes" else f"{body}; {body}"
+    parser = parser_for(style)
+    events = [e for character in text for e in parser.feed(character)] + parser.finish()
+    fragments = [e.fragment for e in events if isinstance(e, CallArguments)]
+    assert "".join(fragments).startswith('{"city": "Paris"}') and all(fragments)
+
+
 @pytest.mark.parametrize("end", ["</tool_call>", "</tool"])
 def test_a_call_closed_where_its_arguments_should_begin_is_no_error(end):
     """The name is reported once something follows `"arguments": `; when that something
@@ -398,6 +411,23 @@ def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(st
     assert (content, calls) == ("", [("get_weather", '{"city": "Paris"}')])
 
 
+@pytest.mark.parametrize(
+    ("style", "written"),
+    [
+        (
+            "hermes",
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        ),
+        ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+    ],
+)
+def test_a_past_call_is_shown_under_the_key_its_format_teaches(style, written):
+    """Llama 3 is taught `parameters`: a history written with `arguments` shows the
+    model a form other than the one it is asked to write."""
+    chat = chat_for_template(HISTORY, TOOLS, style, knows_tools=False)
+    assert chat[1]["content"] == written
+
+
 def test_a_chat_without_a_user_turn_gets_the_tools_in_one_of_its_own():
     system = {"role": "system", "content": "Be brief."}
     chat = chat_for_template([system], TOOLS, "hermes", knows_tools=False)
@@ -467,6 +497,34 @@ def test_a_forced_call_of_a_function_without_parameters_takes_no_arguments():
     assert not admits('{"name": "now", "parameters": {"tz": "UTC"}}')
 
 
+def admitted_by(grammar, text):
+    state = grammar.start()
+    return all(state.advance(t) is None for t in DEMO.encode(text, add_special_tokens=False))
+
+
+def test_a_forced_call_is_its_name_and_its_arguments_and_nothing_else():
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    grammar = compiler.compile(tool_call_grammar("llama3_json", TOOLS, "get_weather"))
+    assert admitted_by(grammar, '{"name": "get_weather", "parameters": {"city": "Rome"}}')
+    assert not admitted_by(grammar, '{"name": "get_weather"}')  # no arguments: no call
+    extra = '{"name": "get_weather", "parameters": {"city": "Rome"}, "id": 1}'
+    assert not admitted_by(grammar, extra)
+
+
+def test_a_forced_call_of_a_function_with_empty_parameters_takes_any_object():
+    """`"parameters": {}` says nothing of the arguments, but they are still an object."""
+    tools = [{"type": "function", "function": {"name": "log", "parameters": {}}}]
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    grammar = compiler.compile(tool_call_grammar("hermes", tools, "log"))
+
+    def admits(arguments):
+        call = f'{{"name": "log", "arguments": {arguments}}}'
+        return admitted_by(grammar, f"<tool_call>\n{call}\n</tool_call>")
+
+    assert admits('{"line": "x", "n": 2}')
+    assert not admits("5") and not admits('"text"')
+
+
 ORDER = {
     "type": "object",
     "properties": {
@@ -486,10 +544,22 @@ ORDER = {
 }
 
 
+ITEMS_BY_ID = {"type": "array", "items": {"$ref": "https://example.com/order.json#/$defs/Item"}}
+
+
 @pytest.mark.parametrize(
     "order",
-    [ORDER, {"$id": "https://example.com/order.json", **ORDER}],
-    ids=["pydantic", "own_id"],
+    [
+        ORDER,
+        {"$id": "https://example.com/order.json", **ORDER},
+        # A ref through the parameters' own $id resolves only while that $id is theirs.
+        {
+            "$id": "https://example.com/order.json",
+            **ORDER,
+            "properties": {**ORDER["properties"], "items": ITEMS_BY_ID},
+        },
+    ],
+    ids=["pydantic", "own_id", "ref_by_own_id"],
 )
 def test_a_forced_call_follows_parameters_that_refer_to_their_own_defs(order):
     """Pydantic writes nested models as "#/$defs/..." refs and recursion as "#"; both
