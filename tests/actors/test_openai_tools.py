@@ -137,6 +137,27 @@ def test_each_choice_has_its_own_calls_and_its_last_delta_releases_what_was_held
     assert (end.text, end.tool_calls, end.finish_reason) == (" \n", (), "stop")
 
 
+def test_a_last_delta_that_holds_a_whole_call_carries_it():
+    """A reader behind the engine gets its text coalesced: the final delta may hold
+    a call from its first character to its last."""
+    call = '<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>'
+    last = ToolCallDeltas("hermes").convert(0, Delta(call, finish_reason="stop"))
+    calls = whole_tool_calls(list(last.tool_calls))
+    assert [c["function"] for c in calls] == [{"name": "a", "arguments": '{"x": 1}'}]
+    assert (last.text, last.finish_reason) == ("", "tool_calls")
+
+
+def test_a_whole_reply_of_calls_only_has_null_content():
+    """OpenAI's message: `content` is null beside `tool_calls`, not the empty string."""
+    stream = ToolCallStream("hermes")
+    content, deltas = run(stream, TWO_CALLS.removeprefix("Sure. "), 4)
+    choice = {"index": 0, "message": {"role": "assistant", "content": content}}
+    message = with_tool_calls(choice, deltas)["message"]
+    assert message["content"] is None and len(message["tool_calls"]) == 2
+    said = {"index": 0, "message": {"role": "assistant", "content": "Sure."}}
+    assert with_tool_calls(said, deltas)["message"]["content"] == "Sure."
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -204,6 +225,7 @@ def named(name):
     ("body", "param"),
     [
         ({"function_call": "auto"}, "function_call"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
         ({"tools": [TOOL] * (MAX_TOOLS + 1)}, "tools"),
         ({"tools": [{**TOOL, "type": "retrieval"}]}, "tools[0]"),
         ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0]"),
