@@ -181,6 +181,18 @@ async def test_a_stop_string_finishes_the_request_and_frees_its_row(
         assert len(engine.calls) < 20  # not 1000 steps
 
 
+async def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop_not_length(
+    pipeline, demo_tokenizer, autojump_clock
+):
+    """The engine says LENGTH at the 3rd token, the stop string ends at it too: the stop
+    string comes first in finishing's order, as it would with a higher max_tokens."""
+    async with pipeline(max_context=10_000) as (llm, engine):
+        stop = demo_tokenizer.decode([engine.token] * 3)
+        deltas = await collect(llm.generate([1], max_tokens=3, stop=stop))
+    assert (deltas[-1].finish_reason, deltas[-1].cause) == ("stop", "stop_sequence")
+    assert "".join(d.text for d in deltas) == ""
+
+
 async def test_text_held_for_a_stop_string_that_never_completes_comes_out_at_the_end(
     pipeline, demo_tokenizer, autojump_clock
 ):
