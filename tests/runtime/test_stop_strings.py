@@ -69,6 +69,13 @@ def test_a_failed_partial_match_falls_back_only_to_a_real_prefix():
     assert run_stops(["aaabb"], ["aaabaabb"]) == ("aaabaabb", False)
 
 
+def test_a_mismatch_falls_back_as_many_times_as_it_takes():
+    # "aa" then "b": one step back leaves "a", which "b" does not extend either; stopping
+    # there kept "a" matched, and "aa" after it "completed" a stop the text never holds.
+    assert run_stops(["aaa"], ["aabaa"]) == ("aabaa", False)
+    assert run_stops(["aaa"], ["aa", "b", "aa", "a"]) == ("aab", True)
+
+
 def test_multiple_stops():
     assert run_stops(["\n\n", "User:", "###"], ["line one\nline two ", "###", " rest"]) == (
         "line one\nline two ",
