@@ -162,6 +162,7 @@ def test_a_whole_reply_of_calls_only_has_null_content():
     ("body", "param"),
     [
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),  # two: not the first
         (
             {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
             "response_format.json_schema",
