@@ -121,3 +121,36 @@ def test_chain_hashes_depend_on_every_earlier_token_and_the_salt():
     # Extending a chain from its last hash gives the same hashes as hashing it whole.
     tail = chain_hashes([1, 2, 3, 4, 5, 6], 2, b"s", parent=base[0], start=2)
     assert tail == base[1:]
+
+
+def test_every_token_of_a_block_is_in_its_hash():
+    """Prompts that differ in any one token of a block never share its cached K/V."""
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    base = chain_hashes(tokens, 4, b"s")
+    for position in range(len(tokens)):
+        changed = tokens.copy()
+        changed[position] = 99
+        hashes = chain_hashes(changed, 4, b"s")
+        block = position // 4
+        assert hashes[:block] == base[:block] and hashes[block] != base[block], position
+
+
+def test_a_cached_prefix_outlives_allocations_while_never_used_blocks_remain():
+    pool = BlockPool(4, 2)
+    a = pool.allocate()
+    pool.publish(a, b"a")
+    pool.release([a])
+    fresh = [pool.allocate() for _ in range(3)]  # the three never used
+    assert a not in fresh and pool.match_prefix([b"a"]) == [a]
+    assert pool.allocate() == a and pool.match_prefix([b"a"]) == []  # only then evicted
+
+
+def test_the_hit_rate_is_the_share_of_looked_up_blocks_found_cached():
+    pool = BlockPool(4, 2)
+    assert pool.hit_rate == 0.0  # nothing looked up yet
+    a = pool.allocate()
+    pool.publish(a, b"a")
+    pool.release([a])
+    hits = pool.match_prefix([b"a", b"b", b"c", b"d"])
+    pool.take_cached(hits, 4)
+    assert hits == [a] and pool.hit_rate == 0.25
