@@ -57,3 +57,15 @@ def test_a_windowed_row_holds_exactly_the_blocks_its_worst_placed_chunk_spans():
     ]
     assert max(spans) == layout.row_blocks(0, 10**6, 4, max_chunk=8) == 5
     assert layout.first_needed_block(0, 0, 4) == 0 and layout.first_needed_block(0, 12, 4) == 1
+
+
+def test_blocks_a_row_gave_back_from_its_window_no_longer_count_as_held():
+    """With every layer windowed, group 0's own table gets NULL_BLOCK entries: admission
+    and growth must count only the blocks still held, or they promise blocks there are not."""
+    layout = attrs.evolve(KVLayout.for_layers(2, (8, 8)), group_num_blocks=(10,))
+    pool = BlockPool(10, 4, layout=layout)
+    tables = pool.new_tables()
+    pool.grow_tables(tables, 6)  # 24 positions
+    pool.release_out_of_window(tables, 24)  # the next query, at 24, reads 17..24
+    assert tables[0][:4] == [NULL_BLOCK] * 4
+    assert pool.num_held(tables) == 2 == pool.num_used_blocks
