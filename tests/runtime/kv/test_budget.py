@@ -93,3 +93,11 @@ def test_sliding_window_pools_beyond_the_memory_available_are_refused(eight_gib_
     --max-batch crashed in mlx, or swapped, while they filled."""
     with pytest.raises(CadenceError, match=r"sliding-window .* 9\.0 GiB, more than the 8\.0 GiB"):
         budget.pool_blocks(kv_budget, 50, bytes_per_block=100, window_bytes=9 * GIB)
+
+
+def test_sliding_window_pools_that_leave_no_room_for_one_block_are_refused(monkeypatch):
+    """The windows' pools fit, but not beside a single block of the first group's."""
+    monkeypatch.setattr(budget, "available_memory", lambda: 1000)
+    with pytest.raises(CadenceError, match="sliding-window"):
+        budget.pool_blocks(None, 50, bytes_per_block=100, window_bytes=950)
+    assert budget.pool_blocks(0.99, 50, bytes_per_block=100, window_bytes=900) == 1  # the pools and one block: all there is

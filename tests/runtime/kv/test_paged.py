@@ -72,3 +72,13 @@ def test_attend_stacked_in_a_windowed_layer_attends_over_its_window():
         assert mx.allclose(out, want, atol=1e-5).item(), layer
         outs.append(out)
     assert not mx.allclose(outs[0], outs[1], atol=1e-3).item()  # the window made a difference
+
+
+def test_block_tables_follow_the_rows_when_the_same_rows_come_in_another_order():
+    """A prompt that finishes its prefill moves among the decoding rows: no block moved
+    (same epoch, same counts), yet each row must still read its own blocks."""
+    kv = PagedKV(2, 1, 8, 1, num_blocks=8, block_size=4)
+    a, b = (2, 3), (5, 6)
+    kv.forward([RowSpan(0, 5, 1, a), RowSpan(1, 4, 3, b)], 0)
+    swapped = kv.forward([RowSpan(1, 7, 1, b), RowSpan(0, 6, 1, a)], 0).step.tables
+    assert swapped.tolist() == [[5, 6], [2, 3]]
