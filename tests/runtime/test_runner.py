@@ -3,8 +3,8 @@
 from runtime.checkpoint import load_model
 from runtime.engine import Engine
 from runtime.kv.blocks import BlockPool
-from runtime.runner import run_offline
-from runtime.scheduler import FcfsScheduler
+from runtime.runner import PlanRunner, run_offline
+from runtime.scheduler import FcfsScheduler, StepPlan
 from runtime.sequence import FinishCause
 
 import pytest
@@ -102,3 +102,13 @@ def test_run_offline_tells_the_prompt_tokens_taken_from_the_prefix_cache(engine)
     again = run_offline(engine, policy, {"b": params(prompt, 2)})["b"]
     assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 16)
     assert again.tokens == first.tokens
+
+
+def test_close_all_leaves_the_engine_no_open_row(engine):
+    """What the GPU actor does at shutdown: every row the runner opened is closed."""
+    runner = PlanRunner(engine)
+    opens = tuple((rid, params(PROMPT, 4), 0) for rid in ("a", "b"))
+    runner.collect(runner.launch(StepPlan(step=1, opens=opens)))
+    assert engine.num_open == 2
+    runner.close_all()
+    assert engine.num_open == 0 and runner.rows == {}
