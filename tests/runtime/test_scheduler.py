@@ -213,6 +213,20 @@ def test_generated_tokens_are_published_too():
     assert p.schedule().opens[0][2] == 8 - 4  # block 0 was published; block 1 not yet full
 
 
+def test_a_generated_block_is_cached_under_everything_before_it():
+    """Its hash chains on the prompt's blocks: a prompt that merely starts with the same
+    tokens has different K/V (other positions, another past) and must not hit it."""
+    p = policy(block_size=4)
+    p.add("a", params(4, max_tokens=6))  # prompt 1-4: one full block
+    for _ in range(6):
+        done(p, p.schedule(), tokens={"a": 50})
+    assert len(p.pool.by_hash) == 2  # 1-4, then 50 x 4 after it
+    p.add("b", SequenceParams(prompt_tokens=(50, 50, 50, 50, 9), max_tokens=1))
+    assert p.schedule().opens[0][2] == 0
+    p.add("c", SequenceParams(prompt_tokens=(1, 2, 3, 4, 50, 50, 50, 50, 9), max_tokens=1))
+    assert p.schedule().opens[0][2] == 8
+
+
 def test_without_blocks_a_request_waits_and_is_admitted_when_blocks_free():
     p = policy(max_batch=4, num_blocks=4, block_size=4)
     p.add("a", params(9, max_tokens=2))  # 3 blocks with its first sample
