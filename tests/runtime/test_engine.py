@@ -4,6 +4,7 @@ mlx-lm, ragged mixed steps, lookahead, and the engine's own guarantees."""
 from runtime.checkpoint import load_model
 from runtime.engine import Engine, rows_are_finite
 from runtime.errors import CadenceError, RequestError
+from runtime.kv import paged
 from runtime.kv.base import RowSpan
 from runtime.kv.blocks import BlockPool
 from runtime.kv.paged import PagedKV
@@ -515,14 +516,19 @@ def test_logprobs_leave_greedy_tokens_unchanged_and_top_the_list(make_checkpoint
 @pytest.mark.skipif(cpu_extension() is None, reason="the C++ kernels were not built here")
 def test_prefill_only_steps_leave_the_pools_to_the_next_steps_write(make_checkpoint, monkeypatch):
     """A step that samples nothing is evaluated before the next is submitted: a queued
-    reference to the pools then would make the next step's K/V write copy every pool."""
+    reference to the pools then would make the next step's K/V write copy every pool.
+    Shown with the pools' in-place writes off (POOLS_IN_PLACE), which would hide it: a
+    write then copies a pool exactly when something still holds it (13 copies without
+    the evaluation)."""
     monkeypatch.setenv("CADENCE_PAGED_ATTENTION", "native")
+    monkeypatch.setattr(paged, "POOLS_IN_PLACE", False)
     engine = Engine(load_model(make_checkpoint("llama")), max_batch=2, block_size=4)
     policy = policy_for(engine, chunk=7, budget=7)  # 45 prompt tokens: six steps sample nothing
     ext = cpu_extension()
     copies_before, calls_before = ext.num_pool_copies(), ext.num_attention_calls()
-    got = run_offline(engine, policy, {"a": params((PROMPT * 4)[:45], 4, ignore_eos=True)})
-    assert len(got["a"].tokens) == 4
+    # One token: the last chunk samples it, and no step is ever queued behind another.
+    got = run_offline(engine, policy, {"a": params((PROMPT * 4)[:45], 1, ignore_eos=True)})
+    assert len(got["a"].tokens) == 1
     assert_pools_are_never_copied(ext, copies_before, calls_before)
 
 
