@@ -1,0 +1,53 @@
+"""Chat messages as the template sees them: the one rule HTTP and the embedding API share."""
+
+from runtime.errors import RequestError
+
+import pytest
+
+from actors.chat_messages import chat_messages
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        # An image part carrying a caption is still an image: its text is not the content.
+        (
+            {"role": "user", "content": [{"type": "image_url", "text": "a cat", "image_url": {}}]},
+            "messages[0].content",
+        ),
+        # Only an assistant turn makes calls: a user's would reach the template as one.
+        ({"role": "user", "content": "hi", "tool_calls": [CALL]}, "messages[0].tool_calls"),
+        ({"role": "tool", "tool_call_id": 7, "content": "4"}, "messages[0].tool_call_id"),
+        ({"role": "tool", "name": ["add"], "content": "4"}, "messages[0].name"),
+        (
+            {"role": "assistant", "content": None, "tool_calls": [{**CALL, "id": 1}]},
+            "messages[0].tool_calls[0].id",
+        ),
+    ],
+)
+def test_a_bad_message_is_refused_naming_its_key(message, param):
+    with pytest.raises(RequestError) as raised:
+        chat_messages([message])
+    assert raised.value.param == param
+
+
+def test_no_messages_is_refused():
+    # Refused here, by name: not left to what a template makes of no turns.
+    with pytest.raises(RequestError) as raised:
+        chat_messages([])
+    assert raised.value.param == "messages"
+
+
+def test_a_message_is_rebuilt_from_the_keys_cadence_knows():
+    messages = [
+        {"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+        {"role": "assistant", "content": None, "tool_calls": [CALL], "refusal": None},
+        {"role": "tool", "tool_call_id": "call_1", "name": "add", "content": "4"},
+    ]  # fmt: skip
+    assert chat_messages(messages) == (
+        {"role": "developer", "content": "be brief"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "content": "4", "tool_call_id": "call_1", "name": "add"},
+    )
