@@ -504,3 +504,61 @@ async def test_the_scheduler_owes_the_gpu_one_idle_until_a_step_is_done():
         except trio.WouldBlock:
             break
     assert kinds == ["StepPlan", "Idle"]
+
+
+async def test_a_rejected_request_returns_its_reservation_once(pipeline, autojump_clock):
+    """Returned twice, the waiting queue grew by one with every refusal."""
+    async with (
+        pipeline(max_batch=1, max_waiting=1, max_context=10_000) as (llm, engine),
+        llm.generate([1], max_tokens=5000) as running,
+    ):
+        await running.__anext__()  # it holds the only row
+        for _ in range(2):
+            with pytest.raises(RequestError):
+                await llm.generate([1, 2, 3], max_tokens=20_000).start()
+        assert llm.num_waiting == 0
+        async with llm.generate([2], max_tokens=2):  # takes the one waiting slot
+            with pytest.raises(OverloadedError):
+                await llm.generate([3], max_tokens=2).start()
+            assert llm.num_waiting == 1
+
+
+async def test_a_request_made_while_the_service_drains_is_refused(pipeline, autojump_clock):
+    refusals = []
+
+    async def start_during_the_drain(llm):
+        await wait_for(lambda: llm.is_draining)
+        with pytest.raises(ServiceClosedError):
+            await llm.generate([2], max_tokens=2).start()
+        refusals.append(trio.current_time())
+
+    async with trio.open_nursery() as outside:
+        async with pipeline(max_context=10_000) as (llm, engine):
+            running = llm.generate([1], max_tokens=100)  # 1 s of virtual steps
+            await running.start()
+            outside.start_soon(collect, running)
+            outside.start_soon(start_during_the_drain, llm)
+        finished_at = trio.current_time()
+    assert len(refusals) == 1 and refusals[0] < finished_at
+    assert running.finish_reason == "length"  # the drain let it finish
+
+
+async def test_an_unset_priority_is_0_and_runs_before_priority_1(pipeline, autojump_clock):
+    async with pipeline(max_batch=1, max_context=10_000) as (llm, engine):
+        async with llm.generate([1], max_tokens=5000) as first:
+            await first.__anext__()  # it holds the only row
+            later = llm.generate([2], max_tokens=2, priority=1)
+            unset = llm.generate([3], max_tokens=2)
+            await later.start()  # queued first ...
+            await unset.start()
+        for generation in (later, unset):
+            await collect(generation)
+    # ... and scheduled second: priority before arrival
+    assert engine.submits_with(unset.request_id)[0] < engine.submits_with(later.request_id)[0]
+
+
+async def test_serving_with_no_step_queued_behind_the_running_one_is_refused(pipeline):
+    """The GPU actor reads step N only once N+1 is queued: lookahead 0 would never read one."""
+    with trio.fail_after(10), pytest.raises(ValueError, match="lookahead"):
+        async with pipeline(lookahead=0):
+            pass
