@@ -1,9 +1,11 @@
 """The asyncio bridge end to end, on a real tiny checkpoint: plain `asyncio.run`."""
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from runtime.errors import CadenceError, CheckpointError, RequestError
@@ -252,3 +254,44 @@ def test_the_example_streams_two_generations():
     )
     assert run.returncode == 0, run.stderr
     assert "[a] " in run.stdout and "[b] " in run.stdout and "row is already free" in run.stdout
+
+
+def test_an_error_in_the_block_stops_at_once_without_draining(tiny):
+    """The error ends the service as it does under Trio: the stream held open is aborted,
+    not waited for (here 900 slow steps, about a minute)."""
+
+    async def main():
+        async with actors.open_llm_asyncio(tiny) as llm:
+            generation, _ = await started_long_stream(llm)
+            engine = llm._llm._engine
+            submit = engine.submit
+            engine.submit = lambda batch: (time.sleep(0.05), submit(batch))[1]
+            raise KeyError("inside the block")
+
+    started = time.monotonic()
+    with pytest.raises(KeyError):
+        asyncio.run(main())
+    assert time.monotonic() - started < 20
+
+
+def test_a_cancelled_read_reaches_no_error_handler(tiny):
+    """The pump's answer to a read its task gave up on is dropped, not set on a future
+    that was cancelled (an InvalidStateError in asyncio's handler, logged as a fault)."""
+    errors = []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(
+            lambda loop, context: errors.append(context)
+        )
+        async with actors.open_llm_asyncio(tiny) as llm:
+            for _ in range(3):
+                generation = llm.generate("Once upon a time", max_tokens=900, ignore_eos=True)
+                read = asyncio.create_task(generation.__anext__())
+                await asyncio.sleep(0.01)
+                read.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await read
+            await wait_for_no_open_rows(llm)
+
+    asyncio.run(main())
+    assert errors == []

@@ -117,11 +117,12 @@ async def test_models_and_health(tiny):
         status, _, body = await in_thread(request, server.url, "GET", "/health")
         assert (status, body) == (503, {"status": "draining"})
         # Draining, it takes no new work; its metrics are still worth watching.
-        status, _, body = await in_thread(
+        status, headers, body = await in_thread(
             request, server.url, "POST", "/v1/completions", {"model": server.model, "prompt": "x"}
         )
         assert status == 503 and body["error"]["code"] == "unavailable"
         assert "draining" in body["error"]["message"]
+        assert headers["retry-after"] == "1"  # a client's cue to come back, as for a full queue
         assert (await in_thread(request, server.url, "GET", "/v1/models"))[0] == 503
         assert (await in_thread(request, server.url, "GET", "/v1/cadence/stats"))[0] == 200
 

@@ -149,3 +149,23 @@ async def test_only_a_request_that_was_scheduled_observes_its_queue_time(tiny):
         )
     assert count == 1
     assert 0 <= seconds < 10  # the time it waited, not a reading of trio's clock
+
+
+async def test_each_finish_is_counted_under_its_own_reason(tiny):
+    async with actors.open_llm(tiny) as llm:
+        eos = min(llm._engine.eos_ids)
+        for bias in (100.0, None):  # greedy: EOS first ("stop"), then no EOS ("length")
+            generation = llm.generate(
+                "Hello", max_tokens=3, logit_bias={eos: bias} if bias else None
+            )
+            async with generation:
+                async for _ in generation:
+                    pass
+        finishes = {
+            reason: llm.metrics.registry.get_sample_value(
+                "cadence:request_success_total",
+                {"model_name": llm.name, "finished_reason": reason},
+            )
+            for reason in ("stop", "length")
+        }
+    assert finishes == {"stop": 1, "length": 1}
