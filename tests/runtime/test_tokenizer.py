@@ -422,6 +422,19 @@ WEATHER_TOOL = {
 }
 
 
+def renders_as_transformers(path):
+    """The checkpoint's Tokenizer, once a chat with and without tools has rendered to
+    transformers' token ids."""
+    tok, ref = Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(str(path))
+    messages = CONVERSATIONS["single"]
+    for tools in (None, [WEATHER_TOOL]):
+        want = ref.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, return_dict=False
+        )
+        assert tok.encode_chat(messages, tools=tools) == want
+    return tok
+
+
 def test_a_chat_with_tools_renders_through_the_named_tool_use_template(checkpoint_dirs, tmp_path):
     """Hermes models ship `default` and `tool_use`: transformers renders a chat with tools
     through `tool_use`, which is where the model was shown its tools."""
@@ -431,14 +444,8 @@ def test_a_chat_with_tools_renders_through_the_named_tool_use_template(checkpoin
         {"name": "tool_use", "template": "{{ tools | tojson }}\n" + CHATML_TEMPLATE},
     ]
     edit_json(path / "tokenizer_config.json", chat_template=templates)
-    tok, ref = Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(str(path))
-    messages = CONVERSATIONS["single"]
-    for tools in (None, [WEATHER_TOOL]):
-        want = ref.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, return_dict=False
-        )
-        assert tok.encode_chat(messages, tools=tools) == want
-    assert "get_weather" in tok.decode(tok.encode_chat(messages, tools=[WEATHER_TOOL]))
+    tok = renders_as_transformers(path)
+    assert "get_weather" in tok.decode(tok.encode_chat(CONVERSATIONS["single"], tools=[WEATHER_TOOL]))
     assert tok.tool_use_template_source == templates[1]["template"]
     assert tok.chat_template_source == CHATML_TEMPLATE
 
@@ -458,13 +465,7 @@ def test_template_files_as_transformers_saves_named_ones_are_read_as_it_reads_th
     (path / "additional_chat_templates").mkdir()
     tool_use = "{{ tools | tojson }}\n" + CHATML_TEMPLATE
     (path / "additional_chat_templates" / "tool_use.jinja").write_text(tool_use)
-    tok, ref = Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(str(path))
-    messages = CONVERSATIONS["single"]
-    for tools in (None, [WEATHER_TOOL]):
-        want = ref.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, return_dict=False
-        )
-        assert tok.encode_chat(messages, tools=tools) == want
+    tok = renders_as_transformers(path)
     assert tok.tool_use_template_source == tool_use
     # Without the folder, chat_template.jinja is every template, as in transformers.
     shutil.rmtree(path / "additional_chat_templates")
