@@ -24,7 +24,8 @@ from runtime.files import check_regular, one_line, read_json, shortened
 from runtime.gguf import is_gguf_file, read_gguf
 from runtime.models import build_model, rename_weights
 from runtime.models.layers import CausalLM
-from runtime.tokenizer import TOOL_USE_TEMPLATE_FILE, Tokenizer
+from runtime.template_files import TOOL_USE_TEMPLATE_FILE
+from runtime.tokenizer import Tokenizer
 
 import attrs
 import mlx.core as mx

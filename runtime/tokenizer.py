@@ -13,7 +13,8 @@ from typing import Any
 
 from runtime.chat_template import CHATML_TEMPLATE, ChatTemplate
 from runtime.errors import CheckpointError, RequestError
-from runtime.files import one_line, read_json, read_text
+from runtime.files import one_line, read_json
+from runtime.template_files import chat_template_source, tool_use_template_source
 
 import jinja2
 import tokenizers
@@ -39,7 +40,6 @@ def _byte_level_decoder() -> dict[str, int]:
 
 _BYTE_LEVEL_DECODER = _byte_level_decoder()
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
-TOOL_USE_TEMPLATE_FILE = "additional_chat_templates/tool_use.jinja"
 
 
 class Tokenizer:
@@ -134,8 +134,8 @@ class Tokenizer:
             if (text := _token_text(value, name, source)) is not None:
                 special_tokens[name] = text
         _register_special_tokens(backend, config, special_map, special_tokens.values())
-        template, template_file = _chat_template_source(path, config, config_file)
-        tool_use_template = _tool_use_template(path, config, config_file, special_tokens)
+        template, template_file = chat_template_source(path, config, config_file)
+        tool_use_template = tool_use_template_source(path, config, config_file, special_tokens)
         add_bos_token = config.get("add_bos_token")
         try:
             return cls(
@@ -400,67 +400,6 @@ def _token_texts(value: Any) -> list[str]:
     )
     texts = [entry.get("content") if isinstance(entry, dict) else entry for entry in entries]
     return [text for text in texts if isinstance(text, str)]
-
-
-def _chat_template_source(
-    path: Path, config: dict[str, Any], config_file: Path
-) -> tuple[str | None, Path]:
-    """(template text or None, the file it came from)."""
-    jinja_file = path / "chat_template.jinja"
-    if jinja_file.exists():
-        return read_text(jinja_file), jinja_file
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        # Several named templates: the "default" one is for plain chat.
-        named = _named_templates(config)
-        template = named.get("default", next(iter(named.values()), None))
-    if template is not None and not isinstance(template, str):
-        raise CheckpointError(
-            f"{config_file}: 'chat_template' should be a string, got {type(template).__name__}"
-        )
-    return template, config_file
-
-
-def _named_templates(config: dict[str, Any]) -> dict[Any, Any]:
-    """{name: template} of a config whose `chat_template` is a list of named templates
-    (`[{"name": "default", ...}, {"name": "tool_use", ...}]`, as Hermes models ship);
-    {} for a single template. Each template is its user's to check."""
-    entries = config.get("chat_template")
-    if not isinstance(entries, list):
-        return {}
-    return {
-        entry.get("name"): entry.get("template") for entry in entries if isinstance(entry, dict)
-    }
-
-
-def _tool_use_template(
-    path: Path, config: dict[str, Any], config_file: Path, special_tokens: Mapping[str, str]
-) -> str | None:
-    """The checkpoint's "tool_use" template, checked: a string that compiles. As in
-    transformers, template files (chat_template.jinja, and additional_chat_templates/,
-    where transformers saves the named ones beside it) replace the config's templates."""
-    tool_use_file = path / TOOL_USE_TEMPLATE_FILE
-    template: Any  # the config's value is checked below
-    if tool_use_file.exists():
-        template, source = read_text(tool_use_file), tool_use_file
-    elif (path / "chat_template.jinja").exists():
-        return None
-    else:
-        template, source = _named_templates(config).get("tool_use"), config_file
-    if template is None:
-        return None
-    if not isinstance(template, str):
-        raise CheckpointError(
-            f"{source}: the 'tool_use' chat template should be a string, "
-            f"got {type(template).__name__}"
-        )
-    try:
-        ChatTemplate(template, special_tokens)
-    except jinja2.TemplateSyntaxError as exc:
-        raise CheckpointError(
-            f"{source}: the 'tool_use' chat template does not compile ({one_line(exc)})"
-        ) from exc
-    return template
 
 
 def _has_byte_fallback(decoder: Any) -> bool:
