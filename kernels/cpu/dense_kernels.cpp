@@ -1,9 +1,10 @@
 // See DenseMatmulJob in row_kernels.h: few rows of x against a weight read in place,
 // float32 or 16-bit (float16, bfloat16: widened as loaded, exactly, so the products and
 // their order are those of the float32 expansion: 16-bit storage at half the bytes).
-// A block of 4 weight rows x 4 rows of x keeps 16 accumulators of L lanes in registers
-// (8 loads per 16 FMAs); the 4 weight rows are re-read from cache, not memory, for the
-// next 4 rows of x. Compiled once per instruction set, as row_kernels.cpp.
+// A block of 4 weight rows x 4 rows of x (3 with 8 lanes: kBlockX) keeps 16 (12)
+// accumulators of L lanes in registers (8 loads per 16 FMAs); the 4 weight rows are
+// re-read from cache, not memory, for the next rows of x. Compiled once per
+// instruction set, as row_kernels.cpp.
 #include <stdint.h>
 #include <string.h>
 
@@ -119,10 +120,18 @@ void block(const DenseMatmulJob& job, int n0, int m0) {
   }
 }
 
+// A block's weight rows x rows of x: 4 x 4 with 16 lanes (16 of the 32 registers for
+// sums); 4 x 3 with 8 (12 of 16, beside the 4 weight vectors: x is read by the FMAs
+// from memory). At 4 x 4 the 16 registers spilled: on a 2-core Zen 3, one core's
+// [16, 2048] -> 16384 took 44 ms against 30-34 ms at 4 x 3 (32 rows: 76-81 vs 59-62;
+// 1 to 4 rows level; 3 x 4 measured between the two).
+constexpr int kBlockW = 4;
+constexpr int kBlockX = L == 16 ? 4 : 3;
+
 template <WeightKind KIND, int NR>
 void rows_of_x(const DenseMatmulJob& job, int n0) {
   int m0 = 0;
-  for (; m0 + 4 <= job.M; m0 += 4) block<KIND, NR, 4>(job, n0, m0);
+  for (; m0 + kBlockX <= job.M; m0 += kBlockX) block<KIND, NR, kBlockX>(job, n0, m0);
   switch (job.M - m0) {
     case 3: block<KIND, NR, 3>(job, n0, m0); break;
     case 2: block<KIND, NR, 2>(job, n0, m0); break;
@@ -134,14 +143,21 @@ void rows_of_x(const DenseMatmulJob& job, int n0) {
 template <WeightKind KIND>
 void weight_rows(const DenseMatmulJob& job, int row_begin, int row_end) {
   int n0 = row_begin;
-  for (; n0 + 4 <= row_end; n0 += 4) rows_of_x<KIND, 4>(job, n0);
+  for (; n0 + kBlockW <= row_end; n0 += kBlockW) rows_of_x<KIND, kBlockW>(job, n0);
   for (; n0 < row_end; ++n0) rows_of_x<KIND, 1>(job, n0);
 }
 
-// Rows of x a panel tile holds: with 16 lanes, 12 rows x 2 vectors of sums (24 of the
-// 32 registers, beside the panel's 2 and x's broadcast); with 8, 2 rows x 4 (of 16).
-constexpr int kPanelRows = L == 16 ? 12 : 2;
-constexpr int kPanelVectors = kPanelWidth / L;
+// A register tile is kPanelRows rows of x by kTileVectors vectors of a panel's columns:
+// with 16 lanes, 12 rows x the whole 32-column panel (24 of the 32 registers, beside the
+// panel's 2 vectors and x's broadcast); with 8 (16 registers), 6 rows x half a panel
+// (12 + 2 + 1), the panel's two halves one after the other. Each k's 2 loads of the
+// panel then feed 2 x kPanelRows FMAs. (Tiles of 2 rows x the whole panel, 4 loads for 8
+// FMAs, re-read the panel from L2 for every 2 rows: on a 2-core Zen 3 (AVX2), [176, 1024]
+// -> 5632 ran at ~40 GFLOP/s a core against OpenBLAS's ~60.)
+constexpr int kPanelRows = L == 16 ? 12 : 6;
+constexpr int kTileVectors = 2;
+constexpr int kTileWidth = kTileVectors * L;
+static_assert(kPanelWidth % kTileWidth == 0, "a panel is a whole number of tiles wide");
 // kPanelDepth (row_kernels.h), k per pass: each pass past the first reloads and adds to
 // the outputs; a panel's 2048 x 32 slice (256 KB) and a row block's x (96 KB) stay in L2
 // across the row blocks, which feeds the FMAs as well as L1 did. At 256 (a 32 KB slice
@@ -149,19 +165,20 @@ constexpr int kPanelVectors = kPanelWidth / L;
 // against 206 (OpenBLAS 180-201).
 
 // out[0..ROWS) x [0, cols) (+)= xp . w over kc: xp is [kc][kPanelRows] (x transposed),
-// w the panel's [kc][32] slice from element `first` on, widened as loaded if 16-bit.
+// w the tile's columns of the panel's [kc][32] slice from element `first` on (widened as
+// loaded if 16-bit), out the tile's first column; cols <= kTileWidth.
 template <WeightKind KIND, int ROWS>
 void panel_tile(int kc, const float* xp, const void* w, int64_t first, float* out,
                 int64_t out_stride, bool accumulate, int cols) {
-  F sums[ROWS][kPanelVectors] = {};
+  F sums[ROWS][kTileVectors] = {};
   for (int k = 0; k < kc; ++k) {
-    F wv[kPanelVectors];
-    for (int v = 0; v < kPanelVectors; ++v) {
+    F wv[kTileVectors];
+    for (int v = 0; v < kTileVectors; ++v) {
       wv[v] = load_weights<KIND>(w, first + k * kPanelWidth + v * L);
     }
     for (int r = 0; r < ROWS; ++r) {
       const F xv = splat<F>(xp[k * kPanelRows + r]);
-      for (int v = 0; v < kPanelVectors; ++v) sums[r][v] += xv * wv[v];
+      for (int v = 0; v < kTileVectors; ++v) sums[r][v] += xv * wv[v];
     }
   }
   // Unrolled, so each row's sums stay in their registers (rolled, GCC kept a zeroed copy
@@ -169,14 +186,14 @@ void panel_tile(int kc, const float* xp, const void* w, int64_t first, float* ou
 #pragma GCC unroll 16
   for (int r = 0; r < ROWS; ++r) {
     float* o = out + r * out_stride;
-    if (cols == kPanelWidth) {  // a whole panel: vector stores (the loop below became a
-      for (int v = 0; v < kPanelVectors; ++v) {  // memmove call a row)
+    if (cols == kTileWidth) {  // whole vectors: vector stores (the loop below became a
+      for (int v = 0; v < kTileVectors; ++v) {  // memmove call a row)
         store(o + v * L, accumulate ? load<F>(o + v * L) + sums[r][v] : sums[r][v]);
       }
       continue;
     }
-    float row[kPanelWidth];
-    for (int v = 0; v < kPanelVectors; ++v) store(row + v * L, sums[r][v]);
+    float row[kTileWidth];
+    for (int v = 0; v < kTileVectors; ++v) store(row + v * L, sums[r][v]);
     for (int c = 0; c < cols; ++c) o[c] = accumulate ? o[c] + row[c] : row[c];
   }
 }
@@ -203,12 +220,15 @@ void panel_matmul_of(const PanelMatmulJob& job, int panel_begin, int panel_end) 
       const int64_t first = (static_cast<int64_t>(panel) * K + k0) * kPanelWidth;
       const int n0 = panel * kPanelWidth;
       const int cols = job.N - n0 < kPanelWidth ? job.N - n0 : kPanelWidth;
-      for (int b = 0; b < blocks; ++b) {
-        const int m0 = b * kPanelRows;
-        const float* xp = job.x_panels + (static_cast<int64_t>(b) * K + k0) * kPanelRows;
-        panel_tiles_of<KIND, kPanelRows>(M - m0, kc, xp, job.w, first,
-                                         job.out + static_cast<int64_t>(m0) * job.N + n0, job.N,
-                                         k0 > 0, cols);
+      for (int c0 = 0; c0 < cols; c0 += kTileWidth) {  // the panel's tiles of columns
+        const int tile_cols = cols - c0 < kTileWidth ? cols - c0 : kTileWidth;
+        for (int b = 0; b < blocks; ++b) {
+          const int m0 = b * kPanelRows;
+          const float* xp = job.x_panels + (static_cast<int64_t>(b) * K + k0) * kPanelRows;
+          panel_tiles_of<KIND, kPanelRows>(
+              M - m0, kc, xp, job.w, first + c0,
+              job.out + static_cast<int64_t>(m0) * job.N + n0 + c0, job.N, k0 > 0, tile_cols);
+        }
       }
     }
   }
@@ -218,6 +238,8 @@ void panel_matmul_of(const PanelMatmulJob& job, int panel_begin, int panel_end) 
 // scale + bias of its group, as mlx's dequantize; columns past N are zeros. The 32
 // columns' words at one k are gathered into vectors, so each of a word's values is a
 // shift, a mask, a conversion and an FMA across L columns, stored as one row of the tile.
+constexpr int kPanelVectors = kPanelWidth / L;  // a whole panel's columns, in vectors
+
 void dequantize_panel(const QuantizedPanelJob& job, int panel, int k0, int kc, float* tile) {
   const int bits = job.bits, per_word = 32 / bits;
   const uint32_t mask = (1u << bits) - 1;
@@ -284,12 +306,15 @@ void quantized_panel_matmul(const QuantizedPanelJob& job, int panel_begin, int p
     for (int k0 = 0; k0 < K; k0 += kPanelDepth) {
       const int kc = K - k0 < kPanelDepth ? K - k0 : kPanelDepth;
       dequantize_panel(job, panel, k0, kc, tile);
-      for (int b = 0; b < blocks; ++b) {
-        const int m0 = b * kPanelRows;
-        const float* xp = job.x_panels + (static_cast<int64_t>(b) * K + k0) * kPanelRows;
-        panel_tiles_of<WeightKind::f32, kPanelRows>(
-            M - m0, kc, xp, tile, 0, job.out + static_cast<int64_t>(m0) * job.N + n0, job.N,
-            k0 > 0, cols);
+      for (int c0 = 0; c0 < cols; c0 += kTileWidth) {
+        const int tile_cols = cols - c0 < kTileWidth ? cols - c0 : kTileWidth;
+        for (int b = 0; b < blocks; ++b) {
+          const int m0 = b * kPanelRows;
+          const float* xp = job.x_panels + (static_cast<int64_t>(b) * K + k0) * kPanelRows;
+          panel_tiles_of<WeightKind::f32, kPanelRows>(
+              M - m0, kc, xp, tile, c0, job.out + static_cast<int64_t>(m0) * job.N + n0 + c0,
+              job.N, k0 > 0, tile_cols);
+        }
       }
     }
   }

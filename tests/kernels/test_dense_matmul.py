@@ -118,11 +118,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from kernels import dense_matmul as dm
 from kernels.cpu_extension import cpu_extension
-for rows in (1, 2, 3, 5, 40):
-    linear = nn.Linear(300, 70)
-    x = mx.random.normal((rows, 300))
-    got = dm.PanelLinear.adopt(dm.KernelLinear.adopt(linear))(x)
-    assert mx.allclose(got, linear(x), rtol=1e-4, atol=1e-4).item(), rows
+for n in (70, 90):  # a last panel of 6 columns (one partial tile), of 26 (a whole and a partial)
+    for rows in (1, 2, 3, 5, 6, 7, 12, 40):
+        linear = nn.Linear(300, n)
+        x = mx.random.normal((rows, 300))
+        got = dm.PanelLinear.adopt(dm.KernelLinear.adopt(linear))(x)
+        assert mx.allclose(got, linear(x), rtol=1e-4, atol=1e-4).item(), (n, rows)
 print(cpu_extension().isa())
 """
 
@@ -130,8 +131,33 @@ print(cpu_extension().isa())
 @needs_kernels
 @pytest.mark.parametrize("cap", ["baseline", "avx2"])
 def test_every_instruction_set_of_the_panel_kernel_matches_matmul(cap):
-    """Tiles of 2 rows x 4 vectors of 8 lanes there, against 12 x 2 of 16 with AVX-512."""
+    """Tiles of 6 rows x 2 vectors of 8 lanes (half a panel) there, against 12 x 2 of 16 with
+    AVX-512 (the whole panel)."""
     assert cap in run_with_isa_cap(PANEL_SCRIPT, cap)
+
+
+ROW_SCRIPT = """
+import mlx.core as mx
+from kernels import dense_matmul as dm
+from kernels.cpu_extension import cpu_extension
+before = cpu_extension().num_dense_calls()
+for dtype in (mx.float32, mx.bfloat16):
+    w = mx.random.normal((70, 301)).astype(dtype)  # 4-row blocks and 2 more; K past 8-lane vectors
+    for rows in range(1, dm.MOST_ROWS + 1):
+        x = mx.random.normal((rows, 301))
+        got = dm.dense_matmul(x, w)
+        assert mx.allclose(got, x @ w.astype(mx.float32).T, rtol=1e-4, atol=1e-4).item(), (dtype, rows)
+assert cpu_extension().num_dense_calls() == before + 2 * dm.MOST_ROWS
+print(cpu_extension().isa())
+"""
+
+
+@needs_kernels
+@pytest.mark.parametrize("cap", ["baseline", "avx2"])
+def test_every_instruction_set_of_the_row_kernel_matches_matmul(cap):
+    """Blocks of 4 weight rows x 3 rows of x there, against 4 x 4 with AVX-512: every
+    count of rows, so every last block's height."""
+    assert cap in run_with_isa_cap(ROW_SCRIPT, cap)
 
 
 def test_without_the_extension_float32_layers_stay_mlx_layers(make_checkpoint, kernels_off):
