@@ -93,6 +93,7 @@ def load_model(
         tokenizer = Tokenizer.from_dir(path)
         weights = read_weights(path, progress)
     decoder = build_decoder(config, weights, source=str(path))
+    config = decoder.config  # with tie_word_embeddings decided, where config.json left it out
     decoder = prepare_for_cpu(
         decoder, keep_dtype=keep_dtype, cpu_quantize=cpu_quantize, progress=progress
     )
@@ -234,6 +235,12 @@ def _naturals(value: object) -> TypeGuard[list[int]]:
 def build_decoder(config: ModelConfig, weights: dict[str, mx.array], source: str) -> CausalLM:
     """Instantiate the model for `config` and load `weights`, checking names and shapes."""
     weights = rename_weights(config, weights)
+    if config.tie_word_embeddings is None:
+        # Left out, tied exactly when no lm_head is stored: mlx-lm's llama and qwen2 tie
+        # by default (an lm_head stored beside was dropped: transformers, untied by
+        # default, reads it), its gemma3 ties when lm_head.weight is absent; read as
+        # untied, every tied checkpoint was "missing tensor 'lm_head.weight'".
+        config = attrs.evolve(config, tie_word_embeddings="lm_head.weight" not in weights)
     # Building a layer costs time and memory before any shape can be checked: a layer
     # count beyond the weights' took 30 s and 5 GB at 10**6 layers to end in "missing tensor".
     stored = 1 + max(

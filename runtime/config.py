@@ -53,7 +53,9 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
-    tie_word_embeddings: bool
+    # None: config.json does not say, and the load decides from the weights (tied when
+    # they hold no lm_head.weight); a model built before that has an lm_head.
+    tie_word_embeddings: bool | None
     quantization: Quantization | None
     eos_token_ids: tuple[int, ...]
     qkv_bias: bool = False  # q/k/v projections carry a bias (qwen2; llama's attention_bias)
@@ -171,7 +173,7 @@ def config_from_dict(
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=field("max_position_embeddings", int, 4096),
-        tie_word_embeddings=field("tie_word_embeddings", bool, False),
+        tie_word_embeddings=field("tie_word_embeddings", bool, None),
         quantization=_quantization(field("quantization", dict, None), source),
         eos_token_ids=_eos_ids(raw, generation or {}, field("vocab_size", int)),
         foreign_quantization=_foreign_quantization(raw),

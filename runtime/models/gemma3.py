@@ -12,7 +12,8 @@ transformers' `modeling_gemma3`:
   `rope_local_base_freq`; full (global) layers rotate with `rope_theta` and its scaling;
 - which layers slide comes from `layer_types`, or from `sliding_window_pattern` in
   older configs (every pattern-th layer is global);
-- embeddings are tied unless the checkpoint says otherwise.
+- embeddings are tied as config.json says, or where it does not say, when the weights
+  hold no lm_head (as mlx-lm, which ties exactly then; transformers' default is tied).
 
 The multimodal layout keeps the text model's config under `text_config` and its
 weights under `language_model.` (`model.language_model.` in newer exports); the
@@ -47,7 +48,6 @@ DEFAULTS: dict[str, Any] = {
     "query_pre_attn_scalar": 256,
     "sliding_window": 4096,
     "max_position_embeddings": 131_072,
-    "tie_word_embeddings": True,
     "vocab_size": 262_208,
 }
 _VISION_PREFIXES = (

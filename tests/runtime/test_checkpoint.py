@@ -514,7 +514,7 @@ def test_fields_a_config_leaves_out_take_their_defaults():
     assert config.num_key_value_heads == config.num_attention_heads == 4  # no GQA said: none
     assert config.rms_norm_eps == 1e-6 and config.rope_theta == 10000.0
     assert config.max_position_embeddings == 4096
-    assert config.tie_word_embeddings is False
+    assert config.tie_word_embeddings is None  # decided from the weights at load
     assert config.head_dim == 16  # hidden_size / num_attention_heads
 
 

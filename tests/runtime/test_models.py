@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from runtime.checkpoint import load_model
@@ -22,7 +23,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.rope_utils import Llama3RoPE
 from structlog.testing import capture_logs
 
-from tests.kernels.test_quantized_models import greedy
+from tests.kernels.test_quantized_models import greedy, mlx_lm_greedy
 
 TOKENS = mx.array([list(range(5, 45))])  # 40 positions: several times an 8-key window
 
@@ -62,6 +63,30 @@ def test_gemma3_logits_match_mlx_lm_past_the_window(tmp_path: Path, family: str,
     # The window is honoured: the same weights with every layer global differ.
     ours.model.config = attrs.evolve(ours.config, layer_windows=())
     assert not mx.allclose(ours.model(TOKENS), want, atol=1e-2).item()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3"])
+@pytest.mark.parametrize("is_tied", [True, False], ids=["tied", "untied"])
+def test_a_config_silent_on_tying_ties_exactly_when_no_lm_head_is_stored(
+    make_checkpoint, tmp_path: Path, family: str, is_tied: bool
+):
+    """Published configs may leave tie_word_embeddings out: mlx-lm's llama and qwen2 then
+    tie, its gemma3 ties when lm_head.weight is absent. Read as untied, a tied checkpoint
+    was refused ("missing tensor 'lm_head.weight'"); a stored lm_head is used, as by
+    transformers (whose llama default is untied) and mlx-lm's gemma3."""
+    said = make_checkpoint(family, tie_word_embeddings=is_tied, num_layers=2, head_dim=16)
+    silent = tmp_path / "silent"
+    shutil.copytree(said, silent)
+    raw = json.loads((silent / "config.json").read_text())
+    del raw["tie_word_embeddings"]
+    (silent / "config.json").write_text(json.dumps(raw))
+    loaded = load_model(silent)
+    assert loaded.config.tie_word_embeddings is is_tied
+    assert loaded.model.config.tie_word_embeddings is is_tied
+    prompt = TOKENS[0, :12].tolist()
+    ours = greedy(loaded, prompt, 16)
+    assert ours == mlx_lm_greedy(said, prompt, 16)  # mlx-lm told in config.json
+    assert len(set(ours)) > 3
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
@@ -114,7 +139,8 @@ def test_gemma3_defaults_follow_transformers_when_fields_are_left_out():
                  "tie_word_embeddings", "rope_theta", "rope_local_base_freq", "sliding_window_pattern"):
         del raw[name]
     config = config_from_dict(raw)
-    assert config.head_dim == 256 and config.tie_word_embeddings
+    assert config.head_dim == 256
+    assert config.tie_word_embeddings is None  # decided from the weights at load
     assert config.layer_windows == (4096,) * 5 + (None,)
     assert config.extra["query_pre_attn_scalar"] == 256.0
 
