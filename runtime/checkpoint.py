@@ -24,12 +24,12 @@ from runtime.files import check_regular, one_line, read_json, shortened
 from runtime.gguf import is_gguf_file, read_gguf
 from runtime.models import build_model, rename_weights
 from runtime.models.layers import CausalLM
+from runtime.stored_quantization import quantize_as_stored
 from runtime.template_files import TOOL_USE_TEMPLATE_FILE
 from runtime.tokenizer import Tokenizer
 
 import attrs
 import mlx.core as mx
-import mlx.nn as nn
 import structlog
 from mlx.utils import tree_flatten, tree_unflatten
 
@@ -260,26 +260,7 @@ def build_decoder(config: ModelConfig, weights: dict[str, mx.array], source: str
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     if config.quantization is not None:
-        q = config.quantization
-
-        last_quantized = [""]  # the layer mlx is quantizing, for its error
-
-        def quantized_as(path: str, _module: nn.Module) -> bool | dict[str, int | str | None]:
-            if f"{path}.scales" not in weights:
-                return False  # stored unquantized (e.g. a layer the quantizer skipped)
-            last_quantized[0] = path
-            if path in q.per_layer:
-                group_size, bits, mode = q.per_layer[path]
-                return {"group_size": group_size, "bits": bits, "mode": mode}
-            return True
-
-        try:
-            nn.quantize(
-                decoder, group_size=q.group_size, bits=q.bits, mode=q.mode, class_predicate=quantized_as
-            )
-        except ValueError as error:  # bits or a group size mlx has no kernel for
-            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise CheckpointError(f"{source}: layer '{last_quantized[0]}': {reason}") from None
+        quantize_as_stored(decoder, config.quantization, weights, source)
     expected = dict(tree_flatten(decoder.parameters()))
     if (problem := _weights_problem(expected, weights, config.model_type)) is not None:
         if (method := config.foreign_quantization) is not None:

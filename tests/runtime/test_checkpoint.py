@@ -79,12 +79,14 @@ def test_an_unknown_quantization_mode_is_named_with_the_supported_ones(broken, q
         ({"group_size": 0, "bits": 4}, "positive integer"),  # mlx divided by it: SIGFPE
         ({"group_size": 32, "bits": -4}, "positive integer"),
         ({"group_size": 32, "bits": 4, "model.layers.0.mlp.up_proj": {"group_size": 0}}, "up_proj"),
-        ({"group_size": 32, "bits": 99}, "bits 99"),  # refused by mlx itself
+        # Refused by mlx itself. (A default it refuses is never used: as in mlx-lm, the
+        # layers config.json does not name take the packing their tensors show.)
+        ({"group_size": 32, "bits": 4, "model.layers.0.mlp.up_proj": {"group_size": 32, "bits": 99}},
+         "bits 99"),
         ({"group_size": 32, "bits": 4, "model.layers.1.mlp.down_proj": {"group_size": 7, "bits": 4}},
          "model.layers.1.mlp.down_proj"),
-        ({"group_size": 32, "bits": 4, "mode": "mxfp4"}, "biases"),  # affine tensors, mxfp4 said
     ],
-    ids=["zero-group", "negative-bits", "zero-layer-group", "mlx-bits", "mlx-layer-group", "wrong-mode"],
+    ids=["zero-group", "negative-bits", "zero-layer-group", "mlx-bits", "mlx-layer-group"],
 )
 def test_quantization_parameters_mlx_cannot_take_are_a_one_line_error(
     make_checkpoint, tmp_path, quantization, named
@@ -323,6 +325,65 @@ def test_a_null_group_size_in_a_layer_entry_is_the_modes_default_as_in_mlx_lm(ma
     v_proj = loaded.model.model.layers[1].self_attn.v_proj
     assert (v_proj.group_size, v_proj.bits) == (64, 6)
     assert loaded.model.model.layers[1].self_attn.q_proj.group_size == 32
+
+
+@pytest.mark.parametrize(
+    ("layers", "quantization"),
+    [
+        ({"model.layers.0.mlp.down_proj": (32, 8, "affine"), "model.layers.1.mlp.up_proj": (64, 4, "affine"),
+          "model.layers.1.self_attn.o_proj": (32, 8, "mxfp8")}, {"group_size": 32, "bits": 4}),
+        ({}, {"group_size": 32, "bits": 99}),
+        ({}, {"group_size": 32, "bits": 4, "mode": "mxfp4"}),
+    ],
+    ids=["unnamed-layers", "default-mlx-refuses", "default-mode-not-stored"],
+)
+def test_layers_the_config_does_not_name_take_the_packing_their_tensors_show_as_in_mlx_lm(
+    make_checkpoint, tmp_path, layers, quantization
+):
+    """mlx-lm reads an unnamed layer's group size and bits from its shapes and its mode
+    from its scales' dtype; cadence applied config.json's default, and an 8-bit layer in
+    a 4-bit checkpoint was "has shape (128, 64), expected (128, 32)"."""
+    from tests.kernels.test_quantized_models import greedy, mlx_lm_greedy
+
+    path = mixed_checkpoint(make_checkpoint, tmp_path / "unnamed", layers, quantization)
+    modules = dict(load_like_mlx_lm(path).model.named_modules())
+    for name, packing in {"model.layers.0.mlp.up_proj": (32, 4, "affine"), **layers}.items():
+        assert (modules[name].group_size, modules[name].bits, modules[name].mode) == packing
+    prompt = [5, 17, 99, 3, 44, 250, 1000, 7]
+    assert greedy(load_model(path), prompt, 12) == mlx_lm_greedy(path, prompt, 12)
+
+
+def replace_layer_tensors(path, layer, tensors):
+    weights = dict(mx.load(str(path / "model.safetensors")))
+    weights.update({f"{layer}.{name}": tensor for name, tensor in tensors.items()})
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+
+
+@pytest.mark.parametrize(
+    "tensors",
+    [  # down_proj has 256 inputs
+        {"weight": mx.zeros((128, 32), mx.uint32), "scales": mx.ones((128, 3)), "biases": mx.zeros((128, 3))},
+        {"weight": mx.zeros((128, 64), mx.uint32), "scales": mx.zeros((128, 16), mx.uint8)},
+        {"weight": mx.zeros((128, 30), mx.uint32), "scales": mx.ones((128, 8)), "biases": mx.zeros((128, 8))},
+    ],
+    ids=["groups-not-dividing", "no-microscaling-mode", "words-not-dividing"],
+)
+def test_a_layer_whose_packing_no_quantization_fits_is_named_with_its_shapes(
+    make_checkpoint, tmp_path, tensors
+):
+    """mlx-lm refuses these too (a group size mlx has no kernel for, or "Cannot infer the
+    quantization mode"); cadence's message names the layer and what its tensors hold."""
+    import mlx_lm
+
+    down_proj = "model.layers.1.mlp.down_proj"
+    path = mixed_checkpoint(make_checkpoint, tmp_path / "unfit", {}, {"group_size": 32, "bits": 4})
+    replace_layer_tensors(path, down_proj, tensors)
+    with pytest.raises(Exception):  # noqa: B017 (mlx-lm raises ValueError or mlx's own)
+        mlx_lm.load(str(path))
+    message = error_for(path)
+    assert f"layer '{down_proj}' is stored packed" in message and "256 inputs" in message
+    assert str(tuple(tensors["weight"].shape)) in message
+    assert str(tuple(tensors["scales"].shape)) in message
 
 
 @pytest.mark.parametrize(
