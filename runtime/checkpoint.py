@@ -35,6 +35,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 DEMO_CHECKPOINT = Path(__file__).with_name("demo")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed, never loaded
+INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's tensor -> shard map
 # What a Hub snapshot needs: the top-level config, tokenizer and weight files, and the
 # chat templates (transformers saves a named "tool_use" one in a folder). Mistral's
 # repos also hold their own format's weights (consolidated.safetensors: 14.5 GB more for
@@ -138,7 +139,7 @@ def resolve_checkpoint(model: str | Path | None, *, offline: bool = False) -> tu
 
 
 def read_weights(path: Path, progress: Callable[[str], None]) -> dict[str, mx.array]:
-    files = _weight_files(path)
+    files, weight_map = _weight_files(path)
     weights: dict[str, mx.array] = {}
     for i, file in enumerate(files, 1):
         progress(f"loading weights {i}/{len(files)}: {file.name}")
@@ -149,37 +150,55 @@ def read_weights(path: Path, progress: Callable[[str], None]) -> dict[str, mx.ar
             reason = " ".join(str(exc).split())  # mlx quotes tensor names verbatim, newlines too
             raise CheckpointError(f"{file}: unreadable safetensors ({reason})") from None
         weights.update(loaded)  # type: ignore[arg-type]
+    # An index is written from its shards' contents: a tensor it names that none holds
+    # means a shard is not the one it was written with.
+    if unheld := sorted(set(weight_map) - set(weights)):
+        raise CheckpointError(
+            f"{path / INDEX_FILE}: names tensor {unheld[0]!r} in shard "
+            f"{weight_map[unheld[0]]!r}, which does not hold it (nor does any other shard)"
+        )
     return {k: v for k, v in weights.items() if not k.endswith(_IGNORED_SUFFIXES)}
 
 
-def _weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        index_data = read_json(index)
-        weight_map = index_data.get("weight_map") if isinstance(index_data, dict) else None
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-        ):
-            raise CheckpointError(f"{index}: weight_map should map tensor names to file names")
-        names = sorted(set(weight_map.values()))
-        for name in names:
-            # Checked by name, not resolved: the Hugging Face cache links each shard to a
-            # blob outside the snapshot directory.
-            if Path(name).is_absolute() or ".." in Path(name).parts:
-                raise CheckpointError(
-                    f"{index}: shard {name!r} is outside the checkpoint directory"
-                )
-            if not (path / name).exists():
-                raise CheckpointError(f"{index}: names shard {name!r}, which is missing")
-        files = [path / n for n in names]
+def _weight_files(path: Path) -> tuple[list[Path], dict[str, str]]:
+    """The safetensors files to read, and the index's tensor -> shard map ({} without one)."""
+    if (path / INDEX_FILE).exists():
+        weight_map = _read_index(path / INDEX_FILE)
+        files = [path / name for name in sorted(set(weight_map.values()))]
     else:  # Hugging Face's names first, as mlx-lm: a consolidated.safetensors beside
         # them holds the same weights in Mistral's own names
+        weight_map = {}
         files = sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path}: no *.safetensors weight files")
+        if not files:
+            raise CheckpointError(f"{path}: no *.safetensors weight files")
     for file in files:
         check_regular(file)
-    return files
+    return files, weight_map
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """model.safetensors.index.json's weight_map, each shard in it checked to be a file
+    of the checkpoint."""
+    data = read_json(index)
+    if not isinstance(data, dict) or "weight_map" not in data:
+        raise CheckpointError(f"{index}: no weight_map (tensor names -> shard file names)")
+    weight_map = data["weight_map"]
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(f"{index}: weight_map should map tensor names to file names")
+    if not weight_map:  # was "no *.safetensors weight files", beside the shards
+        raise CheckpointError(f"{index}: weight_map is empty: it names no tensor and no shard")
+    for name in sorted(set(weight_map.values())):
+        # Checked by name, not resolved: the Hugging Face cache links each shard to a
+        # blob outside the snapshot directory.
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointError(f"{index}: shard {name!r} is outside the checkpoint directory")
+        if not name or Path(name) == Path("."):
+            raise CheckpointError(f"{index}: names shard {name!r}, which is no file name")
+        if not (index.parent / name).exists():
+            raise CheckpointError(f"{index}: names shard {name!r}, which is missing")
+    return weight_map
 
 
 def _check_safetensors(file: Path) -> None:

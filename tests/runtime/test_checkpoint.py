@@ -484,6 +484,50 @@ def test_an_index_naming_shards_by_anything_but_a_string_is_named(broken, shard)
     assert "model.safetensors.index.json" in message and "weight_map" in message
 
 
+def test_an_index_with_an_empty_weight_map_says_so(broken):
+    write_index(broken, {})  # beside model.safetensors: "no *.safetensors weight files"
+    assert "model.safetensors.index.json: weight_map is empty" in error_for(broken)
+
+
+@pytest.mark.parametrize("index", [[1, 2], {"metadata": {"total_size": 8}}], ids=["list", "no-map"])
+def test_an_index_without_a_weight_map_says_so(broken, index):
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "model.safetensors.index.json: no weight_map" in error_for(broken)
+
+
+@pytest.mark.parametrize("shard", ["", "."], ids=["empty", "dot"])
+def test_an_index_naming_the_checkpoint_directory_as_a_shard_is_named(broken, shard):
+    write_index(broken, {"model.norm.weight": shard})  # was "<dir>: not a regular file"
+    message = error_for(broken)
+    assert f"model.safetensors.index.json: names shard {shard!r}, which is no file name" in message
+
+
+def sharded_copy(make_checkpoint, path):
+    shutil.copytree(make_checkpoint("llama", shards=2), path)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    return index["weight_map"]
+
+
+def test_a_tensor_the_index_puts_in_a_shard_that_lacks_it_is_named(make_checkpoint, tmp_path):
+    weight_map = sharded_copy(make_checkpoint, tmp_path / "sharded")
+    first = tmp_path / "sharded" / "model-00001-of-00002.safetensors"
+    weights = dict(mx.load(str(first)))
+    weights.pop("model.embed_tokens.weight")
+    mx.save_safetensors(str(first), weights)
+    assert weight_map["model.embed_tokens.weight"] == first.name
+    message = error_for(tmp_path / "sharded")  # was "missing tensor", not saying where
+    assert ("model.safetensors.index.json: names tensor 'model.embed_tokens.weight' in shard "
+            "'model-00001-of-00002.safetensors', which does not hold it") in message
+
+
+def test_a_tensor_the_index_puts_in_the_wrong_shard_still_loads_as_in_mlx_lm(make_checkpoint, tmp_path):
+    """mlx-lm reads every model*.safetensors and no index: the weights are whole."""
+    weight_map = sharded_copy(make_checkpoint, tmp_path / "sharded")
+    weight_map["model.embed_tokens.weight"] = "model-00002-of-00002.safetensors"
+    write_index(tmp_path / "sharded", weight_map)
+    assert load_model(tmp_path / "sharded").config.num_hidden_layers == 2
+
+
 @pytest.mark.parametrize("where", ["relative", "absolute"])
 def test_an_index_naming_a_shard_outside_the_checkpoint_is_refused(broken, tmp_path, where):
     outside = tmp_path / "outside.safetensors"  # a complete set of weights: it would load
