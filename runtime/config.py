@@ -132,7 +132,9 @@ def config_from_dict(
     field = fields.get
     hidden = field("hidden_size", int)
     heads = field("num_attention_heads", int)
-    kv_heads = field("num_key_value_heads", int, heads)
+    # Null as well as left out is one KV head per query head, as transformers' llama,
+    # mistral and qwen configs read it (and mlx-lm's llama); null was refused.
+    kv_heads = field("num_key_value_heads", int, None) or heads
     if heads % kv_heads:
         raise CheckpointError(
             f"{source}: num_attention_heads ({heads}) is not a multiple of "

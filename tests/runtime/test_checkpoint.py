@@ -623,6 +623,14 @@ def test_fields_a_config_leaves_out_take_their_defaults():
     assert config.head_dim == 16  # hidden_size / num_attention_heads
 
 
+def test_a_null_kv_head_count_is_one_per_query_head_as_in_mlx_lm(make_checkpoint, tmp_path):
+    path = tmp_path / "mha"
+    shutil.copytree(make_checkpoint("llama", num_kv_heads=4), path)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "num_key_value_heads": None}))
+    assert load_like_mlx_lm(path).config.num_key_value_heads == 4
+
+
 @pytest.mark.parametrize(
     ("changes", "named"),
     [
