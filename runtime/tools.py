@@ -180,8 +180,8 @@ class _ValueEnd:
     def find(self, text: str, is_final: bool) -> int | None:
         if text[self.start] not in '{["':  # a number or a literal: short, decoded whole
             return _json_end(text, self.start, is_final)
-        # The text only grows, but for a closing marker cut off its end once found: the
-        # characters cut (`</tool_call>`'s) cannot close a value, so the scan's answer holds.
+        # The text only grows: a tail that may begin a closing marker is held back until
+        # the marker is decided (_Delimited.feed), never taken away once scanned.
         if self.closed_at is None:
             self._scan(text)
             if self.closed_at is not None:
@@ -253,7 +253,10 @@ class _Delimited:
             # Searched from where the last search left off: a long call is not rescanned.
             at = self.pending.find(self.closing, self.closing_searched)
             self.closing_searched = max(0, len(self.pending) - len(self.closing) + 1)
-            body = self.pending if at < 0 else self.pending[:at]
+            # A tail that may begin the closing marker waits until it is decided: arguments
+            # that are no JSON run to the marker, and "</tool_" went out as their text.
+            held = _marker_prefix_length(self.pending, self.closing) if at < 0 else 0
+            body = self.pending[: len(self.pending) - held] if at < 0 else self.pending[:at]
             if self.streams_arguments or at >= 0:
                 events += self._body_events(body, is_final=at >= 0, closing=self.closing)
             if at < 0:

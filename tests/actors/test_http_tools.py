@@ -127,6 +127,34 @@ async def test_auto_finds_the_call_the_model_writes(styled):
     assert plain.usage.prompt_tokens == untooled.usage.prompt_tokens < done.usage.prompt_tokens
 
 
+def literally(text):
+    """A guided regex that makes the model write exactly `text`."""
+    return "".join("\\" + c if c in "{}[]().*+?|^$\\" else c for c in text)
+
+
+@pytest.fixture(scope="module")
+def hermes(make_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tools") / "hermes"
+    return with_template(make_checkpoint("llama"), out, TEMPLATES["hermes"])
+
+
+async def test_arguments_that_are_no_json_stream_without_the_closing_marker(hermes):
+    """The demo tokenizer spells `</tool_call>` in pieces, so a delta ends inside it:
+    arguments that are no JSON run to the marker, and its first pieces went out as
+    argument text before it was whole."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": city=Rome}\n</tool_call>'
+    body = dict(
+        messages=ASK, tools=TOOLS, max_tokens=120, extra_body={"guided_regex": literally(text)}
+    )
+    async with serving(hermes) as server:
+        done = await in_thread(whole, server, **body)
+        content, calls, finish = await in_thread(streamed, server, **body)
+    (call,) = done.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", "city=Rome}\n")
+    assert [(n, a) for _, n, a in calls.values()] == [("get_weather", "city=Rome}\n")]
+    assert (content, finish) == ("", "tool_calls")
+
+
 async def test_a_tool_history_is_accepted_and_shapes_the_prompt(styled):
     _, checkpoint = styled
     history = [

@@ -164,12 +164,28 @@ CASES = [
     ),
     # ...and a reply of blanks alone is its text.
     ("llama3_json", " \n\n", (" \n\n", [])),
+    # Arguments that never become JSON run to the closing marker, and not into it: a
+    # delta ending in "</tool_" sent those characters as arguments before the marker
+    # was whole.
+    (
+        "hermes",
+        '<tool_call>\n{"name": "f", "arguments": abc}\n</tool_call>\nDone.',
+        ("\nDone.", [("f", "abc}\n")]),
+    ),
+    (
+        "hermes",  # ... and so do arguments the model never closed
+        '<tool_call>\n{"name": "f", "arguments": {"a": [1</tool_call>',
+        ("", [("f", '{"a": [1')]),
+    ),
 ]
 
 
 @pytest.mark.parametrize(("style", "text", "expected"), CASES)
 def test_every_split_of_the_text_gives_the_same_calls(style, text, expected):
     assert parse(style, text) == expected
+    for cut in range(1, len(text)):  # every one place a delta may end
+        assert parse(style, text, [cut]) == expected, cut
+    assert parse(style, text, range(1, len(text))) == expected  # a character a delta
     rng = random.Random(0)
     for _ in range(200):  # multi-token deltas from lookahead split anywhere
         cuts = rng.sample(range(1, len(text)), k=rng.randint(1, min(12, len(text) - 1)))
