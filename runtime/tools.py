@@ -60,8 +60,10 @@ _DECODER = json.JSONDecoder()
 @attrs.define
 class _JsonCalls:
     """Calls written as JSON objects one after another (separated by `;` or blanks), in a
-    growing body of text; reports each name once known and its arguments as they grow."""
+    growing body of text; reports each name once known and its arguments as they grow.
+    A call may begin with `leading_tag`, which is markup, not text."""
 
+    leading_tag: str = ""
     num_calls: int = 0  # calls started before the current body
     position: int = 0  # where the next call object begins in the body
     name_seen: bool = False  # the current call's name was reported
@@ -73,9 +75,7 @@ class _JsonCalls:
     def update(self, body: str, is_final: bool) -> list[Event]:
         events: list[Event] = []
         while True:
-            start = self.position
-            while start < len(body) and body[start] in " \t\r\n;":
-                start += 1
+            start = self._next_start(body)
             if start >= len(body):
                 return events
             if not self.name_seen and (named := _name_first(body, start)):
@@ -101,6 +101,17 @@ class _JsonCalls:
             self.position, self.name_seen, self.num_sent = whole, False, 0
             self.call_end = self.arguments_end = None
 
+
+    def _next_start(self, body: str) -> int:
+        """Where the next call begins: past separators and its leading tag. A tag only
+        begun waits there, for its JSON cannot start with "<"."""
+        start = self.position
+        while True:
+            while start < len(body) and body[start] in " \t\r\n;":
+                start += 1
+            if not self.leading_tag or not body.startswith(self.leading_tag, start):
+                return start
+            start += len(self.leading_tag)
 
     def _arguments(self, body: str, is_final: bool) -> list[Event]:
         """The current call's arguments text not yet reported. Arguments the model wrote
@@ -290,46 +301,37 @@ class _Delimited:
         return events
 
 
+_PYTHON_TAG = "<|python_tag|>"
+
+
 @attrs.define
 class _WholeReply:
     """Llama 3's form: the reply is calls from its first character, or plain text."""
 
     pending: str = ""
     mode: str = "undecided"  # "calls" or "text" once the first visible characters tell
-    calls: _JsonCalls = attrs.Factory(_JsonCalls)
-    is_tag_blanked: bool = False
-    tag_searched: int = 0  # pending holds no whole tag before this
+    # Only a call's leading tag is markup: the first one anywhere was blanked, in an
+    # argument's text too.
+    calls: _JsonCalls = attrs.Factory(lambda: _JsonCalls(leading_tag=_PYTHON_TAG))
 
     def feed(self, text: str) -> list[Event]:
         self.pending += text
         if self.mode == "undecided":
             head = self.pending.lstrip()
-            if head.startswith("<|python_tag|>") or head.startswith("{"):
+            if head.startswith(_PYTHON_TAG) or head.startswith("{"):
                 self.mode = "calls"
-            elif head and not "<|python_tag|>".startswith(head):
+            elif head and not _PYTHON_TAG.startswith(head):
                 self.mode = "text"
         if self.mode == "text":
             events, self.pending = _content(self.pending), ""
             return events
-        return self.calls.update(self._body(), is_final=False) if self.mode == "calls" else []
+        return self.calls.update(self.pending, is_final=False) if self.mode == "calls" else []
 
     def finish(self) -> list[Event]:
         if self.mode != "calls":
             events, self.pending = _content(self.pending), ""
             return events
-        return self.calls.update(self._body(), is_final=True)
-
-    def _body(self) -> str:
-        """The text, its first `<|python_tag|>` blanked (same length: positions hold);
-        blanked in place once, not copied at every token."""
-        tag = "<|python_tag|>"
-        if not self.is_tag_blanked:
-            at = self.pending.find(tag, self.tag_searched)
-            if at >= 0:
-                blanked = self.pending[:at] + " " * len(tag) + self.pending[at + len(tag) :]
-                self.pending, self.is_tag_blanked = blanked, True
-            self.tag_searched = max(0, len(self.pending) - len(tag) + 1)
-        return self.pending
+        return self.calls.update(self.pending, is_final=True)
 
 
 def python_calls(body: str) -> list[dict[str, object]] | None:

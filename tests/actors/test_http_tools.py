@@ -133,12 +133,14 @@ def literally(text):
 
 
 @pytest.fixture(scope="module")
-def hermes(make_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tools") / "hermes"
-    return with_template(make_checkpoint("llama"), out, TEMPLATES["hermes"])
+def checkpoint_for(make_checkpoint, tmp_path_factory):
+    """style -> a tiny checkpoint whose template writes calls in that style."""
+    return lambda style: with_template(
+        make_checkpoint("llama"), tmp_path_factory.mktemp("tools") / style, TEMPLATES[style]
+    )
 
 
-async def test_arguments_that_are_no_json_stream_without_the_closing_marker(hermes):
+async def test_arguments_that_are_no_json_stream_without_the_closing_marker(checkpoint_for):
     """The demo tokenizer spells `</tool_call>` in pieces, so a delta ends inside it:
     arguments that are no JSON run to the marker, and its first pieces went out as
     argument text before it was whole."""
@@ -146,12 +148,28 @@ async def test_arguments_that_are_no_json_stream_without_the_closing_marker(herm
     body = dict(
         messages=ASK, tools=TOOLS, max_tokens=120, extra_body={"guided_regex": literally(text)}
     )
-    async with serving(hermes) as server:
+    async with serving(checkpoint_for("hermes")) as server:
         done = await in_thread(whole, server, **body)
         content, calls, finish = await in_thread(streamed, server, **body)
     (call,) = done.choices[0].message.tool_calls
     assert (call.function.name, call.function.arguments) == ("get_weather", "city=Rome}\n")
     assert [(n, a) for _, n, a in calls.values()] == [("get_weather", "city=Rome}\n")]
+    assert (content, finish) == ("", "tool_calls")
+
+
+async def test_a_python_tag_inside_a_llama3_argument_is_kept(checkpoint_for):
+    """Only a call's leading `<|python_tag|>` is markup; the first one anywhere, here
+    in an argument's text, was blanked to spaces."""
+    text = '{"name": "get_weather", "parameters": {"city": "<|python_tag|>"}}'
+    body = dict(
+        messages=ASK, tools=TOOLS, max_tokens=120, extra_body={"guided_regex": literally(text)}
+    )
+    async with serving(checkpoint_for("llama3_json")) as server:
+        done = await in_thread(whole, server, **body)
+        content, calls, finish = await in_thread(streamed, server, **body)
+    (call,) = done.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "<|python_tag|>"}
+    assert [a for _, _, a in calls.values()] == [call.function.arguments]
     assert (content, finish) == ("", "tool_calls")
 
 

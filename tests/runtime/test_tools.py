@@ -156,11 +156,22 @@ CASES = [
     ("gemma", "```tool_code\n[]\n```", ("```tool_code\n[]\n```", [])),  # no call: text
     # Blanks before the first character do not decide the reply is text...
     ("llama3_json", '\n {"name": "f", "parameters": {}}', ("", [("f", "{}")])),
-    # A second call after its own tag (the first tag anywhere is markup, not text).
+    # A second call after its own tag (a call's leading tag is markup, not text).
     (
         "llama3_json",
         '{"name": "f", "parameters": {}}; <|python_tag|>{"name": "g", "parameters": {"a": 1}}',
         ("", [("f", "{}"), ("g", '{"a": 1}')]),
+    ),
+    # A tag inside a call is text: the first tag anywhere was blanked, in an argument too.
+    (
+        "llama3_json",
+        '{"name": "f", "parameters": {"code": "<|python_tag|>x"}}',
+        ("", [("f", '{"code": "<|python_tag|>x"}')]),
+    ),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "f", "parameters": {"a": "<|python_tag|>"}}',
+        ("", [("f", '{"a": "<|python_tag|>"}')]),
     ),
     # ...and a reply of blanks alone is its text.
     ("llama3_json", " \n\n", (" \n\n", [])),
