@@ -234,7 +234,11 @@ async def _complete(state: ServerState, api: ApiRequest) -> Response:
         api.include_usage,
         has_logprobs=api.request.sampling.logprobs is not None,
     )
-    tools = ToolCallDeltas(llm.tool_style, api.parallel_tool_calls) if api.parses_tools else None
+    tools = (
+        ToolCallDeltas(llm.tool_style, api.parallel_tool_calls, api.is_stream)
+        if api.parses_tools
+        else None
+    )
     if api.is_stream:
         response = Response(
             _ChoicesStream(generations, writer, tools), mimetype="text/event-stream"

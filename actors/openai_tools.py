@@ -20,7 +20,7 @@ from typing import Any
 
 from runtime.errors import RequestError
 from runtime.grammar import GrammarSpec
-from runtime.tools import CallArguments, CallStart, Content, Event, parser_for
+from runtime.tools import CallArguments, CallCutShort, CallStart, Content, Event, parser_for
 
 import attrs
 
@@ -218,15 +218,21 @@ class ToolCallStream:
 
     Whitespace at the end of the content so far waits for more text: before or after
     a call it is dropped, so `message.content` is null when the reply is only calls. The whole
-    response is built by feeding all its text here too, so the streamed deltas
-    reassemble to it exactly.
+    response is built by feeding all its text here too (`is_streamed` False), so the
+    streamed deltas reassemble to it exactly, but for a call the reply ends inside of
+    (max_tokens): streamed, it went out as it was written, and finish_reason "length"
+    says it stops short, as OpenAI streams one; in the whole response its arguments are
+    no JSON, so it is text in `content`, as vLLM answers (the calls wait for the end).
     """
 
     style: str
     is_parallel: bool = True  # False: calls after the first are dropped
+    is_streamed: bool = True
     parser: Any = None
     ids: list[str] = attrs.Factory(list)
     blank: str = ""  # trailing whitespace held back
+    blank_before_call: str = ""  # ... and dropped before the last call began
+    held: list[dict[str, Any]] = attrs.Factory(list)  # calls' deltas, when not streamed
 
     def __attrs_post_init__(self) -> None:
         self.parser = parser_for(self.style)
@@ -236,10 +242,18 @@ class ToolCallStream:
         return bool(self.ids)
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        return self._convert(self.parser.feed(text), is_final=False)
+        content, calls = self._convert(self.parser.feed(text), is_final=False)
+        if self.is_streamed:
+            return content, calls
+        self.held += calls
+        return content, []
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        return self._convert(self.parser.finish(), is_final=True)
+        content, calls = self._convert(self.parser.finish(), is_final=True)
+        if self.is_streamed:
+            return content, calls
+        calls, self.held = self.held + calls, []
+        return content, [call for call in calls if call["index"] < len(self.ids)]
 
     def finish_reason(self, reason: str) -> str:
         return "tool_calls" if self.has_calls and reason == "stop" else reason
@@ -249,17 +263,17 @@ class ToolCallStream:
         for event in events:
             match event:
                 case Content(text):
-                    # Trailing whitespace waits: before a call it is dropped, whatever the split.
-                    text = self.blank + text
-                    kept = text.rstrip()
-                    self.blank = text[len(kept) :]
-                    content += kept
-                case CallStart(index, _) | CallArguments(index, _) if (
+                    content += self._content(text)
+                case CallStart(index, _) | CallArguments(index, _) | CallCutShort(index, _) if (
                     index > 0 and not self.is_parallel
                 ):
                     continue
+                case CallCutShort(index, text) if not self.is_streamed:
+                    # The last call: its deltas are all held, and its id the last one.
+                    self.ids.pop()
+                    content += self._content(self.blank_before_call + text)
                 case CallStart(index, name):
-                    self.blank = ""
+                    self.blank, self.blank_before_call = "", self.blank
                     self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
                     function = {"name": name, "arguments": ""}
                     calls.append(
@@ -275,6 +289,13 @@ class ToolCallStream:
         if is_final and self.blank and not self.has_calls:
             content, self.blank = content + self.blank, ""
         return content, calls
+
+    def _content(self, text: str) -> str:
+        # Trailing whitespace waits: before a call it is dropped, whatever the split.
+        text = self.blank + text
+        kept = text.rstrip()
+        self.blank = text[len(kept) :]
+        return kept
 
 
 def with_tool_calls(choice: dict[str, Any], deltas: list[dict[str, Any]]) -> dict[str, Any]:
@@ -309,10 +330,13 @@ class ToolCallDeltas:
 
     style: str
     is_parallel: bool = True  # parallel_tool_calls
+    is_streamed: bool = True  # False: the deltas make a whole response
     streams: dict[int, ToolCallStream] = attrs.Factory(dict)  # by choice index
 
     def convert(self, index: int, delta: Delta) -> Delta:
-        stream = self.streams.setdefault(index, ToolCallStream(self.style, self.is_parallel))
+        stream = self.streams.setdefault(
+            index, ToolCallStream(self.style, self.is_parallel, self.is_streamed)
+        )
         content, calls = stream.feed(delta.text)
         if delta.finish_reason is None:
             return attrs.evolve(delta, text=content, tool_calls=tuple(calls))

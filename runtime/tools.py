@@ -3,7 +3,7 @@
     parser = parser_for(style)             # "hermes", "llama3_json" or "gemma"
     for delta in text_deltas:
         events = parser.feed(delta)         # Content, CallStart and CallArguments, in order
-    events = parser.finish()
+    events = parser.finish()                # ... and CallCutShort if it ended inside a call
 
 The formats, as the families' chat templates teach them:
   hermes       Qwen 2.5/3, Hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
@@ -48,7 +48,17 @@ class CallArguments:
     fragment: str  # the next piece of the call's arguments, as JSON text
 
 
-Event = Content | CallStart | CallArguments
+@attrs.frozen
+class CallCutShort:
+    """The reply ended (max_tokens, a stop) inside the arguments of the call at `index`,
+    whose name and arguments so far were reported: they are no complete JSON. `text` is
+    the call as the model wrote it, from its first character."""
+
+    index: int
+    text: str
+
+
+Event = Content | CallStart | CallArguments | CallCutShort
 
 # A call object whose name comes first, up to where its arguments' value begins.
 _NAME_FIRST = re.compile(
@@ -101,6 +111,14 @@ class _JsonCalls:
             self.position, self.name_seen, self.num_sent = whole, False, 0
             self.call_end = self.arguments_end = None
 
+    def cut_short(self, body: str) -> CallCutShort | None:
+        """After the final update: the call the reply ended in, if its arguments are not
+        whole. One whose arguments are whole stands, though its `}` never came."""
+        if not self.name_seen or self.call_end is None:
+            return None
+        if self.arguments_end is not None and self.arguments_end.find(body, True) is not None:
+            return None
+        return CallCutShort(self.num_calls, body[self.call_end.start :])
 
     def _next_start(self, body: str) -> int:
         """Where the next call begins: past separators and its leading tag. A tag only
@@ -284,7 +302,12 @@ class _Delimited:
         body = self.pending[: len(self.pending) - keep]
         events = self._body_events(body, is_final=True, closing="")
         self.pending, self.in_call = "", False
-        return events
+        if (cut := self.calls.cut_short(body)) is None:
+            return events
+        if self.streams_arguments:  # the call went out as it grew: only now is it cut
+            return [*events, cut]
+        # Nothing of it went out yet: it is text, as a Python call cut short is.
+        return [e for e in events if not _is_part_of(e, cut.index)] + [Content(cut.text)]
 
     def _body_events(self, body: str, is_final: bool, closing: str) -> list[Event]:
         if not self.streams_arguments and not body.lstrip().startswith("{"):
@@ -331,7 +354,9 @@ class _WholeReply:
         if self.mode != "calls":
             events, self.pending = _content(self.pending), ""
             return events
-        return self.calls.update(self.pending, is_final=True)
+        events = self.calls.update(self.pending, is_final=True)
+        cut = self.calls.cut_short(self.pending)
+        return events if cut is None else [*events, cut]
 
 
 def python_calls(body: str) -> list[dict[str, object]] | None:
@@ -350,6 +375,10 @@ def python_calls(body: str) -> list[dict[str, object]] | None:
     except (SyntaxError, ValueError, AssertionError, TypeError, RecursionError):
         return None
     return calls or None
+
+
+def _is_part_of(event: Event, index: int) -> bool:
+    return isinstance(event, CallStart | CallArguments) and event.index == index
 
 
 def _marker_prefix_length(text: str, marker: str) -> int:

@@ -173,6 +173,43 @@ async def test_a_python_tag_inside_a_llama3_argument_is_kept(checkpoint_for):
     assert (content, finish) == ("", "tool_calls")
 
 
+NOTE = "Rome is the city of seven hills and of many fountains, of old walls and narrow streets"
+LONG_CALL = {
+    "hermes": 'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"note": "%s"}}\n</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"note": "%s"}}',
+    "gemma": 'Checking.\n```tool_code\n{"name": "get_weather", "arguments": {"note": "%s"}}\n```',
+}
+CUT_CONTENT = {  # the markup is left out, as of a call cut before its name is whole
+    "hermes": 'Checking. {"name": "get_weather", "arguments": {"note": "Rome is',
+    "llama3_json": '{"name": "get_weather", "parameters": {"note": "Rome is',
+    "gemma": 'Checking.\n{"name": "get_weather", "arguments": {"note": "Rome is',
+}
+
+
+async def test_a_call_max_tokens_ends_in_is_text_in_the_whole_response(styled):
+    """Cut inside its arguments, a call was a whole response's call, its arguments no
+    JSON. Now it is the text it is, in content, as vLLM gives it, and finish_reason is
+    "length"; streamed, it goes out as written, and "length" says it stops short."""
+    style, checkpoint = styled
+    text = LONG_CALL[style] % (NOTE * 3)
+    body = dict(
+        messages=ASK, tools=TOOLS, max_tokens=60, extra_body={"guided_regex": literally(text)}
+    )
+    async with serving(checkpoint) as server:
+        done = await in_thread(whole, server, **body)
+        content, calls, finish = await in_thread(streamed, server, **body)
+    (choice,) = done.choices
+    assert choice.finish_reason == finish == "length"
+    assert choice.message.tool_calls is None
+    assert choice.message.content.startswith(CUT_CONTENT[style])
+    if style == "gemma":  # its calls go out when their block closes: this one never did
+        assert (content, calls) == (choice.message.content, {})
+        return
+    ((_, name, arguments),) = calls.values()
+    assert (content, name) == (CUT_CONTENT[style].split("{")[0].strip(), "get_weather")
+    assert arguments.startswith('{"note": "Rome is') and choice.message.content.endswith(arguments)
+
+
 async def test_a_tool_history_is_accepted_and_shapes_the_prompt(styled):
     _, checkpoint = styled
     history = [

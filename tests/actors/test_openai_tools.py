@@ -124,6 +124,46 @@ def test_a_reply_cut_short_after_a_call_keeps_length_as_its_reason():
     assert stream.finish_reason("length") == "length"
 
 
+CUT_CALL = '<tool_call>\n{"name": "b", "arguments": {"y": "lon'
+
+
+def names_and_arguments(deltas):
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in whole_tool_calls(deltas)]
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_call_cut_short_is_its_text_in_a_whole_response_and_streams_as_written(step):
+    """A reply that max_tokens ends inside a call's arguments: streamed, the call went
+    out as it was written and "length" says it stops short (OpenAI's stream); whole, it
+    was a call whose arguments no client can read: it is its text, in content (vLLM's
+    answer), and the calls before it stand."""
+    text = TWO_CALLS.split('<tool_call>\n{"name": "b"')[0] + CUT_CALL
+    streamed = ToolCallStream("hermes")
+    content, deltas = run(streamed, text, step)
+    assert content == "Sure."
+    assert names_and_arguments(deltas) == [("a", '{"x": 1}'), ("b", '{"y": "lon')]
+    assert streamed.finish_reason("length") == "length"
+    whole = ToolCallStream("hermes", is_streamed=False)
+    content, deltas = run(whole, text, step)
+    assert content == 'Sure.\n{"name": "b", "arguments": {"y": "lon'
+    assert names_and_arguments(deltas) == [("a", '{"x": 1}')]
+    assert whole.finish_reason("length") == "length"
+    assert whole.finish_reason("stop") == "tool_calls"  # a stop string may end it too
+    alone = ToolCallStream("hermes", is_streamed=False)
+    content, deltas = run(alone, "Sure. " + CUT_CALL, step)
+    assert (content, deltas) == ('Sure. {"name": "b", "arguments": {"y": "lon', [])
+    assert alone.finish_reason("stop") == "stop"  # no call left: not "tool_calls"
+
+
+def test_a_whole_responses_calls_come_with_its_last_delta():
+    deltas = ToolCallDeltas("hermes", is_streamed=False)
+    first = deltas.convert(0, Delta(TWO_CALLS))
+    assert (first.text, first.tool_calls) == ("Sure.", ())
+    last = deltas.convert(0, Delta("", finish_reason="stop"))
+    assert [c["function"]["name"] for c in whole_tool_calls(list(last.tool_calls))] == ["a", "b"]
+    assert last.finish_reason == "tool_calls"
+
+
 def test_each_choice_has_its_own_calls_and_its_last_delta_releases_what_was_held():
     deltas = ToolCallDeltas("gemma", is_parallel=False)
     cut = deltas.convert(0, Delta("```tool_code\nf(a=1)\ng(b=2)"))  # cut short: parsed at the end

@@ -17,7 +17,14 @@ from runtime.tool_prompts import (
     tool_call_grammar,
     tool_style_for,
 )
-from runtime.tools import CallArguments, CallStart, Content, parser_for, python_calls
+from runtime.tools import (
+    CallArguments,
+    CallCutShort,
+    CallStart,
+    Content,
+    parser_for,
+    python_calls,
+)
 
 import pytest
 import tokenizers
@@ -269,6 +276,70 @@ def test_argument_fragments_are_never_empty_whatever_the_split(style):
     events = [e for character in text for e in parser.feed(character)] + parser.finish()
     fragments = [e.fragment for e in events if isinstance(e, CallArguments)]
     assert "".join(fragments).startswith('{"city": "Paris"}') and all(fragments)
+
+
+CUT_SHORT = [
+    (
+        "hermes",
+        'A <tool_call>\n{"name": "f", "arguments": {"a": "xy',
+        '{"name": "f", "arguments": {"a": "xy',
+    ),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a', '{"name": "f", "arguments": "{\\"a'),
+    (
+        "hermes",
+        '<tool_call>{"name": "f", "arguments": {"a": 1</tool_c',
+        '{"name": "f", "arguments": {"a": 1',
+    ),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "f", "parameters": [1, ',
+        '{"name": "f", "parameters": [1, ',
+    ),
+    (
+        "llama3_json",
+        '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {',
+        '{"name": "g", "parameters": {',
+    ),
+]
+
+
+@pytest.mark.parametrize(("style", "text", "call_text"), CUT_SHORT)
+def test_a_call_the_reply_ends_inside_of_is_reported_cut_short_with_its_text(
+    style, text, call_text
+):
+    """A call's name and arguments stream as they are written; when the reply ends
+    (max_tokens) before its arguments are whole JSON, the last event says so, so a
+    whole response can give the call as the text it is, not as a call."""
+    for cut in range(1, len(text)):
+        parser = parser_for(style)
+        events = parser.feed(text[:cut]) + parser.feed(text[cut:]) + parser.finish()
+        index = sum(isinstance(e, CallStart) for e in events) - 1
+        assert events[-1] == CallCutShort(index, call_text), cut
+        assert not any(isinstance(e, CallCutShort) for e in events[:-1])
+
+
+@pytest.mark.parametrize(
+    ("style", "text"),
+    [
+        ("hermes", 'A <tool_call>\n{"name": "f", "arguments": {"a": "xy"}'),  # only "}" missing
+        ("hermes", 'A <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call'),
+        ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>'),  # closed: not cut
+        ("llama3_json", '{"name": "f", "parameters": {"a": [1]}'),
+        ("llama3_json", '{"name": "f", "parameters": {}}; {"name": "g", "parame'),  # g: no call
+    ],
+)
+def test_a_call_whose_arguments_are_whole_is_not_cut_short(style, text):
+    parser = parser_for(style)
+    events = parser.feed(text) + parser.finish()
+    assert any(isinstance(e, CallStart) for e in events)
+    assert not any(isinstance(e, CallCutShort) for e in events)
+
+
+def test_a_gemma_json_call_cut_short_is_its_text_as_its_python_calls_are():
+    """Gemma's calls go out whole, when their block closes: one the reply ended inside
+    of was a call with its arguments cut, as no other style's whole response is."""
+    text = 'A\n```tool_code\n{"name": "f", "arguments": {"a": 1}}\n{"name": "g", "arguments": {"b'
+    assert parse("gemma", text) == ('A\n{"name": "g", "arguments": {"b', [("f", '{"a": 1}')])
 
 
 @pytest.mark.parametrize("end", ["</tool_call>", "</tool"])
