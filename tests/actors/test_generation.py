@@ -1,0 +1,43 @@
+"""The embedding API's lifecycle on the fake pipeline (conftest.py): every way a
+Generation ends, `async with` or not, must end its row and its count in the LLM, and
+the service must end as its caller's block does."""
+
+import trio
+
+# Real seconds (admission runs in a thread, so trio's autojump clock would leap to the
+# deadline while it works; a step is 10 ms): a broken lifecycle fails here, not hangs.
+TIMEOUT = 10
+
+
+async def wait_for_no_open_rows(llm):
+    while (await llm.engine_stats()).num_open:
+        await trio.sleep(0.001)
+
+
+async def test_cancelled_at_start_outside_async_with_never_runs_its_row(pipeline):
+    async with pipeline(max_context=100_000) as (llm, engine):
+        generation = llm.generate([1, 2, 3], max_tokens=50_000)  # 500 s of steps
+        with trio.fail_after(TIMEOUT):
+            with trio.move_on_after(0):  # cancelled while it waits for admission's answer
+                await generation.start()
+            await wait_for_no_open_rows(llm)
+            await trio.sleep(0.5)  # a row still running would take 50 more steps here
+        # Held by its caller, so only the cancellation itself can have aborted it.
+        assert len(engine.submits_with(generation.request_id)) <= 2
+        assert llm.num_active == 0 and (await llm.engine_stats()).num_used_blocks == 0
+
+
+async def test_cancelled_while_reading_outside_async_with_aborts_its_row(pipeline):
+    async with pipeline(max_context=100_000) as (llm, engine):
+        generation = llm.generate([1, 2, 3], max_tokens=50_000)
+        with trio.fail_after(TIMEOUT):
+            with trio.CancelScope() as scope:
+                async for _ in generation:
+                    if len(engine.submits_with(generation.request_id)) >= 20:
+                        scope.cancel()  # lands while it waits for the next delta
+            submitted_at_cancel = len(engine.submits_with(generation.request_id))
+            await wait_for_no_open_rows(llm)
+        assert submitted_at_cancel < 25
+        late = len(engine.submits_with(generation.request_id)) - submitted_at_cancel
+        assert late <= 1  # only a step already queued when it left
+        assert llm.num_active == 0 and (await llm.engine_stats()).num_used_blocks == 0
