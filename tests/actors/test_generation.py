@@ -2,7 +2,12 @@
 Generation ends, `async with` or not, must end its row and its count in the LLM, and
 the service must end as its caller's block does."""
 
+from runtime.errors import RequestError
+
+import pytest
 import trio
+
+from actors import OverloadedError
 
 # Real seconds (admission runs in a thread, so trio's autojump clock would leap to the
 # deadline while it works; a step is 10 ms): a broken lifecycle fails here, not hangs.
@@ -41,3 +46,34 @@ async def test_cancelled_while_reading_outside_async_with_aborts_its_row(pipelin
         late = len(engine.submits_with(generation.request_id)) - submitted_at_cancel
         assert late <= 1  # only a step already queued when it left
         assert llm.num_active == 0 and (await llm.engine_stats()).num_used_blocks == 0
+
+
+async def test_a_request_refused_at_admission_is_done_and_holds_up_no_drain(pipeline):
+    with trio.fail_after(TIMEOUT):
+        async with pipeline(max_context=64) as (llm, engine):
+            refused = [
+                llm.generate([1, 2, 3], max_tokens=100),  # past the context
+                llm.generate([llm.vocab_size], max_tokens=2),  # no such token
+            ]
+            for generation in refused:
+                with pytest.raises(RequestError):
+                    await generation.start()
+                assert llm.num_active == 0
+            drain_started = trio.current_time()
+        assert trio.current_time() - drain_started < 1  # nothing left to wait for
+
+
+async def test_a_request_refused_as_overloaded_is_not_counted_active(pipeline):
+    with trio.fail_after(TIMEOUT):
+        async with pipeline(max_batch=1, max_waiting=1, max_context=100_000) as (llm, engine):
+            running = llm.generate([1], max_tokens=50_000)
+            await running.__anext__()  # it holds the only row
+            waiting = llm.generate([2], max_tokens=2)
+            await waiting.start()  # and this the only waiting slot
+            assert llm.num_active == 2
+            with pytest.raises(OverloadedError):
+                await llm.generate([3], max_tokens=2).start()
+            assert llm.num_active == 2
+            for generation in (running, waiting):
+                await generation.aclose()
+            assert llm.num_active == 0
