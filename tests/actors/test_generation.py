@@ -7,7 +7,7 @@ from runtime.errors import RequestError
 import pytest
 import trio
 
-from actors import OverloadedError
+from actors import GenerationError, OverloadedError
 
 # Real seconds (admission runs in a thread, so trio's autojump clock would leap to the
 # deadline while it works; a step is 10 ms): a broken lifecycle fails here, not hangs.
@@ -77,3 +77,34 @@ async def test_a_request_refused_as_overloaded_is_not_counted_active(pipeline):
             for generation in (running, waiting):
                 await generation.aclose()
             assert llm.num_active == 0
+
+
+async def test_an_answer_all_in_and_unread_does_not_exempt_the_others_from_the_drain_timeout(
+    pipeline,
+):
+    """The drain aborts what outlives its timeout unless every answer is in: one unread
+    answer all in beside a running one must not let that one run on past the timeout."""
+    failures = []
+
+    async def read_all(generation):
+        try:
+            async for _ in generation:
+                pass
+        except GenerationError as error:
+            failures.append(str(error))
+
+    with trio.fail_after(TIMEOUT):
+        async with (
+            trio.open_nursery() as outside,
+            pipeline(max_context=100_000, drain_timeout=0.5) as (llm, engine),
+        ):
+            unread = llm.generate([1], max_tokens=2)
+            await unread.start()
+            running = llm.generate([2], max_tokens=50_000)  # 500 s of steps
+            await running.start()
+            outside.start_soon(read_all, running)
+            while not unread.is_answered:
+                await trio.sleep(0.001)
+    assert failures == ["the request was aborted"]
+    assert [delta.text async for delta in unread]  # the unread answer is still whole
+    assert unread.finish_reason == "length"
