@@ -7,7 +7,7 @@ from runtime.errors import RequestError
 import pytest
 import trio
 
-from actors import GenerationError, OverloadedError
+from actors import GenerationError, OverloadedError, ServiceClosedError
 
 # Real seconds (admission runs in a thread, so trio's autojump clock would leap to the
 # deadline while it works; a step is 10 ms): a broken lifecycle fails here, not hangs.
@@ -108,3 +108,16 @@ async def test_an_answer_all_in_and_unread_does_not_exempt_the_others_from_the_d
     assert failures == ["the request was aborted"]
     assert [delta.text async for delta in unread]  # the unread answer is still whole
     assert unread.finish_reason == "length"
+
+
+async def test_an_error_in_the_block_stops_the_actors_at_once_and_is_raised_bare(pipeline):
+    """As a Trio caller writes it: `except KeyError` catches it, not a group around it,
+    and the block ends without waiting for the request running inside it."""
+    with trio.fail_after(TIMEOUT), pytest.raises(KeyError, match="in the block"):
+        async with pipeline(max_context=100_000) as (llm, engine):
+            running = llm.generate([1], max_tokens=50_000)  # 500 s of steps
+            await running.__anext__()
+            raise KeyError("in the block")
+    assert llm.is_draining
+    with pytest.raises(ServiceClosedError):
+        await llm.generate([1]).start()
