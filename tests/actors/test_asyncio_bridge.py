@@ -16,7 +16,7 @@ import trio
 import actors
 from actors.asyncio_bridge import _sole
 from actors.mlx_thread import shared_mlx_thread
-from actors.requests import ServiceClosedError
+from actors.requests import GenerationError, ServiceClosedError
 
 PROMPTS = ["The quick brown fox", "def main():", "Hello", "1, 2, 3, 4"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -295,3 +295,20 @@ def test_a_cancelled_read_reaches_no_error_handler(tiny):
 
     asyncio.run(main())
     assert errors == []
+
+
+def test_an_actor_that_fails_is_raised_when_the_block_exits_cleanly(tiny):
+    """The Trio side's failure is the caller's to see, as `open_llm` raises it under Trio,
+    even when the block itself only saw its requests end."""
+
+    def broken(*args):
+        raise ZeroDivisionError("a bug in an actor")
+
+    async def main():
+        async with asyncio.timeout(60), actors.open_llm_asyncio(tiny) as llm:
+            llm._llm.metrics.on_first_token = broken  # the streamer calls it
+            with pytest.raises((GenerationError, ServiceClosedError)):  # the service stopped
+                await complete(llm, "hi", max_tokens=4)
+
+    with pytest.raises(ZeroDivisionError, match="a bug in an actor"):
+        asyncio.run(main())
