@@ -312,3 +312,30 @@ def test_an_actor_that_fails_is_raised_when_the_block_exits_cleanly(tiny):
 
     with pytest.raises(ZeroDivisionError, match="a bug in an actor"):
         asyncio.run(main())
+
+
+def test_a_stop_cancelled_on_the_asyncio_side_still_stops_the_trio_side(tiny):
+    """Cancelled while it drained, the bridge must stop the service at once and take its
+    thread down with it, not leave it draining (here 900 slow steps, about a minute)."""
+    ended = []
+
+    async def main():
+        async with actors.open_llm_asyncio(tiny) as llm:
+            generation, _ = await started_long_stream(llm)  # the drain waits for it
+            engine = llm._llm._engine
+            submit = engine.submit
+            engine.submit = lambda batch: (time.sleep(0.05), submit(batch))[1]
+            asyncio.get_running_loop().call_later(0.5, asyncio.current_task().cancel)
+
+    def run():
+        try:
+            asyncio.run(main())
+        except BaseException as error:
+            ended.append(error)
+
+    caller = threading.Thread(target=run, daemon=True)
+    caller.start()
+    caller.join(timeout=20)  # joining the Trio thread blocks asyncio's loop: watch from here
+    assert not caller.is_alive(), "the cancelled stop did not return"
+    assert len(ended) == 1 and isinstance(ended[0], asyncio.CancelledError)
+    assert not any(t.name == "cadence-trio" for t in threading.enumerate())
