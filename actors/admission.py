@@ -61,7 +61,7 @@ class Admission:
             raise OverloadedError("the server is at capacity; retry shortly") from None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with self.inbox, self.to_scheduler, self.to_streamer:
+        with self.inbox, self.to_scheduler, self.to_streamer:  # sync close: see Streamer.run
             async with trio.open_nursery() as nursery:
                 task_status.started()
                 async for admit in self.inbox:

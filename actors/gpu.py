@@ -44,7 +44,7 @@ class GpuActor:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         pending: collections.deque[Launched] = collections.deque()  # launched, not collected
-        async with self.inbox, self.to_streamer, self.to_scheduler:
+        with self.inbox, self.to_streamer, self.to_scheduler:  # sync close: see Streamer.run
             task_status.started()
             async for message in self.inbox:
                 plan = message if isinstance(message, StepPlan) else None

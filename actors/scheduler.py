@@ -49,7 +49,7 @@ class SchedulerActor:
     is_aborting_all: bool = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with self.inbox, self.to_gpu:
+        with self.inbox, self.to_gpu:  # sync close: see Streamer.run
             task_status.started()
             async for message in self.inbox:
                 self._apply(message)

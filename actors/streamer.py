@@ -74,7 +74,10 @@ class Streamer:
     streams: dict[str, _Stream] = attrs.Factory(dict)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with self.inbox, self.to_scheduler:
+        # Every actor closes its channels with `with`, not `async with`: aclose() is a
+        # checkpoint, and a failing actor's, cancelled by then, raised Cancelled over
+        # its error, so the service stopped with no word of why.
+        with self.inbox, self.to_scheduler:
             task_status.started()
             try:
                 async for message in self.inbox:

@@ -121,3 +121,23 @@ async def test_an_error_in_the_block_stops_the_actors_at_once_and_is_raised_bare
     assert llm.is_draining
     with pytest.raises(ServiceClosedError):
         await llm.generate([1]).start()
+
+
+def broken(*args):
+    raise ZeroDivisionError("a bug in an actor")
+
+
+async def test_an_actor_that_fails_is_raised_by_the_block_not_lost_behind_what_it_caused(
+    pipeline,
+):
+    """The failing streamer tells its readers "the service stopped" and the block ends
+    on that; the streamer's exit, closing its channels, then took a cancellation that
+    replaced its error: nothing anywhere said what had stopped the service."""
+    for _ in range(5):  # which of the two tasks runs first is trio's choice
+        with trio.fail_after(TIMEOUT), pytest.raises(BaseExceptionGroup) as raised:
+            async with pipeline() as (llm, engine):
+                llm.metrics.on_first_token = broken  # the streamer calls it
+                async with llm.generate([1], max_tokens=4) as generation:
+                    async for _ in generation:
+                        pass
+        assert raised.group_contains(ZeroDivisionError, match="a bug in an actor")
