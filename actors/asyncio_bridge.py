@@ -46,7 +46,8 @@ async def open_llm_asyncio(
     """`actors.open_llm` for asyncio: same arguments, same deltas and exceptions.
 
     On exit it drains as `open_llm` does and joins its thread; an exception inside
-    the block stops the actors at once.
+    the block stops the actors at once. An actor's failure is raised, over the block's
+    own exception if it has one.
     """
     llm = AsyncioLLM(model, open_llm_kwargs, asyncio.get_running_loop())
     llm._thread.start()
@@ -116,8 +117,9 @@ class AsyncioLLM:
             self._thread.join()  # a hard stop waits at most for the MLX call in flight
             raise
         self._thread.join()
-        if not is_hard:
-            result.unwrap()  # an actor's failure
+        # An actor's failure, even over the block's own error: that error was most likely
+        # "the service stopped", which alone left the failure unseen.
+        result.unwrap()
 
     def _ask_stop(self, *, is_hard: bool) -> None:
         with self._lock:
@@ -135,7 +137,10 @@ class AsyncioLLM:
         if isinstance(result, outcome.Error):  # the bridge's nursery is not the caller's
             result = outcome.Error(_sole(result.error))
         stopped = outcome.Error(ServiceClosedError("stopped before it started"))
-        self._hand_back(self._ready, result if isinstance(result, outcome.Error) else stopped)
+        if isinstance(result, outcome.Error):  # an outcome unwraps once: one for each
+            self._hand_back(self._ready, outcome.Error(result.error))
+        else:
+            self._hand_back(self._ready, stopped)
         self._hand_back(self._finished, result)
 
     async def _serve(self) -> None:

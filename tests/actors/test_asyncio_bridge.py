@@ -297,12 +297,13 @@ def test_a_cancelled_read_reaches_no_error_handler(tiny):
     assert errors == []
 
 
+def broken(*args):
+    raise ZeroDivisionError("a bug in an actor")
+
+
 def test_an_actor_that_fails_is_raised_when_the_block_exits_cleanly(tiny):
     """The Trio side's failure is the caller's to see, as `open_llm` raises it under Trio,
     even when the block itself only saw its requests end."""
-
-    def broken(*args):
-        raise ZeroDivisionError("a bug in an actor")
 
     async def main():
         async with asyncio.timeout(60), actors.open_llm_asyncio(tiny) as llm:
@@ -312,6 +313,22 @@ def test_an_actor_that_fails_is_raised_when_the_block_exits_cleanly(tiny):
 
     with pytest.raises(ZeroDivisionError, match="a bug in an actor"):
         asyncio.run(main())
+
+
+def test_an_actor_that_fails_is_raised_over_the_error_it_caused_in_the_block(tiny):
+    """The block's own error ("the service stopped") was raised alone, and the actor's
+    failure behind it was lost: nothing said what had stopped the service. Under Trio
+    the failure cancels the block and is what `open_llm` raises."""
+
+    async def main():
+        async with asyncio.timeout(60), actors.open_llm_asyncio(tiny) as llm:
+            llm._llm.metrics.on_first_token = broken  # the streamer calls it
+            await complete(llm, "hi", max_tokens=4)
+
+    with pytest.raises(ZeroDivisionError, match="a bug in an actor") as raised:
+        asyncio.run(main())
+    stopped = raised.value.__context__
+    assert isinstance(stopped, GenerationError | ServiceClosedError)  # the block's, not lost
 
 
 def test_a_stop_cancelled_on_the_asyncio_side_still_stops_the_trio_side(tiny):
