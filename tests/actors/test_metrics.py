@@ -4,6 +4,7 @@ requests a client made, as a Prometheus scrape parses them."""
 import http.client
 import urllib.parse
 
+import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -91,12 +92,20 @@ async def test_metrics_count_what_the_requests_did(tiny):
     assert value("cadence:request_queue_time_seconds_count") == 3
     # Every token but each request's first follows another.
     assert value("cadence:inter_token_latency_seconds_count") == completion_tokens - 3
+    # A request's latency is its time to first token and then the gaps between its tokens.
+    ttft, gaps, e2e = (
+        value(f"cadence:{name}_seconds_sum")
+        for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency")
+    )
+    assert ttft > 0 and gaps > 0
+    assert e2e == pytest.approx(ttft + gaps, abs=1e-3)
     assert value("cadence:num_requests_waiting") == 0
     assert value("cadence:kv_cache_usage_perc") == 0  # nothing runs: cached blocks are free
     # The repeat found its first three blocks (its last is computed again, for its logits).
     assert usages[1]["prompt_tokens_details"]["cached_tokens"] == 48
     assert value("cadence:prefix_cache_hits_total") == 48  # tokens, not blocks
-    assert value("cadence:prefix_cache_queries_total") >= value("cadence:prefix_cache_hits_total")
+    # Each long prompt looks up the blocks before its last token: three (the short one none).
+    assert value("cadence:prefix_cache_queries_total") == 2 * 48
     assert value("cadence:num_preemptions_total") == 0
 
 
