@@ -9,6 +9,8 @@ the demo tokenizer's 2048 tokens, so every sampled token is text.
 from __future__ import annotations
 
 import json
+import os
+import platform
 import shutil
 import struct
 import time
@@ -22,6 +24,9 @@ from runtime.models import build_model
 import attrs
 import mlx.core as mx
 from mlx.utils import tree_flatten
+
+from kernels.blas import active_blas
+from kernels.cpu_extension import kernel_status
 
 BENCH_CONFIG = {
     "model_type": "llama",
@@ -127,3 +132,17 @@ def count_parameters(checkpoint: Path) -> int:
     if any(name.endswith("lm_head.weight") for name in counted):
         return sum(n for name, n in counted.items() if not name.endswith("embed_tokens.weight"))
     return sum(counted.values())
+
+
+def describe_machine() -> str:
+    """The CPU and the kernels a figure was measured with: the same VM image has run on
+    hosts with and without AVX-512, whose kernels differ by ~2x (README, Benchmarks)."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} CPUs; {kernel_status()}; BLAS {active_blas()}"

@@ -44,7 +44,7 @@ import attrs
 import trio
 
 from actors import arg_types
-from actors.bench_model import Floor, bench_checkpoint, measure_floor
+from actors.bench_model import Floor, bench_checkpoint, describe_machine, measure_floor
 from actors.bench_servers import cadence_server, first_model, has_mlx_lm, mlx_lm_server, models_url
 from actors.loadgen import (
     Request,
@@ -214,6 +214,7 @@ def _print(args, checkpoint: Path | None, floor: Floor | None, results: Results)
         f"\n{checkpoint or args.url}: {w.endpoint}, greedy, streaming; prompts {w.prompt_tokens} "
         f"tokens ({w.shared_prefix:.0%} shared), max_tokens {w.max_tokens} ({eos})"
     )
+    print(f"machine: {describe_machine()}")
     if floor is not None:
         m, k, n = floor.gemm_shape
         print(
@@ -357,6 +358,7 @@ def _report(
         "argv": sys.argv,
         "checkpoint": str(checkpoint) if checkpoint is not None else None,
         "url": args.url,
+        "machine": describe_machine(),
         "workload": {
             "clients": None if args.rate else args.clients,
             "rate": args.rate,

@@ -4,6 +4,7 @@ import argparse
 import contextlib
 import http.server
 import json
+import os
 import random
 import sys
 import threading
@@ -32,6 +33,7 @@ from actors.loadgen import (
     percentile,
     summarize,
 )
+from kernels.cpu_extension import kernel_status
 
 
 @contextlib.asynccontextmanager
@@ -84,6 +86,9 @@ async def test_with_the_checkpoint_the_report_holds_each_runs_floors(tiny, tmp_p
     printed = capsys.readouterr().out
     ratio = run["ttft_p99"] / run["prompt_floor_seconds"]
     assert f"{run['prompt_floor_seconds']:.2f} s ({ratio:.2f}x)" in printed
+    # Which CPU and kernels measured it: the figures differ ~2x with and without AVX-512.
+    assert f"machine: {report['machine']}" in printed
+    assert kernel_status() in report["machine"] and f"{os.cpu_count()} CPUs" in report["machine"]
 
 
 async def test_a_rate_run_sends_every_request(tiny, tmp_path):
