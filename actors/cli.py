@@ -91,6 +91,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-body-bytes", type=arg_types.positive_int, default=4 << 20)
     serve.add_argument(
+        "--max-http-requests",
+        type=arg_types.positive_int,
+        default=None,
+        help="HTTP requests in flight (body being read, queued, generating, answer being "
+        "sent) before new ones get 503 without their body read "
+        "(default: 2 x (--max-batch + --max-waiting))",
+    )
+    serve.add_argument(
         "--max-n",
         type=arg_types.positive_int,
         default=None,
@@ -232,6 +240,8 @@ async def _serve(args: argparse.Namespace) -> None:
         args.max_n = min(DEFAULT_MAX_N, args.max_waiting)
     elif args.max_n > args.max_waiting:
         raise CadenceError(f"--max-n {args.max_n} is above --max-waiting {args.max_waiting}")
+    if args.max_http_requests is None:
+        args.max_http_requests = default_max_http_requests(args.max_batch, args.max_waiting)
     state = ServerState()
     keys = _api_keys(args)
     if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -253,6 +263,7 @@ async def _serve(args: argparse.Namespace) -> None:
                 # Longer than the engine's drain: streams it aborts still get to write
                 # their error event and [DONE] before the server closes connections.
                 graceful_timeout=args.drain_timeout + HTTP_GRACE_MARGIN_S,
+                max_requests=args.max_http_requests,
                 task_status=task_status,
             )
         finally:
@@ -294,6 +305,14 @@ async def _serve(args: argparse.Namespace) -> None:
             await http_done.wait()
         log.info("stopped")
         nursery.cancel_scope.cancel()  # the signal watcher
+
+
+def default_max_http_requests(max_batch: int, max_waiting: int) -> int:
+    """Room for every request the engine can hold (running and waiting), so that the
+    waiting queue, not this cap, answers an ordinary overload; and as many again for
+    requests whose bodies are still arriving or whose answers are still being sent.
+    Each holds up to --max-body-bytes while its body is read: this bounds that memory."""
+    return 2 * (max_batch + max_waiting)
 
 
 async def _watch_signals(

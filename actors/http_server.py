@@ -1,6 +1,7 @@
 """The HTTP server around the app: Hypercorn in our nursery, and the ASGI wrappers that
 make its connection handling right (an early answer closes; a drain waits for requests
-in flight). The routes are actors/http_app.py's.
+in flight; past a cap on requests in flight, a new one gets an immediate 503). The
+routes are actors/http_app.py's.
 """
 
 from __future__ import annotations
@@ -12,9 +13,15 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
+import structlog
 import trio
 from hypercorn.config import Config, Sockets
 from hypercorn.trio import serve
+
+from actors.openai_requests import ApiError
+from actors.openai_responses import wire_json
+
+log = structlog.get_logger("cadence.http")
 
 # A response write that makes no progress for this long drops the connection, as
 # nginx's send_timeout (60 s) does: a client that stops reading a stream would
@@ -31,9 +38,13 @@ async def serve_http(
     shutdown_trigger: Callable[[], Awaitable[None]],
     graceful_timeout: float = 30.0,
     send_timeout: float = SEND_TIMEOUT_S,
+    max_requests: int | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run Hypercorn until `shutdown_trigger` returns; reports the bound URLs on start.
+
+    `max_requests`: the most HTTP requests in flight (their body being read, generating,
+    or their answer being sent); past it a new one gets an immediate 503. None: no cap.
 
     On shutdown it stops accepting, gives in-flight requests `graceful_timeout`
     seconds, then cancels what is left (which aborts their rows) and returns. Once the
@@ -41,7 +52,7 @@ async def serve_http(
     still open: Hypercorn (0.17, 0.18) closes a keep-alive connection itself when
     shutdown began during its response, and this is the backstop should one not.
     """
-    tracked = _InFlight(_CloseAfterEarlyResponse(app))
+    tracked = _InFlight(_CloseAfterEarlyResponse(app), max_requests)
     config = _Config(send_timeout)
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.graceful_timeout = graceful_timeout
@@ -93,7 +104,11 @@ class _Config(Config):
 
 @contextlib.asynccontextmanager
 async def serving_on_loopback(
-    app: Any, *, graceful_timeout: float = 30.0, send_timeout: float = SEND_TIMEOUT_S
+    app: Any,
+    *,
+    graceful_timeout: float = 30.0,
+    send_timeout: float = SEND_TIMEOUT_S,
+    max_requests: int | None = None,
 ) -> AsyncIterator[str]:
     """`app` served on 127.0.0.1 at a free port while the block runs; yields its URL.
 
@@ -109,6 +124,7 @@ async def serving_on_loopback(
             shutdown_trigger=stop.wait,
             graceful_timeout=graceful_timeout,
             send_timeout=send_timeout,
+            max_requests=max_requests,
         )
         (url,) = await nursery.start(run)
         try:
@@ -166,17 +182,28 @@ def _has_body(headers: Sequence[tuple[bytes, bytes]]) -> bool:
 
 
 class _InFlight:
-    """ASGI wrapper counting HTTP requests until their response is fully sent."""
+    """ASGI wrapper counting HTTP requests until their response is fully sent, and
+    refusing one that would take the count past `max_requests`.
 
-    def __init__(self, app: Any):
+    The refusal is sent before the app sees the request, so no body is read: without
+    the cap, every client uploading a body at once made the server hold all of them
+    (200 clients' 4 MB bodies took 800 MB). Probes of /health and /metrics are let
+    through at the cap, so a load balancer still sees the server alive and busy.
+    """
+
+    def __init__(self, app: Any, max_requests: int | None = None):
         self.app = app
+        self.max_requests = max_requests
         self.num_requests = 0
         self._idle = trio.Event()
         self._idle.set()
+        self._is_refusing = False  # refusing since the count last fell below the cap
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self._is_full() and not _is_probe(scope):
+            return await self._refuse(send)
         if self.num_requests == 0:
             self._idle = trio.Event()
         self.num_requests += 1
@@ -186,6 +213,42 @@ class _InFlight:
             self.num_requests -= 1
             if self.num_requests == 0:
                 self._idle.set()
+            self._is_refusing = self._is_refusing and self._is_full()
 
     async def wait_idle(self) -> None:
         await self._idle.wait()
+
+    def _is_full(self) -> bool:
+        return self.max_requests is not None and self.num_requests >= self.max_requests
+
+    async def _refuse(self, send: Any) -> None:
+        if not self._is_refusing:  # once as the cap is reached, not once per refusal
+            self._is_refusing = True
+            log.warning("http_requests_at_limit", max_requests=self.max_requests)
+        error = ApiError(
+            503,
+            f"the server has {self.max_requests} HTTP requests in flight, its limit; "
+            "retry shortly",
+            code="overloaded",
+        )
+        body = wire_json(error.body())
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"retry-after", b"1"),
+            (b"connection", b"close"),  # the body was not read: it must not be parsed next
+        ]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+# Cheap and bodiless: a load balancer's and Prometheus' view of a busy server.
+_PROBE_PATHS = frozenset({"/health", "/metrics"})
+
+
+def _is_probe(scope: Any) -> bool:
+    return (
+        scope["method"] in ("GET", "HEAD")
+        and scope["path"] in _PROBE_PATHS
+        and not _has_body(scope["headers"])
+    )

@@ -339,7 +339,11 @@ def _json(schema_name: str, description: str) -> dict[str, Any]:
 _ERRORS = {
     "400": _json("Error", "the request is malformed or names a bad value (`param` says which)"),
     "401": _json("Error", "no valid API key (only when the server was started with --api-key)"),
-    "503": _json("Error", "loading, draining, or the waiting queue is full (see Retry-After)"),
+    "503": _json(
+        "Error",
+        "loading, draining, the waiting queue is full, or --max-http-requests are in flight "
+        "(see Retry-After)",
+    ),
 }
 
 
@@ -423,7 +427,7 @@ OPENAPI: dict[str, Any] = {
                 "responses": {
                     "200": _json("Stats", "now"),
                     "401": _ERRORS["401"],
-                    "503": _json("Error", "loading"),
+                    "503": _json("Error", "loading, or --max-http-requests are in flight"),
                 },
             }
         },

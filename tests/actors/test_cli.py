@@ -407,6 +407,30 @@ def test_max_n_left_unset_is_the_default_or_a_lower_max_waiting(monkeypatch):
     assert serve_until_loading(monkeypatch, "--max-waiting", "4")["max_n"] == 4
 
 
+def http_cap_of(monkeypatch, *argv):
+    """The cap on HTTP requests in flight that `cadence serve ARGV` starts its server with."""
+    caps = []
+
+    async def serve_http(*args, max_requests, **kwargs):
+        caps.append(max_requests)
+        raise CadenceError("stopped")
+
+    monkeypatch.setattr(cli, "serve_http", serve_http)
+    args = cli._parser().parse_args(["serve", "--port", "0", *argv])
+    with pytest.raises(BaseException) as raised:  # trio wraps it in a group
+        trio.run(cli._serve, args)
+    assert str(cli._leaf(raised.value, CadenceError)) == "stopped"
+    return caps[0]
+
+
+def test_the_http_cap_is_twice_what_the_engine_holds_unless_given(monkeypatch):
+    assert http_cap_of(monkeypatch) == 2 * (16 + 64)
+    assert http_cap_of(monkeypatch, "--max-batch", "4", "--max-waiting", "8") == 24
+    assert http_cap_of(monkeypatch, "--max-http-requests", "5") == 5
+    with pytest.raises(SystemExit):
+        cli._parser().parse_args(["serve", "--max-http-requests", "0"])
+
+
 def test_a_signal_once_ready_marks_the_server_draining_and_drains_the_model_in_time(
     monkeypatch,
 ):

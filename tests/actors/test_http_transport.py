@@ -1,4 +1,5 @@
-"""Around the requests, against a real Hypercorn on a loopback port: connections and CORS.
+"""Around the requests, against a real Hypercorn on a loopback port: connections, the cap on
+requests in flight, and CORS.
 
 An early answer (before the request body was read) must close the connection, or the
 unread body is parsed as the next request and that request hangs; a client's own
@@ -22,6 +23,7 @@ import openai
 import pytest
 import trio
 import trio.testing
+from structlog.testing import capture_logs
 
 from actors import http_server
 from actors.cors import CorsPolicy, parse_origins
@@ -32,10 +34,10 @@ LIMIT = 1000  # max body bytes of the test server
 
 
 @contextlib.asynccontextmanager
-async def loading_server(**app_args):
+async def loading_server(max_requests=None, **app_args):
     """A server whose model is still loading: every route answers without an engine."""
     app = create_app(ServerState(), max_body_bytes=LIMIT, **app_args)
-    async with serving_on_loopback(app, graceful_timeout=0.1) as url:
+    async with serving_on_loopback(app, graceful_timeout=0.1, max_requests=max_requests) as url:
         yield int(url.rsplit(":", 1)[1])
 
 
@@ -492,3 +494,118 @@ async def test_a_client_that_stops_reading_is_dropped_and_cannot_hold_the_server
         client.close()
         await stopped.wait()
     assert trio.current_time() - started < 5  # the send timeout and the grace, not the client
+
+
+def held_request(port):
+    """A connection whose POST is in flight: its body half sent, so the app waits for the rest."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(post_head("/v1/chat/completions", 500) + b"{" * 250)
+    return sock
+
+
+def answer(port, head):
+    """(status, lower-cased headers, JSON body, closed by the server) of one request."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(head)
+        sock.settimeout(5)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(65536)
+        head_bytes, _, body = data.partition(b"\r\n\r\n")
+        status, *lines = head_bytes.decode().split("\r\n")
+        headers = dict(line.lower().split(": ", 1) for line in lines)
+        while len(body) < int(headers["content-length"]):
+            body += sock.recv(65536)
+        return int(status.split()[1]), headers, json.loads(body), is_closed_by_server(sock)
+
+
+MODELS = b"GET /v1/models HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+HEALTH = b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+
+
+def is_refused_at_the_cap(port):
+    """Whether a new request gets the cap's 503, polling 5 s for the server to catch up
+    with connections opened or closed just before."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if answer(port, MODELS)[2]["error"]["code"] == "overloaded":
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def is_served(port):
+    """Whether a new request reaches the app (the loading model's 503), polling 5 s."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if answer(port, MODELS)[2]["error"]["code"] == "unavailable":
+            return True
+        time.sleep(0.02)
+    return False
+
+
+async def test_past_the_cap_a_request_gets_an_immediate_503_and_probes_are_still_answered():
+    async with loading_server(max_requests=2) as port:
+
+        def exchange():
+            first = held_request(port)
+            assert is_served(port)  # one in flight: below the cap
+            second = held_request(port)
+            assert is_refused_at_the_cap(port)
+            # The answer does not wait for the body, and the connection closes after it.
+            refused = answer(port, post_head("/v1/chat/completions", 500))
+            health = answer(port, HEALTH)
+            first.close()
+            second.close()
+            return refused, health
+
+        with capture_logs() as logs:
+            (status, headers, body, is_closed), health = await in_thread(exchange)
+    assert status == 503 and is_closed
+    assert headers["retry-after"] == "1" and headers["connection"] == "close"
+    assert headers["content-type"] == "application/json"
+    assert body["error"]["type"] == "server_error" and "2 HTTP requests" in body["error"]["message"]
+    assert health[0] == 503 and health[2] == {"status": "loading"}  # the app's answer
+    # Said once as the cap is reached, not once for each of the requests it refused.
+    assert [entry["event"] for entry in logs].count("http_requests_at_limit") == 1
+
+
+async def test_requests_in_flight_return_to_none_when_their_clients_hang_up_mid_body():
+    """Hung-up requests free their places: afterwards exactly the cap's worth are taken
+    again before a new one is refused (a place still counted would refuse one sooner)."""
+    async with loading_server(max_requests=2) as port:
+
+        def exchange():
+            for _ in range(3):
+                held = [held_request(port), held_request(port)]
+                assert is_refused_at_the_cap(port)
+                for sock in held:
+                    sock.close()  # mid-body
+                assert is_served(port)
+            first = held_request(port)
+            time.sleep(0.2)  # counted by now, were it to be
+            assert is_served(port)  # one place left, not none
+            first.close()
+
+        await in_thread(exchange)
+
+
+async def test_the_openai_client_sending_a_big_body_at_the_cap_gets_the_503_not_a_reset():
+    """The server answers and closes before the body is sent: the client's write fails
+    and it must still read the 503 (its Retry-After), not report a broken connection."""
+    async with loading_server(max_requests=1) as port:
+
+        def request_at_the_cap():
+            held = held_request(port)
+            assert is_refused_at_the_cap(port)
+            client = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=10
+            )
+            with pytest.raises(openai.APIStatusError) as refused:
+                client.completions.create(model="m", prompt="x" * (4 << 20))
+            held.close()
+            return refused.value
+
+        refused = await in_thread(request_at_the_cap)
+    assert refused.status_code == 503 and refused.response.headers["retry-after"] == "1"
+    assert refused.code == "overloaded"
