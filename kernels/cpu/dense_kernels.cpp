@@ -164,21 +164,22 @@ static_assert(kPanelWidth % kTileWidth == 0, "a panel is a whole number of tiles
 // for L1), [176, 2816] -> 1024 ran 186 against 198 GFLOP/s and [176, 1024] -> 5632 194
 // against 206 (OpenBLAS 180-201).
 
-// out[0..ROWS) x [0, cols) (+)= xp . w over kc: xp is [kc][kPanelRows] (x transposed),
-// w the tile's columns of the panel's [kc][32] slice from element `first` on (widened as
-// loaded if 16-bit), out the tile's first column; cols <= kTileWidth.
-template <WeightKind KIND, int ROWS>
+// out[0..ROWS) x [0, cols) (+)= xp . w over kc: xp is [kc][kPanelRows] (x transposed;
+// the tile's first row), w the tile's VECS vectors of columns of the panel's [kc][32]
+// slice from element `first` on (widened as loaded if 16-bit), out the tile's first
+// column; cols <= VECS x L.
+template <WeightKind KIND, int ROWS, int VECS>
 void panel_tile(int kc, const float* xp, const void* w, int64_t first, float* out,
                 int64_t out_stride, bool accumulate, int cols) {
-  F sums[ROWS][kTileVectors] = {};
+  F sums[ROWS][VECS] = {};
   for (int k = 0; k < kc; ++k) {
-    F wv[kTileVectors];
-    for (int v = 0; v < kTileVectors; ++v) {
+    F wv[VECS];
+    for (int v = 0; v < VECS; ++v) {
       wv[v] = load_weights<KIND>(w, first + k * kPanelWidth + v * L);
     }
     for (int r = 0; r < ROWS; ++r) {
       const F xv = splat<F>(xp[k * kPanelRows + r]);
-      for (int v = 0; v < kTileVectors; ++v) sums[r][v] += xv * wv[v];
+      for (int v = 0; v < VECS; ++v) sums[r][v] += xv * wv[v];
     }
   }
   // Unrolled, so each row's sums stay in their registers (rolled, GCC kept a zeroed copy
@@ -186,28 +187,52 @@ void panel_tile(int kc, const float* xp, const void* w, int64_t first, float* ou
 #pragma GCC unroll 16
   for (int r = 0; r < ROWS; ++r) {
     float* o = out + r * out_stride;
-    if (cols == kTileWidth) {  // whole vectors: vector stores (the loop below became a
-      for (int v = 0; v < kTileVectors; ++v) {  // memmove call a row)
+    if (cols == VECS * L) {  // whole vectors: vector stores (the loop below became a
+      for (int v = 0; v < VECS; ++v) {  // memmove call a row)
         store(o + v * L, accumulate ? load<F>(o + v * L) + sums[r][v] : sums[r][v]);
       }
       continue;
     }
-    float row[kTileWidth];
-    for (int v = 0; v < kTileVectors; ++v) store(row + v * L, sums[r][v]);
+    float row[VECS * L];
+    for (int v = 0; v < VECS; ++v) store(row + v * L, sums[r][v]);
     for (int c = 0; c < cols; ++c) o[c] = accumulate ? o[c] + row[c] : row[c];
   }
 }
 
 // panel_tile for `rows` (1..ROWS) rows: each count its own unrolled copy.
-template <WeightKind KIND, int ROWS>
+template <WeightKind KIND, int ROWS, int VECS = kTileVectors>
 void panel_tiles_of(int rows, int kc, const float* xp, const void* w, int64_t first, float* out,
                     int64_t out_stride, bool accumulate, int cols) {
   if constexpr (ROWS > 1) {
     if (rows < ROWS) {
-      return panel_tiles_of<KIND, ROWS - 1>(rows, kc, xp, w, first, out, out_stride, accumulate, cols);
+      return panel_tiles_of<KIND, ROWS - 1, VECS>(rows, kc, xp, w, first, out, out_stride,
+                                                  accumulate, cols);
     }
   }
-  panel_tile<KIND, ROWS>(kc, xp, w, first, out, out_stride, accumulate, cols);
+  panel_tile<KIND, ROWS, VECS>(kc, xp, w, first, out, out_stride, accumulate, cols);
+}
+
+// Up to 32 rows (decode) where tiles are narrower than a panel (AVX2): tiles of 2 rows x
+// the whole panel (8 sums, 4 panel vectors and x's broadcast: 13 of 16 registers), so
+// that the pass that streams the panel from memory reads its rows whole. Two passes
+// of half a row each (the 6 x 16 tiles) made decode steps' linear layers 20-50% slower
+// on 2 Zen 3 cores (`cadence bench ladder`, 16 layers: 16 rows 92-96 -> 130-142 ms,
+// 1 row 38-46 -> 57-70); past 32 rows the 6 x 16 tiles win (2 threads, the bench
+// model's three layer shapes: 48 rows 10.1 against 17.4 ms, 176 rows 33 against 57).
+constexpr int kWideTileRows = 2;
+constexpr int kMostRowsForWideTiles = kTileWidth < kPanelWidth ? 32 : 0;
+
+template <WeightKind KIND>
+void wide_tiles(int M, int K, int k0, int kc, const PanelMatmulJob& job, int64_t first, int n0,
+                int cols) {
+  for (int m0 = 0; m0 < M; m0 += kWideTileRows) {
+    const int b = m0 / kPanelRows, r0 = m0 % kPanelRows;  // its rows in x's packed blocks
+    const float* xp = job.x_panels + (static_cast<int64_t>(b) * K + k0) * kPanelRows + r0;
+    const int rows = M - m0 < kWideTileRows ? M - m0 : kWideTileRows;
+    panel_tiles_of<KIND, kWideTileRows, kPanelWidth / L>(
+        rows, kc, xp, job.w, first, job.out + static_cast<int64_t>(m0) * job.N + n0, job.N,
+        k0 > 0, cols);
+  }
 }
 
 template <WeightKind KIND>
@@ -220,6 +245,10 @@ void panel_matmul_of(const PanelMatmulJob& job, int panel_begin, int panel_end) 
       const int64_t first = (static_cast<int64_t>(panel) * K + k0) * kPanelWidth;
       const int n0 = panel * kPanelWidth;
       const int cols = job.N - n0 < kPanelWidth ? job.N - n0 : kPanelWidth;
+      if (M <= kMostRowsForWideTiles) {
+        wide_tiles<KIND>(M, K, k0, kc, job, first, n0, cols);
+        continue;
+      }
       for (int c0 = 0; c0 < cols; c0 += kTileWidth) {  // the panel's tiles of columns
         const int tile_cols = cols - c0 < kTileWidth ? cols - c0 : kTileWidth;
         for (int b = 0; b < blocks; ++b) {

@@ -131,8 +131,8 @@ print(cpu_extension().isa())
 @needs_kernels
 @pytest.mark.parametrize("cap", ["baseline", "avx2"])
 def test_every_instruction_set_of_the_panel_kernel_matches_matmul(cap):
-    """Tiles of 6 rows x 2 vectors of 8 lanes (half a panel) there, against 12 x 2 of 16 with
-    AVX-512 (the whole panel)."""
+    """Tiles of 2 rows x 4 vectors of 8 lanes (the whole panel) up to 32 rows there, and of 6 x
+    2 (half a panel) past them, against 12 x 2 of 16 with AVX-512 (the whole panel)."""
     assert cap in run_with_isa_cap(PANEL_SCRIPT, cap)
 
 
