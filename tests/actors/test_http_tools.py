@@ -140,17 +140,25 @@ def checkpoint_for(make_checkpoint, tmp_path_factory):
     )
 
 
+async def answers_writing(checkpoint, text, max_tokens=120):
+    """The whole and the streamed answer of a model made to write exactly `text`."""
+    body = dict(
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=max_tokens,
+        extra_body={"guided_regex": literally(text)},
+    )
+    async with serving(checkpoint) as server:
+        done = await in_thread(whole, server, **body)
+        return done, await in_thread(streamed, server, **body)
+
+
 async def test_arguments_that_are_no_json_stream_without_the_closing_marker(checkpoint_for):
     """The demo tokenizer spells `</tool_call>` in pieces, so a delta ends inside it:
     arguments that are no JSON run to the marker, and its first pieces went out as
     argument text before it was whole."""
     text = '<tool_call>\n{"name": "get_weather", "arguments": city=Rome}\n</tool_call>'
-    body = dict(
-        messages=ASK, tools=TOOLS, max_tokens=120, extra_body={"guided_regex": literally(text)}
-    )
-    async with serving(checkpoint_for("hermes")) as server:
-        done = await in_thread(whole, server, **body)
-        content, calls, finish = await in_thread(streamed, server, **body)
+    done, (content, calls, finish) = await answers_writing(checkpoint_for("hermes"), text)
     (call,) = done.choices[0].message.tool_calls
     assert (call.function.name, call.function.arguments) == ("get_weather", "city=Rome}\n")
     assert [(n, a) for _, n, a in calls.values()] == [("get_weather", "city=Rome}\n")]
@@ -161,12 +169,7 @@ async def test_a_python_tag_inside_a_llama3_argument_is_kept(checkpoint_for):
     """Only a call's leading `<|python_tag|>` is markup; the first one anywhere, here
     in an argument's text, was blanked to spaces."""
     text = '{"name": "get_weather", "parameters": {"city": "<|python_tag|>"}}'
-    body = dict(
-        messages=ASK, tools=TOOLS, max_tokens=120, extra_body={"guided_regex": literally(text)}
-    )
-    async with serving(checkpoint_for("llama3_json")) as server:
-        done = await in_thread(whole, server, **body)
-        content, calls, finish = await in_thread(streamed, server, **body)
+    done, (content, calls, finish) = await answers_writing(checkpoint_for("llama3_json"), text)
     (call,) = done.choices[0].message.tool_calls
     assert json.loads(call.function.arguments) == {"city": "<|python_tag|>"}
     assert [a for _, _, a in calls.values()] == [call.function.arguments]
@@ -192,12 +195,7 @@ async def test_a_call_max_tokens_ends_in_is_text_in_the_whole_response(styled):
     "length"; streamed, it goes out as written, and "length" says it stops short."""
     style, checkpoint = styled
     text = LONG_CALL[style] % (NOTE * 3)
-    body = dict(
-        messages=ASK, tools=TOOLS, max_tokens=60, extra_body={"guided_regex": literally(text)}
-    )
-    async with serving(checkpoint) as server:
-        done = await in_thread(whole, server, **body)
-        content, calls, finish = await in_thread(streamed, server, **body)
+    done, (content, calls, finish) = await answers_writing(checkpoint, text, max_tokens=60)
     (choice,) = done.choices
     assert choice.finish_reason == finish == "length"
     assert choice.message.tool_calls is None
