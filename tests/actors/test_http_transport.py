@@ -523,25 +523,24 @@ MODELS = b"GET /v1/models HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
 HEALTH = b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
 
 
-def is_refused_at_the_cap(port):
-    """Whether a new request gets the cap's 503, polling 5 s for the server to catch up
-    with connections opened or closed just before."""
+def answers_with_code(port, code):
+    """Whether a new request's error code becomes `code`, polling 5 s for the server to
+    catch up with connections opened or closed just before."""
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        if answer(port, MODELS)[2]["error"]["code"] == "overloaded":
+        if answer(port, MODELS)[2]["error"]["code"] == code:
             return True
         time.sleep(0.02)
     return False
+
+
+def is_refused_at_the_cap(port):
+    return answers_with_code(port, "overloaded")
 
 
 def is_served(port):
-    """Whether a new request reaches the app (the loading model's 503), polling 5 s."""
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        if answer(port, MODELS)[2]["error"]["code"] == "unavailable":
-            return True
-        time.sleep(0.02)
-    return False
+    """Whether a new request reaches the app (the loading model's 503)."""
+    return answers_with_code(port, "unavailable")
 
 
 async def test_past_the_cap_a_request_gets_an_immediate_503_and_probes_are_still_answered():
