@@ -235,10 +235,27 @@ void wide_tiles(int M, int K, int k0, int kc, const PanelMatmulJob& job, int64_t
   }
 }
 
+// Every tile of a panel's kc-deep slice `w` + `first`, kTileWidth columns at a time,
+// each over x's blocks of kPanelRows rows; out is the panel's first column.
+template <WeightKind KIND>
+void narrow_tiles(int M, int K, int k0, int kc, const float* x_panels, const void* w,
+                  int64_t first, float* out, int N, int cols) {
+  const int blocks = (M + kPanelRows - 1) / kPanelRows;
+  for (int c0 = 0; c0 < cols; c0 += kTileWidth) {  // the panel's tiles of columns
+    const int tile_cols = cols - c0 < kTileWidth ? cols - c0 : kTileWidth;
+    for (int b = 0; b < blocks; ++b) {
+      const int m0 = b * kPanelRows;
+      const float* xp = x_panels + (static_cast<int64_t>(b) * K + k0) * kPanelRows;
+      panel_tiles_of<KIND, kPanelRows>(M - m0, kc, xp, w, first + c0,
+                                       out + static_cast<int64_t>(m0) * N + c0, N, k0 > 0,
+                                       tile_cols);
+    }
+  }
+}
+
 template <WeightKind KIND>
 void panel_matmul_of(const PanelMatmulJob& job, int panel_begin, int panel_end) {
   const int M = job.M, K = job.K;
-  const int blocks = (M + kPanelRows - 1) / kPanelRows;
   for (int k0 = 0; k0 < K; k0 += kPanelDepth) {
     const int kc = K - k0 < kPanelDepth ? K - k0 : kPanelDepth;
     for (int panel = panel_begin; panel < panel_end; ++panel) {
@@ -247,17 +264,8 @@ void panel_matmul_of(const PanelMatmulJob& job, int panel_begin, int panel_end) 
       const int cols = job.N - n0 < kPanelWidth ? job.N - n0 : kPanelWidth;
       if (M <= kMostRowsForWideTiles) {
         wide_tiles<KIND>(M, K, k0, kc, job, first, n0, cols);
-        continue;
-      }
-      for (int c0 = 0; c0 < cols; c0 += kTileWidth) {  // the panel's tiles of columns
-        const int tile_cols = cols - c0 < kTileWidth ? cols - c0 : kTileWidth;
-        for (int b = 0; b < blocks; ++b) {
-          const int m0 = b * kPanelRows;
-          const float* xp = job.x_panels + (static_cast<int64_t>(b) * K + k0) * kPanelRows;
-          panel_tiles_of<KIND, kPanelRows>(
-              M - m0, kc, xp, job.w, first + c0,
-              job.out + static_cast<int64_t>(m0) * job.N + n0 + c0, job.N, k0 > 0, tile_cols);
-        }
+      } else {
+        narrow_tiles<KIND>(M, K, k0, kc, job.x_panels, job.w, first, job.out + n0, job.N, cols);
       }
     }
   }
@@ -328,23 +336,14 @@ inline void transpose_4x4(const float* const* x, int k, float* out, int stride) 
 void quantized_panel_matmul(const QuantizedPanelJob& job, int panel_begin, int panel_end,
                             float* tile) {
   const int M = job.M, K = job.K;
-  const int blocks = (M + kPanelRows - 1) / kPanelRows;
   for (int panel = panel_begin; panel < panel_end; ++panel) {
     const int n0 = panel * kPanelWidth;
     const int cols = job.N - n0 < kPanelWidth ? job.N - n0 : kPanelWidth;
     for (int k0 = 0; k0 < K; k0 += kPanelDepth) {
       const int kc = K - k0 < kPanelDepth ? K - k0 : kPanelDepth;
       dequantize_panel(job, panel, k0, kc, tile);
-      for (int c0 = 0; c0 < cols; c0 += kTileWidth) {
-        const int tile_cols = cols - c0 < kTileWidth ? cols - c0 : kTileWidth;
-        for (int b = 0; b < blocks; ++b) {
-          const int m0 = b * kPanelRows;
-          const float* xp = job.x_panels + (static_cast<int64_t>(b) * K + k0) * kPanelRows;
-          panel_tiles_of<WeightKind::f32, kPanelRows>(
-              M - m0, kc, xp, tile, c0, job.out + static_cast<int64_t>(m0) * job.N + n0 + c0,
-              job.N, k0 > 0, tile_cols);
-        }
-      }
+      narrow_tiles<WeightKind::f32>(M, K, k0, kc, job.x_panels, tile, 0, job.out + n0, job.N,
+                                    cols);
     }
   }
 }
