@@ -158,11 +158,19 @@ constexpr int kPanelRows = L == 16 ? 12 : 6;
 constexpr int kTileVectors = 2;
 constexpr int kTileWidth = kTileVectors * L;
 static_assert(kPanelWidth % kTileWidth == 0, "a panel is a whole number of tiles wide");
-// kPanelDepth (row_kernels.h), k per pass: each pass past the first reloads and adds to
-// the outputs; a panel's 2048 x 32 slice (256 KB) and a row block's x (96 KB) stay in L2
-// across the row blocks, which feeds the FMAs as well as L1 did. At 256 (a 32 KB slice
-// for L1), [176, 2816] -> 1024 ran 186 against 198 GFLOP/s and [176, 1024] -> 5632 194
-// against 206 (OpenBLAS 180-201).
+// With 16 lanes (AVX-512) a pass is kPanelDepth (row_kernels.h) k deep: each pass past
+// the first reloads and adds to the outputs; a panel's 2048 x 32 slice (256 KB) and a
+// row block's x (96 KB) stay in L2 across the row blocks, which fed the 12-row tiles as
+// well as L1 did: at 256, [176, 2816] -> 1024 ran 186 against 198 GFLOP/s and [176,
+// 1024] -> 5632 194 against 206 (OpenBLAS 180-201). With 8 lanes, see kPassDepth.
+
+// The weights' lines a tile asks for while it multiplies: one line every 2^shift k,
+// from `at` on (nullptr: none). See panel_matmul_of.
+constexpr int kCacheLine = 64;
+struct Lookahead {
+  const char* at = nullptr;
+  int shift = 0;
+};
 
 // out[0..ROWS) x [0, cols) (+)= xp . w over kc: xp is [kc][kPanelRows] (x transposed;
 // the tile's first row), w the tile's VECS vectors of columns of the panel's [kc][32]
@@ -170,9 +178,13 @@ static_assert(kPanelWidth % kTileWidth == 0, "a panel is a whole number of tiles
 // column; cols <= VECS x L.
 template <WeightKind KIND, int ROWS, int VECS>
 void panel_tile(int kc, const float* xp, const void* w, int64_t first, float* out,
-                int64_t out_stride, bool accumulate, int cols) {
+                int64_t out_stride, bool accumulate, int cols, Lookahead ahead) {
   F sums[ROWS][VECS] = {};
+  const int ahead_every = (1 << ahead.shift) - 1;
   for (int k = 0; k < kc; ++k) {
+    if (ahead.at != nullptr && (k & ahead_every) == 0) {
+      __builtin_prefetch(ahead.at + (k >> ahead.shift) * kCacheLine, 0, 1);  // into L2
+    }
     F wv[VECS];
     for (int v = 0; v < VECS; ++v) {
       wv[v] = load_weights<KIND>(w, first + k * kPanelWidth + v * L);
@@ -202,14 +214,14 @@ void panel_tile(int kc, const float* xp, const void* w, int64_t first, float* ou
 // panel_tile for `rows` (1..ROWS) rows: each count its own unrolled copy.
 template <WeightKind KIND, int ROWS, int VECS = kTileVectors>
 void panel_tiles_of(int rows, int kc, const float* xp, const void* w, int64_t first, float* out,
-                    int64_t out_stride, bool accumulate, int cols) {
+                    int64_t out_stride, bool accumulate, int cols, Lookahead ahead) {
   if constexpr (ROWS > 1) {
     if (rows < ROWS) {
       return panel_tiles_of<KIND, ROWS - 1, VECS>(rows, kc, xp, w, first, out, out_stride,
-                                                  accumulate, cols);
+                                                  accumulate, cols, ahead);
     }
   }
-  panel_tile<KIND, ROWS, VECS>(kc, xp, w, first, out, out_stride, accumulate, cols);
+  panel_tile<KIND, ROWS, VECS>(kc, xp, w, first, out, out_stride, accumulate, cols, ahead);
 }
 
 // Up to 32 rows (decode) where tiles are narrower than a panel (AVX2): tiles of 2 rows x
@@ -222,16 +234,58 @@ void panel_tiles_of(int rows, int kc, const float* xp, const void* w, int64_t fi
 constexpr int kWideTileRows = 2;
 constexpr int kMostRowsForWideTiles = kTileWidth < kPanelWidth ? 32 : 0;
 
+// k per pass over a panel: kPanelDepth (2048) with 16 lanes, 256 with fewer. At 2048,
+// every tile of rows after the first re-read its 256 KB slice from L2, at one 128-byte
+// row of the panel per 8 FMAs, and the first tile's wait on memory was not overlapped
+// with anything: a 16-row decode step's layers ran at ~1/3 of two cores' FMA rate.
+// Each pass also asks for the slice kPassesAhead passes on, its lines shared out among
+// the pass's tiles, so that memory streams while the tiles multiply. The bench model's
+// 64 layers through ext.panel_matmul on 2 Zen 3 cores, ms, the best of 3 rounds
+// (two runs where a range):
+//
+// | rows | 2048, none ahead | 128, none | 128, 2 ahead | 256, 1 | 256, 2 | 256, 3 | 512, 2 |
+// |---|---|---|---|---|---|---|---|
+// | 8 | 60-64 | 65 | 51 | 46 | 47-49 | 49 | 48 |
+// | 16 | 90-92 | 107 | 89 | 79 | 68-80 | 73 | 81 |
+// | 32 | 167-177 | 180 | 168 | 152 | 127-150 | 138 | 156 |
+// | 48 | 163-167 | 172 | 144 | 137 | 113-142 | 116 | 148 |
+// | 176 | 448-518 | 541 | 504 | 502 | 404-479 | 508 | 386 |
+constexpr int kPassDepth = kTileWidth < kPanelWidth ? 256 : kPanelDepth;
+constexpr int kPassesAhead = 2;
+
+template <WeightKind KIND>
+constexpr int64_t weight_bytes() {
+  return KIND == WeightKind::f32 ? 4 : 2;
+}
+
+// Tile `tile` of `tiles` in a pass over w's [first, first + kc x 32): its share of the
+// lines kPassesAhead passes on, or none where that share reaches past `end` (w's
+// elements the chunk may read; 0: ask for none) or is more than a line per k.
+template <WeightKind KIND>
+Lookahead lookahead_for(const void* w, int64_t first, int kc, int64_t end, int tile, int tiles) {
+  const int64_t lines = kc * kPanelWidth * weight_bytes<KIND>() / kCacheLine;
+  const int64_t share = (lines + tiles - 1) / tiles;
+  const int64_t at = (first + static_cast<int64_t>(kPassesAhead) * kc * kPanelWidth) *
+                         weight_bytes<KIND>() +
+                     tile * share * kCacheLine;  // in bytes from w
+  const bool past_end = at + share * kCacheLine > end * weight_bytes<KIND>();
+  if (kPassDepth == kPanelDepth || share > kc || past_end) return {};
+  int shift = 0;  // a line every 2^shift k covers the share: kc >> shift >= share
+  while ((kc >> (shift + 1)) >= share) ++shift;
+  return {static_cast<const char*>(w) + at, shift};
+}
+
 template <WeightKind KIND>
 void wide_tiles(int M, int K, int k0, int kc, const PanelMatmulJob& job, int64_t first, int n0,
-                int cols) {
-  for (int m0 = 0; m0 < M; m0 += kWideTileRows) {
+                int cols, int64_t end) {
+  const int tiles = (M + kWideTileRows - 1) / kWideTileRows;
+  for (int m0 = 0, tile = 0; m0 < M; m0 += kWideTileRows, ++tile) {
     const int b = m0 / kPanelRows, r0 = m0 % kPanelRows;  // its rows in x's packed blocks
     const float* xp = job.x_panels + (static_cast<int64_t>(b) * K + k0) * kPanelRows + r0;
     const int rows = M - m0 < kWideTileRows ? M - m0 : kWideTileRows;
     panel_tiles_of<KIND, kWideTileRows, kPanelWidth / L>(
         rows, kc, xp, job.w, first, job.out + static_cast<int64_t>(m0) * job.N + n0, job.N,
-        k0 > 0, cols);
+        k0 > 0, cols, lookahead_for<KIND>(job.w, first, kc, end, tile, tiles));
   }
 }
 
@@ -239,33 +293,39 @@ void wide_tiles(int M, int K, int k0, int kc, const PanelMatmulJob& job, int64_t
 // each over x's blocks of kPanelRows rows; out is the panel's first column.
 template <WeightKind KIND>
 void narrow_tiles(int M, int K, int k0, int kc, const float* x_panels, const void* w,
-                  int64_t first, float* out, int N, int cols) {
+                  int64_t first, float* out, int N, int cols, int64_t end) {
   const int blocks = (M + kPanelRows - 1) / kPanelRows;
-  for (int c0 = 0; c0 < cols; c0 += kTileWidth) {  // the panel's tiles of columns
+  const int tiles = blocks * ((cols + kTileWidth - 1) / kTileWidth);
+  for (int c0 = 0, tile = 0; c0 < cols; c0 += kTileWidth) {  // the panel's tiles of columns
     const int tile_cols = cols - c0 < kTileWidth ? cols - c0 : kTileWidth;
-    for (int b = 0; b < blocks; ++b) {
+    for (int b = 0; b < blocks; ++b, ++tile) {
       const int m0 = b * kPanelRows;
       const float* xp = x_panels + (static_cast<int64_t>(b) * K + k0) * kPanelRows;
-      panel_tiles_of<KIND, kPanelRows>(M - m0, kc, xp, w, first + c0,
-                                       out + static_cast<int64_t>(m0) * N + c0, N, k0 > 0,
-                                       tile_cols);
+      panel_tiles_of<KIND, kPanelRows>(
+          M - m0, kc, xp, w, first + c0, out + static_cast<int64_t>(m0) * N + c0, N, k0 > 0,
+          tile_cols, lookahead_for<KIND>(w, first, kc, end, tile, tiles));
     }
   }
 }
 
+// Panel by panel, each in passes of kPassDepth k: a chunk's panels are one contiguous
+// stream. Every output's sum runs over k in passes at the same bounds whatever the
+// number of rows, so a row's result never depends on the rows beside it.
 template <WeightKind KIND>
 void panel_matmul_of(const PanelMatmulJob& job, int panel_begin, int panel_end) {
   const int M = job.M, K = job.K;
-  for (int k0 = 0; k0 < K; k0 += kPanelDepth) {
-    const int kc = K - k0 < kPanelDepth ? K - k0 : kPanelDepth;
-    for (int panel = panel_begin; panel < panel_end; ++panel) {
+  const int64_t end = static_cast<int64_t>(panel_end) * K * kPanelWidth;  // the chunk's last weight
+  for (int panel = panel_begin; panel < panel_end; ++panel) {
+    const int n0 = panel * kPanelWidth;
+    const int cols = job.N - n0 < kPanelWidth ? job.N - n0 : kPanelWidth;
+    for (int k0 = 0; k0 < K; k0 += kPassDepth) {
+      const int kc = K - k0 < kPassDepth ? K - k0 : kPassDepth;
       const int64_t first = (static_cast<int64_t>(panel) * K + k0) * kPanelWidth;
-      const int n0 = panel * kPanelWidth;
-      const int cols = job.N - n0 < kPanelWidth ? job.N - n0 : kPanelWidth;
       if (M <= kMostRowsForWideTiles) {
-        wide_tiles<KIND>(M, K, k0, kc, job, first, n0, cols);
+        wide_tiles<KIND>(M, K, k0, kc, job, first, n0, cols, end);
       } else {
-        narrow_tiles<KIND>(M, K, k0, kc, job.x_panels, job.w, first, job.out + n0, job.N, cols);
+        narrow_tiles<KIND>(M, K, k0, kc, job.x_panels, job.w, first, job.out + n0, job.N, cols,
+                           end);
       }
     }
   }
@@ -343,7 +403,7 @@ void quantized_panel_matmul(const QuantizedPanelJob& job, int panel_begin, int p
       const int kc = K - k0 < kPanelDepth ? K - k0 : kPanelDepth;
       dequantize_panel(job, panel, k0, kc, tile);
       narrow_tiles<WeightKind::f32>(M, K, k0, kc, job.x_panels, tile, 0, job.out + n0, job.N,
-                                    cols);
+                                    cols, 0);
     }
   }
 }

@@ -8,6 +8,7 @@ import pytest
 
 from kernels import dense_matmul as dm
 from kernels.cpu_extension import cpu_extension
+from tests.kernels.fresh_python import last_line
 from tests.kernels.test_quantized_matmul import needs_kernels, run_with_isa_cap
 from tests.kernels.test_quantized_models import FAMILIES, SHAPE, greedy, kernels_off, mlx_lm_greedy
 
@@ -134,6 +135,36 @@ def test_every_instruction_set_of_the_panel_kernel_matches_matmul(cap):
     """Tiles of 2 rows x 4 vectors of 8 lanes (the whole panel) up to 32 rows there, and of 6 x
     2 (half a panel) past them, against 12 x 2 of 16 with AVX-512 (the whole panel)."""
     assert cap in run_with_isa_cap(PANEL_SCRIPT, cap)
+
+
+ROWS_APART_SCRIPT = """
+import mlx.core as mx
+from kernels import dense_matmul as dm
+from kernels.cpu_extension import cpu_extension
+ext = cpu_extension()
+for dtype in (mx.float32, mx.bfloat16):
+    for k in (300, 600):  # K in one deep pass; in passes of 256 with a partial last one
+        w = mx.random.normal((70, k)).astype(dtype)  # a partial last panel
+        packed = dm.pack_panels(w)
+        x = mx.random.normal((200, k))
+        whole = ext.panel_matmul(x, packed, 70)
+        assert mx.allclose(whole, x @ w.astype(mx.float32).T, rtol=1e-4, atol=1e-4).item()
+        for rows in (1, 2, 3, 5, 6, 16, 32, 33, 48, 199):  # decode tiles, prefill tiles, both sides
+            part = ext.panel_matmul(x[-rows:], packed, 70)
+            assert mx.array_equal(part, whole[-rows:]).item(), (dtype, k, rows)
+print(ext.isa())
+"""
+
+
+@needs_kernels
+@pytest.mark.parametrize("cap", [None, "baseline", "avx2"])
+def test_a_rows_panel_result_is_the_same_bits_whatever_rows_run_beside_it(cap):
+    """Batch invariance: a request's logits must not depend on the step it rode in, or
+    greedy tokens alone and in a batch part. Decode (up to 32 rows) and prefill use
+    different register tiles, so both must sum each output over k in the same passes."""
+    env = {} if cap is None else {"CADENCE_CPU_ISA": cap}
+    isa = last_line(ROWS_APART_SCRIPT, env, timeout=600)
+    assert cap is None or cap in isa
 
 
 ROW_SCRIPT = """
