@@ -224,15 +224,16 @@ void panel_tiles_of(int rows, int kc, const float* xp, const void* w, int64_t fi
   panel_tile<KIND, ROWS, VECS>(kc, xp, w, first, out, out_stride, accumulate, cols, ahead);
 }
 
-// Up to 32 rows (decode) where tiles are narrower than a panel (AVX2): tiles of 2 rows x
-// the whole panel (8 sums, 4 panel vectors and x's broadcast: 13 of 16 registers), so
-// that the pass that streams the panel from memory reads its rows whole. Two passes
-// of half a row each (the 6 x 16 tiles) made decode steps' linear layers 20-50% slower
-// on 2 Zen 3 cores (`cadence bench ladder`, 16 layers: 16 rows 92-96 -> 130-142 ms,
-// 1 row 38-46 -> 57-70); past 32 rows the 6 x 16 tiles win (2 threads, the bench
-// model's three layer shapes: 48 rows 10.1 against 17.4 ms, 176 rows 33 against 57).
+// Up to 3 rows where tiles are narrower than a panel (AVX2): tiles of 2 rows x the whole
+// panel (8 sums, 4 panel vectors and x's broadcast: 13 of 16 registers), one pass over
+// each row of the slice instead of one per half. From 4 rows the 6 x 16 tiles win, now
+// that a pass's slice stays in L1 (kPassDepth): the bench model's 64 layers on 2 Zen 3
+// cores, ms, best of 3 rounds, 2 x 32 tiles up to 32 rows against 6 x 16 tiles:
+// 1 row 36-37 / 37, 3 rows 37-40 / 36-39, 4 rows 38-41 / 35-37, 8 rows 42-50 / 42,
+// 16 rows 66-79 / 50-59, 24 rows 108 / 62, 32 rows 151 / 83. (With one 2048-deep pass
+// it had been the other way round up to 32 rows: 16 rows 92-96 against 130-142.)
 constexpr int kWideTileRows = 2;
-constexpr int kMostRowsForWideTiles = kTileWidth < kPanelWidth ? 32 : 0;
+constexpr int kMostRowsForWideTiles = kTileWidth < kPanelWidth ? 3 : 0;
 
 // k per pass over a panel: kPanelDepth (2048) with 16 lanes, 256 with fewer. At 2048,
 // every tile of rows after the first re-read its 256 KB slice from L2, at one 128-byte
