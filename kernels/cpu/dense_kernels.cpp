@@ -315,7 +315,7 @@ void narrow_tiles(int M, int K, int k0, int kc, const float* x_panels, const voi
 template <WeightKind KIND>
 void panel_matmul_of(const PanelMatmulJob& job, int panel_begin, int panel_end) {
   const int M = job.M, K = job.K;
-  const int64_t end = static_cast<int64_t>(panel_end) * K * kPanelWidth;  // the chunk's last weight
+  const int64_t end = static_cast<int64_t>(panel_end) * K * kPanelWidth;  // past the chunk
   for (int panel = panel_begin; panel < panel_end; ++panel) {
     const int n0 = panel * kPanelWidth;
     const int cols = job.N - n0 < kPanelWidth ? job.N - n0 : kPanelWidth;
