@@ -30,6 +30,7 @@ from actors.choices import DEFAULT_MAX_N
 from actors.cors import CorsPolicy, parse_origins
 from actors.http_app import ServerState, create_app
 from actors.http_server import serve_http
+from actors.mlx_thread import exit_now_if_busy
 from actors.service import open_llm
 from actors.tracing import LEVELS, configure_logging
 from kernels.blas import active_blas
@@ -365,6 +366,12 @@ async def _generate(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    status = _run(argv)
+    exit_now_if_busy(status)  # a load cut short by a signal may still be running
+    return status
+
+
+def _run(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     synchronous = args.command in ("bench", "trace")  # they return their exit status
     if synchronous:

@@ -9,12 +9,21 @@ The process keeps one such thread and never stops it: a thread that ran MLX work
 and then exits races the process's own exit in mlx's C++ teardown and can abort it
 ("terminate called without an active exception": 6 of 160 exits under load here),
 while a thread left blocked on its queue cannot.
+
+The same abort met every process that ended while the thread was still inside a call
+its caller had abandoned (a SIGTERM while `cadence serve` loaded: 5 of 6 runs). So at
+exit the process waits for such a call to end (`wait_until_idle`, registered with
+atexit); the CLI, which has its exit status at hand, leaves at once instead
+(`exit_now_if_busy`).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -32,6 +41,10 @@ class MlxThread:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.ident: int | None = None
+        self._lock = threading.Lock()
+        self._jobs_in_flight = 0  # queued or running
+        self._idle = threading.Event()
+        self._idle.set()
 
     def start(self) -> None:
         self._thread.start()
@@ -68,6 +81,9 @@ class MlxThread:
                 except Exception:
                     log.exception("MLX thread follow-up failed", fn=getattr(then, "__name__", "?"))
 
+        with self._lock:
+            self._jobs_in_flight += 1
+            self._idle.clear()
         self._jobs.put(job)
         if abandon_on_cancel:
             await done.wait()
@@ -76,9 +92,25 @@ class MlxThread:
                 await done.wait()
         return box[0].unwrap()
 
+    @property
+    def is_busy(self) -> bool:
+        """A call is queued or running."""
+        return not self._idle.is_set()
+
+    def wait_until_idle(self, timeout: float | None = None) -> bool:
+        """Block until no call is queued or running (or `timeout` seconds pass)."""
+        return self._idle.wait(timeout)
+
     def _loop(self) -> None:
         while True:
-            self._jobs.get()()
+            job = self._jobs.get()
+            try:
+                job()
+            finally:
+                with self._lock:
+                    self._jobs_in_flight -= 1
+                    if self._jobs_in_flight == 0:
+                        self._idle.set()
 
 
 _shared: MlxThread | None = None
@@ -92,4 +124,15 @@ def shared_mlx_thread() -> MlxThread:
         if _shared is None:
             _shared = MlxThread()
             _shared.start()
+            atexit.register(_shared.wait_until_idle)
         return _shared
+
+
+def exit_now_if_busy(status: int) -> None:
+    """End the process with `status` at once if the MLX thread is inside a call (one
+    abandoned by a cancelled load): a normal exit would tear mlx's C++ state down under
+    it and abort, and waiting could take as long as the whole load."""
+    if _shared is not None and _shared.is_busy:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)

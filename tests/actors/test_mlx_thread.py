@@ -1,5 +1,7 @@
 """Every MLX call runs on one dedicated thread, never on Trio's."""
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -7,7 +9,7 @@ import mlx.core as mx
 import pytest
 import trio
 
-from actors.mlx_thread import shared_mlx_thread
+from actors.mlx_thread import exit_now_if_busy, shared_mlx_thread
 
 
 async def test_calls_run_in_order_on_one_thread_that_is_not_trios():
@@ -86,3 +88,59 @@ def test_a_call_abandoned_by_a_trio_run_that_ended_leaves_the_thread_serving_the
     trio.run(abandon)
     release.set()  # the call ends after its trio run: nothing is left to wake
     assert trio.run(next_call) == "served"
+
+
+# A process whose MLX thread is still inside an abandoned call when it ends (a load cut
+# short by SIGTERM). Before the fix mlx's C++ teardown aborted it: "terminate called
+# without an active exception", exit status 134 (5 runs of 5).
+ABANDONED_CALL_SCRIPT = """
+import sys, time
+import trio
+import mlx.core as mx
+from actors.mlx_thread import exit_now_if_busy, shared_mlx_thread
+
+def load():
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end:
+        mx.eval(mx.random.normal((500, 500)) @ mx.random.normal((500, 500)))
+    print("load finished", flush=True)
+
+async def main():
+    with trio.move_on_after(0.3):
+        await shared_mlx_thread().run(load, abandon_on_cancel=True)
+
+trio.run(main)
+print("trio returned", flush=True)
+if sys.argv[1] == "exit-now":
+    exit_now_if_busy(3)
+"""
+
+
+def run_abandoning_script(mode: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", ABANDONED_CALL_SCRIPT, mode],
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_a_process_that_ends_during_an_abandoned_call_waits_for_it_and_exits_cleanly():
+    done = run_abandoning_script("return")
+    assert "terminate called" not in done.stderr
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["trio", "returned", "load", "finished"]  # waited for it
+
+
+def test_exit_now_if_busy_leaves_at_once_with_the_status_it_was_given():
+    done = run_abandoning_script("exit-now")
+    assert "terminate called" not in done.stderr
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.split() == ["trio", "returned"]  # did not wait for the load
+
+
+def test_exit_now_if_busy_returns_when_the_thread_is_idle():
+    async def call():
+        return await shared_mlx_thread().run(lambda: 5)
+
+    assert trio.run(call) == 5
+    assert not shared_mlx_thread().is_busy
+    exit_now_if_busy(3)  # returns: nothing is running
