@@ -1,5 +1,6 @@
 // See attention_kernels.h. GCC/Clang vector extensions, as row_kernels.cpp: F is one
-// vector of L fp32 lanes (16 on AVX-512, 8 elsewhere), K16 a chunk of 16 keys' scores.
+// vector of L fp32 lanes (16 on AVX-512, 8 elsewhere); a chunk of 16 keys' scores is
+// kChunkVectors of them.
 //
 // mlx's CPU exp is scalar and single-threaded (~13 ns an element here); these loops
 // use Cephes' expf scheme on whole vectors (kernels/poly_exp.py has its derivation
@@ -17,11 +18,12 @@ namespace CADENCE_ISA {
 namespace {
 
 constexpr int kChunk = 16;  // keys scored, exponentiated and summed together
+// A chunk's scores as whole vectors of F. (As one 16-lane vector type, the AVX2 copy's
+// masks, maxima and exponentials compiled to 128-bit pieces and stack spills, and its
+// decode attention ran at a third of the speed of its own arithmetic.)
+constexpr int kChunkVectors = kChunk / L;
 constexpr int kTileVectors = L == 16 ? 2 : 1;  // vectors of query heads in a tile
 constexpr int kTileKeys = 8;  // keys a tile scores together: its scores fill half the registers
-
-typedef float K16 __attribute__((vector_size(4 * kChunk)));
-typedef int32_t K16I __attribute__((vector_size(4 * kChunk)));
 
 // e^x lane by lane, x clamped to [-87, 88].
 template <class V, class VI>
@@ -44,16 +46,25 @@ inline V exp_approx(V x) {
   return p * two_n;
 }
 
-template <class V>
+// The greatest lane, halving the vector as sum_lanes does (through an array the lanes
+// went to the stack and back).
+template <class V>  // F (a template, so only its width's branch is compiled)
 inline float max_lanes(V v) {
-  constexpr int n = sizeof(V) / 4;
-  float lanes[n];
-  memcpy(lanes, &v, sizeof v);
-  float m = lanes[0];
-  for (int i = 1; i < n; ++i) {
-    m = lanes[i] > m ? lanes[i] : m;
+  typedef float V8 __attribute__((vector_size(32)));
+  typedef float V4 __attribute__((vector_size(16)));
+  V8 m8;
+  if constexpr (sizeof(V) == 64) {
+    const V8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    const V8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    m8 = hi > lo ? hi : lo;
+  } else {
+    m8 = v;
   }
-  return m;
+  const V4 lo = __builtin_shufflevector(m8, m8, 0, 1, 2, 3);
+  const V4 hi = __builtin_shufflevector(m8, m8, 4, 5, 6, 7);
+  const V4 m4 = hi > lo ? hi : lo;
+  const float a = m4[0] > m4[2] ? m4[0] : m4[2], b = m4[1] > m4[3] ? m4[1] : m4[3];
+  return a > b ? a : b;
 }
 
 // Asks for the key and value rows at position `at` of a row's table, into L2. A row's
@@ -78,12 +89,12 @@ inline int first_visible(const PagedAttentionJob& job, int pos) {
   return job.window > 0 && pos - job.window + 1 > 0 ? pos - job.window + 1 : 0;
 }
 
-// Lane j of the result: the sum of v[j]'s lanes, for 16 vectors at once. Each level
-// adds the two halves of pairs of vectors, so every addition is a whole vector's (16
-// dot products reduced one by one took a horizontal sum each). Lanes are summed
-// pairwise by halves, as sum_lanes does.
+// Lane j of the result (of sums[j / L], lane j % L): the sum of v[j]'s lanes, for 16
+// vectors at once. Each level adds the two halves of pairs of vectors, so every addition
+// is a whole vector's (16 dot products reduced one by one took a horizontal sum each).
+// Lanes are summed pairwise by halves, as sum_lanes does.
 template <class V>  // F (a template, so only its width's branch is compiled)
-inline K16 lane_sums(const V* v) {
+inline void lane_sums(const V* v, V* sums) {
   if constexpr (sizeof(V) == 64) {
     V u[8], w[4], x[2];
     for (int i = 0; i < 8; ++i) {  // lanes 0-7: v[2i]'s halves, 8-15: v[2i + 1]'s
@@ -104,18 +115,16 @@ inline K16 lane_sums(const V* v) {
              __builtin_shufflevector(w[2 * i], w[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
                                      22, 23, 26, 27, 30, 31);
     }
-    return __builtin_shufflevector(x[0], x[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
-                                   26, 28, 30) +
-           __builtin_shufflevector(x[0], x[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
-                                   29, 31);
+    sums[0] = __builtin_shufflevector(x[0], x[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22,
+                                      24, 26, 28, 30) +
+              __builtin_shufflevector(x[0], x[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
+                                      27, 29, 31);
   } else {  // 8 lanes: two sets of 8 vectors, each to one vector of 8 sums
     static_assert(sizeof(V) == 32, "8 or 16 lanes");
-    typedef float F8 __attribute__((vector_size(32)));
-    F8 half[2];
     for (int set = 0; set < 2; ++set) {
-      F8 u[4], w[2];
+      V u[4], w[2];
       for (int i = 0; i < 4; ++i) {
-        const F8 a = v[8 * set + 2 * i], b = v[8 * set + 2 * i + 1];
+        const V a = v[8 * set + 2 * i], b = v[8 * set + 2 * i + 1];
         u[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
                __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
       }
@@ -123,25 +132,26 @@ inline K16 lane_sums(const V* v) {
         w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
                __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
       }
-      half[set] = __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+      sums[set] = __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14) +
                   __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15);
     }
-    return __builtin_shufflevector(half[0], half[1], 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
-                                   13, 14, 15);
   }
 }
 
 // GB of one token's query heads (from g0 on), key by key (decode). Each key is loaded
 // once for the GB heads; its GB dot products stay vectors until lane_sums, and each
 // value row feeds GB independent sums (one head's sums are a chain of dependent FMAs).
+// (Two keys and two vectors of values at a time, twice the independent chains, measured
+// level: 16 rows x 211 keys x 16 layers 7.1-7.4 against 7.2-7.5 ms, and slower from cache.)
 template <int GB>
 void attend_token_heads(const PagedAttentionJob& job, int n, int h, int g0) {
   const int G = job.H / job.Hkv, D = job.D, bs = job.block_size;
   const int vector_end = D / L * L;
-  K16 lane = {};
-  for (int j = 0; j < kChunk; ++j) {
-    lane[j] = static_cast<float>(j);
+  F lane[kChunkVectors];  // each score lane's key in its chunk
+  for (int c = 0; c < kChunkVectors; ++c) {
+    for (int i = 0; i < L; ++i) lane[c][i] = static_cast<float>(c * L + i);
   }
+  const F minus_inf = F{} - INFINITY;
   alignas(64) F partial[GB][kChunk];  // [head][key]: a dot product's lanes
   alignas(64) float tail[GB][kChunk];  // [head][key]: its elements past the last vector
   alignas(64) float weights[GB][kChunk];
@@ -165,18 +175,27 @@ void attend_token_heads(const PagedAttentionJob& job, int n, int h, int g0) {
     prefetch_position(table, at, head_keys, head_values, bs, D);
   }
   for (int p = first; p <= pos;) {
-    const int in_block = p % bs;
+    const int block = p / bs, in_block = p % bs;
     int count = bs - in_block;
     count = count < pos + 1 - p ? count : pos + 1 - p;
     count = count < kChunk ? count : kChunk;
-    const int64_t slot = static_cast<int64_t>(table[p / bs]) * bs + in_block;
+    const int64_t slot = static_cast<int64_t>(table[block]) * bs + in_block;
     const float* k = head_keys + slot * D;  // `count` consecutive keys of one block
     const float* v = head_values + slot * D;
+    // Key p + j + ahead sits two blocks on at the same offset, for the first `prefetches`
+    // keys of the chunk (the others are past pos): ask for those.
+    int prefetches = pos - ahead - p + 1;
+    prefetches = prefetches < 0 ? 0 : prefetches < count ? prefetches : count;
+    const int64_t ahead_row =
+        prefetches > 0 ? (static_cast<int64_t>(table[block + 2]) * bs + in_block) * D : 0;
     for (int j = 0; j < kChunk; ++j) {
       F dot[GB] = {};
       if (j < count) {
-        if (p + j + ahead <= pos) {
-          prefetch_position(table, p + j + ahead, head_keys, head_values, bs, D);
+        if (j < prefetches) {
+          for (int i = 0; i < D; i += 16) {  // 64-byte lines
+            __builtin_prefetch(head_keys + ahead_row + j * D + i, 0, 1);
+            __builtin_prefetch(head_values + ahead_row + j * D + i, 0, 1);
+          }
         }
         const float* key = k + static_cast<int64_t>(j) * D;
         for (int d = 0; d < vector_end; d += L) {
@@ -189,22 +208,28 @@ void attend_token_heads(const PagedAttentionJob& job, int n, int h, int g0) {
       }
       for (int g = 0; g < GB; ++g) partial[g][j] = dot[g];
     }
-    const K16I is_key = lane < static_cast<float>(count);
     for (int g = 0; g < GB; ++g) {
-      K16 s = lane_sums(partial[g]);
-      if (vector_end < D) {
-        s += load<K16>(tail[g]);
-        memset(tail[g], 0, sizeof tail[g]);
+      F s[kChunkVectors];
+      lane_sums(partial[g], s);
+      F chunk_max = minus_inf;
+      for (int c = 0; c < kChunkVectors; ++c) {
+        if (vector_end < D) s[c] += load<F>(tail[g] + c * L);
+        s[c] = lane[c] < static_cast<float>(count) ? s[c] * job.scale : minus_inf;
+        chunk_max = s[c] > chunk_max ? s[c] : chunk_max;
       }
-      s = is_key ? s * job.scale : K16{} - INFINITY;
-      const float new_max = fmaxf(running_max[g], max_lanes(s));
-      const K16 e = exp_approx<K16, K16I>(s - new_max);
-      const K16 w = is_key ? e : K16{};
+      if (vector_end < D) memset(tail[g], 0, sizeof tail[g]);
+      const float new_max = fmaxf(running_max[g], max_lanes(chunk_max));
+      F weight_sum = {};
+      for (int c = 0; c < kChunkVectors; ++c) {
+        const F e = exp_approx<F, FI>(s[c] - new_max);
+        const F w = lane[c] < static_cast<float>(count) ? e : F{};
+        weight_sum = c == 0 ? w : weight_sum + w;  // lane i + 8 onto lane i, as sum_lanes would
+        store(weights[g] + c * L, w);
+      }
       // The first chunk has nothing to rescale (and -inf - -inf would be NaN).
       keep[g] = running_max[g] == -INFINITY ? 0.0f : expf(running_max[g] - new_max);
       running_max[g] = new_max;
-      total[g] = total[g] * keep[g] + sum_lanes(w);
-      store(weights[g], w);
+      total[g] = total[g] * keep[g] + sum_lanes(weight_sum);
     }
     for (int d = 0; d < vector_end; d += L) {
       F a[GB];
