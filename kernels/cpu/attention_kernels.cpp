@@ -75,13 +75,16 @@ inline float max_lanes(V v) {
 // the next two at every chunk, took a sixth of the kernel's time in prefetch
 // instructions; the trickle made a 16-row decode step of the bench model ~1.5 ms
 // faster, 41-43 -> 39-41 ms.)
-inline void prefetch_position(const int32_t* table, int at, const float* keys,
-                              const float* values, int bs, int D) {
-  const int64_t row = (static_cast<int64_t>(table[at / bs]) * bs + at % bs) * D;
+inline void prefetch_row(const float* keys, const float* values, int64_t row, int D) {
   for (int i = 0; i < D; i += 16) {  // 64-byte lines
     __builtin_prefetch(keys + row + i, 0, 1);
     __builtin_prefetch(values + row + i, 0, 1);
   }
+}
+
+inline void prefetch_position(const int32_t* table, int at, const float* keys,
+                              const float* values, int bs, int D) {
+  prefetch_row(keys, values, (static_cast<int64_t>(table[at / bs]) * bs + at % bs) * D, D);
 }
 
 // The first key a query at `pos` sees.
@@ -182,8 +185,8 @@ void attend_token_heads(const PagedAttentionJob& job, int n, int h, int g0) {
     const int64_t slot = static_cast<int64_t>(table[block]) * bs + in_block;
     const float* k = head_keys + slot * D;  // `count` consecutive keys of one block
     const float* v = head_values + slot * D;
-    // Key p + j + ahead sits two blocks on at the same offset, for the first `prefetches`
-    // keys of the chunk (the others are past pos): ask for those.
+    // Key p + j + ahead (prefetch_position's, without its division) sits two blocks on at
+    // the same offset; the chunk's first `prefetches` keys have one (the rest, past pos).
     int prefetches = pos - ahead - p + 1;
     prefetches = prefetches < 0 ? 0 : prefetches < count ? prefetches : count;
     const int64_t ahead_row =
@@ -192,10 +195,7 @@ void attend_token_heads(const PagedAttentionJob& job, int n, int h, int g0) {
       F dot[GB] = {};
       if (j < count) {
         if (j < prefetches) {
-          for (int i = 0; i < D; i += 16) {  // 64-byte lines
-            __builtin_prefetch(head_keys + ahead_row + j * D + i, 0, 1);
-            __builtin_prefetch(head_values + ahead_row + j * D + i, 0, 1);
-          }
+          prefetch_row(head_keys, head_values, ahead_row + static_cast<int64_t>(j) * D, D);
         }
         const float* key = k + static_cast<int64_t>(j) * D;
         for (int d = 0; d < vector_end; d += L) {
