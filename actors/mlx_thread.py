@@ -41,10 +41,8 @@ class MlxThread:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.ident: int | None = None
-        self._lock = threading.Lock()
-        self._jobs_in_flight = 0  # queued or running
-        self._idle = threading.Event()
-        self._idle.set()
+        self._jobs_in_flight = 0  # queued or running, under _idle
+        self._idle = threading.Condition()
 
     def start(self) -> None:
         self._thread.start()
@@ -81,9 +79,8 @@ class MlxThread:
                 except Exception:
                     log.exception("MLX thread follow-up failed", fn=getattr(then, "__name__", "?"))
 
-        with self._lock:
+        with self._idle:
             self._jobs_in_flight += 1
-            self._idle.clear()
         self._jobs.put(job)
         if abandon_on_cancel:
             await done.wait()
@@ -95,11 +92,12 @@ class MlxThread:
     @property
     def is_busy(self) -> bool:
         """A call is queued or running."""
-        return not self._idle.is_set()
+        return self._jobs_in_flight > 0
 
     def wait_until_idle(self, timeout: float | None = None) -> bool:
         """Block until no call is queued or running (or `timeout` seconds pass)."""
-        return self._idle.wait(timeout)
+        with self._idle:
+            return self._idle.wait_for(lambda: self._jobs_in_flight == 0, timeout)
 
     def _loop(self) -> None:
         while True:
@@ -107,10 +105,10 @@ class MlxThread:
             try:
                 job()
             finally:
-                with self._lock:
+                with self._idle:
                     self._jobs_in_flight -= 1
                     if self._jobs_in_flight == 0:
-                        self._idle.set()
+                        self._idle.notify_all()
 
 
 _shared: MlxThread | None = None
