@@ -1,5 +1,7 @@
 """The request parser's own messages, without a server (HTTP cases: test_http.py)."""
 
+from runtime.errors import CadenceError, CapacityError
+
 import pytest
 
 from actors.openai_requests import ApiError, parse_chat, parse_json
@@ -53,3 +55,11 @@ def test_an_unknown_stream_option_is_refused_naming_it_and_openais_are_accepted(
     with pytest.raises(ApiError) as raised:
         parse_chat({**stream, "stream_options": {"include_obfuscation": "no"}})
     assert raised.value.param == "stream_options.include_obfuscation"
+
+
+@pytest.mark.parametrize("error", [CadenceError("engine broke"), CapacityError("pool too small")])
+def test_an_error_with_no_mapping_of_its_own_is_a_500_that_keeps_its_message(error):
+    api_error = ApiError.from_error(error)
+    assert api_error.status == 500
+    assert api_error.body()["error"]["message"] == str(error)
+    assert api_error.body()["error"]["type"] == "server_error"

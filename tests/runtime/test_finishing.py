@@ -28,6 +28,9 @@ def test_repetition_loop_detector():
     assert not is_repetition_loop(list(range(40)), 16)
     assert not is_repetition_loop([1, 2, 3, 4, 5] * 10, 16)  # period 5 > 16 // 4
     assert not is_repetition_loop([7] * 10, 16)  # not enough tokens yet
+    # The smallest window allows period 1 only: one token over and over.
+    assert is_repetition_loop([7] * 5, 4)
+    assert not is_repetition_loop([7, 8] * 4, 4)
 
 
 def test_openai_reasons():
