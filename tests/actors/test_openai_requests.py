@@ -4,7 +4,7 @@ from runtime.errors import CadenceError, CapacityError
 
 import pytest
 
-from actors.openai_requests import ApiError, parse_chat, parse_json
+from actors.openai_requests import ApiError, parse_chat, parse_completion, parse_json
 
 
 @pytest.mark.parametrize(
@@ -63,3 +63,12 @@ def test_an_error_with_no_mapping_of_its_own_is_a_500_that_keeps_its_message(err
     assert api_error.status == 500
     assert api_error.body()["error"]["message"] == str(error)
     assert api_error.body()["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize("name", ["tools", "tool_choice", "functions", "function_call"])
+def test_tool_fields_on_a_completion_are_refused_as_chat_only(name):
+    value = "auto" if name in ("tool_choice", "function_call") else []
+    with pytest.raises(ApiError) as caught:
+        parse_completion({"model": "m", "prompt": "x", name: value})
+    assert caught.value.status == 400 and caught.value.param == name
+    assert caught.value.message == f"'{name}' applies to chat only"

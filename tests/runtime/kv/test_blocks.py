@@ -2,7 +2,9 @@
 
 from runtime.errors import CapacityError
 from runtime.kv.blocks import BlockPool, chain_hashes
+from runtime.kv.layout import NULL_BLOCK, KVLayout
 
+import attrs
 import hypothesis.strategies as st
 import pytest
 from hypothesis import settings
@@ -55,7 +57,9 @@ class PoolMachine(RuleBasedStateMachine):
         """What admission does with a prefix hit."""
         hashes = list(self.pool.by_hash)
         if hashes:
-            picked = data.draw(st.lists(st.sampled_from(hashes), min_size=1, max_size=3, unique=True))
+            picked = data.draw(
+                st.lists(st.sampled_from(hashes), min_size=1, max_size=3, unique=True)
+            )
             hits = self.pool.match_prefix(picked)
             self.pool.take_cached(hits, len(picked))
             self.holders.append(hits)
@@ -154,3 +158,20 @@ def test_the_hit_rate_is_the_share_of_looked_up_blocks_found_cached():
     hits = pool.match_prefix([b"a", b"b", b"c", b"d"])
     pool.take_cached(hits, 4)
     assert hits == [a] and pool.hit_rate == 0.25
+
+
+def test_publishing_skips_a_windowed_block_already_given_back():
+    """With lookahead a window can move past a block before the step that computed it is
+    reported done; its table entry is NULL_BLOCK then, which is no block to cache."""
+    full_and_windowed = KVLayout.for_layers(2, (None, 4))
+    layout = attrs.evolve(full_and_windowed, group_num_blocks=(8, 8))
+    pool = BlockPool(8, 4, layout=layout)
+    tables = pool.new_tables()
+    pool.grow_tables(tables, 3)  # positions 0..11 in both groups
+    pool.release_out_of_window(tables, 12)  # a query at 12 reads 9..12: block 2 only
+    assert tables[1][:2] == [NULL_BLOCK, NULL_BLOCK] and tables[1][2] != NULL_BLOCK
+    for index, block_hash in enumerate((b"h0", b"h1", b"h2")):
+        pool.publish_tables(tables, index, block_hash)
+    assert pool.by_hash == {b"h0": tables[0][0], b"h1": tables[0][1], b"h2": tables[0][2]}
+    assert pool.group_pools[1].by_hash == {b"h2": tables[1][2]}
+    pool.check()  # every group's pool
