@@ -175,3 +175,21 @@ def test_publishing_skips_a_windowed_block_already_given_back():
     assert pool.by_hash == {b"h0": tables[0][0], b"h1": tables[0][1], b"h2": tables[0][2]}
     assert pool.group_pools[1].by_hash == {b"h2": tables[1][2]}
     pool.check()  # every group's pool
+
+
+def test_a_prefix_is_a_hit_only_where_every_group_still_caches_its_window():
+    full_and_windowed = KVLayout.for_layers(2, (None, 4))
+    layout = attrs.evolve(full_and_windowed, group_num_blocks=(8, 2))
+    pool = BlockPool(8, 4, layout=layout)
+    hashes = chain_hashes(list(range(8)), 4, b"")
+    tables = pool.new_tables()
+    pool.grow_tables(tables, 2)
+    for index, block_hash in enumerate(hashes):
+        pool.publish_tables(tables, index, block_hash)
+    pool.release_tables(tables)
+    assert pool.match_tables(hashes[:1]) == [[tables[0][0]], [tables[1][0]]]
+    windowed = pool.group_pools[1]
+    windowed.allocate()  # evicts the windowed copy of block 0, the least recently released
+    assert pool.match_tables(hashes[:1]) == [[], []]  # group 0 alone cannot serve it
+    # Two blocks: a query at 8 reads 5..8, block 1 only, which the windowed pool still has.
+    assert pool.match_tables(hashes) == [tables[0][:2], [NULL_BLOCK, tables[1][1]]]
