@@ -181,6 +181,20 @@ def test_full_blocks_are_published_once_computed_and_a_later_prompt_hits_them():
     assert p.pool.refcount[p.running["a"].blocks[0]] == 2
 
 
+def test_admission_counts_only_the_blocks_a_cache_hit_does_not_already_hold():
+    p = policy(max_batch=3, num_blocks=10, block_size=4)
+    p.add("long", params(4, max_tokens=100, first=500))
+    p.add("a", params(16, max_tokens=1))
+    done(p, p.schedule())  # a's four full blocks are cached and free; long holds two
+    assert "a" not in p.running and len(p.pool.cached) == 4
+    # c needs 6 blocks. Its 4 hits are cached blocks it takes as they are, leaving 4 of
+    # the 8 free or cached ones; it needs 2 of those (and long 1 to grow): it fits.
+    p.add("c", params(20))
+    plan = p.schedule()
+    assert plan.opens == (("c", params(20), 16),) and "long" in p.running
+    assert spans(plan)[-1] == ("c", 16, 4)
+
+
 def test_a_failed_rows_blocks_are_never_offered_to_the_cache():
     p = policy(block_size=4)
     p.add("a", params(10, max_tokens=4))
