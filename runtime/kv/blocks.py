@@ -128,6 +128,9 @@ class BlockPool:
         """Hold the blocks a prefix lookup found (counted in the hit rate)."""
         self.num_lookup_blocks += num_looked_up
         self.num_hit_blocks += len(blocks)
+        self._hold(blocks)
+
+    def _hold(self, blocks: Iterable[int]) -> None:
         for block in blocks:
             if self.refcount[block] == 0:
                 del self.cached[block]
@@ -237,10 +240,15 @@ class BlockPool:
         return self.num_evictable(tables[0])
 
     def take_cached_tables(self, tables: Sequence[Sequence[int]], num_looked_up: int) -> None:
-        """Hold what `match_tables` found; the hit rate counts prompt blocks, not groups."""
-        self.take_cached(tables[0], num_looked_up)
-        for pool, table in zip(self.group_pools[1:], tables[1:], strict=True):
-            pool.take_cached([b for b in table if b != NULL_BLOCK], 0)
+        """Hold what `match_tables` found; the hit rate counts prompt blocks, not groups.
+
+        Any group's table may start with NULL_BLOCK entries, group 0's too when every
+        layer slides: those prompt blocks count as hits (their tokens are not computed
+        again), but there is no block to hold."""
+        self.num_lookup_blocks += num_looked_up
+        self.num_hit_blocks += len(tables[0])
+        for pool, table in zip(self.group_pools, tables, strict=True):
+            pool._hold(b for b in table if b != NULL_BLOCK)
 
     def num_growable(
         self, tables: Sequence[Sequence[int]], next_position: int, keep_windowed_free: int = 0

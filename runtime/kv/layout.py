@@ -98,6 +98,9 @@ class KVLayout:
 
     def max_row_tokens(self, num_blocks: int, block_size: int) -> int:
         """The longest row group 0's `num_blocks` blocks hold."""
-        if self.group_windows[0] is not None:  # every layer windowed: rows stop growing
+        # Every layer windowed: a row stops growing once it holds its window and the next
+        # token, unless the pool is smaller than that (a tiny --kv-budget); it would stall
+        # there, so it ends when it fills the pool, as a full group's row does.
+        if self.group_windows[0] is not None and num_blocks >= self.row_blocks(0, 1 << 40, block_size, 1):
             return 1 << 40
         return num_blocks * block_size

@@ -122,6 +122,42 @@ def test_a_prefix_cache_hit_past_the_window_keeps_parity(checkpoint, engine):
     assert list(warm.tokens) == mlx_lm_greedy(checkpoint, again, 24)
 
 
+def test_a_prefix_hit_past_the_window_when_every_layer_slides(make_checkpoint):
+    """No full group: the first group's own table starts with NULL_BLOCK entries. (mlx-lm
+    cannot load such a Gemma 3, so the oracle is a cold run without the cache.)"""
+    every_layer_slides = make_checkpoint(
+        "gemma3_text", num_layers=2, num_kv_heads=1, sliding_window=WINDOW, sliding_window_pattern=4
+    )
+    engine = Engine(load_model(every_layer_slides), max_batch=2, block_size=BLOCK, kv_budget=1 << 22)
+    assert engine.kv.layout.group_windows == (WINDOW,)
+    policy = policy_for(engine)
+    run_offline(engine, policy, {"a": params(LONG_PROMPT, 4)})
+    again = LONG_PROMPT + [77, 78]
+    warm = run_offline(engine, policy, {"b": params(again, 24)})["b"]
+    cold = run_offline(engine, policy_for(engine, caching=False), {"c": params(again, 24)})["c"]
+    assert warm.num_cached_tokens == 28 > WINDOW and cold.num_cached_tokens == 0
+    assert list(warm.tokens) == list(cold.tokens)
+    assert len(set(cold.tokens)) > 4, "the test model should not be degenerate"
+    policy.pool.check()
+    assert policy.pool.num_used_blocks == 0
+
+
+def test_when_every_layer_slides_a_pool_smaller_than_a_window_bounds_the_context(make_checkpoint):
+    """A row past the pool would wait forever for a block: it is refused up front."""
+    every_layer_slides = make_checkpoint(
+        "gemma3_text", num_layers=2, num_kv_heads=1, sliding_window=WINDOW, sliding_window_pattern=4
+    )
+    engine = Engine(load_model(every_layer_slides), max_batch=2, block_size=BLOCK, kv_budget=1)
+    assert engine.kv.num_blocks == 1 and engine.max_context == BLOCK
+    requests = {"fits": params(PROMPT[:2], 2), "outgrows": params(PROMPT[:2], 8)}
+    got = run_offline(engine, policy_for(engine), requests)
+    assert len(got["fits"].tokens) == 2
+    assert got["outgrows"].error == (
+        "the KV budget holds 4 tokens in all (--kv-budget); the prompt has 2 tokens "
+        "and max_tokens asks for 8 more"
+    )
+
+
 def test_a_hit_needs_the_windowed_blocks_too(engine):
     """Full-group blocks cached but the window's blocks evicted: not a hit that far."""
     pool = policy_for(engine).pool

@@ -193,3 +193,23 @@ def test_a_prefix_is_a_hit_only_where_every_group_still_caches_its_window():
     assert pool.match_tables(hashes[:1]) == [[], []]  # group 0 alone cannot serve it
     # Two blocks: a query at 8 reads 5..8, block 1 only, which the windowed pool still has.
     assert pool.match_tables(hashes) == [tables[0][:2], [NULL_BLOCK, tables[1][1]]]
+
+
+def test_a_hit_in_a_pool_whose_every_layer_slides_holds_only_the_windows_blocks():
+    """With no full group, group 0's own table starts with NULL_BLOCK entries."""
+    pool = BlockPool(8, 4, layout=KVLayout.for_layers(1, (4,)))
+    hashes = chain_hashes(list(range(12)), 4, b"")
+    tables = pool.new_tables()
+    pool.grow_tables(tables, 3)
+    for index, block_hash in enumerate(hashes):
+        pool.publish_tables(tables, index, block_hash)
+    pool.release_tables(tables)
+    hits = pool.match_tables(hashes)
+    assert hits == [[NULL_BLOCK, NULL_BLOCK, tables[0][2]]]  # a query at 12 reads 9..12
+    pool.take_cached_tables(hits, 3)
+    pool.check()
+    assert pool.refcount[tables[0][2]] == 1 and pool.num_used_blocks == 1
+    assert pool.hit_rate == 1.0  # the whole prefix is skipped, window or not
+    pool.release_tables(hits)
+    pool.check()
+    assert pool.num_used_blocks == 0

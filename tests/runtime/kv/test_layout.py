@@ -28,7 +28,11 @@ def test_a_windowed_group_holds_the_window_and_a_chunk_at_most():
     # A query at position 600 reads keys 89..600: block 5 (80-95) on.
     assert layout.first_needed_block(1, 600, 16) == 5 and layout.first_needed_block(0, 600, 16) == 0
     assert layout.max_row_tokens(10, 16) == 160
-    assert KVLayout.for_layers(2, (4, 4)).max_row_tokens(10, 16) > 10**9  # rows stop growing
+    every_layer_slides = KVLayout.for_layers(2, (4, 4))
+    assert every_layer_slides.max_row_tokens(2, 16) > 10**9  # rows stop growing
+    # A query reads 4 keys, in 2 blocks when they straddle a block's edge: a pool of one
+    # block cannot hold a row past 16 tokens.
+    assert every_layer_slides.max_row_tokens(1, 16) == 16
 
 
 def test_a_rows_windowed_blocks_go_back_to_their_own_pool():
