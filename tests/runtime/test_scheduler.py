@@ -526,3 +526,49 @@ def test_a_windowed_rows_reservation_covers_its_window_and_the_solo_span():
     p.add("a", params(40))
     p.add("b", params(40, first=100))
     assert [o[0] for o in p.schedule().opens] == ["a"]  # 7 blocks each: b waits for a
+
+
+@pytest.mark.parametrize("windows", [(None,), (None, 4), (4,), (8, 4)], ids=str)
+def test_random_workloads_finish_with_the_pool_intact_in_every_layout(windows):
+    """Tight pools (each at least one row's window), shared prefixes, priorities, aborts,
+    and two steps in flight: every request finishes or is aborted, none waits forever.
+    (4,) and (8, 4) slide on every layer: group 0 is windowed too."""
+    rng = random.Random(11)
+    for _ in range(150):
+        block_size, max_batch = rng.choice([2, 4]), rng.randrange(1, 5)
+        chunk = rng.randrange(1, 10)
+        base = KVLayout.for_layers(len(windows), windows)
+        # Group 0 from the budget, but a windowed one at least a row's window (layout.py's
+        # max_row_tokens); the others hold max_batch rows' windows and a chunk, as PagedKV
+        # sizes them (for chunks of SIZING_CHUNK: a block or more past a decoding row's).
+        sizing_chunk = chunk + block_size
+        row_blocks = [base.row_blocks(g, 1 << 40, block_size, sizing_chunk) for g in range(base.num_groups)]
+        sizes = [rng.randrange(2, 24)] + [max_batch * n for n in row_blocks[1:]]
+        if base.group_windows[0] is not None:
+            sizes[0] = max(sizes[0], base.row_blocks(0, 1 << 40, block_size, 1))
+        layout = KVLayout(base.group_windows, base.group_layers, base.group_of_layer, tuple(sizes))
+        pool = BlockPool(sizes[0], block_size, layout=layout, is_caching=rng.random() < 0.8)
+        max_context = layout.max_row_tokens(sizes[0], block_size)
+        p = FcfsScheduler(max_batch, pool, max_context, chunk, max(max_batch, 12), 0)
+        shared = [rng.randrange(100) for _ in range(rng.randrange(12))]
+        for i in range(8):
+            prompt = shared * (rng.random() < 0.5)
+            prompt += [rng.randrange(100) for _ in range(rng.randrange(1, 16))]
+            # The engine refuses a request past the context (runtime/sequence.py).
+            max_tokens = min(rng.randrange(1, 20), max_context - len(prompt))
+            if max_tokens > 0:
+                p.add(f"r{i}", SequenceParams(tuple(prompt), max_tokens, priority=rng.randrange(2)))
+        queued = []
+        for _ in range(2000):
+            if p.running and rng.random() < 0.02:
+                p.abort(rng.choice(list(p.running)))
+            plan = p.schedule() if len(queued) < 2 else None
+            queued += [plan] if plan is not None else []
+            if not queued:
+                break
+            if plan is None or rng.random() < 0.5:
+                oldest = queued.pop(0)
+                done(p, oldest, tokens={s.request_id: rng.randrange(100) for s in oldest.spans})
+                pool.check()
+        assert not p.has_work and not queued
+        assert pool.num_used_blocks == 0
