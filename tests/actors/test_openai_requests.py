@@ -72,3 +72,16 @@ def test_tool_fields_on_a_completion_are_refused_as_chat_only(name):
         parse_completion({"model": "m", "prompt": "x", name: value})
     assert caught.value.status == 400 and caught.value.param == name
     assert caught.value.message == f"'{name}' applies to chat only"
+
+
+@pytest.mark.parametrize("prompt", [[1, "x"], [1, True], [1, 2.0], [[1, 2], [3]], ["a", "b"]])
+def test_a_completion_prompt_list_is_one_string_or_token_ids_only(prompt):
+    with pytest.raises(ApiError) as caught:
+        parse_completion({"model": "m", "prompt": prompt})
+    assert caught.value.status == 400 and caught.value.param == "prompt"
+    assert "a list of token ids" in caught.value.message
+
+
+@pytest.mark.parametrize(("prompt", "tokens"), [([5, 6, 7], (5, 6, 7)), ([[5, 6]], (5, 6))])
+def test_a_completion_prompt_of_token_ids_or_a_batch_of_one_is_read(prompt, tokens):
+    assert parse_completion({"model": "m", "prompt": prompt}).request.prompt == tokens
