@@ -52,6 +52,14 @@ def test_a_logit_bias_outside_the_vocabulary_is_refused(token):
 def test_an_empty_prompt_and_a_max_tokens_below_one_are_refused():
     assert refusal(prompt=[]).param == "prompt"
     assert refusal(max_tokens=0).param == "max_tokens"
+    assert str(refusal(max_tokens=-3)) == "'max_tokens' must be at least 1"
+    check(max_tokens=1)
+
+
+def test_a_token_id_refusal_names_the_vocabularys_range():
+    assert str(refusal(prompt=[VOCAB])) == f"token ids in 'prompt' must be in 0..{VOCAB - 1}"
+    said = str(refusal(logit_bias=[(-1, 1.0)]))
+    assert said == f"logit_bias keys must be token ids in 0..{VOCAB - 1}"
 
 
 @pytest.mark.parametrize(
