@@ -85,3 +85,12 @@ def test_a_completion_prompt_list_is_one_string_or_token_ids_only(prompt):
 @pytest.mark.parametrize(("prompt", "tokens"), [([5, 6, 7], (5, 6, 7)), ([[5, 6]], (5, 6))])
 def test_a_completion_prompt_of_token_ids_or_a_batch_of_one_is_read(prompt, tokens):
     assert parse_completion({"model": "m", "prompt": prompt}).request.prompt == tokens
+
+
+@pytest.mark.parametrize("prompt", [None, "absent"])
+def test_a_completion_without_a_prompt_is_refused_naming_it(prompt):
+    body = {"model": "m"} if prompt == "absent" else {"model": "m", "prompt": prompt}
+    with pytest.raises(ApiError) as caught:
+        parse_completion(body)
+    assert (caught.value.status, caught.value.param) == (400, "prompt")
+    assert caught.value.message == "'prompt' is required"
