@@ -124,13 +124,8 @@ class BlockPool:
         """How many of `blocks` are cached-free (taking them lowers `num_free_blocks`)."""
         return sum(1 for b in blocks if b in self.cached)
 
-    def take_cached(self, blocks: Sequence[int], num_looked_up: int) -> None:
-        """Hold the blocks a prefix lookup found (counted in the hit rate)."""
-        self.num_lookup_blocks += num_looked_up
-        self.num_hit_blocks += len(blocks)
-        self._hold(blocks)
-
     def _hold(self, blocks: Iterable[int]) -> None:
+        """Take a hold on each of `blocks`, which may be cached-free (a prefix hit)."""
         for block in blocks:
             if self.refcount[block] == 0:
                 del self.cached[block]

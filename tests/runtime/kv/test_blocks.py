@@ -61,7 +61,7 @@ class PoolMachine(RuleBasedStateMachine):
                 st.lists(st.sampled_from(hashes), min_size=1, max_size=3, unique=True)
             )
             hits = self.pool.match_prefix(picked)
-            self.pool.take_cached(hits, len(picked))
+            self.pool.take_cached_tables([hits], len(picked))
             self.holders.append(hits)
 
     @precondition(lambda self: self.holders)
@@ -156,7 +156,7 @@ def test_the_hit_rate_is_the_share_of_looked_up_blocks_found_cached():
     pool.publish(a, b"a")
     pool.release([a])
     hits = pool.match_prefix([b"a", b"b", b"c", b"d"])
-    pool.take_cached(hits, 4)
+    pool.take_cached_tables([hits], 4)
     assert hits == [a] and pool.hit_rate == 0.25
 
 
