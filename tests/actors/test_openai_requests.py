@@ -1,10 +1,12 @@
 """The request parser's own messages, without a server (HTTP cases: test_http.py)."""
 
 from runtime.errors import CadenceError, CapacityError
+from runtime.sequence import SamplingParams
 
 import pytest
 
 from actors.openai_requests import ApiError, parse_chat, parse_completion, parse_json
+from actors.requests import GenerateRequest
 
 
 @pytest.mark.parametrize(
@@ -94,3 +96,15 @@ def test_a_completion_without_a_prompt_is_refused_naming_it(prompt):
         parse_completion(body)
     assert (caught.value.status, caught.value.param) == (400, "prompt")
     assert caught.value.message == "'prompt' is required"
+
+
+def test_a_minimal_chat_body_reads_as_the_defaults_an_empty_request_has():
+    """Every field left out is what GenerateRequest and SamplingParams default to (an unset
+    temperature is 0, as mlx-lm's server: README), so a request that names them at those
+    values ranks and samples the same."""
+    parsed = parse_chat(CHAT)
+    assert parsed.request == GenerateRequest(messages=parsed.request.messages)
+    assert parsed.request.sampling == SamplingParams(temperature=0.0)
+    assert (parsed.n, parsed.parallel_tool_calls, parsed.include_usage) == (1, True, False)
+    explicit = parse_chat({**CHAT, "priority": 0, "n": 1, "temperature": 0, "top_p": 1.0})
+    assert explicit.request == parsed.request
