@@ -530,22 +530,22 @@ def test_a_windowed_rows_reservation_covers_its_window_and_the_solo_span():
 
 @pytest.mark.parametrize("windows", [(None,), (None, 4), (4,), (8, 4)], ids=str)
 def test_random_workloads_finish_with_the_pool_intact_in_every_layout(windows):
-    """Tight pools (each at least one row's window), shared prefixes, priorities, aborts,
-    and two steps in flight: every request finishes or is aborted, none waits forever.
-    (4,) and (8, 4) slide on every layer: group 0 is windowed too."""
+    """Tight pools, shared prefixes, priorities, aborts and two steps in flight: every
+    request finishes or is aborted, none waits forever. (4,) and (8, 4) slide on every
+    layer: group 0 is windowed too, and may be smaller than one row's window."""
     rng = random.Random(11)
     for _ in range(150):
         block_size, max_batch = rng.choice([2, 4]), rng.randrange(1, 5)
         chunk = rng.randrange(1, 10)
         base = KVLayout.for_layers(len(windows), windows)
-        # Group 0 from the budget, but a windowed one at least a row's window (layout.py's
-        # max_row_tokens); the others hold max_batch rows' windows and a chunk, as PagedKV
-        # sizes them (for chunks of SIZING_CHUNK: a block or more past a decoding row's).
+        # Group 0 from the budget, the context bounded by it as the engine bounds it; the
+        # others hold max_batch rows' windows and a chunk, as PagedKV sizes them (for
+        # chunks of SIZING_CHUNK: a block or more past a decoding row's window).
         sizing_chunk = chunk + block_size
-        row_blocks = [base.row_blocks(g, 1 << 40, block_size, sizing_chunk) for g in range(base.num_groups)]
-        sizes = [rng.randrange(2, 24)] + [max_batch * n for n in row_blocks[1:]]
-        if base.group_windows[0] is not None:
-            sizes[0] = max(sizes[0], base.row_blocks(0, 1 << 40, block_size, 1))
+        sizes = [rng.randrange(2, 24)] + [
+            max_batch * base.row_blocks(g, 1 << 40, block_size, sizing_chunk)
+            for g in range(1, base.num_groups)
+        ]
         layout = KVLayout(base.group_windows, base.group_layers, base.group_of_layer, tuple(sizes))
         pool = BlockPool(sizes[0], block_size, layout=layout, is_caching=rng.random() < 0.8)
         max_context = layout.max_row_tokens(sizes[0], block_size)
