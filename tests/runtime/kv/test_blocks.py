@@ -177,16 +177,22 @@ def test_publishing_skips_a_windowed_block_already_given_back():
     pool.check()  # every group's pool
 
 
+def cached_and_released(pool: BlockPool, hashes: list[bytes]) -> list[list[int]]:
+    """The tables of a row of len(hashes) full blocks that published them all and left."""
+    tables = pool.new_tables()
+    pool.grow_tables(tables, len(hashes))
+    for index, block_hash in enumerate(hashes):
+        pool.publish_tables(tables, index, block_hash)
+    pool.release_tables(tables)
+    return tables
+
+
 def test_a_prefix_is_a_hit_only_where_every_group_still_caches_its_window():
     full_and_windowed = KVLayout.for_layers(2, (None, 4))
     layout = attrs.evolve(full_and_windowed, group_num_blocks=(8, 2))
     pool = BlockPool(8, 4, layout=layout)
     hashes = chain_hashes(list(range(8)), 4, b"")
-    tables = pool.new_tables()
-    pool.grow_tables(tables, 2)
-    for index, block_hash in enumerate(hashes):
-        pool.publish_tables(tables, index, block_hash)
-    pool.release_tables(tables)
+    tables = cached_and_released(pool, hashes)
     assert pool.match_tables(hashes[:1]) == [[tables[0][0]], [tables[1][0]]]
     windowed = pool.group_pools[1]
     windowed.allocate()  # evicts the windowed copy of block 0, the least recently released
@@ -199,11 +205,7 @@ def test_a_hit_in_a_pool_whose_every_layer_slides_holds_only_the_windows_blocks(
     """With no full group, group 0's own table starts with NULL_BLOCK entries."""
     pool = BlockPool(8, 4, layout=KVLayout.for_layers(1, (4,)))
     hashes = chain_hashes(list(range(12)), 4, b"")
-    tables = pool.new_tables()
-    pool.grow_tables(tables, 3)
-    for index, block_hash in enumerate(hashes):
-        pool.publish_tables(tables, index, block_hash)
-    pool.release_tables(tables)
+    tables = cached_and_released(pool, hashes)
     hits = pool.match_tables(hashes)
     assert hits == [[NULL_BLOCK, NULL_BLOCK, tables[0][2]]]  # a query at 12 reads 9..12
     pool.take_cached_tables(hits, 3)
