@@ -122,12 +122,17 @@ def test_a_prefix_cache_hit_past_the_window_keeps_parity(checkpoint, engine):
     assert list(warm.tokens) == mlx_lm_greedy(checkpoint, again, 24)
 
 
-def test_a_prefix_hit_past_the_window_when_every_layer_slides(make_checkpoint):
-    """No full group: the first group's own table starts with NULL_BLOCK entries. (mlx-lm
-    cannot load such a Gemma 3, so the oracle is a cold run without the cache.)"""
-    every_layer_slides = make_checkpoint(
+@pytest.fixture(scope="module")
+def every_layer_slides(make_checkpoint):
+    """2 layers, the pattern's global layer past them: one group, windowed."""
+    return make_checkpoint(
         "gemma3_text", num_layers=2, num_kv_heads=1, sliding_window=WINDOW, sliding_window_pattern=4
     )
+
+
+def test_a_prefix_hit_past_the_window_when_every_layer_slides(every_layer_slides):
+    """No full group: the first group's own table starts with NULL_BLOCK entries. (mlx-lm
+    cannot load such a Gemma 3, so the oracle is a cold run without the cache.)"""
     engine = Engine(load_model(every_layer_slides), max_batch=2, block_size=BLOCK, kv_budget=1 << 22)
     assert engine.kv.layout.group_windows == (WINDOW,)
     policy = policy_for(engine)
@@ -142,11 +147,10 @@ def test_a_prefix_hit_past_the_window_when_every_layer_slides(make_checkpoint):
     assert policy.pool.num_used_blocks == 0
 
 
-def test_when_every_layer_slides_a_pool_smaller_than_a_window_bounds_the_context(make_checkpoint):
+def test_when_every_layer_slides_a_pool_smaller_than_a_window_bounds_the_context(
+    every_layer_slides,
+):
     """A row past the pool would wait forever for a block: it is refused up front."""
-    every_layer_slides = make_checkpoint(
-        "gemma3_text", num_layers=2, num_kv_heads=1, sliding_window=WINDOW, sliding_window_pattern=4
-    )
     engine = Engine(load_model(every_layer_slides), max_batch=2, block_size=BLOCK, kv_budget=1)
     assert engine.kv.num_blocks == 1 and engine.max_context == BLOCK
     requests = {"fits": params(PROMPT[:2], 2), "outgrows": params(PROMPT[:2], 8)}
