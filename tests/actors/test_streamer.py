@@ -1,0 +1,91 @@
+"""The streamer on its own: Track and StepResult in, replies and aborts out, and no
+stream kept once its request has ended (a long-lived server would grow without bound)."""
+
+from runtime.runner import RowResult
+from runtime.sequence import FinishCause
+
+import trio
+
+from actors.messages import Abort, Failed, Finished, StepResult, TextDelta, Track
+from actors.metrics import Metrics
+from actors.streamer import Streamer
+
+
+async def streamed(demo_tokenizer, requests, steps):
+    """Run a streamer over `requests` ({id: stop strings}) and `steps` (lists of
+    (id, token, finish)); returns (each reply channel's messages, the aborts sent, the
+    streamer). A request whose stop list is None has its reader gone before any step."""
+    to_streamer, inbox = trio.open_memory_channel(16)
+    to_scheduler, from_streamer = trio.open_memory_channel(16)
+    streamer = Streamer(demo_tokenizer, inbox, to_scheduler, Metrics("m"))
+    readers = {}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(streamer.run)
+        async with to_streamer:
+            for request_id, stop in requests.items():
+                reply, readers[request_id] = trio.open_memory_channel(64)
+                await to_streamer.send(Track(request_id, reply, tuple(stop or ()), 3, 0.0))
+                if stop is None:
+                    readers.pop(request_id).close()
+            for number, rows in enumerate(steps):
+                await to_streamer.send(StepResult(number, tuple(RowResult(*row) for row in rows)))
+    replies = {request_id: drained(reader) for request_id, reader in readers.items()}
+    return replies, drained(from_streamer), streamer
+
+
+def drained(channel):
+    """Everything left in a channel its sender closed."""
+    messages = []
+    while True:
+        try:
+            messages.append(channel.receive_nowait())
+        except trio.EndOfChannel:
+            return messages
+
+
+async def test_a_finished_request_is_streamed_then_forgotten(demo_tokenizer):
+    hello = demo_tokenizer.encode(" hello world", add_special_tokens=False)
+    steps = [[("a", hello[0], None)]] + [[("a", t, None)] for t in hello[1:-1]]
+    steps.append([("a", hello[-1], FinishCause.LENGTH)])
+    replies, aborts, streamer = await streamed(demo_tokenizer, {"a": ()}, steps)
+    *deltas, end = replies["a"]
+    assert all(isinstance(d, TextDelta) for d in deltas) and isinstance(end, Finished)
+    assert "".join(d.text for d in deltas) + end.text == " hello world"
+    assert end.cause is FinishCause.LENGTH and end.usage.completion_tokens == len(hello)
+    assert aborts == [] and streamer.streams == {}
+
+
+async def test_a_stop_string_finishes_the_request_and_asks_the_scheduler_to_close_it(
+    demo_tokenizer,
+):
+    tokens = demo_tokenizer.encode(" hello world", add_special_tokens=False)
+    steps = [[("a", t, None)] for t in tokens]
+    replies, aborts, streamer = await streamed(demo_tokenizer, {"a": ("world",)}, steps)
+    end = replies["a"][-1]
+    assert isinstance(end, Finished) and end.cause is FinishCause.STOP_SEQUENCE
+    assert "".join(getattr(m, "text", "") for m in replies["a"]) == " hello "
+    assert aborts == [Abort("a", "stop_sequence")] and streamer.streams == {}
+
+
+async def test_a_reader_that_left_is_aborted_once_and_forgotten_while_others_go_on(
+    demo_tokenizer,
+):
+    tokens = demo_tokenizer.encode(" hello world", add_special_tokens=False)
+    steps = [[("gone", t, None), ("here", t, None)] for t in tokens]
+    steps.append([("here", tokens[0], FinishCause.LENGTH)])
+    replies, aborts, streamer = await streamed(
+        demo_tokenizer, {"gone": None, "here": ()}, steps
+    )
+    assert aborts == [Abort("gone", "disconnected")]
+    assert isinstance(replies["here"][-1], Finished) and streamer.streams == {}
+
+
+async def test_a_failed_row_fails_its_request_alone(demo_tokenizer):
+    hello = demo_tokenizer.encode(" hello", add_special_tokens=False)
+    steps = [[("bad", None, FinishCause.ERROR, "boom"), ("ok", hello[0], None)]]
+    steps += [[("ok", t, None)] for t in hello[1:-1]] + [[("ok", hello[-1], FinishCause.LENGTH)]]
+    replies, aborts, streamer = await streamed(demo_tokenizer, {"bad": (), "ok": ()}, steps)
+    assert replies["bad"] == [Failed("bad", "boom")]
+    assert isinstance(replies["ok"][-1], Finished)
+    assert "".join(m.text for m in replies["ok"]) == " hello"
+    assert aborts == [] and streamer.streams == {}
