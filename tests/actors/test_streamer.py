@@ -6,14 +6,23 @@ from runtime.sequence import FinishCause
 
 import trio
 
-from actors.messages import Abort, Failed, Finished, StepResult, TextDelta, Track
+from actors.messages import (
+    MAX_QUEUED_DELTAS,
+    REPLY_BUFFER,
+    Abort,
+    Failed,
+    Finished,
+    StepResult,
+    TextDelta,
+    Track,
+)
 from actors.metrics import Metrics
 from actors.streamer import Streamer
 
 
-async def streamed(demo_tokenizer, requests, steps):
+async def streamed(demo_tokenizer, requests, steps, reply_capacity=64, released=()):
     """Run a streamer over `requests` ({id: stop strings}) and `steps` (lists of
-    (id, token, finish)); returns (each reply channel's messages, the aborts sent, the
+    (id, token, finish)), then a step releasing `released`; returns (each reply channel's messages, the aborts sent, the
     streamer). A request whose stop list is None has its reader gone before any step."""
     to_streamer, inbox = trio.open_memory_channel(16)
     to_scheduler, from_streamer = trio.open_memory_channel(16)
@@ -23,12 +32,14 @@ async def streamed(demo_tokenizer, requests, steps):
         await nursery.start(streamer.run)
         async with to_streamer:
             for request_id, stop in requests.items():
-                reply, readers[request_id] = trio.open_memory_channel(64)
+                reply, readers[request_id] = trio.open_memory_channel(reply_capacity)
                 await to_streamer.send(Track(request_id, reply, tuple(stop or ()), 3, 0.0))
                 if stop is None:
                     readers.pop(request_id).close()
             for number, rows in enumerate(steps):
                 await to_streamer.send(StepResult(number, tuple(RowResult(*row) for row in rows)))
+            if released:
+                await to_streamer.send(StepResult(len(steps), released=released))
     replies = {request_id: drained(reader) for request_id, reader in readers.items()}
     return replies, drained(from_streamer), streamer
 
@@ -89,3 +100,27 @@ async def test_a_failed_row_fails_its_request_alone(demo_tokenizer):
     assert isinstance(replies["ok"][-1], Finished)
     assert "".join(m.text for m in replies["ok"]) == " hello"
     assert aborts == [] and streamer.streams == {}
+
+
+async def test_an_aborted_request_is_told_so_and_forgotten(demo_tokenizer):
+    token = demo_tokenizer.encode(" hello", add_special_tokens=False)[0]
+    steps = [[("a", token, None), ("b", token, None)]]
+    replies, aborts, streamer = await streamed(
+        demo_tokenizer, {"a": (), "b": ()}, steps, released=("a",)
+    )
+    assert replies["a"][-1] == Failed("a", "the request was aborted")
+    # b was still running when the inbox closed: the service stopped under it.
+    assert replies["b"][-1] == Failed("b", "the service stopped")
+    assert aborts == [] and streamer.streams == {}
+
+
+async def test_a_reader_that_falls_behind_gets_the_held_back_text_coalesced(demo_tokenizer):
+    """Never more than MAX_QUEUED_DELTAS deltas wait in its channel; the rest of the text
+    waits in the streamer and leaves with the final message, nothing lost or doubled."""
+    tokens = demo_tokenizer.encode(" hello world" * 4, add_special_tokens=False)
+    steps = [[("a", t, None)] for t in tokens[:-1]] + [[("a", tokens[-1], FinishCause.LENGTH)]]
+    replies, _, streamer = await streamed(demo_tokenizer, {"a": ()}, steps, REPLY_BUFFER)
+    *deltas, end = replies["a"]
+    assert len(deltas) == MAX_QUEUED_DELTAS < len(tokens) and isinstance(end, Finished)
+    assert "".join(d.text for d in deltas) + end.text == " hello world" * 4
+    assert streamer.streams == {}
