@@ -22,8 +22,9 @@ from actors.streamer import Streamer
 
 async def streamed(demo_tokenizer, requests, steps, reply_capacity=64, released=()):
     """Run a streamer over `requests` ({id: stop strings}) and `steps` (lists of
-    (id, token, finish)), then a step releasing `released`; returns (each reply channel's messages, the aborts sent, the
-    streamer). A request whose stop list is None has its reader gone before any step."""
+    (id, token, finish)), then a step releasing `released`; returns (each reply channel's
+    messages, the aborts sent, the streamer). A request whose stop list is None has its
+    reader gone before any step."""
     to_streamer, inbox = trio.open_memory_channel(16)
     to_scheduler, from_streamer = trio.open_memory_channel(16)
     streamer = Streamer(demo_tokenizer, inbox, to_scheduler, Metrics("m"))
@@ -44,6 +45,11 @@ async def streamed(demo_tokenizer, requests, steps, reply_capacity=64, released=
     return replies, drained(from_streamer), streamer
 
 
+def one_by_one(request_id, tokens, finish=FinishCause.LENGTH):
+    """A step per token of one request, the last finishing it with `finish`."""
+    return [[(request_id, t, None)] for t in tokens[:-1]] + [[(request_id, tokens[-1], finish)]]
+
+
 def drained(channel):
     """Everything left in a channel its sender closed."""
     messages = []
@@ -56,9 +62,7 @@ def drained(channel):
 
 async def test_a_finished_request_is_streamed_then_forgotten(demo_tokenizer):
     hello = demo_tokenizer.encode(" hello world", add_special_tokens=False)
-    steps = [[("a", hello[0], None)]] + [[("a", t, None)] for t in hello[1:-1]]
-    steps.append([("a", hello[-1], FinishCause.LENGTH)])
-    replies, aborts, streamer = await streamed(demo_tokenizer, {"a": ()}, steps)
+    replies, aborts, streamer = await streamed(demo_tokenizer, {"a": ()}, one_by_one("a", hello))
     *deltas, end = replies["a"]
     assert all(isinstance(d, TextDelta) for d in deltas) and isinstance(end, Finished)
     assert "".join(d.text for d in deltas) + end.text == " hello world"
@@ -70,7 +74,7 @@ async def test_a_stop_string_finishes_the_request_and_asks_the_scheduler_to_clos
     demo_tokenizer,
 ):
     tokens = demo_tokenizer.encode(" hello world", add_special_tokens=False)
-    steps = [[("a", t, None)] for t in tokens]
+    steps = one_by_one("a", tokens, finish=None)
     replies, aborts, streamer = await streamed(demo_tokenizer, {"a": ("world",)}, steps)
     end = replies["a"][-1]
     assert isinstance(end, Finished) and end.cause is FinishCause.STOP_SEQUENCE
@@ -93,8 +97,8 @@ async def test_a_reader_that_left_is_aborted_once_and_forgotten_while_others_go_
 
 async def test_a_failed_row_fails_its_request_alone(demo_tokenizer):
     hello = demo_tokenizer.encode(" hello", add_special_tokens=False)
-    steps = [[("bad", None, FinishCause.ERROR, "boom"), ("ok", hello[0], None)]]
-    steps += [[("ok", t, None)] for t in hello[1:-1]] + [[("ok", hello[-1], FinishCause.LENGTH)]]
+    steps = one_by_one("ok", hello)
+    steps[0].append(("bad", None, FinishCause.ERROR, "boom"))
     replies, aborts, streamer = await streamed(demo_tokenizer, {"bad": (), "ok": ()}, steps)
     assert replies["bad"] == [Failed("bad", "boom")]
     assert isinstance(replies["ok"][-1], Finished)
@@ -118,7 +122,7 @@ async def test_a_reader_that_falls_behind_gets_the_held_back_text_coalesced(demo
     """Never more than MAX_QUEUED_DELTAS deltas wait in its channel; the rest of the text
     waits in the streamer and leaves with the final message, nothing lost or doubled."""
     tokens = demo_tokenizer.encode(" hello world" * 4, add_special_tokens=False)
-    steps = [[("a", t, None)] for t in tokens[:-1]] + [[("a", tokens[-1], FinishCause.LENGTH)]]
+    steps = one_by_one("a", tokens)
     replies, _, streamer = await streamed(demo_tokenizer, {"a": ()}, steps, REPLY_BUFFER)
     *deltas, end = replies["a"]
     assert len(deltas) == MAX_QUEUED_DELTAS < len(tokens) and isinstance(end, Finished)
