@@ -82,6 +82,20 @@ async def test_a_stop_string_finishes_the_request_and_asks_the_scheduler_to_clos
     assert aborts == [Abort("a", "stop_sequence")] and streamer.streams == {}
 
 
+async def test_a_stop_string_completed_by_the_final_flush_wins_over_length(demo_tokenizer):
+    # " caf" then the first byte of "é" alone: the detokenizer holds that byte back until
+    # the row ends, and only its flush ("\ufffd") completes the stop string.
+    tokens = demo_tokenizer.encode(" caf", add_special_tokens=False)
+    tokens.append(demo_tokenizer.encode("é", add_special_tokens=False)[0])
+    assert demo_tokenizer.decode(tokens) == " caf\ufffd"  # the fixture still splits é
+    steps = one_by_one("a", tokens)
+    replies, aborts, _ = await streamed(demo_tokenizer, {"a": ("f\ufffd",)}, steps)
+    end = replies["a"][-1]
+    assert isinstance(end, Finished) and end.cause is FinishCause.STOP_SEQUENCE
+    assert "".join(getattr(m, "text", "") for m in replies["a"]) == " ca"
+    assert aborts == []  # the engine closed the row already (length)
+
+
 async def test_a_reader_that_left_is_aborted_once_and_forgotten_while_others_go_on(
     demo_tokenizer,
 ):
