@@ -83,6 +83,10 @@ class Admission:
             bound.info("rejected", error=str(error))
             _reply_and_close(admit, Rejected(admit.request_id, error))
             return
+        if admit.reply.statistics().open_receive_channels == 0:  # the caller left meanwhile
+            self.waiting_slots.release()
+            bound.info("abandoned", stage="admission")
+            return
         num_prompt_tokens = len(params.prompt_tokens)
         # Track before Submit: the streamer must know the request before its first token.
         await self.to_streamer.send(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -33,10 +34,14 @@ import outcome
 import trio
 
 from actors.generation import Generation
-from actors.requests import Delta, ServiceClosedError, Usage
+from actors.requests import Delta, GenerationError, OverloadedError, ServiceClosedError, Usage
 from actors.service import LLM, EngineStats, open_llm
 
 _Result = outcome.Outcome[Any]
+
+
+def _stopped() -> _Result:
+    return outcome.Error(ServiceClosedError("the service has stopped"))
 
 
 @contextlib.asynccontextmanager
@@ -180,19 +185,23 @@ class AsyncioLLM:
     def _read_stats(self, done: asyncio.Future[_Result]) -> None:
         assert self._llm is not None
         if not self._spawn(self._deliver, done, self._llm.engine_stats):
-            self._hand_back(done, outcome.Error(ServiceClosedError("the service has stopped")))
+            self._hand_back(done, _stopped())
 
     async def _deliver(
-        self, done: asyncio.Future[_Result], async_fn: Callable[[], Awaitable[Any]]
+        self,
+        done: asyncio.Future[_Result],
+        async_fn: Callable[[], Awaitable[Any]],
+        if_cancelled: Callable[[], _Result] = _stopped,
     ) -> _Result:
-        """Await `async_fn()` and hand its outcome to `done`; cancelled: ServiceClosedError."""
-        result: _Result = outcome.Error(ServiceClosedError("the service has stopped"))
+        """Await `async_fn()` and hand its outcome to `done`; cancelled: `if_cancelled()`,
+        by default ServiceClosedError."""
+        result: _Result | None = None
         try:
             result = outcome.Value(await async_fn())
         except Exception as error:  # trio.Cancelled is not one: it propagates
             result = outcome.Error(error)
         finally:
-            self._hand_back(done, result)
+            self._hand_back(done, if_cancelled() if result is None else result)
         return result
 
     def _hand_back(self, done: asyncio.Future[_Result], result: _Result) -> None:
@@ -227,6 +236,7 @@ class _Pump:
         self._is_keeping = False  # the service has drained: the answer is being kept
         self.kept: collections.deque[_Result] = collections.deque()  # read once finished
         self._late_reads: list[_Read] = []  # asked for while it was being kept
+        self._is_closed = False  # by its reader's side: aclose(), a break, cancellation
 
     def start(self, read: _Read) -> None:
         if self._llm._spawn(self._run):
@@ -249,10 +259,10 @@ class _Pump:
             busy = RuntimeError("another task is already reading this generation")
             self._llm._hand_back(read.done, outcome.Error(busy))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            stopped = ServiceClosedError("the service has stopped")
-            self._llm._hand_back(read.done, outcome.Error(stopped))
+            self._llm._hand_back(read.done, _stopped())
 
     def close(self, done: asyncio.Future[_Result] | None = None) -> None:
+        self._is_closed = True
         self._scope.cancel()
         if done is None:
             return
@@ -275,7 +285,9 @@ class _Pump:
             with self._scope:
                 async for read in self._reads:
                     step = self._start if read.is_start else self.generation.__anext__
-                    if isinstance(await self._llm._deliver(read.done, step), outcome.Error):
+                    cut_short = functools.partial(self._cut_short, read)
+                    result = await self._llm._deliver(read.done, step, cut_short)
+                    if _ends_it(result):
                         break  # finished, refused or failed: the generation is done
                 if self._is_keeping:
                     await self._keep_rest()
@@ -289,6 +301,16 @@ class _Pump:
             for done in self._on_finished:
                 self._llm._hand_back(done, outcome.Value(None))
 
+    def _cut_short(self, read: _Read) -> _Result:
+        """What a read it does not take gets: closed from the asyncio side (another task
+        of its reader's), what the Trio Generation's reader gets then; else the service
+        stopped."""
+        if not self._is_closed:
+            return _stopped()
+        if read.is_start:
+            return outcome.Error(GenerationError("the request was closed before it started"))
+        return outcome.Error(StopAsyncIteration())
+
     async def _keep_rest(self) -> None:
         """Read the answer out to its end; all of it is in the channel: nothing waits."""
         while True:
@@ -299,9 +321,9 @@ class _Pump:
                 return
 
     def answer_from_kept(self, read: _Read) -> _Result:
-        """A read it does not take: the next of what is kept, or ServiceClosedError."""
+        """A read it does not take: the next of what is kept, or cut short."""
         if not self.kept:
-            return outcome.Error(ServiceClosedError("the service has stopped"))
+            return self._cut_short(read)
         if read.is_start:  # it has started: what start() returns
             return outcome.Value(self.generation.num_prompt_tokens)
         return self.kept.popleft()
@@ -351,6 +373,8 @@ class AsyncioGeneration:
 
     async def start(self) -> int:
         """Admit the request (`Generation.start`); returns its prompt length in tokens."""
+        if self._is_done:  # finished, refused, failed or closed
+            raise RuntimeError("a Generation starts once")
         return await self._read(is_start=True) or 0
 
     def __aiter__(self) -> AsyncioGeneration:
@@ -422,9 +446,15 @@ class AsyncioGeneration:
                 with contextlib.suppress(ServiceClosedError):
                     self._llm._call_soon(self._pump.close)
             raise
-        if isinstance(result, outcome.Error):
+        if _ends_it(result):
             self._is_done = True
         return result.unwrap()
+
+
+def _ends_it(result: _Result) -> bool:
+    """An error ends a generation, but for a full queue: that one refuses before the
+    request is queued, and a retry may be admitted, as under Trio."""
+    return isinstance(result, outcome.Error) and not isinstance(result.error, OverloadedError)
 
 
 def _sole(error: BaseException) -> BaseException:

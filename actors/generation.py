@@ -34,6 +34,10 @@ if TYPE_CHECKING:
     from actors.service import LLM
 
 
+class _ClosedByCaller(Exception):
+    """The reader's channel was closed under it by aclose() from another task."""
+
+
 class _State(enum.Enum):
     NEW = "new"
     ADMITTING = "admitting"  # queued in admission: its reply channel is the only link
@@ -82,10 +86,13 @@ class Generation:
             self.submit()
         elif self._state is not _State.ADMITTING:
             raise RuntimeError("a Generation starts once")
-        reply = await self._receive()
-        while isinstance(reply, TextDelta):  # text overtook Accepted (sent after the Submit),
-            self._stash.append(reply)  # which is on its way: it still tells the prompt length
+        try:
             reply = await self._receive()
+            while isinstance(reply, TextDelta):  # text overtook Accepted (sent after the
+                self._stash.append(reply)  # Submit), which is on its way: it tells the length
+                reply = await self._receive()
+        except _ClosedByCaller:
+            raise GenerationError("the request was closed before it started") from None
         match reply:
             case Accepted(_, num_prompt_tokens):
                 self.num_prompt_tokens = num_prompt_tokens
@@ -118,10 +125,13 @@ class Generation:
             self._is_reading = False
 
     async def _next(self) -> Delta:
-        if self._state is _State.NEW:
+        if self._state in (_State.NEW, _State.ADMITTING):  # ADMITTING: submit() alone
             await self.start()
         while self._state is not _State.DONE:
-            message = self._stash.popleft() if self._stash else await self._receive()
+            try:
+                message = self._stash.popleft() if self._stash else await self._receive()
+            except _ClosedByCaller:  # aclose() from another task: a stop button
+                break
             match message:
                 case TextDelta(_, text, logprobs):
                     return Delta(text, logprobs=logprobs)
@@ -140,9 +150,11 @@ class Generation:
 
     async def aclose(self, cause: str = "cancelled") -> None:
         """Abort the request unless it already finished; safe to call more than once."""
-        was_streaming = self._state is _State.STREAMING
+        is_scheduled = self._state is _State.STREAMING or (
+            self._state is _State.ADMITTING and self._is_submitted_unread()
+        )
         self._done()
-        if was_streaming:  # the row may be running: free it within a step
+        if is_scheduled:  # the row may be running, or waiting: free it within a step
             with (
                 trio.CancelScope(shield=True),
                 contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
@@ -170,9 +182,26 @@ class Generation:
         except trio.EndOfChannel:
             self._done()
             raise GenerationError("the service stopped") from None
+        except trio.ClosedResourceError:  # our own end, closed by aclose() in another task
+            raise _ClosedByCaller from None
         except BaseException:
             await self.aclose()  # cancelled while waiting: the caller is gone
             raise
+
+    def _is_submitted_unread(self) -> bool:
+        """Whether the scheduler has the request though start() has not seen it yet.
+
+        Admission replies Accepted only after it sent the Submit; a caller that leaves
+        before that reply is queued is aborted by admission, which finds the channel
+        closed. A reply already queued (Accepted, or text that overtook it) is ours to
+        abort, else the request held a waiting slot and was computed for nobody.
+        """
+        assert self._replies is not None
+        if self._stash:
+            return True
+        with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel):
+            return not isinstance(self._replies.receive_nowait(), Rejected)
+        return False
 
     def _done(self) -> None:
         if self._state in (_State.NEW, _State.DONE):

@@ -260,12 +260,11 @@ async def run_actors(
         llm = await _start_actors(nursery, thread, loaded, engine, policy, max_waiting, lookahead)
         try:
             yield llm
+            await llm.drain(drain_timeout)
         except BaseException as error:  # stop the actors, then re-raise it unwrapped
-            body_error = error
+            body_error = error  # (the block's, or a Ctrl-C or cancellation while draining)
             llm.is_draining = True
             nursery.cancel_scope.cancel()
-        else:
-            await llm.drain(drain_timeout)
     if body_error is not None:
         raise body_error
 
@@ -358,6 +357,7 @@ class LLM:
         self._idle = trio.Event()
         self._idle.set()
         self._is_closed = False
+        self._is_aborting_all = False  # AbortAll sent: once is enough
 
     def generate(
         self,
@@ -423,19 +423,33 @@ class LLM:
 
     async def drain(self, timeout: float | None = None) -> None:
         """Refuse new requests, let running ones finish (abort them after `timeout`), stop."""
+        if timeout is not None and not timeout >= 0:  # NaN too
+            raise ValueError(f"drain timeout must be None or seconds >= 0, got {timeout!r}")
         if self._is_closed:
             return
         self._is_closed = self.is_draining = True
-        with trio.move_on_after(math.inf if timeout is None else timeout):
-            await self._until_idle_or_answered()
-        if self.num_active and not self._is_all_answered():
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                await self._to_scheduler.send(AbortAll("shutdown"))
-            # Readers see the abort at once; one that never reads must not hold us up.
-            with trio.move_on_after(1.0):
-                await self._idle.wait()
-        await self._to_admission.aclose()  # the close cascades down the pipeline
-        await self._to_scheduler.aclose()
+        try:
+            with trio.move_on_after(math.inf if timeout is None else timeout):
+                await self._until_idle_or_answered()
+            if self.num_active and not self._is_all_answered():
+                await self._abort_all()
+                # Readers see the abort at once; one that never reads must not hold us up.
+                with trio.move_on_after(1.0):
+                    await self._idle.wait()
+        except BaseException:  # cancelled by the caller's own deadline, or a Ctrl-C
+            with trio.CancelScope(shield=True):
+                await self._abort_all()
+            raise
+        finally:  # closed whatever happened: the close cascades down the pipeline,
+            self._to_admission.close()  # and open_llm's exit, finding us closed, waits on it
+            self._to_scheduler.close()
+
+    async def _abort_all(self) -> None:
+        if self._is_aborting_all:
+            return
+        self._is_aborting_all = True
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self._to_scheduler.send(AbortAll("shutdown"))  # it fits: see _start_actors
 
     # -- for Generation ------------------------------------------------------------------
 

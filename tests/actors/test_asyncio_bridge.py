@@ -16,7 +16,7 @@ import trio
 import actors
 from actors.asyncio_bridge import _sole
 from actors.mlx_thread import shared_mlx_thread
-from actors.requests import GenerationError, ServiceClosedError
+from actors.requests import GenerationError, OverloadedError, ServiceClosedError
 
 PROMPTS = ["The quick brown fox", "def main():", "Hello", "1, 2, 3, 4"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,7 +109,8 @@ def test_a_second_reader_is_refused_and_the_first_reads_on(tiny):
 
 def test_a_first_read_queued_when_its_generation_closes_is_answered(tiny):
     """The first read waits in the pump's channel until the pump task runs; a close
-    (or a stop) before that dropped it with the channel, and its reader waited forever."""
+    (or a stop) before that dropped it with the channel, and its reader waited forever.
+    Closed by its own program, it ends as a Trio Generation's read does then."""
 
     async def main():
         async with actors.open_llm_asyncio(tiny) as llm:
@@ -123,7 +124,7 @@ def test_a_first_read_queued_when_its_generation_closes_is_answered(tiny):
             trio_is_free.set()  # ... and run together, before the pump task starts
             await close
             async with asyncio.timeout(5):
-                with pytest.raises(ServiceClosedError):
+                with pytest.raises(StopAsyncIteration):
                     await read
             await wait_for_no_open_rows(llm)
 
@@ -167,6 +168,66 @@ def test_start_returns_the_prompt_length_and_a_finished_stream_stays_finished(ti
     num_prompt_tokens, generation, deltas, again = asyncio.run(main())
     assert num_prompt_tokens == 3 == generation.num_prompt_tokens
     assert deltas[-1].finish_reason == "length" and again == []
+
+
+def test_a_generation_closed_by_another_task_ends_its_readers_stream(tiny):
+    """A stop button: the reader got ServiceClosedError, though the service ran on."""
+
+    async def main():
+        async with actors.open_llm_asyncio(tiny) as llm:
+            generation, _ = await started_long_stream(llm)
+
+            async def read_on():
+                return len([d async for d in generation])
+
+            reader = asyncio.create_task(read_on())
+            await asyncio.sleep(0.1)
+            await generation.aclose()
+            async with asyncio.timeout(5):
+                num_read = await reader
+            await wait_for_no_open_rows(llm)
+            return num_read, generation.finish_reason, await complete(llm, "hi", max_tokens=2)
+
+    num_read, finish_reason, after = asyncio.run(main())
+    assert num_read < 899 and finish_reason is None and after
+
+
+def test_a_start_refused_for_a_full_queue_can_be_retried_as_under_trio(tiny):
+    """The bridge ended the generation on any error: iterating it after an
+    OverloadedError yielded nothing, with no error and no finish_reason."""
+
+    async def main():
+        async with actors.open_llm_asyncio(tiny, max_batch=1, max_waiting=1) as llm:
+            running, _ = await started_long_stream(llm)  # it holds the only row
+            queued = llm.generate("hi", max_tokens=3, ignore_eos=True)
+            await queued.start()  # it holds the only waiting slot
+            refused = llm.generate("hi", max_tokens=3, ignore_eos=True)
+            with pytest.raises(OverloadedError):
+                await refused.start()
+            await running.aclose()
+            await queued.aclose()
+            async with asyncio.timeout(10):
+                while True:  # the slot comes back once the scheduler takes the abort
+                    with contextlib.suppress(OverloadedError):
+                        await refused.start()
+                        break
+                    await asyncio.sleep(0.01)
+                deltas = [d async for d in refused]
+            return deltas, refused.finish_reason
+
+    deltas, finish_reason = asyncio.run(main())
+    assert len(deltas) == 3 and finish_reason == "length"
+
+
+def test_starting_a_finished_generation_is_refused_as_under_trio(tiny):
+    async def main():
+        async with actors.open_llm_asyncio(tiny) as llm:
+            generation = llm.generate("hi", max_tokens=2, ignore_eos=True)
+            assert len([d async for d in generation]) == 2
+            with pytest.raises(RuntimeError, match="starts once"):
+                await generation.start()  # was ServiceClosedError, the service running
+
+    asyncio.run(main())
 
 
 def test_errors_keep_their_types(tiny):

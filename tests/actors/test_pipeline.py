@@ -1,5 +1,7 @@
 """The actors' protocol on trio's virtual clock, around a pure-Python engine (see conftest.py)."""
 
+import threading
+
 from runtime.errors import RequestError
 from runtime.kv.blocks import BlockPool
 from runtime.scheduler import FcfsScheduler
@@ -328,6 +330,148 @@ async def test_a_caller_gone_before_admission_answered_returns_its_reservation(
         await extra.start()  # the slot came back
         await extra.aclose()
     assert engine.submits_with(gone.request_id) == []
+
+
+@pytest.mark.parametrize("leave", ["aclose", "cancelled start"])
+async def test_a_caller_gone_after_admission_answered_unread_is_aborted(
+    pipeline, autojump_clock, leave
+):
+    """Admission had queued Accepted, so it saw no closed channel: the Generation must
+    send the Abort, else the request held its waiting slot (others were refused) and
+    was computed for nobody once a row freed."""
+    async with pipeline(max_batch=1, max_waiting=1, max_context=10_000) as (llm, engine):
+        async with llm.generate([1], max_tokens=5000) as running:
+            await running.__anext__()  # it holds the only row
+            gone = llm.generate([2], max_tokens=5)
+            gone.submit()
+            await wait_for(lambda: gone._replies.statistics().current_buffer_used)  # Accepted
+            if leave == "aclose":
+                await gone.aclose()
+            else:
+                with trio.move_on_after(0):  # a deadline already past
+                    await gone.start()
+            await wait_for(lambda: llm.num_waiting == 0)
+            extra = llm.generate([3], max_tokens=5)
+            await extra.start()  # the slot came back
+            await extra.aclose()
+        await trio.sleep(1)  # the row is free: nothing left to run the request
+    assert engine.submits_with(gone.request_id) == []
+
+
+async def test_a_generation_closed_by_another_task_ends_its_readers_stream(
+    pipeline, autojump_clock
+):
+    """A stop button: the reader's loop ends (it got trio.ClosedResourceError), and the
+    row is aborted."""
+    async with pipeline(max_context=100_000) as (llm, engine):
+        generation = llm.generate([1, 2, 3], max_tokens=50_000)
+        await generation.start()
+        num_read = 0
+
+        async def read():
+            nonlocal num_read
+            async for _ in generation:
+                num_read += 1
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await wait_for(lambda: num_read >= 3)
+            await generation.aclose()
+        await wait_for(lambda: engine.num_open == 0)
+    assert generation.finish_reason is None and 3 <= num_read < 100
+
+
+async def test_a_generation_closed_by_another_task_while_it_starts_says_so(
+    pipeline, monkeypatch
+):
+    async with pipeline() as (llm, engine):
+        tokenizer, prepared = llm._admission.tokenizer, threading.Event()
+        encode = tokenizer.encode
+
+        def slow_encode(*args, **kwargs):  # admission is still at it when the request closes
+            prepared.wait(10)
+            return encode(*args, **kwargs)
+
+        monkeypatch.setattr(tokenizer, "encode", slow_encode)
+        starting, errors = llm.generate("hi", max_tokens=5), []
+
+        async def start():
+            try:
+                await starting.start()
+            except GenerationError as error:
+                errors.append(str(error))
+
+        with trio.fail_after(20):  # real seconds: admission runs in a thread
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(start)
+                await wait_for(lambda: llm.num_waiting == 1)
+                await starting.aclose()
+            prepared.set()
+            await wait_for(lambda: llm.num_waiting == 0)  # admission aborted it: slot back
+    assert errors == ["the request was closed before it started"]
+    assert engine.submits_with(starting.request_id) == []
+
+
+async def test_iterating_a_submitted_generation_starts_it(pipeline, autojump_clock):
+    """submit() then `async for`, without start(): the refusal was lost (the reader got
+    "the service stopped"), and a streaming one was never aborted by aclose()."""
+    async with pipeline(max_context=16) as (llm, engine):
+        refused = llm.generate(list(range(1, 40)), max_tokens=4)  # longer than the context
+        refused.submit()
+        with pytest.raises(RequestError, match="maximum context length"):
+            async for _ in refused:
+                pass
+        running = llm.generate([1, 2, 3], max_tokens=12)
+        running.submit()
+        async for _ in running:
+            break
+        await running.aclose()
+        await wait_for(lambda: engine.num_open == 0)
+        assert len(engine.submits_with(running.request_id)) < 12
+
+
+async def test_a_drain_cut_short_by_the_callers_deadline_still_lets_the_block_end(pipeline):
+    """drain() marked the service closed before it waited: cancelled, it left the
+    channels open, and the block's own drain, finding it closed, waited on the actors
+    forever."""
+    with trio.fail_after(20):  # real seconds: admission runs in a thread
+        async with pipeline(max_context=100_000) as (llm, engine):
+            generation = llm.generate([1, 2, 3], max_tokens=50_000)  # ~500 s of steps
+            await generation.start()
+            with trio.move_on_after(0.2):
+                await llm.drain()
+            assert llm.is_draining
+    with pytest.raises(GenerationError, match="aborted"):  # cut short: aborted at once
+        async for _ in generation:
+            pass
+    assert engine.num_open == 0
+
+
+@pytest.mark.parametrize("timeout", [-1, float("nan")])
+async def test_a_drain_timeout_that_is_no_duration_is_refused_and_changes_nothing(
+    pipeline, timeout
+):
+    with trio.fail_after(20):  # real seconds: admission runs in a thread
+        async with pipeline() as (llm, engine):
+            with pytest.raises(ValueError, match="drain timeout"):
+                await llm.drain(timeout)
+            assert not llm.is_draining
+            assert len(await collect(llm.generate([1], max_tokens=3))) == 3
+
+
+async def test_a_ctrl_c_while_the_block_drains_comes_out_bare(pipeline, monkeypatch):
+    """It came out as a BaseExceptionGroup around the KeyboardInterrupt, which an
+    `except KeyboardInterrupt` around the block missed."""
+
+    async def interrupted_wait():
+        await trio.sleep(0.1)
+        raise KeyboardInterrupt
+
+    with trio.fail_after(20), pytest.raises(KeyboardInterrupt):
+        async with pipeline(max_context=100_000) as (llm, engine):
+            generation = llm.generate([1, 2, 3], max_tokens=50_000)
+            await generation.start()
+            monkeypatch.setattr(llm, "_until_idle_or_answered", interrupted_wait)
 
 
 async def test_an_unexpected_error_preparing_a_prompt_is_a_request_error_for_it_only(
