@@ -198,6 +198,31 @@ class PagedStep:
         return self._head_rows(self._slots(self.row_of_token, self.positions))
 
     @functools.cached_property
+    def write_rows_and_tails(self) -> tuple[mx.array, int]:
+        """(flat pool rows [Hkv * (N + M)], M): `write_rows`, then, per KV head, the M
+        slots past each row's end in a block the row first writes in this step.
+
+        A freed block keeps its last owner's K/V. The mlx paths read the masked slots
+        of a row's last block (the fast one reads whole blocks), and a score of -inf
+        times a stale NaN or inf is NaN: one request's overflow failed the next ones to
+        get its blocks. Zeroed as the block is opened, they hold nothing stale.
+        """
+        rows, positions = [], []
+        for r, (start, n) in enumerate(zip(self.starts, self.num_new, strict=True)):
+            end = start + n
+            opened = (end - 1) // self.block_size * self.block_size  # its last block's first slot
+            if end % self.block_size and opened >= start:
+                tail = np.arange(end, opened + self.block_size)
+                rows.append(np.full(len(tail), r))
+                positions.append(tail)
+        if not rows:
+            return self.write_rows, 0
+        row_index = mx.array(np.concatenate(rows), dtype=mx.int32)
+        slots = self._slots(row_index, mx.array(np.concatenate(positions), dtype=mx.int32))
+        written = self._slots(self.row_of_token, self.positions)
+        return self._head_rows(mx.concatenate([written, slots])), len(row_index)
+
+    @functools.cached_property
     def row_of_token(self) -> mx.array:
         """[N] int32: each new token's row (its index into `tables`)."""
         return mx.array(np.repeat(np.arange(len(self.starts)), self.num_new), dtype=mx.int32)
@@ -259,8 +284,13 @@ def paged_attention(
         )
         return out
     D = k.shape[-1]
-    keys[layer][step.write_rows] = k.transpose(1, 0, 2).reshape(-1, D)  # [Hkv * N, D]
-    values[layer][step.write_rows] = v.transpose(1, 0, 2).reshape(-1, D)
+    rows, num_tails = step.write_rows_and_tails  # the tails take zeros: see there
+    k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [Hkv, N, D]
+    if num_tails:
+        zeros = mx.zeros((k.shape[0], num_tails, D), dtype=k.dtype)
+        k, v = mx.concatenate([k, zeros], axis=1), mx.concatenate([v, zeros], axis=1)
+    keys[layer][rows] = k.reshape(-1, D)  # head-major, as `rows`
+    values[layer][rows] = v.reshape(-1, D)
     plan = step.fast if path == "fast" else step.gather
     return plan.attend(keys[layer], values[layer], q, scale)
 

@@ -201,8 +201,11 @@ class FastPlan:
         singles = [r for r, n in enumerate(step.num_new) if n == 1]
         multis = [r for r, n in enumerate(step.num_new) if n > 1]
         self.groups: list[_BlockGroup | _CopyGroup] = []
+        # mlx's CPU gather_mm takes float32 only: a half-precision pool's decode rows
+        # are copied out instead (every step of theirs failed at 512 rows x keys).
+        in_place = _BlockGroup if step.is_float32 or mx.default_device() != mx.cpu else _CopyGroup
         if singles:
-            self.groups.append(_BlockGroup(step, singles, [token_lo[r] for r in singles]))
+            self.groups.append(in_place(step, singles, [token_lo[r] for r in singles]))
         if multis:
             self.groups.append(_CopyGroup(step, multis, [token_lo[r] for r in multis]))
         # Where each token's output sits in the groups' outputs laid end to end.

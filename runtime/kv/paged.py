@@ -145,10 +145,16 @@ class PagedKV:
         width = max(len(r.blocks) for r in rows)
         arrays = []
         for group in range(self.layout.num_groups):
-            table = np.zeros((len(rows), width), dtype=np.int32)  # pads point at block 0, masked
+            # A pad, masked, repeats the row's last block: the fast path reads whole
+            # blocks, and a block of another row's (block 0 was) may hold its overflow's
+            # NaN, which a masked score times does not drop.
+            table = np.empty((len(rows), width), dtype=np.int32)
             for i, row in enumerate(rows):
-                table[i, : len(row.blocks)] = row.tables[group]
-            arrays.append(mx.array(np.where(table == NULL_BLOCK, 0, table)))  # out of window: unread
+                blocks = row.tables[group]
+                table[i, : len(blocks)] = blocks
+                table[i, len(blocks) :] = blocks[-1]
+            last = table[:, -1:]  # out of the window, unread: any block held will do
+            arrays.append(mx.array(np.where(table == NULL_BLOCK, last, table)))
         self.num_table_builds += 1
         self._tables = (key, arrays)
         return arrays

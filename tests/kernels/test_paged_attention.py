@@ -68,6 +68,15 @@ def run(path, step, keys, values, q, k, v):
     return out, pools
 
 
+def without_fresh_tails(pool, step):
+    """The pool with the slots the mlx paths zero (see PagedStep.write_rows_and_tails) zeroed."""
+    rows, num_tails = step.write_rows_and_tails
+    pool = np.array(pool)
+    tails = np.array(rows).reshape(step.num_kv_heads, -1)[:, -num_tails:] if num_tails else []
+    pool[np.ravel(tails).astype(np.int64)] = 0
+    return pool
+
+
 SHAPES = {
     "decode, ragged": ([5, 17, 0, 30], [1, 1, 1, 1]),
     "mixed": ([9, 0, 22, 3], [1, 13, 1, 6]),
@@ -88,7 +97,8 @@ def test_each_path_matches_gather_from_the_same_pool_state(shape, group, path):
     out, pools = run(path, step, keys, values, q, k, v)
     gather, gather_pools = run("gather", step, keys, values, q, k, v)
     assert mx.allclose(out, gather, atol=1e-5, rtol=1e-5).item()
-    assert mx.array_equal(pools[0][0], gather_pools[0][0]).item()
+    # The native kernel reads no masked slot: it leaves fresh tails as they were.
+    assert np.array_equal(*(without_fresh_tails(p[0][0], step) for p in (pools, gather_pools)))
     assert before == pa.dispatch_counts[path]  # run() forces paths; dispatch() counts
 
 
@@ -109,6 +119,19 @@ def test_a_decode_token_matches_gather_whatever_its_heads_and_head_dim(group, he
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_a_half_precision_pool_runs_the_fast_path_on_any_device(dtype):
+    """mlx's CPU gather_mm takes float32 only: on the CPU, the decode rows of a 16-bit
+    pool (--keep-dtype, or no extension) failed every step from 512 rows x keys."""
+    step, _, keys, values, q, k, v = make_step([600, 300, 5], [1, 1, 9], 2, 4, num_blocks=256)
+    step = pa.PagedStep(**{**attrs.asdict(step, recurse=False), "is_float32": False})
+    half = [x.astype(dtype) for x in (keys, values, q, k, v)]
+    out, _ = run("fast", step, *half)
+    reference, _ = run("gather", step, *half)
+    assert out.dtype == dtype
+    assert mx.allclose(out.astype(mx.float32), reference.astype(mx.float32), atol=2e-2).item()
+
+
 def test_the_native_path_runs_the_cpu_kernel():
     step, _, keys, values, q, k, v = make_step([5, 17, 2], [1, 1, 9], 2, 4)
     ext = cpu_extension()
@@ -159,6 +182,7 @@ def test_gather_matches_plain_attention_over_each_rows_history(group):
 
 
 def test_every_new_token_is_written_once_at_its_slot_whichever_path_runs():
+    """...and the mlx paths zero the rest of a block a row opens (see fresh tails)."""
     starts, num_new = [5, 2], [1, 7]
     step, tables, keys, values, q, k, v = make_step(starts, num_new, 2, 2)
     S = 64 * BLOCK
@@ -172,6 +196,8 @@ def test_every_new_token_is_written_once_at_its_slot_whichever_path_runs():
                 p = s + t
                 expected[:, table[p // BLOCK] * BLOCK + p % BLOCK] = np.array(k[lo + t])
             lo += n
+        if path != "native":  # and the rest of row 1's block 2, opened here, is zeroed
+            expected[:, tables[1][2] * BLOCK + 1 : tables[1][2] * BLOCK + BLOCK] = 0
         assert np.array_equal(written, expected), path
 
 

@@ -9,6 +9,8 @@ from runtime.runner import run_offline
 from runtime.scheduler import FcfsScheduler
 from runtime.sequence import FinishCause, SequenceParams
 
+import mlx.core as mx
+import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
@@ -146,3 +148,36 @@ def test_a_row_failed_mid_prompt_is_left_out_of_the_steps_queued_behind_it(
     assert got["faulty"].finish is FinishCause.ERROR and got["a"].finish is FinishCause.LENGTH
     isolated = [e for e in logs if e["event"] == "row failed alone in the forward"]
     assert [e["request_id"] for e in isolated] == ["faulty"]
+
+
+@pytest.mark.parametrize("path", ["fast", "gather"])
+def test_a_row_whose_kv_overflows_fails_alone_and_leaves_nothing_in_its_blocks(
+    make_checkpoint, monkeypatch, path
+):
+    """An inf embedding stands in for an fp16 overflow: its row fails with non-finite
+    logits, and its K/V stay in its blocks. The fast path reads whole blocks, masked
+    slots too, and a masked score times a NaN is NaN. It padded block tables with block
+    0, so a failing row holding block 0 failed the shorter rows beside it; and it read
+    the unwritten tails of blocks, so the rows given a failed row's blocks failed next."""
+    monkeypatch.setenv("CADENCE_PAGED_ATTENTION", path)
+    loaded = load_model(make_checkpoint("llama"))
+    embed = loaded.model.model.embed_tokens
+    weight = np.array(embed.weight)
+    weight[FAULT_TOKEN] = np.inf
+    embed.weight = mx.array(weight)
+    engine = Engine(loaded, max_batch=6, block_size=16)
+    healthy = {**HEALTHY, "long": list(range(200, 240))}  # three blocks: the rest are padded
+    alone = run(engine, healthy)
+    # The shortest prompt's blocks are taken first: it holds block 0.
+    beside = run(engine, {"overflowing": [FAULT_TOKEN, 7], **healthy})
+    # The longest prompt's are taken last; each run's pool gives blocks from 0 on, so the
+    # next run's rows get them.
+    last = run(engine, {"overflowing": [FAULT_TOKEN, *range(100, 160)], **HEALTHY})
+    after = run(engine, healthy)
+    for got in beside, last:
+        assert got["overflowing"].finish is FinishCause.ERROR
+        assert "non-finite" in got["overflowing"].error
+    for rid in healthy:
+        assert beside[rid].tokens == alone[rid].tokens == after[rid].tokens, rid
+        assert beside[rid].finish is after[rid].finish is FinishCause.LENGTH, rid
+    assert all(last[rid].tokens == alone[rid].tokens for rid in HEALTHY)
