@@ -63,12 +63,31 @@ def pool_blocks(
                 f"KV budget of {kv_budget / 2**30:.1f} GiB is more than the "
                 f"{available / 2**30:.1f} GiB of memory available (--kv-budget)"
             )
+        _check_holds_windows(kv_budget, window_bytes, "the KV budget (--kv-budget)")
         return max((kv_budget - window_bytes) // bytes_per_block, 1)
     if available is None:
         return wanted_blocks
     fraction = DEFAULT_FREE_FRACTION if kv_budget is None else kv_budget
-    affordable = max((int(available * fraction) - window_bytes) // bytes_per_block, 1)
+    share = int(available * fraction)
+    if kv_budget is None:
+        what = f"the default KV budget ({DEFAULT_FREE_FRACTION:.0%} of the memory available)"
+    else:
+        what = "the KV budget (--kv-budget)"
+    _check_holds_windows(share, window_bytes, what)
+    affordable = max((share - window_bytes) // bytes_per_block, 1)
     return min(wanted_blocks, affordable) if kv_budget is None else affordable
+
+
+def _check_holds_windows(budget_bytes: int, window_bytes: int, what: str) -> None:
+    """A budget the sliding-window pools alone outgrow left the full-attention layers one
+    block, 16 tokens of context: a server that refused nearly every request, over a
+    budget exceeded without a word."""
+    if window_bytes > budget_bytes:
+        raise CadenceError(
+            f"the sliding-window layers' KV for --max-batch rows takes "
+            f"{window_bytes / 2**30:.2f} GiB, more than {what} of "
+            f"{budget_bytes / 2**30:.2f} GiB: lower --max-batch or raise --kv-budget"
+        )
 
 
 def available_memory() -> int | None:

@@ -12,7 +12,8 @@ import pytest
 @pytest.mark.parametrize(
     ("text", "value"),
     [("2GiB", 2 << 30), ("512MB", 512 * 10**6), (" 8 gib ", 8 << 30), ("1073741824", 1 << 30),
-     ("0.3", 0.3), ("2.5KiB", 2560), ("0.0001KiB", 1)],  # a sliver of a unit: one byte
+     ("0.3", 0.3), ("2.5KiB", 2560), ("0.0001KiB", 1),  # a sliver of a unit: one byte
+     ("3MiB", 3 << 20), ("2kb", 2000), ("1GB", 10**9), ("100b", 100), ("1", 1)],
 )
 def test_bytes_and_fractions(text, value):
     assert parse_kv_budget(text) == value
@@ -39,14 +40,33 @@ def eight_gib_free(monkeypatch):
     [
         (1000 + 10 * 100, 10),  # bytes: the windows' pools first, then whole blocks
         (1000 + 10 * 100 + 99, 10),
-        (500, 1),  # never no block at all
-        (1e-9, 1),  # ... nor for a sliver of what is free
+        (1050, 1),  # never no block at all
         (0.5, (4 * GIB - 1000) // 100),  # a fraction of what is free, whatever is wanted
         (None, 50),  # the default: 30% of what is free, but only what max_batch rows want
     ],
 )
 def test_a_budget_buys_blocks_past_the_window_pools(eight_gib_free, kv_budget, blocks):
     assert budget.pool_blocks(kv_budget, 50, bytes_per_block=100, window_bytes=1000) == blocks
+
+
+def test_a_budget_below_one_block_still_buys_one(eight_gib_free):
+    assert budget.pool_blocks(50, 50, bytes_per_block=100, window_bytes=0) == 1
+    assert budget.pool_blocks(1e-9, 50, bytes_per_block=100, window_bytes=0) == 1
+
+
+@pytest.mark.parametrize(
+    ("kv_budget", "named"),
+    [(500, "the KV budget"), (1e-7, "the KV budget"), (None, "the default KV budget (30%")],
+)
+def test_a_budget_the_sliding_window_pools_alone_outgrow_is_refused(
+    monkeypatch, kv_budget, named
+):
+    """The full-attention layers got one block (16 tokens of context) and the budget
+    was exceeded without a word: a server that refused nearly every request."""
+    monkeypatch.setattr(budget, "available_memory", lambda: 10 * GIB)
+    with pytest.raises(CadenceError, match="sliding-window") as refused:
+        budget.pool_blocks(kv_budget, 50, bytes_per_block=100, window_bytes=4 * GIB)
+    assert named in str(refused.value) and "--max-batch" in str(refused.value)
 
 
 def test_the_default_budget_is_capped_by_what_is_free(monkeypatch):
@@ -70,6 +90,12 @@ def test_a_block_size_outside_1_to_1024_is_refused(size):
     with pytest.raises(CadenceError, match="block_size"):
         budget.check_block_size(size)
     budget.check_block_size(1024)  # the largest allowed
+    budget.check_block_size(1)  # and the smallest
+
+
+def test_one_byte_is_a_budget_and_so_is_a_fraction_just_above_zero():
+    assert budget.is_kv_budget(1) and budget.is_kv_budget(1e-9) and budget.is_kv_budget(None)
+    assert not budget.is_kv_budget(0) and not budget.is_kv_budget(1.0)
 
 
 def test_available_memory_reads_memavailable_in_kib(monkeypatch):
