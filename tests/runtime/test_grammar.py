@@ -157,6 +157,7 @@ def test_each_grammar_kind_constrains_sampled_text(engine, compiler, model, kind
         (GrammarSpec("json_schema", "{not json", "guided_json"), "guided_json"),
         (GrammarSpec("regex", "([a-z]", "guided_regex"), "guided_regex"),
         (GrammarSpec("lark", "start: missing_rule", "guided_grammar"), "guided_grammar"),
+        (GrammarSpec("xml", "<a/>", "grammar"), "grammar"),  # an embedder's unknown kind
     ],
 )
 def test_a_bad_grammar_is_refused_naming_its_field(compiler, spec, named):
