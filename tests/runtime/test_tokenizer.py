@@ -376,7 +376,9 @@ def test_missing_tokenizer_json_names_the_file(tmp_path):
         ("tokenizer_config.json", '{"chat_template": '),
         ("tokenizer_config.json", '{"eos_token": 7}'),
         ("tokenizer_config.json", '{"chat_template": 5}'),
+        ("tokenizer_config.json", "[]"),  # JSON, but no object
         ("special_tokens_map.json", "}"),
+        ("special_tokens_map.json", '"eos"'),
         ("chat_template.jinja", "{% for m in messages %}{{ m"),
     ],
 )
@@ -387,6 +389,16 @@ def test_corrupt_file_is_a_checkpoint_error_naming_it(checkpoint_dirs, tmp_path,
     with pytest.raises(CheckpointError, match=file.replace(".", r"\.")) as info:
         Tokenizer.from_dir(path)
     assert "\n" not in str(info.value)
+
+
+def test_a_tokenizer_json_without_a_decoder_loads(checkpoint_dirs, tmp_path):
+    """`"decoder": null` is valid tokenizer.json (the pieces are joined as they are)."""
+    path = tmp_path / "no_decoder"
+    shutil.copytree(checkpoint_dirs["llama"], path)
+    edit_json(path / "tokenizer.json", decoder=None)
+    tokenizer = Tokenizer.from_dir(str(path))  # a str, as an embedder may pass
+    ids = tokenizer.encode("hello world", add_special_tokens=False)
+    assert tokenizer.decode(ids) == tokenizer._backend.decode(ids)
 
 
 def edit_json(file: Path, **changes) -> None:
