@@ -2,7 +2,8 @@
 
 Where it departs from llama, each checked against mlx-lm's `gemma3_text` and
 transformers' `modeling_gemma3`:
-- the embedding is scaled by sqrt(hidden_size), the factor cast to the weights' dtype;
+- the embedding is scaled by sqrt(hidden_size) rounded to bfloat16, as mlx-lm does
+  (transformers rounds it to the weights' dtype: bfloat16 in every Gemma 3 release);
 - RMSNorm multiplies by (1 + w), and each layer has four of them: before and after
   attention, before and after the MLP (the "after" ones norm the branch, not the sum);
 - q and k get a per-head RMSNorm (1 + w) before RoPE;
@@ -203,7 +204,9 @@ class Gemma3(CausalLM):
 
     def embed(self, tokens: mx.array) -> mx.array:
         h = self.model.embed_tokens(tokens)
-        return h * mx.array(self.config.hidden_size**0.5, dtype=h.dtype)
+        # Rounded first: on the CPU h is float32, and the exact factor (sqrt(1152) is
+        # 33.94 against bfloat16's 34.0) moved every logit by ~5e-3 from mlx-lm's.
+        return h * mx.array(self.config.hidden_size**0.5, dtype=mx.bfloat16).astype(h.dtype)
 
 
 build = Gemma3

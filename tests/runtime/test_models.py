@@ -65,6 +65,15 @@ def test_gemma3_logits_match_mlx_lm_past_the_window(tmp_path: Path, family: str,
     assert not mx.allclose(ours.model(TOKENS), want, atol=1e-2).item()
 
 
+def test_gemma3_scales_its_embedding_by_the_root_of_hidden_size_in_bfloat16(tmp_path: Path):
+    """sqrt(96) is 9.80 against bfloat16's 9.81: exact, every logit was off mlx-lm's (and
+    transformers', for bf16 weights) by ~5e-3 at real sizes (sqrt(1152): 33.94 vs 34.0)."""
+    path = make_tiny_checkpoint(tmp_path, "gemma3_text", num_layers=2, hidden_size=96, seed=3)
+    reference, _ = mlx_lm.load(str(path))
+    want = reference(TOKENS)
+    assert mx.allclose(load_model(path).model(TOKENS), want, atol=1e-4).item()
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3"])
 @pytest.mark.parametrize("is_tied", [True, False], ids=["tied", "untied"])
 def test_a_config_silent_on_tying_ties_exactly_when_no_lm_head_is_stored(
