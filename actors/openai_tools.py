@@ -125,6 +125,10 @@ def _guided(kind: str, value: Any, param: str) -> GrammarSpec:
                 ) from None
             except RecursionError:  # the body's own depth check never saw inside this text
                 raise RequestError(f"'{param}' is nested too deeply", param=param) from None
+            except ValueError:  # nor its digit check: an integer of more than 4,300 digits
+                raise RequestError(
+                    f"'{param}' holds a number of too many digits", param=param
+                ) from None
         if not isinstance(value, dict | bool):
             raise RequestError(f"'{param}' must be a JSON schema", param=param)
         return GrammarSpec("json_schema", json.dumps(value), param)

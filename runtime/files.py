@@ -42,6 +42,8 @@ def read_json(file: Path) -> Any:
         raise CheckpointError(f"{file}: not valid JSON ({exc.msg}: line {exc.lineno})") from None
     except RecursionError:  # json's parser recurses once per level of nesting
         raise CheckpointError(f"{file}: not valid JSON (nested too deeply)") from None
+    except ValueError:  # an integer past Python's 4,300 digits
+        raise CheckpointError(f"{file}: not valid JSON (a number of too many digits)") from None
 
 
 def one_line(exc: BaseException) -> str:

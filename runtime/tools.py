@@ -171,7 +171,9 @@ def _json_end(text: str, start: int, is_final: bool) -> int | None:
     """Where the JSON value at `start` ends, or None while it is incomplete."""
     try:
         _, end = _DECODER.raw_decode(text, start)
-    except (json.JSONDecodeError, RecursionError):  # nested too deep for json: never a call
+    # Not JSON (JSONDecodeError is a ValueError), nested too deep for json, or an
+    # integer past Python's 4,300 digits (a bare ValueError): never a call.
+    except (ValueError, RecursionError):
         return None
     # A number may still grow while what follows it could begin the rest of one: "12" of
     # "123", and "2" of "2." or "2e-", which the decoder ends before the "." or "e".

@@ -212,6 +212,8 @@ def test_a_whole_reply_of_calls_only_has_null_content():
         # JSON text nested past json's depth: a RecursionError was a 500.
         ({"guided_json": "[" * 100_000 + "]" * 100_000}, "guided_json"),
         ({"structured_outputs": {"json": "[" * 100_000}}, "structured_outputs.json"),
+        # and an integer past 4,300 digits, which json refuses with a bare ValueError
+        ({"guided_json": '{"const": ' + "1" * 5000 + "}"}, "guided_json"),
     ],
 )
 def test_bad_structured_output_is_refused_naming_the_field(body, param):

@@ -447,6 +447,7 @@ def entry(**changes):
         ([1, 2], "not a JSON object"),  # was AttributeError
         ("text", "not a JSON object"),
         (b"[" * 100_000 + b"]" * 100_000, "corrupt"),  # was RecursionError
+        (b'{"n": ' + b"1" * 5000 + b"}", "corrupt"),  # was ValueError (past 4,300 digits)
         ({"model.norm.weight": [0, 8]}, "not an object"),
         (entry(data_offsets=[0]), "data_offsets"),  # was IndexError
         (entry(data_offsets="zz"), "data_offsets"),  # was TypeError
@@ -455,7 +456,7 @@ def entry(**changes):
         (entry(shape=["2"]), "shape"),
         (entry(shape=[-1]), "shape"),
     ],
-    ids=["list", "string", "deep", "entry-list", "one-offset", "text-offsets", "backwards", "dtype",
+    ids=["list", "string", "deep", "digits", "entry-list", "one-offset", "text-offsets", "backwards", "dtype",
          "text-shape", "negative-shape"],
 )
 def test_a_malformed_safetensors_header_is_named(broken, header, named):

@@ -50,8 +50,9 @@ def test_a_directory_is_refused_naming_it(tmp_path):
         (b"\n\n[1,", "line 3"),
         (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
         (b"\xff\xfe{}", "unreadable ('utf-8' codec can't decode"),
+        (b'{"vocab_size": ' + b"1" * 5000 + b"}", "a number of too many digits"),
     ],
-    ids=["syntax", "line", "nesting", "not-utf-8"],
+    ids=["syntax", "line", "nesting", "not-utf-8", "digits"],
 )
 def test_bad_content_is_one_line_naming_the_file(tmp_path, content, said):
     (tmp_path / "x.json").write_bytes(content)

@@ -360,6 +360,20 @@ def test_json_nested_too_deep_to_decode_is_text_or_raw_arguments_not_an_error():
     assert parse("llama3_json", f'{{"name": "f", "parameters": {deep}') == ("", [("f", deep)])
 
 
+def test_an_integer_too_long_for_python_is_text_or_raw_arguments_not_an_error():
+    """json refuses integers past 4,300 digits with a bare ValueError, which the parser
+    let out: a 500 for the whole answer, a stream cut with no error event."""
+    arguments = '{"x": ' + "1" * 5000 + "}"
+    for style, call in [
+        ("hermes", f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>'),
+        ("llama3_json", f'{{"name": "f", "parameters": {arguments}}}'),
+    ]:
+        text, [(name, raw)] = parse(style, call)
+        assert (text, name) == ("", "f") and raw.startswith(arguments)  # the rest, unparsed
+    reordered = f'<tool_call>{{"arguments": {arguments}, "name": "f"}}</tool_call>'
+    assert parse("hermes", reordered) == (reordered.removeprefix("<tool_call>").removesuffix("</tool_call>"), [])
+
+
 def test_python_calls():
     assert python_calls('f(a=1, b="x")') == [{"name": "f", "arguments": {"a": 1, "b": "x"}}]
     assert python_calls("[f(), g(x=[1, 2])]") == [
