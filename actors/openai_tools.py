@@ -224,9 +224,11 @@ class ToolCallStream:
     a call it is dropped, so `message.content` is null when the reply is only calls. The whole
     response is built by feeding all its text here too (`is_streamed` False), so the
     streamed deltas reassemble to it exactly, but for a call the reply ends inside of
-    (max_tokens): streamed, it went out as it was written, and finish_reason "length"
-    says it stops short, as OpenAI streams one; in the whole response its arguments are
-    no JSON, so it is text in `content`, as vLLM answers (the calls wait for the end).
+    (max_tokens, a stop string, an EOS): streamed, it went out as it was written, and
+    the finish reason is the reply's own ("length", as OpenAI streams one, or "stop";
+    never "tool_calls", which told a client to run arguments it cannot read); in the
+    whole response its arguments are no JSON, so it is text in `content`, as vLLM
+    answers (the calls wait for the end).
     """
 
     style: str
@@ -237,6 +239,7 @@ class ToolCallStream:
     blank: str = ""  # trailing whitespace held back
     blank_before_call: str = ""  # ... and dropped before the last call began
     held: list[dict[str, Any]] = attrs.Factory(list)  # calls' deltas, when not streamed
+    is_cut_short: bool = False  # a streamed call the reply ended inside of
 
     def __attrs_post_init__(self) -> None:
         self.parser = parser_for(self.style)
@@ -260,7 +263,8 @@ class ToolCallStream:
         return content, [call for call in calls if call["index"] < len(self.ids)]
 
     def finish_reason(self, reason: str) -> str:
-        return "tool_calls" if self.has_calls and reason == "stop" else reason
+        is_whole = self.has_calls and not self.is_cut_short
+        return "tool_calls" if is_whole and reason == "stop" else reason
 
     def _convert(self, events: list[Event], is_final: bool) -> tuple[str, list[dict[str, Any]]]:
         content, calls = "", []
@@ -276,6 +280,8 @@ class ToolCallStream:
                     # The last call: its deltas are all held, and its id the last one.
                     self.ids.pop()
                     content += self._content(self.blank_before_call + text)
+                case CallCutShort():  # streamed already, as it was written
+                    self.is_cut_short = True
                 case CallStart(index, name):
                     self.blank, self.blank_before_call = "", self.blank
                     self.ids.append(f"call_{uuid.uuid4().hex[:24]}")

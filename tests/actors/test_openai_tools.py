@@ -122,6 +122,7 @@ def test_a_reply_cut_short_after_a_call_keeps_length_as_its_reason():
     stream = ToolCallStream("hermes")
     run(stream, TWO_CALLS, 7)
     assert stream.finish_reason("length") == "length"
+    assert stream.finish_reason("stop") == "tool_calls"  # its calls are whole
 
 
 CUT_CALL = '<tool_call>\n{"name": "b", "arguments": {"y": "lon'
@@ -136,13 +137,15 @@ def test_a_call_cut_short_is_its_text_in_a_whole_response_and_streams_as_written
     """A reply that max_tokens ends inside a call's arguments: streamed, the call went
     out as it was written and "length" says it stops short (OpenAI's stream); whole, it
     was a call whose arguments no client can read: it is its text, in content (vLLM's
-    answer), and the calls before it stand."""
+    answer), and the calls before it stand. A stop string or an EOS ending it streamed
+    "tool_calls", which told a client to run those arguments: it says "stop"."""
     text = TWO_CALLS.split('<tool_call>\n{"name": "b"')[0] + CUT_CALL
     streamed = ToolCallStream("hermes")
     content, deltas = run(streamed, text, step)
     assert content == "Sure."
     assert names_and_arguments(deltas) == [("a", '{"x": 1}'), ("b", '{"y": "lon')]
     assert streamed.finish_reason("length") == "length"
+    assert streamed.finish_reason("stop") == "stop"
     whole = ToolCallStream("hermes", is_streamed=False)
     content, deltas = run(whole, text, step)
     assert content == 'Sure.\n{"name": "b", "arguments": {"y": "lon'
