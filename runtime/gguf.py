@@ -106,7 +106,7 @@ def read_gguf(path: Path, progress: Callable[[str], None] = lambda message: None
     reader = _open(path)
     _check_tensor_layout(reader, path)
     metadata = Metadata(reader, str(path))
-    if (num_splits := metadata.get("split.count", 1)) != 1:
+    if (num_splits := metadata.optional("split.count", int, 1)) != 1:
         raise CheckpointError(
             f"{path}: one part of a GGUF split into {num_splits} files; split files are not "
             "supported (join them with llama.cpp's llama-gguf-split --merge)"
@@ -196,9 +196,10 @@ class Metadata:
                 f"{self.source}: GGUF metadata '{key}' should be {kind.__name__}, "
                 f"got {shortened(repr(value))}"
             )
-        if kind in (int, float) and isinstance(value, (int, float)) and value <= 0:
-            raise CheckpointError(
-                f"{self.source}: GGUF metadata '{key}' must be positive, got {value}"
+        if kind in (int, float) and isinstance(value, (int, float)) and not 0 < value < math.inf:
+            raise CheckpointError(  # NaN too, which passed `value <= 0` and loaded
+                f"{self.source}: GGUF metadata '{key}' must be a positive finite number, "
+                f"got {value}"
             )
         return value
 
@@ -297,7 +298,8 @@ def _check_tensor_layout(reader: gguf.GGUFReader, path: Path) -> None:
             raise CheckpointError(
                 f"{path}: truncated GGUF: tensor '{tensor.name}' runs past the end of the file"
             )
-        expected = offset + -(-num_bytes // reader.alignment) * reader.alignment
+        alignment = int(reader.alignment)  # a numpy uint32 when the file states it: -x overflowed
+        expected = offset + -(-num_bytes // alignment) * alignment
 
 
 def _hf_config(
@@ -392,6 +394,11 @@ def _llama3_scaling(
     Meta's published values (the file keeps only the context length), checked here by
     recomputing every factor."""
     factors = [float(x) for x in tensor.data.reshape(-1)]
+    if not factors or not all(0 < f < math.inf for f in factors):  # max() and 1/f below
+        raise CheckpointError(
+            f"{metadata.source}: tensor 'rope_freqs.weight' is not Llama 3 RoPE scaling "
+            "(empty, or factors that are not positive finite numbers)"
+        )
     old_context = metadata.optional(key("rope.scaling.original_context_length"), int, 8192)
     scaling = {
         "rope_type": "llama3",
@@ -450,6 +457,11 @@ def _gemma3_fields(
     }
     pattern = metadata.get(key("attention.sliding_window_pattern"))
     if isinstance(pattern, list) and len(pattern) == config["num_hidden_layers"]:
+        if not all(isinstance(is_sliding, bool) for is_sliding in pattern):
+            raise CheckpointError(
+                f"{metadata.source}: GGUF metadata '{key('attention.sliding_window_pattern')}' "
+                "should be a list of booleans, one per layer"
+            )
         fields["layer_types"] = [
             "sliding_attention" if is_sliding else "full_attention" for is_sliding in pattern
         ]

@@ -3,6 +3,7 @@
 they encode, loaded from safetensors."""
 
 import json
+import math
 import shutil
 import struct
 from types import SimpleNamespace
@@ -225,6 +226,18 @@ def test_llama3_rope_freqs_become_its_rope_scaling(convert, tmp_path):
     assert load_model(llama3).config.rope_scaling == scaling
     other = with_rope_freqs(path, factors * 1.5, tmp_path / "other.gguf")
     assert "'rope_freqs.weight' is not Llama 3 RoPE scaling" in one_line_error(other)
+    # Empty (max() of nothing) or zeros (a division by zero) raised out of the loader.
+    for name, values in [("empty", np.zeros(0, np.float32)), ("zeros", factors * 0)]:
+        damaged = with_rope_freqs(path, values, tmp_path / f"{name}.gguf")
+        assert "'rope_freqs.weight' is not Llama 3 RoPE scaling" in one_line_error(damaged)
+
+
+def test_a_file_that_states_its_alignment_loads(convert, tmp_path):
+    """The gguf package reads a stated `general.alignment` as a numpy uint32, and the
+    layout check's ceiling division of it overflowed: any such file, valid or not."""
+    path, _ = convert("qwen2", GGMLType.F32)
+    stated = rewritten(path, tmp_path / "aligned.gguf", metadata={"general.alignment": (32, V.UINT32, V.UINT32)})
+    assert read_gguf(stated).config == read_gguf(path).config
 
 
 def broken_copy(path, tmp_path, cut):
@@ -358,7 +371,11 @@ V = gguf.GGUFValueType
 @pytest.mark.parametrize(
     ("key", "value", "expected"),
     [
-        ("qwen2.attention.head_count", (0, V.UINT32, V.UINT32), "must be positive, got 0"),
+        ("qwen2.attention.head_count", (0, V.UINT32, V.UINT32), "must be a positive finite number, got 0"),
+        # NaN and inf passed `value <= 0`: a blank reply, or non-finite logits at run time
+        ("qwen2.attention.layer_norm_rms_epsilon", (math.inf, V.FLOAT32, V.FLOAT32), "got inf"),
+        ("qwen2.rope.freq_base", (math.nan, V.FLOAT32, V.FLOAT32), "got nan"),
+        ("split.count", ("1", V.STRING, V.STRING), "'split.count' should be int"),
         ("tokenizer.ggml.merges", (["zzz yyy"], V.ARRAY, V.STRING), "unusable BPE vocabulary"),
         (
             "tokenizer.ggml.token_type",
@@ -392,6 +409,9 @@ V = gguf.GGUFValueType
     ],
     ids=[
         "no heads",
+        "infinite eps",
+        "nan rope base",
+        "split count as text",
         "merge of unknown tokens",
         "token types not a list",
         "template not text",
@@ -498,6 +518,13 @@ def test_gemma3_layer_pattern_and_local_rope_base_are_read_when_the_file_states_
     assert load_model(stated).config.layer_windows == (8, None, 8, 8, 8, None)
     default = read_gguf(path).config  # llama.cpp's hard-coded Gemma 3 values
     assert "layer_types" not in default and default["rope_local_base_freq"] == 10000.0
+    # A pattern of numbers, or text, loaded as every layer sliding.
+    numbers = rewritten(
+        path,
+        tmp_path / "numbers.gguf",
+        metadata={"gemma3.attention.sliding_window_pattern": ([5] * 6, V.ARRAY, V.INT32)},
+    )
+    assert "should be a list of booleans" in one_line_error(numbers)
 
 
 def test_llama_attention_biases_are_loaded_and_un_permuted(convert, tmp_path):
