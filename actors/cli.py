@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import stat
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +39,7 @@ from kernels.blas import active_blas
 log = structlog.get_logger("cadence")
 
 HTTP_GRACE_MARGIN_S = 5.0
+MAX_API_KEY_FILE_BYTES = 1 << 20  # keys, one a line: a key file is never this big
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,7 +53,9 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _add_model_args(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="127.0.0.1 unless given")
+    serve.add_argument(  # "" bound every interface
+        "--host", type=arg_types.non_empty, default="127.0.0.1", help="127.0.0.1 unless given"
+    )
     serve.add_argument(
         "--api-key",
         action="append",
@@ -202,8 +206,16 @@ def _api_keys(args: argparse.Namespace) -> list[str]:
     if env := os.environ.get("CADENCE_API_KEY"):
         keys.append(env)
     if args.api_key_file is not None:
+        file = args.api_key_file
         try:
-            lines = args.api_key_file.read_text(encoding="utf-8").splitlines()
+            # A FIFO hung the start-up, and /dev/zero filled the memory.
+            if not stat.S_ISREG(file.stat().st_mode):
+                raise CadenceError(f"--api-key-file {file}: not a regular file")
+            if file.stat().st_size > MAX_API_KEY_FILE_BYTES:
+                raise CadenceError(
+                    f"--api-key-file {file}: over {MAX_API_KEY_FILE_BYTES >> 20} MiB, no key file"
+                )
+            lines = file.read_text(encoding="utf-8").splitlines()
         except OSError as error:
             raise CadenceError(f"--api-key-file {args.api_key_file}: {error.strerror}") from None
         except UnicodeDecodeError:

@@ -264,6 +264,26 @@ def test_serve_with_a_small_max_waiting_starts_and_caps_n_to_it(tiny):
         process.wait(timeout=30)
 
 
+def test_a_key_file_that_is_no_regular_file_or_too_big_is_refused_without_reading_it(
+    tmp_path, monkeypatch
+):
+    """A FIFO with no writer hung the start-up, and /dev/zero filled the memory."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    big = tmp_path / "big"
+    big.write_bytes(b"k" * (cli.MAX_API_KEY_FILE_BYTES + 1))
+    # (Not /dev/zero: were the check gone, the test would fill the memory as it did.)
+    for file, said in [(big, "MiB, no key file"), (fifo, "not a regular file")]:
+        args = cli._parser().parse_args(["serve", "--api-key-file", str(file)])
+        with pytest.raises(CadenceError, match=said):
+            cli._api_keys(args)
+
+
+def test_an_empty_host_is_refused_not_every_interface():
+    with pytest.raises(SystemExit):
+        cli._parser().parse_args(["serve", "--host", ""])
+
+
 def test_api_keys_come_from_flags_the_environment_and_the_file(tmp_path, monkeypatch):
     keys = tmp_path / "keys"
     keys.write_text("# the team's\nfrom-file\n\n   # an indented comment is a comment\n")
