@@ -19,6 +19,7 @@ from runtime.errors import RequestError
 import jinja2
 import jinja2.ext
 import jinja2.utils
+from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # The fallback for checkpoints that ship no template: ChatML, which transformers used
@@ -232,10 +233,31 @@ def _refuse_private(name: Any) -> None:
         raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} starts with '_'")
 
 
+MAX_REPEATED = 1 << 20  # items a template's `*` may build; `**` exponents past 1,024
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The sandbox caps `range` alone: `{{ "x" * 4000000000 }}` in a checkpoint's
+    template took ~4 GB as it compiled (jinja folds constants), and `**` can take as
+    long as it likes. Intercepted, neither is folded, and each is checked as it runs."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for items, times in ((left, right), (right, left)):
+                is_repeat = isinstance(items, str | list | tuple) and isinstance(times, int)
+                if is_repeat and len(items) * times > MAX_REPEATED:
+                    raise SecurityError(f"a repetition of over {MAX_REPEATED} items")
+        elif isinstance(right, int | float) and abs(right) > 1024:
+            raise SecurityError("a power past 1024")
+        return super().call_binop(context, operator, left, right)
+
+
 def _build_environment() -> ImmutableSandboxedEnvironment:
     # Templates come from the Hub and are untrusted: the immutable sandbox stops them
     # from touching Python internals or mutating the caller's messages.
-    environment = ImmutableSandboxedEnvironment(
+    environment = _Sandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     environment.filters["tojson"] = _tojson

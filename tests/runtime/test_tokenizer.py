@@ -652,6 +652,15 @@ def test_a_template_that_branches_on_a_special_spelling_before_writing_it_is_ref
         tok.encode_chat([{"role": "user", "content": "<|im_start|>"}])
 
 
+@pytest.mark.parametrize("expression", ['"x" * 4000000000', "[0] * 4000000000", "10 ** 100000000"])
+def test_a_template_building_something_huge_is_refused_at_once(checkpoint_dirs, tmp_path, expression):
+    """The sandbox capped `range` only: "x" * 4000000000 took ~4 GB while the template
+    compiled (jinja folds constants), and a huge power as long as it liked."""
+    tokenizer = with_template(checkpoint_dirs, tmp_path, "{{ " + expression + " }}")
+    with pytest.raises(RequestError, match="repetition of over|power past"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
 @pytest.mark.parametrize(
     "template",
     [
