@@ -8,6 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kernels.cpu_extension import cpu_extension
+
 
 def windowed_kv():
     """2 layers: layer 0 full (group 0), layer 1 with a window of 4 (group 1)."""
@@ -82,3 +84,21 @@ def test_block_tables_follow_the_rows_when_the_same_rows_come_in_another_order()
     kv.forward([RowSpan(0, 5, 1, a), RowSpan(1, 4, 3, b)], 0)
     swapped = kv.forward([RowSpan(1, 7, 1, b), RowSpan(0, 6, 1, a)], 0).step.tables
     assert swapped.tolist() == [[5, 6], [2, 3]]
+
+
+@pytest.mark.parametrize(("forced", "runs_native"), [("", True), ("gather", False), ("fast", False)])
+def test_attend_stacked_runs_the_native_op_only_where_the_step_took_the_native_path(
+    monkeypatch, forced, runs_native
+):
+    """The one-op path is the native kernel's: a step dispatched elsewhere (forced here;
+    on Metal or CUDA always) must go by parts, which the CPU tests could not tell apart."""
+    ext = cpu_extension()
+    if ext is None:
+        pytest.skip("the C++ kernels were not built here")
+    monkeypatch.setenv("CADENCE_PAGED_ATTENTION", forced)
+    qkv = mx.array(np.random.default_rng(1).standard_normal((5, (4 + 2 * 2) * 16)).astype(np.float32))
+    view = PagedKV(1, 2, 16, 2, num_blocks=8, block_size=4).forward([RowSpan(0, 0, 5, (0, 1))], 0)
+    before = ext.num_attention_calls()
+    mx.eval(view.attend_stacked(0, qkv, RoPE(16, 10000.0, None), 4, 2, 0.25))
+    assert view.path == (forced or "native")
+    assert (ext.num_attention_calls() > before) == runs_native
