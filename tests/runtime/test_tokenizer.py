@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from runtime.errors import CheckpointError, RequestError
-from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from runtime.tokenizer import _BYTE_LEVEL_DECODER, IncrementalDetokenizer, Tokenizer
 
 import pytest
 import transformers
@@ -870,6 +870,14 @@ def test_a_skipped_special_token_does_not_split_a_byte_fallback_character(ours, 
         deltas = stream(tok, ids, True, may_hold=frozenset(ids))
         assert "".join(deltas) == whole, ids
     assert tok.decode([c3, special, a9]) == "é" and "é" not in tok.decode([c3, a9, special, e6])
+
+
+def test_the_byte_level_alphabet_is_gpt2s_byte_for_byte():
+    """Logprobs' `bytes` of a byte-level token come from it; the texts the other tests
+    stream never held "~", "¬" or "ÿ", so an alphabet off at its edges went unseen."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    assert {char: byte for byte, char in bytes_to_unicode().items()} == _BYTE_LEVEL_DECODER
 
 
 @pytest.mark.parametrize("kind", sorted(BUILDERS))
