@@ -209,9 +209,10 @@ def _api_keys(args: argparse.Namespace) -> list[str]:
         file = args.api_key_file
         try:
             # A FIFO hung the start-up, and /dev/zero filled the memory.
-            if not stat.S_ISREG(file.stat().st_mode):
+            info = file.stat()
+            if not stat.S_ISREG(info.st_mode):
                 raise CadenceError(f"--api-key-file {file}: not a regular file")
-            if file.stat().st_size > MAX_API_KEY_FILE_BYTES:
+            if info.st_size > MAX_API_KEY_FILE_BYTES:
                 raise CadenceError(
                     f"--api-key-file {file}: over {MAX_API_KEY_FILE_BYTES >> 20} MiB, no key file"
                 )
