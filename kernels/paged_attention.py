@@ -193,14 +193,9 @@ class PagedStep:
         )
 
     @functools.cached_property
-    def write_rows(self) -> mx.array:
-        """[Hkv * N] flat pool rows of the new tokens' K/V, head-major."""
-        return self._head_rows(self._slots(self.row_of_token, self.positions))
-
-    @functools.cached_property
     def write_rows_and_tails(self) -> tuple[mx.array, int]:
-        """(flat pool rows [Hkv * (N + M)], M): `write_rows`, then, per KV head, the M
-        slots past each row's end in a block the row first writes in this step.
+        """(flat pool rows [Hkv * (N + M)], M), head-major: per KV head, the new tokens'
+        slots, then the M slots past each row's end in a block it first writes in this step.
 
         A freed block keeps its last owner's K/V. The mlx paths read the masked slots
         of a row's last block (the fast one reads whole blocks), and a score of -inf
@@ -215,12 +210,12 @@ class PagedStep:
                 tail = np.arange(end, opened + self.block_size)
                 rows.append(np.full(len(tail), r))
                 positions.append(tail)
-        if not rows:
-            return self.write_rows, 0
-        row_index = mx.array(np.concatenate(rows), dtype=mx.int32)
-        slots = self._slots(row_index, mx.array(np.concatenate(positions), dtype=mx.int32))
         written = self._slots(self.row_of_token, self.positions)
-        return self._head_rows(mx.concatenate([written, slots])), len(row_index)
+        if not rows:
+            return self._head_rows(written), 0
+        row_index = mx.array(np.concatenate(rows), dtype=mx.int32)
+        tails = self._slots(row_index, mx.array(np.concatenate(positions), dtype=mx.int32))
+        return self._head_rows(mx.concatenate([written, tails])), len(row_index)
 
     @functools.cached_property
     def row_of_token(self) -> mx.array:
