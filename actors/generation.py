@@ -142,6 +142,8 @@ class Generation:
                     return Delta(text, cause.openai_reason, cause.value, usage, logprobs)
                 case Failed(_, error, None):
                     self._done()
+                    if self._llm.is_aborting_all:  # cut by the drain, no fault: HTTP's 503
+                        raise ServiceClosedError(f"the service is shutting down: {error}")
                     raise GenerationError(error)
                 case Failed(_, error, param):  # the request's own value failed mid-reply
                     self._done()

@@ -357,7 +357,7 @@ class LLM:
         self._idle = trio.Event()
         self._idle.set()
         self._is_closed = False
-        self._is_aborting_all = False  # AbortAll sent: once is enough
+        self.is_aborting_all = False  # AbortAll sent (once is enough): what runs ends now
 
     def generate(
         self,
@@ -445,9 +445,9 @@ class LLM:
             self._to_scheduler.close()
 
     async def _abort_all(self) -> None:
-        if self._is_aborting_all:
+        if self.is_aborting_all:
             return
-        self._is_aborting_all = True
+        self.is_aborting_all = True
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await self._to_scheduler.send(AbortAll("shutdown"))  # it fits: see _start_actors
 

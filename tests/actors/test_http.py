@@ -434,6 +434,28 @@ async def test_a_full_queue_gets_503_with_retry_after(tiny):
         assert body["error"]["code"] == "overloaded" and body["error"]["type"] == "server_error"
 
 
+async def test_a_request_cut_short_by_the_servers_shutdown_is_a_503_not_a_fault(tiny):
+    """Aborted by the drain's timeout, it is no failure of the request's: a 503 with
+    Retry-After tells a client or a balancer to try again (elsewhere), a 500 did not."""
+    body = {"model": "M", "prompt": "a", "max_tokens": 900, "ignore_eos": True}
+    answers = []
+
+    async def post(url):
+        answers.append(await in_thread(request, url, "POST", "/v1/completions", body))
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery, serving(tiny, drain_timeout=0) as server:
+            slow_down(server.llm._engine, 0.01)  # 900 tokens: ~9 s, far past the drain
+            body["model"] = server.model
+            nursery.start_soon(post, server.url)
+            while not (await server.llm.engine_stats()).num_open:
+                await trio.sleep(0.005)
+    [(status, headers, answer)] = answers
+    assert status == 503 and headers["retry-after"] == "1"
+    assert answer["error"]["code"] == "unavailable"
+    assert "shutting down" in answer["error"]["message"]
+
+
 ERROR_CASES = {
     "malformed JSON": (b'{"model": ', 400, None, None),
     "invalid UTF-8": (b'{"model": "\xff\xfe"}', 400, None, None),

@@ -478,6 +478,6 @@ async def test_a_drain_timeout_of_zero_aborts_what_runs_at_the_blocks_exit(tiny)
     async with actors.open_llm(tiny, drain_timeout=0) as llm:
         generation = llm.generate("Hello", max_tokens=900, ignore_eos=True)
         await generation.start()
-    with pytest.raises(GenerationError, match="aborted"):
+    with pytest.raises(actors.ServiceClosedError, match="shutting down: the request was aborted"):
         async for _ in generation:
             pass
