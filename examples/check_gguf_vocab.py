@@ -17,7 +17,7 @@ from pathlib import Path
 
 import runtime  # noqa: F401  (the fast BLAS loads before mlx)
 from runtime.errors import CheckpointError
-from runtime.gguf import Metadata
+from runtime.gguf_reader import Metadata
 from runtime.gguf_tokenizer import tokenizer_from_gguf
 
 import gguf

@@ -25,7 +25,7 @@ from typing import Any
 
 from runtime.config import is_token_id
 from runtime.errors import CheckpointError
-from runtime.files import shortened
+from runtime.gguf_reader import Metadata, check_tensor_layout, open_gguf
 from runtime.gguf_tensors import NATIVE_BITS, decode_tensor, quantization_config, to_mlx
 from runtime.gguf_tokenizer import tokenizer_from_gguf
 from runtime.tokenizer import Tokenizer
@@ -103,8 +103,8 @@ def is_gguf_file(path: Path) -> bool:
 
 def read_gguf(path: Path, progress: Callable[[str], None] = lambda message: None) -> GGUFCheckpoint:
     """Read and check a GGUF file; every failure is a one-line `CheckpointError` naming it."""
-    reader = _open(path)
-    _check_tensor_layout(reader, path)
+    reader = open_gguf(path)
+    check_tensor_layout(reader, path)
     metadata = Metadata(reader, str(path))
     if (num_splits := metadata.optional("split.count", int, 1)) != 1:
         raise CheckpointError(
@@ -157,149 +157,6 @@ def _decoded(jobs: list[tuple[Any, ...]]) -> Iterator[dict[str, np.ndarray]]:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
-
-
-class Metadata:
-    """Typed access to a GGUF's key-value metadata, failing with the key's name."""
-
-    def __init__(self, reader: gguf.GGUFReader, source: str):
-        self._fields = reader.fields
-        self._values: dict[str, Any] = {}  # decoded once: a vocabulary is ~10^5 strings
-        self.source = source
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._fields
-
-    def get(self, key: str, default: Any = None) -> Any:
-        field = self._fields.get(key)
-        if field is None:
-            return default
-        if key not in self._values:
-            try:
-                self._values[key] = field.contents()
-            except (UnicodeDecodeError, ValueError, IndexError) as exc:
-                reason = " ".join(str(exc).split())
-                raise CheckpointError(
-                    f"{self.source}: unreadable metadata '{key}' ({reason})"
-                ) from None
-        return self._values[key]
-
-    def require(self, key: str, kind: type) -> Any:
-        """The value of `key`, of type `kind` (and positive, if a number)."""
-        value = self.get(key)
-        if value is None:
-            raise CheckpointError(f"{self.source}: missing GGUF metadata '{key}'")
-        if kind is float and isinstance(value, int):
-            value = float(value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise CheckpointError(
-                f"{self.source}: GGUF metadata '{key}' should be {kind.__name__}, "
-                f"got {shortened(repr(value))}"
-            )
-        if kind in (int, float) and isinstance(value, (int, float)) and not 0 < value < math.inf:
-            raise CheckpointError(  # NaN too, which passed `value <= 0` and loaded
-                f"{self.source}: GGUF metadata '{key}' must be a positive finite number, "
-                f"got {value}"
-            )
-        return value
-
-    def optional(self, key: str, kind: type, default: Any = None) -> Any:
-        """`require(key, kind)` when the file has `key`, else `default`."""
-        return self.require(key, kind) if key in self else default
-
-    def array(self, key: str, item_kind: type, *, required: bool = True) -> Any:
-        """`require(key, list)` (or `optional`), every item of type `item_kind` (a float
-        may be stored as an int): merges stored as numbers failed deep in the tokenizer's
-        construction, with an AttributeError."""
-        items = self.require(key, list) if required else self.optional(key, list)
-        kinds = (int, float) if item_kind is float else item_kind
-        if items is not None and not all(
-            isinstance(item, kinds) and not isinstance(item, bool) for item in items
-        ):
-            raise CheckpointError(
-                f"{self.source}: GGUF metadata '{key}' should be an array of {item_kind.__name__}"
-            )
-        return items
-
-    def string(self, key: str) -> str:
-        return self.require(key, str)  # type: ignore[no-any-return]
-
-
-class _BoundedReader(gguf.GGUFReader):
-    """The gguf package's reader, refusing any read past the end of the file.
-
-    Its own reader clamps such a read to the bytes left and carries on with what it got,
-    so an array declaring more elements than the file holds was iterated to its declared
-    count, reading nothing and appending empty parts: a 40-byte file declaring 2**62
-    uint8s never finished, its memory growing.
-    """
-
-    # The fewest bytes one array element of each type takes: a string's length, an
-    # array's item type and count.
-    _MIN_ITEM_BYTES = {gguf.GGUFValueType.STRING: 8, gguf.GGUFValueType.ARRAY: 12}
-
-    def _get(
-        self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
-    ) -> np.ndarray:
-        end = int(offset) + np.dtype(dtype).itemsize * int(count)
-        if end > len(self.data):
-            raise ValueError(
-                f"a value at byte {int(offset)} runs past the end of the file "
-                f"({len(self.data)} bytes)"
-            )
-        return super()._get(offset, dtype, count, override_order)
-
-    def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
-        if raw_type == gguf.GGUFValueType.ARRAY:
-            item_type = gguf.GGUFValueType(int(self._get(orig_offs, np.uint32)[0]))
-            count = int(self._get(orig_offs + 4, np.uint64)[0])
-            scalar = self.gguf_scalar_to_np.get(item_type)
-            item_bytes = self._MIN_ITEM_BYTES.get(item_type, 1)
-            if scalar is not None:
-                item_bytes = np.dtype(scalar).itemsize
-            if count * item_bytes > len(self.data) - (orig_offs + 12):
-                raise ValueError(
-                    f"an array at byte {orig_offs} declares {count} elements, more than "
-                    "the rest of the file holds"
-                )
-        return super()._get_field_parts(orig_offs, raw_type)
-
-
-def _open(path: Path) -> gguf.GGUFReader:
-    try:
-        # A tensor offset that wraps round is refused by _check_tensor_layout, not
-        # warned about by numpy as the reader adds it up.
-        with np.errstate(over="ignore"):
-            return _BoundedReader(path)
-    except Exception as exc:  # the reader raises ValueError, KeyError, IndexError, ...
-        reason = " ".join(str(exc).split()) or type(exc).__name__
-        if "GGML" in reason or "is not a valid" in reason:
-            raise CheckpointError(f"{path}: unsupported GGUF tensor type ({reason})") from None
-        raise CheckpointError(f"{path}: unreadable or truncated GGUF ({reason})") from None
-
-
-def _check_tensor_layout(reader: gguf.GGUFReader, path: Path) -> None:
-    """Each tensor's data where llama.cpp's loader requires it: in the order of the
-    tensor infos, each at the next multiple of the alignment after the one before, and
-    within the file. The gguf package's reader takes any offset, so tensors sharing
-    bytes, a misaligned one, or one whose uint64 offset wrapped round to point into the
-    metadata loaded as weights no one wrote."""
-    expected = 0  # from the start of the data section
-    for tensor in reader.tensors:
-        offset = int(tensor.field.parts[-1][0])
-        if offset != expected:
-            raise CheckpointError(
-                f"{path}: tensor '{tensor.name}' has its data at offset {offset}, expected "
-                f"{expected} (tensors overlapping, misaligned or out of order)"
-            )
-        block_size, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
-        num_bytes = math.prod(int(n) for n in tensor.shape) // block_size * block_bytes
-        if reader.data_offset + offset + num_bytes > len(reader.data):
-            raise CheckpointError(
-                f"{path}: truncated GGUF: tensor '{tensor.name}' runs past the end of the file"
-            )
-        alignment = int(reader.alignment)  # a numpy uint32 when the file states it: -x overflowed
-        expected = offset + -(-num_bytes // alignment) * alignment
 
 
 def _hf_config(

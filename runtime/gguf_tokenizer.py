@@ -26,7 +26,7 @@ import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
 if TYPE_CHECKING:
-    from runtime.gguf import Metadata
+    from runtime.gguf_reader import Metadata
 
 # tokenizer.ggml.token_type values (gguf.TokenType)
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import runtime  # noqa: F401  (the fast BLAS loads before mlx)
 from runtime.errors import CheckpointError
-from runtime.gguf import Metadata
+from runtime.gguf_reader import Metadata
 from runtime.gguf_synth import write_gguf
 from runtime.gguf_tokenizer import tokenizer_from_gguf
 
