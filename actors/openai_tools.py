@@ -294,6 +294,10 @@ class ToolCallStream:
                             "function": function,
                         }
                     )
+                case CallArguments(index, fragment) if calls and calls[-1]["index"] == index:
+                    # One item per call in a delta: openai-python before its fix for #3201
+                    # took a second item of one index for another call, and lost the text.
+                    calls[-1]["function"]["arguments"] += fragment
                 case CallArguments(index, fragment):
                     calls.append({"index": index, "function": {"arguments": fragment}})
         if is_final and self.blank and not self.has_calls:

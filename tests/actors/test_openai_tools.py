@@ -48,6 +48,17 @@ def test_deltas_carry_the_id_and_name_once_and_reassemble_in_any_split():
         ]
 
 
+@pytest.mark.parametrize("step", [1, 5, 17, len(TWO_CALLS)])
+def test_one_delta_holds_at_most_one_item_per_call(step):
+    """A call's start and its first arguments, in one feed, were two items of one index:
+    openai-python before its fix for #3201 took the second for another call."""
+    stream = ToolCallStream("hermes")
+    for start in range(0, len(TWO_CALLS), step):
+        _, calls = stream.feed(TWO_CALLS[start : start + step])
+        indexes = [call["index"] for call in calls]
+        assert len(indexes) == len(set(indexes)), calls
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call():
     stream = ToolCallStream("hermes", is_parallel=False)
     content, deltas = run(stream, TWO_CALLS, 3)
