@@ -267,7 +267,7 @@ class ToolCallStream:
         return "tool_calls" if is_whole and reason == "stop" else reason
 
     def _convert(self, events: list[Event], is_final: bool) -> tuple[str, list[dict[str, Any]]]:
-        content, calls = "", []
+        content, calls = "", list[dict[str, Any]]()
         for event in events:
             match event:
                 case Content(text):
