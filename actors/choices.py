@@ -23,7 +23,7 @@ import attrs
 import trio
 
 from actors.generation import Generation
-from actors.requests import MAX_SEED, Delta, GenerateRequest, OverloadedError, Usage
+from actors.requests import MIN_SEED, Delta, GenerateRequest, OverloadedError, Usage
 
 if TYPE_CHECKING:
     from actors.service import LLM
@@ -35,7 +35,7 @@ ChoiceEvent: TypeAlias = tuple[int, Delta | CadenceError]
 
 
 def choice_requests(request: GenerateRequest, n: int) -> list[GenerateRequest]:
-    """The n requests: choice i of a seeded request samples with seed + i (mod 2**63).
+    """The n requests: choice i of a seeded request samples with seed + i (wrapping in int64).
 
     So choice 0 is what the same request with n=1 gives, the choices differ from
     each other, and a repeat of the request repeats every choice (vLLM derives them
@@ -46,7 +46,8 @@ def choice_requests(request: GenerateRequest, n: int) -> list[GenerateRequest]:
         return [request] * n
     return [
         attrs.evolve(
-            request, sampling=attrs.evolve(request.sampling, seed=(seed + i) % (MAX_SEED + 1))
+            request,
+            sampling=attrs.evolve(request.sampling, seed=(seed + i - MIN_SEED) % 2**64 + MIN_SEED),
         )
         for i in range(n)
     ]

@@ -27,6 +27,7 @@ from actors.requests import (
     MAX_STOP_BYTES,
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
+    MIN_SEED,
 )
 
 _REF = "#/components/schemas/"
@@ -50,7 +51,7 @@ _COMMON_FIELDS: dict[str, Any] = {
     "repetition_penalty": _number(0.0, 10.0, is_low_allowed=False),
     "presence_penalty": _number(-2.0, 2.0),
     "frequency_penalty": _number(-2.0, 2.0),
-    "seed": _or_null({"type": "integer", "minimum": 0, "maximum": MAX_SEED}),
+    "seed": _or_null({"type": "integer", "minimum": MIN_SEED, "maximum": MAX_SEED}),
     "logit_bias": _or_null(
         {
             "type": "object",

@@ -17,7 +17,9 @@ MAX_STOP_STRINGS = 16
 MAX_PRIORITY = 2**31 - 1
 MAX_STOP_BYTES = 4096  # per stop string, in UTF-8
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (chat) and logprobs (completions)
-MAX_SEED = 2**63 - 1  # mx.random.key takes [0, 2**64); vLLM and numpy stop at int64
+# A seed is an int64, as OpenAI's spec and vLLM take it (llama.cpp's -1, "random", is a
+# seed like any other here); the sampler keys on its 64 bits unsigned.
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 MAX_TOP_K = 2**31 - 1  # the engine's top-k array is int32
 # The chat template switches a client may set, and their types: `enable_thinking`
 # (Qwen3, GLM-4.5) and `thinking` (DeepSeek-V3.1, Hermes 4). Any variable beyond these
@@ -198,10 +200,10 @@ def check_sampling(sampling: SamplingParams) -> SamplingParams:
     if sampling.top_k == -1 or sampling.top_k > MAX_TOP_K:
         sampling = attrs.evolve(sampling, top_k=0)
     if sampling.seed is not None and (
-        not _is_int(sampling.seed) or not 0 <= sampling.seed <= MAX_SEED
+        not _is_int(sampling.seed) or not MIN_SEED <= sampling.seed <= MAX_SEED
     ):
         raise RequestError(
-            f"'seed' must be an integer in [0, 2**63), got {sampling.seed!r}", param="seed"
+            f"'seed' must be an integer in [-2**63, 2**63), got {sampling.seed!r}", param="seed"
         )
     if sampling.logprobs is not None and (
         not _is_int(sampling.logprobs) or not 0 <= sampling.logprobs <= MAX_TOP_LOGPROBS

@@ -47,7 +47,8 @@ class RowSampler:
             counts = mx.zeros((vocab_size,), dtype=mx.float32)
             prompt_mask = mx.zeros((vocab_size,), dtype=mx.float32)
             prompt_mask[mx.array(sorted(set(prompt)), dtype=mx.int32)] = 1.0
-        key = mx.random.key(params.seed) if params.seed is not None else None
+        # A seed is an int64, as OpenAI's and vLLM's; the key takes its 64 bits unsigned.
+        key = mx.random.key(params.seed % 2**64) if params.seed is not None else None
         return cls(params=params, key=key, prompt_mask=prompt_mask, output_counts=counts)
 
     def record(self, token: mx.array) -> None:

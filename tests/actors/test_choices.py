@@ -5,17 +5,20 @@ import types
 from runtime.errors import RequestError
 from runtime.sequence import SamplingParams
 
+import attrs
 import pytest
 
 from actors.choices import choice_requests, combined_usage, start_together
-from actors.requests import MAX_SEED, GenerateRequest, Usage, check_request
+from actors.requests import MAX_SEED, MIN_SEED, GenerateRequest, Usage, check_request
 
 
 def test_choice_i_samples_with_seed_plus_i_and_stays_a_valid_seed():
     request = GenerateRequest(prompt="x", sampling=SamplingParams(temperature=1.0, seed=MAX_SEED))
     choices = choice_requests(request, 3)
-    assert [c.sampling.seed for c in choices] == [MAX_SEED, 0, 1]  # wraps within [0, 2**63)
+    assert [c.sampling.seed for c in choices] == [MAX_SEED, MIN_SEED, MIN_SEED + 1]  # int64's wrap
     assert all(check_request(c) for c in choices)
+    negative = attrs.evolve(request, sampling=attrs.evolve(request.sampling, seed=-2))
+    assert [c.sampling.seed for c in choice_requests(negative, 3)] == [-2, -1, 0]
     assert all(c.sampling.temperature == 1.0 and c.prompt == "x" for c in choices)
 
 

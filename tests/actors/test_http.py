@@ -536,7 +536,7 @@ ERROR_CASES = {
     "missing model": ({"prompt": "x"}, 400, "model", None),
     "n above --max-n": ({"model": "M", "prompt": "x", "n": 9}, 400, "n", None),
     "n of 0": ({"model": "M", "messages": CHAT, "n": 0}, 400, "n", None),
-    "negative seed": ({"model": "M", "prompt": "x", "seed": -1}, 400, "seed", None),
+    "seed below int64": ({"model": "M", "prompt": "x", "seed": -(2**63) - 1}, 400, "seed", None),
     "tool_choice without tools": (
         {"model": "M", "messages": CHAT, "tool_choice": "auto"},
         400,
@@ -612,8 +612,8 @@ ERROR_CASES = {
     ),
     "a lone surrogate in model": (b'{"model": "\\ud800", "prompt": "x"}', 400, None, None),
     "seed of 2**64": ({"model": "M", "prompt": "x", "seed": 2**64}, 400, "seed", None),
-    "negative seed in a chat": (
-        {"model": "M", "messages": [{"role": "user", "content": "hi"}], "seed": -1},
+    "seed below int64 in a chat": (
+        {"model": "M", "messages": [{"role": "user", "content": "hi"}], "seed": -(2**63) - 1},
         400,
         "seed",
         None,

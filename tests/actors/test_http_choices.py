@@ -77,6 +77,17 @@ async def test_seeded_choices_are_distinct_and_reproducible(tiny):
     assert texts[1] == next_seed.choices[0].message.content
 
 
+async def test_a_negative_seed_is_an_int64_seed_like_any_other(tiny):
+    """OpenAI's and vLLM's seeds are int64: -1 (llama.cpp's "random") was a 400 here."""
+    async with serving(tiny) as server:
+        first = await chat(server, max_tokens=12, n=2, temperature=1.0, seed=-1)
+        again = await chat(server, max_tokens=12, temperature=1.0, seed=-1)
+        zero = await chat(server, max_tokens=12, temperature=1.0, seed=0)
+    texts = [c.message.content for c in first.choices]
+    assert again.choices[0].message.content == texts[0]
+    assert texts[1] == zero.choices[0].message.content  # choice 1 samples with -1 + 1
+
+
 async def test_streamed_choices_interleave_and_reassemble_to_the_whole_ones(tiny):
     async with serving(tiny) as server:
         slow_down(server.llm._engine, 0.01)  # a delta per step: the choices interleave

@@ -26,7 +26,7 @@ from actors.http_server import serving_on_loopback
 from actors.openai_requests import ApiError, parse_chat, parse_completion
 from actors.openai_tools import MAX_TOOLS
 from actors.openapi import OPENAPI
-from actors.requests import MAX_PRIORITY, MAX_SEED, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from actors.requests import MAX_PRIORITY, MAX_SEED, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, MIN_SEED
 
 API_KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -225,6 +225,7 @@ EDGES = [
     (COMPLETION, "top_p", 0.01, 0),
     (COMPLETION, "top_k", -1, -2),
     (COMPLETION, "seed", MAX_SEED, MAX_SEED + 1),
+    (COMPLETION, "seed", MIN_SEED, MIN_SEED - 1),
     (COMPLETION, "logit_bias", {"5": -100}, {"5": -101}),
     (COMPLETION, "stop", ["s"] * MAX_STOP_STRINGS, ["s"] * (MAX_STOP_STRINGS + 1)),
     (COMPLETION, "n", DEFAULT_MAX_N, DEFAULT_MAX_N + 1),

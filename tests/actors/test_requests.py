@@ -13,7 +13,7 @@ CHAT = ({"role": "user", "content": "hi"},)
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 4096
 MAX_PRIORITY = 2**31 - 1
-MAX_SEED = 2**63 - 1
+MAX_SEED, MIN_SEED = 2**63 - 1, -(2**63)
 MAX_TOP_LOGPROBS = 20  # OpenAI's
 
 
@@ -33,7 +33,7 @@ EDGES = [
     ("priority", GenerateRequest(prompt="hi", priority=-MAX_PRIORITY),
      GenerateRequest(prompt="hi", priority=-MAX_PRIORITY - 1)),
     ("seed", sampled(seed=MAX_SEED), sampled(seed=MAX_SEED + 1)),
-    ("seed", sampled(seed=0), sampled(seed=-1)),
+    ("seed", sampled(seed=MIN_SEED), sampled(seed=MIN_SEED - 1)),
     ("logprobs", sampled(logprobs=MAX_TOP_LOGPROBS), sampled(logprobs=MAX_TOP_LOGPROBS + 1)),
     ("logprobs", sampled(logprobs=0), sampled(logprobs=-1)),
     ("temperature", sampled(temperature=2.0), sampled(temperature=2.001)),

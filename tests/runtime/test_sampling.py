@@ -137,6 +137,14 @@ def test_draws_follow_the_distribution():
     assert abs(counts[0] / 2000 - 0.7) < 0.05 and abs(counts[2] / 2000 - 0.1) < 0.03
 
 
+def test_a_negative_seed_keys_on_its_64_bits_unsigned():
+    """An int64 seed's two's complement: every value in range is a valid, distinct key."""
+    for seed, unsigned in [(-1, 2**64 - 1), (-(2**63), 2**63), (2**63 - 1, 2**63 - 1)]:
+        row = RowSampler.create(SamplingParams(temperature=1.0, seed=seed), [], 4)
+        assert row.key is not None
+        assert row.key.tolist() == mx.random.key(unsigned).tolist()
+
+
 def test_unseeded_rows_beside_a_seeded_one_draw_independently():
     """Two unseeded rows over the same uniform logits, in a batch with a seeded row (n=2
     choices beside another client's seeded request): each draws its own token, so they
