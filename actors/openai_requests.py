@@ -330,7 +330,9 @@ _IGNORED_FIELDS: dict[str, type | tuple[type, ...]] = {
     "safety_identifier": str,
     "metadata": dict,
     "service_tier": str,
-    "prompt_cache_key": str,  # prefix caching is automatic
+    "prompt_cache_key": str,  # prefix caching is automatic, and lasts while blocks are free
+    "prompt_cache_retention": str,
+    "prompt_cache_options": dict,
     "store": bool,  # false only
 }
 # OpenAI's stream options; include_obfuscation only pads chunks against length side

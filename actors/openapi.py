@@ -113,6 +113,8 @@ _COMMON_FIELDS: dict[str, Any] = {
     "metadata": _or_null({"type": "object"}),
     "service_tier": _or_null({"type": "string"}),
     "prompt_cache_key": _or_null({"type": "string"}),
+    "prompt_cache_retention": _or_null({"type": "string"}),
+    "prompt_cache_options": _or_null({"type": "object"}),
     "store": {"enum": [False, None]},
 }
 

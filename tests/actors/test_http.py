@@ -205,6 +205,8 @@ async def test_fields_openai_defines_as_without_effect_are_accepted_and_change_n
             service_tier="auto",
             prompt_cache_key="k",
             store=False,
+            # Newer than some openai clients: as extra fields, which every client sends.
+            extra_body={"prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": "1h"}},
         )
     assert tagged.choices[0].message.content == plain.choices[0].message.content
 
