@@ -29,6 +29,12 @@ def chat_messages(messages: Sequence[Any]) -> tuple[dict[str, Any], ...]:
     return tuple(_message(message, i) for i, message in enumerate(messages))
 
 
+# A content part's type -> the key holding its text. An assistant turn replayed from
+# OpenAI's own reply may hold its refusal as a part: what it said, as text is.
+_PARTS = {"text": "text"}
+_ASSISTANT_PARTS = {"text": "text", "refusal": "refusal"}
+
+
 def _message(message: Any, index: int) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
@@ -39,15 +45,9 @@ def _message(message: Any, index: int) -> dict[str, Any]:
         raise RequestError(
             f"{where}.role must be one of {', '.join(ROLES)}, got {shown}", param=f"{where}.role"
         )
-    if isinstance(content, list):  # content parts: only text ones
-        if not all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content
-        ):
-            raise RequestError(
-                f"{where}.content parts must be text parts", param=f"{where}.content"
-            )
-        content = "".join(p["text"] for p in content)
+    if isinstance(content, list):  # content parts: only text ones (and refusals, said)
+        kinds = _ASSISTANT_PARTS if role == "assistant" else _PARTS
+        content = "".join(_part_text(part, kinds, f"{where}.content") for part in content)
     if content is None:
         content = ""
     if not isinstance(content, str):
@@ -55,6 +55,14 @@ def _message(message: Any, index: int) -> dict[str, Any]:
             f"{where}.content must be a string or a list of text parts", param=f"{where}.content"
         )
     return {"role": role, "content": content, **_tool_keys(message, where)}
+
+
+def _part_text(part: Any, kinds: dict[str, str], where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    text = part.get(kinds[kind]) if isinstance(kind, str) and kind in kinds else None
+    if not isinstance(text, str):
+        raise RequestError(f"{where} parts must be {' or '.join(kinds)} parts", param=where)
+    return text
 
 
 def _tool_keys(message: dict[str, Any], where: str) -> dict[str, Any]:

@@ -17,6 +17,19 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "argumen
             {"role": "user", "content": [{"type": "image_url", "text": "a cat", "image_url": {}}]},
             "messages[0].content",
         ),
+        # A refusal is the assistant's to have said; a part's type must be a known string.
+        (
+            {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]},
+            "messages[0].content",
+        ),
+        (
+            {"role": "assistant", "content": [{"type": ["text"], "text": "x"}]},
+            "messages[0].content",
+        ),
+        (
+            {"role": "assistant", "content": [{"type": "refusal", "text": "no"}]},
+            "messages[0].content",
+        ),
         # Only an assistant turn makes calls: a user's would reach the template as one.
         ({"role": "user", "content": "hi", "tool_calls": [CALL]}, "messages[0].tool_calls"),
         ({"role": "tool", "tool_call_id": 7, "content": "4"}, "messages[0].tool_call_id"),
@@ -51,3 +64,13 @@ def test_a_message_is_rebuilt_from_the_keys_cadence_knows():
         {"role": "assistant", "content": "", "tool_calls": [CALL]},
         {"role": "tool", "content": "4", "tool_call_id": "call_1", "name": "add"},
     )
+
+
+def test_an_assistant_turn_replayed_with_a_refusal_part_says_it():
+    """OpenAI's assistant content may hold refusal parts beside text ones (a 400 here)."""
+    parts = [
+        {"type": "text", "text": "I can't "},
+        {"type": "refusal", "refusal": "help with that."},
+    ]
+    [message] = chat_messages([{"role": "assistant", "content": parts}])
+    assert message == {"role": "assistant", "content": "I can't help with that."}
