@@ -163,6 +163,7 @@ class Admission:
             max_context=self.max_context,
             vocab_size=self.vocab_size,
             prompt_field=field,
+            max_tokens_field=request.max_tokens_field,
             kv_tokens=self.kv_tokens,
         )
         return params

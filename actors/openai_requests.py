@@ -229,11 +229,15 @@ def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any)
     for name, limit in limits.items():
         if limit is not None and limit < 1:
             raise ApiError(400, f"'{name}' must be a positive integer, got {limit}", param=name)
-    max_tokens = next((limit for limit in limits.values() if limit is not None), None)
+    max_tokens_field, max_tokens = next(
+        ((name, limit) for name, limit in limits.items() if limit is not None),
+        ("max_tokens", None),
+    )
     sampling = attrs.evolve(_sampling(body), logprobs=_logprobs(body, kind))
     request = GenerateRequest(
         **prompt,
         max_tokens=max_tokens,
+        max_tokens_field=max_tokens_field,
         sampling=sampling,
         stop=stop,
         ignore_eos=bool(_field(body, "ignore_eos", bool)),

@@ -50,6 +50,7 @@ class GenerateRequest:
     prompt: str | tuple[int, ...] | None = None
     messages: tuple[dict[str, Any], ...] | None = None
     max_tokens: int | None = None  # None: whatever the context leaves
+    max_tokens_field: str = "max_tokens"  # the name the client gave it, for errors
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False

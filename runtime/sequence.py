@@ -153,27 +153,32 @@ def check_sequence(
     max_context: int,
     vocab_size: int,
     prompt_field: str = "prompt",
+    max_tokens_field: str = "max_tokens",
     kv_tokens: int | None = None,
 ) -> None:
     """Raise RequestError unless `params` can run; pure, so admission calls it off-thread too.
 
-    `prompt_field` names the request field the prompt came from ("prompt" or "messages");
+    `prompt_field` and `max_tokens_field` name the request fields the prompt and the
+    limit came from ("prompt" or "messages"; "max_tokens" or "max_completion_tokens");
     `kv_tokens`, when it is what bounds `max_context`, is named in the error.
     """
     prompt = params.prompt_tokens
     if not prompt:
         raise RequestError(f"'{prompt_field}' encodes to no tokens", param=prompt_field)
     if params.max_tokens is not None and params.max_tokens < 1:
-        raise RequestError("'max_tokens' must be at least 1", param="max_tokens")
+        raise RequestError(f"'{max_tokens_field}' must be at least 1", param=max_tokens_field)
     if len(prompt) + (params.max_tokens or 1) > max_context:
         asked = params.max_tokens or "at least 1"
         limit = f"this model's maximum context length is {max_context} tokens"
         if kv_tokens is not None and kv_tokens <= max_context:
             limit = f"the KV budget holds {kv_tokens} tokens in all (--kv-budget)"
         raise RequestError(
-            f"{limit}; the prompt has {len(prompt)} tokens and max_tokens asks for {asked} more",
+            f"{limit}; the prompt has {len(prompt)} tokens and {max_tokens_field} asks for "
+            f"{asked} more",
             # The prompt's fault when it leaves no room for even one token.
-            param="max_tokens" if params.max_tokens and len(prompt) < max_context else prompt_field,
+            param=max_tokens_field
+            if params.max_tokens and len(prompt) < max_context
+            else prompt_field,
             code="context_length_exceeded",
         )
     if any(not 0 <= t < vocab_size for t in prompt):

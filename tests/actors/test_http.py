@@ -627,6 +627,13 @@ ERROR_CASES = {
         "max_tokens",
         "context_length_exceeded",
     ),
+    # Named as the client named it: the chat SDKs send only the newer name.
+    "max_completion_tokens past the context": (
+        {"model": "M", "messages": CHAT, "max_completion_tokens": 5000},
+        400,
+        "max_completion_tokens",
+        "context_length_exceeded",
+    ),
     "prompt too long": (
         {"model": "M", "prompt": list(range(1100))},
         400,
