@@ -101,37 +101,42 @@ class ChatTemplate:
         is_located: Callable[[str], bool],
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[str, list[tuple[int, int]]]:
-        """The prompt, and the [start, end) character spans in it where the strings of
-        `messages` (at any depth) that `is_located` picks were written.
+        """The prompt, and the [start, end) character spans in it where the strings that
+        `is_located` picks were written: strings of `messages`, `tools` and `variables`
+        at any depth, dict keys among them (a tool call's parsed arguments).
 
         When some string is picked, the template runs a second time with each picked
-        string replaced by a unique sentinel, and the prompt must read as that render with
-        each sentinel replaced by its string (or the string with whitespace trimmed, as
-        `| trim` does). Raises `RequestError` otherwise: a template that escapes, splits
-        or branches on the string leaves no way to tell its text from the template's.
+        string replaced by a sentinel (one per distinct string, so a template comparing
+        two messages still finds them equal), and the prompt must read as that render
+        with each sentinel replaced by its string (or the string with whitespace
+        trimmed, as `| trim` does). Raises `RequestError` otherwise: a template that
+        escapes, splits or branches on the string leaves no way to tell its text from
+        the template's.
         """
         prompt = self.render(messages, add_generation_prompt, variables, tools)
-        picked: list[str] = []
+        picked: dict[str, int] = {}  # text -> its sentinel's index
         nonce = secrets.token_hex(8)  # unguessable, so no message can contain a sentinel
 
         def to_sentinel(text: str) -> str:
             if not is_located(text):
                 return text
-            picked.append(text)
-            return f"@{nonce}:{len(picked) - 1}@"
+            return f"@{nonce}:{picked.setdefault(text, len(picked))}@"
 
         try:
-            with_sentinels = _map_strings(messages, to_sentinel)
+            with_sentinels = [
+                _map_strings(given, to_sentinel) for given in (messages, variables, tools)
+            ]
         except RecursionError:  # parsed tool-call arguments nesting ~500 deep: 2 frames a level
             raise RequestError("the messages nest too deeply to render", param="messages") from None
         if not picked:
             return prompt, []
-        skeleton = self.render(with_sentinels, add_generation_prompt, variables, tools)
-        spans = _spans(prompt, re.split(f"@{nonce}:([0-9]+)@", skeleton), picked)
+        chat, sentinel_variables, sentinel_tools = with_sentinels
+        skeleton = self.render(chat, add_generation_prompt, sentinel_variables, sentinel_tools)
+        spans = _spans(prompt, re.split(f"@{nonce}:([0-9]+)@", skeleton), list(picked))
         if spans is None:
             raise RequestError(
-                "a message spells out a special token, and this chat template rewrites "
-                "message text, so it cannot be kept as plain text",
+                "a message or tool spells out a special token, and this chat template "
+                "rewrites such text, so it cannot be kept as plain text",
                 param="messages",
             )
         return prompt, spans
@@ -161,11 +166,15 @@ def checked_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, An
 
 
 def _map_strings(value: Any, transform: Callable[[str], str]) -> Any:
-    """A copy of a JSON-like `value` with `transform` applied to every string in it."""
+    """A copy of a JSON-like `value` with `transform` applied to every string in it, keys
+    too: a tool call's arguments reach the template as a dict, printed by `tojson`."""
     if isinstance(value, str):
         return transform(value)
     if isinstance(value, Mapping):
-        return {key: _map_strings(item, transform) for key, item in value.items()}
+        return {
+            _map_strings(key, transform): _map_strings(item, transform)
+            for key, item in value.items()
+        }
     if isinstance(value, list | tuple):
         return [_map_strings(item, transform) for item in value]
     return value
@@ -254,11 +263,25 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
+class _GenerationBlocks(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` renders its body as it is, as in
+    transformers, whose AssistantTracker marks those spans for training masks (TRL's
+    `assistant_only_loss` fine-tunes ship such templates); an unknown tag did not compile."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[Any]:
+        next(parser.stream)  # the tag's own name
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)  # type: ignore[no-any-return]
+
+
 def _build_environment() -> ImmutableSandboxedEnvironment:
     # Templates come from the Hub and are untrusted: the immutable sandbox stops them
     # from touching Python internals or mutating the caller's messages.
     environment = _Sandbox(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationBlocks],
     )
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
