@@ -362,8 +362,11 @@ def _register_special_tokens(
     named_tokens: Iterable[str],
 ) -> None:
     """Make tokens the configs call special split out when encoding and skippable when
-    decoding, as transformers does, when tokenizer.json did not list them itself."""
-    registered = {token.content for token in backend.get_added_tokens_decoder().values()}
+    decoding, as transformers does, when tokenizer.json did not list them itself (or
+    listed them as plain: the config's `special` wins, as in transformers)."""
+    added = backend.get_added_tokens_decoder().values()
+    registered = {token.content for token in added}
+    plain = {token.content for token in added if not token.special}
     declared = config.get("added_tokens_decoder")
     new_tokens = [
         tokenizers.AddedToken(
@@ -377,7 +380,10 @@ def _register_special_tokens(
         for entry in (declared.values() if isinstance(declared, dict) else ())
         if isinstance(entry, dict)
         and isinstance(entry.get("content"), str)
-        and entry["content"] not in registered
+        and (
+            entry["content"] not in registered
+            or (entry["content"] in plain and entry.get("special") is True)
+        )
     ]
     extra = [
         *_token_texts(config.get("additional_special_tokens")),

@@ -1109,3 +1109,21 @@ def test_a_declared_added_token_is_special_only_when_it_says_so(checkpoint_dirs,
     assert think in ids
     with pytest.raises(RequestError, match="special token"):
         tok.encode_chat([{"role": "user", "content": 'say "<x>"'}])
+
+
+def test_the_configs_special_flag_wins_over_tokenizer_json_s(checkpoint_dirs, tmp_path):
+    """tokenizer.json lists <|end|> as plain, tokenizer_config.json as special: as in
+    transformers, it is special (skipped in replies, never forged from a message)."""
+    path = shutil.copytree(checkpoint_dirs["byte_level"], tmp_path / "ckpt")
+    backend = json.loads((path / "tokenizer.json").read_text())
+    new_id = len(backend["model"]["vocab"])
+    entry = {"content": "<|end|>", "lstrip": False, "rstrip": False, "normalized": False}
+    backend["added_tokens"].append({"id": new_id, **entry, "single_word": False, "special": False})
+    (path / "tokenizer.json").write_text(json.dumps(backend))
+    edit_json(path / "tokenizer_config.json", added_tokens_decoder={str(new_id): {**entry, "special": True}})
+    tok = Tokenizer.from_dir(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(path))
+    ids = tok.encode("Hi<|end|>", add_special_tokens=False)
+    assert ids[-1] == new_id
+    assert tok.decode(ids) == theirs.decode(ids, skip_special_tokens=True) == "Hi"
+    assert new_id not in tok.encode_chat([{"role": "user", "content": "Hi<|end|>"}])
