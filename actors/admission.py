@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 
 from runtime.errors import CadenceError, RequestError
-from runtime.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
+from runtime.grammar import JSON_KINDS, CompiledGrammar, GrammarCompiler, GrammarSpec
 from runtime.sequence import SequenceParams, check_sequence
 from runtime.tokenizer import Tokenizer
 from runtime.tool_prompts import chat_for_template, template_knows_tools, tool_call_grammar
@@ -77,7 +77,9 @@ class Admission:
                 params = attrs.evolve(params, grammar=await self._compile(spec))
         except Exception as error:
             self.waiting_slots.release()
-            if not isinstance(error, CadenceError):  # a tokenizer or template bug: this request only
+            if not isinstance(
+                error, CadenceError
+            ):  # a tokenizer or template bug: this request only
                 bound.exception("prepare failed")
                 error = RequestError(f"could not prepare the prompt: {error}")
             bound.info("rejected", error=str(error))
@@ -107,10 +109,24 @@ class Admission:
             await self.to_scheduler.send(Abort(admit.request_id, "cancelled"))
 
     def grammar_spec(self, request: GenerateRequest) -> GrammarSpec | None:
-        """What the output must match: the request's grammar, or a forced tool call."""
+        """What the output must match: the request's grammar, or a forced tool call (which
+        has no content for a `response_format` to shape), or under `auto` a call or the
+        JSON answer (a `response_format` shapes the content, and tools stay callable).
+
+        Not in Llama 3's format: its calls are bare JSON objects, which the parser
+        would read an answer starting with a "name" key as; there the answer alone."""
         if request.tool_choice in ("required", "function"):
             return tool_call_grammar(self.tool_style, request.tools, request.tool_name)
-        return request.grammar
+        answer = request.grammar
+        if (
+            request.tools
+            and request.tool_choice == "auto"
+            and answer is not None
+            and answer.kind in JSON_KINDS
+            and self.tool_style != "llama3_json"
+        ):
+            return tool_call_grammar(self.tool_style, request.tools, None, answer)
+        return answer
 
     async def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
         grammars = self.grammars

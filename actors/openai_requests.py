@@ -195,10 +195,14 @@ def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any)
         grammar = structured_output(body)
     except RequestError as error:
         raise ApiError.from_error(error) from None
-    if grammar is not None and tools.choice in ("required", "function"):
+    # A forced call has no content for OpenAI's response_format to shape: accepted, as
+    # OpenAI accepts it. vLLM's guided fields constrain the whole reply, which a forced
+    # call already does otherwise.
+    is_whole_reply = grammar is not None and not grammar.param.startswith("response_format")
+    if is_whole_reply and tools.choice in ("required", "function"):
         raise ApiError(
             400,
-            "a forced tool_choice cannot be combined with structured output",
+            "a forced tool_choice cannot be combined with a guided grammar",
             param="tool_choice",
         )
     is_stream = bool(_field(body, "stream", bool))

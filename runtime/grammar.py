@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from runtime.errors import RequestError
 from runtime.tokenizer import Tokenizer
@@ -83,6 +84,26 @@ class GrammarSpec:
                 lark = "start: " + " | ".join(json.dumps(str(c)) for c in choices)
                 return llguidance.LLMatcher.grammar_from_lark(lark)
         raise RequestError(f"unknown grammar kind {self.kind!r}", param=self.param)
+
+
+JSON_KINDS = ("json_schema", "json_object")
+
+
+def answer_json_schema(spec: GrammarSpec) -> dict[str, Any]:
+    """The JSON schema of a `JSON_KINDS` spec, as an object to embed (`%json`) in a
+    larger grammar; raises RequestError naming `spec.param` for a schema that is not one."""
+    assert spec.kind in JSON_KINDS
+    if spec.kind == "json_object":
+        return {"type": "object"}
+    try:
+        schema = json.loads(str(spec.source))
+    except ValueError:
+        raise RequestError(f"'{spec.param}' is not valid JSON", param=spec.param) from None
+    if schema is True:  # as `{}`: llguidance applies its options to objects only
+        return {}
+    if not isinstance(schema, dict):
+        raise RequestError(f"'{spec.param}' must be a JSON schema object", param=spec.param)
+    return schema
 
 
 @attrs.frozen(eq=False)

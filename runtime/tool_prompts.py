@@ -16,7 +16,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from runtime.grammar import JSON_OPTIONS, GrammarSpec
+from runtime.grammar import JSON_OPTIONS, GrammarSpec, answer_json_schema
 from runtime.tools import TOOL_STYLES
 
 # Arguments stay JSON objects in forced calls, whatever a tool's own schema omits.
@@ -41,10 +41,16 @@ def template_knows_tools(template_source: str) -> bool:
 
 
 def tool_call_grammar(
-    style: str, tools: Sequence[Mapping[str, Any]], forced_name: str | None
+    style: str,
+    tools: Sequence[Mapping[str, Any]],
+    forced_name: str | None,
+    answer: GrammarSpec | None = None,
 ) -> GrammarSpec:
     """A Lark grammar (llguidance's, with embedded JSON schemas) for exactly one call, in
-    `style`, of the named function or of any of `tools`; the name is written first."""
+    `style`, of the named function or of any of `tools`; the name is written first.
+
+    `answer`, a JSON grammar (`response_format`), is the other choice: the reply is one
+    call or that answer, as OpenAI's `tool_choice: auto` beside a `response_format`."""
     assert style in TOOL_STYLES
     functions = [tool["function"] for tool in tools]
     if forced_name is not None:
@@ -65,12 +71,16 @@ def tool_call_grammar(
     schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
     call = f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
     if style == "hermes":
-        lark = f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {call}'
+        lark = f'tool_call: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {call}'
     elif style == "gemma":
-        lark = f'start: "```tool_code\\n" call "\\n```"\ncall: {call}'
+        lark = f'tool_call: "```tool_code\\n" call "\\n```"\ncall: {call}'
     else:
-        lark = f"start: {call}"
-    return GrammarSpec("lark", lark, "tool_choice")
+        lark = f"tool_call: {call}"
+    if answer is None:
+        return GrammarSpec("lark", f"start: tool_call\n{lark}", "tool_choice")
+    answer_schema = {**answer_json_schema(answer), "x-guidance": JSON_OPTIONS}
+    lark += f"\nanswer: %json {json.dumps(answer_schema)}"
+    return GrammarSpec("lark", f"start: tool_call | answer\n{lark}", answer.param)
 
 
 def _parameters(function: Mapping[str, Any]) -> dict[str, Any]:

@@ -466,3 +466,38 @@ async def test_a_grammar_failing_mid_reply_is_the_clients_error_naming_its_field
         # The server goes on: a plain request still completes.
         done = await in_thread(whole, server, messages=ASK, max_tokens=3)
         assert done.choices[0].finish_reason == "length"
+
+
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+MARKER = {"hermes": "<tool_call>", "gemma": "```tool_code"}
+
+
+async def test_auto_beside_a_response_format_may_call_or_answer_in_the_format(styled):
+    """OpenAI's response_format shapes the content and leaves the tools callable (the
+    Agents SDK sends both): the grammar was the format alone, so no call could start,
+    and a forced tool_choice beside it was a 400."""
+    style, checkpoint = styled
+    body = dict(messages=ASK, tools=TOOLS, max_tokens=80, response_format=FORMAT)
+    async with serving(checkpoint) as server:
+        forced = await in_thread(whole, server, **body, tool_choice="required")
+        if style in MARKER:  # random weights: the marker's first token decides the branch
+            first = Tokenizer.from_dir(checkpoint).encode(MARKER[style], add_special_tokens=False)[0]
+            called = await in_thread(whole, server, **body, logit_bias={str(first): 100})
+            answered = await in_thread(whole, server, **body, logit_bias={str(first): -100})
+        else:  # Llama 3's calls are bare JSON, as the answer is: there the answer alone
+            called, answered = None, await in_thread(whole, server, **body, logit_bias={})
+    (call,) = forced.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    if called is not None:
+        assert called.choices[0].finish_reason == "tool_calls"
+        (call,) = called.choices[0].message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    message = answered.choices[0].message
+    assert message.tool_calls is None
+    jsonschema.validate(json.loads(message.content), ANSWER)

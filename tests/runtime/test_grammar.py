@@ -17,6 +17,7 @@ from runtime.kv.blocks import BlockPool
 from runtime.runner import run_offline
 from runtime.scheduler import FcfsScheduler
 from runtime.sequence import FinishCause, SamplingParams, SequenceParams, StepBatch
+from runtime.tool_prompts import tool_call_grammar
 
 import jsonschema
 import pytest
@@ -360,3 +361,29 @@ def test_a_grammar_failing_past_its_first_token_fails_the_row_naming_its_field(
     (failed,) = [o for o in outcomes if o.error is not None]
     assert failed.error_param == "guided_regex"
     assert all(got[name].finish is FinishCause.LENGTH for name in free_rows(12))
+
+
+def test_a_call_or_the_answer_each_kind_of_json_answer(compiler, model):
+    """`auto` tools beside a response_format: one call, or the answer in its format."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+
+    def accepts(spec, text):
+        state = compiler.compile(spec).start()
+        ids = model.tokenizer.encode(text, add_special_tokens=False)
+        return all(state.advance(t) is None for t in ids)
+
+    for answer, good, bad in [
+        (GrammarSpec("json_object", "", "response_format"), '{"k": 1}', "[1]"),
+        (GrammarSpec("json_schema", "true", "response_format"), "[1]", "x"),
+        (GrammarSpec("json_schema", '{"type": "integer"}', "response_format"), "7", '"7"'),
+    ]:
+        either = tool_call_grammar("hermes", tools, None, answer)
+        assert either.param == "response_format"
+        assert accepts(either, call) and accepts(either, good), answer
+        assert not accepts(either, bad), answer
+    for schema in ("false", "{", "[]"):
+        answer = GrammarSpec("json_schema", schema, "response_format.json_schema.schema")
+        with pytest.raises(RequestError) as raised:
+            tool_call_grammar("hermes", tools, None, answer)
+        assert raised.value.param == answer.param
