@@ -308,12 +308,16 @@ class FcfsScheduler:
             if self._is_held(request, num_hit, num_lookup, computing):
                 index += 1  # its next block will be cached soon: take it from there
                 continue
-            footprint = self.pool.blocks_for_row(len(request.tokens) + 1, self._max_chunk)
-            needed = footprint - self.pool.num_held(hits)
-            if footprint > self.pool.num_blocks:  # admission should have refused it
+            num_tokens = len(request.tokens) + 1
+            # A chunk shrinks to the blocks there are (_span_length): only a row that
+            # cannot hold even one token at a time can never fit (admission refuses it,
+            # unless every layer slides: then the context is not capped there).
+            if self.pool.blocks_for_row(num_tokens, 1) > self.pool.num_blocks:
                 self.waiting.pop(index)
                 self.pending_rejects.append((request.request_id, self._too_large(request)))
                 continue
+            footprint = self._footprint(num_tokens, self._max_chunk)
+            needed = footprint - self.pool.num_held(hits)
             if needed + self._committed() > (
                 self.pool.num_free_blocks - self.pool.num_evictable_tables(hits)
             ):
@@ -382,11 +386,21 @@ class FcfsScheduler:
         return f"{len(request.tokens)} tokens can never fit the KV pool of {capacity} tokens"
 
     def _committed(self) -> int:
-        """Blocks running requests still need for their known tokens, or one to grow."""
+        """Blocks running requests still need for their known tokens, or one to grow. A
+        decoding row computes one token a step: in a window it never again holds a chunk."""
         return sum(
-            max(self.pool.blocks_for_row(r.frontier + 1, self._max_chunk) - self.pool.num_held(r.tables), 1)
+            max(
+                self._footprint(r.frontier + 1, self._max_chunk if r.is_prefilling else 1)
+                - self.pool.num_held(r.tables),
+                1,
+            )
             for r in self.running.values()
         )
+
+    def _footprint(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a row of `num_tokens` holds at once in spans of `chunk`, at
+        most the pool: past it, its chunks shrink to what there is."""
+        return min(self.pool.blocks_for_row(num_tokens, chunk), self.pool.num_blocks)
 
     @property
     def _max_chunk(self) -> int:

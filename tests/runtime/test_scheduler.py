@@ -528,6 +528,46 @@ def test_a_windowed_rows_reservation_covers_its_window_and_the_solo_span():
     assert [o[0] for o in p.schedule().opens] == ["a"]  # 7 blocks each: b waits for a
 
 
+def all_windowed(num_blocks, window=8, solo=512):
+    """Every layer slides over `window` tokens, in blocks of 4; chunks as the server's."""
+    pool = BlockPool(num_blocks, 4, layout=KVLayout.for_layers(1, (window,)))
+    return FcfsScheduler(
+        4, pool, 1000, prefill_chunk=160, max_num_batched_tokens=164, solo_prefill_tokens=solo
+    )
+
+
+def test_every_layer_sliding_a_prompt_longer_than_the_pool_runs_in_smaller_chunks():
+    """The context is not capped when every layer slides: a 100-token prompt in a pool of
+    80 tokens holds a window and a chunk at a time. It was refused as "can never fit",
+    sized by a 512-token chunk no pool this small could hold (a 500 over HTTP)."""
+    p = all_windowed(num_blocks=20)
+    p.add("long", params(100, max_tokens=10))
+    steps = list(planned_steps(p, check_pool=True))
+    assert all(plan.rejects == () for _, plan in steps)
+    assert sum(s.num_new for _, plan in steps for s in plan.spans) == 100 + 10 - 1
+    assert p.pool.num_used_blocks == 0 and not p.has_work
+
+
+def test_every_layer_sliding_a_decoding_row_reserves_its_window_not_a_chunk():
+    """A decoding row computes one token a step: it was charged a whole 512-token
+    chunk's blocks (129 of 100 for a 600-token row), so a later arrival waited for it
+    to end with the pool all but empty."""
+    p = all_windowed(num_blocks=100)
+    p.add("long", params(5, max_tokens=700))
+    for _ in range(600):  # ~600 tokens in: never more than 3 blocks held
+        done(p, p.schedule())
+    assert p.pool.num_free_blocks >= 97
+    p.add("late", params(5, first=50))
+    assert [o[0] for o in p.schedule().opens] == ["late"]
+
+
+def test_every_layer_sliding_a_row_that_cannot_hold_one_token_at_a_time_is_refused():
+    p = all_windowed(num_blocks=2, window=16)  # a window spans 4-5 blocks of 4
+    p.add("any", params(30))
+    plan = p.schedule()
+    assert [rid for rid, _ in plan.rejects] == ["any"] and "never fit" in plan.rejects[0][1]
+
+
 @pytest.mark.parametrize("windows", [(None,), (None, 4), (4,), (8, 4)], ids=str)
 def test_random_workloads_finish_with_the_pool_intact_in_every_layout(windows):
     """Tight pools, shared prefixes, priorities, aborts and two steps in flight: every
