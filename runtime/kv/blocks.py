@@ -234,14 +234,18 @@ class BlockPool:
         """Of this pool's blocks in `tables`, how many are cached-free."""
         return self.num_evictable(tables[0])
 
-    def take_cached_tables(self, tables: Sequence[Sequence[int]], num_looked_up: int) -> None:
-        """Hold what `match_tables` found; the hit rate counts prompt blocks, not groups.
+    def take_cached_tables(
+        self, tables: Sequence[Sequence[int]], num_looked_up: int, *, is_counted: bool = True
+    ) -> None:
+        """Hold what `match_tables` found; the hit rate counts prompt blocks, not groups,
+        and only lookups `is_counted` (a prompt's first, not a preempted row's resumption).
 
         Any group's table may start with NULL_BLOCK entries, group 0's too when every
         layer slides: those prompt blocks count as hits (their tokens are not computed
         again), but there is no block to hold."""
-        self.num_lookup_blocks += num_looked_up
-        self.num_hit_blocks += len(tables[0])
+        if is_counted:
+            self.num_lookup_blocks += num_looked_up
+            self.num_hit_blocks += len(tables[0])
         for pool, table in zip(self.group_pools, tables, strict=True):
             pool._hold(b for b in table if b != NULL_BLOCK)
 

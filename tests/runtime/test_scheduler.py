@@ -271,6 +271,18 @@ def test_when_no_row_can_grow_and_nothing_is_in_flight_the_newest_is_preempted()
     assert p.num_steps < 60
 
 
+def test_the_prefix_cache_counts_each_prompts_first_lookup_not_a_resumptions():
+    """cadence:prefix_cache_queries is prompt tokens looked up: a preempted row's
+    resumption (prompt and output again) counted as more prompts, and skewed the rate."""
+    p = policy(max_batch=2, num_blocks=6, block_size=4, max_context=16)
+    p.add("a", params(9, max_tokens=7))  # 2 full blocks before the last token, each
+    p.add("b", params(9, max_tokens=7, first=50))
+    for _, _plan in planned_steps(p, check_pool=True):
+        pass
+    assert p.num_preemptions >= 1 and not p.has_work
+    assert p.pool.num_lookup_blocks == 2 + 2
+
+
 def test_a_preempted_request_resumes_by_prefilling_prompt_and_generated_tokens():
     p = policy(max_batch=2, num_blocks=3, block_size=4, max_context=12)
     p.add("a", params(3, max_tokens=9))
