@@ -125,7 +125,9 @@ class Streamer:
         stream.last_token_at = now
         stream.num_completion_tokens += 1
         if row.logprob is not None:
-            after_text = stream.detokenizer.has_text  # before this token joins it
+            # Mid-sequence once any token came before it: a lone "▁" first decodes to
+            # nothing (a Strip decoder), yet the word start after it keeps its space.
+            after_text = stream.detokenizer.has_tokens  # before this token joins it
             stream.unsent_logprobs.append(self._logprob_entry(row.token, row.logprob, after_text))
         text, is_stop = stream.stop_matcher.feed(stream.detokenizer.add(row.token))
         cause = first_cause(row.finish, FinishCause.STOP_SEQUENCE if is_stop else None)

@@ -272,7 +272,8 @@ class Tokenizer:
         run_ids = self._byte_piece_ids
         if run_ids and skip_special_tokens:
             run_ids |= self._special_ids  # a skipped token does not end a run of byte pieces
-        return IncrementalDetokenizer(decode, run_ids)
+        skipped = self._special_ids if skip_special_tokens else frozenset()
+        return IncrementalDetokenizer(decode, run_ids, skipped)
 
 
 class IncrementalDetokenizer:
@@ -289,9 +290,16 @@ class IncrementalDetokenizer:
     tokens in practice, though a long run of invalid bytes keeps it growing.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], run_ids: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        run_ids: frozenset[int] = frozenset(),
+        skipped_ids: frozenset[int] = frozenset(),
+    ):
         self._decode = decode
         self._run_ids = run_ids
+        self._skipped_ids = skipped_ids
+        self.has_tokens = False  # any token that decoding does not skip, text or not
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -301,6 +309,7 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; returns the newly decodable text (often "")."""
         self._ids.append(token_id)
+        self.has_tokens |= token_id not in self._skipped_ids
         if token_id in self._run_ids:
             return ""  # nothing is final until the run of byte pieces ends
         return self._emit(is_final=False)
@@ -313,11 +322,6 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         """Everything emitted so far."""
         return "".join(self._chunks)
-
-    @property
-    def has_text(self) -> bool:
-        """Whether the tokens so far decode to any text, emitted or held back."""
-        return bool(self._chunks) or bool(self._ids and self._decode(self._ids))
 
     def _emit(self, is_final: bool) -> str:
         window_text = self._decode(self._ids[self._prefix_offset :])

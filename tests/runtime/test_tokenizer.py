@@ -966,13 +966,17 @@ def test_a_tokens_pieces_rebuild_the_output_with_its_word_starting_spaces(ours, 
     decoder, so logprobs' bytes for "Hi there" joined to "Hithere". A token after text
     decodes as it does there; the output's first decodes alone, as the output does."""
     tok = ours[kind]
-    ids = tok.encode("Hi there, x 😀é中 again", add_special_tokens=False)
-    detokenizer = tok.detokenizer()
-    pieces = []
-    for i in ids:
-        pieces.append(tok.token_piece(i, after_text=detokenizer.has_text))
-        detokenizer.add(i)
-    assert b"".join(raw for _, raw in pieces).decode() == tok.decode(ids) == detokenizer.text + detokenizer.flush()
+    text_ids = tok.encode("Hi there, x 😀é中 again", add_special_tokens=False)
+    # A lone "▁" first decodes to nothing, yet the word start after it keeps its space.
+    lone_space = [] if (space := tok._backend.token_to_id("▁")) is None else [space]
+    for ids in (text_ids, [*lone_space, *text_ids], [*lone_space * 2, *text_ids]):
+        detokenizer = tok.detokenizer()
+        pieces = []
+        for i in ids:
+            pieces.append(tok.token_piece(i, after_text=detokenizer.has_tokens))
+            detokenizer.add(i)
+        rebuilt = b"".join(raw for _, raw in pieces).decode()
+        assert rebuilt == tok.decode(ids) == detokenizer.text + detokenizer.flush(), ids
     there = tok.encode("Hi there", add_special_tokens=False)[-1]
     assert tok.token_piece(there)[0].startswith(" ")  # mid-sequence: the space is the token's
 
