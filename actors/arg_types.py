@@ -92,6 +92,10 @@ def output_file(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
     if not path.parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: no directory {str(path.parent)!r}")
-    if not os.access(path if path.exists() else path.parent, os.W_OK):
+    # A file is written beside itself and renamed into place (actors/atomic_write.py),
+    # so its directory must take a new file; a device or FIFO is written as it is.
+    target = Path(os.path.realpath(path))
+    is_special = target.exists() and not target.is_file()
+    if not os.access(target if is_special else target.parent, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text!r}: permission denied")
     return path

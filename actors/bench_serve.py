@@ -44,6 +44,7 @@ import attrs
 import trio
 
 from actors import arg_types
+from actors.atomic_write import write_atomically
 from actors.bench_model import Floor, bench_checkpoint, describe_machine, measure_floor
 from actors.bench_servers import cadence_server, first_model, has_mlx_lm, mlx_lm_server, models_url
 from actors.loadgen import (
@@ -114,9 +115,11 @@ def add_parser(which: argparse._SubParsersAction) -> None:
 
 
 def write_json(command: str, path: Path, report: Any) -> bool:
-    """Write `report` to `path`; on failure (a full disk) say so in one line and return False."""
+    """Write `report` to `path`; on failure (a full disk) say so in one line and return
+    False, leaving what `path` held before whole."""
+    text = json.dumps(report, indent=2)
     try:
-        path.write_text(json.dumps(report, indent=2))
+        write_atomically(path, functools.partial(Path.write_text, data=text))
     except OSError as error:
         print(f"{command}: {path}: {error.strerror or error}", file=sys.stderr)
         return False

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import stat
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -24,8 +24,17 @@ from runtime.errors import CadenceError
 
 import attrs
 
+from actors.atomic_write import write_atomically
+
 # Formats matplotlib writes by itself: others need Pillow plugins or LaTeX.
 IMAGE_FORMATS = ("png", "svg", "pdf")
+
+# Past this, matplotlib's tick arithmetic overflows on finite values (1.7e308 ms); no
+# real step count, token count or time comes near it.
+MAX_DRAWN = 2.0**53
+# A log line longer than this is no step event: read in pieces, each skipped, so a file
+# of one endless line (or /dev/zero) cannot take the memory.
+MAX_LINE_CHARS = 1 << 20
 
 # What a step event must carry for the picture (besides its timestamp).
 FIELDS = ("step", "rows", "prefill_tokens", "decode_rows", "cached_tokens", "preempted", "step_ms")
@@ -61,8 +70,11 @@ def read_timeline(path: Path) -> Timeline:
     max_batch = None
     raw = []  # (when the step ended, its event): only step events are kept, as a log
     try:  # of a long-running server is mostly other lines
-        with path.open(encoding="utf-8", errors="replace") as lines:
-            for number, line in enumerate(lines, 1):
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise CadenceError(f"{path}: not a regular file")
+        with path.open(encoding="utf-8", errors="replace") as log:
+            pieces = iter(lambda: log.readline(MAX_LINE_CHARS), "")
+            for number, line in enumerate(pieces, 1):
                 if (e := _event(line)) is None:
                     continue
                 if e.get("event") == "ready" and max_batch is None:
@@ -89,7 +101,8 @@ def read_timeline(path: Path) -> Timeline:
         )
         for end, e in raw
     )
-    return Timeline(steps, max_batch if isinstance(max_batch, int) else None)
+    is_count = isinstance(max_batch, int) and _is_drawable(max_batch) and max_batch > 0
+    return Timeline(steps, max_batch if is_count else None)
 
 
 def _event(line: str) -> dict[str, Any] | None:
@@ -116,13 +129,11 @@ def _step_end(event: dict[str, Any], where: str) -> float | None:
             shown = repr(event[name])
             shown = shown if len(shown) <= 20 else f"{shown[:17]}..."
             raise CadenceError(
-                f"{where}: a step event's {name} is {shown}, not a finite number >= 0"
+                f"{where}: a step event's {name} is {shown}, not a number in [0, 2**53]"
             )
-    # The two are drawn stacked: each may fit a float while their sum does not.
+    # The two are drawn stacked: each may be drawable while their sum is not.
     if not _is_drawable(event["prefill_tokens"] + event["decode_rows"]):
-        raise CadenceError(
-            f"{where}: a step event's prefill_tokens + decode_rows is beyond any float"
-        )
+        raise CadenceError(f"{where}: a step event's prefill_tokens + decode_rows is past 2**53")
     return end
 
 
@@ -131,7 +142,7 @@ def _is_drawable(value: int | float) -> bool:
         number = float(value)
     except OverflowError:  # an integer beyond any float
         return False
-    return math.isfinite(number) and number >= 0
+    return 0 <= number <= MAX_DRAWN  # NaN fails both
 
 
 def _boxes(steps: tuple[StepSample, ...], values: list[float]) -> tuple[list[float], list[float]]:
@@ -185,7 +196,7 @@ def draw(timeline: Timeline, output: Path) -> None:
         fontsize="medium",
     )
     try:
-        fig.savefig(output, dpi=80)
+        write_atomically(output, lambda temporary: fig.savefig(temporary, dpi=80))
     finally:
         plt.close(fig)
 

@@ -5,11 +5,13 @@ import subprocess
 import sys
 import tracemalloc
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 from runtime.errors import CadenceError
 
 import pytest
 
+from actors import timeline
 from actors.cli import _parser
 from actors.timeline import FIELDS, StepSample, Timeline, _boxes, draw, read_timeline
 
@@ -108,7 +110,8 @@ def test_a_line_nested_past_pythons_limit_is_skipped_like_any_other_line(tmp_pat
 
 def test_a_missing_log_or_one_without_steps_is_one_error_line_and_status_2(tmp_path):
     no_steps = write_log(tmp_path / "info.jsonl", ['{"event": "ready"}', "not json"])
-    for log in (tmp_path / "absent.jsonl", no_steps):
+    # /dev/zero, one endless line, is refused as no regular file, as /dev/null is.
+    for log in (tmp_path / "absent.jsonl", no_steps, Path("/dev/null"), Path("/dev/zero")):
         result = run_cli("trace", "timeline", str(log), "-o", str(tmp_path / "t.png"))
         assert result.returncode == 2
         (line,) = result.stderr.splitlines()
@@ -146,8 +149,10 @@ def test_a_real_debug_log_has_every_field_the_timeline_needs(tiny, tmp_path):
     assert (tmp_path / "t.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_a_ready_event_whose_max_batch_is_not_a_number_draws_no_cap_line(tmp_path):
-    ready = '{"max_batch": "16", "event": "ready", "timestamp": "2026-01-01T00:00:00Z"}'
+@pytest.mark.parametrize("max_batch", ['"16"', "0", "-3", "1" + "0" * 400])
+def test_a_ready_event_whose_max_batch_is_no_row_count_draws_no_cap_line(tmp_path, max_batch):
+    """10**400 rows overflowed matplotlib (a traceback); "16" or 0 is no row count either."""
+    ready = f'{{"max_batch": {max_batch}, "event": "ready", "timestamp": "2026-01-01T00:00:00Z"}}'
     step = step_line(1, end_s=1.0, step_ms=100, rows=1, prefill_tokens=8, decode_rows=0)
     assert read_timeline(write_log(tmp_path / "serve.jsonl", [ready, step])).max_batch is None
 
@@ -168,8 +173,11 @@ def test_each_step_is_a_box_from_its_start_to_its_end_at_its_value():
         ("rows", -2, "-2"),
         ("cached_tokens", -0.5, "-0.5"),
         ("rows", 10**400, "10000000000000000..."),  # valid JSON, beyond any float
+        # Finite, yet matplotlib's ticks overflowed on it (a traceback, no picture).
+        ("step_ms", 1.7e308, "1.7e+308"),
+        ("rows", 2**53 + 2, repr(2**53 + 2)),
     ],
-    ids=["nan", "infinity", "negative-int", "negative-float", "beyond-float"],
+    ids=["nan", "infinity", "negative-int", "negative-float", "beyond-float", "near-max", "past-2**53"],
 )
 def test_a_step_event_whose_numbers_cannot_be_drawn_is_an_error_naming_its_line(
     tmp_path, field, value, shown
@@ -180,21 +188,21 @@ def test_a_step_event_whose_numbers_cannot_be_drawn_is_an_error_naming_its_line(
     with pytest.raises(CadenceError) as error:
         read_timeline(log)
     assert str(error.value) == (
-        f"{log}:3: a step event's {field} is {shown}, not a finite number >= 0"
+        f"{log}:3: a step event's {field} is {shown}, not a number in [0, 2**53]"
     )
 
 
-@pytest.mark.parametrize("huge", [10**308, 1.5e308], ids=["int", "float"])
-def test_token_counts_whose_stacked_sum_is_beyond_any_float_are_an_error_naming_the_line(
+@pytest.mark.parametrize("huge", [2**53, 2.0**53], ids=["int", "float"])
+def test_token_counts_whose_stacked_sum_is_past_what_is_drawn_are_an_error_naming_the_line(
     tmp_path, huge
 ):
-    """Each fits a float alone; the drawing stacks them (it raised OverflowError for ints)."""
+    """Each is drawable alone; the drawing stacks them (it raised OverflowError for ints)."""
     line = step_line(1, end_s=1.0, step_ms=10, rows=1, prefill_tokens=huge, decode_rows=huge)
     log = write_log(tmp_path / "serve.jsonl", [line])
     with pytest.raises(CadenceError) as error:
         read_timeline(log)
     assert str(error.value) == (
-        f"{log}:1: a step event's prefill_tokens + decode_rows is beyond any float"
+        f"{log}:1: a step event's prefill_tokens + decode_rows is past 2**53"
     )
 
 
@@ -258,3 +266,11 @@ def test_a_long_log_is_read_in_memory_for_its_steps_not_its_lines(tmp_path):
         tracemalloc.stop()
     assert len(timeline.steps) == 1
     assert peak < 2 << 20  # every line kept: 30 MB
+
+
+def test_a_line_longer_than_any_step_event_is_read_in_pieces_and_skipped(tmp_path, monkeypatch):
+    """A log of one endless line was read whole into memory (/dev/zero took it all)."""
+    monkeypatch.setattr(timeline, "MAX_LINE_CHARS", 512)  # a step line is ~250
+    step = step_line(1, end_s=1.0, step_ms=100, rows=1, prefill_tokens=8, decode_rows=0)
+    log = write_log(tmp_path / "serve.jsonl", ["x" * 1000, step])
+    assert [s.step for s in read_timeline(log).steps] == [1]
