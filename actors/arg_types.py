@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,6 +46,29 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
 
 
 port = int_in(0, 65535)
+
+
+def http_url(text: str) -> str:
+    """An http(s) URL naming its host: "gpu-box:12345" (no scheme) read as scheme
+    "gpu-box" and no host, and the load went to 127.0.0.1:80 under another name."""
+    try:
+        url = urllib.parse.urlsplit(text)
+        url.port  # noqa: B018  (raises ValueError for a port out of range)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is no http:// or https:// URL with a host (http://host:port)"
+        )
+    return text
+
+
+def shell_words(text: str) -> list[str]:
+    """`text` split as a shell would: an unclosed quote is this one-line error."""
+    try:
+        return shlex.split(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
 
 
 def non_empty(text: str) -> str:

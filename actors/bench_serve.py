@@ -63,7 +63,9 @@ Results = dict[str, list[list[RunResult]]]  # server -> rounds -> its runs, in -
 def add_parser(which: argparse._SubParsersAction) -> None:
     serve = which.add_parser("serve", help="a load generator for any OpenAI-compatible server")
     target = serve.add_argument_group("target")
-    target.add_argument("--url", default=None, help="measure this running server")
+    target.add_argument(
+        "--url", type=arg_types.http_url, default=None, help="measure this running server"
+    )
     target.add_argument("--model", default=None, help="the model name to send (default: its first)")
     target.add_argument("--api-key", default=None)
     target.add_argument(
@@ -78,7 +80,12 @@ def add_parser(which: argparse._SubParsersAction) -> None:
         "--compare", action="store_true", help="then mlx_lm.server, same checkpoint"
     )
     target.add_argument("--max-batch", type=arg_types.positive_int, default=16)
-    target.add_argument("--cadence-args", default="", help="extra `cadence serve` flags, quoted")
+    target.add_argument(
+        "--cadence-args",
+        type=arg_types.shell_words,
+        default=[],
+        help="extra `cadence serve` flags, quoted",
+    )
     load = serve.add_argument_group("workload")
     load.add_argument(
         "--clients", type=arg_types.positive_int, nargs="+", default=[1, 4, 16], help="one run each"

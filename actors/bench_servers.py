@@ -1,6 +1,6 @@
 """The servers `cadence bench serve` starts and reads: each in a subprocess of its own.
 
-    with cadence_server(checkpoint, max_batch=16, extra_args="") as target: ...
+    with cadence_server(checkpoint, max_batch=16, extra_args=[]) as target: ...
     with mlx_lm_server(checkpoint, max_batch=16) as target: ...   # the peer
 
 A server counts as ready when cadence logs its `ready` event (which names its URL and
@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import shlex
 import socket
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import threading
 import time
 import urllib.request
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from actors.loadgen import Target, one_line
@@ -30,11 +29,15 @@ READY_TIMEOUT_S = 600.0  # loading a large checkpoint from a cold disk
 
 
 @contextlib.contextmanager
-def cadence_server(checkpoint: Path, max_batch: int, extra_args: str) -> Iterator[Target]:
-    """`cadence serve` on a free loopback port; `extra_args` as a shell would split them."""
+def cadence_server(
+    checkpoint: Path, max_batch: int, extra_args: Sequence[str]
+) -> Iterator[Target]:
+    """`cadence serve` on a free loopback port, with `extra_args` (`--cadence-args`)."""
     serve = ["serve", "--model", str(checkpoint), "--port", "0", "--max-batch", str(max_batch)]
+    # Last, so they win over the user's: readiness is read from the JSON `ready` event,
+    # and `--log-level warning` among extra_args waited 10 minutes for it.
     logs = ["--log-format", "json", "--log-level", "info"]
-    command = [sys.executable, "-m", "actors.cli", *serve, *logs, *shlex.split(extra_args)]
+    command = [sys.executable, "-m", "actors.cli", *serve, *extra_args, *logs]
     with _running("cadence serve", command) as (server, lines, reader):
         ready = _wait(server, lines, reader, lambda: _ready_event(lines))
         yield Target(ready["url"], ready["model"])

@@ -190,9 +190,10 @@ async def run_load(
     start = time.perf_counter()
     async with trio.open_nursery() as nursery:
         if workload.rate:
-            for request in requests:
+            for index, request in enumerate(requests):
+                if index:  # a gap between arrivals, none after the last
+                    await trio.sleep(rng.expovariate(workload.rate))
                 nursery.start_soon(one, request)
-                await trio.sleep(rng.expovariate(workload.rate))
         else:
             queue = list(reversed(requests))
 
@@ -240,8 +241,8 @@ async def stream_request(target: Target, workload: Workload, request: Request) -
         stream.error = f"no answer within {workload.timeout:g} s"
     except (OSError, trio.BrokenResourceError, h11.ProtocolError) as error:
         stream.error = f"connection: {error}"
-    except (ValueError, KeyError, IndexError, TypeError) as error:  # a malformed chunk
-        stream.error = f"bad chunk: {error!r}"
+    except (ValueError, KeyError, IndexError, TypeError, RecursionError) as error:
+        stream.error = f"bad chunk: {error!r}"  # malformed, or nested past Python's limit
     if stream.error is None and not stream.is_done:
         stream.error = "the stream ended without [DONE]"
     num_output = stream.num_output_tokens or len(stream.stamps)
@@ -265,21 +266,43 @@ class _Stream:
     num_output_tokens: int = 0
 
     def on_event(self, payload: bytes, endpoint: str) -> None:
+        """One SSE `data:` payload. Any server may send anything: a chunk not shaped as
+        OpenAI's raises ValueError, which the request's outcome counts as a bad chunk."""
         if payload == b"[DONE]":
             self.is_done = True
             return
-        chunk = json.loads(payload)
+        chunk = _shaped(json.loads(payload), dict, "chunk")
         if "error" in chunk:
             error = chunk["error"]
             self.error = str(error.get("message", error) if isinstance(error, dict) else error)
             return
         if usage := chunk.get("usage"):
-            self.num_prompt_tokens = usage.get("prompt_tokens") or 0
-            self.num_output_tokens = usage.get("completion_tokens") or 0
-        for choice in chunk.get("choices") or ():
-            text = choice["delta"].get("content") if endpoint == "chat" else choice["text"]
+            usage = _shaped(usage, dict, "usage")
+            self.num_prompt_tokens = _count(usage.get("prompt_tokens"))
+            self.num_output_tokens = _count(usage.get("completion_tokens"))
+        for choice in _shaped(chunk.get("choices") or [], list, "choices"):
+            choice = _shaped(choice, dict, "choice")
+            if endpoint == "chat":
+                text = _shaped(choice.get("delta") or {}, dict, "delta").get("content")
+            else:
+                text = choice.get("text")
             if text:
                 self.stamps.append(time.perf_counter())
+
+
+def _shaped(value: Any, kind: type, name: str) -> Any:
+    if not isinstance(value, kind):
+        raise ValueError(f"{name} is no {kind.__name__}: {one_line(repr(value), 60)}")
+    return value
+
+
+def _count(value: Any) -> int:
+    """A usage count: absent is 0, anything but an integer >= 0 a bad chunk."""
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"a usage count of {one_line(repr(value), 60)}")
+    return value
 
 
 def _body(target: Target, workload: Workload, request: Request) -> dict[str, Any]:
@@ -338,8 +361,9 @@ async def _read(
     while stream.error is None and not stream.is_done:
         event = connection.next_event()
         if event is h11.NEED_DATA:
-            if not (data := await socket.receive_some(65536)):
-                return
+            data = await socket.receive_some(65536)
+            # An empty read is the connection's end: h11 then says whether that ended
+            # the response (a body delimited by the close) or cut it short.
             connection.receive_data(bytes(data))
         elif isinstance(event, h11.Response):
             status = event.status_code

@@ -6,6 +6,7 @@ import http.server
 import json
 import os
 import random
+import socket
 import sys
 import threading
 from collections import deque
@@ -473,3 +474,113 @@ async def test_a_json_file_that_cannot_be_written_is_one_line_after_the_table(ti
     assert "| 3 clients | server |" in captured.out
     (line,) = captured.err.splitlines()
     assert line == "cadence bench serve: /dev/full: No space left on device"
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        {"choices": [{"delta": "text"}]},
+        ["a", "list"],
+        "text",
+        {"choices": "abc"},
+        {"choices": [], "usage": 5},
+        {"choices": [], "usage": {"prompt_tokens": "many"}},
+        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": -1}},
+    ],
+    ids=["text-delta", "list", "string", "choices-text", "usage-int", "count-text", "negative"],
+)
+async def test_a_chunk_not_shaped_as_openais_is_a_counted_bad_chunk(chunk):
+    """The loadgen promises errors counted, never raised: these were AttributeError and
+    TypeError tracebacks (every earlier run's figures lost), or a negative tok/s."""
+    with answering(sse_body(chunk)) as url:
+        outcome = await loadgen.stream_request(
+            Target(url, "m"), Workload(1, clients=1), Request("hi", 3, 7)
+        )
+    assert outcome.error is not None and outcome.error.startswith("bad chunk: ")
+    assert outcome.num_output_tokens >= 0
+
+
+async def test_a_chunk_nested_past_pythons_limit_is_a_bad_chunk():
+    with answering(b"data: " + b"[" * 100_000 + b"]" * 100_000 + b"\n\n") as url:
+        outcome = await loadgen.stream_request(
+            Target(url, "m"), Workload(1, clients=1), Request("hi", 3, 7)
+        )
+    assert outcome.error is not None and outcome.error.startswith("bad chunk: RecursionError")
+
+
+@contextlib.contextmanager
+def closing_with(status: int, body: bytes):
+    """A loopback server that answers `status` with a body delimited by the connection's
+    close (no Content-Length, as HTTP/1.1 allows): its base URL."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        with listener:
+            connection, _ = listener.accept()
+            with connection:
+                connection.recv(65536)
+                connection.sendall(f"HTTP/1.1 {status} Oops\r\n\r\n".encode() + body)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    thread.join(10)
+
+
+async def test_an_error_status_whose_body_ends_with_the_connection_is_still_reported():
+    """It read "the stream ended without [DONE]": the server's 429 or 500 was lost."""
+    with closing_with(429, b'{"error": {"message": "rate limited"}}') as url:
+        outcome = await loadgen.stream_request(
+            Target(url, "m"), Workload(1, clients=1), Request("hi", 3, 7)
+        )
+    assert outcome.error == "HTTP 429: rate limited"
+
+
+async def test_a_rate_run_ends_with_its_last_stream_not_one_more_gap():
+    """It slept one more random gap after the last request (1,000 s on average at 0.001/s)."""
+    usage = {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
+    with answering(sse_body({"choices": [{"delta": {"content": "a"}}]}, usage)) as url:
+        with trio.fail_after(30):
+            result = await loadgen.run_load(
+                Target(url, "m"), Workload(1, rate=0.001), [Request("hi", 3, 7)], show=False
+            )
+    assert result.num_requests == 1 and result.num_ok == 1
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["gpu-box:12345", "localhost:12345", "http://127.0.0.1:99999", "ftp://host:21", "http://"],
+)
+def test_a_url_that_names_no_http_server_is_refused_before_anything_runs(url, capsys):
+    """With --model, "gpu-box:12345" (no scheme) went unchecked: the load went to
+    127.0.0.1:80 and the report named gpu-box."""
+    parser = argparse.ArgumentParser()
+    bench_serve.add_parser(parser.add_subparsers())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--url", url, "--model", "m"])
+    assert "--url" in capsys.readouterr().err
+
+
+def test_cadence_args_are_split_at_parse_time_and_cannot_silence_the_ready_event(monkeypatch):
+    parser = argparse.ArgumentParser()
+    bench_serve.add_parser(parser.add_subparsers())
+    with pytest.raises(SystemExit):  # an unclosed quote: argparse's line, no traceback
+        parser.parse_args(["serve", "--cadence-args", "--api-key 'abc"])
+    args = parser.parse_args(["serve", "--cadence-args", "--log-level warning --max-n 2"])
+    assert args.cadence_args == ["--log-level", "warning", "--max-n", "2"]
+    commands = []
+
+    @contextlib.contextmanager
+    def recorded(name, command):
+        commands.append(command)
+        raise SystemExit("stop here")
+        yield
+
+    monkeypatch.setattr(bench_servers, "_running", recorded)
+    with pytest.raises(SystemExit), bench_servers.cadence_server(Path("ck"), 4, args.cadence_args):
+        pass
+    (command,) = commands
+    # The bench's own log flags come last: argparse takes the last, and the ready event
+    # is read from the JSON log at info (warning waited 10 minutes for it).
+    assert command[-4:] == ["--log-format", "json", "--log-level", "info"]
+    assert command.index("--max-n") < command.index("--log-format")
