@@ -15,10 +15,13 @@ import shutil
 import struct
 import time
 from pathlib import Path
+from typing import Any, TypeGuard
 
 import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
 from runtime.checkpoint import DEMO_CHECKPOINT
 from runtime.config import config_from_dict
+from runtime.errors import CheckpointError
+from runtime.files import check_regular, read_json
 from runtime.models import build_model
 
 import attrs
@@ -92,8 +95,15 @@ class Floor:
 def measure_floor(checkpoint: Path, tokens: int = 256, repeats: int = 10) -> Floor:
     """Count the checkpoint's parameters and time a prefill-chunk-sized fp32 GEMM:
     `tokens` rows through the FFN's up projection, best of `repeats`."""
-    config = json.loads((checkpoint / "config.json").read_text())
-    k, n = config["hidden_size"], config["intermediate_size"]
+    config = _config(checkpoint)
+    k, n = config.get("hidden_size"), config.get("intermediate_size")
+    # The timed matrix is k x n floats: past 2**30 (4 GB; the largest open models are
+    # under 2**30) a garbage config would take the memory.
+    if not (_is_size(k) and _is_size(n) and k * n <= 1 << 30):
+        raise CheckpointError(
+            f"{checkpoint}/config.json: hidden_size and intermediate_size must be positive "
+            f"integers whose product is at most 2**30, got {k!r} and {n!r}"
+        )
     a = mx.random.normal((tokens, k)).astype(mx.float32)
     b = mx.random.normal((k, n)).astype(mx.float32)
     mx.eval(a, b)
@@ -108,19 +118,19 @@ def measure_floor(checkpoint: Path, tokens: int = 256, repeats: int = 10) -> Flo
 def count_parameters(checkpoint: Path) -> int:
     """Weights a token's forward multiplies, from the safetensors headers: quantized
     weights count their unpacked size; an untied embedding table is left out."""
-    config = json.loads((checkpoint / "config.json").read_text())
-    bits = (config.get("quantization") or {}).get("bits")
+    quantization = _config(checkpoint).get("quantization")
+    bits = quantization.get("bits") if isinstance(quantization, dict) else None
     shapes: dict[str, tuple[str, int]] = {}
     for file in sorted(checkpoint.glob("*.safetensors")):
-        with file.open("rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        for name, info in header.items():
-            if name != "__metadata__":
-                numel = 1
-                for dim in info["shape"]:
-                    numel *= dim
-                shapes[name] = (info["dtype"], numel)
+        try:
+            for name, info in _header(file).items():
+                if name != "__metadata__":
+                    numel = 1
+                    for dim in info["shape"]:
+                        numel *= int(dim)
+                    shapes[name] = (str(info["dtype"]), numel)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise CheckpointError(f"{file}: not a safetensors file (a malformed header)") from None
     counted = {
         name: numel * 32 // bits if dtype == "U32" and bits else numel
         for name, (dtype, numel) in shapes.items()
@@ -132,6 +142,40 @@ def count_parameters(checkpoint: Path) -> int:
     if any(name.endswith("lm_head.weight") for name in counted):
         return sum(n for name, n in counted.items() if not name.endswith("embed_tokens.weight"))
     return sum(counted.values())
+
+
+def _is_size(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _config(checkpoint: Path) -> dict[str, Any]:
+    """config.json's object; a CheckpointError for a directory without one (or a GGUF
+    file, a Hub id: the floor reads a checkpoint directory) or a malformed one."""
+    if not checkpoint.is_dir():
+        raise CheckpointError(
+            f"{checkpoint}: the compute floor reads a checkpoint directory (config.json and "
+            "safetensors files); for a GGUF file or a Hub id, measure a server with --url "
+            "and no --checkpoint"
+        )
+    config = read_json(checkpoint / "config.json")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{checkpoint}/config.json: not a JSON object")
+    return config
+
+
+def _header(file: Path) -> Any:
+    """A safetensors file's JSON header: 8 bytes of its length, then the JSON. A length
+    past the file is refused before it is read (garbage took it as a size to allocate)."""
+    check_regular(file)
+    with file.open("rb") as f:
+        start = f.read(8)
+        size = struct.unpack("<Q", start)[0] if len(start) == 8 else -1
+        if not 0 < size <= file.stat().st_size - 8:
+            raise CheckpointError(f"{file}: not a safetensors file (a header of {size} bytes)")
+        try:
+            return json.loads(f.read(size))
+        except (ValueError, RecursionError):
+            raise CheckpointError(f"{file}: not a safetensors file (its header is no JSON)") from None
 
 
 def describe_machine() -> str:

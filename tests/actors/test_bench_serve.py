@@ -6,11 +6,16 @@ import http.server
 import json
 import os
 import random
+import re
+import shutil
 import socket
+import struct
 import sys
 import threading
 from collections import deque
 from pathlib import Path
+
+from runtime.errors import CheckpointError
 
 import attrs
 import numpy as np
@@ -19,7 +24,7 @@ import trio
 
 import actors
 from actors import bench_serve, bench_servers, loadgen
-from actors.bench_model import Floor, count_parameters
+from actors.bench_model import Floor, count_parameters, measure_floor
 from actors.http_app import ServerState, create_app
 from actors.http_server import serving_on_loopback
 from actors.loadgen import (
@@ -190,6 +195,39 @@ def test_the_floor_counts_the_weights_a_token_multiplies(make_checkpoint):
     assert count_parameters(make_checkpoint("llama", quantize=(32, 4))) == expected  # unpacked
     floor = Floor(expected, gemm_flops=1e9, gemm_shape=(256, 64, 128))
     assert floor.seconds(1000) == pytest.approx(1000 * 2 * expected / 1e9)
+
+
+@pytest.mark.parametrize(
+    ("config", "weights", "said"),
+    [
+        ("{", None, "not valid JSON"),
+        ('{"model_type": "llama"}', None, "hidden_size and intermediate_size"),
+        ('{"hidden_size": 1000000, "intermediate_size": 1000000}', None, "at most 2**30"),
+        (None, b"garbage!" + b"\xff" * 8, "a header of"),
+        (None, struct.pack("<Q", 3) + b"[1]", "malformed header"),
+        (None, struct.pack("<Q", 3) + b"{{{", "no JSON"),
+    ],
+    ids=["config-json", "config-keys", "config-huge", "header-size", "header-shape", "header-json"],
+)
+def test_a_checkpoint_the_floor_cannot_read_is_one_checkpoint_error(
+    make_checkpoint, tmp_path, config, weights, said
+):
+    """The floor read config.json and the safetensors headers unchecked: a JSONDecodeError,
+    a KeyError or a MemoryError (garbage read as a header's size) came out as tracebacks."""
+    checkpoint = shutil.copytree(make_checkpoint("llama"), tmp_path / "ck")
+    if config is not None:
+        (checkpoint / "config.json").write_text(config)
+    if weights is not None:
+        (checkpoint / "model.safetensors").write_bytes(weights)
+    with pytest.raises(CheckpointError, match=re.escape(said)):
+        count_parameters(checkpoint) if weights is not None else measure_floor(checkpoint)
+
+
+def test_a_gguf_file_or_a_hub_id_is_no_checkpoint_directory_for_the_floor(tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    for given in (tmp_path / "model.gguf", Path("org/repo")):
+        with pytest.raises(CheckpointError, match="reads a checkpoint directory"):
+            measure_floor(given)
 
 
 def test_the_peer_runs_as_many_prompts_and_streams_at_once_as_cadence():
