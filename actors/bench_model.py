@@ -20,8 +20,8 @@ from typing import Any, TypeGuard
 import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
 from runtime.checkpoint import DEMO_CHECKPOINT
 from runtime.config import config_from_dict
-from runtime.errors import CheckpointError
-from runtime.files import check_regular, read_json
+from runtime.errors import CadenceError, CheckpointError
+from runtime.files import check_regular, one_line, read_json
 from runtime.models import build_model
 
 import attrs
@@ -49,14 +49,33 @@ SERVING_VOCAB = 2048  # the demo tokenizer's
 
 
 def bench_checkpoint(root: Path, vocab_size: int = SERVING_VOCAB) -> Path:
-    """The benchmark checkpoint under `root`, built on first use (about 0.7-0.9 GB)."""
+    """The benchmark checkpoint under `root`, built on first use (about 0.7-0.9 GB).
+
+    Built in a directory of its own and renamed into place when whole: a build cut
+    short (a full disk, a Ctrl-C) left a truncated checkpoint that every later run took
+    as built. One without its tokenizer files (copied last) is such a leftover."""
     config = {**BENCH_CONFIG, "vocab_size": vocab_size}
     suffix = "" if vocab_size == BENCH_CONFIG["vocab_size"] else f"-vocab{vocab_size}"
     path = root / f"llama-200m-fp32{suffix}"
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    if (path / "model.safetensors").exists():
+    if (path / "tokenizer_config.json").exists():
         return path
+    building = root / f".{path.name}.{os.getpid()}.partial"
+    try:
+        building.mkdir(parents=True)
+        _build(building, config)
+        shutil.rmtree(path, ignore_errors=True)  # a leftover of an older, unchecked build
+        os.replace(building, path)
+    except (OSError, RuntimeError) as error:  # mlx's save reports a full disk as RuntimeError
+        raise CadenceError(
+            f"{root}: could not build the benchmark checkpoint ({one_line(error)})"
+        ) from None
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    return path
+
+
+def _build(path: Path, config: dict[str, Any]) -> None:
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     mx.random.seed(0)
     model = build_model(config_from_dict(config))
     shapes: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
@@ -70,7 +89,6 @@ def bench_checkpoint(root: Path, vocab_size: int = SERVING_VOCAB) -> Path:
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEMO_CHECKPOINT / name, path / name)
-    return path
 
 
 @attrs.frozen

@@ -15,7 +15,7 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from runtime.errors import CheckpointError
+from runtime.errors import CadenceError, CheckpointError
 
 import attrs
 import numpy as np
@@ -23,7 +23,7 @@ import pytest
 import trio
 
 import actors
-from actors import bench_serve, bench_servers, loadgen
+from actors import bench_model, bench_serve, bench_servers, loadgen
 from actors.bench_model import Floor, count_parameters, measure_floor
 from actors.http_app import ServerState, create_app
 from actors.http_server import serving_on_loopback
@@ -622,3 +622,32 @@ def test_cadence_args_are_split_at_parse_time_and_cannot_silence_the_ready_event
     # is read from the JSON log at info (warning waited 10 minutes for it).
     assert command[-4:] == ["--log-format", "json", "--log-level", "info"]
     assert command.index("--max-n") < command.index("--log-format")
+
+
+def test_the_bench_checkpoint_is_renamed_into_place_whole_and_a_leftover_is_rebuilt(
+    tmp_path, monkeypatch
+):
+    """A build cut short by a full disk left a truncated checkpoint that every later
+    run took as built (its tokenizer missing: "the checkpoint has no tokenizer")."""
+    builds = []
+
+    def fake_build(path, config):
+        builds.append(path.name)
+        (path / "model.safetensors").write_bytes(b"whole")
+        (path / "tokenizer_config.json").write_text("{}")
+
+    def full_disk(path, config):
+        (path / "model.safetensors").write_bytes(b"trunc")
+        raise RuntimeError("[write] Unable to write 36854 bytes to file.")
+
+    leftover = tmp_path / "llama-200m-fp32-vocab2048"
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"trunc")  # no tokenizer: cut short
+    monkeypatch.setattr(bench_model, "_build", full_disk)
+    with pytest.raises(CadenceError, match="could not build the benchmark checkpoint"):
+        bench_model.bench_checkpoint(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [leftover.name]  # no partial build left
+    monkeypatch.setattr(bench_model, "_build", fake_build)
+    path = bench_model.bench_checkpoint(tmp_path)
+    assert path == leftover and (path / "model.safetensors").read_bytes() == b"whole"
+    assert bench_model.bench_checkpoint(tmp_path) == path and len(builds) == 1  # cached now
