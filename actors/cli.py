@@ -379,6 +379,7 @@ async def _generate(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _replace_closed_streams()
     status = _run(argv)
     exit_now_if_busy(status)  # a load cut short by a signal may still be running
     return status
@@ -409,6 +410,15 @@ def _run(argv: Sequence[str] | None) -> int:
             return 130
         raise
     return 0
+
+
+def _replace_closed_streams() -> None:
+    """Started with stdout or stderr closed (`>&-`, some launchers), Python has None
+    there: logging's isatty() and generate's write raised, so nothing ran. Such output
+    goes to /dev/null, as the caller who closed it chose."""
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115  (for the process's life)
 
 
 def _leaf(exc: BaseException, kind: type[BaseException]) -> BaseException | None:

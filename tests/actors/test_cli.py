@@ -37,6 +37,29 @@ def test_generate_streams_text_to_stdout_and_keeps_stderr_quiet(tiny):
     assert result.stdout.strip() and result.stderr == ""
 
 
+@pytest.mark.parametrize("closed", ["stdout", "stderr"])
+def test_generate_runs_with_stdout_or_stderr_closed_by_its_launcher(tiny, closed):
+    """Python has None for a stream closed at exec (`>&-`): logging's isatty() (stderr)
+    or the first write (stdout) raised, after or before the model loaded."""
+    command = [*CLI, "generate", "Hello", "--model", str(tiny), "--max-tokens", "8"]
+    other = "stderr" if closed == "stdout" else "stdout"
+    fd = 1 if closed == "stdout" else 2
+    # The child's descriptor is closed after the fork, before the exec, as `>&-` does.
+    result = subprocess.run(
+        command,
+        capture_output=False,
+        **{other: subprocess.PIPE},
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: os.close(fd),
+    )
+    assert result.returncode == 0
+    if closed == "stderr":
+        assert result.stdout.strip()  # the text came out
+    else:
+        assert result.stderr == ""  # no traceback
+
+
 @pytest.mark.parametrize(
     "args",
     [
