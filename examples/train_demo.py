@@ -19,6 +19,8 @@ import math
 import os
 import random
 import re
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from pydoc_data.topics import topics
@@ -206,9 +208,6 @@ def main() -> None:
     ids = [i for doc in docs for i in tokenizer.encode(doc).ids]
     train_ids, val_ids = split_stream(ids, block=1024, every=20)
     print(f"{len(docs)} documents, {len(ids)} tokens ({val_ids.size} held out)")
-    if not args.measure:
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_tokenizer(tokenizer, args.out)
 
     raw = hf_config(
         "llama",
@@ -273,10 +272,21 @@ def main() -> None:
     for prompt in ("The for statement", chat_prompt + "<|im_start|>assistant\n"):
         print(f"--- {prompt!r}\n{greedy(model, tokenizer, prompt, 80, stop)}")
 
-    write_json(args.out / "config.json", raw)
-    write_json(args.out / "generation_config.json", generation_config(raw["eos_token_id"]))
-    weights = {name: p.astype(mx.float16) for name, p in tree_flatten(model.parameters())}
-    save_weights(args.out, weights)
+    # Every file is written beside the checkpoint first and moved in at the end: the
+    # tokenizer written at the start, then a Ctrl-C during training, left the shipped
+    # demo with a new tokenizer over the old weights (its text silently lost tokens).
+    args.out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.", dir=args.out.parent))
+    try:
+        write_tokenizer(tokenizer, staging)
+        write_json(staging / "config.json", raw)
+        write_json(staging / "generation_config.json", generation_config(raw["eos_token_id"]))
+        weights = {name: p.astype(mx.float16) for name, p in tree_flatten(model.parameters())}
+        save_weights(staging, weights)
+        for file in staging.iterdir():
+            os.replace(file, args.out / file.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     print(f"wrote {args.out}")
 
 
