@@ -14,6 +14,7 @@ are counted, never raised.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import ssl
@@ -350,7 +351,16 @@ async def _exchange(target: Target, workload: Workload, request: Request, stream
     async with opened as socket:
         head = connection.send(h11.Request(method="POST", target=path, headers=headers))
         data = connection.send(h11.Data(data=body))
-        await socket.send_all(head + data + connection.send(h11.EndOfMessage()))
+        try:
+            await socket.send_all(head + data + connection.send(h11.EndOfMessage()))
+        except (OSError, trio.BrokenResourceError) as unsent:
+            # A server may answer before it has read the body (a 413) and close: its
+            # answer says why, where the broken pipe said nothing.
+            with contextlib.suppress(OSError, trio.BrokenResourceError, h11.ProtocolError):
+                await _read(socket, connection, workload.endpoint, stream)
+            if stream.error is None:
+                raise unsent
+            return
         await _read(socket, connection, workload.endpoint, stream)
 
 

@@ -43,10 +43,12 @@ from kernels.cpu_extension import kernel_status
 
 
 @contextlib.asynccontextmanager
-async def serving(checkpoint):
+async def serving(checkpoint, max_body_bytes=1 << 20):
     state = ServerState()
     async with (
-        serving_on_loopback(create_app(state), graceful_timeout=0.1) as url,
+        serving_on_loopback(
+            create_app(state, max_body_bytes=max_body_bytes), graceful_timeout=0.1
+        ) as url,
         actors.open_llm(checkpoint, max_batch=4) as llm,
     ):
         state.llm = llm
@@ -651,3 +653,13 @@ def test_the_bench_checkpoint_is_renamed_into_place_whole_and_a_leftover_is_rebu
     path = bench_model.bench_checkpoint(tmp_path)
     assert path == leftover and (path / "model.safetensors").read_bytes() == b"whole"
     assert bench_model.bench_checkpoint(tmp_path) == path and len(builds) == 1  # cached now
+
+
+async def test_a_body_refused_while_it_is_sent_reports_the_servers_answer(tiny):
+    """The server answers 413 before it has read a large body and closes: the send
+    broke ("Broken pipe") and the answer saying why went unread."""
+    async with serving(tiny, max_body_bytes=10_000) as url:
+        outcome = await loadgen.stream_request(
+            Target(url, "m"), Workload(1, clients=1), Request("x " * 2_000_000, 3, 7)
+        )
+    assert outcome.error is not None and outcome.error.startswith("HTTP 413"), outcome.error
