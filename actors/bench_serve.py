@@ -264,6 +264,12 @@ def _print(args, checkpoint: Path | None, floor: Floor | None, results: Results)
                 + " | ".join(ratio[3:])
                 + " | |"
             )
+    if floor is not None and any(_floor_share(floor, r) > 1 for _, r in _every_run(results)):
+        print(
+            "\nnote: a run beat its floor (a share over 100%): the matmul was timed while the "
+            "box was busy (another process, a slow phase), or the server's own kernels outran "
+            "it; read the floor columns as a lower bound"
+        )
     if args.rounds > 1:
         _print_medians(args.rounds, results)
     for name, r in _every_run(results):
@@ -330,7 +336,16 @@ def _floor_tok_s(floor: Floor | None, r: RunResult) -> str:
     if floor is None or not r.num_output_tokens:
         return "-"
     floor_tok_s = r.num_output_tokens / floor.seconds(r.num_prompt_tokens + r.num_output_tokens)
-    return f"{floor_tok_s:.1f} ({r.output_tok_s / floor_tok_s:.0%})"
+    return f"{floor_tok_s:.1f} ({_floor_share(floor, r):.0%})"
+
+
+def _floor_share(floor: Floor, r: RunResult) -> float:
+    """The run's output tok/s over its floor's (0 for a run without output)."""
+    if not r.num_output_tokens:
+        return 0.0
+    return r.output_tok_s * floor.seconds(r.num_prompt_tokens + r.num_output_tokens) / (
+        r.num_output_tokens
+    )
 
 
 def _prompt_floor(floor: Floor | None, r: RunResult) -> str:

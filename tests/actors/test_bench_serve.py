@@ -346,6 +346,19 @@ def test_the_floor_columns_compare_the_run_with_its_compute_floor():
     assert (bench_serve._ratio(3.0, 2.0), bench_serve._ratio(3.0, 0.0)) == ("1.50x", "-")
 
 
+def test_a_run_that_beats_its_floor_is_flagged_under_the_table(capsys):
+    """A floor timed on a busy box read 7 GFLOP/s: shares of 137% and 203% stood in the
+    table with no word that the floor, not the server, was off."""
+    parser = argparse.ArgumentParser()
+    bench_serve.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--url", "http://127.0.0.1:9", "--clients", "4"])
+    floor = Floor(1_000_000, gemm_flops=2e9, gemm_shape=(1, 1, 1))  # 250 tok/s for this run
+    run = attrs.evolve(result("4 clients", 100.0), num_prompt_tokens=3000, num_output_tokens=1000)
+    for tok_s, is_flagged in ((100.0, False), (300.0, True)):
+        bench_serve._print(args, None, floor, {"server": [[attrs.evolve(run, output_tok_s=tok_s)]]})
+        assert ("a run beat its floor" in capsys.readouterr().out) is is_flagged
+
+
 def test_with_compare_the_servers_take_turns_to_go_first(tiny, monkeypatch, tmp_path):
     started = []
 
