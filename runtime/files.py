@@ -13,6 +13,16 @@ from typing import Any
 
 from runtime.errors import CheckpointError
 
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf_file(path: Path) -> bool:
+    """A regular file that starts with GGUF's magic bytes."""
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
 
 def check_regular(file: Path) -> None:
     """Raise CheckpointError unless `file` is (or links to) a regular file."""

@@ -35,8 +35,6 @@ import gguf
 import mlx.core as mx
 import numpy as np
 
-GGUF_MAGIC = b"GGUF"
-
 
 @attrs.frozen
 class Architecture:
@@ -91,14 +89,6 @@ class GGUFCheckpoint:
     config: dict[str, Any]  # config.json's fields
     weights: dict[str, mx.array]  # Hugging Face names (quantized ones as weight/scales/biases)
     tokenizer: Tokenizer
-
-
-def is_gguf_file(path: Path) -> bool:
-    """A regular file that starts with GGUF's magic bytes."""
-    if not path.is_file():
-        return False
-    with path.open("rb") as f:
-        return f.read(4) == GGUF_MAGIC
 
 
 def read_gguf(path: Path, progress: Callable[[str], None] = lambda message: None) -> GGUFCheckpoint:
