@@ -77,9 +77,7 @@ class Admission:
                 params = attrs.evolve(params, grammar=await self._compile(spec))
         except Exception as error:
             self.waiting_slots.release()
-            if not isinstance(
-                error, CadenceError
-            ):  # a tokenizer or template bug: this request only
+            if not isinstance(error, CadenceError):  # a tokenizer or template bug: this request only
                 bound.exception("prepare failed")
                 error = RequestError(f"could not prepare the prompt: {error}")
             bound.info("rejected", error=str(error))

@@ -193,7 +193,7 @@ def _header(file: Path) -> Any:
         try:
             return json.loads(f.read(size))
         except (ValueError, RecursionError):
-            raise CheckpointError(f"{file}: not a safetensors file (its header is no JSON)") from None
+            raise CheckpointError(f"{file}: not a safetensors file (a header not JSON)") from None
 
 
 def describe_machine() -> str:

@@ -343,9 +343,8 @@ def _floor_share(floor: Floor, r: RunResult) -> float:
     """The run's output tok/s over its floor's (0 for a run without output)."""
     if not r.num_output_tokens:
         return 0.0
-    return r.output_tok_s * floor.seconds(r.num_prompt_tokens + r.num_output_tokens) / (
-        r.num_output_tokens
-    )
+    floor_tok_s = r.num_output_tokens / floor.seconds(r.num_prompt_tokens + r.num_output_tokens)
+    return r.output_tok_s / floor_tok_s
 
 
 def _prompt_floor(floor: Floor | None, r: RunResult) -> str:

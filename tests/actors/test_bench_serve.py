@@ -207,7 +207,7 @@ def test_the_floor_counts_the_weights_a_token_multiplies(make_checkpoint):
         ('{"hidden_size": 1000000, "intermediate_size": 1000000}', None, "at most 2**30"),
         (None, b"garbage!" + b"\xff" * 8, "a header of"),
         (None, struct.pack("<Q", 3) + b"[1]", "malformed header"),
-        (None, struct.pack("<Q", 3) + b"{{{", "no JSON"),
+        (None, struct.pack("<Q", 3) + b"{{{", "not JSON"),
     ],
     ids=["config-json", "config-keys", "config-huge", "header-size", "header-shape", "header-json"],
 )
