@@ -218,6 +218,28 @@ def test_seeded_row_is_reproducible_inside_any_batch(make_checkpoint, neighbours
     assert different_seed != alone
 
 
+def test_the_engine_penalises_what_a_row_generated_step_by_step(make_checkpoint):
+    """Greedy under penalties, through the engine, against a reference that recomputes
+    each step's logits whole and applies the penalties to the counts so far: the
+    engine's rows must count each token they sample (a mutant that skipped it ran on)."""
+    model = load_model(make_checkpoint("llama"))
+    engine = Engine(model, max_batch=4)
+    prompt = [7, 7, 7, 7]  # greedy repeats a token within 4 steps here
+    params = SamplingParams(repetition_penalty=1.2, presence_penalty=1.5, frequency_penalty=1.0)
+    [got] = run_rows(engine, [params], prompt, steps=12)
+    tokens, generated = list(prompt), collections.Counter()
+    for _ in range(12):
+        logits = np.array(model.model(mx.array([tokens]))[0, -1].astype(mx.float32))
+        for t in set(prompt) | set(generated):
+            logits[t] = logits[t] / 1.2 if logits[t] > 0 else logits[t] * 1.2
+        for t, count in generated.items():
+            logits[t] -= 1.0 * count + 1.5
+        tokens.append(int(np.argmax(logits)))
+        generated[tokens[-1]] += 1
+    assert got == tokens[len(prompt) :]
+    assert got != run_rows(engine, [SamplingParams()], prompt, steps=12)[0]  # they bite
+
+
 def test_a_top_k_past_int32_keeps_every_token_instead_of_failing():
     def draw(**params):
         row = RowSampler.create(SamplingParams(temperature=1.0, seed=3, **params), [1], 50)
