@@ -170,10 +170,11 @@ def _config(checkpoint: Path) -> dict[str, Any]:
     """config.json's object; a CheckpointError for a directory without one (or a GGUF
     file, a Hub id: the floor reads a checkpoint directory) or a malformed one."""
     if not checkpoint.is_dir():
+        what = "not a directory" if checkpoint.exists() else "no such directory"
         raise CheckpointError(
-            f"{checkpoint}: the compute floor reads a checkpoint directory (config.json and "
-            "safetensors files); for a GGUF file or a Hub id, measure a server with --url "
-            "and no --checkpoint"
+            f"{checkpoint}: {what}: the compute floor reads a local checkpoint directory "
+            "(config.json, safetensors); for a GGUF file or a Hub id, measure a server with "
+            "--url and no --checkpoint"
         )
     config = read_json(checkpoint / "config.json")
     if not isinstance(config, dict):

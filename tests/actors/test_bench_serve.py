@@ -228,7 +228,7 @@ def test_a_checkpoint_the_floor_cannot_read_is_one_checkpoint_error(
 def test_a_gguf_file_or_a_hub_id_is_no_checkpoint_directory_for_the_floor(tmp_path):
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
     for given in (tmp_path / "model.gguf", Path("org/repo")):
-        with pytest.raises(CheckpointError, match="reads a checkpoint directory"):
+        with pytest.raises(CheckpointError, match="reads a local checkpoint directory"):
             measure_floor(given)
 
 

@@ -530,7 +530,7 @@ def test_main_returns_the_exit_status_of_a_synchronous_command(tmp_path, capsys)
         (["bench", "soak", "--model", "{missing}"], "no such directory"),
         (
             ["bench", "serve", "--url", "http://127.0.0.1:1", "--checkpoint", "{missing}"],
-            "config.json: No such file or directory",
+            "missing: no such directory",
         ),
     ],
     ids=["soak-model", "serve-checkpoint"],
