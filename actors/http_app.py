@@ -47,7 +47,7 @@ from actors.openai_requests import ApiError, ApiRequest, parse_chat, parse_compl
 from actors.openai_responses import SSE_DONE, ChunkWriter, sse, wire_json
 from actors.openai_tools import ToolCallDeltas, with_tool_calls
 from actors.openapi import OPENAPI
-from actors.requests import LogprobEntry, ServiceClosedError, Usage
+from actors.requests import LogprobEntry, OverloadedError, ServiceClosedError, Usage
 from actors.service import LLM
 
 log = structlog.get_logger("cadence.http")
@@ -109,7 +109,7 @@ def create_app(
 
     @app.errorhandler(ApiError)
     async def api_error(error: ApiError) -> Response:
-        return _error_response(error)
+        return _refused(error)
 
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException) -> Response:
@@ -117,9 +117,9 @@ def create_app(
         allow = tuple((k, v) for k, v in error.get_headers() if k.lower() == "allow")
         if error.code == 404:  # OpenAI's words and code for a path it does not serve
             where = f"{request.method} {request.path}"[:200]
-            return _error_response(ApiError(404, f"Invalid URL ({where})", code="unknown_url"))
+            return _refused(ApiError(404, f"Invalid URL ({where})", code="unknown_url"))
         message = error.description or error.name
-        return _error_response(ApiError(error.code or 500, message, headers=allow))
+        return _refused(ApiError(error.code or 500, message, headers=allow))
 
     @app.errorhandler(Exception)
     async def unexpected(error: Exception) -> Response:
@@ -225,7 +225,11 @@ async def _complete(state: ServerState, api: ApiRequest) -> Response:
     try:
         await start_together(llm, generations)
     except CadenceError as error:
+        # Admission logs what it refuses; a full queue or a draining service refuses
+        # before it, and the handler logs those.
+        g.is_end_logged = not isinstance(error, OverloadedError | ServiceClosedError)
         raise ApiError.from_error(error) from None
+    g.is_end_logged = True  # admitted: the pipeline logs how it ends, failures included
     prefix = "chatcmpl-" if api.kind == "chat" else "cmpl-"
     writer = ChunkWriter(
         api.kind,
@@ -400,6 +404,21 @@ def request_ids(sent: str | None) -> tuple[str, str]:
 
 def _json(body: dict[str, Any], status: int = 200) -> Response:
     return Response(wire_json(body), status, mimetype="application/json")
+
+
+def _refused(error: ApiError) -> Response:
+    """The error's response, logged (once) under the request's id: a client that quotes
+    its x-request-id for a 400, a 404 or a 503 finds why in the log."""
+    if not g.get("is_end_logged"):
+        log.info(
+            "rejected",
+            request_id=g.get("request_id"),
+            status=error.status,
+            code=error.code,
+            param=error.param,
+            error=error.message,
+        )
+    return _error_response(error)
 
 
 def _error_response(error: ApiError) -> Response:

@@ -18,6 +18,7 @@ import trio
 from hypercorn.config import Config, Sockets
 from hypercorn.trio import serve
 
+from actors.http_app import request_ids
 from actors.openai_requests import ApiError
 from actors.openai_responses import wire_json
 
@@ -203,7 +204,7 @@ class _InFlight:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if self._is_full() and not _is_probe(scope):
-            return await self._refuse(send)
+            return await self._refuse(scope, send)
         if self.num_requests == 0:
             self._idle = trio.Event()
         self.num_requests += 1
@@ -221,10 +222,15 @@ class _InFlight:
     def _is_full(self) -> bool:
         return self.max_requests is not None and self.num_requests >= self.max_requests
 
-    async def _refuse(self, send: Any) -> None:
+    async def _refuse(self, scope: Any, send: Any) -> None:
         if not self._is_refusing:  # once as the cap is reached, not once per refusal
             self._is_refusing = True
             log.warning("http_requests_at_limit", max_requests=self.max_requests)
+        # Refused before the app: its x-request-id and its log line are made here, as
+        # the app makes them for every answer of its own.
+        sent = next((v for k, v in scope["headers"] if k.lower() == b"x-request-id"), None)
+        echoed, request_id = request_ids(None if sent is None else sent.decode("latin-1"))
+        log.info("rejected", request_id=request_id, status=503, code="overloaded")
         error = ApiError(
             503,
             f"the server has {self.max_requests} HTTP requests in flight, its limit; "
@@ -236,6 +242,7 @@ class _InFlight:
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
             (b"retry-after", b"1"),
+            (b"x-request-id", echoed.encode()),
             (b"connection", b"close"),  # the body was not read: it must not be parsed next
         ]
         await send({"type": "http.response.start", "status": 503, "headers": headers})

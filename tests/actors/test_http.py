@@ -1,6 +1,7 @@
 """The HTTP front against a real Hypercorn on a loopback port, with the official `openai`
 client (run on worker threads: it is synchronous) and raw `http.client` requests."""
 
+import collections
 import concurrent.futures
 import contextlib
 import functools
@@ -434,6 +435,43 @@ async def test_a_full_queue_gets_503_with_retry_after(tiny):
             )
         assert status == 503 and headers["retry-after"] == "1"
         assert body["error"]["code"] == "overloaded" and body["error"]["type"] == "server_error"
+
+
+async def test_every_refusal_is_logged_once_under_the_clients_request_id(tiny):
+    """A bad field, an unknown model or a full queue left no line at all: an operator
+    handed the client's x-request-id found nothing. What admission refuses (a prompt
+    past the context) it logs itself, and is not logged twice."""
+    cases = {
+        "bad-field": ({"model": "M", "prompt": "x", "max_tokens": -5}, 400),
+        "no-model": ({"model": "nope", "prompt": "x"}, 404),
+        "too-long": ({"model": "M", "prompt": list(range(1100))}, 400),
+        "fine": ({"model": "M", "prompt": "x", "max_tokens": 2}, 200),
+    }
+    async with serving(tiny, max_batch=1, max_waiting=1) as server:
+        with capture_logs() as logs:
+            for rid, (body, status) in cases.items():
+                body = {k: server.model if v == "M" else v for k, v in body.items()}
+                got = await in_thread(
+                    request, server.url, "POST", "/v1/completions", body, {"x-request-id": rid}
+                )
+                assert got[0] == status, (rid, got)
+            running = server.llm.generate("a", max_tokens=900, ignore_eos=True)
+            waiting = server.llm.generate("b", max_tokens=5)
+            async with running, waiting:
+                await running.__anext__()
+                full = await in_thread(
+                    request,
+                    server.url,
+                    "POST",
+                    "/v1/completions",
+                    {"model": server.model, "prompt": "c"},
+                    {"x-request-id": "full-queue"},
+                )
+            assert full[0] == 503
+    rejected = collections.Counter(
+        e["request_id"].rsplit("-", 1)[0] for e in logs if e["event"] == "rejected"
+    )
+    assert rejected == {"bad-field": 1, "no-model": 1, "too-long": 1, "full-queue": 1}
 
 
 async def test_a_request_cut_short_by_the_servers_shutdown_is_a_503_not_a_fault(tiny):

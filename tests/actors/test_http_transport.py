@@ -552,7 +552,7 @@ async def test_past_the_cap_a_request_gets_an_immediate_503_and_probes_are_still
             second = held_request(port)
             assert is_refused_at_the_cap(port)
             # The answer does not wait for the body, and the connection closes after it.
-            refused = answer(port, post_head("/v1/chat/completions", 500))
+            refused = answer(port, post_head("/v1/chat/completions", 500, "x-request-id: capped-7"))
             health = answer(port, HEALTH)
             first.close()
             second.close()
@@ -567,6 +567,12 @@ async def test_past_the_cap_a_request_gets_an_immediate_503_and_probes_are_still
     assert health[0] == 503 and health[2] == {"status": "loading"}  # the app's answer
     # Said once as the cap is reached, not once for each of the requests it refused.
     assert [entry["event"] for entry in logs].count("http_requests_at_limit") == 1
+    # Every answer carries an x-request-id, and the client's id finds the refusal.
+    assert headers["x-request-id"] == "capped-7"
+    assert any(
+        e["event"] == "rejected" and e["request_id"].startswith("capped-7-") and e["status"] == 503
+        for e in logs
+    )
 
 
 async def test_requests_in_flight_return_to_none_when_their_clients_hang_up_mid_body():
