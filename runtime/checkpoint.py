@@ -278,8 +278,9 @@ def build_decoder(config: ModelConfig, weights: dict[str, mx.array], source: str
         raise CheckpointError(
             f"{source}: the config's sizes are too large for mlx ({exc})"
         ) from None
-    if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
+    if config.tie_word_embeddings:  # a stored head is not read: its scales and biases too
+        for name in [name for name in weights if name.startswith("lm_head.")]:
+            del weights[name]
     if config.quantization is not None:
         quantize_as_stored(decoder, config.quantization, weights, source)
     expected = dict(tree_flatten(decoder.parameters()))

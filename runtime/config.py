@@ -153,6 +153,10 @@ def config_from_dict(
         )
     if field("mlp_bias", bool, False):
         raise CheckpointError(f"{source}: mlp_bias=true is not supported")
+    # Older MLX conversions may say so (Hugging Face configs never do): RoPE rotating
+    # interleaved pairs, which mlx-lm honours; run as halves, every token was off.
+    if field("rope_traditional", bool, False):
+        raise CheckpointError(f"{source}: rope_traditional=true is not supported")
     rope_theta, rope_scaling = _rope_fields(fields)
     if rope_scaling is not None:
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
@@ -240,10 +244,12 @@ def _quantization(quant: dict[str, Any] | None, source: str) -> Quantization | N
     for path, spec in quant.items():
         if not isinstance(spec, dict):
             continue  # the defaults above, or a layer marked unquantized (false)
-        # As mlx-lm passes such an entry to mlx: a group_size or bits that is null or
-        # absent is the mode's default (mlx-lm's mixed recipes write group_size null).
+        # As mlx-lm passes such an entry to mlx's to_quantized: a mode that is absent is
+        # affine, whatever the checkpoint's own (mlx-lm's MoE recipes write 8-bit
+        # entries without one in mxfp4 checkpoints), and a group_size or bits that is
+        # null or absent is that mode's default (its mixed recipes write group_size null).
         layer_group, layer_bits = spec.get("group_size"), spec.get("bits")
-        layer_mode = spec.get("mode", mode)
+        layer_mode = spec.get("mode", "affine")
         if not all(v is None or _is_positive_int(v) for v in (layer_group, layer_bits)):
             raise CheckpointError(
                 f"{source}: quantization entry {path!r} needs positive integer group_size "

@@ -259,15 +259,15 @@ def test_demo_checkpoint_loads():
     assert loaded.tokenizer.has_chat_template
 
 
-def mixed_checkpoint(make_checkpoint, path, layers, quantization):
-    """A tiny llama whose projections are packed at group 32, 4 bits, affine, except those
-    `layers` names ({module path: (group_size, bits, mode)}), with `quantization` as
-    config.json's field."""
+def mixed_checkpoint(make_checkpoint, path, layers, quantization, default=(32, 4, "affine")):
+    """A tiny llama whose projections are packed as `default` (group size, bits, mode),
+    except those `layers` names ({module path: (group_size, bits, mode)}), with
+    `quantization` as config.json's field."""
     shutil.copytree(make_checkpoint("llama", hidden_size=128, intermediate_size=256), path)
     mixed = {}
     for name, w in mx.load(str(path / "model.safetensors")).items():
         if name.endswith("proj.weight"):
-            spec = layers.get(name.removesuffix(".weight"), (32, 4, "affine"))
+            spec = layers.get(name.removesuffix(".weight"), default)
             mixed.update(quantize_weights({name: w}, *spec))
         else:
             mixed[name] = w
@@ -659,18 +659,61 @@ def test_llama3_rope_scaling_may_leave_its_frequency_factors_to_the_defaults():
     assert config_from_dict(llama_config(rope_scaling=scaling)).rope_scaling == scaling
 
 
-def test_a_layer_entry_without_a_mode_takes_the_checkpoints_mode():
+def test_a_layer_entry_without_a_mode_is_affine_as_mlx_takes_it():
+    """mlx-lm hands a layer's entry to mlx's to_quantized, whose mode defaults to affine:
+    in an mxfp4 checkpoint, {"bits": 8} is an affine layer (it was taken as mxfp4)."""
     quantization = {
         "group_size": 32, "bits": 4, "mode": "mxfp4",
         "model.layers.0.mlp.up_proj": {"bits": 8},
-        "model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 8, "mode": "affine"},
+        "model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 8, "mode": "mxfp8"},
     }
     q = config_from_dict(llama_config(quantization=quantization)).quantization
     assert (q.group_size, q.bits, q.mode) == (32, 4, "mxfp4")
     assert q.per_layer == {
-        "model.layers.0.mlp.up_proj": (None, 8, "mxfp4"),
-        "model.layers.0.mlp.down_proj": (32, 8, "affine"),
+        "model.layers.0.mlp.up_proj": (None, 8, "affine"),
+        "model.layers.0.mlp.down_proj": (32, 8, "mxfp8"),
     }
+
+
+def test_an_mxfp4_checkpoint_with_an_affine_layer_entry_without_a_mode_loads_as_mlx_lm(
+    make_checkpoint, tmp_path
+):
+    """mlx-lm's MoE recipes write {"group_size": 64, "bits": 8} entries (no mode) into
+    mxfp4 checkpoints; cadence refused them ("mxfp4 quantization requires group size 32")."""
+    from tests.kernels.test_quantized_models import greedy, mlx_lm_greedy
+
+    down_proj = "model.layers.0.mlp.down_proj"
+    path = mixed_checkpoint(
+        make_checkpoint, tmp_path / "mxfp4", {down_proj: (64, 8, "affine")},
+        {"group_size": 32, "bits": 4, "mode": "mxfp4", down_proj: {"group_size": 64, "bits": 8}},
+        default=(32, 4, "mxfp4"),
+    )
+    modules = dict(load_like_mlx_lm(path).model.named_modules())
+    assert (modules[down_proj].group_size, modules[down_proj].bits) == (64, 8)
+    assert modules[down_proj].mode == "affine" and modules["model.layers.0.mlp.up_proj"].mode == "mxfp4"
+    prompt = [5, 17, 99, 3, 44, 250, 1000, 7]
+    assert greedy(load_model(path), prompt, 12) == mlx_lm_greedy(path, prompt, 12)
+
+
+def test_interleaved_rope_is_refused_not_run_as_halves():
+    """Older MLX conversions may say rope_traditional: true, which mlx-lm honours; cadence
+    ignored it and rotated halves, every token off with no word."""
+    with pytest.raises(CheckpointError, match="rope_traditional=true is not supported"):
+        config_from_dict(llama_config(rope_traditional=True))
+    assert config_from_dict(llama_config(rope_traditional=False)).head_dim
+
+
+def test_a_tied_checkpoint_that_stores_a_quantized_head_too_loads_without_it(
+    make_checkpoint, tmp_path
+):
+    """Tied, the head is the embedding: a stored quantized lm_head's scales and biases
+    were left behind ("unexpected tensor 'lm_head.biases'") when its weight was dropped."""
+    path = shutil.copytree(make_checkpoint("llama", quantize=(32, 4)), tmp_path / "ck")
+    weights = dict(mx.load(str(path / "model.safetensors")))
+    assert "lm_head.scales" in weights  # untied as made: the head is stored, quantized
+    edit_config(path, tie_word_embeddings=True)
+    loaded = load_model(path)
+    assert "lm_head" not in loaded.model  # the head is the embedding, as config.json says
 
 
 def test_eos_ids_are_listed_once_generation_configs_first():
