@@ -90,5 +90,6 @@ class GpuActor:
             step_ms=round((launched.collected_at - started_at) * 1e3, 3),
         )
         cached = tuple((request_id, n) for request_id, _, n in plan.opens)
-        await self.to_streamer.send(StepResult(plan.step, rows, plan.closes, cached))
+        released = tuple(zip(plan.closes, plan.close_causes, strict=True))
+        await self.to_streamer.send(StepResult(plan.step, rows, released, cached))
         await self.to_scheduler.send(StepDone(plan.step, rows))

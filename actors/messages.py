@@ -151,7 +151,8 @@ class Track:
 class StepResult:
     step: int
     rows: tuple[RowToken, ...] = ()
-    released: tuple[str, ...] = ()  # closed by abort: forget them
+    # closed by abort, with (cause, stage): forget them, and log the end of any still read
+    released: tuple[tuple[str, tuple[str, str]], ...] = ()
     cached: tuple[tuple[str, int], ...] = ()  # rows opened: prompt tokens from the prefix cache
 
 

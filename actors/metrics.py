@@ -35,7 +35,8 @@ REQUEST_LATENCY_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
-FINISHED_REASONS = ("stop", "length")  # OpenAI's, as vLLM's `finished_reason` label
+# OpenAI's, as vLLM's `finished_reason` label, and vLLM's for requests that end unfinished
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
 class Metrics:
@@ -74,7 +75,8 @@ class Metrics:
         self.generation_tokens = counter("cadence:generation_tokens", "Tokens generated.")
         success = Counter(
             "cadence:request_success",
-            "Requests finished, by finish reason.",
+            "Requests ended, by finish reason (abort: the client left or the service "
+            "stopped; error: the request failed).",
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
@@ -95,6 +97,12 @@ class Metrics:
     def on_next_token(self, since_last: float) -> None:
         self.generation_tokens.inc()
         self.inter_token.observe(since_last)
+
+    def on_aborted(self) -> None:
+        self.success.labels(self.model_name, "abort").inc()
+
+    def on_failed(self) -> None:
+        self.success.labels(self.model_name, "error").inc()
 
     def on_finished(self, finish_reason: str, e2e: float) -> None:
         self.success.labels(self.model_name, finish_reason).inc()

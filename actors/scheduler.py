@@ -47,6 +47,10 @@ class SchedulerActor:
     is_idle_sent: bool = False
     is_admission_closed: bool = False
     is_aborting_all: bool = False
+    # (cause, stage) of each abort not yet planned: the plan's closes carry them to the
+    # streamer, which logs the one terminal event (a row aborted while its last token
+    # was in flight had logged `finished` there and `aborted` here)
+    abort_causes: dict[str, tuple[str, str]] = attrs.Factory(dict)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with self.inbox, self.to_gpu:  # sync close: see Streamer.run
@@ -92,8 +96,8 @@ class SchedulerActor:
         if where == "waiting":
             self.waiting_slots.release()
             self.metrics.on_dequeued(request_id, trio.current_time(), is_scheduled=False)
-        if where is not None and cause != "stop_sequence":
-            log.info("aborted", request_id=request_id, cause=cause, stage=where)
+        if where is not None:
+            self.abort_causes[request_id] = (cause, where)
 
     async def _dispatch(self) -> None:
         while self.num_in_flight <= self.lookahead:
@@ -117,6 +121,7 @@ class SchedulerActor:
                     cause="kv_pool_full",
                     num_preemptions=self.policy.num_preemptions,
                 )
-            await self.to_gpu.send(plan)
+            causes = tuple(self.abort_causes.pop(r, ("cancelled", "running")) for r in plan.closes)
+            await self.to_gpu.send(attrs.evolve(plan, close_causes=causes))
             self.num_in_flight += 1
             self.is_idle_sent = False

@@ -72,6 +72,7 @@ class Streamer:
     to_scheduler: trio.MemorySendChannel[SchedulerMessage]
     metrics: Metrics
     streams: dict[str, _Stream] = attrs.Factory(dict)
+    awaiting_release: set[str] = attrs.Factory(set)  # forgotten (reader gone), end unlogged
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # Every actor closes its channels with `with`, not `async with`: aclose() is a
@@ -90,12 +91,18 @@ class Streamer:
             finally:
                 for stream in list(self.streams.values()):
                     self._end(stream, Failed(stream.request_id, "the service stopped"))
+                for request_id in self.awaiting_release:  # their release never came
+                    self._log_aborted(request_id, "disconnected", "running")
 
     async def _on_step(self, result: StepResult) -> None:
-        for request_id in result.released:  # aborted: tell a reader that is still there
+        for request_id, (cause, stage) in result.released:  # aborted: tell a reader still there
             if (stream := self.streams.get(request_id)) is not None:
                 self._send(stream, Failed(request_id, "the request was aborted"))
                 self._forget(stream)
+                self._log_aborted(request_id, cause, stage)
+            elif request_id in self.awaiting_release:  # its reader left first
+                self.awaiting_release.discard(request_id)
+                self._log_aborted(request_id, cause, stage)
         for request_id, num_cached in result.cached:
             if (stream := self.streams.get(request_id)) is not None:
                 stream.num_cached_tokens = num_cached
@@ -138,7 +145,10 @@ class Streamer:
         stream.unsent += text
         if cause is None:
             if stream.unsent and not self._send_text(stream):
+                # Its abort comes back released, with the cause (the caller's own, or
+                # this one): the terminal event is logged then.
                 self._forget(stream)
+                self.awaiting_release.add(stream.request_id)
                 return "disconnected"
             return None
         usage = Usage(
@@ -154,6 +164,7 @@ class Streamer:
         self._forget(stream)
         bound = log.bind(request_id=stream.request_id)
         if isinstance(message, Failed):
+            self.metrics.on_failed()
             bound.info("failed", error=message.message)
             return
         now = trio.current_time()
@@ -169,6 +180,13 @@ class Streamer:
             ttft_ms=_ms(stream.first_token_at - stream.track.arrived_at),
             e2e_ms=_ms(now - stream.track.arrived_at),
         )
+
+    def _log_aborted(self, request_id: str, cause: str, stage: str) -> None:
+        """The request's one terminal event when it ends unfinished: the streamer tracks
+        it from admission, so it alone knows whether `finished` came first (a row aborted
+        while its last token was in flight logged both, one here, one in the scheduler)."""
+        self.metrics.on_aborted()
+        log.info("aborted", request_id=request_id, cause=cause, stage=stage)
 
     def _forget(self, stream: _Stream) -> None:
         self.streams.pop(stream.request_id, None)

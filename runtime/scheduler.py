@@ -110,6 +110,8 @@ class StepPlan:
     num_free_blocks: int = 0
     hit_rate: float = 0.0
     preempted: tuple[str, ...] = ()  # requeued by recompute while planning this step
+    # (cause, stage) of each of `closes`, for the log: the scheduler actor fills them in
+    close_causes: tuple[tuple[str, str], ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -124,7 +124,7 @@ async def test_an_aborted_request_is_told_so_and_forgotten(demo_tokenizer):
     token = demo_tokenizer.encode(" hello", add_special_tokens=False)[0]
     steps = [[("a", token, None), ("b", token, None)]]
     replies, aborts, streamer = await streamed(
-        demo_tokenizer, {"a": (), "b": ()}, steps, released=("a",)
+        demo_tokenizer, {"a": (), "b": ()}, steps, released=(("a", ("cancelled", "running")),)
     )
     assert replies["a"][-1] == Failed("a", "the request was aborted")
     # b was still running when the inbox closed: the service stopped under it.

@@ -56,6 +56,33 @@ async def test_an_abort_is_logged_with_its_request_id_and_cause(pipeline, autoju
     assert SECRET not in repr(logs)
 
 
+TERMINAL = {"finished", "aborted", "failed", "rejected"}
+
+
+@pytest.mark.parametrize("left_after", [1, 2, 3, 4, 5, 6])
+async def test_a_request_left_as_its_last_token_is_computed_logs_one_end(
+    pipeline, autojump_clock, left_after
+):
+    """The reader leaves after `left_after` of 6 tokens, while the next step (maybe the
+    last, in flight under lookahead) runs: the scheduler logged `aborted` while the
+    streamer logged `finished` for the same request, and /metrics counted a success."""
+    with capture_logs() as logs:
+        async with pipeline() as (llm, engine):
+            generation = llm.generate([1], max_tokens=6)
+            await generation.start()
+            num_tokens = 0
+            async for delta in generation:
+                num_tokens += len(delta.text) > 0
+                if num_tokens >= left_after:
+                    break
+            await generation.aclose()
+            await trio.sleep(1)  # the in-flight steps report
+    ends = [e["event"] for e in logs if e.get("request_id") == generation.request_id]
+    assert len([e for e in ends if e in TERMINAL]) == 1, ends
+    counted = [llm.metrics.success.labels(llm.metrics.model_name, r) for r in ("length", "abort")]
+    assert sum(c._value.get() for c in counted) == 1  # as the log says: one end, one count
+
+
 async def test_a_stop_string_ends_a_request_without_an_aborted_event(
     pipeline, demo_tokenizer, autojump_clock
 ):
