@@ -8,20 +8,25 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_a_training_step_runs_through_mlx_own_ops_not_the_inference_kernels(tmp_path):
-    # --measure trains without writing runtime/demo/; the kernels' primitives have no vjp.
+def train_command(out, *args):
+    """The example's command line, tiny: 2 x 16-token batches, a 300-token vocabulary."""
+    return [sys.executable, "examples/train_demo.py", *args, "--batch-size", "2",
+            "--seq-len", "16", "--vocab-size", "300", "--out", str(out)]  # fmt: skip
+
+
+def train(out, *args):
+    """Run it to its end; its output once it succeeded."""
     result = subprocess.run(
-        [sys.executable, "examples/train_demo.py", "--measure", "1", "--batch-size", "2",
-         "--seq-len", "16", "--vocab-size", "300", "--out", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        train_command(out, *args), cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "step     1  loss" in result.stdout
-    assert list(tmp_path.iterdir()) == []  # --measure writes nothing
+    return result.stdout
 
+
+def test_a_training_step_runs_through_mlx_own_ops_not_the_inference_kernels(tmp_path):
+    # --measure trains without writing runtime/demo/; the kernels' primitives have no vjp.
+    assert "step     1  loss" in train(tmp_path, "--measure", "1")
+    assert list(tmp_path.iterdir()) == []  # --measure writes nothing
 
 
 def test_a_run_cut_short_leaves_the_checkpoint_as_it_was(tmp_path):
@@ -31,8 +36,7 @@ def test_a_run_cut_short_leaves_the_checkpoint_as_it_was(tmp_path):
     out.mkdir()
     (out / "tokenizer.json").write_text("the old one")
     training = subprocess.Popen(
-        [sys.executable, "examples/train_demo.py", "--steps", "100000", "--batch-size", "2",
-         "--seq-len", "16", "--vocab-size", "300", "--out", str(out)],
+        train_command(out, "--steps", "100000"),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -56,15 +60,7 @@ def test_a_run_writes_the_whole_checkpoint_at_its_end_and_nothing_before(tmp_pat
     out = tmp_path / "demo"
     out.mkdir()
     (out / "README.md").write_text("kept")
-    result = subprocess.run(
-        [sys.executable, "examples/train_demo.py", "--steps", "10", "--batch-size", "2",
-         "--seq-len", "16", "--vocab-size", "300", "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    train(out, "--steps", "10")
     written = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                "tokenizer_config.json"}
     assert {p.name for p in out.iterdir()} == written | {"README.md"}
