@@ -96,6 +96,11 @@ class SchedulerActor:
         if where == "waiting":
             self.waiting_slots.release()
             self.metrics.on_dequeued(request_id, trio.current_time(), is_scheduled=False)
+        if where is None and cause == "disconnected":
+            # Its reader left while its last tokens were computed: the streamer forgot
+            # it unended and waits for its release to log how it ended.
+            self.policy.report_closed(request_id)
+            where = "running"
         if where is not None:
             self.abort_causes[request_id] = (cause, where)
 

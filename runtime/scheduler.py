@@ -188,6 +188,11 @@ class FcfsScheduler:
         request = ScheduledRequest(request_id, params, prompt, hashes, arrival=next(self.arrivals))
         bisect.insort(self.waiting, request, key=lambda r: r.rank)
 
+    def report_closed(self, request_id: str) -> None:
+        """Name `request_id` in the next plan's closes though it has left already (it
+        finished): one that asked for it late is waiting to hear it is gone."""
+        self.pending_closes.append(request_id)
+
     def abort(self, request_id: str) -> str | None:
         """Drop a request; returns "waiting" (it never ran), "running", or None if unknown."""
         for request in self.waiting:

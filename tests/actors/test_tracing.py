@@ -52,7 +52,9 @@ async def test_an_abort_is_logged_with_its_request_id_and_cause(pipeline, autoju
                         scope.cancel()
     (aborted,) = [e for e in logs if e["event"] == "aborted"]
     assert aborted["request_id"] == generation.request_id
-    assert aborted["cause"] == "cancelled" and aborted["stage"] == "running"
+    # The caller's aclose and the streamer's own notice of the closed channel race to the
+    # scheduler: the first names the cause, and either is the reader leaving.
+    assert aborted["cause"] in ("cancelled", "disconnected") and aborted["stage"] == "running"
     assert SECRET not in repr(logs)
 
 
