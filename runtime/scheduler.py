@@ -189,8 +189,7 @@ class FcfsScheduler:
         bisect.insort(self.waiting, request, key=lambda r: r.rank)
 
     def report_closed(self, request_id: str) -> None:
-        """Name `request_id` in the next plan's closes though it has left already (it
-        finished): one that asked for it late is waiting to hear it is gone."""
+        """Name `request_id`, already gone (finished), in the next plan's closes."""
         self.pending_closes.append(request_id)
 
     def abort(self, request_id: str) -> str | None:
@@ -316,9 +315,8 @@ class FcfsScheduler:
                 index += 1  # its next block will be cached soon: take it from there
                 continue
             num_tokens = len(request.tokens) + 1
-            # A chunk shrinks to the blocks there are (_span_length): only a row that
-            # cannot hold even one token at a time can never fit (admission refuses it,
-            # unless every layer slides: then the context is not capped there).
+            # Chunks shrink to the blocks there are (_span_length): only a row that cannot
+            # hold one token at a time never fits (past admission when every layer slides).
             if self.pool.blocks_for_row(num_tokens, 1) > self.pool.num_blocks:
                 self.waiting.pop(index)
                 self.pending_rejects.append((request.request_id, self._too_large(request)))
@@ -407,8 +405,7 @@ class FcfsScheduler:
         )
 
     def _footprint(self, num_tokens: int, chunk: int) -> int:
-        """The most blocks a row of `num_tokens` holds at once in spans of `chunk`, at
-        most the pool: past it, its chunks shrink to what there is."""
+        """Blocks a row holds at most in spans of `chunk`; past the pool, chunks shrink."""
         return min(self.pool.blocks_for_row(num_tokens, chunk), self.pool.num_blocks)
 
     @property
