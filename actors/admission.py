@@ -35,9 +35,15 @@ from actors.requests import GenerateRequest, OverloadedError
 
 log = structlog.get_logger("cadence.admission")
 
-# How long a request's grammar may take to compile before it is refused. llguidance's
-# own limits (runtime/grammar.py) stop the work itself; this bounds the wait.
+# How long a request's grammar may take to compile, its wait for a compile thread
+# included, before it is refused. llguidance's own limits (runtime/grammar.py) stop the
+# work itself; this bounds the wait.
 GRAMMAR_TIMEOUT_S = 5.0
+# Compiles run on threads of their own, one at a time: a thread past the deadline is
+# abandoned but runs on (a 240 KB schema took 10-24 s in llguidance), and on trio's
+# shared limiter forty such threads held every worker, so plain requests waited in
+# `prepare` for 20 s. Now they cost one core at most, and no other request's admission.
+COMPILE_THREADS = 1
 
 
 @attrs.define
@@ -52,6 +58,9 @@ class Admission:
     waiting_slots: trio.Semaphore
     grammars: GrammarCompiler | None = None  # None: structured output is refused
     tool_style: str = "hermes"  # the call format the model writes (runtime/tools.py)
+    compile_threads: trio.CapacityLimiter = attrs.field(
+        factory=lambda: trio.CapacityLimiter(COMPILE_THREADS)
+    )
 
     def reserve(self) -> None:
         """Take a waiting slot now or raise OverloadedError; never waits."""
@@ -80,7 +89,8 @@ class Admission:
             if not isinstance(error, CadenceError):  # a tokenizer or template bug: this request only
                 bound.exception("prepare failed")
                 error = RequestError(f"could not prepare the prompt: {error}")
-            bound.info("rejected", error=str(error))
+            if not isinstance(error, OverloadedError):  # its caller logs a refusal for load
+                bound.info("rejected", error=str(error))
             _reply_and_close(admit, Rejected(admit.request_id, error))
             return
         if admit.reply.statistics().open_receive_channels == 0:  # the caller left meanwhile
@@ -132,10 +142,21 @@ class Admission:
             raise RequestError(
                 f"'{spec.param}': structured output is not available", param=spec.param
             )
+        started = False
+
+        def compile_grammar() -> CompiledGrammar:
+            nonlocal started
+            started = True
+            return grammars.compile(spec)
+
         with trio.move_on_after(GRAMMAR_TIMEOUT_S):
             # A thread cannot be cancelled: past the deadline it is abandoned, and finishes
-            # within llguidance's limits.
-            return await trio.to_thread.run_sync(grammars.compile, spec, abandon_on_cancel=True)
+            # within llguidance's limits, holding its compile thread until then.
+            return await trio.to_thread.run_sync(
+                compile_grammar, limiter=self.compile_threads, abandon_on_cancel=True
+            )
+        if not started:  # other requests' grammars held the compile thread throughout
+            raise OverloadedError(f"'{spec.param}': the grammar compiler is busy; retry shortly")
         raise RequestError(
             f"'{spec.param}' took longer than {GRAMMAR_TIMEOUT_S:g} s to compile", param=spec.param
         )

@@ -13,14 +13,17 @@ is still in flight (runtime/scheduler.py), so when the engine samples it, its st
 is current. Unconstrained rows keep the lookahead; a constrained row decodes every
 other step at lookahead 1, and never forces a batch of its own.
 
-Compiling is bounded twice: llguidance's parser limits cap the work a grammar may
-take (lexer fuel, grammar size), and the caller gives up waiting after a deadline.
+Compiling is bounded three ways: llguidance's parser limits cap the work a grammar may
+take (lexer fuel, grammar size), the caller gives up waiting after a deadline, and
+admission compiles on one thread of its own (actors/admission.py), so the work that
+runs on past a deadline holds up only other grammars.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -38,6 +41,8 @@ GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark", "choice")
 # Tighter than llguidance's defaults (1M lexer fuel, 500k symbols): a schema that needs
 # more is refused at compile time, in well under a second, instead of stalling a step.
 _LEXER_FUEL, _MAX_GRAMMAR_SIZE = 400_000, 100_000
+# Compiled grammars kept per model, refusals included (GrammarCompiler.compile).
+COMPILED_KEPT = 64
 # No free whitespace in generated JSON: the separators are fixed, so a model cannot spend
 # its max_tokens on blanks (random and small models do) and the output stays compact.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -148,6 +153,8 @@ class GrammarCompiler:
         self._eos_ids = sorted(eos_ids)
         self._lock = threading.Lock()
         self._built: llguidance.LLTokenizer | None = None
+        self._cache_lock = threading.Lock()
+        self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher | str] = OrderedDict()
 
     @property
     def _tokenizer(self) -> llguidance.LLTokenizer:
@@ -159,20 +166,38 @@ class GrammarCompiler:
             return self._built
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """Raises RequestError naming `spec.param` for a grammar that is malformed or too large."""
+        """Raises RequestError naming `spec.param` for a grammar that is malformed or too large.
+
+        The last COMPILED_KEPT outcomes are kept, refusals too: clients that share one
+        schema compile it once, and a large schema sent again is refused at once."""
+        key = (spec.kind, spec.source)
+        with self._cache_lock:
+            outcome = self._compiled.get(key)
+            if outcome is not None:
+                self._compiled.move_to_end(key)
+        if outcome is None:
+            outcome = self._compile(spec)
+            with self._cache_lock:
+                self._compiled[key] = outcome
+                while len(self._compiled) > COMPILED_KEPT:
+                    self._compiled.popitem(last=False)
+        if isinstance(outcome, str):
+            raise RequestError(f"'{spec.param}' {outcome}", param=spec.param)
+        return CompiledGrammar(spec, outcome)
+
+    def _compile(self, spec: GrammarSpec) -> llguidance.LLMatcher | str:
+        """The grammar's matcher, or why it is refused."""
         try:
             grammar = spec.llguidance_grammar()
         except (ValueError, TypeError) as error:
-            raise RequestError(f"'{spec.param}' is not valid: {error}", param=spec.param) from None
+            return f"is not valid: {error}"
         limits = llguidance.LLParserLimits(
             initial_lexer_fuel=_LEXER_FUEL, max_grammar_size=_MAX_GRAMMAR_SIZE
         )
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error() or (matcher := self._first_step(matcher)).is_error():
-            raise RequestError(
-                f"'{spec.param}' cannot be compiled: {_reason(matcher)}", param=spec.param
-            )
-        return CompiledGrammar(spec, matcher)
+            return f"cannot be compiled: {_reason(matcher)}"
+        return matcher
 
     def _first_step(self, matcher: llguidance.LLMatcher) -> llguidance.LLMatcher:
         """`matcher`, or a copy that failed its first mask or token. llguidance builds

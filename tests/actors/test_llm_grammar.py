@@ -1,10 +1,11 @@
 """Structured output through the embedding API: `llm.generate(grammar=...)`."""
 
 import json
+import threading
 from functools import partial
 
 from runtime.errors import RequestError
-from runtime.grammar import GrammarSpec
+from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.tokenizer import Tokenizer
 
 import jsonschema
@@ -12,6 +13,7 @@ import pytest
 import trio
 
 import actors
+from actors import admission
 
 SCHEMA = {
     "type": "object",
@@ -75,3 +77,32 @@ async def test_a_reply_cut_inside_a_character_keeps_the_bytes_held_for_it(tiny):
             text = "".join([delta.text async for delta in generation])
     assert generation.finish_reason == "length"
     assert text == tokenizer.decode(ids) and text.startswith("x") and "\ufffd" in text
+
+
+async def test_a_compile_past_its_deadline_holds_no_other_requests_thread(tiny, monkeypatch):
+    """An abandoned compile runs on (llguidance cannot be stopped) on the compile
+    thread: a later grammar that never gets the thread is a 503, not a 400, and plain
+    requests, whose prompts are prepared on trio's worker threads, never wait for it."""
+    monkeypatch.setattr(admission, "GRAMMAR_TIMEOUT_S", 0.5)
+    stuck = threading.Event()
+    compile_now = GrammarCompiler.compile
+
+    def compile_slowly(self, spec):
+        if spec.source == "slow":
+            stuck.wait(30)
+        return compile_now(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", compile_slowly)
+    try:
+        async with actors.open_llm(tiny, max_batch=4) as llm:
+            # One worker thread for everything but compiles: a compile holding it starves all.
+            trio.to_thread.current_default_thread_limiter().total_tokens = 1
+            with pytest.raises(RequestError, match="longer than 0.5 s to compile"):
+                await text_of(llm, "Hello", grammar=GrammarSpec("regex", "slow", "grammar"))
+            with pytest.raises(actors.OverloadedError, match="'guided_regex'.*busy"):
+                await text_of(llm, "Hello", grammar=GrammarSpec("regex", "[ab]+", "guided_regex"))
+            with trio.fail_after(60):  # a hang guard: it waits for no compile
+                text, _ = await text_of(llm, "Hello")
+            assert text
+    finally:
+        stuck.set()

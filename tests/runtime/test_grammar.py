@@ -387,3 +387,24 @@ def test_a_call_or_the_answer_each_kind_of_json_answer(compiler, model):
         with pytest.raises(RequestError) as raised:
             tool_call_grammar("hermes", tools, None, answer)
         assert raised.value.param == answer.param
+
+
+def test_a_grammar_compiles_once_and_a_refusal_is_kept_too(compiler, monkeypatch):
+    compiled = []
+    compile_now = GrammarCompiler._compile
+
+    def counted(self, spec):
+        compiled.append(spec)
+        return compile_now(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", counted)
+    first = compiler.compile(GrammarSpec("regex", "[ab]{2}c", "guided_regex"))
+    again = compiler.compile(GrammarSpec("regex", "[ab]{2}c", "response_format"))
+    assert len(compiled) == 1 and again.prototype is first.prototype
+    assert again.spec.param == "response_format"  # errors name the field this request sent
+    too_big = "b{100000}{100001}"
+    for param in ("guided_regex", "grammar"):
+        with pytest.raises(RequestError, match=f"'{param}' cannot be compiled") as refused:
+            compiler.compile(GrammarSpec("regex", too_big, param))
+        assert refused.value.param == param
+    assert len(compiled) == 2
