@@ -11,7 +11,13 @@ from __future__ import annotations
 import contextlib
 
 from runtime.errors import CadenceError, RequestError
-from runtime.grammar import JSON_KINDS, CompiledGrammar, GrammarCompiler, GrammarSpec
+from runtime.grammar import (
+    JSON_KINDS,
+    CompiledGrammar,
+    GrammarCompiler,
+    GrammarSpec,
+    shapes_content_only,
+)
 from runtime.sequence import SequenceParams, check_sequence
 from runtime.tokenizer import Tokenizer
 from runtime.tool_prompts import chat_for_template, template_knows_tools, tool_call_grammar
@@ -119,7 +125,8 @@ class Admission:
     def grammar_spec(self, request: GenerateRequest) -> GrammarSpec | None:
         """What the output must match: the request's grammar, or a forced tool call (which
         has no content for a `response_format` to shape), or under `auto` a call or the
-        JSON answer (a `response_format` shapes the content, and tools stay callable).
+        JSON answer (a `response_format` shapes the content, and tools stay callable;
+        vLLM's guided fields hold the whole reply, so no call can start beside them).
 
         Not in Llama 3's format: its calls are bare JSON objects, which the parser
         would read an answer starting with a "name" key as; there the answer alone."""
@@ -130,6 +137,7 @@ class Admission:
             request.tools
             and request.tool_choice == "auto"
             and answer is not None
+            and shapes_content_only(answer)
             and answer.kind in JSON_KINDS
             and self.tool_style != "llama3_json"
         ):

@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from runtime.errors import CadenceError, RequestError
+from runtime.grammar import shapes_content_only
 from runtime.sequence import SamplingParams
 
 import attrs
@@ -198,7 +199,7 @@ def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any)
     # A forced call has no content for OpenAI's response_format to shape: accepted, as
     # OpenAI accepts it. vLLM's guided fields constrain the whole reply, which a forced
     # call already does otherwise.
-    is_whole_reply = grammar is not None and not grammar.param.startswith("response_format")
+    is_whole_reply = grammar is not None and not shapes_content_only(grammar)
     if is_whole_reply and tools.choice in ("required", "function"):
         raise ApiError(
             400,

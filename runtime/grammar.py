@@ -94,6 +94,13 @@ class GrammarSpec:
 JSON_KINDS = ("json_schema", "json_object")
 
 
+def shapes_content_only(spec: GrammarSpec) -> bool:
+    """OpenAI's `response_format` shapes a reply's content, and tools stay callable
+    beside it; every other grammar (vLLM's guided fields, the embedding API's) holds the
+    whole reply, which then has no room for a call."""
+    return spec.param.startswith("response_format")
+
+
 def answer_json_schema(spec: GrammarSpec) -> dict[str, Any]:
     """The JSON schema of a `JSON_KINDS` spec, as an object to embed (`%json`) in a
     larger grammar; raises RequestError naming `spec.param` for a schema that is not one."""

@@ -501,3 +501,19 @@ async def test_auto_beside_a_response_format_may_call_or_answer_in_the_format(st
     message = answered.choices[0].message
     assert message.tool_calls is None
     jsonschema.validate(json.loads(message.content), ANSWER)
+
+
+async def test_a_guided_json_beside_tools_holds_the_whole_reply(styled):
+    """vLLM's guided fields constrain the whole reply, tools or not: under `auto` the
+    reply was a call or the answer, as if the schema were a response_format, so a model
+    leaning to call broke the schema the client asked for."""
+    style, checkpoint = styled
+    if style not in MARKER:
+        pytest.skip("Llama 3's answer stands alone beside a response_format too")
+    first = Tokenizer.from_dir(checkpoint).encode(MARKER[style], add_special_tokens=False)[0]
+    body = dict(messages=ASK, tools=TOOLS, max_tokens=80, logit_bias={str(first): 100})
+    async with serving(checkpoint) as server:
+        guided = await in_thread(whole, server, **body, extra_body={"guided_json": ANSWER})
+    message = guided.choices[0].message
+    assert message.tool_calls is None
+    jsonschema.validate(json.loads(message.content), ANSWER)
