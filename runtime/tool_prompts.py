@@ -68,8 +68,11 @@ def tool_call_grammar(
         }
         for i, f in enumerate(functions)
     ]
-    schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    call = f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
+    # One JSON document per function: in one `anyOf` document two tools' parameters
+    # with the same `$id` were one resource, and one tool's "#/$defs/..." won for both.
+    call = " | ".join(f"call_{i}" for i in range(len(calls)))
+    for i, schema in enumerate(calls):
+        call += f"\ncall_{i}: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
     if style == "hermes":
         lark = f'tool_call: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {call}'
     elif style == "gemma":

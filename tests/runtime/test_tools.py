@@ -688,3 +688,39 @@ def test_a_forced_call_follows_parameters_that_refer_to_their_own_defs(order):
     assert admits('{"items": [{"sku": "a"}], "then": {"items": [], "then": null}}')
     assert not admits('{"items": [{"name": "a"}], "then": null}')
     assert not admits('{"items": [], "then": {"sku": "a"}}')
+
+
+def test_tools_whose_parameters_share_an_id_each_keep_their_own_defs():
+    """Two tools' parameters with one `$id` were one schema resource in the call
+    grammar's `anyOf`: one tool's "#/$defs/X" won for both, so a forced call of the
+    other wrote arguments its own schema refuses."""
+
+    def parameters(x):
+        return {
+            "$id": "https://example.com/args",
+            "$defs": {"X": x},
+            "type": "object",
+            "properties": {"v": {"$ref": "#/$defs/X"}},
+            "required": ["v"],
+            "additionalProperties": False,
+        }
+
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "count", "parameters": parameters({"type": "integer"})},
+        },
+        {
+            "type": "function",
+            "function": {"name": "pick", "parameters": parameters({"enum": ["x"]})},
+        },
+    ]
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    grammar = compiler.compile(tool_call_grammar("hermes", tools, None))
+
+    def admits(name, v):
+        call = json.dumps({"name": name, "arguments": {"v": v}})
+        return admitted_by(grammar, f"<tool_call>\n{call}\n</tool_call>")
+
+    assert admits("count", 1) and admits("pick", "x")
+    assert not admits("count", "x") and not admits("pick", 1)
