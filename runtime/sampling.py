@@ -2,10 +2,12 @@
 
 Every row carries its own parameters; they become `[B]` vectors, so rows with
 different temperatures, top-p, penalties or seeds share one set of array ops
-(mlx-lm's server refuses to batch a seeded request). The order, as vLLM applies it:
+(mlx-lm's server refuses to batch a seeded request). The order, as vLLM's V1 sampler
+applies it (and mlx-lm: the bias before the penalties, so -100 bans a token whatever a
+penalty below 1 makes of its logit):
 
-    penalties -> logit_bias -> grammar mask -> (greedy rows: argmax) -> temperature
-    -> top-k -> top-p -> min-p -> draw
+    logit_bias -> penalties -> grammar mask -> (greedy rows: argmax) -> temperature
+    -> min-p -> top-k -> top-p -> draw
 
 The grammar mask (structured output, runtime/grammar.py) sets the tokens a row's
 grammar forbids to -inf; a row without a grammar is untouched, bit for bit.
@@ -83,10 +85,10 @@ def sample(logits: mx.array, rows: Sequence[RowSampler], allowed: mx.array | Non
     `allowed` [B, V] bool: the tokens each row may draw (its grammar's mask); None: all."""
     logits = logits.astype(mx.float32)
     params = [r.params for r in rows]
-    if any(p.has_penalties for p in params):
-        logits = apply_penalties(logits, rows)
     if any(p.logit_bias for p in params):
         logits = logits + _bias_matrix(rows, logits.shape[-1])
+    if any(p.has_penalties for p in params):
+        logits = apply_penalties(logits, rows)
     if allowed is not None:
         logits = mx.where(allowed, logits, -mx.inf)
     greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
@@ -95,13 +97,13 @@ def sample(logits: mx.array, rows: Sequence[RowSampler], allowed: mx.array | Non
     unscaled = logits
     temperature = mx.array([1.0 if p.is_greedy else p.temperature for p in params])
     logits = logits / temperature[:, None]
+    if any(p.min_p > 0.0 for p in params):
+        logits = min_p_mask(logits, mx.array([p.min_p for p in params]))
     if any(p.top_k > 0 for p in params):
         vocab = logits.shape[-1]  # a k past the vocabulary keeps all; and int32 can't hold 2**31
         logits = top_k_mask(logits, mx.array([min(p.top_k, vocab) for p in params], dtype=mx.int32))
     if any(p.top_p < 1.0 for p in params):
         logits = top_p_mask(logits, mx.array([p.top_p for p in params]))
-    if any(p.min_p > 0.0 for p in params):
-        logits = min_p_mask(logits, mx.array([p.min_p for p in params]))
     drawn = mx.argmax(logits + _gumbel(rows, logits.shape), axis=-1).astype(mx.int32)
     is_greedy = mx.array([p.is_greedy for p in params])
     tokens = mx.where(is_greedy, greedy, drawn)
@@ -158,7 +160,12 @@ def top_k_mask(logits: mx.array, top_k: mx.array) -> mx.array:
 
 
 def top_p_mask(logits: mx.array, top_p: mx.array) -> mx.array:
-    """Keep the smallest set of tokens whose probability mass reaches `top_p`. top_p [B]."""
+    """Keep the smallest set of tokens whose probability mass reaches `top_p`. top_p [B].
+
+    Tokens tied with the last one kept are kept lowest id first, as many as the set
+    needs: four tokens at 0.245 under top_p 0.3 keep two, not all four (vLLM, transformers
+    and mlx-lm cut by sorted position too)."""
+    vocab = logits.shape[-1]
     ascending = mx.sort(logits, axis=-1)
     # A token survives when the mass strictly above it is still short of top_p; the top
     # token always does. Summed from the top, that mass is exactly 0 for it: as
@@ -168,10 +175,16 @@ def top_p_mask(logits: mx.array, top_p: mx.array) -> mx.array:
     keep = mass_above < top_p[:, None]
     first_kept = mx.argmax(keep, axis=-1)[:, None]
     threshold = mx.take_along_axis(ascending, first_kept, axis=-1)
+    # The set's last token may be tied: of the tokens at the threshold, keep the number
+    # the set needs beyond those above it, by id.
+    above = logits > threshold
+    tied = logits == threshold
+    ties_needed = (vocab - first_kept) - mx.sum(above, axis=-1, keepdims=True)
+    is_kept = above | (tied & (mx.cumsum(tied, axis=-1) <= ties_needed))
     # A row at 1.0 keeps everything: in float32 the mass above its least likely tokens
     # (under ~6e-8 each) comes to 1.0, and it must not lose them because a neighbour set top_p.
     is_off = (top_p >= 1.0)[:, None]
-    return mx.where((logits < threshold) & ~is_off, -mx.inf, logits)
+    return mx.where(is_kept | is_off, logits, -mx.inf)
 
 
 def min_p_mask(logits: mx.array, min_p: mx.array) -> mx.array:

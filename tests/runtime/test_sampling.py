@@ -103,16 +103,24 @@ def test_logit_bias_and_greedy_rows_in_one_batch():
     assert tokens == [7, int(LOGITS[1].argmax()), int(LOGITS[2].argmax())]
 
 
-def test_logit_bias_is_added_after_the_penalties_as_vllm_orders_them():
-    """Token 1 (logit 2, in the prompt) under repetition penalty 2 and bias +2: penalised
-    first it is 2 / 2 + 2 = 3 and beats token 0's 2.5; biased first, (2 + 2) / 2 = 2 loses."""
+def test_logit_bias_is_added_before_the_penalties_as_vllm_and_mlx_lm_order_them():
+    """Token 1 (logit 2, in the prompt) under repetition penalty 2 and bias +2: biased
+    first it is (2 + 2) / 2 = 2 and loses to token 0's 2.5; penalised first, 3 won."""
     logits = mx.array([[2.5, 2.0, 0.0, 0.0]])
     params = SamplingParams(repetition_penalty=2.0, logit_bias={1: 2.0}, logprobs=1)
     got = sample(logits, [RowSampler.create(params, [1], 4)])
-    assert got.tokens.tolist() == [1]
+    assert got.tokens.tolist() == [0]
     np.testing.assert_allclose(
-        got.logprobs.token.item(), log_softmax(np.array([2.5, 3.0, 0.0, 0.0]))[1], rtol=1e-5
+        got.logprobs.token.item(), log_softmax(np.array([2.5, 2.0, 0.0, 0.0]))[0], rtol=1e-5
     )
+
+
+def test_a_bias_of_minus_100_bans_a_token_under_a_repetition_penalty_below_1():
+    """A penalty below 1 divides a seen token's negative logit too: added after it, the
+    -100 of a ban came out as 2.09 / 0.01 - 100 = +109, and the banned token won."""
+    logits = mx.array([[5.74, 2.09, 0.0, 0.0]])
+    params = SamplingParams(repetition_penalty=0.01, logit_bias={1: -100.0})
+    assert sample(logits, [RowSampler.create(params, [1], 4)]).tokens.tolist() == [0]
 
 
 def test_a_rows_logit_bias_is_made_dense_once_and_holds_at_every_step():
@@ -161,18 +169,18 @@ def test_sample_combines_temperature_top_k_top_p_and_min_p_as_numpy_does():
     frequencies match softmax(logits / T) over the kept set."""
     rng = np.random.default_rng(7)
     logits = rng.normal(size=(1, 40)).astype(np.float32) * 2
-    T, k, p, min_p = 0.7, 12, 0.8, 0.2
-    # numpy: temperature, then top-k, top-p, min-p, each on what the last one kept.
+    T, k, p, min_p = 1.0, 12, 0.8, 0.05
+    # numpy: temperature, then min-p, top-k, top-p (vLLM's order), each on what the last kept.
     scaled = logits[0] / T
-    keep = scaled >= np.sort(scaled)[-k]
+    probs = softmax(scaled)
+    keep = probs >= min_p * probs.max()
     num_kept = [int(keep.sum())]
+    keep &= scaled >= np.sort(scaled)[-k]
+    num_kept.append(int(keep.sum()))
     order = np.argsort(-scaled)
     probs = softmax(np.where(keep, scaled, -np.inf))
     mass_before = np.cumsum(probs[order]) - probs[order]
     keep &= np.isin(np.arange(40), order[mass_before < p])
-    num_kept.append(int(keep.sum()))
-    probs = softmax(np.where(keep, scaled, -np.inf))
-    keep &= probs >= min_p * probs.max()
     num_kept.append(int(keep.sum()))
     expected = softmax(np.where(keep, scaled, -np.inf))
     row = RowSampler.create(
@@ -313,7 +321,18 @@ def test_top_p_reached_exactly_keeps_no_more_tokens():
     # probabilities 0.5, 0.25, 0.25: the top token alone reaches 0.5
     logits = mx.array(np.log(np.array([[0.5, 0.25, 0.25]], dtype=np.float32)))
     assert kept(top_p_mask(logits, mx.array([0.5]))) == [{0}]
-    assert kept(top_p_mask(logits, mx.array([0.51]))) == [{0, 1, 2}]
+    assert kept(top_p_mask(logits, mx.array([0.51]))) == [{0, 1}]  # 0.75, tie cut by id
+
+
+def test_top_p_keeps_only_as_many_tied_tokens_as_its_set_needs():
+    """Four tokens at 0.245: top_p 0.3 needs two of them, 0.6 three. Keeping every token
+    tied with the last one (a logit threshold) kept all four, where vLLM keeps two."""
+    probs = np.array([[0.01, 0.245, 0.245, 0.01, 0.245, 0.245]], dtype=np.float32)
+    logits = mx.array(np.log(probs))
+    assert kept(top_p_mask(logits, mx.array([0.3]))) == [{1, 2}]
+    assert kept(top_p_mask(logits, mx.array([0.6]))) == [{1, 2, 4}]
+    assert kept(top_p_mask(logits, mx.array([0.97]))) == [{1, 2, 4, 5}]
+    assert kept(top_p_mask(logits, mx.array([0.985]))) == [{0, 1, 2, 4, 5}]
 
 
 def test_a_tiny_top_p_keeps_the_top_token_alone_over_a_large_vocabulary():
@@ -378,3 +397,12 @@ def test_logprobs_asking_for_no_alternatives_or_more_than_the_vocabulary():
     np.testing.assert_allclose(zero.token.item(), log_softmax(LOGITS[0, :4]).max(), rtol=1e-5)
     many = sample(logits, [RowSampler.create(SamplingParams(logprobs=10), [], 4)]).logprobs
     assert sorted(np.array(many.top_ids)[0].tolist()) == [0, 1, 2, 3]
+
+
+def test_min_p_comes_before_top_k_and_top_p_as_in_vllm():
+    """Probabilities .5 .3 .1 .1, min_p 0.3 and top_p 0.6: min-p keeps .5 and .3 (.625
+    and .375 after it), and top-p then needs the first alone. top-p first kept both, and
+    min-p after it kept both too: token 1 came a third of the time."""
+    logits = mx.array(np.log(np.array([[0.5, 0.3, 0.1, 0.1]], dtype=np.float32)))
+    row = RowSampler.create(SamplingParams(temperature=1.0, top_p=0.6, min_p=0.3, seed=5), [], 4)
+    assert {sample(logits, [row]).tokens.item() for _ in range(200)} == {0}
