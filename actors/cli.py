@@ -278,6 +278,7 @@ async def _serve(args: argparse.Namespace) -> None:
                 # their error event and [DONE] before the server closes connections.
                 graceful_timeout=args.drain_timeout + HTTP_GRACE_MARGIN_S,
                 max_requests=args.max_http_requests,
+                cors=cors,
                 task_status=task_status,
             )
         finally:

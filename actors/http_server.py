@@ -18,6 +18,7 @@ import trio
 from hypercorn.config import Config, Sockets
 from hypercorn.trio import serve
 
+from actors.cors import CorsPolicy
 from actors.http_app import request_ids
 from actors.openai_requests import ApiError
 from actors.openai_responses import wire_json
@@ -40,12 +41,15 @@ async def serve_http(
     graceful_timeout: float = 30.0,
     send_timeout: float = SEND_TIMEOUT_S,
     max_requests: int | None = None,
+    cors: CorsPolicy | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run Hypercorn until `shutdown_trigger` returns; reports the bound URLs on start.
 
     `max_requests`: the most HTTP requests in flight (their body being read, generating,
     or their answer being sent); past it a new one gets an immediate 503. None: no cap.
+    `cors`: the app's, for that 503, which the app never sees (a browser hides an answer
+    without its CORS headers from the page, `Retry-After` and all).
 
     On shutdown it stops accepting, gives in-flight requests `graceful_timeout`
     seconds, then cancels what is left (which aborts their rows) and returns. Once the
@@ -53,7 +57,7 @@ async def serve_http(
     still open: Hypercorn (0.17, 0.18) closes a keep-alive connection itself when
     shutdown began during its response, and this is the backstop should one not.
     """
-    tracked = _InFlight(_CloseAfterEarlyResponse(app), max_requests)
+    tracked = _InFlight(_CloseAfterEarlyResponse(app), max_requests, cors or CorsPolicy())
     config = _Config(send_timeout)
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.graceful_timeout = graceful_timeout
@@ -110,6 +114,7 @@ async def serving_on_loopback(
     graceful_timeout: float = 30.0,
     send_timeout: float = SEND_TIMEOUT_S,
     max_requests: int | None = None,
+    cors: CorsPolicy | None = None,
 ) -> AsyncIterator[str]:
     """`app` served on 127.0.0.1 at a free port while the block runs; yields its URL.
 
@@ -126,6 +131,7 @@ async def serving_on_loopback(
             graceful_timeout=graceful_timeout,
             send_timeout=send_timeout,
             max_requests=max_requests,
+            cors=cors,
         )
         (url,) = await nursery.start(run)
         try:
@@ -189,12 +195,14 @@ class _InFlight:
     The refusal is sent before the app sees the request, so no body is read: without
     the cap, every client uploading a body at once made the server hold all of them
     (200 clients' 4 MB bodies took 800 MB). Probes of /health and /metrics are let
-    through at the cap, so a load balancer still sees the server alive and busy.
+    through at the cap, so a load balancer still sees the server alive and busy, and
+    so are CORS preflights, so a browser page gets to see the 503.
     """
 
-    def __init__(self, app: Any, max_requests: int | None = None):
+    def __init__(self, app: Any, max_requests: int | None = None, cors: CorsPolicy | None = None):
         self.app = app
         self.max_requests = max_requests
+        self.cors = cors or CorsPolicy()
         self.num_requests = 0
         self._idle = trio.Event()
         self._idle.set()
@@ -245,6 +253,9 @@ class _InFlight:
             (b"x-request-id", echoed.encode()),
             (b"connection", b"close"),  # the body was not read: it must not be parsed next
         ]
+        origin = next((v for k, v in scope["headers"] if k.lower() == b"origin"), None)
+        allowed = self.cors.response_headers(None if origin is None else origin.decode("latin-1"))
+        headers += [(k.lower().encode(), v.encode("latin-1")) for k, v in allowed.items()]
         await send({"type": "http.response.start", "status": 503, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -254,8 +265,10 @@ _PROBE_PATHS = frozenset({"/health", "/metrics"})
 
 
 def _is_probe(scope: Any) -> bool:
-    return (
-        scope["method"] in ("GET", "HEAD")
-        and scope["path"] in _PROBE_PATHS
-        and not _has_body(scope["headers"])
+    """Let through at the cap: probes, and CORS preflights (bodiless OPTIONS), which a
+    browser sends before its request: refused, the page saw no answer at all."""
+    if _has_body(scope["headers"]):
+        return False
+    return scope["method"] == "OPTIONS" or (
+        scope["method"] in ("GET", "HEAD") and scope["path"] in _PROBE_PATHS
     )

@@ -37,7 +37,10 @@ LIMIT = 1000  # max body bytes of the test server
 async def loading_server(max_requests=None, **app_args):
     """A server whose model is still loading: every route answers without an engine."""
     app = create_app(ServerState(), max_body_bytes=LIMIT, **app_args)
-    async with serving_on_loopback(app, graceful_timeout=0.1, max_requests=max_requests) as url:
+    cors = app_args.get("cors")
+    async with serving_on_loopback(
+        app, graceful_timeout=0.1, max_requests=max_requests, cors=cors
+    ) as url:
         yield int(url.rsplit(":", 1)[1])
 
 
@@ -573,6 +576,37 @@ async def test_past_the_cap_a_request_gets_an_immediate_503_and_probes_are_still
         e["event"] == "rejected" and e["request_id"].startswith("capped-7-") and e["status"] == 503
         for e in logs
     )
+
+
+async def test_at_the_cap_a_browser_page_gets_its_preflight_and_a_503_it_can_read():
+    """The 503 is made before the app, which adds the CORS headers: without them a
+    browser shows the page a network error, not the 503 and its Retry-After. And the
+    page's preflight, refused, left its request unsent."""
+    page = "http://page.example"
+    async with loading_server(max_requests=1, cors=CorsPolicy(parse_origins([page]))) as port:
+
+        def exchange():
+            held = held_request(port)
+            assert is_refused_at_the_cap(port)
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(
+                    b"OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: t\r\n"
+                    b"Origin: http://page.example\r\nAccess-Control-Request-Method: POST\r\n"
+                    b"Connection: close\r\n\r\n"
+                )
+                preflight = read_response(sock)
+            refused = answer(port, post_head("/v1/chat/completions", 500, f"Origin: {page}"))
+            stranger = answer(
+                port, post_head("/v1/chat/completions", 500, "Origin: http://x.example")
+            )
+            held.close()
+            return preflight, refused, stranger
+
+        (status, preflight), refused, stranger = await in_thread(exchange)
+    assert status.split()[1] == "204" and preflight["access-control-allow-origin"] == page
+    assert refused[0] == 503 and refused[1]["access-control-allow-origin"] == page
+    assert "retry-after" in refused[1]["access-control-expose-headers"].lower()
+    assert stranger[0] == 503 and "access-control-allow-origin" not in stranger[1]
 
 
 async def test_requests_in_flight_return_to_none_when_their_clients_hang_up_mid_body():
