@@ -144,7 +144,10 @@ class Streamer:
             cause = first_cause(row.finish, FinishCause.STOP_SEQUENCE if is_stop else None)
         stream.unsent += text
         if cause is None:
-            if stream.unsent and not self._send_text(stream):
+            # Asked at every token, text or not: a reader gone while its tokens made no
+            # text (special tokens, a character's first bytes, a held-back stop) was
+            # noticed only at the next text, so a dropped one ran on to max_tokens.
+            if not self._send_text(stream):
                 # Its abort comes back released, with the cause (the caller's own, or
                 # this one): the terminal event is logged then.
                 self._forget(stream)
@@ -193,12 +196,12 @@ class Streamer:
         stream.reply.close()
 
     def _send_text(self, stream: _Stream) -> bool:
-        """Send the unsent text unless the reader is behind; False when the reader left."""
+        """Send the unsent text, if any, unless the reader is behind; False when the reader left."""
         stats = stream.reply.statistics()
         if stats.open_receive_channels == 0:
             return False
-        if stats.current_buffer_used >= MAX_QUEUED_DELTAS:
-            return True  # held back: it leaves with the next delta that fits
+        if stats.current_buffer_used >= MAX_QUEUED_DELTAS or not stream.unsent:
+            return True  # held back (or nothing yet): it leaves with the next delta that fits
         text, stream.unsent = stream.unsent, ""
         logprobs, stream.unsent_logprobs = tuple(stream.unsent_logprobs), []
         return self._send(stream, TextDelta(stream.request_id, text, logprobs))

@@ -141,6 +141,30 @@ async def test_a_generation_dropped_mid_stream_unclosed_is_aborted_once_collecte
         assert llm.num_active == 0
 
 
+async def test_a_dropped_generation_whose_tokens_make_no_text_is_aborted_too(tiny):
+    """Token 1 decodes to nothing: the streamer asked whether the reader was still there
+    only when it had text to send, so the row ran on to max_tokens for nobody."""
+    async with actors.open_llm(tiny, max_batch=2) as llm:
+        with capture_logs() as logs:
+            generation = llm.generate(
+                [100, 200, 300], max_tokens=400, ignore_eos=True, logit_bias={1: 100.0}
+            )
+            request_id = generation.request_id
+            await generation.start()
+            del generation
+            gc.collect()
+            with trio.fail_after(60):  # a hang guard: 400 tokens take a few seconds
+                while not (ends := [e for e in logs if e["event"] in ("aborted", "finished")]):
+                    await trio.sleep(0.01)
+            await wait_for_no_open_rows(llm)
+        (end,) = ends
+        assert (end["event"], end["request_id"], end["cause"]) == (
+            "aborted",
+            request_id,
+            "disconnected",
+        )
+
+
 async def test_an_abort_during_prefill_stops_it_and_frees_the_row(tiny):
     pieces = []
     async with actors.open_llm(tiny, max_batch=2, prefill_chunk=8, max_num_batched_tokens=10) as llm:
