@@ -41,8 +41,8 @@ GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark", "choice")
 # Tighter than llguidance's defaults (1M lexer fuel, 500k symbols): a schema that needs
 # more is refused at compile time, in well under a second, instead of stalling a step.
 _LEXER_FUEL, _MAX_GRAMMAR_SIZE = 400_000, 100_000
-# Compiled grammars kept per model, refusals included (GrammarCompiler.compile).
-COMPILED_KEPT = 64
+# Refused grammars remembered per model (GrammarCompiler.compile).
+REFUSALS_KEPT = 64
 # No free whitespace in generated JSON: the separators are fixed, so a model cannot spend
 # its max_tokens on blanks (random and small models do) and the output stays compact.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -161,7 +161,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._built: llguidance.LLTokenizer | None = None
         self._cache_lock = threading.Lock()
-        self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher | str] = OrderedDict()
+        self._refusals: OrderedDict[tuple[str, str], str] = OrderedDict()
 
     @property
     def _tokenizer(self) -> llguidance.LLTokenizer:
@@ -175,22 +175,23 @@ class GrammarCompiler:
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """Raises RequestError naming `spec.param` for a grammar that is malformed or too large.
 
-        The last COMPILED_KEPT outcomes are kept, refusals too: clients that share one
-        schema compile it once, and a large schema sent again is refused at once."""
+        The last REFUSALS_KEPT refusals are kept, so a large grammar sent again is
+        refused at once. Grammars that compile are not: the copies of one matcher share
+        its lexer and the lexer's limits (llguidance), so one reply that used them up
+        failed every later request's grammar at its first token."""
         key = (spec.kind, spec.source)
         with self._cache_lock:
-            outcome = self._compiled.get(key)
-            if outcome is not None:
-                self._compiled.move_to_end(key)
-        if outcome is None:
+            refusal = self._refusals.get(key)
+        if refusal is None:
             outcome = self._compile(spec)
+            if not isinstance(outcome, str):
+                return CompiledGrammar(spec, outcome)
+            refusal = outcome
             with self._cache_lock:
-                self._compiled[key] = outcome
-                while len(self._compiled) > COMPILED_KEPT:
-                    self._compiled.popitem(last=False)
-        if isinstance(outcome, str):
-            raise RequestError(f"'{spec.param}' {outcome}", param=spec.param)
-        return CompiledGrammar(spec, outcome)
+                self._refusals[key] = refusal
+                while len(self._refusals) > REFUSALS_KEPT:
+                    self._refusals.popitem(last=False)
+        raise RequestError(f"'{spec.param}' {refusal}", param=spec.param)
 
     def _compile(self, spec: GrammarSpec) -> llguidance.LLMatcher | str:
         """The grammar's matcher, or why it is refused."""

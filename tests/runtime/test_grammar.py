@@ -7,6 +7,7 @@ is complete, max_tokens cuts it short as LENGTH, and a bad grammar is refused by
 
 import json
 import re
+from pathlib import Path
 
 from runtime.checkpoint import load_model
 from runtime.engine import Engine
@@ -17,6 +18,7 @@ from runtime.kv.blocks import BlockPool
 from runtime.runner import run_offline
 from runtime.scheduler import FcfsScheduler
 from runtime.sequence import FinishCause, SamplingParams, SequenceParams, StepBatch
+from runtime.tokenizer import Tokenizer
 from runtime.tool_prompts import tool_call_grammar
 
 import jsonschema
@@ -32,6 +34,7 @@ SCHEMA = {
     "required": ["name", "age", "tags"],
     "additionalProperties": False,
 }
+DEMO_DIR = Path(__file__).resolve().parents[2] / "runtime" / "demo"
 FREE = {"a": (11, 305, 42, 977), "b": (7, 8, 9), "c": (900, 5, 6, 70, 71)}
 
 
@@ -389,7 +392,7 @@ def test_a_call_or_the_answer_each_kind_of_json_answer(compiler, model):
         assert raised.value.param == answer.param
 
 
-def test_a_grammar_compiles_once_and_a_refusal_is_kept_too(compiler, monkeypatch):
+def test_a_refused_grammar_is_refused_again_without_compiling(compiler, monkeypatch):
     compiled = []
     compile_now = GrammarCompiler._compile
 
@@ -398,13 +401,23 @@ def test_a_grammar_compiles_once_and_a_refusal_is_kept_too(compiler, monkeypatch
         return compile_now(self, spec)
 
     monkeypatch.setattr(GrammarCompiler, "_compile", counted)
-    first = compiler.compile(GrammarSpec("regex", "[ab]{2}c", "guided_regex"))
-    again = compiler.compile(GrammarSpec("regex", "[ab]{2}c", "response_format"))
-    assert len(compiled) == 1 and again.prototype is first.prototype
-    assert again.spec.param == "response_format"  # errors name the field this request sent
     too_big = "b{100000}{100001}"
     for param in ("guided_regex", "grammar"):
         with pytest.raises(RequestError, match=f"'{param}' cannot be compiled") as refused:
             compiler.compile(GrammarSpec("regex", too_big, param))
-        assert refused.value.param == param
-    assert len(compiled) == 2
+        assert refused.value.param == param  # errors name the field this request sent
+    assert len(compiled) == 1
+
+
+def test_a_grammar_that_fails_mid_reply_fails_the_same_way_for_the_next_request():
+    """Copies of one matcher share its lexer and its limits: a kept matcher that one
+    reply had taken past them failed the next request's grammar before its first token."""
+    demo = Tokenizer.from_dir(DEMO_DIR)
+    compiler = GrammarCompiler(demo, demo.vocab_size, demo.eos_token_ids)
+    (a,) = demo.encode("a", add_special_tokens=False)
+    for _ in range(2):
+        state = compiler.compile(GrammarSpec("regex", "(a{100000}{100000})?", "guided_regex")).start()
+        assert token_masks([state], demo.vocab_size)[0, a].item()  # the first "a" is fine
+        assert state.advance(a) is None
+        token_masks([state], demo.vocab_size)
+        assert "too many expressions" in (state.advance(a) or "")  # the second is past them
