@@ -184,6 +184,15 @@ def tool_request(body: dict[str, Any]) -> ToolRequest:
                 f"tools[{i}].function.name must be 1 to 64 letters, digits, '_' or '-'",
                 param=f"tools[{i}].function.name",
             )
+        kind = function.get("parameters", {}).get("type", "object")
+        if kind != "object":
+            # OpenAI's rule: arguments are a JSON object. A string schema made forced
+            # calls whose `arguments` were no JSON at all (']', '<<=').
+            raise RequestError(
+                f"tools[{i}].function.parameters must be a JSON schema of type 'object', "
+                f"got {json.dumps(kind)}",
+                param=f"tools[{i}].function.parameters",
+            )
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise RequestError("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")

@@ -87,9 +87,11 @@ def tool_call_grammar(
 
 
 def _parameters(function: Mapping[str, Any]) -> dict[str, Any]:
+    """The schema of a call's arguments: an object always (a schema without a `type`
+    admits any JSON value, and arguments that are no object parse as no call)."""
     if (parameters := function.get("parameters")) is None:
         return _NO_PARAMETERS
-    return parameters or _ANY_OBJECT
+    return {**parameters, "type": "object"} if parameters else _ANY_OBJECT
 
 
 def _own_resource(parameters: dict[str, Any], index: int) -> dict[str, Any]:

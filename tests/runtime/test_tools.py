@@ -724,3 +724,18 @@ def test_tools_whose_parameters_share_an_id_each_keep_their_own_defs():
 
     assert admits("count", 1) and admits("pick", "x")
     assert not admits("count", "x") and not admits("pick", 1)
+
+
+def test_a_forced_calls_arguments_are_an_object_even_where_the_schema_names_no_type():
+    """A schema without `type` admits any JSON value, and arguments that are no object
+    parse as no call: `{"properties": ...}` alone let a forced call write a string."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"maxLength": 4}}}]
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    grammar = compiler.compile(tool_call_grammar("hermes", tools, "f"))
+
+    def admits(arguments):
+        call = f'{{"name": "f", "arguments": {arguments}}}'
+        return admitted_by(grammar, f"<tool_call>\n{call}\n</tool_call>")
+
+    assert admits('{"a": 1}')
+    assert not admits('"abc"') and not admits("[1]")
