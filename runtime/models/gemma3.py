@@ -98,6 +98,9 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
     if isinstance(rope.get("sliding_attention"), dict):
         local = ConfigFields(rope["sliding_attention"], f"{fields.source}: rope_parameters.sliding_attention")
         local_base = local.get("rope_theta", float, local_base)
+        # Its sliding layers' RoPE is plain; a scaling named for them was dropped unseen.
+        if (kind := rope["sliding_attention"].get("rope_type", "default")) != "default":
+            raise CheckpointError(f"{fields.source}: unsupported sliding-layer rope_type '{kind}'")
     if isinstance(full := rope.get("full_attention"), dict):
         scaling = {k: v for k, v in full.items() if k != "rope_theta"}
         if scaling.get("rope_type", "default") not in ("default", "linear"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.config import ConfigFields, ModelConfig, read_sliding_layers
+from runtime.errors import CheckpointError
 from runtime.kv.base import ForwardKV
 from runtime.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, RoPE, kept_rows
 
@@ -79,14 +80,30 @@ build = Decoder
 def read_config(fields: ConfigFields) -> dict[str, Any]:
     """attention_bias puts a bias on q, k, v and o alike; `layer_types` may make some
     layers slide over the last `sliding_window` positions (mlx-lm's llama reads both)."""
+    check_activation(fields)
     bias = fields.get("attention_bias", bool, False)
     return {"qkv_bias": bias, "o_bias": bias, "layer_windows": sliding_windows(fields)}
 
 
+def check_activation(fields: ConfigFields) -> None:
+    """These families' MLP is SiLU-gated; another `hidden_act` (transformers would run
+    it) is refused rather than run as SiLU, token after token wrong."""
+    activation = fields.get("hidden_act", str, "silu")
+    if activation not in ("silu", "swish"):
+        raise CheckpointError(f"{fields.source}: hidden_act '{activation}' is not supported")
+
+
 def sliding_windows(fields: ConfigFields) -> tuple[int | None, ...]:
     """Per layer, its window where `layer_types` names sliding layers; () when none does
-    (a config's `sliding_window` alone, as Mistral v0.1's, is not applied: see mistral.py)."""
+    (a config's `sliding_window` alone, as Mistral v0.1's, is not applied: see mistral.py).
+
+    Without `layer_types`, Qwen2's and Qwen3's `use_sliding_window: true` makes the
+    layers from `max_window_layers` on slide, as transformers derives them (mlx-lm
+    ignores it; every released Qwen config says false)."""
     is_sliding = read_sliding_layers(fields)
+    if is_sliding is None and fields.get("use_sliding_window", bool, False):
+        first = fields.get("max_window_layers", int)
+        is_sliding = [i >= first for i in range(fields.get("num_hidden_layers", int))]
     if not is_sliding or not any(is_sliding):
         return ()
     window = fields.get("sliding_window", int)

@@ -12,4 +12,5 @@ build = llama.Decoder
 
 
 def read_config(fields: ConfigFields) -> dict[str, Any]:
+    llama.check_activation(fields)
     return {"qkv_bias": True, "o_bias": False, "layer_windows": llama.sliding_windows(fields)}

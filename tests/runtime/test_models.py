@@ -131,6 +131,38 @@ def test_layer_types_of_full_layers_only_or_a_qwen2s_sliding_ones_are_read():
         config_from_dict({**later_slide, "sliding_window": None})
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwens_use_sliding_window_slides_the_layers_from_max_window_layers(family):
+    """transformers derives `layer_types` from these two when a config has none; read
+    as no window at all, every layer attended to the whole context, unannounced."""
+    raw = hf_config(family, vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=4,
+                    num_heads=4, num_kv_heads=2, intermediate_size=128)
+    windowed = {**raw, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}
+    assert config_from_dict(windowed).layer_windows == (None, None, 8, 8)
+    assert config_from_dict({**windowed, "use_sliding_window": False}).layer_windows == ()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_an_activation_other_than_silu_is_refused(family):
+    """These families' MLP is SiLU-gated: a `gelu` config ran as SiLU, every token off."""
+    raw = hf_config(family, vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, intermediate_size=128)
+    assert config_from_dict({**raw, "hidden_act": "swish"}).layer_windows == ()
+    with pytest.raises(CheckpointError, match="hidden_act 'gelu' is not supported"):
+        config_from_dict({**raw, "hidden_act": "gelu"})
+
+
+def test_gemma3_refuses_a_scaled_rope_for_its_sliding_layers():
+    """transformers 5's per-layer-type form: a scaling named for the sliding layers was
+    dropped, and they ran plain RoPE."""
+    local = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    rope = {"sliding_attention": local, "full_attention": {"rope_theta": 1e6}}
+    with pytest.raises(CheckpointError, match="sliding-layer rope_type 'linear'"):
+        config_from_dict(gemma_config(rope_parameters=rope))
+    plain = {**rope, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    assert config_from_dict(gemma_config(rope_parameters=plain)).extra["rope_local_base_freq"] == 1e4
+
+
 def test_gemma3_reads_layer_types_or_the_older_sliding_window_pattern():
     by_pattern = config_from_dict({**gemma_config(sliding_window_pattern=3), "layer_types": None})
     assert by_pattern.layer_windows == (8, 8, None, 8, 8, None)
