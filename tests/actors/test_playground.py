@@ -13,6 +13,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
+from structlog.testing import capture_logs
 
 from tests.actors.test_http import in_thread, request, serving
 
@@ -141,3 +142,68 @@ async def test_a_browser_chats_with_streaming_and_sees_the_stats(tiny):
     assert shown["text"] and "error" not in shown["reply"], shown
     assert shown["running"].isdigit()
     float(shown["tps"])  # a number
+
+
+def stop_and_new_chat_in_the_browser(url):
+    """Start a new chat during one reply, stop another, then chat on with an emptied field;
+    returns the page's conversation after each, and whether an IME's Enter sent."""
+    with chromium() as driver:
+        driver.get(f"{url}/")
+        wait = WebDriverWait(driver, 20)
+        wait.until(lambda d: d.find_element(By.ID, "model").text not in ("loading…", ""))
+        for name, value in (("temperature", "0"), ("max-tokens", "900")):
+            driver.find_element(By.ID, name).clear()
+            driver.find_element(By.ID, name).send_keys(value)
+
+        def streaming(text):
+            driver.find_element(By.ID, "prompt").send_keys(text)
+            driver.find_element(By.ID, "send").click()
+            last = ".message:last-child .content"
+            wait.until(lambda d: d.find_element(By.CSS_SELECTOR, last).text.strip())
+
+        def conversation():
+            wait.until(lambda d: d.find_element(By.ID, "send").is_enabled())
+            return driver.execute_script("return history.map((m) => m.role + ': ' + m.content)")
+
+        streaming("AGAIN")  # greedy, 900 tokens on the tiny checkpoint
+        driver.find_element(By.ID, "clear").click()
+        cleared = conversation()
+        streaming("Write a long story.")  # 900 tokens too
+        driver.find_element(By.ID, "stop").click()
+        stopped = conversation()
+        driver.find_element(By.ID, "top-p").clear()  # left out: the server's default
+        driver.find_element(By.ID, "max-tokens").clear()
+        driver.find_element(By.ID, "max-tokens").send_keys("4")
+        streaming("NEW")
+        new = conversation()
+        driver.find_element(By.ID, "prompt").send_keys("IME")
+        driver.execute_script(
+            "arguments[0].dispatchEvent(new KeyboardEvent('keydown',"
+            " {key: 'Enter', isComposing: true, bubbles: true, cancelable: true}))",
+            driver.find_element(By.ID, "prompt"),
+        )
+        ime_sent = driver.find_element(By.ID, "prompt").get_attribute("value") != "IME"
+        errors = driver.find_elements(By.CSS_SELECTOR, ".error")
+        return stopped, cleared, new, ime_sent, len(errors)
+
+
+@pytest.mark.skipif(
+    CHROMIUM is None or CHROMEDRIVER is None,
+    reason="needs chromium and chromedriver (Debian: apt-get install chromium chromium-driver)",
+)
+async def test_stop_and_new_chat_abort_the_reply_and_the_new_chat_starts_empty(tiny):
+    """There was no stop, and "new chat" left the reply streaming: it was then pushed
+    into the new chat's history, sent to the model unseen. An emptied number field was
+    sent as 0 (top_p 0: a 400), and the Enter that picks an IME candidate sent."""
+    with capture_logs() as logs:
+        async with serving(tiny) as server:
+            stopped, cleared, new, ime_sent, num_errors = await in_thread(
+                stop_and_new_chat_in_the_browser, server.url
+            )
+    assert stopped[0] == "user: Write a long story." and stopped[1].startswith("assistant: ")
+    assert len(stopped) == 2 and len(stopped[1]) > len("assistant: ")  # what came stays
+    assert cleared == []
+    assert new[:2] == stopped and new[2] == "user: NEW" and len(new) == 4 and num_errors == 0
+    assert not ime_sent
+    ends = [e["event"] for e in logs if e["event"] in ("aborted", "finished", "failed")]
+    assert ends == ["aborted", "aborted", "finished"]  # the server stopped both replies
