@@ -193,9 +193,13 @@ class Admission:
         else:
             tokens = list(request.prompt or ())
             field = "prompt"
+        max_tokens = request.max_tokens  # None: until EOS, a stop, or the context is full
+        if max_tokens is None and request.default_max_tokens is not None:
+            room = self.max_context - len(tokens)  # none left: check_sequence names the prompt
+            max_tokens = min(request.default_max_tokens, room) if room >= 1 else None
         params = SequenceParams(
             prompt_tokens=tuple(tokens),
-            max_tokens=request.max_tokens,  # None: until EOS, a stop, or the context is full
+            max_tokens=max_tokens,
             sampling=request.sampling,
             ignore_eos=request.ignore_eos,
             request_id=request_id,

@@ -130,6 +130,9 @@ def _reject_constant(name: str) -> None:
     raise ApiError(400, f"the request body contains {name}, which is not valid JSON")
 
 
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
 def parse_chat(body: dict[str, Any], *, max_n: int = DEFAULT_MAX_N) -> ApiRequest:
     for name, why in UNSUPPORTED_CHAT_FIELDS.items():
         if body.get(name) is not None:  # null is absent, as SDKs serialize an unset field
@@ -243,6 +246,8 @@ def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any)
         **prompt,
         max_tokens=max_tokens,
         max_tokens_field=max_tokens_field,
+        # OpenAI's legacy completions default to 16 tokens, as vLLM's; chat to no limit.
+        default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else None,
         sampling=sampling,
         stop=stop,
         ignore_eos=bool(_field(body, "ignore_eos", bool)),

@@ -40,7 +40,13 @@ def _number(low: float, high: float, *, is_low_allowed: bool = True) -> dict[str
 
 _COMMON_FIELDS: dict[str, Any] = {
     "model": {"type": "string", "description": "must name the served model (GET /v1/models)"},
-    "max_tokens": _or_null({"type": "integer", "minimum": 1}),
+    "max_tokens": _or_null(
+        {
+            "type": "integer",
+            "minimum": 1,
+            "description": "unset: completions 16 (or what the context leaves), chat what the context leaves",
+        }
+    ),
     "max_completion_tokens": _or_null(
         {"type": "integer", "minimum": 1, "description": "takes precedence over max_tokens"}
     ),

@@ -49,8 +49,11 @@ class GenerateRequest:
 
     prompt: str | tuple[int, ...] | None = None
     messages: tuple[dict[str, Any], ...] | None = None
-    max_tokens: int | None = None  # None: whatever the context leaves
+    max_tokens: int | None = None  # None: `default_max_tokens`, else whatever the context leaves
     max_tokens_field: str = "max_tokens"  # the name the client gave it, for errors
+    # Without max_tokens, at most this many, as far as the context leaves room (OpenAI's
+    # completions default to 16); None: no default.
+    default_max_tokens: int | None = None
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False

@@ -231,6 +231,26 @@ async def test_completions_streaming_and_not_agree(tiny):
     assert whole.usage.completion_tokens <= 10
 
 
+async def test_completions_without_max_tokens_stop_at_16_as_openais_and_chat_does_not(tiny):
+    """OpenAI's and vLLM's legacy completions default to 16 tokens: a script leaving it
+    out got the whole context (1,021 tokens of the demo), a row held for minutes on a
+    long-context model. Where the context leaves less, it is what is left, not a 400."""
+    async with serving(tiny) as server:
+        client = server.client()
+        body = dict(model=server.model, extra_body={"ignore_eos": True})
+        short = await in_thread(client.completions.create, **body, prompt="Once upon a time")
+        room = server.llm.max_context - 5
+        tight = await in_thread(client.completions.create, **body, prompt=[7] * room)
+        chat = await in_thread(
+            client.chat.completions.create,
+            **body,
+            messages=[{"role": "user", "content": "Once upon a time"}],
+        )
+    assert (short.usage.completion_tokens, short.choices[0].finish_reason) == (16, "length")
+    assert (tight.usage.completion_tokens, tight.choices[0].finish_reason) == (5, "length")
+    assert chat.usage.completion_tokens > 16  # chat: what the context leaves, as vLLM's
+
+
 async def test_max_tokens_and_stop_strings(tiny):
     async with serving(tiny) as server:
         client = server.client()
