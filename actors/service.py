@@ -256,17 +256,31 @@ async def run_actors(
     if lookahead < 1:  # the GPU actor collects step N only once N+1 is queued
         raise ValueError(f"lookahead must be at least 1, got {lookahead}")
     body_error: BaseException | None = None
-    async with trio.open_nursery() as nursery:
-        llm = await _start_actors(nursery, thread, loaded, engine, policy, max_waiting, lookahead)
-        try:
-            yield llm
-            await llm.drain(drain_timeout)
-        except BaseException as error:  # stop the actors, then re-raise it unwrapped
-            body_error = error  # (the block's, or a Ctrl-C or cancellation while draining)
-            llm.is_draining = True
-            nursery.cancel_scope.cancel()
+    try:
+        async with trio.open_nursery() as nursery:
+            llm = await _start_actors(nursery, thread, loaded, engine, policy, max_waiting, lookahead)
+            try:
+                yield llm
+                await llm.drain(drain_timeout)
+            except BaseException as error:  # stop the actors, then re-raise it unwrapped
+                body_error = error  # (the block's, or a Ctrl-C or cancellation while draining)
+                llm.is_draining = True
+                nursery.cancel_scope.cancel()
+    except BaseException as exit_error:
+        # An actor's failure wins (the block's error most likely came of it), but not
+        # a cancellation: a reader in an outer nursery, failing as the actors stopped,
+        # cancelled it while they wound down, and the block's own error (a Ctrl-C too)
+        # was lost under "the service stopped".
+        if body_error is None or not _is_cancellation(exit_error):
+            raise
     if body_error is not None:
         raise body_error
+
+
+def _is_cancellation(error: BaseException) -> bool:
+    if isinstance(error, BaseExceptionGroup):
+        return error.split(trio.Cancelled)[1] is None
+    return isinstance(error, trio.Cancelled)
 
 
 async def _start_actors(

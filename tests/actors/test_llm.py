@@ -505,3 +505,29 @@ async def test_a_drain_timeout_of_zero_aborts_what_runs_at_the_blocks_exit(tiny)
     with pytest.raises(actors.ServiceClosedError, match="shutting down: the request was aborted"):
         async for _ in generation:
             pass
+
+
+def leaves(error):
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in leaves(inner)]
+    return [error]
+
+
+async def test_the_blocks_own_error_is_raised_though_a_reader_outside_it_fails_as_it_stops(tiny):
+    """A reader in an outer nursery fails as the actors stop; its failure cancelled the
+    outer nursery while they wound down, and the block's own error (a Ctrl-C too) was
+    lost: only "the service stopped" came out."""
+
+    async def read(llm):
+        async with llm.generate("Hi", max_tokens=900, ignore_eos=True) as generation:
+            async for _ in generation:
+                pass
+
+    with pytest.raises(BaseException) as caught:
+        async with trio.open_nursery() as outer, actors.open_llm(tiny) as llm:
+            outer.start_soon(read, llm)
+            with trio.fail_after(30):
+                while llm.num_active == 0:
+                    await trio.sleep(0.01)
+            raise ValueError("the block's own")
+    assert any(isinstance(e, ValueError) for e in leaves(caught.value)), repr(caught.value)
