@@ -317,7 +317,7 @@ async def _start_actors(
         tool_style_for(loaded.tokenizer.tool_use_template_source, loaded.config.model_type),
     )
     actors = (
-        Streamer(loaded.tokenizer, stream_recv, sched_send.clone(), metrics),
+        Streamer(loaded.tokenizer, stream_recv, sched_send.clone(), metrics, engine.eos_ids),
         GpuActor(
             PlanRunner(engine),
             thread,

@@ -71,6 +71,7 @@ class Streamer:
     inbox: trio.MemoryReceiveChannel[StreamerMessage]
     to_scheduler: trio.MemorySendChannel[SchedulerMessage]
     metrics: Metrics
+    eos_ids: frozenset[int] = frozenset()  # the engine's: their token ends a row as no text
     streams: dict[str, _Stream] = attrs.Factory(dict)
     awaiting_release: set[str] = attrs.Factory(set)  # forgotten (reader gone), end unlogged
 
@@ -136,7 +137,12 @@ class Streamer:
             # nothing (a Strip decoder), yet the word start after it keeps its space.
             after_text = stream.detokenizer.has_tokens  # before this token joins it
             stream.unsent_logprobs.append(self._logprob_entry(row.token, row.logprob, after_text))
-        text, is_stop = stream.stop_matcher.feed(stream.detokenizer.add(row.token))
+        # An EOS token that ended the row is no text, as in vLLM and mlx-lm: where a
+        # tokenizer does not flag it special, decoding spelled it out. (A grammar that
+        # completes ends its row as EOS too, on a token of its text.)
+        is_eos = row.finish is FinishCause.EOS and row.token in self.eos_ids
+        piece = "" if is_eos else stream.detokenizer.add(row.token)
+        text, is_stop = stream.stop_matcher.feed(piece)
         cause = first_cause(row.finish, FinishCause.STOP_SEQUENCE if is_stop else None)
         if cause is not None and not is_stop:
             tail, is_stop = stream.stop_matcher.feed(stream.detokenizer.flush())

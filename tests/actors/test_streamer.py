@@ -20,14 +20,14 @@ from actors.metrics import Metrics
 from actors.streamer import Streamer
 
 
-async def streamed(demo_tokenizer, requests, steps, reply_capacity=64, released=()):
+async def streamed(demo_tokenizer, requests, steps, reply_capacity=64, released=(), eos=()):
     """Run a streamer over `requests` ({id: stop strings}) and `steps` (lists of
     (id, token, finish)), then a step releasing `released`; returns (each reply channel's
     messages, the aborts sent, the streamer). A request whose stop list is None has its
     reader gone before any step."""
     to_streamer, inbox = trio.open_memory_channel(16)
     to_scheduler, from_streamer = trio.open_memory_channel(16)
-    streamer = Streamer(demo_tokenizer, inbox, to_scheduler, Metrics("m"))
+    streamer = Streamer(demo_tokenizer, inbox, to_scheduler, Metrics("m"), frozenset(eos))
     readers = {}
     async with trio.open_nursery() as nursery:
         await nursery.start(streamer.run)
@@ -68,6 +68,22 @@ async def test_a_finished_request_is_streamed_then_forgotten(demo_tokenizer):
     assert "".join(d.text for d in deltas) + end.text == " hello world"
     assert end.cause is FinishCause.LENGTH and end.usage.completion_tokens == len(hello)
     assert aborts == [] and streamer.streams == {}
+
+
+async def test_the_token_that_ends_a_row_by_eos_is_no_text(demo_tokenizer):
+    """A tokenizer whose EOS token is not flagged special decodes it as text, and the
+    reply ended in '<|im_end|>': vLLM and mlx-lm leave that token out. Here the last
+    piece of " hello world" stands for such a token; it still counts as a completion."""
+    hello = demo_tokenizer.encode(" hello world", add_special_tokens=False)
+    steps = one_by_one("a", hello, finish=FinishCause.EOS)
+    replies, _, _ = await streamed(demo_tokenizer, {"a": ()}, steps, eos=[hello[-1]])
+    end = replies["a"][-1]
+    text = "".join(getattr(m, "text", "") for m in replies["a"])
+    assert text == demo_tokenizer.decode(hello[:-1]) and text != " hello world"
+    assert end.cause is FinishCause.EOS and end.usage.completion_tokens == len(hello)
+    # A grammar that completes ends its row as EOS too, on a token of its text.
+    replies, _, _ = await streamed(demo_tokenizer, {"a": ()}, steps, eos=[0])
+    assert "".join(getattr(m, "text", "") for m in replies["a"]) == " hello world"
 
 
 async def test_a_stop_string_finishes_the_request_and_asks_the_scheduler_to_close_it(
