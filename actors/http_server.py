@@ -57,7 +57,10 @@ async def serve_http(
     still open: Hypercorn (0.17, 0.18) closes a keep-alive connection itself when
     shutdown began during its response, and this is the backstop should one not.
     """
-    tracked = _InFlight(_CloseAfterEarlyResponse(app), max_requests, cors or CorsPolicy())
+    stopping = trio.Event()
+    tracked = _InFlight(
+        _CloseAfterEarlyResponse(app, stopping), max_requests, cors or CorsPolicy()
+    )
     config = _Config(send_timeout)
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.graceful_timeout = graceful_timeout
@@ -70,7 +73,6 @@ async def serve_http(
     # (An `Upgrade: h2c` request, bodiless by Hypercorn's rule, is still answered: it
     # arrives whole, so nothing can follow its answer.)
     config.h2_max_concurrent_streams = 0
-    stopping = trio.Event()
 
     async def trigger() -> None:
         await shutdown_trigger()
@@ -149,11 +151,13 @@ class _CloseAfterEarlyResponse:
     because Quart cancels the handler as soon as the disconnect that follows it
     arrives: unshielded, that cancellation lands inside Hypercorn's close, the socket
     stays open, and the client's next request on it waits forever. The same race made
-    a client's own `Connection: close` leave the socket open.
+    a client's own `Connection: close` leave the socket open. Once `stopping` is set
+    (shutdown began), every response says `Connection: close`.
     """
 
-    def __init__(self, app: Any):
+    def __init__(self, app: Any, stopping: trio.Event | None = None):
         self.app = app
+        self.stopping = trio.Event() if stopping is None else stopping
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -168,7 +172,11 @@ class _CloseAfterEarlyResponse:
             return message
 
         async def guarded_send(message: Any) -> None:
-            if message["type"] == "http.response.start" and not is_body_read:
+            # Once shutdown began the server closes the connection after this answer:
+            # it says so (RFC 9112, 9.6), or a pooled client sends its next request
+            # down a closed connection and gets a connection error, not the 503.
+            is_last = not is_body_read or self.stopping.is_set()
+            if message["type"] == "http.response.start" and is_last:
                 headers = [*message.get("headers", ()), (b"connection", b"close")]
                 message = {**message, "headers": headers}
             if message["type"] == "http.response.body" and not message.get("more_body", False):

@@ -452,6 +452,46 @@ async def test_a_drain_ends_when_its_last_response_is_sent_not_when_the_grace_ru
     assert received.startswith(b"HTTP/1.1 200")
 
 
+async def test_an_answer_sent_once_shutdown_began_says_the_connection_closes():
+    """Hypercorn closes a keep-alive connection whose answer was sent during shutdown:
+    without `Connection: close` a pooled client sent its next request down the closed
+    connection and got a connection error instead of the 503."""
+    release, stop = trio.Event(), trio.Event()
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await release.wait()
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
+        )
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def serve(task_status):
+        await http_server.serve_http(
+            app, "127.0.0.1", 0, shutdown_trigger=stop.wait, task_status=task_status
+        )
+
+    async with trio.open_nursery() as nursery:
+        (url,) = await nursery.start(serve)
+        port = int(url.rsplit(":", 1)[1])
+        async with await trio.open_tcp_stream("127.0.0.1", port) as client:
+            await client.send_all(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")  # keep-alive
+            await trio.testing.wait_all_tasks_blocked()
+            stop.set()  # shutdown begins with the answer not yet started
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+            received = b""
+            with trio.fail_after(10):
+                while not received.endswith(b"ok"):
+                    received += await client.receive_some()
+    head = received.split(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 200") and b"\r\nconnection: close" in head
+
+
 @pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="Linux's TCP_USER_TIMEOUT")
 async def test_a_client_that_stops_reading_is_dropped_and_cannot_hold_the_server_open():
     """A stream whose client never reads fills the socket buffers and then its write
