@@ -29,7 +29,7 @@ import trio
 from actors import arg_types, bench, timeline
 from actors.choices import DEFAULT_MAX_N
 from actors.cors import CorsPolicy, parse_origins
-from actors.http_app import ServerState, create_app
+from actors.http_app import LOOPBACK_HOSTS, ServerState, create_app
 from actors.http_server import serve_http
 from actors.mlx_thread import exit_now_if_busy
 from actors.service import open_llm
@@ -71,6 +71,13 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         help="let browser pages from this origin call the API (repeatable; '*' for any); "
         "CORS is off without it",
+    )
+    serve.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        help="on loopback, also answer requests for this host name (repeatable); "
+        "by default only localhost, 127.0.0.1 and ::1",
     )
     serve.add_argument("--port", type=arg_types.port, default=8000, help="0: any free port")
     serve.add_argument(
@@ -258,11 +265,20 @@ async def _serve(args: argparse.Namespace) -> None:
         args.max_http_requests = default_max_http_requests(args.max_batch, args.max_waiting)
     state = ServerState()
     keys = _api_keys(args)
-    if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
+    if not keys and args.host not in LOOPBACK_HOSTS:
         log.warning("no_api_key", host=args.host, hint="anyone who can reach it can use it")
     cors = CorsPolicy(parse_origins(args.allowed_origin))
+    # On loopback only the machine's own names: a page's name rebound to 127.0.0.1 is refused.
+    allowed_hosts = None
+    if args.host in LOOPBACK_HOSTS:
+        allowed_hosts = LOOPBACK_HOSTS | {name.lower() for name in args.allowed_host}
     app = create_app(
-        state, max_body_bytes=args.max_body_bytes, api_keys=keys, cors=cors, max_n=args.max_n
+        state,
+        max_body_bytes=args.max_body_bytes,
+        api_keys=keys,
+        cors=cors,
+        max_n=args.max_n,
+        allowed_hosts=allowed_hosts,
     )
     shutdown = trio.Event()
     http_done = trio.Event()

@@ -74,11 +74,15 @@ def create_app(
     api_keys: Sequence[str] = (),
     cors: CorsPolicy | None = None,
     max_n: int = DEFAULT_MAX_N,
+    allowed_hosts: frozenset[str] | None = None,
 ) -> QuartTrio:
     """`api_keys`: when given, every route but /, /health and /openapi.json needs a Bearer key.
 
     `cors`: the origins whose browser pages may call the API; none by default.
     `max_n`: the most choices (`n`) one request may ask for.
+    `allowed_hosts`: the names a request's `Host` may give (lower case, no port); None:
+    any. A server on loopback answers only its own names: otherwise any web page could
+    read it through DNS rebinding (a name of the page's that resolves to 127.0.0.1).
     """
     app = QuartTrio("cadence", static_folder=None)  # no /static route: the one page is at /
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
@@ -88,6 +92,14 @@ def create_app(
     @app.before_request
     async def name_the_request() -> Response | None:
         g.client_request_id, g.request_id = request_ids(request.headers.get("x-request-id"))
+        host = request.headers.get("Host")
+        if allowed_hosts is not None and host is not None and _hostname(host) not in allowed_hosts:
+            raise ApiError(
+                403,
+                f"this server does not answer for host {host[:100]!r} "
+                "(serve with --allowed-host to name it)",
+                code="host_not_allowed",
+            )
         if request.method == "OPTIONS" and (allowed := cors.preflight_headers(request.headers)):
             return Response("", 204, headers=allowed)  # before the key check: no credentials here
         if keys and request.path not in _OPEN_PATHS and not _is_authorized(request, keys):
@@ -426,3 +438,14 @@ def _error_response(error: ApiError) -> Response:
     for name, value in error.headers:
         response.headers[name] = value
     return response
+
+
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def _hostname(host: str) -> str:
+    """A Host header's name, lower case, without its port: "[::1]:8000" -> "::1"."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host

@@ -450,6 +450,15 @@ def test_max_n_left_unset_is_the_default_or_a_lower_max_waiting(monkeypatch):
     assert serve_until_loading(monkeypatch, "--max-waiting", "4")["max_n"] == 4
 
 
+def test_on_loopback_the_server_answers_its_own_host_names_only(monkeypatch):
+    """A keyless server on 127.0.0.1 answered any Host: a web page whose own name the
+    attacker rebinds to 127.0.0.1 read the API (DNS rebinding, as Ollama's CVE-2024-28224)."""
+    loopback = serve_until_loading(monkeypatch, "--allowed-host", "MyBox")["allowed_hosts"]
+    assert loopback == {"localhost", "127.0.0.1", "::1", "mybox"}
+    everywhere = serve_until_loading(monkeypatch, "--host", "0.0.0.0")  # exposed on purpose
+    assert everywhere["allowed_hosts"] is None
+
+
 def http_cap_of(monkeypatch, *argv):
     """The cap on HTTP requests in flight that `cadence serve ARGV` starts its server with."""
     caps = []

@@ -27,7 +27,7 @@ from structlog.testing import capture_logs
 
 from actors import http_server
 from actors.cors import CorsPolicy, parse_origins
-from actors.http_app import ServerState, create_app
+from actors.http_app import LOOPBACK_HOSTS, ServerState, create_app
 from actors.http_server import _InFlight, serving_on_loopback
 
 LIMIT = 1000  # max body bytes of the test server
@@ -647,6 +647,19 @@ async def test_at_the_cap_a_browser_page_gets_its_preflight_and_a_503_it_can_rea
     assert refused[0] == 503 and refused[1]["access-control-allow-origin"] == page
     assert "retry-after" in refused[1]["access-control-expose-headers"].lower()
     assert stranger[0] == 503 and "access-control-allow-origin" not in stranger[1]
+
+
+async def test_a_host_the_server_does_not_answer_for_gets_a_403_before_anything_else():
+    async with loading_server(allowed_hosts=LOOPBACK_HOSTS, api_keys=("k",)) as port:
+
+        def ask(host):
+            head = f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+            return answer(port, head.encode())
+
+        rebound = await in_thread(ask, f"attacker.example:{port}")
+        own = [await in_thread(ask, host) for host in (f"localhost:{port}", "[::1]", "127.0.0.1")]
+    assert rebound[0] == 403 and rebound[2]["error"]["code"] == "host_not_allowed"
+    assert [status for status, *_ in own] == [401] * 3  # past the host check, to the key's
 
 
 async def test_requests_in_flight_return_to_none_when_their_clients_hang_up_mid_body():
