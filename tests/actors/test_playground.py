@@ -15,7 +15,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from structlog.testing import capture_logs
 
-from tests.actors.test_http import in_thread, request, serving
+from tests.actors.test_http import in_thread, request, serving, slow_down
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -197,6 +197,8 @@ async def test_stop_and_new_chat_abort_the_reply_and_the_new_chat_starts_empty(t
     sent as 0 (top_p 0: a 400), and the Enter that picks an IME candidate sent."""
     with capture_logs() as logs:
         async with serving(tiny) as server:
+            # 900 tokens take 18 s: the clicks land long before a reply could end.
+            slow_down(server.llm._engine, 0.02)
             stopped, cleared, new, ime_sent, num_errors = await in_thread(
                 stop_and_new_chat_in_the_browser, server.url
             )
