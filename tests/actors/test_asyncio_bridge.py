@@ -335,6 +335,49 @@ def test_an_error_in_the_block_stops_at_once_without_draining(tiny):
     assert time.monotonic() - started < 20
 
 
+def test_cancelling_the_task_that_holds_the_llm_leaves_the_loop_running(tiny):
+    """Cancelled while it drains, the block stops hard, which waits for the MLX call in
+    flight: it joined the thread on the loop, and every other task stood still for that
+    call (here 2 s)."""
+    gaps = []
+
+    async def heartbeat():
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.01)
+            gaps.append(time.monotonic() - last)
+            last = time.monotonic()
+
+    async def hold(stepping):
+        async with actors.open_llm_asyncio(tiny) as llm:
+            await started_long_stream(llm)  # unread: the drain waits for it
+            engine = llm._llm._engine
+            submit = engine.submit
+
+            def slow_submit(batch):
+                stepping.set()
+                time.sleep(2.0)
+                return submit(batch)
+
+            engine.submit = slow_submit
+
+    async def main():
+        stepping = threading.Event()
+        beating = asyncio.create_task(heartbeat())
+        holder = asyncio.create_task(hold(stepping))
+        while not stepping.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # draining, a slow step in flight
+        gaps.clear()
+        holder.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await holder
+        beating.cancel()
+
+    asyncio.run(main())
+    assert gaps and max(gaps) < 1.0, max(gaps)
+
+
 def test_a_cancelled_read_reaches_no_error_handler(tiny):
     """The pump's answer to a read its task gave up on is dropped, not set on a future
     that was cancelled (an InvalidStateError in asyncio's handler, logged as a fault)."""
