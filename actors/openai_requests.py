@@ -421,6 +421,11 @@ def _field(
         return default
     kinds = kinds if isinstance(kinds, tuple) else (kinds,)
     is_bool_ok = bool in kinds
+    # 5.0 for an integer field, as JSON Schema's "integer" and vLLM (pydantic) take it: a
+    # client computing a token budget in floats was refused here alone.
+    is_whole = isinstance(value, float) and value.is_integer() and abs(value) <= 2**63
+    if int in kinds and float not in kinds and is_whole:
+        value = int(value)
     if not isinstance(value, kinds) or (isinstance(value, bool) and not is_bool_ok):
         wanted = " or ".join(_TYPE_NAMES[k] for k in kinds)
         raise ApiError(400, f"'{name}' must be {wanted}, got {json.dumps(value)[:40]}", param=name)

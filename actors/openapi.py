@@ -38,6 +38,12 @@ def _number(low: float, high: float, *, is_low_allowed: bool = True) -> dict[str
     return _or_null({"type": "number", bound: low, "maximum": high})
 
 
+_REFUSAL_PART: dict[str, Any] = {
+    "type": "object",
+    "required": ["type", "refusal"],
+    "properties": {"type": {"const": "refusal"}, "refusal": {"type": "string"}},
+}
+
 _COMMON_FIELDS: dict[str, Any] = {
     "model": {"type": "string", "description": "must name the served model (GET /v1/models)"},
     "max_tokens": _or_null(
@@ -227,10 +233,22 @@ _SCHEMAS: dict[str, Any] = {
                 "anyOf": [
                     {"type": "string"},
                     {"type": "array", "items": {"$ref": _REF + "TextPart"}},
+                    {
+                        "type": "array",
+                        "description": "an assistant turn's, as OpenAI's replies hold them",
+                        "items": {"anyOf": [{"$ref": _REF + "TextPart"}, _REFUSAL_PART]},
+                    },
                     {"type": "null"},
                 ]
             },
             **TOOL_MESSAGE_FIELDS,
+        },
+        # Refusal parts on an assistant turn only.
+        "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+        "then": {
+            "properties": {
+                "content": {"not": {"type": "array", "contains": _REFUSAL_PART}},
+            }
         },
     },
     "Tool": TOOL_SCHEMA,

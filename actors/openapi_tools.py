@@ -26,13 +26,18 @@ STRUCTURED_OUTPUT_FIELDS: dict[str, Any] = {
             "required": ["type"],
             "properties": {
                 "type": {"enum": ["text", "json_object", "json_schema"]},
-                # Read only when the type is json_schema, so any value passes the schema.
+                # Read only when the type is json_schema; then an object with a name.
                 "json_schema": {
                     "description": "{name, description, schema (a JSON schema), strict}; "
                     "for json_schema"
                 },
             },
             "additionalProperties": False,  # an unknown key is a 400
+            "if": {"properties": {"type": {"const": "json_schema"}}},
+            "then": {
+                "required": ["json_schema"],
+                "properties": {"json_schema": {"type": "object", "required": ["name"]}},
+            },
         }
     ),
     "structured_outputs": or_null(
@@ -146,7 +151,11 @@ TOOL_SCHEMA: dict[str, Any] = {
             "properties": {
                 "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},  # OpenAI's
                 "description": {},
-                "parameters": {"type": "object"},
+                "parameters": {
+                    "type": "object",
+                    "description": "a JSON schema of an object (its type, if given, 'object')",
+                    "properties": {"type": {"const": "object"}},
+                },
                 "strict": {},
             },
             "additionalProperties": False,

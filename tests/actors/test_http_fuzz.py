@@ -258,6 +258,25 @@ EDGES = [
     ({**CHAT, "tools": [TOOL]}, "tool_choice", "required", "any"),
     (CHAT, "response_format", {"type": "text"}, {"type": "xml"}),
     (CHAT, "response_format", {"type": "json_object"}, {"type": "json_object", "schema": {}}),
+    (
+        CHAT,
+        "response_format",
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+        {"type": "json_schema", "json_schema": {"schema": {}}},
+    ),
+    (COMPLETION, "max_tokens", 5.0, 5.5),  # JSON Schema's integers, as vLLM takes them
+    (
+        CHAT,
+        "messages",
+        [{"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}],
+        [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}],
+    ),
+    (
+        CHAT,
+        "tools",
+        [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+    ),
 ]
 
 

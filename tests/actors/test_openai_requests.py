@@ -36,6 +36,24 @@ def test_max_completion_tokens_wins_over_max_tokens_and_both_are_checked():
     assert raised.value.param == "max_tokens"
 
 
+def test_a_whole_number_written_as_a_float_is_an_integer_as_json_schema_and_vllm_take_it():
+    """`"max_tokens": 5.0` is an integer to JSON Schema (and to /openapi.json) and to
+    vLLM's pydantic; it was a 400 here alone."""
+    parsed = parse_chat({**CHAT, "max_tokens": 5.0, "n": 2.0, "seed": -3.0, "top_k": 4.0})
+    request = parsed.request
+    assert (request.max_tokens, parsed.n, request.sampling.seed, request.sampling.top_k) == (
+        5,
+        2,
+        -3,
+        4,
+    )
+    assert type(request.max_tokens) is int
+    for field, value in (("max_tokens", 5.5), ("n", float("inf")), ("seed", 1e300)):
+        with pytest.raises(ApiError) as raised:
+            parse_chat({**CHAT, field: value})
+        assert raised.value.param == field
+
+
 @pytest.mark.parametrize("top_k", [-1, 0, 2**40])
 def test_top_k_of_minus_one_or_past_any_vocabulary_is_off(top_k):
     # -1 is what OpenAI-compatible clients commonly send for "off"
