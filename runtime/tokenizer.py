@@ -291,9 +291,8 @@ class IncrementalDetokenizer:
     (an unfinished UTF-8 character) and while the last id is in `run_ids`: byte-fallback
     pieces decode as one run, where a single invalid byte turns all of it into U+FFFD.
     So work per token is bounded by the window, which spans the held-back ids: a few
-    tokens in practice. Ids that decoding skips never join it, and a window held past
-    MAX_HELD_IDS for U+FFFD (a run of invalid bytes) releases what is settled: each
-    token decoded the whole run again, 8,000 of them 8 s of the streamer's time.
+    tokens in practice. Skipped ids never join it, and one held past MAX_HELD_IDS for
+    U+FFFD (invalid bytes) releases what is settled: 8,000 such tokens cost 8 s before.
     """
 
     def __init__(
@@ -348,10 +347,8 @@ class IncrementalDetokenizer:
         return delta
 
     def _release_settled(self, window_text: str) -> str:
-        """Past MAX_HELD_IDS held ids, the text before the last three: a UTF-8 character
-        has at most four bytes, so later ids cannot finish one that starts before them.
-        Only where the window decodes apart at that id as it does whole (a split inside
-        a merge or before a stripped space would not), so the deltas stay exact."""
+        """Past MAX_HELD_IDS held ids, the text before the last three (a UTF-8 character
+        has at most four bytes), where the window decodes apart there as it does whole."""
         if len(self._ids) - self._read_offset < MAX_HELD_IDS:
             return ""
         split = len(self._ids) - 3

@@ -411,10 +411,7 @@ async def test_a_drain_ends_when_its_last_response_is_sent_not_when_the_grace_ru
 
     async def app(scope, receive, send):
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
+            return await answer_lifespan(receive, send)
         await send(
             {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
         )
@@ -460,10 +457,7 @@ async def test_an_answer_sent_once_shutdown_began_says_the_connection_closes():
 
     async def app(scope, receive, send):
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
+            return await answer_lifespan(receive, send)
         await release.wait()
         await send(
             {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
@@ -501,10 +495,7 @@ async def test_a_client_that_stops_reading_is_dropped_and_cannot_hold_the_server
 
     async def app(scope, receive, send):  # an endless stream, like a long generation's
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
+            return await answer_lifespan(receive, send)
         await send({"type": "http.response.start", "status": 200, "headers": []})
         while True:
             writing.set()
@@ -537,6 +528,13 @@ async def test_a_client_that_stops_reading_is_dropped_and_cannot_hold_the_server
         client.close()
         await stopped.wait()
     assert trio.current_time() - started < 5  # the send timeout and the grace, not the client
+
+
+async def answer_lifespan(receive, send):
+    """An ASGI app's side of Hypercorn's lifespan protocol: started, then stopped."""
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
 
 
 def held_request(port):

@@ -623,9 +623,18 @@ def test_a_forced_call_is_its_name_and_its_arguments_and_nothing_else():
     assert not admitted_by(grammar, extra)
 
 
-def test_a_forced_call_of_a_function_with_empty_parameters_takes_any_object():
-    """`"parameters": {}` says nothing of the arguments, but they are still an object."""
-    tools = [{"type": "function", "function": {"name": "log", "parameters": {}}}]
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {},  # says nothing of the arguments, but they are still an object
+        # No `type` admits any JSON value, and arguments that are no object parse as
+        # no call: a forced call wrote a string.
+        {"maxLength": 4},
+    ],
+    ids=["empty", "no_type"],
+)
+def test_a_forced_calls_arguments_are_an_object_whatever_the_schema_leaves_out(parameters):
+    tools = [{"type": "function", "function": {"name": "log", "parameters": parameters}}]
     compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
     grammar = compiler.compile(tool_call_grammar("hermes", tools, "log"))
 
@@ -634,7 +643,7 @@ def test_a_forced_call_of_a_function_with_empty_parameters_takes_any_object():
         return admitted_by(grammar, f"<tool_call>\n{call}\n</tool_call>")
 
     assert admits('{"line": "x", "n": 2}')
-    assert not admits("5") and not admits('"text"')
+    assert not admits("5") and not admits('"text"') and not admits("[1]")
 
 
 ORDER = {
@@ -724,18 +733,3 @@ def test_tools_whose_parameters_share_an_id_each_keep_their_own_defs():
 
     assert admits("count", 1) and admits("pick", "x")
     assert not admits("count", "x") and not admits("pick", 1)
-
-
-def test_a_forced_calls_arguments_are_an_object_even_where_the_schema_names_no_type():
-    """A schema without `type` admits any JSON value, and arguments that are no object
-    parse as no call: `{"properties": ...}` alone let a forced call write a string."""
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"maxLength": 4}}}]
-    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
-    grammar = compiler.compile(tool_call_grammar("hermes", tools, "f"))
-
-    def admits(arguments):
-        call = f'{{"name": "f", "arguments": {arguments}}}'
-        return admitted_by(grammar, f"<tool_call>\n{call}\n</tool_call>")
-
-    assert admits('{"a": 1}')
-    assert not admits('"abc"') and not admits("[1]")
