@@ -41,8 +41,8 @@ from actors.requests import GenerateRequest, OverloadedError
 
 log = structlog.get_logger("cadence.admission")
 
-# How long a request's grammar may take to compile, its wait for a compile thread
-# included, before it is refused. llguidance's own limits (runtime/grammar.py) stop the
+# How long a request's grammar may wait for the compile thread (then a 503), and then
+# take to compile (then a 400). llguidance's own limits (runtime/grammar.py) stop the
 # work itself; this bounds the wait.
 GRAMMAR_TIMEOUT_S = 5.0
 # Compiles run on threads of their own, one at a time: a thread past the deadline is
@@ -150,14 +150,21 @@ class Admission:
             raise RequestError(
                 f"'{spec.param}': structured output is not available", param=spec.param
             )
+        scope = trio.CancelScope(deadline=trio.current_time() + GRAMMAR_TIMEOUT_S)
         started = False
 
-        def compile_grammar() -> CompiledGrammar:
+        def start_the_clock() -> None:  # on the Trio thread, as the compile begins
             nonlocal started
             started = True
+            scope.deadline = trio.current_time() + GRAMMAR_TIMEOUT_S
+
+        def compile_grammar() -> CompiledGrammar:
+            # The wait for the thread is the server's: the grammar's own time starts here.
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(start_the_clock)
             return grammars.compile(spec)
 
-        with trio.move_on_after(GRAMMAR_TIMEOUT_S):
+        with scope:
             # A thread cannot be cancelled: past the deadline it is abandoned, and finishes
             # within llguidance's limits, holding its compile thread until then.
             return await trio.to_thread.run_sync(

@@ -2,6 +2,7 @@
 
 import json
 import threading
+import time
 from functools import partial
 
 from runtime.errors import RequestError
@@ -106,3 +107,31 @@ async def test_a_compile_past_its_deadline_holds_no_other_requests_thread(tiny, 
             assert text
     finally:
         stuck.set()
+
+
+async def test_a_grammar_that_waited_for_the_compile_thread_still_gets_its_own_time(
+    tiny, monkeypatch
+):
+    """One deadline covered the wait and the compile: a grammar queued behind another
+    and then quick to compile was refused as too slow, a 400 blaming the client."""
+    monkeypatch.setattr(admission, "GRAMMAR_TIMEOUT_S", 1.0)
+    compile_now = GrammarCompiler.compile
+    seconds = {"[a]+": 0.5, "[b]+": 0.7}  # the second starts at 0.5 and ends at 1.2
+
+    def compile_slowly(self, spec):
+        time.sleep(seconds[spec.source])
+        return compile_now(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", compile_slowly)
+    texts = {}
+    async with actors.open_llm(tiny, max_batch=4) as llm:
+
+        async def one(source):
+            grammar = GrammarSpec("regex", source, "guided_regex")
+            texts[source], _ = await text_of(llm, "Hello", grammar=grammar)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "[a]+")
+            await trio.sleep(0.05)  # the first has the thread
+            nursery.start_soon(one, "[b]+")
+    assert set(texts["[a]+"]) == {"a"} and set(texts["[b]+"]) == {"b"}
