@@ -29,7 +29,7 @@ import trio
 from actors import arg_types, bench, timeline
 from actors.choices import DEFAULT_MAX_N
 from actors.cors import CorsPolicy, parse_origins
-from actors.http_app import LOOPBACK_HOSTS, ServerState, create_app
+from actors.http_app import LOOPBACK_HOSTS, ServerState, create_app, hostname
 from actors.http_server import serve_http
 from actors.mlx_thread import exit_now_if_busy
 from actors.service import open_llm
@@ -271,7 +271,7 @@ async def _serve(args: argparse.Namespace) -> None:
     # On loopback only the machine's own names: a page's name rebound to 127.0.0.1 is refused.
     allowed_hosts = None
     if args.host in LOOPBACK_HOSTS:
-        allowed_hosts = LOOPBACK_HOSTS | {name.lower() for name in args.allowed_host}
+        allowed_hosts = LOOPBACK_HOSTS | {hostname(name) for name in args.allowed_host}
     app = create_app(
         state,
         max_body_bytes=args.max_body_bytes,

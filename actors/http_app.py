@@ -92,8 +92,9 @@ def create_app(
     @app.before_request
     async def name_the_request() -> Response | None:
         g.client_request_id, g.request_id = request_ids(request.headers.get("x-request-id"))
-        host = request.headers.get("Host")
-        if allowed_hosts is not None and host is not None and _hostname(host) not in allowed_hosts:
+        # No Host at all (HTTP/1.0: HAProxy's health check) passes: browsers always send one.
+        host = request.headers.get("Host", "")
+        if allowed_hosts is not None and host.strip() and hostname(host) not in allowed_hosts:
             raise ApiError(
                 403,
                 f"this server does not answer for host {host[:100]!r} "
@@ -443,9 +444,11 @@ def _error_response(error: ApiError) -> Response:
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
-def _hostname(host: str) -> str:
-    """A Host header's name, lower case, without its port: "[::1]:8000" -> "::1"."""
+def hostname(host: str) -> str:
+    """A Host header's name, lower case, without its port or a final dot:
+    "[::1]:8000" -> "::1", "LocalHost.:80" -> "localhost"."""
     host = host.strip().lower()
     if host.startswith("["):
         return host[1:].partition("]")[0]
-    return host.rpartition(":")[0] if host.count(":") == 1 else host
+    name = host.rpartition(":")[0] if host.count(":") == 1 else host
+    return name.removesuffix(".")

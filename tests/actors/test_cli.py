@@ -453,8 +453,10 @@ def test_max_n_left_unset_is_the_default_or_a_lower_max_waiting(monkeypatch):
 def test_on_loopback_the_server_answers_its_own_host_names_only(monkeypatch):
     """A keyless server on 127.0.0.1 answered any Host: a web page whose own name the
     attacker rebinds to 127.0.0.1 read the API (DNS rebinding, as Ollama's CVE-2024-28224)."""
-    loopback = serve_until_loading(monkeypatch, "--allowed-host", "MyBox")["allowed_hosts"]
-    assert loopback == {"localhost", "127.0.0.1", "::1", "mybox"}
+    names = ("MyBox", "box.lan.:8000", "[fe80::1]")
+    named = [arg for name in names for arg in ("--allowed-host", name)]
+    loopback = serve_until_loading(monkeypatch, *named)["allowed_hosts"]
+    assert loopback == {"localhost", "127.0.0.1", "::1", "mybox", "box.lan", "fe80::1"}
     everywhere = serve_until_loading(monkeypatch, "--host", "0.0.0.0")  # exposed on purpose
     assert everywhere["allowed_hosts"] is None
 

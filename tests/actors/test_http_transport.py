@@ -655,9 +655,15 @@ async def test_a_host_the_server_does_not_answer_for_gets_a_403_before_anything_
             return answer(port, head.encode())
 
         rebound = await in_thread(ask, f"attacker.example:{port}")
-        own = [await in_thread(ask, host) for host in (f"localhost:{port}", "[::1]", "127.0.0.1")]
+        own = [
+            await in_thread(ask, host)
+            for host in (f"localhost:{port}", "[::1]", "127.0.0.1", f"LocalHost.:{port}")
+        ]
+        # HTTP/1.0 without a Host (HAProxy's health check) passes: browsers always send one.
+        bare = await in_thread(answer, port, b"GET /health HTTP/1.0\r\n\r\n")
     assert rebound[0] == 403 and rebound[2]["error"]["code"] == "host_not_allowed"
-    assert [status for status, *_ in own] == [401] * 3  # past the host check, to the key's
+    assert [status for status, *_ in own] == [401] * 4  # past the host check, to the key's
+    assert bare[0] == 503 and bare[2] == {"status": "loading"}
 
 
 async def test_requests_in_flight_return_to_none_when_their_clients_hang_up_mid_body():
