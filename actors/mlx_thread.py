@@ -77,7 +77,12 @@ class MlxThread:
                 try:
                     then()
                 except Exception:
-                    log.exception("MLX thread follow-up failed", fn=getattr(then, "__name__", "?"))
+                    # Its log line may fail too (a stream closed under the logger): the
+                    # thread must go on either way, or every later call waits forever.
+                    with contextlib.suppress(Exception):
+                        log.exception(
+                            "MLX thread follow-up failed", fn=getattr(then, "__name__", "?")
+                        )
 
         with self._idle:
             self._jobs_in_flight += 1

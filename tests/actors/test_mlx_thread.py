@@ -9,6 +9,7 @@ import mlx.core as mx
 import pytest
 import trio
 
+from actors import mlx_thread
 from actors.mlx_thread import exit_now_if_busy, shared_mlx_thread
 
 
@@ -66,6 +67,21 @@ def fail():
 
 
 async def test_a_failing_follow_up_is_dropped_and_the_thread_goes_on():
+    thread = shared_mlx_thread()
+    assert await thread.run(lambda: 1, then=fail) == 1
+    with trio.fail_after(30):  # a dead thread would never answer
+        assert await thread.run(lambda: 2, abandon_on_cancel=True) == 2
+
+
+async def test_a_follow_up_whose_log_line_fails_too_leaves_the_thread_serving(monkeypatch):
+    """Logging a failed follow-up can raise in turn (a stream closed under the logger):
+    the exception left the thread's loop, the thread died, and every later MLX call,
+    the server's included, waited forever."""
+
+    def broken_log(*args, **kwargs):
+        raise ValueError("I/O operation on closed file")
+
+    monkeypatch.setattr(mlx_thread.log, "exception", broken_log)
     thread = shared_mlx_thread()
     assert await thread.run(lambda: 1, then=fail) == 1
     with trio.fail_after(30):  # a dead thread would never answer
@@ -139,7 +155,8 @@ def test_exit_now_if_busy_leaves_at_once_with_the_status_it_was_given():
 
 def test_exit_now_if_busy_returns_when_the_thread_is_idle():
     async def call():
-        return await shared_mlx_thread().run(lambda: 5)
+        with trio.fail_after(30):  # a dead thread would never answer
+            return await shared_mlx_thread().run(lambda: 5)
 
     assert trio.run(call) == 5
     assert not shared_mlx_thread().is_busy
