@@ -58,9 +58,7 @@ async def serve_http(
     shutdown began during its response, and this is the backstop should one not.
     """
     stopping = trio.Event()
-    tracked = _InFlight(
-        _CloseAfterEarlyResponse(app, stopping), max_requests, cors or CorsPolicy()
-    )
+    tracked = _InFlight(_CloseAfterEarlyResponse(app, stopping), max_requests, cors)
     config = _Config(send_timeout)
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.graceful_timeout = graceful_timeout
@@ -155,9 +153,9 @@ class _CloseAfterEarlyResponse:
     (shutdown began), every response says `Connection: close`.
     """
 
-    def __init__(self, app: Any, stopping: trio.Event | None = None):
+    def __init__(self, app: Any, stopping: trio.Event):
         self.app = app
-        self.stopping = trio.Event() if stopping is None else stopping
+        self.stopping = stopping
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -186,6 +184,12 @@ class _CloseAfterEarlyResponse:
             await send(message)
 
         await self.app(scope, tracked_receive, guarded_send)
+
+
+def _header(scope: Any, name: bytes) -> str | None:
+    """A request header's first value (`name` in lower case), or None."""
+    value = next((v for k, v in scope["headers"] if k.lower() == name), None)
+    return None if value is None else value.decode("latin-1")
 
 
 def _has_body(headers: Sequence[tuple[bytes, bytes]]) -> bool:
@@ -244,8 +248,7 @@ class _InFlight:
             log.warning("http_requests_at_limit", max_requests=self.max_requests)
         # Refused before the app: its x-request-id and its log line are made here, as
         # the app makes them for every answer of its own.
-        sent = next((v for k, v in scope["headers"] if k.lower() == b"x-request-id"), None)
-        echoed, request_id = request_ids(None if sent is None else sent.decode("latin-1"))
+        echoed, request_id = request_ids(_header(scope, b"x-request-id"))
         log.info("rejected", request_id=request_id, status=503, code="overloaded")
         error = ApiError(
             503,
@@ -261,8 +264,7 @@ class _InFlight:
             (b"x-request-id", echoed.encode()),
             (b"connection", b"close"),  # the body was not read: it must not be parsed next
         ]
-        origin = next((v for k, v in scope["headers"] if k.lower() == b"origin"), None)
-        allowed = self.cors.response_headers(None if origin is None else origin.decode("latin-1"))
+        allowed = self.cors.response_headers(_header(scope, b"origin"))
         headers += [(k.lower().encode(), v.encode("latin-1")) for k, v in allowed.items()]
         await send({"type": "http.response.start", "status": 503, "headers": headers})
         await send({"type": "http.response.body", "body": body})
