@@ -192,8 +192,11 @@ def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any)
     if not 1 <= n <= max_n:
         raise ApiError(400, f"'n' must be an integer in [1, {max_n}], got {n}", param="n")
     # best_of (deprecated by OpenAI, dropped by vLLM) would rank candidates by logprob.
-    if _field(body, "best_of", int, default=1) != 1:
+    best_of = _field(body, "best_of", int)
+    if best_of not in (None, 1):
         raise ApiError(400, "only best_of=1 is supported; use 'n'", param="best_of")
+    if best_of is not None and n > best_of:  # OpenAI's rule: best_of >= n
+        raise ApiError(400, f"'best_of' must be at least 'n' ({n}); leave it out", param="best_of")
     tools = _tools(body, kind)
     try:
         grammar = structured_output(body)

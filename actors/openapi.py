@@ -144,6 +144,12 @@ _STREAM_OPTIONS_NEED_STREAM = {
     "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
 }
 
+# 'best_of' (only ever 1) with more than one choice is refused: OpenAI asks best_of >= n.
+_BEST_OF_BOUNDS_N = {
+    "if": {"required": ["best_of"], "properties": {"best_of": {"type": "integer"}}},
+    "then": {"properties": {"n": {"enum": [1, None]}}},
+}
+
 _TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
 
 
@@ -222,7 +228,7 @@ _SCHEMAS: dict[str, Any] = {
                 }
             ),
         },
-        "allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS],
+        "allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS, _BEST_OF_BOUNDS_N],
     },
     "Message": {
         "type": "object",
@@ -286,7 +292,7 @@ _SCHEMAS: dict[str, Any] = {
             "chat_template_kwargs": {"type": "null", "description": "chat only"},
             "suffix": _or_null({"type": "string", "maxLength": 0}),
         },
-        **_STREAM_OPTIONS_NEED_STREAM,
+        "allOf": [_STREAM_OPTIONS_NEED_STREAM, _BEST_OF_BOUNDS_N],
     },
     "Usage": {
         "type": "object",

@@ -229,6 +229,8 @@ EDGES = [
     (COMPLETION, "logit_bias", {"5": -100}, {"5": -101}),
     (COMPLETION, "stop", ["s"] * MAX_STOP_STRINGS, ["s"] * (MAX_STOP_STRINGS + 1)),
     (COMPLETION, "n", DEFAULT_MAX_N, DEFAULT_MAX_N + 1),
+    ({**COMPLETION, "n": 2}, "best_of", None, 1),
+    ({**CHAT, "n": 2}, "best_of", None, 1),
     (COMPLETION, "priority", -MAX_PRIORITY, -MAX_PRIORITY - 1),
     (COMPLETION, "logprobs", MAX_TOP_LOGPROBS, MAX_TOP_LOGPROBS + 1),
     (COMPLETION, "prompt", [0], [-1]),

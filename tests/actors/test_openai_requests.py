@@ -126,3 +126,13 @@ def test_a_minimal_chat_body_reads_as_the_defaults_an_empty_request_has():
     assert (parsed.n, parsed.parallel_tool_calls, parsed.include_usage) == (1, True, False)
     explicit = parse_chat({**CHAT, "priority": 0, "n": 1, "temperature": 0, "top_p": 1.0})
     assert explicit.request == parsed.request
+
+
+def test_best_of_must_be_at_least_n_as_openai_asks_and_only_one_is_run():
+    COMPLETION = {"model": "m", "prompt": "x"}
+    assert parse_completion({**COMPLETION, "best_of": 1}).n == 1
+    assert parse_completion({**COMPLETION, "n": 3}).n == 3  # best_of left out: n alone
+    for fields in ({"n": 2, "best_of": 1}, {"best_of": 2}):
+        with pytest.raises(ApiError) as raised:
+            parse_completion({**COMPLETION, **fields})
+        assert (raised.value.status, raised.value.param) == (400, "best_of")
