@@ -140,8 +140,10 @@ class Generation:
                     self.finish_reason, self.usage = cause.openai_reason, usage
                     self.num_prompt_tokens = usage.prompt_tokens
                     return Delta(text, cause.openai_reason, cause.value, usage, logprobs)
-                case Failed(_, error, None):
+                case Failed(_, error, None, is_service_stopped):
                     self._done()
+                    if is_service_stopped:
+                        raise ServiceClosedError(error)
                     if self._llm.is_aborting_all:  # cut by the drain, no fault: HTTP's 503
                         raise ServiceClosedError(f"the service is shutting down: {error}")
                     raise GenerationError(error)

@@ -61,6 +61,9 @@ class Failed:
     request_id: str
     message: str
     param: str | None = None  # the request field whose value failed it (a grammar's)
+    # The service stopped under the request (no fault of its own): ServiceClosedError, as
+    # the asyncio bridge raises when its thread has gone, not GenerationError.
+    is_service_stopped: bool = False
 
 
 Reply: TypeAlias = Accepted | Rejected | TextDelta | Finished | Failed

@@ -91,7 +91,10 @@ class Streamer:
                         await self._on_step(message)
             finally:
                 for stream in list(self.streams.values()):
-                    self._end(stream, Failed(stream.request_id, "the service stopped"))
+                    stopped = Failed(
+                        stream.request_id, "the service stopped", is_service_stopped=True
+                    )
+                    self._end(stream, stopped)
                 for request_id in self.awaiting_release:  # their release never came
                     self._log_aborted(request_id, "disconnected", "running")
 

@@ -141,3 +141,22 @@ async def test_an_actor_that_fails_is_raised_by_the_block_not_lost_behind_what_i
                     async for _ in generation:
                         pass
         assert raised.group_contains(ZeroDivisionError, match="a bug in an actor")
+
+
+async def test_a_reader_the_service_stopped_under_gets_service_closed_not_a_row_fault(pipeline):
+    """GenerationError is a fault in the request's own row; a reader whose service died
+    under it (here the streamer) got it, where the asyncio bridge says ServiceClosedError."""
+    seen = []
+    for _ in range(5):  # which of the two tasks runs first is trio's choice
+        with trio.fail_after(TIMEOUT), pytest.raises(BaseExceptionGroup):
+            async with pipeline() as (llm, engine):
+                llm.metrics.on_first_token = broken  # the streamer calls it
+                async with llm.generate([1], max_tokens=4) as generation:
+                    try:
+                        async for _ in generation:
+                            pass
+                    except Exception as error:
+                        seen.append(error)
+                        raise
+    assert seen and {type(error) for error in seen} == {ServiceClosedError}
+    assert str(seen[0]) == "the service stopped"

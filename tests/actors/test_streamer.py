@@ -144,7 +144,7 @@ async def test_an_aborted_request_is_told_so_and_forgotten(demo_tokenizer):
     )
     assert replies["a"][-1] == Failed("a", "the request was aborted")
     # b was still running when the inbox closed: the service stopped under it.
-    assert replies["b"][-1] == Failed("b", "the service stopped")
+    assert replies["b"][-1] == Failed("b", "the service stopped", is_service_stopped=True)
     assert aborts == [] and streamer.streams == {}
 
 
