@@ -115,12 +115,14 @@ async def _forward(
             await send.send((index, error))
 
 
-def combined_usage(usages: Sequence[Usage]) -> Usage:
-    """One response's usage: the prompt counted once (as OpenAI does), the completions
-    summed; cached tokens are the fewest any choice took from the cache, so sharing
-    the prompt among the choices does not count as reuse."""
+def combined_usage(usages: Sequence[Usage], n: int) -> Usage:
+    """One response's usage, from its choices' in index order, n to a prompt: each
+    prompt counted once (as OpenAI does), the completions summed; a prompt's cached
+    tokens are the fewest any of its choices took from the cache, so sharing the prompt
+    among the choices does not count as reuse."""
+    prompts = [usages[i : i + n] for i in range(0, len(usages), n)]
     return Usage(
-        prompt_tokens=usages[0].prompt_tokens,
+        prompt_tokens=sum(choices[0].prompt_tokens for choices in prompts),
         completion_tokens=sum(u.completion_tokens for u in usages),
-        cached_tokens=min(u.cached_tokens for u in usages),
+        cached_tokens=sum(min(u.cached_tokens for u in choices) for choices in prompts),
     )

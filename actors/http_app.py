@@ -230,10 +230,19 @@ def _model_card(llm: LLM) -> dict[str, Any]:
 
 async def _complete(state: ServerState, api: ApiRequest) -> Response:
     llm = _served(state, api.model)
-    ids = [g.request_id] if api.n == 1 else [f"{g.request_id}-{i}" for i in range(api.n)]
+    # Choice i*n + j is prompt i's choice j, as OpenAI numbers a batch of prompts.
+    choices = [choice for request in api.requests for choice in choice_requests(request, api.n)]
+    if api.more_prompts and len(choices) > llm.max_waiting:  # would never fit
+        raise ApiError(
+            400,
+            f"{len(api.requests)} prompts of n={api.n} choices are {len(choices)} requests, "
+            f"more than this server queues ({llm.max_waiting})",
+            param="prompt",
+        )
+    suffixes = [f"-{i}" for i in range(len(choices))] if len(choices) > 1 else [""]
     generations = [
-        Generation(llm, choice, request_id=request_id)
-        for request_id, choice in zip(ids, choice_requests(api.request, api.n), strict=True)
+        Generation(llm, choice, request_id=g.request_id + suffix)
+        for suffix, choice in zip(suffixes, choices, strict=True)
     ]
     try:
         await start_together(llm, generations)
@@ -258,12 +267,12 @@ async def _complete(state: ServerState, api: ApiRequest) -> Response:
     )
     if api.is_stream:
         response = Response(
-            _ChoicesStream(generations, writer, tools), mimetype="text/event-stream"
+            _ChoicesStream(generations, writer, tools, api.n), mimetype="text/event-stream"
         )
         response.headers["Cache-Control"] = "no-cache"
         response.timeout = None  # RESPONSE_TIMEOUT (60 s) would cut a long stream silently
         return response
-    return await _collect(generations, writer, tools)
+    return await _collect(generations, writer, tools, api.n)
 
 
 class _ChoicesStream(ResponseBody):
@@ -272,17 +281,23 @@ class _ChoicesStream(ResponseBody):
     long as the sending (an async generator must not hold a nursery across a yield)."""
 
     def __init__(
-        self, generations: Sequence[Generation], writer: ChunkWriter, tools: ToolCallDeltas | None
+        self,
+        generations: Sequence[Generation],
+        writer: ChunkWriter,
+        tools: ToolCallDeltas | None,
+        n: int,
     ):
         self._generations = generations
         self._writer = writer
         self._tools = tools
+        self._n = n
         self._exits = contextlib.AsyncExitStack()
         self._events: AsyncGenerator[bytes, None] | None = None
 
     async def __aenter__(self) -> _ChoicesStream:
         events = await self._exits.enter_async_context(interleaved(self._generations))
-        self._events = _sse_events(events, self._writer, len(self._generations), self._tools)
+        num_choices = len(self._generations)
+        self._events = _sse_events(events, self._writer, num_choices, self._n, self._tools)
         return self
 
     async def __aexit__(
@@ -304,9 +319,10 @@ async def _sse_events(
     events: trio.MemoryReceiveChannel[ChoiceEvent],
     writer: ChunkWriter,
     num_choices: int,
+    n: int,
     tools: ToolCallDeltas | None,
 ) -> AsyncGenerator[bytes, None]:
-    usages: list[Usage] = []
+    usages: dict[int, Usage] = {}
     try:
         if (first := writer.start(num_choices)) is not None:
             yield first
@@ -322,9 +338,9 @@ async def _sse_events(
             if event.finish_reason is not None:
                 yield writer.finish(event.finish_reason, index)
                 assert event.usage is not None
-                usages.append(event.usage)
+                usages[index] = event.usage
         if writer.include_usage and usages:  # once, after every choice finished
-            yield writer.usage(combined_usage(usages))
+            yield writer.usage(combined_usage([usages[i] for i in sorted(usages)], n))
         yield SSE_DONE
     except CadenceError as error:  # mid-stream: an error event, then the stream ends
         yield sse(ApiError.from_error(error).body())
@@ -332,7 +348,7 @@ async def _sse_events(
 
 
 async def _collect(
-    generations: Sequence[Generation], writer: ChunkWriter, tools: ToolCallDeltas | None
+    generations: Sequence[Generation], writer: ChunkWriter, tools: ToolCallDeltas | None, n: int
 ) -> Response:
     texts: list[list[str]] = [[] for _ in generations]
     logprobs: list[list[LogprobEntry]] = [[] for _ in generations]
@@ -358,7 +374,7 @@ async def _collect(
         with_tool_calls(writer.choice("".join(texts[i]), finished[i][0], logprobs[i], i), calls[i])
         for i in range(len(generations))
     ]
-    usage = combined_usage([finished[i][1] for i in range(len(generations))])
+    usage = combined_usage([finished[i][1] for i in range(len(generations))], n)
     return _json(writer.whole(choices, usage))
 
 

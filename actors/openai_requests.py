@@ -86,6 +86,13 @@ class ApiRequest:
     include_usage: bool
     parallel_tool_calls: bool = True  # False: a reply's calls after the first are dropped
     n: int = 1  # choices: requests of their own that share the prompt (actors/choices.py)
+    # A completion's further prompts (OpenAI's batch): n choices each, after the first's.
+    more_prompts: tuple[str | tuple[int, ...], ...] = ()
+
+    @property
+    def requests(self) -> list[GenerateRequest]:
+        """One request per prompt, the first prompt's being `request`."""
+        return [self.request] + [attrs.evolve(self.request, prompt=p) for p in self.more_prompts]
 
     @property
     def parses_tools(self) -> bool:
@@ -155,17 +162,7 @@ def parse_chat(body: dict[str, Any], *, max_n: int = DEFAULT_MAX_N) -> ApiReques
 
 def parse_completion(body: dict[str, Any], *, max_n: int = DEFAULT_MAX_N) -> ApiRequest:
     prompt = _field(body, "prompt", (str, list), required=True)
-    if isinstance(prompt, list):
-        if len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, list):
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise ApiError(
-                    400,
-                    "'prompt' must be a string, a list of one string, or a list of token ids",
-                    param="prompt",
-                )
-            prompt = tuple(prompt)
+    prompts = _prompts(prompt)
     if body.get("chat_template_kwargs") is not None:
         raise ApiError(
             400, "'chat_template_kwargs' applies to chat only", param="chat_template_kwargs"
@@ -174,7 +171,27 @@ def parse_completion(body: dict[str, Any], *, max_n: int = DEFAULT_MAX_N) -> Api
         raise ApiError(400, "'echo' is not supported", param="echo")
     if _field(body, "suffix", str):
         raise ApiError(400, "'suffix' is not supported", param="suffix")
-    return _parse_common(body, "completion", max_n=max_n, prompt=prompt)
+    api = _parse_common(body, "completion", max_n=max_n, prompt=prompts[0])
+    return attrs.evolve(api, more_prompts=tuple(prompts[1:]))
+
+
+def _prompts(prompt: str | list[Any]) -> list[str | tuple[int, ...]]:
+    """A completion's prompts: text, token ids, or a batch (a list) of either, as OpenAI's."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, str | list) for p in prompt):
+        return [p if isinstance(p, str) else _token_ids(p) for p in prompt]
+    return [_token_ids(prompt)]
+
+
+def _token_ids(prompt: list[Any]) -> tuple[int, ...]:
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise ApiError(
+            400,
+            "'prompt' must be a string, a list of token ids, or a list of either",
+            param="prompt",
+        )
+    return tuple(prompt)
 
 
 def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any) -> ApiRequest:

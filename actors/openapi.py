@@ -270,14 +270,16 @@ _SCHEMAS: dict[str, Any] = {
         "properties": {
             **_COMMON_FIELDS,
             "prompt": {
-                "description": "text, token ids, or a batch of exactly one of either",
+                "description": (
+                    "text, token ids, or a batch (a list) of either: prompt i's choice j has"
+                    " index i * n + j; prompts x n at most the server's --max-waiting"
+                ),
                 "anyOf": [
                     {"type": "string", "minLength": 1},
                     _TOKEN_IDS,
                     {
                         "type": "array",
                         "minItems": 1,
-                        "maxItems": 1,
                         "items": {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS]},
                     },
                 ],

@@ -28,9 +28,16 @@ def test_unseeded_choices_are_the_request_itself():
 
 
 def test_usage_counts_the_prompt_once_and_sums_the_completions():
-    usage = combined_usage([Usage(100, 7, 0), Usage(100, 9, 96), Usage(100, 3, 96)])
+    usage = combined_usage([Usage(100, 7, 0), Usage(100, 9, 96), Usage(100, 3, 96)], 3)
     assert usage == Usage(prompt_tokens=100, completion_tokens=19, cached_tokens=0)
     assert usage.total_tokens == 119
+
+
+def test_usage_of_a_batch_of_prompts_counts_each_prompt_once_with_its_own_cache():
+    prompt_a = [Usage(10, 3, 0), Usage(10, 4, 8)]  # n=2: choices 0 and 1
+    prompt_b = [Usage(20, 5, 16), Usage(20, 6, 16)]  # choices 2 and 3
+    usage = combined_usage(prompt_a + prompt_b, 2)
+    assert usage == Usage(prompt_tokens=30, completion_tokens=18, cached_tokens=16)
 
 
 class FakeChoice:

@@ -1,6 +1,7 @@
 """`n` choices over HTTP, with the official openai client against a real server."""
 
 import collections
+import functools
 
 import trio
 from structlog.testing import capture_logs
@@ -230,3 +231,34 @@ async def test_the_choices_share_the_prompts_kv_blocks(tiny):
     # One prompt's 26 blocks (400 + 8 tokens), a tail block for each other choice, not 4 x 26.
     assert 26 <= peak <= 26 + 3 * 2
     assert pool.num_hit_blocks >= 3 * 24  # the others took the prompt's full blocks
+
+
+async def test_a_batch_of_prompts_answers_each_as_alone_numbered_prompt_by_choice(tiny):
+    """OpenAI's completions take a list of prompts (LangChain's OpenAI.batch and litellm
+    send one): prompt i's choice j is index i * n + j, its text what the prompt gets
+    alone, and the usage counts each prompt once. It was a 400."""
+    prompts = ["The for statement", "Hello", [5, 6, 7]]
+    fields = {"max_tokens": 5, "extra_body": {"ignore_eos": True}}
+    async with serving(tiny) as server:
+        client = server.client()
+        create = functools.partial(client.completions.create, model=server.model, **fields)
+        alone = [await in_thread(create, prompt=prompt) for prompt in prompts]
+        batch = await in_thread(create, prompt=prompts, n=2)
+        stream = await in_thread(
+            create, prompt=prompts, n=2, stream=True, stream_options={"include_usage": True}
+        )
+        texts, usage = collections.defaultdict(str), None
+        for chunk in await in_thread(list, stream):
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+        body = {"model": server.model, "prompt": ["a"] * 33, "n": 2}  # 66 > 64 queued
+        status, _, reply = await in_thread(request, server.url, "POST", "/v1/completions", body)
+    expected = [a.choices[0].text for a in alone for _ in range(2)]
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == expected
+    assert [texts[i] for i in range(6)] == expected
+    prompt_tokens = sum(a.usage.prompt_tokens for a in alone)
+    for whole in (batch.usage, usage):
+        assert (whole.prompt_tokens, whole.completion_tokens) == (prompt_tokens, 6 * 5)
+    assert status == 400 and reply["error"]["param"] == "prompt"

@@ -234,7 +234,7 @@ EDGES = [
     (COMPLETION, "priority", -MAX_PRIORITY, -MAX_PRIORITY - 1),
     (COMPLETION, "logprobs", MAX_TOP_LOGPROBS, MAX_TOP_LOGPROBS + 1),
     (COMPLETION, "prompt", [0], [-1]),
-    (COMPLETION, "prompt", ["a"], ["a", "b"]),
+    (COMPLETION, "prompt", ["a", [1]], ["a", 1]),
     (COMPLETION, "echo", False, True),
     (COMPLETION, "suffix", "", "x"),
     (COMPLETION, "stream_options", None, {"include_usage": True}),

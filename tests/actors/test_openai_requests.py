@@ -3,6 +3,7 @@
 from runtime.errors import CadenceError, CapacityError
 from runtime.sequence import SamplingParams
 
+import attrs
 import pytest
 
 from actors.openai_requests import ApiError, parse_chat, parse_completion, parse_json
@@ -94,8 +95,8 @@ def test_tool_fields_on_a_completion_are_refused_as_chat_only(name):
     assert caught.value.message == f"'{name}' applies to chat only"
 
 
-@pytest.mark.parametrize("prompt", [[1, "x"], [1, True], [1, 2.0], [[1, 2], [3]], ["a", "b"]])
-def test_a_completion_prompt_list_is_one_string_or_token_ids_only(prompt):
+@pytest.mark.parametrize("prompt", [[1, "x"], [1, True], [1, 2.0], [[1, 2], ["a"]], ["a", 1]])
+def test_a_completion_prompt_list_is_token_ids_or_a_batch_of_prompts_only(prompt):
     with pytest.raises(ApiError) as caught:
         parse_completion({"model": "m", "prompt": prompt})
     assert caught.value.status == 400 and caught.value.param == "prompt"
@@ -104,7 +105,17 @@ def test_a_completion_prompt_list_is_one_string_or_token_ids_only(prompt):
 
 @pytest.mark.parametrize(("prompt", "tokens"), [([5, 6, 7], (5, 6, 7)), ([[5, 6]], (5, 6))])
 def test_a_completion_prompt_of_token_ids_or_a_batch_of_one_is_read(prompt, tokens):
-    assert parse_completion({"model": "m", "prompt": prompt}).request.prompt == tokens
+    parsed = parse_completion({"model": "m", "prompt": prompt})
+    assert parsed.request.prompt == tokens and parsed.more_prompts == ()
+
+
+def test_a_batch_of_prompts_is_one_request_each_in_order_sharing_the_other_fields():
+    """OpenAI's and vLLM's completions take a list of prompts (LangChain's OpenAI.batch
+    and litellm send one); it was a 400."""
+    parsed = parse_completion({"model": "m", "prompt": ["a", [5, 6], "b"], "max_tokens": 3, "n": 2})
+    assert [r.prompt for r in parsed.requests] == ["a", (5, 6), "b"]
+    assert {(r.max_tokens, parsed.n) for r in parsed.requests} == {(3, 2)}
+    assert parsed.requests[1] == attrs.evolve(parsed.request, prompt=(5, 6))
 
 
 @pytest.mark.parametrize("prompt", [None, "absent"])
