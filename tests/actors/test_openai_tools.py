@@ -1,6 +1,7 @@
 """Tool calls into OpenAI's deltas, without a server: ids, blank content, parallel calls."""
 
 import json
+import re
 
 from runtime.errors import RequestError
 from runtime.grammar import GrammarSpec
@@ -12,6 +13,7 @@ from actors.openai_tools import (
     MAX_TOOLS,
     ToolCallDeltas,
     ToolCallStream,
+    ToolRequest,
     structured_output,
     tool_request,
     whole_tool_calls,
@@ -169,6 +171,22 @@ def test_a_call_cut_short_is_its_text_in_a_whole_response_and_streams_as_written
     assert alone.finish_reason("stop") == "stop"  # no call left: not "tool_calls"
 
 
+def test_each_call_has_its_own_openai_style_id():
+    _, deltas = run(ToolCallStream("hermes"), TWO_CALLS, 4)
+    ids = [d["id"] for d in deltas if "id" in d]
+    assert len(set(ids)) == 2 and all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids)
+
+
+def test_a_streamed_call_cut_short_goes_out_as_it_was_written():
+    """ToolCallDeltas streams by default: a call the reply ends inside of went out."""
+    deltas = ToolCallDeltas("hermes")
+    first = deltas.convert(0, Delta(CUT_CALL))
+    last = deltas.convert(0, Delta("", finish_reason="length"))
+    calls = list(first.tool_calls + last.tool_calls)
+    assert names_and_arguments(calls) == [("b", '{"y": "lon')]
+    assert (first.text, last.text, last.finish_reason) == ("", "", "length")
+
+
 def test_a_whole_responses_calls_come_with_its_last_delta():
     deltas = ToolCallDeltas("hermes", is_streamed=False)
     first = deltas.convert(0, Delta(TWO_CALLS))
@@ -228,6 +246,24 @@ def test_a_whole_reply_of_calls_only_has_null_content():
         ({"structured_outputs": {"json": "[" * 100_000}}, "structured_outputs.json"),
         # and an integer past 4,300 digits, which json refuses with a bare ValueError
         ({"guided_json": '{"const": ' + "1" * 5000 + "}"}, "guided_json"),
+        ({"response_format": "json_object"}, "response_format.type"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": 1}}},
+            "response_format.json_schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "s"}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"structured_outputs": {"pattern": "a"}}, "structured_outputs"),
+        ({"structured_outputs": "a+"}, "structured_outputs"),
+        ({"guided_json": 5}, "guided_json"),
+        ({"guided_json": "[1]"}, "guided_json"),  # JSON text, but no schema
+        ({"guided_choice": ["a", 1]}, "guided_choice"),
+        ({"guided_choice": "a"}, "guided_choice"),
+        ({"guided_grammar": ["start"]}, "guided_grammar"),
     ],
 )
 def test_bad_structured_output_is_refused_naming_the_field(body, param):
@@ -252,6 +288,44 @@ def test_an_unknown_response_format_key_is_refused_naming_it(response_format, pa
     with pytest.raises(RequestError) as caught:
         structured_output({"response_format": response_format})
     assert (caught.value.param, caught.value.code) == (param, "unknown_field")
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"response_format": {"type": "json_object"}}, GrammarSpec("json_object", "", "response_format")),
+        # OpenAI's default schema: any JSON.
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            GrammarSpec("json_schema", "{}", "response_format.json_schema.schema"),
+        ),
+        ({"structured_outputs": {"regex": "a+"}}, GrammarSpec("regex", "a+", "structured_outputs.regex")),
+        (
+            {"structured_outputs": {"choice": ["a", "b"]}},
+            GrammarSpec("choice", '["a", "b"]', "structured_outputs.choice"),
+        ),
+        (
+            {"structured_outputs": {"json": {"type": "integer"}}},
+            GrammarSpec("json_schema", '{"type": "integer"}', "structured_outputs.json"),
+        ),
+        (
+            {"structured_outputs": {"grammar": 'start: "a"'}},
+            GrammarSpec("lark", 'start: "a"', "structured_outputs.grammar"),
+        ),
+        ({"guided_json": {"type": "object"}}, GrammarSpec("json_schema", '{"type": "object"}', "guided_json")),
+        ({"guided_choice": ["yes", "no"]}, GrammarSpec("choice", '["yes", "no"]', "guided_choice")),
+        ({"guided_grammar": 'start: "a"'}, GrammarSpec("lark", 'start: "a"', "guided_grammar")),
+        ({}, None),
+    ],
+)
+def test_each_structured_output_field_gives_its_grammar(body, expected):
+    assert structured_output(body) == expected
+
+
+def test_an_unknown_key_is_named_in_at_most_64_characters():
+    with pytest.raises(RequestError) as caught:
+        structured_output({"response_format": {"type": "text", "k" * 100: 1}})
+    assert caught.value.param == "response_format." + "k" * 64
 
 
 def test_openais_json_schema_keys_are_all_accepted():
@@ -331,6 +405,23 @@ def test_function_names_as_openai_allows_them_are_accepted():
     names = ["get_weather", "get-time", "F0", "f" * 64]
     request = tool_request({"tools": [named(n) for n in names], "tool_choice": named("f" * 64)})
     assert [tool["function"]["name"] for tool in request.tools] == names
+
+
+def test_a_request_without_tools_lets_the_model_answer_freely():
+    assert tool_request({}) == ToolRequest()
+    assert tool_request({"tools": None, "tool_choice": None}) == ToolRequest()
+
+
+def test_a_named_tool_choice_forces_that_function():
+    body = {"tools": [named("f"), named("g")], "tool_choice": named("g")}
+    request = tool_request(body)
+    assert (request.choice, request.name, request.is_parallel) == ("function", "g", True)
+
+
+def test_at_most_128_tools_as_openai():
+    assert len(tool_request({"tools": [TOOL] * 128}).tools) == 128
+    with pytest.raises(RequestError):
+        tool_request({"tools": [TOOL] * 129})
 
 
 def test_parallel_tool_calls_are_on_unless_turned_off():

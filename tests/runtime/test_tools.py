@@ -195,6 +195,25 @@ CASES = [
         '<tool_call>\n{"name": "f", "arguments": {"a": [1</tool_call>',
         ("", [("f", '{"a": [1')]),
     ),
+    (
+        "hermes",  # ... and the call after them is the next call, not a second call 0
+        '<tool_call>\n{"name": "f", "arguments": {"a": [1</tool_call>\n'
+        '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
+        ("\n", [("f", '{"a": [1'), ("g", "{}")]),
+    ),
+    # A block with nothing in it: no call. Hermes' markup goes; gemma's stays the text it
+    # was, as any block that holds no call.
+    ("hermes", "A<tool_call></tool_call>B", ("AB", [])),
+    ("gemma", "A```tool_code```B", ("A```tool_code```B", [])),
+    # Python that is no list of calls: text, whatever its shape.
+    ("gemma", "```tool_code\n[f(a=1)][0]\n```", ("```tool_code\n[f(a=1)][0]\n```", [])),
+    # A third call after a tagged second one: each call is found, the tag split anywhere.
+    (
+        "llama3_json",
+        '{"name": "f", "parameters": {}}; <|python_tag|>{"name": "g", "parameters": {}}; '
+        '{"name": "h", "parameters": {"a": 1}}',
+        ("", [("f", "{}"), ("g", "{}"), ("h", '{"a": 1}')]),
+    ),
 ]
 
 
@@ -326,6 +345,7 @@ def test_a_call_the_reply_ends_inside_of_is_reported_cut_short_with_its_text(
         ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>'),  # closed: not cut
         ("llama3_json", '{"name": "f", "parameters": {"a": [1]}'),
         ("llama3_json", '{"name": "f", "parameters": {}}; {"name": "g", "parame'),  # g: no call
+        ("llama3_json", '{"name": "f", "parameters": 12'),  # a number ends with the reply
     ],
 )
 def test_a_call_whose_arguments_are_whole_is_not_cut_short(style, text):
@@ -374,6 +394,44 @@ def test_an_integer_too_long_for_python_is_text_or_raw_arguments_not_an_error():
     assert parse("hermes", reordered) == (reordered.removeprefix("<tool_call>").removesuffix("</tool_call>"), [])
 
 
+def test_llama3_json_text_streams_once_its_first_character_says_it_is_no_call():
+    """Only a reply that may still become a call waits: plain text goes out as it comes."""
+    parser = parser_for("llama3_json")
+    assert parser.feed("<|py") == []  # may be the tag yet
+    assert parser.feed("x") == [Content("<|pyx")]
+    parser = parser_for("llama3_json")
+    assert parser.feed(" Hel") == [Content(" Hel")]
+    assert parser.feed("lo") == [Content("lo")]
+    assert parser.finish() == []
+
+
+def test_an_unknown_style_is_refused():
+    with pytest.raises(ValueError, match="unknown tool-call style 'xml'"):
+        parser_for("xml")
+
+
+def test_a_long_call_is_decoded_once_however_many_deltas_it_comes_in(monkeypatch):
+    """Each delta's text is scanned once and what closes is decoded once: decoding the
+    whole call again at every token made a long call O(n^2), seconds of the event loop."""
+    decodes = []
+    json_end = tools._json_end
+
+    def counted(text, start, is_final):
+        decodes.append(start)
+        return json_end(text, start, is_final)
+
+    monkeypatch.setattr(tools, "_json_end", counted)
+
+    def decodes_for(size):
+        decodes.clear()
+        arguments = json.dumps({"text": "x" * size, "n": [1, 2]})
+        text = f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+        assert parse("hermes", text, range(1, len(text), 3)) == ("", [("f", arguments)])
+        return len(decodes)
+
+    assert decodes_for(10) == decodes_for(2000) <= 4
+
+
 def test_python_calls():
     assert python_calls('f(a=1, b="x")') == [{"name": "f", "arguments": {"a": 1, "b": "x"}}]
     assert python_calls("[f(), g(x=[1, 2])]") == [
@@ -391,6 +449,7 @@ def test_python_calls():
         {"name": "g", "arguments": {"b": "x"}},
     ]
     assert python_calls("[]") is None and python_calls("") is None  # no call at all
+    assert python_calls("[f(a=1)][0]") is None and python_calls("[x] = [f(a=1)]") is None
 
 
 def test_the_format_follows_the_template():
