@@ -249,12 +249,19 @@ class _InFlight:
         # Refused before the app: its x-request-id and its log line are made here, as
         # the app makes them for every answer of its own.
         echoed, request_id = request_ids(_header(scope, b"x-request-id"))
-        log.info("rejected", request_id=request_id, status=503, code="overloaded")
         error = ApiError(
             503,
-            f"the server has {self.max_requests} HTTP requests in flight, its limit; "
-            "retry shortly",
+            f"the server has {self.max_requests} HTTP requests in flight, its limit; retry shortly",
             code="overloaded",
+        )
+        # The fields every other refusal's line has (http_app._refused).
+        log.info(
+            "rejected",
+            request_id=request_id,
+            status=503,
+            code="overloaded",
+            param=None,
+            error=error.message,
         )
         body = wire_json(error.body())
         headers = [

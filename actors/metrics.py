@@ -149,11 +149,12 @@ class _PolicyCollector:
             "Fraction of KV blocks held by running requests (0 to 1).",
             pool.num_used_blocks / pool.num_blocks,
         )
-        # vLLM counts prefix-cache queries and hits in tokens; the pool counts full blocks.
+        # vLLM's meanings: every prompt token is a query; hits are the tokens of the full
+        # blocks found (the pool counts blocks).
         yield counter(
             "cadence:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
-            pool.num_lookup_blocks * pool.block_size,
+            pool.num_query_tokens,
         )
         yield counter(
             "cadence:prefix_cache_hits",

@@ -104,8 +104,12 @@ def read_gguf(path: Path, progress: Callable[[str], None] = lambda message: None
     arch_name = metadata.string("general.architecture")
     if arch_name not in ARCHITECTURES:
         supported = ", ".join(sorted(ARCHITECTURES))
+        # llama.cpp writes a vision model's projector (mmproj) as architecture 'clip'.
+        what = " (a multimodal projector, mmproj: give the language model's GGUF)" * (
+            arch_name == "clip"
+        )
         raise CheckpointError(
-            f"{path}: unsupported GGUF architecture '{arch_name}' (supported: {supported})"
+            f"{path}: unsupported GGUF architecture '{arch_name}'{what} (supported: {supported})"
         )
     arch = ARCHITECTURES[arch_name]
     tensors = {tensor.name: tensor for tensor in reader.tensors}

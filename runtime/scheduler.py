@@ -328,9 +328,9 @@ class FcfsScheduler:
             ):
                 break
             self.waiting.pop(index)
-            # A resumed row's lookup is its recompute (output too), not a prompt's: counted
-            # apart from the hit rate, as vLLM counts preempted requests apart.
-            self.pool.take_cached_tables(hits, num_lookup, is_counted=not request.is_open)
+            # A resumed row's lookup is its recompute, not a prompt's: uncounted, as vLLM's.
+            num_prompt_tokens = None if request.is_open else len(request.tokens)
+            self.pool.take_cached_tables(hits, num_lookup, num_prompt_tokens)
             request.tables = hits
             request.num_computed = request.num_kv_done = num_hit * self.pool.block_size
             request.num_published = num_hit

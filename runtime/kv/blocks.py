@@ -93,6 +93,7 @@ class BlockPool:
         self.epoch = 0
         self.num_lookup_blocks = 0  # full prompt blocks looked up
         self.num_hit_blocks = 0  # ... and found cached
+        self.num_query_tokens = 0  # prompt tokens looked up, vLLM's prefix-cache "queries"
 
     @property
     def num_free_blocks(self) -> int:
@@ -235,16 +236,19 @@ class BlockPool:
         return self.num_evictable(tables[0])
 
     def take_cached_tables(
-        self, tables: Sequence[Sequence[int]], num_looked_up: int, *, is_counted: bool = True
+        self, tables: Sequence[Sequence[int]], num_looked_up: int, num_prompt_tokens: int | None = 0
     ) -> None:
-        """Hold what `match_tables` found; the hit rate counts prompt blocks, not groups,
-        and only lookups `is_counted` (a prompt's first, not a preempted row's resumption).
+        """Hold what `match_tables` found; the hit rate counts prompt blocks, not groups.
+        A prompt's lookup queries each of its `num_prompt_tokens`, as vLLM counts them,
+        though only full blocks before the last token can hit; None: a preempted row's
+        resumption, which is not counted at all.
 
         Any group's table may start with NULL_BLOCK entries, group 0's too when every
         layer slides: those prompt blocks count as hits (their tokens are not computed
         again), but there is no block to hold."""
-        if is_counted:
+        if num_prompt_tokens is not None:
             self.num_lookup_blocks += num_looked_up
+            self.num_query_tokens += num_prompt_tokens
             self.num_hit_blocks += len(tables[0])
         for pool, table in zip(self.group_pools, tables, strict=True):
             pool._hold(b for b in table if b != NULL_BLOCK)

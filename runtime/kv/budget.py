@@ -119,4 +119,7 @@ def parse_kv_budget(text: str) -> float | int:
             return float(number)
         if unit is None and "." not in number and int(number) > 0:
             return int(number)
-    raise ValueError(f"KV budget {text!r}: give bytes (e.g. 2GiB, 512MB) or a fraction in (0, 1)")
+    raise ValueError(
+        f"KV budget {text!r}: give bytes (a whole number, or a number and one of B, KB, MB, "
+        "GB, KiB, MiB, GiB: 2GiB, 512MB) or a fraction of free memory in (0, 1)"
+    )

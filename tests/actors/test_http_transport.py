@@ -610,10 +610,12 @@ async def test_past_the_cap_a_request_gets_an_immediate_503_and_probes_are_still
     assert [entry["event"] for entry in logs].count("http_requests_at_limit") == 1
     # Every answer carries an x-request-id, and the client's id finds the refusal.
     assert headers["x-request-id"] == "capped-7"
-    assert any(
-        e["event"] == "rejected" and e["request_id"].startswith("capped-7-") and e["status"] == 503
-        for e in logs
-    )
+    capped = [
+        e for e in logs if e["event"] == "rejected" and e["request_id"].startswith("capped-7-")
+    ]
+    # The fields of every other refusal's line, so a JSON consumer finds them all.
+    assert {(e["status"], e["code"], e["param"]) for e in capped} == {(503, "overloaded", None)}
+    assert all("2 HTTP requests in flight" in e["error"] for e in capped)
 
 
 async def test_at_the_cap_a_browser_page_gets_its_preflight_and_a_503_it_can_read():

@@ -279,6 +279,14 @@ def test_an_unsupported_architecture_is_named(tmp_path):
     )
     message = one_line_error(path)
     assert "unsupported GGUF architecture 'phi3'" in message and "qwen3" in message
+    assert "mmproj" not in message
+
+
+def test_a_multimodal_projector_file_is_named_as_one(tmp_path):
+    """llama.cpp's mmproj files say architecture 'clip'; the error said only that."""
+    tensors = {"v.patch_embd.weight": (np.zeros((8, 32), np.float32), None)}
+    message = one_line_error(minimal_gguf(tmp_path / "mmproj.gguf", "clip", tensors))
+    assert "'clip' (a multimodal projector, mmproj: give the language model's GGUF)" in message
 
 
 def test_one_part_of_a_split_file_is_refused(tmp_path):

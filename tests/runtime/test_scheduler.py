@@ -281,6 +281,7 @@ def test_the_prefix_cache_counts_each_prompts_first_lookup_not_a_resumptions():
         pass
     assert p.num_preemptions >= 1 and not p.has_work
     assert p.pool.num_lookup_blocks == 2 + 2
+    assert p.pool.num_query_tokens == 9 + 9  # every prompt token, as vLLM counts queries
 
 
 def test_a_preempted_request_resumes_by_prefilling_prompt_and_generated_tokens():
