@@ -1,4 +1,4 @@
-"""The pieces of `n` that need no server: per-choice seeds and the combined usage."""
+"""The pieces of `n` that need no server: per-choice seeds, admission and the combined usage."""
 
 import types
 
@@ -9,7 +9,15 @@ import attrs
 import pytest
 
 from actors.choices import choice_requests, combined_usage, start_together
-from actors.requests import MAX_SEED, MIN_SEED, GenerateRequest, Usage, check_request
+from actors.openai_requests import ApiError, parse_completion
+from actors.requests import (
+    MAX_SEED,
+    MIN_SEED,
+    GenerateRequest,
+    OverloadedError,
+    Usage,
+    check_request,
+)
 
 
 def test_choice_i_samples_with_seed_plus_i_and_stays_a_valid_seed():
@@ -20,6 +28,12 @@ def test_choice_i_samples_with_seed_plus_i_and_stays_a_valid_seed():
     negative = attrs.evolve(request, sampling=attrs.evolve(request.sampling, seed=-2))
     assert [c.sampling.seed for c in choice_requests(negative, 3)] == [-2, -1, 0]
     assert all(c.sampling.temperature == 1.0 and c.prompt == "x" for c in choices)
+
+
+def test_two_seeded_choices_sample_with_different_seeds_and_one_keeps_its_own():
+    request = GenerateRequest(prompt="x", sampling=SamplingParams(temperature=1.0, seed=5))
+    assert [c.sampling.seed for c in choice_requests(request, 2)] == [5, 6]
+    assert choice_requests(request, 1) == [request]
 
 
 def test_unseeded_choices_are_the_request_itself():
@@ -38,6 +52,10 @@ def test_usage_of_a_batch_of_prompts_counts_each_prompt_once_with_its_own_cache(
     prompt_b = [Usage(20, 5, 16), Usage(20, 6, 16)]  # choices 2 and 3
     usage = combined_usage(prompt_a + prompt_b, 2)
     assert usage == Usage(prompt_tokens=30, completion_tokens=18, cached_tokens=16)
+
+
+def test_one_choices_usage_is_its_own():
+    assert combined_usage([Usage(100, 7, 48)], 1) == Usage(100, 7, 48)
 
 
 class FakeChoice:
@@ -66,3 +84,39 @@ async def test_one_choice_failing_to_start_aborts_every_choice_queued_with_it():
     # so none is left waiting for a slot or decoding for nobody.
     assert [e for e in log if e[0] == "submit"] == [("submit", i) for i in range(3)]
     assert sorted(e for e in log if e[0] == "close") == [("close", i) for i in range(3)]
+
+
+def queue(max_waiting, num_waiting):
+    return types.SimpleNamespace(max_waiting=max_waiting, num_waiting=num_waiting)
+
+
+async def test_choices_that_exactly_fill_the_free_waiting_slots_are_all_admitted():
+    log = []
+    await start_together(queue(4, 1), [FakeChoice(log, i) for i in range(3)])
+    assert log == [("submit", i) for i in range(3)] + [("start", i) for i in range(3)]
+    log.clear()
+    await start_together(queue(3, 0), [FakeChoice(log, i) for i in range(3)])  # the whole queue
+    assert [e for e in log if e[0] == "start"] == [("start", i) for i in range(3)]
+
+
+async def test_more_choices_than_free_slots_are_overloaded_and_none_is_queued():
+    log = []
+    with pytest.raises(OverloadedError):  # a 503: retrying later can succeed
+        await start_together(queue(3, 1), [FakeChoice(log, i) for i in range(3)])
+    assert log == []
+
+
+async def test_more_choices_than_the_queue_holds_are_a_request_error_naming_n():
+    log = []
+    with pytest.raises(RequestError) as refused:  # a 400: retrying cannot help
+        await start_together(queue(3, 0), [FakeChoice(log, i) for i in range(4)])
+    assert refused.value.param == "n" and "n=4" in str(refused.value)
+    assert log == []
+
+
+def test_n_is_at_most_8_by_default():
+    body = {"model": "m", "prompt": "x"}
+    assert parse_completion(body | {"n": 8}).n == 8
+    with pytest.raises(ApiError) as refused:
+        parse_completion(body | {"n": 9})
+    assert refused.value.param == "n"

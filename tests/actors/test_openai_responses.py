@@ -3,7 +3,7 @@
 
 import json
 
-from actors.openai_responses import ChunkWriter
+from actors.openai_responses import SSE_DONE, ChunkWriter, sse, wire_json
 from actors.requests import LogprobEntry, Usage
 
 
@@ -97,3 +97,87 @@ def test_a_tool_call_chunk_names_its_choice():
     assert chunk["choices"] == [
         {"index": 2, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}
     ]
+
+
+def test_a_whole_chat_response_holds_each_choices_message_and_the_usage_once():
+    writer = ChunkWriter("chat", "chatcmpl-1", "m", created=1700000000)
+    choices = [writer.choice("hi", "stop", index=0), writer.choice("yo", "length", index=1)]
+    assert writer.whole(choices, Usage(3, 4, cached_tokens=2)) == {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1700000000,
+        "model": "m",
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
+            for i, text, reason in ((0, "hi", "stop"), (1, "yo", "length"))
+        ],
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": 4,
+            "total_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 2},
+        },
+    }
+
+
+def test_a_whole_completion_response_holds_each_choices_text_and_logprobs():
+    writer = ChunkWriter("completion", "cmpl-1", "m", has_logprobs=True, created=1700000000)
+    entries = [LogprobEntry("é", -0.5, (("é", -0.5), ("b", -2.0))), LogprobEntry("x", -1.0)]
+    choice = writer.choice("éx", "length", entries, index=1)
+    whole = writer.whole([choice], Usage(2, 2))
+    assert (whole["id"], whole["object"], whole["created"], whole["model"]) == (
+        "cmpl-1",
+        "text_completion",
+        1700000000,
+        "m",
+    )
+    assert whole["choices"] == [
+        {
+            "index": 1,
+            "text": "éx",
+            "logprobs": {
+                "tokens": ["é", "x"],
+                "token_logprobs": [-0.5, -1.0],
+                "top_logprobs": [{"é": -0.5, "b": -2.0}, {"x": -1.0}],
+                "text_offset": [0, 1],  # characters, not bytes
+            },
+            "finish_reason": "length",
+        }
+    ]
+    assert whole["usage"]["total_tokens"] == 4
+
+
+def test_a_chat_choice_carries_its_logprobs_only_when_asked():
+    entry = LogprobEntry("a", -0.5)
+    plain = ChunkWriter("chat", "chatcmpl-1", "m").choice("a", "stop", [entry])
+    asked = ChunkWriter("chat", "chatcmpl-1", "m", has_logprobs=True).choice("a", "stop", [entry])
+    assert plain["logprobs"] is None
+    assert asked["logprobs"] == {
+        "content": [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}],
+        "refusal": None,
+    }
+
+
+def test_a_single_choice_response_is_choice_0():
+    """Without an index, every piece belongs to the only choice (n=1)."""
+    chat = ChunkWriter("chat", "chatcmpl-1", "m")
+    chunks = [
+        *frames(chat.start()),
+        *frames(chat.text("hi")),
+        *frames(chat.tool_calls([])),
+        *frames(chat.finish("stop")),
+    ]
+    assert len(chunks) == 4 and all(c["choices"][0]["index"] == 0 for c in chunks)
+    assert chat.choice("hi", "stop")["index"] == 0
+    assert ChunkWriter("completion", "cmpl-1", "m").choice("hi", "stop")["index"] == 0
+
+
+def test_the_wire_is_compact_utf8_json_and_a_lone_surrogate_goes_out_escaped():
+    assert sse({"text": "é 😀", "n": [1, 2]}) == 'data: {"text":"é 😀","n":[1,2]}\n\n'.encode()
+    assert wire_json({"name": "a\ud800"}) == b'{"name":"a\\ud800"}'
+    assert SSE_DONE == b"data: [DONE]\n\n"
