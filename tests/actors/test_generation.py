@@ -3,11 +3,16 @@ Generation ends, `async with` or not, must end its row and its count in the LLM,
 the service must end as its caller's block does."""
 
 from runtime.errors import RequestError
+from runtime.sequence import FinishCause
 
 import pytest
 import trio
+import trio.testing
 
-from actors import OverloadedError, ServiceClosedError
+from actors import GenerationError, OverloadedError, ServiceClosedError
+from actors.generation import Generation
+from actors.messages import Abort, Accepted, Failed, Finished, Rejected, TextDelta
+from actors.requests import GenerateRequest, Usage
 
 # Real seconds (admission runs in a thread, so trio's autojump clock would leap to the
 # deadline while it works; a step is 10 ms): a broken lifecycle fails here, not hangs.
@@ -160,3 +165,171 @@ async def test_a_reader_the_service_stopped_under_gets_service_closed_not_a_row_
                         raise
     assert seen and {type(error) for error in seen} == {ServiceClosedError}
     assert str(seen[0]) == "the service stopped"
+
+
+class HeldLLM:
+    """What a Generation needs of its LLM, with admission's end of the reply channel
+    held by the test (`reply`), and the Aborts sent to the scheduler kept (`aborts`)."""
+
+    def __init__(self):
+        self.num_admitted = self.num_released = 0
+        self.is_aborting_all = False
+        self._to_scheduler, self._sent = trio.open_memory_channel(8)
+        self.reply = None
+
+    def _admit(self, admit, generation):
+        self.num_admitted += 1
+        self.reply = admit.reply
+
+    def _release(self, generation):
+        self.num_released += 1
+
+    @property
+    def aborts(self):
+        sent = []
+        while True:
+            try:
+                sent.append(self._sent.receive_nowait())
+            except trio.WouldBlock:
+                return sent
+
+
+def held_generation(request_id="r1"):
+    llm = HeldLLM()
+    return llm, Generation(llm, GenerateRequest(prompt="hi"), request_id=request_id)  # type: ignore[arg-type]
+
+
+def test_a_generation_without_a_request_id_gets_one_of_its_own():
+    llm = HeldLLM()
+    ids = {Generation(llm, GenerateRequest(prompt="hi")).request_id for _ in range(3)}  # type: ignore[arg-type]
+    assert len(ids) == 3 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    assert held_generation("mine")[1].request_id == "mine"
+
+
+async def test_a_generation_is_submitted_once():
+    llm, generation = held_generation()
+    generation.submit()
+    with pytest.raises(RuntimeError, match="starts once"):
+        generation.submit()
+    assert llm.num_admitted == 1
+
+
+async def test_is_answered_once_the_last_reply_is_queued_and_not_before():
+    llm, generation = held_generation()
+    assert generation.is_answered is False  # not even submitted
+    generation.submit()
+    llm.reply.send_nowait(Accepted("r1", 2))
+    assert await generation.start() == 2
+    llm.reply.send_nowait(TextDelta("r1", "a"))
+    assert generation.is_answered is False  # the service still owes it its end
+    usage = Usage(prompt_tokens=2, completion_tokens=2)
+    llm.reply.send_nowait(Finished("r1", "b", FinishCause.LENGTH, usage))
+    llm.reply.close()
+    assert generation.is_answered is True
+    assert [delta.text async for delta in generation] == ["a", "b"]
+
+
+async def test_a_finished_generation_closed_again_sends_no_abort_and_is_released_once():
+    llm, generation = held_generation()
+    generation.submit()
+    llm.reply.send_nowait(Accepted("r1", 2))
+    llm.reply.send_nowait(Finished("r1", "a", FinishCause.LENGTH, Usage(2, 1)))
+    async with generation:
+        assert [delta.text async for delta in generation] == ["a"]
+    await generation.aclose()
+    assert llm.num_released == 1 and llm.aborts == []
+
+
+@pytest.mark.parametrize(
+    ("replies", "is_aborted"),
+    [
+        ((), False),  # admission will find the channel closed and abort it itself
+        ((Rejected("r1", RequestError("bad")),), False),  # never queued
+        ((Accepted("r1", 2),), True),  # queued: admission saw the caller still there
+        ((TextDelta("r1", "a"),), True),  # running: its text overtook Accepted
+    ],
+    ids=["unanswered", "rejected", "accepted unread", "text unread"],
+)
+async def test_a_submitted_generation_closed_unread_is_aborted_only_if_it_was_queued(
+    replies, is_aborted
+):
+    llm, generation = held_generation()
+    generation.submit()
+    for reply in replies:
+        llm.reply.send_nowait(reply)
+    await generation.aclose()
+    assert llm.aborts == ([Abort("r1", "cancelled")] if is_aborted else [])
+    assert llm.num_released == 1
+
+
+async def test_a_start_cancelled_after_text_overtook_accepted_aborts_the_row():
+    """start() had taken the text aside while it waited for Accepted: the request runs."""
+    llm, generation = held_generation()
+    generation.submit()
+    llm.reply.send_nowait(TextDelta("r1", "a"))
+    with trio.move_on_after(0.01):
+        await generation.start()
+    assert llm.aborts == [Abort("r1", "cancelled")] and llm.num_released == 1
+
+
+async def test_a_second_reader_of_one_generation_is_refused_while_the_first_waits():
+    llm, generation = held_generation()
+    generation.submit()
+    llm.reply.send_nowait(Accepted("r1", 2))
+    await generation.start()
+    with trio.fail_after(TIMEOUT):  # a second reader let in would wait for text forever
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(generation.__anext__)  # waits: no text yet
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(RuntimeError, match="another task is already reading"):
+                await generation.__anext__()
+            llm.reply.send_nowait(TextDelta("r1", "a"))
+    llm.reply.send_nowait(TextDelta("r1", "b"))
+    assert (await generation.__anext__()).text == "b"  # the first reader is done
+
+
+async def test_a_generation_closed_before_it_started_never_starts():
+    llm, generation = held_generation()
+    await generation.aclose()
+    with trio.fail_after(TIMEOUT), pytest.raises(RuntimeError, match="starts once"):
+        await generation.start()  # not submitted, then left waiting for an answer
+    assert (llm.num_admitted, llm.num_released, llm.aborts) == (0, 0, [])
+
+
+async def test_start_tells_no_prompt_length_when_the_request_failed_before_it_was_told():
+    """Text, then a failure, with no Accepted between: the length was never told."""
+    llm, generation = held_generation()
+    generation.submit()
+    llm.reply.send_nowait(TextDelta("r1", "a"))
+    llm.reply.send_nowait(Failed("r1", "non-finite logits"))
+    assert await generation.start() == 0 and generation.num_prompt_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("failed", "is_aborting_all", "raised", "message"),
+    [
+        (Failed("r1", "injected fault"), False, GenerationError, "injected fault"),
+        (
+            Failed("r1", "aborted"),
+            True,
+            ServiceClosedError,
+            "the service is shutting down: aborted",
+        ),
+        (Failed("r1", "stopped", is_service_stopped=True), False, ServiceClosedError, "stopped"),
+        (Failed("r1", "no match", "grammar"), False, RequestError, "no match"),
+    ],
+    ids=["row fault", "drain", "service stopped", "request's own value"],
+)
+async def test_a_failure_mid_reply_is_raised_as_whose_fault_it_was(
+    failed, is_aborting_all, raised, message
+):
+    llm, generation = held_generation()
+    generation.submit()
+    for reply in (Accepted("r1", 2), TextDelta("r1", "a"), failed):
+        llm.reply.send_nowait(reply)
+    assert (await generation.__anext__()).text == "a"
+    llm.is_aborting_all = is_aborting_all
+    with pytest.raises(raised) as error:
+        await generation.__anext__()
+    assert type(error.value) is raised and str(error.value) == message
+    assert getattr(error.value, "param", None) == failed.param and llm.num_released == 1

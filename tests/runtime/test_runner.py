@@ -22,6 +22,7 @@ def test_a_request_the_policy_rejects_finishes_with_its_reason(engine):
     policy = policy_for(engine, num_blocks=2)  # 32 tokens of 16-token blocks
     got = run_offline(engine, policy, {"huge": params(range(1, 41), 4), "ok": params(PROMPT, 4)})
     assert got["huge"].finish is FinishCause.ERROR and "can never fit" in got["huge"].error
+    assert (got["huge"].tokens, got["huge"].num_cached_tokens) == ((), 0)
     assert len(got["ok"].tokens) == 4 and engine.num_open == 0
 
 
@@ -32,6 +33,27 @@ def test_a_request_the_engine_refuses_fails_alone_with_the_engines_own_reason(en
     assert got["long"].finish is FinishCause.ERROR
     assert got["long"].error.startswith("this model's maximum context length is 32 tokens")
     assert len(got["ok"].tokens) == 4 and engine.num_open == 0
+
+
+def test_an_unexpected_error_opening_a_row_fails_that_request_as_an_engine_error(
+    engine, monkeypatch
+):
+    """Not a CadenceError (a bug, not a bad value): logged, and its request alone fails."""
+    open_row = engine.open
+
+    def open_failing_bad(params):
+        if params.request_id == "bad":
+            raise ValueError("a bug")
+        return open_row(params)
+
+    monkeypatch.setattr(engine, "open", open_failing_bad)
+    requests = {"bad": params(PROMPT, 4, request_id="bad"), "ok": params(PROMPT, 4)}
+    with capture_logs() as logs:
+        got = run_offline(engine, policy_for(engine), requests)
+    assert (got["bad"].finish, got["bad"].error) == (FinishCause.ERROR, "engine error: a bug")
+    assert got["bad"].tokens == () and len(got["ok"].tokens) == 4 and engine.num_open == 0
+    errors = [(e["event"], e["request_id"]) for e in logs if e["log_level"] == "error"]
+    assert errors == [("open failed", "bad")]
 
 
 def test_a_step_the_engine_cannot_queue_fails_its_rows_and_the_rest_go_on(engine, monkeypatch):
@@ -112,3 +134,100 @@ def test_close_all_leaves_the_engine_no_open_row(engine):
     assert engine.num_open == 2
     runner.close_all()
     assert engine.num_open == 0 and runner.rows == {}
+
+
+class Watched:
+    """The engine, recording how many steps are queued at each collect, and the calls."""
+
+    def __init__(self, engine):
+        self.engine, self.calls, self.queued_at_collect = engine, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def submit(self, batch):
+        self.calls.append("submit")
+        self.engine.submit(batch)
+
+    def collect(self):
+        self.calls.append("collect")
+        self.queued_at_collect.append(self.engine.num_pending)
+        return self.engine.collect()
+
+    def start_queued(self):
+        self.calls.append("start")
+        self.engine.start_queued()
+
+
+@pytest.mark.parametrize("lookahead", [None, 2])
+def test_run_offline_reads_a_step_only_with_lookahead_steps_queued_behind_it(engine, lookahead):
+    """As the GPU actor does: step N+1 (N+2 ...) is submitted before step N is read, and
+    the steps held back behind a read one are started right after it (by default one)."""
+    watched, plans = Watched(engine), []
+    kwargs = {} if lookahead is None else {"lookahead": lookahead}
+    requests = {"a": params(PROMPT, 8)}
+    got = run_offline(watched, policy_for(engine), requests, on_step=plans.append, **kwargs)["a"]
+    assert len(got.tokens) == 8 and got.finish is FinishCause.LENGTH
+    assert [plan.step for plan in plans] == list(range(1, watched.calls.count("submit") + 1))
+    depth = 1 + (lookahead or 1)  # the step read and those queued behind it
+    # Until the last steps drain, each read finds `depth` steps queued.
+    assert watched.queued_at_collect[:4] == [depth] * 4
+    assert watched.calls[: depth + 1] == ["submit"] * depth + ["collect"]
+    assert watched.calls.count("start") == watched.calls.count("collect")
+    starts = [i for i, call in enumerate(watched.calls) if call == "start"]
+    assert all(watched.calls[i - 1] == "collect" for i in starts)
+
+
+def test_collect_stamps_when_the_step_was_read_after_it_was_submitted(engine):
+    """The GPU actor's step_ms is collected_at minus when the step began."""
+    runner = PlanRunner(engine)
+    launched = runner.launch(StepPlan(step=1, opens=(("a", params(PROMPT, 4), 0),)))
+    assert launched.collected_at == 0.0
+    runner.collect(launched)
+    assert launched.collected_at >= launched.submitted_at > 0
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["running", "failed in the step"])
+def test_a_row_aborted_after_its_step_was_queued_is_closed_and_left_out_of_that_step(
+    engine, monkeypatch, fails
+):
+    """Its outcome in the queued step (a token, or the failure the engine found while
+    building the step) is no one's by the time the step is read."""
+    if fails:
+        monkeypatch.setattr(engine, "_fault", (999, 0))  # a's prompt raises in its forward
+    runner, policy = PlanRunner(engine), policy_for(engine)
+    policy.add("a", params([*PROMPT, 999] if fails else PROMPT, 8))
+    policy.add("b", params(PROMPT[:5], 8))
+    first = runner.launch(policy.schedule())  # both prompts; a's and b's first tokens
+    assert policy.abort("a") is not None
+    second = runner.launch(policy.schedule())  # closes a, whose token is still queued
+    assert second.plan.closes == ("a",) and engine.num_open == 1 and list(runner.rows) == ["b"]
+    assert [r.request_id for r in runner.collect(first)] == ["b"]
+    assert [r.request_id for r in runner.collect(second)] == ["b"]
+    runner.close_all()
+
+
+def test_a_plan_closing_a_request_that_has_no_row_closes_nothing(engine):
+    """An abort of a request that never got a row, or whose row already finished."""
+    runner = PlanRunner(engine)
+    runner.collect(runner.launch(StepPlan(step=1, opens=(("a", params(PROMPT, 4), 0),))))
+    runner.collect(runner.launch(StepPlan(step=2, closes=("never-opened",))))
+    assert engine.num_open == 1 and list(runner.rows) == ["a"]
+    runner.close_all()
+
+
+class PlansNothing:
+    """A policy with work that never plans it: a bug run_offline must not return on."""
+
+    has_work = True
+
+    def add(self, request_id, params):
+        pass
+
+    def schedule(self):
+        return None
+
+
+def test_run_offline_refuses_to_end_while_the_policy_still_has_work(engine):
+    with pytest.raises(RuntimeError, match="has work but plans nothing"):
+        run_offline(engine, PlansNothing(), {"a": params(PROMPT, 4)})  # type: ignore[arg-type]

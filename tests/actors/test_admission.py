@@ -1,0 +1,196 @@
+"""Admission's sans-IO parts: how a request becomes SequenceParams (`prepare`) and
+which grammar its output must match (`grammar_spec`), on the demo tokenizer."""
+
+import json
+import shutil
+
+from runtime.errors import RequestError
+from runtime.grammar import GrammarCompiler, GrammarSpec
+from runtime.sequence import SamplingParams
+from runtime.tokenizer import Tokenizer
+from runtime.tool_prompts import tool_call_grammar
+
+import pytest
+import trio
+
+from actors.admission import Admission
+from actors.requests import GenerateRequest
+from tests.actors.conftest import DEMO_DIR
+
+MAX_CONTEXT = 256
+TOOLS = (
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}},
+        },
+    },
+)
+ASK = ({"role": "user", "content": "What time is it?"},)
+JSON_ANSWER = GrammarSpec("json_object", "", "response_format")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.from_dir(DEMO_DIR)
+
+
+def admission_for(tokenizer, *, tool_style="hermes", grammars=None):
+    to_scheduler, _ = trio.open_memory_channel(1)
+    to_streamer, _ = trio.open_memory_channel(1)
+    _, inbox = trio.open_memory_channel(1)
+    return Admission(
+        tokenizer,
+        MAX_CONTEXT,
+        tokenizer.vocab_size,
+        None,
+        inbox,
+        to_scheduler,
+        to_streamer,
+        trio.Semaphore(1),
+        grammars,
+        tool_style,
+    )
+
+
+def prepared(tokenizer, **request):
+    return admission_for(tokenizer).prepare(GenerateRequest(**request), "r1")
+
+
+def test_a_text_prompt_is_tokenized_and_token_ids_are_taken_as_they_are(tokenizer):
+    text = prepared(tokenizer, prompt="Hello there", max_tokens=4)
+    assert text.prompt_tokens == tuple(tokenizer.encode("Hello there"))
+    ids = prepared(tokenizer, prompt=(5, 6, 7), max_tokens=4)
+    assert ids.prompt_tokens == (5, 6, 7)
+
+
+def test_the_params_carry_the_requests_own_settings(tokenizer):
+    sampling = SamplingParams(temperature=0.5, seed=3)
+    params = prepared(
+        tokenizer, prompt=(5, 6), max_tokens=9, sampling=sampling, ignore_eos=True, priority=2
+    )
+    assert (params.max_tokens, params.sampling, params.ignore_eos) == (9, sampling, True)
+    assert (params.request_id, params.priority) == ("r1", 2)
+
+
+def test_chat_messages_are_rendered_through_the_chat_template(tokenizer):
+    params = prepared(tokenizer, messages=ASK, max_tokens=4)
+    assert params.prompt_tokens == tuple(tokenizer.encode_chat(list(ASK)))
+
+
+def test_tools_reach_the_prompt_unless_tool_choice_is_none(tokenizer):
+    bare = prepared(tokenizer, messages=ASK, max_tokens=4).prompt_tokens
+    none = prepared(tokenizer, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=4)
+    auto = prepared(tokenizer, messages=ASK, tools=TOOLS, max_tokens=4)
+    assert none.prompt_tokens == bare
+    assert len(auto.prompt_tokens) > len(bare)
+    assert "get_time" in tokenizer.decode(list(auto.prompt_tokens))
+
+
+def test_a_template_that_knows_tools_is_given_them_itself(tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_DIR / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if tools %} tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}{% endif %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    params = prepared(tokenizer, messages=ASK, tools=TOOLS, max_tokens=4)
+    assert tokenizer.decode(list(params.prompt_tokens)) == "What time is it? tools: get_time"
+
+
+@pytest.mark.parametrize(  # the default, else what the context leaves
+    ("prompt_length", "max_tokens"), [(10, 16), (MAX_CONTEXT - 4, 4), (MAX_CONTEXT - 1, 1)]
+)
+def test_default_max_tokens_is_cut_to_the_room_the_context_leaves(
+    tokenizer, prompt_length, max_tokens
+):
+    params = prepared(tokenizer, prompt=(5,) * prompt_length, default_max_tokens=16)
+    assert params.max_tokens == max_tokens
+
+
+def test_an_explicit_max_tokens_overrides_the_default(tokenizer):
+    params = prepared(tokenizer, prompt=(5,) * 10, max_tokens=30, default_max_tokens=16)
+    assert params.max_tokens == 30
+
+
+def test_without_max_tokens_or_a_default_the_row_runs_until_the_context_is_full(tokenizer):
+    assert prepared(tokenizer, prompt=(5,) * 10).max_tokens is None
+
+
+def test_a_prompt_that_fills_the_context_is_blamed_though_max_tokens_was_defaulted(tokenizer):
+    with pytest.raises(RequestError, match="maximum context length is 256 tokens") as raised:
+        prepared(tokenizer, prompt=(5,) * MAX_CONTEXT, default_max_tokens=16)
+    assert (raised.value.param, raised.value.code) == ("prompt", "context_length_exceeded")
+
+
+def test_a_chat_past_the_context_names_messages(tokenizer):
+    with pytest.raises(RequestError) as raised:
+        prepared(tokenizer, messages=ASK, max_tokens=MAX_CONTEXT)
+    assert raised.value.param == "max_tokens"
+    with pytest.raises(RequestError) as raised:
+        prepared(tokenizer, messages=({"role": "user", "content": "word " * MAX_CONTEXT},))
+    assert raised.value.param == "messages"
+
+
+def spec_of(tokenizer, tool_style="hermes", **request):
+    return admission_for(tokenizer, tool_style=tool_style).grammar_spec(GenerateRequest(**request))
+
+
+def test_no_grammar_and_no_forced_call_constrains_nothing(tokenizer):
+    assert spec_of(tokenizer, messages=ASK, tools=TOOLS) is None
+
+
+@pytest.mark.parametrize(("choice", "name"), [("required", None), ("function", "get_time")])
+def test_a_forced_tool_call_is_the_grammar(tokenizer, choice, name):
+    got = spec_of(tokenizer, messages=ASK, tools=TOOLS, tool_choice=choice, tool_name=name)
+    assert got == tool_call_grammar("hermes", TOOLS, name)
+
+
+def test_auto_beside_a_response_format_may_call_a_tool_or_answer_in_the_format(tokenizer):
+    got = spec_of(tokenizer, messages=ASK, tools=TOOLS, grammar=JSON_ANSWER)
+    assert got == tool_call_grammar("hermes", TOOLS, None, JSON_ANSWER)
+    assert got != JSON_ANSWER
+
+
+@pytest.mark.parametrize(
+    ("request_", "tool_style"),
+    [
+        (dict(grammar=JSON_ANSWER), "hermes"),  # no tools to call
+        (dict(grammar=JSON_ANSWER, tools=TOOLS, tool_choice="none"), "hermes"),
+        (dict(grammar=JSON_ANSWER, tools=TOOLS), "llama3_json"),  # a call is bare JSON too
+        (dict(grammar=GrammarSpec("regex", "[ab]+", "response_format"), tools=TOOLS), "hermes"),
+        (dict(grammar=GrammarSpec("json_object", "", "guided_json"), tools=TOOLS), "hermes"),
+        (
+            dict(grammar=GrammarSpec("json_schema", json.dumps({"type": "object"}), "grammar")),
+            "hermes",
+        ),
+    ],
+    ids=["no tools", "tool_choice none", "llama3_json", "not json", "guided", "embedding"],
+)
+def test_otherwise_the_requests_own_grammar_holds_the_whole_reply(tokenizer, request_, tool_style):
+    got = spec_of(tokenizer, tool_style, messages=ASK, **request_)
+    assert got == request_["grammar"]
+
+
+async def test_structured_output_without_a_grammar_compiler_is_refused_naming_the_field(
+    tokenizer,
+):
+    with pytest.raises(RequestError, match="structured output is not available") as raised:
+        await admission_for(tokenizer)._compile(GrammarSpec("regex", "[ab]+", "guided_regex"))
+    assert raised.value.param == "guided_regex"
+
+
+async def test_a_grammar_is_compiled_for_the_request_and_a_bad_one_is_refused_naming_it(
+    tokenizer,
+):
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    admission = admission_for(tokenizer, grammars=compiler)
+    spec = GrammarSpec("regex", "[ab]+", "guided_regex")
+    assert (await admission._compile(spec)).spec == spec
+    with pytest.raises(RequestError) as raised:
+        await admission._compile(GrammarSpec("regex", "([", "grammar"))
+    assert raised.value.param == "grammar"
