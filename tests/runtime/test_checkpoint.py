@@ -659,6 +659,18 @@ def test_llama3_rope_scaling_may_leave_its_frequency_factors_to_the_defaults():
     assert config_from_dict(llama_config(rope_scaling=scaling)).rope_scaling == scaling
 
 
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "default"},  # nothing to scale by: no factor to check
+        {"type": "linear", "factor": 2.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0},
+    ],
+    ids=["default-without-factor", "linear-with-llama3-fields"],
+)
+def test_a_rope_scaling_is_checked_only_for_the_numbers_its_type_uses(scaling):
+    assert config_from_dict(llama_config(rope_scaling=scaling)).rope_scaling == scaling
+
+
 def test_a_layer_entry_without_a_mode_is_affine_as_mlx_takes_it():
     """mlx-lm hands a layer's entry to mlx's to_quantized, whose mode defaults to affine:
     in an mxfp4 checkpoint, {"bits": 8} is an affine layer (it was taken as mxfp4)."""
@@ -771,6 +783,27 @@ def test_a_gptq_checkpoint_is_refused_naming_its_quant_method(broken):
 def test_a_stale_quantization_config_over_float_weights_still_loads(broken):
     edit_config(broken, quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
     assert load_model(broken).config.foreign_quantization == "bitsandbytes"
+
+
+@pytest.mark.parametrize(
+    ("quantization_config", "named"),
+    [
+        ({"quant_method": "awq"}, "awq"),
+        ({"bits": 4}, "unknown"),  # no method named
+        ({"quant_method": ""}, "unknown"),
+        ({"quant_method": 4}, "unknown"),
+    ],
+    ids=["named", "missing", "empty", "not-text"],
+)
+def test_a_foreign_quantization_is_named_by_its_quant_method_or_as_unknown(
+    quantization_config, named
+):
+    config = config_from_dict(llama_config(quantization_config=quantization_config))
+    assert config.foreign_quantization == named
+    with_mlx = llama_config(
+        quantization_config=quantization_config, quantization={"group_size": 32, "bits": 4}
+    )
+    assert config_from_dict(with_mlx).foreign_quantization is None  # mlx-community writes both
 
 
 def test_an_index_naming_a_missing_shard_is_named(broken):

@@ -12,6 +12,7 @@ import re
 import shutil
 from pathlib import Path
 
+from runtime.chat_template import MAX_REPEATED, ChatTemplate
 from runtime.errors import CheckpointError, RequestError
 from runtime.tokenizer import (
     _BYTE_LEVEL_DECODER,
@@ -728,6 +729,71 @@ def test_a_template_building_something_huge_is_refused_at_once(checkpoint_dirs, 
     tokenizer = with_template(checkpoint_dirs, tmp_path, "{{ " + expression + " }}")
     with pytest.raises(RequestError, match="repetition of over|power past"):
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def render(template: str, **kwargs) -> str:
+    """`template` rendered for one user message, straight through `ChatTemplate`."""
+    chat = ChatTemplate(template, {"bos_token": "<s>"})
+    return chat.render([{"role": "user", "content": "hi"}], True, **kwargs)
+
+
+def test_arithmetic_and_short_repetitions_in_a_template_render_as_jinja_computes_them():
+    """Only a huge `*` or `**` is refused: the numbers and rules templates draw with them
+    (`'-' * 3`, `2 ** 10`) render as before."""
+    template = "{{ 2 * 3 }} {{ '-' * 3 }} {{ 3 * 'ab' }} {{ [0] * 2 }} {{ 2 ** 10 }} {{ 2.5 * 2 }}"
+    assert render(template) == "6 --- ababab [0, 0] 1024 5.0"
+
+
+@pytest.mark.parametrize(
+    ("expression", "length"),
+    [("'x' * size", MAX_REPEATED), ("size * 'x'", MAX_REPEATED), ("(2 ** 1024) | string", 309)],
+)
+def test_a_repetition_or_power_at_the_cap_renders(expression, length):
+    assert len(render("{{ " + expression + " }}", variables={"size": MAX_REPEATED})) == length
+
+
+@pytest.mark.parametrize(
+    "expression",
+    ["'x' * (size + 1)", "(size + 1) * 'x'", "[0] * (size + 1)", "2 ** 1025", "2 ** -1025"],
+)
+def test_a_repetition_or_power_just_past_the_cap_is_refused(expression):
+    with pytest.raises(RequestError, match="repetition of over|power past"):
+        render("{{ " + expression + " }}", variables={"size": MAX_REPEATED})
+
+
+def test_null_valued_keys_reach_the_template_left_out_as_transformers_passes_them():
+    """Clients send `content: null` beside tool calls: printed, it would read "None"."""
+    template = (
+        "{% for m in messages %}"
+        "[{{ m.content }}|{{ m.name is defined }}|{{ m.tool_calls | length }}]"
+        "{% endfor %}"
+    )
+    messages = [{"role": "assistant", "content": None, "name": None, "tool_calls": [1]}]
+    assert ChatTemplate(template, {}).render(messages, True) == "[|False|1]"
+
+
+def test_no_tools_and_no_documents_reach_the_template_as_none():
+    template = "{{ tools is none }} {{ documents is none }}"
+    assert render(template) == render(template, tools=[]) == "True True"
+    assert render("{{ tools | tojson }}", tools=({"type": "function"},)) == '[{"type": "function"}]'
+
+
+def test_spans_locate_each_picked_string_beside_numbers_booleans_and_nulls():
+    """The sentinel render keeps every value that is not a string as it is: turned into
+    anything else, a call's `{"n": 3}` printed otherwise and the chat was refused."""
+    template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}{{ c.arguments | tojson }}{% endfor %}{% endfor %}"
+    )
+    arguments = {"n": 3, "ok": True, "none": None, "x": 1.5, "s": "<|x|>"}
+    call = {"arguments": arguments}
+    messages = [{"role": "assistant", "content": "a<|x|>", "tool_calls": [call]}]
+    prompt, spans = ChatTemplate(template, {}).render_with_spans(
+        messages, False, None, lambda text: "<|x|>" in text
+    )
+    assert prompt == '<assistant>a<|x|>{"n": 3, "ok": true, "none": null, "x": 1.5, "s": "<|x|>"}'
+    assert spans == [(11, 17), (68, 73)]
+    assert [prompt[start:end] for start, end in spans] == ["a<|x|>", "<|x|>"]
 
 
 @pytest.mark.parametrize(
