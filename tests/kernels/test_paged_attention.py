@@ -420,6 +420,18 @@ def test_only_rows_bringing_several_tokens_count_towards_the_score_cap(monkeypat
     assert pa.select_path(two_chunks).reason == "scores_over_cap"
 
 
+def test_each_decision_logs_the_numbers_it_was_made_on(monkeypatch):
+    """The first step of each outcome is logged with this detail: an operator reads the
+    step's size against the floor, or the scores that went over the cap."""
+    without_native(monkeypatch)
+    monkeypatch.delenv("CADENCE_PAGED_ATTENTION", raising=False)
+    monkeypatch.delenv("CADENCE_PAGED_FAST_MIN_KEYS", raising=False)
+    assert pa.select_path(pa.StepShape(2, 1, 100, 0, 4, 4)).detail == "200 rows x keys < floor 512"
+    assert pa.select_path(pa.StepShape(4, 1, 128, 0, 4, 4)).detail == "512 rows x keys >= floor 512"
+    two_chunks = pa.StepShape(2, 4096, 4096, 2, 8, 1)  # 2 * 4 * 8 * 4096 * 4096 bytes: 1 GiB
+    assert pa.select_path(two_chunks).detail == "1024 MiB of scores per layer"
+
+
 def test_the_native_kernel_declines_a_step_off_the_cpu(monkeypatch):
     monkeypatch.setattr(pa.mx, "default_device", lambda: mx.Device(mx.gpu))
     shape = pa.StepShape(1, 1, 64, 0, 4, 4)

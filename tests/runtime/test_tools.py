@@ -9,7 +9,7 @@ from pathlib import Path
 
 from runtime import tools
 from runtime.errors import RequestError
-from runtime.grammar import GrammarCompiler
+from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.tokenizer import Tokenizer
 from runtime.tool_prompts import (
     chat_for_template,
@@ -463,6 +463,27 @@ def test_the_format_follows_the_template():
     assert template_knows_tools(HERMES) and not template_knows_tools(GEMMA)
 
 
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ messages }}{%- if tools %}<|python_tag|>{%- endif %}",
+        "{%- for m in messages %}<|start_header_id|>{{ m.role }}{%- endfor %}Environment: ipython",
+    ],
+    ids=["python_tag only", "ipython only"],
+)
+def test_either_llama3_marker_alone_makes_the_format_llama3_json(template):
+    """Llama 3.1's template has both; a fine-tune's may keep only one."""
+    assert tool_style_for(template, "llama") == "llama3_json"
+    assert tool_style_for(template, "custom") == "llama3_json"
+
+
+def test_a_template_that_writes_tool_call_is_hermes_whatever_the_family():
+    """A Gemma or Llama fine-tune taught Hermes' `<tool_call>` writes Hermes calls."""
+    assert tool_style_for(HERMES, "gemma2") == "hermes"
+    assert tool_style_for(f"<start_of_turn>{HERMES}", "gemma3_text") == "hermes"
+    assert tool_style_for(f"{HERMES}{{# ipython <|python_tag|> #}}", "llama") == "hermes"
+
+
 HISTORY = [
     {"role": "user", "content": "Weather in Paris?"},
     {
@@ -792,3 +813,17 @@ def test_tools_whose_parameters_share_an_id_each_keep_their_own_defs():
 
     assert admits("count", 1) and admits("pick", "x")
     assert not admits("count", "x") and not admits("pick", 1)
+
+
+def test_a_gemma_call_or_the_answer_each_in_its_own_form():
+    """`auto` tools beside a response_format in Gemma's format: the call fenced as
+    ```tool_code, the answer bare; anything else is refused."""
+    answer = GrammarSpec("json_schema", '{"type": "integer"}', "response_format")
+    either = tool_call_grammar("gemma", TOOLS, None, answer)
+    assert either.param == "response_format"
+    grammar = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids).compile(either)
+    call = json.dumps({"name": "get_weather", "arguments": {"city": "Rome"}})
+    assert admitted_by(grammar, f"```tool_code\n{call}\n```") and admitted_by(grammar, "7")
+    assert not admitted_by(grammar, f"<tool_call>\n{call}\n</tool_call>")
+    assert not admitted_by(grammar, call)  # a call is fenced, never bare
+    assert not admitted_by(grammar, '"7"') and not admitted_by(grammar, "Hello")
