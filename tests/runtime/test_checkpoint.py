@@ -246,6 +246,17 @@ def test_sharded_and_quantized_checkpoints_load(make_checkpoint):
     assert quantized.model.model.layers[0].mlp.up_proj.weight.dtype == mx.uint32
 
 
+def test_loading_a_sharded_checkpoint_reports_each_shard_by_number(make_checkpoint):
+    path = make_checkpoint("llama", shards=2)
+    lines = []
+    load_model(path, on_progress=lines.append)
+    assert lines[0] == f"reading {path.resolve()}"
+    assert [line for line in lines if line.startswith("loading weights")] == [
+        "loading weights 1/2: model-00001-of-00002.safetensors",
+        "loading weights 2/2: model-00002-of-00002.safetensors",
+    ]
+
+
 def test_half_precision_is_upcast_on_cpu_unless_kept(make_checkpoint):
     path = make_checkpoint("qwen2", dtype="bfloat16")
     assert load_model(path).model.model.norm.weight.dtype == mx.float32
@@ -821,3 +832,85 @@ def test_a_name_that_is_no_path_and_no_repo_id_is_named(tmp_path, monkeypatch, n
     monkeypatch.chdir(tmp_path)
     with pytest.raises(CheckpointError, match="not a Hugging Face repo id"):
         resolve_checkpoint(name, offline=True)
+
+
+def test_the_deepest_layer_count_allowed_is_accepted():
+    assert config_from_dict(llama_config(num_hidden_layers=10_000)).num_hidden_layers == 10_000
+    with pytest.raises(CheckpointError, match="10001, more than 10000"):
+        config_from_dict(llama_config(num_hidden_layers=10_001))
+
+
+def test_a_file_cut_short_by_a_few_bytes_names_the_tensor_past_its_end(broken):
+    file = broken / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[:-4])
+    header_len = int.from_bytes(data[:8], "little")
+    data_len = len(data) - 8 - header_len
+    message = error_for(broken)
+    assert "truncated: tensor" in message
+    assert f"ends at byte {data_len} of {data_len - 4}" in message
+
+
+def test_a_header_longer_than_the_file_is_named_as_truncated(broken):
+    header = json.dumps(entry()).encode()
+    file = broken / "model.safetensors"
+    # Its length says 4 bytes more than the file holds after it.
+    file.write_bytes((len(header) + 4).to_bytes(8, "little") + header)
+    message = error_for(broken)
+    assert "model.safetensors: truncated (header runs past the end of the file)" in message
+    file.write_bytes(len(header).to_bytes(8, "little") + header)  # exactly to the end: no data
+    assert "truncated: tensor 'model.norm.weight' ends at byte 8 of 0" in error_for(broken)
+
+
+def test_a_zero_size_tensor_is_a_valid_safetensors_entry(broken):
+    """Shape [0] stored at [n, n] is what mlx (and safetensors) write for an empty tensor."""
+    weights = mx.load(str(broken / "model.safetensors"))
+    empty = {"model.layers.0.self_attn.rotary_emb.inv_freq": mx.zeros((0,))}
+    mx.save_safetensors(str(broken / "model.safetensors"), {**weights, **empty})
+    assert load_model(broken).config.num_hidden_layers == 2
+
+
+@pytest.mark.parametrize("name", ["./nowhere", "~/nowhere", "/nowhere"])
+def test_a_path_that_does_not_exist_is_never_looked_up_on_the_hub(tmp_path, monkeypatch, name):
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+    def snapshot_download(*args, **kwargs):
+        raise AssertionError("a path was taken for a repo id")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    with pytest.raises(CheckpointError) as error:
+        resolve_checkpoint(name)
+    assert str(error.value) == f"{name}: no such directory, and not a Hugging Face repo id"
+
+
+@pytest.mark.parametrize(
+    ("offline", "env", "local_only", "where"),
+    [
+        (True, None, True, "in the local Hugging Face cache"),
+        (False, "1", True, "locally or on the Hub"),
+        (False, "0", False, "locally or on the Hub"),
+        (False, None, False, "locally or on the Hub"),
+    ],
+    ids=["offline", "hf-hub-offline", "hf-hub-online", "online"],
+)
+def test_a_repo_id_is_fetched_unless_offline_and_a_miss_says_where_it_was_looked_for(
+    monkeypatch, offline, env, local_only, where
+):
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    if env is None:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    else:
+        monkeypatch.setenv("HF_HUB_OFFLINE", env)
+    asked = []
+
+    def snapshot_download(repo_id, *, allow_patterns, ignore_patterns, local_files_only):
+        asked.append(local_files_only)
+        raise FileNotFoundError(repo_id)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    with pytest.raises(CheckpointError) as error:
+        resolve_checkpoint("nobody/no-such-model", offline=offline)
+    assert asked == [local_only]
+    assert str(error.value) == f"nobody/no-such-model: not found {where} (FileNotFoundError)"
