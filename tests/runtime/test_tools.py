@@ -207,6 +207,12 @@ CASES = [
     ("gemma", "A```tool_code```B", ("A```tool_code```B", [])),
     # Python that is no list of calls: text, whatever its shape.
     ("gemma", "```tool_code\n[f(a=1)][0]\n```", ("```tool_code\n[f(a=1)][0]\n```", [])),
+    # A call reported whole (keys in another order) takes its index: the next call is 1.
+    (
+        "llama3_json",
+        '{"parameters": {"a": 1}, "name": "f"}; {"name": "g", "parameters": {}}',
+        ("", [("f", '{"a": 1}'), ("g", "{}")]),
+    ),
     # A third call after a tagged second one: each call is found, the tag split anywhere.
     (
         "llama3_json",
@@ -284,6 +290,19 @@ def test_hermes_streams_the_name_then_argument_fragments():
     assert parser.finish() == []
 
 
+def test_llama3_json_streams_the_name_then_argument_fragments():
+    """A reply that is calls streams them as they are written, not at its end."""
+    parser = parser_for("llama3_json")
+    assert parser.feed('<|python_tag|>{"name": "get_weather", "param') == []
+    assert parser.feed('eters": {"city": "Pa') == [
+        CallStart(0, "get_weather"),
+        CallArguments(0, '{"city": "Pa'),
+    ]
+    assert parser.feed('ris"}}; {"name": "g", ') == [CallArguments(0, 'ris"}')]
+    assert parser.feed('"parameters": {}}') == [CallStart(1, "g"), CallArguments(1, "{}")]
+    assert parser.finish() == []
+
+
 @pytest.mark.parametrize("style", ["hermes", "llama3_json"])
 def test_argument_fragments_are_never_empty_whatever_the_split(style):
     """A delta that adds nothing to a call's arguments sends nothing: an empty fragment
@@ -346,6 +365,7 @@ def test_a_call_the_reply_ends_inside_of_is_reported_cut_short_with_its_text(
         ("llama3_json", '{"name": "f", "parameters": {"a": [1]}'),
         ("llama3_json", '{"name": "f", "parameters": {}}; {"name": "g", "parame'),  # g: no call
         ("llama3_json", '{"name": "f", "parameters": 12'),  # a number ends with the reply
+        ("llama3_json", '{"name": "f", "parameters": "{\\"a\\": 1}"'),  # ... and a string
     ],
 )
 def test_a_call_whose_arguments_are_whole_is_not_cut_short(style, text):
@@ -827,3 +847,35 @@ def test_a_gemma_call_or_the_answer_each_in_its_own_form():
     assert not admitted_by(grammar, f"<tool_call>\n{call}\n</tool_call>")
     assert not admitted_by(grammar, call)  # a call is fenced, never bare
     assert not admitted_by(grammar, '"7"') and not admitted_by(grammar, "Hello")
+
+
+@pytest.mark.parametrize("style", ["hermes", "llama3_json"])
+def test_a_call_fed_a_character_a_delta_is_scanned_and_decoded_once(style, monkeypatch):
+    """Each character of a call is scanned once and what closes is decoded once, also
+    while blanks trail its closed arguments: scanning again what was scanned, or decoding
+    closed arguments again, at every delta made a long call O(n^2)."""
+    scanned, decodes = [], []
+    json_end = tools._json_end
+
+    class Counted:
+        def __init__(self, pattern):
+            self.pattern = pattern
+
+        def search(self, text, at):
+            found = self.pattern.search(text, at)
+            scanned.append((len(text) if found is None else found.end()) - at)
+            return found
+
+    def counted_end(text, start, is_final):
+        decodes.append(start)
+        return json_end(text, start, is_final)
+
+    monkeypatch.setattr(tools, "_IN_STRING", Counted(tools._IN_STRING))
+    monkeypatch.setattr(tools, "_STRUCTURE", Counted(tools._STRUCTURE))
+    monkeypatch.setattr(tools, "_json_end", counted_end)
+    arguments = json.dumps({"text": "x" * 300, "n": [1, 2]})
+    key = "arguments" if style == "hermes" else "parameters"
+    call = f'{{"name": "f", "{key}": {arguments}{" " * 50}}}'
+    text = f"<tool_call>\n{call}\n</tool_call>" if style == "hermes" else call
+    assert parse(style, text, range(1, len(text))) == ("", [("f", arguments)])
+    assert sum(scanned) <= 2 * len(call) and len(decodes) <= 2
