@@ -41,6 +41,7 @@ def eight_gib_free(monkeypatch):
         (1000 + 10 * 100, 10),  # bytes: the windows' pools first, then whole blocks
         (1000 + 10 * 100 + 99, 10),
         (1050, 1),  # never no block at all
+        (1000, 1),  # exactly the windows' pools: they fit, and one block beside them
         (0.5, (4 * GIB - 1000) // 100),  # a fraction of what is free, whatever is wanted
         (None, 50),  # the default: 30% of what is free, but only what max_batch rows want
     ],
@@ -104,6 +105,24 @@ def test_available_memory_reads_memavailable_in_kib(monkeypatch):
     assert budget.available_memory() == 2048 * 1024
 
 
+def test_without_meminfo_the_backends_memory_limit_is_what_is_available(monkeypatch):
+    """macOS has no /proc/meminfo: mlx's recommended working set is the figure the
+    budget and its checks go by, and with no figure at all the caller falls back."""
+
+    def no_meminfo(path):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(budget, "open", no_meminfo, raising=False)
+    monkeypatch.setattr(budget.mx, "get_memory_limit", lambda: 6 * GIB)
+    assert budget.available_memory() == 6 * GIB
+
+    def no_limit():
+        raise RuntimeError("no backend limit")
+
+    monkeypatch.setattr(budget.mx, "get_memory_limit", no_limit)
+    assert budget.available_memory() is None
+
+
 def test_bytes_of_exactly_the_memory_available_are_accepted(eight_gib_free):
     assert budget.pool_blocks(8 * GIB, 50, bytes_per_block=GIB, window_bytes=0) == 8
 
@@ -121,9 +140,11 @@ def test_sliding_window_pools_beyond_the_memory_available_are_refused(eight_gib_
         budget.pool_blocks(kv_budget, 50, bytes_per_block=100, window_bytes=9 * GIB)
 
 
-def test_sliding_window_pools_that_leave_no_room_for_one_block_are_refused(monkeypatch):
-    """The windows' pools fit, but not beside a single block of the first group's."""
+@pytest.mark.parametrize("kv_budget", [None, 0.99])
+def test_sliding_window_pools_that_leave_no_room_for_one_block_are_refused(monkeypatch, kv_budget):
+    """The windows' pools fit, but not beside a single block of the first group's (at
+    0.99 the budget holds the pools, so only the memory can refuse them)."""
     monkeypatch.setattr(budget, "available_memory", lambda: 1000)
-    with pytest.raises(CadenceError, match="sliding-window"):
-        budget.pool_blocks(None, 50, bytes_per_block=100, window_bytes=950)
+    with pytest.raises(CadenceError, match="sliding-window .* memory available: lower --max-batch"):
+        budget.pool_blocks(kv_budget, 50, bytes_per_block=100, window_bytes=950)
     assert budget.pool_blocks(0.99, 50, bytes_per_block=100, window_bytes=900) == 1  # the pools and one block: all there is

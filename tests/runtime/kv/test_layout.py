@@ -33,6 +33,9 @@ def test_a_windowed_group_holds_the_window_and_a_chunk_at_most():
     # A query reads 4 keys, in 2 blocks when they straddle a block's edge: a pool of one
     # block cannot hold a row past 16 tokens.
     assert every_layer_slides.max_row_tokens(1, 16) == 16
+    # A window of 4 in blocks of 4: a decoding query's 4 keys span 2 blocks at most, so a
+    # pool of 2 holds a row however long it grows.
+    assert every_layer_slides.max_row_tokens(2, 4) > 10**9
 
 
 def test_a_rows_windowed_blocks_go_back_to_their_own_pool():
@@ -61,6 +64,13 @@ def test_a_windowed_row_holds_exactly_the_blocks_its_worst_placed_chunk_spans():
     ]
     assert max(spans) == layout.row_blocks(0, 10**6, 4, max_chunk=8) == 5
     assert layout.first_needed_block(0, 0, 4) == 0 and layout.first_needed_block(0, 12, 4) == 1
+
+
+def test_a_query_inside_the_first_window_still_needs_block_0_at_block_size_1():
+    """Every block before the window's first key goes back; block 0 holds key 0, which a
+    query at 5 with a window of 9 still reads."""
+    layout = KVLayout.for_layers(1, (9,))
+    assert [layout.first_needed_block(0, q, 1) for q in (0, 5, 8, 9, 12)] == [0, 0, 0, 1, 4]
 
 
 def test_blocks_a_row_gave_back_from_its_window_no_longer_count_as_held():

@@ -1,5 +1,6 @@
 """The paged storage's own checks, block-table cache and sizing (runtime/kv/paged.py)."""
 
+from runtime.kv import paged
 from runtime.kv.base import RowSpan, attend_stacked_by_parts
 from runtime.kv.paged import PagedKV
 from runtime.models.layers import RoPE
@@ -9,6 +10,8 @@ import numpy as np
 import pytest
 
 from kernels.cpu_extension import cpu_extension
+from kernels.dense_matmul import pack_panels
+from kernels.fused_blocks import NormedLayers
 
 
 def windowed_kv():
@@ -50,6 +53,7 @@ def test_block_tables_are_rebuilt_only_when_a_row_gains_a_block_or_the_pool_move
 def test_row_bytes_counts_what_a_row_holds_in_each_group():
     layer_block = PagedKV.bytes_per_block(1, 2, 16, 4, mx.float32)
     assert layer_block == 2 * 2 * 4 * 16 * 4
+    assert PagedKV.bytes_per_block(3, 2, 16, 4, mx.float32) == 3 * layer_block  # a group's block
     plain = PagedKV(3, 2, 16, 2, num_blocks=16, block_size=4)
     assert plain.row_bytes(9) == (3 * 3 * layer_block,) * 2  # 3 blocks (one partial) x 3 layers
     windowed = PagedKV(3, 2, 16, 2, num_blocks=16, block_size=4, layer_windows=(4, None, 4))
@@ -91,14 +95,52 @@ def test_attend_stacked_runs_the_native_op_only_where_the_step_took_the_native_p
     monkeypatch, forced, runs_native
 ):
     """The one-op path is the native kernel's: a step dispatched elsewhere (forced here;
-    on Metal or CUDA always) must go by parts, which the CPU tests could not tell apart."""
+    on Metal or CUDA always) must go by parts, which the CPU tests could not tell apart;
+    the native path must not (by parts it runs the native attention too, only slower)."""
     ext = cpu_extension()
     if ext is None:
         pytest.skip("the C++ kernels were not built here")
     monkeypatch.setenv("CADENCE_PAGED_ATTENTION", forced)
+    by_parts = []
+
+    def spy(*args):
+        by_parts.append(args)
+        return attend_stacked_by_parts(*args)
+
+    monkeypatch.setattr(paged, "attend_stacked_by_parts", spy)
     qkv = mx.array(np.random.default_rng(1).standard_normal((5, (4 + 2 * 2) * 16)).astype(np.float32))
     view = PagedKV(1, 2, 16, 2, num_blocks=8, block_size=4).forward([RowSpan(0, 0, 5, (0, 1))], 0)
     before = ext.num_attention_calls()
     mx.eval(view.attend_stacked(0, qkv, RoPE(16, 10000.0, None), 4, 2, 0.25))
     assert view.path == (forced or "native")
     assert (ext.num_attention_calls() > before) == runs_native
+    assert bool(by_parts) != runs_native
+
+
+@pytest.mark.parametrize(("forced", "runs_native"), [("", True), ("gather", False), ("fast", False)])
+def test_a_residual_attention_block_is_one_op_only_where_the_step_took_the_native_path(
+    monkeypatch, forced, runs_native
+):
+    """Elsewhere (forced here; on Metal or CUDA always) it is None, and the model runs the
+    block by parts on the step's own path."""
+    ext = cpu_extension()
+    if ext is None:
+        pytest.skip("the C++ kernels were not built here")
+    monkeypatch.setenv("CADENCE_PAGED_ATTENTION", forced)
+    rng = np.random.default_rng(2)
+
+    def layer(n, k):
+        weight = mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.2)
+        return (pack_panels(weight), mx.zeros((0,)), n)
+
+    block = NormedLayers(mx.ones((64,)), 1e-6, layer((4 + 2 * 2) * 16, 64), layer(64, 4 * 16))
+    x = mx.array(rng.standard_normal((1, 5, 64)).astype(np.float32))
+    view = PagedKV(1, 2, 16, 2, num_blocks=8, block_size=4).forward([RowSpan(0, 0, 5, (0, 1))], 0)
+    before = ext.num_block_calls()
+    out = view.residual_attention(0, x, block, RoPE(16, 10000.0, None), 4, 2, 0.25)
+    assert view.path == (forced or "native")
+    assert (out is not None) == runs_native
+    if out is not None:
+        mx.eval(out)
+        assert out.shape == x.shape
+    assert (ext.num_block_calls() > before) == runs_native
