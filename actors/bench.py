@@ -14,7 +14,7 @@ import sys
 import time
 
 import runtime  # noqa: F401  (loads the optimized BLAS before mlx)
-from runtime.kv.budget import available_memory
+from runtime.kv.budget import DEFAULT_BLOCK_SIZE, available_memory
 
 import mlx.core as mx
 import numpy as np
@@ -38,7 +38,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     paged.add_argument("--heads", type=count, default=16)
     paged.add_argument("--kv-heads", type=count, default=4)
     paged.add_argument("--head-dim", type=count, default=64)
-    paged.add_argument("--block-size", type=count, default=16)
+    paged.add_argument("--block-size", type=count, default=DEFAULT_BLOCK_SIZE)
     paged.add_argument("--repeats", type=count, default=5)
     paged.set_defaults(run=functools.partial(_checked_paged_attention, paged))
     soak.add_parser(which)
