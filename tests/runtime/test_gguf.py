@@ -652,3 +652,89 @@ def test_a_row_order_for_another_number_of_rows_is_refused():
         decode_tensor(tensor, "model.layers.0.self_attn.q_proj.weight", [1, 0], 0.0, "x.gguf")
     got = decode_tensor(tensor, "w", [2, 0, 1], 0.0, "x.gguf")
     assert got["w"].shape == (3, 4)
+
+
+def test_text_metadata_that_is_not_utf8_is_a_one_line_error(tmp_path):
+    value = struct.pack("<IQ", 8, 6) + b"\xffllama"  # a string of 6 bytes, not UTF-8
+    path = headed_gguf(tmp_path / "bytes.gguf", gguf_string("general.architecture") + value)
+    message = one_line_error(path)
+    assert "unreadable metadata 'general.architecture'" in message and "utf-8" in message
+
+
+def test_missing_required_metadata_is_named(tmp_path):
+    value = struct.pack("<I", 8) + gguf_string("qwen2")
+    path = headed_gguf(tmp_path / "bare.gguf", gguf_string("general.architecture") + value)
+    assert "missing GGUF metadata 'tokenizer.ggml.model'" in one_line_error(path)
+
+
+def test_a_float_setting_stored_as_an_integer_loads_as_that_float(convert, tmp_path):
+    path, _ = convert("qwen2", GGMLType.F32)
+    stated = rewritten(
+        path,
+        tmp_path / "integer-base.gguf",
+        metadata={"qwen2.rope.freq_base": (500000, V.UINT32, V.UINT32)},
+    )
+    rope_theta = read_gguf(stated).config["rope_theta"]
+    assert rope_theta == 500000.0 and isinstance(rope_theta, float)
+
+
+def test_f16_and_expanded_weights_stay_float16_when_the_dtype_is_kept(convert):
+    """Only a shifted norm (Gemma's 1 + w) is computed in float32."""
+    path, _ = convert("llama", GGMLType.F16, types_by_name={"mlp.down_proj": GGMLType.Q6_K})
+    layer = load_model(path, keep_dtype=True).model.model.layers[0]
+    assert layer.self_attn.q_proj.weight.dtype == mx.float16
+    assert layer.mlp.down_proj.weight.dtype == mx.float16  # Q6_K, expanded
+
+
+def test_blocks_that_do_not_decode_as_their_type_are_named():
+    """A row of 100 bytes is no whole number of Q6_K blocks (210 bytes each)."""
+    tensor = SimpleNamespace(
+        name="blk.0.ffn_down.weight",
+        tensor_type=GGMLType.Q6_K,
+        shape=[256, 2],
+        data=np.zeros((2, 100), np.uint8),
+    )
+    with pytest.raises(CheckpointError, match="'blk.0.ffn_down.weight' does not decode as Q6_K"):
+        decode_tensor(tensor, "model.layers.0.mlp.down_proj.weight", None, 0.0, "x.gguf")
+
+
+@pytest.mark.parametrize(
+    ("item_type", "item_bytes"),
+    [(V.UINT8, 1), (V.UINT32, 4), (V.STRING, 8), (V.ARRAY, 12)],  # zeros: "", an empty array
+    ids=["uint8", "uint32", "string", "array"],
+)
+def test_an_arrays_declared_count_is_held_to_the_bytes_left_exactly(
+    tmp_path, item_type, item_bytes
+):
+    """Each element takes at least its type's size (a string its length, an array its
+    type and count): an array that ends where the file ends is read, one declaring an
+    element more is refused by its count before any element is read."""
+    architecture = gguf_string("general.architecture") + struct.pack("<I", 8) + gguf_string("qwen2")
+
+    def array_of(count):
+        header = struct.pack("<IIQ", V.ARRAY, item_type, count)
+        path = tmp_path / f"{count}.gguf"
+        return headed_gguf(
+            path,
+            architecture + gguf_string("general.tags") + header + bytes(4 * item_bytes),
+            num_kv=2,
+        )
+
+    assert "missing GGUF metadata 'tokenizer.ggml.model'" in one_line_error(array_of(4))
+    message = one_line_error(array_of(5))
+    assert (
+        "truncated" in message
+        and "declares 5 elements, more than the rest of the file holds" in message
+    )
+
+
+def test_a_tensor_type_the_gguf_package_does_not_know_is_named_unsupported(tmp_path):
+    tensors = {"token_embd.weight": (np.zeros((8, 32), np.float32), None)}
+    path = minimal_gguf(tmp_path / "new-type.gguf", "qwen2", tensors)
+    reader = gguf.GGUFReader(path, "r+")
+    reader.tensors[0].field.parts[4][0] = 99  # its type, as a newer llama.cpp might write one
+    reader.data.flush()
+    del reader
+    message = one_line_error(path)
+    assert "unsupported GGUF tensor type" in message
+    assert "99) is not a valid GGMLQuantizationType" in message  # "np.uint32(99)"
