@@ -9,6 +9,7 @@ weights no one wrote. `runtime.gguf` maps what they read onto a checkpoint.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +135,10 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
             return BoundedReader(path)
     except Exception as exc:  # the reader raises ValueError, KeyError, IndexError, ...
         reason = " ".join(str(exc).split()) or type(exc).__name__
-        if "GGML" in reason or "is not a valid" in reason:
+        reason = re.sub(r"np\.\w+\((-?\d+)\)", r"\1", reason)  # numpy's repr of a number
+        if "GGUFValueType" in reason:
+            raise CheckpointError(f"{path}: unsupported GGUF metadata value type ({reason})") from None
+        if "GGML" in reason:
             raise CheckpointError(f"{path}: unsupported GGUF tensor type ({reason})") from None
         raise CheckpointError(f"{path}: unreadable or truncated GGUF ({reason})") from None
 

@@ -737,4 +737,12 @@ def test_a_tensor_type_the_gguf_package_does_not_know_is_named_unsupported(tmp_p
     del reader
     message = one_line_error(path)
     assert "unsupported GGUF tensor type" in message
-    assert "99) is not a valid GGMLQuantizationType" in message  # "np.uint32(99)"
+    assert "(99 is not a valid GGMLQuantizationType)" in message  # numpy's repr unwrapped
+
+
+def test_a_metadata_value_type_the_gguf_package_does_not_know_is_named_as_one(tmp_path):
+    """Not as a tensor type (both are enum errors from the gguf package)."""
+    value = gguf_string("general.architecture") + struct.pack("<I", 99) + gguf_string("qwen2")
+    message = one_line_error(headed_gguf(tmp_path / "new-value.gguf", value, num_kv=1))
+    assert "unsupported GGUF metadata value type (99 is not a valid GGUFValueType)" in message
+    assert "tensor" not in message
