@@ -345,8 +345,9 @@ def test_a_null_group_size_in_a_layer_entry_is_the_modes_default_as_in_mlx_lm(ma
           "model.layers.1.self_attn.o_proj": (32, 8, "mxfp8")}, {"group_size": 32, "bits": 4}),
         ({}, {"group_size": 32, "bits": 99}),
         ({}, {"group_size": 32, "bits": 4, "mode": "mxfp4"}),
+        ({"model.layers.1.mlp.up_proj": (128, 4, "affine")}, {"group_size": 32, "bits": 4}),
     ],
-    ids=["unnamed-layers", "default-mlx-refuses", "default-mode-not-stored"],
+    ids=["unnamed-layers", "default-mlx-refuses", "default-mode-not-stored", "one-group-a-row"],
 )
 def test_layers_the_config_does_not_name_take_the_packing_their_tensors_show_as_in_mlx_lm(
     make_checkpoint, tmp_path, layers, quantization
@@ -376,8 +377,9 @@ def replace_layer_tensors(path, layer, tensors):
         {"weight": mx.zeros((128, 32), mx.uint32), "scales": mx.ones((128, 3)), "biases": mx.zeros((128, 3))},
         {"weight": mx.zeros((128, 64), mx.uint32), "scales": mx.zeros((128, 16), mx.uint8)},
         {"weight": mx.zeros((128, 30), mx.uint32), "scales": mx.ones((128, 8)), "biases": mx.zeros((128, 8))},
+        {"weight": mx.zeros((128, 32), mx.uint32), "scales": mx.array(1.0), "biases": mx.array(0.0)},
     ],
-    ids=["groups-not-dividing", "no-microscaling-mode", "words-not-dividing"],
+    ids=["groups-not-dividing", "no-microscaling-mode", "words-not-dividing", "scalar-scales"],
 )
 def test_a_layer_whose_packing_no_quantization_fits_is_named_with_its_shapes(
     make_checkpoint, tmp_path, tensors

@@ -1,4 +1,7 @@
-"""runtime/cpu_weights.py: stacking the layers that read one input (q, k, v; gate, up)."""
+"""runtime/cpu_weights.py: the form the weights take on the CPU, what the start-up log says of
+it, and stacking the layers that read one input (q, k, v; gate, up)."""
+
+import os
 
 from runtime import cpu_weights
 from runtime.checkpoint import load_model
@@ -179,6 +182,33 @@ def test_a_quantized_model_stays_packed_when_its_float32_expansion_would_not_fit
     assert isinstance(packed.model.model.layers[0].mlp.up_proj, nn.QuantizedLinear)
     monkeypatch.setattr(cpu_weights, "_physical_memory", lambda: int(2 * float32_bytes / 0.6))
     assert type(load_model(path).model.model.layers[0].mlp.up_proj) is nn.Linear
+    # 5% to spare will do: besides the expanded weights, only the scales and biases count.
+    monkeypatch.setattr(cpu_weights, "_physical_memory", lambda: int(1.05 * float32_bytes / 0.6))
+    assert type(load_model(path).model.model.layers[0].mlp.up_proj) is nn.Linear
+
+
+def test_a_quantized_model_expands_where_the_memory_size_cannot_be_read(
+    make_checkpoint, kernels_off, monkeypatch
+):
+    sysconf = os.sysconf
+
+    def unreadable(name):
+        if name in ("SC_PAGE_SIZE", "SC_PHYS_PAGES"):
+            raise ValueError(f"unrecognized configuration name {name!r}")
+        return sysconf(name)
+
+    monkeypatch.setattr(os, "sysconf", unreadable)
+    loaded = load_model(make_checkpoint("llama", quantize=(64, 4), **SHAPE))
+    assert type(loaded.model.model.layers[0].mlp.up_proj) is nn.Linear
+
+
+def test_the_float32_fallback_expands_every_layer_and_says_so(make_checkpoint, kernels_off):
+    lines = []
+    load_model(make_checkpoint("llama", quantize=(64, 4), **SHAPE), on_progress=lines.append)
+    assert lines[lines.index("CPU kernels off for the test") + 1:] == [
+        "expanding weights to float32 for the CPU",
+        "weights: embedding float32 (matmul) x1, linear float32 (matmul) x15; other weights float32",
+    ]
 
 
 def test_a_microscaling_layer_is_described_by_its_mode(make_checkpoint):
@@ -197,3 +227,57 @@ def test_load_time_quantization_leaves_layers_whose_rows_do_not_fill_groups(make
     assert type(layer.mlp.down_proj) is KernelQuantizedLinear and layer.mlp.down_proj.bits == 8
     assert not isinstance(layer.self_attn.qkv_proj, nn.QuantizedLinear)
     assert not isinstance(layer.mlp.gate_up_proj, nn.QuantizedLinear)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("stored", "cpu_quantize", "said"),
+    [
+        (dict(dtype="bfloat16"), "off", [
+            "keeping the 16-bit weights of linear layers (float32 compute)",
+            "weights: embedding bfloat16 (cadence kernel, sgemm) x1, "
+            "linear bfloat16 (cadence panel kernel) x9; other weights float32",
+        ]),
+        (dict(dtype="bfloat16"), "8", [
+            "quantizing weights to 8 bits for the CPU",
+            "weights: embedding 8-bit g64 (cadence kernel) x1, "
+            "linear 8-bit g64 (cadence kernel) x9; other weights float32",
+        ]),
+        (dict(dtype="bfloat16"), "float32", [
+            "expanding weights to float32 for the CPU",
+            "weights: embedding float32 (cadence kernel, sgemm) x1, "
+            "linear float32 (cadence panel kernel) x9; other weights float32",
+        ]),
+        # The norms of a bfloat16 checkpoint's quantized layers are widened too.
+        (dict(dtype="bfloat16", quantize=(64, 4)), "off", [
+            "weights: embedding 4-bit g64 (cadence kernel) x1, "
+            "linear 4-bit g64 (cadence kernel) x9; other weights float32",
+        ]),
+    ],
+    ids=["16-bit", "quantized at load", "expanded", "stored quantized"],
+)
+def test_the_start_up_log_names_the_form_the_weights_take(
+    make_checkpoint, stored, cpu_quantize, said
+):
+    """After the kernel status, a line for the path taken (if any), then the layers."""
+    lines = []
+    path = make_checkpoint("llama", **SHAPE, **stored)
+    load_model(path, cpu_quantize=cpu_quantize, on_progress=lines.append)
+    assert lines[lines.index(loader.kernel_status()) + 1:] == said
+
+
+def test_on_a_gpu_the_weights_are_left_as_stored(make_checkpoint, monkeypatch):
+    model = load_model(make_checkpoint("llama", quantize=(64, 4), **SHAPE), keep_dtype=True).model
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    lines = []
+    assert cpu_weights.prepare_for_cpu(model, keep_dtype=False, progress=lines.append) is model
+    assert lines == []
+    assert type(model.model.layers[0].mlp.up_proj) is nn.QuantizedLinear
+
+
+@needs_kernels
+def test_the_log_counts_the_weights_moved_onto_2_mb_pages(make_checkpoint, monkeypatch):
+    monkeypatch.setattr(cpu_weights, "move_weights_to_huge_pages", lambda model: 6 * 2**20)
+    lines = []
+    load_model(make_checkpoint("llama", **SHAPE), on_progress=lines.append)
+    assert "weights on 2 MB pages where Linux grants them: 6 MB" in lines

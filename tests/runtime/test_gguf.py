@@ -162,22 +162,24 @@ def test_repacked_blocks_equal_what_mlx_load_makes_of_the_file(tmp_path):
             assert mx.array_equal(ours[f"{tensor.name}.{suffix}"], theirs), (tensor.name, suffix)
 
 
-def rewritten(path, out, metadata=(), tensors=()):
+def rewritten(path, out, metadata=(), tensors=(), dropped=()):
     """A copy of `path` with the `metadata` values {key: (value, type, item type)} and the
-    `tensors` {name: array} replaced or added."""
+    `tensors` {name: array} replaced or added, and the keys and tensors `dropped` left out."""
     reader = gguf.GGUFReader(path)
     writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
     replaced = dict(metadata)
     for field in reader.fields.values():
         if field.name in replaced:
             writer.add_key_value(field.name, *replaced[field.name])
-        elif not field.name.startswith(("GGUF.", "general.architecture")):
+        elif field.name not in dropped and not field.name.startswith(
+            ("GGUF.", "general.architecture")
+        ):
             writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1])
     for key, value in replaced.items():
         if key not in reader.fields:
             writer.add_key_value(key, *value)
     for tensor in reader.tensors:
-        if tensor.name not in dict(tensors):
+        if tensor.name not in (*dict(tensors), *dropped):
             writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
     for name, values in dict(tensors).items():
         writer.add_tensor(name, values)
@@ -218,16 +220,24 @@ def test_llama3_rope_freqs_become_its_rope_scaling(convert, tmp_path):
     freqs = 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)
     wavelen = 2 * np.pi * freqs
     smooth = (8192 / wavelen - 1.0) / 3.0
-    factors = np.where(
-        wavelen < 8192 / 4, 1.0, np.where(wavelen > 8192, 8.0, 1 / ((1 - smooth) / 8.0 + smooth))
-    ).astype(np.float32)
+
+    def factors_for(factor):
+        middle = 1 / ((1 - smooth) / factor + smooth)
+        return np.where(wavelen < 8192 / 4, 1.0, np.where(wavelen > 8192, factor, middle))
+
+    factors = factors_for(8.0).astype(np.float32)
     llama3 = with_rope_freqs(path, factors, tmp_path / "llama3.gguf")
     assert read_gguf(llama3).config["rope_scaling"] == scaling
     assert load_model(llama3).config.rope_scaling == scaling
     other = with_rope_freqs(path, factors * 1.5, tmp_path / "other.gguf")
     assert "'rope_freqs.weight' is not Llama 3 RoPE scaling" in one_line_error(other)
-    # Empty (max() of nothing) or zeros (a division by zero) raised out of the loader.
-    for name, values in [("empty", np.zeros(0, np.float32)), ("zeros", factors * 0)]:
+    # Empty (max() of nothing) or zeros (a division by zero) raised out of the loader;
+    # an infinite factor, with the factors it implies, is no scaling either.
+    for name, values in [
+        ("empty", np.zeros(0, np.float32)),
+        ("zeros", factors * 0),
+        ("infinite", factors_for(np.inf).astype(np.float32)),
+    ]:
         damaged = with_rope_freqs(path, values, tmp_path / f"{name}.gguf")
         assert "'rope_freqs.weight' is not Llama 3 RoPE scaling" in one_line_error(damaged)
 
@@ -395,6 +405,11 @@ V = gguf.GGUFValueType
             (5, V.UINT32, V.UINT32),
             "'tokenizer.chat_template' should be str",
         ),
+        (
+            "tokenizer.chat_template",
+            ("{% if %}", V.STRING, V.STRING),
+            "chat template does not compile (",
+        ),
         ("tokenizer.ggml.merges", (["zzz"], V.ARRAY, V.STRING), "malformed merge 'zzz'"),
         (
             "tokenizer.ggml.merges",
@@ -407,6 +422,7 @@ V = gguf.GGUFValueType
             "'tokenizer.ggml.token_type' should be an array of int",
         ),
         ("qwen2.rope.freq_base", ("1e6", V.STRING, V.STRING), "should be float, got '1e6'"),
+        ("qwen2.rope.scaling.type", ("yarn", V.STRING, V.STRING), "RoPE scaling type 'yarn'"),
         ("tokenizer.ggml.pre", (["qwen2"], V.ARRAY, V.STRING), "should be str, got ['qwen2']"),
         ("tokenizer.ggml.add_bos_token", ("false", V.STRING, V.STRING), "should be bool"),
         (
@@ -423,10 +439,12 @@ V = gguf.GGUFValueType
         "merge of unknown tokens",
         "token types not a list",
         "template not text",
+        "template not jinja",
         "malformed merge",
         "merges of numbers",
         "token types of text",
         "rope base as text",
+        "yarn rope scaling",
         "pre-tokenizer as an array",
         "add_bos as text",
         "token types not one a token",
@@ -632,6 +650,77 @@ def test_a_vocabulary_longer_than_the_embedding_is_refused(convert, tmp_path):
     )
     message = one_line_error(damaged)
     assert f"holds {len(tokens)} tokens" in message and "rows for 2048" in message
+
+
+def test_a_file_without_token_embeddings_is_named(convert, tmp_path):
+    path, _ = convert("qwen2", GGMLType.F32)
+    damaged = rewritten(path, tmp_path / "no-embd.gguf", dropped=["token_embd.weight"])
+    assert "missing tensor 'token_embd.weight'" in one_line_error(damaged)
+
+
+def test_settings_a_gguf_leaves_out_take_their_defaults(convert, tmp_path):
+    """llama.cpp's for the KV heads (all the heads), the head size (hidden / heads) and
+    the RoPE base (10,000); a context length as a config.json without one gets."""
+    path, _ = convert("qwen2", GGMLType.F32)
+    bare = rewritten(
+        path,
+        tmp_path / "bare.gguf",
+        dropped=[
+            "qwen2.attention.head_count_kv",
+            "qwen2.attention.key_length",
+            "qwen2.context_length",
+            "qwen2.rope.freq_base",
+        ],
+    )
+    config = read_gguf(bare).config
+    assert config["num_key_value_heads"] == config["num_attention_heads"] == 4
+    assert config["head_dim"] == 256 // 4
+    assert config["max_position_embeddings"] == 4096
+    assert config["rope_theta"] == 10000.0
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("blk.0.attn_q.scale", "unexpected GGUF tensor 'blk.0.attn_q.scale'"),
+        ("rope_factors_long.weight", "'rope_factors_long.weight' for this architecture"),
+        ("blk.0.ffn_gate_inp.weight", "'blk.0.ffn_gate_inp.weight' for this architecture"),
+    ],
+    ids=["not a weight or bias", "unknown global", "mixture-of-experts router"],
+)
+def test_a_tensor_the_architecture_has_no_place_for_is_named(convert, tmp_path, name, expected):
+    path, _ = convert("qwen2", GGMLType.F32)
+    extra = rewritten(path, tmp_path / "extra.gguf", tensors={name: np.zeros(8, np.float32)})
+    assert expected in one_line_error(extra)
+
+
+def test_gemma3_27b_scales_attention_by_hidden_size_over_heads(convert, tmp_path):
+    """As llama.cpp hard-codes it: the 62-layer 27B by hidden / heads (5376 / 32 = 168,
+    not its head size of 128), every other Gemma 3 by its head size."""
+    path, _ = convert("gemma3_text", GGMLType.F32)  # hidden 256, 4 heads
+
+    def scale(num_layers):
+        metadata = {
+            "gemma3.block_count": (num_layers, V.UINT32, V.UINT32),
+            "gemma3.attention.key_length": (128, V.UINT32, V.UINT32),
+        }
+        out = rewritten(path, tmp_path / f"{num_layers}.gguf", metadata=metadata)
+        return read_gguf(out).config["query_pre_attn_scalar"]
+
+    assert scale(62) == 256 // 4
+    assert scale(6) == scale(61) == 128
+
+
+def test_loading_a_gguf_reports_its_steps(convert):
+    path, _ = convert("qwen2", GGMLType.F32)
+    lines: list[str] = []
+    load_model(path, on_progress=lines.append)
+    num_tensors = len(gguf.GGUFReader(path).tensors)
+    assert lines[:3] == [
+        f"reading {path.resolve()}",
+        "building the tokenizer from the GGUF metadata",
+        f"converting {num_tensors} GGUF tensors",
+    ]
 
 
 def test_bf16_weights_stay_bfloat16_when_the_dtype_is_kept(convert):

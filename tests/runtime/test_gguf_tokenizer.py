@@ -320,20 +320,27 @@ def test_scores_that_do_not_match_the_vocabulary_are_named(tmp_path):
 
 
 def handmade_sentencepiece(
-    tmp_path: Path, pieces: dict[str, float], architecture: str = "llama", merges=None
+    tmp_path: Path,
+    pieces: dict[str, float],
+    architecture: str = "llama",
+    merges=None,
+    model: str = "llama",
+    has_types: bool = True,
 ):
     """Ours for a SentencePiece GGUF of `pieces` (piece -> score, after <unk> <s> </s>),
-    with no word-boundary prefix and, if given, the file's own `merges`."""
+    with no word-boundary prefix and, if given, the file's own `merges`; `model` is the
+    tokenizer.ggml.model it states, and without `has_types` it states no token types."""
     path = tmp_path / "handmade.gguf"
     tokens = ["<unk>", "<s>", "</s>", *pieces]
     writer = gguf.GGUFWriter(str(path), architecture)
-    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_model(model)
     writer.add_token_list(tokens)
     writer.add_token_scores([0.0, 0.0, 0.0, *pieces.values()])
-    writer.add_token_types(
-        [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
-        + [gguf.TokenType.NORMAL] * len(pieces)
-    )
+    if has_types:
+        writer.add_token_types(
+            [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+            + [gguf.TokenType.NORMAL] * len(pieces)
+        )
     if merges is not None:
         writer.add_token_merges(merges)
     writer.add_add_space_prefix(False)
@@ -372,3 +379,36 @@ def test_gemma_runs_of_spaces_stored_as_spaces_are_word_boundary_pieces(tmp_path
     ours, ids = handmade_sentencepiece(tmp_path, pieces, architecture="gemma3")
     assert ours.encode("a  a") == [ids["a"], ids["  "], ids["a"]]
     assert ours.decode(ours.encode("a  a")) == "a  a"
+
+
+def test_a_vocabulary_without_token_types_is_all_ordinary_pieces(tmp_path):
+    """tokenizer.ggml.token_type is optional: without it every piece is a normal one."""
+    pieces = {"a": -5.0, "b": -5.0, "ab": -1.0}
+    ours, ids = handmade_sentencepiece(tmp_path, pieces, has_types=False)
+    assert ours.encode("abab") == [ids["ab"], ids["ab"]]
+    assert ours.decode(ours.encode("abab")) == "abab"
+
+
+def test_an_unsupported_tokenizer_model_is_named(tmp_path):
+    with pytest.raises(CheckpointError, match=r"tokenizer 'bert' \(supported: gpt2, llama\)"):
+        handmade_sentencepiece(tmp_path, {"a": -1.0}, model="bert")
+
+
+def test_a_sentencepiece_byte_piece_alone_is_its_byte(tmp_path):
+    """A `<0xNN>` piece (byte fallback) is byte NN as one token, as logprobs show it,
+    not the text "<0xNN>"."""
+    ours = sentencepiece_tokenizer(tmp_path)
+    ids = ours.encode("🙂", add_special_tokens=False)[-4:]
+    pieces = [ours.token_piece(token_id) for token_id in ids]
+    assert pieces[0] == ("bytes:\\xf0", b"\xf0")
+    assert b"".join(raw for _, raw in pieces) == "🙂".encode()
+
+
+def test_gemma_merges_follow_the_order_of_the_pieces_not_their_scores(tmp_path):
+    """Gemma files rank merges by the pieces' order in the file: "ab" before "bc",
+    although "bc" scores higher (a Llama file ranks by score: "bc" first)."""
+    pieces = {"a": -5.0, "b": -5.0, "c": -5.0, "ab": -9.0, "bc": -1.0}
+    gemma, ids = handmade_sentencepiece(tmp_path, pieces, architecture="gemma3")
+    assert gemma.encode("abc") == [ids["ab"], ids["c"]]
+    llama, _ = handmade_sentencepiece(tmp_path, pieces)
+    assert llama.encode("abc") == [ids["a"], ids["bc"]]

@@ -2,7 +2,13 @@
 bounds, each at its edge."""
 
 from runtime.errors import RequestError
-from runtime.sequence import FinishCause, SamplingParams, SequenceParams, check_sequence
+from runtime.sequence import (
+    GREEDY_BELOW,
+    FinishCause,
+    SamplingParams,
+    SequenceParams,
+    check_sequence,
+)
 
 import pytest
 
@@ -30,6 +36,17 @@ def test_a_sequence_may_fill_the_context_exactly_and_not_one_token_more():
     # A prompt that leaves no room for one token is the prompt's fault, whatever max_tokens.
     assert refusal(prompt=[1] * 64, max_tokens=5).param == "prompt"
     assert refusal(prompt=[1] * 63, max_tokens=5).param == "max_tokens"
+
+
+def test_a_context_refusal_says_what_the_prompt_has_and_max_tokens_asks_for():
+    said = str(refusal(prompt=[1] * 60, max_tokens=5))
+    assert said == (
+        f"this model's maximum context length is {CONTEXT} tokens; the prompt has 60 tokens "
+        "and max_tokens asks for 5 more"
+    )
+    assert str(refusal(prompt=[1] * 64, max_tokens=None)).endswith(
+        "the prompt has 64 tokens and max_tokens asks for at least 1 more"
+    )
 
 
 def test_the_kv_budget_is_named_when_it_is_the_bound():
@@ -70,6 +87,11 @@ def test_a_token_id_refusal_names_the_vocabularys_range():
 def test_any_one_penalty_turns_penalties_on(penalty):
     assert SamplingParams(**penalty).has_penalties
     assert not SamplingParams(temperature=1.0, top_k=5, logit_bias={3: 1.0}).has_penalties
+
+
+def test_a_temperature_is_greedy_only_under_greedy_below():
+    assert SamplingParams().is_greedy and SamplingParams(temperature=GREEDY_BELOW / 2).is_greedy
+    assert not SamplingParams(temperature=GREEDY_BELOW).is_greedy
 
 
 def test_equal_logit_biases_compare_equal_however_given():
