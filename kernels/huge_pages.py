@@ -27,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kernels.cpu_extension import cpu_extension
+from kernels.freed_memory import release_freed_memory
 
 HUGE_PAGE_BYTES = 2 << 20
 
@@ -53,8 +54,14 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
         return 0
     moved = 0
     for _, module in model.named_modules():
-        for name, value in list(module.items()):
-            if isinstance(value, mx.array) and value.nbytes >= HUGE_PAGE_BYTES:
-                module[name] = ext.copy_to_huge_pages(value)
-                moved += value.nbytes
+        # Names, not arrays: a list of the arrays would keep each old buffer alive.
+        large = [
+            name
+            for name, value in module.items()
+            if isinstance(value, mx.array) and value.nbytes >= HUGE_PAGE_BYTES
+        ]
+        for name in large:
+            moved += module[name].nbytes
+            module[name] = ext.copy_to_huge_pages(module[name])
+            release_freed_memory()  # the old buffer: kept, the peak would hold two models
     return moved

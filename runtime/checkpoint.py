@@ -96,6 +96,11 @@ def load_model(
         tokenizer = Tokenizer.from_dir(path)
         weights = read_weights(path, progress)
     decoder = build_decoder(config, weights, source=str(path))
+    # The model holds every tensor it uses now; dropping these references lets each
+    # step below free a layer's stored form once its final one is built.
+    del weights
+    if is_gguf_file(path):
+        del checkpoint
     config = decoder.config  # with tie_word_embeddings decided, where config.json left it out
     decoder = prepare_for_cpu(
         decoder, keep_dtype=keep_dtype, cpu_quantize=cpu_quantize, progress=progress

@@ -36,6 +36,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from kernels.cpu_extension import cpu_extension, kernel_status
 from kernels.dense_matmul import KernelEmbedding, KernelLinear, PanelLinear
+from kernels.freed_memory import release_freed_memory
 from kernels.huge_pages import move_weights_to_huge_pages
 from kernels.quantized_linear import KernelQuantizedEmbedding, KernelQuantizedLinear
 from kernels.quantized_matmul import is_kernel_layout
@@ -160,18 +161,28 @@ def _stack_projections(model: CausalLM) -> None:
                 for name in names:
                     del owner[name]
                 owner[stacked_name] = stacked
-    mx.eval(model.parameters())
+    for _, module in _leaves(model):  # one at a time: each layer's parts are freed here
+        mx.eval(module.parameters())
+        release_freed_memory()
 
 
 def _pack_panels(model: CausalLM) -> None:
     """Every KernelLinear (float32 or 16-bit storage) -> PanelLinear, one at a time (each
-    packed and evaluated before the next: loading never holds two copies of the model)."""
-    for _, owner in model.named_modules():
-        for name, child in list(owner.children().items()):
-            if type(child) is KernelLinear:
-                packed = PanelLinear.adopt(child)
-                mx.eval(packed.parameters())
-                owner[name] = packed
+    packed and evaluated before the next: loading never holds two copies of the model).
+
+    Only the owners are listed up front: a list holding the layers themselves would keep
+    every replaced weight alive to the end."""
+    slots = [
+        (owner, name)
+        for _, owner in model.named_modules()
+        for name, child in owner.children().items()
+        if type(child) is KernelLinear
+    ]
+    for owner, name in slots:
+        packed = PanelLinear.adopt(owner[name])
+        mx.eval(packed.parameters())
+        owner[name] = packed
+        release_freed_memory()
 
 
 def describe_layers(model: CausalLM) -> str:

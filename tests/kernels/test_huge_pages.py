@@ -119,6 +119,19 @@ def test_loading_moves_the_large_weights_before_the_blocks_take_them(make_checkp
 
 @needs_kernels
 @needs_linux
+def test_moving_the_weights_leaves_mlx_none_of_the_old_buffers():
+    """Each old buffer is freed as its copy replaces it, and not kept in mlx's cache,
+    which would hold a second model: nothing later has those sizes."""
+    model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(4)))  # 4 MB weights
+    mx.eval(model.parameters())
+    mx.clear_cache()
+    active = mx.get_active_memory()
+    assert huge_pages.move_weights_to_huge_pages(model) == 4 * 4 * MB
+    assert mx.get_cache_memory() == 0 and mx.get_active_memory() <= active - 4 * 4 * MB
+
+
+@needs_kernels
+@needs_linux
 @pytest.mark.parametrize(
     ("value", "is_on"),
     [("off", False), ("0", False), ("no", False), ("OFF", False), ("", True), ("on", True)],

@@ -28,6 +28,7 @@ import mlx_lm
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as GGMLType
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3_text"]
@@ -835,3 +836,18 @@ def test_a_metadata_value_type_the_gguf_package_does_not_know_is_named_as_one(tm
     message = one_line_error(headed_gguf(tmp_path / "new-value.gguf", value, num_kv=1))
     assert "unsupported GGUF metadata value type (99 is not a valid GGUFValueType)" in message
     assert "tensor" not in message
+
+
+@pytest.mark.parametrize("kind", [GGMLType.F16, GGMLType.Q8_0], ids=lambda k: k.name)
+def test_loading_a_gguf_holds_the_model_once(make_checkpoint, tmp_path, monkeypatch, kind):
+    """The weights read from the file are dropped as the model takes them: held to the
+    end of the load, mlx's peak was 2.0x the final weights for F16 and 3.1x for Q8_0
+    (1.18x and 1.04x now), and some were left in its cache."""
+    monkeypatch.setenv("CADENCE_HUGE_PAGES", "off")  # copies there are outside mlx's count
+    checkpoint = make_checkpoint("llama", **{**SHAPE, "num_layers": 8})
+    path = write_gguf(checkpoint, tmp_path / "eight.gguf", tmp_path / "reference", kind)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    loaded = load_model(path)
+    final = sum(p.nbytes for _, p in tree_flatten(loaded.model.parameters()))
+    assert mx.get_peak_memory() < 1.3 * final and mx.get_cache_memory() == 0
