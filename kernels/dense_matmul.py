@@ -83,16 +83,16 @@ class KernelLinear(nn.Linear):
         return y + self.bias if "bias" in self else y
 
 
-PANEL_WIDTH = 32  # output columns per panel (kernels/cpu/row_kernels.h)
-
-
 def pack_panels(w: mx.array) -> mx.array:
     """w [N, K] -> [ceil(N / 32), K, 32], same dtype: column n at panel n // 32, lane n % 32,
-    the last panel's missing columns zero (the layout `ext.panel_matmul` reads)."""
-    N, K = w.shape
-    panels = -(-N // PANEL_WIDTH)
-    padded = mx.pad(w, [(0, panels * PANEL_WIDTH - N), (0, 0)])
-    return mx.contiguous(padded.reshape(panels, PANEL_WIDTH, K).transpose(0, 2, 1))
+    the last panel's missing columns zero (the layout `ext.panel_matmul` reads).
+
+    Packed by the extension (kernels/cpu/dense_ops.cpp): mlx's transposing copy of the
+    same layout (pad, reshape, transpose, contiguous) ran ~0.3 GB/s, 4.9 s of a 1.3 GB
+    bf16 model's 6.4 s of preparation at load; 1.4 s now."""
+    ext = cpu_extension()
+    assert ext is not None, "panels exist only where the extension loaded"
+    return ext.pack_panels(w)
 
 
 class PanelLinear(nn.Module):

@@ -85,6 +85,8 @@ NB_MODULE(_cpu_ext, m) {
         "x[M, K] @ w[N, K].T -> [M, N] float32, the weight read in place (few rows).");
   m.def("panel_matmul", &cadence_cpu::panel_matmul, "x"_a, "w_panels"_a, "N"_a,
         "x[..., K] @ W.T -> [..., N] float32 for W packed as [ceil(N / 32), K, 32] panels.");
+  m.def("pack_panels", &cadence_cpu::pack_panels, "w"_a,
+        "w [N, K] -> [ceil(N / 32), K, 32] panels, same dtype, the missing columns zero.");
   m.def("num_panel_calls", &cadence_cpu::num_panel_calls,
         "How many times the panel matmul kernel has run.");
   m.def("num_dense_calls", &cadence_cpu::num_dense_calls,

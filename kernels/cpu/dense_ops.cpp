@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <stdexcept>
 #include <vector>
 
+#include "mlx/allocator.h"
 #include "mlx/ops.h"
 
 #include "cpu_dispatch.h"
@@ -138,7 +140,73 @@ void run_quantized_panels(const void* context, int panel_begin, int panel_end) {
   task.matmul(task.job, panel_begin, panel_end, tile.data());
 }
 
+// Packing, block by block: kPanelPackDepth k of a panel's 32 rows are read (each row
+// a contiguous run) and written as one contiguous kPanelPackDepth x 32 block, so both
+// sides stream; the panels are shared among the kernel threads. 1.2-1.7 GB/s on the
+// 2-core box, where mlx's transposing copy of the same layout ran ~0.3 GB/s: that was
+// 4.9 s of a 1.3 GB bf16 model's 6.4 s of preparation at load.
+constexpr int64_t kPanelPackDepth = 64;
+
+template <typename T>
+struct PackJob {
+  const T* w;
+  int64_t N, K;
+  T* panels;
+};
+
+template <typename T>
+void pack_panel_range(const void* context, int panel_begin, int panel_end) {
+  const auto& job = *static_cast<const PackJob<T>*>(context);
+  const int64_t K = job.K;
+  for (int64_t p = panel_begin; p < panel_end; ++p) {
+    T* panel = job.panels + p * K * kPanelWidth;
+    for (int64_t k0 = 0; k0 < K; k0 += kPanelPackDepth) {
+      const int64_t k1 = std::min(K, k0 + kPanelPackDepth);
+      for (int lane = 0; lane < kPanelWidth; ++lane) {
+        const int64_t n = p * kPanelWidth + lane;
+        if (n >= job.N) {  // past the last column: zeros, which the kernel multiplies
+          for (int64_t k = k0; k < k1; ++k) {
+            panel[k * kPanelWidth + lane] = T{0};
+          }
+          continue;
+        }
+        const T* row = job.w + n * K;
+        for (int64_t k = k0; k < k1; ++k) {
+          panel[k * kPanelWidth + lane] = row[k];
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void pack_rows(const T* w, int64_t N, int64_t K, T* panels) {
+  const PackJob<T> job{w, N, K, panels};
+  const int num_panels = static_cast<int>((N + kPanelWidth - 1) / kPanelWidth);
+  row_pool()->run(&pack_panel_range<T>, &job, num_panels, 4);
+}
+
 }  // namespace
+
+mx::array pack_panels(const mx::array& w) {
+  const auto dtype = w.dtype();
+  if (w.ndim() != 2 || (dtype != mx::float32 && dtype != mx::float16 && dtype != mx::bfloat16)) {
+    throw std::invalid_argument("cadence pack_panels: w [N, K] float32, float16 or bfloat16");
+  }
+  mx::array source = mx::contiguous(w, false, mx::Device::cpu);
+  source.eval();
+  const int64_t N = source.shape(0), K = source.shape(1);
+  const int64_t num_panels = (N + kPanelWidth - 1) / kPanelWidth;
+  mx::Shape shape = {static_cast<int>(num_panels), static_cast<int>(K), kPanelWidth};
+  auto data = mx::allocator::malloc(num_panels * K * kPanelWidth * mx::size_of(dtype));
+  void* out = data.buffer().raw_ptr();
+  if (dtype == mx::float32) {
+    pack_rows(source.data<uint32_t>(), N, K, static_cast<uint32_t*>(out));
+  } else {  // 16 bits moved as they are
+    pack_rows(source.data<uint16_t>(), N, K, static_cast<uint16_t*>(out));
+  }
+  return mx::array(std::move(data), std::move(shape), dtype);
+}
 
 void check_panels(const mx::array& w_panels, int K, int N) {
   const auto w_dtype = w_panels.dtype();

@@ -32,6 +32,11 @@ void quantized_panel_matmul_rows(const float* x, int64_t x_stride, int M, int K,
                                  const float* scales, const float* biases, int N, int group_size,
                                  int bits, float* out);
 
+// w [N, K] (float32 or 16 bits) -> [ceil(N / 32), K, 32], same dtype: column n at panel
+// n / 32, lane n % 32, the last panel's missing columns zero (kernels/dense_matmul.py).
+// Evaluates w; the result is evaluated.
+mx::array pack_panels(const mx::array& w);
+
 // Throws std::invalid_argument unless w_panels packs N output columns of K inputs.
 void check_panels(const mx::array& w_panels, int K, int N);
 uint64_t num_panel_calls();  // evaluations on the CPU, ever

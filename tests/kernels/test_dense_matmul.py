@@ -4,6 +4,7 @@ from runtime.checkpoint import load_model
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 
 from kernels import dense_matmul as dm
@@ -112,6 +113,40 @@ def test_the_panel_kernel_refuses_a_weight_that_is_not_its_panels():
                 (mx.zeros((2, 8)), mx.ones((2, 8, 16)), 40)):
         with pytest.raises(ValueError):
             ext.panel_matmul(*bad)
+
+
+def panels_by_numpy(w: mx.array) -> np.ndarray:
+    """The panel layout, spelled out: column n at panel n // 32, lane n % 32, zeros past N."""
+    rows = np.asarray(w.astype(mx.float32))
+    n, k = rows.shape
+    num_panels = -(-n // 32)
+    padded = np.pad(rows, [(0, num_panels * 32 - n), (0, 0)])
+    return padded.reshape(num_panels, 32, k).transpose(0, 2, 1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize(
+    "shape", [(40, 8), (33, 200), (64, 129), (1, 3), (32, 1), (0, 5), (40, 0), (300, 70)]
+)
+def test_the_extension_packs_the_panels_the_kernel_reads(dtype, shape):
+    """Ragged last panels and a K that is no whole number of the packing's 64-k blocks;
+    each panel's lanes hold the values as stored (16 bits kept, not widened)."""
+    w = (mx.random.normal(shape, key=mx.random.key(sum(shape))) * 100).astype(dtype)
+    packed = dm.pack_panels(w)
+    assert packed.dtype == dtype
+    assert np.array_equal(np.asarray(packed.astype(mx.float32)), panels_by_numpy(w))
+
+
+@needs_kernels
+def test_packing_reads_a_view_as_its_values_and_refuses_what_is_no_weight():
+    ext = cpu_extension()
+    whole = mx.random.normal((100, 64))
+    for view in (whole.T, whole[3:90:2], whole[:, 5:50]):
+        assert np.array_equal(np.asarray(ext.pack_panels(view)), panels_by_numpy(view))
+    for bad in (mx.zeros((2, 3, 4)), mx.zeros((8,)), mx.zeros((8, 8), dtype=mx.int32)):
+        with pytest.raises(ValueError, match="pack_panels"):
+            ext.pack_panels(bad)
 
 
 PANEL_SCRIPT = """
