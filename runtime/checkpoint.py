@@ -102,9 +102,12 @@ def load_model(
     if is_gguf_file(path):
         del checkpoint
     config = decoder.config  # with tie_word_embeddings decided, where config.json left it out
-    decoder = prepare_for_cpu(
-        decoder, keep_dtype=keep_dtype, cpu_quantize=cpu_quantize, progress=progress
-    )
+    try:
+        decoder = prepare_for_cpu(
+            decoder, keep_dtype=keep_dtype, cpu_quantize=cpu_quantize, progress=progress
+        )
+    except CheckpointError as error:  # weights too large for the memory: name the checkpoint
+        raise CheckpointError(f"{path}: {error}") from None
     mx.eval(decoder.parameters())
     if not config.eos_token_ids and tokenizer.eos_token_ids:
         config = attrs.evolve(config, eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)))

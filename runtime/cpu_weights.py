@@ -28,6 +28,8 @@ import os
 from collections import Counter
 from collections.abc import Callable
 
+from runtime.errors import CheckpointError
+from runtime.kv.budget import available_memory
 from runtime.models.layers import CausalLM
 
 import mlx.core as mx
@@ -65,8 +67,10 @@ def prepare_for_cpu(
         return model
     progress(kernel_status())
     if keep_dtype:
+        check_fits_in_memory(model, quantizable=False)
         progress(f"weights kept as stored: {describe_layers(model)}")
         return model
+    quantizable = model.config.quantization is None and cpu_quantize not in ("8", "4")
     if cpu_extension() is not None:
         if model.config.quantization is None and cpu_quantize in ("8", "4"):
             progress(f"quantizing weights to {cpu_quantize} bits for the CPU")
@@ -74,28 +78,50 @@ def prepare_for_cpu(
         if _has_kernel_layers(model):
             _adopt_kernel_layers(model)
             _float32_except_quantized(model)
-            _adopt_dense_layers(model)
-            _stack_projections(model)
-            _settle(model, progress)
-            progress(f"weights: {describe_layers(model)}")
-            return model
+            return _on_kernels(model, quantizable, progress)
         if cpu_quantize == "off" and _has_16_bit_matmuls(model):
             progress("keeping the 16-bit weights of linear layers (float32 compute)")
             _float32_except_16_bit_matmuls(model)
-            _adopt_dense_layers(model)
-            _stack_projections(model)
-            _settle(model, progress)
-            progress(f"weights: {describe_layers(model)}")
-            return model
+            return _on_kernels(model, quantizable, progress)
     if _fits_as_float32(model):
         progress("expanding weights to float32 for the CPU")
         model = to_float32(model)
     if cpu_extension() is not None:
-        _adopt_dense_layers(model)
-        _stack_projections(model)
-        _settle(model, progress)
+        return _on_kernels(model, quantizable, progress)
+    check_fits_in_memory(model, quantizable)
     progress(f"weights: {describe_layers(model)}")
     return model
+
+
+def _on_kernels(model: CausalLM, quantizable: bool, progress: Callable[[str], None]) -> CausalLM:
+    """The dense layers adopted by the kernels, then every weight evaluated in its final
+    form, one layer at a time: stacked, packed and settled."""
+    _adopt_dense_layers(model)
+    check_fits_in_memory(model, quantizable)
+    _stack_projections(model)
+    _settle(model, progress)
+    progress(f"weights: {describe_layers(model)}")
+    return model
+
+
+def check_fits_in_memory(model: CausalLM, quantizable: bool) -> None:
+    """Refuse, before a weight is read, weights whose final form exceeds the memory
+    available now (their sizes are known while they are still lazy).
+
+    Past it, loading ran until Linux killed the process, with no word of why, or under an
+    address-space limit until mlx crashed (a segmentation fault inside its eval). Loading
+    holds little more than the final weights (`_pack_panels`): 1.07x for an 8B bf16 model.
+    """
+    if (available := available_memory()) is None:
+        return
+    params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    needed = sum(p.nbytes for _, p in params)
+    if needed > available:
+        hint = "; quantized at load (--cpu-quantize 8 or 4), they take less" * quantizable
+        raise CheckpointError(
+            f"its weights take {needed / 2**30:.1f} GiB in the form the CPU computes them, "
+            f"more than the {available / 2**30:.1f} GiB of memory available now{hint}"
+        )
 
 
 def _settle(model: CausalLM, progress: Callable[[str], None]) -> None:

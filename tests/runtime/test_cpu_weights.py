@@ -5,6 +5,7 @@ import os
 
 from runtime import cpu_weights
 from runtime.checkpoint import load_model
+from runtime.errors import CheckpointError
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -324,3 +325,51 @@ def test_loading_leaves_no_freed_weights_in_mlxs_cache(make_checkpoint, monkeypa
     loaded = load_model(make_checkpoint("llama", dtype="bfloat16", **EIGHT_LAYERS))
     final = sum(p.nbytes for _, p in tree_flatten(loaded.model.parameters()))
     assert mx.get_active_memory() >= final and mx.get_cache_memory() == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "hint"),
+    [
+        ({}, True),  # 16 bits kept for the kernels
+        ({"cpu_quantize": "4"}, False),  # already as small as it gets
+        ({"keep_dtype": True}, False),
+        ({"kernels": "off"}, True),  # the float32 fallback
+    ],
+    ids=["16-bit", "4-bit", "kept", "kernels-off"],
+)
+def test_weights_larger_than_the_memory_available_are_refused_before_they_are_read(
+    make_checkpoint, monkeypatch, options, hint
+):
+    """Past the memory, a load ran until Linux killed it, or mlx crashed inside its eval."""
+    if options.pop("kernels", None) == "off":
+        monkeypatch.setitem(loader._state, "module", None)
+        monkeypatch.setitem(loader._state, "status", "CPU kernels off for the test")
+    elif not loader.cpu_extension():
+        pytest.skip("the C++ kernels were not built here")
+    path = make_checkpoint("llama", dtype="bfloat16", **EIGHT_LAYERS)
+    final = sum(p.nbytes for _, p in tree_flatten(load_model(path, **options).model.parameters()))
+    monkeypatch.setattr(cpu_weights, "available_memory", lambda: final - 1)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    with pytest.raises(CheckpointError) as refusal:
+        load_model(path, **options)
+    assert mx.get_peak_memory() < final / 8  # refused before the weights were read
+    gib = f"{final / 2**30:.1f}"
+    assert str(refusal.value) == (
+        f"{path}: its weights take {gib} GiB in the form the CPU computes them, more than "
+        f"the {gib} GiB of memory available now"
+        + "; quantized at load (--cpu-quantize 8 or 4), they take less" * hint
+    )
+    monkeypatch.setattr(cpu_weights, "available_memory", lambda: final)  # exactly enough
+    load_model(path, **options)
+    monkeypatch.setattr(cpu_weights, "available_memory", lambda: None)  # unknown: not checked
+    load_model(path, **options)
+
+
+def test_the_refusal_counts_lazy_weights_in_gib(monkeypatch):
+    huge = nn.Sequential(nn.Linear(32768, 65536, bias=False))  # 8 GiB of float32, never made
+    monkeypatch.setattr(cpu_weights, "available_memory", lambda: int(3.5 * 2**30))
+    with pytest.raises(CheckpointError, match=r"^its weights take 8\.0 GiB .* than the 3\.5 GiB "):
+        cpu_weights.check_fits_in_memory(huge, quantizable=False)
+    monkeypatch.setattr(cpu_weights, "available_memory", lambda: 8 * 2**30)
+    cpu_weights.check_fits_in_memory(huge, quantizable=False)
