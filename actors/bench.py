@@ -3,6 +3,8 @@
     cadence bench paged-attention   native vs fast vs gather paths of kernels/paged_attention.py
     cadence bench soak              rude and faulty clients against the server; count leaks
     cadence bench serve             load any OpenAI-compatible server; cadence beside mlx_lm.server
+    cadence bench ladder            the batch ladder's table, and whether padding pays
+    cadence bench load              seconds and peak memory of loading; beside mlx-lm's load
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from runtime.kv.budget import DEFAULT_BLOCK_SIZE, available_memory
 import mlx.core as mx
 import numpy as np
 
-from actors import arg_types, bench_ladder, bench_serve, soak
+from actors import arg_types, bench_ladder, bench_load, bench_serve, soak
 from kernels import paged_attention as pa
 
 
@@ -44,6 +46,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     soak.add_parser(which)
     bench_serve.add_parser(which)
     bench_ladder.add_parser(which)
+    bench_load.add_parser(which)
 
 
 def _decode_step(batch: int, context: int, args: argparse.Namespace, rng: np.random.Generator):
