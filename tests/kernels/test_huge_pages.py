@@ -1,5 +1,6 @@
 """kernels/huge_pages.py and kernels/cpu/huge_pages.cpp: the weights on 2 MB pages."""
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -124,6 +125,7 @@ def test_moving_the_weights_leaves_mlx_none_of_the_old_buffers():
     which would hold a second model: nothing later has those sizes."""
     model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(4)))  # 4 MB weights
     mx.eval(model.parameters())
+    gc.collect()  # earlier tests' arrays freed now, not into the cache mid-load
     mx.clear_cache()
     active = mx.get_active_memory()
     assert huge_pages.move_weights_to_huge_pages(model) == 4 * 4 * MB
