@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+from runtime.cgroup_memory import cgroup_headroom
 from runtime.errors import CadenceError
 
 import mlx.core as mx
@@ -91,12 +92,15 @@ def _check_holds_windows(budget_bytes: int, window_bytes: int, what: str) -> Non
 
 
 def available_memory() -> int | None:
-    """Bytes the OS could give us now (Linux MemAvailable; mlx's limit elsewhere)."""
+    """Bytes the OS could give us now: Linux's MemAvailable, or less where a cgroup (a
+    container's limit) leaves less (runtime/cgroup_memory.py); mlx's limit elsewhere."""
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    machine = int(line.split()[1]) * 1024
+                    headroom = cgroup_headroom()
+                    return machine if headroom is None else min(machine, headroom)
     except OSError:
         pass
     try:
