@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from runtime.checkpoint import resolve_checkpoint
 from runtime.cpu_weights import CPU_QUANTIZE_CHOICES
 from runtime.errors import CadenceError
 
@@ -105,14 +106,16 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.compare and not has_mlx_lm():
         raise CadenceError("--compare needs mlx-lm (pip install mlx-lm)")
-    checkpoint = args.model or str(bench_checkpoint(args.cache_dir))
+    # Resolved here, once: a path that is no checkpoint is one line before any table, and
+    # a Hub id is fetched before the first load is timed.
+    checkpoint = str(resolve_checkpoint(args.model)[0] if args.model else bench_checkpoint(args.cache_dir))
     forms = [(f"cadence --cpu-quantize {form}", form) for form in args.cpu_quantize]
     forms += [("mlx-lm load", "mlx-lm")] * args.compare
     print(f"{checkpoint}: each load in a fresh process")
     print("| loader | seconds | weights MB | resident before MB | peak resident MB | (peak - before) / weights |")
     print("|---|---|---|---|---|---|")
     for label, form in forms:
-        figures = _measure(checkpoint, form)
+        figures = _measure(checkpoint, form, label)
         weights, before, peak = (figures[key] for key in ("weights_bytes", "start_bytes", "peak_bytes"))
         print(
             f"| {label} | {figures['seconds']:.2f} | {weights / 2**20:.1f} | {before / 2**20:.1f} | "
@@ -122,7 +125,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure(checkpoint: str, form: str) -> dict[str, float]:
+def _measure(checkpoint: str, form: str, label: str) -> dict[str, float]:
     done = subprocess.run(
         [sys.executable, "-c", _LOAD_SCRIPT, checkpoint, form],
         capture_output=True,
@@ -130,6 +133,6 @@ def _measure(checkpoint: str, form: str) -> dict[str, float]:
     )
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
-        raise CadenceError(f"{form} load failed: {lines[-1]}")
+        raise CadenceError(f"{label}: {lines[-1]}")
     figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
     return figures

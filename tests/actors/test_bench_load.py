@@ -1,5 +1,7 @@
 """`cadence bench load`: each load's seconds, weights and peak memory, in a fresh process."""
 
+import shutil
+
 import pytest
 
 from actors import bench_load
@@ -37,13 +39,23 @@ def test_each_form_and_the_peer_get_a_row_with_their_own_figures(make_checkpoint
         assert ratio == pytest.approx((peak_mb - before_mb) / weights_mb, rel=0.03)  # MB rounded
 
 
-def test_a_checkpoint_cadence_refuses_is_its_one_line(tmp_path, capsys):
-    status, _, err = bench(capsys, "--model", str(tmp_path / "missing"))
-    assert status == 2
+def test_a_path_that_is_no_checkpoint_is_one_line_before_any_table(tmp_path, capsys):
+    status, out, err = bench(capsys, "--model", str(tmp_path / "missing"))
+    assert (status, out) == (2, [])
     assert err.splitlines() == [
-        f"cadence bench load: error: off load failed: {tmp_path / 'missing'}: "
+        f"cadence bench load: error: {tmp_path / 'missing'}: "
         "no such directory, and not a Hugging Face repo id"
     ]
+
+
+def test_a_checkpoint_its_load_refuses_is_that_loads_one_line(make_checkpoint, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    shutil.copytree(make_checkpoint("llama"), broken)
+    (broken / "config.json").write_text("{")
+    status, _, err = bench(capsys, "--model", str(broken))
+    assert status == 2
+    (line,) = err.splitlines()
+    assert line.startswith(f"cadence bench load: error: cadence --cpu-quantize off: {broken / 'config.json'}")
 
 
 def test_compare_without_mlx_lm_says_what_is_missing(monkeypatch, tmp_path, capsys):
