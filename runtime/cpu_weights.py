@@ -20,6 +20,10 @@ as `qkv_proj`; gate and up as `gate_up_proj`, see `stack_rows`), and then every
 float32 or 16-bit one is packed into column panels for the panel kernel
 (`PanelLinear`), which serves every step size. Last, each layer plans which of its
 residual blocks run as one op on few-row steps (`plan_blocks`, kernels/fused_blocks.py).
+Every form is decided while the weights are still lazy, so that its size is checked
+against the memory available before any weight is read (`check_fits_in_memory`), and
+then evaluated one layer at a time, each layer's stored form freed as its final one is
+built.
 """
 
 from __future__ import annotations
