@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import re
 
-from runtime.cgroup_memory import cgroup_headroom
 from runtime.errors import CadenceError
+from runtime.memory_limits import address_space_headroom, cgroup_headroom
 
 import mlx.core as mx
 
@@ -93,14 +93,15 @@ def _check_holds_windows(budget_bytes: int, window_bytes: int, what: str) -> Non
 
 def available_memory() -> int | None:
     """Bytes the OS could give us now: Linux's MemAvailable, or less where a cgroup (a
-    container's limit) leaves less (runtime/cgroup_memory.py); mlx's limit elsewhere."""
+    container's limit) or `ulimit -v` leaves less (runtime/memory_limits.py); mlx's
+    limit elsewhere."""
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
                     machine = int(line.split()[1]) * 1024
-                    headroom = cgroup_headroom()
-                    return machine if headroom is None else min(machine, headroom)
+                    limits = [h for h in (cgroup_headroom(), address_space_headroom()) if h is not None]
+                    return min([machine, *limits])
     except OSError:
         pass
     try:

@@ -1,11 +1,12 @@
-"""runtime/cgroup_memory.py: what a container's memory limit leaves, read from fake
-cgroup trees of both hierarchies."""
+"""runtime/memory_limits.py: what a container's memory limit leaves, read from fake
+cgroup trees of both hierarchies, and what `ulimit -v` leaves."""
 
 import io
+import resource
 from pathlib import Path
 
-from runtime.cgroup_memory import cgroup_headroom
 from runtime.kv import budget
+from runtime.memory_limits import address_space_headroom, cgroup_headroom
 
 GIB = 1 << 30
 V1_UNLIMITED = 9223372036854771712
@@ -100,3 +101,24 @@ def test_available_memory_is_the_least_of_the_machines_and_the_cgroups(monkeypat
     assert budget.available_memory() == 60000000 * 1024
     monkeypatch.setattr(budget, "cgroup_headroom", lambda: None)
     assert budget.available_memory() == 60000000 * 1024
+
+
+def test_ulimit_v_leaves_its_limit_less_what_is_mapped(monkeypatch, tmp_path):
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmPeak:\t 9000000 kB\nVmSize:\t 1048576 kB\nVmRSS:\t 10 kB\n")
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (8 * GIB, 8 * GIB))
+    assert address_space_headroom(status) == 7 * GIB  # 8 GiB less the 1 GiB mapped
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (GIB // 2, GIB // 2))
+    assert address_space_headroom(status) == 0
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY,) * 2)
+    assert address_space_headroom(status) is None
+
+
+def test_available_memory_takes_the_address_spaces_headroom_too(monkeypatch):
+    meminfo = "MemAvailable:    60000000 kB\n"
+    monkeypatch.setattr(budget, "open", lambda path: io.StringIO(meminfo), raising=False)
+    monkeypatch.setattr(budget, "cgroup_headroom", lambda: 8 * GIB)
+    monkeypatch.setattr(budget, "address_space_headroom", lambda: 5 * GIB)
+    assert budget.available_memory() == 5 * GIB
+    monkeypatch.setattr(budget, "address_space_headroom", lambda: None)
+    assert budget.available_memory() == 8 * GIB
