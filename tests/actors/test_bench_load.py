@@ -6,9 +6,7 @@ import pytest
 
 from actors import bench_load
 from actors.cli import _parser
-
-# Eight layers of 256: a bf16 checkpoint of 17 MB, 5 MB at 4 bits.
-EIGHT_LAYERS = dict(hidden_size=256, num_layers=8, num_heads=4, num_kv_heads=2, intermediate_size=1024)
+from tests.runtime.test_cpu_weights import EIGHT_LAYERS  # in bf16: 17 MB, 5.3 MB at 4 bits
 
 
 def bench(capsys, *argv: str) -> tuple[int, list[str], str]:

@@ -342,12 +342,11 @@ def test_loading_leaves_no_freed_weights_in_mlxs_cache(make_checkpoint, monkeypa
     ids=["16-bit", "4-bit", "kept", "kernels-off"],
 )
 def test_weights_larger_than_the_memory_available_are_refused_before_they_are_read(
-    make_checkpoint, monkeypatch, options, hint
+    make_checkpoint, monkeypatch, request, options, hint
 ):
     """Past the memory, a load ran until Linux killed it, or mlx crashed inside its eval."""
     if options.pop("kernels", None) == "off":
-        monkeypatch.setitem(loader._state, "module", None)
-        monkeypatch.setitem(loader._state, "status", "CPU kernels off for the test")
+        request.getfixturevalue("kernels_off")
     elif not loader.cpu_extension():
         pytest.skip("the C++ kernels were not built here")
     path = make_checkpoint("llama", dtype="bfloat16", **EIGHT_LAYERS)
