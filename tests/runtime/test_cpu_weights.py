@@ -381,3 +381,21 @@ def test_the_refusal_counts_lazy_weights_in_gib(monkeypatch):
         cpu_weights.check_fits_in_memory(huge, quantizable=False)
     monkeypatch.setattr(cpu_weights, "available_memory", lambda: 10 * 2**30)
     cpu_weights.check_fits_in_memory(huge, quantizable=False)
+
+
+@needs_kernels
+def test_a_long_read_says_how_much_of_the_weights_is_ready(make_checkpoint, monkeypatch):
+    """A line each READY_PROGRESS_BYTES (2 GiB; here a quarter of the model), between the
+    path's line and the weights' form."""
+    path = make_checkpoint("llama", dtype="bfloat16", **EIGHT_LAYERS)
+    total = sum(p.nbytes for _, p in tree_flatten(load_model(path).model.parameters()))
+    monkeypatch.setattr(cpu_weights, "READY_PROGRESS_BYTES", total // 4)
+    lines: list[str] = []
+    load_model(path, on_progress=lines.append)
+    start = lines.index("keeping the 16-bit weights of linear layers (float32 compute)") + 1
+    ready = lines[start:-1]
+    assert len(ready) == 4 and lines[-1].startswith("weights: ")  # 1/4, 2/4, 3/4, all
+    figures = [line.removeprefix("weights ready: ").split(" of ") for line in ready]
+    assert {of for _, of in figures} == {f"{total / 2**20:,.0f} MB"}
+    done = [float(now.replace(",", "")) for now, _ in figures]
+    assert done == sorted(done) and done[-1] == round(total / 2**20)
