@@ -124,8 +124,7 @@ def check_fits_in_memory(model: CausalLM, quantizable: bool) -> None:
     """
     if (available := available_memory()) is None:
         return
-    params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
-    needed = sum(p.nbytes for _, p in params)
+    needed = sum(p.nbytes for p in _arrays(model))
     if needed * LOAD_PEAK_FACTOR > available:
         hint = "; quantized at load (--cpu-quantize 8 or 4), they take less" * quantizable
         raise CheckpointError(
@@ -215,7 +214,7 @@ def _evaluate_layer_by_layer(model: CausalLM, progress: Callable[[str], None]) -
         mx.eval(arrays)
         release_freed_memory()
         ready += sum(p.nbytes for p in arrays)
-        if ready >= next_line:  # one line for each multiple crossed, however many at once
+        if ready >= next_line:  # one line, however many multiples this layer crossed
             progress(f"weights ready: {ready / 2**20:,.0f} of {total / 2**20:,.0f} MB")
             next_line = (ready // READY_PROGRESS_BYTES + 1) * READY_PROGRESS_BYTES
 
