@@ -91,6 +91,7 @@ def load_model(
         checkpoint = read_gguf(path, progress)
         config = config_from_dict(checkpoint.config, source=str(path))
         tokenizer, weights = checkpoint.tokenizer, checkpoint.weights
+        del checkpoint  # its weights stay referenced by `weights` alone, dropped below
     else:
         config = load_config(path)
         tokenizer = Tokenizer.from_dir(path)
@@ -99,8 +100,6 @@ def load_model(
     # The model holds every tensor it uses now; dropping these references lets each
     # step below free a layer's stored form once its final one is built.
     del weights
-    if is_gguf_file(path):
-        del checkpoint
     config = decoder.config  # with tie_word_embeddings decided, where config.json left it out
     try:
         decoder = prepare_for_cpu(
