@@ -13,7 +13,7 @@ import enum
 import uuid
 from typing import TYPE_CHECKING
 
-from runtime.errors import RequestError
+from runtime.errors import CadenceError, RequestError
 
 import trio
 
@@ -52,6 +52,7 @@ class Generation:
         self.num_prompt_tokens: int | None = None
         self.finish_reason: str | None = None  # "stop" or "length" once finished
         self.usage: Usage | None = None
+        self.refusal: CadenceError | None = None  # what admission refused it with
         self._llm = llm
         self._state = _State.NEW
         self._replies: trio.MemoryReceiveChannel[Reply] | None = None
@@ -101,6 +102,7 @@ class Generation:
                 self.num_prompt_tokens = usage.prompt_tokens
             case Rejected(_, error):
                 self._done()
+                self.refusal = error
                 raise error.with_traceback(None)  # admission's frames are not the caller's
             case Failed(_, message) if not self._stash:
                 self._done()

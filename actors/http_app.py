@@ -250,7 +250,7 @@ async def _complete(state: ServerState, api: ApiRequest) -> Response:
         # Admission logs what it refuses; a full queue or a draining service refuses
         # before it, and the handler logs those.
         g.is_end_logged = not isinstance(error, OverloadedError | ServiceClosedError)
-        raise ApiError.from_error(error) from None
+        raise _naming_the_prompt(ApiError.from_error(error), error, generations, api) from None
     g.is_end_logged = True  # admitted: the pipeline logs how it ends, failures included
     prefix = "chatcmpl-" if api.kind == "chat" else "cmpl-"
     writer = ChunkWriter(
@@ -273,6 +273,20 @@ async def _complete(state: ServerState, api: ApiRequest) -> Response:
         response.timeout = None  # RESPONSE_TIMEOUT (60 s) would cut a long stream silently
         return response
     return await _collect(generations, writer, tools, api.n)
+
+
+def _naming_the_prompt(
+    refusal: ApiError, error: CadenceError, generations: list[Generation], api: ApiRequest
+) -> ApiError:
+    """A batch of prompts' refusal names the prompt it is about, `prompt[i]`: "the
+    prompt is longer than the context" did not say which of 20."""
+    if not api.more_prompts or refusal.param != "prompt":
+        return refusal
+    refused = [i for i, generation in enumerate(generations) if generation.refusal is error]
+    if not refused:
+        return refusal
+    field = f"prompt[{refused[0] // api.n}]"  # choice i*n + j is prompt i's
+    return attrs.evolve(refusal, message=f"{field}: {refusal.message}", param=field)
 
 
 class _ChoicesStream(ResponseBody):

@@ -254,6 +254,16 @@ async def test_a_batch_of_prompts_answers_each_as_alone_numbered_prompt_by_choic
                 texts[choice.index] += choice.text
         body = {"model": server.model, "prompt": ["a"] * 33, "n": 2}  # 66 > 64 queued
         status, _, reply = await in_thread(request, server.url, "POST", "/v1/completions", body)
+        refusals = [
+            await in_thread(
+                request,
+                server.url,
+                "POST",
+                "/v1/completions",
+                {"model": server.model, "prompt": ["a", "b", refused], "n": 2},
+            )
+            for refused in ([5, 999999], "a" * 5000)
+        ]
     expected = [a.choices[0].text for a in alone for _ in range(2)]
     assert [c.index for c in batch.choices] == list(range(6))
     assert [c.text for c in batch.choices] == expected
@@ -262,3 +272,8 @@ async def test_a_batch_of_prompts_answers_each_as_alone_numbered_prompt_by_choic
     for whole in (batch.usage, usage):
         assert (whole.prompt_tokens, whole.completion_tokens) == (prompt_tokens, 6 * 5)
     assert status == 400 and reply["error"]["param"] == "prompt"
+    # Which of the batch's prompts admission refused is named: the third, as choices 4 and 5.
+    for status, _, reply in refusals:
+        assert status == 400 and reply["error"]["param"] == "prompt[2]"
+        assert reply["error"]["message"].startswith("prompt[2]: ")
+    assert refusals[1][2]["error"]["code"] == "context_length_exceeded"
