@@ -35,7 +35,11 @@ LIMIT = 1000  # max body bytes of the test server
 
 @contextlib.asynccontextmanager
 async def loading_server(max_requests=None, **app_args):
-    """A server whose model is still loading: every route answers without an engine."""
+    """A server whose model is still loading: every route answers without an engine.
+
+    Its request bodies may stall for 60 s, not 5: the tests' held requests hold their
+    place as long as a test needs it, however slow the box."""
+    app_args.setdefault("body_grace_s", 60.0)
     app = create_app(ServerState(), max_body_bytes=LIMIT, **app_args)
     cors = app_args.get("cors")
     async with serving_on_loopback(
@@ -707,3 +711,45 @@ async def test_the_openai_client_sending_a_big_body_at_the_cap_gets_the_503_not_
         refused = await in_thread(request_at_the_cap)
     assert refused.status_code == 503 and refused.response.headers["retry-after"] == "1"
     assert refused.code == "overloaded"
+
+
+async def test_a_body_that_trickles_in_gets_a_408_and_frees_its_place():
+    """A client sending its body a byte every few seconds held one of the
+    --max-http-requests places for Quart's 60 s, so a few hundred of them shut every
+    other client out. Past the grace a body must keep arriving at the minimum rate."""
+    async with loading_server(max_requests=1, body_grace_s=0.5, body_min_rate=500) as port:
+
+        def exchange():
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                started = time.monotonic()
+                sock.sendall(post_head("/v1/chat/completions", 500) + b"{")
+                for _ in range(5):  # 10 bytes a second: under the rate
+                    time.sleep(0.1)
+                    sock.sendall(b" ")
+                status, headers = read_response(sock)
+                seconds = time.monotonic() - started
+                return status, headers, seconds, is_closed_by_server(sock), is_served(port)
+
+        status, headers, seconds, is_closed, is_served_after = await in_thread(exchange)
+    assert status.split()[1] == "408" and 0.5 <= seconds < 3
+    assert headers.get("connection") == "close" and is_closed  # the body's rest is unread
+    assert is_served_after  # its place is free again
+
+
+async def test_a_body_arriving_at_the_rate_is_read_past_the_grace():
+    """The grace grows with what arrived: a body sent over 1 s in steady parts, at
+    800 bytes a second, is read whole with a 0.5 s grace and a 500 bytes/s rate."""
+    async with loading_server(body_grace_s=0.5, body_min_rate=500) as port:
+
+        def exchange():
+            body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+            body = body.encode().ljust(LIMIT)
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(post_head("/v1/chat/completions", LIMIT))
+                for start in range(0, LIMIT, 200):
+                    time.sleep(0.25)
+                    sock.sendall(body[start : start + 200])
+                return read_response(sock)
+
+        status, _ = await in_thread(exchange)
+    assert status.split()[1] == "503"  # read whole and parsed: the model is loading
