@@ -262,7 +262,10 @@ def _naturals(value: object) -> TypeGuard[list[int]]:
 
 def build_decoder(config: ModelConfig, weights: dict[str, mx.array], source: str) -> CausalLM:
     """Instantiate the model for `config` and load `weights`, checking names and shapes."""
-    weights = rename_weights(config, weights)
+    try:
+        weights = rename_weights(config, weights)
+    except CheckpointError as error:  # a fused tensor that does not split: name the file
+        raise CheckpointError(f"{source}: {error}") from None
     if config.tie_word_embeddings is None:
         # Left out, tied exactly when no lm_head is stored: mlx-lm's llama and qwen2 tie
         # by default (an lm_head stored beside was dropped: transformers, untied by

@@ -160,12 +160,16 @@ def config_from_dict(
     rope_theta, rope_scaling = _rope_fields(fields)
     if rope_scaling is not None:
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
+        # A family may run more (phi3's LongRoPE): its read_config checks those.
+        own_types = getattr(family, "ROPE_TYPES", ())
+        rope_types = ("default", "linear", "llama3", *own_types)
+        if rope_type not in rope_types:
             raise CheckpointError(
                 f"{source}: unsupported rope_scaling type '{rope_type}' "
-                "(supported: default, linear, llama3)"
+                f"(supported: {', '.join(rope_types)})"
             )
-        _check_rope_scaling(rope_type, rope_scaling, source)
+        if rope_type not in own_types:
+            _check_rope_scaling(rope_type, rope_scaling, source)
     common: dict[str, Any] = dict(
         model_type=raw["model_type"],
         hidden_size=hidden,

@@ -32,6 +32,7 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
 }
@@ -103,6 +104,8 @@ def make_tiny_checkpoint(
     )
     weights = random_weights(build_model(config_from_dict(raw)), seed)
     weights = {name: w.astype(DTYPES[dtype]) for name, w in weights.items()}
+    if family == "phi3":
+        weights = fused_projections(weights)
     if family == "gemma3":
         weights = {f"language_model.{name}": w for name, w in weights.items()}
         rng = np.random.default_rng(seed)
@@ -166,6 +169,9 @@ def hf_config(
         raw["attention_bias"] = False
     if family == "mistral":
         raw["sliding_window"] = None
+    if family == "phi3":
+        raw.update(attention_bias=False, sliding_window=None)
+        raw["original_max_position_embeddings"] = max_position_embeddings
     # Qwen3 configs always name head_dim (and mlx-lm requires it there).
     if head_dim is not None or family in ("qwen3", "gemma3_text", "gemma3"):
         raw["head_dim"] = head_dim or hidden_size // num_heads
@@ -198,6 +204,24 @@ def hf_config(
             tie_word_embeddings=tie_word_embeddings,
         )
     return raw
+
+
+def fused_projections(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Phi-3's layout: q, k, v as one `qkv_proj`, gate and up as one `gate_up_proj`."""
+    fused = {
+        "q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+        "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
+    }
+    out = {}
+    for name, w in weights.items():
+        layer, _, projection = name.rpartition(".")[0].rpartition(".")
+        if projection in fused:
+            into, parts = fused[projection]
+            parts_weights = [weights[f"{layer}.{part}.weight"] for part in parts]
+            out[f"{layer}.{into}.weight"] = mx.concatenate(parts_weights)
+        elif projection not in ("k_proj", "v_proj", "up_proj"):
+            out[name] = w
+    return out
 
 
 def generation_config(eos_token_ids: list[int]) -> dict[str, Any]:

@@ -3,8 +3,9 @@
 A family file gives `build(config) -> CausalLM` and `read_config(fields) -> dict`
 (its own config fields, as `ModelConfig` keyword arguments); it may also give
 `DEFAULTS` (values for fields its configs may leave out), `unwrap_config` (a
-wrapped layout -> the text model's config) and `rename_weights` (checkpoint names
--> the model's). Adding a family means adding a file and a line below.
+wrapped layout -> the text model's config), `rename_weights` (checkpoint names
+-> the model's) and `ROPE_TYPES` (RoPE scalings beyond the shared ones, which its
+`read_config` checks). Adding a family means adding a file and a line below.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from runtime.config import ModelConfig
-from runtime.models import gemma3, llama, mistral, qwen2, qwen3
+from runtime.models import gemma3, llama, mistral, phi3, qwen2, qwen3
 from runtime.models.layers import CausalLM
 
 import mlx.core as mx
@@ -22,6 +23,7 @@ FAMILIES: dict[str, ModuleType] = {
     "mistral": mistral,
     "qwen2": qwen2,
     "qwen3": qwen3,
+    "phi3": phi3,
     "gemma3_text": gemma3,
     "gemma3": gemma3,  # the multimodal layout: its text model
 }
@@ -36,4 +38,4 @@ def build_model(config: ModelConfig) -> CausalLM:
 def rename_weights(config: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """Checkpoint tensor names -> the model's, for families whose layouts differ."""
     family = FAMILIES[config.model_type]
-    return family.rename_weights(weights) if hasattr(family, "rename_weights") else weights
+    return family.rename_weights(weights, config) if hasattr(family, "rename_weights") else weights

@@ -120,7 +120,7 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
     }
 
 
-def rename_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+def rename_weights(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
     """Multimodal names -> text-model names; the vision tower's tensors are dropped."""
     if not any(k.startswith(("language_model.", "model.language_model.")) for k in weights):
         return weights

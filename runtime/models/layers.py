@@ -24,13 +24,19 @@ from kernels.swiglu import gelu_tanh, gelu_tanh_halves, swiglu, swiglu_halves
 
 
 class RoPE(nn.Module):
-    """Rotary embedding with per-token offsets; default, linear and llama3 scaling."""
+    """Rotary embedding with per-token offsets; default, linear, llama3 and LongRoPE
+    scaling.
+
+    `attention_factor` is what LongRoPE multiplies the rotated q and k by, squared: the
+    attention's scale takes it (q·k scaled by f twice is the logits scaled by f²), so
+    the rotation stays one op."""
 
     def __init__(self, dims: int, base: float, scaling: dict[str, Any] | None):
         super().__init__()
         self.dims = dims
         self.base: float | None = base
         self.scale = 1.0
+        self.attention_factor = 1.0
         self._freqs: mx.array | None = None
         scaling = scaling or {}
         kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -39,6 +45,12 @@ class RoPE(nn.Module):
         elif kind == "llama3":
             self._freqs = _llama3_freqs(dims, base, scaling)
             self.base = None
+        elif kind == "longrope":  # runtime/models/phi3.py reads and checks it
+            self._freqs = mx.array(scaling["long_factor"], dtype=mx.float32) * base ** (
+                mx.arange(0, dims, 2, dtype=mx.float32) / dims
+            )
+            self.base = None
+            self.attention_factor = float(scaling["attention_factor"]) ** 2
         self._inv_freqs = inverse_frequencies(dims, self.base, self._freqs)  # not a parameter
 
     @property

@@ -3,7 +3,7 @@
     h = x + attn(input_layernorm(x));  out = h + mlp(post_attention_layernorm(h))
 
 The flags come from `ModelConfig`: q/k/v and o biases, per-head q/k RMSNorm,
-tied embeddings, head_dim, RoPE scaling (default, linear, llama3).
+tied embeddings, head_dim, RoPE scaling (default, linear, llama3; phi3's LongRoPE).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(
             config,
             layer,
-            scale=config.head_dim**-0.5,
+            scale=config.head_dim**-0.5 * rope.attention_factor,
             rope=rope,
             qkv_bias=config.qkv_bias,
             o_bias=config.o_bias,

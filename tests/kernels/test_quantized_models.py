@@ -27,6 +27,7 @@ FAMILIES = {
     "mistral": dict(),
     "qwen2": dict(tie_word_embeddings=True),
     "qwen3": dict(head_dim=32),
+    "phi3": dict(),  # q/k/v and gate/up stored fused, split at load
     # Sliding-window layers (window 8) beside global ones, as tests/runtime/test_gemma3_paged.py.
     "gemma3_text": dict(head_dim=32, num_layers=4, num_kv_heads=1, sliding_window=8),
 }

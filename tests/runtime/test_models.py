@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import shutil
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import mlx_lm
 import pytest
 import transformers
 from mlx_lm.generate import generate_step
+from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.rope_utils import Llama3RoPE
 from structlog.testing import capture_logs
 
@@ -74,7 +77,7 @@ def test_gemma3_scales_its_embedding_by_the_root_of_hidden_size_in_bfloat16(tmp_
     assert mx.allclose(load_model(path).model(TOKENS), want, atol=1e-4).item()
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma3"])
 @pytest.mark.parametrize("is_tied", [True, False], ids=["tied", "untied"])
 def test_a_config_silent_on_tying_ties_exactly_when_no_lm_head_is_stored(
     make_checkpoint, tmp_path: Path, family: str, is_tied: bool
@@ -430,3 +433,131 @@ def test_every_norm_takes_the_configs_rms_norm_eps_as_mlx_lm(tmp_path: Path):
     (path / "config.json").write_text(json.dumps({**raw, "rms_norm_eps": 0.5}))
     reference, _ = mlx_lm.load(str(path))
     assert mx.allclose(load_model(path).model(TOKENS), reference(TOKENS), atol=1e-4).item()
+
+
+def phi3_checkpoint(tmp_path: Path, **fields) -> Path:
+    """A tiny Phi-3 (q/k/v and gate/up stored fused) with `fields` set in config.json."""
+    path = make_tiny_checkpoint(tmp_path / "phi3", "phi3", seed=1, max_position_embeddings=4096)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, **fields}))
+    return path
+
+
+LONGROPE = {
+    "type": "longrope",
+    "short_factor": [1.0] * 8,  # head_dim 16: 8 frequencies
+    "long_factor": [1.0 + 3 * i for i in range(8)],
+}
+
+
+@pytest.mark.parametrize("scaling", [None, LONGROPE], ids=["default-rope", "longrope"])
+def test_phi3_splits_its_fused_projections_and_matches_mlx_lm(tmp_path: Path, scaling):
+    """Phi-3's qkv_proj and gate_up_proj are split at load; LongRoPE runs its long
+    factors and its attention factor (sqrt(1 + ln 16 / ln 256) here) as mlx-lm's."""
+    path = phi3_checkpoint(tmp_path, rope_scaling=scaling, original_max_position_embeddings=256)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in mx.load(str(path / "model.safetensors"))
+    ours = load_model(path)
+    reference, _ = mlx_lm.load(str(path))
+    want = reference(TOKENS)
+    assert mx.allclose(ours.model(TOKENS), want, atol=1e-4).item()
+    assert want.std().item() > 1.0
+    prompt = TOKENS[0, :12].tolist()
+    assert greedy(ours, prompt, 16) == mlx_lm_greedy(path, prompt, 16)
+    if scaling is not None:  # the factors matter: the plain rotation differs
+        plain = load_model(phi3_checkpoint(tmp_path / "plain"))
+        assert not mx.allclose(plain.model(TOKENS), want, atol=1e-2).item()
+        factor = ours.model.model.layers[0].self_attn.scale * 16**0.5
+        assert factor == pytest.approx(1 + math.log(16) / math.log(256))
+
+
+def test_phi3_applies_its_sliding_window_to_every_layer_as_transformers(
+    tmp_path: Path, monkeypatch
+):
+    """Phi-3-mini-4k says sliding_window 2047: transformers windows every layer with it,
+    mlx-lm runs them full. The reference is mlx-lm's phi3 given transformers' mask."""
+    path = phi3_checkpoint(tmp_path, sliding_window=8)
+    ours = load_model(path)
+    assert ours.config.layer_windows == (8, 8)
+    reference, _ = mlx_lm.load(str(path))
+    prompt = TOKENS[0, :30].tolist()
+    unwindowed = reference(TOKENS), mlx_lm_greedy(path, prompt, 16)
+
+    def windowed_mask(h, cache=None, window_size=None, **kwargs):
+        return create_attention_mask(h, cache, window_size=8, **kwargs)
+
+    monkeypatch.setattr(mlx_lm.models.phi3, "create_attention_mask", windowed_mask)
+    want = reference(TOKENS)
+    assert mx.allclose(ours.model(TOKENS), want, atol=1e-4).item()
+    tokens = greedy(ours, prompt, 16)  # through the engine's one windowed pool
+    assert tokens == mlx_lm_greedy(path, prompt, 16)
+    assert not mx.allclose(unwindowed[0], want, atol=1e-2).item() and tokens != unwindowed[1]
+    # A window as long as the context is none (Phi-3.5's 262144 over 131072).
+    long = phi3_checkpoint(tmp_path / "long", sliding_window=4096)
+    assert load_model(long).config.layer_windows == ()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported"),
+        ({"attention_bias": True}, "attention_bias=true is not supported for phi3"),
+        (
+            {"rope_scaling": {**LONGROPE, "long_factor": [1.0] * 7}},
+            "needs 'long_factor', a list of 8 positive numbers",
+        ),
+        (
+            {"rope_scaling": {**LONGROPE, "long_factor": [1.0] * 9}},
+            "needs 'long_factor', a list of 8 positive numbers",
+        ),
+        (
+            {"rope_scaling": {**LONGROPE, "short_factor": [1.0] * 7 + [0.0]}},
+            "needs 'short_factor', a list of 8 positive numbers",
+        ),
+        (
+            {"rope_scaling": LONGROPE, "original_max_position_embeddings": None},
+            "needs a positive integer original_max_position_embeddings, got None",
+        ),
+        (
+            {"rope_scaling": {**LONGROPE, "attention_factor": -1}},
+            "attention_factor must be a positive number, got -1",
+        ),
+        ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, "unsupported rope_scaling type 'yarn'"),
+    ],
+    ids=["partial-rotary", "bias", "long-short", "long-long", "short-zero", "no-original", "factor", "yarn"],
+)
+def test_phi3_settings_it_cannot_run_are_one_line_errors(fields, message):
+    raw = hf_config(
+        "phi3", vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=2,
+        num_heads=4, num_kv_heads=2, intermediate_size=128,
+    )
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        config_from_dict({**raw, **fields})
+
+
+def test_phi3_longrope_from_transformers_5s_rope_parameters_and_its_own_attention_factor():
+    raw = hf_config(
+        "phi3", vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=2,
+        num_heads=4, num_kv_heads=2, intermediate_size=128,
+    )
+    del raw["rope_scaling"], raw["rope_theta"], raw["original_max_position_embeddings"]
+    parameters = {
+        **LONGROPE, "rope_type": "longrope", "rope_theta": 10000.0,
+        "original_max_position_embeddings": 256, "attention_factor": 1.25,
+    }
+    config = config_from_dict({**raw, "rope_parameters": parameters})
+    assert config.rope_scaling is not None
+    assert config.rope_scaling["long_factor"] == LONGROPE["long_factor"]
+    assert config.rope_scaling["attention_factor"] == 1.25
+    assert RoPE(16, 10000.0, config.rope_scaling).attention_factor == 1.25**2
+
+
+def test_a_phi3_fused_projection_of_the_wrong_size_is_named(tmp_path: Path):
+    path = phi3_checkpoint(tmp_path)
+    weights = mx.load(str(path / "model.safetensors"))
+    name = "model.layers.1.mlp.gate_up_proj.weight"
+    weights[name] = weights[name][:-2]
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    with pytest.raises(CheckpointError) as error:
+        load_model(path)
+    assert str(error.value).endswith(f"tensor '{name}' has shape (254, 64), expected 256 rows")
+    assert str(path) in str(error.value)
