@@ -45,12 +45,15 @@ class Architecture:
     is_qk_permuted: bool = False  # the converter permuted q/k rows (llama's RoPE layout)
     norm_shift: float = 0.0  # the converter added this to every `*norm.weight`
     ffn_norm: str = "post_attention_layernorm"  # what llama.cpp's `ffn_norm` was in HF
+    ffn_up: str = "mlp.up_proj"  # what llama.cpp's `ffn_up` was (phi3's holds gate and up)
+    has_longrope: bool = False  # may hold LongRoPE's factors as `rope_factors_*` tensors
 
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture("llama", "LlamaForCausalLM", is_qk_permuted=True),
     "qwen2": Architecture("qwen2", "Qwen2ForCausalLM"),
     "qwen3": Architecture("qwen3", "Qwen3ForCausalLM"),
+    "phi3": Architecture("phi3", "Phi3ForCausalLM", ffn_up="mlp.gate_up_proj", has_longrope=True),
     "gemma3": Architecture(
         "gemma3_text", "Gemma3ForCausalLM", norm_shift=1.0, ffn_norm="pre_feedforward_layernorm"
     ),
@@ -62,6 +65,7 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # phi3: q, k and v in one (split at load)
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
@@ -77,6 +81,9 @@ _GLOBAL_NAMES = {
     "output": "lm_head",
 }
 
+
+# Phi-3's LongRoPE factors: RoPE settings, not weights (as Llama 3's `rope_freqs`).
+_LONGROPE_TENSORS = frozenset({"rope_factors_long.weight", "rope_factors_short.weight"})
 
 # The end-of-turn spellings llama.cpp's vocabulary loader recognises (llama-vocab.cpp).
 _END_OF_TURN_TOKENS = frozenset(
@@ -119,7 +126,7 @@ def read_gguf(path: Path, progress: Callable[[str], None] = lambda message: None
     progress(f"converting {len(tensors)} GGUF tensors")
     jobs = []
     for name, tensor in tensors.items():
-        if name == "rope_freqs.weight":
+        if name == "rope_freqs.weight" or (arch.has_longrope and name in _LONGROPE_TENSORS):
             continue  # read into the config's rope_scaling
         hf_name = _hf_name(name, arch, path)
         rows = _row_permutation(hf_name, arch, config)
@@ -195,10 +202,28 @@ def _hf_config(
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if (bos := metadata.get("tokenizer.ggml.bos_token_id")) is not None:
         config["bos_token_id"] = bos
-    config["rope_scaling"] = _rope_scaling(metadata, key, config, tensors)
+    config["rope_scaling"] = _rope_scaling(metadata, key, config, tensors, arch)
     if arch.model_type == "gemma3_text":
         config.update(_gemma3_fields(metadata, key, config))
+    if arch.model_type == "phi3":
+        config.update(_phi3_fields(metadata, key, config))
     return config
+
+
+def _phi3_fields(
+    metadata: Metadata, key: Callable[[str], str], config: dict[str, Any]
+) -> dict[str, Any]:
+    """Phi-3's window, its pre-LongRoPE context, and how much of a head RoPE rotates
+    (Phi-4-mini's 0.75, which the family refuses by name)."""
+    rotated = metadata.optional(key("rope.dimension_count"), int, config["head_dim"])
+    fields: dict[str, Any] = {
+        "sliding_window": metadata.optional(key("attention.sliding_window"), int),
+        "partial_rotary_factor": rotated / config["head_dim"],
+    }
+    original = metadata.optional(key("rope.scaling.original_context_length"), int)
+    if original is not None:
+        fields["original_max_position_embeddings"] = original
+    return fields
 
 
 def _eos_ids(metadata: Metadata) -> list[int]:
@@ -222,9 +247,15 @@ def _eos_ids(metadata: Metadata) -> list[int]:
 
 
 def _rope_scaling(
-    metadata: Metadata, key: Callable[[str], str], config: dict[str, Any], tensors: dict[str, Any]
+    metadata: Metadata,
+    key: Callable[[str], str],
+    config: dict[str, Any],
+    tensors: dict[str, Any],
+    arch: Architecture,
 ) -> dict[str, Any] | None:
     kind = metadata.get(key("rope.scaling.type"))
+    if arch.has_longrope and "rope_factors_long.weight" in tensors:
+        return _longrope_scaling(metadata, key, tensors)
     if kind in (None, "none") and "rope_freqs.weight" not in tensors:
         return None
     if kind == "linear":
@@ -235,6 +266,25 @@ def _rope_scaling(
     if "rope_freqs.weight" in tensors:
         return _llama3_scaling(metadata, key, config, tensors["rope_freqs.weight"])
     raise CheckpointError(f"{metadata.source}: unsupported RoPE scaling type '{kind}'")
+
+
+def _longrope_scaling(
+    metadata: Metadata, key: Callable[[str], str], tensors: dict[str, Any]
+) -> dict[str, Any]:
+    """Phi-3's `rope_scaling`, from the factor tensors and attention factor its converter
+    wrote; runtime/models/phi3.py checks them as it checks a config.json's."""
+    if "rope_factors_short.weight" not in tensors:
+        raise CheckpointError(
+            f"{metadata.source}: 'rope_factors_long.weight' without 'rope_factors_short.weight'"
+        )
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope",
+        "long_factor": [float(x) for x in tensors["rope_factors_long.weight"].data.reshape(-1)],
+        "short_factor": [float(x) for x in tensors["rope_factors_short.weight"].data.reshape(-1)],
+    }
+    if (factor := metadata.optional(key("rope.scaling.attn_factor"), float)) is not None:
+        scaling["attention_factor"] = factor
+    return scaling
 
 
 def _llama3_scaling(
@@ -327,7 +377,8 @@ def _hf_name(name: str, arch: Architecture, path: Path) -> str:
     if len(parts) == 1 and parts[0] in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[parts[0]]}.{suffix}"
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
-        hf = arch.ffn_norm if parts[2] == "ffn_norm" else _LAYER_NAMES.get(parts[2])
+        own = {"ffn_norm": arch.ffn_norm, "ffn_up": arch.ffn_up}
+        hf = own.get(parts[2], _LAYER_NAMES.get(parts[2]))
         if hf is not None:
             return f"model.layers.{int(parts[1])}.{hf}.{suffix}"
     raise CheckpointError(f"{path}: unexpected GGUF tensor '{name}' for this architecture")

@@ -16,6 +16,7 @@ decode to, which is all a loader test needs.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,12 +28,20 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
-_ARCH_OF = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+_ARCH_OF = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma3_text": "gemma3",
+}
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv",  # phi3's
+    "mlp.gate_up_proj": "ffn_up",  # phi3's: gate and up in one
     "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
@@ -160,6 +169,18 @@ def _write_hparams(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -
         writer.add_rope_scaling_factor(scaling["factor"])
     if arch == "gemma3":
         writer.add_sliding_window(config["sliding_window"])
+    if arch == "phi3":  # as convert_hf_to_gguf.py's Phi3MiniModel writes them
+        writer.add_rope_scaling_orig_ctx_len(config["original_max_position_embeddings"])
+        if config.get("sliding_window") is not None:
+            writer.add_sliding_window(config["sliding_window"])
+        if scaling.get("type", scaling.get("rope_type")) in ("longrope", "su"):
+            context = config["max_position_embeddings"] / config["original_max_position_embeddings"]
+            original = config["original_max_position_embeddings"]
+            attention_factor = math.sqrt(1 + math.log(context) / math.log(original))
+            writer.add_rope_scaling_attn_factors(attention_factor if context > 1 else 1.0)
+            for name in ("long", "short"):
+                factors = np.array(scaling[f"{name}_factor"], dtype=np.float32)
+                writer.add_tensor(f"rope_factors_{name}.weight", factors)
 
 
 def _write_byte_level_vocab(

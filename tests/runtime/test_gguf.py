@@ -32,7 +32,7 @@ from gguf import GGMLQuantizationType as GGMLType
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
-FAMILIES = ["llama", "qwen2", "qwen3", "gemma3_text"]
+FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "gemma3_text"]
 EXACT_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16]
 QUANTIZED_TYPES = [
     GGMLType.Q4_0,
@@ -287,10 +287,10 @@ def test_a_truncated_file_is_a_one_line_error(convert, tmp_path, fraction):
 
 def test_an_unsupported_architecture_is_named(tmp_path):
     path = minimal_gguf(
-        tmp_path / "phi.gguf", "phi3", {"token_embd.weight": (np.zeros((8, 32), np.float32), None)}
+        tmp_path / "phi.gguf", "phi2", {"token_embd.weight": (np.zeros((8, 32), np.float32), None)}
     )
     message = one_line_error(path)
-    assert "unsupported GGUF architecture 'phi3'" in message and "qwen3" in message
+    assert "unsupported GGUF architecture 'phi2'" in message and "phi3" in message
     assert "mmproj" not in message
 
 
@@ -854,3 +854,44 @@ def test_loading_a_gguf_holds_the_model_once(make_checkpoint, tmp_path, monkeypa
     loaded = load_model(path)
     final = sum(p.nbytes for _, p in tree_flatten(loaded.model.parameters()))
     assert mx.get_peak_memory() - held < 1.3 * final and mx.get_cache_memory() == 0
+
+
+@pytest.mark.parametrize("kind", [GGMLType.F32, GGMLType.Q8_0], ids=lambda k: k.name)
+def test_phi3s_longrope_and_window_come_from_its_gguf(make_checkpoint, tmp_path, kind):
+    """llama.cpp's Phi-3 keeps q/k/v and gate/up fused (`attn_qkv`, `ffn_up`), its
+    LongRoPE factors as the tensors `rope_factors_long`/`_short` and the attention
+    factor and the pre-scaling context as metadata, and the window as metadata."""
+    checkpoint = tmp_path / "phi3"
+    shutil.copytree(make_checkpoint("phi3", **SHAPE, max_position_embeddings=4096), checkpoint)
+    raw = json.loads((checkpoint / "config.json").read_text())
+    scaling = {
+        "type": "longrope",
+        "short_factor": [1.0] * 32,
+        "long_factor": [1.0 + i / 4 for i in range(32)],
+    }
+    raw.update(rope_scaling=scaling, original_max_position_embeddings=256, sliding_window=8)
+    (checkpoint / "config.json").write_text(json.dumps(raw))
+    path = write_gguf(checkpoint, tmp_path / "phi3.gguf", tmp_path / "reference", kind)
+    names = {tensor.name for tensor in gguf.GGUFReader(path).tensors}
+    assert {"blk.0.attn_qkv.weight", "blk.0.ffn_up.weight", "rope_factors_long.weight"} <= names
+    from_gguf, reference = load_model(path), load_model(tmp_path / "reference")
+    assert from_gguf.config.layer_windows == reference.config.layer_windows == (8, 8)
+    got, want = from_gguf.config.rope_scaling, reference.config.rope_scaling
+    assert got["long_factor"] == want["long_factor"] and got["short_factor"] == want["short_factor"]
+    assert got["attention_factor"] == pytest.approx(want["attention_factor"])
+    assert want["attention_factor"] == pytest.approx(math.sqrt(1.5))  # 1 + ln 16 / ln 256
+    expected = reference.model(PROMPT)
+    if kind == GGMLType.F32:
+        assert mx.allclose(from_gguf.model(PROMPT), expected, atol=1e-5).item()
+    else:
+        scale = float(mx.abs(expected).max())
+        assert float(mx.abs(from_gguf.model(PROMPT) - expected).max()) < 5e-3 * scale
+    factor = {"phi3.rope.scaling.attn_factor": (1.25, V.FLOAT32, V.FLOAT32)}
+    stated = rewritten(path, tmp_path / "factor.gguf", metadata=factor)
+    assert read_gguf(stated).config["rope_scaling"]["attention_factor"] == 1.25
+    dropped = rewritten(path, tmp_path / "short.gguf", dropped=("rope_factors_short.weight",))
+    assert "without 'rope_factors_short.weight'" in one_line_error(dropped)
+    partial = rewritten(
+        path, tmp_path / "partial.gguf", metadata={"phi3.rope.dimension_count": (48, V.UINT32, V.UINT32)}
+    )
+    assert "partial_rotary_factor 0.75 is not supported" in one_line_error(partial)
