@@ -50,7 +50,8 @@ class RoPE(nn.Module):
                 mx.arange(0, dims, 2, dtype=mx.float32) / dims
             )
             self.base = None
-            self.attention_factor = float(scaling["attention_factor"]) ** 2
+            # Absent where phi3 folded it into q_proj (partial rotation).
+            self.attention_factor = float(scaling.get("attention_factor", 1.0)) ** 2
         self._inv_freqs = inverse_frequencies(dims, self.base, self._freqs)  # not a parameter
 
     @property

@@ -24,7 +24,8 @@ from kernels.fused_blocks import NormedLayers
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
-        rope = RoPE(config.head_dim, config.rope_theta, config.rope_scaling)
+        rotary_dims = config.extra.get("rotary_dims", config.head_dim)  # phi3's may be fewer
+        rope = RoPE(rotary_dims, config.rope_theta, config.rope_scaling)
         self.self_attn = Attention(
             config,
             layer,

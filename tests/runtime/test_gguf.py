@@ -891,7 +891,12 @@ def test_phi3s_longrope_and_window_come_from_its_gguf(make_checkpoint, tmp_path,
     assert read_gguf(stated).config["rope_scaling"]["attention_factor"] == 1.25
     dropped = rewritten(path, tmp_path / "short.gguf", dropped=("rope_factors_short.weight",))
     assert "without 'rope_factors_short.weight'" in one_line_error(dropped)
+    # Phi-4-mini rotates 48 of 64 (its 32 factors then are 24: the file here is wrong)
     partial = rewritten(
         path, tmp_path / "partial.gguf", metadata={"phi3.rope.dimension_count": (48, V.UINT32, V.UINT32)}
     )
-    assert "partial_rotary_factor 0.75 is not supported" in one_line_error(partial)
+    assert "needs 'short_factor', a list of 24 positive numbers" in one_line_error(partial)
+    odd = rewritten(
+        path, tmp_path / "odd.gguf", metadata={"phi3.rope.dimension_count": (47, V.UINT32, V.UINT32)}
+    )
+    assert "rotates 47 of a head's 64 dimensions" in one_line_error(odd)

@@ -499,7 +499,11 @@ def test_phi3_applies_its_sliding_window_to_every_layer_as_transformers(
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported"),
+        (
+            {"partial_rotary_factor": 0.0625},
+            "partial_rotary_factor rotates 1 of a head's 16 dimensions; it needs an even number",
+        ),
+        ({"partial_rotary_factor": 1.5}, "rotates 24 of a head's 16 dimensions"),
         ({"attention_bias": True}, "attention_bias=true is not supported for phi3"),
         (
             {"rope_scaling": {**LONGROPE, "long_factor": [1.0] * 7}},
@@ -523,7 +527,7 @@ def test_phi3_applies_its_sliding_window_to_every_layer_as_transformers(
         ),
         ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, "unsupported rope_scaling type 'yarn'"),
     ],
-    ids=["partial-rotary", "bias", "long-short", "long-long", "short-zero", "no-original", "factor", "yarn"],
+    ids=["partial-rotary-odd", "partial-rotary-over", "bias", "long-short", "long-long", "short-zero", "no-original", "factor", "yarn"],
 )
 def test_phi3_settings_it_cannot_run_are_one_line_errors(fields, message):
     raw = hf_config(
@@ -561,3 +565,52 @@ def test_a_phi3_fused_projection_of_the_wrong_size_is_named(tmp_path: Path):
         load_model(path)
     assert str(error.value).endswith(f"tensor '{name}' has shape (254, 64), expected 256 rows")
     assert str(path) in str(error.value)
+
+
+@pytest.mark.parametrize("quantize", [None, (64, 4)], ids=["float", "q4"])
+@pytest.mark.parametrize("scaling", [None, "longrope"])
+def test_phi4_minis_partial_rotation_matches_mlx_lm(tmp_path: Path, scaling, quantize):
+    """Phi-4-mini rotates 0.75 of each head; LongRoPE's attention factor scales only that
+    part of q and k (folded into q_proj's rotated rows, through a quantized layer's
+    scales and biases), so the attention's scale cannot carry it."""
+    path = make_tiny_checkpoint(
+        tmp_path / "phi4mini", "phi3", seed=1, max_position_embeddings=4096, quantize=quantize,
+        hidden_size=128, intermediate_size=256, num_heads=8, num_kv_heads=2,
+    )
+    raw = json.loads((path / "config.json").read_text())
+    longrope = {**LONGROPE, "short_factor": [1.0] * 4, "long_factor": [1.0, 4.0, 7.0, 10.0]}
+    raw.update(
+        partial_rotary_factor=0.5,  # 8 of 16
+        original_max_position_embeddings=256,
+        rope_scaling=longrope if scaling else None,
+    )
+    (path / "config.json").write_text(json.dumps(raw))
+    ours = load_model(path)
+    assert ours.model.model.layers[0].self_attn.rope.dims == 8
+    reference, _ = mlx_lm.load(str(path))
+    want = reference(TOKENS)
+    assert mx.allclose(ours.model(TOKENS), want, atol=1e-4).item()
+    prompt = TOKENS[0, :12].tolist()
+    assert greedy(ours, prompt, 16) == mlx_lm_greedy(path, prompt, 16)
+    if scaling:  # the factor on the whole of q (the full-rotation way) is not the same
+        raw["partial_rotary_factor"] = 1.0
+        raw["rope_scaling"] = {**LONGROPE, "long_factor": [1.0, 4.0, 7.0, 10.0] * 2}
+        (path / "config.json").write_text(json.dumps(raw))
+        assert not mx.allclose(load_model(path).model(TOKENS), want, atol=1e-2).item()
+
+
+def test_a_microscaling_phi4_mini_with_longrope_is_refused_by_name(tmp_path: Path):
+    """Its power-of-two scales cannot carry the attention factor into q_proj's rows."""
+    path = make_tiny_checkpoint(
+        tmp_path / "mx", "phi3", quantize=(32, 4), quantize_mode="mxfp4",
+        max_position_embeddings=4096, hidden_size=128, intermediate_size=256,
+    )
+    raw = json.loads((path / "config.json").read_text())
+    longrope = {**LONGROPE, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    raw.update(partial_rotary_factor=0.5, original_max_position_embeddings=256, rope_scaling=longrope)
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="q_proj must be float or affine-quantized, not microscaling"):
+        load_model(path)
+    raw["rope_scaling"] = None  # without LongRoPE there is nothing to fold: it loads
+    (path / "config.json").write_text(json.dumps(raw))
+    assert load_model(path).model.model.layers[0].self_attn.rope.dims == 16
