@@ -8,9 +8,11 @@ unless origins are named, and then only those origins get the headers.
 """
 
 import contextlib
+import functools
 import gzip
 import http.client
 import json
+import logging
 import socket
 import time
 
@@ -753,3 +755,158 @@ async def test_a_body_arriving_at_the_rate_is_read_past_the_grace():
 
         status, _ = await in_thread(exchange)
     assert status.split()[1] == "503"  # read whole and parsed: the model is loading
+
+
+async def test_the_server_listens_on_the_host_and_port_it_is_given():
+    """--host and --port: the server is reached there (and an IPv6 host gets brackets)."""
+    hosts = ["127.0.0.1"]
+    if socket.has_ipv6:
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+            hosts.append("::1")
+    for host in hosts:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as free:
+            free.bind((host, 0))
+            port = free.getsockname()[1]
+        app = create_app(ServerState(), max_body_bytes=LIMIT)
+        async with trio.open_nursery() as nursery:
+            run = functools.partial(
+                http_server.serve_http, app, host, port, shutdown_trigger=trio.sleep_forever
+            )
+            (url,) = await nursery.start(run)
+            bracketed = f"[{host}]" if ":" in host else host
+            assert url == f"http://{bracketed}:{port}"
+            with socket.create_connection((host, port), timeout=5) as sock:
+                sock.sendall(HEALTH)
+                status, _ = await in_thread(read_response, sock)
+            assert status.split()[1] == "503"  # the app's: the model is loading
+            nursery.cancel_scope.cancel()
+
+
+async def test_two_servers_on_loopback_at_once_each_get_a_free_port():
+    app = create_app(ServerState(), max_body_bytes=LIMIT)
+    async with serving_on_loopback(app) as first, serving_on_loopback(app) as second:
+        assert first != second
+        for url in (first, second):
+            assert (await in_thread(answer, int(url.rsplit(":", 1)[1]), HEALTH))[0] == 503
+
+
+async def test_hypercorns_log_lines_go_to_the_apps_logging_and_none_is_a_warning(caplog):
+    """Hypercorn's own logger prints to stderr; ours stays silent unless the app configures
+    it. A start, a few answers (an early one among them) and a stop log no warning: the
+    lifespan must reach the app, and every answer be sent once."""
+    with caplog.at_level(logging.INFO):
+        async with loading_server() as port:
+            await in_thread(answer, port, HEALTH)
+            await in_thread(answer, port, post_head("/v1/nowhere", 500) + b"x" * 500)
+            await in_thread(answer, port, MODELS)
+    hypercorn = [r for r in caplog.records if "hypercorn" in r.name]
+    assert {r.name for r in hypercorn} == {"cadence.hypercorn"}
+    assert any("Running on http://127.0.0.1:" in r.getMessage() for r in hypercorn)
+    assert [r.getMessage() for r in hypercorn if r.levelno >= logging.WARNING] == []
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="Linux's TCP_USER_TIMEOUT")
+async def test_a_client_that_pauses_reading_for_less_than_the_send_timeout_gets_it_all():
+    """The send timeout drops a client that stopped reading, not one that paused."""
+    size = 1 << 20
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            return await answer_lifespan(receive, send)
+        headers = [(b"content-length", str(size).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for _ in range(size // 65536):
+            await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    def exchange(port):
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect(("127.0.0.1", port))
+            client.sendall(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+            time.sleep(1.0)  # the buffers fill; the server's write waits on a shut window
+            client.settimeout(10)
+            received = b""
+            while chunk := client.recv(1 << 20):
+                received += chunk
+                if received.endswith(b"x" * 16) and len(received) >= size:
+                    break
+            return received
+
+    async with serving_on_loopback(app, send_timeout=5.0) as url:
+        received = await in_thread(exchange, int(url.rsplit(":", 1)[1]))
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and len(body) == size
+
+
+async def test_a_drain_waits_for_a_request_that_began_while_it_waited():
+    """Idle at once with nothing in flight; and a request that arrives (on a kept-alive
+    connection) once the drain began waiting is waited for too, not the first alone."""
+    releases = [trio.Event(), trio.Event()]
+
+    async def app(scope, receive, send):
+        await releases[scope["n"]].wait()
+
+    tracker = _InFlight(app)
+    with trio.fail_after(1):
+        await tracker.wait_idle()
+    is_idle = trio.Event()
+
+    async def drain():
+        await tracker.wait_idle()
+        is_idle.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(tracker, {"type": "http", "n": 0}, None, None)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(drain)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(tracker, {"type": "http", "n": 1}, None, None)
+        await trio.testing.wait_all_tasks_blocked()
+        releases[0].set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert not is_idle.is_set() and tracker.num_requests == 1
+        releases[1].set()
+        with trio.fail_after(1):
+            await is_idle.wait()
+
+
+async def test_the_cap_is_logged_each_time_it_is_reached_anew():
+    """Once per episode at the cap, not once per refusal, and not once for ever."""
+    async with loading_server(max_requests=1) as port:
+
+        def two_episodes():
+            for _ in range(2):
+                held = held_request(port)
+                assert is_refused_at_the_cap(port) and is_refused_at_the_cap(port)
+                held.close()
+                assert is_served(port)
+
+        with capture_logs() as logs:
+            await in_thread(two_episodes)
+    assert [entry["event"] for entry in logs].count("http_requests_at_limit") == 2
+
+
+async def test_at_the_cap_a_probe_or_preflight_with_a_body_is_refused_too():
+    """Probes and preflights pass the cap because they are bodiless: one with a body
+    is a request like any other, or a client could hold places past the cap with them."""
+    async with loading_server(max_requests=1) as port:
+
+        def exchange():
+            held = held_request(port)
+            assert is_refused_at_the_cap(port)
+            health = answer(port, b"GET /health HTTP/1.1\r\nHost: t\r\nContent-Length: 500\r\n\r\n")
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(
+                    b"OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: t\r\n"
+                    b"Origin: http://page.example\r\nAccess-Control-Request-Method: POST\r\n"
+                    b"Content-Length: 500\r\n\r\n"
+                )
+                preflight = read_response(sock)
+            held.close()
+            return health, preflight
+
+        (status, _, body, is_closed), (preflight, headers) = await in_thread(exchange)
+    assert status == 503 and body["error"]["code"] == "overloaded" and is_closed
+    assert preflight.split()[1] == "503" and headers["retry-after"] == "1"
