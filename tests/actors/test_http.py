@@ -421,6 +421,63 @@ async def test_an_error_mid_stream_is_an_error_event_and_the_others_go_on(tiny):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def sse_data(url, path, body):
+    """A whole stream's `data:` payloads, read raw: the events as they are on the wire."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    connection.request(
+        "POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    response = connection.getresponse()
+    assert response.status == 200
+    events = response.read().decode().split("\n\n")
+    connection.close()
+    assert events[-1] == ""
+    assert all(event.startswith("data: ") for event in events[:-1]), events
+    return [event.removeprefix("data: ") for event in events[:-1]]
+
+
+async def test_a_stream_ends_in_done_after_its_finish_or_an_error_event(tiny):
+    """Clients that read the SSE themselves stop at `data: [DONE]`; without it they wait
+    for the connection to close. Every chunk before the finish carries text: none is empty."""
+    marker = [7, 7, 7, 7]
+    async with serving(tiny) as server:
+        engine = server.llm._engine
+        row_input = engine._row_input
+
+        def faulty_row_input(row, span):
+            if list(row.params.prompt_tokens) == marker and row.num_generated >= 3:
+                raise RuntimeError("injected fault")
+            return row_input(row, span)
+
+        engine._row_input = faulty_row_input
+        fields = {"model": server.model, "max_tokens": 12, "stream": True, "ignore_eos": True}
+        fine = await in_thread(sse_data, server.url, "/v1/completions", {**fields, "prompt": "Go"})
+        failed = await in_thread(
+            sse_data, server.url, "/v1/completions", {**fields, "prompt": marker}
+        )
+        greedy = {**fields, "prompt": "Go", "temperature": 0}
+        first = json.loads((await in_thread(sse_data, server.url, "/v1/completions", greedy))[0])
+        stop = first["choices"][0]["text"]  # the first token's: the stream stops at once
+        stopped = await in_thread(
+            sse_data, server.url, "/v1/completions", {**greedy, "stop": [stop]}
+        )
+    *chunks, finish, done = fine
+    assert done == "[DONE]"
+    assert json.loads(finish)["choices"][0]["finish_reason"] == "length"
+    assert all(json.loads(chunk)["choices"][0]["text"] for chunk in chunks)
+    finish, done = stopped  # no empty text chunk before the finish
+    assert json.loads(finish)["choices"][0] == {
+        "index": 0,
+        "text": "",
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
+    assert done == "[DONE]"
+    *_, error, done = failed
+    assert done == "[DONE]" and "injected fault" in json.loads(error)["error"]["message"]
+
+
 async def test_long_streams_outlive_the_response_timeout(tiny):
     async with serving(tiny, response_timeout=0.2) as server:
         slow_down(server.llm._engine, 0.003)
@@ -492,6 +549,30 @@ async def test_every_refusal_is_logged_once_under_the_clients_request_id(tiny):
         e["request_id"].rsplit("-", 1)[0] for e in logs if e["event"] == "rejected"
     )
     assert rejected == {"bad-field": 1, "no-model": 1, "too-long": 1, "full-queue": 1}
+
+
+async def test_a_request_failing_after_admission_is_logged_once_by_the_pipeline(tiny):
+    """Admitted, a request's end is the pipeline's to log, a failure's too: the handler
+    that turns it into the 500 does not log it again as a refusal."""
+    marker = [7, 7, 7, 7]
+    async with serving(tiny) as server:
+        engine = server.llm._engine
+        row_input = engine._row_input
+
+        def faulty_row_input(row, span):
+            if list(row.params.prompt_tokens) == marker and row.num_generated >= 2:
+                raise RuntimeError("injected fault")
+            return row_input(row, span)
+
+        engine._row_input = faulty_row_input
+        body = {"model": server.model, "prompt": marker, "max_tokens": 8, "ignore_eos": True}
+        with capture_logs() as logs:
+            status, _, reply = await in_thread(
+                request, server.url, "POST", "/v1/completions", body, {"x-request-id": "fault"}
+            )
+    assert status == 500 and "injected fault" in reply["error"]["message"]
+    about_it = [e["event"] for e in logs if e.get("request_id", "").startswith("fault-")]
+    assert "rejected" not in about_it and about_it.count("failed") == 1, about_it
 
 
 async def test_a_request_cut_short_by_the_servers_shutdown_is_a_503_not_a_fault(tiny):

@@ -277,3 +277,15 @@ async def test_a_batch_of_prompts_answers_each_as_alone_numbered_prompt_by_choic
         assert status == 400 and reply["error"]["param"] == "prompt[2]"
         assert reply["error"]["message"].startswith("prompt[2]: ")
     assert refusals[1][2]["error"]["code"] == "context_length_exceeded"
+
+
+async def test_a_batch_of_prompts_as_large_as_the_queue_is_served(tiny):
+    """Past the queue's size a batch could never be admitted (a 400); at it, it fits."""
+    async with serving(tiny, max_waiting=4) as server:
+        body = {"model": server.model, "prompt": ["a", "b"], "n": 2, "max_tokens": 2}
+        status, _, reply = await in_thread(request, server.url, "POST", "/v1/completions", body)
+        assert status == 200 and [c["index"] for c in reply["choices"]] == [0, 1, 2, 3]
+        body["prompt"] = ["a", "b", "c"]
+        status, _, reply = await in_thread(request, server.url, "POST", "/v1/completions", body)
+    assert status == 400 and reply["error"]["param"] == "prompt"
+    assert "more than this server queues (4)" in reply["error"]["message"]

@@ -323,6 +323,61 @@ async def test_a_compressed_body_is_a_415_naming_its_content_encoding(coding):
     assert status == 415 and coding in answer["error"]["message"]
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+async def test_a_body_that_is_not_json_is_a_415_naming_its_content_type(content_type):
+    """A text/plain or form POST is a "simple" cross-site request: it is refused, and the
+    message says what was sent ("none" when the client sent no Content-Type)."""
+    async with loading_server() as port:
+
+        def exchange():
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            headers = {} if content_type is None else {"Content-Type": content_type}
+            connection.request("POST", "/v1/completions", b"{}", headers)
+            response = connection.getresponse()
+            return response.status, json.loads(response.read())
+
+        status, answer = await in_thread(exchange)
+    assert status == 415 and answer["error"]["type"] == "invalid_request_error"
+    sent = content_type or "none"
+    assert answer["error"]["message"] == f"Content-Type must be application/json, got {sent}"
+
+
+async def test_the_default_body_limit_is_4_mib():
+    """A server made without max_body_bytes (the soak harness's) reads a 4 MiB body and
+    refuses one byte more, naming the limit."""
+    limit, path = 4 << 20, "/v1/completions"
+    async with serving_on_loopback(create_app(ServerState()), graceful_timeout=0.1) as url:
+        port = int(url.rsplit(":", 1)[1])
+        at_the_limit = b"{}" + b" " * (limit - 2)
+        close = "Connection: close"
+        whole = await in_thread(answer, port, post_head(path, limit, close) + at_the_limit)
+        over = await in_thread(answer, port, post_head(path, limit + 1, close))
+    assert whole[0] == 400 and whole[2]["error"]["param"] == "prompt"  # read and parsed
+    assert over[0] == 413
+    assert over[2]["error"]["message"] == f"the request body is larger than {limit} bytes"
+
+
+async def test_an_unknown_path_is_a_404_naming_it_cut_to_200_characters():
+    path = "/v1/" + "x" * 300
+    async with loading_server() as port:
+        status, _, body, _ = await in_thread(
+            answer, port, f"GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n".encode()
+        )
+    assert status == 404 and body["error"]["code"] == "unknown_url"
+    assert body["error"]["message"] == f"Invalid URL ({f'GET {path}'[:200]})"
+
+
+async def test_a_method_a_route_does_not_take_is_a_405_naming_the_ones_it_does():
+    """RFC 9110: a 405 carries Allow; the message is werkzeug's sentence, not its title."""
+    async with loading_server() as port:
+        status, headers, body, _ = await in_thread(
+            answer, port, b"DELETE /v1/completions HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+        )
+    assert status == 405 and body["error"]["type"] == "invalid_request_error"
+    assert {m.strip() for m in headers["allow"].split(",")} == {"post", "options"}
+    assert body["error"]["message"] == "The method is not allowed for the requested URL."
+
+
 async def test_an_early_answer_to_a_request_with_an_empty_body_keeps_the_connection():
     """Content-Length: 0 leaves nothing unread on the wire: no reason to close."""
     async with loading_server() as port:
