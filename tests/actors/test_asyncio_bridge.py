@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import gc
 import subprocess
 import sys
 import threading
@@ -15,8 +16,9 @@ import trio
 
 import actors
 from actors.asyncio_bridge import _sole
+from actors.generation import Generation
 from actors.mlx_thread import shared_mlx_thread
-from actors.requests import OverloadedError, ServiceClosedError
+from actors.requests import GenerationError, OverloadedError, ServiceClosedError
 
 PROMPTS = ["The quick brown fox", "def main():", "Hello", "1, 2, 3, 4"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,6 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 async def complete(llm, prompt, **kwargs):
     return "".join([d.text async for d in llm.generate(prompt, **kwargs)])
+
+
+async def complete_generation(generation):
+    return "".join([d.text async for d in generation])
 
 
 async def wait_for_no_open_rows(llm, timeout=5):
@@ -57,9 +63,10 @@ def test_a_cancelled_task_frees_its_row(tiny):
     async def main():
         async with actors.open_llm_asyncio(tiny) as llm:
             streamed = asyncio.Event()
+            generation = llm.generate("Once upon a time", max_tokens=900, ignore_eos=True)
 
             async def consume():
-                async for _ in llm.generate("Once upon a time", max_tokens=900, ignore_eos=True):
+                async for _ in generation:
                     streamed.set()
 
             task = asyncio.create_task(consume())
@@ -68,6 +75,8 @@ def test_a_cancelled_task_frees_its_row(tiny):
             with pytest.raises(asyncio.CancelledError):
                 await task
             await wait_for_no_open_rows(llm, timeout=0.5)
+            # closed as aclose() closes it: it ends, not "the service has stopped"
+            assert [d async for d in generation] == []
 
     asyncio.run(main())
 
@@ -145,6 +154,8 @@ def test_a_reader_slower_than_the_drain_still_gets_the_whole_answer(tiny):
 
             async def read_the_rest():
                 await read_on.wait()
+                # started: start() tells its length, and takes nothing from the rest
+                assert await generation.start() == generation.num_prompt_tokens
                 return first.text + "".join([d.text async for d in generation])
 
             reader = asyncio.create_task(read_the_rest())
@@ -272,6 +283,8 @@ def test_errors_opening_it_are_the_ones_trio_sees_not_a_group(arguments, error):
     with pytest.raises(error) as raised:
         asyncio.run(main())
     assert not isinstance(raised.value, BaseExceptionGroup)
+    # raised alone: not "during handling of" a "stopped before it started" of the bridge's
+    assert raised.value.__context__ is None
 
 
 def test_a_group_of_several_errors_stays_a_group():
@@ -373,6 +386,8 @@ def test_cancelling_the_task_that_holds_the_llm_leaves_the_loop_running(tiny):
         with contextlib.suppress(asyncio.CancelledError):
             await holder
         beating.cancel()
+        # joined off the loop, but joined: the block's end is the service's, cancelled too
+        assert not any(t.name == "cadence-trio" for t in threading.enumerate())
 
     asyncio.run(main())
     assert gaps and max(gaps) < 1.0, max(gaps)
@@ -460,3 +475,137 @@ def test_a_stop_cancelled_on_the_asyncio_side_still_stops_the_trio_side(tiny):
     assert not caller.is_alive(), "the cancelled stop did not return"
     assert len(ended) == 1 and isinstance(ended[0], asyncio.CancelledError)
     assert not any(t.name == "cadence-trio" for t in threading.enumerate())
+
+
+def test_a_block_cancelled_while_the_model_loads_stops_without_hanging(tiny):
+    """Cancelled before the Trio thread could be told to stop, the stop must still reach
+    it once it starts: else it loaded the model, served, and the cancelled caller waited
+    for a stop that never came."""
+
+    async def hold():
+        async with actors.open_llm_asyncio(tiny):
+            await asyncio.sleep(60)  # never: it is cancelled while it loads
+
+    async def main():
+        holder = asyncio.create_task(hold())
+        await asyncio.sleep(0)  # (it waits for the model)
+        holder.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(holder, 10)
+        return any(t.name == "cadence-trio" for t in threading.enumerate())
+
+    for _ in range(3):
+        assert asyncio.run(main()) is False
+
+
+def test_a_generation_read_to_its_end_inside_async_with_exits_at_once(tiny):
+    """`async with` closes it on exit: a close after the pump had finished waited for a
+    finish that had already come, and the block never ended."""
+
+    async def main():
+        async with actors.open_llm_asyncio(tiny) as llm:
+            async with asyncio.timeout(10):
+                async with llm.generate("hi", max_tokens=3, ignore_eos=True) as generation:
+                    deltas = [d async for d in generation]
+                await generation.aclose()  # again: safe
+            return deltas, generation.finish_reason
+
+    deltas, finish_reason = asyncio.run(main())
+    assert len(deltas) == 3 and finish_reason == "length"
+
+
+def test_a_start_refused_for_a_full_queue_and_never_retried_does_not_hold_up_the_exit(tiny):
+    """Refused, it was never submitted: the drain owes it no answer, and its reader
+    gets ServiceClosedError after the block, as a Trio caller's retry then does."""
+
+    async def main():
+        async with asyncio.timeout(20):
+            async with actors.open_llm_asyncio(
+                tiny, max_batch=1, max_waiting=1, drain_timeout=0.1
+            ) as llm:
+                running, _ = await started_long_stream(llm)  # it holds the only row
+                queued = llm.generate("hi", max_tokens=3, ignore_eos=True)
+                await queued.start()  # it holds the only waiting slot
+                refused = llm.generate("hi", max_tokens=3, ignore_eos=True)
+                with pytest.raises(OverloadedError):
+                    await refused.start()
+            with pytest.raises(ServiceClosedError):
+                await refused.start()
+
+    asyncio.run(main())
+
+
+def test_finished_generations_are_not_kept_alive_by_the_bridge(tiny):
+    """A long-running service must not hold every answer it ever streamed."""
+
+    def trio_generations():
+        gc.collect()
+        return sum(isinstance(o, Generation) for o in gc.get_objects())
+
+    async def main():
+        async with actors.open_llm_asyncio(tiny) as llm:
+            for prompt in PROMPTS:
+                await complete(llm, prompt, max_tokens=2, ignore_eos=True)
+            await llm.engine_stats()  # (the pumps' exits have run)
+            return trio_generations()
+
+    before = trio_generations()  # (any an earlier test left)
+    assert asyncio.run(main()) <= before  # (an earlier test's may be freed meanwhile)
+
+
+def test_a_generation_closed_before_it_started_never_runs(tiny):
+    """Closing one never read must not fail, and must not let a later read submit it."""
+
+    async def main():
+        async with actors.open_llm_asyncio(tiny) as llm:
+            generation = llm.generate("Once upon a time", max_tokens=900, ignore_eos=True)
+            await generation.aclose()
+            with pytest.raises(RuntimeError, match="starts once"):
+                await generation.start()
+            assert [d async for d in generation] == []
+            assert (await llm.engine_stats()).num_open == 0
+            return generation.num_prompt_tokens
+
+    assert asyncio.run(main()) is None
+
+
+def test_a_reader_whose_service_stops_under_it_is_told_so(tiny):
+    """An error in the block stops the service at once; a task still reading must get
+    ServiceClosedError, not a stream that ends as if its answer were complete."""
+
+    async def main():
+        with pytest.raises(KeyError):
+            async with actors.open_llm_asyncio(tiny) as llm:
+                generation, _ = await started_long_stream(llm)
+                reader = asyncio.create_task(complete_generation(generation))
+                await asyncio.sleep(0.05)  # it reads on
+                raise KeyError("inside the block")
+        async with asyncio.timeout(5):
+            with pytest.raises(ServiceClosedError):
+                await reader
+        return generation.finish_reason
+
+    assert asyncio.run(main()) is None
+
+
+def test_a_start_queued_when_its_generation_closes_is_refused_as_under_trio(tiny):
+    """Closed by another task before it was admitted, `start()` raises GenerationError, as
+    a Trio Generation's start does then: not the end of a stream nor a stopped service."""
+
+    async def main():
+        async with actors.open_llm_asyncio(tiny) as llm:
+            generation = llm.generate("Once upon a time", max_tokens=900, ignore_eos=True)
+            trio_is_free = threading.Event()
+            llm._call_soon(trio_is_free.wait)  # the next two calls queue up behind it...
+            start = asyncio.create_task(generation.start())
+            await asyncio.sleep(0)  # (its read is queued)
+            close = asyncio.create_task(generation.aclose())
+            await asyncio.sleep(0)
+            trio_is_free.set()  # ... and run together, before the pump task starts
+            await close
+            async with asyncio.timeout(5):
+                with pytest.raises(GenerationError, match="closed before it started"):
+                    await start
+            await wait_for_no_open_rows(llm)
+
+    asyncio.run(main())
