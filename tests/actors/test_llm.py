@@ -443,6 +443,13 @@ async def test_a_bad_argument_to_generate_is_a_request_error_naming_it(tiny, arg
         assert (await complete(llm, "hi", stop=None, max_tokens=2, ignore_eos=True))[0]
 
 
+
+async def test_a_misspelt_sampling_argument_is_a_request_error_naming_it(tiny):
+    async with actors.open_llm(tiny) as llm:
+        with pytest.raises(RequestError, match="bad sampling parameter: .*'temprature'"):
+            llm.generate("hi", temprature=0.5)
+
+
 async def test_sampling_arguments_mean_what_the_same_http_fields_mean(tiny):
     """top_k -1 (off over HTTP) was refused embedded, and so was None for a field (null,
     its default, over HTTP); an empty stop string is no stop, as over HTTP."""
@@ -535,3 +542,40 @@ async def test_the_blocks_own_error_is_raised_though_a_reader_outside_it_fails_a
                     await trio.sleep(0.01)
             raise ValueError("the block's own")
     assert any(isinstance(e, ValueError) for e in leaves(caught.value)), repr(caught.value)
+
+
+async def test_unset_sizes_are_the_documented_defaults(tiny):
+    async with actors.open_llm(tiny) as llm:
+        assert (llm.max_batch, llm.max_waiting) == (16, 64)
+        assert llm.vocab_size == Tokenizer.from_dir(tiny).vocab_size
+
+
+async def test_start_up_logs_the_kv_pool_and_no_line_for_what_was_not_done(tiny):
+    """What an operator reads at start-up: the pool as built, and no ladder, window or
+    capped-context line for a model served at its full context with none of them."""
+    with capture_logs() as logs:
+        async with actors.open_llm(tiny, prefix_cache=False) as llm:
+            pass
+    events = {e["event"]: e for e in logs}
+    pool = events["kv_pool"]
+    assert (pool["block_size"], pool["prefix_cache"]) == (16, False)
+    assert pool["num_blocks"] > 0 and pool["bytes"] > 0 and pool["tokens"] >= llm.max_context
+    assert not {"batch_ladder", "kv_windows", "context_capped_by_kv_budget"} & events.keys()
+
+
+async def test_a_kv_budget_that_caps_the_context_is_warned_of(tiny):
+    with capture_logs() as logs:
+        async with actors.open_llm(tiny, kv_budget=24 * 4 * 512, block_size=4) as llm:
+            pass
+    (capped,) = [e for e in logs if e["event"] == "context_capped_by_kv_budget"]
+    assert capped["log_level"] == "warning"
+    assert capped["max_context"] == llm.max_context < capped["asked"] == 1024
+
+
+async def test_a_windowed_model_logs_what_its_windows_save(make_checkpoint):
+    with capture_logs() as logs:
+        async with actors.open_llm(make_checkpoint("gemma3")) as llm:
+            pass
+    (windows,) = [e for e in logs if e["event"] == "kv_windows"]
+    assert windows["row_tokens"] == llm.max_context
+    assert 0 < windows["row_bytes"] < windows["row_bytes_all_layers_full"]

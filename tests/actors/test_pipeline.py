@@ -707,3 +707,17 @@ async def test_serving_with_no_step_queued_behind_the_running_one_is_refused(pip
     with trio.fail_after(10), pytest.raises(ValueError, match="lookahead"):
         async with pipeline(lookahead=0):
             pass
+
+
+async def test_an_answered_generation_left_unread_does_not_slow_the_blocks_exit(pipeline):
+    """Nothing runs, so nothing is aborted, and no second waited for its reader: the
+    answer waits whole for it. (Real time: under the autojump clock the first
+    admission's tokenizer thread lets the clock run ahead.)"""
+    with trio.fail_after(5):
+        async with pipeline() as (llm, engine):
+            generation = llm.generate([1], max_tokens=3)
+            await generation.start()
+            await wait_for(lambda: generation.is_answered)
+        assert not llm.is_aborting_all  # nothing to abort, so no wait for its readers
+    deltas = await collect(generation)
+    assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == 3
