@@ -214,11 +214,13 @@ def _phi3_fields(
     metadata: Metadata, key: Callable[[str], str], config: dict[str, Any]
 ) -> dict[str, Any]:
     """Phi-3's window, its pre-LongRoPE context, and how much of a head RoPE rotates
-    (Phi-4-mini's 0.75, which the family refuses by name)."""
+    (Phi-4-mini's 0.75)."""
     rotated = metadata.optional(key("rope.dimension_count"), int, config["head_dim"])
     fields: dict[str, Any] = {
         "sliding_window": metadata.optional(key("attention.sliding_window"), int),
-        "partial_rotary_factor": rotated / config["head_dim"],
+        # Half a dimension over, so int(head_dim * factor), as the family reads it, gives
+        # `rotated` back: 30 / 44 * 44 is 29.999... in floating point.
+        "partial_rotary_factor": (rotated + 0.5) / config["head_dim"],
     }
     original = metadata.optional(key("rope.scaling.original_context_length"), int)
     if original is not None:

@@ -896,6 +896,13 @@ def test_phi3s_longrope_and_window_come_from_its_gguf(make_checkpoint, tmp_path,
         path, tmp_path / "partial.gguf", metadata={"phi3.rope.dimension_count": (48, V.UINT32, V.UINT32)}
     )
     assert "needs 'short_factor', a list of 24 positive numbers" in one_line_error(partial)
+    # 30 of 44 (as 30 / 44 * 44 is 29.999... in floating point, 30 must still come back)
+    stated = {
+        "phi3.rope.dimension_count": (30, V.UINT32, V.UINT32),
+        "phi3.attention.key_length": (44, V.UINT32, V.UINT32),
+    }
+    thirty = rewritten(path, tmp_path / "30.gguf", metadata=stated)
+    assert "a list of 15 positive numbers" in one_line_error(thirty)
     odd = rewritten(
         path, tmp_path / "odd.gguf", metadata={"phi3.rope.dimension_count": (47, V.UINT32, V.UINT32)}
     )
