@@ -58,7 +58,9 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
     if scaling is not None and rotary_dims < head_dim:
         # LongRoPE's factor scales the rotated part of q and k, not the rest: folded into
         # q's rotated rows at load (`rename_weights`), not into the attention's scale.
-        extra["rotated_query_gain"] = scaling.pop("attention_factor") ** 2
+        gain = scaling.pop("attention_factor") ** 2
+        if gain != 1.0:  # (a context no longer than the original: nothing to fold)
+            extra["rotated_query_gain"] = gain
     if scaling is not None:
         settings["rope_scaling"] = scaling
     return {**settings, "extra": extra}
