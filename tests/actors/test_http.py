@@ -21,6 +21,7 @@ import actors
 from actors.choices import DEFAULT_MAX_N
 from actors.http_app import ServerState, create_app
 from actors.http_server import serving_on_loopback
+from tests.actors.test_llm import fail_row
 
 
 @attrs.frozen
@@ -380,14 +381,7 @@ async def test_an_error_mid_stream_is_an_error_event_and_the_others_go_on(tiny):
     marker = [7, 7, 7, 7]
     async with serving(tiny) as server:
         engine = server.llm._engine
-        row_input = engine._row_input
-
-        def faulty_row_input(row, span):
-            if list(row.params.prompt_tokens) == marker and row.num_generated >= 3:
-                raise RuntimeError("injected fault")
-            return row_input(row, span)
-
-        engine._row_input = faulty_row_input
+        fail_row(engine, marker, after=3)
         client = server.client()
 
         def failing():
@@ -443,14 +437,7 @@ async def test_a_stream_ends_in_done_after_its_finish_or_an_error_event(tiny):
     marker = [7, 7, 7, 7]
     async with serving(tiny) as server:
         engine = server.llm._engine
-        row_input = engine._row_input
-
-        def faulty_row_input(row, span):
-            if list(row.params.prompt_tokens) == marker and row.num_generated >= 3:
-                raise RuntimeError("injected fault")
-            return row_input(row, span)
-
-        engine._row_input = faulty_row_input
+        fail_row(engine, marker, after=3)
         fields = {"model": server.model, "max_tokens": 12, "stream": True, "ignore_eos": True}
         fine = await in_thread(sse_data, server.url, "/v1/completions", {**fields, "prompt": "Go"})
         failed = await in_thread(
@@ -557,14 +544,7 @@ async def test_a_request_failing_after_admission_is_logged_once_by_the_pipeline(
     marker = [7, 7, 7, 7]
     async with serving(tiny) as server:
         engine = server.llm._engine
-        row_input = engine._row_input
-
-        def faulty_row_input(row, span):
-            if list(row.params.prompt_tokens) == marker and row.num_generated >= 2:
-                raise RuntimeError("injected fault")
-            return row_input(row, span)
-
-        engine._row_input = faulty_row_input
+        fail_row(engine, marker, after=2)
         body = {"model": server.model, "prompt": marker, "max_tokens": 8, "ignore_eos": True}
         with capture_logs() as logs:
             status, _, reply = await in_thread(

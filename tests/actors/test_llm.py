@@ -26,6 +26,19 @@ async def complete(llm, prompt, **kwargs):
     return text, generation
 
 
+def fail_row(engine, prompt_tokens, *, after):
+    """Make the engine raise for the row of `prompt_tokens` once it generated `after`
+    tokens, as a fault in one row's input would: the other rows must go on."""
+    row_input = engine._row_input
+
+    def faulty_row_input(row, span):
+        if list(row.params.prompt_tokens) == prompt_tokens and row.num_generated >= after:
+            raise RuntimeError("injected fault")
+        return row_input(row, span)
+
+    engine._row_input = faulty_row_input
+
+
 async def wait_for_no_open_rows(llm, timeout=10):
     with trio.fail_after(timeout):
         while (await llm.engine_stats()).num_open:
@@ -216,15 +229,8 @@ async def test_an_engine_fault_in_one_row_leaves_the_others_streaming(tiny):
     async with actors.open_llm(tiny, max_batch=4) as llm:
         clean = [(await complete(llm, p, max_tokens=16, ignore_eos=True))[0] for p in PROMPTS[:3]]
         engine = llm._engine
-        row_input = engine._row_input
         marker = [7, 7, 7, 7]
-
-        def faulty_row_input(row, span):
-            if list(row.params.prompt_tokens) == marker and row.num_generated >= 2:
-                raise RuntimeError("injected fault")
-            return row_input(row, span)
-
-        engine._row_input = faulty_row_input
+        fail_row(engine, marker, after=2)
         results, errors = {}, []
 
         async def one(prompt):
