@@ -28,10 +28,10 @@ import attrs
 import structlog
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from quart import Response, current_app, g, request
+from quart import Response, g, request
 from quart.wrappers.response import ResponseBody
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+from werkzeug.exceptions import HTTPException
 
 from actors.choices import (
     DEFAULT_MAX_N,
@@ -43,7 +43,8 @@ from actors.choices import (
 )
 from actors.cors import CorsPolicy
 from actors.generation import Generation
-from actors.openai_requests import ApiError, ApiRequest, parse_chat, parse_completion, parse_json
+from actors.http_body import BODY_GRACE_S, BODY_MIN_RATE, request_json
+from actors.openai_requests import ApiError, ApiRequest, parse_chat, parse_completion
 from actors.openai_responses import SSE_DONE, ChunkWriter, sse, wire_json
 from actors.openai_tools import ToolCallDeltas, with_tool_calls
 from actors.openapi import OPENAPI
@@ -51,11 +52,6 @@ from actors.requests import LogprobEntry, OverloadedError, ServiceClosedError, U
 from actors.service import LLM
 
 log = structlog.get_logger("cadence.http")
-
-# A request body gets BODY_GRACE_S, then must keep arriving at BODY_MIN_RATE bytes a
-# second on average: a 4 MiB body has 69 s, a 10 kB chat 5 s (it takes milliseconds).
-BODY_GRACE_S = 5.0
-BODY_MIN_RATE = 64 << 10
 
 
 @attrs.define
@@ -88,7 +84,7 @@ def create_app(
     `cors`: the origins whose browser pages may call the API; none by default.
     `max_n`: the most choices (`n`) one request may ask for.
     `body_grace_s`, `body_min_rate`: a request body must arrive at `body_min_rate`
-    bytes a second on average once `body_grace_s` have passed (`_read_body`).
+    bytes a second on average once `body_grace_s` have passed (actors/http_body.py).
     `allowed_hosts`: the names a request's `Host` may give (lower case, no port); None:
     any. A server on loopback answers only its own names: otherwise any web page could
     read it through DNS rebinding (a name of the page's that resolves to 127.0.0.1).
@@ -182,59 +178,13 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        return await _complete(state, parse_chat(await _read_json(), max_n=max_n))
+        return await _complete(state, parse_chat(await request_json(), max_n=max_n))
 
     @app.post("/v1/completions")
     async def completions() -> Response:
-        return await _complete(state, parse_completion(await _read_json(), max_n=max_n))
+        return await _complete(state, parse_completion(await request_json(), max_n=max_n))
 
     return app
-
-
-async def _read_json() -> dict[str, Any]:
-    raw = await _read_body(current_app.config["BODY_GRACE_S"], current_app.config["BODY_MIN_RATE"])
-    # Checked after the body is read, so the connection stays usable. Only JSON: a
-    # text/plain or form POST is a "simple" cross-site request any web page can send
-    # without a CORS preflight.
-    if request.mimetype != "application/json":
-        shown = request.content_type or "none"
-        raise ApiError(415, f"Content-Type must be application/json, got {shown[:80]}")
-    # A compressed body was read as text and refused as "not valid UTF-8".
-    if (coding := request.headers.get("Content-Encoding", "").strip()) not in ("", "identity"):
-        raise ApiError(415, f"Content-Encoding {coding[:40]!r} is not supported; send the body as is")
-    return parse_json(raw)
-
-
-async def _read_body(grace_s: float, min_rate: int) -> bytes:
-    """The request body, which must keep arriving: after `grace_s`, at `min_rate` bytes a
-    second on average (Apache's mod_reqtimeout rule), or the answer is a 408.
-
-    Quart's own limit, the whole body within 60 s, let a client that sends a byte every
-    few seconds hold one of --max-http-requests' slots for a minute: a few hundred such
-    connections shut every other client out. Under this rule a slot is held long only
-    by a client that sends at the rate, and for no longer than the largest body takes.
-    """
-    limit = request.max_content_length
-    body, start = bytearray(), trio.current_time()
-    chunks = aiter(request.body)
-    while True:
-        with trio.move_on_at(start + grace_s + len(body) / min_rate):
-            try:
-                body += await anext(chunks)
-            except StopAsyncIteration:
-                return bytes(body)
-            except RequestEntityTooLarge:  # its Content-Length said so
-                raise ApiError(413, f"the request body is larger than {limit} bytes") from None
-            if limit is not None and len(body) > limit:  # a chunked body grew past it
-                raise ApiError(413, f"the request body is larger than {limit} bytes")
-            continue
-        raise ApiError(
-            408,
-            f"the request body arrived too slowly: {len(body)} bytes in "
-            f"{trio.current_time() - start:.1f} s, after {grace_s:g} s it must keep up "
-            f"{min_rate} bytes a second",
-            code="request_timeout",
-        )
 
 
 def _loaded(state: ServerState) -> LLM:
