@@ -321,7 +321,8 @@ async def test_streams_cut_by_preemption_resume_with_no_gap_and_no_duplicate(tin
     assert texts == singles
 
 
-def read_some_then_disconnect(url, path, body, num_lines, until=lambda: True):
+def open_stream(url, path, body):
+    """(connection, response) of a JSON POST answered 200, read raw by the caller."""
     parts = urllib.parse.urlsplit(url)
     connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
     connection.request(
@@ -329,6 +330,11 @@ def read_some_then_disconnect(url, path, body, num_lines, until=lambda: True):
     )
     response = connection.getresponse()
     assert response.status == 200
+    return connection, response
+
+
+def read_some_then_disconnect(url, path, body, num_lines, until=lambda: True):
+    connection, response = open_stream(url, path, body)
     lines = [response.readline() for _ in range(num_lines)]
     while not until():
         time.sleep(0.001)
@@ -417,13 +423,7 @@ async def test_an_error_mid_stream_is_an_error_event_and_the_others_go_on(tiny):
 
 def sse_data(url, path, body):
     """A whole stream's `data:` payloads, read raw: the events as they are on the wire."""
-    parts = urllib.parse.urlsplit(url)
-    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
-    connection.request(
-        "POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    response = connection.getresponse()
-    assert response.status == 200
+    connection, response = open_stream(url, path, body)
     events = response.read().decode().split("\n\n")
     connection.close()
     assert events[-1] == ""
