@@ -401,6 +401,7 @@ def _completion_route(request: str, response: str, summary: str) -> dict[str, An
                 },
                 **_ERRORS,
                 "404": _json("Error", "the model is not the one this server has"),
+                "408": _json("Error", "the body arrived too slowly (after 5 s, under 64 KiB/s)"),
                 "413": _json("Error", "the body is larger than --max-body-bytes"),
                 "415": _json("Error", "the Content-Type is not application/json, or the body is compressed"),
                 "500": _json("Error", "the generation failed in the engine"),
