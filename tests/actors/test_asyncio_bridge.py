@@ -32,6 +32,20 @@ async def complete_generation(generation):
     return "".join([d.text async for d in generation])
 
 
+async def queued_beside_a_close(llm, generation, call):
+    """`call()` (a read or a start) and the generation's aclose() run together on the
+    Trio thread, before its pump task starts; returns `call`'s task once the close ran."""
+    trio_is_free = threading.Event()
+    llm._call_soon(trio_is_free.wait)  # the next two calls queue up behind it...
+    task = asyncio.create_task(call())
+    await asyncio.sleep(0)  # (its call is queued)
+    close = asyncio.create_task(generation.aclose())
+    await asyncio.sleep(0)
+    trio_is_free.set()  # ... and run together, before the pump task starts
+    await close
+    return task
+
+
 async def wait_for_no_open_rows(llm, timeout=5):
     async with asyncio.timeout(timeout):
         while (await llm.engine_stats()).num_open:
@@ -124,14 +138,7 @@ def test_a_first_read_queued_when_its_generation_closes_is_answered(tiny):
     async def main():
         async with actors.open_llm_asyncio(tiny) as llm:
             generation = llm.generate("Once upon a time", max_tokens=900, ignore_eos=True)
-            trio_is_free = threading.Event()
-            llm._call_soon(trio_is_free.wait)  # the next two calls queue up behind it...
-            read = asyncio.create_task(generation.__anext__())
-            await asyncio.sleep(0)  # (its read is queued)
-            close = asyncio.create_task(generation.aclose())
-            await asyncio.sleep(0)
-            trio_is_free.set()  # ... and run together, before the pump task starts
-            await close
+            read = await queued_beside_a_close(llm, generation, generation.__anext__)
             async with asyncio.timeout(5):
                 with pytest.raises(StopAsyncIteration):
                     await read
@@ -595,14 +602,7 @@ def test_a_start_queued_when_its_generation_closes_is_refused_as_under_trio(tiny
     async def main():
         async with actors.open_llm_asyncio(tiny) as llm:
             generation = llm.generate("Once upon a time", max_tokens=900, ignore_eos=True)
-            trio_is_free = threading.Event()
-            llm._call_soon(trio_is_free.wait)  # the next two calls queue up behind it...
-            start = asyncio.create_task(generation.start())
-            await asyncio.sleep(0)  # (its read is queued)
-            close = asyncio.create_task(generation.aclose())
-            await asyncio.sleep(0)
-            trio_is_free.set()  # ... and run together, before the pump task starts
-            await close
+            start = await queued_beside_a_close(llm, generation, generation.start)
             async with asyncio.timeout(5):
                 with pytest.raises(GenerationError, match="closed before it started"):
                     await start
