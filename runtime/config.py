@@ -157,7 +157,7 @@ def config_from_dict(
     # interleaved pairs, which mlx-lm honours; run as halves, every token was off.
     if field("rope_traditional", bool, False):
         raise CheckpointError(f"{source}: rope_traditional=true is not supported")
-    rope_theta, rope_scaling = _rope_fields(fields)
+    rope_theta, rope_scaling = rope_fields(fields)
     if rope_scaling is not None:
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
         # A family may run more (phi3's LongRoPE): its read_config checks those.
@@ -207,7 +207,7 @@ def read_sliding_layers(fields: ConfigFields) -> list[bool] | None:
     return [kind == "sliding_attention" for kind in layer_types]
 
 
-def _rope_fields(fields: ConfigFields) -> tuple[float, dict[str, Any] | None]:
+def rope_fields(fields: ConfigFields) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling). transformers 5 writes neither: both go under
     `rope_parameters` (`{"rope_theta": 500000.0, "rope_type": "llama3", "factor": ...}`),
     and reading only the old names ran such a Llama or Qwen at theta 10,000, unscaled,
@@ -285,6 +285,16 @@ LLAMA3_ROPE_DEFAULTS = {
 }
 
 
+def is_positive_number(value: object) -> TypeGuard[int | float]:
+    """A finite number above 0, not a boolean: what a scaling may divide by."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
 def _check_rope_scaling(kind: str, scaling: dict[str, Any], source: str) -> None:
     """The numbers a scaling divides by or multiplies with must be positive, and llama3's
     high_freq_factor above its low one (RoPE divides by their difference)."""
@@ -293,9 +303,7 @@ def _check_rope_scaling(kind: str, scaling: dict[str, Any], source: str) -> None
 
     def positive(name: str, default: float | None = None) -> float:
         value = scaling.get(name, default)
-        if not (isinstance(value, (int, float)) and not isinstance(value, bool)) or not (
-            math.isfinite(value) and value > 0
-        ):
+        if not is_positive_number(value):
             raise CheckpointError(
                 f"{source}: rope_scaling {kind} needs a positive number '{name}', got {value!r}"
             )

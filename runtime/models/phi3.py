@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from runtime.config import ConfigFields, ModelConfig
+from runtime.config import ConfigFields, ModelConfig, is_positive_number, rope_fields
 from runtime.errors import CheckpointError
 from runtime.models import llama
 
@@ -68,10 +68,7 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
 
 def _rope_scaling(fields: ConfigFields, rotary_dims: int) -> dict[str, Any] | None:
     """LongRoPE's settings, checked, in the form `layers.RoPE` reads; None otherwise."""
-    scaling = fields.get("rope_scaling", dict, None)
-    parameters = fields.get("rope_parameters", dict, None)  # transformers 5 moves it here
-    if scaling is None and parameters is not None and parameters.get("rope_type") in ROPE_TYPES:
-        scaling = parameters
+    _, scaling = rope_fields(fields)  # config.json's, or transformers 5's rope_parameters
     if scaling is None or scaling.get("rope_type", scaling.get("type")) not in ROPE_TYPES:
         return None
     source = fields.source
@@ -82,7 +79,7 @@ def _rope_scaling(fields: ConfigFields, rotary_dims: int) -> dict[str, Any] | No
         if not (
             isinstance(values, list)
             and len(values) == half
-            and all(_is_positive(v) for v in values)
+            and all(is_positive_number(v) for v in values)
         ):
             raise CheckpointError(
                 f"{source}: rope_scaling longrope needs '{name}', a list of {half} positive numbers"
@@ -91,7 +88,7 @@ def _rope_scaling(fields: ConfigFields, rotary_dims: int) -> dict[str, Any] | No
     original = scaling.get(
         "original_max_position_embeddings", fields.raw.get("original_max_position_embeddings")
     )
-    if not (_is_positive(original) and isinstance(original, int)):
+    if not (is_positive_number(original) and isinstance(original, int)):
         raise CheckpointError(
             f"{source}: rope_scaling longrope needs a positive integer "
             f"original_max_position_embeddings, got {original!r}"
@@ -103,21 +100,12 @@ def _rope_scaling(fields: ConfigFields, rotary_dims: int) -> dict[str, Any] | No
         attention_factor = (
             math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
         )
-    elif not _is_positive(attention_factor):
+    elif not is_positive_number(attention_factor):
         raise CheckpointError(
             f"{source}: rope_scaling longrope's attention_factor must be a positive number, "
             f"got {attention_factor!r}"
         )
     return {"rope_type": "longrope", **factors, "attention_factor": float(attention_factor)}
-
-
-def _is_positive(value: object) -> bool:
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    )
 
 
 def rename_weights(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
