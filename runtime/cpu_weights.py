@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 from runtime.errors import CheckpointError
 from runtime.kv.budget import available_memory
+from runtime.models.experts import ExpertLinear, QuantizedExpertLinear
 from runtime.models.layers import CausalLM
 
 import mlx.core as mx
@@ -263,6 +264,8 @@ def _layer_kind(module: nn.Module) -> str:
         mode = getattr(module, "mode", "affine")
         layout = f"{module.bits}-bit g{module.group_size}" if mode == "affine" else mode
         return f"{name} {layout} ({path})"
+    if isinstance(module, (ExpertLinear, QuantizedExpertLinear)):
+        return f"experts {_experts_layout(module)}"
     if isinstance(module, PanelLinear):
         return f"linear {str(module.weight.dtype).removeprefix('mlx.core.')} (cadence panel kernel)"
     if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -270,6 +273,20 @@ def _layer_kind(module: nn.Module) -> str:
         path = "cadence kernel, sgemm" if isinstance(module, (KernelLinear, KernelEmbedding)) else "matmul"
         return f"{name} {str(module.weight.dtype).removeprefix('mlx.core.')} ({path})"
     return ""
+
+
+def _experts_layout(module: ExpertLinear | QuantizedExpertLinear) -> str:
+    """e.g. "4-bit g64 (cadence kernel)": what kernels/expert_matmul.py will run them with."""
+    if isinstance(module, ExpertLinear):
+        dtype = module.weight.dtype
+        path = "cadence kernel" if cpu_extension() is not None else "mlx gather_mm"
+        return f"{str(dtype).removeprefix('mlx.core.')} ({path})"
+    is_kernel = cpu_extension() is not None and is_kernel_layout(
+        module.group_size, module.bits, module.mode
+    )
+    path = "cadence kernel" if is_kernel and module.scales.dtype == mx.float32 else "mlx gather_qmm"
+    layout = f"{module.bits}-bit g{module.group_size}" if module.mode == "affine" else module.mode
+    return f"{layout} ({path})"
 
 
 def _arrays(module: nn.Module) -> list[mx.array]:
@@ -284,7 +301,7 @@ def _leaves(model: CausalLM) -> list[tuple[str, nn.Module]]:
 def _quantize(model: CausalLM, bits: int) -> None:
     def is_quantizable(_path: str, module: nn.Module) -> bool:
         return (
-            isinstance(module, (nn.Linear, nn.Embedding))
+            isinstance(module, (nn.Linear, nn.Embedding, ExpertLinear))
             and module.weight.shape[-1] % LOAD_TIME_GROUP_SIZE == 0
         )
 
@@ -313,7 +330,9 @@ def _adopt_kernel_layers(model: CausalLM) -> None:
 
 
 def _is_16_bit_matmul(module: nn.Module) -> bool:
-    return type(module) in (nn.Linear, nn.Embedding) and module.weight.dtype in HALF_DTYPES
+    """A layer the kernels read in 16 bits as stored (routed experts' too)."""
+    matmuls = (nn.Linear, nn.Embedding, ExpertLinear)
+    return type(module) in matmuls and module.weight.dtype in HALF_DTYPES
 
 
 def _has_16_bit_matmuls(model: CausalLM) -> bool:

@@ -32,6 +32,8 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
@@ -65,12 +67,20 @@ def make_tiny_checkpoint(
     sliding_window: int = 8,
     sliding_window_pattern: int = 2,
     query_pre_attn_scalar: int = 24,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    dense_layers: tuple[int, ...] = (),
 ) -> Path:
     """Write a random-weight checkpoint of `family` into `out_dir` and return `out_dir`.
 
     Gemma 3 (`gemma3_text`, or the multimodal `gemma3` layout with a stub vision
     tower) takes `sliding_window` and `sliding_window_pattern` (every pattern-th
     layer global; written as `layer_types` too) and `query_pre_attn_scalar`.
+
+    The routed-experts families (`qwen3_moe`, `mixtral`) take `num_experts` of
+    `intermediate_size`, `num_experts_per_tok`, and (qwen3_moe) `dense_layers` run by a
+    dense MLP; float weights are stored per expert as Hugging Face does, quantized ones
+    stacked as mlx-community does.
 
     `vocab_size` above the demo tokenizer's adds embedding rows no text encodes to
     (a large-vocabulary model, e.g. 151,936 as Qwen's).
@@ -101,11 +111,18 @@ def make_tiny_checkpoint(
         sliding_window=sliding_window,
         sliding_window_pattern=sliding_window_pattern,
         query_pre_attn_scalar=query_pre_attn_scalar,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        dense_layers=dense_layers,
     )
     weights = random_weights(build_model(config_from_dict(raw)), seed)
     weights = {name: w.astype(DTYPES[dtype]) for name, w in weights.items()}
     if family == "phi3":
         weights = fused_projections(weights)
+    if family == "mixtral":
+        weights = {name.replace(".mlp.", ".block_sparse_moe."): w for name, w in weights.items()}
+    if family in EXPERT_NAMES and quantize is None:
+        weights = per_expert_weights(weights, EXPERT_NAMES[family])
     if family == "gemma3":
         weights = {f"language_model.{name}": w for name, w in weights.items()}
         rng = np.random.default_rng(seed)
@@ -141,6 +158,9 @@ def hf_config(
     sliding_window: int = 8,
     sliding_window_pattern: int = 2,
     query_pre_attn_scalar: int = 24,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    dense_layers: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     """A config.json dict with the fields Hugging Face writes for `family`."""
     if family not in FAMILIES:
@@ -167,13 +187,25 @@ def hf_config(
     }
     if family in ("llama", "qwen3"):
         raw["attention_bias"] = False
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         raw["sliding_window"] = None
+    if family == "mixtral":
+        raw.update(num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok)
+    if family == "qwen3_moe":
+        raw.update(
+            attention_bias=False,
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=intermediate_size,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(dense_layers),
+        )
     if family == "phi3":
         raw.update(attention_bias=False, sliding_window=None)
         raw["original_max_position_embeddings"] = max_position_embeddings
     # Qwen3 configs always name head_dim (and mlx-lm requires it there).
-    if head_dim is not None or family in ("qwen3", "gemma3_text", "gemma3"):
+    if head_dim is not None or family in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3"):
         raw["head_dim"] = head_dim or hidden_size // num_heads
     if family in ("gemma3_text", "gemma3"):
         raw.update(
@@ -221,6 +253,28 @@ def fused_projections(weights: dict[str, mx.array]) -> dict[str, mx.array]:
             out[f"{layer}.{into}.weight"] = mx.concatenate(parts_weights)
         elif projection not in ("k_proj", "v_proj", "up_proj"):
             out[name] = w
+    return out
+
+
+# The per-expert names Hugging Face stores, by ours (runtime/models/qwen3_moe.py, mixtral.py).
+EXPERT_NAMES = {
+    "qwen3_moe": {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},
+    "mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+}
+
+
+def per_expert_weights(weights: dict[str, mx.array], names: dict[str, str]) -> dict[str, mx.array]:
+    """Stacked experts (`X.switch_mlp.gate_proj.weight` [E, out, in]) as Hugging Face
+    stores them, one tensor per expert (`X.experts.{e}.{name}.weight`)."""
+    out = {}
+    for name, w in weights.items():
+        block, is_stacked, rest = name.partition(".switch_mlp.")
+        if not is_stacked:
+            out[name] = w
+            continue
+        projection, _, suffix = rest.partition(".")
+        for e in range(w.shape[0]):
+            out[f"{block}.experts.{e}.{names[projection]}.{suffix}"] = w[e]
     return out
 
 
@@ -273,7 +327,8 @@ def quantize_weights(
     out = {}
     for name, w in weights.items():
         prefix = name.removesuffix(".weight")
-        is_matrix = name.endswith(".weight") and w.ndim == 2 and "norm" not in name
+        # 3 dimensions: stacked experts, quantized along their inputs as mlx-lm does.
+        is_matrix = name.endswith(".weight") and w.ndim in (2, 3) and "norm" not in name
         if is_matrix and w.shape[-1] % group_size == 0:
             packed, scales, *biases = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
             out[name], out[f"{prefix}.scales"] = packed, scales

@@ -17,6 +17,7 @@
 #include "attention_ops.h"
 #include "block_ops.h"
 #include "dense_ops.h"
+#include "expert_ops.h"
 #include "huge_pages.h"
 #include "isa.h"
 #include "norm_rope_ops.h"
@@ -38,6 +39,14 @@ NB_MODULE(_cpu_ext, m) {
   m.def("matmul", &cadence_cpu::matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a,
         "x[M, K] @ dequantize(w).T -> [M, N] float32 (mlx affine layout, 4 or 8 bits).");
+  m.def("expert_matmul", &cadence_cpu::expert_matmul, "x"_a, "experts"_a, "w"_a, "scales"_a,
+        "biases"_a, "group_size"_a, "bits"_a,
+        "x[R, K], experts[R, k] -> [R, k, N] float32: each row times each of its experts' "
+        "quantized weights (w [E, N, K * bits / 32], mlx affine layout).");
+  m.def("dense_expert_matmul", &cadence_cpu::dense_expert_matmul, "x"_a, "experts"_a, "w"_a,
+        "x[R, K], experts[R, k] -> [R, k, N] float32 for float weights w [E, N, K].");
+  m.def("num_expert_calls", &cadence_cpu::num_expert_calls,
+        "Expert matmuls evaluated on the CPU, ever.");
   m.def("copy_to_huge_pages", &cadence_cpu::copy_to_huge_pages, "a"_a,
         "A copy of a on a fresh mapping advised for 2 MB pages (Linux), or a itself when it "
         "is under 2 MB or the platform has none.");

@@ -305,36 +305,37 @@ mx::array dense_matmul(const mx::array& x, const mx::array& w) {
 
 void DenseRowsMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   run_on_stream(stream(), inputs, out, [](std::vector<mx::array>& in, mx::array& out) {
-    dense_calls.fetch_add(1, std::memory_order_relaxed);
     const auto& w = in[1];
-    const int K = w.shape(1), N = w.shape(0);
-    const int M = leading_rows(in[0]);
-    if (M == 0 || N == 0) {
-      return;
-    }
     std::vector<float> x_copy;
-    const float* x = row_major_data(in[0], x_copy);
-    // x's rows copied a cache line further apart than K floats: with K a multiple of
-    // 1024 they would all fall in one L1 set, and evict each other (measured 2x slower).
-    const int64_t stride = K + 16;
-    thread_local std::vector<float> spaced;  // this runs on the stream's one thread
-    scratch(spaced, static_cast<size_t>(M) * stride);
-    for (int m = 0; m < M; ++m) {
-      std::copy_n(x + static_cast<int64_t>(m) * K, K, spaced.data() + m * stride);
-    }
     StoredWeight weight(w);
-    const DenseTask task{
-        DenseMatmulJob{spaced.data(), weight.data, out.data<float>(), M, N, K, stride, weight.kind},
-        dense_kernel()};
-    const int min_rows = static_cast<int>(
-        std::clamp<int64_t>(kMinWeightsPerChunk / std::max(1, K), 4, std::max(4, N)));
-    row_pool()->run(
-        [](const void* context, int begin, int end) {
-          const auto& t = *static_cast<const DenseTask*>(context);
-          t.rows(t.job, begin, end);
-        },
-        &task, N, min_rows);
+    dense_matmul_rows(row_major_data(in[0], x_copy), leading_rows(in[0]), w.shape(1), weight.data,
+                      weight.kind, w.shape(0), out.data<float>());
   });
+}
+
+void dense_matmul_rows(const float* x, int M, int K, const void* w, WeightKind w_kind, int N,
+                       float* out) {
+  dense_calls.fetch_add(1, std::memory_order_relaxed);
+  if (M == 0 || N == 0) {
+    return;
+  }
+  // x's rows copied a cache line further apart than K floats: with K a multiple of
+  // 1024 they would all fall in one L1 set, and evict each other (measured 2x slower).
+  const int64_t stride = K + 16;
+  thread_local std::vector<float> spaced;  // this runs on the stream's one thread
+  scratch(spaced, static_cast<size_t>(M) * stride);
+  for (int m = 0; m < M; ++m) {
+    std::copy_n(x + static_cast<int64_t>(m) * K, K, spaced.data() + m * stride);
+  }
+  const DenseTask task{DenseMatmulJob{spaced.data(), w, out, M, N, K, stride, w_kind}, dense_kernel()};
+  const int min_rows = static_cast<int>(
+      std::clamp<int64_t>(kMinWeightsPerChunk / std::max(1, K), 4, std::max(4, N)));
+  row_pool()->run(
+      [](const void* context, int begin, int end) {
+        const auto& t = *static_cast<const DenseTask*>(context);
+        t.rows(t.job, begin, end);
+      },
+      &task, N, min_rows);
 }
 
 void DenseRowsMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {

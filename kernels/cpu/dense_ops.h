@@ -6,6 +6,8 @@
 #include "mlx/array.h"
 #include "mlx/primitives.h"
 
+#include "row_kernels.h"
+
 namespace cadence_cpu {
 
 namespace mx = mlx::core;
@@ -14,6 +16,12 @@ namespace mx = mlx::core;
 mx::array dense_matmul(const mx::array& x, const mx::array& w);
 
 uint64_t num_dense_calls();  // evaluations on the CPU, ever
+
+// The dense primitive's work, for ops that run it inside their own (expert_ops.cpp):
+// out[M, N] = x[M, K] (rows K apart) @ w.T for w [N, K] of `w_kind` read in place.
+// Call it from the stream's thread (its buffers are per thread).
+void dense_matmul_rows(const float* x, int M, int K, const void* w, WeightKind w_kind, int N,
+                       float* out);
 
 // x[..., K] @ W.T -> [..., N] float32 for a W [N, K] (float32, or 16 bits widened exactly
 // as read) packed into panels of 32 columns, [ceil(N / 32), K, 32] (row_kernels.h): every

@@ -13,7 +13,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from runtime.config import ModelConfig
-from runtime.models import gemma3, llama, mistral, phi3, qwen2, qwen3
+from runtime.models import gemma3, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
 from runtime.models.layers import CausalLM
 
 import mlx.core as mx
@@ -23,6 +23,8 @@ FAMILIES: dict[str, ModuleType] = {
     "mistral": mistral,
     "qwen2": qwen2,
     "qwen3": qwen3,
+    "qwen3_moe": qwen3_moe,
+    "mixtral": mixtral,
     "phi3": phi3,
     "gemma3_text": gemma3,
     "gemma3": gemma3,  # the multimodal layout: its text model

@@ -13,7 +13,8 @@ from typing import Any
 from runtime.config import ConfigFields, ModelConfig, read_sliding_layers
 from runtime.errors import CheckpointError
 from runtime.kv.base import ForwardKV
-from runtime.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, RoPE, kept_rows
+from runtime.models.experts import feed_forward
+from runtime.models.layers import Attention, CausalLM, RMSNorm, RoPE, kept_rows
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -35,7 +36,7 @@ class DecoderLayer(nn.Module):
             o_bias=config.o_bias,
             qk_norm=RMSNorm if config.qk_norm else None,
         )
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = feed_forward(config, layer)  # dense, or routed experts (qwen3_moe, mixtral)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

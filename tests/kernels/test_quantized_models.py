@@ -28,6 +28,9 @@ FAMILIES = {
     "qwen2": dict(tie_word_embeddings=True),
     "qwen3": dict(head_dim=32),
     "phi3": dict(),  # q/k/v and gate/up stored fused, split at load
+    # Routed experts (their gathered matmuls are mlx's), a dense MLP in the middle layer.
+    "qwen3_moe": dict(head_dim=32, num_layers=3, dense_layers=(1,)),
+    "mixtral": dict(num_experts=6),
     # Sliding-window layers (window 8) beside global ones, as tests/runtime/test_gemma3_paged.py.
     "gemma3_text": dict(head_dim=32, num_layers=4, num_kv_heads=1, sliding_window=8),
 }

@@ -269,6 +269,46 @@ def test_the_start_up_log_names_the_form_the_weights_take(
     assert lines[lines.index(loader.kernel_status()) + 1:] == said
 
 
+MOE_SHAPE = dict(SHAPE, head_dim=32, num_layers=3, dense_layers=(1,))
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("stored", "cpu_quantize", "experts"),
+    [
+        (dict(dtype="bfloat16"), "off", "experts bfloat16 (cadence kernel) x6"),
+        (dict(dtype="bfloat16"), "4", "experts 4-bit g64 (cadence kernel) x6"),
+        (dict(dtype="bfloat16"), "float32", "experts float32 (cadence kernel) x6"),
+        (dict(quantize=(64, 8)), "off", "experts 8-bit g64 (cadence kernel) x6"),
+    ],
+    ids=["16-bit", "quantized at load", "expanded", "stored quantized"],
+)
+def test_routed_experts_take_the_form_the_linear_layers_take(make_checkpoint, stored, cpu_quantize, experts):
+    """Kept in 16 bits, quantized at load or expanded as the linear layers are, and run
+    by the expert kernel (kernels/expert_matmul.py); two sparse layers of three
+    projections."""
+    lines = []
+    path = make_checkpoint("qwen3_moe", **MOE_SHAPE, **stored)
+    loaded = load_model(path, cpu_quantize=cpu_quantize, on_progress=lines.append)
+    assert experts in lines[-1]
+    before = loader.cpu_extension().num_expert_calls()
+    mx.eval(loaded.model(mx.array([PROMPT])))
+    assert loader.cpu_extension().num_expert_calls() == before + 6
+
+
+@needs_kernels
+def test_16_bit_experts_give_the_float32_expansions_logits(make_checkpoint):
+    """The dense row kernel widens 16-bit experts exactly as it reads them."""
+    path = make_checkpoint("mixtral", dtype="bfloat16", **SHAPE)
+    kept = load_model(path)
+    expanded = load_model(path, cpu_quantize="float32")
+    experts = kept.model.model.layers[0].mlp.switch_mlp
+    assert experts.gate_proj.weight.dtype == mx.bfloat16
+    assert expanded.model.model.layers[0].mlp.switch_mlp.gate_proj.weight.dtype == mx.float32
+    for tokens in (PROMPT[:3], (PROMPT * 4)[:40]):  # decode-sized, and many rows an expert
+        assert mx.array_equal(kept.model(mx.array([tokens])), expanded.model(mx.array([tokens]))).item()
+
+
 def test_on_a_gpu_the_weights_are_left_as_stored(make_checkpoint, monkeypatch):
     model = load_model(make_checkpoint("llama", quantize=(64, 4), **SHAPE), keep_dtype=True).model
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))

@@ -1,0 +1,289 @@
+"""Routed experts (runtime/models/experts.py) and the two families built on them,
+qwen3_moe and mixtral. Greedy and logit parity with mlx-lm through the engine and
+the quantized kernels is in tests/runtime/test_engine.py and
+tests/kernels/test_quantized_models.py (their family tables)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from runtime.checkpoint import load_model
+from runtime.config import config_from_dict
+from runtime.errors import CheckpointError
+from runtime.models import build_model
+from runtime.models.experts import Experts, QuantizedExpertLinear, RoutedExperts
+from runtime.models.layers import GatedMLP
+from runtime.synth import hf_config, make_tiny_checkpoint, save_weights
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+import numpy as np
+import pytest
+
+from kernels import cpu_extension as loader
+from kernels.expert_matmul import SORT_FROM_PAIRS
+from tests.kernels.test_quantized_models import greedy
+
+HIDDEN, INTERMEDIATE, NUM_EXPERTS = 16, 8, 5
+IS_BUILT = loader.cpu_extension() is not None
+
+
+@pytest.fixture(params=["cadence-kernel", "mlx-gather"])
+def expert_path(request, monkeypatch):
+    """Each test twice: through cadence's expert kernel (counted) and through mlx's gathers."""
+    if request.param == "mlx-gather":
+        monkeypatch.setitem(loader._state, "module", None)
+        yield request.param
+        return
+    if not IS_BUILT:
+        pytest.skip("the C++ kernels were not built here")
+    before = loader.cpu_extension().num_expert_calls()
+    yield request.param
+    assert loader.cpu_extension().num_expert_calls() > before, "the kernel did not run"
+
+
+def routed_experts(top_k: int, normalize: bool, seed: int = 0) -> RoutedExperts:
+    experts = Experts(NUM_EXPERTS, top_k, INTERMEDIATE, normalize, (True,))
+    layer = RoutedExperts(HIDDEN, experts)
+    rng = np.random.default_rng(seed)
+    layer.update(
+        nn.utils.tree_map(
+            lambda p: mx.array(
+                rng.standard_normal(p.shape).astype(np.float32) / p.shape[-1] ** 0.5
+            ),
+            layer.parameters(),
+        )
+    )
+    return layer
+
+
+def reference(layer: RoutedExperts, x: np.ndarray, weights=None) -> np.ndarray:
+    """Token by token, in NumPy: softmax over the experts, the top k, each expert's
+    SwiGLU MLP weighted by its probability (divided by the k's sum if normalising)."""
+    mlp = layer.switch_mlp
+    weights = weights or {
+        name: np.array(getattr(mlp, name).weight) for name in ("gate_proj", "up_proj", "down_proj")
+    }
+    router = np.array(layer.gate.weight)
+    out = np.zeros_like(x)
+    for n, token in enumerate(x):
+        logits = router @ token
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        chosen = np.argsort(-p)[: layer.top_k]
+        w = p[chosen] / (p[chosen].sum() if layer.normalize else 1.0)
+        for e, weight in zip(chosen, w, strict=True):
+            gate, up = weights["gate_proj"][e] @ token, weights["up_proj"][e] @ token
+            out[n] += weight * (weights["down_proj"][e] @ (gate / (1 + np.exp(-gate)) * up))
+    return out
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalised", "raw-probabilities"])
+@pytest.mark.parametrize("num_tokens", [3, 40], ids=["unsorted", "sorted-by-expert"])
+def test_routed_experts_match_a_token_by_token_reference(num_tokens, normalize, expert_path):
+    layer = routed_experts(top_k=2, normalize=normalize)
+    assert (num_tokens * 2 >= SORT_FROM_PAIRS) == (num_tokens == 40)  # mlx's sorted path too
+    x = np.random.default_rng(1).standard_normal((num_tokens, HIDDEN)).astype(np.float32)
+    got = np.array(layer(mx.array(x)[None]))[0]
+    np.testing.assert_allclose(got, reference(layer, x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_token_routes_alike_alone_and_among_many(expert_path):
+    """The sorted path (a prompt chunk) gives each token what it gets alone (a decode step)."""
+    layer = routed_experts(top_k=3, normalize=True)
+    x = mx.array(np.random.default_rng(2).standard_normal((1, 50, HIDDEN)).astype(np.float32))
+    together = layer(x)
+    for n in (0, 17, 49):
+        assert mx.array_equal(layer(x[:, n : n + 1])[0, 0], together[0, n]).item(), n
+
+
+@pytest.mark.parametrize(
+    ("mode", "bits", "expert_path"),
+    [
+        ("affine", 4, "cadence-kernel"),
+        ("affine", 8, "cadence-kernel"),
+        ("affine", 4, "mlx-gather"),
+        ("mxfp4", 4, "mlx-gather"),
+    ],
+    indirect=["expert_path"],
+)
+def test_quantized_experts_multiply_by_their_dequantized_weights(mode, bits, expert_path):
+    group_size = 32
+    # mxfp4's groups are 32 wide: give every projection 32 inputs.
+    layer = RoutedExperts(32, Experts(NUM_EXPERTS, 2, 32, True, (True,)))
+    rng = np.random.default_rng(3)
+    layer.update(
+        nn.utils.tree_map(
+            lambda p: mx.array(rng.standard_normal(p.shape).astype(np.float32) * 0.2),
+            layer.parameters(),
+        )
+    )
+    nn.quantize(
+        layer,
+        group_size=group_size,
+        bits=bits,
+        mode=mode,
+        class_predicate=lambda path, m: path.startswith("switch_mlp"),
+    )
+    assert isinstance(layer.switch_mlp.gate_proj, QuantizedExpertLinear)
+    assert ("biases" in layer.switch_mlp.gate_proj) == (mode == "affine")
+    weights = {}
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        q = getattr(layer.switch_mlp, name)
+        weights[name] = np.array(
+            mx.dequantize(
+                q.weight, q.scales, q.get("biases"), group_size=group_size, bits=bits, mode=mode
+            ).astype(mx.float32)
+        )
+    x = rng.standard_normal((40, 32)).astype(np.float32)
+    got = np.array(layer(mx.array(x)[None]))[0]
+    np.testing.assert_allclose(got, reference(layer, x, weights), rtol=1e-3, atol=1e-4)
+
+
+def moe_config(family: str, **fields):
+    raw = hf_config(
+        family,
+        vocab_size=300,
+        eos_token_id=[1],
+        hidden_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+    )
+    return config_from_dict({**raw, **fields})
+
+
+def test_qwen3_moe_runs_the_dense_mlp_where_mlp_only_layers_or_the_sparse_step_say():
+    config = moe_config(
+        "qwen3_moe", mlp_only_layers=[2], decoder_sparse_step=2, moe_intermediate_size=32
+    )
+    layers = build_model(config).model.layers
+    kinds = [type(layer.mlp) for layer in layers]
+    # Layer i is sparse when (i + 1) is a multiple of 2 and it is not listed dense.
+    assert kinds == [GatedMLP, RoutedExperts, GatedMLP, RoutedExperts]
+    assert layers[0].mlp.gate_proj.weight.shape == (128, 64)  # intermediate_size
+    assert layers[1].mlp.switch_mlp.gate_proj.weight.shape == (4, 32, 64)  # moe_intermediate_size
+    assert layers[1].mlp.top_k == 2 and layers[1].mlp.normalize
+
+
+def test_qwen3_moe_normalises_only_when_norm_topk_prob_says_so_and_mixtral_always():
+    assert not moe_config("qwen3_moe", norm_topk_prob=False).extra["experts"].normalize
+    assert "norm_topk_prob" not in {**moe_config("qwen3_moe").extra}  # read into experts
+    raw = hf_config(
+        "qwen3_moe",
+        vocab_size=300,
+        eos_token_id=[1],
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+    )
+    del raw["norm_topk_prob"]  # transformers' default: false
+    assert not config_from_dict(raw).extra["experts"].normalize
+    assert moe_config("mixtral").extra["experts"].normalize
+
+
+@pytest.mark.parametrize(
+    ("family", "fields", "message"),
+    [
+        (
+            "qwen3_moe",
+            {"num_experts_per_tok": 5},
+            "num_experts_per_tok (5) is more than the 4 experts",
+        ),
+        (
+            "mixtral",
+            {"num_experts_per_tok": 9},
+            "num_experts_per_tok (9) is more than the 4 experts",
+        ),
+        ("qwen3_moe", {"num_experts": None}, "missing required field 'num_experts'"),
+        ("mixtral", {"num_local_experts": 0}, "field 'num_local_experts' must be positive, got 0"),
+        (
+            "qwen3_moe",
+            {"moe_intermediate_size": "8"},
+            "field 'moe_intermediate_size' should be int",
+        ),
+        (
+            "qwen3_moe",
+            {"mlp_only_layers": [4]},
+            "mlp_only_layers must list layer numbers in 0..3, got [4]",
+        ),
+        (
+            "qwen3_moe",
+            {"mlp_only_layers": [True]},
+            "mlp_only_layers must list layer numbers in 0..3",
+        ),
+        ("qwen3_moe", {"decoder_sparse_step": 0}, "field 'decoder_sparse_step' must be positive"),
+        ("qwen3_moe", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ],
+    ids=[
+        "top-k",
+        "mixtral-top-k",
+        "no-experts",
+        "zero-experts",
+        "size-type",
+        "dense-range",
+        "dense-bool",
+        "step",
+        "activation",
+    ],
+)
+def test_expert_settings_it_cannot_run_are_one_line_errors(family, fields, message):
+    raw = hf_config(
+        family,
+        vocab_size=300,
+        eos_token_id=[1],
+        hidden_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+    )
+    raw.update(fields)
+    raw = {k: v for k, v in raw.items() if v is not None or k not in fields}
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        config_from_dict(raw)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_missing_or_misshapen_expert_is_named(tmp_path: Path, family):
+    path = make_tiny_checkpoint(tmp_path / "source", family)
+    weights = mx.load(str(path / "model.safetensors"))
+    block = "mlp" if family == "qwen3_moe" else "block_sparse_moe"
+    down = "down_proj" if family == "qwen3_moe" else "w2"
+    missing = f"model.layers.1.{block}.experts.3.{down}.weight"
+    del weights[missing]
+    save_weights(path, weights)
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(f"missing tensor '{missing}' (config.json names 4 experts)"),
+    ):
+        load_model(path)
+    weights[missing] = weights[f"model.layers.1.{block}.experts.2.{down}.weight"][:, :-1]
+    save_weights(path, weights)
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(
+            f"tensors 'model.layers.1.{block}.experts.*.{down}.weight' differ in shape"
+        ),
+    ):
+        load_model(path)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_float_experts_stored_stacked_load_as_those_stored_per_expert(tmp_path: Path, family):
+    """mlx-lm's float conversions (and mlx-community's bf16 ones) store the experts
+    stacked in `switch_mlp`, Mixtral's under `block_sparse_moe`."""
+    per_expert = make_tiny_checkpoint(tmp_path / "hf", family)
+    model, _ = mlx_lm.load(str(per_expert))
+    stacked = tmp_path / "stacked"
+    mlx_lm.convert(str(per_expert), str(stacked))  # no quantization: the layout alone
+    names = set(mx.load(str(stacked / "model.safetensors")))
+    block = "mlp" if family == "qwen3_moe" else "block_sparse_moe"
+    assert f"model.layers.0.{block}.switch_mlp.gate_proj.weight" in names
+    prompt = list(range(3, 30))
+    assert greedy(load_model(stacked), prompt, 12) == greedy(load_model(per_expert), prompt, 12)
