@@ -53,6 +53,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture("llama", "LlamaForCausalLM", is_qk_permuted=True),
     "qwen2": Architecture("qwen2", "Qwen2ForCausalLM"),
     "qwen3": Architecture("qwen3", "Qwen3ForCausalLM"),
+    "qwen3moe": Architecture("qwen3_moe", "Qwen3MoeForCausalLM"),
     "phi3": Architecture("phi3", "Phi3ForCausalLM", ffn_up="mlp.gate_up_proj", has_longrope=True),
     "gemma3": Architecture(
         "gemma3_text", "Gemma3ForCausalLM", norm_shift=1.0, ffn_norm="pre_feedforward_layernorm"
@@ -74,6 +75,14 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "post_attention_norm": "post_attention_layernorm",  # gemma: after attention, before the residual
     "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Routed experts, in a file whose metadata counts them (qwen3moe; Mixtral under `llama`):
+# the router, then each projection's experts stacked [E, out, in] (runtime/models/experts.py).
+_EXPERT_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
 }
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -128,7 +137,7 @@ def read_gguf(path: Path, progress: Callable[[str], None] = lambda message: None
     for name, tensor in tensors.items():
         if name == "rope_freqs.weight" or (arch.has_longrope and name in _LONGROPE_TENSORS):
             continue  # read into the config's rope_scaling
-        hf_name = _hf_name(name, arch, path)
+        hf_name = _hf_name(name, arch, path, has_experts="num_experts_per_tok" in config)
         rows = _row_permutation(hf_name, arch, config)
         shift = arch.norm_shift if hf_name.endswith("norm.weight") else 0.0
         jobs.append((tensor, hf_name, rows, shift, str(path)))
@@ -186,7 +195,13 @@ def _hf_config(
         "model_type": arch.model_type,
         "hidden_size": hidden,
         "num_hidden_layers": metadata.require(key("block_count"), int),
-        "intermediate_size": metadata.require(key("feed_forward_length"), int),
+        # A qwen3moe file may leave out its (unused) dense size: then the experts' own.
+        "intermediate_size": metadata.require(
+            key("feed_forward_length")
+            if arch.model_type != "qwen3_moe" or metadata.get(key("feed_forward_length")) is not None
+            else key("expert_feed_forward_length"),
+            int,
+        ),
         "num_attention_heads": heads,
         "num_key_value_heads": metadata.get(key("attention.head_count_kv"), heads),
         "head_dim": metadata.get(key("attention.key_length"), hidden // heads),
@@ -207,7 +222,33 @@ def _hf_config(
         config.update(_gemma3_fields(metadata, key, config))
     if arch.model_type == "phi3":
         config.update(_phi3_fields(metadata, key, config))
+    if arch.model_type == "qwen3_moe" or metadata.get(key("expert_count")) not in (None, 0):
+        config.update(_expert_fields(metadata, key, arch))
     return config
+
+
+def _expert_fields(metadata: Metadata, key: Callable[[str], str], arch: Architecture) -> dict[str, Any]:
+    """Routed experts in every layer, their weights renormalised over the chosen, as
+    llama.cpp runs qwen3moe and Mixtral (which its converter writes as `llama`)."""
+    if arch.model_type not in ("llama", "qwen3_moe"):
+        raise CheckpointError(f"{metadata.source}: routed experts are not supported for this architecture")
+    num_experts = metadata.require(key("expert_count"), int)
+    top_k = metadata.require(key("expert_used_count"), int)
+    if arch.model_type == "llama":
+        return {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": num_experts,
+            "num_experts_per_tok": top_k,
+        }
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": metadata.require(key("expert_feed_forward_length"), int),
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
 
 
 def _phi3_fields(
@@ -371,7 +412,7 @@ def _gemma3_fields(
     return fields
 
 
-def _hf_name(name: str, arch: Architecture, path: Path) -> str:
+def _hf_name(name: str, arch: Architecture, path: Path, *, has_experts: bool) -> str:
     stem, _, suffix = name.rpartition(".")
     if suffix not in ("weight", "bias") or not stem:
         raise CheckpointError(f"{path}: unexpected GGUF tensor '{name}'")
@@ -380,7 +421,8 @@ def _hf_name(name: str, arch: Architecture, path: Path) -> str:
         return f"{_GLOBAL_NAMES[parts[0]]}.{suffix}"
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
         own = {"ffn_norm": arch.ffn_norm, "ffn_up": arch.ffn_up}
-        hf = own.get(parts[2], _LAYER_NAMES.get(parts[2]))
+        names = {**_LAYER_NAMES, **_EXPERT_NAMES} if has_experts else _LAYER_NAMES
+        hf = own.get(parts[2], names.get(parts[2]))
         if hf is not None:
             return f"model.layers.{int(parts[1])}.{hf}.{suffix}"
     raise CheckpointError(f"{path}: unexpected GGUF tensor '{name}' for this architecture")

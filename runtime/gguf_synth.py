@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from runtime.synth import save_weights
+from runtime.synth import EXPERT_NAMES, save_weights
 
 import gguf
 import mlx.core as mx
@@ -32,6 +32,8 @@ _ARCH_OF = {
     "llama": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",  # llama.cpp's converter writes Mixtral as llama with experts
     "phi3": "phi3",
     "gemma3_text": "gemma3",
 }
@@ -48,6 +50,10 @@ _LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.switch_mlp.gate_proj": "ffn_gate_exps",
+    "mlp.switch_mlp.up_proj": "ffn_up_exps",
+    "mlp.switch_mlp.down_proj": "ffn_down_exps",
     "post_feedforward_layernorm": "post_ffw_norm",
     "pre_feedforward_layernorm": "ffn_norm",
 }
@@ -79,6 +85,8 @@ def write_gguf(
         name: np.array(value.astype(mx.float32))
         for name, value in mx.load(str(checkpoint / "model.safetensors")).items()  # type: ignore[union-attr]
     }
+    if model_type in EXPERT_NAMES:
+        weights = _stacked_experts(weights, EXPERT_NAMES[model_type])
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(out_file), arch)
     _write_hparams(writer, arch, config)
@@ -86,7 +94,7 @@ def write_gguf(
     reference = {}
     for name, value in weights.items():
         matches = [kind for part, kind in (types_by_name or {}).items() if part in name]
-        kind = GGMLType.F32 if value.ndim != 2 else (matches or [tensor_type])[0]
+        kind = GGMLType.F32 if value.ndim not in (2, 3) else (matches or [tensor_type])[0]
         stored, reference[name] = _stored(value, kind, rng)
         if arch == "llama" and ".self_attn.q_proj." in name:
             stored = _llama_permute(stored, config["num_attention_heads"])
@@ -113,6 +121,7 @@ def gguf_name(hf_name: str, arch: str) -> str:
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
     _, _, layer, module = stem.split(".", 3)  # model.layers.N.<module>
+    module = module.replace("block_sparse_moe.", "mlp.")  # Mixtral's experts block
     if module == "post_attention_layernorm":
         short = "post_attention_norm" if arch == "gemma3" else "ffn_norm"
     else:
@@ -133,10 +142,28 @@ def _stored(
         blocks = gguf.quants.quantize(value, kind)
     except NotImplementedError:
         block_size, block_bytes = gguf.GGML_QUANT_SIZES[kind]
-        row_bytes = value.shape[1] // block_size * block_bytes
+        row_bytes = value.shape[-1] // block_size * block_bytes
         # Bytes below 0x20 keep every float16 scale finite and under 2**-7.
-        blocks = rng.integers(0, 0x20, size=(value.shape[0], row_bytes), dtype=np.uint8)
+        blocks = rng.integers(0, 0x20, size=(*value.shape[:-1], row_bytes), dtype=np.uint8)
     return blocks, gguf.quants.dequantize(blocks, kind).astype(np.float32)
+
+
+def _stacked_experts(weights: dict[str, np.ndarray], names: dict[str, str]) -> dict[str, np.ndarray]:
+    """As the converter writes them: each projection's experts as one [E, out, in] tensor
+    (`ffn_*_exps`); Mixtral's stay under `block_sparse_moe`, as mlx-lm reads them."""
+    ours = {stored: our for our, stored in names.items()}
+    out: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, value in weights.items():
+        block, is_expert, rest = name.partition(".experts.")
+        if not is_expert:
+            out[name] = value
+            continue
+        expert, stored, _ = rest.split(".")
+        experts.setdefault(f"{block}.switch_mlp.{ours[stored]}.weight", {})[int(expert)] = value
+    for name, by_expert in experts.items():
+        out[name] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
 
 
 def _llama_permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
@@ -169,6 +196,12 @@ def _write_hparams(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -
         writer.add_rope_scaling_factor(scaling["factor"])
     if arch == "gemma3":
         writer.add_sliding_window(config["sliding_window"])
+    num_experts = config.get("num_experts", config.get("num_local_experts"))
+    if num_experts is not None:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+    if arch == "qwen3moe":
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if arch == "phi3":  # as convert_hf_to_gguf.py's Phi3MiniModel writes them
         writer.add_rope_scaling_orig_ctx_len(config["original_max_position_embeddings"])
         if config.get("sliding_window") is not None:

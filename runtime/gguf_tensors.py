@@ -78,8 +78,9 @@ def decode_tensor(
                 f"{source}: tensor '{tensor.name}' has {data.shape[0]} rows, expected {len(rows)}"
             )
         data = data[rows]
-    if kind in NATIVE_BITS and shift == 0.0 and len(tensor.shape) == 2:
-        return _repacked(data, kind, hf_name)  # a matrix; a quantized vector is expanded
+    if kind in NATIVE_BITS and shift == 0.0 and len(tensor.shape) in (2, 3):
+        # A matrix, or stacked experts' [E, out, in]; a quantized vector is expanded.
+        return _repacked(data, kind, hf_name)
     values = _float_values(data, kind, tensor.name, source)
     if shift:
         values = values.astype(np.float32) - np.float32(shift)
@@ -99,12 +100,13 @@ def _float_values(data: np.ndarray, kind: GGMLType, name: str, source: str) -> n
 
 
 def _repacked(blocks: np.ndarray, kind: GGMLType, hf_name: str) -> dict[str, np.ndarray]:
-    """[rows, bytes] of GGUF blocks -> mlx's packed uint32 weight, float16 scales and biases.
+    """[..., rows, bytes] of GGUF blocks -> mlx's packed uint32 weight, float16 scales
+    and biases, of the same leading shape.
 
     mlx stores weight i of a row in word i // (32 // bits) at bit (i % per-word) * bits,
     little-endian, and dequantizes `q * scale + bias`.
     """
-    num_rows = blocks.shape[0]
+    leading = blocks.shape[:-1]
     block_bytes = gguf.GGML_QUANT_SIZES[kind][1]
     blocks = blocks.reshape(-1, block_bytes)  # [rows * blocks per row, bytes per block]
     scales = blocks[:, 0:2].view(np.float16)
@@ -125,9 +127,9 @@ def _repacked(blocks: np.ndarray, kind: GGMLType, hf_name: str) -> dict[str, np.
         codes = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
     prefix = hf_name.removesuffix(".weight")
     return {
-        hf_name: np.ascontiguousarray(codes).reshape(num_rows, -1).view(np.uint32),
-        f"{prefix}.scales": np.ascontiguousarray(scales).reshape(num_rows, -1),
-        f"{prefix}.biases": np.ascontiguousarray(biases).reshape(num_rows, -1),
+        hf_name: np.ascontiguousarray(codes).reshape(*leading, -1).view(np.uint32),
+        f"{prefix}.scales": np.ascontiguousarray(scales).reshape(*leading, -1),
+        f"{prefix}.biases": np.ascontiguousarray(biases).reshape(*leading, -1),
     }
 
 

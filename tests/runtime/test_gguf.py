@@ -18,6 +18,7 @@ from runtime.gguf_synth import write_gguf
 from runtime.gguf_tensors import convert_tensor, decode_tensor, quantization_config
 from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.kv.blocks import BlockPool
+from runtime.models.experts import QuantizedExpertLinear
 from runtime.runner import run_offline
 from runtime.scheduler import FcfsScheduler
 from runtime.sequence import SequenceParams
@@ -32,7 +33,7 @@ from gguf import GGMLQuantizationType as GGMLType
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
-FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "gemma3_text"]
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma3_text"]
 EXACT_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16]
 QUANTIZED_TYPES = [
     GGMLType.Q4_0,
@@ -143,6 +144,25 @@ def test_q4_0_q4_1_q8_0_stay_mlx_quantized_layers_when_the_dtype_is_kept(convert
     scales, biases = packed.scales.astype(mx.float32), packed.biases.astype(mx.float32)
     weight = mx.dequantize(packed.weight, scales, biases, group_size=32, bits=4)
     assert float(mx.abs(weight - q_proj).max()) < 1e-6  # un-permuted and exact
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_q4_0_and_q8_0_experts_stay_quantized_and_exact(convert, family):
+    """A file's stacked experts ([E, out, in] blocks) are repacked as they are, one
+    quantized layer per projection, with the file's values."""
+    types = {"switch_mlp.down_proj": GGMLType.Q8_0}
+    path, reference_dir = convert(family, GGMLType.Q4_0, types_by_name=types)
+    experts = load_model(path, keep_dtype=True).model.model.layers[1].mlp.switch_mlp
+    reference = load_model(reference_dir, keep_dtype=True).model.model.layers[1].mlp.switch_mlp
+    for name, bits in (("gate_proj", 4), ("up_proj", 4), ("down_proj", 8)):
+        packed = getattr(experts, name)
+        assert isinstance(packed, QuantizedExpertLinear) and (packed.bits, packed.group_size) == (bits, 32)
+        weight = mx.dequantize(
+            packed.weight, packed.scales.astype(mx.float32), packed.biases.astype(mx.float32),
+            group_size=32, bits=bits,
+        )
+        assert weight.shape == (4, *getattr(reference, name).weight.shape[1:])
+        assert float(mx.abs(weight - getattr(reference, name).weight).max()) < 1e-6, name
 
 
 def test_repacked_blocks_equal_what_mlx_load_makes_of_the_file(tmp_path):
@@ -496,7 +516,7 @@ def test_a_tensor_with_fewer_rows_than_its_shape_is_named_truncated():
     assert got["w"].shape == (3, 4)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe", "mixtral"])
 def test_the_config_read_from_a_gguf_is_the_checkpoints_config_json(convert, family):
     path, reference_dir = convert(family, GGMLType.F32)
     config = read_gguf(path).config
@@ -694,6 +714,36 @@ def test_a_tensor_the_architecture_has_no_place_for_is_named(convert, tmp_path, 
     path, _ = convert("qwen2", GGMLType.F32)
     extra = rewritten(path, tmp_path / "extra.gguf", tensors={name: np.zeros(8, np.float32)})
     assert expected in one_line_error(extra)
+
+
+@pytest.mark.parametrize(
+    ("family", "name", "expected"),
+    [
+        ("llama", "blk.0.ffn_gate_exps.weight", "'blk.0.ffn_gate_exps.weight' for this architecture"),
+        # llama.cpp's converters once wrote Mixtral's experts one tensor each.
+        ("mixtral", "blk.0.ffn_gate.0.weight", "unexpected GGUF tensor 'blk.0.ffn_gate.0.weight'"),
+    ],
+    ids=["experts in a dense file", "per-expert mixtral"],
+)
+def test_expert_tensors_where_the_file_counts_no_experts_or_in_the_old_layout_are_named(
+    convert, tmp_path, family, name, expected
+):
+    path, _ = convert(family, GGMLType.F32)
+    extra = rewritten(path, tmp_path / "extra.gguf", tensors={name: np.zeros((4, 8), np.float32)})
+    assert expected in one_line_error(extra)
+
+
+def test_a_qwen3moe_file_without_its_expert_count_is_named(convert, tmp_path):
+    path, _ = convert("qwen3_moe", GGMLType.F32)
+    bare = rewritten(path, tmp_path / "bare.gguf", dropped=["qwen3moe.expert_count"])
+    assert "missing GGUF metadata 'qwen3moe.expert_count'" in one_line_error(bare)
+
+
+def test_experts_counted_for_an_architecture_without_them_are_refused(convert, tmp_path):
+    path, _ = convert("qwen2", GGMLType.F32)
+    count = (4, V.UINT32, V.UINT32)
+    counted = rewritten(path, tmp_path / "counted.gguf", metadata={"qwen2.expert_count": count})
+    assert "routed experts are not supported for this architecture" in one_line_error(counted)
 
 
 def test_gemma3_27b_scales_attention_by_hidden_size_over_heads(convert, tmp_path):
