@@ -135,8 +135,10 @@ def measure_floor(checkpoint: Path, tokens: int = 256, repeats: int = 10) -> Flo
 
 def count_parameters(checkpoint: Path) -> int:
     """Weights a token's forward multiplies, from the safetensors headers: quantized
-    weights count their unpacked size; an untied embedding table is left out."""
-    quantization = _config(checkpoint).get("quantization")
+    weights count their unpacked size; an untied embedding table is left out; routed
+    experts (qwen3_moe, mixtral) count the share a token runs, top k of E."""
+    config = _config(checkpoint)
+    quantization = config.get("quantization")
     bits = quantization.get("bits") if isinstance(quantization, dict) else None
     shapes: dict[str, tuple[str, int]] = {}
     for file in sorted(checkpoint.glob("*.safetensors")):
@@ -157,6 +159,13 @@ def count_parameters(checkpoint: Path) -> int:
             name.endswith((".scales", ".biases")) and f"{name.rsplit('.', 1)[0]}.weight" in shapes
         )
     }
+    num_experts = config.get("num_experts", config.get("num_local_experts"))
+    top_k = config.get("num_experts_per_tok")
+    if _is_size(num_experts) and _is_size(top_k):
+        counted = {
+            name: n * top_k // num_experts if (".switch_mlp." in name or ".experts." in name) else n
+            for name, n in counted.items()
+        }
     if any(name.endswith("lm_head.weight") for name in counted):
         return sum(n for name, n in counted.items() if not name.endswith("embed_tokens.weight"))
     return sum(counted.values())
