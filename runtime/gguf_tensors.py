@@ -1,15 +1,23 @@
-"""GGUF tensors as mlx arrays: float types as they are, Q4_0/Q4_1/Q8_0 as mlx quantized
-weights, the K-quants and the other block types expanded by the `gguf` package.
+"""GGUF tensors as mlx arrays: float types as they are, the block types whose weights are
+affine in groups of 32 as mlx quantized weights, the others expanded by the `gguf` package.
 
-Q4_0, Q4_1 and Q8_0 are affine quantizations with one scale (and offset) per 32 weights,
-which is exactly mlx's `group_size=32` layout: their blocks are repacked, not requantized,
-so `mx.dequantize` gives the file's values. The result matches what `mx.load` itself
-makes of such a GGUF, but `mx.load` refuses a whole file when any tensor is of another
-type (a Q4_K_M file mixes Q4_K and Q6_K), so the blocks are read here instead.
+mlx's affine layout (`group_size=32`) is `w = scale * code + bias`, one scale and bias per
+32 weights. Q4_0, Q4_1 and Q8_0 (one scale, and offset, per 32-weight block), Q5_0 and
+Q5_1 (the same, 5-bit codes) and the K-quants Q4_K and Q5_K (a 256-weight superblock of
+eight 32-weight groups, each with a 6-bit scale and minimum times the superblock's
+float16 ones) are all of that form, so their blocks are repacked, not requantized:
+`mx.dequantize` gives exactly the values the `gguf` package decodes. 4-bit codes stay 4
+bits; 5-bit ones go to 8 (cadence's kernels run 4 and 8 bits). The K-quants' group
+scales are products (d x sc) that float16 cannot hold exactly, so theirs are float32.
+Q2_K, Q3_K and Q6_K (16-weight groups, which mlx's affine layout does not have) and the
+rest are expanded to float16. The result matches what `mx.load` itself makes of a Q4_0,
+Q4_1 or Q8_0 GGUF, but `mx.load` refuses a whole file when any tensor is of another type
+(a Q4_K_M file mixes Q4_K and Q6_K), so the blocks are read here instead.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from runtime.errors import CheckpointError
@@ -19,19 +27,19 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
-GROUP_SIZE = 32  # weights per block in Q4_0, Q4_1 and Q8_0
-NATIVE_BITS = {GGMLType.Q4_0: 4, GGMLType.Q4_1: 4, GGMLType.Q8_0: 8}
-# Expanded to float16, the precision of their own scales (Q4_K: float16 d and dmin
-# times 6-bit sub-scales and 4-bit codes), by the gguf package's decoders.
-DEQUANTIZED = (
-    GGMLType.Q5_0,
-    GGMLType.Q5_1,
-    GGMLType.Q2_K,
-    GGMLType.Q3_K,
-    GGMLType.Q4_K,
-    GGMLType.Q5_K,
-    GGMLType.Q6_K,
-)
+GROUP_SIZE = 32  # weights per affine group in every repacked type
+NATIVE_BITS = {
+    GGMLType.Q4_0: 4,
+    GGMLType.Q4_1: 4,
+    GGMLType.Q8_0: 8,
+    GGMLType.Q5_0: 8,
+    GGMLType.Q5_1: 8,
+    GGMLType.Q4_K: 4,
+    GGMLType.Q5_K: 8,
+}
+# Expanded to float16, the precision of their own scales (Q6_K: float16 d times 8-bit
+# sub-scales and 6-bit codes), by the gguf package's decoders.
+DEQUANTIZED = (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q6_K)
 SUPPORTED = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, *NATIVE_BITS, *DEQUANTIZED)
 
 
@@ -100,37 +108,107 @@ def _float_values(data: np.ndarray, kind: GGMLType, name: str, source: str) -> n
 
 
 def _repacked(blocks: np.ndarray, kind: GGMLType, hf_name: str) -> dict[str, np.ndarray]:
-    """[..., rows, bytes] of GGUF blocks -> mlx's packed uint32 weight, float16 scales
-    and biases, of the same leading shape.
+    """[..., rows, bytes] of GGUF blocks -> mlx's packed uint32 weight, scales and biases
+    (group 32), of the same leading shape.
 
     mlx stores weight i of a row in word i // (32 // bits) at bit (i % per-word) * bits,
-    little-endian, and dequantizes `q * scale + bias`.
+    little-endian, and dequantizes `code * scale + bias`.
     """
     leading = blocks.shape[:-1]
     block_bytes = gguf.GGML_QUANT_SIZES[kind][1]
-    blocks = blocks.reshape(-1, block_bytes)  # [rows * blocks per row, bytes per block]
-    scales = blocks[:, 0:2].view(np.float16)
-    if kind == GGMLType.Q8_0:
-        # int8 q * d == (q + 128) * d - 128 * d: shift to the unsigned codes mlx expects.
-        codes = (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        biases = (scales * np.float16(-128)).astype(np.float16)
-    else:
-        if kind == GGMLType.Q4_1:
-            biases, nibbles = blocks[:, 2:4].view(np.float16), blocks[:, 4:]  # q * d + m
-        else:
-            biases, nibbles = (
-                (scales * np.float16(-8)).astype(np.float16),
-                blocks[:, 2:],
-            )  # (q - 8) * d
-        # A block's byte j holds weight j in its low nibble and weight j + 16 in its high one.
-        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1)  # [blocks, 32] in weight order
-        codes = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+    codes, scales, biases = _AFFINE_GROUPS[kind](blocks.reshape(-1, block_bytes))
+    if NATIVE_BITS[kind] == 4:
+        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
     prefix = hf_name.removesuffix(".weight")
     return {
-        hf_name: np.ascontiguousarray(codes).reshape(*leading, -1).view(np.uint32),
+        hf_name: np.ascontiguousarray(codes, dtype=np.uint8).reshape(*leading, -1).view(np.uint32),
         f"{prefix}.scales": np.ascontiguousarray(scales).reshape(*leading, -1),
         f"{prefix}.biases": np.ascontiguousarray(biases).reshape(*leading, -1),
     }
+
+
+# Each returns ([groups, 32] uint8 codes, [groups] scales, [groups] biases) for a type's
+# [blocks, bytes]: weight j of a group is `codes[j] * scale + bias`, as the type decodes it.
+AffineGroups = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def _halves(nibbles: np.ndarray) -> np.ndarray:
+    """[n, 16] bytes -> [n, 32] codes: byte j holds weight j (low nibble) and j + 16."""
+    return np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """[n, 4] bytes -> [n, 32]: bit i of the little-endian word, weight i's fifth bit."""
+    return (np.unpackbits(qh, axis=1, bitorder="little") << 4).astype(np.uint8)
+
+
+def _q8_0(blocks: np.ndarray) -> AffineGroups:
+    d = blocks[:, 0:2].view(np.float16)[:, 0]
+    # int8 q * d == (q + 128) * d - 128 * d: shift to the unsigned codes mlx expects.
+    codes = (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    return codes, d, (d * np.float16(-128)).astype(np.float16)
+
+
+def _q4_0(blocks: np.ndarray) -> AffineGroups:  # (q - 8) * d
+    d = blocks[:, 0:2].view(np.float16)[:, 0]
+    return _halves(blocks[:, 2:]), d, (d * np.float16(-8)).astype(np.float16)
+
+
+def _q4_1(blocks: np.ndarray) -> AffineGroups:  # q * d + m
+    d, m = blocks[:, 0:2].view(np.float16)[:, 0], blocks[:, 2:4].view(np.float16)[:, 0]
+    return _halves(blocks[:, 4:]), d, m
+
+
+def _q5_0(blocks: np.ndarray) -> AffineGroups:  # (q - 16) * d, exactly q * d - 16 * d
+    d = blocks[:, 0:2].view(np.float16)[:, 0].astype(np.float32)
+    codes = _halves(blocks[:, 6:]) | _high_bits(blocks[:, 2:6])
+    return codes, d, d * np.float32(-16)
+
+
+def _q5_1(blocks: np.ndarray) -> AffineGroups:  # q * d + m
+    d, m = blocks[:, 0:2].view(np.float16)[:, 0], blocks[:, 2:4].view(np.float16)[:, 0]
+    return _halves(blocks[:, 8:]) | _high_bits(blocks[:, 4:8]), d, m
+
+
+def _k_quant_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_K/Q5_K superblock's eight group scales d * sc and biases -(dmin * m), float32
+    (as the gguf package computes them), and what follows its 16-byte head."""
+    d = blocks[:, 0:2].view(np.float16).astype(np.float32)  # [n, 1]
+    dmin = blocks[:, 2:4].view(np.float16).astype(np.float32)
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])  # [n, 8] 6-bit each
+    return d * sc.astype(np.float32), -(dmin * m.astype(np.float32)), blocks[:, 16:]
+
+
+def _q4_k_codes(qs: np.ndarray) -> np.ndarray:
+    """[n, 128] bytes -> [n * 8, 32]: 32 bytes a pair of groups, the low nibbles the
+    first group's codes, the high nibbles the second's."""
+    pairs = qs.reshape(-1, 4, 32)
+    return np.stack([pairs & 0x0F, pairs >> 4], axis=2).reshape(-1, 32)
+
+
+def _q4_k(blocks: np.ndarray) -> AffineGroups:
+    scales, biases, qs = _k_quant_groups(blocks)
+    return _q4_k_codes(qs), scales.reshape(-1), biases.reshape(-1)
+
+
+def _q5_k(blocks: np.ndarray) -> AffineGroups:
+    scales, biases, rest = _k_quant_groups(blocks)
+    qh, qs = rest[:, :32], rest[:, 32:]
+    # Bit g of qh's byte j is the fifth bit of weight j of group g.
+    fifth = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [n, 8, 32]
+    codes = _q4_k_codes(qs) | (fifth.reshape(-1, 32) << 4).astype(np.uint8)
+    return codes, scales.reshape(-1), biases.reshape(-1)
+
+
+_AFFINE_GROUPS: dict[GGMLType, Callable[[np.ndarray], AffineGroups]] = {
+    GGMLType.Q8_0: _q8_0,
+    GGMLType.Q4_0: _q4_0,
+    GGMLType.Q4_1: _q4_1,
+    GGMLType.Q5_0: _q5_0,
+    GGMLType.Q5_1: _q5_1,
+    GGMLType.Q4_K: _q4_k,
+    GGMLType.Q5_K: _q5_k,
+}
 
 
 def quantization_config(bits_by_layer: dict[str, int]) -> dict[str, Any] | None:

@@ -44,7 +44,8 @@ QUANTIZED_TYPES = [
     GGMLType.Q5_K,
     GGMLType.Q6_K,
 ]
-NATIVE_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0)  # repacked, not expanded
+MLX_LOAD_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0)  # the types mx.load reads
+NATIVE_TYPES = (*MLX_LOAD_TYPES, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q4_K, GGMLType.Q5_K)  # repacked
 PROMPT = mx.array([[1, 17, 250, 9, 1033, 77, 5, 600] * 3])  # longer than Gemma's window
 # K-quants need rows of 256 weights; two heads of 64 keep the q/k permutation non-trivial.
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
@@ -88,7 +89,7 @@ def test_logits_match_the_same_weights_loaded_from_safetensors(convert, family, 
     logits = from_gguf.model(PROMPT)
     if kind in EXACT_TYPES:
         assert mx.array_equal(logits, expected)
-    else:  # Q4_0/Q4_1/Q8_0 go through mlx's float16 dequantize, the others a float16 copy
+    else:  # the repacked types through the quantized kernels, Q6_K a float16 copy
         scale = float(mx.abs(expected).max())
         assert float(mx.abs(logits - expected).max()) < 5e-3 * scale
 
@@ -146,6 +147,25 @@ def test_q4_0_q4_1_q8_0_stay_mlx_quantized_layers_when_the_dtype_is_kept(convert
     assert float(mx.abs(weight - q_proj).max()) < 1e-6  # un-permuted and exact
 
 
+def test_k_quant_and_q5_layers_stay_quantized_with_the_files_groups(convert):
+    """A Q4_K_M-like mix: Q4_K as 4 bits and Q5_K / Q5_0 as 8, group 32 (float32 scales
+    for the K-quants, whose d x sc float16 cannot hold); Q6_K expanded to float16."""
+    types = {"mlp.down_proj": GGMLType.Q5_K, "self_attn.v_proj": GGMLType.Q5_0, "embed_tokens": GGMLType.Q6_K}
+    path, reference_dir = convert("llama", GGMLType.Q4_K, types_by_name=types)
+    layer = load_model(path, keep_dtype=True).model.model.layers[0]
+    reference = load_model(reference_dir, keep_dtype=True).model.model.layers[0]
+    for name, module, bits, scales in (
+        ("q_proj", layer.self_attn.q_proj, 4, mx.float32),
+        ("v_proj", layer.self_attn.v_proj, 8, mx.float32),
+        ("down_proj", layer.mlp.down_proj, 8, mx.float32),
+    ):
+        assert isinstance(module, nn.QuantizedLinear), name
+        assert (module.bits, module.group_size, module.scales.dtype) == (bits, 32, scales), name
+    packed = layer.mlp.down_proj
+    weight = mx.dequantize(packed.weight, packed.scales, packed.biases, group_size=32, bits=8)
+    assert mx.array_equal(weight, reference.mlp.down_proj.weight.astype(mx.float32))
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_q4_0_and_q8_0_experts_stay_quantized_and_exact(convert, family):
     """A file's stacked experts ([E, out, in] blocks) are repacked as they are, one
@@ -169,7 +189,7 @@ def test_repacked_blocks_equal_what_mlx_load_makes_of_the_file(tmp_path):
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(tmp_path / "blocks.gguf"), "llama")
     values = {}
-    for kind in NATIVE_TYPES:
+    for kind in MLX_LOAD_TYPES:
         values[kind] = rng.standard_normal((6, 96)).astype(np.float32)
         writer.add_tensor(kind.name, gguf.quants.quantize(values[kind], kind), raw_dtype=kind)
     writer.write_header_to_file()
@@ -182,6 +202,36 @@ def test_repacked_blocks_equal_what_mlx_load_makes_of_the_file(tmp_path):
         for suffix in ("weight", "scales", "biases"):
             theirs = by_mlx[tensor.name if suffix == "weight" else f"{tensor.name}.{suffix}"]
             assert mx.array_equal(ours[f"{tensor.name}.{suffix}"], theirs), (tensor.name, suffix)
+
+
+def random_blocks(kind, shape, rng):
+    """`shape` weights of `kind` as random blocks: every byte random but the float16 d
+    (and dmin, m), drawn finite, so every code, sub-scale and fifth bit is exercised."""
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    blocks = rng.integers(0, 256, size=(*shape[:-1], shape[-1] // block_size, block_bytes), dtype=np.uint8)
+    num_halves = {GGMLType.Q4_K: 2, GGMLType.Q5_K: 2, GGMLType.Q4_1: 2, GGMLType.Q5_1: 2}.get(kind, 1)
+    halves = rng.standard_normal((*blocks.shape[:-1], num_halves)).astype(np.float16)
+    blocks[..., : 2 * num_halves] = halves.view(np.uint8)
+    return blocks.reshape(*shape[:-1], -1)
+
+
+@pytest.mark.parametrize("kind", NATIVE_TYPES, ids=lambda k: k.name)
+@pytest.mark.parametrize("shape", [(6, 512), (3, 4, 256)], ids=["matrix", "stacked experts"])
+def test_repacked_blocks_dequantize_to_exactly_what_the_gguf_package_decodes(kind, shape):
+    """The affine groups are the file's: mlx's dequantize of the repacked weight, scales
+    and biases gives the gguf package's float32 values bit for bit."""
+    blocks = random_blocks(kind, shape, np.random.default_rng(int(kind)))
+    tensor = SimpleNamespace(name="t", tensor_type=kind, data=blocks, shape=tuple(reversed(shape)))
+    ours = decode_tensor(tensor, "t.weight", None, 0.0, source="test")
+    assert ours["t.weight"].dtype == np.uint32 and ours["t.weight"].shape[:-1] == shape[:-1]
+    bits = {GGMLType.Q4_0: 4, GGMLType.Q4_1: 4, GGMLType.Q4_K: 4}.get(kind, 8)
+    assert ours["t.weight"].shape[-1] == shape[-1] * bits // 32
+    assert ours["t.scales"].shape == (*shape[:-1], shape[-1] // 32)
+    weight, scales, biases = (mx.array(ours[f"t.{name}"]) for name in ("weight", "scales", "biases"))
+    got = mx.dequantize(weight, scales.astype(mx.float32), biases.astype(mx.float32), group_size=32, bits=bits)
+    expected = gguf.quants.dequantize(blocks, kind)
+    assert got.shape == expected.shape
+    assert np.array_equal(np.array(got), expected.astype(np.float32))
 
 
 def rewritten(path, out, metadata=(), tensors=(), dropped=()):
@@ -215,7 +265,8 @@ def rewritten(path, out, metadata=(), tensors=(), dropped=()):
 def test_a_quantized_vector_is_expanded_not_repacked(tmp_path):
     """A norm stored as Q4_0/Q8_0 (no converter writes one) once failed to reshape."""
     values = np.random.default_rng(0).standard_normal(128).astype(np.float32)
-    tensors = {kind.name: (gguf.quants.quantize(values, kind), kind) for kind in NATIVE_TYPES}
+    kinds = (*MLX_LOAD_TYPES, GGMLType.Q5_0, GGMLType.Q5_1)  # those the gguf package writes
+    tensors = {kind.name: (gguf.quants.quantize(values, kind), kind) for kind in kinds}
     path = minimal_gguf(tmp_path / "vectors.gguf", "llama", tensors)
     for tensor in gguf.GGUFReader(path).tensors:
         ours = convert_tensor(tensor, "norm.weight", None, 0.0, source="test")
