@@ -256,10 +256,10 @@ def fused_projections(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
-# The per-expert names Hugging Face stores, by ours (runtime/models/qwen3_moe.py, mixtral.py).
+# The per-expert names Hugging Face stores, by ours, for the routed-experts families.
 EXPERT_NAMES = {
-    "qwen3_moe": {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},
-    "mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+    family: {ours: stored for stored, ours in FAMILIES[family].EXPERT_NAMES.items()}
+    for family in ("qwen3_moe", "mixtral")
 }
 
 

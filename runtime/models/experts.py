@@ -41,9 +41,8 @@ class Experts:
     num_experts: int
     top_k: int  # experts per token
     intermediate_size: int  # each expert's
-    normalize: (
-        bool  # the k weights divided by their sum (mixtral always; qwen3_moe's norm_topk_prob)
-    )
+    # The k weights divided by their sum (mixtral always; qwen3_moe's norm_topk_prob).
+    normalize: bool
     sparse_layers: tuple[bool, ...]  # per layer: routed experts, else the dense MLP
 
     @classmethod

@@ -20,7 +20,7 @@ from runtime.models.experts import Experts, stack_experts
 import mlx.core as mx
 
 build = llama.Decoder
-EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # stored: ours
 
 
 def read_config(fields: ConfigFields) -> dict[str, Any]:

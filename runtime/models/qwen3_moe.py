@@ -24,6 +24,7 @@ from runtime.models.experts import Experts, stack_experts
 import mlx.core as mx
 
 build = llama.Decoder
+EXPERT_NAMES = {name: name for name in ("gate_proj", "up_proj", "down_proj")}  # stored: ours
 
 
 def read_config(fields: ConfigFields) -> dict[str, Any]:
@@ -47,8 +48,7 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
 
 
 def rename_weights(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
-    names = {name: name for name in ("gate_proj", "up_proj", "down_proj")}
     stack_experts(
-        weights, config.extra["experts"], layer_prefix="model.layers.{layer}.mlp", names=names
+        weights, config.extra["experts"], layer_prefix="model.layers.{layer}.mlp", names=EXPERT_NAMES
     )
     return weights

@@ -142,8 +142,9 @@ def test_quantized_experts_multiply_by_their_dequantized_weights(mode, bits, exp
     np.testing.assert_allclose(got, reference(layer, x, weights), rtol=1e-3, atol=1e-4)
 
 
-def moe_config(family: str, **fields):
-    raw = hf_config(
+def moe_raw(family: str) -> dict:
+    """A four-layer config.json of `family`, four experts of 128, two a token."""
+    return hf_config(
         family,
         vocab_size=300,
         eos_token_id=[1],
@@ -153,7 +154,10 @@ def moe_config(family: str, **fields):
         num_kv_heads=2,
         intermediate_size=128,
     )
-    return config_from_dict({**raw, **fields})
+
+
+def moe_config(family: str, **fields):
+    return config_from_dict({**moe_raw(family), **fields})
 
 
 def test_qwen3_moe_runs_the_dense_mlp_where_mlp_only_layers_or_the_sparse_step_say():
@@ -171,17 +175,8 @@ def test_qwen3_moe_runs_the_dense_mlp_where_mlp_only_layers_or_the_sparse_step_s
 
 def test_qwen3_moe_normalises_only_when_norm_topk_prob_says_so_and_mixtral_always():
     assert not moe_config("qwen3_moe", norm_topk_prob=False).extra["experts"].normalize
-    assert "norm_topk_prob" not in {**moe_config("qwen3_moe").extra}  # read into experts
-    raw = hf_config(
-        "qwen3_moe",
-        vocab_size=300,
-        eos_token_id=[1],
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-    )
+    assert moe_config("qwen3_moe", norm_topk_prob=True).extra["experts"].normalize
+    raw = moe_raw("qwen3_moe")
     del raw["norm_topk_prob"]  # transformers' default: false
     assert not config_from_dict(raw).extra["experts"].normalize
     assert moe_config("mixtral").extra["experts"].normalize
@@ -233,18 +228,8 @@ def test_qwen3_moe_normalises_only_when_norm_topk_prob_says_so_and_mixtral_alway
     ],
 )
 def test_expert_settings_it_cannot_run_are_one_line_errors(family, fields, message):
-    raw = hf_config(
-        family,
-        vocab_size=300,
-        eos_token_id=[1],
-        hidden_size=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-    )
-    raw.update(fields)
-    raw = {k: v for k, v in raw.items() if v is not None or k not in fields}
+    raw = {**moe_raw(family), **fields}
+    raw = {k: v for k, v in raw.items() if v is not None or k not in fields}  # None: left out
     with pytest.raises(CheckpointError, match=re.escape(message)):
         config_from_dict(raw)
 
