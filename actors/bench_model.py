@@ -136,7 +136,7 @@ def measure_floor(checkpoint: Path, tokens: int = 256, repeats: int = 10) -> Flo
 def count_parameters(checkpoint: Path) -> int:
     """Weights a token's forward multiplies, from the safetensors headers: quantized
     weights count their unpacked size; an untied embedding table is left out; routed
-    experts (qwen3_moe, mixtral) count the share a token runs, top k of E."""
+    experts (qwen3_moe, qwen2_moe, mixtral) count the share a token runs, top k of E."""
     config = _config(checkpoint)
     quantization = config.get("quantization")
     bits = quantization.get("bits") if isinstance(quantization, dict) else None

@@ -54,6 +54,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen2": Architecture("qwen2", "Qwen2ForCausalLM"),
     "qwen3": Architecture("qwen3", "Qwen3ForCausalLM"),
     "qwen3moe": Architecture("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "qwen2moe": Architecture("qwen2_moe", "Qwen2MoeForCausalLM"),
     "phi3": Architecture("phi3", "Phi3ForCausalLM", ffn_up="mlp.gate_up_proj", has_longrope=True),
     "gemma3": Architecture(
         "gemma3_text", "Gemma3ForCausalLM", norm_shift=1.0, ffn_norm="pre_feedforward_layernorm"
@@ -83,6 +84,11 @@ _EXPERT_NAMES = {
     "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
     "ffn_up_exps": "mlp.switch_mlp.up_proj",
     "ffn_down_exps": "mlp.switch_mlp.down_proj",
+    # qwen2moe's shared expert, and its gate (a [1, hidden] layer stored as a vector).
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -145,6 +151,8 @@ def read_gguf(path: Path, progress: Callable[[str], None] = lambda message: None
     bits_by_layer: dict[str, int] = {}
     for (tensor, hf_name, *_), arrays in zip(jobs, _decoded(jobs), strict=True):
         converted = to_mlx(tensor, arrays)
+        if hf_name.endswith(".shared_expert_gate.weight") and converted[hf_name].ndim == 1:
+            converted[hf_name] = converted[hf_name][None]  # nn.Linear(hidden, 1)'s [1, hidden]
         layer = hf_name.removesuffix(".weight")
         if f"{layer}.scales" in converted:
             bits_by_layer[layer] = NATIVE_BITS[tensor.tensor_type]
@@ -198,7 +206,8 @@ def _hf_config(
         # A qwen3moe file may leave out its (unused) dense size: then the experts' own.
         "intermediate_size": metadata.require(
             key("feed_forward_length")
-            if arch.model_type != "qwen3_moe" or metadata.get(key("feed_forward_length")) is not None
+            if arch.model_type not in ("qwen3_moe", "qwen2_moe")
+            or metadata.get(key("feed_forward_length")) is not None
             else key("expert_feed_forward_length"),
             int,
         ),
@@ -222,15 +231,17 @@ def _hf_config(
         config.update(_gemma3_fields(metadata, key, config))
     if arch.model_type == "phi3":
         config.update(_phi3_fields(metadata, key, config))
-    if arch.model_type == "qwen3_moe" or metadata.get(key("expert_count")) not in (None, 0):
+    is_moe = arch.model_type in ("qwen3_moe", "qwen2_moe")
+    if is_moe or metadata.get(key("expert_count")) not in (None, 0):
         config.update(_expert_fields(metadata, key, arch))
     return config
 
 
 def _expert_fields(metadata: Metadata, key: Callable[[str], str], arch: Architecture) -> dict[str, Any]:
-    """Routed experts in every layer, their weights renormalised over the chosen, as
-    llama.cpp runs qwen3moe and Mixtral (which its converter writes as `llama`)."""
-    if arch.model_type not in ("llama", "qwen3_moe"):
+    """Routed experts in every layer, as llama.cpp runs them: renormalised over the chosen
+    for qwen3moe and Mixtral (which its converter writes as `llama`), raw probabilities
+    beside a shared expert for qwen2moe."""
+    if arch.model_type not in ("llama", "qwen3_moe", "qwen2_moe"):
         raise CheckpointError(f"{metadata.source}: routed experts are not supported for this architecture")
     num_experts = metadata.require(key("expert_count"), int)
     top_k = metadata.require(key("expert_used_count"), int)
@@ -241,14 +252,18 @@ def _expert_fields(metadata: Metadata, key: Callable[[str], str], arch: Architec
             "num_local_experts": num_experts,
             "num_experts_per_tok": top_k,
         }
-    return {
+    fields = {
         "num_experts": num_experts,
         "num_experts_per_tok": top_k,
         "moe_intermediate_size": metadata.require(key("expert_feed_forward_length"), int),
-        "norm_topk_prob": True,
+        "norm_topk_prob": arch.model_type == "qwen3_moe",  # llama.cpp's qwen2moe: raw probabilities
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     }
+    if arch.model_type == "qwen2_moe":
+        shared = metadata.require(key("expert_shared_feed_forward_length"), int)
+        fields["shared_expert_intermediate_size"] = shared
+    return fields
 
 
 def _phi3_fields(

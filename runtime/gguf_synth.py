@@ -33,6 +33,7 @@ _ARCH_OF = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3moe",
+    "qwen2_moe": "qwen2moe",
     "mixtral": "llama",  # llama.cpp's converter writes Mixtral as llama with experts
     "phi3": "phi3",
     "gemma3_text": "gemma3",
@@ -54,6 +55,10 @@ _LAYER_NAMES = {
     "mlp.switch_mlp.gate_proj": "ffn_gate_exps",
     "mlp.switch_mlp.up_proj": "ffn_up_exps",
     "mlp.switch_mlp.down_proj": "ffn_down_exps",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "post_feedforward_layernorm": "post_ffw_norm",
     "pre_feedforward_layernorm": "ffn_norm",
 }
@@ -93,9 +98,14 @@ def write_gguf(
     _write_byte_level_vocab(writer, checkpoint, pre_tokenizer, config["vocab_size"])
     reference = {}
     for name, value in weights.items():
+        is_vector = name.endswith(".shared_expert_gate.weight")  # [1, hidden]: llama.cpp's [hidden]
+        if is_vector:
+            value = value[0]
         matches = [kind for part, kind in (types_by_name or {}).items() if part in name]
         kind = GGMLType.F32 if value.ndim not in (2, 3) else (matches or [tensor_type])[0]
         stored, reference[name] = _stored(value, kind, rng)
+        if is_vector:
+            reference[name] = reference[name][None]
         if arch == "llama" and ".self_attn.q_proj." in name:
             stored = _llama_permute(stored, config["num_attention_heads"])
         elif arch == "llama" and ".self_attn.k_proj." in name:
@@ -200,8 +210,10 @@ def _write_hparams(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -
     if num_experts is not None:
         writer.add_expert_count(num_experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen2moe"):
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     if arch == "phi3":  # as convert_hf_to_gguf.py's Phi3MiniModel writes them
         writer.add_rope_scaling_orig_ctx_len(config["original_max_position_embeddings"])
         if config.get("sliding_window") is not None:

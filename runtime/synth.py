@@ -33,6 +33,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -77,9 +78,9 @@ def make_tiny_checkpoint(
     tower) takes `sliding_window` and `sliding_window_pattern` (every pattern-th
     layer global; written as `layer_types` too) and `query_pre_attn_scalar`.
 
-    The routed-experts families (`qwen3_moe`, `mixtral`) take `num_experts` of
-    `intermediate_size`, `num_experts_per_tok`, and (qwen3_moe) `dense_layers` run by a
-    dense MLP; float weights are stored per expert as Hugging Face does, quantized ones
+    The routed-experts families (`qwen3_moe`, `qwen2_moe`, `mixtral`) take `num_experts` of
+    `intermediate_size`, `num_experts_per_tok`, and (the Qwens) `dense_layers` run by a
+    dense MLP (qwen2_moe's shared expert is twice `intermediate_size`); float weights are stored per expert as Hugging Face does, quantized ones
     stacked as mlx-community does.
 
     `vocab_size` above the demo tokenizer's adds embedding rows no text encodes to
@@ -191,6 +192,16 @@ def hf_config(
         raw["sliding_window"] = None
     if family == "mixtral":
         raw.update(num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok)
+    if family == "qwen2_moe":
+        raw.update(
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=intermediate_size,
+            shared_expert_intermediate_size=2 * intermediate_size,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(dense_layers),
+        )
     if family == "qwen3_moe":
         raw.update(
             attention_bias=False,
@@ -259,7 +270,7 @@ def fused_projections(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 # The per-expert names Hugging Face stores, by ours, for the routed-experts families.
 EXPERT_NAMES = {
     family: {ours: stored for stored, ours in FAMILIES[family].EXPERT_NAMES.items()}
-    for family in ("qwen3_moe", "mixtral")
+    for family in ("qwen3_moe", "qwen2_moe", "mixtral")
 }
 
 

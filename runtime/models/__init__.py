@@ -13,7 +13,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from runtime.config import ModelConfig
-from runtime.models import gemma3, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
+from runtime.models import gemma3, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
 from runtime.models.layers import CausalLM
 
 import mlx.core as mx
@@ -22,6 +22,7 @@ FAMILIES: dict[str, ModuleType] = {
     "llama": llama,
     "mistral": mistral,
     "qwen2": qwen2,
+    "qwen2_moe": qwen2_moe,
     "qwen3": qwen3,
     "qwen3_moe": qwen3_moe,
     "mixtral": mixtral,

@@ -1,4 +1,4 @@
-"""Routed experts (a sparse mixture of experts): the MLP of qwen3_moe and mixtral.
+"""Routed experts (a sparse mixture of experts): the MLP of qwen3_moe, qwen2_moe and mixtral.
 
 A router scores each token against E experts; the token runs through its top k
 SwiGLU MLPs only and sums their outputs, weighted by the router's probabilities:
@@ -7,6 +7,7 @@ SwiGLU MLPs only and sums their outputs, weighted by the router's probabilities:
     e = the k experts of largest p              [N, k]; w = p[e], divided by its sum
                                                 where the family normalises
     y = sum_j  w_j * down[e_j](silu(gate[e_j](x)) * up[e_j](x))
+      [ + sigmoid(shared_expert_gate(x)) * shared_expert(x) ]   qwen2_moe's, every token
 
 Each projection's experts are stacked, [E, out, in] (mlx-lm's `switch_mlp` layout,
 the one mlx-community's quantized checkpoints store), and run as one op over the
@@ -44,6 +45,7 @@ class Experts:
     # The k weights divided by their sum (mixtral always; qwen3_moe's norm_topk_prob).
     normalize: bool
     sparse_layers: tuple[bool, ...]  # per layer: routed experts, else the dense MLP
+    shared_intermediate_size: int | None = None  # an expert every token runs (qwen2_moe)
 
     @classmethod
     def read(
@@ -55,6 +57,7 @@ class Experts:
         normalize: bool,
         dense_layers: Sequence[int] = (),
         sparse_step: int = 1,
+        shared_intermediate_size: int | None = None,
     ) -> Experts:
         """Checked settings; layer i is sparse unless listed dense or (i + 1) is not a
         multiple of `sparse_step` (transformers' qwen3_moe rule)."""
@@ -67,7 +70,9 @@ class Experts:
         sparse = tuple(
             i not in dense_layers and (i + 1) % sparse_step == 0 for i in range(num_layers)
         )
-        return cls(num_experts, top_k, intermediate_size, normalize, sparse)
+        return cls(
+            num_experts, top_k, intermediate_size, normalize, sparse, shared_intermediate_size
+        )
 
 
 def feed_forward(config: ModelConfig, layer: int) -> nn.Module:
@@ -145,7 +150,8 @@ class ExpertMLPs(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """The sparse MLP: `gate` routes each token to `top_k` of `switch_mlp`'s experts."""
+    """The sparse MLP: `gate` routes each token to `top_k` of `switch_mlp`'s experts,
+    beside a `shared_expert` every token runs, gated per token, where the family has one."""
 
     def __init__(self, hidden: int, experts: Experts):
         super().__init__()
@@ -153,6 +159,9 @@ class RoutedExperts(nn.Module):
         self.switch_mlp = ExpertMLPs(hidden, experts.intermediate_size, experts.num_experts)
         self.top_k = experts.top_k
         self.normalize = experts.normalize
+        if experts.shared_intermediate_size is not None:
+            self.shared_expert = GatedMLP(hidden, experts.shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
         """x [B, T, hidden] -> [B, T, hidden]."""
@@ -164,6 +173,8 @@ class RoutedExperts(nn.Module):
             weights = weights / weights.sum(axis=-1, keepdims=True)
         outputs = self.switch_mlp(tokens, chosen)  # [N, k, hidden]
         y = (outputs * weights[..., None].astype(outputs.dtype)).sum(axis=-2)
+        if "shared_expert" in self:
+            y = y + mx.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
         return y.reshape(x.shape)
 
     def block_operands(self, norm: Any, post_norm: Any = None) -> None:

@@ -36,7 +36,7 @@ class DecoderLayer(nn.Module):
             o_bias=config.o_bias,
             qk_norm=RMSNorm if config.qk_norm else None,
         )
-        self.mlp = feed_forward(config, layer)  # dense, or routed experts (qwen3_moe, mixtral)
+        self.mlp = feed_forward(config, layer)  # dense, or routed experts (runtime/models/experts.py)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

@@ -28,27 +28,35 @@ EXPERT_NAMES = {name: name for name in ("gate_proj", "up_proj", "down_proj")}  #
 
 
 def read_config(fields: ConfigFields) -> dict[str, Any]:
-    num_layers = fields.get("num_hidden_layers", int)
-    dense_layers = fields.get("mlp_only_layers", list, [])
-    if not all(
-        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in dense_layers
-    ):
-        raise CheckpointError(
-            f"{fields.source}: mlp_only_layers must list layer numbers in 0..{num_layers - 1}, got {dense_layers!r}"
-        )
     experts = Experts.read(
         fields,
         num_experts=fields.get("num_experts", int),
         intermediate_size=fields.get("moe_intermediate_size", int),
         normalize=fields.get("norm_topk_prob", bool, False),
-        dense_layers=dense_layers,
+        dense_layers=dense_layers(fields),
         sparse_step=fields.get("decoder_sparse_step", int, 1),
     )
     return {**qwen3.read_config(fields), "extra": {"experts": experts}}
 
 
+def dense_layers(fields: ConfigFields) -> list[int]:
+    """`mlp_only_layers`: layer numbers, each in the model."""
+    num_layers = fields.get("num_hidden_layers", int)
+    listed = fields.get("mlp_only_layers", list, [])
+    if not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in listed
+    ):
+        raise CheckpointError(
+            f"{fields.source}: mlp_only_layers must list layer numbers in 0..{num_layers - 1}, got {listed!r}"
+        )
+    return listed
+
+
 def rename_weights(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
     stack_experts(
-        weights, config.extra["experts"], layer_prefix="model.layers.{layer}.mlp", names=EXPERT_NAMES
+        weights,
+        config.extra["experts"],
+        layer_prefix="model.layers.{layer}.mlp",
+        names=EXPERT_NAMES,
     )
     return weights

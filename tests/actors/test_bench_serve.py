@@ -199,14 +199,16 @@ def test_the_floor_counts_the_weights_a_token_multiplies(make_checkpoint):
     assert floor.seconds(1000) == pytest.approx(1000 * 2 * expected / 1e9)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
 @pytest.mark.parametrize("quantize", [None, (32, 4)], ids=["per-expert", "stacked-q4"])
 def test_the_floor_counts_the_experts_a_token_runs(make_checkpoint, family, quantize):
-    """Routed experts count as the top 2 of the 4 a token runs through, the router whole."""
+    """Routed experts count as the top 2 of the 4 a token runs through; the router, and
+    qwen2_moe's shared expert (twice as wide) and its gate, whole."""
     h, kv, ffn, layers, experts, top_k = 64, 2 * 16, 128, 2, 4, 2
     config = json.loads((make_checkpoint(family) / "config.json").read_text())
     per_layer = 2 * h * h + 2 * h * kv + top_k * 3 * h * ffn + h * experts + 2 * h
     per_layer += 2 * 16 if family == "qwen3_moe" else 0  # q/k norms of one head
+    per_layer += 3 * h * 2 * ffn + h + (h + 2 * kv) if family == "qwen2_moe" else 0  # + q/k/v biases
     expected = layers * per_layer + h + config["vocab_size"] * h
     assert count_parameters(make_checkpoint(family, quantize=quantize)) == expected
 

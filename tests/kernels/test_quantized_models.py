@@ -31,6 +31,7 @@ FAMILIES = {
     # Routed experts (their gathered matmuls are mlx's), a dense MLP in the middle layer.
     "qwen3_moe": dict(head_dim=32, num_layers=3, dense_layers=(1,)),
     "mixtral": dict(num_experts=6),
+    "qwen2_moe": dict(),  # a shared expert beside the routed ones
     # Sliding-window layers (window 8) beside global ones, as tests/runtime/test_gemma3_paged.py.
     "gemma3_text": dict(head_dim=32, num_layers=4, num_kv_heads=1, sliding_window=8),
 }

@@ -74,6 +74,7 @@ PARITY_CASES = {
     "qwen3": ("qwen3", dict(head_dim=32)),
     "qwen3_moe": ("qwen3_moe", dict(head_dim=32, num_layers=3, dense_layers=(1,))),
     "mixtral": ("mixtral", dict(num_experts=6)),
+    "qwen2_moe": ("qwen2_moe", dict(num_layers=3)),  # mlx-lm reads no dense layers for it
     "llama-sharded": ("llama", dict(shards=3)),
 }
 
@@ -89,7 +90,7 @@ def test_greedy_parity_with_mlx_lm(make_checkpoint, case):
     assert len(set(ours)) > 4, "the test model should not be degenerate"
 
 
-MIXED_FAMILIES = ["llama-gqa4", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "llama3-rope-scaling"]
+MIXED_FAMILIES = ["llama-gqa4", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "llama3-rope-scaling"]
 
 
 @pytest.mark.parametrize("path", ATTENTION_PATHS)

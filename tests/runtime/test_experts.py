@@ -44,8 +44,10 @@ def expert_path(request, monkeypatch):
     assert loader.cpu_extension().num_expert_calls() > before, "the kernel did not run"
 
 
-def routed_experts(top_k: int, normalize: bool, seed: int = 0) -> RoutedExperts:
-    experts = Experts(NUM_EXPERTS, top_k, INTERMEDIATE, normalize, (True,))
+def routed_experts(
+    top_k: int, normalize: bool, seed: int = 0, shared: int | None = None
+) -> RoutedExperts:
+    experts = Experts(NUM_EXPERTS, top_k, INTERMEDIATE, normalize, (True,), shared)
     layer = RoutedExperts(HIDDEN, experts)
     rng = np.random.default_rng(seed)
     layer.update(
@@ -77,13 +79,24 @@ def reference(layer: RoutedExperts, x: np.ndarray, weights=None) -> np.ndarray:
         for e, weight in zip(chosen, w, strict=True):
             gate, up = weights["gate_proj"][e] @ token, weights["up_proj"][e] @ token
             out[n] += weight * (weights["down_proj"][e] @ (gate / (1 + np.exp(-gate)) * up))
+        if "shared_expert" in layer:  # qwen2_moe's: every token, gated by a sigmoid
+            mlp, gate_weight = layer.shared_expert, np.array(layer.shared_expert_gate.weight)
+            gate, up = np.array(mlp.gate_proj.weight) @ token, np.array(mlp.up_proj.weight) @ token
+            shared = np.array(mlp.down_proj.weight) @ (gate / (1 + np.exp(-gate)) * up)
+            out[n] += shared / (1 + np.exp(-(gate_weight @ token)))
     return out
 
 
-@pytest.mark.parametrize("normalize", [True, False], ids=["normalised", "raw-probabilities"])
+@pytest.mark.parametrize(
+    ("normalize", "shared"),
+    [(True, None), (False, None), (False, 12)],
+    ids=["normalised", "raw-probabilities", "shared-expert"],
+)
 @pytest.mark.parametrize("num_tokens", [3, 40], ids=["unsorted", "sorted-by-expert"])
-def test_routed_experts_match_a_token_by_token_reference(num_tokens, normalize, expert_path):
-    layer = routed_experts(top_k=2, normalize=normalize)
+def test_routed_experts_match_a_token_by_token_reference(
+    num_tokens, normalize, shared, expert_path
+):
+    layer = routed_experts(top_k=2, normalize=normalize, shared=shared)
     assert (num_tokens * 2 >= SORT_FROM_PAIRS) == (num_tokens == 40)  # mlx's sorted path too
     x = np.random.default_rng(1).standard_normal((num_tokens, HIDDEN)).astype(np.float32)
     got = np.array(layer(mx.array(x)[None]))[0]
@@ -214,6 +227,16 @@ def test_qwen3_moe_normalises_only_when_norm_topk_prob_says_so_and_mixtral_alway
         ),
         ("qwen3_moe", {"decoder_sparse_step": 0}, "field 'decoder_sparse_step' must be positive"),
         ("qwen3_moe", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        (
+            "qwen2_moe",
+            {"shared_expert_intermediate_size": None},
+            "missing required field 'shared_expert_intermediate_size'",
+        ),
+        (
+            "qwen2_moe",
+            {"mlp_only_layers": [-1]},
+            "mlp_only_layers must list layer numbers in 0..3, got [-1]",
+        ),
     ],
     ids=[
         "top-k",
@@ -225,6 +248,8 @@ def test_qwen3_moe_normalises_only_when_norm_topk_prob_says_so_and_mixtral_alway
         "dense-bool",
         "step",
         "activation",
+        "no-shared",
+        "qwen2-dense-range",
     ],
 )
 def test_expert_settings_it_cannot_run_are_one_line_errors(family, fields, message):
@@ -259,7 +284,7 @@ def test_a_missing_or_misshapen_expert_is_named(tmp_path: Path, family):
         load_model(path)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_float_experts_stored_stacked_load_as_those_stored_per_expert(tmp_path: Path, family):
     """mlx-lm's float conversions (and mlx-community's bf16 ones) store the experts
     stacked in `switch_mlp`, Mixtral's under `block_sparse_moe`."""
@@ -268,7 +293,7 @@ def test_float_experts_stored_stacked_load_as_those_stored_per_expert(tmp_path: 
     stacked = tmp_path / "stacked"
     mlx_lm.convert(str(per_expert), str(stacked))  # no quantization: the layout alone
     names = set(mx.load(str(stacked / "model.safetensors")))
-    block = "mlp" if family == "qwen3_moe" else "block_sparse_moe"
+    block = "block_sparse_moe" if family == "mixtral" else "mlp"
     assert f"model.layers.0.{block}.switch_mlp.gate_proj.weight" in names
     prompt = list(range(3, 30))
     assert greedy(load_model(stacked), prompt, 12) == greedy(load_model(per_expert), prompt, 12)

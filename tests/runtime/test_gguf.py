@@ -33,7 +33,7 @@ from gguf import GGMLQuantizationType as GGMLType
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
-FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma3_text"]
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "phi3", "gemma3_text"]
 EXACT_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16]
 QUANTIZED_TYPES = [
     GGMLType.Q4_0,
@@ -166,7 +166,7 @@ def test_k_quant_and_q5_layers_stay_quantized_with_the_files_groups(convert):
     assert mx.array_equal(weight, reference.mlp.down_proj.weight.astype(mx.float32))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_q4_0_and_q8_0_experts_stay_quantized_and_exact(convert, family):
     """A file's stacked experts ([E, out, in] blocks) are repacked as they are, one
     quantized layer per projection, with the file's values."""
@@ -567,7 +567,7 @@ def test_a_tensor_with_fewer_rows_than_its_shape_is_named_truncated():
     assert got["w"].shape == (3, 4)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe", "qwen2_moe", "mixtral"])
 def test_the_config_read_from_a_gguf_is_the_checkpoints_config_json(convert, family):
     path, reference_dir = convert(family, GGMLType.F32)
     config = read_gguf(path).config

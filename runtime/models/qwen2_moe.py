@@ -1,0 +1,46 @@
+"""Qwen2-MoE (`qwen2_moe`: Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention
+(q/k/v biases) with routed experts (runtime/models/experts.py) beside a shared expert.
+
+Each sparse layer routes a token to `num_experts_per_tok` of `num_experts` experts of
+`moe_intermediate_size`, and adds a dense SwiGLU of `shared_expert_intermediate_size`
+that every token runs, scaled by sigmoid(`shared_expert_gate`(x)). The router's top-k
+probabilities are renormalised only where `norm_topk_prob` says so (the released
+configs say false). `mlp_only_layers` and `decoder_sparse_step` pick dense layers as
+in qwen3_moe.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.config import ConfigFields, ModelConfig
+from runtime.models import llama, qwen2, qwen3_moe
+from runtime.models.experts import Experts, stack_experts
+
+import mlx.core as mx
+
+build = llama.Decoder
+EXPERT_NAMES = qwen3_moe.EXPERT_NAMES  # stored: ours
+
+
+def read_config(fields: ConfigFields) -> dict[str, Any]:
+    experts = Experts.read(
+        fields,
+        num_experts=fields.get("num_experts", int),
+        intermediate_size=fields.get("moe_intermediate_size", int),
+        normalize=fields.get("norm_topk_prob", bool, False),
+        dense_layers=qwen3_moe.dense_layers(fields),
+        sparse_step=fields.get("decoder_sparse_step", int, 1),
+        shared_intermediate_size=fields.get("shared_expert_intermediate_size", int),
+    )
+    return {**qwen2.read_config(fields), "extra": {"experts": experts}}
+
+
+def rename_weights(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
+    stack_experts(
+        weights,
+        config.extra["experts"],
+        layer_prefix="model.layers.{layer}.mlp",
+        names=EXPERT_NAMES,
+    )
+    return weights
