@@ -47,14 +47,17 @@ class Architecture:
     ffn_norm: str = "post_attention_layernorm"  # what llama.cpp's `ffn_norm` was in HF
     ffn_up: str = "mlp.up_proj"  # what llama.cpp's `ffn_up` was (phi3's holds gate and up)
     has_longrope: bool = False  # may hold LongRoPE's factors as `rope_factors_*` tensors
+    # Routed experts in every layer (qwen3moe, qwen2moe); llama has them where its
+    # metadata counts them (Mixtral).
+    has_experts: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture("llama", "LlamaForCausalLM", is_qk_permuted=True),
     "qwen2": Architecture("qwen2", "Qwen2ForCausalLM"),
     "qwen3": Architecture("qwen3", "Qwen3ForCausalLM"),
-    "qwen3moe": Architecture("qwen3_moe", "Qwen3MoeForCausalLM"),
-    "qwen2moe": Architecture("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": Architecture("qwen3_moe", "Qwen3MoeForCausalLM", has_experts=True),
+    "qwen2moe": Architecture("qwen2_moe", "Qwen2MoeForCausalLM", has_experts=True),
     "phi3": Architecture("phi3", "Phi3ForCausalLM", ffn_up="mlp.gate_up_proj", has_longrope=True),
     "gemma3": Architecture(
         "gemma3_text", "Gemma3ForCausalLM", norm_shift=1.0, ffn_norm="pre_feedforward_layernorm"
@@ -77,8 +80,9 @@ _LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",  # gemma: after attention, before the residual
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-# Routed experts, in a file whose metadata counts them (qwen3moe; Mixtral under `llama`):
-# the router, then each projection's experts stacked [E, out, in] (runtime/models/experts.py).
+# Routed experts (qwen3moe, qwen2moe; Mixtral under `llama`, where the metadata counts
+# them): the router, then each projection's experts stacked [E, out, in]
+# (runtime/models/experts.py).
 _EXPERT_NAMES = {
     "ffn_gate_inp": "mlp.gate",
     "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
@@ -186,6 +190,9 @@ def _hf_config(
         return f"{arch_name}.{name}"
 
     hidden = metadata.require(key("embedding_length"), int)
+    ffn_length = key("feed_forward_length")
+    if arch.has_experts and metadata.get(ffn_length) is None:
+        ffn_length = key("expert_feed_forward_length")  # the dense size, unused, left out
     heads = metadata.require(key("attention.head_count"), int)
     if "token_embd.weight" not in tensors:
         raise CheckpointError(f"{metadata.source}: missing tensor 'token_embd.weight'")
@@ -203,14 +210,7 @@ def _hf_config(
         "model_type": arch.model_type,
         "hidden_size": hidden,
         "num_hidden_layers": metadata.require(key("block_count"), int),
-        # A qwen3moe file may leave out its (unused) dense size: then the experts' own.
-        "intermediate_size": metadata.require(
-            key("feed_forward_length")
-            if arch.model_type not in ("qwen3_moe", "qwen2_moe")
-            or metadata.get(key("feed_forward_length")) is not None
-            else key("expert_feed_forward_length"),
-            int,
-        ),
+        "intermediate_size": metadata.require(ffn_length, int),
         "num_attention_heads": heads,
         "num_key_value_heads": metadata.get(key("attention.head_count_kv"), heads),
         "head_dim": metadata.get(key("attention.key_length"), hidden // heads),
@@ -231,8 +231,7 @@ def _hf_config(
         config.update(_gemma3_fields(metadata, key, config))
     if arch.model_type == "phi3":
         config.update(_phi3_fields(metadata, key, config))
-    is_moe = arch.model_type in ("qwen3_moe", "qwen2_moe")
-    if is_moe or metadata.get(key("expert_count")) not in (None, 0):
+    if arch.has_experts or metadata.get(key("expert_count")) not in (None, 0):
         config.update(_expert_fields(metadata, key, arch))
     return config
 
@@ -241,7 +240,7 @@ def _expert_fields(metadata: Metadata, key: Callable[[str], str], arch: Architec
     """Routed experts in every layer, as llama.cpp runs them: renormalised over the chosen
     for qwen3moe and Mixtral (which its converter writes as `llama`), raw probabilities
     beside a shared expert for qwen2moe."""
-    if arch.model_type not in ("llama", "qwen3_moe", "qwen2_moe"):
+    if not arch.has_experts and arch.model_type != "llama":
         raise CheckpointError(f"{metadata.source}: routed experts are not supported for this architecture")
     num_experts = metadata.require(key("expert_count"), int)
     top_k = metadata.require(key("expert_used_count"), int)

@@ -78,10 +78,11 @@ def make_tiny_checkpoint(
     tower) takes `sliding_window` and `sliding_window_pattern` (every pattern-th
     layer global; written as `layer_types` too) and `query_pre_attn_scalar`.
 
-    The routed-experts families (`qwen3_moe`, `qwen2_moe`, `mixtral`) take `num_experts` of
-    `intermediate_size`, `num_experts_per_tok`, and (the Qwens) `dense_layers` run by a
-    dense MLP (qwen2_moe's shared expert is twice `intermediate_size`); float weights are stored per expert as Hugging Face does, quantized ones
-    stacked as mlx-community does.
+    The routed-experts families (`qwen3_moe`, `qwen2_moe`, `mixtral`) take `num_experts`
+    of `intermediate_size`, `num_experts_per_tok`, and (the Qwens) `dense_layers` run by
+    a dense MLP (qwen2_moe's shared expert is twice `intermediate_size`); float weights
+    are stored per expert as Hugging Face does, quantized ones stacked as mlx-community
+    does.
 
     `vocab_size` above the demo tokenizer's adds embedding rows no text encodes to
     (a large-vocabulary model, e.g. 151,936 as Qwen's).

@@ -790,6 +790,14 @@ def test_a_qwen3moe_file_without_its_expert_count_is_named(convert, tmp_path):
     assert "missing GGUF metadata 'qwen3moe.expert_count'" in one_line_error(bare)
 
 
+def test_a_moe_file_without_its_unused_dense_size_loads(convert, tmp_path):
+    path, reference_dir = convert("qwen3_moe", GGMLType.F32)
+    bare = rewritten(path, tmp_path / "bare.gguf", dropped=["qwen3moe.feed_forward_length"])
+    config = read_gguf(bare).config
+    assert config["intermediate_size"] == config["moe_intermediate_size"] == SHAPE["intermediate_size"]
+    assert mx.array_equal(load_model(bare).model(PROMPT), load_model(reference_dir).model(PROMPT))
+
+
 def test_experts_counted_for_an_architecture_without_them_are_refused(convert, tmp_path):
     path, _ = convert("qwen2", GGMLType.F32)
     count = (4, V.UINT32, V.UINT32)
