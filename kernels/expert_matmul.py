@@ -15,6 +15,8 @@ kernel's 0.53, and 3.6 s for 256 rows against 63 ms (README, "Routed experts on 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 
 from kernels.cpu_extension import cpu_extension
@@ -49,9 +51,10 @@ def quantized_expert_matmul(
     mode: str = "affine",
 ) -> mx.array:
     """x [R, K] @ dequantize(w[experts]).T -> [R, k, N], in x's dtype; w [E, N, K * bits / 32]."""
-    is_kernel = uses_cpu_kernel(group_size, bits, mode) and x.dtype == mx.float32
-    ext = cpu_extension() if is_kernel and scales.dtype == mx.float32 else None
-    if ext is not None and biases is not None and biases.dtype == mx.float32:
+    # The kernel's operands: float32 rows, and scales and biases as the CPU load leaves
+    # them (float32); kept as stored (`--keep-dtype`), mlx's gather runs them.
+    ext = cpu_extension() if uses_cpu_kernel(group_size, bits, mode) else None
+    if ext is not None and biases is not None and x.dtype == scales.dtype == biases.dtype == mx.float32:
         return ext.expert_matmul(x, experts, w, scales, biases, group_size, bits)
     return _gathered(
         x,
@@ -71,7 +74,10 @@ def quantized_expert_matmul(
     )
 
 
-def _gathered(x: mx.array, experts: mx.array, gather) -> mx.array:
+Gather = Callable[[mx.array, mx.array, bool], mx.array]  # (x rows, expert ids, is_sorted)
+
+
+def _gathered(x: mx.array, experts: mx.array, gather: Gather) -> mx.array:
     """mlx's gathered matmul over the pairs, sorted by expert from SORT_FROM_PAIRS."""
     num_rows, k = experts.shape
     if experts.size < SORT_FROM_PAIRS:

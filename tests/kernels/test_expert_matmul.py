@@ -95,3 +95,17 @@ def test_operands_that_do_not_fit_are_refused_when_the_op_is_built(call, message
     x, experts = pairs(4, 2)
     with pytest.raises(ValueError, match=message):
         call(loader.cpu_extension(), x, experts, mx.random.normal((E, N, K)))
+
+
+@needs_kernels
+def test_16_bit_scales_as_stored_run_through_mlxs_gather():
+    """`--keep-dtype` leaves a checkpoint's bfloat16 scales: the kernel reads float32 ones."""
+    x, experts = pairs(5, 2)
+    weight = mx.random.normal((E, N, K), key=mx.random.key(4)) * 0.1
+    w, scales, biases = mx.quantize(weight.astype(mx.bfloat16), group_size=64, bits=4)
+    assert scales.dtype == mx.bfloat16
+    before = loader.cpu_extension().num_expert_calls()
+    got = quantized_expert_matmul(x, experts, w, scales, biases, 64, 4)
+    assert loader.cpu_extension().num_expert_calls() == before
+    dequantized = mx.dequantize(w, scales, biases, group_size=64, bits=4)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), reference(x, experts, dequantized), rtol=2e-2, atol=2e-2)
