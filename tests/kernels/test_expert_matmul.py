@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from kernels import cpu_extension as loader
+from kernels import expert_matmul
 from kernels.expert_matmul import SORT_FROM_PAIRS, dense_expert_matmul, quantized_expert_matmul
 from tests.kernels.test_quantized_matmul import needs_kernels
 
@@ -109,3 +110,19 @@ def test_16_bit_scales_as_stored_run_through_mlxs_gather():
     assert loader.cpu_extension().num_expert_calls() == before
     dequantized = mx.dequantize(w, scales, biases, group_size=64, bits=4)
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), reference(x, experts, dequantized), rtol=2e-2, atol=2e-2)
+
+
+def test_off_the_cpu_device_mlxs_gathers_run_and_the_kernel_is_not_asked_for(monkeypatch):
+    """On a GPU (Metal) the arrays are not the CPU kernel's: both ops take mlx's gathers."""
+    x, experts = pairs(5, 2)
+    weight = mx.random.normal((E, N, K), key=mx.random.key(7)) * 0.1
+    w, scales, biases = mx.quantize(weight, group_size=64, bits=4)
+    dequantized = mx.dequantize(w, scales, biases, group_size=64, bits=4)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    monkeypatch.setattr(
+        expert_matmul, "cpu_extension", lambda: pytest.fail("the CPU kernel was asked for")
+    )
+    got = dense_expert_matmul(x, experts, weight)
+    np.testing.assert_allclose(np.array(got), reference(x, experts, weight), rtol=1e-4, atol=1e-4)
+    got = quantized_expert_matmul(x, experts, w, scales, biases, 64, 4)
+    np.testing.assert_allclose(np.array(got), reference(x, experts, dequantized), rtol=1e-3, atol=1e-3)

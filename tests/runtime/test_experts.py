@@ -12,7 +12,7 @@ from runtime.checkpoint import load_model
 from runtime.config import config_from_dict
 from runtime.errors import CheckpointError
 from runtime.models import build_model
-from runtime.models.experts import Experts, QuantizedExpertLinear, RoutedExperts
+from runtime.models.experts import Experts, QuantizedExpertLinear, RoutedExperts, stack_experts
 from runtime.models.layers import GatedMLP
 from runtime.synth import hf_config, make_tiny_checkpoint, save_weights
 
@@ -195,6 +195,35 @@ def test_qwen3_moe_normalises_only_when_norm_topk_prob_says_so_and_mixtral_alway
     assert moe_config("mixtral").extra["experts"].normalize
 
 
+def test_a_token_may_route_to_every_expert(expert_path):
+    """top_k equal to the number of experts is a valid (if dense) routing, not an error."""
+    assert moe_config("qwen3_moe", num_experts_per_tok=4).extra["experts"].top_k == 4
+    layer = routed_experts(top_k=NUM_EXPERTS, normalize=True)
+    x = np.random.default_rng(4).standard_normal((3, HIDDEN)).astype(np.float32)
+    got = np.array(layer(mx.array(x)[None]))[0]
+    np.testing.assert_allclose(got, reference(layer, x), rtol=1e-4, atol=1e-5)
+
+
+def test_the_sparse_step_counts_layers_from_one():
+    """transformers' rule: layer i is sparse when (i + 1) is a multiple of the step."""
+    experts = moe_config("qwen3_moe", decoder_sparse_step=3).extra["experts"]
+    assert experts.sparse_layers == (False, False, True, False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_every_layer_routes_experts_where_the_config_names_no_dense_ones(family):
+    """A config.json without decoder_sparse_step or mlp_only_layers (transformers'
+    defaults: 1 and [])."""
+    raw = moe_raw(family)
+    del raw["decoder_sparse_step"], raw["mlp_only_layers"]
+    assert config_from_dict(raw).extra["experts"].sparse_layers == (True,) * 4
+
+
+def test_mlp_only_layers_may_list_the_first_and_the_last_layer():
+    experts = moe_config("qwen3_moe", mlp_only_layers=[0, 3]).extra["experts"]
+    assert experts.sparse_layers == (False, True, True, False)
+
+
 @pytest.mark.parametrize(
     ("family", "fields", "message"),
     [
@@ -282,6 +311,26 @@ def test_a_missing_or_misshapen_expert_is_named(tmp_path: Path, family):
         ),
     ):
         load_model(path)
+
+
+def test_stacking_names_a_missing_expert_whichever_it_is():
+    """Expert 0 present, expert 1 missing: named, not left unstacked."""
+    experts = Experts(4, 2, 8, True, (True,))
+    weights = {
+        f"model.layers.0.mlp.experts.{e}.{name}.weight": mx.zeros((8, 16))
+        for e in (0, 2, 3)
+        for name in ("gate_proj", "up_proj", "down_proj")
+    }
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape("missing tensor 'model.layers.0.mlp.experts.1.gate_proj.weight'"),
+    ):
+        stack_experts(
+            weights,
+            experts,
+            layer_prefix="model.layers.{layer}.mlp",
+            names={name: name for name in ("gate_proj", "up_proj", "down_proj")},
+        )
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
