@@ -13,11 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.config import ConfigFields, ModelConfig
+from runtime.config import ConfigFields
 from runtime.models import llama, qwen2, qwen3_moe
-from runtime.models.experts import Experts, stack_experts
-
-import mlx.core as mx
+from runtime.models.experts import Experts
 
 build = llama.Decoder
 EXPERT_NAMES = qwen3_moe.EXPERT_NAMES  # stored: ours
@@ -36,11 +34,4 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
     return {**qwen2.read_config(fields), "extra": {"experts": experts}}
 
 
-def rename_weights(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
-    stack_experts(
-        weights,
-        config.extra["experts"],
-        layer_prefix="model.layers.{layer}.mlp",
-        names=EXPERT_NAMES,
-    )
-    return weights
+rename_weights = qwen3_moe.rename_weights  # the same per-expert names, stacked the same way
