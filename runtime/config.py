@@ -127,6 +127,7 @@ def config_from_dict(
     family = FAMILIES[model_type]
     if hasattr(family, "unwrap_config"):
         raw = family.unwrap_config(raw, source)
+        family = FAMILIES[raw["model_type"]]  # the text model's (mistral3 -> mistral or ministral3)
     raw = {**getattr(family, "DEFAULTS", {}), **raw}
     fields = ConfigFields(raw, source)
     field = fields.get
@@ -162,13 +163,15 @@ def config_from_dict(
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
         # A family may run more (phi3's LongRoPE): its read_config checks those.
         own_types = getattr(family, "ROPE_TYPES", ())
-        rope_types = ("default", "linear", "llama3", *own_types)
+        rope_types = ("default", "linear", "llama3", "yarn", *own_types)
         if rope_type not in rope_types:
             raise CheckpointError(
                 f"{source}: unsupported rope_scaling type '{rope_type}' "
                 f"(supported: {', '.join(rope_types)})"
             )
-        if rope_type not in own_types:
+        if rope_type == "yarn":
+            rope_scaling = _complete_yarn(rope_scaling, rope_theta, field("max_position_embeddings", int, 4096), source)
+        elif rope_type not in own_types:
             _check_rope_scaling(rope_type, rope_scaling, source)
     common: dict[str, Any] = dict(
         model_type=raw["model_type"],
@@ -219,7 +222,9 @@ def rope_fields(fields: ConfigFields) -> tuple[float, dict[str, Any] | None]:
         if rope_theta is None and "rope_theta" in parameters:
             nested = ConfigFields(parameters, f"{fields.source}: rope_parameters")
             rope_theta = nested.get("rope_theta", float)
-        if rope_scaling is None and parameters.get("rope_type", "default") != "default":
+        # Some write only the older "type" (Ministral 3's transformers defaults).
+        kind = parameters.get("rope_type", parameters.get("type", "default"))
+        if rope_scaling is None and kind != "default":
             rope_scaling = {k: v for k, v in parameters.items() if k != "rope_theta"}
     return (10000.0 if rope_theta is None else rope_theta), rope_scaling
 
@@ -317,6 +322,29 @@ def _check_rope_scaling(kind: str, scaling: dict[str, Any], source: str) -> None
                 f"{source}: rope_scaling llama3 needs high_freq_factor above low_freq_factor, "
                 f"got {high:g} and {low:g}"
             )
+
+
+def _complete_yarn(scaling: dict[str, Any], base: float, context: int, source: str) -> dict[str, Any]:
+    """YaRN's settings, checked, with what transformers derives for those left out: the
+    original context is max_position_embeddings, and `factor` is the ratio of the two
+    where only the original context is given."""
+    scaling = dict(scaling)
+    if scaling.get("original_max_position_embeddings") is None:
+        scaling["original_max_position_embeddings"] = context
+    if scaling.get("factor") is None and is_positive_number(scaling["original_max_position_embeddings"]):
+        scaling["factor"] = context / scaling["original_max_position_embeddings"]
+    for name in ("factor", "original_max_position_embeddings"):
+        if not is_positive_number(scaling[name]):
+            raise CheckpointError(f"{source}: rope_scaling yarn needs a positive number '{name}', got {scaling[name]!r}")
+    for name in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+        value = scaling.get(name)
+        if value is not None and not (is_positive_number(value) or value == 0):
+            raise CheckpointError(f"{source}: rope_scaling yarn's '{name}' must be a number of at least 0, got {value!r}")
+    if scaling.get("attention_factor") == 0:
+        raise CheckpointError(f"{source}: rope_scaling yarn's 'attention_factor' must be above 0")
+    if not (is_positive_number(base) and base != 1.0):  # its ramp divides by log(rope_theta)
+        raise CheckpointError(f"{source}: rope_scaling yarn needs a rope_theta above 0 other than 1, got {base!r}")
+    return scaling
 
 
 def _eos_ids(raw: dict[str, Any], generation: dict[str, Any], vocab_size: int) -> tuple[int, ...]:

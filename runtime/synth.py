@@ -30,6 +30,8 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "ministral3": "Ministral3ForCausalLM",
+    "mistral3": "Mistral3ForConditionalGeneration",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -39,6 +41,18 @@ ARCHITECTURES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
 }
+# Ministral 3's settings with an original context of 16 (the releases': 16,384); the
+# factor is the ratio of max_position_embeddings to it, as in the releases.
+MINISTRAL3_ROPE = {
+    "factor": 16.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "llama_4_scaling_beta": 0.1,
+}
+MULTIMODAL = ("gemma3", "mistral3")  # the text model's weights under "language_model."
 # The multimodal layout's vision tower: a few tensors, to be skipped when loading.
 VISION_TENSORS = {
     "vision_tower.vision_model.post_layernorm.weight": (8,),
@@ -71,8 +85,15 @@ def make_tiny_checkpoint(
     num_experts: int = 4,
     num_experts_per_tok: int = 2,
     dense_layers: tuple[int, ...] = (),
+    text_family: str = "ministral3",
 ) -> Path:
     """Write a random-weight checkpoint of `family` into `out_dir` and return `out_dir`.
+
+    Ministral 3 (`ministral3`) writes its YaRN and query temperature under
+    `rope_parameters`, as transformers 5 does, over an original context of 16 so that
+    short tests run past it (`rope_scaling` replaces those settings). The multimodal
+    `mistral3` nests a `text_family` (`ministral3` or `mistral`) beside a stub vision
+    tower.
 
     Gemma 3 (`gemma3_text`, or the multimodal `gemma3` layout with a stub vision
     tower) takes `sliding_window` and `sliding_window_pattern` (every pattern-th
@@ -116,6 +137,7 @@ def make_tiny_checkpoint(
         num_experts=num_experts,
         num_experts_per_tok=num_experts_per_tok,
         dense_layers=dense_layers,
+        text_family=text_family,
     )
     weights = random_weights(build_model(config_from_dict(raw)), seed)
     weights = {name: w.astype(DTYPES[dtype]) for name, w in weights.items()}
@@ -125,7 +147,7 @@ def make_tiny_checkpoint(
         weights = {name.replace(".mlp.", ".block_sparse_moe."): w for name, w in weights.items()}
     if family in EXPERT_NAMES and quantize is None:
         weights = per_expert_weights(weights, EXPERT_NAMES[family])
-    if family == "gemma3":
+    if family in MULTIMODAL:
         weights = {f"language_model.{name}": w for name, w in weights.items()}
         rng = np.random.default_rng(seed)
         for name, shape in VISION_TENSORS.items():
@@ -163,8 +185,27 @@ def hf_config(
     num_experts: int = 4,
     num_experts_per_tok: int = 2,
     dense_layers: tuple[int, ...] = (),
+    text_family: str = "ministral3",
 ) -> dict[str, Any]:
     """A config.json dict with the fields Hugging Face writes for `family`."""
+    if family == "mistral3":  # the multimodal layout: the text model's config nested
+        text = hf_config(
+            text_family, vocab_size=vocab_size, eos_token_id=eos_token_id, hidden_size=hidden_size,
+            num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            intermediate_size=intermediate_size, head_dim=head_dim,
+            tie_word_embeddings=tie_word_embeddings, dtype=dtype,
+            max_position_embeddings=max_position_embeddings, rope_scaling=rope_scaling,
+            rope_theta=rope_theta, rms_norm_eps=rms_norm_eps,
+        )
+        moved = {name: text.pop(name) for name in ("eos_token_id", "torch_dtype")}
+        del text["architectures"]
+        return {
+            "architectures": [ARCHITECTURES[family]],
+            "model_type": family,
+            **moved,
+            "text_config": text,
+            "vision_config": {"model_type": "pixtral", "hidden_size": 8},
+        }
     if family not in FAMILIES:
         raise ValueError(f"unknown family '{family}' (known: {', '.join(sorted(FAMILIES))})")
     if dtype not in DTYPES:
@@ -189,8 +230,18 @@ def hf_config(
     }
     if family in ("llama", "qwen3"):
         raw["attention_bias"] = False
-    if family in ("mistral", "mixtral"):
+    if family in ("mistral", "mixtral", "ministral3"):
         raw["sliding_window"] = None
+    if family == "ministral3":  # transformers 5's layout: every RoPE setting in one dict
+        raw["rope_parameters"] = {
+            "rope_type": "yarn",
+            "type": "yarn",
+            "rope_theta": raw.pop("rope_theta"),
+            **(raw.pop("rope_scaling") or MINISTRAL3_ROPE),
+        }
+        if rope_scaling is None:  # the factor transformers expects from the two contexts
+            raw["rope_parameters"]["factor"] = max_position_embeddings / 16
+        raw["head_dim"] = head_dim or hidden_size // num_heads
     if family == "mixtral":
         raw.update(num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok)
     if family == "qwen2_moe":

@@ -3,7 +3,7 @@
 A family file gives `build(config) -> CausalLM` and `read_config(fields) -> dict`
 (its own config fields, as `ModelConfig` keyword arguments); it may also give
 `DEFAULTS` (values for fields its configs may leave out), `unwrap_config` (a
-wrapped layout -> the text model's config), `rename_weights` (checkpoint names
+wrapped layout -> the text model's config, whose own family then reads it), `rename_weights` (checkpoint names
 -> the model's) and `ROPE_TYPES` (RoPE scalings beyond the shared ones, which its
 `read_config` checks). Adding a family means adding a file and a line below.
 """
@@ -13,7 +13,19 @@ from __future__ import annotations
 from types import ModuleType
 
 from runtime.config import ModelConfig
-from runtime.models import gemma3, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
+from runtime.models import (
+    gemma3,
+    llama,
+    ministral3,
+    mistral,
+    mistral3,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 from runtime.models.layers import CausalLM
 
 import mlx.core as mx
@@ -21,6 +33,8 @@ import mlx.core as mx
 FAMILIES: dict[str, ModuleType] = {
     "llama": llama,
     "mistral": mistral,
+    "ministral3": ministral3,
+    "mistral3": mistral3,  # the multimodal layout: its text model (mistral or ministral3)
     "qwen2": qwen2,
     "qwen2_moe": qwen2_moe,
     "qwen3": qwen3,

@@ -28,15 +28,13 @@ from typing import Any
 from runtime.config import ConfigFields, ModelConfig, read_sliding_layers
 from runtime.errors import CheckpointError
 from runtime.kv.base import ForwardKV
+from runtime.models import multimodal
 from runtime.models.layers import Attention, CausalLM, GatedMLP, OffsetRMSNorm, RoPE, kept_rows
 
 import mlx.core as mx
 import mlx.nn as nn
-import structlog
 
 from kernels.fused_blocks import NormedLayers
-
-log = structlog.get_logger("cadence.models")
 
 # transformers' Gemma3TextConfig defaults, for fields a config may leave out
 # (multimodal configs often leave out most of `text_config`).
@@ -51,30 +49,13 @@ DEFAULTS: dict[str, Any] = {
     "max_position_embeddings": 131_072,
     "vocab_size": 262_208,
 }
-_VISION_PREFIXES = (
-    "vision_tower.",
-    "multi_modal_projector.",
-    "model.vision_tower.",
-    "model.multi_modal_projector.",
-)
 
 
 def unwrap_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """The multimodal `gemma3` config -> its text model's config (`gemma3_text`)."""
     if raw.get("model_type") != "gemma3":
         return raw
-    text = raw.get("text_config")
-    if not isinstance(text, dict):
-        raise CheckpointError(f"{source}: gemma3 config without a 'text_config' object")
-    outer = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
-    quant = outer.get("quantization")
-    if isinstance(quant, dict):  # per-layer entries name the text model's modules
-        outer["quantization"] = {
-            k.removeprefix("language_model."): v
-            for k, v in quant.items()
-            if not k.startswith(_VISION_PREFIXES)
-        }
-    return {**outer, **text, "model_type": "gemma3_text"}
+    return {**multimodal.text_config(raw, source, "gemma3_text"), "model_type": "gemma3_text"}
 
 
 def read_config(fields: ConfigFields) -> dict[str, Any]:
@@ -122,21 +103,7 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
 
 def rename_weights(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
     """Multimodal names -> text-model names; the vision tower's tensors are dropped."""
-    if not any(k.startswith(("language_model.", "model.language_model.")) for k in weights):
-        return weights
-    renamed, num_skipped = {}, 0
-    for name, tensor in weights.items():
-        if name.startswith(_VISION_PREFIXES):
-            num_skipped += 1
-        elif name.startswith("language_model."):
-            renamed[name.removeprefix("language_model.")] = tensor
-        elif name.startswith("model.language_model."):
-            renamed["model." + name.removeprefix("model.language_model.")] = tensor
-        else:
-            renamed[name] = tensor
-    if num_skipped:
-        log.info("gemma3: text model only, vision tower skipped", tensors_skipped=num_skipped)
-    return renamed
+    return multimodal.text_weights(weights, "gemma3")
 
 
 def _add_residual(x: mx.array, y: mx.array) -> mx.array:
@@ -157,7 +124,11 @@ class Gemma3Layer(nn.Module):
         else:
             rope = RoPE(config.head_dim, extra["rope_local_base_freq"], None)
         self.self_attn = Attention(
-            config, layer, scale=extra["query_pre_attn_scalar"] ** -0.5, rope=rope, qk_norm=OffsetRMSNorm
+            config,
+            layer,
+            scale=extra["query_pre_attn_scalar"] ** -0.5 * rope.attention_factor,  # YaRN's, else 1
+            rope=rope,
+            qk_norm=OffsetRMSNorm,
         )
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, activation="gelu_tanh")
         hidden, eps = config.hidden_size, config.rms_norm_eps

@@ -24,12 +24,12 @@ from kernels.swiglu import gelu_tanh, gelu_tanh_halves, swiglu, swiglu_halves
 
 
 class RoPE(nn.Module):
-    """Rotary embedding with per-token offsets; default, linear, llama3 and LongRoPE
-    scaling.
+    """Rotary embedding with per-token offsets; default, linear, llama3, YaRN and
+    LongRoPE scaling.
 
-    `attention_factor` is what LongRoPE multiplies the rotated q and k by, squared: the
-    attention's scale takes it (q·k scaled by f twice is the logits scaled by f²), so
-    the rotation stays one op."""
+    `attention_factor` is what YaRN and LongRoPE multiply the rotated q and k by,
+    squared: the attention's scale takes it (q·k scaled by f twice is the logits scaled
+    by f²), so the rotation stays one op."""
 
     def __init__(self, dims: int, base: float, scaling: dict[str, Any] | None):
         super().__init__()
@@ -52,6 +52,10 @@ class RoPE(nn.Module):
             self.base = None
             # Absent where phi3 folded it into q_proj (partial rotation).
             self.attention_factor = float(scaling.get("attention_factor", 1.0)) ** 2
+        elif kind == "yarn":  # runtime/config.py checks it and fills in its context
+            self._freqs = _yarn_freqs(dims, base, scaling)
+            self.base = None
+            self.attention_factor = yarn_attention_factor(scaling) ** 2
         self._inv_freqs = inverse_frequencies(dims, self.base, self._freqs)  # not a parameter
 
     @property
@@ -82,6 +86,47 @@ def _llama3_freqs(dims: int, base: float, scaling: dict) -> mx.array:
     smooth = (old_context / wavelens - low) / (high - low)
     smooth_freqs = freqs / ((1 - smooth) / factor + smooth)
     return mx.where(is_medium, smooth_freqs, freqs)
+
+
+def _yarn_freqs(dims: int, base: float, scaling: dict) -> mx.array:
+    """YaRN's per-dimension periods, as transformers computes them: dimensions that turn
+    more than `beta_fast` times over the original context keep their frequency, those
+    turning fewer than `beta_slow` times are slowed by `factor`, and a linear ramp
+    blends the ones between."""
+    factor = float(scaling["factor"])
+    context = float(scaling["original_max_position_embeddings"])
+
+    def dimension_turning(times: float) -> float:  # where a dimension turns `times` over the context
+        return dims * math.log(context / (times * 2 * math.pi)) / (2 * math.log(base))
+
+    low = dimension_turning(float(scaling.get("beta_fast") or 32))
+    high = dimension_turning(float(scaling.get("beta_slow") or 1))
+    if scaling.get("truncate", True):  # gpt-oss's configs say false
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001  # as transformers: the ramp below divides by their difference
+    ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0.0, 1.0)
+    periods = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    kept = 1.0 - ramp  # each dimension's share of its original frequency
+    return 1.0 / (kept / periods + (1.0 - kept) / (factor * periods))
+
+
+def yarn_attention_factor(scaling: dict) -> float:
+    """What YaRN multiplies the rotated q and k by: the config's `attention_factor`, else
+    from `factor` (and `mscale` over `mscale_all_dim` where both are given), as
+    transformers reads it."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def magnitude(mscale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return magnitude(float(mscale)) / magnitude(float(mscale_all_dim))
+    return magnitude()
 
 
 class RMSNorm(nn.RMSNorm):
@@ -125,6 +170,22 @@ def kept_rows(x: mx.array, keep: mx.array | None) -> mx.array:
     return x if keep is None else x[:, keep]
 
 
+QueryScale = Callable[[mx.array], mx.array]  # positions [N] int32 -> each query's factor [N]
+
+
+class AttentionTemperature:
+    """Ministral 3's query scale (transformers' `get_llama_4_attn_scale`): a rotated query
+    at position p is multiplied by 1 + beta * log(1 + floor(p / context)), so it is 1
+    within the original context and grows by steps past it."""
+
+    def __init__(self, beta: float, context: int):
+        self.beta, self.context = beta, context
+
+    def __call__(self, positions: mx.array) -> mx.array:
+        steps = mx.floor(positions.astype(mx.float32) / self.context)
+        return 1.0 + self.beta * mx.log(1.0 + steps)
+
+
 class Attention(nn.Module):
     """Grouped-query attention; the family chooses biases, q/k norms, scale and RoPE."""
 
@@ -138,9 +199,11 @@ class Attention(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm: Norm | None = None,
+        query_scale: QueryScale | None = None,
     ):
         super().__init__()
         self.layer = layer
+        self.query_scale = query_scale
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = d = config.head_dim
@@ -162,7 +225,7 @@ class Attention(nn.Module):
         N = B * T  # the engine's ragged step is one flat batch: B = 1, T = N
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if "qkv_proj" in self:  # stacked at load on the CPU (runtime/cpu_weights.py)
-            if "q_norm" not in self:  # one op rotates, stores and attends where it can
+            if "q_norm" not in self and self.query_scale is None:  # one op rotates, stores and attends where it can
                 out = kv.attend_stacked(self.layer, self.qkv_proj(x), self.rope, H, Hkv, self.scale)
                 return self.o_proj(kept_rows(out, keep))
             q, k, v = split_heads(self.qkv_proj(x), H, Hkv)
@@ -174,6 +237,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = self.rope(q, kv.positions)  # [N, H, D], each token at its own position
         k = self.rope(k, kv.positions)  # [N, Hkv, D]
+        if self.query_scale is not None:
+            q = q * self.query_scale(kv.positions).astype(q.dtype)[:, None, None]
         out = kv.attend(self.layer, q, k, v, self.scale)  # [N, H, D]
         return self.o_proj(kept_rows(out.reshape(B, T, -1), keep))
 
@@ -181,6 +246,8 @@ class Attention(nn.Module):
         """x + [post_norm](self(norm(x))) as one op's operands (kernels/fused_blocks.py), or
         None where the weights do not allow it (see `normed_layers`)."""
         if "qkv_proj" not in self or (post_norm is not None and post_norm.eps != norm.eps):
+            return None
+        if self.query_scale is not None:  # the fused op rotates q but cannot scale it by position
             return None
         qk_norm = None
         if "q_norm" in self:  # per-head norms of one eps (the config's)

@@ -3,7 +3,8 @@
     h = x + attn(input_layernorm(x));  out = h + mlp(post_attention_layernorm(h))
 
 The flags come from `ModelConfig`: q/k/v and o biases, per-head q/k RMSNorm,
-tied embeddings, head_dim, RoPE scaling (default, linear, llama3; phi3's LongRoPE).
+tied embeddings, head_dim, RoPE scaling (default, linear, llama3, YaRN; phi3's
+LongRoPE), ministral3's query temperature.
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from runtime.config import ConfigFields, ModelConfig, read_sliding_layers
 from runtime.errors import CheckpointError
 from runtime.kv.base import ForwardKV
 from runtime.models.experts import feed_forward
-from runtime.models.layers import Attention, CausalLM, RMSNorm, RoPE, kept_rows
+from runtime.models.layers import (
+    Attention,
+    AttentionTemperature,
+    CausalLM,
+    RMSNorm,
+    RoPE,
+    kept_rows,
+)
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,6 +35,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         rotary_dims = config.extra.get("rotary_dims", config.head_dim)  # phi3's may be fewer
         rope = RoPE(rotary_dims, config.rope_theta, config.rope_scaling)
+        temperature = config.extra.get("attention_temperature")  # ministral3's (beta, context)
         self.self_attn = Attention(
             config,
             layer,
@@ -35,6 +44,7 @@ class DecoderLayer(nn.Module):
             qkv_bias=config.qkv_bias,
             o_bias=config.o_bias,
             qk_norm=RMSNorm if config.qk_norm else None,
+            query_scale=None if temperature is None else AttentionTemperature(*temperature),
         )
         self.mlp = feed_forward(config, layer)  # dense, or routed experts (runtime/models/experts.py)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)

@@ -55,6 +55,10 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
     settings: dict[str, Any] = {"qkv_bias": False, "o_bias": False, "layer_windows": windows}
     extra: dict[str, Any] = {"rotary_dims": rotary_dims}
     scaling = _rope_scaling(fields, rotary_dims)
+    _, shared_scaling = rope_fields(fields)
+    is_yarn = (shared_scaling or {}).get("rope_type", (shared_scaling or {}).get("type")) == "yarn"
+    if is_yarn and rotary_dims < head_dim:  # its factor would reach the unrotated part too
+        raise CheckpointError(f"{source}: rope_scaling yarn with partial_rotary_factor is not supported")
     if scaling is not None and rotary_dims < head_dim:
         # LongRoPE's factor scales the rotated part of q and k, not the rest: folded into
         # q's rotated rows at load (`rename_weights`), not into the attention's scale.

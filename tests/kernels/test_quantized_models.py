@@ -25,6 +25,7 @@ NEW_TOKENS = 24
 FAMILIES = {
     "llama": dict(tie_word_embeddings=True),
     "mistral": dict(),
+    "ministral3": dict(),  # queries scaled past its original context (16 here)
     "qwen2": dict(tie_word_embeddings=True),
     "qwen3": dict(head_dim=32),
     "phi3": dict(),  # q/k/v and gate/up stored fused, split at load

@@ -649,13 +649,13 @@ def test_a_null_kv_head_count_is_one_per_query_head_as_in_mlx_lm(make_checkpoint
     ("changes", "named"),
     [
         ({"mlp_bias": True}, "mlp_bias=true is not supported"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_scaling type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "unsupported rope_scaling type 'longrope'"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "type 'dynamic'"),
         ({"rope_scaling": {"rope_type": "linear", "factor": float("inf")}}, "'factor', got inf"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": float("nan")}}, "'factor', got nan"),
         ({"vocab_size": 2**31}, "too large"),
     ],
-    ids=["mlp-bias", "yarn", "dynamic", "infinite-factor", "nan-factor", "past-int32"],
+    ids=["mlp-bias", "longrope-outside-phi3", "dynamic", "infinite-factor", "nan-factor", "past-int32"],
 )
 def test_config_settings_cadence_cannot_honour_are_named(changes, named):
     with pytest.raises(CheckpointError, match="config.json") as error:

@@ -70,6 +70,14 @@ PARITY_CASES = {
         ),
     ),
     "mistral": ("mistral", dict()),
+    # YaRN, and queries scaled past the original context of 16 (runtime/synth.py)
+    "ministral3": ("ministral3", dict()),
+    "mistral3": ("mistral3", dict(text_family="ministral3", tie_word_embeddings=True)),
+    "mistral3-small": ("mistral3", dict(text_family="mistral")),
+    "qwen3-yarn": (
+        "qwen3",
+        dict(head_dim=32, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
+    ),
     "qwen2": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen3": ("qwen3", dict(head_dim=32)),
     "qwen3_moe": ("qwen3_moe", dict(head_dim=32, num_layers=3, dense_layers=(1,))),
@@ -90,7 +98,10 @@ def test_greedy_parity_with_mlx_lm(make_checkpoint, case):
     assert len(set(ours)) > 4, "the test model should not be degenerate"
 
 
-MIXED_FAMILIES = ["llama-gqa4", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "llama3-rope-scaling"]
+MIXED_FAMILIES = [
+    "llama-gqa4", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "llama3-rope-scaling",
+    "ministral3", "qwen3-yarn",
+]
 
 
 @pytest.mark.parametrize("path", ATTENTION_PATHS)

@@ -13,17 +13,18 @@ from runtime.config import config_from_dict, load_config
 from runtime.errors import CheckpointError
 from runtime.models import FAMILIES, build_model
 from runtime.models.gemma3 import _add_residual
-from runtime.models.layers import RoPE
+from runtime.models.layers import AttentionTemperature, RoPE, yarn_attention_factor
 from runtime.synth import hf_config, make_tiny_checkpoint
 
 import attrs
 import mlx.core as mx
 import mlx_lm
+import numpy as np
 import pytest
 import transformers
 from mlx_lm.generate import generate_step
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.rope_utils import Llama3RoPE
+from mlx_lm.models.rope_utils import Llama3RoPE, YarnRoPE
 from structlog.testing import capture_logs
 
 from tests.kernels.test_quantized_models import greedy, mlx_lm_greedy
@@ -209,6 +210,8 @@ def test_gemma3_rope_parameters_of_transformers_5():
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64}}),
         ("qwen3", {"rope_theta": 1000000.0}),
+        ("qwen3", {"rope_theta": 1000000.0, "rope_scaling": {
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}}),
     ],
 )
 def test_rope_parameters_as_transformers_5_writes_them_give_the_old_layouts_model(
@@ -525,9 +528,9 @@ def test_phi3_applies_its_sliding_window_to_every_layer_as_transformers(
             {"rope_scaling": {**LONGROPE, "attention_factor": -1}},
             "attention_factor must be a positive number, got -1",
         ),
-        ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, "unsupported rope_scaling type 'yarn'"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "unsupported rope_scaling type 'dynamic'"),
     ],
-    ids=["partial-rotary-odd", "partial-rotary-over", "bias", "long-short", "long-long", "short-zero", "no-original", "factor", "yarn"],
+    ids=["partial-rotary-odd", "partial-rotary-over", "bias", "long-short", "long-long", "short-zero", "no-original", "factor", "dynamic"],
 )
 def test_phi3_settings_it_cannot_run_are_one_line_errors(fields, message):
     raw = hf_config(
@@ -614,3 +617,200 @@ def test_a_microscaling_phi4_mini_with_longrope_is_refused_by_name(tmp_path: Pat
     raw["rope_scaling"] = None  # without LongRoPE there is nothing to fold: it loads
     (path / "config.json").write_text(json.dumps(raw))
     assert load_model(path).model.model.layers[0].self_attn.rope.dims == 16
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16], ids=["cpu-kernel", "mlx-fallback"])
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"beta_fast": 16.0, "beta_slow": 2.0}, {"factor": 16.0, "mscale": 1.0, "mscale_all_dim": 1.0}],
+    ids=["defaults", "betas", "ministral3-mscales"],
+)
+def test_yarn_rope_rotates_and_scales_as_mlx_lms(dtype, settings):
+    """Original context 64 at head_dim 16: low frequencies slowed by the factor, high
+    ones kept, a ramp between; q and k each scaled by mlx-lm's mscale (squared into the
+    attention's scale here)."""
+    scaling = {**YARN, **settings}
+    x = mx.random.normal((6, 2, 16), key=mx.random.key(0)).astype(dtype)
+    positions = mx.array([0, 1, 7, 40, 300, 4000], dtype=mx.int32)
+    ours = RoPE(16, 10000.0, scaling)
+    extra = {k: v for k, v in scaling.items() if k not in ("rope_type", "factor")}
+    theirs = YarnRoPE(16, base=10000.0, scaling_factor=scaling["factor"], **extra)
+    want = mx.concatenate([theirs(x[None, i : i + 1].transpose(0, 2, 1, 3), offset=int(p)) for i, p in
+                           enumerate(positions.tolist())], axis=2)[0].transpose(1, 0, 2)
+    got = ours(x, positions) * ours.attention_factor**0.5
+    assert got.dtype == dtype
+    assert ours.attention_factor == pytest.approx(theirs.mscale**2)
+    assert mx.allclose(got, want, atol=1e-4 if dtype == mx.float32 else 2e-2).item()
+    assert not mx.allclose(ours(x, positions), RoPE(16, 10000.0, None)(x, positions), atol=1e-2).item()
+
+
+def test_yarn_with_truncate_false_ramps_between_the_exact_dimensions_as_transformers():
+    """gpt-oss's configs say truncate: false; transformers then leaves the ramp's bounds
+    unrounded (its formula, evaluated here in NumPy)."""
+    dims, base, factor, context = 16, 10000.0, 4.0, 64
+    bound = [dims * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(base)) for turns in (32, 1)]
+    low, high = max(bound[0], 0), min(bound[1], dims - 1)
+    ramp = np.clip((np.arange(dims // 2) - low) / (high - low), 0, 1)
+    periods = base ** (np.arange(0, dims, 2) / dims)
+    want = (1 - ramp) / periods + ramp / (factor * periods)
+    exact = RoPE(dims, base, {**YARN, "truncate": False}).inv_freqs
+    assert np.allclose(np.array(exact), want, rtol=1e-5)
+    assert not np.allclose(np.array(RoPE(dims, base, YARN).inv_freqs), want, rtol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("settings", "factor"),
+    [
+        ({"factor": 4.0}, 0.1 * math.log(4.0) + 1),
+        ({"factor": 4.0, "attention_factor": 1.5}, 1.5),
+        ({"factor": 4.0, "mscale": 2.0, "mscale_all_dim": 1.0}, (0.2 * math.log(4.0) + 1) / (0.1 * math.log(4.0) + 1)),
+        ({"factor": 4.0, "mscale": 2.0}, 0.1 * math.log(4.0) + 1),  # alone, transformers ignores it
+        ({"factor": 1.0}, 1.0),
+    ],
+    ids=["from-factor", "stated", "mscale-ratio", "mscale-alone", "factor-1"],
+)
+def test_yarn_attention_factor_as_transformers_reads_it(settings, factor):
+    assert yarn_attention_factor(settings) == pytest.approx(factor)
+
+
+def qwen3_config(**fields):
+    raw = hf_config("qwen3", vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, intermediate_size=128, max_position_embeddings=4096)
+    raw.update(fields)
+    return raw
+
+
+def test_yarn_fills_in_its_original_context_and_factor_as_transformers():
+    config = config_from_dict(qwen3_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    assert config.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    derived = config_from_dict(qwen3_config(rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 1024}))
+    assert derived.rope_scaling["factor"] == 4.0
+    # transformers 5's defaults for Ministral 3 name only the older "type"
+    only_type = {"type": "yarn", "rope_theta": 5e5, "factor": 2.0, "original_max_position_embeddings": 64}
+    config = config_from_dict(qwen3_config(rope_parameters=only_type, rope_theta=None, rope_scaling=None))
+    assert (config.rope_theta, config.rope_scaling["factor"]) == (5e5, 2.0)
+
+
+@pytest.mark.parametrize(
+    ("scaling", "message"),
+    [
+        ({"factor": 0}, "yarn needs a positive number 'factor', got 0"),
+        ({"factor": 4.0, "original_max_position_embeddings": "long"}, "'original_max_position_embeddings', got 'long'"),
+        ({"factor": 4.0, "beta_fast": -1}, "yarn's 'beta_fast' must be a number of at least 0, got -1"),
+        ({"factor": 4.0, "mscale": "x"}, "yarn's 'mscale' must be a number of at least 0"),
+        ({"factor": 4.0, "attention_factor": 0}, "'attention_factor' must be above 0"),
+    ],
+)
+def test_yarn_settings_it_cannot_run_are_one_line_errors(scaling, message):
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        config_from_dict(qwen3_config(rope_scaling={"rope_type": "yarn", **scaling}))
+
+
+def test_yarn_over_a_rope_theta_of_one_is_refused_not_a_division_by_zero():
+    with pytest.raises(CheckpointError, match="rope_theta above 0 other than 1, got 1.0"):
+        config_from_dict(qwen3_config(rope_theta=1.0, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+
+
+def test_yarn_on_a_partial_rotation_is_refused_for_phi3():
+    raw = hf_config("phi3", vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, intermediate_size=128)
+    raw["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    assert config_from_dict(raw).rope_scaling["rope_type"] == "yarn"  # a whole rotation runs it
+    with pytest.raises(CheckpointError, match="yarn with partial_rotary_factor is not supported"):
+        config_from_dict({**raw, "partial_rotary_factor": 0.5})
+
+
+def test_gemma3_runs_yarn_on_its_global_layers_as_mlx_lm(tmp_path: Path):
+    scaling = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16}
+    path = make_tiny_checkpoint(tmp_path, "gemma3_text", num_layers=4, rope_scaling=scaling, seed=2)
+    ours = load_model(path)
+    reference, _ = mlx_lm.load(str(path))
+    assert mx.allclose(ours.model(TOKENS), reference(TOKENS), atol=1e-4).item()
+
+
+def test_ministral3s_query_temperature_steps_up_past_each_original_context():
+    temperature = AttentionTemperature(0.1, 16)
+    got = temperature(mx.array([0, 15, 16, 31, 32, 47, 48], dtype=mx.int32))
+    steps = [0, 0, 1, 1, 2, 2, 3]
+    assert mx.allclose(got, mx.array([1 + 0.1 * math.log(1 + s) for s in steps]), atol=1e-6).item()
+
+
+def test_ministral3_within_its_original_context_is_llama_with_yarn(tmp_path: Path):
+    """Positions 0-15 see no temperature: the same logits as the config without it,
+    and from position 16 on, different ones (mlx-lm's parity: tests/runtime/test_engine.py)."""
+    path = make_tiny_checkpoint(tmp_path, "ministral3", seed=4)
+    ours = load_model(path)
+    cooled = load_model(path)
+    cooled.model.config = attrs.evolve(cooled.config, extra={})
+    for layer in cooled.model.model.layers:
+        layer.self_attn.query_scale = None
+    got, plain = ours.model(TOKENS), cooled.model(TOKENS)
+    assert mx.allclose(got[:, :16], plain[:, :16], atol=1e-5).item()
+    assert not mx.allclose(got[:, 16:], plain[:, 16:], atol=1e-3).item()
+
+
+def ministral3_config(**rope):
+    raw = hf_config("ministral3", vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, intermediate_size=128)
+    raw["rope_parameters"].update(rope)
+    return raw
+
+
+@pytest.mark.parametrize(
+    ("rope", "message"),
+    [
+        ({"llama_4_scaling_beta": None}, "needs rope_parameters.llama_4_scaling_beta, a number of at least 0, got None"),
+        ({"llama_4_scaling_beta": -0.1}, "got -0.1"),
+        ({"llama_4_scaling_beta": True}, "got True"),
+        (  # under a plain RoPE: YaRN's own check names it otherwise
+            {"rope_type": "default", "type": "default", "original_max_position_embeddings": 0},
+            "needs rope_parameters.original_max_position_embeddings, a positive integer, got 0",
+        ),
+    ],
+)
+def test_ministral3_settings_it_cannot_run_are_one_line_errors(rope, message):
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        config_from_dict(ministral3_config(**rope))
+
+
+def test_mistral3_is_read_as_its_text_model():
+    raw = hf_config("mistral3", vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, intermediate_size=128, text_family="mistral")
+    raw["quantization"] = {
+        "group_size": 64, "bits": 4,
+        "language_model.model.layers.0.mlp.down_proj": {"group_size": 64, "bits": 8},
+        "vision_tower.transformer.layers.0.attention.q_proj": {"group_size": 64, "bits": 8},
+    }
+    config = config_from_dict(raw)
+    assert (config.model_type, config.eos_token_ids) == ("mistral", (1,))
+    assert set(config.quantization.per_layer) == {"model.layers.0.mlp.down_proj"}
+    assert config_from_dict({**raw, "text_config": {**raw["text_config"], "model_type": "ministral3",
+                                                     "rope_parameters": ministral3_config()["rope_parameters"]}
+                             }).model_type == "ministral3"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"text_config": None}, "mistral3 config without a 'text_config' object"),
+        ({"text_config": {"model_type": "pixtral"}}, "mistral3 with a text model of type 'pixtral' is not supported"),
+    ],
+)
+def test_mistral3_with_a_text_model_it_cannot_run_is_a_one_line_error(change, message):
+    raw = hf_config("mistral3", vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, intermediate_size=128)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        config_from_dict({**raw, **change})
+
+
+def test_mistral3_loads_its_text_model_and_skips_the_vision_tower(tmp_path: Path):
+    path = make_tiny_checkpoint(tmp_path, "mistral3", seed=1)
+    with capture_logs() as logs:
+        ours = load_model(path)
+    skipped = [e for e in logs if e["event"] == "ministral3: text model only, vision tower skipped"]
+    assert [e["tensors_skipped"] for e in skipped] == [2]
+    reference, _ = mlx_lm.load(str(path))
+    assert mx.allclose(ours.model(TOKENS), reference(TOKENS), atol=1e-4).item()
