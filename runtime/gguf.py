@@ -25,7 +25,7 @@ from typing import Any
 
 from runtime.config import is_token_id
 from runtime.errors import CheckpointError
-from runtime.gguf_reader import Metadata, check_tensor_layout, open_gguf
+from runtime.gguf_reader import Metadata, check_tensor_layout, open_gguf, shortened
 from runtime.gguf_tensors import NATIVE_BITS, decode_tensor, quantization_config, to_mlx
 from runtime.gguf_tokenizer import tokenizer_from_gguf
 from runtime.tokenizer import Tokenizer
@@ -54,6 +54,8 @@ class Architecture:
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture("llama", "LlamaForCausalLM", is_qk_permuted=True),
+    # Ministral 3 (llama's converter with YaRN and the query temperature)
+    "mistral3": Architecture("ministral3", "Ministral3ForCausalLM", is_qk_permuted=True),
     "qwen2": Architecture("qwen2", "Qwen2ForCausalLM"),
     "qwen3": Architecture("qwen3", "Qwen3ForCausalLM"),
     "qwen3moe": Architecture("qwen3_moe", "Qwen3MoeForCausalLM", has_experts=True),
@@ -231,6 +233,8 @@ def _hf_config(
         config.update(_gemma3_fields(metadata, key, config))
     if arch.model_type == "phi3":
         config.update(_phi3_fields(metadata, key, config))
+    if arch.model_type == "ministral3":
+        config["rope_scaling"] = _ministral3_scaling(metadata, key, config)
     if arch.has_experts or metadata.get(key("expert_count")) not in (None, 0):
         config.update(_expert_fields(metadata, key, arch))
     return config
@@ -320,9 +324,63 @@ def _rope_scaling(
             "rope_type": "linear",
             "factor": float(metadata.require(key("rope.scaling.factor"), float)),
         }
+    if kind == "yarn":
+        return _yarn_scaling(metadata, key)
     if "rope_freqs.weight" in tensors:
         return _llama3_scaling(metadata, key, config, tensors["rope_freqs.weight"])
     raise CheckpointError(f"{metadata.source}: unsupported RoPE scaling type '{kind}'")
+
+
+# YaRN settings llama.cpp reads otherwise than transformers would (or not at all, for
+# these architectures), each with the value that means "as transformers derives it".
+_YARN_NEUTRAL = {
+    "rope.scaling.attn_factor": 1.0,
+    "rope.scaling.yarn_attn_factor": 1.0,
+    "rope.scaling.yarn_ext_factor": 1.0,
+}
+
+
+def _yarn_scaling(metadata: Metadata, key: Callable[[str], str]) -> dict[str, Any]:
+    """YaRN as llama.cpp's converters write it for Qwen, llama and Ministral 3 files: the
+    factor, the original context and the ramp's bounds. llama.cpp scales q and k by
+    1 + 0.1 ln(factor), or with a `yarn_log_multiplier` m (Ministral 3's `mscale_all_dim`)
+    by that over 1 + 0.1 m ln(factor): transformers' `mscale` 1 over `mscale_all_dim` m.
+    A file changing the scale otherwise is refused."""
+    for name, neutral in _YARN_NEUTRAL.items():
+        value = metadata.get(key(name))  # any value but the neutral one, a string too
+        if value is not None and value != neutral:
+            raise CheckpointError(
+                f"{metadata.source}: YaRN with '{key(name)}' = {shortened(repr(value))} is not supported"
+            )
+    scaling: dict[str, Any] = {
+        "rope_type": "yarn",
+        "factor": float(metadata.require(key("rope.scaling.factor"), float)),
+    }
+    log_multiplier = metadata.get(key("rope.scaling.yarn_log_multiplier"))
+    if log_multiplier not in (None, 0, 0.0):
+        scaling["mscale"] = 1.0
+        scaling["mscale_all_dim"] = float(metadata.require(key("rope.scaling.yarn_log_multiplier"), float))
+    if (context := metadata.optional(key("rope.scaling.original_context_length"), int)) is not None:
+        scaling["original_max_position_embeddings"] = int(context)
+    for name, field in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if (value := metadata.optional(key(f"rope.scaling.{name}"), float)) is not None:
+            scaling[field] = float(value)
+    return scaling
+
+
+def _ministral3_scaling(
+    metadata: Metadata, key: Callable[[str], str], config: dict[str, Any]
+) -> dict[str, Any]:
+    """Ministral 3's RoPE settings with its query temperature: beta from
+    `attention.temperature_scale` (none: 0, no temperature) over the original context,
+    as llama.cpp reads them for `mistral3`."""
+    scaling = dict(config["rope_scaling"] or {"rope_type": "default"})
+    context = metadata.optional(key("rope.scaling.original_context_length"), int, config["max_position_embeddings"])
+    beta = metadata.get(key("attention.temperature_scale"), 0.0)
+    if beta != 0:
+        # Stored as float32: read back as the shortest decimal it holds (0.1, not 0.10000000149).
+        beta = float(str(np.float32(metadata.require(key("attention.temperature_scale"), float))))
+    return {**scaling, "original_max_position_embeddings": context, "llama_4_scaling_beta": float(beta)}
 
 
 def _longrope_scaling(

@@ -30,6 +30,7 @@ from gguf import GGMLQuantizationType as GGMLType
 
 _ARCH_OF = {
     "llama": "llama",
+    "ministral3": "mistral3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3moe",
@@ -106,9 +107,9 @@ def write_gguf(
         stored, reference[name] = _stored(value, kind, rng)
         if is_vector:
             reference[name] = reference[name][None]
-        if arch == "llama" and ".self_attn.q_proj." in name:
+        if arch in ("llama", "mistral3") and ".self_attn.q_proj." in name:
             stored = _llama_permute(stored, config["num_attention_heads"])
-        elif arch == "llama" and ".self_attn.k_proj." in name:
+        elif arch in ("llama", "mistral3") and ".self_attn.k_proj." in name:
             stored = _llama_permute(stored, config["num_key_value_heads"])
         if arch == "gemma3" and name.endswith("norm.weight"):
             stored = stored + 1  # Gemma3RMSNorm multiplies by (1 + w); llama.cpp stores 1 + w
@@ -196,6 +197,9 @@ def _write_hparams(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -
     writer.add_head_count(heads)
     writer.add_head_count_kv(config.get("num_key_value_heads", heads))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if arch == "mistral3":  # transformers 5's rope_parameters, as Ministral 3's config has them
+        config = {**config, "rope_theta": config["rope_parameters"]["rope_theta"],
+                  "rope_scaling": config["rope_parameters"]}
     writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
@@ -204,6 +208,16 @@ def _write_hparams(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -
     if scaling.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(scaling["factor"])
+    if scaling.get("rope_type") == "yarn":  # as convert_hf_to_gguf.py's TextModel writes it
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        if "beta_fast" in scaling:
+            writer.add_rope_scaling_yarn_beta_fast(scaling["beta_fast"])
+            writer.add_rope_scaling_yarn_beta_slow(scaling["beta_slow"])
+    if arch == "mistral3":  # and its Ministral3Model
+        writer.add_rope_scaling_yarn_log_mul(scaling["mscale_all_dim"])
+        writer.add_attn_temperature_scale(scaling["llama_4_scaling_beta"])
     if arch == "gemma3":
         writer.add_sliding_window(config["sliding_window"])
     num_experts = config.get("num_experts", config.get("num_local_experts"))

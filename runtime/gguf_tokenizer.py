@@ -40,6 +40,15 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# Mistral's tekken (Mistral Nemo, Mistral Small 3, Ministral 3): a word splits where a
+# capital follows a small letter ("CamelCase" -> "Camel", "Case"), with no contraction
+# rule, and every digit stands alone.
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 class _PreTokenizer(NamedTuple):
     """How one `tokenizer.ggml.pre` splits text before byte-level BPE."""
@@ -48,6 +57,7 @@ class _PreTokenizer(NamedTuple):
     is_nfc: bool = False  # Qwen's tokenizers normalize to NFC first
     ignore_merges: bool = False  # Llama 3's looks a whole word up before merging
     is_digit_split: bool = False  # SmolLM's splits every digit off first
+    add_bos: bool = False  # what llama.cpp assumes where the file does not say
 
 
 # Names as llama.cpp's converter writes them.
@@ -55,9 +65,10 @@ _BYTE_LEVEL_PRE: dict[str, _PreTokenizer] = {
     "default": _PreTokenizer(),
     "gpt-2": _PreTokenizer(),
     "smollm": _PreTokenizer(is_digit_split=True),
-    "llama-bpe": _PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True),
-    "llama3": _PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True),
+    "llama-bpe": _PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True),
+    "llama3": _PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True),
     "smaug-bpe": _PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True),
+    "tekken": _PreTokenizer(_TEKKEN_SPLIT, ignore_merges=True, add_bos=True),
     "qwen2": _PreTokenizer(_QWEN2_SPLIT, is_nfc=True),
     "deepseek-r1-qwen": _PreTokenizer(_QWEN2_SPLIT, is_nfc=True),
 }
@@ -98,8 +109,10 @@ def tokenizer_from_gguf(metadata: Metadata, architecture: str) -> Tokenizer:
         token_id = metadata.get(f"tokenizer.ggml.{key}")
         if is_token_id(token_id, len(tokens)):
             special_tokens[name] = tokens[token_id]
-    # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
-    add_bos = metadata.optional("tokenizer.ggml.add_bos_token", bool, kind == "llama")
+    # llama.cpp adds BOS to a SentencePiece vocabulary, and to Llama 3's and tekken's,
+    # unless the file says otherwise.
+    pre = _BYTE_LEVEL_PRE[metadata.optional("tokenizer.ggml.pre", str, "default")] if kind == "gpt2" else None
+    add_bos = metadata.optional("tokenizer.ggml.add_bos_token", bool, kind == "llama" or (pre and pre.add_bos))
     try:
         return Tokenizer(
             backend,

@@ -33,7 +33,7 @@ from gguf import GGMLQuantizationType as GGMLType
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
-FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "phi3", "gemma3_text"]
+FAMILIES = ["llama", "ministral3", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "phi3", "gemma3_text"]
 EXACT_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16]
 QUANTIZED_TYPES = [
     GGMLType.Q4_0,
@@ -495,7 +495,7 @@ V = gguf.GGUFValueType
             "'tokenizer.ggml.token_type' should be an array of int",
         ),
         ("qwen2.rope.freq_base", ("1e6", V.STRING, V.STRING), "should be float, got '1e6'"),
-        ("qwen2.rope.scaling.type", ("yarn", V.STRING, V.STRING), "RoPE scaling type 'yarn'"),
+        ("qwen2.rope.scaling.type", ("xpos", V.STRING, V.STRING), "RoPE scaling type 'xpos'"),
         ("tokenizer.ggml.pre", (["qwen2"], V.ARRAY, V.STRING), "should be str, got ['qwen2']"),
         ("tokenizer.ggml.add_bos_token", ("false", V.STRING, V.STRING), "should be bool"),
         (
@@ -517,7 +517,7 @@ V = gguf.GGUFValueType
         "merges of numbers",
         "token types of text",
         "rope base as text",
-        "yarn rope scaling",
+        "xpos rope scaling",
         "pre-tokenizer as an array",
         "add_bos as text",
         "token types not one a token",
@@ -584,8 +584,9 @@ def test_the_config_read_from_a_gguf_is_the_checkpoints_config_json(convert, fam
         ("llama", {"head_dim": 32}),  # q/k rows un-permuted per head of 32, not 64
         ("qwen3", {"head_dim": 32}),
         ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+        ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
     ],
-    ids=["llama-head-dim", "qwen3-head-dim", "linear-rope"],
+    ids=["llama-head-dim", "qwen3-head-dim", "linear-rope", "yarn-rope"],
 )
 def test_settings_the_gguf_states_reach_the_model(make_checkpoint, tmp_path, family, options):
     checkpoint = make_checkpoint(family, **SHAPE, **options)
@@ -1016,3 +1017,35 @@ def test_phi3s_longrope_and_window_come_from_its_gguf(make_checkpoint, tmp_path,
         path, tmp_path / "odd.gguf", metadata={"phi3.rope.dimension_count": (47, V.UINT32, V.UINT32)}
     )
     assert "rotates 47 of a head's 64 dimensions" in one_line_error(odd)
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("qwen3.rope.scaling.attn_factor", 2.0),
+        ("qwen3.rope.scaling.yarn_attn_factor", 0.5),
+        ("qwen3.rope.scaling.yarn_ext_factor", 0.0),
+    ],
+)
+def test_yarn_whose_magnitude_llama_cpp_reads_otherwise_is_refused_by_name(make_checkpoint, tmp_path, key, value):
+    checkpoint = make_checkpoint("qwen3", **SHAPE, rope_scaling=YARN)
+    path = write_gguf(checkpoint, tmp_path / "yarn.gguf", tmp_path / "reference")
+    changed = rewritten(path, tmp_path / "changed.gguf", {key: (value, V.FLOAT32, V.FLOAT32)})
+    assert f"YaRN with '{key}' = {value!r} is not supported" in one_line_error(changed)
+    neutral = rewritten(path, tmp_path / "neutral.gguf", {key: (1.0, V.FLOAT32, V.FLOAT32)})
+    assert load_model(neutral).config.rope_scaling == load_model(tmp_path / "reference").config.rope_scaling
+
+
+def test_a_ministral3_gguf_without_a_temperature_runs_none_past_its_original_context(convert, tmp_path):
+    path, reference_dir = convert("ministral3", GGMLType.F32)
+    silent = rewritten(path, tmp_path / "silent.gguf", dropped=("mistral3.attention.temperature_scale",))
+    scaling = read_gguf(silent).config["rope_scaling"]
+    assert (scaling["llama_4_scaling_beta"], scaling["original_max_position_embeddings"]) == (0.0, 16)
+    with_temperature, without = load_model(path).model(PROMPT), load_model(silent).model(PROMPT)
+    assert mx.array_equal(with_temperature[:, :16], without[:, :16])
+    assert not mx.allclose(with_temperature[:, 16:], without[:, 16:], atol=1e-3).item()
+    textual = rewritten(path, tmp_path / "text.gguf", {"mistral3.attention.temperature_scale": ("0.1", V.STRING, V.STRING)})
+    assert "'mistral3.attention.temperature_scale' should be float" in one_line_error(textual)

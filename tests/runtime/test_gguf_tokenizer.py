@@ -33,6 +33,8 @@ TEXTS = [
     "<|im_start|>user\nhi<|im_end|>\n<start_of_turn>model",
     "",
     "a zzqxv word",
+    "CamelCase a/b//\n",
+    "'sup y'all",  # tekken's split ("'sup") differs from Qwen 2's and Llama 3's ("'s", "up")
 ]
 UNMERGEABLE = "\u0120zzqxv"  # " zzqxv" in the byte-level alphabet
 CHAT = [
@@ -48,6 +50,12 @@ LLAMA3_SPLIT = (
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Mistral's tekken, as Mistral Small 3's and Ministral 3's tokenizer.json spell it.
+TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
+    r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
 
@@ -77,8 +85,8 @@ def byte_level_checkpoint(make_checkpoint, tmp_path, pre):
     shutil.copytree(make_checkpoint("qwen2"), checkpoint)
     tokenizer_file = checkpoint / "tokenizer.json"
     raw = json.loads(tokenizer_file.read_text())
-    if pre == "llama-bpe":
-        raw["pre_tokenizer"] = split_then_bytes(LLAMA3_SPLIT)
+    if pre in ("llama-bpe", "tekken"):
+        raw["pre_tokenizer"] = split_then_bytes(LLAMA3_SPLIT if pre == "llama-bpe" else TEKKEN_SPLIT)
         raw["model"]["ignore_merges"] = True
         # A word no merge reaches: only looking whole words up first finds it.
         vocab = raw["model"]["vocab"]
@@ -127,7 +135,7 @@ def assert_same_as_hf(ours, hf, encode=None):
     assert ours.apply_chat_template(CHAT) == expected_prompt
 
 
-@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "llama-bpe", "qwen2"])
+@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "llama-bpe", "qwen2", "tekken"])
 def test_byte_level_bpe_matches_hugging_face(make_checkpoint, tmp_path, pre):
     checkpoint = byte_level_checkpoint(make_checkpoint, tmp_path, pre)
     path = write_gguf(
@@ -169,10 +177,10 @@ def test_a_named_tool_use_template_renders_a_chat_with_tools_as_from_the_hugging
 def test_the_pre_tokenizers_really_differ(make_checkpoint, tmp_path):
     """Guards the test above: each pre-tokenizer splits some text its own way."""
     encodings = {}
-    for pre in ("gpt-2", "smollm", "llama-bpe", "qwen2"):
+    for pre in ("gpt-2", "smollm", "llama-bpe", "qwen2", "tekken"):
         hf = hf_tokenizer(byte_level_checkpoint(make_checkpoint, tmp_path, pre), tmp_path)
         encodings[pre] = [hf.encode(text) for text in TEXTS]
-    assert len({repr(e) for e in encodings.values()}) == 4
+    assert len({repr(e) for e in encodings.values()}) == 5
 
 
 CORPUS = [
@@ -412,3 +420,24 @@ def test_gemma_merges_follow_the_order_of_the_pieces_not_their_scores(tmp_path):
     assert gemma.encode("abc") == [ids["ab"], ids["c"]]
     llama, _ = handmade_sentencepiece(tmp_path, pieces)
     assert llama.encode("abc") == [ids["a"], ids["bc"]]
+
+
+@pytest.mark.parametrize(
+    ("pre", "add_bos", "expected"),
+    [("tekken", None, True), ("llama-bpe", None, True), ("qwen2", None, False), ("tekken", False, False)],
+)
+def test_a_byte_level_vocabulary_adds_bos_where_llama_cpp_assumes_it(
+    make_checkpoint, tmp_path, pre, add_bos, expected
+):
+    """llama.cpp adds BOS to tekken's and Llama 3's vocabularies when the file is silent."""
+    from tests.runtime.test_gguf import rewritten
+
+    checkpoint = byte_level_checkpoint(make_checkpoint, tmp_path, pre)
+    path = write_gguf(checkpoint, tmp_path / "model.gguf", tmp_path / "reference", pre_tokenizer=pre)
+    bos = 1
+    metadata = {"tokenizer.ggml.bos_token_id": (bos, gguf.GGUFValueType.UINT32, gguf.GGUFValueType.UINT32)}
+    if add_bos is not None:
+        metadata["tokenizer.ggml.add_bos_token"] = (add_bos, gguf.GGUFValueType.BOOL, gguf.GGUFValueType.BOOL)
+    path = rewritten(path, tmp_path / "bos.gguf", metadata, dropped=() if add_bos is not None else ("tokenizer.ggml.add_bos_token",))
+    ids = tokenizer_from_gguf(Metadata(gguf.GGUFReader(path), str(path)), "llama").encode("Hello")
+    assert (ids[0] == bos) is expected and ids.count(bos) == int(expected)
