@@ -264,10 +264,12 @@ def paged_attention(
     step: PagedStep,
     path: str,
     pools_in_place: bool = False,
+    softcap: float = 0.0,
 ) -> mx.array:
     """Write k, v [N, Hkv, D] into layer `layer` of (keys, values) pools, then attend.
 
-    q [N, H, D] -> [N, H, D]. `path` is what `dispatch` chose for this step.
+    q [N, H, D] -> [N, H, D]. `path` is what `dispatch` chose for this step. `softcap`
+    > 0 caps each score s at softcap * tanh(s / softcap) (Gemma 2), on every path.
     `pools_in_place`: the pools are a storage's own, which only these ops read and
     write; the native op then writes into their buffers even while mlx still holds them
     for an op queued before it (see take_pool in kernels/cpu/attention_ops.h).
@@ -275,7 +277,7 @@ def paged_attention(
     keys, values = pools
     if path == "native":  # one op writes and attends
         out, keys[layer], values[layer] = step.native.write_and_attend(
-            keys[layer], values[layer], q, k, v, scale, pools_in_place
+            keys[layer], values[layer], q, k, v, scale, pools_in_place, softcap
         )
         return out
     D = k.shape[-1]
@@ -287,7 +289,7 @@ def paged_attention(
     keys[layer][rows] = k.reshape(-1, D)  # head-major, as `rows`
     values[layer][rows] = v.reshape(-1, D)
     plan = step.fast if path == "fast" else step.gather
-    return plan.attend(keys[layer], values[layer], q, scale)
+    return plan.attend(keys[layer], values[layer], q, scale, softcap)
 
 
 def dispatch(step: PagedStep) -> str:
@@ -325,6 +327,7 @@ class _NativePlan:
         v: mx.array,
         scale: float,
         pools_in_place: bool = False,
+        softcap: float = 0.0,
     ) -> tuple[mx.array, mx.array, mx.array]:
         """(out [N, H, D], keys, values): the pools as written, which replace the old ones."""
         step = self.step
@@ -332,7 +335,7 @@ class _NativePlan:
         assert ext is not None, "select_path chose the native kernel without the extension"
         out, keys, values = ext.paged_attention_write(
             q, k, v, keys, values, step.tables, step.row_of_token, step.positions,
-            step.num_kv_heads, step.block_size, step.window or 0, scale, pools_in_place,
+            step.num_kv_heads, step.block_size, step.window or 0, scale, pools_in_place, softcap=softcap,
         )
         return out, keys, values
 

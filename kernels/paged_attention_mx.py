@@ -28,6 +28,29 @@ def _as(x: mx.array, dtype: mx.Dtype) -> mx.array:
     return x if x.dtype == dtype else x.astype(dtype)
 
 
+def soft_capped(scores: mx.array, cap: float) -> mx.array:
+    """Gemma 2's attention-score cap: cap * tanh(scores / cap)."""
+    return mx.tanh(scores / cap) * cap
+
+
+def soft_capped_attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, softcap: float, mask: mx.array | str | None
+) -> mx.array:
+    """`mx.fast.scaled_dot_product_attention` with each score soft-capped, which it
+    cannot do: q [B, H, T, D], k and v [B, Hkv, L, D]; `mask` None, "causal" (the last T
+    of L positions) or bool [T, L]."""
+    num_groups = q.shape[1] // k.shape[1]
+    if num_groups > 1:
+        k, v = mx.repeat(k, num_groups, axis=1), mx.repeat(v, num_groups, axis=1)
+    scores = soft_capped(_as((q * scale) @ k.swapaxes(-1, -2), mx.float32), softcap)
+    T, L = q.shape[2], k.shape[2]
+    if isinstance(mask, str):
+        mask = mx.arange(L)[None, :] <= mx.arange(T)[:, None] + (L - T)
+    if mask is not None:
+        scores = mx.where(mask, scores, -mx.inf)
+    return _as(mx.softmax(scores, axis=-1), v.dtype) @ v
+
+
 class GatherPlan:
     """The reference: each row's K/V copied out of the pool, then mx.fast attention."""
 
@@ -43,14 +66,19 @@ class GatherPlan:
             lo += n
         self.num_kv_heads = step.num_kv_heads
 
-    def attend(self, keys: mx.array, values: mx.array, q: mx.array, scale: float) -> mx.array:
+    def attend(
+        self, keys: mx.array, values: mx.array, q: mx.array, scale: float, softcap: float = 0.0
+    ) -> mx.array:
         outs = []
         D = q.shape[-1]
         for lo, hi, rows, mask in self.spans:
             k = keys[rows].reshape(1, self.num_kv_heads, -1, D)  # [1, Hkv, L, D]
             v = values[rows].reshape(1, self.num_kv_heads, -1, D)
             q_row = q[lo:hi].transpose(1, 0, 2)[None]  # [1, H, n, D]
-            out = mx.fast.scaled_dot_product_attention(q_row, k, v, scale=scale, mask=mask)
+            if softcap:
+                out = soft_capped_attention(q_row, k, v, scale, softcap, mask)
+            else:
+                out = mx.fast.scaled_dot_product_attention(q_row, k, v, scale=scale, mask=mask)
             outs.append(out[0].transpose(1, 0, 2))  # [n, H, D]
         return mx.concatenate(outs) if len(outs) > 1 else outs[0]
 
@@ -121,7 +149,7 @@ class _BlockGroup(_Group):
         self.query_blocks = mx.broadcast_to(query_rows, (Hkv, R, nb)).reshape(-1).astype(mx.uint32)
 
     def attend(
-        self, keys: mx.array, values: mx.array, q: mx.array, scale: float, num_kv_heads: int
+        self, keys: mx.array, values: mx.array, q: mx.array, scale: float, num_kv_heads: int, softcap: float
     ) -> mx.array:
         R, T, nb, bs = self.num_rows, self.num_queries, self.num_blocks, self.block_size
         Hkv, D = num_kv_heads, q.shape[-1]
@@ -130,7 +158,10 @@ class _BlockGroup(_Group):
         v_blocks = values.reshape(Hkv * self.pool_blocks, bs, D)
         grouped = self.grouped(q * scale, Hkv).reshape(Hkv * R, T * G, D)
         scores = mx.gather_mm(grouped, k_blocks.swapaxes(-1, -2), self.query_blocks, self.kv_blocks)
-        scores = _as(scores, mx.float32).reshape(Hkv, R, nb, T, G, bs) + self.bias
+        scores = _as(scores, mx.float32).reshape(Hkv, R, nb, T, G, bs)
+        if softcap:
+            scores = soft_capped(scores, softcap)
+        scores = scores + self.bias
         # The max over a row's keys, in two cheap steps: within blocks, then across them.
         top = mx.max(mx.max(scores, axis=5, keepdims=True), axis=2, keepdims=True)
         weights = poly_exp(scores - top)  # unnormalised probabilities
@@ -167,27 +198,29 @@ class _CopyGroup(_Group):
         )
 
     def attend(
-        self, keys: mx.array, values: mx.array, q: mx.array, scale: float, num_kv_heads: int
+        self, keys: mx.array, values: mx.array, q: mx.array, scale: float, num_kv_heads: int, softcap: float
     ) -> mx.array:
         R, L, D = self.num_rows, self.length, q.shape[-1]
         k = keys[self.kv_rows].reshape(num_kv_heads, R, L, D)
         v = values[self.kv_rows].reshape(num_kv_heads, R, L, D)
         grouped = self.grouped(q * scale, num_kv_heads)  # [Hkv, R, T * G, D]
         if not self.is_split:
-            out = self._heads(grouped, k, v)
+            out = self._heads(grouped, k, v, softcap)
         else:
             half = num_kv_heads // 2
-            first = self._heads(grouped[:half], k[:half], v[:half])
+            first = self._heads(grouped[:half], k[:half], v[:half], softcap)
             with mx.stream(side_stream()):
-                second = self._heads(grouped[half:], k[half:], v[half:])
+                second = self._heads(grouped[half:], k[half:], v[half:], softcap)
             out = mx.concatenate([first, second])
         return _as(self.ungrouped(out), q.dtype)
 
-    def _heads(self, grouped: mx.array, k: mx.array, v: mx.array) -> mx.array:
+    def _heads(self, grouped: mx.array, k: mx.array, v: mx.array, softcap: float) -> mx.array:
         """grouped [h, R, T * G, D]; k, v [h, R, L, D] -> [h, R, T, G, D]."""
         h, R, TG, D = grouped.shape
         T, L = self.num_queries, self.length
         scores = _as(grouped @ k.swapaxes(-1, -2), mx.float32)  # [h, R, T * G, L]
+        if softcap:
+            scores = soft_capped(scores, softcap)
         probs = mx.softmax(scores.reshape(h, R, T, TG // T, L) + self.bias, axis=-1)
         out = _as(probs.reshape(h, R, TG, L), v.dtype) @ v
         return out.reshape(h, R, T, TG // T, D)
@@ -222,11 +255,13 @@ class FastPlan:
         self.inverse = mx.array(inverse, dtype=mx.int32)
         self.num_kv_heads = step.num_kv_heads
 
-    def attend(self, keys: mx.array, values: mx.array, q: mx.array, scale: float) -> mx.array:
+    def attend(
+        self, keys: mx.array, values: mx.array, q: mx.array, scale: float, softcap: float = 0.0
+    ) -> mx.array:
         if self.is_identity:
-            return self.groups[0].attend(keys, values, q, scale, self.num_kv_heads)
+            return self.groups[0].attend(keys, values, q, scale, self.num_kv_heads, softcap)
         outs = [
-            g.attend(keys, values, q[index], scale, self.num_kv_heads)
+            g.attend(keys, values, q[index], scale, self.num_kv_heads, softcap)
             for g, index in zip(self.groups, self.query_index, strict=True)
         ]
         out = mx.concatenate(outs) if len(outs) > 1 else outs[0]

@@ -61,6 +61,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3moe": Architecture("qwen3_moe", "Qwen3MoeForCausalLM", has_experts=True),
     "qwen2moe": Architecture("qwen2_moe", "Qwen2MoeForCausalLM", has_experts=True),
     "phi3": Architecture("phi3", "Phi3ForCausalLM", ffn_up="mlp.gate_up_proj", has_longrope=True),
+    "gemma2": Architecture(
+        "gemma2", "Gemma2ForCausalLM", norm_shift=1.0, ffn_norm="pre_feedforward_layernorm"
+    ),
     "gemma3": Architecture(
         "gemma3_text", "Gemma3ForCausalLM", norm_shift=1.0, ffn_norm="pre_feedforward_layernorm"
     ),
@@ -231,6 +234,8 @@ def _hf_config(
     config["rope_scaling"] = _rope_scaling(metadata, key, config, tensors, arch)
     if arch.model_type == "gemma3_text":
         config.update(_gemma3_fields(metadata, key, config))
+    if arch.model_type == "gemma2":
+        config.update(_gemma2_fields(metadata, key, config))
     if arch.model_type == "phi3":
         config.update(_phi3_fields(metadata, key, config))
     if arch.model_type == "ministral3":
@@ -482,6 +487,24 @@ def _gemma3_fields(
             "sliding_attention" if is_sliding else "full_attention" for is_sliding in pattern
         ]
     return fields
+
+
+def _gemma2_fields(
+    metadata: Metadata, key: Callable[[str], str], config: dict[str, Any]
+) -> dict[str, Any]:
+    """Gemma 2's settings as llama.cpp reads them: the soft caps (50 and 30 where the file
+    is silent), the window (4096) on every other layer from the first, and the attention
+    scale, head_dim but hidden/heads for the 46-layer 27B (query_pre_attn_scalar 144)."""
+    is_27b = config["num_hidden_layers"] == 46
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": metadata.optional(key("attention.sliding_window"), int, 4096),
+        "query_pre_attn_scalar": (
+            config["hidden_size"] // config["num_attention_heads"] if is_27b else config["head_dim"]
+        ),
+        "attn_logit_softcapping": metadata.optional(key("attn_logit_softcapping"), float, 50.0),
+        "final_logit_softcapping": metadata.optional(key("final_logit_softcapping"), float, 30.0),
+    }
 
 
 def _hf_name(name: str, arch: Architecture, path: Path, *, has_experts: bool) -> str:

@@ -37,6 +37,7 @@ _ARCH_OF = {
     "qwen2_moe": "qwen2moe",
     "mixtral": "llama",  # llama.cpp's converter writes Mixtral as llama with experts
     "phi3": "phi3",
+    "gemma2": "gemma2",
     "gemma3_text": "gemma3",
 }
 _LAYER_NAMES = {
@@ -111,7 +112,7 @@ def write_gguf(
             stored = _llama_permute(stored, config["num_attention_heads"])
         elif arch in ("llama", "mistral3") and ".self_attn.k_proj." in name:
             stored = _llama_permute(stored, config["num_key_value_heads"])
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             stored = stored + 1  # Gemma3RMSNorm multiplies by (1 + w); llama.cpp stores 1 + w
         writer.add_tensor(gguf_name(name, arch), stored, raw_dtype=kind)
     writer.write_header_to_file()
@@ -134,7 +135,7 @@ def gguf_name(hf_name: str, arch: str) -> str:
     _, _, layer, module = stem.split(".", 3)  # model.layers.N.<module>
     module = module.replace("block_sparse_moe.", "mlp.")  # Mixtral's experts block
     if module == "post_attention_layernorm":
-        short = "post_attention_norm" if arch == "gemma3" else "ffn_norm"
+        short = "post_attention_norm" if arch in ("gemma2", "gemma3") else "ffn_norm"
     else:
         short = _LAYER_NAMES[module]
     return f"blk.{layer}.{short}.{suffix}"
@@ -220,6 +221,10 @@ def _write_hparams(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -
         writer.add_attn_temperature_scale(scaling["llama_4_scaling_beta"])
     if arch == "gemma3":
         writer.add_sliding_window(config["sliding_window"])
+    if arch == "gemma2":  # as convert_hf_to_gguf.py's Gemma2Model
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     num_experts = config.get("num_experts", config.get("num_local_experts"))
     if num_experts is not None:
         writer.add_expert_count(num_experts)

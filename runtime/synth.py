@@ -38,6 +38,7 @@ ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
 }
@@ -286,6 +287,17 @@ def hf_config(
             attn_logit_softcapping=None,
         )
         del raw["hidden_act"]
+    if family == "gemma2":
+        raw.update(
+            head_dim=head_dim or hidden_size // num_heads,
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=query_pre_attn_scalar,
+            sliding_window=sliding_window,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+        )
+        del raw["hidden_act"], raw["rope_scaling"]
     if family == "gemma3":  # the multimodal layout: the text model's config nested
         text = {**raw, "model_type": "gemma3_text"}
         outer = ("architectures", "eos_token_id", "torch_dtype", "vocab_size")

@@ -46,6 +46,15 @@ inline V exp_approx(V x) {
   return p * two_n;
 }
 
+// cap * tanh(s / cap) lane by lane (Gemma 2's soft-capped scores), tanh z as
+// 1 - 2 / (e^2z + 1): it saturates to +-1 with the clamped exp, and near 0 its absolute
+// error is float32's (~1e-7, times cap), which the softmax after it cannot tell apart.
+template <class V, class VI>
+inline V soft_capped_lanes(V s, float cap) {
+  const V e = exp_approx<V, VI>(s * (2.0f / cap));
+  return cap - (2.0f * cap) / (e + 1.0f);
+}
+
 // The greatest lane, halving the vector as sum_lanes does (through an array the lanes
 // went to the stack and back).
 template <class V>  // F (a template, so only its width's branch is compiled)
@@ -214,7 +223,9 @@ void attend_token_heads(const PagedAttentionJob& job, int n, int h, int g0) {
       F chunk_max = minus_inf;
       for (int c = 0; c < kChunkVectors; ++c) {
         if (vector_end < D) s[c] += load<F>(tail[g] + c * L);
-        s[c] = lane[c] < static_cast<float>(count) ? s[c] * job.scale : minus_inf;
+        s[c] = s[c] * job.scale;
+        if (job.softcap > 0.0f) s[c] = soft_capped_lanes<F, FI>(s[c], job.softcap);
+        s[c] = lane[c] < static_cast<float>(count) ? s[c] : minus_inf;
         chunk_max = s[c] > chunk_max ? s[c] : chunk_max;
       }
       if (vector_end < D) memset(tail[g], 0, sizeof tail[g]);
@@ -336,6 +347,11 @@ void attend_tile(const PagedAttentionJob& job, int first, int count, int h) {
           const float key = k[j * D + d];
           for (int c = 0; c < V; ++c) s[j][c] += q[c] * key;
         }
+      }
+    }
+    if (job.softcap > 0.0f) {
+      for (int j = 0; j < n; ++j) {
+        for (int c = 0; c < V; ++c) s[j][c] = soft_capped_lanes<F, FI>(s[j][c], job.softcap);
       }
     }
     // Only the chunks at the edges of the tile's keys hold keys some lane must not see

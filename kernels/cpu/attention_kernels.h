@@ -32,6 +32,7 @@ struct PagedAttentionJob {
   int H, Hkv, D, num_slots, block_size, table_width;
   int window;  // keys a query sees, itself included; 0: all before it
   float scale;
+  float softcap = 0.0f;  // > 0: a score s becomes softcap * tanh(s / softcap) (Gemma 2)
 };
 
 // out = silu(gate) * up over [begin, end) elements.

@@ -166,8 +166,10 @@ std::vector<mx::array> paged_attention_write(
     int block_size,
     int window,
     float scale,
-    bool pools_in_place) {
+    bool pools_in_place,
+    float softcap) {
   require(q.ndim() == 3 && q.dtype() == mx::float32, "q must be [N, H, D] float32");
+  require(softcap >= 0.0f && std::isfinite(softcap), "softcap must be a finite number >= 0");
   const int N = q.shape(0), H = q.shape(1), D = q.shape(2);
   require_pools_and_tables(keys, values, tables, token_row, token_pos, N, H, num_kv_heads, D,
                            block_size, window);
@@ -179,7 +181,8 @@ std::vector<mx::array> paged_attention_write(
   return mx::array::make_arrays(
       {q.shape(), keys.shape(), values.shape()},
       {mx::float32, mx::float32, mx::float32},
-      std::make_shared<PagedAttention>(s, num_kv_heads, block_size, window, scale, pools_in_place),
+      std::make_shared<PagedAttention>(s, num_kv_heads, block_size, window, scale, pools_in_place,
+                                       0, 1.0f, softcap),
       {q, keys, values, tables, token_row, token_pos, k, v});
 }
 
@@ -224,7 +227,7 @@ std::vector<mx::array> paged_attention_rotary(
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   run_writing_pools(stream(), inputs, outputs, 1, pools_in_place_,
                     [kv = num_kv_heads_, bs = block_size_, window = window_, scale = scale_,
-                     rotary_heads = num_heads_, rope_scale = rope_scale_](
+                     rotary_heads = num_heads_, rope_scale = rope_scale_, softcap = softcap_](
                         std::vector<mx::array>& in, std::vector<mx::array>& out) {
     const auto& tables = in[3];
     const bool rotary = rotary_heads > 0;
@@ -235,7 +238,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     const AttentionStep step{row_major_data(tables, tables_copy), tables.shape(0), tables.shape(1),
                              row_major_data(in[4], row_copy), row_major_data(in[5], pos_copy),
                              in[4].shape(0), out[1].data<float>(), out[2].data<float>(),
-                             in[1].shape(0) / kv, kv, D, bs, window, scale};
+                             in[1].shape(0) / kv, kv, D, bs, window, scale, softcap};
     if (rotary) {
       attend_rotary(step, H, row_major_data(in[0], q_copy), row_major_data(in[6], freqs_copy),
                     in[6].shape(0), rope_scale, out[0].data<float>());
@@ -270,7 +273,7 @@ void attend(const AttentionStep& step, int H, const float* q, const float* k, in
   AttentionTask task{
       PagedAttentionJob{q, step.keys, step.values, step.tables, step.token_row, step.token_pos,
                         nullptr, nullptr, out, H, kv, D, step.num_slots, bs, step.table_width,
-                        window, step.scale},
+                        window, step.scale, step.softcap},
       kernels().attention};
   if (N == 0) {
     return;
@@ -404,7 +407,7 @@ bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
   return num_kv_heads_ == o.num_kv_heads_ && block_size_ == o.block_size_ &&
       window_ == o.window_ && scale_ == o.scale_ && pools_in_place_ == o.pools_in_place_ &&
       num_heads_ == o.num_heads_ &&
-      rope_scale_ == o.rope_scale_;
+      rope_scale_ == o.rope_scale_ && softcap_ == o.softcap_;
 }
 
 uint64_t num_attention_calls() {

@@ -34,7 +34,8 @@ std::vector<mx::array> paged_attention_write(
     int block_size,
     int window,
     float scale,
-    bool pools_in_place = false);
+    bool pools_in_place = false,
+    float softcap = 0.0f);  // > 0: scores soft-capped, softcap * tanh(score / softcap)
 
 // The same from a stacked q/k/v projection: qkv [..., (H + 2 Hkv) * D] (N tokens; per
 // token H query heads, then Hkv key and Hkv value heads). q and k are rotated first
@@ -69,6 +70,7 @@ struct AttentionStep {
   float* values;
   int num_slots, Hkv, D, block_size, window;
   float scale;
+  float softcap = 0.0f;  // see PagedAttentionJob
 };
 // Writes each token's k, v (token n's Hkv heads at k + n * k_stride, v alike) into the
 // pools, then q [N, H, D] attends -> out [N, H, D]; a table that points outside the pool
@@ -163,7 +165,8 @@ uint64_t num_gated_calls();  // evaluations of gated_activation(_halves) on the 
 class PagedAttention : public mx::Primitive {
  public:
   PagedAttention(mx::Stream stream, int num_kv_heads, int block_size, int window, float scale,
-                 bool pools_in_place, int num_heads = 0, float rope_scale = 1.0f)
+                 bool pools_in_place, int num_heads = 0, float rope_scale = 1.0f,
+                 float softcap = 0.0f)
       : mx::Primitive(stream),
         num_kv_heads_(num_kv_heads),
         block_size_(block_size),
@@ -171,7 +174,8 @@ class PagedAttention : public mx::Primitive {
         scale_(scale),
         pools_in_place_(pools_in_place),
         num_heads_(num_heads),
-        rope_scale_(rope_scale) {}
+        rope_scale_(rope_scale),
+        softcap_(softcap) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override {
@@ -185,6 +189,7 @@ class PagedAttention : public mx::Primitive {
   bool pools_in_place_;  // see take_pool
   int num_heads_;  // > 0: the rotary form, which reads the query heads' count from here
   float rope_scale_;
+  float softcap_;
 };
 
 class GatedActivation : public mx::UnaryPrimitive {

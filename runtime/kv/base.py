@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Protocol
 import attrs
 import mlx.core as mx
 
+from kernels.paged_attention_mx import soft_capped_attention
+
 if TYPE_CHECKING:
     from kernels.fused_blocks import NormedLayers
 
@@ -52,10 +54,13 @@ class ForwardKV(Protocol):
         """Each new token's position in its row: `[N]` int32 (RoPE offsets)."""
         ...
 
-    def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    def attend(
+        self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float, softcap: float = 0.0
+    ) -> mx.array:
         """Store `k`, `v` and attend each query over its row's history up to its own position.
 
         q: [N, n_heads, head_dim]; k, v: [N, n_kv_heads, head_dim]. Returns [N, n_heads, head_dim].
+        `softcap` > 0: each score s (scaled) becomes softcap * tanh(s / softcap), Gemma 2's.
         """
         ...
 
@@ -111,7 +116,9 @@ class CausalNoCache:
         self.batch, self.length, self.windows = batch, length, windows
         self.positions = mx.tile(mx.arange(length, dtype=mx.int32), batch)  # [B * T]
 
-    def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    def attend(
+        self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float, softcap: float = 0.0
+    ) -> mx.array:
         B, T = self.batch, self.length
 
         def heads_first(x: mx.array) -> mx.array:  # [B*T, H, D] -> [B, H, T, D]
@@ -122,9 +129,12 @@ class CausalNoCache:
         if window is not None and window < T:
             query, key = mx.arange(T)[:, None], mx.arange(T)[None, :]
             mask = (key <= query) & (key > query - window)  # [T, T]
-        out = mx.fast.scaled_dot_product_attention(
-            heads_first(q), heads_first(k), heads_first(v), scale=scale, mask=mask
-        )
+        if softcap:
+            out = soft_capped_attention(heads_first(q), heads_first(k), heads_first(v), scale, softcap, mask)
+        else:
+            out = mx.fast.scaled_dot_product_attention(
+                heads_first(q), heads_first(k), heads_first(v), scale=scale, mask=mask
+            )
         return out.transpose(0, 2, 1, 3).reshape(B * T, *q.shape[1:])
 
     def attend_stacked(

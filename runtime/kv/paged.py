@@ -174,10 +174,14 @@ class PagedForward:
     def positions(self) -> mx.array:
         return self.step.positions
 
-    def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    def attend(
+        self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float, softcap: float = 0.0
+    ) -> mx.array:
         s = self._storage
         step = self.steps[s.layout.group_of_layer[layer]]
-        return paged_attention((s.keys, s.values), layer, q, k, v, scale, step, self.path, POOLS_IN_PLACE)
+        return paged_attention(
+            (s.keys, s.values), layer, q, k, v, scale, step, self.path, POOLS_IN_PLACE, softcap
+        )
 
     def attend_stacked(
         self, layer: int, qkv: mx.array, rope: Rotary, num_heads: int, num_kv_heads: int, scale: float

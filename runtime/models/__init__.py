@@ -14,6 +14,7 @@ from types import ModuleType
 
 from runtime.config import ModelConfig
 from runtime.models import (
+    gemma2,
     gemma3,
     llama,
     ministral3,
@@ -41,6 +42,7 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen3_moe": qwen3_moe,
     "mixtral": mixtral,
     "phi3": phi3,
+    "gemma2": gemma2,
     "gemma3_text": gemma3,
     "gemma3": gemma3,  # the multimodal layout: its text model
 }

@@ -93,6 +93,7 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
         overrides["rope_scaling"] = scaling if scaling.get("rope_type") == "linear" else None
     return {
         **overrides,
+        "qk_norm": True,
         "layer_windows": tuple(window if sliding else None for sliding in is_sliding),
         "extra": {
             "query_pre_attn_scalar": fields.get("query_pre_attn_scalar", float),
@@ -116,6 +117,8 @@ def _add_residual(x: mx.array, y: mx.array) -> mx.array:
 
 
 class Gemma3Layer(nn.Module):
+    """Also Gemma 2's (gemma2.py): the same four norms, without q/k norms, with capped scores."""
+
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         extra = config.extra
@@ -128,7 +131,8 @@ class Gemma3Layer(nn.Module):
             layer,
             scale=extra["query_pre_attn_scalar"] ** -0.5 * rope.attention_factor,  # YaRN's, else 1
             rope=rope,
-            qk_norm=OffsetRMSNorm,
+            qk_norm=OffsetRMSNorm if config.qk_norm else None,  # Gemma 2 has none
+            softcap=extra.get("attn_logit_softcapping", 0.0),  # Gemma 2's
         )
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, activation="gelu_tanh")
         hidden, eps = config.hidden_size, config.rms_norm_eps

@@ -200,10 +200,12 @@ class Attention(nn.Module):
         o_bias: bool = False,
         qk_norm: Norm | None = None,
         query_scale: QueryScale | None = None,
+        softcap: float = 0.0,
     ):
         super().__init__()
         self.layer = layer
         self.query_scale = query_scale
+        self.softcap = softcap  # > 0: scores capped at softcap * tanh(s / softcap) (Gemma 2)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = d = config.head_dim
@@ -225,7 +227,7 @@ class Attention(nn.Module):
         N = B * T  # the engine's ragged step is one flat batch: B = 1, T = N
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if "qkv_proj" in self:  # stacked at load on the CPU (runtime/cpu_weights.py)
-            if "q_norm" not in self and self.query_scale is None:  # one op rotates, stores and attends where it can
+            if "q_norm" not in self and self.query_scale is None and not self.softcap:  # one op rotates, stores and attends
                 out = kv.attend_stacked(self.layer, self.qkv_proj(x), self.rope, H, Hkv, self.scale)
                 return self.o_proj(kept_rows(out, keep))
             q, k, v = split_heads(self.qkv_proj(x), H, Hkv)
@@ -239,7 +241,7 @@ class Attention(nn.Module):
         k = self.rope(k, kv.positions)  # [N, Hkv, D]
         if self.query_scale is not None:
             q = q * self.query_scale(kv.positions).astype(q.dtype)[:, None, None]
-        out = kv.attend(self.layer, q, k, v, self.scale)  # [N, H, D]
+        out = kv.attend(self.layer, q, k, v, self.scale, self.softcap)  # [N, H, D]
         return self.o_proj(kept_rows(out.reshape(B, T, -1), keep))
 
     def block_operands(self, norm: AnyRMSNorm, post_norm: AnyRMSNorm | None = None) -> NormedLayers | None:
@@ -247,7 +249,7 @@ class Attention(nn.Module):
         None where the weights do not allow it (see `normed_layers`)."""
         if "qkv_proj" not in self or (post_norm is not None and post_norm.eps != norm.eps):
             return None
-        if self.query_scale is not None:  # the fused op rotates q but cannot scale it by position
+        if self.query_scale is not None or self.softcap:  # the fused op neither scales q by position nor caps
             return None
         qk_norm = None
         if "q_norm" in self:  # per-head norms of one eps (the config's)

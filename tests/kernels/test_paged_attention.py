@@ -18,11 +18,14 @@ needs_native = pytest.mark.skipif(not IS_BUILT, reason="the C++ kernels were not
 ATTENTION_PATHS = ["gather", "fast", pytest.param("native", marks=needs_native)]
 
 
-def reference_attention(q, k, v, scale, mask):
-    """Plain attention with K/V heads repeated: q [B, H, T, D]; k, v [B, Hkv, L, D]."""
+def reference_attention(q, k, v, scale, mask, softcap=0.0):
+    """Plain attention with K/V heads repeated: q [B, H, T, D]; k, v [B, Hkv, L, D];
+    scores soft-capped at softcap * tanh(s / softcap) where softcap > 0."""
     repeat = q.shape[1] // k.shape[1]
     k, v = mx.repeat(k, repeat, axis=1), mx.repeat(v, repeat, axis=1)
     scores = (q * scale) @ k.swapaxes(-1, -2)
+    if softcap:
+        scores = softcap * mx.tanh(scores / softcap)
     if mask is not None:
         scores = mx.where(mask, scores, -mx.inf)
     return mx.softmax(scores, axis=-1, precise=True) @ v
@@ -61,9 +64,9 @@ def make_step(
     return step, tables, keys, values, q, k, v
 
 
-def run(path, step, keys, values, q, k, v):
+def run(path, step, keys, values, q, k, v, softcap=0.0):
     pools = ([mx.array(keys)], [mx.array(values)])
-    out = pa.paged_attention(pools, 0, q, k, v, 0.25, step, path)
+    out = pa.paged_attention(pools, 0, q, k, v, 0.25, step, path, softcap=softcap)
     mx.eval(out, pools)
     return out, pools
 
@@ -100,6 +103,22 @@ def test_each_path_matches_gather_from_the_same_pool_state(shape, group, path):
     # The native kernel reads no masked slot: it leaves fresh tails as they were.
     assert np.array_equal(*(without_fresh_tails(p[0][0], step) for p in (pools, gather_pools)))
     assert before == pa.dispatch_counts[path]  # run() forces paths; dispatch() counts
+
+
+@pytest.mark.parametrize("path", ["fast", pytest.param("native", marks=needs_native)])
+@pytest.mark.parametrize("head_dim", [16, 20])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_soft_capped_scores_match_gather_on_each_path(shape, head_dim, path):
+    """Gemma 2's capped scores: decode tokens, prefill tiles (a head dim of whole
+    vectors and one ending in scalars), scores well past the cap of 1.5."""
+    starts, num_new = SHAPES[shape]
+    step, _, keys, values, q, k, v = make_step(starts, num_new, 2, 4, head_dim=head_dim)
+    q = q * 4
+    out, _ = run(path, step, keys, values, q, k, v, softcap=1.5)
+    gather, _ = run("gather", step, keys, values, q, k, v, softcap=1.5)
+    assert mx.allclose(out, gather, atol=1e-5, rtol=1e-5).item()
+    plain, _ = run("gather", step, keys, values, q, k, v)
+    assert not mx.allclose(plain, gather, atol=1e-2).item()
 
 
 @needs_native
@@ -160,11 +179,12 @@ def test_a_table_pointing_outside_the_pool_gives_nan_not_a_wild_read():
     assert mx.isnan(out).all().item()
 
 
+@pytest.mark.parametrize("softcap", [0.0, 1.5], ids=["plain", "soft-capped"])
 @pytest.mark.parametrize("group", [1, 4])
-def test_gather_matches_plain_attention_over_each_rows_history(group):
+def test_gather_matches_plain_attention_over_each_rows_history(group, softcap):
     starts, num_new = [9, 0, 22], [1, 13, 3]
     step, tables, keys, values, q, k, v = make_step(starts, num_new, 2, group)
-    out, _ = run("gather", step, keys, values, q, k, v)
+    out, _ = run("gather", step, keys, values, q, k, v, softcap)
     S, D = 64 * BLOCK, 16
     lo = 0
     for table, s, n in zip(tables, starts, num_new, strict=True):
@@ -175,7 +195,8 @@ def test_gather_matches_plain_attention_over_each_rows_history(group):
         row_v = mx.concatenate([hist_v, v[lo : lo + n].transpose(1, 0, 2)], axis=1)[None]
         for t in range(n):  # query t sees positions [0, s + t]
             want = reference_attention(
-                q[lo + t][None, :, None, :], row_k[:, :, : s + t + 1], row_v[:, :, : s + t + 1], 0.25, None
+                q[lo + t][None, :, None, :], row_k[:, :, : s + t + 1], row_v[:, :, : s + t + 1], 0.25, None,
+                softcap,
             )
             assert mx.allclose(out[lo + t], want[0, :, 0], atol=1e-5).item()
         lo += n

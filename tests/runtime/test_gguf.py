@@ -33,7 +33,7 @@ from gguf import GGMLQuantizationType as GGMLType
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
-FAMILIES = ["llama", "ministral3", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "phi3", "gemma3_text"]
+FAMILIES = ["llama", "ministral3", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "phi3", "gemma2", "gemma3_text"]
 EXACT_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16]
 QUANTIZED_TYPES = [
     GGMLType.Q4_0,
@@ -58,6 +58,9 @@ GEMMA3_SHAPE = dict(
     query_pre_attn_scalar=64,
     tie_word_embeddings=True,
 )
+# Nor Gemma 2's: every other layer slides, the scale 1/sqrt(head_dim) below the 27B (a
+# window past the test's positions: mlx-lm, the oracle below, runs every layer full).
+GEMMA2_SHAPE = dict(num_layers=4, sliding_window=4096, query_pre_attn_scalar=64)
 
 
 @pytest.fixture
@@ -65,7 +68,7 @@ def convert(make_checkpoint, tmp_path):
     """convert(family, kind, **options) -> (GGUF file, reference checkpoint dir)."""
 
     def run(family, kind, **options):
-        shape = {**SHAPE, **(GEMMA3_SHAPE if family == "gemma3_text" else {})}
+        shape = {**SHAPE, **{"gemma3_text": GEMMA3_SHAPE, "gemma2": GEMMA2_SHAPE}.get(family, {})}
         checkpoint = make_checkpoint(family, **shape)
         out = tmp_path / f"{family}-{kind.name}.gguf"
         reference = tmp_path / f"{family}-{kind.name}-reference"
@@ -393,8 +396,8 @@ def test_an_unsupported_tensor_type_is_named(convert):
 
 
 def test_an_unsupported_tokenizer_is_named(convert, tmp_path):
-    path, _ = convert("qwen3", GGMLType.F32, pre_tokenizer="tekken")
-    assert "unsupported GGUF pre-tokenizer 'tekken'" in one_line_error(path)
+    path, _ = convert("qwen3", GGMLType.F32, pre_tokenizer="gpt-4o")
+    assert "unsupported GGUF pre-tokenizer 'gpt-4o'" in one_line_error(path)
 
 
 def test_a_file_that_is_not_gguf_and_a_missing_one(tmp_path):
@@ -1049,3 +1052,15 @@ def test_a_ministral3_gguf_without_a_temperature_runs_none_past_its_original_con
     assert not mx.allclose(with_temperature[:, 16:], without[:, 16:], atol=1e-3).item()
     textual = rewritten(path, tmp_path / "text.gguf", {"mistral3.attention.temperature_scale": ("0.1", V.STRING, V.STRING)})
     assert "'mistral3.attention.temperature_scale' should be float" in one_line_error(textual)
+
+
+def test_gemma2_settings_a_gguf_leaves_out_are_llama_cpps(convert, make_checkpoint, tmp_path):
+    path, _ = convert("gemma2", GGMLType.F32)
+    caps = ("gemma2.attn_logit_softcapping", "gemma2.final_logit_softcapping", "gemma2.attention.sliding_window")
+    config = read_gguf(rewritten(path, tmp_path / "silent.gguf", dropped=caps)).config
+    assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (50.0, 30.0)
+    assert (config["sliding_window"], config["query_pre_attn_scalar"]) == (4096, 64)  # head_dim
+    # The 27B (46 layers) scales by hidden / heads (144 there), not head_dim.
+    big = make_checkpoint("gemma2", hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32, num_layers=46)
+    config = read_gguf(write_gguf(big, tmp_path / "27b.gguf", tmp_path / "27b")).config
+    assert (config["head_dim"], config["query_pre_attn_scalar"]) == (32, 16)
