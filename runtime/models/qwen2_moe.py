@@ -15,22 +15,14 @@ from typing import Any
 
 from runtime.config import ConfigFields
 from runtime.models import llama, qwen2, qwen3_moe
-from runtime.models.experts import Experts
 
 build = llama.Decoder
 EXPERT_NAMES = qwen3_moe.EXPERT_NAMES  # stored: ours
 
 
 def read_config(fields: ConfigFields) -> dict[str, Any]:
-    experts = Experts.read(
-        fields,
-        num_experts=fields.get("num_experts", int),
-        intermediate_size=fields.get("moe_intermediate_size", int),
-        normalize=fields.get("norm_topk_prob", bool, False),
-        dense_layers=qwen3_moe.dense_layers(fields),
-        sparse_step=fields.get("decoder_sparse_step", int, 1),
-        shared_intermediate_size=fields.get("shared_expert_intermediate_size", int),
-    )
+    shared = fields.get("shared_expert_intermediate_size", int)
+    experts = qwen3_moe.read_experts(fields, shared_intermediate_size=shared)
     return {**qwen2.read_config(fields), "extra": {"experts": experts}}
 
 

@@ -28,15 +28,20 @@ EXPERT_NAMES = {name: name for name in ("gate_proj", "up_proj", "down_proj")}  #
 
 
 def read_config(fields: ConfigFields) -> dict[str, Any]:
-    experts = Experts.read(
+    return {**qwen3.read_config(fields), "extra": {"experts": read_experts(fields)}}
+
+
+def read_experts(fields: ConfigFields, shared_intermediate_size: int | None = None) -> Experts:
+    """The Qwen MoE configs' expert fields (qwen2_moe's add a shared expert's size)."""
+    return Experts.read(
         fields,
         num_experts=fields.get("num_experts", int),
         intermediate_size=fields.get("moe_intermediate_size", int),
         normalize=fields.get("norm_topk_prob", bool, False),
         dense_layers=dense_layers(fields),
         sparse_step=fields.get("decoder_sparse_step", int, 1),
+        shared_intermediate_size=shared_intermediate_size,
     )
-    return {**qwen3.read_config(fields), "extra": {"experts": experts}}
 
 
 def dense_layers(fields: ConfigFields) -> list[int]:
