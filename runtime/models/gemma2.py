@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.config import ConfigFields, is_positive_number, read_sliding_layers
+from runtime.config import ConfigFields, is_positive_number, read_sliding_layers, rope_fields
 from runtime.errors import CheckpointError
 from runtime.models import gemma3
 
@@ -43,6 +43,9 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
         if value is not None and not is_positive_number(value):
             raise CheckpointError(f"{fields.source}: gemma2's {name} must be a positive number or null, got {value!r}")
         caps[name] = float(value or 0.0)  # null: no cap
+    rope_theta, rope_scaling = rope_fields(fields)
+    if rope_scaling is not None:  # gemma3.py's layers would scale the global layers only
+        raise CheckpointError(f"{fields.source}: gemma2 with RoPE scaling is not supported")
     is_sliding = read_sliding_layers(fields)
     if is_sliding is None:
         is_sliding = [i % 2 == 0 for i in range(fields.get("num_hidden_layers", int))]
@@ -52,7 +55,7 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
         "layer_windows": tuple(window if sliding else None for sliding in is_sliding),
         "extra": {
             "query_pre_attn_scalar": fields.get("query_pre_attn_scalar", float),
-            "rope_local_base_freq": fields.get("rope_theta", float, 10000.0),
+            "rope_local_base_freq": rope_theta,  # one base for every layer
             **caps,
         },
     }

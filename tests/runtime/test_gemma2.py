@@ -109,8 +109,14 @@ def test_gemma2_defaults_follow_transformers():
         ({"final_logit_softcapping": "30"}, "final_logit_softcapping must be a positive number or null, got '30'"),
         ({"hidden_activation": "relu"}, "gemma2 hidden_activation 'relu' is not supported"),
         ({"layer_types": ["full_attention"]}, "layer_types needs 4 entries"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "gemma2 with RoPE scaling is not supported"),
     ],
 )
 def test_gemma2_settings_it_cannot_run_are_one_line_errors(fields, message):
     with pytest.raises(CheckpointError, match=re.escape(message)):
         config(**fields)
+
+
+def test_gemma2_rotates_every_layer_by_the_one_base_transformers_5_writes_under_rope_parameters():
+    got = config(rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+    assert got.rope_theta == got.extra["rope_local_base_freq"] == 5000.0
