@@ -10,12 +10,12 @@ whatever the file format, and a family needs nothing GGUF-specific beyond a row 
 
 What llama.cpp's converter (convert_hf_to_gguf.py) changed is undone here: the llama
 family's q/k rows were permuted for llama.cpp's interleaved RoPE, Gemma's norm weights
-had 1 added, and Llama 3's RoPE scaling became a `rope_freqs` tensor.
+had 1 added, and Llama 3's RoPE scaling became a `rope_freqs` tensor (read back, with the
+other RoPE settings, in runtime/gguf_rope.py).
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -25,7 +25,8 @@ from typing import Any
 
 from runtime.config import is_token_id
 from runtime.errors import CheckpointError
-from runtime.gguf_reader import Metadata, check_tensor_layout, open_gguf, shortened
+from runtime.gguf_reader import Metadata, check_tensor_layout, open_gguf
+from runtime.gguf_rope import ministral3_scaling, rope_scaling
 from runtime.gguf_tensors import NATIVE_BITS, decode_tensor, quantization_config, to_mlx
 from runtime.gguf_tokenizer import tokenizer_from_gguf
 from runtime.tokenizer import Tokenizer
@@ -231,7 +232,7 @@ def _hf_config(
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if (bos := metadata.get("tokenizer.ggml.bos_token_id")) is not None:
         config["bos_token_id"] = bos
-    config["rope_scaling"] = _rope_scaling(metadata, key, config, tensors, arch)
+    config["rope_scaling"] = rope_scaling(metadata, key, config, tensors, arch.has_longrope)
     if arch.model_type == "gemma3_text":
         config.update(_gemma3_fields(metadata, key, config))
     if arch.model_type == "gemma2":
@@ -239,7 +240,7 @@ def _hf_config(
     if arch.model_type == "phi3":
         config.update(_phi3_fields(metadata, key, config))
     if arch.model_type == "ministral3":
-        config["rope_scaling"] = _ministral3_scaling(metadata, key, config)
+        config["rope_scaling"] = ministral3_scaling(metadata, key, config)
     if arch.has_experts or metadata.get(key("expert_count")) not in (None, 0):
         config.update(_expert_fields(metadata, key, arch))
     return config
@@ -310,151 +311,6 @@ def _eos_ids(metadata: Metadata) -> list[int]:
         if is_end_of_turn and token_id not in ids:
             ids.append(token_id)
     return ids
-
-
-def _rope_scaling(
-    metadata: Metadata,
-    key: Callable[[str], str],
-    config: dict[str, Any],
-    tensors: dict[str, Any],
-    arch: Architecture,
-) -> dict[str, Any] | None:
-    kind = metadata.get(key("rope.scaling.type"))
-    if arch.has_longrope and "rope_factors_long.weight" in tensors:
-        return _longrope_scaling(metadata, key, tensors)
-    if kind in (None, "none") and "rope_freqs.weight" not in tensors:
-        return None
-    if kind == "linear":
-        return {
-            "rope_type": "linear",
-            "factor": float(metadata.require(key("rope.scaling.factor"), float)),
-        }
-    if kind == "yarn":
-        return _yarn_scaling(metadata, key)
-    if "rope_freqs.weight" in tensors:
-        return _llama3_scaling(metadata, key, config, tensors["rope_freqs.weight"])
-    raise CheckpointError(f"{metadata.source}: unsupported RoPE scaling type '{kind}'")
-
-
-# YaRN settings llama.cpp reads otherwise than transformers would (or not at all, for
-# these architectures), each with the value that means "as transformers derives it".
-_YARN_NEUTRAL = {
-    "rope.scaling.attn_factor": 1.0,
-    "rope.scaling.yarn_attn_factor": 1.0,
-    "rope.scaling.yarn_ext_factor": 1.0,
-}
-
-
-def _yarn_scaling(metadata: Metadata, key: Callable[[str], str]) -> dict[str, Any]:
-    """YaRN as llama.cpp's converters write it for Qwen, llama and Ministral 3 files: the
-    factor, the original context and the ramp's bounds. llama.cpp scales q and k by
-    1 + 0.1 ln(factor), or with a `yarn_log_multiplier` m (Ministral 3's `mscale_all_dim`)
-    by that over 1 + 0.1 m ln(factor): transformers' `mscale` 1 over `mscale_all_dim` m.
-    A file changing the scale otherwise is refused."""
-    for name, neutral in _YARN_NEUTRAL.items():
-        value = metadata.get(key(name))  # any value but the neutral one, a string too
-        if value is not None and value != neutral:
-            raise CheckpointError(
-                f"{metadata.source}: YaRN with '{key(name)}' = {shortened(repr(value))} is not supported"
-            )
-    scaling: dict[str, Any] = {
-        "rope_type": "yarn",
-        "factor": float(metadata.require(key("rope.scaling.factor"), float)),
-    }
-    log_multiplier = metadata.get(key("rope.scaling.yarn_log_multiplier"))
-    if log_multiplier not in (None, 0, 0.0):
-        scaling["mscale"] = 1.0
-        scaling["mscale_all_dim"] = float(metadata.require(key("rope.scaling.yarn_log_multiplier"), float))
-    if (context := metadata.optional(key("rope.scaling.original_context_length"), int)) is not None:
-        scaling["original_max_position_embeddings"] = int(context)
-    for name, field in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-        if (value := metadata.optional(key(f"rope.scaling.{name}"), float)) is not None:
-            scaling[field] = float(value)
-    return scaling
-
-
-def _ministral3_scaling(
-    metadata: Metadata, key: Callable[[str], str], config: dict[str, Any]
-) -> dict[str, Any]:
-    """Ministral 3's RoPE settings with its query temperature: beta from
-    `attention.temperature_scale` (none: 0, no temperature) over the original context,
-    as llama.cpp reads them for `mistral3`."""
-    scaling = dict(config["rope_scaling"] or {"rope_type": "default"})
-    context = metadata.optional(key("rope.scaling.original_context_length"), int, config["max_position_embeddings"])
-    beta = metadata.get(key("attention.temperature_scale"), 0.0)
-    if beta != 0:
-        # Stored as float32: read back as the shortest decimal it holds (0.1, not 0.10000000149).
-        beta = float(str(np.float32(metadata.require(key("attention.temperature_scale"), float))))
-    return {**scaling, "original_max_position_embeddings": context, "llama_4_scaling_beta": float(beta)}
-
-
-def _longrope_scaling(
-    metadata: Metadata, key: Callable[[str], str], tensors: dict[str, Any]
-) -> dict[str, Any]:
-    """Phi-3's `rope_scaling`, from the factor tensors and attention factor its converter
-    wrote; runtime/models/phi3.py checks them as it checks a config.json's."""
-    if "rope_factors_short.weight" not in tensors:
-        raise CheckpointError(
-            f"{metadata.source}: 'rope_factors_long.weight' without 'rope_factors_short.weight'"
-        )
-    scaling: dict[str, Any] = {
-        "rope_type": "longrope",
-        "long_factor": [float(x) for x in tensors["rope_factors_long.weight"].data.reshape(-1)],
-        "short_factor": [float(x) for x in tensors["rope_factors_short.weight"].data.reshape(-1)],
-    }
-    if (factor := metadata.optional(key("rope.scaling.attn_factor"), float)) is not None:
-        scaling["attention_factor"] = factor
-    return scaling
-
-
-def _llama3_scaling(
-    metadata: Metadata, key: Callable[[str], str], config: dict[str, Any], tensor: Any
-) -> dict[str, Any]:
-    """Llama 3's `rope_scaling`, recovered from the per-frequency factors the converter
-    wrote as `rope_freqs`: the largest factor is `factor`, and the other fields are
-    Meta's published values (the file keeps only the context length), checked here by
-    recomputing every factor."""
-    factors = [float(x) for x in tensor.data.reshape(-1)]
-    if not factors or not all(0 < f < math.inf for f in factors):  # max() and 1/f below
-        raise CheckpointError(
-            f"{metadata.source}: tensor 'rope_freqs.weight' is not Llama 3 RoPE scaling "
-            "(empty, or factors that are not positive finite numbers)"
-        )
-    old_context = metadata.optional(key("rope.scaling.original_context_length"), int, 8192)
-    scaling = {
-        "rope_type": "llama3",
-        "factor": max(factors),
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": int(old_context),
-    }
-    expected = _llama3_factors(scaling, int(config["head_dim"]), config["rope_theta"])
-    is_llama3 = len(factors) == len(expected) and all(
-        math.isclose(a, b, rel_tol=1e-4) for a, b in zip(factors, expected, strict=True)
-    )
-    if not is_llama3:
-        raise CheckpointError(
-            f"{metadata.source}: tensor 'rope_freqs.weight' is not Llama 3 RoPE scaling "
-            "with low/high frequency factors 1 and 4"
-        )
-    return scaling
-
-
-def _llama3_factors(scaling: dict[str, Any], dims: int, base: float) -> list[float]:
-    """The per-frequency divisors convert_hf_to_gguf.py writes for llama3 scaling."""
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_context = scaling["original_max_position_embeddings"]
-    out = []
-    for i in range(0, dims, 2):
-        wavelen = 2 * math.pi * base ** (i / dims)
-        if wavelen < old_context / high:
-            out.append(1.0)
-        elif wavelen > old_context / low:
-            out.append(factor)
-        else:
-            smooth = (old_context / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return out
 
 
 def _gemma3_fields(
