@@ -112,6 +112,7 @@ class Admission:
                 admit.request.stop,
                 num_prompt_tokens,
                 admit.arrived_at,
+                keep_special_tokens=self.writes_calls_in_control_tokens(admit.request),
             )
         )
         await self.to_scheduler.send(Submit(admit.request_id, params))
@@ -121,6 +122,11 @@ class Admission:
             admit.reply.send_nowait(Accepted(admit.request_id, num_prompt_tokens))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             await self.to_scheduler.send(Abort(admit.request_id, "cancelled"))
+
+    def writes_calls_in_control_tokens(self, request: GenerateRequest) -> bool:
+        """Mistral's models call tools in control tokens, which decoding drops: a request
+        that offers tools keeps them in its text, for the parser (as vLLM does)."""
+        return self.tool_style == "mistral" and bool(request.tools) and request.tool_choice != "none"
 
     def grammar_spec(self, request: GenerateRequest) -> GrammarSpec | None:
         """What the output must match: the request's grammar, or a forced tool call (which

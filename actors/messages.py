@@ -148,6 +148,8 @@ class Track:
     stop: tuple[str, ...]
     num_prompt_tokens: int
     arrived_at: float
+    # Control tokens as text: Mistral's tool calls are [TOOL_CALLS]name[ARGS]{...}.
+    keep_special_tokens: bool = False
 
 
 @attrs.frozen

@@ -85,7 +85,9 @@ class Streamer:
                 async for message in self.inbox:
                     if isinstance(message, Track):
                         self.streams[message.request_id] = _Stream(
-                            message, self.tokenizer.detokenizer(), StopMatcher(message.stop)
+                            message,
+                            self.tokenizer.detokenizer(skip_special_tokens=not message.keep_special_tokens),
+                            StopMatcher(message.stop),
                         )
                     else:
                         await self._on_step(message)

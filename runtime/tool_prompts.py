@@ -2,8 +2,8 @@
 grammar that forces a call (`tool_choice` required or named).
 
 The format follows the chat template, the thing that taught the model: a template that
-writes `<tool_call>` is Hermes/Qwen's, one with `<|python_tag|>` or an `ipython` role is
-Llama 3's JSON form, and Gemma (whose template has no tools at all) gets the
+writes `[TOOL_CALLS]` is Mistral's, one that writes `<tool_call>` is Hermes/Qwen's, one
+with `<|python_tag|>` or an `ipython` role is Llama 3's JSON form, and Gemma (whose template has no tools at all) gets the
 ```tool_code form from Google's function-calling guide. Anything else: Hermes, the
 most common. Templates that take `tools` get them as transformers passes them; for one
 that does not, the tool list is written into the first user turn as the guide does.
@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from runtime.grammar import JSON_OPTIONS, GrammarSpec, answer_json_schema
-from runtime.tools import TOOL_STYLES
+from runtime.tools import ARGS, TOOL_CALLS, TOOL_STYLES
 
 # Arguments stay JSON objects in forced calls, whatever a tool's own schema omits.
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -27,6 +27,8 @@ _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additiona
 
 def tool_style_for(template_source: str, model_type: str) -> str:
     """One of TOOL_STYLES for a model with this chat template and config `model_type`."""
+    if TOOL_CALLS in template_source:
+        return "mistral"
     if "<tool_call>" in template_source:
         return "hermes"
     if "<|python_tag|>" in template_source or "ipython" in template_source:
@@ -55,6 +57,15 @@ def tool_call_grammar(
     functions = [tool["function"] for tool in tools]
     if forced_name is not None:
         functions = [f for f in functions if f["name"] == forced_name]
+    if style == "mistral":  # name[ARGS]arguments: the marker and the name are text here
+        rules = [
+            f"call_{i}: {json.dumps(f['name'] + ARGS)} %json "
+            + json.dumps({**_own_resource(_parameters(f), i), "x-guidance": JSON_OPTIONS})
+            for i, f in enumerate(functions)
+        ]
+        choice = " | ".join(f"call_{i}" for i in range(len(rules)))
+        lark = f"tool_call: {json.dumps(TOOL_CALLS)} call\ncall: {choice}\n" + "\n".join(rules)
+        return _with_answer(lark, answer)
     key = "parameters" if style == "llama3_json" else "arguments"
     calls = [
         {
@@ -79,6 +90,11 @@ def tool_call_grammar(
         lark = f'tool_call: "```tool_code\\n" call "\\n```"\ncall: {call}'
     else:
         lark = f"tool_call: {call}"
+    return _with_answer(lark, answer)
+
+
+def _with_answer(lark: str, answer: GrammarSpec | None) -> GrammarSpec:
+    """The call grammar `lark` alone, or beside `answer` as the other choice."""
     if answer is None:
         return GrammarSpec("lark", f"start: tool_call\n{lark}", "tool_choice")
     answer_schema = {**answer_json_schema(answer), "x-guidance": JSON_OPTIONS}
@@ -167,6 +183,8 @@ def _call_text(function: Mapping[str, Any], style: str) -> str:
         pairs = ", ".join(f"{k}={v!r}" for k, v in arguments.items())
         return f"```tool_code\n{function['name']}({pairs})\n```"
     call = {"name": function["name"], "arguments": arguments}
+    if style == "mistral":
+        return f"{TOOL_CALLS}{function['name']}{ARGS}{json.dumps(arguments)}"
     if style == "hermes":
         return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
     return json.dumps({"name": function["name"], "parameters": arguments})
@@ -185,6 +203,8 @@ def _tools_preamble(tools: Sequence[Mapping[str, Any]], style: str) -> str:
             "To call a function, reply with\n"
             '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
         )
+    elif style == "mistral":
+        how = f"To call a function, reply with {TOOL_CALLS}<function-name>{ARGS}<args-json-object>"
     else:
         how = 'To call a function, reply with only {"name": <function-name>, "parameters": <args>}.'
     return f"You have access to the following functions:\n{listed}\n\n{how}"

@@ -12,12 +12,16 @@ The formats, as the families' chat templates teach them:
                after `<|python_tag|>`), several calls joined by `;`.
   gemma        Gemma 3 (its template has no tools; Google's function-calling guide):
                a ```tool_code block holding `name(arg=value, ...)` calls, or JSON calls.
+  mistral      Mistral Small 3.2, Devstral, Magistral, Ministral 3: `[TOOL_CALLS]name[ARGS]{...}`
+               a call, one after another; Mistral 7B v0.3, Nemo, Small 3.1:
+               `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`. Text may come first.
 
 Feeding the text in any split yields the same calls with the same argument text, so
 streamed deltas reassemble to the whole response: parsing state is the text, never
 the split. A call's name is reported as soon as it is complete; its arguments stream
 as raw JSON text (hermes, llama3_json) as they are generated, or whole when the call
-closes (gemma's Python syntax must be converted).
+closes (gemma's Python syntax must be converted; mistral's calls are reported whole
+as each one's JSON closes).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import re
 
 import attrs
 
-TOOL_STYLES = ("hermes", "llama3_json", "gemma")
+TOOL_STYLES = ("hermes", "llama3_json", "gemma", "mistral")
 
 
 @attrs.frozen
@@ -361,6 +365,99 @@ class _WholeReply:
         return events if cut is None else [*events, cut]
 
 
+TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"  # Mistral's control tokens, kept in its text
+
+
+@attrs.define
+class _MistralCalls:
+    """Mistral's form: after each `[TOOL_CALLS]`, either `name[ARGS]` and the arguments'
+    JSON object, or a JSON list of {"name", "arguments"} calls. Each call is reported
+    whole once its JSON closes; what follows a marker and is neither stays text."""
+
+    pending: str = ""  # text not yet reported, from a marker on when in a call
+    in_call: bool = False  # pending begins just past a marker
+    num_calls: int = 0
+    value_end: _ValueEnd | None = None  # where the current call's JSON ends, once it does
+
+    def feed(self, text: str) -> list[Event]:
+        self.pending += text
+        return self._scan(is_final=False)
+
+    def finish(self) -> list[Event]:
+        return self._scan(is_final=True)
+
+    def _scan(self, is_final: bool) -> list[Event]:
+        events: list[Event] = []
+        while True:
+            if not self.in_call:
+                at = self.pending.find(TOOL_CALLS)
+                if at < 0:  # hold back a tail that may begin a marker
+                    keep = 0 if is_final else _marker_prefix_length(self.pending, TOOL_CALLS)
+                    events += _content(self.pending[: len(self.pending) - keep])
+                    self.pending = self.pending[len(self.pending) - keep :]
+                    return events
+                events += _content(self.pending[:at])
+                self.pending, self.in_call, self.value_end = self.pending[at + len(TOOL_CALLS) :], True, None
+            end, calls = self._call(is_final)
+            if end is None:
+                if is_final:  # cut short, or no call after all: the text as the model wrote it
+                    events += _content(TOOL_CALLS + self.pending)
+                    self.pending, self.in_call = "", False
+                return events
+            if calls is None:
+                events += _content(TOOL_CALLS + self.pending[:end])
+            for call in calls or ():
+                events += _whole_call(self.num_calls, call)
+                self.num_calls += 1
+            self.pending, self.in_call = self.pending[end:], False
+
+    def _call(self, is_final: bool) -> tuple[int | None, list[dict[str, object]] | None]:
+        """(where the call text after the marker ends, its calls or None if it is none),
+        or (None, None) while it may still grow into one."""
+        body = self.pending
+        head = body.lstrip()
+        if not head:
+            return None, None
+        start = len(body) - len(head)
+        if head[0] == "[":  # the JSON list form
+            end = self._value_end(body, start, is_final)
+            if end is None:
+                return None, None
+            listed = _decoded(body[start:end])
+            if not isinstance(listed, list) or not listed:
+                return end, None
+            calls = [c for c in listed if isinstance(c, dict) and isinstance(c.get("name"), str)]
+            return end, calls if len(calls) == len(listed) else None
+        at = body.find(ARGS)
+        if at < 0:
+            # A name goes up to [ARGS]: anything else is text once the reply ends.
+            return (len(body), None) if is_final else (None, None)
+        json_at = at + len(ARGS)
+        while json_at < len(body) and body[json_at] in " \t\r\n":
+            json_at += 1
+        if json_at == len(body):
+            return (len(body), None) if is_final else (None, None)
+        end = self._value_end(body, json_at, is_final)
+        if end is None:
+            return None, None
+        arguments, name = _decoded(body[json_at:end]), body[:at].strip()
+        if not name or not isinstance(arguments, dict):
+            return end, None
+        return end, [{"name": name, "arguments": arguments}]
+
+    def _value_end(self, body: str, start: int, is_final: bool) -> int | None:
+        if self.value_end is None or self.value_end.start != start:
+            self.value_end = _ValueEnd(start)
+        return self.value_end.find(body, is_final)
+
+
+def _decoded(text: str) -> object:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
 def python_calls(body: str) -> list[dict[str, object]] | None:
     """`f(a=1)`, `[f(a=1), g(b="x")]` or one call a line -> [{name, arguments}]; None if not that."""
     text = body.strip()
@@ -395,7 +492,7 @@ def _content(text: str) -> list[Event]:
     return [Content(text)] if text else []
 
 
-ToolParser = _Delimited | _WholeReply
+ToolParser = _Delimited | _WholeReply | _MistralCalls
 
 
 def parser_for(style: str) -> ToolParser:
@@ -406,4 +503,6 @@ def parser_for(style: str) -> ToolParser:
         return _Delimited("```tool_code", "```", streams_arguments=False)
     if style == "llama3_json":
         return _WholeReply()
+    if style == "mistral":
+        return _MistralCalls()
     raise ValueError(f"unknown tool-call style {style!r} (known: {', '.join(TOOL_STYLES)})")

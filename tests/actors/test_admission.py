@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from actors.admission import Admission
+from actors.messages import Admit
 from actors.requests import GenerateRequest
 from tests.actors.conftest import DEMO_DIR
 
@@ -194,3 +195,36 @@ async def test_a_grammar_is_compiled_for_the_request_and_a_bad_one_is_refused_na
     with pytest.raises(RequestError) as raised:
         await admission._compile(GrammarSpec("regex", "([", "grammar"))
     assert raised.value.param == "grammar"
+
+
+@pytest.mark.parametrize(
+    ("tool_style", "request_", "expected"),
+    [
+        ("mistral", dict(tools=TOOLS), True),
+        ("mistral", dict(tools=TOOLS, tool_choice="none"), False),
+        ("mistral", dict(), False),
+        ("hermes", dict(tools=TOOLS), False),
+    ],
+)
+def test_only_a_mistral_request_offering_tools_keeps_control_tokens_in_its_text(
+    tokenizer, tool_style, request_, expected
+):
+    """Mistral's calls are [TOOL_CALLS]name[ARGS]{...}, control tokens decoding drops."""
+    request = GenerateRequest(messages=ASK, max_tokens=4, **request_)
+    assert admission_for(tokenizer, tool_style=tool_style).writes_calls_in_control_tokens(request) is expected
+
+
+async def test_the_track_sent_for_a_mistral_request_offering_tools_keeps_control_tokens(tokenizer):
+    to_scheduler, _submitted = trio.open_memory_channel(4)
+    to_streamer, tracks = trio.open_memory_channel(4)
+    _, inbox = trio.open_memory_channel(1)
+    admission = Admission(
+        tokenizer, MAX_CONTEXT, tokenizer.vocab_size, None, inbox, to_scheduler, to_streamer,
+        trio.Semaphore(2), None, "mistral",
+    )
+    for tools, expected in ((TOOLS, True), ((), False)):
+        admission.reserve()
+        reply, _replies = trio.open_memory_channel(4)
+        request = GenerateRequest(messages=ASK, max_tokens=4, tools=tools)
+        await admission._admit(Admit("r", request, reply, 0.0))
+        assert tracks.receive_nowait().keep_special_tokens is expected

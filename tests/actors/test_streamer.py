@@ -20,7 +20,9 @@ from actors.metrics import Metrics
 from actors.streamer import Streamer
 
 
-async def streamed(demo_tokenizer, requests, steps, reply_capacity=64, released=(), eos=()):
+async def streamed(
+    demo_tokenizer, requests, steps, reply_capacity=64, released=(), eos=(), keep_special=False
+):
     """Run a streamer over `requests` ({id: stop strings}) and `steps` (lists of
     (id, token, finish)), then a step releasing `released`; returns (each reply channel's
     messages, the aborts sent, the streamer). A request whose stop list is None has its
@@ -34,7 +36,8 @@ async def streamed(demo_tokenizer, requests, steps, reply_capacity=64, released=
         async with to_streamer:
             for request_id, stop in requests.items():
                 reply, readers[request_id] = trio.open_memory_channel(reply_capacity)
-                await to_streamer.send(Track(request_id, reply, tuple(stop or ()), 3, 0.0))
+                track = Track(request_id, reply, tuple(stop or ()), 3, 0.0, keep_special_tokens=keep_special)
+                await to_streamer.send(track)
                 if stop is None:
                     readers.pop(request_id).close()
             for number, rows in enumerate(steps):
@@ -158,3 +161,12 @@ async def test_a_reader_that_falls_behind_gets_the_held_back_text_coalesced(demo
     assert len(deltas) == MAX_QUEUED_DELTAS < len(tokens) and isinstance(end, Finished)
     assert "".join(d.text for d in deltas) + end.text == " hello world" * 4
     assert streamer.streams == {}
+
+
+async def test_a_request_keeping_control_tokens_gets_them_as_text(demo_tokenizer):
+    """Mistral's tool calls are written in control tokens: for them the text keeps them."""
+    marker = demo_tokenizer.encode("<|im_start|>", add_special_tokens=False)  # a special token
+    ids = [*marker, *demo_tokenizer.encode(" hi", add_special_tokens=False)]
+    for keep, expected in ((True, "<|im_start|> hi"), (False, " hi")):
+        replies, _, _ = await streamed(demo_tokenizer, {"a": ()}, one_by_one("a", ids), keep_special=keep)
+        assert "".join(getattr(m, "text", "") for m in replies["a"]) == expected

@@ -2,7 +2,8 @@
 
 Written for these tests in the shape of the families' own templates: Qwen 2.5's (tools
 in the system turn, `<tool_call>` JSON, `<tool_response>` turns), Llama 3.1's JSON one
-(`ipython` results, calls as `{"name", "parameters"}`), and Gemma 3's, which has no tools.
+(`ipython` results, calls as `{"name", "parameters"}`), Gemma 3's, which has no tools,
+and Mistral Small 3.2's (tools before the last user turn, `[TOOL_CALLS]name[ARGS]{...}`).
 """
 
 import json
@@ -49,7 +50,24 @@ GEMMA = (
     "{%- if add_generation_prompt %}<start_of_turn>model\n{%- endif %}"
 )
 
-TEMPLATES = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "gemma": GEMMA}
+MISTRAL = (
+    "{%- set ns = namespace(last_user=-1) %}{%- for message in messages %}"
+    "{%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{{ bos_token }}{%- for message in messages %}"
+    "{%- if message.role == 'user' %}"
+    "{%- if tools and loop.index0 == ns.last_user %}"
+    "[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}"
+    "[INST]{{ message.content }}[/INST]"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{%- if message.content %}{{ message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls %}[TOOL_CALLS]{{ call.function.name }}[ARGS]"
+    "{{ call.function.arguments | tojson }}{%- endfor %}{{ eos_token }}"
+    "{%- elif message.role == 'tool' %}[TOOL_RESULTS]{{ message.content }}[/TOOL_RESULTS]"
+    "{%- else %}{{ message.content }}{{ eos_token }}{%- endif %}"
+    "{%- endfor %}"
+)
+
+TEMPLATES = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "gemma": GEMMA, "mistral": MISTRAL}
 
 
 def with_template(checkpoint, out_dir, template):

@@ -30,7 +30,7 @@ import pytest
 import tokenizers
 import transformers
 
-from tests.actors.tool_templates import GEMMA, HERMES, LLAMA3_JSON
+from tests.actors.tool_templates import GEMMA, HERMES, LLAMA3_JSON, MISTRAL
 
 DEMO_DIR = Path(__file__).resolve().parents[2] / "runtime" / "demo"
 DEMO = Tokenizer.from_dir(DEMO_DIR)
@@ -213,6 +213,23 @@ CASES = [
         '{"parameters": {"a": 1}, "name": "f"}; {"name": "g", "parameters": {}}',
         ("", [("f", '{"a": 1}'), ("g", "{}")]),
     ),
+    # Mistral's calls: name[ARGS]arguments after each marker (text before the first), or
+    # the older JSON list; what follows a marker and is neither stays the text it was.
+    (
+        "mistral",
+        'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]g[ARGS] {}',
+        ("Sure.", [("get_weather", '{"city": "Paris"}'), ("g", "{}")]),
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS] [{"name": "f", "arguments": {"a": [1, "]"]}}, {"name": "g", "arguments": {}}]',
+        ("", [("f", '{"a": [1, "]"]}'), ("g", "{}")]),
+    ),
+    ("mistral", "[TOOL_CALLS]f[ARGS][1] then", ("[TOOL_CALLS]f[ARGS][1] then", [])),
+    ("mistral", '[TOOL_CALLS][{"a": 1}]', ('[TOOL_CALLS][{"a": 1}]', [])),
+    ("mistral", "[TOOL_CALLS]no arguments", ("[TOOL_CALLS]no arguments", [])),
+    ("mistral", "a [TOOL_C", ("a [TOOL_C", [])),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": "cut', ('[TOOL_CALLS]f[ARGS]{"a": "cut', [])),
     # A third call after a tagged second one: each call is found, the tag split anywhere.
     (
         "llama3_json",
@@ -477,6 +494,8 @@ def test_the_format_follows_the_template():
     assert tool_style_for(LLAMA3_JSON, "llama") == "llama3_json"
     assert tool_style_for(GEMMA, "gemma3_text") == "gemma"
     assert tool_style_for("{{ messages }}", "mistral") == "hermes"
+    # Mistral's by the marker its template writes calls with, whatever the family.
+    assert tool_style_for(MISTRAL, "ministral3") == tool_style_for(MISTRAL, "llama") == "mistral"
     # Gemma is known by its model_type too, or by its turn markers in any family.
     assert tool_style_for("{{ messages }}", "gemma3_text") == "gemma"
     assert tool_style_for("<start_of_turn>{{ messages }}", "custom") == "gemma"
@@ -560,7 +579,7 @@ def test_a_template_without_tools_gets_them_in_the_first_user_turn():
     assert parse("gemma", chat[1]["content"]) == ("", [("get_weather", '{"city": "Paris"}')])
 
 
-@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma"])
+@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral"])
 @pytest.mark.parametrize("forced", [None, "get_weather"])
 def test_the_forced_call_grammar_admits_a_call_and_refuses_text(style, forced):
     compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
@@ -571,6 +590,7 @@ def test_the_forced_call_grammar_admits_a_call_and_refuses_text(style, forced):
         "hermes": f"<tool_call>\n{call}\n</tool_call>",
         "gemma": f"```tool_code\n{call}\n```",
         "llama3_json": call,
+        "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}',
     }[style]
     state = grammar.start()
     for token in DEMO.encode(wrapped, add_special_tokens=False):
@@ -605,7 +625,7 @@ def test_tools_render_as_transformers_renders_them(tmp_path, template):
     assert Tokenizer.from_dir(tmp_path).encode_chat(chat, tools=TOOLS) == expected
 
 
-@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma"])
+@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral"])
 def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(style):
     said = {**HISTORY[1], "content": "Let me check."}
     chat = chat_for_template([HISTORY[0], said, HISTORY[2]], TOOLS, style, knows_tools=False)
@@ -615,6 +635,7 @@ def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(st
         "hermes": '<tool_call>\n{"name": <function-name>, "arguments"',
         "llama3_json": '{"name": <function-name>, "parameters"',
         "gemma": "```tool_code\nfunction_name(",
+        "mistral": "[TOOL_CALLS]<function-name>[ARGS]<args-json-object>",
     }
     assert taught[style] in first and json.dumps(TOOLS[0]["function"]) in first
     # The assistant's text, then its call in the model's own format: it parses back.
@@ -631,6 +652,7 @@ def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(st
             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
         ),
         ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+        ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'),
     ],
 )
 def test_a_past_call_is_shown_under_the_key_its_format_teaches(style, written):
