@@ -21,6 +21,7 @@ from runtime.grammar import (
 from runtime.sequence import SequenceParams, check_sequence
 from runtime.tokenizer import Tokenizer
 from runtime.tool_prompts import chat_for_template, template_knows_tools, tool_call_grammar
+from runtime.tools import ARGS, TOOL_CALLS
 
 import attrs
 import structlog
@@ -137,7 +138,9 @@ class Admission:
         Not in Llama 3's format: its calls are bare JSON objects, which the parser
         would read an answer starting with a "name" key as; there the answer alone."""
         if request.tool_choice in ("required", "function"):
-            return tool_call_grammar(self.tool_style, request.tools, request.tool_name)
+            return tool_call_grammar(
+                self.tool_style, request.tools, request.tool_name, control_tokens=self.control_tokens()
+            )
         answer = request.grammar
         if (
             request.tools
@@ -147,8 +150,15 @@ class Admission:
             and answer.kind in JSON_KINDS
             and self.tool_style != "llama3_json"
         ):
-            return tool_call_grammar(self.tool_style, request.tools, None, answer)
+            return tool_call_grammar(
+                self.tool_style, request.tools, None, answer, control_tokens=self.control_tokens()
+            )
         return answer
+
+    def control_tokens(self) -> dict[str, int]:
+        """Mistral's call markers that this tokenizer holds as control tokens, by spelling."""
+        spelled = {marker: self.tokenizer.special_token_id(marker) for marker in (TOOL_CALLS, ARGS)}
+        return {marker: token_id for marker, token_id in spelled.items() if token_id is not None}
 
     async def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
         grammars = self.grammars

@@ -262,6 +262,10 @@ class Tokenizer:
             ids.append(token_id)
         return ids
 
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the special (control) token spelled exactly `text`, if there is one."""
+        return next((i for i, spelling in self._spellings.items() if spelling == text), None)
+
     def _spells_special_token(self, text: str) -> bool:
         return self._spelling_pattern.search(text) is not None
 

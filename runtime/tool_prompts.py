@@ -47,24 +47,32 @@ def tool_call_grammar(
     tools: Sequence[Mapping[str, Any]],
     forced_name: str | None,
     answer: GrammarSpec | None = None,
+    control_tokens: Mapping[str, int] | None = None,
 ) -> GrammarSpec:
     """A Lark grammar (llguidance's, with embedded JSON schemas) for exactly one call, in
     `style`, of the named function or of any of `tools`; the name is written first.
 
     `answer`, a JSON grammar (`response_format`), is the other choice: the reply is one
-    call or that answer, as OpenAI's `tool_choice: auto` beside a `response_format`."""
+    call or that answer, as OpenAI's `tool_choice: auto` beside a `response_format`.
+    `control_tokens` (spelling -> id): Mistral's markers that are the tokenizer's own
+    control tokens, written as those tokens (the model's own way), not spelled out."""
     assert style in TOOL_STYLES
     functions = [tool["function"] for tool in tools]
     if forced_name is not None:
         functions = [f for f in functions if f["name"] == forced_name]
-    if style == "mistral":  # name[ARGS]arguments: the marker and the name are text here
+    if style == "mistral":  # [TOOL_CALLS]name[ARGS]arguments
+
+        def marker(text: str) -> str:
+            token_id = (control_tokens or {}).get(text)
+            return json.dumps(text) if token_id is None else f"<[{token_id}]>"
+
         rules = [
-            f"call_{i}: {json.dumps(f['name'] + ARGS)} %json "
+            f"call_{i}: {json.dumps(f['name'])} {marker(ARGS)} %json "
             + json.dumps({**_own_resource(_parameters(f), i), "x-guidance": JSON_OPTIONS})
             for i, f in enumerate(functions)
         ]
         choice = " | ".join(f"call_{i}" for i in range(len(rules)))
-        lark = f"tool_call: {json.dumps(TOOL_CALLS)} call\ncall: {choice}\n" + "\n".join(rules)
+        lark = f"tool_call: {marker(TOOL_CALLS)} call\ncall: {choice}\n" + "\n".join(rules)
         return _with_answer(lark, answer)
     key = "parameters" if style == "llama3_json" else "arguments"
     calls = [

@@ -520,3 +520,42 @@ async def test_a_guided_json_beside_tools_holds_the_whole_reply(styled):
     message = guided.choices[0].message
     assert message.tool_calls is None
     jsonschema.validate(json.loads(message.content), ANSWER)
+
+
+@pytest.fixture(scope="module")
+def mistral_with_control_tokens(make_checkpoint, tmp_path_factory):
+    """A Mistral-style checkpoint whose tokenizer holds [TOOL_CALLS] and [ARGS] as control
+    tokens, as Mistral's own do (the model has embedding rows for them)."""
+    size = Tokenizer.from_dir(make_checkpoint("llama")).vocab_size
+    out = tmp_path_factory.mktemp("tools") / "mistral-control"
+    checkpoint = with_template(make_checkpoint("llama", vocab_size=size + 8), out, TEMPLATES["mistral"])
+    tokenizer_file = checkpoint / "tokenizer.json"
+    raw = json.loads(tokenizer_file.read_text())
+    for offset, marker in enumerate(("[TOOL_CALLS]", "[ARGS]")):
+        raw["added_tokens"].append({
+            "id": size + offset, "content": marker, "single_word": False, "lstrip": False,
+            "rstrip": False, "normalized": False, "special": True,
+        })
+    tokenizer_file.write_text(json.dumps(raw))
+    return checkpoint
+
+
+async def test_a_forced_mistral_call_is_written_in_its_control_tokens_and_parsed(mistral_with_control_tokens):
+    """The grammar writes the markers as the model's own control tokens (not spelled out),
+    and the request offering tools keeps them in its text, where the parser finds them."""
+    tokenizer = Tokenizer.from_dir(mistral_with_control_tokens)
+    markers = [tokenizer.special_token_id(m) for m in ("[TOOL_CALLS]", "[ARGS]")]
+    assert None not in markers
+    body = dict(messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=60, logprobs=True)
+    async with serving(mistral_with_control_tokens) as server:
+        assert server.llm.tool_style == "mistral"
+        done = await in_thread(whole, server, **body)
+        content, calls, finish = await in_thread(streamed, server, **body)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    written = [entry.token for entry in choice.logprobs.content]
+    assert written[0] == "[TOOL_CALLS]" and "[ARGS]" in written  # each one token, not spelled
+    assert (content, finish) == ("", "tool_calls")
+    assert [(n, a) for _, n, a in calls.values()] == [(call.function.name, call.function.arguments)]
