@@ -10,6 +10,7 @@ from structlog.testing import capture_logs
 
 from kernels import paged_attention as pa
 from kernels.cpu_extension import cpu_extension
+from kernels.paged_attention_mx import soft_capped_attention
 from tests.kernels.test_quantized_matmul import run_with_isa_cap
 
 IS_BUILT = importlib.util.find_spec("kernels._cpu_ext") is not None
@@ -179,6 +180,20 @@ def test_a_table_pointing_outside_the_pool_gives_nan_not_a_wild_read():
     assert mx.isnan(out).all().item()
 
 
+@pytest.mark.parametrize("mask", [None, "causal", "window"])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_soft_capped_attention_matches_capped_plain_attention(group, mask):
+    """The contiguous cache's op (kernels/paged_attention_mx.py): 3 queries, the last 3
+    of 7 positions; "causal" lets query t see positions up to 4 + t."""
+    q = mx.random.normal((1, 4, 3, 16), key=mx.random.key(0)) * 4
+    k, v = (mx.random.normal((1, 4 // group, 7, 16), key=mx.random.key(i)) for i in (1, 2))
+    causal = mx.arange(7)[None, :] <= mx.arange(3)[:, None] + 4
+    want_mask = {None: None, "causal": causal, "window": causal & (mx.arange(7)[None, :] >= mx.arange(3)[:, None] + 2)}[mask]
+    got = soft_capped_attention(q, k, v, 0.25, 1.5, want_mask if mask == "window" else mask)
+    assert mx.allclose(got, reference_attention(q, k, v, 0.25, want_mask, 1.5), atol=1e-5).item()
+    assert not mx.allclose(got, reference_attention(q, k, v, 0.25, want_mask), atol=1e-2).item()
+
+
 @pytest.mark.parametrize("softcap", [0.0, 1.5], ids=["plain", "soft-capped"])
 @pytest.mark.parametrize("group", [1, 4])
 def test_gather_matches_plain_attention_over_each_rows_history(group, softcap):
@@ -307,6 +322,7 @@ def test_dispatch_counts_every_step_and_logs_each_outcome_once(monkeypatch):
 EVERY_SHAPE_SCRIPT = """
 import mlx.core as mx
 from kernels.cpu_extension import cpu_extension
+from kernels.paged_attention_mx import soft_capped_attention
 from tests.kernels.test_paged_attention import SHAPES, make_step, run
 for shape in SHAPES.values():
     for group, head_dim, block in ((1, 16, 4), (4, 16, 4), (7, 16, 4), (5, 20, 16), (2, 40, 16)):
@@ -508,13 +524,16 @@ def test_paged_attention_writes_in_place_into_a_held_pool_when_it_owns_the_pools
     assert mx.array_equal(before, held[0][0]).item() and not mx.array_equal(before, keys).item()
 
 
-def test_a_chunk_large_enough_to_split_its_kv_heads_over_two_streams_matches_gather():
-    """2 KV heads x 2 queries each x 512 queries x 512 keys: 2^20 scores, the split's floor."""
+@pytest.mark.parametrize("softcap", [0.0, 1.5], ids=["plain", "soft-capped"])
+def test_a_chunk_large_enough_to_split_its_kv_heads_over_two_streams_matches_gather(softcap):
+    """2 KV heads x 2 queries each x 512 queries x 512 keys: 2^20 scores, the split's floor;
+    each half's scores capped where Gemma 2's are."""
     step, _, keys, values, q, k, v = make_step([0], [512], 2, 2, num_blocks=160)
     plan = step.fast
     assert [type(g).__name__ for g in plan.groups] == ["_CopyGroup"] and plan.groups[0].is_split
-    out, _ = run("fast", step, keys, values, q, k, v)
-    gather, _ = run("gather", step, keys, values, q, k, v)
+    q = q * 4
+    out, _ = run("fast", step, keys, values, q, k, v, softcap)
+    gather, _ = run("gather", step, keys, values, q, k, v, softcap)
     assert mx.allclose(out, gather, atol=1e-5, rtol=1e-5).item()
 
 

@@ -108,6 +108,7 @@ def test_gemma2_defaults_follow_transformers():
         ({"attn_logit_softcapping": 0}, "attn_logit_softcapping must be a positive number or null, got 0"),
         ({"final_logit_softcapping": "30"}, "final_logit_softcapping must be a positive number or null, got '30'"),
         ({"hidden_activation": "relu"}, "gemma2 hidden_activation 'relu' is not supported"),
+        ({"hidden_activation": "gelu"}, "gemma2 hidden_activation 'gelu' is not supported"),  # exact, not tanh's
         ({"layer_types": ["full_attention"]}, "layer_types needs 4 entries"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "gemma2 with RoPE scaling is not supported"),
     ],
@@ -115,6 +116,14 @@ def test_gemma2_defaults_follow_transformers():
 def test_gemma2_settings_it_cannot_run_are_one_line_errors(fields, message):
     with pytest.raises(CheckpointError, match=re.escape(message)):
         config(**fields)
+
+
+def test_gemma2_takes_both_names_of_its_gelu():
+    """transformers' Gemma2Config writes hidden_activation; older configs only hidden_act."""
+    assert config(hidden_activation="gelu_tanh").model_type == "gemma2"
+    assert config(hidden_activation=None, hidden_act="gelu_pytorch_tanh").model_type == "gemma2"
+    with pytest.raises(CheckpointError, match="gemma2 hidden_activation 'silu' is not supported"):
+        config(hidden_activation=None, hidden_act="silu")
 
 
 def test_gemma2_rotates_every_layer_by_the_one_base_transformers_5_writes_under_rope_parameters():

@@ -588,8 +588,10 @@ def test_the_config_read_from_a_gguf_is_the_checkpoints_config_json(convert, fam
         ("qwen3", {"head_dim": 32}),
         ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
         ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
+        ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                    "beta_fast": 16.0, "beta_slow": 2.0}}),
     ],
-    ids=["llama-head-dim", "qwen3-head-dim", "linear-rope", "yarn-rope"],
+    ids=["llama-head-dim", "qwen3-head-dim", "linear-rope", "yarn-rope", "yarn-betas"],
 )
 def test_settings_the_gguf_states_reach_the_model(make_checkpoint, tmp_path, family, options):
     checkpoint = make_checkpoint(family, **SHAPE, **options)
@@ -1042,6 +1044,16 @@ def test_yarn_whose_magnitude_llama_cpp_reads_otherwise_is_refused_by_name(make_
     assert load_model(neutral).config.rope_scaling == load_model(tmp_path / "reference").config.rope_scaling
 
 
+def test_a_yarn_log_multiplier_reads_as_mscale_1_over_it_and_0_as_none(make_checkpoint, tmp_path):
+    checkpoint = make_checkpoint("qwen3", **SHAPE, rope_scaling=YARN)
+    path = write_gguf(checkpoint, tmp_path / "yarn.gguf", tmp_path / "reference")
+    key = "qwen3.rope.scaling.yarn_log_multiplier"
+    half = read_gguf(rewritten(path, tmp_path / "half.gguf", {key: (0.5, V.FLOAT32, V.FLOAT32)})).config
+    assert half["rope_scaling"] == {**YARN, "mscale": 1.0, "mscale_all_dim": 0.5}
+    zero = read_gguf(rewritten(path, tmp_path / "zero.gguf", {key: (0.0, V.FLOAT32, V.FLOAT32)})).config
+    assert zero["rope_scaling"] == read_gguf(path).config["rope_scaling"] == YARN
+
+
 def test_a_ministral3_gguf_without_a_temperature_runs_none_past_its_original_context(convert, tmp_path):
     path, reference_dir = convert("ministral3", GGMLType.F32)
     silent = rewritten(path, tmp_path / "silent.gguf", dropped=("mistral3.attention.temperature_scale",))
@@ -1052,6 +1064,20 @@ def test_a_ministral3_gguf_without_a_temperature_runs_none_past_its_original_con
     assert not mx.allclose(with_temperature[:, 16:], without[:, 16:], atol=1e-3).item()
     textual = rewritten(path, tmp_path / "text.gguf", {"mistral3.attention.temperature_scale": ("0.1", V.STRING, V.STRING)})
     assert "'mistral3.attention.temperature_scale' should be float" in one_line_error(textual)
+
+
+def test_a_gemma2_gguf_below_the_27b_scales_by_head_dim_not_hidden_over_heads(make_checkpoint, tmp_path):
+    small = make_checkpoint("gemma2", hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32, num_layers=4)
+    config = read_gguf(write_gguf(small, tmp_path / "small.gguf", tmp_path / "small")).config
+    assert (config["head_dim"], config["query_pre_attn_scalar"]) == (32, 32)  # hidden / heads: 16
+
+
+def test_a_ministral3_gguf_without_its_original_context_takes_its_context_length(convert, tmp_path):
+    path, _ = convert("ministral3", GGMLType.F32)
+    assert read_gguf(path).config["rope_scaling"]["original_max_position_embeddings"] == 16
+    silent = rewritten(path, tmp_path / "silent.gguf", dropped=("mistral3.rope.scaling.original_context_length",))
+    config = read_gguf(silent).config
+    assert config["max_position_embeddings"] == config["rope_scaling"]["original_max_position_embeddings"] == 1024
 
 
 def test_gemma2_settings_a_gguf_leaves_out_are_llama_cpps(convert, make_checkpoint, tmp_path):

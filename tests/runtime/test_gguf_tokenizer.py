@@ -33,8 +33,10 @@ TEXTS = [
     "<|im_start|>user\nhi<|im_end|>\n<start_of_turn>model",
     "",
     "a zzqxv word",
+    "a zzqxvZ word",  # tekken splits before the capital: the whole word " zzqxv" stays one token
     "CamelCase a/b//\n",
     "'sup y'all",  # tekken's split ("'sup") differs from Qwen 2's and Llama 3's ("'s", "up")
+    'f(x) = {"a": [1, 2]} , done . ok ?!',  # a space joins the punctuation after it
 ]
 UNMERGEABLE = "\u0120zzqxv"  # " zzqxv" in the byte-level alphabet
 CHAT = [
@@ -424,20 +426,27 @@ def test_gemma_merges_follow_the_order_of_the_pieces_not_their_scores(tmp_path):
 
 @pytest.mark.parametrize(
     ("pre", "add_bos", "expected"),
-    [("tekken", None, True), ("llama-bpe", None, True), ("qwen2", None, False), ("tekken", False, False)],
+    [
+        ("tekken", None, True), ("llama-bpe", None, True), ("llama3", None, True), ("smaug-bpe", None, False),
+        ("qwen2", None, False), ("gpt-2", None, False), (None, None, False), ("tekken", False, False),
+        ("qwen2", True, True),
+    ],
 )
 def test_a_byte_level_vocabulary_adds_bos_where_llama_cpp_assumes_it(
     make_checkpoint, tmp_path, pre, add_bos, expected
 ):
-    """llama.cpp adds BOS to tekken's and Llama 3's vocabularies when the file is silent."""
+    """llama.cpp adds BOS to tekken's and Llama 3's vocabularies when the file is silent
+    (smaug-bpe's split is Llama 3's, its BOS not)."""
     from tests.runtime.test_gguf import rewritten
 
-    checkpoint = byte_level_checkpoint(make_checkpoint, tmp_path, pre)
-    path = write_gguf(checkpoint, tmp_path / "model.gguf", tmp_path / "reference", pre_tokenizer=pre)
+    split = {"llama3": "llama-bpe", "smaug-bpe": "llama-bpe", None: "gpt-2"}.get(pre, pre)  # None: no name
+    checkpoint = byte_level_checkpoint(make_checkpoint, tmp_path, split)
+    path = write_gguf(checkpoint, tmp_path / "model.gguf", tmp_path / "reference", pre_tokenizer=pre or split)
     bos = 1
     metadata = {"tokenizer.ggml.bos_token_id": (bos, gguf.GGUFValueType.UINT32, gguf.GGUFValueType.UINT32)}
     if add_bos is not None:
         metadata["tokenizer.ggml.add_bos_token"] = (add_bos, gguf.GGUFValueType.BOOL, gguf.GGUFValueType.BOOL)
-    path = rewritten(path, tmp_path / "bos.gguf", metadata, dropped=() if add_bos is not None else ("tokenizer.ggml.add_bos_token",))
+    dropped = (() if add_bos is not None else ("tokenizer.ggml.add_bos_token",)) + (() if pre else ("tokenizer.ggml.pre",))
+    path = rewritten(path, tmp_path / "bos.gguf", metadata, dropped=dropped)
     ids = tokenizer_from_gguf(Metadata(gguf.GGUFReader(path), str(path)), "llama").encode("Hello")
     assert (ids[0] == bos) is expected and ids.count(bos) == int(expected)

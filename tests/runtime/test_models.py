@@ -661,6 +661,46 @@ def test_yarn_with_truncate_false_ramps_between_the_exact_dimensions_as_transfor
     assert not np.allclose(np.array(RoPE(dims, base, YARN).inv_freqs), want, rtol=1e-3)
 
 
+def transformers_yarn_inv_freqs(dims: int, base: float, scaling: dict) -> np.ndarray:
+    """transformers' `_compute_yarn_parameters` (the frequencies), in NumPy."""
+    factor, context = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def bound(turns: float) -> float:
+        return dims * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = bound(scaling.get("beta_fast", 32)), bound(scaling.get("beta_slow", 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dims // 2) - low) / (high - low), 0, 1)
+    periods = base ** (np.arange(0, dims, 2) / dims)
+    return (1 - ramp) / periods + ramp / (factor * periods)
+
+
+@pytest.mark.parametrize(
+    ("dims", "base", "scaling"),
+    [
+        (128, 1e6, {"factor": 4.0, "original_max_position_embeddings": 32768}),  # Qwen3's long context
+        (128, 1e8, {"factor": 16.0, "original_max_position_embeddings": 16384,  # Ministral 3's
+                    "beta_fast": 32.0, "beta_slow": 1.0}),
+        (64, 10000.0, {"factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 24.0, "beta_slow": 3.0}),
+        (128, 10000.0, {"factor": 8.0, "original_max_position_embeddings": 3500}),  # beta_fast's 32 floors to 19
+        (16, 10000.0, {"factor": 4.0, "original_max_position_embeddings": 64}),  # low below dimension 0
+        (16, 10000.0, {"factor": 4.0, "original_max_position_embeddings": 6}),  # both bounds at 0: 0.001 apart
+        (16, 10000.0, {"factor": 4.0, "original_max_position_embeddings": 100000, "beta_slow": 1e-4}),  # high past the last
+        # low == high just below dimension 4: transformers' 0.001 apart decides dimension 4
+        (16, 10000.0, {"factor": 4.0, "original_max_position_embeddings": 2 * math.pi * 10000.0 ** (3.995 / 8),
+                       "beta_fast": 1.0, "beta_slow": 1.0, "truncate": False}),
+    ],
+    ids=["qwen3", "ministral3", "betas", "defaults", "low-clamped", "bounds-at-0", "high-clamped", "equal-bounds"],
+)
+def test_yarn_frequencies_follow_transformers_formula(dims, base, scaling):
+    got = np.array(RoPE(dims, base, {"rope_type": "yarn", **scaling}).inv_freqs)
+    assert np.allclose(got, transformers_yarn_inv_freqs(dims, base, scaling), rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize(
     ("settings", "factor"),
     [
@@ -668,9 +708,10 @@ def test_yarn_with_truncate_false_ramps_between_the_exact_dimensions_as_transfor
         ({"factor": 4.0, "attention_factor": 1.5}, 1.5),
         ({"factor": 4.0, "mscale": 2.0, "mscale_all_dim": 1.0}, (0.2 * math.log(4.0) + 1) / (0.1 * math.log(4.0) + 1)),
         ({"factor": 4.0, "mscale": 2.0}, 0.1 * math.log(4.0) + 1),  # alone, transformers ignores it
+        ({"factor": 4.0, "mscale_all_dim": 2.0}, 0.1 * math.log(4.0) + 1),  # so too
         ({"factor": 1.0}, 1.0),
     ],
-    ids=["from-factor", "stated", "mscale-ratio", "mscale-alone", "factor-1"],
+    ids=["from-factor", "stated", "mscale-ratio", "mscale-alone", "mscale-all-dim-alone", "factor-1"],
 )
 def test_yarn_attention_factor_as_transformers_reads_it(settings, factor):
     assert yarn_attention_factor(settings) == pytest.approx(factor)
@@ -702,6 +743,9 @@ def test_yarn_fills_in_its_original_context_and_factor_as_transformers():
         ({"factor": 4.0, "beta_fast": -1}, "yarn's 'beta_fast' must be a number of at least 0, got -1"),
         ({"factor": 4.0, "mscale": "x"}, "yarn's 'mscale' must be a number of at least 0"),
         ({"factor": 4.0, "attention_factor": 0}, "'attention_factor' must be above 0"),
+        ({"factor": 4.0, "beta_slow": -1}, "yarn's 'beta_slow' must be a number of at least 0, got -1"),
+        ({"factor": 4.0, "attention_factor": "big"}, "yarn's 'attention_factor' must be a number of at least 0"),
+        ({"factor": 4.0, "mscale_all_dim": "x"}, "yarn's 'mscale_all_dim' must be a number of at least 0"),
     ],
 )
 def test_yarn_settings_it_cannot_run_are_one_line_errors(scaling, message):
@@ -712,6 +756,26 @@ def test_yarn_settings_it_cannot_run_are_one_line_errors(scaling, message):
 def test_yarn_over_a_rope_theta_of_one_is_refused_not_a_division_by_zero():
     with pytest.raises(CheckpointError, match="rope_theta above 0 other than 1, got 1.0"):
         config_from_dict(qwen3_config(rope_theta=1.0, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+
+
+def test_yarn_without_any_context_takes_the_default_max_position_embeddings():
+    raw = qwen3_config(rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    del raw["max_position_embeddings"]
+    config = config_from_dict(raw)
+    assert config.max_position_embeddings == config.rope_scaling["original_max_position_embeddings"] == 4096
+
+
+def test_a_stated_rope_scaling_wins_over_rope_parameters():
+    linear = {"rope_type": "linear", "factor": 2.0}
+    raw = qwen3_config(rope_scaling=linear, rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0})
+    config = config_from_dict(raw)
+    assert (config.rope_theta, config.rope_scaling) == (10000.0, linear)
+
+
+def test_yarn_settings_of_0_are_allowed():
+    zeros = {"beta_fast": 0, "beta_slow": 0, "mscale": 0, "mscale_all_dim": 0}
+    config = config_from_dict(qwen3_config(rope_scaling={"rope_type": "yarn", "factor": 4.0, **zeros}))
+    assert config.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, **zeros}
 
 
 def test_yarn_on_a_partial_rotation_is_refused_for_phi3():
@@ -765,15 +829,35 @@ def ministral3_config(**rope):
         ({"llama_4_scaling_beta": None}, "needs rope_parameters.llama_4_scaling_beta, a number of at least 0, got None"),
         ({"llama_4_scaling_beta": -0.1}, "got -0.1"),
         ({"llama_4_scaling_beta": True}, "got True"),
+        ({"llama_4_scaling_beta": False}, "got False"),
         (  # under a plain RoPE: YaRN's own check names it otherwise
             {"rope_type": "default", "type": "default", "original_max_position_embeddings": 0},
             "needs rope_parameters.original_max_position_embeddings, a positive integer, got 0",
+        ),
+        (
+            {"rope_type": "default", "type": "default", "original_max_position_embeddings": True},
+            "needs rope_parameters.original_max_position_embeddings, a positive integer, got True",
         ),
     ],
 )
 def test_ministral3_settings_it_cannot_run_are_one_line_errors(rope, message):
     with pytest.raises(CheckpointError, match=re.escape(message)):
         config_from_dict(ministral3_config(**rope))
+
+
+def test_ministral3_with_a_beta_of_0_runs_no_temperature():
+    config = config_from_dict(ministral3_config(llama_4_scaling_beta=0))
+    assert config.extra["attention_temperature"] == (0.0, 16)
+
+
+def test_ministral3_reads_its_temperature_from_the_older_rope_scaling():
+    """transformers 4's layout: rope_theta beside, every other RoPE setting under rope_scaling."""
+    raw = ministral3_config(llama_4_scaling_beta=0.25, original_max_position_embeddings=32)
+    parameters = raw.pop("rope_parameters")
+    raw.update(rope_theta=parameters.pop("rope_theta"), rope_scaling=parameters)
+    config = config_from_dict(raw)
+    assert config.extra["attention_temperature"] == (0.25, 32)
+    assert config.rope_scaling["original_max_position_embeddings"] == 32
 
 
 def test_mistral3_is_read_as_its_text_model():
@@ -792,11 +876,29 @@ def test_mistral3_is_read_as_its_text_model():
                              }).model_type == "ministral3"
 
 
+def test_mistral3s_text_config_naming_no_model_type_is_mistral():
+    raw = hf_config("mistral3", vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, intermediate_size=128, text_family="mistral")
+    del raw["text_config"]["model_type"]
+    assert config_from_dict(raw).model_type == "mistral"
+
+
+def test_mistral3s_text_config_wins_over_the_outer_fields():
+    raw = hf_config("mistral3", vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, intermediate_size=128, text_family="mistral")
+    raw.update(vocab_size=1000, max_position_embeddings=64)  # beside the text model's own
+    config = config_from_dict(raw)
+    assert config.vocab_size == 300
+    assert config.max_position_embeddings == raw["text_config"]["max_position_embeddings"] != 64
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         ({"text_config": None}, "mistral3 config without a 'text_config' object"),
+        ({"text_config": "mistral"}, "mistral3 config without a 'text_config' object"),
         ({"text_config": {"model_type": "pixtral"}}, "mistral3 with a text model of type 'pixtral' is not supported"),
+        ({"text_config": {"model_type": "qwen2"}}, "type 'qwen2' is not supported (supported: mistral, ministral3)"),
     ],
 )
 def test_mistral3_with_a_text_model_it_cannot_run_is_a_one_line_error(change, message):
