@@ -333,9 +333,11 @@ def _complete_yarn(scaling: dict[str, Any], base: float, context: int, source: s
         scaling["original_max_position_embeddings"] = context
     if scaling.get("factor") is None and is_positive_number(scaling["original_max_position_embeddings"]):
         scaling["factor"] = context / scaling["original_max_position_embeddings"]
-    for name in ("factor", "original_max_position_embeddings"):
-        if not is_positive_number(scaling[name]):
-            raise CheckpointError(f"{source}: rope_scaling yarn needs a positive number '{name}', got {scaling[name]!r}")
+    for name in ("factor", "original_max_position_embeddings"):  # factor is left out where it was not derived
+        if not is_positive_number(scaling.get(name)):
+            raise CheckpointError(
+                f"{source}: rope_scaling yarn needs a positive number '{name}', got {scaling.get(name)!r}"
+            )
     for name in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
         value = scaling.get(name)
         if value is not None and not (is_positive_number(value) or value == 0):

@@ -740,6 +740,8 @@ def test_yarn_fills_in_its_original_context_and_factor_as_transformers():
     [
         ({"factor": 0}, "yarn needs a positive number 'factor', got 0"),
         ({"factor": 4.0, "original_max_position_embeddings": "long"}, "'original_max_position_embeddings', got 'long'"),
+        # No factor, and no original context to derive it from: named, not a KeyError.
+        ({"original_max_position_embeddings": "long"}, "needs a positive number 'factor', got None"),
         ({"factor": 4.0, "beta_fast": -1}, "yarn's 'beta_fast' must be a number of at least 0, got -1"),
         ({"factor": 4.0, "mscale": "x"}, "yarn's 'mscale' must be a number of at least 0"),
         ({"factor": 4.0, "attention_factor": 0}, "'attention_factor' must be above 0"),
