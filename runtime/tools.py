@@ -30,6 +30,8 @@ import ast
 import json
 import re
 
+from runtime.json_ends import ValueEnd
+
 import attrs
 
 TOOL_STYLES = ("hermes", "llama3_json", "gemma", "mistral")
@@ -68,7 +70,6 @@ Event = Content | CallStart | CallArguments | CallCutShort
 _NAME_FIRST = re.compile(
     r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)'
 )
-_DECODER = json.JSONDecoder()
 
 
 @attrs.define
@@ -83,8 +84,8 @@ class _JsonCalls:
     name_seen: bool = False  # the current call's name was reported
     arguments_at: int = 0  # where its arguments' text begins in the body
     num_sent: int = 0  # characters of its arguments reported
-    call_end: _ValueEnd | None = None  # where the current call object ends, once it does
-    arguments_end: _ValueEnd | None = None  # ... and its arguments' value
+    call_end: ValueEnd | None = None  # where the current call object ends, once it does
+    arguments_end: ValueEnd | None = None  # ... and its arguments' value
 
     def update(self, body: str, is_final: bool) -> list[Event]:
         events: list[Event] = []
@@ -98,7 +99,7 @@ class _JsonCalls:
             if self.name_seen:
                 events += self._arguments(body, is_final)
             if self.call_end is None or self.call_end.start != start:
-                self.call_end = _ValueEnd(start)
+                self.call_end = ValueEnd(start)
             whole = self.call_end.find(body, is_final)
             if whole is None:  # the call is not complete yet
                 if is_final and not self.name_seen:
@@ -144,7 +145,7 @@ class _JsonCalls:
         if at == len(body):  # cut where they would begin, by the closing marker: none yet
             return []
         if self.arguments_end is None or self.arguments_end.start != at:
-            self.arguments_end = _ValueEnd(at)
+            self.arguments_end = ValueEnd(at)
         end = self.arguments_end.find(body, is_final)
         if body[at] == '"' and end is not None and self.num_sent == 0:
             self.num_sent = end - at
@@ -169,84 +170,6 @@ def _name_first(body: str, start: int) -> tuple[str, int] | None:
         return json.loads(f'"{match.group(1)}"'), match.end()
     except json.JSONDecodeError:
         return None
-
-
-def _json_end(text: str, start: int, is_final: bool) -> int | None:
-    """Where the JSON value at `start` ends, or None while it is incomplete."""
-    try:
-        _, end = _DECODER.raw_decode(text, start)
-    # Not JSON (JSONDecodeError is a ValueError), nested too deep for json, or an
-    # integer past Python's 4,300 digits (a bare ValueError): never a call.
-    except (ValueError, RecursionError):
-        return None
-    # A number may still grow while what follows it could begin the rest of one: "12" of
-    # "123", and "2" of "2." or "2e-", which the decoder ends before the "." or "e".
-    is_closed = (
-        text[start] in "{[" or text[end - 1] in '}]"' or not _NUMBER_GOES_ON.fullmatch(text, end)
-    )
-    return end if is_closed or is_final else None
-
-
-_NUMBER_GOES_ON = re.compile(r"(?:\.|[eE][+-]?)?")
-
-
-_IN_STRING = re.compile(r'["\\]')
-_STRUCTURE = re.compile(r'["{}\[\]]')
-
-
-@attrs.define
-class _ValueEnd:
-    """Where the JSON value at `start` of a growing text ends, or None while it is
-    incomplete: `_json_end`, with each character of an object, array or string scanned
-    once. Decoding the whole value again at every token made a call's arguments cost
-    O(n^2): a 16,000-token call took ~7 s of the event loop. What the scan finds closed
-    is decoded once, so invalid JSON is still never complete."""
-
-    start: int
-    at: int = attrs.field(init=False)  # the next character to scan
-    depth: int = 0
-    in_string: bool = False
-    closed_at: int | None = None  # just past the last character, by the scan
-    decoded_end: int | None = None  # ... confirmed by the decoder
-
-    def __attrs_post_init__(self) -> None:
-        self.at = self.start
-
-    def find(self, text: str, is_final: bool) -> int | None:
-        if text[self.start] not in '{["':  # a number or a literal: short, decoded whole
-            return _json_end(text, self.start, is_final)
-        # The text only grows: a tail that may begin a closing marker is held back until
-        # the marker is decided (_Delimited.feed), never taken away once scanned.
-        if self.closed_at is None:
-            self._scan(text)
-            if self.closed_at is not None:
-                self.decoded_end = _json_end(text, self.start, is_final)
-        return self.decoded_end
-
-    def _scan(self, text: str) -> None:
-        at = self.at
-        while self.closed_at is None:
-            if self.in_string:
-                found = _IN_STRING.search(text, at)
-                if found is None or (found.group() == "\\" and found.end() == len(text)):
-                    at = len(text) if found is None else found.start()  # wait for more
-                    break
-                at = found.end() + (found.group() == "\\")  # an escape: skip what it escapes
-                if found.group() == '"':
-                    self.in_string = False
-                    self.closed_at = at if self.depth == 0 else None
-                continue
-            found = _STRUCTURE.search(text, at)
-            if found is None:
-                at = len(text)
-                break
-            at, char = found.end(), found.group()
-            if char == '"':
-                self.in_string = True
-            else:
-                self.depth += 1 if char in "{[" else -1
-                self.closed_at = at if self.depth <= 0 else None
-        self.at = at
 
 
 def _whole_call(index: int, call: object, raw: str = "") -> list[Event]:
@@ -377,7 +300,7 @@ class _MistralCalls:
     pending: str = ""  # text not yet reported, from a marker on when in a call
     in_call: bool = False  # pending begins just past a marker
     num_calls: int = 0
-    value_end: _ValueEnd | None = None  # where the current call's JSON ends, once it does
+    value_end: ValueEnd | None = None  # where the current call's JSON ends, once it does
 
     def feed(self, text: str) -> list[Event]:
         self.pending += text
@@ -447,7 +370,7 @@ class _MistralCalls:
 
     def _value_end(self, body: str, start: int, is_final: bool) -> int | None:
         if self.value_end is None or self.value_end.start != start:
-            self.value_end = _ValueEnd(start)
+            self.value_end = ValueEnd(start)
         return self.value_end.find(body, is_final)
 
 

@@ -7,7 +7,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from runtime import tools
+from runtime import json_ends
 from runtime.errors import RequestError
 from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.tokenizer import Tokenizer
@@ -289,9 +289,9 @@ def test_scanning_each_character_once_finds_the_ends_decoding_everything_again_f
         scanned.append((text, cuts, parse(style, text, cuts)))
 
     def decoded(value_end, text, is_final):
-        return tools._json_end(text, value_end.start, is_final)
+        return json_ends.json_end(text, value_end.start, is_final)
 
-    monkeypatch.setattr(tools._ValueEnd, "find", decoded)
+    monkeypatch.setattr(json_ends.ValueEnd, "find", decoded)
     for text, cuts, got in scanned:
         assert parse(style, text, cuts) == got, text
 
@@ -451,13 +451,13 @@ def test_a_long_call_is_decoded_once_however_many_deltas_it_comes_in(monkeypatch
     """Each delta's text is scanned once and what closes is decoded once: decoding the
     whole call again at every token made a long call O(n^2), seconds of the event loop."""
     decodes = []
-    json_end = tools._json_end
+    json_end = json_ends.json_end
 
     def counted(text, start, is_final):
         decodes.append(start)
         return json_end(text, start, is_final)
 
-    monkeypatch.setattr(tools, "_json_end", counted)
+    monkeypatch.setattr(json_ends, "json_end", counted)
 
     def decodes_for(size):
         decodes.clear()
@@ -877,7 +877,7 @@ def test_a_call_fed_a_character_a_delta_is_scanned_and_decoded_once(style, monke
     while blanks trail its closed arguments: scanning again what was scanned, or decoding
     closed arguments again, at every delta made a long call O(n^2)."""
     scanned, decodes = [], []
-    json_end = tools._json_end
+    json_end = json_ends.json_end
 
     class Counted:
         def __init__(self, pattern):
@@ -892,9 +892,9 @@ def test_a_call_fed_a_character_a_delta_is_scanned_and_decoded_once(style, monke
         decodes.append(start)
         return json_end(text, start, is_final)
 
-    monkeypatch.setattr(tools, "_IN_STRING", Counted(tools._IN_STRING))
-    monkeypatch.setattr(tools, "_STRUCTURE", Counted(tools._STRUCTURE))
-    monkeypatch.setattr(tools, "_json_end", counted_end)
+    monkeypatch.setattr(json_ends, "_IN_STRING", Counted(json_ends._IN_STRING))
+    monkeypatch.setattr(json_ends, "_STRUCTURE", Counted(json_ends._STRUCTURE))
+    monkeypatch.setattr(json_ends, "json_end", counted_end)
     arguments = json.dumps({"text": "x" * 300, "n": [1, 2]})
     key = "arguments" if style == "hermes" else "parameters"
     call = f'{{"name": "f", "{key}": {arguments}{" " * 50}}}'
