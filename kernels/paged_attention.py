@@ -265,11 +265,13 @@ def paged_attention(
     path: str,
     pools_in_place: bool = False,
     softcap: float = 0.0,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Write k, v [N, Hkv, D] into layer `layer` of (keys, values) pools, then attend.
 
     q [N, H, D] -> [N, H, D]. `path` is what `dispatch` chose for this step. `softcap`
-    > 0 caps each score s at softcap * tanh(s / softcap) (Gemma 2), on every path.
+    > 0 caps each score s at softcap * tanh(s / softcap) (Gemma 2), and `sinks` [H]
+    adds e^(sink) to each head's softmax sum (gpt-oss), on every path.
     `pools_in_place`: the pools are a storage's own, which only these ops read and
     write; the native op then writes into their buffers even while mlx still holds them
     for an op queued before it (see take_pool in kernels/cpu/attention_ops.h).
@@ -277,7 +279,7 @@ def paged_attention(
     keys, values = pools
     if path == "native":  # one op writes and attends
         out, keys[layer], values[layer] = step.native.write_and_attend(
-            keys[layer], values[layer], q, k, v, scale, pools_in_place, softcap
+            keys[layer], values[layer], q, k, v, scale, pools_in_place, softcap, sinks
         )
         return out
     D = k.shape[-1]
@@ -289,7 +291,7 @@ def paged_attention(
     keys[layer][rows] = k.reshape(-1, D)  # head-major, as `rows`
     values[layer][rows] = v.reshape(-1, D)
     plan = step.fast if path == "fast" else step.gather
-    return plan.attend(keys[layer], values[layer], q, scale, softcap)
+    return plan.attend(keys[layer], values[layer], q, scale, softcap, sinks)
 
 
 def dispatch(step: PagedStep) -> str:
@@ -328,6 +330,7 @@ class _NativePlan:
         scale: float,
         pools_in_place: bool = False,
         softcap: float = 0.0,
+        sinks: mx.array | None = None,
     ) -> tuple[mx.array, mx.array, mx.array]:
         """(out [N, H, D], keys, values): the pools as written, which replace the old ones."""
         step = self.step
@@ -336,6 +339,7 @@ class _NativePlan:
         out, keys, values = ext.paged_attention_write(
             q, k, v, keys, values, step.tables, step.row_of_token, step.positions,
             step.num_kv_heads, step.block_size, step.window or 0, scale, pools_in_place, softcap=softcap,
+            sinks=None if sinks is None else sinks.astype(mx.float32),
         )
         return out, keys, values
 

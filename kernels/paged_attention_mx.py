@@ -33,12 +33,32 @@ def soft_capped(scores: mx.array, cap: float) -> mx.array:
     return mx.tanh(scores / cap) * cap
 
 
-def soft_capped_attention(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, softcap: float, mask: mx.array | str | None
+def sink_weights(top: mx.array, sinks: mx.array | None) -> tuple[mx.array, mx.array | float]:
+    """(the max to subtract from scores, e^(sink - it)) for a softmax whose sum takes
+    each head's sink logit too (gpt-oss): `top` the scores' max, `sinks` broadcast
+    against it (or None: `top` and 0)."""
+    if sinks is None:
+        return top, 0.0
+    sinks = _as(sinks, mx.float32)
+    top = mx.maximum(top, sinks)
+    return top, mx.exp(sinks - top)
+
+
+def attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    mask: mx.array | str | None,
+    softcap: float = 0.0,
+    sinks: mx.array | None = None,
 ) -> mx.array:
-    """`mx.fast.scaled_dot_product_attention` with each score soft-capped, which it
-    cannot do: q [B, H, T, D], k and v [B, Hkv, L, D]; `mask` None, "causal" (the last T
-    of L positions) or bool [T, L]."""
+    """`mx.fast.scaled_dot_product_attention`, with each score soft-capped (Gemma 2),
+    which it cannot do, or sinks [H] in each head's softmax (gpt-oss), which it does:
+    q [B, H, T, D], k and v [B, Hkv, L, D]; `mask` None, "causal" (the last T of L
+    positions) or bool [T, L]."""
+    if not softcap:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
     num_groups = q.shape[1] // k.shape[1]
     if num_groups > 1:
         k, v = mx.repeat(k, num_groups, axis=1), mx.repeat(v, num_groups, axis=1)
@@ -48,7 +68,12 @@ def soft_capped_attention(
         mask = mx.arange(L)[None, :] <= mx.arange(T)[:, None] + (L - T)
     if mask is not None:
         scores = mx.where(mask, scores, -mx.inf)
-    return _as(mx.softmax(scores, axis=-1), v.dtype) @ v
+    top, sink = sink_weights(
+        scores.max(axis=-1, keepdims=True), None if sinks is None else sinks[:, None, None]
+    )
+    weights = mx.exp(scores - top)
+    probs = weights / (weights.sum(axis=-1, keepdims=True) + sink)
+    return _as(probs, v.dtype) @ v
 
 
 class GatherPlan:
@@ -67,7 +92,13 @@ class GatherPlan:
         self.num_kv_heads = step.num_kv_heads
 
     def attend(
-        self, keys: mx.array, values: mx.array, q: mx.array, scale: float, softcap: float = 0.0
+        self,
+        keys: mx.array,
+        values: mx.array,
+        q: mx.array,
+        scale: float,
+        softcap: float = 0.0,
+        sinks: mx.array | None = None,
     ) -> mx.array:
         outs = []
         D = q.shape[-1]
@@ -75,10 +106,7 @@ class GatherPlan:
             k = keys[rows].reshape(1, self.num_kv_heads, -1, D)  # [1, Hkv, L, D]
             v = values[rows].reshape(1, self.num_kv_heads, -1, D)
             q_row = q[lo:hi].transpose(1, 0, 2)[None]  # [1, H, n, D]
-            if softcap:
-                out = soft_capped_attention(q_row, k, v, scale, softcap, mask)
-            else:
-                out = mx.fast.scaled_dot_product_attention(q_row, k, v, scale=scale, mask=mask)
+            out = attention(q_row, k, v, scale, mask, softcap, sinks)
             outs.append(out[0].transpose(1, 0, 2))  # [n, H, D]
         return mx.concatenate(outs) if len(outs) > 1 else outs[0]
 
@@ -149,7 +177,14 @@ class _BlockGroup(_Group):
         self.query_blocks = mx.broadcast_to(query_rows, (Hkv, R, nb)).reshape(-1).astype(mx.uint32)
 
     def attend(
-        self, keys: mx.array, values: mx.array, q: mx.array, scale: float, num_kv_heads: int, softcap: float
+        self,
+        keys: mx.array,
+        values: mx.array,
+        q: mx.array,
+        scale: float,
+        num_kv_heads: int,
+        softcap: float,
+        sinks: mx.array | None,
     ) -> mx.array:
         R, T, nb, bs = self.num_rows, self.num_queries, self.num_blocks, self.block_size
         Hkv, D = num_kv_heads, q.shape[-1]
@@ -164,8 +199,11 @@ class _BlockGroup(_Group):
         scores = scores + self.bias
         # The max over a row's keys, in two cheap steps: within blocks, then across them.
         top = mx.max(mx.max(scores, axis=5, keepdims=True), axis=2, keepdims=True)
+        top, sink = sink_weights(top, None if sinks is None else sinks.reshape(Hkv, 1, 1, 1, G, 1))
         weights = poly_exp(scores - top)  # unnormalised probabilities
         total = mx.sum(mx.sum(weights, axis=5), axis=2)[..., None]  # [Hkv, R, T, G, 1]
+        if isinstance(sink, mx.array):  # its weight, of top's shape, beside the keys'
+            total = total + mx.squeeze(sink, axis=2)
         out = mx.gather_mm(
             _as(weights.reshape(Hkv * R * nb, T * G, bs), v_blocks.dtype), v_blocks, None, self.kv_blocks
         )  # [Hkv * R * nb, T * G, D]
@@ -198,30 +236,47 @@ class _CopyGroup(_Group):
         )
 
     def attend(
-        self, keys: mx.array, values: mx.array, q: mx.array, scale: float, num_kv_heads: int, softcap: float
+        self,
+        keys: mx.array,
+        values: mx.array,
+        q: mx.array,
+        scale: float,
+        num_kv_heads: int,
+        softcap: float,
+        sinks: mx.array | None,
     ) -> mx.array:
         R, L, D = self.num_rows, self.length, q.shape[-1]
         k = keys[self.kv_rows].reshape(num_kv_heads, R, L, D)
         v = values[self.kv_rows].reshape(num_kv_heads, R, L, D)
         grouped = self.grouped(q * scale, num_kv_heads)  # [Hkv, R, T * G, D]
+        head_sinks = None if sinks is None else sinks.reshape(num_kv_heads, 1, 1, -1, 1)
         if not self.is_split:
-            out = self._heads(grouped, k, v, softcap)
+            out = self._heads(grouped, k, v, softcap, head_sinks)
         else:
             half = num_kv_heads // 2
-            first = self._heads(grouped[:half], k[:half], v[:half], softcap)
+            first_sinks, second_sinks = (None, None) if head_sinks is None else (head_sinks[:half], head_sinks[half:])
+            first = self._heads(grouped[:half], k[:half], v[:half], softcap, first_sinks)
             with mx.stream(side_stream()):
-                second = self._heads(grouped[half:], k[half:], v[half:], softcap)
+                second = self._heads(grouped[half:], k[half:], v[half:], softcap, second_sinks)
             out = mx.concatenate([first, second])
         return _as(self.ungrouped(out), q.dtype)
 
-    def _heads(self, grouped: mx.array, k: mx.array, v: mx.array, softcap: float) -> mx.array:
-        """grouped [h, R, T * G, D]; k, v [h, R, L, D] -> [h, R, T, G, D]."""
+    def _heads(
+        self, grouped: mx.array, k: mx.array, v: mx.array, softcap: float, sinks: mx.array | None
+    ) -> mx.array:
+        """grouped [h, R, T * G, D]; k, v [h, R, L, D]; sinks [h, 1, 1, G, 1] or None
+        -> [h, R, T, G, D]."""
         h, R, TG, D = grouped.shape
         T, L = self.num_queries, self.length
         scores = _as(grouped @ k.swapaxes(-1, -2), mx.float32)  # [h, R, T * G, L]
         if softcap:
             scores = soft_capped(scores, softcap)
-        probs = mx.softmax(scores.reshape(h, R, T, TG // T, L) + self.bias, axis=-1)
+        scores = scores.reshape(h, R, T, TG // T, L) + self.bias
+        if sinks is None:
+            probs = mx.softmax(scores, axis=-1)
+        else:  # the sink as one more column of the softmax, dropped after it
+            column = mx.broadcast_to(_as(sinks, mx.float32), (*scores.shape[:-1], 1))
+            probs = mx.softmax(mx.concatenate([scores, column], axis=-1), axis=-1)[..., :L]
         out = _as(probs.reshape(h, R, TG, L), v.dtype) @ v
         return out.reshape(h, R, T, TG // T, D)
 
@@ -256,12 +311,18 @@ class FastPlan:
         self.num_kv_heads = step.num_kv_heads
 
     def attend(
-        self, keys: mx.array, values: mx.array, q: mx.array, scale: float, softcap: float = 0.0
+        self,
+        keys: mx.array,
+        values: mx.array,
+        q: mx.array,
+        scale: float,
+        softcap: float = 0.0,
+        sinks: mx.array | None = None,
     ) -> mx.array:
         if self.is_identity:
-            return self.groups[0].attend(keys, values, q, scale, self.num_kv_heads, softcap)
+            return self.groups[0].attend(keys, values, q, scale, self.num_kv_heads, softcap, sinks)
         outs = [
-            g.attend(keys, values, q[index], scale, self.num_kv_heads, softcap)
+            g.attend(keys, values, q[index], scale, self.num_kv_heads, softcap, sinks)
             for g, index in zip(self.groups, self.query_index, strict=True)
         ]
         out = mx.concatenate(outs) if len(outs) > 1 else outs[0]

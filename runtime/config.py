@@ -187,7 +187,7 @@ def config_from_dict(
         rope_scaling=rope_scaling,
         max_position_embeddings=field("max_position_embeddings", int, 4096),
         tie_word_embeddings=field("tie_word_embeddings", bool, None),
-        quantization=_quantization(field("quantization", dict, None), source),
+        quantization=_quantization(field("quantization", dict, None) or _microscaling(raw), source),
         eos_token_ids=_eos_ids(raw, generation or {}, field("vocab_size", int)),
         foreign_quantization=_foreign_quantization(raw),
     )
@@ -229,11 +229,29 @@ def rope_fields(fields: ConfigFields) -> tuple[float, dict[str, Any] | None]:
     return (10000.0 if rope_theta is None else rope_theta), rope_scaling
 
 
-def _foreign_quantization(raw: dict[str, Any]) -> str | None:
-    """The quant_method of a Hugging Face quantization_config, unless an MLX
-    `quantization` says how the weights are stored (mlx-community writes both)."""
+# A Hugging Face quantization_config whose packing is one of mlx's own (gpt-oss's
+# experts as OpenAI released them), as mlx-lm reads it: quant_method -> `quantization`.
+MICROSCALING_METHODS = {
+    "mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"},
+    "mxfp8": {"group_size": 32, "bits": 8, "mode": "mxfp8"},
+}
+
+
+def _microscaling(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """The MLX `quantization` a quantization_config of an mlx packing amounts to, if any."""
     quant = raw.get("quantization_config")
     if "quantization" in raw or not isinstance(quant, dict):
+        return None
+    method = quant.get("quant_method")
+    return MICROSCALING_METHODS.get(method) if isinstance(method, str) else None
+
+
+def _foreign_quantization(raw: dict[str, Any]) -> str | None:
+    """The quant_method of a Hugging Face quantization_config, unless an MLX
+    `quantization` says how the weights are stored (mlx-community writes both) or
+    the method is one of mlx's packings."""
+    quant = raw.get("quantization_config")
+    if "quantization" in raw or not isinstance(quant, dict) or _microscaling(raw) is not None:
         return None
     method = quant.get("quant_method")
     return method if isinstance(method, str) and method else "unknown"

@@ -37,6 +37,7 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -100,11 +101,12 @@ def make_tiny_checkpoint(
     tower) takes `sliding_window` and `sliding_window_pattern` (every pattern-th
     layer global; written as `layer_types` too) and `query_pre_attn_scalar`.
 
-    The routed-experts families (`qwen3_moe`, `qwen2_moe`, `mixtral`) take `num_experts`
-    of `intermediate_size`, `num_experts_per_tok`, and (the Qwens) `dense_layers` run by
-    a dense MLP (qwen2_moe's shared expert is twice `intermediate_size`); float weights
-    are stored per expert as Hugging Face does, quantized ones stacked as mlx-community
-    does.
+    The routed-experts families (`qwen3_moe`, `qwen2_moe`, `mixtral`, `gpt_oss`) take
+    `num_experts` of `intermediate_size`, `num_experts_per_tok`, and (the Qwens)
+    `dense_layers` run by a dense MLP (qwen2_moe's shared expert is twice
+    `intermediate_size`); float weights are stored per expert as Hugging Face does,
+    quantized ones stacked as mlx-community does (gpt-oss's always stacked, in
+    mlx-community's names; its layers alternate a `sliding_window` and full attention).
 
     `vocab_size` above the demo tokenizer's adds embedding rows no text encodes to
     (a large-vocabulary model, e.g. 151,936 as Qwen's).
@@ -146,6 +148,11 @@ def make_tiny_checkpoint(
         weights = fused_projections(weights)
     if family == "mixtral":
         weights = {name.replace(".mlp.", ".block_sparse_moe."): w for name, w in weights.items()}
+    if family == "gpt_oss":  # mlx-community's names (mlx-lm reads them as they are)
+        weights = {
+            name.replace(".mlp.gate.", ".mlp.router.").replace(".mlp.switch_mlp.", ".mlp.experts."): w
+            for name, w in weights.items()
+        }
     if family in EXPERT_NAMES and quantize is None:
         weights = per_expert_weights(weights, EXPERT_NAMES[family])
     if family in MULTIMODAL:
@@ -245,6 +252,16 @@ def hf_config(
         raw["head_dim"] = head_dim or hidden_size // num_heads
     if family == "mixtral":
         raw.update(num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok)
+    if family == "gpt_oss":  # every other layer slides, from the first, as the releases
+        raw.update(
+            num_local_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            head_dim=head_dim or hidden_size // num_heads,
+            attention_bias=True,
+            sliding_window=sliding_window,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+            swiglu_limit=7.0,
+        )
     if family == "qwen2_moe":
         raw.update(
             num_experts=num_experts,
@@ -385,6 +402,8 @@ def random_weights(model: CausalLM, seed: int) -> dict[str, mx.array]:
             values -= norm_offset
         elif name.endswith(".bias"):
             values = 0.1 * rng.standard_normal(shape)
+        elif name.endswith(".sinks"):  # gpt-oss's: beside scores of ~N(0, 1), some dominate
+            values = rng.uniform(-1.0, 3.0, shape)
         elif name == "model.embed_tokens.weight":
             values = embed_std * rng.standard_normal(shape)
         elif name == "lm_head.weight":

@@ -261,7 +261,9 @@ void attend_token_heads(const PagedAttentionJob& job, int n, int h, int g0) {
     p += count;
   }
   for (int g = 0; g < GB; ++g) {
-    const float inverse = 1.0f / total[g];
+    // The sink joins the sum at the end, relative to the same running max.
+    const float sink = job.sinks ? expf(job.sinks[h * G + g0 + g] - running_max[g]) : 0.0f;
+    const float inverse = 1.0f / (total[g] + sink);
     for (int d = 0; d < D; ++d) {
       acc[g * D + d] *= inverse;
     }
@@ -405,12 +407,16 @@ void attend_tile(const PagedAttentionJob& job, int first, int count, int h) {
     }
     p += n;
   }
-  alignas(64) float totals[TL];
-  for (int c = 0; c < V; ++c) store(totals + c * L, total[c]);
+  alignas(64) float totals[TL], maxes[TL];
+  for (int c = 0; c < V; ++c) {
+    store(totals + c * L, total[c]);
+    store(maxes + c * L, running_max[c]);
+  }
   for (int i = 0; i < lanes; ++i) {  // every real lane saw its own key: total > 0
     const int token = first + i / G;
     float* out = job.out + (static_cast<int64_t>(token) * job.H + h * G + i % G) * D;
-    const float inverse = 1.0f / totals[i];
+    const float sink = job.sinks ? expf(job.sinks[h * G + i % G] - maxes[i]) : 0.0f;
+    const float inverse = 1.0f / (totals[i] + sink);
     for (int d = 0; d < D; ++d) out[d] = acc_t[d * TL + i] * inverse;
   }
 }

@@ -33,6 +33,9 @@ struct PagedAttentionJob {
   int window;  // keys a query sees, itself included; 0: all before it
   float scale;
   float softcap = 0.0f;  // > 0: a score s becomes softcap * tanh(s / softcap) (Gemma 2)
+  // [H] or null: each query head's sink, a logit in its softmax's sum with no value
+  // (gpt-oss): out = sum_i e^(s_i) v_i / (sum_i e^(s_i) + e^(sink)).
+  const float* sinks = nullptr;
 };
 
 // out = silu(gate) * up over [begin, end) elements.

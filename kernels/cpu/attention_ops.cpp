@@ -167,10 +167,13 @@ std::vector<mx::array> paged_attention_write(
     int window,
     float scale,
     bool pools_in_place,
-    float softcap) {
+    float softcap,
+    const std::optional<mx::array>& sinks) {
   require(q.ndim() == 3 && q.dtype() == mx::float32, "q must be [N, H, D] float32");
   require(softcap >= 0.0f && std::isfinite(softcap), "softcap must be a finite number >= 0");
   const int N = q.shape(0), H = q.shape(1), D = q.shape(2);
+  require(!sinks || (sinks->ndim() == 1 && sinks->shape(0) == H && sinks->dtype() == mx::float32),
+          "sinks must be [H] float32");
   require_pools_and_tables(keys, values, tables, token_row, token_pos, N, H, num_kv_heads, D,
                            block_size, window);
   const mx::Shape new_kv{N, num_kv_heads, D};
@@ -183,7 +186,8 @@ std::vector<mx::array> paged_attention_write(
       {mx::float32, mx::float32, mx::float32},
       std::make_shared<PagedAttention>(s, num_kv_heads, block_size, window, scale, pools_in_place,
                                        0, 1.0f, softcap),
-      {q, keys, values, tables, token_row, token_pos, k, v});
+      sinks ? std::vector<mx::array>{q, keys, values, tables, token_row, token_pos, k, v, *sinks}
+            : std::vector<mx::array>{q, keys, values, tables, token_row, token_pos, k, v});
 }
 
 std::vector<mx::array> paged_attention_rotary(
@@ -233,12 +237,13 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     const bool rotary = rotary_heads > 0;
     const int D = in[1].shape(1);
     const int H = rotary ? rotary_heads : in[0].shape(1);
-    std::vector<float> q_copy, k_copy, v_copy, freqs_copy;
+    std::vector<float> q_copy, k_copy, v_copy, freqs_copy, sinks_copy;
     std::vector<int32_t> tables_copy, row_copy, pos_copy;
+    const float* sinks = !rotary && in.size() > 8 ? row_major_data(in[8], sinks_copy) : nullptr;
     const AttentionStep step{row_major_data(tables, tables_copy), tables.shape(0), tables.shape(1),
                              row_major_data(in[4], row_copy), row_major_data(in[5], pos_copy),
                              in[4].shape(0), out[1].data<float>(), out[2].data<float>(),
-                             in[1].shape(0) / kv, kv, D, bs, window, scale, softcap};
+                             in[1].shape(0) / kv, kv, D, bs, window, scale, softcap, sinks};
     if (rotary) {
       attend_rotary(step, H, row_major_data(in[0], q_copy), row_major_data(in[6], freqs_copy),
                     in[6].shape(0), rope_scale, out[0].data<float>());
@@ -273,7 +278,7 @@ void attend(const AttentionStep& step, int H, const float* q, const float* k, in
   AttentionTask task{
       PagedAttentionJob{q, step.keys, step.values, step.tables, step.token_row, step.token_pos,
                         nullptr, nullptr, out, H, kv, D, step.num_slots, bs, step.table_width,
-                        window, step.scale, step.softcap},
+                        window, step.scale, step.softcap, step.sinks},
       kernels().attention};
   if (N == 0) {
     return;

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "mlx/allocator.h"
@@ -35,7 +36,8 @@ std::vector<mx::array> paged_attention_write(
     int window,
     float scale,
     bool pools_in_place = false,
-    float softcap = 0.0f);  // > 0: scores soft-capped, softcap * tanh(score / softcap)
+    float softcap = 0.0f,  // > 0: scores soft-capped, softcap * tanh(score / softcap)
+    const std::optional<mx::array>& sinks = std::nullopt);  // [H] float32: see PagedAttentionJob
 
 // The same from a stacked q/k/v projection: qkv [..., (H + 2 Hkv) * D] (N tokens; per
 // token H query heads, then Hkv key and Hkv value heads). q and k are rotated first
@@ -71,6 +73,7 @@ struct AttentionStep {
   int num_slots, Hkv, D, block_size, window;
   float scale;
   float softcap = 0.0f;  // see PagedAttentionJob
+  const float* sinks = nullptr;  // [H] or null: see PagedAttentionJob
 };
 // Writes each token's k, v (token n's Hkv heads at k + n * k_stride, v alike) into the
 // pools, then q [N, H, D] attends -> out [N, H, D]; a table that points outside the pool
@@ -160,7 +163,7 @@ uint64_t num_attention_calls();  // evaluations of paged_attention_write on the 
 uint64_t num_pool_copies();  // pools paged_attention_write had to copy (not donated), ever
 uint64_t num_gated_calls();  // evaluations of gated_activation(_halves) on the CPU, ever
 
-// Inputs q, keys, values, tables, token_row, token_pos, k, v; or, rotary (num_heads > 0),
+// Inputs q, keys, values, tables, token_row, token_pos, k, v[, sinks]; or, rotary (num_heads > 0),
 // qkv, keys, values, tables, token_row, token_pos, inv_freqs. Outputs out, keys', values'.
 class PagedAttention : public mx::Primitive {
  public:

@@ -55,10 +55,12 @@ NB_MODULE(_cpu_ext, m) {
   m.def("paged_attention_write", &cadence_cpu::paged_attention_write, "q"_a, "k"_a, "v"_a,
         "keys"_a, "values"_a, "tables"_a, "token_row"_a, "token_pos"_a, "num_kv_heads"_a,
         "block_size"_a, "window"_a, "scale"_a, "pools_in_place"_a = false, "softcap"_a = 0.0f,
+        "sinks"_a = nb::none(),
         "Write k, v [N, Hkv, D] into the pools, then attend: [out, keys, values]. "
         "pools_in_place: write into the pools' buffers even while something holds them "
         "(for pools only these ops use). softcap > 0: each score s becomes "
-        "softcap * tanh(s / softcap) (Gemma 2).");
+        "softcap * tanh(s / softcap) (Gemma 2). sinks [H] float32: each query head's "
+        "logit in its softmax's sum, with no value (gpt-oss).");
   m.def("paged_attention_rotary", &cadence_cpu::paged_attention_rotary, "qkv"_a, "keys"_a,
         "values"_a, "tables"_a, "token_row"_a, "token_pos"_a, "inv_freqs"_a, "num_heads"_a,
         "num_kv_heads"_a, "block_size"_a, "window"_a, "scale"_a, "rope_scale"_a,

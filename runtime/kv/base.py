@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import attrs
 import mlx.core as mx
 
-from kernels.paged_attention_mx import soft_capped_attention
+from kernels.paged_attention_mx import attention
 
 if TYPE_CHECKING:
     from kernels.fused_blocks import NormedLayers
@@ -55,12 +55,20 @@ class ForwardKV(Protocol):
         ...
 
     def attend(
-        self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float, softcap: float = 0.0
+        self,
+        layer: int,
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        scale: float,
+        softcap: float = 0.0,
+        sinks: mx.array | None = None,
     ) -> mx.array:
         """Store `k`, `v` and attend each query over its row's history up to its own position.
 
         q: [N, n_heads, head_dim]; k, v: [N, n_kv_heads, head_dim]. Returns [N, n_heads, head_dim].
         `softcap` > 0: each score s (scaled) becomes softcap * tanh(s / softcap), Gemma 2's.
+        `sinks` [n_heads]: each head's softmax sum takes e^(sink) too, with no value (gpt-oss's).
         """
         ...
 
@@ -117,7 +125,14 @@ class CausalNoCache:
         self.positions = mx.tile(mx.arange(length, dtype=mx.int32), batch)  # [B * T]
 
     def attend(
-        self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float, softcap: float = 0.0
+        self,
+        layer: int,
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        scale: float,
+        softcap: float = 0.0,
+        sinks: mx.array | None = None,
     ) -> mx.array:
         B, T = self.batch, self.length
 
@@ -129,12 +144,7 @@ class CausalNoCache:
         if window is not None and window < T:
             query, key = mx.arange(T)[:, None], mx.arange(T)[None, :]
             mask = (key <= query) & (key > query - window)  # [T, T]
-        if softcap:
-            out = soft_capped_attention(heads_first(q), heads_first(k), heads_first(v), scale, softcap, mask)
-        else:
-            out = mx.fast.scaled_dot_product_attention(
-                heads_first(q), heads_first(k), heads_first(v), scale=scale, mask=mask
-            )
+        out = attention(heads_first(q), heads_first(k), heads_first(v), scale, mask, softcap, sinks)
         return out.transpose(0, 2, 1, 3).reshape(B * T, *q.shape[1:])
 
     def attend_stacked(

@@ -175,12 +175,19 @@ class PagedForward:
         return self.step.positions
 
     def attend(
-        self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float, softcap: float = 0.0
+        self,
+        layer: int,
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        scale: float,
+        softcap: float = 0.0,
+        sinks: mx.array | None = None,
     ) -> mx.array:
         s = self._storage
         step = self.steps[s.layout.group_of_layer[layer]]
         return paged_attention(
-            (s.keys, s.values), layer, q, k, v, scale, step, self.path, POOLS_IN_PLACE, softcap
+            (s.keys, s.values), layer, q, k, v, scale, step, self.path, POOLS_IN_PLACE, softcap, sinks
         )
 
     def attend_stacked(

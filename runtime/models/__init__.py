@@ -16,6 +16,7 @@ from runtime.config import ModelConfig
 from runtime.models import (
     gemma2,
     gemma3,
+    gpt_oss,
     llama,
     ministral3,
     mistral,
@@ -41,6 +42,7 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen3": qwen3,
     "qwen3_moe": qwen3_moe,
     "mixtral": mixtral,
+    "gpt_oss": gpt_oss,
     "phi3": phi3,
     "gemma2": gemma2,
     "gemma3_text": gemma3,

@@ -1,4 +1,4 @@
-"""Routed experts (a sparse mixture of experts): the MLP of qwen3_moe, qwen2_moe and mixtral.
+"""Routed experts (a sparse mixture of experts): the MLP of qwen3_moe, qwen2_moe, mixtral and gpt_oss.
 
 A router scores each token against E experts; the token runs through its top k
 SwiGLU MLPs only and sums their outputs, weighted by the router's probabilities:
@@ -8,6 +8,9 @@ SwiGLU MLPs only and sums their outputs, weighted by the router's probabilities:
                                                 where the family normalises
     y = sum_j  w_j * down[e_j](silu(gate[e_j](x)) * up[e_j](x))
       [ + sigmoid(shared_expert_gate(x)) * shared_expert(x) ]   qwen2_moe's, every token
+
+gpt-oss adds a bias to the router and to each expert's projections, and clamps its
+SwiGLU (`clamped_swiglu`).
 
 Each projection's experts are stacked, [E, out, in] (mlx-lm's `switch_mlp` layout,
 the one mlx-community's quantized checkpoints store), and run as one op over the
@@ -46,6 +49,10 @@ class Experts:
     normalize: bool
     sparse_layers: tuple[bool, ...]  # per layer: routed experts, else the dense MLP
     shared_intermediate_size: int | None = None  # an expert every token runs (qwen2_moe)
+    biases: bool = False  # the router and every expert projection carry a bias (gpt-oss)
+    # gpt-oss's clamped SwiGLU (its `swiglu_limit`), else None for SiLU(gate) * up:
+    # (clip(up, -l, l) + 1) * g * sigmoid(1.702 g), g = min(gate, l).
+    swiglu_limit: float | None = None
 
     @classmethod
     def read(
@@ -58,6 +65,8 @@ class Experts:
         dense_layers: Sequence[int] = (),
         sparse_step: int = 1,
         shared_intermediate_size: int | None = None,
+        biases: bool = False,
+        swiglu_limit: float | None = None,
     ) -> Experts:
         """Checked settings; layer i is sparse unless listed dense or (i + 1) is not a
         multiple of `sparse_step` (transformers' qwen3_moe rule)."""
@@ -71,7 +80,14 @@ class Experts:
             i not in dense_layers and (i + 1) % sparse_step == 0 for i in range(num_layers)
         )
         return cls(
-            num_experts, top_k, intermediate_size, normalize, sparse, shared_intermediate_size
+            num_experts,
+            top_k,
+            intermediate_size,
+            normalize,
+            sparse,
+            shared_intermediate_size,
+            biases,
+            swiglu_limit,
         )
 
 
@@ -84,23 +100,34 @@ def feed_forward(config: ModelConfig, layer: int) -> nn.Module:
     return RoutedExperts(config.hidden_size, experts)
 
 
-class ExpertLinear(nn.Module):
-    """E stacked bias-free linear layers, weight [E, out, in]; each (row, expert) pair
-    multiplies its row by its expert's weight (kernels/expert_matmul.py)."""
+def with_expert_bias(module: nn.Module, y: mx.array, experts: mx.array) -> mx.array:
+    """y [R, k, out] plus each pair's expert's bias, where the layer has biases [E, out]."""
+    return y + module["bias"][experts] if "bias" in module else y
 
-    def __init__(self, num_inputs: int, num_outputs: int, num_experts: int):
+
+class ExpertLinear(nn.Module):
+    """E stacked linear layers, weight [E, out, in] (and bias [E, out] where the family
+    has them); each (row, expert) pair multiplies its row by its expert's weight
+    (kernels/expert_matmul.py)."""
+
+    def __init__(self, num_inputs: int, num_outputs: int, num_experts: int, bias: bool = False):
         super().__init__()
         self.weight = mx.zeros((num_experts, num_outputs, num_inputs))
+        if bias:
+            self.bias = mx.zeros((num_experts, num_outputs))
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
         """x [R, in], experts [R, k] -> [R, k, out]."""
-        return dense_expert_matmul(x, experts, self["weight"])
+        return with_expert_bias(self, dense_expert_matmul(x, experts, self["weight"]), experts)
 
     def to_quantized(
         self, group_size: int | None = None, bits: int | None = None, mode: str = "affine"
     ) -> nn.Module:
         """Called by `nn.quantize` (a layer stored packed, or `--cpu-quantize`)."""
-        return QuantizedExpertLinear(self["weight"], group_size, bits, mode)
+        quantized = QuantizedExpertLinear(self["weight"], group_size, bits, mode)
+        if "bias" in self:
+            quantized.bias = self["bias"]
+        return quantized
 
 
 class QuantizedExpertLinear(nn.Module):
@@ -120,7 +147,7 @@ class QuantizedExpertLinear(nn.Module):
         self.mode = mode
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
-        return quantized_expert_matmul(
+        y = quantized_expert_matmul(
             x,
             experts,
             self["weight"],
@@ -130,21 +157,35 @@ class QuantizedExpertLinear(nn.Module):
             self.bits,
             self.mode,
         )
+        return with_expert_bias(self, y, experts)
+
+
+def clamped_swiglu(gate: mx.array, up: mx.array, limit: float) -> mx.array:
+    """gpt-oss's gated activation: the gate clipped from above at `limit`, the linear
+    part clipped both ways and shifted by 1, and a sigmoid of 1.702 x for SiLU's."""
+    gate = mx.minimum(gate, limit)
+    return (mx.clip(up, -limit, limit) + 1.0) * (gate * mx.sigmoid(1.702 * gate))
 
 
 class ExpertMLPs(nn.Module):
     """E SwiGLU MLPs, their projections stacked (`switch_mlp` in the checkpoints)."""
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int):
+    def __init__(self, hidden: int, experts: Experts):
         super().__init__()
-        self.gate_proj = ExpertLinear(hidden, intermediate, num_experts)
-        self.up_proj = ExpertLinear(hidden, intermediate, num_experts)
-        self.down_proj = ExpertLinear(intermediate, hidden, num_experts)
+        intermediate, num_experts, bias = experts.intermediate_size, experts.num_experts, experts.biases
+        self.gate_proj = ExpertLinear(hidden, intermediate, num_experts, bias)
+        self.up_proj = ExpertLinear(hidden, intermediate, num_experts, bias)
+        self.down_proj = ExpertLinear(intermediate, hidden, num_experts, bias)
+        self.swiglu_limit = experts.swiglu_limit
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
         """x [N, hidden], experts [N, k] -> each pair's output [N, k, hidden]."""
         num_tokens, k = experts.shape
-        hidden = swiglu(self.gate_proj(x, experts), self.up_proj(x, experts))  # [N, k, I]
+        gate, up = self.gate_proj(x, experts), self.up_proj(x, experts)  # [N, k, I]
+        if self.swiglu_limit is None:
+            hidden = swiglu(gate, up)
+        else:
+            hidden = clamped_swiglu(gate, up, self.swiglu_limit)
         pairs = experts.reshape(num_tokens * k, 1)  # each pair's hidden row, its one expert
         return self.down_proj(hidden.reshape(num_tokens * k, -1), pairs).reshape(num_tokens, k, -1)
 
@@ -155,8 +196,8 @@ class RoutedExperts(nn.Module):
 
     def __init__(self, hidden: int, experts: Experts):
         super().__init__()
-        self.gate = nn.Linear(hidden, experts.num_experts, bias=False)
-        self.switch_mlp = ExpertMLPs(hidden, experts.intermediate_size, experts.num_experts)
+        self.gate = nn.Linear(hidden, experts.num_experts, bias=experts.biases)
+        self.switch_mlp = ExpertMLPs(hidden, experts)
         self.top_k = experts.top_k
         self.normalize = experts.normalize
         if experts.shared_intermediate_size is not None:

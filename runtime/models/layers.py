@@ -201,11 +201,14 @@ class Attention(nn.Module):
         qk_norm: Norm | None = None,
         query_scale: QueryScale | None = None,
         softcap: float = 0.0,
+        sinks: bool = False,
     ):
         super().__init__()
         self.layer = layer
         self.query_scale = query_scale
         self.softcap = softcap  # > 0: scores capped at softcap * tanh(s / softcap) (Gemma 2)
+        if sinks:  # a learned logit per head in each softmax's sum, with no value (gpt-oss)
+            self.sinks = mx.zeros((config.num_attention_heads,))
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = d = config.head_dim
@@ -227,7 +230,7 @@ class Attention(nn.Module):
         N = B * T  # the engine's ragged step is one flat batch: B = 1, T = N
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if "qkv_proj" in self:  # stacked at load on the CPU (runtime/cpu_weights.py)
-            if "q_norm" not in self and self.query_scale is None and not self.softcap:  # one op rotates, stores and attends
+            if not self.has_score_rules and "q_norm" not in self:  # one op rotates, stores and attends
                 out = kv.attend_stacked(self.layer, self.qkv_proj(x), self.rope, H, Hkv, self.scale)
                 return self.o_proj(kept_rows(out, keep))
             q, k, v = split_heads(self.qkv_proj(x), H, Hkv)
@@ -241,15 +244,21 @@ class Attention(nn.Module):
         k = self.rope(k, kv.positions)  # [N, Hkv, D]
         if self.query_scale is not None:
             q = q * self.query_scale(kv.positions).astype(q.dtype)[:, None, None]
-        out = kv.attend(self.layer, q, k, v, self.scale, self.softcap)  # [N, H, D]
+        out = kv.attend(self.layer, q, k, v, self.scale, self.softcap, self.get("sinks"))  # [N, H, D]
         return self.o_proj(kept_rows(out.reshape(B, T, -1), keep))
+
+    @property
+    def has_score_rules(self) -> bool:
+        """Whether queries are scaled by position, scores capped or sinks added: the
+        stacked and fused ops do none of these."""
+        return self.query_scale is not None or bool(self.softcap) or "sinks" in self
 
     def block_operands(self, norm: AnyRMSNorm, post_norm: AnyRMSNorm | None = None) -> NormedLayers | None:
         """x + [post_norm](self(norm(x))) as one op's operands (kernels/fused_blocks.py), or
         None where the weights do not allow it (see `normed_layers`)."""
         if "qkv_proj" not in self or (post_norm is not None and post_norm.eps != norm.eps):
             return None
-        if self.query_scale is not None or self.softcap:  # the fused op neither scales q by position nor caps
+        if self.has_score_rules:
             return None
         qk_norm = None
         if "q_norm" in self:  # per-head norms of one eps (the config's)

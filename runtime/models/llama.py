@@ -4,7 +4,7 @@
 
 The flags come from `ModelConfig`: q/k/v and o biases, per-head q/k RMSNorm,
 tied embeddings, head_dim, RoPE scaling (default, linear, llama3, YaRN; phi3's
-LongRoPE), ministral3's query temperature.
+LongRoPE), ministral3's query temperature, gpt-oss's attention sinks.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class DecoderLayer(nn.Module):
             o_bias=config.o_bias,
             qk_norm=RMSNorm if config.qk_norm else None,
             query_scale=None if temperature is None else AttentionTemperature(*temperature),
+            sinks=config.extra.get("attention_sinks", False),  # gpt-oss's
         )
         self.mlp = feed_forward(config, layer)  # dense, or routed experts (runtime/models/experts.py)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)

@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 
 from kernels import paged_attention as pa
 from kernels.cpu_extension import cpu_extension
-from kernels.paged_attention_mx import soft_capped_attention
+from kernels.paged_attention_mx import attention
 from tests.kernels.test_quantized_matmul import run_with_isa_cap
 
 IS_BUILT = importlib.util.find_spec("kernels._cpu_ext") is not None
@@ -19,9 +19,10 @@ needs_native = pytest.mark.skipif(not IS_BUILT, reason="the C++ kernels were not
 ATTENTION_PATHS = ["gather", "fast", pytest.param("native", marks=needs_native)]
 
 
-def reference_attention(q, k, v, scale, mask, softcap=0.0):
+def reference_attention(q, k, v, scale, mask, softcap=0.0, sinks=None):
     """Plain attention with K/V heads repeated: q [B, H, T, D]; k, v [B, Hkv, L, D];
-    scores soft-capped at softcap * tanh(s / softcap) where softcap > 0."""
+    scores soft-capped at softcap * tanh(s / softcap) where softcap > 0; sinks [H]: one
+    more score per head, in the softmax, whose weight multiplies no value."""
     repeat = q.shape[1] // k.shape[1]
     k, v = mx.repeat(k, repeat, axis=1), mx.repeat(v, repeat, axis=1)
     scores = (q * scale) @ k.swapaxes(-1, -2)
@@ -29,7 +30,11 @@ def reference_attention(q, k, v, scale, mask, softcap=0.0):
         scores = softcap * mx.tanh(scores / softcap)
     if mask is not None:
         scores = mx.where(mask, scores, -mx.inf)
-    return mx.softmax(scores, axis=-1, precise=True) @ v
+    if sinks is None:
+        return mx.softmax(scores, axis=-1, precise=True) @ v
+    column = mx.broadcast_to(sinks[:, None, None], (*scores.shape[:-1], 1))
+    probs = mx.softmax(mx.concatenate([scores, column], axis=-1), axis=-1, precise=True)
+    return probs[..., :-1] @ v
 
 BLOCK = 4
 
@@ -65,9 +70,9 @@ def make_step(
     return step, tables, keys, values, q, k, v
 
 
-def run(path, step, keys, values, q, k, v, softcap=0.0):
+def run(path, step, keys, values, q, k, v, softcap=0.0, sinks=None):
     pools = ([mx.array(keys)], [mx.array(values)])
-    out = pa.paged_attention(pools, 0, q, k, v, 0.25, step, path, softcap=softcap)
+    out = pa.paged_attention(pools, 0, q, k, v, 0.25, step, path, softcap=softcap, sinks=sinks)
     mx.eval(out, pools)
     return out, pools
 
@@ -120,6 +125,41 @@ def test_soft_capped_scores_match_gather_on_each_path(shape, head_dim, path):
     assert mx.allclose(out, gather, atol=1e-5, rtol=1e-5).item()
     plain, _ = run("gather", step, keys, values, q, k, v)
     assert not mx.allclose(plain, gather, atol=1e-2).item()
+
+
+def some_sinks(num_heads, seed=3):
+    """Sinks that matter beside scores of ~N(0, 1): from well below them to well above."""
+    return mx.array(np.random.default_rng(seed).uniform(-2.0, 3.0, num_heads).astype(np.float32))
+
+
+@pytest.mark.parametrize("path", ["fast", pytest.param("native", marks=needs_native)])
+@pytest.mark.parametrize("group", [2, 5])
+@pytest.mark.parametrize("head_dim", [16, 20])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_sinks_match_gather_on_each_path(shape, head_dim, group, path):
+    """gpt-oss's sinks: decode tokens (5 heads a KV head: four at a time, then one),
+    prefill tiles (2 heads a KV head: 8 lanes hold 4 tokens; 5 would leave too few lanes
+    for a tile), a head dim ending in scalars; each head its own sink."""
+    starts, num_new = SHAPES[shape]
+    step, _, keys, values, q, k, v = make_step(starts, num_new, 2, group, head_dim=head_dim)
+    sinks = some_sinks(2 * group)
+    out, _ = run(path, step, keys, values, q, k, v, sinks=sinks)
+    gather, _ = run("gather", step, keys, values, q, k, v, sinks=sinks)
+    assert mx.allclose(out, gather, atol=1e-5, rtol=1e-5).item()
+    plain, _ = run("gather", step, keys, values, q, k, v)
+    assert not mx.allclose(plain, gather, atol=1e-2).item()
+    # Each head reads its own sink: the heads' order matters.
+    swapped, _ = run(path, step, keys, values, q, k, v, sinks=sinks[::-1])
+    assert not mx.allclose(swapped, gather, atol=1e-3).item()
+
+
+@needs_native
+def test_the_native_op_refuses_sinks_that_are_not_one_per_query_head():
+    ext = cpu_extension()
+    step, _, keys, values, q, k, v = make_step([5], [1], 2, 4)
+    index = (step.tables, step.row_of_token, step.positions, 2, BLOCK, 0, 0.25)
+    with pytest.raises(ValueError, match="sinks must be"):
+        ext.paged_attention_write(q, k, v, keys, values, *index, sinks=mx.zeros((4,)))
 
 
 @needs_native
@@ -189,17 +229,26 @@ def test_soft_capped_attention_matches_capped_plain_attention(group, mask):
     k, v = (mx.random.normal((1, 4 // group, 7, 16), key=mx.random.key(i)) for i in (1, 2))
     causal = mx.arange(7)[None, :] <= mx.arange(3)[:, None] + 4
     want_mask = {None: None, "causal": causal, "window": causal & (mx.arange(7)[None, :] >= mx.arange(3)[:, None] + 2)}[mask]
-    got = soft_capped_attention(q, k, v, 0.25, 1.5, want_mask if mask == "window" else mask)
+    got = attention(q, k, v, 0.25, want_mask if mask == "window" else mask, 1.5)
     assert mx.allclose(got, reference_attention(q, k, v, 0.25, want_mask, 1.5), atol=1e-5).item()
+    assert not mx.allclose(got, reference_attention(q, k, v, 0.25, want_mask), atol=1e-2).item()
+    sinks = some_sinks(4)  # and with sinks beside the caps, or alone
+    got = attention(q, k, v, 0.25, want_mask if mask == "window" else mask, 1.5, sinks)
+    assert mx.allclose(got, reference_attention(q, k, v, 0.25, want_mask, 1.5, sinks), atol=1e-5).item()
+    got = attention(q, k, v, 0.25, want_mask if mask == "window" else mask, 0.0, sinks)
+    assert mx.allclose(got, reference_attention(q, k, v, 0.25, want_mask, 0.0, sinks), atol=1e-5).item()
     assert not mx.allclose(got, reference_attention(q, k, v, 0.25, want_mask), atol=1e-2).item()
 
 
-@pytest.mark.parametrize("softcap", [0.0, 1.5], ids=["plain", "soft-capped"])
+@pytest.mark.parametrize(
+    ("softcap", "with_sinks"), [(0.0, False), (1.5, False), (0.0, True)], ids=["plain", "soft-capped", "sinks"]
+)
 @pytest.mark.parametrize("group", [1, 4])
-def test_gather_matches_plain_attention_over_each_rows_history(group, softcap):
+def test_gather_matches_plain_attention_over_each_rows_history(group, softcap, with_sinks):
     starts, num_new = [9, 0, 22], [1, 13, 3]
     step, tables, keys, values, q, k, v = make_step(starts, num_new, 2, group)
-    out, _ = run("gather", step, keys, values, q, k, v, softcap)
+    sinks = some_sinks(2 * group) if with_sinks else None
+    out, _ = run("gather", step, keys, values, q, k, v, softcap, sinks)
     S, D = 64 * BLOCK, 16
     lo = 0
     for table, s, n in zip(tables, starts, num_new, strict=True):
@@ -211,7 +260,7 @@ def test_gather_matches_plain_attention_over_each_rows_history(group, softcap):
         for t in range(n):  # query t sees positions [0, s + t]
             want = reference_attention(
                 q[lo + t][None, :, None, :], row_k[:, :, : s + t + 1], row_v[:, :, : s + t + 1], 0.25, None,
-                softcap,
+                softcap, sinks,
             )
             assert mx.allclose(out[lo + t], want[0, :, 0], atol=1e-5).item()
         lo += n
@@ -322,7 +371,6 @@ def test_dispatch_counts_every_step_and_logs_each_outcome_once(monkeypatch):
 EVERY_SHAPE_SCRIPT = """
 import mlx.core as mx
 from kernels.cpu_extension import cpu_extension
-from kernels.paged_attention_mx import soft_capped_attention
 from tests.kernels.test_paged_attention import SHAPES, make_step, run
 for shape in SHAPES.values():
     for group, head_dim, block in ((1, 16, 4), (4, 16, 4), (7, 16, 4), (5, 20, 16), (2, 40, 16)):
@@ -330,6 +378,10 @@ for shape in SHAPES.values():
         native, _ = run("native", step, keys, values, q, k, v)
         gather, _ = run("gather", step, keys, values, q, k, v)
         assert mx.allclose(native, gather, atol=1e-5, rtol=1e-5).item(), (shape, group, head_dim)
+        sinks = mx.linspace(-2.0, 3.0, 2 * group)
+        native, _ = run("native", step, keys, values, q, k, v, sinks=sinks)
+        gather, _ = run("gather", step, keys, values, q, k, v, sinks=sinks)
+        assert mx.allclose(native, gather, atol=1e-5, rtol=1e-5).item(), ("sinks", shape, group)
 print(cpu_extension().attention_isa())
 """
 
@@ -338,7 +390,7 @@ print(cpu_extension().attention_isa())
 @pytest.mark.parametrize("cap", ["baseline", "avx2"])
 def test_every_instruction_set_of_the_native_kernel_matches_gather(cap):
     """Tiles hold 32 query heads with AVX-512 and 8 otherwise: both tilings, and the
-    token-by-token path, against the reference."""
+    token-by-token path, against the reference, with and without sinks."""
     assert run_with_isa_cap(EVERY_SHAPE_SCRIPT, cap) == cap
 
 
@@ -524,16 +576,19 @@ def test_paged_attention_writes_in_place_into_a_held_pool_when_it_owns_the_pools
     assert mx.array_equal(before, held[0][0]).item() and not mx.array_equal(before, keys).item()
 
 
-@pytest.mark.parametrize("softcap", [0.0, 1.5], ids=["plain", "soft-capped"])
-def test_a_chunk_large_enough_to_split_its_kv_heads_over_two_streams_matches_gather(softcap):
+@pytest.mark.parametrize(
+    ("softcap", "with_sinks"), [(0.0, False), (1.5, False), (0.0, True)], ids=["plain", "soft-capped", "sinks"]
+)
+def test_a_chunk_large_enough_to_split_its_kv_heads_over_two_streams_matches_gather(softcap, with_sinks):
     """2 KV heads x 2 queries each x 512 queries x 512 keys: 2^20 scores, the split's floor;
-    each half's scores capped where Gemma 2's are."""
+    each half's scores capped where Gemma 2's are, each half's heads their own sinks."""
     step, _, keys, values, q, k, v = make_step([0], [512], 2, 2, num_blocks=160)
     plan = step.fast
     assert [type(g).__name__ for g in plan.groups] == ["_CopyGroup"] and plan.groups[0].is_split
     q = q * 4
-    out, _ = run("fast", step, keys, values, q, k, v, softcap)
-    gather, _ = run("gather", step, keys, values, q, k, v, softcap)
+    sinks = mx.array([9.0, 0.0, -3.0, 6.0]) if with_sinks else None  # large: the early keys' weights
+    out, _ = run("fast", step, keys, values, q, k, v, softcap, sinks)
+    gather, _ = run("gather", step, keys, values, q, k, v, softcap, sinks)
     assert mx.allclose(out, gather, atol=1e-5, rtol=1e-5).item()
 
 

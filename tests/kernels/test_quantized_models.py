@@ -33,6 +33,8 @@ FAMILIES = {
     "qwen3_moe": dict(head_dim=32, num_layers=3, dense_layers=(1,)),
     "mixtral": dict(num_experts=6),
     "qwen2_moe": dict(),  # a shared expert beside the routed ones
+    # Attention sinks, biased clamped experts, a window of 8 on every other layer.
+    "gpt_oss": dict(num_layers=4, sliding_window=8),
     # Soft-capped scores and logits (mlx-lm runs no windows for it: the window is past the test's tokens).
     "gemma2": dict(head_dim=32, num_layers=4, num_kv_heads=1, sliding_window=4096),
     # Sliding-window layers (window 8) beside global ones, as tests/runtime/test_gemma3_paged.py.

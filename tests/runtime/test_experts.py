@@ -1,5 +1,5 @@
-"""Routed experts (runtime/models/experts.py) and the two families built on them,
-qwen3_moe and mixtral. Greedy and logit parity with mlx-lm through the engine and
+"""Routed experts (runtime/models/experts.py) and the families built on them (gpt-oss's
+own in tests/runtime/test_gpt_oss.py). Greedy and logit parity with mlx-lm through the engine and
 the quantized kernels is in tests/runtime/test_engine.py and
 tests/kernels/test_quantized_models.py (their family tables)."""
 
@@ -45,9 +45,14 @@ def expert_path(request, monkeypatch):
 
 
 def routed_experts(
-    top_k: int, normalize: bool, seed: int = 0, shared: int | None = None
+    top_k: int,
+    normalize: bool,
+    seed: int = 0,
+    shared: int | None = None,
+    biases: bool = False,
+    swiglu_limit: float | None = None,
 ) -> RoutedExperts:
-    experts = Experts(NUM_EXPERTS, top_k, INTERMEDIATE, normalize, (True,), shared)
+    experts = Experts(NUM_EXPERTS, top_k, INTERMEDIATE, normalize, (True,), shared, biases, swiglu_limit)
     layer = RoutedExperts(HIDDEN, experts)
     rng = np.random.default_rng(seed)
     layer.update(
@@ -69,16 +74,26 @@ def reference(layer: RoutedExperts, x: np.ndarray, weights=None) -> np.ndarray:
         name: np.array(getattr(mlp, name).weight) for name in ("gate_proj", "up_proj", "down_proj")
     }
     router = np.array(layer.gate.weight)
+    # gpt-oss's: biases on the router and on each expert's projections, a clamped SwiGLU.
+    limit = mlp.swiglu_limit
+    no_bias = {name: np.zeros((NUM_EXPERTS, 1)) for name in ("gate_proj", "up_proj", "down_proj")}
+    bias = {name: np.array(getattr(mlp, name).bias) for name in no_bias} if "bias" in mlp.gate_proj else no_bias
     out = np.zeros_like(x)
     for n, token in enumerate(x):
-        logits = router @ token
+        logits = router @ token + (np.array(layer.gate.bias) if "bias" in layer.gate else 0.0)
         p = np.exp(logits - logits.max())
         p /= p.sum()
         chosen = np.argsort(-p)[: layer.top_k]
         w = p[chosen] / (p[chosen].sum() if layer.normalize else 1.0)
         for e, weight in zip(chosen, w, strict=True):
-            gate, up = weights["gate_proj"][e] @ token, weights["up_proj"][e] @ token
-            out[n] += weight * (weights["down_proj"][e] @ (gate / (1 + np.exp(-gate)) * up))
+            gate = weights["gate_proj"][e] @ token + bias["gate_proj"][e]
+            up = weights["up_proj"][e] @ token + bias["up_proj"][e]
+            if limit is None:
+                hidden = gate / (1 + np.exp(-gate)) * up
+            else:
+                gate = np.minimum(gate, limit)
+                hidden = (np.clip(up, -limit, limit) + 1) * gate / (1 + np.exp(-1.702 * gate))
+            out[n] += weight * (weights["down_proj"][e] @ hidden + bias["down_proj"][e])
         if "shared_expert" in layer:  # qwen2_moe's: every token, gated by a sigmoid
             mlp, gate_weight = layer.shared_expert, np.array(layer.shared_expert_gate.weight)
             gate, up = np.array(mlp.gate_proj.weight) @ token, np.array(mlp.up_proj.weight) @ token
@@ -88,15 +103,18 @@ def reference(layer: RoutedExperts, x: np.ndarray, weights=None) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    ("normalize", "shared"),
-    [(True, None), (False, None), (False, 12)],
-    ids=["normalised", "raw-probabilities", "shared-expert"],
+    ("normalize", "shared", "gpt_oss"),
+    [(True, None, False), (False, None, False), (False, 12, False), (True, None, True)],
+    ids=["normalised", "raw-probabilities", "shared-expert", "gpt-oss"],
 )
 @pytest.mark.parametrize("num_tokens", [3, 40], ids=["unsorted", "sorted-by-expert"])
 def test_routed_experts_match_a_token_by_token_reference(
-    num_tokens, normalize, shared, expert_path
+    num_tokens, normalize, shared, gpt_oss, expert_path
 ):
-    layer = routed_experts(top_k=2, normalize=normalize, shared=shared)
+    """gpt-oss's clamp at 0.3 binds on some of these activations, not on all."""
+    layer = routed_experts(
+        top_k=2, normalize=normalize, shared=shared, biases=gpt_oss, swiglu_limit=0.3 if gpt_oss else None
+    )
     assert (num_tokens * 2 >= SORT_FROM_PAIRS) == (num_tokens == 40)  # mlx's sorted path too
     x = np.random.default_rng(1).standard_normal((num_tokens, HIDDEN)).astype(np.float32)
     got = np.array(layer(mx.array(x)[None]))[0]

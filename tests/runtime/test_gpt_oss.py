@@ -1,0 +1,161 @@
+"""gpt-oss against mlx-lm: its sinks, alternating windows, biased clamped experts and
+YaRN, on every attention path of the paged engine; and the three weight layouts
+(mlx-community's, OpenAI's MXFP4 release, transformers' float one) loading alike."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from runtime.checkpoint import load_model
+from runtime.errors import CheckpointError
+from runtime.synth import make_tiny_checkpoint, save_weights
+
+import attrs
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+from kernels import paged_attention
+from tests.kernels.test_paged_attention import ATTENTION_PATHS
+from tests.kernels.test_quantized_models import greedy, mlx_lm_greedy
+
+TOKENS = mx.array([list(range(5, 45))])  # 40 positions: several 8-key windows
+SHAPE = dict(num_layers=4, hidden_size=64, head_dim=32, num_heads=4, num_kv_heads=2, sliding_window=8, seed=4)
+# The releases' YaRN (factor 32 over 4,096 positions), scaled down so that the test's
+# positions run past the original context. The releases say `truncate: false`, which
+# mlx-lm ignores (it always rounds the ramp's bounds); cadence follows transformers
+# and OpenAI's reference there (tests/runtime/test_models.py checks that formula), so
+# parity with mlx-lm is checked with truncation on.
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": True,
+}
+
+
+def gpt_oss(tmp_path: Path, **fields) -> Path:
+    path = make_tiny_checkpoint(tmp_path, "gpt_oss", **SHAPE, rope_scaling=YARN, max_position_embeddings=64)
+    if fields:
+        raw = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**raw, **fields}))
+    return path
+
+
+def test_gpt_oss_logits_match_mlx_lm_and_sinks_and_windows_matter(tmp_path: Path):
+    path = gpt_oss(tmp_path)
+    ours = load_model(path)
+    assert ours.config.layer_windows == (8, None, 8, None)
+    assert ours.config.qkv_bias and ours.config.o_bias
+    want = mlx_lm.load(str(path))[0](TOKENS)
+    assert mx.allclose(ours.model(TOKENS), want, atol=1e-4).item()
+    assert want.std().item() > 1.0
+    attention = ours.model.model.layers[0].self_attn
+    attention.sinks = mx.full(attention.sinks.shape, -1e9)  # one layer's sinks off
+    assert not mx.allclose(ours.model(TOKENS), want, atol=1e-2).item()
+    ours = load_model(path)
+    ours.model.config = attrs.evolve(ours.config, layer_windows=())
+    assert not mx.allclose(ours.model(TOKENS), want, atol=1e-2).item()
+    untruncated = load_model(gpt_oss(tmp_path / "release", rope_scaling={**YARN, "truncate": False}))
+    assert untruncated.config.rope_scaling["truncate"] is False
+    assert not mx.allclose(untruncated.model(TOKENS), want, atol=1e-3).item()
+
+
+def test_the_clamp_and_the_biases_of_the_experts_are_run(tmp_path: Path):
+    """A swiglu_limit that clamps the tiny model's activations, and experts without
+    their biases, each change the logits (and mlx-lm's clamp is not configurable)."""
+    path = gpt_oss(tmp_path)
+    want = load_model(path).model(TOKENS)
+    clamped = load_model(gpt_oss(tmp_path / "clamped", swiglu_limit=0.1))
+    assert clamped.config.extra["experts"].swiglu_limit == 0.1
+    assert not mx.allclose(clamped.model(TOKENS), want, atol=1e-2).item()
+    ours = load_model(path)
+    experts = ours.model.model.layers[1].mlp.switch_mlp
+    experts.down_proj.bias = mx.zeros_like(experts.down_proj.bias)
+    assert not mx.allclose(ours.model(TOKENS), want, atol=1e-2).item()
+
+
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
+def test_sinks_keep_greedy_parity_on_every_attention_path(tmp_path: Path, monkeypatch, path):
+    monkeypatch.setenv("CADENCE_PAGED_ATTENTION", path)
+    checkpoint = gpt_oss(tmp_path)
+    prompt = TOKENS[0, :30].tolist()
+    before = paged_attention.dispatch_counts[path]
+    tokens = greedy(load_model(checkpoint), prompt, 24)
+    assert tokens == mlx_lm_greedy(checkpoint, prompt, 24)
+    assert len(set(tokens)) > 4
+    assert paged_attention.dispatch_counts[path] > before  # no silent fallback
+
+
+def openai_layout(weights: dict[str, mx.array], float_experts: bool) -> dict[str, mx.array]:
+    """mlx-community's stacked experts as OpenAI released them (MXFP4 blocks of 32
+    weights in 16 bytes, with uint8 scales) or as transformers holds them in float
+    ([E, in, out]); gate and up interleaved row by row in one `gate_up_proj`."""
+    out = {}
+    for name, w in weights.items():
+        block, is_expert, rest = name.partition(".mlp.experts.")
+        if not is_expert:
+            out[name] = w
+            continue
+        projection, _, suffix = rest.partition(".")
+        if projection == "up_proj":
+            continue  # with gate_proj
+        stored = "gate_up_proj" if projection == "gate_proj" else "down_proj"
+        parts = [w] if projection == "down_proj" else [w, weights[name.replace("gate_proj", "up_proj")]]
+        if suffix == "bias":
+            out[f"{block}.mlp.experts.{stored}_bias"] = mx.stack(parts, axis=-1).reshape(w.shape[0], -1)
+            continue
+        if float_experts:
+            joined = mx.stack(parts, axis=2).reshape(w.shape[0], -1, w.shape[-1])  # rows interleaved
+            out[f"{block}.mlp.experts.{stored}"] = joined.swapaxes(1, 2)
+            continue
+        packed = [mx.quantize(p, group_size=32, bits=4, mode="mxfp4") for p in parts]
+        words = mx.stack([q for q, _ in packed], axis=2).reshape(w.shape[0], -1, w.shape[-1] // 8)
+        scales = mx.stack([s for _, s in packed], axis=2).reshape(w.shape[0], -1, w.shape[-1] // 32)
+        out[f"{block}.mlp.experts.{stored}_blocks"] = mx.view(words, mx.uint8).reshape(*scales.shape, 16)
+        out[f"{block}.mlp.experts.{stored}_scales"] = scales
+    return out
+
+
+def relayout(source: Path, into: Path, float_experts: bool) -> Path:
+    into.mkdir()
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (into / name).write_bytes((source / name).read_bytes())
+    weights = openai_layout(mx.load(str(source / "model.safetensors")), float_experts)
+    save_weights(into, weights)
+    if not float_experts:
+        raw = json.loads((into / "config.json").read_text())
+        raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
+        (into / "config.json").write_text(json.dumps(raw))
+    return into
+
+
+def test_openais_mxfp4_release_layout_loads_as_mlx_lm_reads_it(tmp_path: Path):
+    path = relayout(gpt_oss(tmp_path / "source"), tmp_path / "openai", float_experts=False)
+    ours = load_model(path, keep_dtype=True)
+    experts = ours.model.model.layers[0].mlp.switch_mlp.gate_proj
+    assert (experts.mode, experts.bits, experts.group_size) == ("mxfp4", 4, 32)
+    assert ours.config.foreign_quantization is None
+    reference = mlx_lm.load(str(path))[0]
+    assert mx.allclose(ours.model(TOKENS), reference(TOKENS), atol=1e-4).item()
+    prompt = TOKENS[0, :20].tolist()
+    assert greedy(load_model(path), prompt, 16) == mlx_lm_greedy(path, prompt, 16)
+
+
+def test_transformers_float_layout_loads_as_the_stacked_one(tmp_path: Path):
+    source = gpt_oss(tmp_path / "source")
+    path = relayout(source, tmp_path / "transformers", float_experts=True)
+    stacked = load_model(source).model(TOKENS)
+    assert mx.array_equal(load_model(path).model(TOKENS), stacked).item()
+
+
+def test_an_experts_tensor_of_another_layout_is_named(tmp_path: Path):
+    source = gpt_oss(tmp_path / "source")
+    weights = mx.load(str(source / "model.safetensors"))
+    weights["model.layers.0.mlp.experts.gate_up_proj"] = mx.zeros((4, 64))  # 2-D
+    save_weights(source, weights)
+    with pytest.raises(CheckpointError, match="'gate_up_proj' should be \\[E, in, out\\]"):
+        load_model(source)
