@@ -18,6 +18,7 @@ from runtime.grammar import (
     GrammarSpec,
     shapes_content_only,
 )
+from runtime.harmony import HARMONY_HEADER
 from runtime.sequence import SequenceParams, check_sequence
 from runtime.tokenizer import Tokenizer
 from runtime.tool_prompts import chat_for_template, template_knows_tools, tool_call_grammar
@@ -113,7 +114,7 @@ class Admission:
                 admit.request.stop,
                 num_prompt_tokens,
                 admit.arrived_at,
-                keep_special_tokens=self.writes_calls_in_control_tokens(admit.request),
+                keep_special_tokens=self.keeps_control_tokens(admit.request),
             )
         )
         await self.to_scheduler.send(Submit(admit.request_id, params))
@@ -124,9 +125,12 @@ class Admission:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             await self.to_scheduler.send(Abort(admit.request_id, "cancelled"))
 
-    def writes_calls_in_control_tokens(self, request: GenerateRequest) -> bool:
-        """Mistral's models call tools in control tokens, which decoding drops: a request
-        that offers tools keeps them in its text, for the parser (as vLLM does)."""
+    def keeps_control_tokens(self, request: GenerateRequest) -> bool:
+        """Whether the request's text keeps the control tokens decoding drops, for the
+        parser (as vLLM does): Mistral's models call tools in them (kept where tools
+        are offered), and gpt-oss marks every message of its chat replies with them."""
+        if self.tool_style == "harmony":
+            return request.messages is not None
         return self.tool_style == "mistral" and bool(request.tools) and request.tool_choice != "none"
 
     def grammar_spec(self, request: GenerateRequest) -> GrammarSpec | None:
@@ -136,7 +140,9 @@ class Admission:
         vLLM's guided fields hold the whole reply, so no call can start beside them).
 
         Not in Llama 3's format: its calls are bare JSON objects, which the parser
-        would read an answer starting with a "name" key as; there the answer alone."""
+        would read an answer starting with a "name" key as; there the answer alone. Nor
+        in harmony's, whose answer would need a final channel's header; an answer with
+        no header is content to its parser (runtime/harmony.py), so there too."""
         if request.tool_choice in ("required", "function"):
             return tool_call_grammar(
                 self.tool_style, request.tools, request.tool_name, control_tokens=self.control_tokens()
@@ -148,7 +154,7 @@ class Admission:
             and answer is not None
             and shapes_content_only(answer)
             and answer.kind in JSON_KINDS
-            and self.tool_style != "llama3_json"
+            and self.tool_style not in ("llama3_json", "harmony")
         ):
             return tool_call_grammar(
                 self.tool_style, request.tools, None, answer, control_tokens=self.control_tokens()
@@ -156,8 +162,10 @@ class Admission:
         return answer
 
     def control_tokens(self) -> dict[str, int]:
-        """Mistral's call markers that this tokenizer holds as control tokens, by spelling."""
-        spelled = {marker: self.tokenizer.special_token_id(marker) for marker in (TOOL_CALLS, ARGS)}
+        """The call markers (Mistral's, or harmony's header markers) that this tokenizer
+        holds as control tokens, by spelling: a forced call's grammar writes them so."""
+        markers = HARMONY_HEADER if self.tool_style == "harmony" else (TOOL_CALLS, ARGS)
+        spelled = {marker: self.tokenizer.special_token_id(marker) for marker in markers}
         return {marker: token_id for marker, token_id in spelled.items() if token_id is not None}
 
     async def _compile(self, spec: GrammarSpec) -> CompiledGrammar:

@@ -1,7 +1,7 @@
 """Chat messages as the template sees them: one rule for HTTP and the embedding API.
 
 A message is checked and rebuilt from the keys cadence knows (`role`, `content`, a
-tool turn's `tool_call_id` and `name`, an assistant turn's `tool_calls`); any other
+tool turn's `tool_call_id` and `name`, an assistant turn's `tool_calls` and reasoning); any other
 key is dropped, as OpenAI's SDK replays an assistant message with `refusal`,
 `annotations` and `audio` set to null. Bad values raise RequestError naming the key.
 """
@@ -54,7 +54,22 @@ def _message(message: Any, index: int) -> dict[str, Any]:
         raise RequestError(
             f"{where}.content must be a string or a list of text parts", param=f"{where}.content"
         )
-    return {"role": role, "content": content, **_tool_keys(message, where)}
+    return {"role": role, "content": content, **_tool_keys(message, where), **_reasoning(message, where)}
+
+
+def _reasoning(message: dict[str, Any], where: str) -> dict[str, str]:
+    """An assistant turn's reasoning as replied (`reasoning`, or `reasoning_content`),
+    under the names templates read it by: `reasoning_content` (Qwen3's) and `thinking`
+    (gpt-oss's, which drops it from turns before the last)."""
+    given = []
+    for name in ("reasoning", "reasoning_content"):
+        if (text := message.get(name)) is None:
+            continue
+        if not isinstance(text, str) or message.get("role") != "assistant":
+            raise RequestError(f"{where}.{name} must be a string on an assistant message", param=f"{where}.{name}")
+        given.append(text)
+    text = next((text for text in given if text), "")
+    return {"reasoning_content": text, "thinking": text} if text else {}
 
 
 def _part_text(part: Any, kinds: dict[str, str], where: str) -> str:

@@ -249,11 +249,10 @@ async def _complete(state: ServerState, api: ApiRequest) -> Response:
         api.include_usage,
         has_logprobs=api.request.sampling.logprobs is not None,
     )
-    tools = (
-        ToolCallDeltas(llm.tool_style, api.parallel_tool_calls, api.is_stream)
-        if api.parses_tools
-        else None
-    )
+    tools = None
+    if api.parses_tools or (api.kind == "chat" and llm.tool_style == "harmony"):
+        # A harmony reply is parsed for its reasoning whether tools were offered or not.
+        tools = ToolCallDeltas(llm.tool_style, api.parallel_tool_calls, api.is_stream, api.parses_tools)
     if api.is_stream:
         response = Response(
             _ChoicesStream(generations, writer, tools, api.n), mimetype="text/event-stream"
@@ -334,6 +333,8 @@ async def _sse_events(
                 raise event
             if tools is not None:
                 event = tools.convert(index, event)
+            if event.reasoning:
+                yield writer.reasoning(event.reasoning, index)
             if event.text or event.logprobs:
                 yield writer.text(event.text, event.logprobs, index)
             if event.tool_calls:
@@ -354,6 +355,7 @@ async def _collect(
     generations: Sequence[Generation], writer: ChunkWriter, tools: ToolCallDeltas | None, n: int
 ) -> Response:
     texts: list[list[str]] = [[] for _ in generations]
+    reasonings: list[list[str]] = [[] for _ in generations]
     logprobs: list[list[LogprobEntry]] = [[] for _ in generations]
     calls: list[list[dict[str, Any]]] = [[] for _ in generations]
     finished: dict[int, tuple[str, Usage]] = {}
@@ -367,6 +369,7 @@ async def _collect(
                 event = tools.convert(index, event)
                 calls[index] += event.tool_calls
             texts[index].append(event.text)
+            reasonings[index].append(event.reasoning)
             logprobs[index] += event.logprobs
             if event.finish_reason is not None:
                 assert event.usage is not None
@@ -374,7 +377,10 @@ async def _collect(
     if failure is not None:  # raised out here: inside, the nursery would wrap it in a group
         raise ApiError.from_error(failure)
     choices = [
-        with_tool_calls(writer.choice("".join(texts[i]), finished[i][0], logprobs[i], i), calls[i])
+        with_tool_calls(
+            writer.choice("".join(texts[i]), finished[i][0], logprobs[i], i, "".join(reasonings[i])),
+            calls[i],
+        )
         for i in range(len(generations))
     ]
     usage = combined_usage([finished[i][1] for i in range(len(generations))], n)

@@ -151,6 +151,8 @@ def parse_chat(body: dict[str, Any], *, max_n: int = DEFAULT_MAX_N) -> ApiReques
     messages = _field(body, "messages", list, required=True)
     # check_request holds the allowlists of keys (messages', the template's) and their types.
     template_kwargs = _field(body, "chat_template_kwargs", dict) or {}
+    if (effort := body.get("reasoning_effort")) is not None:  # the template's variable
+        template_kwargs = {"reasoning_effort": effort, **template_kwargs}
     return _parse_common(
         body,
         "chat",
@@ -409,11 +411,12 @@ _COMMON_FIELDS = frozenset(
 UNSUPPORTED_CHAT_FIELDS = {
     "audio": "this server writes text only",
     "prediction": "predicted outputs are not implemented",
-    "reasoning_effort": "a template's thinking switch, if any, is in 'chat_template_kwargs'",
     "verbosity": "bound a reply's length with 'max_tokens'",
     "web_search_options": "this server does not search the web",
 }
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "modalities", *UNSUPPORTED_CHAT_FIELDS}
+_CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages", "top_logprobs", "modalities", "reasoning_effort", *UNSUPPORTED_CHAT_FIELDS
+}
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 
 _TYPE_NAMES = {

@@ -113,6 +113,13 @@ class ChunkWriter:
     def finish(self, finish_reason: str, index: int = 0) -> bytes:
         return self._chunk([self._choice(None, finish_reason, index=index)])
 
+    def reasoning(self, text: str, index: int = 0) -> bytes:
+        """A chat chunk of reasoning (gpt-oss's analysis channel), under both names
+        clients read it by: `reasoning` (vLLM's, as OpenAI advises for gpt-oss) and
+        `reasoning_content` (DeepSeek's, which many clients still expect)."""
+        choice = {"index": index, "delta": reasoning_fields(text), "logprobs": None}
+        return self._chunk([{**choice, "finish_reason": None}])
+
     def tool_calls(self, calls: Sequence[dict[str, Any]], index: int = 0) -> bytes:
         """A chat chunk of OpenAI `tool_calls` delta items (actors/openai_tools.py)."""
         choice = {"index": index, "delta": {"tool_calls": list(calls)}, "logprobs": None}
@@ -127,12 +134,14 @@ class ChunkWriter:
         finish_reason: str,
         logprobs: Sequence[LogprobEntry] = (),
         index: int = 0,
+        reasoning: str = "",
     ) -> dict[str, Any]:
         """One choice of the non-streaming response."""
         if self.kind == "chat":
+            message = {"role": "assistant", "content": text}
             return {
                 "index": index,
-                "message": {"role": "assistant", "content": text},
+                "message": message | reasoning_fields(reasoning) if reasoning else message,
                 "logprobs": self._logprobs(logprobs, index),
                 "finish_reason": finish_reason,
             }
@@ -154,6 +163,10 @@ class ChunkWriter:
             "choices": list(choices),
             "usage": usage_json(usage),
         }
+
+
+def reasoning_fields(text: str) -> dict[str, str]:
+    return {"reasoning": text, "reasoning_content": text}
 
 
 def _chat_logprob(entry: LogprobEntry) -> dict[str, Any]:

@@ -9,6 +9,8 @@ RequestError naming the field (a 400 over HTTP).
 
 Tool calls leave as OpenAI's `tool_calls`: streamed, a call's first delta carries its
 `id`, `type` and `name` with empty arguments, and the next ones the argument text.
+A harmony model's (gpt-oss's) replies are parsed on every chat request, tools or not,
+for their reasoning, which leaves apart from the content (`Delta.reasoning`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ from typing import Any
 
 from runtime.errors import RequestError
 from runtime.grammar import GrammarSpec
-from runtime.tools import CallArguments, CallCutShort, CallStart, Content, Event, parser_for
+from runtime.tools import (
+    CallArguments,
+    CallCutShort,
+    CallStart,
+    Content,
+    Event,
+    Reasoning,
+    parser_for,
+)
 
 import attrs
 
@@ -243,7 +253,9 @@ class ToolCallStream:
     style: str
     is_parallel: bool = True  # False: calls after the first are dropped
     is_streamed: bool = True
+    parses_calls: bool = True  # False: harmony's reasoning split alone (no tools offered)
     parser: Any = None
+    reasoning: str = ""  # harmony's: reasoning text since `take_reasoning` last ran
     ids: list[str] = attrs.Factory(list)
     blank: str = ""  # trailing whitespace held back
     blank_before_call: str = ""  # ... and dropped before the last call began
@@ -251,7 +263,11 @@ class ToolCallStream:
     is_cut_short: bool = False  # a streamed call the reply ended inside of
 
     def __attrs_post_init__(self) -> None:
-        self.parser = parser_for(self.style)
+        self.parser = parser_for(self.style, self.parses_calls)
+
+    def take_reasoning(self) -> str:
+        text, self.reasoning = self.reasoning, ""
+        return text
 
     @property
     def has_calls(self) -> bool:
@@ -281,6 +297,8 @@ class ToolCallStream:
             match event:
                 case Content(text):
                     content += self._content(text)
+                case Reasoning(text):
+                    self.reasoning += text
                 case CallStart(index, _) | CallArguments(index, _) | CallCutShort(index, _) if (
                     index > 0 and not self.is_parallel
                 ):
@@ -354,19 +372,23 @@ class ToolCallDeltas:
     style: str
     is_parallel: bool = True  # parallel_tool_calls
     is_streamed: bool = True  # False: the deltas make a whole response
+    parses_calls: bool = True  # False: harmony's reasoning split alone (no tools offered)
     streams: dict[int, ToolCallStream] = attrs.Factory(dict)  # by choice index
 
     def convert(self, index: int, delta: Delta) -> Delta:
         stream = self.streams.setdefault(
-            index, ToolCallStream(self.style, self.is_parallel, self.is_streamed)
+            index, ToolCallStream(self.style, self.is_parallel, self.is_streamed, self.parses_calls)
         )
         content, calls = stream.feed(delta.text)
         if delta.finish_reason is None:
-            return attrs.evolve(delta, text=content, tool_calls=tuple(calls))
+            return attrs.evolve(
+                delta, text=content, reasoning=stream.take_reasoning(), tool_calls=tuple(calls)
+            )
         rest, more = stream.finish()
         return attrs.evolve(
             delta,
             text=content + rest,
+            reasoning=stream.take_reasoning(),
             tool_calls=tuple(calls + more),
             finish_reason=stream.finish_reason(delta.finish_reason),
         )

@@ -28,6 +28,7 @@ from actors.requests import (
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
     MIN_SEED,
+    REASONING_EFFORTS,
 )
 
 _REF = "#/components/schemas/"
@@ -212,6 +213,12 @@ _SCHEMAS: dict[str, Any] = {
             "modalities": _or_null(
                 {"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}
             ),
+            "reasoning_effort": _or_null(
+                {
+                    "enum": list(REASONING_EFFORTS),
+                    "description": "the chat template's `reasoning_effort` (gpt-oss's reasoning level)",
+                }
+            ),
             **{
                 name: {"type": "null", "description": f"not supported: {why}"}
                 for name, why in UNSUPPORTED_CHAT_FIELDS.items()
@@ -224,6 +231,7 @@ _SCHEMAS: dict[str, Any] = {
                     "properties": {
                         "enable_thinking": {"type": "boolean"},
                         "thinking": {"type": "boolean"},
+                        "reasoning_effort": {"enum": list(REASONING_EFFORTS)},
                     },
                 }
             ),
@@ -248,12 +256,17 @@ _SCHEMAS: dict[str, Any] = {
                 ]
             },
             **TOOL_MESSAGE_FIELDS,
+            # An assistant turn's reasoning as replied, under either name.
+            "reasoning": _or_null({"type": "string"}),
+            "reasoning_content": _or_null({"type": "string"}),
         },
-        # Refusal parts on an assistant turn only.
+        # Refusal parts and reasoning on an assistant turn only.
         "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
         "then": {
             "properties": {
                 "content": {"not": {"type": "array", "contains": _REFUSAL_PART}},
+                "reasoning": {"type": "null"},
+                "reasoning_content": {"type": "null"},
             }
         },
     },
@@ -319,6 +332,8 @@ _SCHEMAS: dict[str, Any] = {
                 "role": {"const": "assistant"},
                 "content": {"type": ["string", "null"], "description": "null: only tool calls"},
                 "tool_calls": TOOL_CALLS_REPLY,
+                "reasoning": {"type": "string", "description": "a harmony model's (gpt-oss's) reasoning"},
+                "reasoning_content": {"type": "string", "description": "the same, under DeepSeek's name"},
             },
         },
     ),

@@ -22,9 +22,11 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (chat) and logprobs (com
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 MAX_TOP_K = 2**31 - 1  # the engine's top-k array is int32
 # The chat template switches a client may set, and their types: `enable_thinking`
-# (Qwen3, GLM-4.5) and `thinking` (DeepSeek-V3.1, Hermes 4). Any variable beyond these
+# (Qwen3, GLM-4.5), `thinking` (DeepSeek-V3.1, Hermes 4) and `reasoning_effort`
+# (gpt-oss; OpenAI's request field of that name lands here). Any variable beyond these
 # could steer a template in ways nobody reviewed, so the rest are refused.
-CHAT_TEMPLATE_KWARGS: dict[str, type] = {"enable_thinking": bool, "thinking": bool}
+CHAT_TEMPLATE_KWARGS: dict[str, type] = {"enable_thinking": bool, "thinking": bool, "reasoning_effort": str}
+REASONING_EFFORTS = ("low", "medium", "high")  # the levels gpt-oss was trained on
 
 
 class OverloadedError(CadenceError):
@@ -113,6 +115,8 @@ class Delta:
     # OpenAI `tool_calls` delta items parsed out of the text (actors/openai_tools.py):
     # a call's first carries id, type and name, the next ones argument text.
     tool_calls: tuple[dict[str, Any], ...] = ()
+    # Reasoning parsed out of the text (gpt-oss's analysis channel), apart from the answer.
+    reasoning: str = ""
 
 
 def check_request(request: GenerateRequest) -> GenerateRequest:
@@ -169,6 +173,8 @@ def check_chat_template_kwargs(request: GenerateRequest) -> None:
             raise RequestError(f"'{param}' is not supported (only {allowed})", param=param)
         if type(value) is not wanted:
             raise RequestError(f"'{param}' must be a {wanted.__name__}", param=param)
+        if name == "reasoning_effort" and value not in REASONING_EFFORTS:
+            raise RequestError(f"'{param}' must be one of {', '.join(REASONING_EFFORTS)}", param=param)
 
 
 # (field, lowest, highest, lowest is allowed)

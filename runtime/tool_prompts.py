@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from runtime.grammar import JSON_OPTIONS, GrammarSpec, answer_json_schema
+from runtime.harmony import CALL, CHANNEL, CONSTRAIN, MESSAGE
 from runtime.tools import ARGS, TOOL_CALLS, TOOL_STYLES
 
 # Arguments stay JSON objects in forced calls, whatever a tool's own schema omits.
@@ -29,6 +30,8 @@ def tool_style_for(template_source: str, model_type: str) -> str:
     """One of TOOL_STYLES for a model with this chat template and config `model_type`."""
     if TOOL_CALLS in template_source:
         return "mistral"
+    if CHANNEL in template_source and MESSAGE in template_source:
+        return "harmony"
     if "<tool_call>" in template_source:
         return "hermes"
     if "<|python_tag|>" in template_source or "ipython" in template_source:
@@ -54,18 +57,28 @@ def tool_call_grammar(
 
     `answer`, a JSON grammar (`response_format`), is the other choice: the reply is one
     call or that answer, as OpenAI's `tool_choice: auto` beside a `response_format`.
-    `control_tokens` (spelling -> id): Mistral's markers that are the tokenizer's own
-    control tokens, written as those tokens (the model's own way), not spelled out."""
+    `control_tokens` (spelling -> id): Mistral's or harmony's markers that are the
+    tokenizer's own control tokens, written as those tokens (the model's own way), not
+    spelled out."""
     assert style in TOOL_STYLES
     functions = [tool["function"] for tool in tools]
     if forced_name is not None:
         functions = [f for f in functions if f["name"] == forced_name]
+
+    def marker(text: str) -> str:
+        token_id = (control_tokens or {}).get(text)
+        return json.dumps(text) if token_id is None else f"<[{token_id}]>"
+
+    if style == "harmony":  # <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}
+        rules = [
+            f'call_{i}: {json.dumps(f["name"] + " ")} {marker(CONSTRAIN)} "json" {marker(MESSAGE)} %json '
+            + json.dumps({**_own_resource(_parameters(f), i), "x-guidance": JSON_OPTIONS})
+            for i, f in enumerate(functions)
+        ]
+        choice = " | ".join(f"call_{i}" for i in range(len(rules)))
+        lark = f'tool_call: {marker(CHANNEL)} "commentary to=functions." call\ncall: {choice}\n' + "\n".join(rules)
+        return _with_answer(lark, answer)
     if style == "mistral":  # [TOOL_CALLS]name[ARGS]arguments
-
-        def marker(text: str) -> str:
-            token_id = (control_tokens or {}).get(text)
-            return json.dumps(text) if token_id is None else f"<[{token_id}]>"
-
         rules = [
             f"call_{i}: {json.dumps(f['name'])} {marker(ARGS)} %json "
             + json.dumps({**_own_resource(_parameters(f), i), "x-guidance": JSON_OPTIONS})
@@ -193,6 +206,9 @@ def _call_text(function: Mapping[str, Any], style: str) -> str:
     call = {"name": function["name"], "arguments": arguments}
     if style == "mistral":
         return f"{TOOL_CALLS}{function['name']}{ARGS}{json.dumps(arguments)}"
+    if style == "harmony":
+        header = f"{CHANNEL}commentary to=functions.{function['name']} {CONSTRAIN}json{MESSAGE}"
+        return f"{header}{json.dumps(arguments)}{CALL}"
     if style == "hermes":
         return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
     return json.dumps({"name": function["name"], "parameters": arguments})
@@ -213,6 +229,8 @@ def _tools_preamble(tools: Sequence[Mapping[str, Any]], style: str) -> str:
         )
     elif style == "mistral":
         how = f"To call a function, reply with {TOOL_CALLS}<function-name>{ARGS}<args-json-object>"
+    elif style == "harmony":
+        how = "To call a function, send its JSON arguments on the commentary channel to=functions.<function-name>."
     else:
         how = 'To call a function, reply with only {"name": <function-name>, "parameters": <args>}.'
     return f"You have access to the following functions:\n{listed}\n\n{how}"

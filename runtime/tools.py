@@ -15,6 +15,8 @@ The formats, as the families' chat templates teach them:
   mistral      Mistral Small 3.2, Devstral, Magistral, Ministral 3: `[TOOL_CALLS]name[ARGS]{...}`
                a call, one after another; Mistral 7B v0.3, Nemo, Small 3.1:
                `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`. Text may come first.
+  harmony      gpt-oss: messages on channels, a call addressed `to=functions.NAME`; its
+               parser also tells reasoning from the answer (runtime/harmony.py).
 
 Feeding the text in any split yields the same calls with the same argument text, so
 streamed deltas reassemble to the whole response: parsing state is the text, never
@@ -29,12 +31,16 @@ from __future__ import annotations
 import ast
 import json
 import re
+from typing import TYPE_CHECKING, TypeAlias
 
 from runtime.json_ends import ValueEnd
 
 import attrs
 
-TOOL_STYLES = ("hermes", "llama3_json", "gemma", "mistral")
+if TYPE_CHECKING:
+    from runtime.harmony import HarmonyParser
+
+TOOL_STYLES = ("hermes", "llama3_json", "gemma", "mistral", "harmony")
 
 
 @attrs.frozen
@@ -64,7 +70,14 @@ class CallCutShort:
     text: str
 
 
-Event = Content | CallStart | CallArguments | CallCutShort
+@attrs.frozen
+class Reasoning:
+    """Text the model reasons in, apart from its answer (gpt-oss's analysis channel)."""
+
+    text: str
+
+
+Event = Content | CallStart | CallArguments | CallCutShort | Reasoning
 
 # A call object whose name comes first, up to where its arguments' value begins.
 _NAME_FIRST = re.compile(
@@ -415,11 +428,13 @@ def _content(text: str) -> list[Event]:
     return [Content(text)] if text else []
 
 
-ToolParser = _Delimited | _WholeReply | _MistralCalls
+ToolParser: TypeAlias = "_Delimited | _WholeReply | _MistralCalls | HarmonyParser"
 
 
-def parser_for(style: str) -> ToolParser:
-    """A fresh parser for one response in `style` (one of TOOL_STYLES)."""
+def parser_for(style: str, parses_calls: bool = True) -> ToolParser:
+    """A fresh parser for one response in `style` (one of TOOL_STYLES). Harmony's also
+    splits reasoning from content, so it runs for requests without tools too: there
+    (`parses_calls` False) a message to a function is content."""
     if style == "hermes":
         return _Delimited("<tool_call>", "</tool_call>", streams_arguments=True)
     if style == "gemma":
@@ -428,4 +443,8 @@ def parser_for(style: str) -> ToolParser:
         return _WholeReply()
     if style == "mistral":
         return _MistralCalls()
+    if style == "harmony":
+        from runtime.harmony import HarmonyParser  # it builds on this module's events
+
+        return HarmonyParser(parses_calls)
     raise ValueError(f"unknown tool-call style {style!r} (known: {', '.join(TOOL_STYLES)})")

@@ -204,14 +204,18 @@ async def test_a_grammar_is_compiled_for_the_request_and_a_bad_one_is_refused_na
         ("mistral", dict(tools=TOOLS, tool_choice="none"), False),
         ("mistral", dict(), False),
         ("hermes", dict(tools=TOOLS), False),
+        ("harmony", dict(), True),
+        ("harmony", dict(tools=TOOLS, tool_choice="none"), True),
+        ("harmony", dict(messages=None, prompt="raw"), False),
     ],
 )
-def test_only_a_mistral_request_offering_tools_keeps_control_tokens_in_its_text(
+def test_mistral_requests_offering_tools_and_harmony_chats_keep_control_tokens_in_their_text(
     tokenizer, tool_style, request_, expected
 ):
-    """Mistral's calls are [TOOL_CALLS]name[ARGS]{...}, control tokens decoding drops."""
-    request = GenerateRequest(messages=ASK, max_tokens=4, **request_)
-    assert admission_for(tokenizer, tool_style=tool_style).writes_calls_in_control_tokens(request) is expected
+    """Mistral's calls are [TOOL_CALLS]name[ARGS]{...}, control tokens decoding drops;
+    gpt-oss marks every message of a chat reply with them (a raw completion is text)."""
+    request = GenerateRequest(**{"messages": ASK, "max_tokens": 4, **request_})
+    assert admission_for(tokenizer, tool_style=tool_style).keeps_control_tokens(request) is expected
 
 
 async def test_the_track_sent_for_a_mistral_request_offering_tools_keeps_control_tokens(tokenizer):

@@ -74,3 +74,15 @@ def test_an_assistant_turn_replayed_with_a_refusal_part_says_it():
     ]
     [message] = chat_messages([{"role": "assistant", "content": parts}])
     assert message == {"role": "assistant", "content": "I can't help with that."}
+
+
+def test_an_assistant_turns_reasoning_reaches_the_template_under_the_names_templates_read():
+    (turn,) = chat_messages([{"role": "assistant", "content": "Paris.", "reasoning": "Capital of France."}])
+    assert (turn["reasoning_content"], turn["thinking"]) == ("Capital of France.",) * 2
+    (turn,) = chat_messages([{"role": "assistant", "content": "", "reasoning": "", "reasoning_content": "Hm."}])
+    assert turn["thinking"] == "Hm."  # an empty one gives way to the other name's
+    (turn,) = chat_messages([{"role": "assistant", "content": "x", "reasoning": None, "reasoning_content": ""}])
+    assert "thinking" not in turn and "reasoning_content" not in turn
+    for bad in ({"role": "user", "content": "x", "reasoning": "no"}, {"role": "assistant", "reasoning_content": 5}):
+        with pytest.raises(RequestError, match="must be a string on an assistant message"):
+            chat_messages([bad])

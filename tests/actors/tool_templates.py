@@ -3,7 +3,8 @@
 Written for these tests in the shape of the families' own templates: Qwen 2.5's (tools
 in the system turn, `<tool_call>` JSON, `<tool_response>` turns), Llama 3.1's JSON one
 (`ipython` results, calls as `{"name", "parameters"}`), Gemma 3's, which has no tools,
-and Mistral Small 3.2's (tools before the last user turn, `[TOOL_CALLS]name[ARGS]{...}`).
+Mistral Small 3.2's (tools before the last user turn, `[TOOL_CALLS]name[ARGS]{...}`),
+and gpt-oss's harmony (tests/actors/test_http_harmony.py, with its markers as tokens).
 """
 
 import json
@@ -65,6 +66,27 @@ MISTRAL = (
     "{%- elif message.role == 'tool' %}[TOOL_RESULTS]{{ message.content }}[/TOOL_RESULTS]"
     "{%- else %}{{ message.content }}{{ eos_token }}{%- endif %}"
     "{%- endfor %}"
+)
+
+# gpt-oss's harmony format: a system turn with the reasoning level, the tools as a
+# TypeScript namespace in a developer turn, calls addressed to=functions.NAME on the
+# commentary channel, earlier reasoning replayed as `thinking` on the analysis channel.
+HARMONY = (
+    "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+    "{%- if tools %}<|start|>developer<|message|># Tools\nnamespace functions {\n"
+    "{%- for tool in tools %}type {{ tool.function.name }} = (_: {{ tool.function.parameters | tojson }}) => any;\n"
+    "{%- endfor %}} // namespace functions<|end|>{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.thinking %}"
+    "<|start|>assistant<|channel|>analysis<|message|>{{ message.thinking }}<|end|>{%- endif %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "<|start|>assistant to=functions.{{ message.tool_calls[0].function.name }}"
+    "<|channel|>commentary json<|message|>{{ message.tool_calls[0].function.arguments | tojson }}<|call|>"
+    "{%- elif message.role == 'tool' %}<|start|>functions.{{ message.name | default('tool') }} to=assistant"
+    "<|channel|>commentary<|message|>{{ message.content | tojson }}<|end|>"
+    "{%- elif message.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>"
+    "{%- else %}<|start|>{{ message.role }}<|message|>{{ message.content }}<|end|>{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
 )
 
 TEMPLATES = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "gemma": GEMMA, "mistral": MISTRAL}

@@ -30,7 +30,7 @@ import pytest
 import tokenizers
 import transformers
 
-from tests.actors.tool_templates import GEMMA, HERMES, LLAMA3_JSON, MISTRAL
+from tests.actors.tool_templates import GEMMA, HARMONY, HERMES, LLAMA3_JSON, MISTRAL
 
 DEMO_DIR = Path(__file__).resolve().parents[2] / "runtime" / "demo"
 DEMO = Tokenizer.from_dir(DEMO_DIR)
@@ -496,6 +496,8 @@ def test_the_format_follows_the_template():
     assert tool_style_for("{{ messages }}", "mistral") == "hermes"
     # Mistral's by the marker its template writes calls with, whatever the family.
     assert tool_style_for(MISTRAL, "ministral3") == tool_style_for(MISTRAL, "llama") == "mistral"
+    assert tool_style_for(HARMONY, "gpt_oss") == tool_style_for(HARMONY, "llama") == "harmony"
+    assert tool_style_for("<|channel|>{{ messages }}", "gpt_oss") == "hermes"  # half the markers
     # Gemma is known by its model_type too, or by its turn markers in any family.
     assert tool_style_for("{{ messages }}", "gemma3_text") == "gemma"
     assert tool_style_for("<start_of_turn>{{ messages }}", "custom") == "gemma"
@@ -579,7 +581,7 @@ def test_a_template_without_tools_gets_them_in_the_first_user_turn():
     assert parse("gemma", chat[1]["content"]) == ("", [("get_weather", '{"city": "Paris"}')])
 
 
-@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral"])
+@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral", "harmony"])
 @pytest.mark.parametrize("forced", [None, "get_weather"])
 def test_the_forced_call_grammar_admits_a_call_and_refuses_text(style, forced):
     compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
@@ -591,6 +593,7 @@ def test_the_forced_call_grammar_admits_a_call_and_refuses_text(style, forced):
         "gemma": f"```tool_code\n{call}\n```",
         "llama3_json": call,
         "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}',
+        "harmony": '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome"}',
     }[style]
     state = grammar.start()
     for token in DEMO.encode(wrapped, add_special_tokens=False):
@@ -625,7 +628,7 @@ def test_tools_render_as_transformers_renders_them(tmp_path, template):
     assert Tokenizer.from_dir(tmp_path).encode_chat(chat, tools=TOOLS) == expected
 
 
-@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral"])
+@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral", "harmony"])
 def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(style):
     said = {**HISTORY[1], "content": "Let me check."}
     chat = chat_for_template([HISTORY[0], said, HISTORY[2]], TOOLS, style, knows_tools=False)
@@ -636,6 +639,7 @@ def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(st
         "llama3_json": '{"name": <function-name>, "parameters"',
         "gemma": "```tool_code\nfunction_name(",
         "mistral": "[TOOL_CALLS]<function-name>[ARGS]<args-json-object>",
+        "harmony": "on the commentary channel to=functions.<function-name>",
     }
     assert taught[style] in first and json.dumps(TOOLS[0]["function"]) in first
     # The assistant's text, then its call in the model's own format: it parses back.
@@ -653,6 +657,10 @@ def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(st
         ),
         ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
         ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'),
+        (
+            "harmony",
+            '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
+        ),
     ],
 )
 def test_a_past_call_is_shown_under_the_key_its_format_teaches(style, written):

@@ -1,0 +1,149 @@
+"""gpt-oss's replies in OpenAI's harmony format: reasoning, content and tool calls.
+
+A reply is messages, each a header then a body, marked by special tokens that a
+request to such a model keeps in its text (actors/admission.py):
+
+    <|channel|>analysis<|message|>The user asks ...<|end|>
+    <|start|>assistant<|channel|>final<|message|>Paris.<|return|>
+    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
+
+The chat template's generation prompt ends in `<|start|>assistant`, so the reply
+begins with the first message's header. A header names its `channel` (analysis:
+reasoning; final: the answer; commentary: text to the user, or a tool call) and may
+name a recipient (`to=functions.NAME`, before or after the channel): a message to a
+function is a call whose body is its JSON arguments. `<|return|>` and `<|call|>` end
+the reply; they are the model's EOS tokens, which reach no text.
+
+`HarmonyParser` turns the text, fed in any split, into the events of runtime/tools.py
+(Content, CallStart, CallArguments, CallCutShort) and `Reasoning`, streaming each
+body as it grows. Text with no header at all (a reply a grammar forced to JSON from
+its first token) is content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from runtime.tools import CallArguments, CallCutShort, CallStart, Content, Event, Reasoning
+
+import attrs
+
+START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
+CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
+MARKERS = (START, CHANNEL, MESSAGE, END, CONSTRAIN, RETURN, CALL)
+HARMONY_HEADER = (CHANNEL, CONSTRAIN, MESSAGE)  # the markers a call's header is written with
+_MARKER = re.compile("|".join(re.escape(m) for m in MARKERS))
+_RECIPIENT = re.compile(r"to=(\S+?)(?=\s|<\||$)")
+_CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
+FUNCTIONS = "functions."
+
+
+@attrs.define
+class HarmonyParser:
+    """One reply's text -> events. `parses_calls`: a message to `functions.NAME` is a
+    tool call (the request offered tools); otherwise its body is content."""
+
+    parses_calls: bool = True
+    state: str = "start"  # start | header | body | between
+    header: str = ""  # the current message's header so far
+    kind: str = "content"  # the current body's: content | reasoning | call
+    held: str = ""  # text that may be the start of a marker
+    num_calls: int = 0
+    call_body: str = ""  # the open call's arguments so far
+
+    def feed(self, text: str) -> list[Event]:
+        text = self.held + text
+        cut = _partial_marker_start(text)
+        self.held = text[cut:]
+        return self._scan(text[:cut])
+
+    def finish(self) -> list[Event]:
+        events = self._scan(self.held)
+        self.held = ""
+        if self.state == "start" and self.header and not _MARKER.search(self.header):
+            events += [Content(self.header)]  # plain text after all: keep what was written
+        if self.state == "body" and self.kind == "call" and not _is_json(self.call_body):
+            events.append(CallCutShort(self.num_calls - 1, self.call_body))
+        return events
+
+    def _scan(self, text: str) -> list[Event]:
+        events: list[Event] = []
+        at = 0
+        for match in _MARKER.finditer(text):
+            events += self._text(text[at : match.start()])
+            events += self._marker(match.group())
+            at = match.end()
+        return events + self._text(text[at:])
+
+    def _text(self, text: str) -> list[Event]:
+        if not text:
+            return []
+        if self.state == "start" and not self.header and not _may_begin_header(text):
+            self.state, self.kind = "body", "content"  # no header: plain content
+        if self.state in ("start", "header"):
+            self.header += text
+            return []
+        if self.state == "between":
+            return []  # between messages: nothing the model says
+        if self.kind == "reasoning":
+            return [Reasoning(text)]
+        if self.kind == "call":
+            self.call_body += text
+            return [CallArguments(self.num_calls - 1, text)]
+        return [Content(text)]
+
+    def _marker(self, marker: str) -> list[Event]:
+        if self.state in ("start", "header"):
+            if marker != MESSAGE:  # part of the header (<|channel|>, <|constrain|>)
+                self.header += marker
+                return []
+            return self._open_body()
+        if marker == START:
+            self.state, self.header = "header", ""
+            return []
+        if marker in (END, RETURN, CALL):
+            events = self._close_call() if self.state == "body" else []
+            self.state = "between"
+            return events
+        return self._text(marker) if self.state == "body" else []  # stray markers in a body are text
+
+    def _open_body(self) -> list[Event]:
+        channel = _CHANNEL_NAME.search(self.header)
+        recipient = _RECIPIENT.search(self.header)
+        self.state, self.header = "body", ""
+        if recipient and recipient.group(1).startswith(FUNCTIONS) and self.parses_calls:
+            self.kind, self.call_body = "call", ""
+            self.num_calls += 1
+            return [CallStart(self.num_calls - 1, recipient.group(1).removeprefix(FUNCTIONS))]
+        self.kind = "reasoning" if channel and channel.group(1) == "analysis" else "content"
+        return []
+
+    def _close_call(self) -> list[Event]:
+        if self.kind == "call" and not _is_json(self.call_body):
+            return [CallCutShort(self.num_calls - 1, self.call_body)]
+        return []
+
+
+def _partial_marker_start(text: str) -> int:
+    """Where a possible marker begins at the end of `text` (a marker arrives whole from
+    the detokenizer, but a stop string's held text may cut one), else len(text)."""
+    at = text.rfind("<|")
+    if at >= 0 and "|>" not in text[at:] and len(text) - at < max(map(len, MARKERS)):
+        return at
+    return len(text) - 1 if text.endswith("<") else len(text)
+
+
+def _may_begin_header(text: str) -> bool:
+    """Whether text at the very start of a reply reads as a header (a role or a
+    recipient before its channel) rather than content."""
+    stripped = text.lstrip()
+    return not stripped or stripped.startswith(("assistant", "to=", "<|")) or "assistant".startswith(stripped)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True

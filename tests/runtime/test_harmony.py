@@ -1,0 +1,134 @@
+"""gpt-oss's harmony replies (runtime/harmony.py): reasoning, content and tool calls,
+the same events however the text is split."""
+
+from __future__ import annotations
+
+import json
+
+from runtime.harmony import HarmonyParser
+from runtime.tools import CallArguments, CallCutShort, CallStart, Content, Reasoning, parser_for
+
+import pytest
+
+THINK_THEN_ANSWER = (
+    "<|channel|>analysis<|message|>The user wants the capital.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Paris is the capital."
+)
+CALL_AFTER_CHANNEL = (
+    "<|channel|>analysis<|message|>Need the weather tool.<|end|>"
+    '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+)
+CALL_BEFORE_CHANNEL = (
+    '<|channel|>analysis<|message|>Look it up.<|end|><|start|>assistant to=functions.get_weather'
+    '<|channel|>commentary json<|message|>{"city": "Paris", "unit": "c"}'
+)
+
+
+def summary(events):
+    """(reasoning, content, [(call name, arguments)], cut-short indexes) of `events`."""
+    reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
+    content = "".join(e.text for e in events if isinstance(e, Content))
+    calls: dict[int, list[str]] = {}
+    for event in events:
+        if isinstance(event, CallStart):
+            calls[event.index] = [event.name, ""]
+        elif isinstance(event, CallArguments):
+            calls[event.index][1] += event.fragment
+    cut = [e.index for e in events if isinstance(e, CallCutShort)]
+    return reasoning, content, [tuple(calls[i]) for i in sorted(calls)], cut
+
+
+def parse(text, pieces=None, parses_calls=True):
+    parser = HarmonyParser(parses_calls)
+    events = []
+    for piece in pieces or [text]:
+        events += parser.feed(piece)
+    return events + parser.finish()
+
+
+def every_split(text):
+    """The text cut in two at every position, and cut character by character."""
+    yield from ([text[:i], text[i:]] for i in range(len(text) + 1))
+    yield list(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        (THINK_THEN_ANSWER, ("The user wants the capital.", "Paris is the capital.", [], [])),
+        (CALL_AFTER_CHANNEL, ("Need the weather tool.", "", [("get_weather", '{"city": "Paris"}')], [])),
+        (
+            CALL_BEFORE_CHANNEL,
+            ("Look it up.", "", [("get_weather", '{"city": "Paris", "unit": "c"}')], []),
+        ),
+    ],
+    ids=["reasoning-then-answer", "recipient-after-channel", "recipient-before-channel"],
+)
+def test_each_message_goes_to_its_channel_however_the_text_is_split(text, want):
+    assert summary(parse(text)) == want
+    for pieces in every_split(text):
+        assert summary(parse(text, pieces)) == want, pieces
+
+
+def test_reasoning_and_content_stream_as_they_are_written():
+    parser = HarmonyParser()
+    assert parser.feed("<|channel|>analysis<|message|>Let me") == [Reasoning("Let me")]
+    assert parser.feed(" think.<|end|><|start|>assistant") == [Reasoning(" think.")]
+    assert parser.feed("<|channel|>final<|message|>Hel") == [Content("Hel")]
+    assert parser.feed("lo") == [Content("lo")]
+    assert parser.finish() == []
+
+
+def test_a_call_streams_its_arguments_and_its_name_first():
+    parser = HarmonyParser()
+    header = "<|channel|>commentary to=functions.search <|constrain|>json<|message|>"
+    assert parser.feed(header) == [CallStart(0, "search")]
+    assert parser.feed('{"q": ') == [CallArguments(0, '{"q": ')]
+    assert parser.feed('"mlx"}') == [CallArguments(0, '"mlx"}')]
+    assert parser.finish() == []
+
+
+def test_a_call_the_reply_ended_inside_of_is_cut_short():
+    text = '<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"q": "ml'
+    reasoning, content, calls, cut = summary(parse(text))
+    assert calls == [("search", '{"q": "ml')] and cut == [0]
+
+
+def test_without_tools_a_message_to_a_function_is_content():
+    reasoning, content, calls, _ = summary(parse(CALL_AFTER_CHANNEL, parses_calls=False))
+    assert (reasoning, content, calls) == ("Need the weather tool.", '{"city": "Paris"}', [])
+
+
+def test_commentary_to_the_user_and_unknown_channels_are_content():
+    text = (
+        "<|channel|>commentary<|message|>Checking now.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|> Done."
+    )
+    assert summary(parse(text)) == ("", "Checking now. Done.", [], [])
+
+
+@pytest.mark.parametrize("text", ['{"answer": 42}', "Plain words, no header.", "[1, 2]"])
+def test_a_reply_with_no_header_is_content_from_its_first_character(text):
+    parser = HarmonyParser()
+    assert parser.feed(text) == [Content(text)]
+    assert parser.finish() == []
+
+
+def test_a_header_cut_short_is_no_content_but_plain_text_is_kept():
+    assert summary(parse("<|channel|>analy")) == ("", "", [], [])
+    assert summary(parse("assum")) == ("", "assum", [], [])  # read as a role, then it was not
+
+
+def test_markup_between_messages_and_a_stray_marker_in_a_body_are_handled():
+    text = (
+        "<|channel|>final<|message|>a <|constrain|> b<|end|>ignored"
+        "<|start|>assistant<|channel|>final<|message|> c"
+    )
+    assert summary(parse(text)) == ("", "a <|constrain|> b c", [], [])
+
+
+def test_the_tool_parser_registry_hands_out_harmony_with_or_without_calls():
+    assert parser_for("harmony").parses_calls
+    assert not parser_for("harmony", parses_calls=False).parses_calls
+    arguments = summary(parse(CALL_AFTER_CHANNEL))[2][0][1]
+    assert json.loads(arguments) == {"city": "Paris"}
