@@ -27,7 +27,7 @@ from runtime.config import is_token_id
 from runtime.errors import CheckpointError
 from runtime.gguf_reader import Metadata, check_tensor_layout, open_gguf
 from runtime.gguf_rope import ministral3_scaling, rope_scaling
-from runtime.gguf_tensors import NATIVE_BITS, decode_tensor, quantization_config, to_mlx
+from runtime.gguf_tensors import MODES, NATIVE_BITS, decode_tensor, quantization_config, to_mlx
 from runtime.gguf_tokenizer import tokenizer_from_gguf
 from runtime.tokenizer import Tokenizer
 
@@ -61,6 +61,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3": Architecture("qwen3", "Qwen3ForCausalLM"),
     "qwen3moe": Architecture("qwen3_moe", "Qwen3MoeForCausalLM", has_experts=True),
     "qwen2moe": Architecture("qwen2_moe", "Qwen2MoeForCausalLM", has_experts=True),
+    "gpt-oss": Architecture("gpt_oss", "GptOssForCausalLM", has_experts=True),
     "phi3": Architecture("phi3", "Phi3ForCausalLM", ffn_up="mlp.gate_up_proj", has_longrope=True),
     "gemma2": Architecture(
         "gemma2", "Gemma2ForCausalLM", norm_shift=1.0, ffn_norm="pre_feedforward_layernorm"
@@ -158,16 +159,17 @@ def read_gguf(path: Path, progress: Callable[[str], None] = lambda message: None
         shift = arch.norm_shift if hf_name.endswith("norm.weight") else 0.0
         jobs.append((tensor, hf_name, rows, shift, str(path)))
     weights: dict[str, mx.array] = {}
-    bits_by_layer: dict[str, int] = {}
+    packing_by_layer: dict[str, tuple[int, str]] = {}
     for (tensor, hf_name, *_), arrays in zip(jobs, _decoded(jobs), strict=True):
         converted = to_mlx(tensor, arrays)
         if hf_name.endswith(".shared_expert_gate.weight") and converted[hf_name].ndim == 1:
             converted[hf_name] = converted[hf_name][None]  # nn.Linear(hidden, 1)'s [1, hidden]
         layer = hf_name.removesuffix(".weight")
         if f"{layer}.scales" in converted:
-            bits_by_layer[layer] = NATIVE_BITS[tensor.tensor_type]
+            kind = tensor.tensor_type
+            packing_by_layer[layer] = (NATIVE_BITS[kind], MODES.get(kind, "affine"))
         weights.update(converted)
-    if (quantization := quantization_config(bits_by_layer)) is not None:
+    if (quantization := quantization_config(packing_by_layer)) is not None:
         config["quantization"] = quantization
     return GGUFCheckpoint(config=config, weights=weights, tokenizer=tokenizer)
 
@@ -243,7 +245,29 @@ def _hf_config(
         config["rope_scaling"] = ministral3_scaling(metadata, key, config)
     if arch.has_experts or metadata.get(key("expert_count")) not in (None, 0):
         config.update(_expert_fields(metadata, key, arch))
+    if arch.model_type == "gpt_oss":
+        config.update(_gpt_oss_fields(metadata, key, config))
     return config
+
+
+def _gpt_oss_fields(
+    metadata: Metadata, key: Callable[[str], str], config: dict[str, Any]
+) -> dict[str, Any]:
+    """What gpt-oss's config.json says and llama.cpp hard-codes: biased attention, every
+    other layer sliding from the first (its swa pattern of 2), the SwiGLU clamp at 7;
+    YaRN untruncated, as the model was trained (llama.cpp rounds the ramp's bounds,
+    as mlx-lm does: see tests/runtime/test_gpt_oss.py)."""
+    scaling = config["rope_scaling"]
+    return {
+        "attention_bias": True,
+        "sliding_window": metadata.require(key("attention.sliding_window"), int),
+        "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention"
+            for i in range(config["num_hidden_layers"])
+        ],
+        "swiglu_limit": 7.0,
+        "rope_scaling": None if scaling is None else {**scaling, "truncate": False},
+    }
 
 
 def _expert_fields(metadata: Metadata, key: Callable[[str], str], arch: Architecture) -> dict[str, Any]:
@@ -254,6 +278,12 @@ def _expert_fields(metadata: Metadata, key: Callable[[str], str], arch: Architec
         raise CheckpointError(f"{metadata.source}: routed experts are not supported for this architecture")
     num_experts = metadata.require(key("expert_count"), int)
     top_k = metadata.require(key("expert_used_count"), int)
+    if arch.model_type == "gpt_oss":
+        return {
+            "num_local_experts": num_experts,
+            "num_experts_per_tok": top_k,
+            "intermediate_size": metadata.require(key("expert_feed_forward_length"), int),
+        }
     if arch.model_type == "llama":
         return {
             "architectures": ["MixtralForCausalLM"],
@@ -371,6 +401,8 @@ def _hf_name(name: str, arch: Architecture, path: Path, *, has_experts: bool) ->
     if len(parts) == 1 and parts[0] in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[parts[0]]}.{suffix}"
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        if parts[2] == "attn_sinks" and arch.model_type == "gpt_oss":  # a parameter, no layer
+            return f"model.layers.{int(parts[1])}.self_attn.sinks"
         own = {"ffn_norm": arch.ffn_norm, "ffn_up": arch.ffn_up}
         names = {**_LAYER_NAMES, **_EXPERT_NAMES} if has_experts else _LAYER_NAMES
         hf = own.get(parts[2], names.get(parts[2]))

@@ -1,7 +1,8 @@
 """Tiny GGUF files for tests: a `runtime.synth` checkpoint converted the way llama.cpp's
 convert_hf_to_gguf.py converts a Hugging Face one.
 
-`write_gguf` keeps llama.cpp's conventions that `runtime.gguf` must undo: tensor names,
+`write_gguf` keeps llama.cpp's conventions that `runtime.gguf` must undo: tensor names
+(gpt-oss's sinks as `attn_sinks`, its experts' biases in F32),
 the llama family's q/k row permutation, Gemma's norm weights stored as 1 + w, 1-D
 tensors kept in F32, and a tokenizer spelled as `tokenizer.ggml.*` metadata. It also
 writes a reference checkpoint directory holding exactly the values the GGUF encodes
@@ -39,6 +40,7 @@ _ARCH_OF = {
     "phi3": "phi3",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
+    "gpt_oss": "gpt-oss",
 }
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -104,7 +106,8 @@ def write_gguf(
         if is_vector:
             value = value[0]
         matches = [kind for part, kind in (types_by_name or {}).items() if part in name]
-        kind = GGMLType.F32 if value.ndim not in (2, 3) else (matches or [tensor_type])[0]
+        is_matrix = value.ndim in (2, 3) and not name.endswith(".bias")  # experts' biases are [E, out]
+        kind = (matches or [tensor_type])[0] if is_matrix else GGMLType.F32
         stored, reference[name] = _stored(value, kind, rng)
         if is_vector:
             reference[name] = reference[name][None]
@@ -114,7 +117,7 @@ def write_gguf(
             stored = _llama_permute(stored, config["num_key_value_heads"])
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             stored = stored + 1  # Gemma3RMSNorm multiplies by (1 + w); llama.cpp stores 1 + w
-        writer.add_tensor(gguf_name(name, arch), stored, raw_dtype=kind)
+        writer.add_tensor(gguf_name(_gpt_oss_names(name) if arch == "gpt-oss" else name, arch), stored, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -127,15 +130,22 @@ def write_gguf(
     return out_file
 
 
+def _gpt_oss_names(name: str) -> str:
+    """mlx-community's gpt-oss names (runtime.synth's) -> the other families' own."""
+    return name.replace(".mlp.router.", ".mlp.gate.").replace(".mlp.experts.", ".mlp.switch_mlp.")
+
+
 def gguf_name(hf_name: str, arch: str) -> str:
     """llama.cpp's name for a Hugging Face tensor name."""
     stem, _, suffix = hf_name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    if suffix == "sinks":  # gpt-oss's, a parameter of the attention
+        return f"blk.{stem.split('.')[2]}.attn_sinks.weight"
     _, _, layer, module = stem.split(".", 3)  # model.layers.N.<module>
     module = module.replace("block_sparse_moe.", "mlp.")  # Mixtral's experts block
     if module == "post_attention_layernorm":
-        short = "post_attention_norm" if arch in ("gemma2", "gemma3") else "ffn_norm"
+        short = "post_attention_norm" if arch in ("gemma2", "gemma3", "gpt-oss") else "ffn_norm"
     else:
         short = _LAYER_NAMES[module]
     return f"blk.{layer}.{short}.{suffix}"
@@ -231,6 +241,9 @@ def _write_hparams(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -
         writer.add_expert_used_count(config["num_experts_per_tok"])
     if arch in ("qwen3moe", "qwen2moe"):
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if arch == "gpt-oss":  # as convert_hf_to_gguf.py's GptOssModel
+        writer.add_expert_feed_forward_length(config["intermediate_size"])
+        writer.add_sliding_window(config["sliding_window"])
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     if arch == "phi3":  # as convert_hf_to_gguf.py's Phi3MiniModel writes them

@@ -9,8 +9,9 @@ float16 ones) are all of that form, so their blocks are repacked, not requantize
 `mx.dequantize` gives exactly the values the `gguf` package decodes. 4-bit codes stay 4
 bits; 5-bit ones go to 8 (cadence's kernels run 4 and 8 bits). The K-quants' group
 scales are products (d x sc) that float16 cannot hold exactly, so theirs are float32.
-Q2_K, Q3_K and Q6_K (16-weight groups, which mlx's affine layout does not have) and the
-rest are expanded to float16. The result matches what `mx.load` itself makes of a Q4_0,
+MXFP4 (gpt-oss's experts) is mlx's own `mxfp4` mode, its nibbles reordered. Q2_K, Q3_K
+and Q6_K (16-weight groups, which mlx's affine layout does not have) and the rest are
+expanded to float16. The result matches what `mx.load` itself makes of a Q4_0,
 Q4_1 or Q8_0 GGUF, but `mx.load` refuses a whole file when any tensor is of another type
 (a Q4_K_M file mixes Q4_K and Q6_K), so the blocks are read here instead.
 """
@@ -36,7 +37,9 @@ NATIVE_BITS = {
     GGMLType.Q5_1: 8,
     GGMLType.Q4_K: 4,
     GGMLType.Q5_K: 8,
+    GGMLType.MXFP4: 4,  # mlx's own mxfp4 (gpt-oss's experts), not affine
 }
+MODES = {GGMLType.MXFP4: "mxfp4"}  # the types kept in a mode other than affine
 # Expanded to float16, the precision of their own scales (Q6_K: float16 d times 8-bit
 # sub-scales and 6-bit codes), by the gguf package's decoders.
 DEQUANTIZED = (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q6_K)
@@ -116,6 +119,12 @@ def _repacked(blocks: np.ndarray, kind: GGMLType, hf_name: str) -> dict[str, np.
     """
     leading = blocks.shape[:-1]
     block_bytes = gguf.GGML_QUANT_SIZES[kind][1]
+    if kind == GGMLType.MXFP4:
+        words, exponents = _mxfp4(blocks.reshape(-1, block_bytes))
+        return {
+            hf_name: words.reshape(*leading, -1).view(np.uint32),
+            f"{hf_name.removesuffix('.weight')}.scales": exponents.reshape(*leading, -1),
+        }
     codes, scales, biases = _AFFINE_GROUPS[kind](blocks.reshape(-1, block_bytes))
     if NATIVE_BITS[kind] == 4:
         codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
@@ -140,6 +149,18 @@ def _halves(nibbles: np.ndarray) -> np.ndarray:
 def _high_bits(qh: np.ndarray) -> np.ndarray:
     """[n, 4] bytes -> [n, 32]: bit i of the little-endian word, weight i's fifth bit."""
     return (np.unpackbits(qh, axis=1, bitorder="little") << 4).astype(np.uint8)
+
+
+def _mxfp4(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[n, 17] MXFP4 blocks -> ([n, 16] bytes in mlx's order, [n] uint8 exponents).
+
+    A block is its shared exponent e (E8M0), then 16 bytes of 4-bit E2M1 codes, weight j
+    in byte j's low nibble and weight j + 16 in its high one; ggml decodes it as twice
+    the E2M1 value times 2^(e - 128), which is mlx's mxfp4 (the E2M1 value times
+    2^(e - 127)) with the same code and exponent: only the nibbles move, to weight i in
+    byte i // 2 (low nibble first)."""
+    codes = _halves(blocks[:, 1:])
+    return np.ascontiguousarray(codes[:, 0::2] | (codes[:, 1::2] << 4)), np.ascontiguousarray(blocks[:, 0])
 
 
 def _q8_0(blocks: np.ndarray) -> AffineGroups:
@@ -211,14 +232,16 @@ _AFFINE_GROUPS: dict[GGMLType, Callable[[np.ndarray], AffineGroups]] = {
 }
 
 
-def quantization_config(bits_by_layer: dict[str, int]) -> dict[str, Any] | None:
-    """config.json's `quantization` for the repacked layers ({module path: bits}): group
-    32, 4 bits by default, per-layer entries for the 8-bit ones; None when there are none."""
-    if not bits_by_layer:
+def quantization_config(packing_by_layer: dict[str, tuple[int, str]]) -> dict[str, Any] | None:
+    """config.json's `quantization` for the repacked layers ({module path: (bits, mode)}):
+    group 32, 4-bit affine by default (else the first layer's packing), per-layer entries
+    for the others; None when there are none."""
+    if not packing_by_layer:
         return None
-    default_bits = 4 if 4 in bits_by_layer.values() else 8
-    config: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": default_bits}
-    for layer, bits in bits_by_layer.items():
-        if bits != default_bits:
-            config[layer] = {"group_size": GROUP_SIZE, "bits": bits}
+    packings = list(packing_by_layer.values())
+    default = (4, "affine") if (4, "affine") in packings else packings[0]
+    config: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": default[0], "mode": default[1]}
+    for layer, (bits, mode) in packing_by_layer.items():
+        if (bits, mode) != default:
+            config[layer] = {"group_size": GROUP_SIZE, "bits": bits, "mode": mode}
     return config

@@ -50,6 +50,15 @@ _TEKKEN_SPLIT = (
 )
 
 
+# OpenAI's o200k (gpt-oss's o200k_harmony; llama.cpp's "gpt-4o", and Llama 4's): tekken's
+# split by case, with contractions kept on the word and digits in threes.
+_O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
 class _PreTokenizer(NamedTuple):
     """How one `tokenizer.ggml.pre` splits text before byte-level BPE."""
 
@@ -69,6 +78,8 @@ _BYTE_LEVEL_PRE: dict[str, _PreTokenizer] = {
     "llama3": _PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True),
     "smaug-bpe": _PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True),
     "tekken": _PreTokenizer(_TEKKEN_SPLIT, ignore_merges=True, add_bos=True),
+    "gpt-4o": _PreTokenizer(_O200K_SPLIT),
+    "llama4": _PreTokenizer(_O200K_SPLIT),
     "qwen2": _PreTokenizer(_QWEN2_SPLIT, is_nfc=True),
     "deepseek-r1-qwen": _PreTokenizer(_QWEN2_SPLIT, is_nfc=True),
 }

@@ -33,7 +33,10 @@ from gguf import GGMLQuantizationType as GGMLType
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
-FAMILIES = ["llama", "ministral3", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "phi3", "gemma2", "gemma3_text"]
+FAMILIES = [
+    "llama", "ministral3", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "phi3", "gemma2", "gemma3_text",
+    "gpt_oss",
+]
 EXACT_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16]
 QUANTIZED_TYPES = [
     GGMLType.Q4_0,
@@ -235,6 +238,50 @@ def test_repacked_blocks_dequantize_to_exactly_what_the_gguf_package_decodes(kin
     expected = gguf.quants.dequantize(blocks, kind)
     assert got.shape == expected.shape
     assert np.array_equal(np.array(got), expected.astype(np.float32))
+
+
+@pytest.mark.parametrize("shape", [(6, 512), (3, 4, 256)], ids=["matrix", "stacked experts"])
+def test_mxfp4_blocks_are_mlxs_mxfp4_with_their_nibbles_reordered(shape):
+    """gpt-oss's experts: mlx's mxfp4 dequantize of the repacked words and exponents gives
+    the gguf package's values bit for bit, every exponent included (0 and 1 are
+    denormal scales in ggml's decoding)."""
+    rng = np.random.default_rng(7)
+    rows = int(np.prod(shape[:-1])) * shape[-1] // 32
+    blocks = rng.integers(0, 256, size=(rows, 17), dtype=np.uint8)
+    blocks[:, 0] = np.arange(rows) % 256  # every exponent
+    blocks = blocks.reshape(*shape[:-1], -1)
+    tensor = SimpleNamespace(name="t", tensor_type=GGMLType.MXFP4, data=blocks, shape=tuple(reversed(shape)))
+    ours = decode_tensor(tensor, "t.weight", None, 0.0, source="test")
+    assert set(ours) == {"t.weight", "t.scales"}  # no biases: a microscaling mode
+    assert ours["t.weight"].shape == (*shape[:-1], shape[-1] // 8) and ours["t.scales"].dtype == np.uint8
+    weight, exponents = mx.array(ours["t.weight"]), mx.array(ours["t.scales"])
+    got = mx.dequantize(weight, exponents, group_size=32, bits=4, mode="mxfp4", dtype=mx.float32)
+    expected = gguf.quants.dequantize(blocks, GGMLType.MXFP4)
+    assert np.array_equal(np.array(got), expected.astype(np.float32))
+
+
+def test_a_gpt_oss_gguf_keeps_its_mxfp4_experts_beside_other_types(convert):
+    """As llama.cpp's gpt-oss files (MXFP4 experts, the rest Q8_0): the experts load as
+    mlx's mxfp4, the rest as 8-bit affine, the logits those of the values they hold."""
+    mxfp4 = {"mlp.experts.": GGMLType.MXFP4}
+    path, reference_dir = convert("gpt_oss", GGMLType.Q8_0, types_by_name=mxfp4)
+    loaded = load_model(path, keep_dtype=True)
+    quantization = loaded.config.quantization
+    assert (quantization.bits, quantization.mode) == (8, "affine")
+    experts = {layer: packing for layer, packing in quantization.per_layer.items() if ".switch_mlp." in layer}
+    assert len(experts) == 3 * 2 and set(experts.values()) == {(32, 4, "mxfp4")}
+    assert loaded.model.model.layers[0].mlp.switch_mlp.up_proj.mode == "mxfp4"
+    expected = load_model(reference_dir).model(PROMPT)
+    scale = float(mx.abs(expected).max())
+    assert float(mx.abs(loaded.model(PROMPT) - expected).max()) < 5e-3 * scale
+
+
+def test_gpt_oss_settings_a_gguf_leaves_out_are_llama_cpps(convert):
+    path, _ = convert("gpt_oss", GGMLType.F32)
+    config = load_model(path).config
+    assert config.layer_windows == (8, None)  # its swa pattern: every other layer, from the first
+    assert config.extra["experts"].swiglu_limit == 7.0 and config.extra["attention_sinks"]
+    assert config.qkv_bias and config.o_bias
 
 
 def rewritten(path, out, metadata=(), tensors=(), dropped=()):
@@ -543,14 +590,24 @@ def test_a_tensor_of_more_dimensions_is_named_by_its_shape_not_as_truncated(conv
     assert f"has shape (2, {rows // 2}, {columns})" in one_line_error(damaged)
 
 
-def test_the_quantization_config_defaults_to_4_bits_and_names_the_8_bit_layers():
-    layers = {"model.layers.0.mlp.down_proj": 8, "model.layers.0.mlp.up_proj": 4}
+def test_the_quantization_config_defaults_to_4_bits_and_names_the_other_layers():
+    layers = {
+        "model.layers.0.mlp.down_proj": (8, "affine"),
+        "model.layers.0.mlp.up_proj": (4, "affine"),
+        "model.layers.0.mlp.switch_mlp.up_proj": (4, "mxfp4"),
+    }
     assert quantization_config(layers) == {
         "group_size": 32,
         "bits": 4,
-        "model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 8},
+        "mode": "affine",
+        "model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 8, "mode": "affine"},
+        "model.layers.0.mlp.switch_mlp.up_proj": {"group_size": 32, "bits": 4, "mode": "mxfp4"},
     }
-    assert quantization_config({"lm_head": 8}) == {"group_size": 32, "bits": 8}
+    assert quantization_config({"lm_head": (8, "affine")}) == {"group_size": 32, "bits": 8, "mode": "affine"}
+    experts = {"model.layers.0.mlp.switch_mlp.up_proj": (4, "mxfp4"), "lm_head": (8, "affine")}
+    assert quantization_config(experts) == {
+        "group_size": 32, "bits": 4, "mode": "mxfp4", "lm_head": {"group_size": 32, "bits": 8, "mode": "affine"},
+    }
     assert quantization_config({}) is None
 
 

@@ -60,6 +60,13 @@ TEKKEN_SPLIT = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# OpenAI's o200k, as gpt-oss's tokenizer.json spells it.
+O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 def split_then_bytes(pattern):
     return {
@@ -106,6 +113,8 @@ def byte_level_checkpoint(make_checkpoint, tmp_path, pre):
                 },
             ],
         }
+    elif pre == "gpt-4o":
+        raw["pre_tokenizer"] = split_then_bytes(O200K_SPLIT)
     elif pre == "qwen2":
         raw["pre_tokenizer"] = split_then_bytes(QWEN2_SPLIT)
         raw["normalizer"] = {"type": "NFC"}
@@ -137,7 +146,7 @@ def assert_same_as_hf(ours, hf, encode=None):
     assert ours.apply_chat_template(CHAT) == expected_prompt
 
 
-@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "llama-bpe", "qwen2", "tekken"])
+@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "llama-bpe", "qwen2", "tekken", "gpt-4o"])
 def test_byte_level_bpe_matches_hugging_face(make_checkpoint, tmp_path, pre):
     checkpoint = byte_level_checkpoint(make_checkpoint, tmp_path, pre)
     path = write_gguf(
@@ -179,10 +188,10 @@ def test_a_named_tool_use_template_renders_a_chat_with_tools_as_from_the_hugging
 def test_the_pre_tokenizers_really_differ(make_checkpoint, tmp_path):
     """Guards the test above: each pre-tokenizer splits some text its own way."""
     encodings = {}
-    for pre in ("gpt-2", "smollm", "llama-bpe", "qwen2", "tekken"):
+    for pre in ("gpt-2", "smollm", "llama-bpe", "qwen2", "tekken", "gpt-4o"):
         hf = hf_tokenizer(byte_level_checkpoint(make_checkpoint, tmp_path, pre), tmp_path)
         encodings[pre] = [hf.encode(text) for text in TEXTS]
-    assert len({repr(e) for e in encodings.values()}) == 5
+    assert len({repr(e) for e in encodings.values()}) == 6
 
 
 CORPUS = [
