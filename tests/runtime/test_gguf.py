@@ -443,8 +443,8 @@ def test_an_unsupported_tensor_type_is_named(convert):
 
 
 def test_an_unsupported_tokenizer_is_named(convert, tmp_path):
-    path, _ = convert("qwen3", GGMLType.F32, pre_tokenizer="gpt-4o")
-    assert "unsupported GGUF pre-tokenizer 'gpt-4o'" in one_line_error(path)
+    path, _ = convert("qwen3", GGMLType.F32, pre_tokenizer="falcon")
+    assert "unsupported GGUF pre-tokenizer 'falcon'" in one_line_error(path)
 
 
 def test_a_file_that_is_not_gguf_and_a_missing_one(tmp_path):
