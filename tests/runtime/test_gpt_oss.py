@@ -8,12 +8,15 @@ import json
 from pathlib import Path
 
 from runtime.checkpoint import load_model
+from runtime.config import config_from_dict
 from runtime.errors import CheckpointError
+from runtime.models.layers import RoPE
 from runtime.synth import make_tiny_checkpoint, save_weights
 
 import attrs
 import mlx.core as mx
 import mlx_lm
+import numpy as np
 import pytest
 
 from kernels import paged_attention
@@ -159,3 +162,66 @@ def test_an_experts_tensor_of_another_layout_is_named(tmp_path: Path):
     save_weights(source, weights)
     with pytest.raises(CheckpointError, match="'gate_up_proj' should be \\[E, in, out\\]"):
         load_model(source)
+
+
+# gpt-oss-20b's config.json as OpenAI released it (the fields cadence reads).
+RELEASE_CONFIG = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "attention_bias": True,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+        "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False,
+    },
+    "rope_theta": 150000,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 201088,
+}
+
+
+def openai_yarn(head_dim=64, base=150000.0, factor=32.0, context=4096, beta_fast=32.0, beta_slow=1.0):
+    """(inverse frequencies, concentration) as OpenAI's reference implementation of
+    gpt-oss computes them: the ramp's bounds not rounded."""
+    half = head_dim // 2
+    freqs = base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    low = half * np.log(context / (beta_fast * 2 * np.pi)) / np.log(base)
+    high = half * np.log(context / (beta_slow * 2 * np.pi)) / np.log(base)
+    ramp = np.clip((np.arange(half) - low) / (high - low), 0, 1)
+    inv_freq = (1 / (factor * freqs)) * ramp + (1 / freqs) * (1 - ramp)
+    return inv_freq, 0.1 * np.log(factor) + 1.0
+
+
+def test_the_released_config_reads_as_openai_runs_the_model():
+    config = config_from_dict(RELEASE_CONFIG)
+    assert config.layer_windows == (128, None) * 12
+    assert (config.head_dim, config.num_key_value_heads, config.vocab_size) == (64, 8, 201088)
+    experts = config.extra["experts"]
+    assert (experts.num_experts, experts.top_k, experts.intermediate_size) == (32, 4, 2880)
+    assert experts.swiglu_limit == 7.0 and experts.biases and experts.normalize
+    assert config.quantization is not None and config.foreign_quantization is None
+    assert (config.quantization.group_size, config.quantization.bits, config.quantization.mode) == (32, 4, "mxfp4")
+    rope = RoPE(config.head_dim, config.rope_theta, config.rope_scaling)
+    inv_freq, concentration = openai_yarn()
+    np.testing.assert_allclose(np.array(rope.inv_freqs), inv_freq, rtol=1e-6)
+    assert rope.attention_factor == pytest.approx(concentration**2, rel=1e-6)  # on q and k: squared
+    # Rounding the ramp's bounds (mlx-lm's and llama.cpp's YaRN) moves some frequencies.
+    rounded = RoPE(config.head_dim, config.rope_theta, {**config.rope_scaling, "truncate": True})
+    assert not np.allclose(np.array(rounded.inv_freqs), inv_freq, rtol=1e-3)
