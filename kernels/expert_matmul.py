@@ -54,7 +54,9 @@ def quantized_expert_matmul(
     # The kernel's operands: float32 rows, and scales and biases as the CPU load leaves
     # them (float32); kept as stored (`--keep-dtype`), mlx's gather runs them.
     ext = cpu_extension() if uses_cpu_kernel(group_size, bits, mode) else None
-    if ext is not None and biases is not None and x.dtype == scales.dtype == biases.dtype == mx.float32:
+    float_operands = x.dtype == scales.dtype == mx.float32 and (biases is None or biases.dtype == mx.float32)
+    if ext is not None and float_operands and (biases is not None) == (mode == "affine"):
+        # mxfp4's scales as runtime/cpu_weights.py leaves them on the CPU: exponent_scales'
         return ext.expert_matmul(x, experts, w, scales, biases, group_size, bits)
     return _gathered(
         x,

@@ -53,8 +53,8 @@ def kernel_layer(linear: nn.Module) -> KernelLayer | None:
         return (linear.weight, bias, linear.out_features)
     if not isinstance(linear, KernelQuantizedLinear):
         return None
-    if not is_kernel_layout(linear.group_size, linear.bits, linear.mode):
-        return None
+    if linear.mode != "affine" or not is_kernel_layout(linear.group_size, linear.bits, linear.mode):
+        return None  # the one-op blocks run affine layers (mxfp4 goes by parts)
     if linear.scales.dtype != mx.float32 or linear["biases"].dtype != mx.float32:
         return None
     return (linear.weight, linear.scales, linear["biases"], bias, linear.group_size, linear.bits)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels.quantized_matmul import quantized_matmul
+from kernels.quantized_matmul import exponent_scales, quantized_matmul
 
 
 class KernelQuantizedLinear(nn.QuantizedLinear):
@@ -24,15 +24,20 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         nn.Module.__init__(new)
         new.group_size, new.bits, new.mode = layer.group_size, layer.bits, layer.mode
         new.weight = mx.contiguous(layer.weight)
-        new.scales = _float32(layer.scales)
-        new.biases = _float32(layer.biases)
+        if layer.mode == "mxfp4":  # no biases: the exponents as the scales they stand for
+            new.scales = exponent_scales(layer.scales)
+        else:
+            new.scales = _float32(layer.scales)
+            new.biases = _float32(layer.biases)
         if "bias" in layer:
             new.bias = layer.bias
         new.freeze()
         return new
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = quantized_matmul(x, self.weight, self.scales, self["biases"], self.group_size, self.bits)
+        y = quantized_matmul(
+            x, self.weight, self.scales, self.get("biases"), self.group_size, self.bits, self.mode
+        )
         return y + self.bias if "bias" in self else y
 
 

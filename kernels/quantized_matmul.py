@@ -35,8 +35,19 @@ KERNEL_GROUP_SIZES = (32, 64, 128)
 
 
 def is_kernel_layout(group_size: int, bits: int, mode: str = "affine") -> bool:
-    """Whether cadence's CPU kernels handle this quantization."""
+    """Whether cadence's CPU kernels handle this quantization: affine at 4 or 8 bits, or
+    mxfp4 (its E2M1 codes looked up, its exponents as float32 scales: `exponent_scales`)."""
+    if mode == "mxfp4":
+        return (group_size, bits) == (32, 4)
     return mode == "affine" and bits in KERNEL_BITS and group_size in KERNEL_GROUP_SIZES
+
+
+def exponent_scales(exponents: mx.array) -> mx.array:
+    """mxfp4's uint8 exponents e -> the float32 scales 2^(e - 127) the kernels multiply
+    by, exactly (e = 0, 2^-127, is a denormal: its bits built apart)."""
+    e = exponents.astype(mx.uint32)
+    bits = mx.where(e == 0, mx.array(1 << 22, dtype=mx.uint32), e << 23)
+    return mx.contiguous(bits.view(mx.float32))
 
 
 def uses_cpu_kernel(group_size: int, bits: int, mode: str = "affine") -> bool:
@@ -52,18 +63,20 @@ def quantized_matmul(
     x: mx.array,
     w: mx.array,
     scales: mx.array,
-    biases: mx.array,
+    biases: mx.array | None,
     group_size: int,
     bits: int,
+    mode: str = "affine",
 ) -> mx.array:
-    """x: [..., K]; w: [N, K * bits / 32] uint32; scales, biases: [N, K / group_size].
+    """x: [..., K]; w: [N, K * bits / 32] uint32; scales, biases: [N, K / group_size]
+    (mxfp4: no biases, and on the kernel float32 scales from `exponent_scales`).
 
     Returns x @ dequantize(w).T, [..., N], in x's dtype, accumulated in float32.
     """
-    ext = cpu_extension() if uses_cpu_kernel(group_size, bits) else None
+    ext = cpu_extension() if uses_cpu_kernel(group_size, bits, mode) else None
     if ext is None:
         return mx.quantized_matmul(
-            x, w, scales, biases, transpose=True, group_size=group_size, bits=bits
+            x, w, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode
         )
     # Every mx op costs its dispatch (~2-3 us on the CPU): the kernel takes x [..., K] as
     # it is, so no reshape goes in or out.

@@ -46,7 +46,7 @@ from kernels.dense_matmul import KernelEmbedding, KernelLinear, PanelLinear
 from kernels.freed_memory import release_freed_memory
 from kernels.huge_pages import move_weights_to_huge_pages
 from kernels.quantized_linear import KernelQuantizedEmbedding, KernelQuantizedLinear
-from kernels.quantized_matmul import is_kernel_layout
+from kernels.quantized_matmul import exponent_scales, is_kernel_layout
 
 CPU_QUANTIZE_CHOICES = ("off", "float32", "8", "4")
 DEFAULT_CPU_QUANTIZE = "off"  # see README "Quantized weights on the CPU" for why
@@ -102,6 +102,7 @@ def _on_kernels(model: CausalLM, quantizable: bool, progress: Callable[[str], No
     """The dense layers adopted by the kernels, then every weight evaluated in its final
     form, one layer at a time: stacked, packed and settled."""
     _adopt_dense_layers(model)
+    _mxfp4_experts_on_kernels(model)
     check_fits_in_memory(model, quantizable)
     _stack_projections(model)
     _evaluate_layer_by_layer(model, progress)
@@ -172,7 +173,7 @@ def stack_rows(layers: list[nn.Module]) -> nn.Module | None:
             type(m) is KernelQuantizedLinear and (m.group_size, m.bits, m.mode) == layout
             for m in layers
         )
-        names: tuple[str, ...] = ("weight", "scales", "biases")
+        names: tuple[str, ...] = ("weight", "scales", "biases") if "biases" in first else ("weight", "scales")
     else:
         same = all(type(m) is KernelLinear for m in layers)
         names = ("weight",)
@@ -309,8 +310,13 @@ def _quantize(model: CausalLM, bits: int) -> None:
 
 
 def _is_kernel_module(module: nn.Module) -> bool:
+    """A quantized layer the kernels run: a linear layer of a kernel layout, or an
+    affine embedding (an mxfp4 one keeps mlx's lookup, which reads its exponents)."""
+    mode = getattr(module, "mode", "affine")
+    if isinstance(module, nn.QuantizedEmbedding) and mode != "affine":
+        return False
     return isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and is_kernel_layout(
-        module.group_size, module.bits, getattr(module, "mode", "affine")
+        module.group_size, module.bits, mode
     )
 
 
@@ -327,6 +333,14 @@ def _adopt_kernel_layers(model: CausalLM) -> None:
         return KernelQuantizedEmbedding.adopt(module)  # type: ignore[arg-type]
 
     model.update_modules(tree_unflatten([(path, adopt(m)) for path, m in _leaves(model)]))
+
+
+def _mxfp4_experts_on_kernels(model: CausalLM) -> None:
+    """mxfp4 experts' exponents as the float32 scales the expert kernel multiplies by
+    (kernels/quantized_matmul.py: exponent_scales), as their linear layers' adoption does."""
+    for _, module in _leaves(model):
+        if isinstance(module, QuantizedExpertLinear) and module.mode == "mxfp4" and module.scales.dtype == mx.uint8:
+            module.scales = exponent_scales(module.scales)
 
 
 def _is_16_bit_matmul(module: nn.Module) -> bool:

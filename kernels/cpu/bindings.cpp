@@ -36,11 +36,12 @@ NB_MODULE(_cpu_ext, m) {
   // The mlx this was compiled against; the loader refuses a different runtime mlx.
   m.attr("built_for_mlx") = CADENCE_STR(MLX_VERSION_MAJOR) "." CADENCE_STR(
       MLX_VERSION_MINOR) "." CADENCE_STR(MLX_VERSION_PATCH);
-  m.def("matmul", &cadence_cpu::matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
+  m.def("matmul", &cadence_cpu::matmul, "x"_a, "w"_a, "scales"_a, "biases"_a.none(),
         "group_size"_a, "bits"_a,
-        "x[M, K] @ dequantize(w).T -> [M, N] float32 (mlx affine layout, 4 or 8 bits).");
+        "x[M, K] @ dequantize(w).T -> [M, N] float32 (mlx affine layout, 4 or 8 bits; "
+        "biases None: mxfp4, scales float32 2^(e - 127)).");
   m.def("expert_matmul", &cadence_cpu::expert_matmul, "x"_a, "experts"_a, "w"_a, "scales"_a,
-        "biases"_a, "group_size"_a, "bits"_a,
+        "biases"_a.none(), "group_size"_a, "bits"_a,
         "x[R, K], experts[R, k] -> [R, k, N] float32: each row times each of its experts' "
         "quantized weights (w [E, N, K * bits / 32], mlx affine layout).");
   m.def("dense_expert_matmul", &cadence_cpu::dense_expert_matmul, "x"_a, "experts"_a, "w"_a,

@@ -31,7 +31,7 @@ void check_layer(const BlockLayer& layer, int64_t K, int64_t N, const char* name
   if (layer.bits == 0) {
     check_panels(layer.w, static_cast<int>(K), layer.N);
   } else {
-    check_quantized_operands(layer.w, layer.scales, layer.biases, layer.group_size, layer.bits);
+    check_quantized_operands(layer.w, layer.scales, &layer.biases, layer.group_size, layer.bits);
     require(layer.w.ndim() == 2 && static_cast<int64_t>(layer.w.shape(1)) * 32 / layer.bits == K &&
                 layer.w.shape(0) == N,
             what + " must be [" + std::to_string(N) + ", " + std::to_string(K) + "]");

@@ -358,7 +358,7 @@ void dequantize_panel(const QuantizedPanelJob& job, int panel, int k0, int kc, f
           const int j = v * L + l;
           const int64_t at = static_cast<int64_t>(n0 + j) * groups_per_row + group;
           scale[v][l] = j < cols ? job.scales[at] : 0.0f;
-          bias[v][l] = j < cols ? job.biases[at] : 0.0f;
+          bias[v][l] = j < cols && job.biases != nullptr ? job.biases[at] : 0.0f;
         }
       }
     }
@@ -369,8 +369,14 @@ void dequantize_panel(const QuantizedPanelJob& job, int panel, int k0, int kc, f
     for (int t = 0; t < per_word; ++t) {
       float* row = tile + static_cast<int64_t>(k + t - k0) * kPanelWidth;
       for (int v = 0; v < kPanelVectors; ++v) {
-        const F q = __builtin_convertvector((FI)((words[v] >> (bits * t)) & mask), F);
-        store(row + v * L, q * scale[v] + bias[v]);
+        const FI code = (FI)((words[v] >> (bits * t)) & mask);
+        if (job.biases == nullptr) {  // mxfp4: the E2M1 value of the code, times the scale
+          F q;
+          for (int l = 0; l < L; ++l) q[l] = kE2M1[code[l]];
+          store(row + v * L, q * scale[v]);
+        } else {
+          store(row + v * L, __builtin_convertvector(code, F) * scale[v] + bias[v]);
+        }
       }
     }
   }

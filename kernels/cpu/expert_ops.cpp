@@ -67,11 +67,14 @@ ExpertGroups group_by_expert(const uint32_t* ids, int64_t num_pairs, int64_t num
 }  // namespace
 
 mx::array expert_matmul(const mx::array& x, const mx::array& experts, const mx::array& w,
-                        const mx::array& scales, const mx::array& biases, int group_size,
-                        int bits) {
+                        const mx::array& scales, const std::optional<mx::array>& biases,
+                        int group_size, int bits) {
   check_pairs(x, experts, w);
   if (bits != 4 && bits != 8) {
     refuse("bits must be 4 or 8");
+  }
+  if (!biases && (bits != 4 || group_size != 32)) {
+    refuse("without biases (mxfp4), 4 bits in groups of 32");
   }
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     refuse("group_size must be 32, 64 or 128");
@@ -82,11 +85,14 @@ mx::array expert_matmul(const mx::array& x, const mx::array& experts, const mx::
     refuse("w must be uint32 [E, N, K * bits / 32] for x's K, a multiple of group_size");
   }
   const mx::Shape groups{w.shape(0), w.shape(1), static_cast<int>(K / group_size)};
-  if (scales.shape() != groups || biases.shape() != groups || scales.dtype() != mx::float32 ||
-      biases.dtype() != mx::float32) {
+  if (scales.shape() != groups || scales.dtype() != mx::float32 ||
+      (biases && (biases->shape() != groups || biases->dtype() != mx::float32))) {
     refuse("scales and biases must be float32 [E, N, K / group_size]");
   }
-  return pairs_out(x, experts, w, group_size, bits, {x, experts, w, scales, biases});
+  if (!biases) {
+    return pairs_out(x, experts, w, group_size, bits, {x, experts, w, scales});
+  }
+  return pairs_out(x, experts, w, group_size, bits, {x, experts, w, scales, *biases});
 }
 
 mx::array dense_expert_matmul(const mx::array& x, const mx::array& experts, const mx::array& w) {
@@ -135,7 +141,8 @@ void ExpertMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
       if (bits != 0) {
         const int64_t words = int64_t{N} * (int64_t{K} * bits / 32), scale_count = int64_t{N} * (K / group_size);
         quantized_matmul_rows(gathered.data(), K, 1, M, K, w.data<uint32_t>() + e * words,
-                              in[3].data<float>() + e * scale_count, in[4].data<float>() + e * scale_count,
+                              in[3].data<float>() + e * scale_count,
+                              in.size() > 4 ? in[4].data<float>() + e * scale_count : nullptr,
                               N, group_size, bits, products.data());
       } else {
         const char* base = static_cast<const char*>(w.data<void>());

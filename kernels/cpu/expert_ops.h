@@ -1,6 +1,8 @@
 // A custom mlx primitive for routed experts' matmuls on the CPU (see kernels/expert_matmul.py).
 #pragma once
 
+#include <optional>
+
 #include <cstdint>
 
 #include "mlx/array.h"
@@ -17,10 +19,11 @@ namespace mx = mlx::core;
 // expert gets zeros.
 //
 // Quantized: w [E, N, K * bits / 32] uint32 in mlx's affine layout, scales and biases
-// [E, N, K / group_size] float32.
+// [E, N, K / group_size] float32; without biases, mlx's mxfp4 (4 bits, group 32, the
+// scales float32 2^(e - 127): see MatmulJob).
 mx::array expert_matmul(const mx::array& x, const mx::array& experts, const mx::array& w,
-                        const mx::array& scales, const mx::array& biases, int group_size,
-                        int bits);
+                        const mx::array& scales, const std::optional<mx::array>& biases,
+                        int group_size, int bits);
 
 // Dense: w [E, N, K] float32, float16 or bfloat16 (widened exactly as read).
 mx::array dense_expert_matmul(const mx::array& x, const mx::array& experts, const mx::array& w);

@@ -70,11 +70,14 @@ const Kernels& kernels(int num_rows) {
 void check_quantized_operands(
     const mx::array& w,
     const mx::array& scales,
-    const mx::array& biases,
+    const mx::array* biases,
     int group_size,
     int bits) {
   if (bits != 4 && bits != 8) {
     throw std::invalid_argument("cadence quantized kernels: bits must be 4 or 8");
+  }
+  if (biases == nullptr && (bits != 4 || group_size != 32)) {
+    throw std::invalid_argument("cadence quantized kernels: without biases (mxfp4), 4 bits in groups of 32");
   }
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     throw std::invalid_argument("cadence quantized kernels: group_size must be 32, 64 or 128");
@@ -87,7 +90,7 @@ void check_quantized_operands(
     throw std::invalid_argument("cadence quantized kernels: K is not a multiple of group_size");
   }
   const mx::Shape groups{w.shape(0), static_cast<int>(K / group_size)};
-  if (scales.shape() != groups || biases.shape() != groups) {
+  if (scales.shape() != groups || (biases != nullptr && biases->shape() != groups)) {
     throw std::invalid_argument(
         "cadence quantized kernels: scales and biases must be [N, K / group_size]");
   }
@@ -106,11 +109,13 @@ void require_row_contiguous(const mx::array& a, const char* what) {
   }
 }
 
-// inputs[first..first+2] are w, scales and biases, read in place by the row kernels.
+// inputs[first..first+2] are w, scales and biases (if any), read in place by the row kernels.
 void require_packed_weight(const std::vector<mx::array>& inputs, size_t first) {
   require_row_contiguous(inputs[first], "w");
   require_row_contiguous(inputs[first + 1], "scales");
-  require_row_contiguous(inputs[first + 2], "biases");
+  if (inputs.size() > first + 2) {
+    require_row_contiguous(inputs[first + 2], "biases");
+  }
 }
 
 struct MatmulTask {
@@ -165,10 +170,10 @@ mx::array matmul(
     const mx::array& x,
     const mx::array& w,
     const mx::array& scales,
-    const mx::array& biases,
+    const std::optional<mx::array>& biases,
     int group_size,
     int bits) {
-  check_quantized_operands(w, scales, biases, group_size, bits);
+  check_quantized_operands(w, scales, biases ? &*biases : nullptr, group_size, bits);
   const int K = w.shape(1) * 32 / bits;
   if (x.ndim() < 1 || x.shape(-1) != K) {
     throw std::invalid_argument("cadence quantized matmul: x must be [..., K] with K = w's columns");
@@ -180,7 +185,8 @@ mx::array matmul(
       std::move(shape),
       mx::float32,
       std::make_shared<QuantizedRowsMatmul>(s, group_size, bits),
-      {as_float32(x, s), w, as_float32(scales, s), as_float32(biases, s)});
+      biases ? std::vector<mx::array>{as_float32(x, s), w, as_float32(scales, s), as_float32(*biases, s)}
+             : std::vector<mx::array>{as_float32(x, s), w, as_float32(scales, s)});
 }
 
 void quantized_matmul_rows(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
@@ -220,7 +226,7 @@ void QuantizedRowsMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::arr
     quantized_matmul_rows(
         is_2d ? x.data<float>() : row_major_data(x, x_copy), is_2d ? x.strides(0) : K,
         is_2d ? x.strides(1) : 1, leading_rows(x), K, w.data<uint32_t>(), in[2].data<float>(),
-        in[3].data<float>(), w.shape(0), group_size, bits, out.data<float>());
+        in.size() > 3 ? in[3].data<float>() : nullptr, w.shape(0), group_size, bits, out.data<float>());
   });
 }
 

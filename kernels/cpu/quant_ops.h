@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "mlx/array.h"
@@ -11,12 +12,13 @@ namespace cadence_cpu {
 
 namespace mx = mlx::core;
 
-// x[M, K] @ dequantize(w, scales, biases).T -> [M, N] float32.
+// x[M, K] @ dequantize(w, scales, biases).T -> [M, N] float32. Without biases, mlx's
+// mxfp4 (4 bits, group 32; scales float32 2^(e - 127), see MatmulJob).
 mx::array matmul(
     const mx::array& x,
     const mx::array& w,
     const mx::array& scales,
-    const mx::array& biases,
+    const std::optional<mx::array>& biases,
     int group_size,
     int bits);
 
@@ -27,9 +29,10 @@ void quantized_matmul_rows(const float* x, int64_t row_stride, int64_t col_strid
                            const uint32_t* w, const float* scales, const float* biases, int N,
                            int group_size, int bits, float* out);
 
-// Throws std::invalid_argument unless w, scales, biases are a kernel layout of bits, group_size.
+// Throws std::invalid_argument unless w, scales, biases are a kernel layout of bits, group_size
+// (biases null: mxfp4, 4 bits in groups of 32).
 void check_quantized_operands(const mx::array& w, const mx::array& scales,
-                              const mx::array& biases, int group_size, int bits);
+                              const mx::array* biases, int group_size, int bits);
 
 uint64_t num_kernel_calls();  // quantized matmuls run on the CPU, ever
 std::string isa();  // the instruction set the row kernels run with

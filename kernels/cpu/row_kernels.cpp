@@ -6,7 +6,7 @@
 // cadence promises greedy parity with mlx-lm, whose reference rounds only the weights.
 #include <string.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>  // always-inline intrinsics only: no symbol a baseline copy could bind
 #endif
 
@@ -68,6 +68,39 @@ inline typename Vec<L>::f32 unpack(typename Vec<L>::u32 shifted) {
   return __builtin_convertvector((I)(shifted & ((1u << BITS) - 1)), F);
 }
 
+// The E2M1 value of each lane's low 4 bits (mxfp4's codes). With AVX-512 one permute
+// looks it up, with AVX2 one permute (the magnitude) and a sign flip; elsewhere its
+// bits are built: exponent field e = (c >> 1) & 3 and
+// mantissa bit m = c & 1 give (1 + m / 2) 2^(e - 1) for e > 0 and m / 2 for e = 0, and
+// bit 3 is the sign.
+template <int L>
+inline typename Vec<L>::f32 unpack_e2m1(typename Vec<L>::u32 shifted) {
+  using F = typename Vec<L>::f32;
+  using I = typename Vec<L>::i32;
+#if defined(__AVX512F__)
+  if constexpr (L == 16) {
+    return (F)_mm512_permutexvar_ps((__m512i)shifted, _mm512_loadu_ps(kE2M1));
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (L == 8) {  // the magnitude looked up by the low 3 bits, bit 3 the sign
+    const __m256i code = (__m256i)shifted;
+    const __m256 magnitude = _mm256_permutevar8x32_ps(_mm256_loadu_ps(kE2M1), code);
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(8)), 28);
+    return (F)_mm256_xor_ps(magnitude, _mm256_castsi256_ps(sign));
+  }
+#endif
+  using U = typename Vec<L>::u32;
+  const U code = shifted & 15u;
+  const U exponent = (code >> 1) & 3u, mantissa = code & 1u;
+  const U normal = ((exponent + 126u) << 23) | (mantissa << 22);
+  const U magnitude = (U)(exponent == 0u ? (I)(mantissa * 0x3F000000u) : (I)normal);  // 0.5f: 0x3F000000
+  const U bits = magnitude | ((code >> 3) << 31);
+  F value;
+  memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
 // Each lane's scale: lane l of a block belongs to group first + lane_group[l].
 template <int L>
 inline typename Vec<L>::f32 block_scale(
@@ -92,7 +125,7 @@ inline typename Vec<L>::f32 block_scale(
 // Lane l of block b holds word b * L + l; x is packed to match (MatmulJob::xt).
 // ROWS is a template argument so that the totals live in registers: indexed by a
 // run-time count they went through the stack on every block.
-template <int BITS, int L, int ROWS>
+template <int BITS, bool FP4, int L, int ROWS>
 __attribute__((always_inline)) inline void add_blocks(
     const uint32_t* w,
     const float* scales,
@@ -121,7 +154,11 @@ __attribute__((always_inline)) inline void add_blocks(
     memcpy(&packed, w + word, sizeof packed);
     F q[kPerWord];
     for (int j = 0; j < kPerWord; ++j) {
-      q[j] = unpack<BITS, L>(packed >> (BITS * j));
+      if constexpr (FP4) {
+        q[j] = unpack_e2m1<L>(packed >> (BITS * j));
+      } else {
+        q[j] = unpack<BITS, L>(packed >> (BITS * j));
+      }
     }
     const F s = block_scale<L>(scales + (first_value >> group_shift), groups_per_block, lane_group);
     for (int r = 0; r < ROWS; ++r) {
@@ -140,20 +177,20 @@ __attribute__((always_inline)) inline void add_blocks(
   }
 }
 
-template <int BITS, int L>
+template <int BITS, bool FP4, int L>
 __attribute__((always_inline)) inline void add_blocks(
     const uint32_t* w, const float* scales, const float* const* x_rows, int rows, int group,
     int first_word, int end_word, float* partial) {
   static_assert(kMaxRowsTogether == 4, "one case per row count");
   switch (rows) {
     case 1:
-      return add_blocks<BITS, L, 1>(w, scales, x_rows, group, first_word, end_word, partial);
+      return add_blocks<BITS, FP4, L, 1>(w, scales, x_rows, group, first_word, end_word, partial);
     case 2:
-      return add_blocks<BITS, L, 2>(w, scales, x_rows, group, first_word, end_word, partial);
+      return add_blocks<BITS, FP4, L, 2>(w, scales, x_rows, group, first_word, end_word, partial);
     case 3:
-      return add_blocks<BITS, L, 3>(w, scales, x_rows, group, first_word, end_word, partial);
+      return add_blocks<BITS, FP4, L, 3>(w, scales, x_rows, group, first_word, end_word, partial);
     default:
-      return add_blocks<BITS, L, 4>(w, scales, x_rows, group, first_word, end_word, partial);
+      return add_blocks<BITS, FP4, L, 4>(w, scales, x_rows, group, first_word, end_word, partial);
   }
 }
 
@@ -173,7 +210,7 @@ inline float bias_term(const float* biases, const float* xsum, int num_groups) {
   return offset;
 }
 
-template <int BITS>
+template <int BITS, bool FP4>
 void matmul_rows_bits(const MatmulJob& job, int row_begin, int row_end) {
   constexpr int kPerWord = 32 / BITS;
   constexpr uint32_t kMask = (1u << BITS) - 1;
@@ -185,7 +222,7 @@ void matmul_rows_bits(const MatmulJob& job, int row_begin, int row_end) {
   for (int n = row_begin; n < row_end; ++n) {
     const uint32_t* w = job.w + static_cast<int64_t>(n) * words_per_row;
     const float* scales = job.scales + static_cast<int64_t>(n) * num_groups;
-    const float* biases = job.biases + static_cast<int64_t>(n) * num_groups;
+    const float* biases = FP4 ? nullptr : job.biases + static_cast<int64_t>(n) * num_groups;
     for (int m0 = 0; m0 < job.M; m0 += kMaxRowsTogether) {
       const int rows = job.M - m0 < kMaxRowsTogether ? job.M - m0 : kMaxRowsTogether;
       const float* x_rows[kMaxRowsTogether];
@@ -193,9 +230,9 @@ void matmul_rows_bits(const MatmulJob& job, int row_begin, int row_end) {
       for (int r = 0; r < rows; ++r) {
         x_rows[r] = job.xt + static_cast<int64_t>(m0 + r) * K;
       }
-      add_blocks<BITS, kWideLanes>(w, scales, x_rows, rows, group, 0, wide_end, partial);
+      add_blocks<BITS, FP4, kWideLanes>(w, scales, x_rows, rows, group, 0, wide_end, partial);
       if (kWideLanes != 8 && narrow_end > wide_end) {
-        add_blocks<BITS, 8>(w, scales, x_rows, rows, group, wide_end, narrow_end, partial);
+        add_blocks<BITS, FP4, 8>(w, scales, x_rows, rows, group, wide_end, narrow_end, partial);
       }
       for (int r = 0; r < rows; ++r) {
         const int64_t m = m0 + r;
@@ -204,11 +241,12 @@ void matmul_rows_bits(const MatmulJob& job, int row_begin, int row_end) {
         for (int word = narrow_end; word < words_per_row; ++word) {
           for (int j = 0; j < kPerWord; ++j) {
             const int k = word * kPerWord + j;
-            tail += static_cast<float>((w[word] >> (BITS * j)) & kMask) * scales[k / group] * x[k];
+            const uint32_t q = (w[word] >> (BITS * j)) & kMask;
+            tail += (FP4 ? kE2M1[q] : static_cast<float>(q)) * scales[k / group] * x[k];
           }
         }
-        job.out[m * job.N + n] =
-            partial[r] + tail + bias_term<kWideLanes>(biases, job.xsum + m * num_groups, num_groups);
+        const float offset = FP4 ? 0.0f : bias_term<kWideLanes>(biases, job.xsum + m * num_groups, num_groups);
+        job.out[m * job.N + n] = partial[r] + tail + offset;
       }
     }
   }
@@ -221,10 +259,12 @@ int matmul_lanes() {
 }
 
 void matmul_rows(const MatmulJob& job, int row_begin, int row_end) {
-  if (job.bits == 4) {
-    matmul_rows_bits<4>(job, row_begin, row_end);
+  if (job.biases == nullptr) {
+    matmul_rows_bits<4, true>(job, row_begin, row_end);
+  } else if (job.bits == 4) {
+    matmul_rows_bits<4, false>(job, row_begin, row_end);
   } else {
-    matmul_rows_bits<8>(job, row_begin, row_end);
+    matmul_rows_bits<8, false>(job, row_begin, row_end);
   }
 }
 

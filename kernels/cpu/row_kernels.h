@@ -14,15 +14,21 @@ namespace cadence_cpu {
 // One quantized matmul, out = x @ dequantize(w).T, over mlx's affine layout:
 // w[n] packs K values of `bits` bits, lowest bits first, 32/bits per uint32;
 // value k of row n is q * scales[n, k / group] + biases[n, k / group].
+// Or, with no biases, mlx's mxfp4 (4 bits, group 32): q is an E2M1 code, the value
+// kE2M1[q] * scales[n, k / group] (the scale 2^(e - 127) of the group's exponent e).
 struct MatmulJob {
   const uint32_t* w;  // [N, K * bits / 32]
   const float* scales;  // [N, K / group_size]
-  const float* biases;  // [N, K / group_size]
+  const float* biases;  // [N, K / group_size], or null: mxfp4
   const float* xt;  // [M, K]: x with each block's values transposed (pack_activations)
   const float* xsum;  // [M, K / group_size]: x summed over each group (for the biases)
   float* out;  // [M, N]
   int M, N, K, group_size, bits;
 };
+
+// The 16 values of an E2M1 (4-bit float) code: 1 sign bit, 2 exponent bits, 1 mantissa bit.
+constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 // How a dense weight is stored: float32, or 16 bits (widened to float32 exactly as
 // they are read, so the products are those of the float32 expansion).
@@ -68,7 +74,7 @@ struct QuantizedPanelJob {
   const float* x_panels;  // x by pack_panel_block
   const uint32_t* w;  // [N, K * bits / 32]
   const float* scales;  // [N, K / group_size]
-  const float* biases;
+  const float* biases;  // or null: mxfp4, as MatmulJob
   float* out;  // [M, N]
   int M, N, K, group_size, bits;
 };

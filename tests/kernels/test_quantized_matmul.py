@@ -7,6 +7,8 @@ import pytest
 
 from kernels import cpu_extension as loader
 from kernels.quantized_matmul import (
+    exponent_scales,
+    is_kernel_layout,
     quantized_matmul,
     reference_quantized_matmul,
     uses_cpu_kernel,
@@ -47,6 +49,39 @@ def test_rows_past_the_row_kernel_go_through_panel_tiles_in_passes_of_2048(bits)
         ours = quantized_matmul(x, w, scales, biases, 128, bits)
         reference = reference_quantized_matmul(x, w, scales, biases, 128, bits)
         assert mx.allclose(ours, reference, rtol=1e-4, atol=1e-3).item(), (bits, m)
+
+
+def mxfp4(n, k, seed=0):
+    """(packed weight, uint8 exponents, the float32 weight they decode to) of random values
+    over many scales, so that the exponents vary (row r is scaled by 4^(r % 5 - 2))."""
+    w = mx.random.normal((n, k), key=mx.random.key(seed)) * (4.0 ** (mx.arange(n) % 5 - 2))[:, None]
+    packed, exponents = mx.quantize(w, group_size=32, bits=4, mode="mxfp4")
+    dense = mx.dequantize(packed, exponents, group_size=32, bits=4, mode="mxfp4", dtype=mx.float32)
+    return packed, exponents, dense
+
+
+@needs_kernels
+def test_mxfp4_runs_on_the_kernels_and_matches_its_dequantized_weight():
+    """Its E2M1 codes looked up, its exponents as float32 scales: the row kernel (1-7
+    rows) and the panel tiles (8+); K an odd number of 64-value blocks, N odd."""
+    assert is_kernel_layout(32, 4, "mxfp4") and not is_kernel_layout(64, 4, "mxfp4")
+    packed, exponents, dense = mxfp4(37, 3 * 32 + 2048, seed=5)
+    scales = exponent_scales(exponents)
+    assert mx.array_equal(scales, mx.power(2.0, exponents.astype(mx.float32) - 127)).item()
+    calls = loader.cpu_extension().num_kernel_calls()
+    for m in (1, 3, 4, 5, 8, 13, 40):
+        x = mx.random.normal((m, packed.shape[1] * 8), key=mx.random.key(m))
+        ours = quantized_matmul(x, packed, scales, None, 32, 4, "mxfp4")
+        want = x @ dense.T
+        assert mx.allclose(ours, want, rtol=1e-4, atol=1e-3).item(), m
+    assert loader.cpu_extension().num_kernel_calls() == calls + 7
+
+
+def test_every_exponent_becomes_its_exact_scale():
+    exponents = mx.arange(256).astype(mx.uint8)
+    scales = exponent_scales(exponents)
+    assert scales[0].item() == 2.0**-127 and scales[1].item() == 2.0**-126 and scales[254].item() == 2.0**127
+    assert mx.array_equal(scales[1:255], mx.power(2.0, mx.arange(1, 255).astype(mx.float32) - 127)).item()
 
 
 def test_keeps_leading_dimensions_and_the_input_dtype():
@@ -124,6 +159,13 @@ for bits in (4, 8):
             ours = ext.matmul(x, w, scales, biases, group_size, bits)
             want = reference_quantized_matmul(x, w, scales, biases, group_size, bits)
             assert mx.allclose(ours, want, rtol=1e-4, atol=1e-4).item(), (bits, group_size, m)
+from kernels.quantized_matmul import exponent_scales
+w, e = mx.quantize(mx.random.normal((37, 160)), group_size=32, bits=4, mode="mxfp4")
+dense = mx.dequantize(w, e, group_size=32, bits=4, mode="mxfp4", dtype=mx.float32)
+for m in (1, 3, 16):  # every code of mxfp4, through the row kernel and the panels
+    x = mx.random.normal((m, 160))
+    ours = ext.matmul(x, w, exponent_scales(e), None, 32, 4)
+    assert mx.allclose(ours, x @ dense.T, rtol=1e-4, atol=1e-4).item(), ("mxfp4", m)
 print(ext.isa())
 """
 

@@ -174,19 +174,27 @@ MICROSCALING = {"mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
 @pytest.mark.parametrize("keep_dtype", [False, True], ids=["float32", "kept"])
 @pytest.mark.parametrize("mode", MICROSCALING)
 def test_microscaling_checkpoints_keep_greedy_parity_with_mlx_lm(make_checkpoint, mode, keep_dtype):
-    """Expanded to float32 (the CPU default) or kept packed, as a model too large for
-    float32 is, the tokens are mlx-lm's."""
+    """Expanded to float32 (the CPU default), or, for mxfp4, run packed by cadence's
+    kernels, or kept packed for mlx, as a model too large for float32 is, the tokens are
+    mlx-lm's."""
     path = make_checkpoint(
         "llama", quantize=MICROSCALING[mode], quantize_mode=mode, **SHAPE, tie_word_embeddings=True
     )
     loaded = load_model(path, keep_dtype=keep_dtype)
     leaves = nn.utils.tree_flatten(loaded.model.leaf_modules(), is_leaf=nn.Module.is_module)
     packed = [m for _, m in leaves if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    on_kernels = [m for m in packed if isinstance(m, KernelQuantizedLinear)]
     if keep_dtype:  # 2 layers x 7 projections, and the embedding (the tied head)
-        assert len(packed) == 15 and all(m.mode == mode for m in packed)
+        assert len(packed) == 15 and all(m.mode == mode for m in packed) and not on_kernels
+    elif mode == "mxfp4" and IS_BUILT:  # the layers stacked (qkv, gate_up), the embedding mlx's
+        assert len(on_kernels) == 2 * 4 and all(m.mode == "mxfp4" for m in on_kernels)
+        assert len(packed) == len(on_kernels) + 1
     else:
         assert not packed
+    calls = loader.cpu_extension().num_kernel_calls() if IS_BUILT else 0
     ours = greedy(loaded)
+    if on_kernels:
+        assert loader.cpu_extension().num_kernel_calls() > calls
     assert ours == mlx_lm_greedy(path)
     assert len(set(ours)) > 4, "the test model should not be degenerate"
 

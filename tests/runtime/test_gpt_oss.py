@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from kernels import paged_attention
+from kernels.cpu_extension import cpu_extension
 from tests.kernels.test_paged_attention import ATTENTION_PATHS
 from tests.kernels.test_quantized_models import greedy, mlx_lm_greedy
 
@@ -145,7 +146,13 @@ def test_openais_mxfp4_release_layout_loads_as_mlx_lm_reads_it(tmp_path: Path):
     reference = mlx_lm.load(str(path))[0]
     assert mx.allclose(ours.model(TOKENS), reference(TOKENS), atol=1e-4).item()
     prompt = TOKENS[0, :20].tolist()
-    assert greedy(load_model(path), prompt, 16) == mlx_lm_greedy(path, prompt, 16)
+    on_cpu = load_model(path)  # the experts on cadence's kernel: its exponents as float32 scales
+    ext = cpu_extension()
+    calls = ext.num_expert_calls() if ext is not None else 0
+    assert greedy(on_cpu, prompt, 16) == mlx_lm_greedy(path, prompt, 16)
+    if ext is not None:
+        assert on_cpu.model.model.layers[0].mlp.switch_mlp.up_proj.scales.dtype == mx.float32
+        assert ext.num_expert_calls() > calls
 
 
 def test_transformers_float_layout_loads_as_the_stacked_one(tmp_path: Path):
