@@ -338,6 +338,20 @@ void panel_matmul_of(const PanelMatmulJob& job, int panel_begin, int panel_end) 
 // shift, a mask, a conversion and an FMA across L columns, stored as one row of the tile.
 constexpr int kPanelVectors = kPanelWidth / L;  // a whole panel's columns, in vectors
 
+// The E2M1 value of each lane's 4-bit code (row_kernels.cpp's unpack_e2m1, its bits
+// built): exponent field e and mantissa bit m give (1 + m / 2) 2^(e - 1), or m / 2 for
+// e = 0; bit 3 is the sign.
+inline F e2m1_values(FI signed_code) {
+  const U code = (U)signed_code;
+  const U exponent = (code >> 1) & 3u, mantissa = code & 1u;
+  const U normal = ((exponent + 126u) << 23) | (mantissa << 22);
+  const U magnitude = (U)(exponent == 0u ? (FI)(mantissa * 0x3F000000u) : (FI)normal);  // 0.5f: 0x3F000000
+  const U bits = magnitude | ((code & 8u) << 28);
+  F value;
+  memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
 void dequantize_panel(const QuantizedPanelJob& job, int panel, int k0, int kc, float* tile) {
   const int bits = job.bits, per_word = 32 / bits;
   const uint32_t mask = (1u << bits) - 1;
@@ -371,9 +385,7 @@ void dequantize_panel(const QuantizedPanelJob& job, int panel, int k0, int kc, f
       for (int v = 0; v < kPanelVectors; ++v) {
         const FI code = (FI)((words[v] >> (bits * t)) & mask);
         if (job.biases == nullptr) {  // mxfp4: the E2M1 value of the code, times the scale
-          F q;
-          for (int l = 0; l < L; ++l) q[l] = kE2M1[code[l]];
-          store(row + v * L, q * scale[v]);
+          store(row + v * L, e2m1_values(code) * scale[v]);
         } else {
           store(row + v * L, __builtin_convertvector(code, F) * scale[v] + bias[v]);
         }
