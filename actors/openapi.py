@@ -13,11 +13,11 @@ from typing import Any
 
 from actors.choices import DEFAULT_MAX_N
 from actors.openai_requests import UNSUPPORTED_CHAT_FIELDS
+from actors.openapi_messages import MESSAGE_SCHEMA, TEXT_PART_SCHEMA
 from actors.openapi_tools import (
     STRUCTURED_OUTPUT_FIELDS,
     TOOL_CALLS_REPLY,
     TOOL_FIELDS,
-    TOOL_MESSAGE_FIELDS,
     TOOL_SCHEMA,
 )
 from actors.openapi_tools import or_null as _or_null  # one definition for both documents
@@ -38,12 +38,6 @@ def _number(low: float, high: float, *, is_low_allowed: bool = True) -> dict[str
     bound = "minimum" if is_low_allowed else "exclusiveMinimum"
     return _or_null({"type": "number", bound: low, "maximum": high})
 
-
-_REFUSAL_PART: dict[str, Any] = {
-    "type": "object",
-    "required": ["type", "refusal"],
-    "properties": {"type": {"const": "refusal"}, "refusal": {"type": "string"}},
-}
 
 _COMMON_FIELDS: dict[str, Any] = {
     "model": {"type": "string", "description": "must name the served model (GET /v1/models)"},
@@ -238,44 +232,9 @@ _SCHEMAS: dict[str, Any] = {
         },
         "allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS, _BEST_OF_BOUNDS_N],
     },
-    "Message": {
-        "type": "object",
-        "required": ["role"],
-        "properties": {
-            "role": {"enum": ["system", "user", "assistant", "tool", "developer"]},
-            "content": {
-                "anyOf": [
-                    {"type": "string"},
-                    {"type": "array", "items": {"$ref": _REF + "TextPart"}},
-                    {
-                        "type": "array",
-                        "description": "an assistant turn's, as OpenAI's replies hold them",
-                        "items": {"anyOf": [{"$ref": _REF + "TextPart"}, _REFUSAL_PART]},
-                    },
-                    {"type": "null"},
-                ]
-            },
-            **TOOL_MESSAGE_FIELDS,
-            # An assistant turn's reasoning as replied, under either name.
-            "reasoning": _or_null({"type": "string"}),
-            "reasoning_content": _or_null({"type": "string"}),
-        },
-        # Refusal parts and reasoning on an assistant turn only.
-        "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
-        "then": {
-            "properties": {
-                "content": {"not": {"type": "array", "contains": _REFUSAL_PART}},
-                "reasoning": {"type": "null"},
-                "reasoning_content": {"type": "null"},
-            }
-        },
-    },
+    "Message": MESSAGE_SCHEMA,
     "Tool": TOOL_SCHEMA,
-    "TextPart": {
-        "type": "object",
-        "required": ["type", "text"],
-        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-    },
+    "TextPart": TEXT_PART_SCHEMA,
     "CompletionRequest": {
         "type": "object",
         "required": ["model", "prompt"],
