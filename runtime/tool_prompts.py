@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from runtime.grammar import JSON_OPTIONS, GrammarSpec, answer_json_schema
@@ -69,24 +69,23 @@ def tool_call_grammar(
         token_id = (control_tokens or {}).get(text)
         return json.dumps(text) if token_id is None else f"<[{token_id}]>"
 
+    def marked_calls(opening: str, between: Callable[[str], str]) -> GrammarSpec:
+        """`opening`, then one call: its `between(name)` and its arguments' JSON."""
+        rules = [
+            f"call_{i}: {between(f['name'])} %json "
+            + json.dumps({**_own_resource(_parameters(f), i), "x-guidance": JSON_OPTIONS})
+            for i, f in enumerate(functions)
+        ]
+        choice = " | ".join(f"call_{i}" for i in range(len(rules)))
+        return _with_answer(f"tool_call: {opening} call\ncall: {choice}\n" + "\n".join(rules), answer)
+
     if style == "harmony":  # <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}
-        rules = [
-            f'call_{i}: {json.dumps(f["name"] + " ")} {marker(CONSTRAIN)} "json" {marker(MESSAGE)} %json '
-            + json.dumps({**_own_resource(_parameters(f), i), "x-guidance": JSON_OPTIONS})
-            for i, f in enumerate(functions)
-        ]
-        choice = " | ".join(f"call_{i}" for i in range(len(rules)))
-        lark = f'tool_call: {marker(CHANNEL)} "commentary to=functions." call\ncall: {choice}\n' + "\n".join(rules)
-        return _with_answer(lark, answer)
+        return marked_calls(
+            f'{marker(CHANNEL)} "commentary to=functions."',
+            lambda name: f'{json.dumps(name + " ")} {marker(CONSTRAIN)} "json" {marker(MESSAGE)}',
+        )
     if style == "mistral":  # [TOOL_CALLS]name[ARGS]arguments
-        rules = [
-            f"call_{i}: {json.dumps(f['name'])} {marker(ARGS)} %json "
-            + json.dumps({**_own_resource(_parameters(f), i), "x-guidance": JSON_OPTIONS})
-            for i, f in enumerate(functions)
-        ]
-        choice = " | ".join(f"call_{i}" for i in range(len(rules)))
-        lark = f"tool_call: {marker(TOOL_CALLS)} call\ncall: {choice}\n" + "\n".join(rules)
-        return _with_answer(lark, answer)
+        return marked_calls(marker(TOOL_CALLS), lambda name: f"{json.dumps(name)} {marker(ARGS)}")
     key = "parameters" if style == "llama3_json" else "arguments"
     calls = [
         {
