@@ -39,6 +39,7 @@ from actors.messages import (
     Submit,
     Track,
 )
+from actors.metrics import Metrics
 from actors.requests import GenerateRequest, OverloadedError
 
 log = structlog.get_logger("cadence.admission")
@@ -69,6 +70,7 @@ class Admission:
     compile_threads: trio.CapacityLimiter = attrs.field(
         factory=lambda: trio.CapacityLimiter(COMPILE_THREADS)
     )
+    metrics: Metrics | None = None  # counts the requests whose caller left during admission
 
     def reserve(self) -> None:
         """Take a waiting slot now or raise OverloadedError; never waits."""
@@ -103,7 +105,11 @@ class Admission:
             return
         if admit.reply.statistics().open_receive_channels == 0:  # the caller left meanwhile
             self.waiting_slots.release()
-            bound.info("abandoned", stage="admission")
+            # Its one end event, as the streamer logs a request aborted later (a client
+            # that half-closes its socket after sending is gone by now).
+            if self.metrics is not None:
+                self.metrics.on_aborted()
+            bound.info("aborted", cause="disconnected", stage="admission")
             return
         num_prompt_tokens = len(params.prompt_tokens)
         # Track before Submit: the streamer must know the request before its first token.

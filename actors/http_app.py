@@ -90,6 +90,10 @@ def create_app(
     read it through DNS rebinding (a name of the page's that resolves to 127.0.0.1).
     """
     app = QuartTrio("cadence", static_folder=None)  # no /static route: the one page is at /
+    # "/v1//chat/completions" (a base URL ending in "/v1/") is a 404 in OpenAI's shape:
+    # merged, it was a 308 redirect with an HTML body, which routing raises past the
+    # error handlers.
+    app.url_map.merge_slashes = False
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.config["BODY_GRACE_S"] = body_grace_s
     app.config["BODY_MIN_RATE"] = body_min_rate

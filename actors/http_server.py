@@ -13,9 +13,12 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
+import hypercorn.protocol
 import structlog
 import trio
 from hypercorn.config import Config, Sockets
+from hypercorn.events import Closed, Event
+from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.trio import serve
 
 from actors.cors import CorsPolicy
@@ -87,6 +90,36 @@ async def serve_http(
         nursery.start_soon(cut_off_after_drain)
         await serve(tracked, config, shutdown_trigger=trigger, task_status=task_status)
         nursery.cancel_scope.cancel()
+
+
+class _RefusedH2(H2Protocol):
+    """Hypercorn's HTTP/2, which a connection opening with HTTP/2's preface gets: here it
+    answers the preface with its settings and a GOAWAY and closes at once. Hypercorn's
+    own kept such a connection open for good (its idle timer restarts only when a
+    stream ends, and a peer allowed no streams opens none): a client sending just the
+    24-byte preface, thousands of times, used up the server's file descriptors and every
+    new client hung. An `Upgrade: h2c` request (`initiate` with its headers) is still
+    answered, as Hypercorn does, and its connection idles out once the stream ends."""
+
+    refused = False
+
+    async def initiate(
+        self, headers: list[tuple[bytes, bytes]] | None = None, settings: bytes | None = None
+    ) -> None:
+        if headers is not None:
+            return await super().initiate(headers, settings)
+        self.refused = True
+        self.connection.initiate_connection()
+        self.connection.close_connection()  # GOAWAY: no stream will be served
+        await self._flush()
+        await self.send(Closed())
+
+    async def handle(self, event: Event) -> None:
+        if not self.refused:  # the preface's bytes, handed on after `initiate`
+            await super().handle(event)
+
+
+hypercorn.protocol.H2Protocol = _RefusedH2  # type: ignore[misc]  # the one ProtocolWrapper builds
 
 
 class _Config(Config):

@@ -26,6 +26,7 @@ from actors.openai_tools import (
 )
 from actors.requests import (
     MAX_TOP_LOGPROBS,
+    REASONING_EFFORTS,
     GenerateRequest,
     GenerationError,
     OverloadedError,
@@ -152,6 +153,9 @@ def parse_chat(body: dict[str, Any], *, max_n: int = DEFAULT_MAX_N) -> ApiReques
     # check_request holds the allowlists of keys (messages', the template's) and their types.
     template_kwargs = _field(body, "chat_template_kwargs", dict) or {}
     if (effort := body.get("reasoning_effort")) is not None:  # the template's variable
+        if effort not in REASONING_EFFORTS:  # checked here to name the field the client sent
+            levels = ", ".join(REASONING_EFFORTS)
+            raise ApiError(400, f"'reasoning_effort' must be one of {levels}", param="reasoning_effort")
         template_kwargs = {"reasoning_effort": effort, **template_kwargs}
     return _parse_common(
         body,

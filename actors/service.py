@@ -315,6 +315,7 @@ async def _start_actors(
         waiting_slots,
         GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, engine.eos_ids),
         tool_style_for(loaded.tokenizer.tool_use_template_source, loaded.config.model_type),
+        metrics=metrics,
     )
     actors = (
         Streamer(loaded.tokenizer, stream_recv, sched_send.clone(), metrics, engine.eos_ids),

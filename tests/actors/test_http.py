@@ -827,6 +827,10 @@ async def test_every_bad_request_gets_an_openai_error_object(tiny):
         )
         status, _, got = await in_thread(request, server.url, "GET", "/v1/completions")
         assert status == 405 and got["error"]["type"] == "invalid_request_error"
+        for method, doubled in (("POST", "/v1//chat/completions"), ("GET", "/v1/models//x")):
+            status, headers, got = await in_thread(request, server.url, method, doubled, {})
+            assert (status, got["error"]["code"]) == (404, "unknown_url"), doubled  # not a 308 in HTML
+            assert headers["content-type"] == "application/json"
         # None of the above took the server down: a plain request still completes.
         done = await in_thread(
             server.client().completions.create, model=server.model, prompt="x", max_tokens=3, seed=7

@@ -140,7 +140,11 @@ async def test_reasoning_effort_reaches_the_template_and_is_checked(harmony):
         )
         status, _, answer = await in_thread(
             request, server.url, "POST", "/v1/chat/completions",
-            {"model": server.model, "messages": ASK, "reasoning_effort": "extreme"},
+            {"model": server.model, "messages": ASK, "chat_template_kwargs": {"reasoning_effort": "extreme"}},
+        )
+        top_status, _, top_answer = await in_thread(
+            request, server.url, "POST", "/v1/chat/completions",
+            {"model": server.model, "messages": ASK, "reasoning_effort": 5},
         )
     tokenizer = Tokenizer.from_dir(harmony)
     size = {
@@ -152,6 +156,7 @@ async def test_reasoning_effort_reaches_the_template_and_is_checked(harmony):
     assert size["low"] != size["medium"] or size["medium"] != size["high"]  # the check can tell them apart
     assert status == 400 and "low, medium, high" in answer["error"]["message"]
     assert answer["error"]["param"] == "chat_template_kwargs.reasoning_effort"
+    assert top_status == 400 and top_answer["error"]["param"] == "reasoning_effort"  # the field sent
 
 
 async def test_reasoning_replayed_in_a_history_reaches_the_template(harmony):

@@ -427,6 +427,28 @@ async def test_an_http2_client_is_refused_and_the_server_keeps_serving():
 H2_ENDS = (h2.events.StreamEnded, h2.events.StreamReset, h2.events.ConnectionTerminated)
 
 
+async def test_a_connection_that_sends_only_the_http2_preface_is_closed_at_once():
+    """It is answered with settings and a GOAWAY, then closed: held open, a few thousand
+    of them used up the server's file descriptors and every new client hung."""
+    async with loading_server() as port:
+
+        def preface_only():
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+                client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+                client.initiate_connection()
+                received, started = b"", time.monotonic()
+                while data := sock.recv(65536):  # until the server closes
+                    received += data
+                return client.receive_data(received), time.monotonic() - started
+
+        events, waited = await in_thread(preface_only)
+        events2, _ = await in_thread(preface_only)  # and the server goes on serving
+    assert any(isinstance(e, h2.events.RemoteSettingsChanged) for e in events)
+    assert any(isinstance(e, h2.events.ConnectionTerminated) for e in events + events2)
+    assert waited < 2.0  # not the 5 s keep-alive timeout, and not never
+
+
 async def test_idle_waits_for_every_request_in_flight():
     """A drain waits until the last response is sent, not the first."""
     releases = [trio.Event(), trio.Event()]

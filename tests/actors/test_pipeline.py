@@ -10,6 +10,7 @@ from runtime.sequence import FinishCause, SequenceParams
 import pytest
 import trio
 import trio.testing
+from structlog.testing import capture_logs
 
 from actors import GenerationError, OverloadedError, ServiceClosedError
 from actors.generation import Generation
@@ -311,25 +312,34 @@ async def test_a_request_that_arrives_after_abort_all_is_aborted_at_once():
     assert policy.pending_closes == ["late"]  # reported as released with the next plan
 
 
+END_EVENTS = ("finished", "aborted", "rejected", "failed", "abandoned")  # "abandoned": none should
+
+
 async def test_a_caller_gone_before_admission_answered_returns_its_reservation(
     pipeline, autojump_clock
 ):
     """Admission found the reply channel closed when it went to say Accepted: its Abort
     takes the request out of the queue, rather than holding a waiting slot until a row
     frees up for a request nobody reads."""
-    async with (
-        pipeline(max_batch=1, max_waiting=1, max_context=10_000) as (llm, engine),
-        llm.generate([1], max_tokens=5000) as running,
-    ):
-        await running.__anext__()  # it holds the only row
-        gone = llm.generate([2], max_tokens=5)
-        gone.submit()
-        await gone.aclose()  # before admission got to it
-        await wait_for(lambda: llm.num_waiting == 0)
-        extra = llm.generate([3], max_tokens=5)
-        await extra.start()  # the slot came back
-        await extra.aclose()
+    with capture_logs() as logs:
+        async with (
+            pipeline(max_batch=1, max_waiting=1, max_context=10_000) as (llm, engine),
+            llm.generate([1], max_tokens=5000) as running,
+        ):
+            await running.__anext__()  # it holds the only row
+            gone = llm.generate([2], max_tokens=5)
+            gone.submit()
+            await gone.aclose()  # before admission got to it
+            await wait_for(lambda: llm.num_waiting == 0)
+            extra = llm.generate([3], max_tokens=5)
+            await extra.start()  # the slot came back
+            await extra.aclose()
+            aborts = llm.metrics.success.labels(llm.name, "abort")._value.get()
     assert engine.submits_with(gone.request_id) == []
+    # Its one end event, the one a request aborted later gets, and counted in /metrics.
+    ends = [e for e in logs if e.get("request_id") == gone.request_id and e["event"] in END_EVENTS]
+    assert [(e["event"], e["cause"], e["stage"]) for e in ends] == [("aborted", "disconnected", "admission")]
+    assert aborts >= 1
 
 
 @pytest.mark.parametrize("leave", ["aclose", "cancelled start"])

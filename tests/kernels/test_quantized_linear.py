@@ -33,6 +33,13 @@ def test_adopted_layers_hold_float32_scales_and_biases_and_compute_the_same():
     assert mx.allclose(head.as_linear(X), reference(embedding), rtol=1e-4, atol=1e-4).item()
 
 
-def test_a_layer_without_biases_is_refused():
+def test_an_mxfp4_layer_is_adopted_with_its_exponents_as_scales_and_an_affine_one_needs_biases():
+    layer = nn.QuantizedLinear(64, 24, group_size=32, bits=4, mode="mxfp4")
+    adopted = KernelQuantizedLinear.adopt(layer)
+    assert "biases" not in adopted and adopted.scales.dtype == mx.float32 and adopted.mode == "mxfp4"
+    dense = mx.dequantize(layer.weight, layer.scales, group_size=32, bits=4, mode="mxfp4", dtype=mx.float32)
+    assert mx.allclose(adopted(X), X @ dense.T, rtol=1e-4, atol=1e-4).item()
+    affine = nn.QuantizedLinear(64, 24, group_size=32, bits=4)
+    affine.pop("biases")
     with pytest.raises(ValueError, match="without biases"):
-        KernelQuantizedLinear.adopt(nn.QuantizedLinear(64, 24, group_size=32, bits=4, mode="mxfp4"))
+        KernelQuantizedLinear.adopt(affine)
