@@ -28,7 +28,7 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
             new.scales = exponent_scales(layer.scales)
         else:
             new.scales = _float32(layer.scales)
-            new.biases = _float32(layer.biases)
+            new.biases = _float32(layer.get("biases"))
         if "bias" in layer:
             new.bias = layer.bias
         new.freeze()
@@ -52,7 +52,7 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
         new.num_embeddings, new.dims = layer.num_embeddings, layer.dims
         new.weight = mx.contiguous(layer.weight)
         new.scales = _float32(layer.scales)
-        new.biases = _float32(layer.biases)
+        new.biases = _float32(layer.get("biases"))
         new.freeze()
         return new
 
