@@ -85,8 +85,10 @@ class GrammarSpec:
             case "lark":
                 return llguidance.LLMatcher.grammar_from_lark(self.source)
             case "choice":
+                # One terminal (a lexer regex) of the alternatives: as parser alternatives,
+                # 2,000 and more were refused ("Current row has 2001 items; max is 2000").
                 choices = json.loads(self.source)
-                lark = "start: " + " | ".join(json.dumps(str(c)) for c in choices)
+                lark = "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(str(c)) for c in choices)
                 return llguidance.LLMatcher.grammar_from_lark(lark)
         raise RequestError(f"unknown grammar kind {self.kind!r}", param=self.param)
 

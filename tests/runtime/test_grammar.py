@@ -285,6 +285,21 @@ def test_every_choice_is_allowed_at_the_start(compiler, model):
         assert allowed[first].item(), choice
 
 
+def test_thousands_of_choices_compile_and_each_is_a_choice_whole(compiler, model):
+    """Past 2,000 choices llguidance's parser refused them as alternatives of a rule; one
+    terminal holds any number. A choice that is a prefix of another ends only there."""
+    choices = [f"item{i}" for i in range(3000)] + ["a", "ab"]
+    grammar = compiler.compile(GrammarSpec("choice", json.dumps(choices), "guided_choice"))
+    for text, done in (("item2999", True), ("item29", False), ("a", False), ("ab", True)):
+        state = grammar.start()
+        for token in model.tokenizer.encode(text, add_special_tokens=False):
+            assert state.advance(token) is None, text
+        assert state.is_done == done, text
+    state = grammar.start()
+    refused = [state.advance(token) for token in model.tokenizer.encode("item3000", add_special_tokens=False)]
+    assert any(reason is not None for reason in refused)
+
+
 def test_a_row_is_done_only_when_its_grammar_can_take_nothing_more(compiler, model):
     """Complete but extensible (one digit of [0-9]+) is not done; a finished choice is."""
 
