@@ -339,7 +339,8 @@ class _NativePlan:
         out, keys, values = ext.paged_attention_write(
             q, k, v, keys, values, step.tables, step.row_of_token, step.positions,
             step.num_kv_heads, step.block_size, step.window or 0, scale, pools_in_place, softcap=softcap,
-            sinks=None if sinks is None else sinks.astype(mx.float32),
+            # A float32 model's are float32 already: no cast op a layer a step.
+            sinks=sinks if sinks is None or sinks.dtype == mx.float32 else sinks.astype(mx.float32),
         )
         return out, keys, values
 
