@@ -64,6 +64,12 @@ class ModelConfig:
     # Per layer: the keys a query sees in a sliding-window layer (itself included),
     # or None for full attention. Empty: every layer is full.
     layer_windows: tuple[int | None, ...] = ()
+    # Per layer that stores K/V: its (KV heads, head dim), where they differ by layer
+    # (Gemma 4's full layers); empty: every layer's are the two fields above.
+    layer_kv_shapes: tuple[tuple[int, int], ...] = ()
+    # How many layers, the first ones, store K/V; the rest read an earlier layer's
+    # (Gemma 4's KV-shared layers). None: every layer stores its own.
+    num_kv_layers: int | None = None
     extra: dict[str, Any] = attrs.field(factory=dict)  # the family's own settings
     # config.json's `quantization_config.quant_method` when it has no MLX `quantization`
     # (GPTQ, AWQ, bitsandbytes, fp8, ...): named if the weights then do not fit.
@@ -72,6 +78,11 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers that store K/V (the KV pools' layers)."""
+        return self.num_hidden_layers if self.num_kv_layers is None else self.num_kv_layers
 
     def window_of(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None

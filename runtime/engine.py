@@ -183,12 +183,13 @@ class Engine:
         self.model_max_context = max_context or config.max_position_embeddings
         self.eos_ids = frozenset(config.eos_token_ids) | loaded.tokenizer.eos_token_ids
         dtype = self.model.model.norm.weight.dtype
-        geometry = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+        geometry = (config.kv_layers, config.num_key_value_heads, config.head_dim)
+        kv_windows = config.layer_windows[: config.kv_layers]
         # Sliding-window layers keep pools of their own, sized for max_batch rows
         # (runtime/kv/layout.py); the budget's rest goes to the first group's blocks.
-        self.kv_layout = KVLayout.for_layers(config.num_hidden_layers, config.layer_windows)
+        self.kv_layout = KVLayout.for_layers(config.kv_layers, kv_windows)
         self.bytes_per_block, self.window_bytes = PagedKV.sizing(
-            self.kv_layout, *geometry[1:], block_size, dtype, max_batch
+            self.kv_layout, *geometry[1:], block_size, dtype, max_batch, config.layer_kv_shapes
         )
         blocks_per_row = self.kv_layout.row_blocks(0, self.model_max_context, block_size)
         num_blocks = pool_blocks(
@@ -196,7 +197,7 @@ class Engine:
         )
         self.kv = PagedKV(
             *geometry, config.num_queries_per_kv, num_blocks, block_size, dtype,
-            config.layer_windows, max_batch,
+            kv_windows, max_batch, config.layer_kv_shapes,
         )
         self.kv_tokens = self.kv_layout.max_row_tokens(num_blocks, block_size)
         self.max_context = min(self.model_max_context, self.kv_tokens)

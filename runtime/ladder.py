@@ -120,6 +120,13 @@ class PaddedForward:
         out = self._inner.attend(layer, q[:n], k[:n], v[:n], *args, **kwargs)
         return mx.concatenate([out, mx.zeros((self._pad, *out.shape[1:]), dtype=out.dtype)])
 
+    def attend_shared(
+        self, layer: int, q: mx.array, k: mx.array, v: mx.array, *args: Any, **kwargs: Any
+    ) -> mx.array:
+        n = self._num_real
+        out = self._inner.attend_shared(layer, q[:n], k[:n], v[:n], *args, **kwargs)
+        return mx.concatenate([out, mx.zeros((self._pad, *out.shape[1:]), dtype=out.dtype)])
+
     def attend_stacked(self, layer: int, qkv: mx.array, *args: Any) -> mx.array:
         return attend_stacked_by_parts(self, layer, qkv, *args)  # pads cut in `attend`
 

@@ -42,6 +42,8 @@ ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "gemma4_text": "Gemma4ForCausalLM",
+    "gemma4": "Gemma4ForConditionalGeneration",
 }
 # Ministral 3's settings with an original context of 16 (the releases': 16,384); the
 # factor is the ratio of max_position_embeddings to it, as in the releases.
@@ -54,7 +56,7 @@ MINISTRAL3_ROPE = {
     "mscale_all_dim": 1.0,
     "llama_4_scaling_beta": 0.1,
 }
-MULTIMODAL = ("gemma3", "mistral3")  # the text model's weights under "language_model."
+MULTIMODAL = ("gemma3", "gemma4", "mistral3")  # the text model's weights under "language_model."
 # The multimodal layout's vision tower: a few tensors, to be skipped when loading.
 VISION_TENSORS = {
     "vision_tower.vision_model.post_layernorm.weight": (8,),
@@ -88,6 +90,7 @@ def make_tiny_checkpoint(
     num_experts_per_tok: int = 2,
     dense_layers: tuple[int, ...] = (),
     text_family: str = "ministral3",
+    gemma4: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random-weight checkpoint of `family` into `out_dir` and return `out_dir`.
 
@@ -100,6 +103,10 @@ def make_tiny_checkpoint(
     Gemma 3 (`gemma3_text`, or the multimodal `gemma3` layout with a stub vision
     tower) takes `sliding_window` and `sliding_window_pattern` (every pattern-th
     layer global; written as `layer_types` too) and `query_pre_attn_scalar`.
+    Gemma 4 (`gemma4_text`, `gemma4`) takes the same windows; its full layers' heads
+    are twice `head_dim` wide, and `gemma4` holds the variant's own fields (e.g.
+    `attention_k_eq_v`, `num_kv_shared_layers`, `hidden_size_per_layer_input`,
+    `enable_moe_block`: its experts are `num_experts` of `intermediate_size`).
 
     The routed-experts families (`qwen3_moe`, `qwen2_moe`, `mixtral`, `gpt_oss`) take
     `num_experts` of `intermediate_size`, `num_experts_per_tok`, and (the Qwens)
@@ -141,6 +148,7 @@ def make_tiny_checkpoint(
         num_experts_per_tok=num_experts_per_tok,
         dense_layers=dense_layers,
         text_family=text_family,
+        gemma4=gemma4,
     )
     weights = random_weights(build_model(config_from_dict(raw)), seed)
     weights = {name: w.astype(DTYPES[dtype]) for name, w in weights.items()}
@@ -194,6 +202,7 @@ def hf_config(
     num_experts_per_tok: int = 2,
     dense_layers: tuple[int, ...] = (),
     text_family: str = "ministral3",
+    gemma4: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A config.json dict with the fields Hugging Face writes for `family`."""
     if family == "mistral3":  # the multimodal layout: the text model's config nested
@@ -315,14 +324,42 @@ def hf_config(
             tie_word_embeddings=True,
         )
         del raw["hidden_act"], raw["rope_scaling"]
-    if family == "gemma3":  # the multimodal layout: the text model's config nested
-        text = {**raw, "model_type": "gemma3_text"}
+    if family in ("gemma4_text", "gemma4"):
+        raw.update(
+            head_dim=head_dim or hidden_size // num_heads,
+            global_head_dim=2 * (head_dim or hidden_size // num_heads),
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=sliding_window,
+            sliding_window_pattern=sliding_window_pattern,
+            layer_types=[
+                "full_attention" if (i + 1) % sliding_window_pattern == 0 else "sliding_attention"
+                for i in range(num_layers)
+            ],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": rope_theta},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+            },
+            final_logit_softcapping=30.0,
+            attention_k_eq_v=False,
+            num_global_key_value_heads=None,
+            num_kv_shared_layers=0,
+            use_double_wide_mlp=False,
+            hidden_size_per_layer_input=0,
+            vocab_size_per_layer_input=vocab_size,
+            enable_moe_block=False,
+        )
+        raw.update(gemma4 or {})  # the variant's own fields
+        if raw["enable_moe_block"]:
+            raw.update(num_experts=num_experts, top_k_experts=num_experts_per_tok, moe_intermediate_size=intermediate_size)
+        del raw["hidden_act"], raw["rope_theta"], raw["rope_scaling"]
+    if family in ("gemma3", "gemma4"):  # the multimodal layout: the text model's config nested
+        text = {**raw, "model_type": f"{family}_text"}
         outer = ("architectures", "eos_token_id", "torch_dtype", "vocab_size")
         for name in outer + ("tie_word_embeddings",):
             text.pop(name)
         raw = {name: raw[name] for name in outer}
         raw.update(
-            model_type="gemma3",
+            model_type=family,
             text_config=text,
             vision_config={"model_type": "siglip_vision_model", "hidden_size": 8},
             tie_word_embeddings=tie_word_embeddings,
@@ -390,7 +427,8 @@ def random_weights(model: CausalLM, seed: int) -> dict[str, mx.array]:
     is_gemma = model.config.model_type.startswith("gemma")
     if is_gemma and not is_tied:  # its input embedding is scaled up by sqrt(hidden)
         embed_std /= hidden**0.5
-    norm_offset = 1.0 if is_gemma else 0.0  # gemma stores w for a (1 + w) scale
+    # Gemma 1-3 store w for a (1 + w) scale; Gemma 4 the scale itself.
+    norm_offset = 1.0 if is_gemma and not model.config.model_type.startswith("gemma4") else 0.0
     params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     weights = {}
     for name, param in params:
@@ -402,6 +440,8 @@ def random_weights(model: CausalLM, seed: int) -> dict[str, mx.array]:
             values -= norm_offset
         elif name.endswith(".bias"):
             values = 0.1 * rng.standard_normal(shape)
+        elif name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):  # Gemma 4's factors
+            values = rng.uniform(0.5, 1.5, shape)
         elif name.endswith(".sinks"):  # gpt-oss's: beside scores of ~N(0, 1), some dominate
             values = rng.uniform(-1.0, 3.0, shape)
         elif name == "model.embed_tokens.weight":

@@ -72,6 +72,14 @@ class ForwardKV(Protocol):
         """
         ...
 
+    def attend_shared(
+        self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float, softcap: float = 0.0
+    ) -> mx.array:
+        """`attend` over K/V that `layer` stored earlier in this forward, storing nothing:
+        a later layer reading an earlier one's cache (Gemma 4's KV-shared layers). `k`, `v`
+        are what `layer` stored for this step's tokens."""
+        ...
+
     def attend_stacked(
         self, layer: int, qkv: mx.array, rope: Rotary, num_heads: int, num_kv_heads: int, scale: float
     ) -> mx.array:
@@ -146,6 +154,11 @@ class CausalNoCache:
             mask = (key <= query) & (key > query - window)  # [T, T]
         out = attention(heads_first(q), heads_first(k), heads_first(v), scale, mask, softcap, sinks)
         return out.transpose(0, 2, 1, 3).reshape(B * T, *q.shape[1:])
+
+    def attend_shared(
+        self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float, softcap: float = 0.0
+    ) -> mx.array:
+        return self.attend(layer, q, k, v, scale, softcap)  # nothing stored: the same
 
     def attend_stacked(
         self, layer: int, qkv: mx.array, rope: Rotary, num_heads: int, num_kv_heads: int, scale: float

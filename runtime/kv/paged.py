@@ -53,21 +53,28 @@ class PagedKV:
         dtype: mx.Dtype = mx.float32,
         layer_windows: tuple[int | None, ...] = (),
         max_rows: int = 1,
+        layer_shapes: tuple[tuple[int, int], ...] = (),
     ):
         """`num_blocks` is group 0's (every layer's without windows); a windowed
-        group gets enough for `max_rows` rows (runtime/kv/layout.py)."""
+        group gets enough for `max_rows` rows (runtime/kv/layout.py). `layer_shapes`:
+        each layer's (KV heads, head dim) where they differ by group (Gemma 4's full
+        layers have wider heads than its sliding ones); empty: `num_kv_heads`, `head_dim`."""
         layout = KVLayout.for_layers(num_layers, layer_windows)
         sizes = [num_blocks, *layout.windowed_pool_blocks(block_size, max_rows)]
         self.layout = attrs.evolve(layout, group_num_blocks=tuple(sizes))
+        self.group_shapes = group_shapes(self.layout, layer_shapes or ((num_kv_heads, head_dim),) * num_layers)
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.num_queries_per_kv = num_queries_per_kv
+        self.num_heads = num_queries_per_kv * num_kv_heads
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         self.num_slots = num_blocks * block_size  # group 0's
-        shapes = [(num_kv_heads * sizes[g] * block_size, head_dim) for g in self.layout.group_of_layer]
+        shapes = [
+            (self.group_shapes[g][0] * sizes[g] * block_size, self.group_shapes[g][1])
+            for g in self.layout.group_of_layer
+        ]
         self.keys = [mx.zeros(shape, dtype=dtype) for shape in shapes]
         self.values = [mx.zeros(shape, dtype=dtype) for shape in shapes]
         mx.eval(self.keys, self.values)
@@ -83,26 +90,32 @@ class PagedKV:
 
     @staticmethod
     def sizing(
-        layout: KVLayout, num_kv_heads: int, head_dim: int, block_size: int, dtype: mx.Dtype, max_rows: int
+        layout: KVLayout,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: mx.Dtype,
+        max_rows: int,
+        layer_shapes: tuple[tuple[int, int], ...] = (),
     ) -> tuple[int, int]:
         """(bytes of one group-0 block, bytes the windowed groups' pools take for `max_rows`)."""
-        layer_block = PagedKV.bytes_per_block(1, num_kv_heads, head_dim, block_size, dtype)
+        blocks = _group_block_bytes(layout, layer_shapes, num_kv_heads, head_dim, block_size, dtype)
         pool_blocks = layout.windowed_pool_blocks(block_size, max_rows)
-        windowed = sum(
-            n * len(layers) * layer_block
-            for n, layers in zip(pool_blocks, layout.group_layers[1:], strict=True)
-        )
-        return len(layout.group_layers[0]) * layer_block, windowed
+        windowed = sum(n * b for n, b in zip(pool_blocks, blocks[1:], strict=True))
+        return blocks[0], windowed
 
     def row_bytes(self, num_tokens: int) -> tuple[int, int]:
         """Peak KV bytes one row of `num_tokens` holds: with this layout, and were every
         layer full (the same with no windowed layers)."""
-        layer_block = self.bytes_per_block(1, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
+        group_bytes = [
+            self.bytes_per_block(len(layers), *shape, self.block_size, self.dtype)
+            for layers, shape in zip(self.layout.group_layers, self.group_shapes, strict=True)
+        ]
         held = sum(
-            self.layout.row_blocks(g, num_tokens, self.block_size, SIZING_CHUNK) * len(layers)
-            for g, layers in enumerate(self.layout.group_layers)
+            self.layout.row_blocks(g, num_tokens, self.block_size, SIZING_CHUNK) * b
+            for g, b in enumerate(group_bytes)
         )
-        return held * layer_block, -(-num_tokens // self.block_size) * self.num_layers * layer_block
+        return held, -(-num_tokens // self.block_size) * sum(group_bytes)
 
     @property
     def nbytes(self) -> int:
@@ -123,15 +136,16 @@ class PagedKV:
                 num_new=tuple(r.num_new for r in rows),
                 block_size=self.block_size,
                 num_slots=num_blocks * self.block_size,
-                num_kv_heads=self.num_kv_heads,
-                num_queries_per_kv=self.num_queries_per_kv,
+                num_kv_heads=kv_heads,
+                num_queries_per_kv=self.num_heads // kv_heads,
                 window=window,
                 is_float32=self.keys[0].dtype == mx.float32,
             )
-            for table, window, num_blocks in zip(
+            for table, window, num_blocks, (kv_heads, _) in zip(
                 self._block_tables(rows, epoch),
                 self.layout.group_windows,
                 self.layout.group_num_blocks,
+                self.group_shapes,
                 strict=True,
             )
         ]
@@ -158,6 +172,34 @@ class PagedKV:
         self.num_table_builds += 1
         self._tables = (key, arrays)
         return arrays
+
+
+def group_shapes(layout: KVLayout, layer_shapes: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """Each group's (KV heads, head dim): one per group, since its layers share block ids."""
+    if len(layer_shapes) != len(layout.group_of_layer):
+        raise ValueError(f"{len(layer_shapes)} layer shapes for {len(layout.group_of_layer)} layers")
+    shapes = []
+    for layers in layout.group_layers:
+        kinds = {layer_shapes[layer] for layer in layers}
+        if len(kinds) != 1:
+            raise ValueError(f"layers {layers} share block ids but differ in KV shape: {sorted(kinds)}")
+        shapes.append(kinds.pop())
+    return tuple(shapes)
+
+
+def _group_block_bytes(
+    layout: KVLayout,
+    layer_shapes: tuple[tuple[int, int], ...],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: mx.Dtype,
+) -> list[int]:
+    shapes = group_shapes(layout, layer_shapes or ((num_kv_heads, head_dim),) * len(layout.group_of_layer))
+    return [
+        PagedKV.bytes_per_block(len(layers), *shape, block_size, dtype)
+        for layers, shape in zip(layout.group_layers, shapes, strict=True)
+    ]
 
 
 class PagedForward:
@@ -189,6 +231,18 @@ class PagedForward:
         return paged_attention(
             (s.keys, s.values), layer, q, k, v, scale, step, self.path, POOLS_IN_PLACE, softcap, sinks
         )
+
+    def attend_shared(
+        self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float, softcap: float = 0.0
+    ) -> mx.array:
+        """See ForwardKV.attend_shared. The native op writes as it attends: it writes `k`, `v`
+        again, in place and unchanged; the other paths only read."""
+        s = self._storage
+        step = self.steps[s.layout.group_of_layer[layer]]
+        if self.path == "native":
+            return self.attend(layer, q, k, v, scale, softcap)
+        plan = step.fast if self.path == "fast" else step.gather
+        return plan.attend(s.keys[layer], s.values[layer], q, scale, softcap, None)
 
     def attend_stacked(
         self, layer: int, qkv: mx.array, rope: Rotary, num_heads: int, num_kv_heads: int, scale: float

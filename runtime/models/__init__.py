@@ -16,6 +16,7 @@ from runtime.config import ModelConfig
 from runtime.models import (
     gemma2,
     gemma3,
+    gemma4,
     gpt_oss,
     llama,
     ministral3,
@@ -47,6 +48,8 @@ FAMILIES: dict[str, ModuleType] = {
     "gemma2": gemma2,
     "gemma3_text": gemma3,
     "gemma3": gemma3,  # the multimodal layout: its text model
+    "gemma4_text": gemma4,
+    "gemma4": gemma4,  # the multimodal layout: its text model
 }
 
 

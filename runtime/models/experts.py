@@ -1,4 +1,5 @@
-"""Routed experts (a sparse mixture of experts): the MLP of qwen3_moe, qwen2_moe, mixtral and gpt_oss.
+"""Routed experts (a sparse mixture of experts): the MLP of qwen3_moe, qwen2_moe, mixtral and
+gpt_oss, and beside the dense MLP in Gemma 4's 26B (runtime/models/gemma4.py).
 
 A router scores each token against E experts; the token runs through its top k
 SwiGLU MLPs only and sums their outputs, weighted by the router's probabilities:
@@ -35,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kernels.expert_matmul import dense_expert_matmul, quantized_expert_matmul
-from kernels.swiglu import swiglu
+from kernels.swiglu import gelu_tanh, swiglu
 
 
 @attrs.frozen
@@ -53,6 +54,7 @@ class Experts:
     # gpt-oss's clamped SwiGLU (its `swiglu_limit`), else None for SiLU(gate) * up:
     # (clip(up, -l, l) + 1) * g * sigmoid(1.702 g), g = min(gate, l).
     swiglu_limit: float | None = None
+    activation: str = "silu"  # the gate's: "silu" (SwiGLU) or "gelu_tanh" (Gemma 4's GeGLU)
 
     @classmethod
     def read(
@@ -177,15 +179,18 @@ class ExpertMLPs(nn.Module):
         self.up_proj = ExpertLinear(hidden, intermediate, num_experts, bias)
         self.down_proj = ExpertLinear(intermediate, hidden, num_experts, bias)
         self.swiglu_limit = experts.swiglu_limit
+        self.activation = experts.activation
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
         """x [N, hidden], experts [N, k] -> each pair's output [N, k, hidden]."""
         num_tokens, k = experts.shape
         gate, up = self.gate_proj(x, experts), self.up_proj(x, experts)  # [N, k, I]
-        if self.swiglu_limit is None:
-            hidden = swiglu(gate, up)
-        else:
+        if self.swiglu_limit is not None:
             hidden = clamped_swiglu(gate, up, self.swiglu_limit)
+        elif self.activation == "gelu_tanh":
+            hidden = gelu_tanh(gate, up)
+        else:
+            hidden = swiglu(gate, up)
         pairs = experts.reshape(num_tokens * k, 1)  # each pair's hidden row, its one expert
         return self.down_proj(hidden.reshape(num_tokens * k, -1), pairs).reshape(num_tokens, k, -1)
 

@@ -52,6 +52,9 @@ class RoPE(nn.Module):
             self.base = None
             # Absent where phi3 folded it into q_proj (partial rotation).
             self.attention_factor = float(scaling.get("attention_factor", 1.0)) ** 2
+        elif kind == "proportional":  # Gemma 4's full layers: runtime/models/gemma4.py reads it
+            self._freqs = _proportional_freqs(dims, base, scaling)
+            self.base = None
         elif kind == "yarn":  # runtime/config.py checks it and fills in its context
             self._freqs = _yarn_freqs(dims, base, scaling)
             self.base = None
@@ -86,6 +89,15 @@ def _llama3_freqs(dims: int, base: float, scaling: dict) -> mx.array:
     smooth = (old_context / wavelens - low) / (high - low)
     smooth_freqs = freqs / ((1 - smooth) / factor + smooth)
     return mx.where(is_medium, smooth_freqs, freqs)
+
+
+def _proportional_freqs(dims: int, base: float, scaling: dict) -> mx.array:
+    """Gemma 4's partial rotation: the first `partial_rotary_factor` of the pairs turn at
+    the periods a full rotation of `dims` gives them (times `factor`), the rest not at all
+    (an infinite period), so the rotation keeps the head's width and layout."""
+    angles = int(float(scaling.get("partial_rotary_factor", 1.0)) * dims // 2)
+    periods = float(scaling.get("factor", 1.0)) * base ** (mx.arange(0, 2 * angles, 2, dtype=mx.float32) / dims)
+    return mx.concatenate([periods, mx.full((dims // 2 - angles,), mx.inf)])
 
 
 def _yarn_freqs(dims: int, base: float, scaling: dict) -> mx.array:

@@ -15,11 +15,18 @@ import structlog
 
 log = structlog.get_logger("cadence.models")
 
-VISION_PREFIXES = (
-    "vision_tower.",
-    "multi_modal_projector.",
-    "model.vision_tower.",
-    "model.multi_modal_projector.",
+# The other towers' tensors (Gemma 4's too: audio, and the embedders of both).
+VISION_PREFIXES = tuple(
+    prefix + name
+    for prefix in ("", "model.")
+    for name in (
+        "vision_tower.",
+        "multi_modal_projector.",
+        "audio_tower.",
+        "embed_vision.",
+        "embed_audio.",
+        "vision_embedder.",
+    )
 )
 
 
