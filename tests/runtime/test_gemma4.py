@@ -73,7 +73,8 @@ def test_shared_kv_layers_read_the_right_rows_in_mixed_steps(tmp_path: Path, mon
     decoding: a shared layer reads its source's K/V for its own row and positions only."""
     monkeypatch.setenv("CADENCE_PAGED_ATTENTION", path)
     checkpoint = gemma4(tmp_path, "E4B")
-    prompts = {"a": PROMPT, "b": list(range(100, 113))}
+    # The short one first: its last chunk samples while the long one's goes on after it.
+    prompts = {"a": list(range(100, 113)), "b": PROMPT}
     engine = Engine(load_model(checkpoint), max_batch=2)
     pool = BlockPool(engine.kv.num_blocks, engine.kv.block_size, is_caching=True, layout=engine.kv.layout)
     policy = FcfsScheduler(engine.max_batch, pool, engine.max_context, prefill_chunk=8)
@@ -202,3 +203,25 @@ def test_multimodal_layout_skips_the_vision_and_audio_towers(tmp_path: Path):
     weights["embed_audio.embedding_projection.weight"] = weights["vision_tower.vision_model.post_layernorm.weight"]
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     assert mx.allclose(load_model(path).model(TOKENS), mlx_lm.load(str(path))[0](TOKENS), atol=5e-4).item()
+
+
+def test_shared_layers_kv_projections_in_a_checkpoint_are_dropped(tmp_path: Path):
+    """transformers ignores them (`_keys_to_ignore_on_load_unexpected`), and so does mlx-lm."""
+    path = gemma4(tmp_path, "E4B")
+    want = load_model(path).model(TOKENS)
+    weights = load_file(path / "model.safetensors")
+    for layer in (4, 5):
+        for name in ("k_proj", "v_proj"):
+            weights[f"model.layers.{layer}.self_attn.{name}.weight"] = np.ones((32, 64), np.float32)
+        weights[f"model.layers.{layer}.self_attn.k_norm.weight"] = np.ones((16,), np.float32)
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones((8,), np.float32)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    assert mx.array_equal(load_model(path).model(TOKENS), want).item()
+
+
+def test_the_last_layer_run_for_the_sampling_tokens_alone_is_the_full_forward_there(tmp_path: Path):
+    """The engine keeps only each row's sampling token past the last attention: their
+    per-layer inputs must be theirs."""
+    model = load_model(gemma4(tmp_path, "E4B")).model
+    keep = mx.array([3, 17], mx.int32)
+    assert mx.allclose(model.hidden(TOKENS, None, keep), model.hidden(TOKENS)[:, keep], atol=1e-5).item()

@@ -144,3 +144,19 @@ def test_a_residual_attention_block_is_one_op_only_where_the_step_took_the_nativ
         mx.eval(out)
         assert out.shape == x.shape
     assert (ext.num_block_calls() > before) == runs_native
+
+
+@pytest.mark.parametrize("path", ["gather", "fast"])
+def test_attend_shared_reads_the_layer_it_names_and_stores_nothing(monkeypatch, path):
+    """Gemma 4's KV-shared layers: the mx paths read the source layer's pool as it stands
+    (what was stored this step included) and write none; the native op, which cannot
+    attend without writing, is handed the same K/V again."""
+    monkeypatch.setenv("CADENCE_PAGED_ATTENTION", path)
+    kv = PagedKV(2, 1, 8, 2, num_blocks=8, block_size=4)
+    step = kv.forward([RowSpan(0, 0, 6, (0, 1))], 0)
+    q, k, v = (mx.random.normal((6, n, 8), key=mx.random.key(n)) for n in (2, 1, 1))
+    want = step.attend(0, q, k, v, 0.5)
+    pools = [mx.array(p) for p in (*kv.keys, *kv.values)]
+    got = step.attend_shared(0, q, mx.zeros_like(k), mx.zeros_like(v), 0.5)  # not what was stored
+    assert mx.allclose(got, want, atol=1e-6).item()
+    assert all(mx.array_equal(a, b).item() for a, b in zip(pools, (*kv.keys, *kv.values), strict=True))
