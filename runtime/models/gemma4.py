@@ -42,6 +42,7 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
+from kernels.fused_blocks import NormedLayers
 from kernels.swiglu import gelu_tanh
 
 # transformers' Gemma4TextConfig defaults, for fields a config may leave out.
@@ -333,6 +334,15 @@ class Gemma4Layer(nn.Module):
             self.post_per_layer_input_norm = RMSNorm(hidden, eps=eps)
         self.layer_scalar = mx.ones((1,))
 
+    # The dense MLP's residual block as one op where the CPU kernels allow
+    # (kernels/fused_blocks.py), planned once the CPU weights are in place. Attention
+    # has none: the op norms no v, and the layers with experts add theirs inside it.
+    mlp_block: NormedLayers | None = None
+
+    def plan_blocks(self) -> None:
+        if "experts" not in self:
+            self.mlp_block = self.mlp.block_operands(self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
+
     def __call__(
         self,
         x: mx.array,
@@ -344,12 +354,16 @@ class Gemma4Layer(nn.Module):
         """x [B, T, hidden] -> [B, T, hidden], or [B, S, hidden] at the tokens `keep`."""
         attended = self.self_attn(self.input_layernorm(x), kv, stored, keep)
         h = kept_rows(x, keep) + self.post_attention_layernorm(attended)
-        mlp = self.mlp(self.pre_feedforward_layernorm(h))
-        if "experts" in self:  # routed experts beside the dense MLP, both normed
-            tokens = h.reshape(-1, h.shape[-1])
-            routed = self.experts(self.pre_feedforward_layernorm_2(tokens), *self.router(tokens))
-            mlp = self.post_feedforward_layernorm_1(mlp) + self.post_feedforward_layernorm_2(routed.reshape(h.shape))
-        h = h + self.post_feedforward_layernorm(mlp)
+        fused = self.mlp.as_block(h, self.mlp_block)
+        if fused is not None:
+            h = fused
+        else:
+            mlp = self.mlp(self.pre_feedforward_layernorm(h))
+            if "experts" in self:  # routed experts beside the dense MLP, both normed
+                tokens = h.reshape(-1, h.shape[-1])
+                routed = self.experts(self.pre_feedforward_layernorm_2(tokens), *self.router(tokens))
+                mlp = self.post_feedforward_layernorm_1(mlp) + self.post_feedforward_layernorm_2(routed.reshape(h.shape))
+            h = h + self.post_feedforward_layernorm(mlp)
         if per_layer_input is not None:
             gate = gelu_tanh(self.per_layer_input_gate(h), kept_rows(per_layer_input, keep))
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
