@@ -69,6 +69,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gemma3": Architecture(
         "gemma3_text", "Gemma3ForCausalLM", norm_shift=1.0, ffn_norm="pre_feedforward_layernorm"
     ),
+    # Gemma 4's norms are stored as they are (its RMSNorm multiplies by w, not 1 + w).
+    "gemma4": Architecture("gemma4_text", "Gemma4ForCausalLM", ffn_norm="pre_feedforward_layernorm"),
 }
 
 # llama.cpp's per-block tensor names -> Hugging Face's, under `model.layers.N.`.
@@ -105,6 +107,28 @@ _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
+    # Gemma 4's per-layer inputs (E2B, E4B)
+    "per_layer_token_embd": "model.embed_tokens_per_layer",
+    "per_layer_model_proj": "model.per_layer_model_projection",
+    "per_layer_proj_norm": "model.per_layer_projection_norm",
+}
+# Gemma 4's own per-block tensors (runtime/models/gemma4.py's names), by llama.cpp's
+# name and suffix: its routed experts (gate and up in one tensor, split after
+# decoding), their router with its scales (`.scale` tensors), the layer's output scale
+# and its per-layer input's gate.
+_GEMMA4_NAMES = {
+    ("ffn_gate_inp", "weight"): "router.proj.weight",
+    ("ffn_gate_inp", "scale"): "router.scale",
+    ("ffn_down_exps", "scale"): "router.per_expert_scale",
+    ("ffn_gate_up_exps", "weight"): "experts.gate_up_proj.weight",
+    ("ffn_down_exps", "weight"): "experts.switch_glu.down_proj.weight",
+    ("pre_ffw_norm_2", "weight"): "pre_feedforward_layernorm_2.weight",
+    ("post_ffw_norm_1", "weight"): "post_feedforward_layernorm_1.weight",
+    ("post_ffw_norm_2", "weight"): "post_feedforward_layernorm_2.weight",
+    ("layer_output_scale", "weight"): "layer_scalar",
+    ("inp_gate", "weight"): "per_layer_input_gate.weight",
+    ("proj", "weight"): "per_layer_projection.weight",
+    ("post_norm", "weight"): "post_per_layer_input_norm.weight",
 }
 
 
@@ -164,6 +188,12 @@ def read_gguf(path: Path, progress: Callable[[str], None] = lambda message: None
         converted = to_mlx(tensor, arrays)
         if hf_name.endswith(".shared_expert_gate.weight") and converted[hf_name].ndim == 1:
             converted[hf_name] = converted[hf_name][None]  # nn.Linear(hidden, 1)'s [1, hidden]
+        if hf_name.endswith(".experts.gate_up_proj.weight"):
+            converted, hf_name = _split_gate_up(converted), hf_name.replace("gate_up_proj", "switch_glu.up_proj")
+            layer = hf_name.removesuffix(".weight")
+            if f"{layer}.scales" in converted:
+                kind = tensor.tensor_type
+                packing_by_layer[layer.replace("up_proj", "gate_proj")] = (NATIVE_BITS[kind], MODES.get(kind, "affine"))
         layer = hf_name.removesuffix(".weight")
         if f"{layer}.scales" in converted:
             kind = tensor.tensor_type
@@ -172,6 +202,19 @@ def read_gguf(path: Path, progress: Callable[[str], None] = lambda message: None
     if (quantization := quantization_config(packing_by_layer)) is not None:
         config["quantization"] = quantization
     return GGUFCheckpoint(config=config, weights=weights, tokenizer=tokenizer)
+
+
+def _split_gate_up(converted: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Gemma 4's `experts.gate_up_proj` [E, 2I, ...] (weight, and scales and biases where
+    packed): the first I rows of each expert are its gate, the rest its up."""
+    split = {}
+    for name, values in converted.items():
+        gate, up = mx.split(values, 2, axis=-2)
+        base, _, suffix = name.rpartition(".")
+        prefix = base.removesuffix(".gate_up_proj")
+        split[f"{prefix}.switch_glu.gate_proj.{suffix}"] = mx.contiguous(gate)
+        split[f"{prefix}.switch_glu.up_proj.{suffix}"] = mx.contiguous(up)
+    return split
 
 
 def _decoded(jobs: list[tuple[Any, ...]]) -> Iterator[dict[str, np.ndarray]]:
@@ -218,7 +261,8 @@ def _hf_config(
         "model_type": arch.model_type,
         "hidden_size": hidden,
         "num_hidden_layers": metadata.require(key("block_count"), int),
-        "intermediate_size": metadata.require(ffn_length, int),
+        # Gemma 4's may be one a layer, and its KV heads one a layer: read in _gemma4_fields.
+        "intermediate_size": None if arch.model_type == "gemma4_text" else metadata.require(ffn_length, int),
         "num_attention_heads": heads,
         "num_key_value_heads": metadata.get(key("attention.head_count_kv"), heads),
         "head_dim": metadata.get(key("attention.key_length"), hidden // heads),
@@ -234,7 +278,8 @@ def _hf_config(
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if (bos := metadata.get("tokenizer.ggml.bos_token_id")) is not None:
         config["bos_token_id"] = bos
-    config["rope_scaling"] = rope_scaling(metadata, key, config, tensors, arch.has_longrope)
+    if arch.model_type != "gemma4_text":  # its rope_freqs are its partial rotation, read below
+        config["rope_scaling"] = rope_scaling(metadata, key, config, tensors, arch.has_longrope)
     if arch.model_type == "gemma3_text":
         config.update(_gemma3_fields(metadata, key, config))
     if arch.model_type == "gemma2":
@@ -243,7 +288,10 @@ def _hf_config(
         config.update(_phi3_fields(metadata, key, config))
     if arch.model_type == "ministral3":
         config["rope_scaling"] = ministral3_scaling(metadata, key, config)
-    if arch.has_experts or metadata.get(key("expert_count")) not in (None, 0):
+    if arch.model_type == "gemma4_text":  # its RoPE settings are per kind of layer
+        config.update(_gemma4_fields(metadata, key, config, tensors))
+        del config["rope_theta"]
+    elif arch.has_experts or metadata.get(key("expert_count")) not in (None, 0):
         config.update(_expert_fields(metadata, key, arch))
     if arch.model_type == "gpt_oss":
         config.update(_gpt_oss_fields(metadata, key, config))
@@ -375,6 +423,124 @@ def _gemma3_fields(
     return fields
 
 
+def _gemma4_fields(
+    metadata: Metadata, key: Callable[[str], str], config: dict[str, Any], tensors: dict[str, Any]
+) -> dict[str, Any]:
+    """Gemma 4's config.json fields, as llama.cpp's converter writes them: the per-layer
+    sliding pattern, head widths and KV head counts per kind of layer, a RoPE base per
+    kind, how much of a full layer's head rotates (its `rope_freqs`: 1 for a rotated pair,
+    1e30 for the rest), the shared-KV layers, the MLP widths (doubled from the first
+    shared layer where `use_double_wide_mlp`), per-layer inputs and routed experts; what
+    it writes no key for is read from the tensors (experts from `ffn_gate_inp`, keys as
+    values from a full layer with no `attn_v`)."""
+    source = metadata.source
+    num_layers = config["num_hidden_layers"]
+    pattern = metadata.require(key("attention.sliding_window_pattern"), list)
+    if len(pattern) != num_layers or not all(isinstance(p, bool) for p in pattern):
+        raise CheckpointError(
+            f"{source}: GGUF metadata '{key('attention.sliding_window_pattern')}' should be a list of "
+            f"{num_layers} booleans"
+        )
+    full = [i for i, sliding in enumerate(pattern) if not sliding]
+    sliding_layers = [i for i, sliding in enumerate(pattern) if sliding]
+    kv_heads = _per_layer(metadata, key("attention.head_count_kv"), num_layers)
+    by_kind = {kind: {kv_heads[i] for i in layers} for kind, layers in (("full", full), ("sliding", sliding_layers))}
+    if any(len(counts) > 1 for counts in by_kind.values()):
+        raise CheckpointError(f"{source}: layers of one kind differ in KV head count: {kv_heads}")
+    head_dim = metadata.require(key("attention.key_length_swa"), int)
+    global_head_dim = metadata.require(key("attention.key_length"), int)
+    if metadata.optional(key("rope.dimension_count_swa"), int, head_dim) != head_dim:
+        raise CheckpointError(f"{source}: gemma4 sliding layers rotating part of their heads are not supported")
+    keys_are_values = bool(full) and f"blk.{full[0]}.attn_v.weight" not in tensors
+    sliding_kv = by_kind["sliding"].pop() if by_kind["sliding"] else config["num_key_value_heads"]
+    full_kv = by_kind["full"].pop() if by_kind["full"] else sliding_kv
+    if full_kv != sliding_kv and not keys_are_values:
+        raise CheckpointError(
+            f"{source}: full layers with {full_kv} KV heads and sliding ones with {sliding_kv}, "
+            "but full layers store values (transformers' Gemma 4 gives both the same count then)"
+        )
+    num_shared = _count(metadata, key("attention.shared_kv_layers"))
+    widths = _per_layer(metadata, key("feed_forward_length"), num_layers)
+    first_shared = num_layers - num_shared
+    doubled = [w * 2 if i >= first_shared else w for i, w in enumerate([widths[0]] * num_layers)]
+    if widths != [widths[0]] * num_layers and widths != doubled:
+        raise CheckpointError(
+            f"{source}: GGUF metadata '{key('feed_forward_length')}' {widths} is neither one width "
+            "nor one doubled from the first KV-shared layer"
+        )
+    per_layer_size = _count(metadata, key("embedding_length_per_layer_input"))
+    fields: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "intermediate_size": widths[0],
+        "use_double_wide_mlp": widths != [widths[0]] * num_layers,
+        "head_dim": head_dim,
+        "global_head_dim": global_head_dim,
+        "num_key_value_heads": sliding_kv,
+        "num_global_key_value_heads": full_kv,
+        "attention_k_eq_v": keys_are_values,
+        "sliding_window": metadata.require(key("attention.sliding_window"), int),
+        "layer_types": ["sliding_attention" if p else "full_attention" for p in pattern],
+        "num_kv_shared_layers": num_shared,
+        "final_logit_softcapping": metadata.optional(key("final_logit_softcapping"), float),
+        "rope_parameters": {
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": metadata.optional(key("rope.freq_base_swa"), float, 10000.0),
+            },
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": _gemma4_rotated_share(metadata, tensors, global_head_dim),
+                "rope_theta": config["rope_theta"],
+            },
+        },
+        "hidden_size_per_layer_input": per_layer_size,
+    }
+    if per_layer_size:
+        table = tensors.get("per_layer_token_embd.weight")
+        if table is None:
+            raise CheckpointError(f"{source}: missing tensor 'per_layer_token_embd.weight'")
+        fields["vocab_size_per_layer_input"] = int(table.shape[-1])
+    if "blk.0.ffn_gate_inp.weight" in tensors:
+        fields.update(
+            enable_moe_block=True,
+            num_experts=metadata.require(key("expert_count"), int),
+            top_k_experts=metadata.require(key("expert_used_count"), int),
+            moe_intermediate_size=metadata.require(key("expert_feed_forward_length"), int),
+        )
+    return fields
+
+
+def _per_layer(metadata: Metadata, name: str, num_layers: int) -> list[int]:
+    """A count the converter writes once, or once per layer."""
+    value = metadata.get(name)
+    values = value if isinstance(value, list) else [value] * num_layers
+    if len(values) != num_layers or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+        raise CheckpointError(
+            f"{metadata.source}: GGUF metadata '{name}' should be a positive count, or one per layer"
+        )
+    return values
+
+
+def _count(metadata: Metadata, name: str) -> int:
+    """A count where absent or 0 means none."""
+    return metadata.require(name, int) if metadata.get(name) not in (None, 0) else 0
+
+
+def _gemma4_rotated_share(metadata: Metadata, tensors: dict[str, Any], head_dim: int) -> float:
+    """The share of a full layer's pairs that rotate, from the converter's `rope_freqs`
+    (1.0 for each rotated pair, then 1e30 for the rest); all of them without it."""
+    tensor = tensors.get("rope_freqs.weight")
+    if tensor is None:
+        return 1.0
+    factors = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+    rotated = int(np.sum(factors == 1.0))
+    if factors.size != head_dim // 2 or not (factors[rotated:] >= 1e29).all():
+        raise CheckpointError(
+            f"{metadata.source}: gemma4 'rope_freqs.weight' is not a run of 1s then 1e30s over {head_dim // 2} pairs"
+        )
+    return 2 * rotated / head_dim
+
+
 def _gemma2_fields(
     metadata: Metadata, key: Callable[[str], str], config: dict[str, Any]
 ) -> dict[str, Any]:
@@ -395,9 +561,13 @@ def _gemma2_fields(
 
 def _hf_name(name: str, arch: Architecture, path: Path, *, has_experts: bool) -> str:
     stem, _, suffix = name.rpartition(".")
+    parts = stem.split(".")
+    is_block = len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit()
+    gemma4_name = _GEMMA4_NAMES.get((parts[-1], suffix)) if arch.model_type == "gemma4_text" else None
+    if is_block and gemma4_name is not None:
+        return f"model.layers.{int(parts[1])}.{gemma4_name}"
     if suffix not in ("weight", "bias") or not stem:
         raise CheckpointError(f"{path}: unexpected GGUF tensor '{name}'")
-    parts = stem.split(".")
     if len(parts) == 1 and parts[0] in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[parts[0]]}.{suffix}"
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():

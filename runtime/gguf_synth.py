@@ -41,6 +41,22 @@ _ARCH_OF = {
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "gpt_oss": "gpt-oss",
+    "gemma4_text": "gemma4",
+}
+# Gemma 4's own tensors, as its converter names them (runtime/gguf.py reads them back).
+_GEMMA4_NAMES = {
+    "router.proj.weight": "ffn_gate_inp.weight",
+    "router.scale": "ffn_gate_inp.scale",
+    "router.per_expert_scale": "ffn_down_exps.scale",
+    "experts.gate_up_proj.weight": "ffn_gate_up_exps.weight",
+    "experts.switch_glu.down_proj.weight": "ffn_down_exps.weight",
+    "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+    "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+    "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
+    "layer_scalar": "layer_output_scale.weight",
+    "per_layer_input_gate.weight": "inp_gate.weight",
+    "per_layer_projection.weight": "proj.weight",
+    "post_per_layer_input_norm.weight": "post_norm.weight",
 }
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -70,6 +86,9 @@ _GLOBAL_NAMES = {
     "model.embed_tokens": "token_embd",
     "model.norm": "output_norm",
     "lm_head": "output",
+    "model.embed_tokens_per_layer": "per_layer_token_embd",
+    "model.per_layer_model_projection": "per_layer_model_proj",
+    "model.per_layer_projection_norm": "per_layer_proj_norm",
 }
 
 
@@ -96,6 +115,8 @@ def write_gguf(
     }
     if model_type in EXPERT_NAMES:
         weights = _stacked_experts(weights, EXPERT_NAMES[model_type])
+    if arch == "gemma4":
+        weights = _gemma4_gate_up(weights)
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(out_file), arch)
     _write_hparams(writer, arch, config)
@@ -111,6 +132,11 @@ def write_gguf(
         stored, reference[name] = _stored(value, kind, rng)
         if is_vector:
             reference[name] = reference[name][None]
+        if name.endswith(".experts.gate_up_proj.weight"):  # as Gemma 4's model holds them
+            prefix = name.removesuffix(".gate_up_proj.weight")
+            gate, up = np.split(reference.pop(name), 2, axis=-2)
+            reference[f"{prefix}.switch_glu.gate_proj.weight"] = gate
+            reference[f"{prefix}.switch_glu.up_proj.weight"] = up
         if arch in ("llama", "mistral3") and ".self_attn.q_proj." in name:
             stored = _llama_permute(stored, config["num_attention_heads"])
         elif arch in ("llama", "mistral3") and ".self_attn.k_proj." in name:
@@ -135,9 +161,69 @@ def _gpt_oss_names(name: str) -> str:
     return name.replace(".mlp.router.", ".mlp.gate.").replace(".mlp.experts.", ".mlp.switch_mlp.")
 
 
+def _gemma4_gate_up(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Gemma 4's experts as its converter writes them: gate and up in one tensor
+    [E, 2I, hidden], gate first (transformers' `experts.gate_up_proj`)."""
+    out = {}
+    for name, value in weights.items():
+        if name.endswith(".experts.switch_glu.gate_proj.weight"):
+            prefix = name.removesuffix(".switch_glu.gate_proj.weight")
+            up = weights[f"{prefix}.switch_glu.up_proj.weight"]
+            out[f"{prefix}.gate_up_proj.weight"] = np.concatenate([value, up], axis=-2)
+        elif not name.endswith(".experts.switch_glu.up_proj.weight"):
+            out[name] = value
+    return out
+
+
+def _write_gemma4_hparams(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+    """As llama.cpp's Gemma4Model.set_gguf_parameters writes them (over the common ones)."""
+    arch, num_layers = "gemma4", config["num_hidden_layers"]
+    is_sliding = [kind == "sliding_attention" for kind in config["layer_types"]]
+    full_kv = config.get("num_global_key_value_heads") or config["num_key_value_heads"]
+    rope = config["rope_parameters"]
+    global_head_dim = config["global_head_dim"]
+    writer.add_array(f"{arch}.attention.sliding_window_pattern", is_sliding)
+    writer.add_array(
+        f"{arch}.attention.head_count_kv",
+        [config["num_key_value_heads"] if s else full_kv for s in is_sliding],
+    )
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_uint32(f"{arch}.attention.key_length", global_head_dim)
+    writer.add_uint32(f"{arch}.attention.value_length", global_head_dim)
+    writer.add_uint32(f"{arch}.attention.key_length_swa", config["head_dim"])
+    writer.add_uint32(f"{arch}.attention.value_length_swa", config["head_dim"])
+    writer.add_uint32(f"{arch}.rope.dimension_count", global_head_dim)
+    writer.add_uint32(f"{arch}.rope.dimension_count_swa", config["head_dim"])
+    writer.add_float32(f"{arch}.rope.freq_base", rope["full_attention"]["rope_theta"])
+    writer.add_float32(f"{arch}.rope.freq_base_swa", rope["sliding_attention"]["rope_theta"])
+    writer.add_uint32(f"{arch}.attention.shared_kv_layers", config["num_kv_shared_layers"])
+    writer.add_uint32(f"{arch}.embedding_length_per_layer_input", config["hidden_size_per_layer_input"])
+    if config.get("final_logit_softcapping") is not None:
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    width = config["intermediate_size"]
+    if config["use_double_wide_mlp"]:
+        first_shared = num_layers - config["num_kv_shared_layers"]
+        writer.add_array(
+            f"{arch}.feed_forward_length", [width * 2 if i >= first_shared else width for i in range(num_layers)]
+        )
+    else:
+        writer.add_feed_forward_length(width)
+    if config["enable_moe_block"]:
+        writer.add_expert_count(config["num_experts"])
+        writer.add_expert_used_count(config["top_k_experts"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    pairs = global_head_dim // 2
+    rotated = int(rope["full_attention"].get("partial_rotary_factor", 1.0) * global_head_dim // 2)
+    writer.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (pairs - rotated), dtype=np.float32))
+
+
 def gguf_name(hf_name: str, arch: str) -> str:
     """llama.cpp's name for a Hugging Face tensor name."""
     stem, _, suffix = hf_name.rpartition(".")
+    if arch == "gemma4" and stem.startswith("model.layers."):
+        _, _, layer, module = hf_name.split(".", 3)
+        if module in _GEMMA4_NAMES:
+            return f"blk.{layer}.{_GEMMA4_NAMES[module]}"
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
     if suffix == "sinks":  # gpt-oss's, a parameter of the attention
@@ -145,7 +231,7 @@ def gguf_name(hf_name: str, arch: str) -> str:
     _, _, layer, module = stem.split(".", 3)  # model.layers.N.<module>
     module = module.replace("block_sparse_moe.", "mlp.")  # Mixtral's experts block
     if module == "post_attention_layernorm":
-        short = "post_attention_norm" if arch in ("gemma2", "gemma3", "gpt-oss") else "ffn_norm"
+        short = "post_attention_norm" if arch in ("gemma2", "gemma3", "gemma4", "gpt-oss") else "ffn_norm"
     else:
         short = _LAYER_NAMES[module]
     return f"blk.{layer}.{short}.{suffix}"
@@ -204,10 +290,12 @@ def _write_hparams(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
-    writer.add_head_count_kv(config.get("num_key_value_heads", heads))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if arch == "gemma4":
+        return _write_gemma4_hparams(writer, config)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count_kv(config.get("num_key_value_heads", heads))
     if arch == "mistral3":  # transformers 5's rope_parameters, as Ministral 3's config has them
         config = {**config, "rope_theta": config["rope_parameters"]["rope_theta"],
                   "rope_scaling": config["rope_parameters"]}

@@ -11,6 +11,9 @@ the model uses, so that encode and decode give the same ids and text:
 - `llama` (SentencePiece BPE with byte fallback: Llama 2, Gemma): merges recovered
   from the piece scores, as transformers recovers them from a tokenizer.model, and the
   leading-space rule from `tokenizer.ggml.add_space_prefix`.
+- `gemma4` (Gemma 4): BPE over characters with the file's merges, spaces written as
+  "▁", text split into runs of newlines and runs of anything else (a run that is a
+  token whole stays one), byte fallback; llama.cpp always adds BOS to it.
 """
 
 from __future__ import annotations
@@ -99,9 +102,11 @@ def tokenizer_from_gguf(metadata: Metadata, architecture: str) -> Tokenizer:
     elif kind == "llama":
         is_gemma = architecture.startswith("gemma")
         backend = _sentencepiece_bpe(metadata, tokens, token_types, is_gemma)
+    elif kind == "gemma4":
+        backend = _gemma4_bpe(metadata, tokens)
     else:
         raise CheckpointError(
-            f"{source}: unsupported GGUF tokenizer '{kind}' (supported: gpt2, llama)"
+            f"{source}: unsupported GGUF tokenizer '{kind}' (supported: gpt2, llama, gemma4)"
         )
     backend.add_tokens(
         [
@@ -124,6 +129,7 @@ def tokenizer_from_gguf(metadata: Metadata, architecture: str) -> Tokenizer:
     # unless the file says otherwise.
     pre = _BYTE_LEVEL_PRE[metadata.optional("tokenizer.ggml.pre", str, "default")] if kind == "gpt2" else None
     add_bos = metadata.optional("tokenizer.ggml.add_bos_token", bool, kind == "llama" or (pre and pre.add_bos))
+    add_bos = add_bos or kind == "gemma4"  # llama.cpp forces it, whatever the file says
     try:
         return Tokenizer(
             backend,
@@ -132,7 +138,7 @@ def tokenizer_from_gguf(metadata: Metadata, architecture: str) -> Tokenizer:
             chat_template=metadata.optional("tokenizer.chat_template", str),
             # llama.cpp's converter stores a named "tool_use" template (Hermes) beside it.
             tool_use_template=metadata.optional("tokenizer.chat_template.tool_use", str),
-            byte_fallback=kind == "llama",
+            byte_fallback=kind in ("llama", "gemma4"),
         )
     except jinja2.TemplateSyntaxError as exc:
         reason = " ".join(str(exc).split())
@@ -211,6 +217,21 @@ def _sentencepiece_bpe(
     else:
         backend.normalizer = normalizers.Replace(" ", "\u2581")  # Gemma: spaces only
     backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _gemma4_bpe(metadata: Metadata, tokens: list[str]) -> tokenizers.Tokenizer:
+    """Gemma 4's tokenizer as llama.cpp runs it (its piece scores are placeholders: the
+    merges order everything)."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if is_token_id(unk_id, len(tokens)) else None
+    backend = _bpe(
+        metadata, vocab, _file_merges(metadata), unk_token=unk, fuse_unk=True, byte_fallback=True, ignore_merges=True
+    )
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     return backend
 
 

@@ -33,9 +33,11 @@ from gguf import GGMLQuantizationType as GGMLType
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
+from tests.kernels.test_quantized_models import greedy
+
 FAMILIES = [
     "llama", "ministral3", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "phi3", "gemma2", "gemma3_text",
-    "gpt_oss",
+    "gpt_oss", "gemma4_text",
 ]
 EXACT_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16]
 QUANTIZED_TYPES = [
@@ -64,6 +66,24 @@ GEMMA3_SHAPE = dict(
 # Nor Gemma 2's: every other layer slides, the scale 1/sqrt(head_dim) below the 27B (a
 # window past the test's positions: mlx-lm, the oracle below, runs every layer full).
 GEMMA2_SHAPE = dict(num_layers=4, sliding_window=4096, query_pre_attn_scalar=64)
+# Gemma 4 with its dense variants' parts at once: keys as values on the full layers (2
+# and 5), per-layer inputs, the last two layers reading 3's and 4's K/V with MLPs twice
+# as wide. Its routed experts have a test of their own (below): a float16 copy (Q6_K)
+# may turn a near tie of the router's the other way.
+GEMMA4_DENSE = {
+    "attention_k_eq_v": True,
+    "num_global_key_value_heads": 1,
+    "hidden_size_per_layer_input": 256,
+    "num_kv_shared_layers": 2,
+    "use_double_wide_mlp": True,
+    "rope_parameters": {  # neither kind's default base, half of a full layer's pairs turning
+        "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 200000.0},
+    },
+}
+GEMMA4_SHAPE = dict(
+    num_layers=6, sliding_window=8, sliding_window_pattern=3, head_dim=64, tie_word_embeddings=True, gemma4=GEMMA4_DENSE
+)
 
 
 @pytest.fixture
@@ -71,7 +91,8 @@ def convert(make_checkpoint, tmp_path):
     """convert(family, kind, **options) -> (GGUF file, reference checkpoint dir)."""
 
     def run(family, kind, **options):
-        shape = {**SHAPE, **{"gemma3_text": GEMMA3_SHAPE, "gemma2": GEMMA2_SHAPE}.get(family, {})}
+        family_shapes = {"gemma3_text": GEMMA3_SHAPE, "gemma2": GEMMA2_SHAPE, "gemma4_text": GEMMA4_SHAPE}
+        shape = {**SHAPE, **family_shapes.get(family, {})}
         checkpoint = make_checkpoint(family, **shape)
         out = tmp_path / f"{family}-{kind.name}.gguf"
         reference = tmp_path / f"{family}-{kind.name}-reference"
@@ -115,6 +136,25 @@ def test_greedy_decoding_from_a_gguf_matches_mlx_lm_on_the_original(convert, fam
     model, _ = mlx_lm.load(str(reference_dir))
     expected = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=16)]
     assert tokens == expected
+
+
+@pytest.mark.parametrize("kind", [GGMLType.F32, GGMLType.Q8_0, GGMLType.Q4_K], ids=lambda k: k.name)
+def test_gemma4_routed_experts_from_a_gguf(make_checkpoint, tmp_path, kind):
+    """Its experts' gate and up in one tensor (split after decoding, packed or not), the
+    router's `.scale` tensors, the greedy tokens of mlx-lm on the original."""
+    shape = {**GEMMA4_SHAPE, "gemma4": {**GEMMA4_DENSE, "enable_moe_block": True}}
+    checkpoint = make_checkpoint("gemma4_text", **SHAPE, **shape)
+    path = write_gguf(checkpoint, tmp_path / "moe.gguf", tmp_path / "reference", kind)
+    from_gguf, reference = load_model(path), load_model(tmp_path / "reference")
+    assert from_gguf.config.extra == reference.config.extra
+    assert from_gguf.config.extra["gemma4"].experts.num_experts == 4
+    expected = reference.model(PROMPT)
+    assert float(mx.abs(from_gguf.model(PROMPT) - expected).max()) <= 1e-3 * float(mx.abs(expected).max())
+    if kind == GGMLType.F32:
+        prompt = [int(t) for t in PROMPT[0].tolist()]
+        model, _ = mlx_lm.load(str(tmp_path / "reference"))
+        expected_tokens = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=8)]
+        assert greedy(from_gguf, prompt, 8) == expected_tokens
 
 
 def test_a_vocabulary_past_the_tokenizers_is_padded_as_llama_cpps_converter_pads_it(
@@ -627,13 +667,14 @@ def test_a_tensor_with_fewer_rows_than_its_shape_is_named_truncated():
     assert got["w"].shape == (3, 4)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe", "qwen2_moe", "mixtral", "gemma4_text"])
 def test_the_config_read_from_a_gguf_is_the_checkpoints_config_json(convert, family):
     path, reference_dir = convert(family, GGMLType.F32)
     config = read_gguf(path).config
     expected = json.loads((reference_dir / "config.json").read_text())
     shared = (set(config) & set(expected)) - {"rms_norm_eps"}  # stored as a float32
-    assert {"max_position_embeddings", "num_hidden_layers", "rope_theta"} <= shared
+    rope = "rope_parameters" if family == "gemma4_text" else "rope_theta"  # Gemma 4's per kind of layer
+    assert {"max_position_embeddings", "num_hidden_layers", rope} <= shared
     assert {k: config[k] for k in shared} == {k: expected[k] for k in shared}
     assert config["rms_norm_eps"] == pytest.approx(expected["rms_norm_eps"], rel=1e-6)
 

@@ -4,6 +4,7 @@ Qwen 2's pre-tokenizers, and SentencePiece vocabularies with (Llama 2) and witho
 the leading word-boundary piece. transformers is the oracle, and SentencePiece itself for
 Llama-style ids (see test_sentencepiece_matches_hugging_face)."""
 
+import functools
 import json
 import re
 import shutil
@@ -409,7 +410,7 @@ def test_a_vocabulary_without_token_types_is_all_ordinary_pieces(tmp_path):
 
 
 def test_an_unsupported_tokenizer_model_is_named(tmp_path):
-    with pytest.raises(CheckpointError, match=r"tokenizer 'bert' \(supported: gpt2, llama\)"):
+    with pytest.raises(CheckpointError, match=r"tokenizer 'bert' \(supported: gpt2, llama, gemma4\)"):
         handmade_sentencepiece(tmp_path, {"a": -1.0}, model="bert")
 
 
@@ -431,6 +432,28 @@ def test_gemma_merges_follow_the_order_of_the_pieces_not_their_scores(tmp_path):
     assert gemma.encode("abc") == [ids["ab"], ids["c"]]
     llama, _ = handmade_sentencepiece(tmp_path, pieces)
     assert llama.encode("abc") == [ids["a"], ids["bc"]]
+
+
+def gemma4_tokenizer(tmp_path: Path):
+    """A Gemma 4 vocabulary as its converter writes one: placeholder scores, the merges
+    deciding, byte pieces for byte fallback; "\n\n" and "a\n" pieces no merge makes."""
+    pieces = ["a", "b", "c", "\u2581", "\n", "ab", "bc", "\u2581b", "\n\n", "a\n", "<0xC3>", "<0xA9>"]
+    merges = ["b c", "a b", "\u2581 b", "a \n"]
+    return handmade_sentencepiece(tmp_path, dict.fromkeys(pieces, -1000.0), "gemma4", merges, model="gemma4")
+
+
+def test_gemma4_tokenizer_merges_by_the_files_merges_over_newline_runs_and_the_rest(tmp_path):
+    ours, ids = gemma4_tokenizer(tmp_path)
+    encode = functools.partial(ours.encode, add_special_tokens=False)
+    assert encode("abc") == [ids["a"], ids["bc"]]  # the merges' order: "b c" first
+    assert encode("a b") == [ids["a"], ids["\u2581b"]]  # a space is "▁", no prefix before the text
+    # Runs of newlines and of the rest are split apart: a run that is a piece stays
+    # whole, and nothing merges across a line's end ("a\n" is a merge, not a token here).
+    assert encode("a\n\nb") == [ids["a"], ids["\n\n"], ids["b"]]
+    assert encode("a\nb") == [ids["a"], ids["\n"], ids["b"]]
+    assert encode("é") == [ids["<0xC3>"], ids["<0xA9>"]]  # byte fallback
+    assert ours.decode(encode("a b\n\né")) == "a b\n\né"
+    assert ours.encode("a") == [1, ids["a"]]  # BOS, as llama.cpp forces, though the file says not
 
 
 @pytest.mark.parametrize(
