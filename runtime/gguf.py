@@ -135,10 +135,13 @@ _GEMMA4_NAMES = {
 # Phi-3's LongRoPE factors: RoPE settings, not weights (as Llama 3's `rope_freqs`).
 _LONGROPE_TENSORS = frozenset({"rope_factors_long.weight", "rope_factors_short.weight"})
 
-# The end-of-turn spellings llama.cpp's vocabulary loader recognises (llama-vocab.cpp).
+# The end-of-turn spellings llama.cpp's vocabulary loader recognises (llama-vocab.cpp),
+# Gemma 4's among them: the end of its turn, and the tool response it waits for after
+# a call (a user-defined token in its files, which llama.cpp stops at all the same).
 _END_OF_TURN_TOKENS = frozenset(
-    {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>"}
+    {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>", "<turn|>"}
 )
+_END_OF_TURN_ANY_TYPE = frozenset({"<|tool_response>"})
 
 
 @attrs.frozen
@@ -385,7 +388,9 @@ def _eos_ids(metadata: Metadata) -> list[int]:
             ids.append(value)
     types = metadata.get("tokenizer.ggml.token_type") or []
     for token_id, (token, token_type) in enumerate(zip(tokens, types, strict=False)):
-        is_end_of_turn = token in _END_OF_TURN_TOKENS and token_type == gguf.TokenType.CONTROL
+        is_end_of_turn = (
+            token in _END_OF_TURN_TOKENS and token_type == gguf.TokenType.CONTROL
+        ) or token in _END_OF_TURN_ANY_TYPE
         if is_end_of_turn and token_id not in ids:
             ids.append(token_id)
     return ids

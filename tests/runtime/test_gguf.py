@@ -775,6 +775,26 @@ def test_only_control_tokens_spelled_as_an_end_of_turn_stop_generation(convert, 
     assert read_gguf(retyped).config["eos_token_id"] == [2]
 
 
+def test_gemma4s_end_of_turn_and_its_wait_for_a_tool_response_stop_generation(convert, tmp_path):
+    """As llama.cpp's vocabulary loader: `<turn|>` (a control token) and `<|tool_response>`
+    (user-defined in Gemma 4's files), beside the file's EOS."""
+    path, _ = convert("gemma4_text", GGMLType.F32)
+    field = gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"]
+    tokens = [bytes(field.parts[i]).decode() for i in field.data]
+    tokens[0], tokens[1] = "<turn|>", "<|tool_response>"  # control and user-defined below
+    types = token_types(path)
+    types[0], types[1] = gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED
+    renamed = rewritten(
+        path,
+        tmp_path / "gemma4.gguf",
+        metadata={
+            "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
+            "tokenizer.ggml.token_type": (types, V.ARRAY, V.INT32),
+        },
+    )
+    assert set(read_gguf(renamed).config["eos_token_id"]) == {*read_gguf(path).config["eos_token_id"], 0, 1}
+
+
 def with_id_past_the_vocabulary(convert, tmp_path, key):
     """(a qwen2 file, its copy whose `key` names the first id past the vocabulary, that id)."""
     path, _ = convert("qwen2", GGMLType.F32)
