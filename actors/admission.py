@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 
 from runtime.errors import CadenceError, RequestError
+from runtime.gemma4_reply import CALL_CLOSE, CALL_OPEN, QUOTE
 from runtime.grammar import (
     JSON_KINDS,
     CompiledGrammar,
@@ -22,7 +23,7 @@ from runtime.harmony import HARMONY_HEADER
 from runtime.sequence import SequenceParams, check_sequence
 from runtime.tokenizer import Tokenizer
 from runtime.tool_prompts import chat_for_template, template_knows_tools, tool_call_grammar
-from runtime.tools import ARGS, TOOL_CALLS
+from runtime.tools import ARGS, REASONING_STYLES, TOOL_CALLS
 
 import attrs
 import structlog
@@ -135,7 +136,7 @@ class Admission:
         """Whether the request's text keeps the control tokens decoding drops, for the
         parser (as vLLM does): Mistral's models call tools in them (kept where tools
         are offered), and gpt-oss marks every message of its chat replies with them."""
-        if self.tool_style == "harmony":
+        if self.tool_style in REASONING_STYLES:
             return request.messages is not None
         return self.tool_style == "mistral" and bool(request.tools) and request.tool_choice != "none"
 
@@ -160,7 +161,7 @@ class Admission:
             and answer is not None
             and shapes_content_only(answer)
             and answer.kind in JSON_KINDS
-            and self.tool_style not in ("llama3_json", "harmony")
+            and self.tool_style not in ("llama3_json", *REASONING_STYLES)
         ):
             return tool_call_grammar(
                 self.tool_style, request.tools, None, answer, control_tokens=self.control_tokens()
@@ -170,7 +171,9 @@ class Admission:
     def control_tokens(self) -> dict[str, int]:
         """The call markers (Mistral's, or harmony's header markers) that this tokenizer
         holds as control tokens, by spelling: a forced call's grammar writes them so."""
-        markers = HARMONY_HEADER if self.tool_style == "harmony" else (TOOL_CALLS, ARGS)
+        markers = {"harmony": HARMONY_HEADER, "gemma4": (CALL_OPEN, CALL_CLOSE, QUOTE)}.get(
+            self.tool_style, (TOOL_CALLS, ARGS)
+        )
         spelled = {marker: self.tokenizer.special_token_id(marker) for marker in markers}
         return {marker: token_id for marker, token_id in spelled.items() if token_id is not None}
 

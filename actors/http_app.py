@@ -23,6 +23,7 @@ from types import TracebackType
 from typing import Any
 
 from runtime.errors import CadenceError
+from runtime.tools import REASONING_STYLES
 
 import attrs
 import structlog
@@ -254,8 +255,8 @@ async def _complete(state: ServerState, api: ApiRequest) -> Response:
         has_logprobs=api.request.sampling.logprobs is not None,
     )
     tools = None
-    if api.parses_tools or (api.kind == "chat" and llm.tool_style == "harmony"):
-        # A harmony reply is parsed for its reasoning whether tools were offered or not.
+    if api.parses_tools or (api.kind == "chat" and llm.tool_style in REASONING_STYLES):
+        # A harmony or Gemma 4 reply is parsed for its reasoning whether tools were offered or not.
         tools = ToolCallDeltas(llm.tool_style, api.parallel_tool_calls, api.is_stream, api.parses_tools)
     if api.is_stream:
         response = Response(

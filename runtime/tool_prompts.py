@@ -16,6 +16,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from runtime.gemma4_reply import CALL_CLOSE, CALL_OPEN, QUOTE, gemma4_arguments
 from runtime.grammar import JSON_OPTIONS, GrammarSpec, answer_json_schema
 from runtime.harmony import CALL, CHANNEL, CONSTRAIN, MESSAGE
 from runtime.tools import ARGS, TOOL_CALLS, TOOL_STYLES
@@ -30,6 +31,8 @@ def tool_style_for(template_source: str, model_type: str) -> str:
     """One of TOOL_STYLES for a model with this chat template and config `model_type`."""
     if TOOL_CALLS in template_source:
         return "mistral"
+    if CALL_OPEN in template_source:
+        return "gemma4"
     if CHANNEL in template_source and MESSAGE in template_source:
         return "harmony"
     if "<tool_call>" in template_source:
@@ -86,6 +89,8 @@ def tool_call_grammar(
         )
     if style == "mistral":  # [TOOL_CALLS]name[ARGS]arguments
         return marked_calls(marker(TOOL_CALLS), lambda name: f"{json.dumps(name)} {marker(ARGS)}")
+    if style == "gemma4":  # <|tool_call>call:NAME{...}<tool_call|>, in Gemma's notation
+        return _with_answer(_gemma4_calls(functions, marker), answer)
     key = "parameters" if style == "llama3_json" else "arguments"
     calls = [
         {
@@ -111,6 +116,65 @@ def tool_call_grammar(
     else:
         lark = f"tool_call: {call}"
     return _with_answer(lark, answer)
+
+
+# Gemma 4's notation: any value, and its pieces. A string's text holds no "<" (its
+# closing mark begins with one).
+_GEMMA4_VALUES = """value: string | NUMBER | "true" | "false" | "null" | "{" pairs? "}" | "[" (value ("," value)*)? "]"
+pairs: pair ("," pair)*
+pair: KEY ":" value
+string: mark TEXT? mark
+KEY: /[A-Za-z_][A-Za-z0-9_]*/
+INTEGER: /-?(0|[1-9][0-9]*)/
+NUMBER: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?/
+TEXT: /[^<]+/"""
+
+
+def _gemma4_calls(functions: Sequence[Mapping[str, Any]], marker: Callable[[str], str]) -> str:
+    """One call in Gemma 4's notation of one of `functions`. Where a tool's parameters
+    list their properties, its arguments are those keys in that order, the required ones
+    always, each value of its type (string, number, integer, boolean, an enum or const
+    of them; anything else any value); otherwise any keys."""
+    rules = [
+        f"tool_call: {marker(CALL_OPEN)} \"call:\" call {marker(CALL_CLOSE)}",
+        "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
+    ]
+    for i, function in enumerate(functions):
+        properties = _parameters(function).get("properties")
+        if not isinstance(properties, dict) or not properties:
+            rules.append(f'call_{i}: {json.dumps(function["name"])} "{{" pairs? "}}"')
+            continue
+        required = set(_parameters(function).get("required") or ())
+        names = list(properties)
+        rules.append(f'call_{i}: {json.dumps(function["name"])} "{{" args_{i}_0_first "}}"')
+        for k, name in enumerate(names):
+            pair = f"{json.dumps(name)} \":\" {_gemma4_value(properties[name])}"
+            for started in (False, True):
+                here = f"args_{i}_{k}_{'more' if started else 'first'}"
+                after = f" args_{i}_{k + 1}_more" if k + 1 < len(names) else ""
+                this = f'{chr(34) + "," + chr(34) + " " if started else ""}{pair}{after}'
+                skip = f"args_{i}_{k + 1}_{'more' if started else 'first'}" if k + 1 < len(names) else ""
+                if name in required:
+                    rules.append(f"{here}: {this}")
+                elif skip:
+                    rules.append(f"{here}: {this} | {skip}")
+                else:
+                    rules.append(f"{here}: ({this})?")
+    rules += [_GEMMA4_VALUES, f"mark: {marker(QUOTE)}"]
+    return "\n".join(rules)
+
+
+def _gemma4_value(schema: Any) -> str:
+    """The Lark expression for a value of `schema`, in Gemma 4's notation."""
+    if not isinstance(schema, dict):
+        return "value"
+    consts = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
+    if consts:
+        quoted = [f"mark {json.dumps(c)} mark" if isinstance(c, str) else json.dumps(json.dumps(c)) for c in consts]
+        return "(" + " | ".join(quoted) + ")"
+    kinds = {"string": "string", "number": "NUMBER", "integer": "INTEGER", "boolean": '("true" | "false")'}
+    kind = schema.get("type")
+    return kinds.get(kind, "value") if isinstance(kind, str) else "value"
 
 
 def _with_answer(lark: str, answer: GrammarSpec | None) -> GrammarSpec:
@@ -210,6 +274,8 @@ def _call_text(function: Mapping[str, Any], style: str) -> str:
         return f"{header}{json.dumps(arguments)}{CALL}"
     if style == "hermes":
         return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+    if style == "gemma4":
+        return f"{CALL_OPEN}call:{function['name']}{gemma4_arguments(arguments)}{CALL_CLOSE}"
     return json.dumps({"name": function["name"], "parameters": arguments})
 
 

@@ -17,6 +17,8 @@ The formats, as the families' chat templates teach them:
                `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`. Text may come first.
   harmony      gpt-oss: messages on channels, a call addressed `to=functions.NAME`; its
                parser also tells reasoning from the answer (runtime/harmony.py).
+  gemma4       Gemma 4: `<|tool_call>call:NAME{key:value,...}<tool_call|>` in its own notation,
+               reasoning in a `<|channel>` block (runtime/gemma4_reply.py).
 
 Feeding the text in any split yields the same calls with the same argument text, so
 streamed deltas reassemble to the whole response: parsing state is the text, never
@@ -38,9 +40,13 @@ from runtime.json_ends import ValueEnd
 import attrs
 
 if TYPE_CHECKING:
+    from runtime.gemma4_reply import Gemma4Parser
     from runtime.harmony import HarmonyParser
 
-TOOL_STYLES = ("hermes", "llama3_json", "gemma", "mistral", "harmony")
+TOOL_STYLES = ("hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4")
+# Styles whose chat replies are parsed whether tools were offered or not: they hold
+# reasoning apart from the answer, in markup the request keeps (actors/admission.py).
+REASONING_STYLES = ("harmony", "gemma4")
 
 
 @attrs.frozen
@@ -214,7 +220,7 @@ class _Delimited:
             if not self.in_call:
                 at = self.pending.find(self.opening)
                 if at < 0:  # hold back a tail that may begin a marker
-                    keep = _marker_prefix_length(self.pending, self.opening)
+                    keep = marker_prefix_length(self.pending, self.opening)
                     events += _content(self.pending[: len(self.pending) - keep])
                     self.pending = self.pending[len(self.pending) - keep :]
                     return events
@@ -226,7 +232,7 @@ class _Delimited:
             self.closing_searched = max(0, len(self.pending) - len(self.closing) + 1)
             # A tail that may begin the closing marker waits until it is decided: arguments
             # that are no JSON run to the marker, and "</tool_" went out as their text.
-            held = _marker_prefix_length(self.pending, self.closing) if at < 0 else 0
+            held = marker_prefix_length(self.pending, self.closing) if at < 0 else 0
             body = self.pending[: len(self.pending) - held] if at < 0 else self.pending[:at]
             if self.streams_arguments or at >= 0:
                 events += self._body_events(body, is_final=at >= 0, closing=self.closing)
@@ -240,7 +246,7 @@ class _Delimited:
             return events
         # A call cut short (max_tokens): its closing marker was never written, or only
         # begun ("</tool_call"), which is markup, not content.
-        keep = _marker_prefix_length(self.pending, self.closing)
+        keep = marker_prefix_length(self.pending, self.closing)
         body = self.pending[: len(self.pending) - keep]
         events = self._body_events(body, is_final=True, closing="")
         self.pending, self.in_call = "", False
@@ -328,7 +334,7 @@ class _MistralCalls:
             if not self.in_call:
                 at = self.pending.find(TOOL_CALLS)
                 if at < 0:  # hold back a tail that may begin a marker
-                    keep = 0 if is_final else _marker_prefix_length(self.pending, TOOL_CALLS)
+                    keep = 0 if is_final else marker_prefix_length(self.pending, TOOL_CALLS)
                     events += _content(self.pending[: len(self.pending) - keep])
                     self.pending = self.pending[len(self.pending) - keep :]
                     return events
@@ -416,7 +422,7 @@ def _is_part_of(event: Event, index: int) -> bool:
     return isinstance(event, CallStart | CallArguments) and event.index == index
 
 
-def _marker_prefix_length(text: str, marker: str) -> int:
+def marker_prefix_length(text: str, marker: str) -> int:
     """The longest tail of `text` that is a proper prefix of `marker`."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):
@@ -428,13 +434,13 @@ def _content(text: str) -> list[Event]:
     return [Content(text)] if text else []
 
 
-ToolParser: TypeAlias = "_Delimited | _WholeReply | _MistralCalls | HarmonyParser"
+ToolParser: TypeAlias = "_Delimited | _WholeReply | _MistralCalls | HarmonyParser | Gemma4Parser"
 
 
 def parser_for(style: str, parses_calls: bool = True) -> ToolParser:
-    """A fresh parser for one response in `style` (one of TOOL_STYLES). Harmony's also
-    splits reasoning from content, so it runs for requests without tools too: there
-    (`parses_calls` False) a message to a function is content."""
+    """A fresh parser for one response in `style` (one of TOOL_STYLES). Harmony's and
+    Gemma 4's also split reasoning from content, so they run for requests without tools
+    too: there (`parses_calls` False) a call is content."""
     if style == "hermes":
         return _Delimited("<tool_call>", "</tool_call>", streams_arguments=True)
     if style == "gemma":
@@ -447,4 +453,8 @@ def parser_for(style: str, parses_calls: bool = True) -> ToolParser:
         from runtime.harmony import HarmonyParser  # it builds on this module's events
 
         return HarmonyParser(parses_calls)
+    if style == "gemma4":
+        from runtime.gemma4_reply import Gemma4Parser  # it builds on this module's events
+
+        return Gemma4Parser(parses_calls)
     raise ValueError(f"unknown tool-call style {style!r} (known: {', '.join(TOOL_STYLES)})")

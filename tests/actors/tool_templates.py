@@ -89,6 +89,26 @@ HARMONY = (
     "{%- endfor %}{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
 )
 
+# Gemma 4's shape (written for these tests from the markup its releases' template
+# writes): turns between `<|turn>` and `<turn|>`, tools declared in the system turn,
+# calls as `<|tool_call>call:NAME{key:value}<tool_call|>` with strings between `<|"|>`
+# marks, and the generation prompt's empty thought channel when thinking is off.
+GEMMA4 = (
+    "{{ bos_token }}"
+    "{%- if tools or enable_thinking %}<|turn>system\n{%- if enable_thinking %}<|think|>{%- endif %}"
+    "{%- for tool in tools %}<|tool>declaration:{{ tool.function.name }}"
+    "{{ tool.function.parameters | tojson }}<tool|>{%- endfor %}<turn|>\n{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- set role = 'model' if message.role == 'assistant' else message.role %}<|turn>{{ role }}\n"
+    "{%- for call in message.tool_calls or [] %}<|tool_call>call:{{ call.function.name }}{{ '{' }}"
+    "{%- for key, value in call.function.arguments | dictsort %}{{ key }}:"
+    "{%- if value is string %}<|\"|>{{ value }}<|\"|>{%- else %}{{ value | tojson }}{%- endif %}"
+    "{%- if not loop.last %},{% endif %}{%- endfor %}}<tool_call|>{%- endfor %}"
+    "{{ message.content or '' }}<turn|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|turn>model\n"
+    "{%- if not enable_thinking %}<|channel>thought\n<channel|>{%- endif %}{%- endif %}"
+)
+
 TEMPLATES = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "gemma": GEMMA, "mistral": MISTRAL}
 
 

@@ -1,0 +1,130 @@
+"""Gemma 4's replies through real HTTP, read by the official openai client: its thinking
+apart from the answer (`reasoning` and `reasoning_content`), tool calls in its own
+notation as JSON tool calls, forced calls written with its markers as tokens, and
+assistant calls replayed into its template.
+
+The checkpoint's tokenizer holds Gemma 4's markers as special tokens and its template
+writes Gemma 4's markup (tests/actors/tool_templates.py). Random weights write none of
+it, so a grammar writes the reply, its markers as the tokenizer's own tokens.
+"""
+
+import json
+
+from runtime.gemma4_reply import CALL_CLOSE, CALL_OPEN, CHANNEL_CLOSE, CHANNEL_OPEN, QUOTE
+from runtime.tokenizer import Tokenizer
+
+import jsonschema
+import pytest
+
+from tests.actors.test_http import in_thread, serving
+from tests.actors.test_http_harmony import streamed
+from tests.actors.test_http_tools import ASK, SCHEMAS, TOOLS, whole
+from tests.actors.tool_templates import GEMMA4, with_template
+
+MARKERS = (CHANNEL_OPEN, CHANNEL_CLOSE, CALL_OPEN, CALL_CLOSE, QUOTE, "<|tool_response>", "<|turn>", "<turn|>")
+
+
+@pytest.fixture(scope="module")
+def gemma4(make_checkpoint, tmp_path_factory):
+    """A tiny checkpoint speaking Gemma 4's markup: its markers special tokens,
+    `<turn|>` and `<|tool_response>` among its EOS tokens."""
+    size = Tokenizer.from_dir(make_checkpoint("llama")).vocab_size
+    out = tmp_path_factory.mktemp("gemma4") / "gemma-4-like"
+    checkpoint = with_template(make_checkpoint("llama", vocab_size=size + 8), out, GEMMA4)
+    tokenizer_file = checkpoint / "tokenizer.json"
+    raw = json.loads(tokenizer_file.read_text())
+    for offset, marker in enumerate(MARKERS):
+        raw["added_tokens"].append({
+            "id": size + offset, "content": marker, "single_word": False, "lstrip": False,
+            "rstrip": False, "normalized": False, "special": True,
+        })
+    tokenizer_file.write_text(json.dumps(raw))
+    generation = json.loads((checkpoint / "generation_config.json").read_text())
+    generation["eos_token_id"] += [size + MARKERS.index("<turn|>"), size + MARKERS.index("<|tool_response>")]
+    (checkpoint / "generation_config.json").write_text(json.dumps(generation))
+    return checkpoint
+
+
+def written(checkpoint, *parts):
+    """A Lark grammar writing `parts` in order: markers as the tokenizer's own tokens."""
+    tokenizer = Tokenizer.from_dir(checkpoint)
+    pieces = [
+        f"<[{tokenizer.special_token_id(part)}]>" if part in MARKERS else json.dumps(part) for part in parts
+    ]
+    return "start: " + " ".join(pieces)
+
+
+THOUGHT = (CHANNEL_OPEN, "thought\nThe user asks about Paris.", CHANNEL_CLOSE)
+CALL = (CALL_OPEN, "call:get_weather{city:", QUOTE, "Paris", QUOTE, ",days:2}", CALL_CLOSE)
+
+
+async def test_thinking_leaves_apart_from_the_answer_whole_and_streamed(gemma4):
+    body = dict(messages=ASK, max_tokens=80, extra_body={"guided_grammar": written(gemma4, *THOUGHT, "Sunny.")})
+    async with serving(gemma4) as server:
+        assert server.llm.tool_style == "gemma4"
+        done = await in_thread(whole, server, **body)
+        reasoning, content, calls, finish, other = await in_thread(streamed, server, **body)
+    message = done.choices[0].message
+    assert message.content == "Sunny." and done.choices[0].finish_reason == "stop"
+    assert message.model_extra["reasoning"] == message.model_extra["reasoning_content"] == "The user asks about Paris."
+    assert (reasoning, content, calls, finish) == ("The user asks about Paris.", "Sunny.", [], "stop")
+    assert other == reasoning
+
+
+async def test_a_call_in_gemmas_notation_is_a_json_tool_call(gemma4):
+    body = dict(
+        messages=ASK, tools=TOOLS, max_tokens=80, extra_body={"guided_grammar": written(gemma4, *THOUGHT, *CALL)}
+    )
+    async with serving(gemma4) as server:
+        done = await in_thread(whole, server, **body)
+        reasoning, content, calls, finish, _ = await in_thread(streamed, server, **body)
+        untooled = await in_thread(whole, server, **{k: v for k, v in body.items() if k != "tools"})
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris", "days": 2})
+    assert (reasoning, content, finish) == ("The user asks about Paris.", "", "tool_calls")
+    assert calls == [["get_weather", call.function.arguments]]
+    # Offered no tools, the call is the answer's text as the model wrote it.
+    assert untooled.choices[0].message.tool_calls is None
+    assert untooled.choices[0].message.content == "".join(CALL)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+async def test_a_forced_call_is_written_in_gemmas_notation_with_its_markers_as_tokens(gemma4, choice):
+    body = dict(messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=60, logprobs=True)
+    async with serving(gemma4) as server:
+        done = await in_thread(whole, server, **body)
+        _, content, calls, finish, _ = await in_thread(streamed, server, **body)
+    choice_ = done.choices[0]
+    assert choice_.finish_reason == "tool_calls" and choice_.message.content is None
+    (call,) = choice_.message.tool_calls
+    assert call.function.name in ("get_weather", "get_time")
+    if isinstance(choice, dict):
+        assert call.function.name == "get_time"
+    # The keys of its schema, each value one its schema allows (here enums).
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    tokens = [entry.token for entry in choice_.logprobs.content]
+    assert tokens[0] == CALL_OPEN and tokens[-1] == CALL_CLOSE
+    assert (content, finish) == ("", "tool_calls")
+    assert calls == [[call.function.name, call.function.arguments]]
+
+
+async def test_an_assistant_call_replayed_reaches_the_template_in_gemmas_notation(gemma4):
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ]},
+    ]
+    async with serving(gemma4) as server:
+        done = await in_thread(whole, server, messages=history, max_tokens=1)
+    tokenizer = Tokenizer.from_dir(gemma4)
+    replayed = f'{CALL_OPEN}call:get_weather{{city:{QUOTE}Paris{QUOTE}}}{CALL_CLOSE}'
+    prompt = tokenizer.apply_chat_template(
+        [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+            {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        ]}]
+    )
+    assert replayed in prompt
+    assert done.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
