@@ -19,7 +19,7 @@ Q = QUOTE
 REPLY = (
     f"{CHANNEL_OPEN}thought\nThe user asks.\nTwo lines.{CHANNEL_CLOSE}Sure, checking.\n"
     f"{CALL_OPEN}call:get_weather{{city:{Q}Paris, <FR>{Q},days:3,opts:{{metric:true,none:null,"
-    f"tags:[{Q}a{Q},-1.5e2,[]]}}}}{CALL_CLOSE}{CALL_OPEN}call:ping{{}}{CALL_CLOSE}"
+    f"tags:[{Q} a {Q},-1.5e2,[]]}}}}{CALL_CLOSE}{CALL_OPEN}call:ping{{}}{CALL_CLOSE}"
 )
 
 
@@ -44,7 +44,7 @@ def test_reasoning_content_and_calls_come_out_the_same_in_any_split(split):
     assert content == "Sure, checking.\n"
     assert calls == [
         ("get_weather", {"city": "Paris, <FR>", "days": 3, "opts": {"metric": True, "none": None,
-                                                               "tags": ["a", -150.0, []]}}),
+                                                               "tags": [" a ", -150.0, []]}}),
         ("ping", {}),
     ]
 
