@@ -135,8 +135,9 @@ def measure_floor(checkpoint: Path, tokens: int = 256, repeats: int = 10) -> Flo
 
 def count_parameters(checkpoint: Path) -> int:
     """Weights a token's forward multiplies, from the safetensors headers: quantized
-    weights count their unpacked size; an untied embedding table is left out; routed
-    experts (qwen3_moe, qwen2_moe, mixtral) count the share a token runs, top k of E."""
+    weights count their unpacked size; an untied embedding table is left out, and so is
+    Gemma 4's per-layer one (a lookup too); routed experts (qwen3_moe, qwen2_moe, mixtral,
+    gpt_oss, gemma4) count the share a token runs, top k of E."""
     config = _config(checkpoint)
     quantization = config.get("quantization")
     bits = quantization.get("bits") if isinstance(quantization, dict) else None
@@ -160,12 +161,13 @@ def count_parameters(checkpoint: Path) -> int:
         )
     }
     num_experts = config.get("num_experts", config.get("num_local_experts"))
-    top_k = config.get("num_experts_per_tok")
+    top_k = config.get("num_experts_per_tok", config.get("top_k_experts"))  # Gemma 4's name
     if _is_size(num_experts) and _is_size(top_k):
         counted = {
             name: n * top_k // num_experts if (".switch_mlp." in name or ".experts." in name) else n
             for name, n in counted.items()
         }
+    counted = {name: n for name, n in counted.items() if not name.endswith("embed_tokens_per_layer.weight")}
     if any(name.endswith("lm_head.weight") for name in counted):
         return sum(n for name, n in counted.items() if not name.endswith("embed_tokens.weight"))
     return sum(counted.values())

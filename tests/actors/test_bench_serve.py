@@ -126,6 +126,24 @@ async def test_an_unreachable_url_is_one_line_not_a_traceback(tmp_path, capsys):
     assert "http://127.0.0.1:9/v1/models" in capsys.readouterr().err
 
 
+def test_the_floor_counts_gemma4s_experts_a_token_runs_and_not_its_per_layer_table(make_checkpoint):
+    """Its experts by its own name for k (`top_k_experts`), 2 of 4; its per-layer inputs'
+    table is a lookup; its tied embedding the head. One layer: full (a last layer is),
+    so heads of twice head_dim."""
+    h, heads, kv, d, ffn, experts, top_k, per_layer = 64, 4, 2, 16, 128, 4, 2, 8
+    variant = {"enable_moe_block": True, "hidden_size_per_layer_input": per_layer}
+    shape = dict(num_layers=1, head_dim=d, tie_word_embeddings=True, gemma4=variant)
+    checkpoint = make_checkpoint("gemma4_text", **shape)
+    config = json.loads((checkpoint / "config.json").read_text())
+    attention = 2 * h * heads * 2 * d + 2 * h * kv * 2 * d + 2 * 2 * d  # q, o; k, v; q/k norms
+    mlp = 3 * h * ffn + top_k * 3 * h * ffn + (h * experts + h + experts)  # dense, experts, router
+    norms = 7 * h + h  # the layer's seven and the per-layer input's
+    layer_inputs = 2 * h * per_layer + 1  # its gate and projection, the layer scalar
+    model = h * 1 * per_layer + per_layer  # the per-layer projection and its norm
+    expected = attention + mlp + norms + layer_inputs + model + h + config["vocab_size"] * h
+    assert count_parameters(checkpoint) == expected
+
+
 @pytest.mark.parametrize(
     ("workload", "most_at_once"),
     [(Workload(6, clients=2), 2), (Workload(6, rate=10.0), 6)],

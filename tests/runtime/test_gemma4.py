@@ -42,9 +42,8 @@ VARIANTS = {
 def gemma4(tmp_path: Path, variant: str, family: str = "gemma4_text", **kwargs) -> Path:
     # mlx-lm's multimodal gemma4 has no untied head (nor has any release).
     tied = kwargs.pop("tie_word_embeddings", family == "gemma4")
-    return make_tiny_checkpoint(
-        tmp_path / variant, family, **SHAPE, gemma4=VARIANTS[variant], tie_word_embeddings=tied, **kwargs
-    )
+    shape = {**SHAPE, **kwargs}
+    return make_tiny_checkpoint(tmp_path / variant, family, **shape, gemma4=VARIANTS[variant], tie_word_embeddings=tied)
 
 
 @pytest.mark.parametrize("family", ["gemma4_text", "gemma4"])
@@ -225,3 +224,13 @@ def test_the_last_layer_run_for_the_sampling_tokens_alone_is_the_full_forward_th
     model = load_model(gemma4(tmp_path, "E4B")).model
     keep = mx.array([3, 17], mx.int32)
     assert mx.allclose(model.hidden(TOKENS, None, keep), model.hidden(TOKENS)[:, keep], atol=1e-5).item()
+
+
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
+def test_full_layers_wider_than_the_kernels_prefill_tile_keep_greedy_parity(tmp_path: Path, monkeypatch, path):
+    """The releases' full layers have heads of 512: past the CPU kernel's 256-wide prefill
+    tiles, which take such heads token by token (here 288, and 144 on sliding layers)."""
+    monkeypatch.setenv("CADENCE_PAGED_ATTENTION", path)
+    checkpoint = gemma4(tmp_path, "31B", head_dim=144)
+    assert load_model(checkpoint).config.extra["gemma4"].layer_shapes[2] == (1, 288)
+    assert greedy(load_model(checkpoint), PROMPT, 12) == mlx_lm_greedy(checkpoint, PROMPT, 12)
