@@ -16,10 +16,11 @@ from runtime.tokenizer import Tokenizer
 import jsonschema
 import pytest
 
+from tests.actors import tool_templates
 from tests.actors.test_http import in_thread, serving
 from tests.actors.test_http_harmony import streamed
 from tests.actors.test_http_tools import ASK, SCHEMAS, TOOLS, whole
-from tests.actors.tool_templates import GEMMA4, with_template
+from tests.actors.tool_templates import GEMMA4, with_markers
 
 MARKERS = (CHANNEL_OPEN, CHANNEL_CLOSE, CALL_OPEN, CALL_CLOSE, QUOTE, "<|tool_response>", "<|turn>", "<turn|>")
 
@@ -30,28 +31,11 @@ def gemma4(make_checkpoint, tmp_path_factory):
     `<turn|>` and `<|tool_response>` among its EOS tokens."""
     size = Tokenizer.from_dir(make_checkpoint("llama")).vocab_size
     out = tmp_path_factory.mktemp("gemma4") / "gemma-4-like"
-    checkpoint = with_template(make_checkpoint("llama", vocab_size=size + 8), out, GEMMA4)
-    tokenizer_file = checkpoint / "tokenizer.json"
-    raw = json.loads(tokenizer_file.read_text())
-    for offset, marker in enumerate(MARKERS):
-        raw["added_tokens"].append({
-            "id": size + offset, "content": marker, "single_word": False, "lstrip": False,
-            "rstrip": False, "normalized": False, "special": True,
-        })
-    tokenizer_file.write_text(json.dumps(raw))
-    generation = json.loads((checkpoint / "generation_config.json").read_text())
-    generation["eos_token_id"] += [size + MARKERS.index("<turn|>"), size + MARKERS.index("<|tool_response>")]
-    (checkpoint / "generation_config.json").write_text(json.dumps(generation))
-    return checkpoint
+    return with_markers(make_checkpoint("llama", vocab_size=size + 8), out, GEMMA4, MARKERS, ("<turn|>", "<|tool_response>"))
 
 
 def written(checkpoint, *parts):
-    """A Lark grammar writing `parts` in order: markers as the tokenizer's own tokens."""
-    tokenizer = Tokenizer.from_dir(checkpoint)
-    pieces = [
-        f"<[{tokenizer.special_token_id(part)}]>" if part in MARKERS else json.dumps(part) for part in parts
-    ]
-    return "start: " + " ".join(pieces)
+    return tool_templates.written(checkpoint, MARKERS, *parts)
 
 
 THOUGHT = (CHANNEL_OPEN, "thought\nThe user asks about Paris.", CHANNEL_CLOSE)

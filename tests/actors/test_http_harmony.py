@@ -16,9 +16,10 @@ from runtime.tokenizer import Tokenizer
 import jsonschema
 import pytest
 
+from tests.actors import tool_templates
 from tests.actors.test_http import in_thread, request, serving
 from tests.actors.test_http_tools import ASK, SCHEMAS, TOOLS, whole
-from tests.actors.tool_templates import HARMONY, with_template
+from tests.actors.tool_templates import HARMONY, with_markers
 
 
 @pytest.fixture(scope="module")
@@ -27,31 +28,11 @@ def harmony(make_checkpoint, tmp_path_factory):
     `<|call|>` among its EOS tokens (gpt-oss's generation_config)."""
     size = Tokenizer.from_dir(make_checkpoint("llama")).vocab_size
     out = tmp_path_factory.mktemp("harmony") / "gpt-oss-like"
-    checkpoint = with_template(make_checkpoint("llama", vocab_size=size + 8), out, HARMONY)
-    tokenizer_file = checkpoint / "tokenizer.json"
-    raw = json.loads(tokenizer_file.read_text())
-    for offset, marker in enumerate(MARKERS):
-        raw["added_tokens"].append({
-            "id": size + offset, "content": marker, "single_word": False, "lstrip": False,
-            "rstrip": False, "normalized": False, "special": True,
-        })
-    tokenizer_file.write_text(json.dumps(raw))
-    generation = json.loads((checkpoint / "generation_config.json").read_text())
-    ids = {marker: size + offset for offset, marker in enumerate(MARKERS)}
-    generation["eos_token_id"] += [ids["<|return|>"], ids["<|call|>"]]
-    (checkpoint / "generation_config.json").write_text(json.dumps(generation))
-    return checkpoint
+    return with_markers(make_checkpoint("llama", vocab_size=size + 8), out, HARMONY, MARKERS, ("<|return|>", "<|call|>"))
 
 
 def written(checkpoint, *parts):
-    """A Lark grammar writing `parts` in order: marker names as the tokenizer's own
-    tokens, anything else as literal text."""
-    tokenizer = Tokenizer.from_dir(checkpoint)
-    pieces = [
-        f"<[{tokenizer.special_token_id(part)}]>" if part in MARKERS else json.dumps(part)
-        for part in parts
-    ]
-    return "start: " + " ".join(pieces)
+    return tool_templates.written(checkpoint, MARKERS, *parts)
 
 
 REASONING = ("<|channel|>", "analysis", "<|message|>", "The user asks about Paris.", "<|end|>")

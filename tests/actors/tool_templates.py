@@ -4,7 +4,8 @@ Written for these tests in the shape of the families' own templates: Qwen 2.5's 
 in the system turn, `<tool_call>` JSON, `<tool_response>` turns), Llama 3.1's JSON one
 (`ipython` results, calls as `{"name", "parameters"}`), Gemma 3's, which has no tools,
 Mistral Small 3.2's (tools before the last user turn, `[TOOL_CALLS]name[ARGS]{...}`),
-and gpt-oss's harmony (tests/actors/test_http_harmony.py, with its markers as tokens).
+gpt-oss's harmony and Gemma 4's (tests/actors/test_http_harmony.py and
+test_http_gemma4.py, with their markers as tokens: `with_markers`).
 """
 
 import json
@@ -120,3 +121,38 @@ def with_template(checkpoint, out_dir, template):
     config["chat_template"] = template
     config_file.write_text(json.dumps(config))
     return out_dir
+
+
+def with_markers(checkpoint, out_dir, template, markers, stops):
+    """A copy of `checkpoint`, whose tokenizer has room for 8 more tokens, shipping
+    `template`, with `markers` as its special tokens and `stops` among its EOS tokens
+    (a model family's own markup, as its tokenizer and generation config hold it)."""
+    from runtime.tokenizer import Tokenizer
+
+    with_template(checkpoint, out_dir, template)
+    size = Tokenizer.from_dir(out_dir).vocab_size
+    tokenizer_file = out_dir / "tokenizer.json"
+    raw = json.loads(tokenizer_file.read_text())
+    ids = {marker: size + offset for offset, marker in enumerate(markers)}
+    raw["added_tokens"] += [
+        {"id": token_id, "content": marker, "single_word": False, "lstrip": False,
+         "rstrip": False, "normalized": False, "special": True}
+        for marker, token_id in ids.items()
+    ]
+    tokenizer_file.write_text(json.dumps(raw))
+    generation = json.loads((out_dir / "generation_config.json").read_text())
+    generation["eos_token_id"] += [ids[stop] for stop in stops]
+    (out_dir / "generation_config.json").write_text(json.dumps(generation))
+    return out_dir
+
+
+def written(checkpoint, markers, *parts):
+    """A Lark grammar writing `parts` in order: `markers` as the tokenizer's own tokens,
+    anything else as literal text."""
+    from runtime.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(checkpoint)
+    pieces = [
+        f"<[{tokenizer.special_token_id(part)}]>" if part in markers else json.dumps(part) for part in parts
+    ]
+    return "start: " + " ".join(pieces)
