@@ -1,0 +1,230 @@
+"""The config.json a tiny test checkpoint of each family gets (runtime/synth.py): the
+fields Hugging Face writes for it, at the sizes a test asks for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.models import FAMILIES
+
+import mlx.core as mx
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "ministral3": "Ministral3ForCausalLM",
+    "mistral3": "Mistral3ForConditionalGeneration",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "gemma4_text": "Gemma4ForCausalLM",
+    "gemma4": "Gemma4ForConditionalGeneration",
+}
+# Ministral 3's settings with an original context of 16 (the releases': 16,384); the
+# factor is the ratio of max_position_embeddings to it, as in the releases.
+MINISTRAL3_ROPE = {
+    "factor": 16.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "llama_4_scaling_beta": 0.1,
+}
+
+
+def hf_config(
+    family: str,
+    *,
+    vocab_size: int,
+    eos_token_id: list[int],
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    head_dim: int | None = None,
+    tie_word_embeddings: bool = False,
+    dtype: str = "float32",
+    max_position_embeddings: int = 1024,
+    rope_scaling: dict[str, Any] | None = None,
+    rope_theta: float = 10000.0,
+    rms_norm_eps: float = 1e-6,
+    sliding_window: int = 8,
+    sliding_window_pattern: int = 2,
+    query_pre_attn_scalar: int = 24,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    dense_layers: tuple[int, ...] = (),
+    text_family: str = "ministral3",
+    gemma4: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A config.json dict with the fields Hugging Face writes for `family`."""
+    if family == "mistral3":  # the multimodal layout: the text model's config nested
+        text = hf_config(
+            text_family, vocab_size=vocab_size, eos_token_id=eos_token_id, hidden_size=hidden_size,
+            num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            intermediate_size=intermediate_size, head_dim=head_dim,
+            tie_word_embeddings=tie_word_embeddings, dtype=dtype,
+            max_position_embeddings=max_position_embeddings, rope_scaling=rope_scaling,
+            rope_theta=rope_theta, rms_norm_eps=rms_norm_eps,
+        )
+        moved = {name: text.pop(name) for name in ("eos_token_id", "torch_dtype")}
+        del text["architectures"]
+        return {
+            "architectures": [ARCHITECTURES[family]],
+            "model_type": family,
+            **moved,
+            "text_config": text,
+            "vision_config": {"model_type": "pixtral", "hidden_size": 8},
+        }
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family '{family}' (known: {', '.join(sorted(FAMILIES))})")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype '{dtype}' (known: {', '.join(DTYPES)})")
+    raw: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[family]],
+        "model_type": family,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "intermediate_size": intermediate_size,
+        "hidden_act": "silu",
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": rms_norm_eps,
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": tie_word_embeddings,
+        "torch_dtype": dtype,
+        "eos_token_id": eos_token_id,
+    }
+    if family in ("llama", "qwen3"):
+        raw["attention_bias"] = False
+    if family in ("mistral", "mixtral", "ministral3"):
+        raw["sliding_window"] = None
+    if family == "ministral3":  # transformers 5's layout: every RoPE setting in one dict
+        raw["rope_parameters"] = {
+            "rope_type": "yarn",
+            "type": "yarn",
+            "rope_theta": raw.pop("rope_theta"),
+            **(raw.pop("rope_scaling") or MINISTRAL3_ROPE),
+        }
+        if rope_scaling is None:  # the factor transformers expects from the two contexts
+            raw["rope_parameters"]["factor"] = max_position_embeddings / 16
+        raw["head_dim"] = head_dim or hidden_size // num_heads
+    if family == "mixtral":
+        raw.update(num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok)
+    if family == "gpt_oss":  # every other layer slides, from the first, as the releases
+        raw.update(
+            num_local_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            head_dim=head_dim or hidden_size // num_heads,
+            attention_bias=True,
+            sliding_window=sliding_window,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+            swiglu_limit=7.0,
+        )
+    if family == "qwen2_moe":
+        raw.update(
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=intermediate_size,
+            shared_expert_intermediate_size=2 * intermediate_size,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(dense_layers),
+        )
+    if family == "qwen3_moe":
+        raw.update(
+            attention_bias=False,
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=intermediate_size,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(dense_layers),
+        )
+    if family == "phi3":
+        raw.update(attention_bias=False, sliding_window=None)
+        raw["original_max_position_embeddings"] = max_position_embeddings
+    # Qwen3 configs always name head_dim (and mlx-lm requires it there).
+    if head_dim is not None or family in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3"):
+        raw["head_dim"] = head_dim or hidden_size // num_heads
+    if family in ("gemma3_text", "gemma3"):
+        raw.update(
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=query_pre_attn_scalar,
+            rope_theta=1_000_000.0,
+            rope_local_base_freq=rope_theta,
+            sliding_window=sliding_window,
+            sliding_window_pattern=sliding_window_pattern,
+            layer_types=[
+                "full_attention" if (i + 1) % sliding_window_pattern == 0 else "sliding_attention"
+                for i in range(num_layers)
+            ],
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+        )
+        del raw["hidden_act"]
+    if family == "gemma2":
+        raw.update(
+            head_dim=head_dim or hidden_size // num_heads,
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=query_pre_attn_scalar,
+            sliding_window=sliding_window,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+        )
+        del raw["hidden_act"], raw["rope_scaling"]
+    if family in ("gemma4_text", "gemma4"):
+        raw.update(
+            head_dim=head_dim or hidden_size // num_heads,
+            global_head_dim=2 * (head_dim or hidden_size // num_heads),
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=sliding_window,
+            sliding_window_pattern=sliding_window_pattern,
+            layer_types=[
+                "full_attention" if (i + 1) % sliding_window_pattern == 0 else "sliding_attention"
+                for i in range(num_layers)
+            ],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": rope_theta},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+            },
+            final_logit_softcapping=30.0,
+            attention_k_eq_v=False,
+            num_global_key_value_heads=None,
+            num_kv_shared_layers=0,
+            use_double_wide_mlp=False,
+            hidden_size_per_layer_input=0,
+            vocab_size_per_layer_input=vocab_size,
+            enable_moe_block=False,
+        )
+        raw.update(gemma4 or {})  # the variant's own fields
+        if raw["enable_moe_block"]:
+            raw.update(num_experts=num_experts, top_k_experts=num_experts_per_tok, moe_intermediate_size=intermediate_size)
+        del raw["hidden_act"], raw["rope_theta"], raw["rope_scaling"]
+    if family in ("gemma3", "gemma4"):  # the multimodal layout: the text model's config nested
+        text = {**raw, "model_type": f"{family}_text"}
+        outer = ("architectures", "eos_token_id", "torch_dtype", "vocab_size")
+        for name in outer + ("tie_word_embeddings",):
+            text.pop(name)
+        raw = {name: raw[name] for name in outer}
+        raw.update(
+            model_type=family,
+            text_config=text,
+            vision_config={"model_type": "siglip_vision_model", "hidden_size": 8},
+            tie_word_embeddings=tie_word_embeddings,
+        )
+    return raw
