@@ -62,7 +62,7 @@ class PagedKV:
         layout = KVLayout.for_layers(num_layers, layer_windows)
         sizes = [num_blocks, *layout.windowed_pool_blocks(block_size, max_rows)]
         self.layout = attrs.evolve(layout, group_num_blocks=tuple(sizes))
-        self.group_shapes = group_shapes(self.layout, layer_shapes or ((num_kv_heads, head_dim),) * num_layers)
+        self.group_shapes = group_shapes(self.layout, layer_shapes, (num_kv_heads, head_dim))
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -99,7 +99,8 @@ class PagedKV:
         layer_shapes: tuple[tuple[int, int], ...] = (),
     ) -> tuple[int, int]:
         """(bytes of one group-0 block, bytes the windowed groups' pools take for `max_rows`)."""
-        blocks = _group_block_bytes(layout, layer_shapes, num_kv_heads, head_dim, block_size, dtype)
+        shapes = group_shapes(layout, layer_shapes, (num_kv_heads, head_dim))
+        blocks = _group_block_bytes(layout, shapes, block_size, dtype)
         pool_blocks = layout.windowed_pool_blocks(block_size, max_rows)
         windowed = sum(n * b for n, b in zip(pool_blocks, blocks[1:], strict=True))
         return blocks[0], windowed
@@ -107,10 +108,7 @@ class PagedKV:
     def row_bytes(self, num_tokens: int) -> tuple[int, int]:
         """Peak KV bytes one row of `num_tokens` holds: with this layout, and were every
         layer full (the same with no windowed layers)."""
-        group_bytes = [
-            self.bytes_per_block(len(layers), *shape, self.block_size, self.dtype)
-            for layers, shape in zip(self.layout.group_layers, self.group_shapes, strict=True)
-        ]
+        group_bytes = _group_block_bytes(self.layout, self.group_shapes, self.block_size, self.dtype)
         held = sum(
             self.layout.row_blocks(g, num_tokens, self.block_size, SIZING_CHUNK) * b
             for g, b in enumerate(group_bytes)
@@ -174,8 +172,12 @@ class PagedKV:
         return arrays
 
 
-def group_shapes(layout: KVLayout, layer_shapes: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
-    """Each group's (KV heads, head dim): one per group, since its layers share block ids."""
+def group_shapes(
+    layout: KVLayout, layer_shapes: tuple[tuple[int, int], ...], every_layer: tuple[int, int]
+) -> tuple[tuple[int, int], ...]:
+    """Each group's (KV heads, head dim), from each layer's (`layer_shapes`; empty: all
+    `every_layer`): one per group, since its layers share block ids."""
+    layer_shapes = layer_shapes or (every_layer,) * len(layout.group_of_layer)
     if len(layer_shapes) != len(layout.group_of_layer):
         raise ValueError(f"{len(layer_shapes)} layer shapes for {len(layout.group_of_layer)} layers")
     shapes = []
@@ -188,14 +190,9 @@ def group_shapes(layout: KVLayout, layer_shapes: tuple[tuple[int, int], ...]) ->
 
 
 def _group_block_bytes(
-    layout: KVLayout,
-    layer_shapes: tuple[tuple[int, int], ...],
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: mx.Dtype,
+    layout: KVLayout, shapes: tuple[tuple[int, int], ...], block_size: int, dtype: mx.Dtype
 ) -> list[int]:
-    shapes = group_shapes(layout, layer_shapes or ((num_kv_heads, head_dim),) * len(layout.group_of_layer))
+    """A block's bytes in each group: its layers' K and V at the group's shape."""
     return [
         PagedKV.bytes_per_block(len(layers), *shape, block_size, dtype)
         for layers, shape in zip(layout.group_layers, shapes, strict=True)
