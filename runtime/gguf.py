@@ -30,6 +30,7 @@ from runtime.gguf_reader import Metadata, check_tensor_layout, open_gguf
 from runtime.gguf_rope import rope_scaling
 from runtime.gguf_tensors import MODES, NATIVE_BITS, decode_tensor, quantization_config, to_mlx
 from runtime.gguf_tokenizer import tokenizer_from_gguf
+from runtime.models.gemma4 import split_gate_up
 from runtime.tokenizer import Tokenizer
 
 import attrs
@@ -192,33 +193,15 @@ def read_gguf(path: Path, progress: Callable[[str], None] = lambda message: None
         converted = to_mlx(tensor, arrays)
         if hf_name.endswith(".shared_expert_gate.weight") and converted[hf_name].ndim == 1:
             converted[hf_name] = converted[hf_name][None]  # nn.Linear(hidden, 1)'s [1, hidden]
-        if hf_name.endswith(".experts.gate_up_proj.weight"):
-            converted, hf_name = _split_gate_up(converted), hf_name.replace("gate_up_proj", "switch_glu.up_proj")
-            layer = hf_name.removesuffix(".weight")
-            if f"{layer}.scales" in converted:
-                kind = tensor.tensor_type
-                packing_by_layer[layer.replace("up_proj", "gate_proj")] = (NATIVE_BITS[kind], MODES.get(kind, "affine"))
-        layer = hf_name.removesuffix(".weight")
-        if f"{layer}.scales" in converted:
-            kind = tensor.tensor_type
-            packing_by_layer[layer] = (NATIVE_BITS[kind], MODES.get(kind, "affine"))
+        if hf_name.endswith(".experts.gate_up_proj.weight"):  # Gemma 4's: two layers in one tensor
+            converted = {n: part for name, value in converted.items() for n, part in split_gate_up(name, value).items()}
+        kind = tensor.tensor_type
+        for packed in (name.removesuffix(".scales") for name in converted if name.endswith(".scales")):
+            packing_by_layer[packed] = (NATIVE_BITS[kind], MODES.get(kind, "affine"))
         weights.update(converted)
     if (quantization := quantization_config(packing_by_layer)) is not None:
         config["quantization"] = quantization
     return GGUFCheckpoint(config=config, weights=weights, tokenizer=tokenizer)
-
-
-def _split_gate_up(converted: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Gemma 4's `experts.gate_up_proj` [E, 2I, ...] (weight, and scales and biases where
-    packed): the first I rows of each expert are its gate, the rest its up."""
-    split = {}
-    for name, values in converted.items():
-        gate, up = mx.split(values, 2, axis=-2)
-        base, _, suffix = name.rpartition(".")
-        prefix = base.removesuffix(".gate_up_proj")
-        split[f"{prefix}.switch_glu.gate_proj.{suffix}"] = mx.contiguous(gate)
-        split[f"{prefix}.switch_glu.up_proj.{suffix}"] = mx.contiguous(up)
-    return split
 
 
 def _decoded(jobs: list[tuple[Any, ...]]) -> Iterator[dict[str, np.ndarray]]:

@@ -209,15 +209,25 @@ def rename_weights(weights: dict[str, mx.array], config: ModelConfig) -> dict[st
     renamed: dict[str, mx.array] = {}
     for name, tensor in weights.items():
         if name.endswith(".experts.gate_up_proj"):
-            base = name.removesuffix(".gate_up_proj")
-            gate, up = mx.split(tensor, 2, axis=-2)
-            renamed[f"{base}.switch_glu.gate_proj.weight"] = mx.contiguous(gate)
-            renamed[f"{base}.switch_glu.up_proj.weight"] = mx.contiguous(up)
+            renamed.update(split_gate_up(name, tensor))
         elif name.endswith(".experts.down_proj"):
             renamed[name.removesuffix(".down_proj") + ".switch_glu.down_proj.weight"] = tensor
         elif not _unused(name, settings):
             renamed[name] = tensor
     return renamed
+
+
+def split_gate_up(name: str, tensor: mx.array) -> dict[str, mx.array]:
+    """`X.experts.gate_up_proj[.part]` [E, 2I, ...], each expert's gate rows first (a
+    weight, or a packed one's weight, scales and biases) -> `X.experts.switch_glu.gate_proj`
+    and `.up_proj` (`.weight` where the name has no part, as Hugging Face's)."""
+    base, _, part = name.partition(".experts.gate_up_proj")
+    part = part or ".weight"
+    gate, up = mx.split(tensor, 2, axis=-2)
+    return {
+        f"{base}.experts.switch_glu.gate_proj{part}": mx.contiguous(gate),
+        f"{base}.experts.switch_glu.up_proj{part}": mx.contiguous(up),
+    }
 
 
 def _unused(name: str, settings: Gemma4Settings) -> bool:
