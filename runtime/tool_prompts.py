@@ -217,7 +217,7 @@ def chat_for_template(
     """
     chat = [_with_parsed_arguments(m) for m in messages]
     if knows_tools:
-        return chat
+        return _responses_in_turn(chat) if style == "gemma4" else chat
     chat = [_as_text(m, style) for m in chat]
     if tools:
         preamble = _tools_preamble(tools, style)
@@ -228,6 +228,32 @@ def chat_for_template(
             content = chat[first_user].get("content") or ""
             chat[first_user] = {**chat[first_user], "content": f"{preamble}\n\n{content}"}
     return chat
+
+
+def _responses_in_turn(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's `tool` messages as Gemma 4's template takes results: the `tool_responses`
+    ({name, response}) of the assistant turn that made the calls, the name that of the
+    call whose id the result answers, the response its JSON where it is JSON. The
+    template writes them inside the model's turn, and the model goes on from there."""
+    out: list[dict[str, Any]] = []
+    for message in chat:
+        calls = out[-1].get("tool_calls") if out and out[-1]["role"] == "assistant" else None
+        if message["role"] != "tool" or not calls:
+            out.append(message)
+            continue
+        name = next(
+            (c["function"].get("name") for c in calls if c.get("id") == message.get("tool_call_id")),
+            message.get("name") or "unknown",
+        )
+        content = message.get("content") or ""
+        if not isinstance(content, str):  # text parts
+            content = "".join(part.get("text", "") for part in content if isinstance(part, Mapping))
+        response: Any = content
+        with contextlib.suppress(ValueError, RecursionError):
+            response = json.loads(content)
+        responses = [*out[-1].get("tool_responses", []), {"name": name, "response": response}]
+        out[-1] = {**out[-1], "tool_responses": responses}
+    return out
 
 
 def _with_parsed_arguments(message: Mapping[str, Any]) -> dict[str, Any]:

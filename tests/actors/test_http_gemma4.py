@@ -94,21 +94,27 @@ async def test_a_forced_call_is_written_in_gemmas_notation_with_its_markers_as_t
     assert calls == [[call.function.name, call.function.arguments]]
 
 
-async def test_an_assistant_call_replayed_reaches_the_template_in_gemmas_notation(gemma4):
+async def test_a_call_and_its_result_replayed_reach_the_template_in_gemmas_turn(gemma4):
+    """The call in Gemma's notation, its result as the turn's `tool_responses`, the
+    generation going on inside that turn."""
     history = [
         *ASK,
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
         ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
     ]
     async with serving(gemma4) as server:
         done = await in_thread(whole, server, messages=history, max_tokens=1)
     tokenizer = Tokenizer.from_dir(gemma4)
-    replayed = f'{CALL_OPEN}call:get_weather{{city:{QUOTE}Paris{QUOTE}}}{CALL_CLOSE}'
     prompt = tokenizer.apply_chat_template(
         [*ASK, {"role": "assistant", "content": None, "tool_calls": [
             {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-        ]}]
+        ], "tool_responses": [{"name": "get_weather", "response": {"sky": "clear"}}]}]
     )
-    assert replayed in prompt
+    assert prompt.endswith(
+        f'<|turn>model\n{CALL_OPEN}call:get_weather{{city:{QUOTE}Paris{QUOTE}}}{CALL_CLOSE}'
+        '<|tool_response>response:get_weather{"sky": "clear"}<tool_response|>'
+        f"{CHANNEL_OPEN}thought\n{CHANNEL_CLOSE}"
+    )
     assert done.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))

@@ -93,7 +93,8 @@ HARMONY = (
 # Gemma 4's shape (written for these tests from the markup its releases' template
 # writes): turns between `<|turn>` and `<turn|>`, tools declared in the system turn,
 # calls as `<|tool_call>call:NAME{key:value}<tool_call|>` with strings between `<|"|>`
-# marks, and the generation prompt's empty thought channel when thinking is off.
+# marks, their results as `tool_responses` inside the model's turn, which goes on after
+# them, and the generation prompt's empty thought channel when thinking is off.
 GEMMA4 = (
     "{{ bos_token }}"
     "{%- if tools or enable_thinking %}<|turn>system\n{%- if enable_thinking %}<|think|>{%- endif %}"
@@ -101,12 +102,15 @@ GEMMA4 = (
     "{{ tool.function.parameters | tojson }}<tool|>{%- endfor %}<turn|>\n{%- endif %}"
     "{%- for message in messages %}"
     "{%- set role = 'model' if message.role == 'assistant' else message.role %}<|turn>{{ role }}\n"
-    "{%- for call in message.tool_calls or [] %}<|tool_call>call:{{ call.function.name }}{{ '{' }}"
+    "{% for call in message.tool_calls or [] %}<|tool_call>call:{{ call.function.name }}{{ '{' }}"
     "{%- for key, value in call.function.arguments | dictsort %}{{ key }}:"
     "{%- if value is string %}<|\"|>{{ value }}<|\"|>{%- else %}{{ value | tojson }}{%- endif %}"
     "{%- if not loop.last %},{% endif %}{%- endfor %}}<tool_call|>{%- endfor %}"
-    "{{ message.content or '' }}<turn|>\n{%- endfor %}"
-    "{%- if add_generation_prompt %}<|turn>model\n"
+    "{%- for result in message.tool_responses or [] %}<|tool_response>response:{{ result.name }}"
+    "{{ result.response | tojson }}<tool_response|>{%- endfor %}"
+    "{{ message.content or '' }}{%- if not message.tool_responses %}<turn|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{%- if not (messages[-1].tool_responses) %}<|turn>model\n{%- endif %}"
     "{%- if not enable_thinking %}<|channel>thought\n<channel|>{%- endif %}{%- endif %}"
 )
 

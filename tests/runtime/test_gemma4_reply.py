@@ -10,7 +10,7 @@ from runtime.gemma4_reply import (
     QUOTE,
     gemma4_arguments,
 )
-from runtime.tool_prompts import tool_style_for
+from runtime.tool_prompts import chat_for_template, tool_style_for
 from runtime.tools import CallArguments, CallStart, Content, Reasoning, parser_for
 
 import pytest
@@ -95,3 +95,29 @@ def test_arguments_written_back_in_gemmas_notation_parse_to_the_same_json():
 def test_a_template_that_writes_gemma4s_call_marker_is_its_style():
     assert tool_style_for("{{ '<|tool_call>call:' + name }}", "gemma4_text") == "gemma4"
     assert tool_style_for("<start_of_turn>user", "gemma3_text") == "gemma"
+
+
+def test_tool_results_become_the_tool_responses_of_the_turn_that_called():
+    """As Gemma 4's template takes them: inside the model's turn, named after the call the
+    result answers (by id), the response its JSON where it is JSON."""
+    calls = [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+    ]
+    messages = [
+        {"role": "user", "content": "Weather and time?"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c2", "content": "noon"},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": '{"sky": "clear"}'}]},
+        {"role": "user", "content": "Thanks"},
+        {"role": "tool", "tool_call_id": "c9", "content": "stray"},  # after no call: a turn of its own
+    ]
+    chat = chat_for_template(messages, [], "gemma4", True)
+    assert [m["role"] for m in chat] == ["user", "assistant", "user", "tool"]
+    assert chat[1]["tool_responses"] == [
+        {"name": "get_time", "response": "noon"},
+        {"name": "get_weather", "response": {"sky": "clear"}},
+    ]
+    assert chat[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    # Other formats' templates take OpenAI's tool turns as they are.
+    assert [m["role"] for m in chat_for_template(messages, [], "hermes", True)] == [m["role"] for m in messages]
