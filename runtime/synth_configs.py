@@ -12,6 +12,7 @@ import mlx.core as mx
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
     "mistral": "MistralForCausalLM",
     "ministral3": "Ministral3ForCausalLM",
     "mistral3": "Mistral3ForConditionalGeneration",
@@ -108,8 +109,10 @@ def hf_config(
         "torch_dtype": dtype,
         "eos_token_id": eos_token_id,
     }
-    if family in ("llama", "qwen3"):
+    if family in ("llama", "qwen3", "smollm3"):
         raw["attention_bias"] = False
+    if family == "smollm3":  # every fourth layer without RoPE, as the releases
+        raw.update(no_rope_layer_interval=4, use_sliding_window=False, sliding_window=None)
     if family in ("mistral", "mixtral", "ministral3"):
         raw["sliding_window"] = None
     if family == "ministral3":  # transformers 5's layout: every RoPE setting in one dict

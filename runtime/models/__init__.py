@@ -28,6 +28,7 @@ from runtime.models import (
     qwen2_moe,
     qwen3,
     qwen3_moe,
+    smollm3,
 )
 from runtime.models.layers import CausalLM
 
@@ -35,6 +36,7 @@ import mlx.core as mx
 
 FAMILIES: dict[str, ModuleType] = {
     "llama": llama,
+    "smollm3": smollm3,
     "mistral": mistral,
     "ministral3": ministral3,
     "mistral3": mistral3,  # the multimodal layout: its text model (mistral or ministral3)

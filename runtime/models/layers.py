@@ -52,6 +52,9 @@ class RoPE(nn.Module):
             self.base = None
             # Absent where phi3 folded it into q_proj (partial rotation).
             self.attention_factor = float(scaling.get("attention_factor", 1.0)) ** 2
+        elif kind == "none":  # a NoPE layer (SmolLM3's): every period infinite, every angle 0
+            self._freqs = mx.full((dims // 2,), mx.inf)
+            self.base = None
         elif kind == "proportional":  # Gemma 4's full layers: runtime/models/gemma4.py reads it
             self._freqs = _proportional_freqs(dims, base, scaling)
             self.base = None

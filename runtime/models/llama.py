@@ -4,7 +4,8 @@
 
 The flags come from `ModelConfig`: q/k/v and o biases, per-head q/k RMSNorm,
 tied embeddings, head_dim, RoPE scaling (default, linear, llama3, YaRN; phi3's
-LongRoPE), ministral3's query temperature, gpt-oss's attention sinks.
+LongRoPE), ministral3's query temperature, gpt-oss's attention sinks, smollm3's layers
+without RoPE.
 """
 
 from __future__ import annotations
@@ -29,12 +30,16 @@ import mlx.nn as nn
 
 from kernels.fused_blocks import NormedLayers
 
+NO_ROTATION = {"rope_type": "none"}  # NoPE: the RoPE of a layer that rotates nothing
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         rotary_dims = config.extra.get("rotary_dims", config.head_dim)  # phi3's may be fewer
-        rope = RoPE(rotary_dims, config.rope_theta, config.rope_scaling)
+        rope_layers = config.extra.get("rope_layers")  # smollm3's: False for a layer without RoPE
+        scaling = config.rope_scaling if rope_layers is None or rope_layers[layer] else NO_ROTATION
+        rope = RoPE(rotary_dims, config.rope_theta, scaling)
         temperature = config.extra.get("attention_temperature")  # ministral3's (beta, context)
         self.self_attn = Attention(
             config,

@@ -39,6 +39,14 @@ FAMILIES = {
     "gemma2": dict(head_dim=32, num_layers=4, num_kv_heads=1, sliding_window=4096),
     # Sliding-window layers (window 8) beside global ones, as tests/runtime/test_gemma3_paged.py.
     "gemma3_text": dict(head_dim=32, num_layers=4, num_kv_heads=1, sliding_window=8),
+    # Every variant's part: keys as values on the full layers (1 and 3, heads of 64),
+    # per-layer inputs, layers 2 and 3 reading 0's and 1's K/V, routed GeGLU experts.
+    "gemma4_text": dict(
+        head_dim=32, num_layers=4, sliding_window=8, sliding_window_pattern=2, tie_word_embeddings=True,
+        gemma4={"attention_k_eq_v": True, "num_global_key_value_heads": 1, "hidden_size_per_layer_input": 64,
+                "num_kv_shared_layers": 2, "use_double_wide_mlp": True, "enable_moe_block": True},
+    ),
+    "smollm3": dict(num_layers=4),  # its fourth layer without RoPE
 }
 SHAPE = dict(hidden_size=128, intermediate_size=256)
 
@@ -199,8 +207,20 @@ def test_microscaling_checkpoints_keep_greedy_parity_with_mlx_lm(make_checkpoint
     assert len(set(ours)) > 4, "the test model should not be degenerate"
 
 
-@pytest.mark.parametrize("recipe", ["mxfp4", "mixed_3_6"])
-@pytest.mark.parametrize("family", FAMILIES)
+# Not Gemma 4 in mxfp4: mlx's lookup of an mxfp4 embedding gives bfloat16, so its
+# per-layer inputs run in bfloat16 in mlx-lm and here alike, and mlx's CPU mxfp4 matmul
+# rounds them further (measured on the per-layer projection against a float64 product:
+# mlx 0.0055, cadence's kernel 0.0019 at outputs of ~0.75), which every layer's gate
+# carries on: the two part after a few tokens for reasons of mlx's precision, not the format.
+RECIPES = [
+    (family, recipe)
+    for family in FAMILIES
+    for recipe in ("mxfp4", "mixed_3_6")
+    if (family, recipe) != ("gemma4_text", "mxfp4")
+]
+
+
+@pytest.mark.parametrize(("family", "recipe"), RECIPES)
 def test_what_mlx_lm_convert_writes_gives_its_greedy_tokens(make_checkpoint, tmp_path, family, recipe):
     """mlx-lm's own converter, as mlx-community checkpoints are made: a microscaling mode,
     and a mixed recipe (per-layer bits with a null group size). mlx-lm computes in float32
