@@ -77,7 +77,7 @@ def test_float32_checkpoints_run_through_the_panel_kernel_with_mlx_lm_parity(mak
     leaves = [m for _, m in nn.utils.tree_flatten(loaded.model.leaf_modules(), is_leaf=nn.Module.is_module)]
     assert any(isinstance(m, dm.PanelLinear) for m in leaves)
     assert not any(isinstance(m, dm.KernelLinear) for m in leaves)  # every one packed
-    assert "linear float32 (cadence panel kernel)" in next(x for x in lines if x.startswith("weights"))
+    assert "linear float32 (cadence panel kernel)" in next(x for x in lines if x.startswith("weights:"))
     before = cpu_extension().num_panel_calls()
     assert greedy(loaded) == mlx_lm_greedy(path)
     assert cpu_extension().num_panel_calls() > before  # prefill and decode steps ran it

@@ -149,7 +149,7 @@ def test_the_start_up_log_names_each_layer_kind_and_the_kernel_status(make_check
     lines = []
     load_model(path, on_progress=lines.append)
     assert loader.kernel_status() in lines
-    weights = next(line for line in lines if line.startswith("weights"))
+    weights = next(line for line in lines if line.startswith("weights:"))
     path_name = "cadence kernel" if IS_BUILT else "float32 (matmul)"
     assert "linear" in weights and "embedding" in weights and path_name in weights
 
