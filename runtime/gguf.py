@@ -59,6 +59,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture("llama", "LlamaForCausalLM", is_qk_permuted=True),
     # Ministral 3 (llama's converter with YaRN and the query temperature)
     "mistral3": Architecture("ministral3", "Ministral3ForCausalLM", is_qk_permuted=True),
+    # SmolLM3 (llama's converter; every fourth layer without RoPE, as llama.cpp hard-codes it
+    # and as smollm3.py derives it where a config is silent)
+    "smollm3": Architecture("smollm3", "SmolLM3ForCausalLM", is_qk_permuted=True),
     "qwen2": Architecture("qwen2", "Qwen2ForCausalLM"),
     "qwen3": Architecture("qwen3", "Qwen3ForCausalLM"),
     "qwen3moe": Architecture("qwen3_moe", "Qwen3MoeForCausalLM", has_experts=True),

@@ -31,6 +31,7 @@ from gguf import GGMLQuantizationType as GGMLType
 
 _ARCH_OF = {
     "llama": "llama",
+    "smollm3": "smollm3",
     "ministral3": "mistral3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
@@ -137,9 +138,9 @@ def write_gguf(
             gate, up = np.split(reference.pop(name), 2, axis=-2)
             reference[f"{prefix}.switch_glu.gate_proj.weight"] = gate
             reference[f"{prefix}.switch_glu.up_proj.weight"] = up
-        if arch in ("llama", "mistral3") and ".self_attn.q_proj." in name:
+        if arch in ("llama", "mistral3", "smollm3") and ".self_attn.q_proj." in name:
             stored = _llama_permute(stored, config["num_attention_heads"])
-        elif arch in ("llama", "mistral3") and ".self_attn.k_proj." in name:
+        elif arch in ("llama", "mistral3", "smollm3") and ".self_attn.k_proj." in name:
             stored = _llama_permute(stored, config["num_key_value_heads"])
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             stored = stored + 1  # Gemma3RMSNorm multiplies by (1 + w); llama.cpp stores 1 + w

@@ -37,7 +37,7 @@ from tests.kernels.test_quantized_models import greedy
 
 FAMILIES = [
     "llama", "ministral3", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "phi3", "gemma2", "gemma3_text",
-    "gpt_oss", "gemma4_text",
+    "gpt_oss", "gemma4_text", "smollm3",
 ]
 EXACT_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16]
 QUANTIZED_TYPES = [
@@ -91,7 +91,12 @@ def convert(make_checkpoint, tmp_path):
     """convert(family, kind, **options) -> (GGUF file, reference checkpoint dir)."""
 
     def run(family, kind, **options):
-        family_shapes = {"gemma3_text": GEMMA3_SHAPE, "gemma2": GEMMA2_SHAPE, "gemma4_text": GEMMA4_SHAPE}
+        family_shapes = {
+            "gemma3_text": GEMMA3_SHAPE,
+            "gemma2": GEMMA2_SHAPE,
+            "gemma4_text": GEMMA4_SHAPE,
+            "smollm3": dict(num_layers=4),  # its fourth layer without RoPE
+        }
         shape = {**SHAPE, **family_shapes.get(family, {})}
         checkpoint = make_checkpoint(family, **shape)
         out = tmp_path / f"{family}-{kind.name}.gguf"
