@@ -107,7 +107,10 @@ GATED_SCRIPT = """
 import mlx.core as mx
 from kernels.cpu_extension import cpu_extension
 from kernels.swiglu import gelu_tanh, gelu_tanh_halves, reference_gelu_tanh, reference_swiglu, swiglu
-gate, up = mx.random.normal((3, 1037)) * 4, mx.random.normal((3, 1037))  # a ragged tail
+# Fixed draws: at gate ~ -4.9, gelu ~ 1e-6 carries an error near float32's step for values
+# of ~1 (7e-8), which an `up` of ~19 multiplies past atol: 9 unseeded draws in 3,000 failed.
+gate = mx.random.normal((3, 1037), key=mx.random.key(0)) * 4  # a ragged tail
+up = mx.random.normal((3, 1037), key=mx.random.key(1))
 for got, want in ((gelu_tanh(gate, up), reference_gelu_tanh(gate, up)), (swiglu(gate, up), reference_swiglu(gate, up)),
                   (gelu_tanh_halves(gate[:, :1036]), reference_gelu_tanh(gate[:, :518], gate[:, 518:1036]))):
     assert mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
