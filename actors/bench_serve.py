@@ -12,8 +12,8 @@ gets its best configuration: the same optimized BLAS loaded first, and
 (the second's default, 8, ran 16 clients ~3% slower: 55.9 and 54.6 tok/s against
 57.0 and 57.0).
 
-One run per `--clients` value (or one `--rate` run), each after a short warm-up
-request; the workload and its figures are in actors/loadgen.py. `--rounds N` repeats
+One run per `--clients` value (or one `--rate` run), after a warm-up load (see
+`warm_up`); the workload and its figures are in actors/loadgen.py. `--rounds N` repeats
 them all N times, each round on fresh prompts (a prefix cache must not carry over)
 and, with `--compare`, with the servers taking turns to go first; then it prints
 each server's median and the ratio of every round. On a shared 2-core box one run's
@@ -50,6 +50,7 @@ from actors.bench_servers import cadence_server, first_model, has_mlx_lm, mlx_lm
 from actors.loadgen import (
     Request,
     RunResult,
+    Span,
     Target,
     Workload,
     build_requests,
@@ -172,6 +173,8 @@ def main(args: argparse.Namespace) -> int:
     rounds = [
         [(w, build_requests(w, tokenizer)) for w in workloads(args, r)] for r in range(args.rounds)
     ]
+    warm = warm_up(args)
+    warm_load = (warm, build_requests(warm, tokenizer))
     results: Results = {}
     if args.url is not None:
         try:
@@ -180,7 +183,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"cadence bench serve: {models_url(args.url)}: {error}", file=sys.stderr)
             return 2
         target = Target(args.url, model, args.api_key)
-        results["server"] = [_measure(target, runs) for runs in rounds]
+        results["server"] = [_measure(target, warm_load, runs) for runs in rounds]
     else:
         servers = {
             "cadence": functools.partial(cadence_server, checkpoint, args.max_batch, args.cadence_args)
@@ -195,7 +198,7 @@ def main(args: argparse.Namespace) -> int:
             # Turns, so that neither server always meets the box's next slow phase.
             for name in list(servers)[:: -1 if i % 2 else 1]:
                 with servers[name]() as target:
-                    results[name].append(_measure(target, runs))
+                    results[name].append(_measure(target, warm_load, runs))
     # Timed before and after the runs, when no server computes; a busy machine only slows it.
     floor = None
     if checkpoint is not None:
@@ -207,10 +210,32 @@ def main(args: argparse.Namespace) -> int:
     return 1 if any(r.num_errors for _, r in _every_run(results)) else 0
 
 
-def _measure(target: Target, runs: list[tuple[Workload, list[Request]]]) -> list[RunResult]:
-    # A first request pays for kernel compiles; no measured run should.
-    warm = attrs.evolve(runs[0][0], num_requests=1, clients=1, rate=None)
-    trio.run(functools.partial(run_load, show=False), target, warm, [Request("Hello", 4, 1)])
+WARM_UP_SEED = 1_000_003  # past every run's seed: no measured prompt is warmed into a cache
+
+
+def warm_up(args: argparse.Namespace) -> Workload:
+    """The largest run's concurrency and prompt lengths, 4 tokens a request, on prompts of
+    its own. A first request pays for kernel compiles, and on a GPU each new batch shape
+    pays again (mlx's CUDA backend compiles its kernels the first time it meets them:
+    ~30 s stalls on an H200 in a 64-client run, mid-stream); no measured run should."""
+    largest = max(workloads(args), key=lambda w: w.clients or min(w.num_requests, args.max_batch))
+    streams = largest.clients or min(largest.num_requests, args.max_batch)
+    return attrs.evolve(
+        largest,
+        num_requests=streams,
+        clients=streams,
+        rate=None,
+        max_tokens=Span(4, 4),
+        seed=args.seed + WARM_UP_SEED,
+    )
+
+
+def _measure(
+    target: Target,
+    warm: tuple[Workload, list[Request]],
+    runs: list[tuple[Workload, list[Request]]],
+) -> list[RunResult]:
+    trio.run(functools.partial(run_load, show=False), target, *warm)
     return [trio.run(run_load, target, workload, requests) for workload, requests in runs]
 
 

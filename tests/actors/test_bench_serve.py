@@ -16,6 +16,7 @@ from collections import deque
 from pathlib import Path
 
 from runtime.errors import CadenceError, CheckpointError
+from runtime.tokenizer import Tokenizer
 
 import attrs
 import numpy as np
@@ -391,6 +392,47 @@ def test_a_run_that_beats_its_floor_is_flagged_under_the_table(capsys):
         assert ("a run beat its floor" in capsys.readouterr().out) is is_flagged
 
 
+def test_the_warm_up_is_the_largest_load_on_prompts_no_measured_run_sends(tiny):
+    """mlx's CUDA backend compiles a kernel the first time it meets a batch shape: one
+    4-token request left a 64-client run a 30 s stall mid-stream (an H200)."""
+    parser = argparse.ArgumentParser()
+    bench_serve.add_parser(parser.add_subparsers())
+    argv = ["serve", "--checkpoint", str(tiny), "--prompt-tokens", "20:40", "--rounds", "2"]
+    args = parser.parse_args([*argv, "--clients", "1", "16", "4"])
+    warm = bench_serve.warm_up(args)
+    assert (warm.clients, warm.num_requests, warm.rate) == (16, 16, None)
+    assert (warm.prompt_tokens, warm.max_tokens) == (Span(20, 40), Span(4, 4))
+    tokenizer = Tokenizer.from_dir(tiny)
+    warm_prompts = {r.prompt for r in build_requests(warm, tokenizer)}
+    measured = {
+        r.prompt
+        for round_index in range(2)
+        for w in bench_serve.workloads(args, round_index)
+        for r in build_requests(w, tokenizer)
+    }
+    assert len(warm_prompts) == 16 and not warm_prompts & measured
+    at_a_rate = parser.parse_args([*argv, "--rate", "2", "--requests", "40", "--max-batch", "8"])
+    assert bench_serve.warm_up(at_a_rate).clients == 8  # the most the server runs at once
+
+
+async def test_each_server_takes_the_warm_up_load_before_its_measured_runs(tiny, tmp_path):
+    sent = []
+    real_run_load = bench_serve.run_load
+
+    async def recording(target, workload, requests, show=True):
+        sent.append((workload.max_tokens, show))
+        return await real_run_load(target, workload, requests, show=False)
+
+    bench_serve.run_load = recording
+    try:
+        async with serving(tiny) as url:
+            status, _ = await bench(tmp_path, "--url", url, "--checkpoint", str(tiny), *LOAD)
+    finally:
+        bench_serve.run_load = real_run_load
+    assert status == 0
+    assert sent == [(Span(4, 4), False), (Span(8, 8), True)]
+
+
 def test_with_compare_the_servers_take_turns_to_go_first(tiny, monkeypatch, tmp_path):
     started = []
 
@@ -410,7 +452,7 @@ def test_with_compare_the_servers_take_turns_to_go_first(tiny, monkeypatch, tmp_
     monkeypatch.setattr(
         bench_serve,
         "_measure",
-        lambda target, runs: [
+        lambda target, warm, runs: [
             result(w.label, 100 if target.model == "cadence" else 50) for w, _ in runs
         ],
     )
