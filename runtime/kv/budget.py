@@ -92,9 +92,12 @@ def _check_holds_windows(budget_bytes: int, window_bytes: int, what: str) -> Non
 
 
 def available_memory() -> int | None:
-    """Bytes the OS could give us now: Linux's MemAvailable, or less where a cgroup (a
-    container's limit) or `ulimit -v` leaves less (runtime/memory_limits.py); mlx's
-    limit elsewhere."""
+    """Bytes the pool and weights could take now: a CUDA GPU's free memory, where they
+    live (not the host's: a 24 GB card in a 64 GB box); Linux's MemAvailable, or less
+    where a cgroup (a container's limit) or `ulimit -v` leaves less
+    (runtime/memory_limits.py); mlx's limit elsewhere (Metal's recommended working set)."""
+    if (gpu_free := gpu_free_memory()) is not None:
+        return gpu_free
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
@@ -108,6 +111,18 @@ def available_memory() -> int | None:
         return int(mx.get_memory_limit())  # Metal: the recommended working set
     except Exception:  # noqa: BLE001  (no backend limit: the caller falls back)
         return None
+
+
+def gpu_free_memory() -> int | None:
+    """The default device's free memory where mlx reports it (CUDA; Metal shares the
+    host's memory and reports none); None on the CPU."""
+    if mx.default_device() == mx.cpu:
+        return None
+    try:
+        free = mx.device_info().get("free_memory")
+    except Exception:  # noqa: BLE001  (an mlx without device_info: the host's figures)
+        return None
+    return free if isinstance(free, int) and free > 0 else None
 
 
 _UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}

@@ -148,3 +148,21 @@ def test_sliding_window_pools_that_leave_no_room_for_one_block_are_refused(monke
     with pytest.raises(CadenceError, match="sliding-window .* memory available: lower --max-batch"):
         budget.pool_blocks(kv_budget, 50, bytes_per_block=100, window_bytes=950)
     assert budget.pool_blocks(0.99, 50, bytes_per_block=100, window_bytes=900) == 1  # the pools and one block: all there is
+
+
+def test_on_a_cuda_gpu_its_free_memory_is_what_is_available(monkeypatch):
+    """The pool lives on the card: an H200 box reported 128 GB of host memory beside the
+    card's 139 GiB free, and a 24 GB card in a 64 GB box would get a pool sized from the
+    host's."""
+    meminfo = "MemAvailable:    64000000 kB\n"
+    monkeypatch.setattr(budget, "open", lambda path: io.StringIO(meminfo), raising=False)
+    monkeypatch.setattr(budget.mx, "default_device", lambda: budget.mx.gpu)
+    cuda = {"total_memory": 24 * GIB, "free_memory": 22 * GIB, "device_name": "a GPU"}
+    monkeypatch.setattr(budget.mx, "device_info", lambda: cuda)
+    assert budget.available_memory() == 22 * GIB
+    metal = {"memory_size": 32 * GIB, "device_name": "Apple M2"}  # no free figure
+    monkeypatch.setattr(budget.mx, "device_info", lambda: metal)
+    assert budget.available_memory() == 64000000 * 1024
+    monkeypatch.setattr(budget.mx, "device_info", lambda: cuda)
+    monkeypatch.setattr(budget.mx, "default_device", lambda: budget.mx.cpu)
+    assert budget.available_memory() == 64000000 * 1024  # on the CPU, the host's
