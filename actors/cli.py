@@ -152,6 +152,14 @@ def _parser() -> argparse.ArgumentParser:
         "each step to the cheapest size at or above its own (see README, Scheduling)",
     )
     serve.add_argument(
+        "--warm-up",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the step shapes once on dummy prompts before serving, so no request "
+        "waits for a kernel compile (default: on a GPU, where mlx compiles each kernel "
+        "the first time a step needs it)",
+    )
+    serve.add_argument(
         "--no-prefix-cache",
         dest="prefix_cache",
         action="store_false",
@@ -315,6 +323,7 @@ async def _serve(args: argparse.Namespace) -> None:
             prefill_chunk=args.prefill_chunk,
             max_num_batched_tokens=args.max_num_batched_tokens,
             batch_ladder=args.batch_ladder,
+            warm_up=args.warm_up,
             offline=args.offline,
             keep_dtype=args.keep_dtype,
             cpu_quantize=args.cpu_quantize,

@@ -37,8 +37,10 @@ from runtime.runner import PlanRunner
 from runtime.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_SOLO_PREFILL_TOKENS, FcfsScheduler
 from runtime.sequence import SamplingParams
 from runtime.tool_prompts import tool_style_for
+from runtime.warm_up import warm_up_steps
 
 import attrs
+import mlx.core as mx
 import structlog
 import trio
 
@@ -125,6 +127,7 @@ async def open_llm(
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     max_num_batched_tokens: int | None = None,
     batch_ladder: bool = False,
+    warm_up: bool | None = None,
     lookahead: int = 1,
     offline: bool = False,
     keep_dtype: bool = False,
@@ -141,6 +144,8 @@ async def open_llm(
     runtime/scheduler.py).
     `batch_ladder` times the model's dense layers at 1..max_batch tokens at start-up
     and pads steps to a cheaper size (runtime/ladder.py).
+    `warm_up` runs the step shapes once on dummy prompts before serving, so that no
+    request waits for a kernel compile (runtime/warm_up.py); None: on a GPU only.
     `prefix_cache=False` turns prefix caching off. `lookahead` (>= 1) is how many engine steps stay queued
     behind the running one (more hides more scheduling latency, and costs that many
     speculative steps per finish).
@@ -169,6 +174,8 @@ async def open_llm(
         },
         on_progress,
     )
+    if warm_up is not None and not isinstance(warm_up, bool):
+        raise CadenceError(f"warm_up must be True, False or None (on a GPU), got {warm_up!r}")
     thread = shared_mlx_thread()
     load = functools.partial(
         load_model,
@@ -236,6 +243,18 @@ async def open_llm(
     else:
         budget, solo = max_num_batched_tokens, min(DEFAULT_SOLO_PREFILL_TOKENS, max_num_batched_tokens)
     policy = FcfsScheduler(max_batch, pool, engine.max_context, prefill_chunk, budget, solo)
+    if mx.default_device() != mx.cpu if warm_up is None else warm_up:
+        warm = await thread.run(
+            functools.partial(warm_up_steps, engine, policy), abandon_on_cancel=True
+        )
+        log.info(
+            "warm_up",
+            seconds=round(warm.seconds, 2),
+            steps=warm.steps,
+            most_tokens=warm.most_tokens,
+            most_rows=warm.most_rows,
+            device=str(mx.default_device()),
+        )
     async with run_actors(
         thread, loaded, engine, policy, max_waiting, drain_timeout, lookahead
     ) as llm:

@@ -7,6 +7,7 @@ import time
 
 from runtime.errors import CadenceError, RequestError
 from runtime.tokenizer import Tokenizer
+from runtime.warm_up import DECODE_STEPS
 
 import pytest
 import trio
@@ -225,6 +226,30 @@ async def test_a_prompt_alone_grows_its_step_but_never_past_an_explicit_budget(
     assert max(steps) == largest_step
 
 
+async def test_a_warm_up_runs_the_step_shapes_and_leaves_no_trace(tiny):
+    """On a GPU the first step of each shape compiles kernels (43 s for a 4-bit model's
+    first 256-token prompt on an H200): the server runs them before its first request,
+    on dummy prompts whose blocks, cache entries and tokens nobody sees."""
+    prompt = list(range(10, 60))
+    with capture_logs() as logs:
+        async with actors.open_llm(tiny, max_batch=4) as llm:  # on a CPU: none by default
+            cold, _ = await complete(llm, prompt, max_tokens=12, ignore_eos=True)
+    assert not [e for e in logs if e["event"] == "warm_up"]
+    with capture_logs() as logs:
+        async with actors.open_llm(tiny, max_batch=4, warm_up=True) as llm:
+            policy = llm._policy
+            assert policy.pool.num_free_blocks == policy.pool.num_blocks
+            assert (policy.num_steps, policy.waiting, policy.running) == (0, [], {})
+            warm, generation = await complete(llm, prompt, max_tokens=12, ignore_eos=True)
+            assert generation.usage.cached_tokens == 0  # no dummy prompt was cached
+    assert warm == cold
+    (event,) = [e for e in logs if e["event"] == "warm_up"]
+    # a prompt of the most a step takes alone, then all 4 rows prefilling in one step;
+    # each run's first step gives its first token, and the rest decode
+    assert (event["most_tokens"], event["most_rows"]) == (512, 4)
+    assert event["steps"] == 2 * DECODE_STEPS
+
+
 async def test_an_engine_fault_in_one_row_leaves_the_others_streaming(tiny):
     async with actors.open_llm(tiny, max_batch=4) as llm:
         clean = [(await complete(llm, p, max_tokens=16, ignore_eos=True))[0] for p in PROMPTS[:3]]
@@ -364,6 +389,7 @@ async def test_a_lower_priority_value_is_scheduled_first(tiny):
         ({"cpu_quantize": 4}, "cpu_quantize"),
         ({"prefix_cache": "no"}, "prefix_cache"),  # these were read by their truth
         ({"batch_ladder": "x"}, "batch_ladder"),
+        ({"warm_up": "yes"}, "warm_up"),
         ({"offline": 1}, "offline"),
         ({"keep_dtype": None}, "keep_dtype"),
         ({"on_progress": "x"}, "on_progress"),  # a TypeError once loading began
