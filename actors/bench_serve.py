@@ -274,9 +274,9 @@ def _print(args, checkpoint: Path | None, floor: Floor | None, results: Results)
         for name, r in rows.items():
             print(
                 f"| {label} | {name} | {r.output_tok_s:.1f} | {_floor_tok_s(floor, r)} "
-                f"| {r.ttft_p50:.2f} s | {r.ttft_p99:.2f} s | {_prompt_floor(floor, r)} "
-                f"| {r.itl_p50 * 1e3:.0f} ms "
-                f"| {r.itl_p99 * 1e3:.0f} ms | {r.worst_gap:.2f} s | {r.num_errors} |"
+                f"| {_seconds(r.ttft_p50)} | {_seconds(r.ttft_p99)} | {_prompt_floor(floor, r)} "
+                f"| {_ms(r.itl_p50)} | {_ms(r.itl_p99)} | {_seconds(r.worst_gap)} "
+                f"| {r.num_errors} |"
             )
         if len(names) == 2:
             ours, peer = rows[names[0]], rows[names[1]]
@@ -294,6 +294,11 @@ def _print(args, checkpoint: Path | None, floor: Floor | None, results: Results)
             "\nnote: a run beat its floor (a share over 100%): the matmul was timed while the "
             "box was busy (another process, a slow phase), or the server's own kernels outran "
             "it; read the floor columns as a lower bound"
+        )
+    if any(r.num_ok and r.ttft_p50 is None for _, r in _every_run(results)):
+        print(
+            "\nnote: a run's streams carried no text, so its latencies are not measured "
+            "(-): the model generated ids its tokenizer decodes to nothing?"
         )
     if args.rounds > 1:
         _print_medians(args.rounds, results)
@@ -378,11 +383,21 @@ def _prompt_floor(floor: Floor | None, r: RunResult) -> str:
     if floor is None or not r.num_prompt_tokens:
         return "-"
     seconds = floor.seconds(r.num_prompt_tokens)
+    if r.ttft_p99 is None:
+        return f"{seconds:.2f} s"
     return f"{seconds:.2f} s ({r.ttft_p99 / seconds:.2f}x)"
 
 
-def _ratio(ours: float, peer: float) -> str:
-    return f"{ours / peer:.2f}x" if peer else "-"
+def _ratio(ours: float | None, peer: float | None) -> str:
+    return f"{ours / peer:.2f}x" if ours is not None and peer else "-"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.0f} ms"
 
 
 def _report(

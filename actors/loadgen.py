@@ -125,11 +125,13 @@ class RunResult:
     num_prompt_tokens: int
     num_output_tokens: int
     output_tok_s: float
-    ttft_p50: float
-    ttft_p99: float
-    itl_p50: float
-    itl_p99: float
-    worst_gap: float
+    # None where nothing was timed: no stream carried text (token ids that decode to
+    # nothing), or, for the gaps, none carried two pieces of it
+    ttft_p50: float | None
+    ttft_p99: float | None
+    itl_p50: float | None
+    itl_p99: float | None
+    worst_gap: float | None
 
 
 def build_requests(workload: Workload, tokenizer: Tokenizer | None) -> list[Request]:
@@ -224,11 +226,11 @@ def summarize(label: str, outcomes: Sequence[Outcome], start: float) -> RunResul
         num_prompt_tokens=sum(o.num_prompt_tokens for o in ok),
         num_output_tokens=num_output,
         output_tok_s=num_output / seconds if seconds > 0 else 0.0,
-        ttft_p50=percentile(ttfts, 50),
-        ttft_p99=percentile(ttfts, 99),
-        itl_p50=percentile(gaps, 50),
-        itl_p99=percentile(gaps, 99),
-        worst_gap=max(gaps, default=0.0),
+        ttft_p50=percentile(ttfts, 50) if ttfts else None,
+        ttft_p99=percentile(ttfts, 99) if ttfts else None,
+        itl_p50=percentile(gaps, 50) if gaps else None,
+        itl_p99=percentile(gaps, 99) if gaps else None,
+        worst_gap=max(gaps) if gaps else None,
     )
 
 

@@ -573,11 +573,33 @@ async def test_a_stream_without_usage_counts_its_text_chunks_and_the_prompt_as_b
 def test_a_run_with_no_streams_has_zero_figures_not_an_error():
     result = summarize("1 client", [], start=5.0)
     assert (result.num_requests, result.seconds, result.output_tok_s) == (0, 0.0, 0.0)
-    assert (result.ttft_p50, result.itl_p99, result.worst_gap) == (0.0, 0.0, 0.0)
+    assert (result.ttft_p50, result.itl_p99, result.worst_gap) == (None, None, None)
     # One stream that ended at once, with a single text chunk: no gap, no time.
     instant = Outcome(None, 3, 1, start=5.0, end=5.0, stamps=(5.0,))
     result = summarize("1 client", [instant], start=5.0)
-    assert (result.seconds, result.output_tok_s, result.worst_gap) == (0.0, 0.0, 0.0)
+    assert (result.seconds, result.output_tok_s, result.ttft_p50) == (0.0, 0.0, 0.0)
+    assert (result.itl_p50, result.worst_gap) == (None, None)  # one piece of text: no gap
+
+
+def test_streams_without_text_leave_latencies_unmeasured_not_zero(capsys):
+    """A random-weight model over a 128K vocabulary, with a 2,048-token tokenizer,
+    streamed ids that decode to nothing: the table read TTFT 0.00 s and ITL 0 ms."""
+    silent = Outcome(None, 40, 8, start=5.0, end=5.3, stamps=())
+    run = summarize("1 client", [silent], start=5.0)
+    assert (run.num_ok, run.num_output_tokens) == (1, 8)
+    assert (run.ttft_p50, run.ttft_p99, run.itl_p50, run.itl_p99, run.worst_gap) == (None,) * 5
+    parser = argparse.ArgumentParser()
+    bench_serve.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--url", "http://127.0.0.1:9", "--clients", "1"])
+    floor = Floor(1_000_000, gemm_flops=2e9, gemm_shape=(1, 1, 1))
+    peer = result("1 client", 20.0)
+    bench_serve._print(args, None, floor, {"cadence": [[run]], "peer": [[peer]]})
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| 1 client | cadence |"))
+    assert "0.00 s" not in row and "| - | - |" in row and "0 ms" not in row
+    ratios = next(line for line in out.splitlines() if "cadence / peer" in line)
+    assert ratios.count("| - |") >= 2
+    assert "carried no text" in out
 
 
 def test_an_error_page_is_quoted_in_one_short_line():
