@@ -192,6 +192,10 @@ def test_a_half_precision_pool_runs_the_fast_path_on_any_device(dtype):
     assert mx.allclose(out.astype(mx.float32), reference.astype(mx.float32), atol=2e-2).item()
 
 
+ON_CPU = mx.default_device() == mx.cpu
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the native kernel is the CPU's")
 def test_the_native_path_runs_the_cpu_kernel():
     step, _, keys, values, q, k, v = make_step([5, 17, 2], [1, 1, 9], 2, 4)
     ext = cpu_extension()
@@ -576,6 +580,7 @@ def test_paged_attention_writes_in_place_into_a_held_pool_when_it_owns_the_pools
     assert mx.array_equal(before, held[0][0]).item() and not mx.array_equal(before, keys).item()
 
 
+@pytest.mark.skipif(not ON_CPU, reason="the split over streams runs on the CPU only")
 @pytest.mark.parametrize(
     ("softcap", "with_sinks"), [(0.0, False), (1.5, False), (0.0, True)], ids=["plain", "soft-capped", "sinks"]
 )
