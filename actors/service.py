@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from runtime.checkpoint import LoadedModel, load_model
-from runtime.cpu_weights import CPU_QUANTIZE_CHOICES, DEFAULT_CPU_QUANTIZE
+from runtime.cpu_weights import DEFAULT_CPU_QUANTIZE
 from runtime.engine import Engine
-from runtime.errors import CadenceError, RequestError
+from runtime.errors import RequestError
 from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.kv.blocks import BlockPool
-from runtime.kv.budget import DEFAULT_BLOCK_SIZE, check_block_size, is_kv_budget
+from runtime.kv.budget import DEFAULT_BLOCK_SIZE
 from runtime.ladder import measure_ladder
 from runtime.runner import PlanRunner
 from runtime.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_SOLO_PREFILL_TOKENS, FcfsScheduler
@@ -45,6 +45,7 @@ import structlog
 import trio
 
 from actors.admission import Admission
+from actors.checked_settings import check_settings
 from actors.generation import Generation
 from actors.gpu import GpuActor
 from actors.messages import AbortAll, Admit, GpuMessage, SchedulerMessage, StreamerMessage
@@ -69,49 +70,6 @@ class EngineStats:
     num_pending: int  # steps queued and not collected
     num_free_blocks: int  # KV blocks free or cached-evictable (the policy's view)
     num_used_blocks: int  # KV blocks held by a running request
-
-
-def _check_settings(
-    model: object,
-    block_size: object,
-    counts: dict[str, object],
-    optional_counts: dict[str, object],
-    drain_timeout: object,
-    kv_budget: object = None,
-    cpu_quantize: object = DEFAULT_CPU_QUANTIZE,
-    flags: dict[str, object] | None = None,
-    on_progress: object = None,
-) -> None:
-    """open_llm's settings, as their types and ranges require: a float max_batch was a
-    std::bad_cast from mlx, a bad drain_timeout an error only at exit, max_waiting 0 a
-    service that refuses every request, a bad kv_budget or cpu_quantize a ValueError
-    once the model had loaded, and a flag was read by its truth (prefix_cache="no"
-    left caching on)."""
-    if model is not None and not isinstance(model, str | Path):
-        raise CadenceError(f"model must be a path, a Hugging Face repo id or None, got {model!r}")
-    check_block_size(block_size)
-    if not is_kv_budget(kv_budget):
-        raise CadenceError(
-            f"kv_budget must be None, bytes > 0 or a fraction in (0, 1), got {kv_budget!r}"
-        )
-    if cpu_quantize not in CPU_QUANTIZE_CHOICES:
-        raise CadenceError(f"cpu_quantize must be one of {CPU_QUANTIZE_CHOICES}, got {cpu_quantize!r}")
-    for name, value in (flags or {}).items():
-        if not isinstance(value, bool):
-            raise CadenceError(f"{name} must be True or False, got {value!r}")
-    if on_progress is not None and not callable(on_progress):
-        raise CadenceError(f"on_progress must be None or a callable, got {on_progress!r}")
-    counts |= {name: value for name, value in optional_counts.items() if value is not None}
-    for name, value in counts.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise CadenceError(f"{name} must be a positive integer, got {value!r}")
-    if drain_timeout is not None and (
-        isinstance(drain_timeout, bool)
-        or not isinstance(drain_timeout, int | float)
-        or not math.isfinite(drain_timeout)
-        or drain_timeout < 0
-    ):
-        raise CadenceError(f"drain_timeout must be None or seconds >= 0, got {drain_timeout!r}")
 
 
 @contextlib.asynccontextmanager
@@ -153,7 +111,7 @@ async def open_llm(
     Raises `runtime.errors.CheckpointError` for a bad checkpoint, and `CadenceError`
     naming the setting for a bad setting, before anything loads.
     """
-    _check_settings(
+    check_settings(
         model,
         block_size,
         {
@@ -172,10 +130,9 @@ async def open_llm(
             "offline": offline,
             "keep_dtype": keep_dtype,
         },
+        {"warm_up": warm_up},
         on_progress,
     )
-    if warm_up is not None and not isinstance(warm_up, bool):
-        raise CadenceError(f"warm_up must be True, False or None (on a GPU), got {warm_up!r}")
     thread = shared_mlx_thread()
     load = functools.partial(
         load_model,
