@@ -40,7 +40,6 @@ from runtime.tool_prompts import tool_style_for
 from runtime.warm_up import warm_up_steps
 
 import attrs
-import mlx.core as mx
 import structlog
 import trio
 
@@ -200,18 +199,11 @@ async def open_llm(
     else:
         budget, solo = max_num_batched_tokens, min(DEFAULT_SOLO_PREFILL_TOKENS, max_num_batched_tokens)
     policy = FcfsScheduler(max_batch, pool, engine.max_context, prefill_chunk, budget, solo)
-    if mx.default_device() != mx.cpu if warm_up is None else warm_up:
-        warm = await thread.run(
-            functools.partial(warm_up_steps, engine, policy), abandon_on_cancel=True
-        )
-        log.info(
-            "warm_up",
-            seconds=round(warm.seconds, 2),
-            steps=warm.steps,
-            most_tokens=warm.most_tokens,
-            most_rows=warm.most_rows,
-            device=str(mx.default_device()),
-        )
+    warm = await thread.run(
+        functools.partial(warm_up_steps, engine, policy, warm_up), abandon_on_cancel=True
+    )
+    if warm is not None:
+        log.info("warm_up", **attrs.asdict(warm))
     async with run_actors(
         thread, loaded, engine, policy, max_waiting, drain_timeout, lookahead
     ) as llm:

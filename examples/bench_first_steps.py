@@ -53,7 +53,8 @@ def main() -> None:
 
     print(f"{args.checkpoint}, {mx.default_device()}, mlx {mx.__version__}")
     if args.warm_up:
-        warm = warm_up_steps(engine, policy())
+        warm = warm_up_steps(engine, policy(), wanted=True)
+        assert warm is not None
         print(f"warm-up: {warm.seconds:.2f} s, {warm.steps} steps")
     serial = 0
     for rows in args.rows:

@@ -23,6 +23,7 @@ from runtime.scheduler import FcfsScheduler, StepPlan
 from runtime.sequence import SequenceParams
 
 import attrs
+import mlx.core as mx
 
 DECODE_STEPS = 4  # rows decoding together for a few steps: the decode shapes, not one
 
@@ -33,13 +34,19 @@ class WarmUp:
     steps: int
     most_tokens: int  # in one step
     most_rows: int  # in one step
+    device: str
 
 
-def warm_up_steps(engine: Engine, policy: FcfsScheduler) -> WarmUp:
-    """Run `policy`'s step shapes through `engine` on dummy prompts.
+def warm_up_steps(
+    engine: Engine, policy: FcfsScheduler, wanted: bool | None = None
+) -> WarmUp | None:
+    """Run `policy`'s step shapes through `engine` on dummy prompts where `wanted` (None:
+    on a GPU only); None where not. Call it on the MLX thread.
 
     `policy` is the server's (read for its limits only): the warm-up's own pool and
     policy leave the server's blocks, prefix cache and queue as they were."""
+    if not (mx.default_device() != mx.cpu if wanted is None else wanted):
+        return None
     start = time.perf_counter()
     kv = engine.kv
     pool = BlockPool(kv.num_blocks, kv.block_size, is_caching=False, layout=kv.layout)
@@ -60,10 +67,11 @@ def warm_up_steps(engine: Engine, policy: FcfsScheduler) -> WarmUp:
     beside = {f"warm-up-{i}": _dummy(prompt, i + 1, vocab) for i in range(policy.max_batch)}
     run_offline(engine, own, beside, on_step=plans.append)
     return WarmUp(
-        time.perf_counter() - start,
+        round(time.perf_counter() - start, 2),
         len(plans),
         max(plan.num_tokens for plan in plans),
         max(len(plan.spans) for plan in plans),
+        str(mx.default_device()),
     )
 
 
