@@ -69,8 +69,8 @@ def warm_up_steps(
     return WarmUp(
         round(time.perf_counter() - start, 2),
         len(plans),
-        max(plan.num_tokens for plan in plans),
-        max(len(plan.spans) for plan in plans),
+        max((plan.num_tokens for plan in plans), default=0),
+        max((len(plan.spans) for plan in plans), default=0),
         str(mx.default_device()),
     )
 
