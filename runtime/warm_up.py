@@ -15,6 +15,7 @@ skips it); on the CPU mlx compiles nothing per shape worth a start-up's time.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from runtime.engine import Engine
 from runtime.kv.blocks import BlockPool
@@ -38,15 +39,20 @@ class WarmUp:
 
 
 def warm_up_steps(
-    engine: Engine, policy: FcfsScheduler, wanted: bool | None = None
+    engine: Engine,
+    policy: FcfsScheduler,
+    wanted: bool | None = None,
+    progress: Callable[[str], None] = lambda message: None,
 ) -> WarmUp | None:
     """Run `policy`'s step shapes through `engine` on dummy prompts where `wanted` (None:
-    on a GPU only); None where not. Call it on the MLX thread.
+    on a GPU only); None where not. Call it on the MLX thread. `progress` hears one line
+    as it begins: a first start on a GPU can take a minute, and says why.
 
     `policy` is the server's (read for its limits only): the warm-up's own pool and
     policy leave the server's blocks, prefix cache and queue as they were."""
     if not (mx.default_device() != mx.cpu if wanted is None else wanted):
         return None
+    progress(f"warming up on {mx.default_device()}: each step shape once, on dummy prompts")
     start = time.perf_counter()
     kv = engine.kv
     pool = BlockPool(kv.num_blocks, kv.block_size, is_caching=False, layout=kv.layout)

@@ -235,8 +235,9 @@ async def test_a_warm_up_runs_the_step_shapes_and_leaves_no_trace(tiny):
         async with actors.open_llm(tiny, max_batch=4) as llm:  # on a CPU: none by default
             cold, _ = await complete(llm, prompt, max_tokens=12, ignore_eos=True)
     assert not [e for e in logs if e["event"] == "warm_up"]
+    heard: list[str] = []
     with capture_logs() as logs:
-        async with actors.open_llm(tiny, max_batch=4, warm_up=True) as llm:
+        async with actors.open_llm(tiny, max_batch=4, warm_up=True, on_progress=heard.append) as llm:
             policy = llm._policy
             assert policy.pool.num_free_blocks == policy.pool.num_blocks
             assert (policy.num_steps, policy.waiting, policy.running) == (0, [], {})
@@ -248,6 +249,7 @@ async def test_a_warm_up_runs_the_step_shapes_and_leaves_no_trace(tiny):
     # each run's first step gives its first token, and the rest decode
     assert (event["most_tokens"], event["most_rows"]) == (512, 4)
     assert event["steps"] == 2 * DECODE_STEPS
+    assert heard[-1].startswith("warming up on Device(cpu, 0)")  # said before it begins
 
 
 async def test_an_engine_fault_in_one_row_leaves_the_others_streaming(tiny):
