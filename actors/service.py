@@ -71,10 +71,6 @@ class EngineStats:
     num_used_blocks: int  # KV blocks held by a running request
 
 
-def _silent(message: str) -> None:
-    """No one asked to hear the start-up's progress."""
-
-
 @contextlib.asynccontextmanager
 async def open_llm(
     model: str | Path | None = None,
@@ -204,7 +200,7 @@ async def open_llm(
         budget, solo = max_num_batched_tokens, min(DEFAULT_SOLO_PREFILL_TOKENS, max_num_batched_tokens)
     policy = FcfsScheduler(max_batch, pool, engine.max_context, prefill_chunk, budget, solo)
     warm = await thread.run(
-        functools.partial(warm_up_steps, engine, policy, warm_up, on_progress or _silent),
+        functools.partial(warm_up_steps, engine, policy, warm_up, on_progress),
         abandon_on_cancel=True,
     )
     if warm is not None:

@@ -42,7 +42,7 @@ def warm_up_steps(
     engine: Engine,
     policy: FcfsScheduler,
     wanted: bool | None = None,
-    progress: Callable[[str], None] = lambda message: None,
+    progress: Callable[[str], None] | None = None,
 ) -> WarmUp | None:
     """Run `policy`'s step shapes through `engine` on dummy prompts where `wanted` (None:
     on a GPU only); None where not. Call it on the MLX thread. `progress` hears one line
@@ -52,7 +52,8 @@ def warm_up_steps(
     policy leave the server's blocks, prefix cache and queue as they were."""
     if not (mx.default_device() != mx.cpu if wanted is None else wanted):
         return None
-    progress(f"warming up on {mx.default_device()}: each step shape once, on dummy prompts")
+    if progress is not None:
+        progress(f"warming up on {mx.default_device()}: each step shape once, on dummy prompts")
     start = time.perf_counter()
     kv = engine.kv
     pool = BlockPool(kv.num_blocks, kv.block_size, is_caching=False, layout=kv.layout)
