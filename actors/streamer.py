@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import contextlib
 
+from runtime.detokenizer import IncrementalDetokenizer
 from runtime.finishing import first_cause
 from runtime.sequence import FinishCause, TokenLogprob
 from runtime.stop_strings import StopMatcher
-from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from runtime.tokenizer import Tokenizer
 
 import attrs
 import structlog
