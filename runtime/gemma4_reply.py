@@ -24,7 +24,15 @@ from __future__ import annotations
 import json
 import re
 
-from runtime.tools import CallArguments, CallStart, Content, Event, Reasoning, marker_prefix_length
+from runtime.tools import (
+    CallArguments,
+    CallStart,
+    Content,
+    Event,
+    Reasoning,
+    marker_prefix_length,
+    strict_json,
+)
 
 import attrs
 
@@ -143,7 +151,7 @@ def _value(text: str, at: int) -> tuple[object, int]:
     word = match.group()
     if word in ("true", "false", "null"):
         return json.loads(word), match.end()
-    number = json.loads(word)  # a ValueError unless it is a JSON number
+    number = strict_json(word)  # a ValueError unless a JSON number a float can hold
     if not isinstance(number, int | float):
         raise ValueError(word)
     return number, match.end()
@@ -195,13 +203,22 @@ def _first(text: str, markers: tuple[str, ...]) -> tuple[int, str]:
 
 
 def gemma4_arguments(arguments: object) -> str:
-    """JSON arguments in Gemma's notation (the template's `format_argument`, keys bare)."""
+    """JSON arguments in Gemma's notation (the template's `format_argument`, keys bare
+    where a bare key reads back whole: `gemma4_key`)."""
     if isinstance(arguments, str):
         return QUOTE + arguments + QUOTE
     if isinstance(arguments, bool):
         return "true" if arguments else "false"
     if isinstance(arguments, dict):
-        return "{" + ",".join(f"{k}:{gemma4_arguments(v)}" for k, v in sorted(arguments.items())) + "}"
+        pairs = (f"{gemma4_key(k)}:{gemma4_arguments(v)}" for k, v in sorted(arguments.items()))
+        return "{" + ",".join(pairs) + "}"
     if isinstance(arguments, list):
         return "[" + ",".join(gemma4_arguments(v) for v in arguments) + "]"
     return json.dumps(arguments)
+
+
+def gemma4_key(key: str) -> str:
+    """A key in Gemma's notation: bare, as the template writes keys, unless a bare key
+    would not read back whole (a space, ":", ",", a bracket, or nothing at all): then
+    quoted, as a string is, which the parser takes too."""
+    return key if _BARE.fullmatch(key) else QUOTE + key + QUOTE

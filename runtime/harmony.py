@@ -22,10 +22,17 @@ its first token) is content.
 
 from __future__ import annotations
 
-import json
 import re
 
-from runtime.tools import CallArguments, CallCutShort, CallStart, Content, Event, Reasoning
+from runtime.tools import (
+    CallArguments,
+    CallCutShort,
+    CallStart,
+    Content,
+    Event,
+    Reasoning,
+    strict_json,
+)
 
 import attrs
 
@@ -63,7 +70,7 @@ class HarmonyParser:
         self.held = ""
         if self.state == "start" and self.header and not _MARKER.search(self.header):
             events += [Content(self.header)]  # plain text after all: keep what was written
-        if self.state == "body" and self.kind == "call" and not _is_json(self.call_body):
+        if self.state == "body" and self.kind == "call" and not _is_arguments(self.call_body):
             events.append(CallCutShort(self.num_calls - 1, self.call_body))
         return events
 
@@ -79,8 +86,10 @@ class HarmonyParser:
     def _text(self, text: str) -> list[Event]:
         if not text:
             return []
-        if self.state == "start" and not self.header and not _may_begin_header(text):
-            self.state, self.kind = "body", "content"  # no header: plain content
+        if self.state == "start" and not _may_begin_header(self.header + text):
+            # No header after all: plain content, what was held for one included.
+            text, self.header = self.header + text, ""
+            self.state, self.kind = "body", "content"
         if self.state in ("start", "header"):
             self.header += text
             return []
@@ -120,7 +129,7 @@ class HarmonyParser:
         return []
 
     def _close_call(self) -> list[Event]:
-        if self.kind == "call" and not _is_json(self.call_body):
+        if self.kind == "call" and not _is_arguments(self.call_body):
             return [CallCutShort(self.num_calls - 1, self.call_body)]
         return []
 
@@ -138,12 +147,14 @@ def _may_begin_header(text: str) -> bool:
     """Whether text at the very start of a reply reads as a header (a role or a
     recipient before its channel) rather than content."""
     stripped = text.lstrip()
-    return not stripped or stripped.startswith(("assistant", "to=", "<|")) or "assistant".startswith(stripped)
+    # A prefix of one counts too: the detokenizer may hand over " to" before "=functions".
+    return any(stripped.startswith(head) or head.startswith(stripped) for head in ("assistant", "to=", "<|"))
 
 
-def _is_json(text: str) -> bool:
+def _is_arguments(text: str) -> bool:
+    """Whether a call's body is arguments: a JSON object (OpenAI's `arguments`), not a
+    bare value, nor NaN or Infinity that strict JSON readers refuse."""
     try:
-        json.loads(text)
-    except ValueError:
+        return isinstance(strict_json(text), dict)
+    except (ValueError, RecursionError):
         return False
-    return True

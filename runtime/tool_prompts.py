@@ -16,7 +16,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from runtime.gemma4_reply import CALL_CLOSE, CALL_OPEN, QUOTE, gemma4_arguments
+from runtime.gemma4_reply import CALL_CLOSE, CALL_OPEN, QUOTE, gemma4_arguments, gemma4_key
 from runtime.grammar import JSON_OPTIONS, GrammarSpec, answer_json_schema
 from runtime.harmony import CALL, CHANNEL, CONSTRAIN, MESSAGE
 from runtime.tools import ARGS, TOOL_CALLS, TOOL_STYLES
@@ -119,14 +119,15 @@ def tool_call_grammar(
 
 
 # Gemma 4's notation: any value, and its pieces. A string's text holds no "<" (its
-# closing mark begins with one).
+# closing mark begins with one). A number has at most 20 digits before its point and 2
+# in its exponent, so that a float holds it (1e999 would read back as Infinity).
 _GEMMA4_VALUES = """value: string | NUMBER | "true" | "false" | "null" | "{" pairs? "}" | "[" (value ("," value)*)? "]"
 pairs: pair ("," pair)*
 pair: KEY ":" value
 string: mark TEXT? mark
 KEY: /[A-Za-z_][A-Za-z0-9_]*/
 INTEGER: /-?(0|[1-9][0-9]*)/
-NUMBER: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?/
+NUMBER: /-?(0|[1-9][0-9]{0,19})(\\.[0-9]+)?([eE][+-]?[0-9]{1,2})?/
 TEXT: /[^<]+/"""
 
 
@@ -140,15 +141,19 @@ def _gemma4_calls(functions: Sequence[Mapping[str, Any]], marker: Callable[[str]
         "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
     ]
     for i, function in enumerate(functions):
-        properties = _parameters(function).get("properties")
+        parameters = _parameters(function)
+        properties = parameters.get("properties")
+        if properties == {} and parameters.get("additionalProperties") is False:
+            rules.append(f'call_{i}: {json.dumps(function["name"])} "{{" "}}"')  # takes none
+            continue
         if not isinstance(properties, dict) or not properties:
             rules.append(f'call_{i}: {json.dumps(function["name"])} "{{" pairs? "}}"')
             continue
-        required = set(_parameters(function).get("required") or ())
+        required = set(parameters.get("required") or ())
         names = list(properties)
         rules.append(f'call_{i}: {json.dumps(function["name"])} "{{" args_{i}_0_first "}}"')
         for k, name in enumerate(names):
-            pair = f"{json.dumps(name)} \":\" {_gemma4_value(properties[name])}"
+            pair = f"{_gemma4_literal(gemma4_key(name))} \":\" {_gemma4_value(properties[name])}"
             for started in (False, True):
                 here = f"args_{i}_{k}_{'more' if started else 'first'}"
                 after = f" args_{i}_{k + 1}_more" if k + 1 < len(names) else ""
@@ -170,11 +175,19 @@ def _gemma4_value(schema: Any) -> str:
         return "value"
     consts = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
     if consts:
-        quoted = [f"mark {json.dumps(c)} mark" if isinstance(c, str) else json.dumps(json.dumps(c)) for c in consts]
-        return "(" + " | ".join(quoted) + ")"
+        return "(" + " | ".join(_gemma4_literal(gemma4_arguments(c)) for c in consts) + ")"
     kinds = {"string": "string", "number": "NUMBER", "integer": "INTEGER", "boolean": '("true" | "false")'}
     kind = schema.get("type")
     return kinds.get(kind, "value") if isinstance(kind, str) else "value"
+
+
+def _gemma4_literal(text: str) -> str:
+    """Text in Gemma's notation as a Lark sequence: its string marks as the `mark` rule
+    (the tokenizer's token), the rest as literals."""
+    parts: list[str] = []
+    for k, piece in enumerate(text.split(QUOTE)):
+        parts += ["mark"] * (k > 0) + [json.dumps(piece)] * (piece != "")
+    return " ".join(parts)
 
 
 def _with_answer(lark: str, answer: GrammarSpec | None) -> GrammarSpec:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -395,9 +396,27 @@ class _MistralCalls:
 
 def _decoded(text: str) -> object:
     try:
-        return json.loads(text)
+        return strict_json(text)
     except (ValueError, RecursionError):
         return None
+
+
+def strict_json(text: str) -> object:
+    """`json.loads` of JSON as RFC 8259 has it: no NaN or Infinity, and no number too
+    large for a float (Python reads 1e999 as inf). Call arguments are re-written with
+    `json.dumps`, which would send those to the client as JSON that is not JSON."""
+    return json.loads(text, parse_constant=_not_json, parse_float=_finite_float)
+
+
+def _not_json(word: str) -> object:
+    raise ValueError(f"{word} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is too large for a float")
+    return value
 
 
 def python_calls(body: str) -> list[dict[str, object]] | None:

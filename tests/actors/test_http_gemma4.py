@@ -118,3 +118,33 @@ async def test_a_call_and_its_result_replayed_reach_the_template_in_gemmas_turn(
         f"{CHANNEL_OPEN}thought\n{CHANNEL_CLOSE}"
     )
     assert done.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+ODD_TOOLS = {
+    # Keys a bare key would not hold: written quoted, as the parser reads them.
+    "keys": ({"type": "object", "properties": {"first name": {"const": True}, "a:b": {"enum": ["x"]}, "": {"const": 1}},
+              "required": ["first name", "a:b", ""]}, {"first name": True, "a:b": "x", "": 1}),
+    # Enum and const values that are objects or arrays: in Gemma's notation, not JSON.
+    "values": ({"type": "object", "properties": {"u": {"enum": [{"a": 1}]}, "v": {"const": [1, "x"]}},
+                "required": ["u", "v"]}, {"u": {"a": 1}, "v": [1, "x"]}),
+    # No parameters: the arguments are `{}`, nothing else (a tool with no `parameters` at
+    # all gets this schema: `tool_call_grammar`'s test; this template needs the field).
+    "none": ({"type": "object", "properties": {}, "additionalProperties": False}, {}),
+}
+
+
+async def test_a_forced_call_to_tools_with_odd_schemas_is_a_call_with_the_arguments_they_allow(gemma4):
+    async with serving(gemma4) as server:
+        for name, (parameters, arguments) in ODD_TOOLS.items():
+            function = {"name": "f", "parameters": parameters}
+            body = dict(
+                messages=ASK, tools=[{"type": "function", "function": function}], max_tokens=60,
+                tool_choice={"type": "function", "function": {"name": "f"}},
+            )
+            done = await in_thread(whole, server, **body)
+            _, content, calls, finish, _ = await in_thread(streamed, server, **body)
+            choice = done.choices[0]
+            assert choice.finish_reason == "tool_calls", (name, choice.message.content)
+            (call,) = choice.message.tool_calls
+            assert json.loads(call.function.arguments) == arguments, name
+            assert (content, finish, calls) == ("", "tool_calls", [["f", call.function.arguments]]), name

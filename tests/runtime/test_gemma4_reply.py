@@ -61,6 +61,8 @@ def test_offered_no_tools_a_call_is_content_as_written(split):
     [
         "call:f{a:}", "call:f{a:1,}", "call:f{a 1}", "call:f{a:wat}", f"call:f{{a:{Q}open}}", "call:f[1]",
         "call:{a:1}", "f{a:1}", "call:f{a:1}}",
+        # Not JSON once written as JSON: NaN and Infinity, or a float past a float's range.
+        "call:f{a:NaN}", "call:f{a:-Infinity}", "call:f{a:Infinity}", "call:f{a:1e999}", "call:f{a:[-1e400]}",
     ],
 )
 def test_a_call_that_does_not_parse_is_the_text_the_model_wrote(body):
@@ -90,6 +92,13 @@ def test_arguments_written_back_in_gemmas_notation_parse_to_the_same_json():
     text = f"{CALL_OPEN}call:f{gemma4_arguments(arguments)}{CALL_CLOSE}"
     assert gemma4_arguments(arguments).startswith("{a:{k:")  # keys sorted, bare, as the template writes them
     assert parsed(text, 4)[2] == [("f", arguments)]
+
+
+def test_keys_a_bare_key_would_not_hold_are_written_quoted_and_read_back():
+    arguments = {"first name": 1, "a:b": 2, "": 3, "x,y": [4], "{k}": {"in ner": 1e99}, "plain": 5}
+    written = gemma4_arguments(arguments)
+    assert f"{Q}first name{Q}:1" in written and ",plain:5" in written  # quoted only where needed
+    assert parsed(f"{CALL_OPEN}call:f{written}{CALL_CLOSE}", 3)[2] == [("f", arguments)]
 
 
 def test_a_template_that_writes_gemma4s_call_marker_is_its_style():

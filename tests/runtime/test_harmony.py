@@ -23,6 +23,8 @@ CALL_BEFORE_CHANNEL = (
     '<|channel|>commentary json<|message|>{"city": "Paris", "unit": "c"}'
 )
 
+RECIPIENT_FIRST = ' to=functions.get_time<|channel|>commentary json<|message|>{"tz": "UTC"}'
+
 
 def summary(events):
     """(reasoning, content, [(call name, arguments)], cut-short indexes) of `events`."""
@@ -61,8 +63,10 @@ def every_split(text):
             CALL_BEFORE_CHANNEL,
             ("Look it up.", "", [("get_weather", '{"city": "Paris", "unit": "c"}')], []),
         ),
+        # No role, the recipient first: " to" alone may come before "=functions".
+        (RECIPIENT_FIRST, ("", "", [("get_time", '{"tz": "UTC"}')], [])),
     ],
-    ids=["reasoning-then-answer", "recipient-after-channel", "recipient-before-channel"],
+    ids=["reasoning-then-answer", "recipient-after-channel", "recipient-before-channel", "recipient-first"],
 )
 def test_each_message_goes_to_its_channel_however_the_text_is_split(text, want):
     assert summary(parse(text)) == want
@@ -92,6 +96,26 @@ def test_a_call_the_reply_ended_inside_of_is_cut_short():
     text = '<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"q": "ml'
     reasoning, content, calls, cut = summary(parse(text))
     assert calls == [("search", '{"q": "ml')] and cut == [0]
+
+
+@pytest.mark.parametrize("body", ["NaN", "5", "[1]", '"x"', '{"a": Infinity}', '{"a": 1e999}', '{"a": -NaN}'])
+def test_a_call_whose_body_is_no_json_object_is_cut_short(body):
+    """OpenAI's arguments are an object, and NaN, Infinity or a float past a float's range
+    would reach the client as JSON that strict readers refuse."""
+    text = f"<|channel|>commentary to=functions.search <|constrain|>json<|message|>{body}<|call|>"
+    assert summary(parse(text)) == ("", "", [("search", body)], [0])
+    assert summary(parse(text.replace(body, '{"a": 1e99}')))[3] == []
+
+
+def test_text_held_as_a_possible_header_is_released_once_it_cannot_be_one():
+    """A reply's first word may begin a role or a recipient ("a", "t"): it waits only
+    until the text shows it does not."""
+    parser = HarmonyParser()
+    assert parser.feed("a") == []
+    assert parser.feed(" quick") == [Content("a quick")]
+    assert parser.feed(" fox") == [Content(" fox")]
+    parser = HarmonyParser()
+    assert parser.feed(" t") == [] and parser.feed("he") == [Content(" the")]
 
 
 def test_without_tools_a_message_to_a_function_is_content():

@@ -228,6 +228,10 @@ CASES = [
     ("mistral", "[TOOL_CALLS]f[ARGS][1] then", ("[TOOL_CALLS]f[ARGS][1] then", [])),
     ("mistral", '[TOOL_CALLS][{"a": 1}]', ('[TOOL_CALLS][{"a": 1}]', [])),
     ("mistral", "[TOOL_CALLS]no arguments", ("[TOOL_CALLS]no arguments", [])),
+    # NaN, Infinity, a float past its range: JSON that strict readers refuse, so no call.
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": NaN}', ('[TOOL_CALLS]f[ARGS]{"a": NaN}', [])),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1e999}}]',
+     ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1e999}}]', [])),
     ("mistral", "a [TOOL_C", ("a [TOOL_C", [])),
     ("mistral", '[TOOL_CALLS]f[ARGS]{"a": "cut', ('[TOOL_CALLS]f[ARGS]{"a": "cut', [])),
     # A third call after a tagged second one: each call is found, the tag split anywhere.
@@ -579,6 +583,24 @@ def test_a_template_without_tools_gets_them_in_the_first_user_turn():
     assert chat[2]["content"] == "```tool_output\nsunny, 21 C\n```"
     # ...and the call reads back through the parser as the call it was.
     assert parse("gemma", chat[1]["content"]) == ("", [("get_weather", '{"city": "Paris"}')])
+
+
+def admits(grammar, text: str) -> bool:
+    state = grammar.start()
+    return all(state.advance(token) is None for token in DEMO.encode(text, add_special_tokens=False))
+
+
+def test_gemma4s_forced_call_takes_no_keys_without_parameters_and_only_numbers_a_float_holds():
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    bare = compiler.compile(tool_call_grammar("gemma4", [{"type": "function", "function": {"name": "f"}}], "f"))
+    assert admits(bare, "<|tool_call>call:f{}<tool_call|>")
+    assert not admits(bare, "<|tool_call>call:f{a:1}<tool_call|>")
+    number = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}
+    tools = [{"type": "function", "function": {"name": "g", "parameters": number}}]
+    grammar = compiler.compile(tool_call_grammar("gemma4", tools, "g"))
+    assert admits(grammar, "<|tool_call>call:g{x:-12345678901234567890.5e99}<tool_call|>")
+    assert not admits(grammar, "<|tool_call>call:g{x:1e999}<tool_call|>")  # Infinity, read back
+    assert not admits(grammar, "<|tool_call>call:g{x:" + "9" * 400 + ".0}<tool_call|>")
 
 
 @pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral", "harmony"])
