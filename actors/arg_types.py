@@ -77,6 +77,17 @@ def non_empty(text: str) -> str:
     return text
 
 
+def host(text: str) -> str:
+    """A name or address to bind: not empty, and one the socket layer can encode (a
+    byte that is not UTF-8 on the command line arrives as a lone surrogate)."""
+    text = non_empty(text)
+    try:
+        text.encode("idna")
+    except UnicodeError:
+        raise argparse.ArgumentTypeError(f"is no host name or address: {text!r}") from None
+    return text
+
+
 def _finite(text: str) -> float:
     try:
         value = float(text)

@@ -29,7 +29,7 @@ import trio
 from actors import arg_types, bench, timeline
 from actors.choices import DEFAULT_MAX_N
 from actors.cors import CorsPolicy, parse_origins
-from actors.http_app import LOOPBACK_HOSTS, ServerState, create_app, hostname
+from actors.http_app import LOOPBACK_HOSTS, ServerState, create_app, hostname, is_loopback
 from actors.http_server import serve_http
 from actors.mlx_thread import exit_now_if_busy
 from actors.service import open_llm
@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _add_model_args(serve)
     serve.add_argument(  # "" bound every interface
-        "--host", type=arg_types.non_empty, default="127.0.0.1", help="127.0.0.1 unless given"
+        "--host", type=arg_types.host, default="127.0.0.1", help="127.0.0.1 unless given"
     )
     serve.add_argument(
         "--api-key",
@@ -273,13 +273,13 @@ async def _serve(args: argparse.Namespace) -> None:
         args.max_http_requests = default_max_http_requests(args.max_batch, args.max_waiting)
     state = ServerState()
     keys = _api_keys(args)
-    if not keys and args.host not in LOOPBACK_HOSTS:
+    if not keys and not is_loopback(args.host):
         log.warning("no_api_key", host=args.host, hint="anyone who can reach it can use it")
     cors = CorsPolicy(parse_origins(args.allowed_origin))
     # On loopback only the machine's own names: a page's name rebound to 127.0.0.1 is refused.
     allowed_hosts = None
-    if args.host in LOOPBACK_HOSTS:
-        allowed_hosts = LOOPBACK_HOSTS | {hostname(name) for name in args.allowed_host}
+    if is_loopback(args.host):
+        allowed_hosts = LOOPBACK_HOSTS | {hostname(name) for name in [args.host, *args.allowed_host]}
     app = create_app(
         state,
         max_body_bytes=args.max_body_bytes,

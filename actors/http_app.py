@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import ipaddress
 import re
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -472,6 +473,20 @@ def _error_response(error: ApiError) -> Response:
 
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a `--host` binds this machine's loopback only, however it is spelled:
+    "LOCALHOST", "127.0.0.2" (all of 127/8 is loopback), "[::1]"."""
+    name = hostname(host)
+    if name == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)  # "::ffff:127.0.0.1" is 127.0.0.1
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def hostname(host: str) -> str:

@@ -459,6 +459,19 @@ def test_on_loopback_the_server_answers_its_own_host_names_only(monkeypatch):
     assert loopback == {"localhost", "127.0.0.1", "::1", "mybox", "box.lan", "fe80::1"}
     everywhere = serve_until_loading(monkeypatch, "--host", "0.0.0.0")  # exposed on purpose
     assert everywhere["allowed_hosts"] is None
+    # Loopback however it is spelled keeps the guard (an exact-string test let these by).
+    for host, own in (("LOCALHOST", "localhost"), ("127.0.0.2", "127.0.0.2"), ("[::1]", "::1"),
+                      ("::ffff:127.0.0.1", "::ffff:127.0.0.1")):
+        guarded = serve_until_loading(monkeypatch, "--host", host)["allowed_hosts"]
+        assert guarded == {"localhost", "127.0.0.1", "::1", own}, host
+
+
+def test_a_host_that_is_no_name_is_argparses_one_line_error(capsys):
+    """A byte that is not UTF-8 (a lone surrogate here) failed in the socket's bind, as a traceback."""
+    for host in ("\udcff", "a" * 64):
+        with pytest.raises(SystemExit):
+            cli._parser().parse_args(["serve", "--host", host])
+        assert "is no host name or address" in capsys.readouterr().err
 
 
 def http_cap_of(monkeypatch, *argv):
