@@ -106,6 +106,8 @@ class ConfigFields:
             raise CheckpointError(
                 f"{self.source}: field '{name}' should be {kind.__name__}, got {value!r}"
             )
+        if isinstance(value, float) and not math.isfinite(value):  # NaN passes `<= 0`
+            raise CheckpointError(f"{self.source}: field '{name}' must be a finite number, got {value}")
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
             raise CheckpointError(f"{self.source}: field '{name}' must be positive, got {value}")
         if isinstance(value, int) and value > MAX_INT_FIELD:
@@ -170,6 +172,7 @@ def config_from_dict(
     if field("rope_traditional", bool, False):
         raise CheckpointError(f"{source}: rope_traditional=true is not supported")
     rope_theta, rope_scaling = rope_fields(fields)
+    _check_full_rotation(fields, rope_scaling, getattr(family, "ROTATES_PART_OF_A_HEAD", False))
     if rope_scaling is not None:
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
         # A family may run more (phi3's LongRoPE): its read_config checks those.
@@ -219,6 +222,24 @@ def read_sliding_layers(fields: ConfigFields) -> list[bool] | None:
             "'sliding_attention' or 'full_attention'"
         )
     return [kind == "sliding_attention" for kind in layer_types]
+
+
+def _check_full_rotation(fields: ConfigFields, rope_scaling: dict[str, Any] | None, family_rotates_part: bool) -> None:
+    """A `partial_rotary_factor` under 1 where the family rotates whole heads (all but
+    phi3's and Gemma 4's): transformers rotates that share of each head, and run whole
+    every token was off, with no error."""
+    if family_rotates_part:
+        return
+    for where, value in (
+        ("partial_rotary_factor", fields.raw.get("partial_rotary_factor")),
+        ("rope_parameters.partial_rotary_factor", (fields.raw.get("rope_parameters") or {}).get("partial_rotary_factor")),
+        ("rope_scaling.partial_rotary_factor", (rope_scaling or {}).get("partial_rotary_factor")),
+    ):
+        if value is not None and value != 1:
+            raise CheckpointError(
+                f"{fields.source}: {where} {value!r} is not supported for model_type "
+                f"'{fields.raw['model_type']}' (it rotates whole heads; phi3 and Gemma 4 rotate part)"
+            )
 
 
 def rope_fields(fields: ConfigFields) -> tuple[float, dict[str, Any] | None]:

@@ -271,6 +271,15 @@ def _hf_config(
     if arch.model_type != "gemma4_text":  # its rope_freqs are its partial rotation
         config["rope_scaling"] = rope_scaling(metadata, key, config, tensors, arch.has_longrope)
     add_family_fields(config, metadata, key, tensors, has_experts=arch.has_experts)
+    # llama.cpp rotates `rope.dimension_count` of each head; these families rotate whole
+    # heads (phi3 and Gemma 4 read theirs), so a file rotating fewer would run every token off.
+    rotated = metadata.optional(key("rope.dimension_count"), int, config["head_dim"])
+    if arch.model_type not in ("phi3", "gemma4_text") and rotated != config["head_dim"]:
+        raise CheckpointError(
+            f"{metadata.source}: {key('rope.dimension_count')} is {rotated}, but a head has "
+            f"{config['head_dim']} dimensions; rotating part of a head is not supported for "
+            f"'{arch_name}'"
+        )
     return config
 
 

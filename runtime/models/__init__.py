@@ -4,8 +4,10 @@ A family file gives `build(config) -> CausalLM` and `read_config(fields) -> dict
 (its own config fields, as `ModelConfig` keyword arguments); it may also give
 `DEFAULTS` (values for fields its configs may leave out), `unwrap_config` (a
 wrapped layout -> the text model's config, whose own family then reads it), `rename_weights` (checkpoint names
--> the model's) and `ROPE_TYPES` (RoPE scalings beyond the shared ones, which its
-`read_config` checks). Adding a family means adding a file and a line below.
+-> the model's), `ROPE_TYPES` (RoPE scalings beyond the shared ones, which its
+`read_config` checks) and `ROTATES_PART_OF_A_HEAD` (it reads `partial_rotary_factor`,
+which runtime/config.py refuses for the others). Adding a family means adding a file
+and a line below.
 """
 
 from __future__ import annotations

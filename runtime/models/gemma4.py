@@ -55,6 +55,7 @@ DEFAULTS: dict[str, Any] = {
     "vocab_size": 262_144,
 }
 SLIDING_ROPE = {"rope_type": "default", "rope_theta": 10_000.0}
+ROTATES_PART_OF_A_HEAD = True  # its full layers' `partial_rotary_factor` (runtime/config.py)
 FULL_ROPE = {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}
 
 

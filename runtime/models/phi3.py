@@ -32,6 +32,7 @@ import mlx.core as mx
 
 build = llama.Decoder
 ROPE_TYPES = ("longrope", "su")  # beside default and linear (runtime/config.py)
+ROTATES_PART_OF_A_HEAD = True  # `partial_rotary_factor` (runtime/config.py refuses it elsewhere)
 
 
 def read_config(fields: ConfigFields) -> dict[str, Any]:

@@ -654,13 +654,29 @@ def test_a_null_kv_head_count_is_one_per_query_head_as_in_mlx_lm(make_checkpoint
         ({"rope_scaling": {"rope_type": "linear", "factor": float("inf")}}, "'factor', got inf"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": float("nan")}}, "'factor', got nan"),
         ({"vocab_size": 2**31}, "too large"),
+        # Rotating part of each head: transformers honours it; run whole, every token was off.
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported for model_type 'llama'"),
+        ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.25}}, "rope_parameters.partial_rotary_factor"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}},
+         "rope_scaling.partial_rotary_factor"),
+        # NaN passed the positive check (NaN <= 0 is false): every request then failed.
+        ({"rms_norm_eps": float("nan")}, "'rms_norm_eps' must be a finite number, got nan"),
+        ({"rope_theta": float("inf")}, "'rope_theta' must be a finite number, got inf"),
     ],
-    ids=["mlp-bias", "longrope-outside-phi3", "dynamic", "infinite-factor", "nan-factor", "past-int32"],
+    ids=[
+        "mlp-bias", "longrope-outside-phi3", "dynamic", "infinite-factor", "nan-factor", "past-int32",
+        "partial-rotary", "partial-rotary-in-rope-parameters", "partial-rotary-in-rope-scaling", "nan-eps",
+        "infinite-theta",
+    ],
 )
 def test_config_settings_cadence_cannot_honour_are_named(changes, named):
     with pytest.raises(CheckpointError, match="config.json") as error:
         config_from_dict(llama_config(**changes))
     assert named in str(error.value)
+
+
+def test_a_whole_rotary_factor_is_accepted_where_heads_rotate_whole():
+    assert config_from_dict(llama_config(partial_rotary_factor=1.0)).head_dim == 16
 
 
 def test_the_largest_int32_size_is_accepted():

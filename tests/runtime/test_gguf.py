@@ -375,6 +375,17 @@ def with_rope_freqs(path, factors, out):
     return rewritten(path, out, tensors={"rope_freqs.weight": factors})
 
 
+@pytest.mark.parametrize("family", ["llama", "smollm3"])
+def test_a_rotation_of_part_of_each_head_is_refused_where_heads_rotate_whole(convert, tmp_path, family):
+    """llama.cpp rotates `rope.dimension_count` of a head; read as whole heads, a file
+    rotating fewer ran every token off with no word."""
+    path, _ = convert(family, GGMLType.F32)
+    arch = "llama" if family == "llama" else "smollm3"
+    rotated = {f"{arch}.rope.dimension_count": (8, V.UINT32, V.UINT32)}
+    message = one_line_error(rewritten(path, tmp_path / "part.gguf", metadata=rotated))
+    assert f"{arch}.rope.dimension_count is 8, but a head has 64 dimensions" in message
+
+
 def test_llama3_rope_freqs_become_its_rope_scaling(convert, tmp_path):
     scaling = {
         "rope_type": "llama3",
