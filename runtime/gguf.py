@@ -197,7 +197,10 @@ def read_gguf(path: Path, progress: Callable[[str], None] = lambda message: None
         if hf_name.endswith(".shared_expert_gate.weight") and converted[hf_name].ndim == 1:
             converted[hf_name] = converted[hf_name][None]  # nn.Linear(hidden, 1)'s [1, hidden]
         if hf_name.endswith(".experts.gate_up_proj.weight"):  # Gemma 4's: two layers in one tensor
-            converted = {n: part for name, value in converted.items() for n, part in split_gate_up(name, value).items()}
+            try:
+                converted = {n: part for name, value in converted.items() for n, part in split_gate_up(name, value).items()}
+            except CheckpointError as error:
+                raise CheckpointError(f"{path}: GGUF tensor '{tensor.name}': {error}") from None
         kind = tensor.tensor_type
         for packed in (name.removesuffix(".scales") for name in converted if name.endswith(".scales")):
             packing_by_layer[packed] = (NATIVE_BITS[kind], MODES.get(kind, "affine"))

@@ -224,6 +224,11 @@ def split_gate_up(name: str, tensor: mx.array) -> dict[str, mx.array]:
     and `.up_proj` (`.weight` where the name has no part, as Hugging Face's)."""
     base, _, part = name.partition(".experts.gate_up_proj")
     part = part or ".weight"
+    if tensor.ndim < 2 or tensor.shape[-2] % 2:
+        raise CheckpointError(
+            f"tensor '{name}' of shape {tuple(tensor.shape)} does not split into gate and up "
+            "halves (an even number of rows, [E, 2I, ...])"
+        )
     gate, up = mx.split(tensor, 2, axis=-2)
     return {
         f"{base}.experts.switch_glu.gate_proj{part}": mx.contiguous(gate),

@@ -160,6 +160,11 @@ def test_gemma4_routed_experts_from_a_gguf(make_checkpoint, tmp_path, kind):
         model, _ = mlx_lm.load(str(tmp_path / "reference"))
         expected_tokens = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=8)]
         assert greedy(from_gguf, prompt, 8) == expected_tokens
+        # Gate and up that do not halve: named, not an mlx split error.
+        fused = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_gate_up_exps.weight")
+        odd = np.asarray(fused.data)[:, 1:]  # [E, 2I - 1, hidden]
+        cut = rewritten(path, tmp_path / "odd.gguf", tensors={fused.name: np.ascontiguousarray(odd)})
+        assert "GGUF tensor 'blk.0.ffn_gate_up_exps.weight'" in one_line_error(cut)
 
 
 def test_a_vocabulary_past_the_tokenizers_is_padded_as_llama_cpps_converter_pads_it(
