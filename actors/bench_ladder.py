@@ -19,6 +19,7 @@ from runtime.checkpoint import load_model
 from runtime.engine import Engine
 from runtime.errors import CadenceError
 from runtime.kv.base import RowSpan
+from runtime.kv.layout import NULL_BLOCK
 from runtime.ladder import BatchLadder, measure_ladder, pad_step
 
 import mlx.core as mx
@@ -93,10 +94,20 @@ def _step(
 
 
 def _decode_rows(engine: Engine, rows: int, context: int) -> list[RowSpan]:
-    per_row = -(-(context + 1) // engine.kv.block_size)
-    return [
-        RowSpan(i, context, 1, tuple(range(i * per_row, (i + 1) * per_row))) for i in range(rows)
-    ]
+    """`rows` rows decoding at position `context`, each with blocks of its own in every
+    layer group: a windowed group's (sliding layers) only those its window reads, as a
+    served row holds them (runtime/kv/blocks.py), the entries before them NULL_BLOCK."""
+    size, layout = engine.kv.block_size, engine.kv.layout
+    per_row = -(-(context + 1) // size)
+    spans = []
+    for i in range(rows):
+        tables = []
+        for group in range(layout.num_groups):
+            skipped = layout.first_needed_block(group, context, size)
+            held = per_row - skipped
+            tables.append((NULL_BLOCK,) * skipped + tuple(range(i * held, (i + 1) * held)))
+        spans.append(RowSpan(i, context, 1, tables[0], tuple(tables[1:])))
+    return spans
 
 
 def _fastest(forward: Callable[[], mx.array], repeats: int) -> float:

@@ -57,3 +57,15 @@ def test_bench_ladder_refuses_a_missing_checkpoint_in_one_line(tmp_path, capsys)
     assert args.run(args) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"cadence bench ladder: error: {tmp_path / 'absent'}")
+
+
+def test_bench_ladder_runs_a_model_with_sliding_window_layers(make_checkpoint, capsys):
+    """Its rows had a table for group 0 only: 'row 0: 1 block tables for 2 layer groups'
+    escaped as a traceback for every Gemma 2/3/4 and gpt-oss model. Past the window here,
+    so the windowed tables hold only the blocks it reads."""
+    windowed = make_checkpoint("gemma3_text", num_layers=2, sliding_window=8, sliding_window_pattern=2)
+    argv = ["bench", "ladder", "--model", str(windowed), "--max-tokens", "3", "--repeats", "1", "--context", "40"]
+    args = _parser().parse_args(argv)
+    assert args.run(args) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == ["1", "2", "3"]
