@@ -86,9 +86,18 @@ def _check_holds_windows(budget_bytes: int, window_bytes: int, what: str) -> Non
     if window_bytes > budget_bytes:
         raise CadenceError(
             f"the sliding-window layers' KV for --max-batch rows takes "
-            f"{window_bytes / 2**30:.2f} GiB, more than {what} of "
-            f"{budget_bytes / 2**30:.2f} GiB: lower --max-batch or raise --kv-budget"
+            f"{_size(window_bytes)}, more than {what} of "
+            f"{_size(budget_bytes)}: lower --max-batch or raise --kv-budget"
         )
+
+
+def _size(num_bytes: int) -> str:
+    """Bytes in the largest unit that keeps a figure before the point: a tiny budget read
+    "0.00 GiB, more than ... 0.00 GiB"."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if num_bytes >= 1 << shift:
+            return f"{num_bytes / (1 << shift):.2f} {unit}"
+    return f"{num_bytes} bytes"
 
 
 def available_memory() -> int | None:

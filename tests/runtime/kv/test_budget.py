@@ -70,6 +70,13 @@ def test_a_budget_the_sliding_window_pools_alone_outgrow_is_refused(
     assert named in str(refused.value) and "--max-batch" in str(refused.value)
 
 
+def test_a_tiny_budget_is_refused_in_a_unit_that_shows_it():
+    """It read "takes 0.00 GiB, more than the KV budget ... of 0.00 GiB"."""
+    with pytest.raises(CadenceError) as refused:
+        budget.pool_blocks(10, 50, bytes_per_block=100, window_bytes=3 << 19)
+    assert "takes 1.50 MiB, more than the KV budget (--kv-budget) of 10 bytes" in str(refused.value)
+
+
 def test_the_default_budget_is_capped_by_what_is_free(monkeypatch):
     monkeypatch.setattr(budget, "available_memory", lambda: 10_000)
     assert budget.pool_blocks(None, 1_000, bytes_per_block=100, window_bytes=0) == 30
