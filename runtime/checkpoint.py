@@ -320,6 +320,11 @@ def _weights_problem(
                 f"tensor {name!r} has shape {tuple(weights[name].shape)}, "
                 f"expected {tuple(param.shape)}"
             )
+        # An integer or bool tensor where the model computes in floats (a packed
+        # quantized weight is integer on both sides) loaded as numbers that mean nothing.
+        if mx.issubdtype(weights[name].dtype, mx.floating) != mx.issubdtype(param.dtype, mx.floating):
+            wanted = "floating-point" if mx.issubdtype(param.dtype, mx.floating) else str(param.dtype).removeprefix("mlx.core.")
+            return f"tensor {name!r} has dtype {str(weights[name].dtype).removeprefix('mlx.core.')}, expected {wanted}"
     unexpected = sorted(set(weights) - set(expected))
     if unexpected:
         return f"unexpected tensor {unexpected[0]!r} for {model_type}"

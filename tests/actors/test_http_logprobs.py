@@ -13,7 +13,7 @@ import pytest
 import tokenizers
 
 from tests.actors.test_http import in_thread, request, serving
-from tests.runtime.test_tokenizer import build_llama
+from tests.runtime.tokenizer_checkpoints import build_llama
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 MAX_TOKENS = 8

@@ -932,3 +932,17 @@ def test_a_repo_id_is_fetched_unless_offline_and_a_miss_says_where_it_was_looked
         resolve_checkpoint("nobody/no-such-model", offline=offline)
     assert asked == [local_only]
     assert str(error.value) == f"nobody/no-such-model: not found {where} (FileNotFoundError)"
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [("model.layers.0.self_attn.q_proj.weight", mx.int32), ("model.norm.weight", mx.bool_)],
+    ids=["int-projection", "bool-norm"],
+)
+def test_an_integer_or_bool_tensor_where_the_model_computes_in_floats_is_named(broken, name, dtype):
+    """It loaded, cast to numbers that mean nothing, and generated noise without a word."""
+    weights = mx.load(str(broken / "model.safetensors"))
+    weights[name] = weights[name].astype(dtype)
+    mx.save_safetensors(str(broken / "model.safetensors"), weights)
+    message = error_for(broken)
+    assert f"tensor {name!r} has dtype {str(dtype).removeprefix('mlx.core.')}, expected floating-point" in message

@@ -959,6 +959,7 @@ def test_gemma3_27b_scales_attention_by_hidden_size_over_heads(convert, tmp_path
         metadata = {
             "gemma3.block_count": (num_layers, V.UINT32, V.UINT32),
             "gemma3.attention.key_length": (128, V.UINT32, V.UINT32),
+            "gemma3.rope.dimension_count": (128, V.UINT32, V.UINT32),  # whole heads, as the file has
         }
         out = rewritten(path, tmp_path / f"{num_layers}.gguf", metadata=metadata)
         return read_gguf(out).config["query_pre_attn_scalar"]
