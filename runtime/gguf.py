@@ -30,6 +30,7 @@ from runtime.gguf_reader import Metadata, check_tensor_layout, open_gguf
 from runtime.gguf_rope import rope_scaling
 from runtime.gguf_tensors import MODES, NATIVE_BITS, decode_tensor, quantization_config, to_mlx
 from runtime.gguf_tokenizer import tokenizer_from_gguf
+from runtime.models import FAMILIES
 from runtime.models.gemma4 import split_gate_up
 from runtime.tokenizer import Tokenizer
 
@@ -274,10 +275,11 @@ def _hf_config(
     if arch.model_type != "gemma4_text":  # its rope_freqs are its partial rotation
         config["rope_scaling"] = rope_scaling(metadata, key, config, tensors, arch.has_longrope)
     add_family_fields(config, metadata, key, tensors, has_experts=arch.has_experts)
-    # llama.cpp rotates `rope.dimension_count` of each head; these families rotate whole
-    # heads (phi3 and Gemma 4 read theirs), so a file rotating fewer would run every token off.
+    # llama.cpp rotates `rope.dimension_count` of each head; a family that rotates whole
+    # heads (all but those that say otherwise) would run every token off on fewer.
     rotated = metadata.optional(key("rope.dimension_count"), int, config["head_dim"])
-    if arch.model_type not in ("phi3", "gemma4_text") and rotated != config["head_dim"]:
+    rotates_part = getattr(FAMILIES[arch.model_type], "ROTATES_PART_OF_A_HEAD", False)
+    if not rotates_part and rotated != config["head_dim"]:
         raise CheckpointError(
             f"{metadata.source}: {key('rope.dimension_count')} is {rotated}, but a head has "
             f"{config['head_dim']} dimensions; rotating part of a head is not supported for "
