@@ -273,6 +273,7 @@ async def _start_actors(
     stream_send, stream_recv = trio.open_memory_channel[StreamerMessage](16)
     waiting_slots = trio.Semaphore(max_waiting)
     metrics = Metrics(loaded.name, policy)
+    tool_style = tool_style_for(loaded.tokenizer.tool_use_template_source, loaded.config.model_type)
     admission = Admission(
         loaded.tokenizer,
         engine.max_context,
@@ -283,11 +284,11 @@ async def _start_actors(
         stream_send.clone(),
         waiting_slots,
         GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, engine.eos_ids),
-        tool_style_for(loaded.tokenizer.tool_use_template_source, loaded.config.model_type),
+        tool_style,
         metrics=metrics,
     )
     actors = (
-        Streamer(loaded.tokenizer, stream_recv, sched_send.clone(), metrics, engine.eos_ids),
+        Streamer(loaded.tokenizer, stream_recv, sched_send.clone(), metrics, engine.eos_ids, tool_style),
         GpuActor(
             PlanRunner(engine),
             thread,

@@ -17,8 +17,9 @@ import contextlib
 
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.finishing import first_cause
+from runtime.harmony import BODY_OPENS, HEADER_OPENS
 from runtime.sequence import FinishCause, TokenLogprob
-from runtime.stop_strings import StopMatcher
+from runtime.stop_strings import MarkupSplitter, StopMatcher
 from runtime.tokenizer import Tokenizer
 
 import attrs
@@ -50,6 +51,7 @@ class _Stream:
     track: Track
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopMatcher
+    markup: MarkupSplitter  # the text the stop matcher does not read
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
     first_token_at: float | None = None
@@ -73,6 +75,7 @@ class Streamer:
     to_scheduler: trio.MemorySendChannel[SchedulerMessage]
     metrics: Metrics
     eos_ids: frozenset[int] = frozenset()  # the engine's: their token ends a row as no text
+    tool_style: str = "hermes"  # the model's reply format (runtime/tools.py)
     streams: dict[str, _Stream] = attrs.Factory(dict)
     awaiting_release: set[str] = attrs.Factory(set)  # forgotten (reader gone), end unlogged
 
@@ -89,6 +92,7 @@ class Streamer:
                             message,
                             self.tokenizer.detokenizer(skip_special_tokens=not message.keep_special_tokens),
                             StopMatcher(message.stop),
+                            self._markup(message),
                         )
                     else:
                         await self._on_step(message)
@@ -148,7 +152,7 @@ class Streamer:
         # completes ends its row as EOS too, on a token of its text.)
         is_eos = row.finish is FinishCause.EOS and row.token in self.eos_ids
         piece = "" if is_eos else stream.detokenizer.add(row.token)
-        text, is_stop = stream.stop_matcher.feed(piece)
+        text, is_stop = stream.stop_matcher.feed(*stream.markup.split(row.token, piece))
         cause = first_cause(row.finish, FinishCause.STOP_SEQUENCE if is_stop else None)
         if cause is not None and not is_stop:
             tail, is_stop = stream.stop_matcher.feed(stream.detokenizer.flush())
@@ -173,6 +177,15 @@ class Streamer:
         self._end(stream, Finished(stream.request_id, stream.unsent, cause, usage, logprobs))
         # The engine already closed a row it finished; a stop string is ours to close.
         return "stop_sequence" if row.finish is None else None
+
+    def _markup(self, track: Track) -> MarkupSplitter:
+        """What of a request's text is its format's markup: control tokens, where it
+        keeps them as text, and harmony's headers."""
+        if not track.keep_special_tokens:
+            return MarkupSplitter()
+        if self.tool_style == "harmony":
+            return MarkupSplitter(self.tokenizer.control_spellings, HEADER_OPENS, BODY_OPENS)
+        return MarkupSplitter(self.tokenizer.control_spellings)
 
     def _end(self, stream: _Stream, message: Finished | Failed) -> None:
         self._send(stream, message)

@@ -40,6 +40,7 @@ START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end
 CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
 MARKERS = (START, CHANNEL, MESSAGE, END, CONSTRAIN, RETURN, CALL)
 HARMONY_HEADER = (CHANNEL, CONSTRAIN, MESSAGE)  # the markers a call's header is written with
+HEADER_OPENS, BODY_OPENS = frozenset((START, CHANNEL)), frozenset((MESSAGE,))  # a header's span
 _MARKER = re.compile("|".join(re.escape(m) for m in MARKERS))
 _RECIPIENT = re.compile(r"to=(\S+?)(?=\s|<\||$)")
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")

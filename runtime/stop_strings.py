@@ -7,7 +7,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+import attrs
 
 
 class StopMatcher:
@@ -26,12 +28,21 @@ class StopMatcher:
         self._held = ""
         self.is_stopped = False
 
-    def feed(self, delta: str) -> tuple[str, bool]:
+    def feed(self, delta: str, markup: str = "") -> tuple[str, bool]:
         """Returns (text safe to emit now, whether a stop string was hit).
 
         On a hit the text ends right before the stop string; feed nothing afterwards
-        (a later call returns ("", True)).
+        (a later call returns ("", True)). `markup` follows `delta`: text of the reply's
+        format (MarkupSplitter) that no stop matches inside or across, so it leaves at
+        once with what was held.
         """
+        text, is_stop = self._feed(delta)
+        if markup and not is_stop:
+            text, self._held = text + self._held + markup, ""
+            self._matched = [0] * len(self._stops)
+        return text, is_stop
+
+    def _feed(self, delta: str) -> tuple[str, bool]:
         if self.is_stopped:
             return "", True
         text = self._held + delta
@@ -58,6 +69,36 @@ class StopMatcher:
         held, self._held = self._held, ""
         self._matched = [0] * len(self._stops)
         return held
+
+
+@attrs.define
+class MarkupSplitter:
+    """Splits each token's text into what stop strings read and the reply format's
+    markup, which they never match inside: a stop "call" must not cut Gemma 4's
+    `<|tool_call>`, nor "assistant" gpt-oss's `<|start|>assistant<|channel|>final`.
+
+    Markup is a control token's spelling (text only where a request keeps control
+    tokens for its parser: actors/admission.py) and, in a format with headers
+    (harmony), all of a header: from a control token in `header_opens` through the
+    one in `body_opens`.
+    """
+
+    spellings: Mapping[int, str] = attrs.field(factory=dict)  # control token id -> text
+    header_opens: frozenset[str] = frozenset()
+    body_opens: frozenset[str] = frozenset()
+    in_header: bool = False
+
+    def split(self, token: int, piece: str) -> tuple[str, str]:
+        """(text, markup) of `piece`, the detokenizer's text for `token` (it may lead
+        with text the detokenizer held back before it)."""
+        spelling = self.spellings.get(token)
+        if self.in_header:
+            self.in_header = spelling not in self.body_opens
+            return "", piece
+        if spelling is None or not piece.endswith(spelling):
+            return piece, ""
+        self.in_header = spelling in self.header_opens
+        return piece[: len(piece) - len(spelling)], spelling
 
 
 def _kmp_fallbacks(stop: str) -> list[int]:

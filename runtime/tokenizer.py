@@ -262,6 +262,11 @@ class Tokenizer:
             ids.append(token_id)
         return ids
 
+    @property
+    def control_spellings(self) -> Mapping[int, str]:
+        """Each special (control) token's id -> its text, where it has any."""
+        return self._spellings
+
     def special_token_id(self, text: str) -> int | None:
         """The id of the special (control) token spelled exactly `text`, if there is one."""
         return next((i for i, spelling in self._spellings.items() if spelling == text), None)

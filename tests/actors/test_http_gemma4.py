@@ -74,6 +74,18 @@ async def test_a_call_in_gemmas_notation_is_a_json_tool_call(gemma4):
     assert untooled.choices[0].message.content == "".join(CALL)
 
 
+async def test_a_stop_string_never_matches_inside_a_marker(gemma4):
+    """"call" and "channel" are in the markers' spellings; the call's own text ends it."""
+    grammar = written(gemma4, *THOUGHT, *CALL)
+    body = dict(messages=ASK, tools=TOOLS, max_tokens=80, stop=["channel", "call"], extra_body={"guided_grammar": grammar})
+    async with serving(gemma4) as server:
+        done = await in_thread(whole, server, **body)
+    choice = done.choices[0]
+    assert choice.message.model_extra["reasoning"] == "The user asks about Paris."
+    # Cut by the stop in "call:get_weather", the call never closed: its text is content.
+    assert (choice.message.content, choice.finish_reason) == (CALL_OPEN, "stop")
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 async def test_a_forced_call_is_written_in_gemmas_notation_with_its_markers_as_tokens(gemma4, choice):
     body = dict(messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=60, logprobs=True)

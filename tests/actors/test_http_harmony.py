@@ -74,6 +74,18 @@ async def test_reasoning_leaves_apart_from_the_answer_whole_and_streamed(harmony
     assert other == reasoning
 
 
+async def test_stop_strings_match_the_messages_not_their_headers_or_markers(harmony):
+    """"assistant", "final" and "message" are all in the headers and markers between the
+    reasoning and the answer; the stop string in the answer is the one that ends it."""
+    stop = ["assistant", "final", "message", " in Paris"]
+    body = dict(messages=ASK, max_tokens=80, stop=stop, extra_body={"guided_grammar": written(harmony, *REASONING, *ANSWER)})
+    async with serving(harmony) as server:
+        done = await in_thread(whole, server, **body)
+        reasoning, content, _, finish, _ = await in_thread(streamed, server, **body)
+    assert (done.choices[0].message.content, done.choices[0].finish_reason) == ("Sunny", "stop")
+    assert (reasoning, content, finish) == (REASONING[3], "Sunny", "stop")
+
+
 async def test_a_call_to_a_function_is_a_tool_call_after_its_reasoning(harmony):
     body = dict(
         messages=ASK, tools=TOOLS, max_tokens=80, extra_body={"guided_grammar": written(harmony, *REASONING, *CALL)}

@@ -1,6 +1,6 @@
 """runtime/stop_strings.py: stop strings in streamed text, however the text is split."""
 
-from runtime.stop_strings import StopMatcher
+from runtime.stop_strings import MarkupSplitter, StopMatcher
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -149,3 +149,38 @@ def test_flush_forgets_the_partial_match():
     assert matcher.feed("zab") == ("z", False)
     assert matcher.flush() == "ab"
     assert matcher.feed("c") == ("c", False)  # "ab" was flushed: "c" alone starts nothing
+
+
+def test_markup_is_released_with_the_held_text_and_no_stop_matches_across_it():
+    matcher = StopMatcher(["call", "ab"])
+    assert matcher.feed("x a", markup="<|tool_call>") == ("x a<|tool_call>", False)
+    assert matcher.feed("b") == ("b", False)  # "a" before the markup does not join "b" after it
+    assert matcher.feed("ca", markup="<|y|>") == ("ca<|y|>", False)  # held "ca" leaves with it
+    assert matcher.feed("ll") == ("ll", False)  # "ca" before the markup began no "call"
+    assert matcher.feed(" call") == (" ", True)
+
+
+def test_markup_after_a_stop_in_the_same_piece_is_dropped():
+    matcher = StopMatcher(["end"])
+    assert matcher.feed("the end", markup="<|end|>") == ("the ", True)
+    assert matcher.feed("more", markup="<|x|>") == ("", True)
+
+
+def test_a_control_tokens_spelling_is_markup_and_what_the_detokenizer_held_before_it_is_text():
+    splitter = MarkupSplitter({7: "<|tool_call>"})
+    assert splitter.split(7, "é<|tool_call>") == ("é", "<|tool_call>")
+    assert splitter.split(3, "call") == ("call", "")
+    assert splitter.split(7, "") == ("", "")  # nothing spelled (a skipped token): nothing to split
+
+
+def test_a_header_is_markup_from_its_opening_marker_through_the_one_opening_its_body():
+    splitter = MarkupSplitter(
+        {1: "<|start|>", 2: "<|channel|>", 3: "<|message|>", 4: "<|end|>"},
+        frozenset({"<|start|>", "<|channel|>"}),
+        frozenset({"<|message|>"}),
+    )
+    pieces = [(2, "<|channel|>"), (9, "analysis"), (3, "<|message|>"), (9, "hmm"), (4, "<|end|>"),
+              (1, "<|start|>"), (9, "assistant"), (2, "<|channel|>"), (9, "final"), (3, "<|message|>"), (9, "Hi")]
+    split = [splitter.split(token, piece) for token, piece in pieces]
+    assert "".join(text for text, _ in split) == "hmmHi"
+    assert "".join(text + markup for text, markup in split) == "".join(piece for _, piece in pieces)
