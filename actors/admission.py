@@ -54,6 +54,13 @@ GRAMMAR_TIMEOUT_S = 5.0
 # shared limiter forty such threads held every worker, so plain requests waited in
 # `prepare` for 20 s. Now they cost one core at most, and no other request's admission.
 COMPILE_THREADS = 1
+# Prompts render and tokenize on threads of their own too, two at a time: a 4 MB prompt
+# takes ~3 s, and a caller that leaves meanwhile has its slot back at once (its thread
+# abandoned, finishing in the background), so a burst of such callers costs two cores
+# for a while, not every waiting slot. How often a preparing request's caller is asked
+# after:
+PREPARE_THREADS = 2
+CALLER_POLL_S = 0.1
 
 
 @attrs.define
@@ -72,6 +79,9 @@ class Admission:
         factory=lambda: trio.CapacityLimiter(COMPILE_THREADS)
     )
     metrics: Metrics | None = None  # counts the requests whose caller left during admission
+    prepare_threads: trio.CapacityLimiter = attrs.field(
+        factory=lambda: trio.CapacityLimiter(PREPARE_THREADS)
+    )
 
     def reserve(self) -> None:
         """Take a waiting slot now or raise OverloadedError; never waits."""
@@ -92,8 +102,8 @@ class Admission:
     async def _admit(self, admit: Admit) -> None:
         bound = log.bind(request_id=admit.request_id)
         try:
-            params = await trio.to_thread.run_sync(self.prepare, admit.request, admit.request_id)
-            if (spec := self.grammar_spec(admit.request)) is not None:
+            params = await self._prepare_while_awaited(admit)
+            if params is not None and (spec := self.grammar_spec(admit.request)) is not None:
                 params = attrs.evolve(params, grammar=await self._compile(spec))
         except Exception as error:
             self.waiting_slots.release()
@@ -104,7 +114,7 @@ class Admission:
                 bound.info("rejected", error=str(error))
             _reply_and_close(admit, Rejected(admit.request_id, error))
             return
-        if admit.reply.statistics().open_receive_channels == 0:  # the caller left meanwhile
+        if params is None or _caller_left(admit):
             self.waiting_slots.release()
             # Its one end event, as the streamer logs a request aborted later (a client
             # that half-closes its socket after sending is gone by now).
@@ -131,6 +141,33 @@ class Admission:
             admit.reply.send_nowait(Accepted(admit.request_id, num_prompt_tokens))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             await self.to_scheduler.send(Abort(admit.request_id, "cancelled"))
+
+    async def _prepare_while_awaited(self, admit: Admit) -> SequenceParams | None:
+        """`prepare` on a worker thread, or None as soon as the caller leaves (its
+        thread abandoned: it cannot be stopped)."""
+        params, failure = None, None
+        async with trio.open_nursery() as nursery:
+
+            async def cancel_when_the_caller_leaves() -> None:
+                while not _caller_left(admit):
+                    await trio.sleep(CALLER_POLL_S)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(cancel_when_the_caller_leaves)
+            try:
+                params = await trio.to_thread.run_sync(
+                    self.prepare,
+                    admit.request,
+                    admit.request_id,
+                    limiter=self.prepare_threads,
+                    abandon_on_cancel=True,
+                )
+            except Exception as error:  # raised past the nursery, not in an ExceptionGroup
+                failure = error
+            nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        return params
 
     def keeps_control_tokens(self, request: GenerateRequest) -> bool:
         """Whether the request's text keeps the control tokens decoding drops, for the
@@ -254,6 +291,10 @@ class Admission:
             kv_tokens=self.kv_tokens,
         )
         return params
+
+
+def _caller_left(admit: Admit) -> bool:
+    return admit.reply.statistics().open_receive_channels == 0
 
 
 def _reply_and_close(admit: Admit, message: Rejected) -> None:

@@ -3,6 +3,7 @@ which grammar its output must match (`grammar_spec`), on the demo tokenizer."""
 
 import json
 import shutil
+import threading
 
 from runtime.errors import RequestError
 from runtime.grammar import GrammarCompiler, GrammarSpec
@@ -232,3 +233,43 @@ async def test_the_track_sent_for_a_mistral_request_offering_tools_keeps_control
         request = GenerateRequest(messages=ASK, max_tokens=4, tools=tools)
         await admission._admit(Admit("r", request, reply, 0.0))
         assert tracks.receive_nowait().keep_special_tokens is expected
+
+
+async def test_a_caller_that_leaves_while_its_prompt_is_prepared_has_its_slot_back_at_once(tokenizer):
+    """A 4 MB prompt takes seconds to tokenize, on a thread nothing can stop: four such
+    callers that hung up held four waiting slots until it ended, and every other
+    request got a 503. The threads are abandoned; the one waiting for a thread too."""
+    to_scheduler, submitted = trio.open_memory_channel(4)
+    to_streamer, _tracks = trio.open_memory_channel(4)
+    _, inbox = trio.open_memory_channel(1)
+    slots, tokenizing, done = trio.Semaphore(2), threading.Event(), threading.Event()
+    started = []
+
+    class SlowAdmission(Admission):
+        def prepare(self, request, request_id):
+            started.append(request_id)
+            tokenizing.set()
+            done.wait(10)
+            return super().prepare(request, request_id)
+
+    admission = SlowAdmission(
+        tokenizer, MAX_CONTEXT, tokenizer.vocab_size, None, inbox, to_scheduler, to_streamer,
+        slots, prepare_threads=trio.CapacityLimiter(1),
+    )
+    async with trio.open_nursery() as nursery:
+        replies = []
+        for request_id in ("slow", "queued"):
+            admission.reserve()
+            reply, receive = trio.open_memory_channel(4)
+            replies.append(receive)
+            nursery.start_soon(admission._admit, Admit(request_id, GenerateRequest(prompt="hi", max_tokens=2), reply, 0.0))
+        await trio.to_thread.run_sync(tokenizing.wait)
+        assert slots.value == 0
+        with trio.fail_after(2):
+            for receive in replies:
+                receive.close()
+            while slots.value < 2:
+                await trio.sleep(0.01)
+        assert len(started) == 1  # the other never took a thread: the limiter's one was busy
+        done.set()
+    assert submitted.statistics().current_buffer_used == 0
