@@ -172,7 +172,9 @@ def top_p_mask(logits: mx.array, top_p: mx.array) -> mx.array:
     # 1 - cumsum from the bottom it was float32's error in the vocabulary's total
     # (6e-8 to 2e-7 over 2,048 tokens), and a top_p below that kept no token, so all.
     mass_above = mx.cumsum(mx.softmax(ascending, axis=-1), axis=-1, reverse=True, inclusive=False)
-    keep = mass_above < top_p[:, None]
+    # ... as long as top_p is positive in float32: under 1.4e-45 it is 0, and kept
+    # no token, so all. So the top token is kept by place.
+    keep = (mass_above < top_p[:, None]) | (mx.arange(vocab) == vocab - 1)
     first_kept = mx.argmax(keep, axis=-1)[:, None]
     threshold = mx.take_along_axis(ascending, first_kept, axis=-1)
     # The set's last token may be tied: of the tokens at the threshold, keep the number

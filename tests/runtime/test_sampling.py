@@ -344,6 +344,14 @@ def test_a_tiny_top_p_keeps_the_top_token_alone_over_a_large_vocabulary():
     assert ours == [{int(i)} for i in np.argmax(np.array(logits), axis=-1)]
 
 
+def test_a_top_p_that_float32_rounds_to_zero_keeps_the_top_token_alone():
+    """The API takes top_p in (0, 1]: 1e-46 is positive, and 0.0 in float32, where no mass
+    is below it. It kept no token, so all: sampling from the whole vocabulary."""
+    logits = mx.array(np.random.default_rng(2).normal(size=(4, 64)).astype(np.float32))
+    ours = kept(top_p_mask(logits, mx.array([1e-46, 5e-324, 0.0, 1e-45], dtype=mx.float32)))
+    assert ours == [{int(i)} for i in np.argmax(np.array(logits), axis=-1)]
+
+
 def test_a_row_without_top_p_or_min_p_keeps_even_its_least_likely_tokens():
     """Far below the top (prob 1e-11 and 1e-37), but not masked: their logprobs are finite."""
     logits = np.array([[5.0, 0.0, -20.0, -80.0]], dtype=np.float32)
