@@ -351,8 +351,8 @@ class LLM:
         messages: list[dict[str, Any]] | None = None,
         max_tokens: int | None = None,
         stop: str | list[str] | tuple[str, ...] | None = (),
-        ignore_eos: bool = False,
-        priority: int = 0,
+        ignore_eos: bool | None = False,
+        priority: int | None = 0,
         grammar: GrammarSpec | None = None,
         **sampling: Any,
     ) -> Generation:
@@ -382,8 +382,8 @@ class LLM:
             max_tokens=max_tokens,
             sampling=params,
             stop=stop_strings(stop),
-            ignore_eos=ignore_eos,
-            priority=priority,
+            ignore_eos=False if ignore_eos is None else ignore_eos,
+            priority=0 if priority is None else priority,
             grammar=grammar,
         )
         return Generation(self, check_request(request))

@@ -486,14 +486,16 @@ async def test_a_misspelt_sampling_argument_is_a_request_error_naming_it(tiny):
 
 async def test_sampling_arguments_mean_what_the_same_http_fields_mean(tiny):
     """top_k -1 (off over HTTP) was refused embedded, and so was None for a field (null,
-    its default, over HTTP); an empty stop string is no stop, as over HTTP."""
+    its default, over HTTP: priority and ignore_eos too); an empty stop string is no
+    stop, as over HTTP."""
     async with actors.open_llm(tiny) as llm:
-        plain, _ = await complete(llm, "hi", max_tokens=6, ignore_eos=True)
+        plain, _ = await complete(llm, "hi", max_tokens=6)
         as_http, generation = await complete(
             llm,
             "hi",
             max_tokens=6,
-            ignore_eos=True,
+            ignore_eos=None,
+            priority=None,
             top_k=-1,
             temperature=None,
             top_p=None,
