@@ -141,9 +141,13 @@ def create_app(
     async def http_error(error: HTTPException) -> Response:
         # A 405 must name the allowed methods (RFC 9110); werkzeug's error holds them.
         allow = tuple((k, v) for k, v in error.get_headers() if k.lower() == "allow")
+        where = f"{request.method} {request.path}"[:200]
         if error.code == 404:  # OpenAI's words and code for a path it does not serve
-            where = f"{request.method} {request.path}"[:200]
             return _refused(ApiError(404, f"Invalid URL ({where})", code="unknown_url"))
+        if error.code == 405:
+            allowed = ", ".join(v for _, v in allow)
+            message = f"Invalid method for URL ({where}); it takes {allowed}"
+            return _refused(ApiError(405, message, code="method_not_allowed", headers=allow))
         message = error.description or error.name
         return _refused(ApiError(error.code or 500, message, headers=allow))
 

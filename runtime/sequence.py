@@ -24,7 +24,10 @@ def _bias_pairs(
     compare equal. Nothing is coerced (int() made a key of 1.5 token 1): admission's
     `check_sampling` names a key or value that is not one."""
     items = bias.items() if isinstance(bias, Mapping) else bias
-    pairs = tuple((token, value) for token, value in items)
+    try:
+        pairs = tuple((token, value) for token, value in items)
+    except (TypeError, ValueError):  # not pairs: "cannot unpack non-iterable int object"
+        raise TypeError("logit_bias must map token ids to biases, or be (token id, bias) pairs") from None
     with contextlib.suppress(TypeError):  # keys that do not order are the check's to name
         pairs = tuple(sorted(pairs))
     return pairs

@@ -368,14 +368,18 @@ async def test_an_unknown_path_is_a_404_naming_it_cut_to_200_characters():
 
 
 async def test_a_method_a_route_does_not_take_is_a_405_naming_the_ones_it_does():
-    """RFC 9110: a 405 carries Allow; the message is werkzeug's sentence, not its title."""
+    """RFC 9110: a 405 carries Allow; the message says what was asked and what to use
+    (it was werkzeug's sentence, and its code null)."""
     async with loading_server() as port:
         status, headers, body, _ = await in_thread(
             answer, port, b"DELETE /v1/completions HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
         )
     assert status == 405 and body["error"]["type"] == "invalid_request_error"
     assert {m.strip() for m in headers["allow"].split(",")} == {"post", "options"}
-    assert body["error"]["message"] == "The method is not allowed for the requested URL."
+    assert body["error"]["code"] == "method_not_allowed"
+    message = body["error"]["message"]
+    assert message.startswith("Invalid method for URL (DELETE /v1/completions); it takes ")
+    assert {m.strip() for m in message.split("takes ")[1].split(",")} == {"POST", "OPTIONS"}
 
 
 async def test_an_early_answer_to_a_request_with_an_empty_body_keeps_the_connection():

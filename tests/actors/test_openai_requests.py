@@ -147,3 +147,15 @@ def test_best_of_must_be_at_least_n_as_openai_asks_and_only_one_is_run():
         with pytest.raises(ApiError) as raised:
             parse_completion({**COMPLETION, **fields})
         assert (raised.value.status, raised.value.param) == (400, "best_of")
+
+
+def test_a_logit_bias_key_of_many_digits_is_an_id_out_of_range_and_leading_zeros_are_dropped():
+    """23 digits read as "maps token ids to numbers", as if the key were not a number."""
+    many = parse_completion({"model": "m", "prompt": "x", "logit_bias": {"9" * 23: 1, "0" * 20 + "5": 2}})
+    assert many.request.sampling.logit_bias == ((5, 2.0), (10**10, 1.0))
+
+
+def test_an_integer_past_pythons_digit_limit_is_named_without_pythons_advice():
+    with pytest.raises(ApiError) as raised:
+        parse_json(b'{"model": "m", "seed": ' + b"7" * 5000 + b"}")
+    assert raised.value.message == "the request body has an integer of more than 4,300 digits"

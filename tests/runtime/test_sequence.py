@@ -108,3 +108,10 @@ def test_equal_logit_biases_compare_equal_however_given():
 )
 def test_each_finish_cause_reports_its_openai_reason(cause, reason):
     assert cause.openai_reason == reason
+
+
+@pytest.mark.parametrize("bias", [[1], 5, [(1, 2, 3)]])
+def test_a_logit_bias_that_is_no_pairs_is_refused_saying_what_it_must_be(bias):
+    """It said "cannot unpack non-iterable int object" through the embedding API."""
+    with pytest.raises(TypeError, match="logit_bias must map token ids to biases"):
+        SamplingParams(logit_bias=bias)
