@@ -457,5 +457,8 @@ def _field(
         value = int(value)
     if not isinstance(value, kinds) or (isinstance(value, bool) and not is_bool_ok):
         wanted = " or ".join(_TYPE_NAMES[k] for k in kinds)
-        raise ApiError(400, f"'{name}' must be {wanted}, got {json.dumps(value)[:40]}", param=name)
+        # A number is shown, text only by its kind: the message is logged, and a prompt
+        # sent as {"p": "..."} must not put its words in the log.
+        got = _TYPE_NAMES[type(value)] if isinstance(value, str | list | dict) else json.dumps(value)[:40]
+        raise ApiError(400, f"'{name}' must be {wanted}, got {got}", param=name)
     return value

@@ -159,3 +159,16 @@ def test_an_integer_past_pythons_digit_limit_is_named_without_pythons_advice():
     with pytest.raises(ApiError) as raised:
         parse_json(b'{"model": "m", "seed": ' + b"7" * 5000 + b"}")
     assert raised.value.message == "the request body has an integer of more than 4,300 digits"
+
+
+@pytest.mark.parametrize(
+    ("value", "got"),
+    [({"p": "SECRET words"}, "an object"), (["SECRET"], "an array"), ("SECRET", "a string"), (5.5, "5.5")],
+)
+def test_a_value_of_the_wrong_type_is_named_by_its_kind_so_no_prompt_text_reaches_the_log(value, got):
+    with pytest.raises(ApiError) as raised:
+        parse_completion({"model": "m", "prompt": "x", "max_tokens": value})
+    assert raised.value.message == f"'max_tokens' must be an integer, got {got}"
+    with pytest.raises(ApiError) as raised:
+        parse_completion({"model": "m", "prompt": {"p": value}})
+    assert "SECRET" not in raised.value.message
