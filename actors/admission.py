@@ -41,7 +41,7 @@ from actors.messages import (
     Track,
 )
 from actors.metrics import Metrics
-from actors.requests import GenerateRequest, OverloadedError
+from actors.requests import GenerateRequest, OverloadedError, SiblingRefusedError
 
 log = structlog.get_logger("cadence.admission")
 
@@ -106,21 +106,25 @@ class Admission:
             if params is not None and (spec := self.grammar_spec(admit.request)) is not None:
                 params = attrs.evolve(params, grammar=await self._compile(spec))
         except Exception as error:
-            self.waiting_slots.release()
             if not isinstance(error, CadenceError):  # a tokenizer or template bug: this request only
                 bound.exception("prepare failed")
                 error = RequestError(f"could not prepare the prompt: {error}")
-            if not isinstance(error, OverloadedError):  # its caller logs a refusal for load
-                bound.info("rejected", error=str(error))
-            _reply_and_close(admit, Rejected(admit.request_id, error))
+            self._refuse(admit, error)
             return
+        # Its siblings (n choices, a batch of prompts) prepared too, or one was refused.
+        is_refused_with = params is not None and admit.group is not None and not await admit.group.all_ready()
         if params is None or _caller_left(admit):
+            if admit.group is not None:
+                admit.group.refuse()
             self.waiting_slots.release()
             # Its one end event, as the streamer logs a request aborted later (a client
             # that half-closes its socket after sending is gone by now).
             if self.metrics is not None:
                 self.metrics.on_aborted()
             bound.info("aborted", cause="disconnected", stage="admission")
+            return
+        if is_refused_with:
+            self._refuse(admit, SiblingRefusedError("another request admitted with it was refused"))
             return
         num_prompt_tokens = len(params.prompt_tokens)
         # Track before Submit: the streamer must know the request before its first token.
@@ -141,6 +145,17 @@ class Admission:
             admit.reply.send_nowait(Accepted(admit.request_id, num_prompt_tokens))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             await self.to_scheduler.send(Abort(admit.request_id, "cancelled"))
+
+    def _refuse(self, admit: Admit, error: CadenceError) -> None:
+        """Give its slot back and answer Rejected; the rest of its group are refused too."""
+        if admit.group is not None:
+            admit.group.refuse()
+        self.waiting_slots.release()
+        if isinstance(error, RequestError):
+            log.info("rejected", request_id=admit.request_id, code=error.code, param=error.param, error=str(error))
+        elif not isinstance(error, OverloadedError):  # its caller logs a refusal for load
+            log.info("rejected", request_id=admit.request_id, error=str(error))
+        _reply_and_close(admit, Rejected(admit.request_id, error))
 
     async def _prepare_while_awaited(self, admit: Admit) -> SequenceParams | None:
         """`prepare` on a worker thread, or None as soon as the caller leaves (its

@@ -23,7 +23,15 @@ import attrs
 import trio
 
 from actors.generation import Generation
-from actors.requests import MIN_SEED, Delta, GenerateRequest, OverloadedError, Usage
+from actors.messages import AdmitGroup
+from actors.requests import (
+    MIN_SEED,
+    Delta,
+    GenerateRequest,
+    OverloadedError,
+    SiblingRefusedError,
+    Usage,
+)
 
 if TYPE_CHECKING:
     from actors.service import LLM
@@ -58,8 +66,8 @@ async def start_together(llm: LLM, generations: Sequence[Generation]) -> None:
 
     Raises OverloadedError when fewer waiting slots are free than there are choices
     (the slots are taken in one go, with no await between them), and whatever a
-    choice's admission raises (a bad prompt, draining); the choices already queued
-    are then aborted.
+    choice's admission raises (a bad prompt, draining): the others are refused with
+    it before any reaches the scheduler (AdmitGroup), so none runs a step.
     """
     if len(generations) > llm.max_waiting:  # would never fit: retrying cannot help
         raise RequestError(
@@ -68,15 +76,27 @@ async def start_together(llm: LLM, generations: Sequence[Generation]) -> None:
         )
     if len(generations) > llm.max_waiting - llm.num_waiting:
         raise OverloadedError("the server is at capacity; retry shortly")
+    group = AdmitGroup(len(generations)) if len(generations) > 1 else None
+    refusals: list[CadenceError] = []
     try:
         for generation in generations:
-            generation.submit()
+            generation.submit(group)
         for generation in generations:
-            await generation.start()
-    except BaseException:
+            try:
+                await generation.start()
+            except CadenceError as error:
+                refusals.append(error)
+    except BaseException:  # a submit refused (draining), or cancelled: none waits for the rest
+        if group is not None:
+            group.refuse()
         for generation in generations:
             await generation.aclose()
         raise
+    if refusals:
+        for generation in generations:
+            await generation.aclose()
+        # The refusal of its own, not the ones it caused (their choice is named for it).
+        raise next((e for e in refusals if not isinstance(e, SiblingRefusedError)), refusals[0])
 
 
 @contextlib.asynccontextmanager

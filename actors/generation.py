@@ -22,6 +22,7 @@ from actors.messages import (
     Abort,
     Accepted,
     Admit,
+    AdmitGroup,
     Failed,
     Finished,
     Rejected,
@@ -65,16 +66,17 @@ class Generation:
         service, which closes its end of the channel then, owes it nothing more."""
         return self._replies is not None and self._replies.statistics().open_send_channels == 0
 
-    def submit(self) -> None:
+    def submit(self, group: AdmitGroup | None = None) -> None:
         """Queue the request for admission now, taking a waiting slot; never waits.
 
         Raises OverloadedError (waiting queue full) or ServiceClosedError (draining).
-        `start()` submits first unless this was called.
+        `start()` submits first unless this was called. `group`: admitted with the
+        others of its group or refused with them (actors/choices.py).
         """
         if self._state is not _State.NEW:
             raise RuntimeError("a Generation starts once")
         send, self._replies = trio.open_memory_channel[Reply](REPLY_BUFFER)
-        self._llm._admit(Admit(self.request_id, self.request, send, trio.current_time()), self)
+        self._llm._admit(Admit(self.request_id, self.request, send, trio.current_time(), group), self)
         self._state = _State.ADMITTING
 
     async def start(self) -> int:

@@ -79,12 +79,37 @@ MAX_QUEUED_DELTAS = REPLY_BUFFER - 2
 # --- to admission ------------------------------------------------------------------------
 
 
+@attrs.define
+class AdmitGroup:
+    """Requests admitted all or none (n choices, a batch of prompts): none reaches the
+    scheduler until every one is prepared, so a sibling refused never leaves the others
+    to run a step for a response that is a 400."""
+
+    size: int
+    num_ready: int = 0
+    is_refused: bool = False
+    settled: trio.Event = attrs.Factory(trio.Event)
+
+    async def all_ready(self) -> bool:
+        """One member is prepared: wait for the rest; False if any was refused."""
+        self.num_ready += 1
+        if self.num_ready == self.size:
+            self.settled.set()
+        await self.settled.wait()
+        return not self.is_refused
+
+    def refuse(self) -> None:
+        self.is_refused = True
+        self.settled.set()
+
+
 @attrs.frozen
 class Admit:
     request_id: str
     request: GenerateRequest
     reply: ReplySender
     arrived_at: float  # trio.current_time()
+    group: AdmitGroup | None = None
 
 
 # --- to the scheduler ----------------------------------------------------------------------

@@ -29,6 +29,10 @@ CHAT_TEMPLATE_KWARGS: dict[str, type] = {"enable_thinking": bool, "thinking": bo
 REASONING_EFFORTS = ("low", "medium", "high")  # the levels gpt-oss was trained on
 
 
+class SiblingRefusedError(RequestError):
+    """Refused because another request admitted with it (a choice, a batch's prompt) was."""
+
+
 class OverloadedError(CadenceError):
     """The waiting queue is full; try again after `retry_after` seconds."""
 

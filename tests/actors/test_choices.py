@@ -15,6 +15,7 @@ from actors.requests import (
     MIN_SEED,
     GenerateRequest,
     OverloadedError,
+    SiblingRefusedError,
     Usage,
     check_request,
 )
@@ -62,12 +63,13 @@ class FakeChoice:
     def __init__(self, log, name, fails=False):
         self.log, self.name, self.fails = log, name, fails
 
-    def submit(self):
+    def submit(self, group=None):
         self.log.append(("submit", self.name))
+        self.group = group
 
     async def start(self):
         if self.fails:
-            raise RequestError("bad", param="prompt")
+            raise self.fails if isinstance(self.fails, Exception) else RequestError("bad", param="prompt")
         self.log.append(("start", self.name))
 
     async def aclose(self):
@@ -84,6 +86,18 @@ async def test_one_choice_failing_to_start_aborts_every_choice_queued_with_it():
     # so none is left waiting for a slot or decoding for nobody.
     assert [e for e in log if e[0] == "submit"] == [("submit", i) for i in range(3)]
     assert sorted(e for e in log if e[0] == "close") == [("close", i) for i in range(3)]
+    assert choices[0].group is choices[2].group is not None  # admitted together or refused together
+
+
+async def test_the_refusal_raised_is_the_one_of_its_own_not_the_ones_it_caused():
+    """Admission refuses a refused choice's siblings too (AdmitGroup); which choice
+    is named (a batch's `prompt[i]`) must be the one refused for itself."""
+    log, own = [], RequestError("too long", param="prompt")
+    caused = [SiblingRefusedError("another request admitted with it was refused") for _ in range(2)]
+    choices = [FakeChoice(log, 0, caused[0]), FakeChoice(log, 1, own), FakeChoice(log, 2, caused[1])]
+    with pytest.raises(RequestError) as raised:
+        await start_together(types.SimpleNamespace(max_waiting=8, num_waiting=0), choices)
+    assert raised.value is own
 
 
 def queue(max_waiting, num_waiting):

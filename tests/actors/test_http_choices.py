@@ -279,6 +279,24 @@ async def test_a_batch_of_prompts_answers_each_as_alone_numbered_prompt_by_choic
     assert refusals[1][2]["error"]["code"] == "context_length_exceeded"
 
 
+async def test_a_batch_refused_for_one_prompt_runs_none_of_the_others(tiny):
+    """Each prompt was submitted as soon as it was prepared: "a" ran a step, and its
+    abort was logged as a client's disconnect, for a request answered with a 400."""
+    async with serving(tiny) as server:
+        body = {"model": server.model, "prompt": ["a", "b", "a" * 5000], "max_tokens": 4}
+        with capture_logs() as logs:
+            status, _, reply = await in_thread(request, server.url, "POST", "/v1/completions", body)
+            steps = server.llm._policy.num_steps
+    assert status == 400 and reply["error"]["param"] == "prompt[2]"
+    ends = sorted((e["request_id"][-2:], e["event"], e.get("code"), e.get("param")) for e in logs if "request_id" in e)
+    assert ends == [
+        ("-0", "rejected", None, None),
+        ("-1", "rejected", None, None),
+        ("-2", "rejected", "context_length_exceeded", "prompt"),
+    ]
+    assert steps == 0  # nothing was scheduled
+
+
 async def test_a_batch_of_prompts_as_large_as_the_queue_is_served(tiny):
     """Past the queue's size a batch could never be admitted (a 400); at it, it fits."""
     async with serving(tiny, max_waiting=4) as server:
