@@ -74,15 +74,14 @@ class GpuActor:
         # A queued step starts running once the one before it is done.
         started_at = max(launched.submitted_at, self.last_collected_at)
         self.last_collected_at = launched.collected_at
-        num_decode_rows = sum(span.num_new == 1 for span in plan.spans)
         log.debug(
             "step",
             step=plan.step,
             rows=len(launched.row_ids),
             tokens=plan.num_tokens,
             prefill_rows=plan.num_prefill_rows,
-            prefill_tokens=plan.num_tokens - num_decode_rows,
-            decode_rows=num_decode_rows,
+            prefill_tokens=plan.num_prefill_tokens,
+            decode_rows=len(plan.spans) - plan.num_prefill_rows,
             cached_tokens=sum(num_cached for _, _, num_cached in plan.opens),
             preempted=len(plan.preempted),
             free_blocks=plan.num_free_blocks,

@@ -89,6 +89,9 @@ class PlannedSpan:
     blocks: tuple[int, ...]
     samples: bool  # the span reaches the newest token: its last position is sampled
     group_tables: tuple[tuple[int, ...], ...] = ()  # the other layer groups' tables
+    # Prompt tokens (a resumed row's generated ones too), however few: a 1-token prompt,
+    # or the one a prefix hit leaves, is prefill, not a decoding row.
+    is_prefill: bool = True
 
 
 @attrs.frozen
@@ -119,7 +122,11 @@ class StepPlan:
 
     @property
     def num_prefill_rows(self) -> int:
-        return sum(span.num_new > 1 for span in self.spans)
+        return sum(span.is_prefill for span in self.spans)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(span.num_new for span in self.spans if span.is_prefill)
 
 
 # Measured on the 2-core box with the native CPU attention (kernels/cpu/), 200M fp32
@@ -435,14 +442,14 @@ class FcfsScheduler:
             num_new = self._span_length(request, budget, chunk)
             if num_new == 0:
                 continue
-            start = request.num_computed
+            start, is_prefill = request.num_computed, request.is_prefilling
             request.num_computed += num_new
             samples = request.num_computed == request.frontier
             request.num_samples += samples
             budget -= num_new
             tables = tuple(tuple(table) for table in request.tables)
             spans.append(
-                PlannedSpan(request.request_id, start, num_new, tables[0], samples, tables[1:])
+                PlannedSpan(request.request_id, start, num_new, tables[0], samples, tables[1:], is_prefill)
             )
         return spans
 

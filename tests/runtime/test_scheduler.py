@@ -515,6 +515,10 @@ def test_a_prompt_with_one_token_left_after_a_cache_hit_is_still_prefilling():
     plan = p.schedule()
     assert plan.opens[0] == ("b", params(9), 8)
     assert spans(plan) == [("b", 8, 1), ("c", 0, 15)]
+    # ... nor in the step's account: the step event's decode_rows and prefill_tokens.
+    assert (plan.num_prefill_rows, plan.num_prefill_tokens) == (2, 16)
+    decoding = p.schedule()
+    assert spans(decoding)[0] == ("b", 9, 1) and decoding.num_prefill_rows == 1  # c alone
 
 
 def test_a_preempted_request_requeues_by_its_rank_behind_better_priorities():
