@@ -90,7 +90,7 @@ async def start_together(llm: LLM, generations: Sequence[Generation]) -> None:
         if group is not None:
             group.refuse()
         for generation in generations:
-            await generation.aclose()
+            await generation.aclose(generation.cancel_cause)
         raise
     if refusals:
         for generation in generations:

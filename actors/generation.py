@@ -47,8 +47,18 @@ class _State(enum.Enum):
 
 
 class Generation:
-    def __init__(self, llm: LLM, request: GenerateRequest, *, request_id: str | None = None):
+    def __init__(
+        self,
+        llm: LLM,
+        request: GenerateRequest,
+        *,
+        request_id: str | None = None,
+        cancel_cause: str = "cancelled",
+    ):
         self.request_id = request_id or uuid.uuid4().hex  # unique among requests in flight
+        # The abort cause logged when its reader is cancelled: the HTTP server's reader
+        # is, when its client disconnects.
+        self.cancel_cause = cancel_cause
         self.request = request
         self.num_prompt_tokens: int | None = None
         self.finish_reason: str | None = None  # "stop" or "length" once finished
@@ -193,7 +203,7 @@ class Generation:
         except trio.ClosedResourceError:  # our own end, closed by aclose() in another task
             raise _ClosedByCaller from None
         except BaseException:
-            await self.aclose()  # cancelled while waiting: the caller is gone
+            await self.aclose(self.cancel_cause)  # cancelled while waiting: the caller is gone
             raise
 
     def _is_submitted_unread(self) -> bool:

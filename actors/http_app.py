@@ -240,7 +240,7 @@ async def _complete(state: ServerState, api: ApiRequest) -> Response:
         )
     suffixes = [f"-{i}" for i in range(len(choices))] if len(choices) > 1 else [""]
     generations = [
-        Generation(llm, choice, request_id=g.request_id + suffix)
+        Generation(llm, choice, request_id=g.request_id + suffix, cancel_cause="disconnected")
         for suffix, choice in zip(suffixes, choices, strict=True)
     ]
     try:

@@ -72,7 +72,9 @@ class FakeChoice:
             raise self.fails if isinstance(self.fails, Exception) else RequestError("bad", param="prompt")
         self.log.append(("start", self.name))
 
-    async def aclose(self):
+    cancel_cause = "cancelled"
+
+    async def aclose(self, cause="cancelled"):
         self.log.append(("close", self.name))
 
 

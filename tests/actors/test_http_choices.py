@@ -198,6 +198,8 @@ async def test_a_disconnect_aborts_every_choice(tiny):
         assert lines[0].startswith(b"data: {")
         aborted = {e["request_id"] for e in logs if e["event"] == "aborted"}
         assert sorted(request_id[-2:] for request_id in aborted) == ["-0", "-1", "-2"]
+        # A choice's reader cancelled by the disconnect says so too (it said "cancelled").
+        assert {e["cause"] for e in logs if e["event"] == "aborted"} == {"disconnected"}
 
 
 async def test_the_choices_share_the_prompts_kv_blocks(tiny):
