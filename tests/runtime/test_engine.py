@@ -433,11 +433,14 @@ def test_a_span_outside_the_rows_tokens_is_that_rows_error(make_checkpoint, star
     assert by_row[good.seq_id].token is not None and by_row[good.seq_id].finish is None
 
 
-def test_a_row_with_a_queued_sample_can_be_fed_only_that_sample(make_checkpoint):
+@pytest.mark.parametrize(
+    ("start", "num_new"), [(11, 2), (11, 1)], ids=["its last token and that", "its last token alone"]
+)
+def test_a_row_with_a_queued_sample_can_be_fed_only_that_sample(make_checkpoint, start, num_new):
     engine = Engine(load_model(make_checkpoint("llama")), max_batch=1)
     seq = engine.open(params(PROMPT, 4))
     engine.submit(StepBatch((RowSpan(seq.seq_id, 0, 12, (0,)),)))  # samples token 12
-    engine.submit(StepBatch((RowSpan(seq.seq_id, 11, 2, (0,)),)))  # its last token and that
+    engine.submit(StepBatch((RowSpan(seq.seq_id, start, num_new, (0,)),)))
     outcomes = engine.collect() + engine.collect()
     assert [o.finish for o in outcomes] == [FinishCause.ERROR]  # its queued sample is dropped
     assert "queued sample" in outcomes[0].error

@@ -6,7 +6,17 @@ from runtime.checkpoint import load_model
 from runtime.engine import Engine
 from runtime.kv.blocks import BlockPool
 from runtime.runner import run_offline
-from runtime.sampling import RowSampler, apply_penalties, min_p_mask, sample, top_k_mask, top_p_mask
+from runtime.sampling import (
+    Logprobs,
+    RowSampler,
+    Sampled,
+    apply_penalties,
+    joined,
+    min_p_mask,
+    sample,
+    top_k_mask,
+    top_p_mask,
+)
 from runtime.scheduler import FcfsScheduler
 from runtime.sequence import SamplingParams, SequenceParams
 
@@ -414,3 +424,24 @@ def test_min_p_comes_before_top_k_and_top_p_as_in_vllm():
     logits = mx.array(np.log(np.array([[0.5, 0.3, 0.1, 0.1]], dtype=np.float32)))
     row = RowSampler.create(SamplingParams(temperature=1.0, top_p=0.6, min_p=0.3, seed=5), [], 4)
     assert {sample(logits, [row]).tokens.item() for _ in range(200)} == {0}
+
+
+def test_a_split_steps_parts_join_with_each_rows_alternatives_whatever_k_each_part_asked():
+    """A step split around a failing row joins its parts' samples: one part asking for
+    5 alternatives, one for 2 and one for none must give every row its own, padded to 5."""
+
+    def part(tokens, k):
+        n = len(tokens)
+        logprobs = None
+        if k is not None:
+            top = mx.array(-np.arange(n * k, dtype=np.float32).reshape(n, k))
+            logprobs = Logprobs(mx.array([-0.5] * n), mx.arange(n * k).reshape(n, k), top)
+        return Sampled(mx.array(tokens), logprobs), mx.array([True] * n)
+
+    parts = [part([3, 4], 5), part([5], 2), part([6], None)]
+    sampled, finite = joined(parts)
+    assert sampled.tokens.tolist() == [3, 4, 5, 6] and finite.tolist() == [True] * 4
+    top_ids, top = np.array(sampled.logprobs.top_ids), np.array(sampled.logprobs.top)
+    assert top_ids.shape == (4, 5)
+    assert top_ids[:2].tolist() == np.arange(10).reshape(2, 5).tolist()
+    assert top_ids[2, :2].tolist() == [0, 1] and top[2, :2].tolist() == [0.0, -1.0]

@@ -24,7 +24,10 @@ def params(
 def policy(
     max_batch=2, num_blocks=64, block_size=4, max_context=256, chunk=256, budget=512, solo=0
 ):
+    """`budget` None: the policy's default."""
     pool = BlockPool(num_blocks, block_size)
+    if budget is None:
+        return FcfsScheduler(max_batch, pool, max_context, chunk, solo_prefill_tokens=solo)
     return FcfsScheduler(max_batch, pool, max_context, chunk, budget, solo)
 
 
@@ -250,6 +253,37 @@ def test_without_blocks_a_request_waits_and_is_admitted_when_blocks_free():
     done(p, plan)
     done(p, p.schedule(), finished={"a"})
     assert [o[0] for o in p.schedule().opens] == ["b"]
+
+
+def test_a_request_that_does_not_fit_yet_holds_back_the_smaller_ones_behind_it():
+    """Admission goes by rank and stops at the first that does not fit: letting the
+    smaller ones behind it in would starve a large request for ever."""
+    p = policy(max_batch=4, num_blocks=6, block_size=4)
+    p.add("a", params(9, max_tokens=2))  # 3 blocks with its first sample
+    done(p, p.schedule())
+    p.add("big", params(13, first=50))  # 4 blocks: 3 are free
+    p.add("small", params(2, first=90))  # 1 block
+    plan = p.schedule()
+    assert plan.opens == () and [r.request_id for r in p.waiting] == ["big", "small"]
+    done(p, plan, finished={"a"})
+    assert [o[0] for o in p.schedule().opens] == ["big", "small"]
+
+
+def test_the_default_budget_leaves_a_whole_chunk_beside_every_decoding_row():
+    p = policy(max_batch=4, chunk=8, budget=None)
+    assert p.max_num_batched_tokens == 4 + 8
+    for name in "abc":
+        p.add(name, params(2, max_tokens=20, first=ord(name)))
+    done(p, p.schedule())
+    p.add("long", params(40, first=200))
+    plan = p.schedule()
+    assert spans(plan)[-1] == ("long", 0, 8) and len(plan.spans) == 4
+
+
+@pytest.mark.parametrize(("max_batch", "chunk"), [(0, 8), (2, 0), (-1, 8)])
+def test_a_row_cap_or_chunk_below_one_is_refused(max_batch, chunk):
+    with pytest.raises(CadenceError, match="must be positive"):
+        policy(max_batch=max_batch, chunk=chunk, budget=None)
 
 
 def test_when_no_row_can_grow_and_nothing_is_in_flight_the_newest_is_preempted():
