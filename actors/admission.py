@@ -112,7 +112,9 @@ class Admission:
             self._refuse(admit, error)
             return
         # Its siblings (n choices, a batch of prompts) prepared too, or one was refused.
-        is_refused_with = params is not None and admit.group is not None and not await admit.group.all_ready()
+        is_refused_with = (
+            params is not None and admit.group is not None and not await admit.group.all_ready()
+        )
         if params is None or _caller_left(admit):
             if admit.group is not None:
                 admit.group.refuse()
@@ -151,10 +153,11 @@ class Admission:
         if admit.group is not None:
             admit.group.refuse()
         self.waiting_slots.release()
+        bound = log.bind(request_id=admit.request_id)
         if isinstance(error, RequestError):
-            log.info("rejected", request_id=admit.request_id, code=error.code, param=error.param, error=str(error))
+            bound.info("rejected", code=error.code, param=error.param, error=str(error))
         elif not isinstance(error, OverloadedError):  # its caller logs a refusal for load
-            log.info("rejected", request_id=admit.request_id, error=str(error))
+            bound.info("rejected", error=str(error))
         _reply_and_close(admit, Rejected(admit.request_id, error))
 
     async def _prepare_while_awaited(self, admit: Admit) -> SequenceParams | None:

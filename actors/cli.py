@@ -29,7 +29,8 @@ import trio
 from actors import arg_types, bench, timeline
 from actors.choices import DEFAULT_MAX_N
 from actors.cors import CorsPolicy, parse_origins
-from actors.http_app import LOOPBACK_HOSTS, ServerState, create_app, hostname, is_loopback
+from actors.http_access import LOOPBACK_HOSTS, hostname, is_loopback
+from actors.http_app import ServerState, create_app
 from actors.http_server import serve_http
 from actors.mlx_thread import exit_now_if_busy
 from actors.service import open_llm

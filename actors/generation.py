@@ -86,7 +86,8 @@ class Generation:
         if self._state is not _State.NEW:
             raise RuntimeError("a Generation starts once")
         send, self._replies = trio.open_memory_channel[Reply](REPLY_BUFFER)
-        self._llm._admit(Admit(self.request_id, self.request, send, trio.current_time(), group), self)
+        admit = Admit(self.request_id, self.request, send, trio.current_time(), group)
+        self._llm._admit(admit, self)
         self._state = _State.ADMITTING
 
     async def start(self) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 
 from runtime.runner import Launched, PlanRunner
-from runtime.scheduler import StepPlan
+from runtime.step_plan import StepPlan
 
 import attrs
 import structlog

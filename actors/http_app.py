@@ -14,9 +14,6 @@ within one step).
 from __future__ import annotations
 
 import contextlib
-import hmac
-import ipaddress
-import re
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from importlib import resources
@@ -45,6 +42,7 @@ from actors.choices import (
 )
 from actors.cors import CorsPolicy
 from actors.generation import Generation
+from actors.http_access import hostname, is_authorized, request_ids
 from actors.http_body import BODY_GRACE_S, BODY_MIN_RATE, request_json
 from actors.openai_requests import ApiError, ApiRequest, parse_chat, parse_completion
 from actors.openai_responses import SSE_DONE, ChunkWriter, sse, wire_json
@@ -116,7 +114,7 @@ def create_app(
             )
         if request.method == "OPTIONS" and (allowed := cors.preflight_headers(request.headers)):
             return Response("", 204, headers=allowed)  # before the key check: no credentials here
-        if keys and request.path not in _OPEN_PATHS and not _is_authorized(request, keys):
+        if keys and request.path not in _OPEN_PATHS and not is_authorized(request, keys):
             raise ApiError(
                 401,
                 "a valid API key is required: send 'Authorization: Bearer <key>'",
@@ -426,28 +424,6 @@ _PAGE_HEADERS = {
 # its data, and a client needs it to learn how to authenticate. /metrics is not open
 # (vLLM's is): it reveals load and traffic, and Prometheus can send a bearer token.
 _OPEN_PATHS = frozenset({"/", "/health", "/openapi.json"})
-_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
-
-
-def _is_authorized(incoming: Any, keys: tuple[bytes, ...]) -> bool:
-    scheme, _, sent = incoming.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    sent_bytes = sent.strip().encode("utf-8", "surrogateescape")
-    # Compare against every key, always: the time taken says nothing about which matched.
-    return sum(hmac.compare_digest(sent_bytes, key) for key in keys) > 0
-
-
-def request_ids(sent: str | None) -> tuple[str, str]:
-    """(the id echoed in `x-request-id`, the id in logs and the response body).
-
-    A well-formed id the client sent is echoed and starts the internal one; a random
-    suffix keeps the internal id unique, since a client may send one id twice.
-    """
-    unique = uuid.uuid4().hex
-    if sent is None or _CLIENT_REQUEST_ID.fullmatch(sent) is None:
-        return unique, unique
-    return sent, f"{sent}-{unique[:12]}"
 
 
 def _json(body: dict[str, Any], status: int = 200) -> Response:
@@ -474,30 +450,3 @@ def _error_response(error: ApiError) -> Response:
     for name, value in error.headers:
         response.headers[name] = value
     return response
-
-
-LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
-
-
-def is_loopback(host: str) -> bool:
-    """Whether a `--host` binds this machine's loopback only, however it is spelled:
-    "LOCALHOST", "127.0.0.2" (all of 127/8 is loopback), "[::1]"."""
-    name = hostname(host)
-    if name == "localhost":
-        return True
-    try:
-        address = ipaddress.ip_address(name)
-    except ValueError:
-        return False
-    mapped = getattr(address, "ipv4_mapped", None)  # "::ffff:127.0.0.1" is 127.0.0.1
-    return address.is_loopback or (mapped is not None and mapped.is_loopback)
-
-
-def hostname(host: str) -> str:
-    """A Host header's name, lower case, without its port or a final dot:
-    "[::1]:8000" -> "::1", "LocalHost.:80" -> "localhost"."""
-    host = host.strip().lower()
-    if host.startswith("["):
-        return host[1:].partition("]")[0]
-    name = host.rpartition(":")[0] if host.count(":") == 1 else host
-    return name.removesuffix(".")

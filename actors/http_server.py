@@ -22,7 +22,7 @@ from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.trio import serve
 
 from actors.cors import CorsPolicy
-from actors.http_app import request_ids
+from actors.http_access import request_ids
 from actors.openai_requests import ApiError
 from actors.openai_responses import wire_json
 

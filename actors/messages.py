@@ -17,8 +17,8 @@ from typing import TypeAlias
 
 from runtime.errors import CadenceError
 from runtime.runner import RowResult as RowToken
-from runtime.scheduler import StepPlan
 from runtime.sequence import FinishCause, SequenceParams
+from runtime.step_plan import StepPlan
 
 import attrs
 import trio

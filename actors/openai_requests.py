@@ -459,6 +459,7 @@ def _field(
         wanted = " or ".join(_TYPE_NAMES[k] for k in kinds)
         # A number is shown, text only by its kind: the message is logged, and a prompt
         # sent as {"p": "..."} must not put its words in the log.
-        got = _TYPE_NAMES[type(value)] if isinstance(value, str | list | dict) else json.dumps(value)[:40]
+        is_text = isinstance(value, str | list | dict)
+        got = _TYPE_NAMES[type(value)] if is_text else json.dumps(value)[:40]
         raise ApiError(400, f"'{name}' must be {wanted}, got {got}", param=name)
     return value

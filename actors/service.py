@@ -288,7 +288,9 @@ async def _start_actors(
         metrics=metrics,
     )
     actors = (
-        Streamer(loaded.tokenizer, stream_recv, sched_send.clone(), metrics, engine.eos_ids, tool_style),
+        Streamer(
+            loaded.tokenizer, stream_recv, sched_send.clone(), metrics, engine.eos_ids, tool_style
+        ),
         GpuActor(
             PlanRunner(engine),
             thread,

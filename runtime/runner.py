@@ -20,8 +20,9 @@ from collections.abc import Callable, Mapping
 from runtime.engine import Engine
 from runtime.errors import CadenceError
 from runtime.kv.base import RowSpan
-from runtime.scheduler import FcfsScheduler, StepPlan
+from runtime.scheduler import FcfsScheduler
 from runtime.sequence import FinishCause, SeqHandle, SequenceParams, StepBatch, TokenLogprob
+from runtime.step_plan import StepPlan
 
 import attrs
 import structlog

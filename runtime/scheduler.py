@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from runtime.errors import CadenceError
 from runtime.kv.blocks import BlockPool, chain_hashes
 from runtime.sequence import SequenceParams
+from runtime.step_plan import PlannedSpan, StepPlan
 
 import attrs
 
@@ -79,54 +80,6 @@ class ScheduledRequest:
     def is_prefilling(self) -> bool:
         """Known tokens are still missing K/V (not just the newest sample's)."""
         return self.num_computed < self.frontier - 1 or self.num_samples == 0
-
-
-@attrs.frozen
-class PlannedSpan:
-    request_id: str
-    start: int
-    num_new: int
-    blocks: tuple[int, ...]
-    samples: bool  # the span reaches the newest token: its last position is sampled
-    group_tables: tuple[tuple[int, ...], ...] = ()  # the other layer groups' tables
-    # Prompt tokens (a resumed row's generated ones too), however few: a 1-token prompt,
-    # or the one a prefix hit leaves, is prefill, not a decoding row.
-    is_prefill: bool = True
-
-
-@attrs.frozen
-class StepPlan:
-    """One step for the GPU actor, in request ids.
-
-    `closes` lists every request that left since the last plan by abort, whether or
-    not it ever had a row: the GPU frees the rows it has and reports all of them back
-    as released, so the streamer can forget them. `opens` carries each new row's
-    prompt tokens taken from the prefix cache.
-    """
-
-    step: int
-    opens: tuple[tuple[str, SequenceParams, int], ...] = ()
-    closes: tuple[str, ...] = ()
-    rejects: tuple[tuple[str, str], ...] = ()  # (request id, why): can never fit the pool
-    spans: tuple[PlannedSpan, ...] = ()
-    epoch: int = 0
-    num_free_blocks: int = 0
-    hit_rate: float = 0.0
-    preempted: tuple[str, ...] = ()  # requeued by recompute while planning this step
-    # (cause, stage) of each of `closes`, for the log: the scheduler actor fills them in
-    close_causes: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(span.num_new for span in self.spans)
-
-    @property
-    def num_prefill_rows(self) -> int:
-        return sum(span.is_prefill for span in self.spans)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(span.num_new for span in self.spans if span.is_prefill)
 
 
 # Measured on the 2-core box with the native CPU attention (kernels/cpu/), 200M fp32
@@ -449,7 +402,9 @@ class FcfsScheduler:
             budget -= num_new
             tables = tuple(tuple(table) for table in request.tables)
             spans.append(
-                PlannedSpan(request.request_id, start, num_new, tables[0], samples, tables[1:], is_prefill)
+                PlannedSpan(
+                    request.request_id, start, num_new, tables[0], samples, tables[1:], is_prefill
+                )
             )
         return spans
 

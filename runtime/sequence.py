@@ -27,7 +27,9 @@ def _bias_pairs(
     try:
         pairs = tuple((token, value) for token, value in items)
     except (TypeError, ValueError):  # not pairs: "cannot unpack non-iterable int object"
-        raise TypeError("logit_bias must map token ids to biases, or be (token id, bias) pairs") from None
+        raise TypeError(
+            "logit_bias must map token ids to biases, or be (token id, bias) pairs"
+        ) from None
     with contextlib.suppress(TypeError):  # keys that do not order are the check's to name
         pairs = tuple(sorted(pairs))
     return pairs

@@ -20,8 +20,9 @@ from collections.abc import Callable
 from runtime.engine import Engine
 from runtime.kv.blocks import BlockPool
 from runtime.runner import run_offline
-from runtime.scheduler import FcfsScheduler, StepPlan
+from runtime.scheduler import FcfsScheduler
 from runtime.sequence import SequenceParams
+from runtime.step_plan import StepPlan
 
 import attrs
 import mlx.core as mx

@@ -1,8 +1,8 @@
 """The GPU actor on its own, around the pure-Python engine of the pipeline tests."""
 
 from runtime.runner import PlanRunner
-from runtime.scheduler import PlannedSpan, StepPlan
 from runtime.sequence import SequenceParams
+from runtime.step_plan import PlannedSpan, StepPlan
 
 import trio
 

@@ -29,7 +29,8 @@ from structlog.testing import capture_logs
 
 from actors import http_server
 from actors.cors import CorsPolicy, parse_origins
-from actors.http_app import LOOPBACK_HOSTS, ServerState, create_app
+from actors.http_access import LOOPBACK_HOSTS
+from actors.http_app import ServerState, create_app
 from actors.http_server import _InFlight, serving_on_loopback
 
 LIMIT = 1000  # max body bytes of the test server

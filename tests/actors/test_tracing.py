@@ -4,7 +4,7 @@ import io
 import json
 
 from runtime.runner import Launched
-from runtime.scheduler import StepPlan
+from runtime.step_plan import StepPlan
 
 import pytest
 import structlog

@@ -4,8 +4,9 @@ from runtime.checkpoint import load_model
 from runtime.engine import Engine
 from runtime.kv.blocks import BlockPool
 from runtime.runner import PlanRunner, run_offline
-from runtime.scheduler import FcfsScheduler, StepPlan
+from runtime.scheduler import FcfsScheduler
 from runtime.sequence import FinishCause
+from runtime.step_plan import StepPlan
 
 import pytest
 from structlog.testing import capture_logs
