@@ -205,3 +205,24 @@ def test_a_token_that_adds_no_text_leaves_the_context_alone(ours):
     detok = IncrementalDetokenizer(tok.decode)
     deltas = [detok.add(i) for i in ids] + [detok.flush()]
     assert "".join(deltas) == tok.decode(ids) == "Hi there"
+
+
+def _byte_level_char(byte: int) -> str:
+    """The character GPT-2's byte-level alphabet writes `byte` as."""
+    kept = [
+        *range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)
+    ]
+    if byte in kept:
+        return chr(byte)
+    return chr(256 + [b for b in range(256) if b not in kept].index(byte))
+
+
+def test_settled_text_released_past_the_hold_limit_never_cuts_a_character(ours, checkpoint_dirs):
+    """Past MAX_HELD_IDS lone continuation bytes, what is released is the text before
+    the last three ids, checked to decode apart as it decodes whole: an emoji's four bytes
+    and a fifth starting another arrive after thirty stray ones."""
+    backend = RustTokenizer.from_file(str(checkpoint_dirs["byte_level"] / "tokenizer.json"))
+    stray_then_emoji = [0x80] * 30 + [0xF0, 0x9F, 0x98, 0x80, 0xF0]
+    ids = [backend.token_to_id(_byte_level_char(b)) for b in stray_then_emoji]
+    assert None not in ids
+    assert_streams_exactly(ours["byte_level"], ids, True, frozenset())
