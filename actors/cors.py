@@ -26,13 +26,13 @@ _MAX_AGE_S = "600"
 
 
 def parse_origins(values: Iterable[str]) -> frozenset[str]:
-    """`scheme://host[:port]` each, or `*` for any origin; CadenceError otherwise."""
+    """`http(s)://host[:port]` each, or `*` for any origin; CadenceError otherwise."""
     origins = set()
     for value in values:
         origin = value.strip().rstrip("/")
         match = _ORIGIN.fullmatch(origin)
         if match is None or int(match["port"] or 0) > 65535:
-            raise CadenceError(f"--allowed-origin {value!r}: expected scheme://host[:port] or '*'")
+            raise CadenceError(f"--allowed-origin {value!r}: expected http(s)://host[:port] or '*'")
         origins.add(origin.lower())
     return frozenset(origins)
 
