@@ -136,7 +136,8 @@ def _parser() -> argparse.ArgumentParser:
         type=arg_types.positive_int,
         default=DEFAULT_PREFILL_CHUNK,
         help="most prompt tokens one request computes in a step beside decoding rows "
-        "(alone, a prompt takes 512 a step, or --max-num-batched-tokens if lower)",
+        "(alone, a prompt takes 512 a step or this if more, but never past "
+        "--max-num-batched-tokens)",
     )
     serve.add_argument(
         "--max-num-batched-tokens",
