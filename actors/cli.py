@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import stat
 import sys
 from collections.abc import Sequence
@@ -206,7 +207,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cpu-quantize",
         choices=CPU_QUANTIZE_CHOICES,
-        default=DEFAULT_CPU_QUANTIZE,
+        default=None,  # unset, so that --keep-dtype can refuse one given beside it
         help="on CPU, a 16/32-bit checkpoint's linear layers: off keeps 16-bit weights "
         "(float32 compute), float32 expands them, 8 or 4 quantizes them at load "
         f"(default: {DEFAULT_CPU_QUANTIZE}; quantized checkpoints stay quantized either way)",
@@ -328,7 +329,7 @@ async def _serve(args: argparse.Namespace) -> None:
             warm_up=args.warm_up,
             offline=args.offline,
             keep_dtype=args.keep_dtype,
-            cpu_quantize=args.cpu_quantize,
+            cpu_quantize=args.cpu_quantize or DEFAULT_CPU_QUANTIZE,
             on_progress=_progress,
             drain_timeout=args.drain_timeout,
         ) as llm:
@@ -384,7 +385,7 @@ async def _generate(args: argparse.Namespace) -> None:
         max_waiting=1,
         offline=args.offline,
         keep_dtype=args.keep_dtype,
-        cpu_quantize=args.cpu_quantize,
+        cpu_quantize=args.cpu_quantize or DEFAULT_CPU_QUANTIZE,
         on_progress=_progress,
     ) as llm:
         sampling = dict(
@@ -414,7 +415,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(argv: Sequence[str] | None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "keep_dtype", False) and args.cpu_quantize is not None:
+        # --keep-dtype replaces the policy --cpu-quantize sets: one given beside it was ignored.
+        parser.error("--keep-dtype keeps the stored weights; it takes no --cpu-quantize")
     synchronous = args.command in ("bench", "trace")  # they return their exit status
     if synchronous:
         configure_logging("console", "warning")
@@ -432,6 +437,8 @@ def _run(argv: Sequence[str] | None) -> int:
             return 2
         if isinstance(os_error := _leaf(exc, OSError), OSError):  # e.g. the port is taken
             where = f"{shortened(str(os_error.filename))}: " if os_error.filename else ""
+            if isinstance(os_error, socket.gaierror) and getattr(args, "host", None):
+                where = f"--host {args.host!r}: "  # "Name or service not known" alone named nothing
             print(f"cadence: error: {where}{os_error.strerror or os_error}", file=sys.stderr)
             return 2
         if _leaf(exc, KeyboardInterrupt) is not None:

@@ -6,11 +6,13 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import types
 
+from runtime.cpu_weights import DEFAULT_CPU_QUANTIZE
 from runtime.errors import CadenceError
 
 import pytest
@@ -472,6 +474,41 @@ def test_a_host_that_is_no_name_is_argparses_one_line_error(capsys):
         with pytest.raises(SystemExit):
             cli._parser().parse_args(["serve", "--host", host])
         assert "is no host name or address" in capsys.readouterr().err
+
+
+def test_keep_dtype_beside_cpu_quantize_is_refused_not_ignored(monkeypatch, capsys):
+    """--keep-dtype replaces the --cpu-quantize policy: `--keep-dtype --cpu-quantize 4`
+    loaded the stored weights as they were, the 4 silently dropped."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve", "--keep-dtype", "--cpu-quantize", "4"])
+    assert exited.value.code == 2
+    assert "--keep-dtype keeps the stored weights; it takes no --cpu-quantize" in capsys.readouterr().err
+    loads = []
+
+    def open_llm(*args, **kwargs):
+        loads.append((kwargs["keep_dtype"], kwargs["cpu_quantize"]))
+        raise CadenceError("loading")
+
+    monkeypatch.setattr(cli, "open_llm", open_llm)
+    for argv in ([], ["--keep-dtype"], ["--cpu-quantize", "8"]):
+        for command in (["serve", "--port", "0"], ["generate", "hi"]):
+            args = cli._parser().parse_args([*command, *argv])
+            with pytest.raises(BaseException) as raised:  # trio wraps it in a group
+                trio.run(args.run, args)
+            assert str(cli._leaf(raised.value, CadenceError)) == "loading"
+    assert loads == [(False, DEFAULT_CPU_QUANTIZE)] * 2 + [(True, DEFAULT_CPU_QUANTIZE)] * 2 + [(False, "8")] * 2
+
+
+def test_a_host_no_resolver_knows_is_named_in_the_one_line_error(monkeypatch, capsys):
+    async def serve(args):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(cli, "_serve", serve)
+    try:
+        assert cli.main(["serve", "--host", "bad host"]) == 2
+    finally:
+        structlog.reset_defaults()  # main configured logging
+    assert capsys.readouterr().err == "cadence: error: --host 'bad host': Name or service not known\n"
 
 
 def http_cap_of(monkeypatch, *argv):
