@@ -110,6 +110,12 @@ async def open_llm(
     Raises `runtime.errors.CheckpointError` for a bad checkpoint, and `CadenceError`
     naming the setting for a bad setting, before anything loads.
     """
+    try:  # under asyncio, Trio's own error came from deep in the MLX thread's hand-off
+        trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        raise RuntimeError(
+            "open_llm runs under Trio (trio.run); from asyncio, use actors.open_llm_asyncio"
+        ) from None
     check_settings(
         model,
         block_size,

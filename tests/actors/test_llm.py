@@ -1,5 +1,6 @@
 """The embedding API end to end, on a real tiny checkpoint and the real Engine."""
 
+import asyncio
 import functools
 import gc
 import threading
@@ -410,6 +411,18 @@ async def test_a_kv_budget_beyond_the_memory_there_is_says_so(tiny):
     with pytest.raises(CadenceError, match="--kv-budget"):
         async with actors.open_llm(tiny, kv_budget=2**60):
             pass
+
+
+def test_opening_it_under_asyncio_names_the_asyncio_bridge():
+    """Trio's own error ("must be called from async context", in an async function)
+    came from the MLX thread's hand-off and named no way out."""
+
+    async def main():
+        async with actors.open_llm():
+            pass
+
+    with pytest.raises(RuntimeError, match="open_llm_asyncio"):
+        asyncio.run(main())
 
 
 async def test_leaving_the_block_does_not_wait_for_an_answer_nobody_reads(tiny):
