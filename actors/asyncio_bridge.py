@@ -98,12 +98,19 @@ class AsyncioLLM:
 
     async def engine_stats(self) -> EngineStats:
         """`LLM.engine_stats`, read on the Trio side."""
+        self._check_loop()
         done: asyncio.Future[_Result] = self._loop.create_future()
         self._call_soon(self._read_stats, done)
         result: EngineStats = (await done).unwrap()
         return result
 
     # -- asyncio side --------------------------------------------------------------------
+
+    def _check_loop(self) -> None:
+        """Its futures resolve on the loop that opened it: awaited on another, asyncio
+        refused them only once the request had been submitted, which ended it."""
+        if asyncio.get_running_loop() is not self._loop:
+            raise RuntimeError("open_llm_asyncio's LLM works on the event loop that opened it only")
 
     def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
         """Run `fn(*args)` on the Trio thread; it must not raise."""
@@ -391,6 +398,7 @@ class AsyncioGeneration:
 
     async def aclose(self) -> None:
         """Abort the request unless it already finished; safe to call more than once."""
+        self._llm._check_loop()
         self._is_done = True
         pump, self._pump = self._pump, None
         if pump is not None:
@@ -417,6 +425,7 @@ class AsyncioGeneration:
         # Refused here, as Generation.__anext__ refuses it: refused by the pump, a second
         # reader's error ended the stream for the first one too, whose loop then stopped
         # after one delta while the row ran on to max_tokens.
+        self._llm._check_loop()
         if self._is_reading:
             raise RuntimeError("another task is already reading this generation")
         self._is_reading = True

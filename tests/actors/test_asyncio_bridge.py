@@ -248,6 +248,29 @@ def test_starting_a_finished_generation_is_refused_as_under_trio(tiny):
     asyncio.run(main())
 
 
+def test_using_it_from_another_event_loop_is_refused_before_anything_is_submitted(tiny):
+    """Its futures resolve on the loop that opened it: awaited on another, asyncio's
+    "attached to a different loop" came once the request was submitted, and it ended
+    the generation for its own loop too."""
+
+    async def main():
+        async with actors.open_llm_asyncio(tiny) as llm:
+            generation = llm.generate("hi", max_tokens=2, ignore_eos=True)
+
+            async def use_elsewhere():
+                with pytest.raises(RuntimeError, match="event loop that opened it"):
+                    await generation.start()
+                with pytest.raises(RuntimeError, match="event loop that opened it"):
+                    await generation.aclose()
+                with pytest.raises(RuntimeError, match="event loop that opened it"):
+                    await llm.engine_stats()
+
+            await asyncio.to_thread(asyncio.run, use_elsewhere())
+            return [d async for d in generation]  # still its own loop's to read
+
+    assert len(asyncio.run(main())) == 2
+
+
 def test_errors_keep_their_types(tiny):
     async def main():
         async with actors.open_llm_asyncio(tiny) as llm:
