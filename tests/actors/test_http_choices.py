@@ -6,6 +6,7 @@ import functools
 import trio
 from structlog.testing import capture_logs
 
+from actors import http_app
 from tests.actors.test_http import (
     CHAT,
     in_thread,
@@ -309,3 +310,24 @@ async def test_a_batch_of_prompts_as_large_as_the_queue_is_served(tiny):
         status, _, reply = await in_thread(request, server.url, "POST", "/v1/completions", body)
     assert status == 400 and reply["error"]["param"] == "prompt"
     assert "more than this server queues (4)" in reply["error"]["message"]
+
+
+async def test_a_batch_past_the_queue_is_refused_before_a_request_is_built_for_each_prompt(
+    tiny, monkeypatch
+):
+    """A 4 MB body of a million one-token prompts built a seeded request per prompt and
+    choice on the event loop before this refusal: every stream and /health stood still
+    for 19 s on the 2-core box."""
+    built = []
+
+    def choice_requests(request, n):
+        built.append(request)
+        return [request] * n
+
+    monkeypatch.setattr(http_app, "choice_requests", choice_requests)
+    async with serving(tiny, max_waiting=4) as server:
+        body = {"model": server.model, "prompt": [[1]] * 100_000, "n": 2, "seed": 1}
+        status, _, reply = await in_thread(request, server.url, "POST", "/v1/completions", body)
+    assert status == 400 and reply["error"]["param"] == "prompt"
+    assert "100000 prompts of n=2 choices are 200000 requests" in reply["error"]["message"]
+    assert built == []
