@@ -416,6 +416,9 @@ class LLM:
 
     async def drain(self, timeout: float | None = None) -> None:
         """Refuse new requests, let running ones finish (abort them after `timeout`), stop."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
+            # `timeout >= 0` raised "'>=' not supported between instances of 'str' and 'int'"
+            raise TypeError(f"drain timeout must be None or seconds >= 0, got {timeout!r}")
         if timeout is not None and not timeout >= 0:  # NaN too
             raise ValueError(f"drain timeout must be None or seconds >= 0, got {timeout!r}")
         if self._is_closed:

@@ -425,6 +425,17 @@ def test_opening_it_under_asyncio_names_the_asyncio_bridge():
         asyncio.run(main())
 
 
+async def test_a_bad_drain_timeout_is_refused_saying_what_it_takes_and_nothing_drains(tiny):
+    """One of the wrong type fell through to `timeout >= 0`: "'>=' not supported between
+    instances of 'str' and 'int'", naming neither the argument nor what it takes."""
+    async with actors.open_llm(tiny) as llm:
+        for timeout in (-1, float("nan"), "1", True, [1]):
+            with pytest.raises((TypeError, ValueError), match="drain timeout must be None or seconds"):
+                await llm.drain(timeout)
+        text, _ = await complete(llm, "hi", max_tokens=2)
+    assert text
+
+
 async def test_leaving_the_block_does_not_wait_for_an_answer_nobody_reads(tiny):
     """A generation started and then neither read nor closed kept drain, and so the
     block's exit, waiting forever, though the engine had finished it long before."""
