@@ -137,6 +137,16 @@ def check_request(request: GenerateRequest) -> GenerateRequest:
         raise RequestError("'ignore_eos' must be a boolean", param="ignore_eos")
     if request.grammar is not None and not isinstance(request.grammar, GrammarSpec):
         raise RequestError("'grammar' must be a runtime.grammar.GrammarSpec", param="grammar")
+    # A schema as a dict, not its JSON text, failed in admission as "could not prepare the
+    # prompt: unhashable type: 'dict'", logged as the server's fault (json_object's is unread).
+    if (grammar := request.grammar) is not None and not (
+        isinstance(grammar.source, str) or (grammar.kind == "json_object" and grammar.source is None)
+    ):
+        raise RequestError(
+            f"'grammar' source must be text (a JSON schema or a list of choices as JSON), "
+            f"got {type(grammar.source).__name__}",
+            param="grammar",
+        )
     if request.prompt is not None and len(request.prompt) == 0:
         raise RequestError("'prompt' must not be empty", param="prompt")
     if isinstance(request.prompt, tuple) and not all(_is_int(t) and t >= 0 for t in request.prompt):

@@ -7,6 +7,7 @@ import threading
 import time
 
 from runtime.errors import CadenceError, RequestError
+from runtime.grammar import GrammarSpec
 from runtime.tokenizer import Tokenizer
 from runtime.warm_up import DECODE_STEPS
 
@@ -484,6 +485,10 @@ async def test_cancelling_start_up_does_not_wait_for_the_kv_pool_to_fill(tiny, m
         ({"prompt": "hi", "stop": 5}, "stop"),
         ({"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
         ({"prompt": "hi", "grammar": "{}"}, "grammar"),
+        # a schema as a dict, not its JSON text: "could not prepare the prompt: unhashable
+        # type: 'dict'" at start(), logged as a fault of the server's
+        ({"prompt": "hi", "grammar": GrammarSpec("json_schema", {}, "grammar")}, "grammar"),
+        ({"prompt": "hi", "grammar": GrammarSpec("choice", ["a"], "grammar")}, "grammar"),
         ({"prompt": "hi", "logit_bias": {1.5: 1.0}}, "logit_bias"),  # was token 1's
         ({"prompt": "hi", "logit_bias": [(3, 1.0), (3, -1.0)]}, "logit_bias"),
         ({"messages": "hi"}, "messages"),  # was "messages[0] must be an object"
