@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from functools import partial
 from importlib import resources
 from types import TracebackType
 from typing import Any
@@ -43,7 +44,7 @@ from actors.choices import (
 from actors.cors import CorsPolicy
 from actors.generation import Generation
 from actors.http_access import hostname, is_authorized, request_ids
-from actors.http_body import BODY_GRACE_S, BODY_MIN_RATE, request_json
+from actors.http_body import BODY_GRACE_S, BODY_MIN_RATE, request_api
 from actors.openai_requests import ApiError, ApiRequest, parse_chat, parse_completion
 from actors.openai_responses import SSE_DONE, ChunkWriter, sse, wire_json
 from actors.openai_tools import ToolCallDeltas, with_tool_calls
@@ -97,6 +98,7 @@ def create_app(
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.config["BODY_GRACE_S"] = body_grace_s
     app.config["BODY_MIN_RATE"] = body_min_rate
+    app.config["PARSE_THREADS"] = trio.CapacityLimiter(1)
     cors = cors or CorsPolicy()
     keys = tuple(key.encode() for key in api_keys)
 
@@ -186,11 +188,11 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        return await _complete(state, parse_chat(await request_json(), max_n=max_n))
+        return await _complete(state, await request_api(partial(parse_chat, max_n=max_n)))
 
     @app.post("/v1/completions")
     async def completions() -> Response:
-        return await _complete(state, parse_completion(await request_json(), max_n=max_n))
+        return await _complete(state, await request_api(partial(parse_completion, max_n=max_n)))
 
     return app
 

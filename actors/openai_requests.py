@@ -101,6 +101,10 @@ class ApiRequest:
         return bool(self.request.tools) and self.request.tool_choice != "none"
 
 
+# How a UTF-16 surrogate is spelled in JSON (paired ones too; the check after tells them apart).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
@@ -124,7 +128,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:  # "\ud800" escapes decode to lone surrogates, which no response can encode
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
+        if _SURROGATE_ESCAPE.search(text):  # a pass over the whole body saved where none is
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise ApiError(
             400, "the request body contains an unpaired UTF-16 surrogate escape"

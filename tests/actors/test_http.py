@@ -989,3 +989,46 @@ async def test_an_unhandled_error_is_a_500_openai_error_object_that_reveals_noth
         }
     }
     assert [e["event"] for e in logs] == ["unhandled error"]
+
+
+async def test_a_large_body_is_parsed_off_the_event_loop_so_other_requests_are_answered(
+    tiny, monkeypatch
+):
+    """A 3 MB batch of token-id prompts held the event loop ~1 s while it was read and
+    checked: every stream and /health stood still. Its parse is held here until /health
+    has been answered, which it can be only if the parse is not on the loop."""
+    import threading
+
+    from actors import http_app
+
+    started, release, released = threading.Event(), threading.Event(), []
+    real_parse = http_app.parse_completion
+
+    def held_parse(body, **options):
+        started.set()
+        released.append(release.wait(timeout=10))
+        return real_parse(body, **options)
+
+    monkeypatch.setattr(http_app, "parse_completion", held_parse)
+    async with serving(tiny, max_body_bytes=4 << 20, max_waiting=4) as server:
+        big = {"model": server.model, "prompt": [[1]] * 200_000, "max_tokens": 1}
+        async with trio.open_nursery() as nursery:
+            answers = []
+
+            async def send_big():
+                answers.append(await in_thread(request, server.url, "POST", "/v1/completions", big))
+
+            nursery.start_soon(send_big)
+            await trio.to_thread.run_sync(started.wait, 10)
+            health = await in_thread(request, server.url, "GET", "/health")
+            release.set()
+        assert health[0] == 200
+        assert released == [True]  # freed by the answer, not by the wait's timeout
+        status, _, error = answers[0]  # errors raised on the thread still reach the client
+        assert status == 400 and error["error"]["param"] == "prompt"
+        assert "200000 prompts of n=1 choices" in error["error"]["message"]
+        # Past the size, a body that is no JSON is still an OpenAI-shaped 400.
+        status, _, error = await in_thread(
+            request, server.url, "POST", "/v1/completions", b"[" + b"1," * 200_000
+        )
+        assert status == 400 and "not valid JSON" in error["error"]["message"]

@@ -25,6 +25,18 @@ def test_a_body_that_is_not_json_says_what_and_where_once(body, said):
     assert raised.value.message == f"the request body is not valid JSON: {said}"
 
 
+@pytest.mark.parametrize("escape", [b"\\ud800", b"\\uDFFF", b"\\uDbFf", b"x\\ud83d"])
+def test_a_lone_surrogate_escape_is_refused_however_its_hex_is_cased(escape):
+    with pytest.raises(ApiError) as raised:
+        parse_json(b'{"model": "m", "prompt": "' + escape + b'"}')
+    assert raised.value.message == "the request body contains an unpaired UTF-16 surrogate escape"
+
+
+def test_a_paired_surrogate_escape_and_a_spelled_out_backslash_u_are_taken():
+    assert parse_json(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001f600"}
+    assert parse_json(b'{"prompt": "\\\\ud800"}') == {"prompt": "\\ud800"}
+
+
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
