@@ -29,6 +29,8 @@ def check_settings(
     left caching on)."""
     if model is not None and not isinstance(model, str | Path):
         raise CadenceError(f"model must be a path, a Hugging Face repo id or None, got {model!r}")
+    if isinstance(model, str) and not model.strip():  # it read the current directory
+        raise CadenceError(f"model must not be empty (None loads the demo), got {model!r}")
     check_block_size(block_size)
     if not is_kv_budget(kv_budget):
         raise CadenceError(

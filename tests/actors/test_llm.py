@@ -388,6 +388,8 @@ async def test_a_lower_priority_value_is_scheduled_first(tiny):
         ({"drain_timeout": float("nan")}, "drain_timeout"),
         ({"lookahead": True}, "lookahead"),
         ({"model": 5}, "model"),
+        ({"model": ""}, "model must not be empty"),  # was "./config.json: file not found"
+        ({"model": " "}, "model must not be empty"),
         ({"kv_budget": "8GiB"}, "kv_budget"),  # these two were a ValueError once loaded
         ({"kv_budget": 1.5}, "kv_budget"),
         ({"cpu_quantize": 4}, "cpu_quantize"),
