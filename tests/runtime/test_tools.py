@@ -435,6 +435,16 @@ def test_an_integer_too_long_for_python_is_text_or_raw_arguments_not_an_error():
     assert parse("hermes", reordered) == (reordered.removeprefix("<tool_call>").removesuffix("</tool_call>"), [])
 
 
+def test_a_number_ends_only_once_what_follows_cannot_continue_it():
+    """A number at the end of the text so far may still grow ("12" of "123", "2" of
+    "2.5" or "2e-5"): its end is not known until a character that cannot continue it."""
+    for growing in ("12", "2.", "2e", "2E+", "2e-", "-"):
+        assert json_ends.json_end(growing, 0, is_final=False) is None, growing
+    for text, end in (("12}", 2), ("12, ", 2), ("2.5]", 3), ("2e-5 ", 4), ("true,", 4)):
+        assert json_ends.json_end(text, 0, is_final=False) == end, text
+    assert json_ends.json_end("2e-", 0, is_final=True) == 1  # the reply ended: what decodes
+
+
 def test_llama3_json_text_streams_once_its_first_character_says_it_is_no_call():
     """Only a reply that may still become a call waits: plain text goes out as it comes."""
     parser = parser_for("llama3_json")
