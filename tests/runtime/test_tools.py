@@ -911,11 +911,13 @@ def test_a_gemma_call_or_the_answer_each_in_its_own_form():
     assert not admitted_by(grammar, '"7"') and not admitted_by(grammar, "Hello")
 
 
+@pytest.mark.parametrize("as_string", [False, True])
 @pytest.mark.parametrize("style", ["hermes", "llama3_json"])
-def test_a_call_fed_a_character_a_delta_is_scanned_and_decoded_once(style, monkeypatch):
+def test_a_call_fed_a_character_a_delta_is_scanned_and_decoded_once(style, as_string, monkeypatch):
     """Each character of a call is scanned once and what closes is decoded once, also
-    while blanks trail its closed arguments: scanning again what was scanned, or decoding
-    closed arguments again, at every delta made a long call O(n^2)."""
+    while blanks trail its closed arguments, and arguments written as a JSON string:
+    scanning again what was scanned, or decoding closed arguments again, at every delta
+    made a long call O(n^2)."""
     scanned, decodes = [], []
     json_end = json_ends.json_end
 
@@ -937,7 +939,8 @@ def test_a_call_fed_a_character_a_delta_is_scanned_and_decoded_once(style, monke
     monkeypatch.setattr(json_ends, "json_end", counted_end)
     arguments = json.dumps({"text": "x" * 300, "n": [1, 2]})
     key = "arguments" if style == "hermes" else "parameters"
-    call = f'{{"name": "f", "{key}": {arguments}{" " * 50}}}'
+    written = json.dumps(arguments) if as_string else arguments
+    call = f'{{"name": "f", "{key}": {written}{" " * 50}}}'
     text = f"<tool_call>\n{call}\n</tool_call>" if style == "hermes" else call
     assert parse(style, text, range(1, len(text))) == ("", [("f", arguments)])
     assert sum(scanned) <= 2 * len(call) and len(decodes) <= 2
