@@ -7,14 +7,16 @@ from runtime.sequence import SamplingParams
 
 import attrs
 import pytest
+import trio
 
-from actors.choices import choice_requests, combined_usage, start_together
+from actors.choices import choice_requests, combined_usage, interleaved, start_together
 from actors.openai_requests import ApiError, parse_completion
 from actors.requests import (
     MAX_SEED,
     MIN_SEED,
     GenerateRequest,
     OverloadedError,
+    ServiceClosedError,
     SiblingRefusedError,
     Usage,
     check_request,
@@ -100,6 +102,58 @@ async def test_the_refusal_raised_is_the_one_of_its_own_not_the_ones_it_caused()
     with pytest.raises(RequestError) as raised:
         await start_together(types.SimpleNamespace(max_waiting=8, num_waiting=0), choices)
     assert raised.value is own
+
+
+async def test_a_choice_refused_at_submit_refuses_the_siblings_queued_before_it():
+    """The first choice is queued, waiting in admission for its group (AdmitGroup); if
+    the second's submit is refused (a server that began draining), the group must be
+    refused too, or the first waits there for ever, holding its waiting slot."""
+
+    class RefusedAtSubmit(FakeChoice):
+        def submit(self, group=None):
+            raise ServiceClosedError("the server is shutting down")
+
+    log = []
+    choices = [FakeChoice(log, 0), RefusedAtSubmit(log, 1), FakeChoice(log, 2)]
+    with pytest.raises(ServiceClosedError):
+        await start_together(queue(8, 0), choices)
+    assert choices[0].group.is_refused and choices[0].group.settled.is_set()
+    assert sorted(e for e in log if e[0] == "close") == [("close", i) for i in range(3)]
+
+
+class FakeStream:
+    """A running choice: its deltas, then its error if it fails; how it was closed."""
+
+    def __init__(self, closed, name, deltas, error=None):
+        self.closed, self.name, self.deltas, self.error = closed, name, deltas, error
+
+    async def __aiter__(self):
+        for delta in self.deltas:
+            yield delta
+        if self.error is not None:
+            raise self.error
+        await trio.sleep_forever()  # still generating
+
+    async def aclose(self, cause="cancelled"):
+        self.closed.append((self.name, cause))
+
+
+async def test_a_choice_that_fails_sends_its_error_and_leaving_aborts_the_others_as_disconnected():
+    """The reader learns of a failed choice (it fails the whole response), and leaving
+    aborts every choice as disconnected: the scheduler then reports a row whose reader
+    left while its last tokens were computed (actors/scheduler.py), which it does not for
+    a plain cancel."""
+    closed, error = [], RequestError("the grammar refused a token")
+    generations = [FakeStream(closed, 0, ["a"]), FakeStream(closed, 1, ["b"], error)]
+    received = []
+    with trio.fail_after(10):  # an error swallowed leaves the reader waiting on choice 0
+        async with interleaved(generations) as events:
+            async for event in events:
+                received.append(event)
+                if isinstance(event[1], RequestError):
+                    break
+    assert (1, error) in received and (0, "a") in received
+    assert sorted(closed) == [(0, "disconnected"), (1, "disconnected")]
 
 
 def queue(max_waiting, num_waiting):
