@@ -38,6 +38,11 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "argumen
             {"role": "assistant", "content": None, "tool_calls": [{**CALL, "id": 1}]},
             "messages[0].tool_calls[0].id",
         ),
+        # Arguments are JSON text on the wire, as OpenAI's: an object is no call's arguments.
+        (
+            {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "add", "arguments": {}}}]},
+            "messages[0].tool_calls[0]",
+        ),
     ],
 )
 def test_a_bad_message_is_refused_naming_its_key(message, param):
@@ -51,6 +56,18 @@ def test_no_messages_is_refused():
     with pytest.raises(RequestError) as raised:
         chat_messages([])
     assert raised.value.param == "messages"
+
+
+def test_messages_that_are_no_list_are_refused_as_a_whole():
+    with pytest.raises(RequestError) as raised:
+        chat_messages("hello")  # not a list of its characters
+    assert raised.value.param == "messages"
+
+
+def test_an_unknown_role_is_echoed_cut_short():
+    with pytest.raises(RequestError) as raised:
+        chat_messages([{"role": "x" * 10_000, "content": "hi"}])
+    assert raised.value.param == "messages[0].role" and len(str(raised.value)) < 200
 
 
 def test_a_message_is_rebuilt_from_the_keys_cadence_knows():
