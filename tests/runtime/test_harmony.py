@@ -104,6 +104,7 @@ def test_a_call_whose_body_is_no_json_object_is_cut_short(body):
     would reach the client as JSON that strict readers refuse."""
     text = f"<|channel|>commentary to=functions.search <|constrain|>json<|message|>{body}<|call|>"
     assert summary(parse(text)) == ("", "", [("search", body)], [0])
+    assert summary(parse(text + "<|end|>"))[3] == [0]  # cut short once, not again at a later marker
     assert summary(parse(text.replace(body, '{"a": 1e99}')))[3] == []
 
 
@@ -121,6 +122,22 @@ def test_text_held_as_a_possible_header_is_released_once_it_cannot_be_one():
 def test_without_tools_a_message_to_a_function_is_content():
     reasoning, content, calls, _ = summary(parse(CALL_AFTER_CHANNEL, parses_calls=False))
     assert (reasoning, content, calls) == ("Need the weather tool.", '{"city": "Paris"}', [])
+
+
+def test_a_message_to_a_recipient_other_than_a_function_is_no_call():
+    """gpt-oss's built-in tools (`to=browser.search`, `to=python`) are no function the
+    request offered: only `functions.NAME` is a call."""
+    for recipient in ("browser.search", "python"):
+        text = f"<|channel|>commentary to={recipient} <|constrain|>json<|message|>{{}}<|call|>"
+        assert summary(parse(text)) == ("", "{}", [], []), recipient
+
+
+def test_a_stray_marker_opening_in_content_waits_only_as_long_as_a_marker_is():
+    """"<|" in the answer is held as a marker's start only while a marker could still be
+    what follows: the longest one's length, not the rest of the reply."""
+    parser = HarmonyParser()
+    assert parser.feed("<|channel|>final<|message|>x <|") == [Content("x ")]
+    assert parser.feed("y" * 20) == [Content("<|" + "y" * 20)]
 
 
 def test_commentary_to_the_user_and_unknown_channels_are_content():
@@ -141,6 +158,8 @@ def test_a_reply_with_no_header_is_content_from_its_first_character(text):
 def test_a_header_cut_short_is_no_content_but_plain_text_is_kept():
     assert summary(parse("<|channel|>analy")) == ("", "", [], [])
     assert summary(parse("assum")) == ("", "assum", [], [])  # read as a role, then it was not
+    for held in ("assist", " to", "a"):  # a reply that ends while it may still be a header
+        assert summary(parse(held)) == ("", held, [], []), held
 
 
 def test_markup_between_messages_and_a_stray_marker_in_a_body_are_handled():
