@@ -61,6 +61,9 @@ def test_offered_no_tools_a_call_is_content_as_written(split):
     [
         "call:f{a:}", "call:f{a:1,}", "call:f{a 1}", "call:f{a:wat}", f"call:f{{a:{Q}open}}", "call:f[1]",
         "call:{a:1}", "f{a:1}", "call:f{a:1}}",
+        # No ':' after a key, no ',' between pairs, text after the call, a JSON string
+        # that is no Gemma string (its strings are between <|"|> marks).
+        "call:f{a 12}", f"call:f{{a:{Q}x{Q} bb:2}}", "call:f{a:1} then more", 'call:f{a:"x"}',
         # Not JSON once written as JSON: NaN and Infinity, or a float past a float's range.
         "call:f{a:NaN}", "call:f{a:-Infinity}", "call:f{a:Infinity}", "call:f{a:1e999}", "call:f{a:[-1e400]}",
     ],
@@ -70,6 +73,13 @@ def test_a_call_that_does_not_parse_is_the_text_the_model_wrote(body):
     assert calls == [] and content == f"Hi {CALL_OPEN}{body}{CALL_CLOSE}"
 
 
+def test_a_call_over_several_lines_parses_and_its_text_stays_unescaped():
+    text = f"{CALL_OPEN}call:note{{\n  text:{Q}Zürich\nline two{Q},\n  n:1\n}}\n{CALL_CLOSE}"
+    parser = parser_for("gemma4")
+    events = parser.feed(text) + parser.finish()
+    assert events == [CallStart(0, "note"), CallArguments(0, '{"text": "Zürich\\nline two", "n": 1}')]
+
+
 def test_a_call_the_reply_ends_inside_of_is_text():
     _, content, calls = parsed(f"Hi {CALL_OPEN}call:f{{a:1", 2)
     assert calls == [] and content == f"Hi {CALL_OPEN}call:f{{a:1"
@@ -77,6 +87,7 @@ def test_a_call_the_reply_ends_inside_of_is_text():
 
 def test_an_empty_thought_channel_and_reasoning_cut_short():
     assert parsed(f"{CHANNEL_OPEN}{CHANNEL_CLOSE}Answer.", 1) == ("", "Answer.", [])
+    assert parsed(f"{CHANNEL_OPEN}{CHANNEL_CLOSE}Answer.\nMore.", 1000) == ("", "Answer.\nMore.", [])  # one delta
     assert parsed(f"{CHANNEL_OPEN}thought\nStill thinking", 3) == ("Still thinking", "", [])
     assert parsed(f"{CHANNEL_OPEN}thou", 3) == ("", "", [])  # the name alone: nothing yet
 
