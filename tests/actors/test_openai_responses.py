@@ -181,3 +181,27 @@ def test_the_wire_is_compact_utf8_json_and_a_lone_surrogate_goes_out_escaped():
     assert sse({"text": "é 😀", "n": [1, 2]}) == 'data: {"text":"é 😀","n":[1,2]}\n\n'.encode()
     assert wire_json({"name": "a\ud800"}) == b'{"name":"a\\ud800"}'
     assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+def test_a_completion_chunk_always_has_text_the_finishing_one_empty():
+    """OpenAI's completion chunks carry `text` as a string, the last one's empty."""
+    writer = ChunkWriter("completion", "cmpl-1", "m")
+    (last,) = frames(writer.finish("stop"))
+    assert last["choices"][0]["text"] == "" and last["choices"][0]["finish_reason"] == "stop"
+
+
+def test_reasoning_goes_out_under_both_names_clients_read():
+    writer = ChunkWriter("chat", "chatcmpl-1", "m")
+    (chunk,) = frames(writer.reasoning("Hm.", index=1))
+    assert chunk["choices"][0]["delta"] == {"reasoning": "Hm.", "reasoning_content": "Hm."}
+    message = writer.choice("Paris.", "stop", reasoning="Hm.")["message"]
+    assert (message["reasoning"], message["reasoning_content"]) == ("Hm.", "Hm.")
+
+
+def test_an_alternative_token_that_is_part_of_a_character_reports_its_own_bytes():
+    """A top alternative spelled "bytes:\\xf0\\x9f" (a piece of an emoji) reports its real
+    bytes, not those of its spelling."""
+    entry = LogprobEntry("a", -0.5, (("bytes:\\xf0\\x9f", -1.0),), top_bytes=(b"\xf0\x9f",))
+    writer = ChunkWriter("chat", "chatcmpl-1", "m", has_logprobs=True)
+    (top,) = writer.choice("a", "stop", [entry])["logprobs"]["content"][0]["top_logprobs"]
+    assert top == {"token": "bytes:\\xf0\\x9f", "logprob": -1.0, "bytes": [0xF0, 0x9F]}
