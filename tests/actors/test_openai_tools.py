@@ -366,6 +366,7 @@ def named(name):
         ({"tools": [named("get weather")]}, "tools[0].function.name"),
         ({"tools": [named("f\n")]}, "tools[0].function.name"),
         ({"tools": [named("f" * 65)]}, "tools[0].function.name"),
+        ({"tools": [named("get.weather")]}, "tools[0].function.name"),
         ({"tools": [{**TOOL, "function": {"name": "f", "parameters": []}}]}, "tools[0]"),
         # OpenAI's rule: arguments are an object. A string schema gave calls of no JSON.
         (
@@ -376,8 +377,13 @@ def named(name):
             {"tools": [{**TOOL, "function": {"name": "f", "parameters": {"type": ["object"]}}}]},
             "tools[0].function.parameters",
         ),
+        (
+            {"tools": [{**TOOL, "function": {"name": "f", "parameters": {"type": None}}}]},
+            "tools[0].function.parameters",
+        ),
         ({"tools": [TOOL], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
         ({"tool_choice": "auto"}, "tool_choice"),  # a choice among no tools
+        ({"tool_choice": "none"}, "tool_choice"),  # how to call none: still only beside tools
         ({"parallel_tool_calls": False}, "parallel_tool_calls"),  # as OpenAI; it was accepted
         # Unknown keys were dropped: a typo'd "paramters" made a tool without parameters.
         (
