@@ -12,7 +12,14 @@ from pathlib import Path
 from runtime.checkpoint import load_model
 from runtime.engine import Engine
 from runtime.errors import RequestError
-from runtime.grammar import GrammarCompiler, GrammarSpec, token_masks
+from runtime.grammar import (
+    REFUSALS_KEPT,
+    GrammarCompiler,
+    GrammarSpec,
+    answer_json_schema,
+    shapes_content_only,
+    token_masks,
+)
 from runtime.kv.base import RowSpan
 from runtime.kv.blocks import BlockPool
 from runtime.runner import run_offline
@@ -422,6 +429,41 @@ def test_a_refused_grammar_is_refused_again_without_compiling(compiler, monkeypa
             compiler.compile(GrammarSpec("regex", too_big, param))
         assert refused.value.param == param  # errors name the field this request sent
     assert len(compiled) == 1
+
+
+def test_the_oldest_refusals_are_forgotten_first(compiler, monkeypatch):
+    compiled = []
+    compile_now = GrammarCompiler._compile
+
+    def counted(self, spec):
+        compiled.append(spec.source)
+        return compile_now(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", counted)
+    fresh = GrammarCompiler(compiler._source, compiler.vocab_size, compiler._eos_ids)
+    refused = [GrammarSpec("json_schema", " " * i + "false", "guided_json") for i in range(REFUSALS_KEPT + 1)]
+    for spec in [*refused, refused[-1], refused[1], refused[0]]:
+        with pytest.raises(RequestError):
+            fresh.compile(spec)
+    # The last and the second were remembered; the first, the oldest, made room.
+    assert compiled == [spec.source for spec in refused] + [refused[0].source]
+
+
+def test_only_response_format_shapes_the_content_alone():
+    """OpenAI's `response_format` (json_object, or json_schema named by its schema) leaves
+    tools callable beside it; vLLM's guided fields hold the whole reply."""
+    for param in ("response_format", "response_format.json_schema.schema"):
+        assert shapes_content_only(GrammarSpec("json_schema", "{}", param)), param
+    for param in ("guided_json", "structured_outputs.json", "grammar"):
+        assert not shapes_content_only(GrammarSpec("json_schema", "{}", param)), param
+
+
+@pytest.mark.parametrize("source", ["1", "1.0", "[]", '"x"', "null"])
+def test_an_answer_schema_that_is_no_object_is_refused(source):
+    with pytest.raises(RequestError) as raised:
+        answer_json_schema(GrammarSpec("json_schema", source, "response_format"))
+    assert raised.value.param == "response_format"
+    assert answer_json_schema(GrammarSpec("json_schema", "true", "response_format")) == {}
 
 
 def test_a_grammar_that_fails_mid_reply_fails_the_same_way_for_the_next_request():
