@@ -228,6 +228,8 @@ CASES = [
     ("mistral", "[TOOL_CALLS]f[ARGS][1] then", ("[TOOL_CALLS]f[ARGS][1] then", [])),
     ("mistral", '[TOOL_CALLS][{"a": 1}]', ('[TOOL_CALLS][{"a": 1}]', [])),
     ("mistral", "[TOOL_CALLS]no arguments", ("[TOOL_CALLS]no arguments", [])),
+    ("mistral", "[TOOL_CALLS][] then", ("[TOOL_CALLS][] then", [])),  # a list of no calls
+    ("mistral", '[TOOL_CALLS] [ARGS]{"a": 1}', ('[TOOL_CALLS] [ARGS]{"a": 1}', [])),  # no name
     # NaN, Infinity, a float past its range: JSON that strict readers refuse, so no call.
     ("mistral", '[TOOL_CALLS]f[ARGS]{"a": NaN}', ('[TOOL_CALLS]f[ARGS]{"a": NaN}', [])),
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1e999}}]',
