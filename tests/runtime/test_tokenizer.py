@@ -582,7 +582,10 @@ def test_a_repetition_or_power_at_the_cap_renders(expression, length):
 
 @pytest.mark.parametrize(
     "expression",
-    ["'x' * (size + 1)", "(size + 1) * 'x'", "[0] * (size + 1)", "2 ** 1025", "2 ** -1025"],
+    [
+        "'x' * (size + 1)", "(size + 1) * 'x'", "[0] * (size + 1)", "2 ** 1025", "2 ** -1025",
+        "'xx' * (size // 2 + 1)",  # the items made count, not the times alone
+    ],
 )
 def test_a_repetition_or_power_just_past_the_cap_is_refused(expression):
     with pytest.raises(RequestError, match="repetition of over|power past"):
@@ -598,6 +601,32 @@ def test_null_valued_keys_reach_the_template_left_out_as_transformers_passes_the
     )
     messages = [{"role": "assistant", "content": None, "name": None, "tool_calls": [1]}]
     assert ChatTemplate(template, {}).render(messages, True) == "[|False|1]"
+
+
+def test_variables_cannot_replace_the_special_tokens():
+    assert render("{{ bos_token }}{{ messages[0].content }}", variables={"bos_token": "X"}) == "<s>hi"
+
+
+def test_block_tags_own_their_lines_as_transformers_renders_them():
+    """trim_blocks and lstrip_blocks, as transformers sets them: a tag's indentation and
+    the newline after it are no text."""
+    assert render("  {% if true %}\nx\n  {% endif %}\ny") == "x\ny"
+
+
+def test_a_template_that_rejects_the_chat_says_why_on_one_line():
+    with pytest.raises(RequestError) as raised:
+        render("{{ raise_exception('roles must\n  alternate') }}")
+    assert str(raised.value).endswith("rejected these messages: roles must alternate")
+
+
+def test_spans_are_located_in_messages_given_as_a_tuple():
+    """The messages cadence passes are a tuple (actors/chat_messages.py): their strings
+    are located as a list's are."""
+    messages = ({"role": "user", "content": "a<|x|>"},)
+    prompt, spans = ChatTemplate("{{ messages[0].content }}!", {}).render_with_spans(
+        messages, False, None, lambda text: "<|x|>" in text
+    )
+    assert (prompt, spans) == ("a<|x|>!", [(0, 6)])
 
 
 def test_no_tools_and_no_documents_reach_the_template_as_none():
