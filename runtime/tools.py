@@ -429,7 +429,9 @@ def python_calls(body: str) -> list[dict[str, object]] | None:
         calls: list[dict[str, object]] = []
         for node in statement.value.elts:
             assert isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
-            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
+            # A `**` splat has no name (kw.arg None): dropped, its arguments were lost.
+            assert all(kw.arg is not None for kw in node.keywords)
+            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
             json.dumps(arguments, allow_nan=False)  # a set, bytes, `...` or inf is no JSON
             calls.append({"name": node.func.id, "arguments": arguments})
     except (SyntaxError, ValueError, AssertionError, TypeError, RecursionError):

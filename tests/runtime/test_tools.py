@@ -493,6 +493,8 @@ def test_python_calls():
     ]
     assert python_calls("__import__('os').system('x')") is None  # only plain calls of literals
     assert python_calls("f(1)") is None  # positional arguments have no names
+    # Nor has a `**` splat: its arguments were dropped, a call of `f` with `{}` instead.
+    assert python_calls('f(a=1, **{"b": 2})') is None and python_calls("f(**{})") is None
     for value in ("{1, 2}", "...", "b'x'", "1e999"):  # literals JSON cannot hold
         assert python_calls(f"f(a={value})") is None
     text = "```tool_code\nf(a={1, 2})\n```"
