@@ -746,6 +746,17 @@ def test_call_arguments_nested_too_deeply_to_render_are_a_request_error():
     assert info.value.param == "messages"
 
 
+@pytest.mark.parametrize(
+    ("style", "markers"),
+    [("mistral", ("[TOOL_CALLS]", "[ARGS]")), ("harmony", ("<|channel|>", "<|constrain|>", "<|message|>"))],
+)
+def test_a_forced_calls_markers_that_are_control_tokens_are_written_as_those_tokens(style, markers):
+    tokens = {marker: 100 + i for i, marker in enumerate(markers)}
+    source = tool_call_grammar(style, TOOLS, None, control_tokens=tokens).source
+    for marker, token_id in tokens.items():
+        assert f"<[{token_id}]>" in source and json.dumps(marker) not in source, marker
+
+
 def test_a_forced_name_admits_only_that_function():
     other = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
     compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
