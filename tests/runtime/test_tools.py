@@ -617,6 +617,31 @@ def test_gemma4s_forced_call_takes_no_keys_without_parameters_and_only_numbers_a
     assert not admits(grammar, "<|tool_call>call:g{x:" + "9" * 400 + ".0}<tool_call|>")
 
 
+def test_gemma4s_forced_call_takes_the_required_keys_always_the_others_maybe_each_of_its_kind():
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    parameters = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"const": "c"}, "days": {"type": "integer"}},
+        "required": ["city"],
+    }
+    tools = [
+        {"type": "function", "function": {"name": "g", "parameters": parameters}},
+        {"type": "function", "function": {"name": "h", "parameters": {"type": "object", "properties": {}}}},
+    ]
+    grammar = compiler.compile(tool_call_grammar("gemma4", tools, None))
+    q = '<|"|>'
+
+    def call(text):
+        return admits(grammar, f"<|tool_call>call:{text}<tool_call|>")
+
+    assert call(f"g{{city:{q}Paris{q}}}") and call(f"g{{city:{q}Rome{q},unit:{q}c{q},days:3}}")
+    assert not call("g{days:3}")  # a required key left out
+    assert not call(f"g{{city:{q}Berlin{q}}}") and not call(f"g{{city:{q}Rome{q},unit:{q}f{q}}}")
+    assert not call(f"g{{city:{q}Rome{q},days:1.5}}")
+    # Properties listed as none, but not closed by additionalProperties: any keys.
+    assert call("h{}") and call(f"h{{a:1,b:{q}x{q}}}")
+
+
 @pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral", "harmony"])
 @pytest.mark.parametrize("forced", [None, "get_weather"])
 def test_the_forced_call_grammar_admits_a_call_and_refuses_text(style, forced):
