@@ -129,6 +129,8 @@ def test_tool_results_become_the_tool_responses_of_the_turn_that_called():
         {"role": "assistant", "content": None, "tool_calls": calls},
         {"role": "tool", "tool_call_id": "c2", "content": "noon"},
         {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": '{"sky": "clear"}'}]},
+        {"role": "tool", "tool_call_id": "c7", "name": "get_moon", "content": "full"},  # no such id: its own name
+        {"role": "tool", "content": "?"},  # neither
         {"role": "user", "content": "Thanks"},
         {"role": "tool", "tool_call_id": "c9", "content": "stray"},  # after no call: a turn of its own
     ]
@@ -137,6 +139,8 @@ def test_tool_results_become_the_tool_responses_of_the_turn_that_called():
     assert chat[1]["tool_responses"] == [
         {"name": "get_time", "response": "noon"},
         {"name": "get_weather", "response": {"sky": "clear"}},
+        {"name": "get_moon", "response": "full"},
+        {"name": "unknown", "response": "?"},
     ]
     assert chat[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     # Other formats' templates take OpenAI's tool turns as they are.
