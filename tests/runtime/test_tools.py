@@ -745,6 +745,14 @@ def test_call_arguments_that_are_not_json_reach_the_template_as_sent():
     assert kept["tool_calls"][0]["function"]["arguments"] == "{oops"
 
 
+@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4"])
+def test_call_arguments_that_are_not_json_are_written_into_a_template_without_tools(style):
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
+    message = {"role": "assistant", "content": "", "tool_calls": [call]}
+    (written,) = chat_for_template([message], [], style, knows_tools=False)
+    assert written["role"] == "assistant" and "{oops" in written["content"]
+
+
 @pytest.mark.parametrize(
     "arguments",
     ['{"n": ' + "9" * 5000 + "}", "[" * 100_000 + "]" * 100_000],
