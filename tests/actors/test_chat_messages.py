@@ -95,6 +95,8 @@ def test_an_assistant_turn_replayed_with_a_refusal_part_says_it():
 
 def test_an_assistant_turns_reasoning_reaches_the_template_under_the_names_templates_read():
     (turn,) = chat_messages([{"role": "assistant", "content": "Paris.", "reasoning": "Capital of France."}])
+    (both,) = chat_messages([{"role": "assistant", "content": "", "reasoning": "A.", "reasoning_content": "B."}])
+    assert both["reasoning_content"] == "A."  # `reasoning` first, as replied
     assert (turn["reasoning_content"], turn["thinking"]) == ("Capital of France.",) * 2
     (turn,) = chat_messages([{"role": "assistant", "content": "", "reasoning": "", "reasoning_content": "Hm."}])
     assert turn["thinking"] == "Hm."  # an empty one gives way to the other name's

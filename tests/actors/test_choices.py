@@ -113,12 +113,18 @@ async def test_a_choice_refused_at_submit_refuses_the_siblings_queued_before_it(
         def submit(self, group=None):
             raise ServiceClosedError("the server is shutting down")
 
+    class Queued(FakeChoice):
+        cancel_cause = "disconnected"  # as the HTTP app's choices are
+
+        async def aclose(self, cause="cancelled"):
+            self.log.append(("close", self.name, cause))
+
     log = []
-    choices = [FakeChoice(log, 0), RefusedAtSubmit(log, 1), FakeChoice(log, 2)]
+    choices = [Queued(log, 0), RefusedAtSubmit(log, 1), Queued(log, 2)]
     with pytest.raises(ServiceClosedError):
         await start_together(queue(8, 0), choices)
     assert choices[0].group.is_refused and choices[0].group.settled.is_set()
-    assert sorted(e for e in log if e[0] == "close") == [("close", i) for i in range(3)]
+    assert [e for e in log if e[0] == "close"] == [("close", 0, "disconnected"), ("close", 1), ("close", 2, "disconnected")]
 
 
 class FakeStream:

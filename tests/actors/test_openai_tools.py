@@ -435,3 +435,17 @@ def test_parallel_tool_calls_are_on_unless_turned_off():
     assert tool_request({"tools": [TOOL], "parallel_tool_calls": None}).is_parallel
     assert not tool_request({"tools": [TOOL], "parallel_tool_calls": False}).is_parallel
     assert tool_request({"tools": [TOOL] * MAX_TOOLS, "tool_choice": "none"}).choice == "none"
+
+
+def test_reasoning_streams_out_with_each_delta_not_only_the_last():
+    deltas = ToolCallDeltas("harmony", parses_calls=False)
+    first = deltas.convert(0, Delta("<|channel|>analysis<|message|>Hm, "))
+    second = deltas.convert(0, Delta("Paris.<|end|><|start|>assistant<|channel|>final<|message|>Paris"))
+    last = deltas.convert(0, Delta(".", finish_reason="stop"))
+    assert [d.reasoning for d in (first, second, last)] == ["Hm, ", "Paris.", ""]
+    assert "".join(d.text for d in (first, second, last)) == "Paris."
+
+
+def test_structured_output_fields_sent_as_null_are_as_absent():
+    body = {"response_format": None, "guided_regex": None, "structured_outputs": None, "guided_json": {}}
+    assert structured_output(body) == GrammarSpec("json_schema", "{}", "guided_json")

@@ -124,6 +124,13 @@ def test_without_tools_a_message_to_a_function_is_content():
     assert (reasoning, content, calls) == ("Need the weather tool.", '{"city": "Paris"}', [])
 
 
+def test_each_call_of_a_reply_has_its_own_arguments():
+    header = "<|start|>assistant<|channel|>commentary to=functions.{} <|constrain|>json<|message|>"
+    text = header.format("f") + '{"a": 1}<|end|>' + header.format("g") + '{"b": 2'
+    assert summary(parse(text)) == ("", "", [("f", '{"a": 1}'), ("g", '{"b": 2')], [1])
+    assert parse(text)[-1] == CallCutShort(1, '{"b": 2')
+
+
 def test_a_message_to_a_recipient_other_than_a_function_is_no_call():
     """gpt-oss's built-in tools (`to=browser.search`, `to=python`) are no function the
     request offered: only `functions.NAME` is a call."""
