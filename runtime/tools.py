@@ -434,7 +434,9 @@ def python_calls(body: str) -> list[dict[str, object]] | None:
             arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
             json.dumps(arguments, allow_nan=False)  # a set, bytes, `...` or inf is no JSON
             calls.append({"name": node.func.id, "arguments": arguments})
-    except (SyntaxError, ValueError, AssertionError, TypeError, RecursionError):
+    # MemoryError too: CPython's parser raises it for an expression nested past its
+    # stack (`f(a=----...1)` with 10,000 signs), not RecursionError.
+    except (SyntaxError, ValueError, AssertionError, TypeError, RecursionError, MemoryError):
         return None
     return calls or None
 

@@ -504,6 +504,12 @@ def test_python_calls():
         {"name": "g", "arguments": {"b": "x"}},
     ]
     assert python_calls("[]") is None and python_calls("") is None  # no call at all
+    # Nesting past what Python's parser takes: RecursionError, or MemoryError (10,000 "-"),
+    # which went out of the parser and failed the whole response.
+    for deep in ("-" * 3_000 + "1", "-" * 10_000 + "1", "not " * 10_000 + "True"):
+        assert python_calls(f"f(a={deep})") is None
+        text = f"```tool_code\nf(a={deep})\n```"
+        assert parse("gemma", text) == (text, [])
     assert python_calls("[f(a=1)][0]") is None and python_calls("[x] = [f(a=1)]") is None
 
 
