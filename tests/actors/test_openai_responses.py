@@ -205,3 +205,9 @@ def test_an_alternative_token_that_is_part_of_a_character_reports_its_own_bytes(
     writer = ChunkWriter("chat", "chatcmpl-1", "m", has_logprobs=True)
     (top,) = writer.choice("a", "stop", [entry])["logprobs"]["content"][0]["top_logprobs"]
     assert top == {"token": "bytes:\\xf0\\x9f", "logprob": -1.0, "bytes": [0xF0, 0x9F]}
+
+
+def test_a_chat_chunk_of_several_tokens_carries_each_tokens_logprob():
+    writer = ChunkWriter("chat", "chatcmpl-1", "m", has_logprobs=True)
+    (chunk,) = frames(writer.text("ab", [LogprobEntry("a", -0.5), LogprobEntry("b", -1.5)]))
+    assert [e["token"] for e in chunk["choices"][0]["logprobs"]["content"]] == ["a", "b"]

@@ -98,7 +98,9 @@ def test_a_call_the_reply_ended_inside_of_is_cut_short():
     assert calls == [("search", '{"q": "ml')] and cut == [0]
 
 
-@pytest.mark.parametrize("body", ["NaN", "5", "[1]", '"x"', '{"a": Infinity}', '{"a": 1e999}', '{"a": -NaN}'])
+@pytest.mark.parametrize(
+    "body", ["NaN", "5", "[1]", '"x"', '{"a": Infinity}', '{"a": 1e999}', '{"a": -NaN}', "[" * 100_000]
+)
 def test_a_call_whose_body_is_no_json_object_is_cut_short(body):
     """OpenAI's arguments are an object, and NaN, Infinity or a float past a float's range
     would reach the client as JSON that strict readers refuse."""
@@ -165,6 +167,8 @@ def test_a_reply_with_no_header_is_content_from_its_first_character(text):
 def test_a_header_cut_short_is_no_content_but_plain_text_is_kept():
     assert summary(parse("<|channel|>analy")) == ("", "", [], [])
     assert summary(parse("assum")) == ("", "assum", [], [])  # read as a role, then it was not
+    assert summary(parse("<|channel|>final<|message|>a <")) == ("", "a <", [], [])  # held as a marker
+    assert summary(parse("<|channel|>final<|message|>a <|x")) == ("", "a <|x", [], [])
     for held in ("assist", " to", "a"):  # a reply that ends while it may still be a header
         assert summary(parse(held)) == ("", held, [], []), held
 

@@ -72,6 +72,7 @@ CASES = [
         ),
     ),
     ("hermes", "No call, just <tool talk.", ("No call, just <tool talk.", [])),
+    ("hermes", "It ends in <tool_ca", ("It ends in <tool_ca", [])),  # held as a marker, then text
     (
         "hermes",  # cut short by max_tokens: the arguments so far
         'A <tool_call>\n{"name": "f", "arguments": {"a": "xy',
