@@ -38,6 +38,7 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "argumen
             {"role": "assistant", "content": None, "tool_calls": [{**CALL, "id": 1}]},
             "messages[0].tool_calls[0].id",
         ),
+        ("hi", "messages[0]"),
         # Arguments are JSON text on the wire, as OpenAI's: an object is no call's arguments.
         (
             {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "add", "arguments": {}}}]},
@@ -56,6 +57,10 @@ def test_no_messages_is_refused():
     with pytest.raises(RequestError) as raised:
         chat_messages([])
     assert raised.value.param == "messages"
+
+
+def test_content_of_no_parts_is_empty_text():
+    assert chat_messages([{"role": "user", "content": []}]) == ({"role": "user", "content": ""},)
 
 
 def test_messages_that_are_no_list_are_refused_as_a_whole():

@@ -712,6 +712,7 @@ def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(st
     assert taught[style] in first and json.dumps(TOOLS[0]["function"]) in first
     # The assistant's text, then its call in the model's own format: it parses back.
     assert chat[1]["content"].startswith("Let me check.\n")
+    assert "tool_calls" not in chat[1]  # the calls are its text now
     content, calls = parse(style, chat[1]["content"].removeprefix("Let me check.\n"))
     assert (content, calls) == ("", [("get_weather", '{"city": "Paris"}')])
 
