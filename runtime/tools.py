@@ -129,7 +129,8 @@ class _JsonCalls:
             is_call = self.name_seen
             if not self.name_seen:  # a call whose keys came in another order: reported whole
                 raw = body[start:whole]
-                whole_events = _whole_call(self.num_calls, json.loads(raw), raw)
+                # Strictly: re-written by json.dumps, NaN or 1e999 would go out as no JSON.
+                whole_events = _whole_call(self.num_calls, _decoded(raw), raw)
                 is_call = isinstance(whole_events[0], CallStart)  # else JSON left as text
                 events += whole_events
             self.num_calls += is_call  # indexes count calls only: 0, 1, ... as OpenAI's

@@ -235,6 +235,11 @@ CASES = [
     ("mistral", '[TOOL_CALLS]f[ARGS]{"a": NaN}', ('[TOOL_CALLS]f[ARGS]{"a": NaN}', [])),
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1e999}}]',
      ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1e999}}]', [])),
+    # ... as for a call whose keys come the other way round, which is re-written, not streamed:
+    # 1e999 went out as `Infinity`.
+    ("hermes", '<tool_call>{"arguments": {"a": 1e999}, "name": "f"}</tool_call>',
+     ('{"arguments": {"a": 1e999}, "name": "f"}', [])),
+    ("llama3_json", '{"parameters": {"a": NaN}, "name": "f"}', ('{"parameters": {"a": NaN}, "name": "f"}', [])),
     ("mistral", "a [TOOL_C", ("a [TOOL_C", [])),
     ("mistral", '[TOOL_CALLS]f[ARGS]{"a": "cut', ('[TOOL_CALLS]f[ARGS]{"a": "cut', [])),
     # A third call after a tagged second one: each call is found, the tag split anywhere.
