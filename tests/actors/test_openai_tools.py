@@ -328,6 +328,12 @@ def test_an_unknown_key_is_named_in_at_most_64_characters():
     assert caught.value.param == "response_format." + "k" * 64
 
 
+def test_a_tool_choice_naming_no_offered_tool_quotes_at_most_64_characters_of_it():
+    with pytest.raises(RequestError) as caught:
+        tool_request({"tools": [TOOL], "tool_choice": named("g" * 10_000)})
+    assert caught.value.param == "tool_choice" and len(str(caught.value)) < 200
+
+
 def test_openais_json_schema_keys_are_all_accepted():
     spec = {"name": "x", "description": "a hint", "schema": {"type": "integer"}, "strict": True}
     response_format = {"type": "json_schema", "json_schema": spec}

@@ -226,6 +226,12 @@ CASES = [
         '[TOOL_CALLS] [{"name": "f", "arguments": {"a": [1, "]"]}}, {"name": "g", "arguments": {}}]',
         ("", [("f", '{"a": [1, "]"]}'), ("g", "{}")]),
     ),
+    # Two calls whose arguments begin at the same place after their markers; a name in blanks.
+    (
+        "mistral",
+        '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{"b": 22}[TOOL_CALLS] h [ARGS]{}',
+        ("", [("f", '{"a": 1}'), ("g", '{"b": 22}'), ("h", "{}")]),
+    ),
     ("mistral", "[TOOL_CALLS]f[ARGS][1] then", ("[TOOL_CALLS]f[ARGS][1] then", [])),
     ("mistral", '[TOOL_CALLS][{"a": 1}]', ('[TOOL_CALLS][{"a": 1}]', [])),
     ("mistral", "[TOOL_CALLS]no arguments", ("[TOOL_CALLS]no arguments", [])),
