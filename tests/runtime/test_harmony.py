@@ -149,6 +149,10 @@ def test_a_stray_marker_opening_in_content_waits_only_as_long_as_a_marker_is():
     assert parser.feed("y" * 20) == [Content("<|" + "y" * 20)]
 
 
+def test_a_channel_named_after_a_blank_is_that_channel():
+    assert summary(parse("<|channel|> analysis<|message|>Hm.<|end|>")) == ("Hm.", "", [], [])
+
+
 def test_commentary_to_the_user_and_unknown_channels_are_content():
     text = (
         "<|channel|>commentary<|message|>Checking now.<|end|>"
