@@ -426,18 +426,23 @@ def python_calls(body: str) -> list[dict[str, object]] | None:
     try:
         tree = ast.parse(text if text.startswith("[") else f"[{','.join(text.splitlines())}]")
         (statement,) = tree.body
-        assert isinstance(statement, ast.Expr) and isinstance(statement.value, ast.List)
+        # Checks that raise, not asserts: `python -O` strips asserts, and every text
+        # that parses as Python would have been taken for calls.
+        if not (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.List)):
+            raise ValueError("no list of calls")
         calls: list[dict[str, object]] = []
         for node in statement.value.elts:
-            assert isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
+                raise ValueError("no call by keywords")
             # A `**` splat has no name (kw.arg None): dropped, its arguments were lost.
-            assert all(kw.arg is not None for kw in node.keywords)
+            if any(kw.arg is None for kw in node.keywords):
+                raise ValueError("a splat")
             arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
             json.dumps(arguments, allow_nan=False)  # a set, bytes, `...` or inf is no JSON
             calls.append({"name": node.func.id, "arguments": arguments})
     # MemoryError too: CPython's parser raises it for an expression nested past its
     # stack (`f(a=----...1)` with 10,000 signs), not RecursionError.
-    except (SyntaxError, ValueError, AssertionError, TypeError, RecursionError, MemoryError):
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         return None
     return calls or None
 

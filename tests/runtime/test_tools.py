@@ -4,6 +4,7 @@ implies; the chat a template sees; and the grammar that forces a call."""
 import json
 import random
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -523,6 +524,21 @@ def test_python_calls():
         text = f"```tool_code\nf(a={deep})\n```"
         assert parse("gemma", text) == (text, [])
     assert python_calls("[f(a=1)][0]") is None and python_calls("[x] = [f(a=1)]") is None
+
+
+def test_python_calls_refuses_what_is_no_call_with_asserts_stripped():
+    """Its checks were asserts: under `python -O`, `x + 1` raised AttributeError out of the
+    parser and `f(1)` or `g.h(a=1)` were taken for calls."""
+    probe = (
+        "from runtime.tools import python_calls; "
+        "print([python_calls(t) for t in ('x + 1', 'f(1)', 'g.h(a=1)', 'f(**{})', '1', 'f(a=2)')])"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-O", "-c", probe], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str([None] * 5 + [[{"name": "f", "arguments": {"a": 2}}]])
 
 
 def test_the_format_follows_the_template():
