@@ -946,3 +946,12 @@ def test_an_integer_or_bool_tensor_where_the_model_computes_in_floats_is_named(b
     mx.save_safetensors(str(broken / "model.safetensors"), weights)
     message = error_for(broken)
     assert f"tensor {name!r} has dtype {str(dtype).removeprefix('mlx.core.')}, expected floating-point" in message
+
+
+@pytest.mark.parametrize("method", ["mxfp4", "mxfp8"])
+def test_a_quantization_config_in_an_mlx_packing_is_read_as_its_quantization_not_foreign(method):
+    """gpt-oss as OpenAI released it: a weight that then does not fit is named as such,
+    not blamed on a packing cadence does load."""
+    config = config_from_dict(llama_config(quantization_config={"quant_method": method}))
+    assert config.quantization is not None and config.quantization.mode == method
+    assert config.foreign_quantization is None
