@@ -155,6 +155,17 @@ def test_misshapen_tensor_is_named(broken):
     assert "model.norm.weight" in message and "(3,)" in message
 
 
+def test_a_weight_misshapen_in_its_input_dimension_is_named(broken):
+    """mlx's update takes any shape: a projection whose in-features differ loaded and
+    failed only in the first forward pass."""
+    weights = mx.load(str(broken / "model.safetensors"))
+    out_features, in_features = weights["model.layers.0.self_attn.q_proj.weight"].shape
+    weights["model.layers.0.self_attn.q_proj.weight"] = mx.ones((out_features, in_features + 1))
+    mx.save_safetensors(str(broken / "model.safetensors"), weights)
+    message = error_for(broken)
+    assert "q_proj.weight" in message and f"({out_features}, {in_features + 1})" in message
+
+
 def test_truncated_safetensors_names_the_file(broken):
     file = broken / "model.safetensors"
     data = file.read_bytes()
