@@ -74,6 +74,24 @@ def test_pads_never_reach_attention_and_come_back_as_zeros():
     assert mx.all(out[3:] == 0).item()
 
 
+class _RecordingSharedView(_RecordingView):
+    def attend_shared(self, layer, q, k, v, scale, window=None):
+        self.seen.append((layer, q.shape[0], k.shape[0], v.shape[0], window))
+        return q * 3
+
+
+def test_pads_never_reach_a_kv_shared_layers_attention_and_come_back_as_zeros():
+    """Gemma 4's KV-shared layers attend through `attend_shared`: the same cut as `attend`."""
+    inner = _RecordingSharedView()
+    view = PaddedForward(inner, num_real=3, num_padded=8)
+    q = mx.ones((8, 2, 4))
+    out = view.attend_shared(2, q, q, q, 1.0, window=4)
+    assert inner.seen == [(2, 3, 3, 3, 4)]
+    assert out.shape == (8, 2, 4)
+    assert out[:3].tolist() == (q[:3] * 3).tolist()
+    assert mx.all(out[3:] == 0).item()
+
+
 @pytest.fixture(scope="module")
 def engine(make_checkpoint):
     return Engine(load_model(make_checkpoint("llama")), max_batch=8, max_context=256)
