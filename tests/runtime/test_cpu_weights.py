@@ -56,6 +56,13 @@ def test_layers_that_differ_are_not_stacked():
     q4, q8 = quantized_layer(64, 128), quantized_layer(64, 128, bits=8)
     assert cpu_weights.stack_rows([q4, q8]) is None  # another layout
     assert cpu_weights.stack_rows([q4, quantized_layer(64, 128, bias=True)]) is None
+    # Of one group size and bits but another mode: mxfp4's codes and exponents are no affine codes.
+    linear = nn.Linear(128, 64)
+    affine, mxfp4 = (
+        KernelQuantizedLinear.adopt(nn.QuantizedLinear.from_linear(linear, 32, 4, mode=mode))
+        for mode in ("affine", "mxfp4")
+    )
+    assert cpu_weights.stack_rows([mxfp4, affine]) is None
     assert cpu_weights.stack_rows([dense_layer(64, 128), q4]) is None
     plain = nn.Linear(128, 64)  # not adopted by the kernels: left as it is
     assert cpu_weights.stack_rows([plain, plain]) is None
