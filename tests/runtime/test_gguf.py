@@ -853,6 +853,15 @@ def test_an_eos_id_past_the_vocabulary_is_no_eos_and_grammars_still_compile(conv
     assert compiler.compile(GrammarSpec("regex", "[a-z]+", "guided_regex")) is not None
 
 
+@pytest.mark.parametrize("key", ["eot_token_id", "eom_token_id"])
+def test_the_end_of_turn_and_end_of_message_ids_a_gguf_names_stop_generation(convert, tmp_path, key):
+    """As llama.cpp stops at them: Llama 3.1's <|eom_id|> after a tool call among them."""
+    path, _ = convert("qwen2", GGMLType.F32)
+    named = rewritten(path, tmp_path / "named.gguf", metadata={f"tokenizer.ggml.{key}": (5, V.UINT32, V.UINT32)})
+    assert 5 in read_gguf(named).config["eos_token_id"]
+    assert 5 not in read_gguf(path).config["eos_token_id"]
+
+
 def test_a_vocabulary_longer_than_the_embedding_is_refused(convert, tmp_path):
     """llama.cpp refuses it too: the tokenizer would give ids the model has no row for."""
     path, _ = convert("qwen2", GGMLType.F32)
