@@ -614,6 +614,8 @@ V = gguf.GGUFValueType
             ([1, 1, 1], V.ARRAY, V.INT32),
             "token_type does not match the vocabulary",
         ),
+        # GGUF has a bool type: `true` is no count of 1
+        ("qwen2.attention.head_count", (True, V.BOOL, V.BOOL), "'qwen2.attention.head_count' should be int, got True"),
     ],
     ids=[
         "no heads",
@@ -632,6 +634,7 @@ V = gguf.GGUFValueType
         "pre-tokenizer as an array",
         "add_bos as text",
         "token types not one a token",
+        "head count as a boolean",
     ],
 )
 def test_bad_metadata_is_a_one_line_error(convert, tmp_path, key, value, expected):
