@@ -194,6 +194,11 @@ def test_shared_layers_read_the_last_storing_layer_of_their_kind():
          "rope_parameters.sliding_attention: unsupported rope_type 'proportional'"),
         ({"enable_moe_block": True, "num_experts": 2, "top_k_experts": 3, "moe_intermediate_size": 8},
          "top_k_experts (3) must be in 1..num_experts (2)"),
+        ({"attention_bias": True}, "gemma4 with attention_bias is not supported"),
+        ({"rope_parameters": {"full_attention": "proportional"}}, "rope_parameters.full_attention should be an object"),
+        # A share above 1 would rotate more pairs than a head has.
+        ({"rope_parameters": {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 1.5}}},
+         "rope_parameters.full_attention: rope_theta, partial_rotary_factor and factor must be positive"),
     ],
 )
 def test_gemma4_settings_it_cannot_run_are_one_line_errors(fields, message):
