@@ -865,6 +865,21 @@ def test_the_end_of_turn_and_end_of_message_ids_a_gguf_names_stop_generation(con
     assert 5 not in read_gguf(path).config["eos_token_id"]
 
 
+def test_gemma4_rope_freqs_of_another_length_than_half_a_full_head_are_refused(convert, tmp_path):
+    """Read as they come, fewer 1s than a head has pairs rotated a smaller share of it."""
+    path, _ = convert("gemma4_text", GGMLType.F32)
+    pairs = gguf.GGUFReader(path).fields["gemma4.attention.key_length"].contents() // 2
+    damaged = with_rope_freqs(path, np.ones(pairs - 2, dtype=np.float32), tmp_path / "short.gguf")
+    assert f"is not a run of 1s then 1e30s over {pairs} pairs" in one_line_error(damaged)
+
+
+def test_gemma4_kv_head_counts_not_one_a_layer_are_named(convert, tmp_path):
+    path, _ = convert("gemma4_text", GGMLType.F32)
+    key = "gemma4.attention.head_count_kv"
+    damaged = rewritten(path, tmp_path / "short.gguf", metadata={key: ([1], V.ARRAY, V.UINT32)})
+    assert f"'{key}' should be a positive count, or one per layer" in one_line_error(damaged)
+
+
 def test_a_vocabulary_longer_than_the_embedding_is_refused(convert, tmp_path):
     """llama.cpp refuses it too: the tokenizer would give ids the model has no row for."""
     path, _ = convert("qwen2", GGMLType.F32)
