@@ -880,6 +880,13 @@ def test_gemma4_kv_head_counts_not_one_a_layer_are_named(convert, tmp_path):
     assert f"'{key}' should be a positive count, or one per layer" in one_line_error(damaged)
 
 
+def test_a_rope_scaling_type_of_none_is_plain_rope(convert, tmp_path):
+    """llama.cpp's converters may write the type "none" where nothing is scaled."""
+    path, _ = convert("qwen2", GGMLType.F32)
+    plain = rewritten(path, tmp_path / "none.gguf", metadata={"qwen2.rope.scaling.type": ("none", V.STRING, V.STRING)})
+    assert read_gguf(plain).config["rope_scaling"] is None
+
+
 def test_a_vocabulary_longer_than_the_embedding_is_refused(convert, tmp_path):
     """llama.cpp refuses it too: the tokenizer would give ids the model has no row for."""
     path, _ = convert("qwen2", GGMLType.F32)
