@@ -977,6 +977,15 @@ def test_a_moe_file_without_its_unused_dense_size_loads(convert, tmp_path):
     assert mx.array_equal(load_model(bare).model(PROMPT), load_model(reference_dir).model(PROMPT))
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_an_expert_count_of_0_is_a_dense_model(convert, tmp_path, family):
+    """Some converters write the count as 0 for a dense model: no experts, as llama.cpp reads it."""
+    path, _ = convert(family, GGMLType.F32)
+    arch = gguf.GGUFReader(path).fields["general.architecture"].contents()
+    zero = rewritten(path, tmp_path / "zero.gguf", metadata={f"{arch}.expert_count": (0, V.UINT32, V.UINT32)})
+    assert read_gguf(zero).config["model_type"] == family
+
+
 def test_experts_counted_for_an_architecture_without_them_are_refused(convert, tmp_path):
     path, _ = convert("qwen2", GGMLType.F32)
     count = (4, V.UINT32, V.UINT32)
