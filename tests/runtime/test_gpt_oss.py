@@ -5,6 +5,7 @@ YaRN, on every attention path of the paged engine; and the three weight layouts
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from runtime.checkpoint import load_model
@@ -169,6 +170,19 @@ def test_an_experts_tensor_of_another_layout_is_named(tmp_path: Path):
     save_weights(source, weights)
     with pytest.raises(CheckpointError, match="'gate_up_proj' should be \\[E, in, out\\]"):
         load_model(source)
+
+
+@pytest.mark.parametrize("damage", ["float16", "3-D"])
+def test_mxfp4_blocks_of_another_dtype_or_rank_are_named(tmp_path: Path, damage):
+    """Viewed as packed words regardless, such blocks loaded as weights no one wrote."""
+    path = relayout(gpt_oss(tmp_path / "source"), tmp_path / "openai", float_experts=False)
+    weights = mx.load(str(path / "model.safetensors"))
+    name = "model.layers.0.mlp.experts.gate_up_proj_blocks"
+    blocks = weights[name]
+    weights[name] = blocks.astype(mx.float16) if damage == "float16" else blocks.reshape(*blocks.shape[:2], -1)
+    save_weights(path, weights)
+    with pytest.raises(CheckpointError, match=re.escape("'gate_up_proj_blocks' should be uint8 [E, out, groups, 16]")):
+        load_model(path)
 
 
 # gpt-oss-20b's config.json as OpenAI released it (the fields cadence reads).
