@@ -185,6 +185,16 @@ def test_mxfp4_blocks_of_another_dtype_or_rank_are_named(tmp_path: Path, damage)
         load_model(path)
 
 
+def test_an_experts_tensor_of_no_projection_is_named_not_split_over_gate_and_up(tmp_path: Path):
+    path = relayout(gpt_oss(tmp_path / "source"), tmp_path / "openai", float_experts=False)
+    weights = mx.load(str(path / "model.safetensors"))
+    stored = weights["model.layers.0.mlp.experts.gate_up_proj_bias"]
+    weights["model.layers.0.mlp.experts.zzz_bias"] = stored * 2
+    save_weights(path, weights)
+    with pytest.raises(CheckpointError, match="unexpected experts tensor 'zzz'"):
+        load_model(path)
+
+
 # gpt-oss-20b's config.json as OpenAI released it (the fields cadence reads).
 RELEASE_CONFIG = {
     "architectures": ["GptOssForCausalLM"],
