@@ -421,6 +421,8 @@ def test_llama3_rope_freqs_become_its_rope_scaling(convert, tmp_path):
         ("empty", np.zeros(0, np.float32)),
         ("zeros", factors * 0),
         ("infinite", factors_for(np.inf).astype(np.float32)),
+        # 2% off: another scaling, which run as Llama 3's would turn every token off a little
+        ("near", factors * np.float32(1.02)),
     ]:
         damaged = with_rope_freqs(path, values, tmp_path / f"{name}.gguf")
         assert "'rope_freqs.weight' is not Llama 3 RoPE scaling" in one_line_error(damaged)
