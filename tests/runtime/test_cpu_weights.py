@@ -263,8 +263,14 @@ def test_load_time_quantization_leaves_layers_whose_rows_do_not_fill_groups(make
             "weights: embedding 4-bit g64 (cadence kernel) x1, "
             "linear 4-bit g64 (cadence kernel) x9; other weights float32",
         ]),
+        # Stored quantized stays as stored whatever --cpu-quantize asks: no layer is
+        # quantized again and the log says nothing of quantizing.
+        (dict(dtype="bfloat16", quantize=(64, 4)), "8", [
+            "weights: embedding 4-bit g64 (cadence kernel) x1, "
+            "linear 4-bit g64 (cadence kernel) x9; other weights float32",
+        ]),
     ],
-    ids=["16-bit", "quantized at load", "expanded", "stored quantized"],
+    ids=["16-bit", "quantized at load", "expanded", "stored quantized", "stored quantized, 8 asked"],
 )
 def test_the_start_up_log_names_the_form_the_weights_take(
     make_checkpoint, stored, cpu_quantize, said
