@@ -179,3 +179,30 @@ async def test_each_finish_is_counted_under_its_own_reason(tiny):
             for reason in ("stop", "length")
         }
     assert finishes == {"stop": 1, "length": 1}
+
+
+def test_a_failure_and_an_abort_each_count_under_their_own_reason():
+    metrics = actors.metrics.Metrics("m")
+    metrics.on_failed()
+    metrics.on_aborted()
+    metrics.on_aborted()
+    counts = {
+        reason: metrics.registry.get_sample_value(
+            "cadence:request_success_total", {"model_name": "m", "finished_reason": reason}
+        )
+        for reason in ("error", "abort")
+    }
+    assert counts == {"error": 1, "abort": 2}
+
+
+def test_a_request_scheduled_again_after_a_preemption_observes_its_queue_time_once():
+    """Its first wait is the queue time; the bookkeeping of it is gone once observed."""
+    metrics = actors.metrics.Metrics("m")
+    metrics.on_queued("r", 1.0)
+    metrics.on_dequeued("r", 3.0, is_scheduled=True)
+    metrics.on_dequeued("r", 9.0, is_scheduled=True)  # rescheduled after a preemption
+    labels = {"model_name": "m"}
+    get = metrics.registry.get_sample_value
+    assert get("cadence:request_queue_time_seconds_count", labels) == 1
+    assert get("cadence:request_queue_time_seconds_sum", labels) == 2.0
+    assert metrics._queued_at == {}

@@ -244,12 +244,14 @@ def test_the_title_sums_the_tokens_computed_the_cached_tokens_and_the_preemption
 
     steps = (
         StepSample(1, 0.0, 500, 2, 96, 0, cached_tokens=32, preempted=0),
-        StepSample(2, 0.5, 250, 3, 40, 2, cached_tokens=0, preempted=1),
+        StepSample(2, 0.5, 250, 3, 40, 2, cached_tokens=16, preempted=2),
+        StepSample(3, 0.75, 250, 3, 0, 3, cached_tokens=0, preempted=0),
     )
     output = tmp_path / "timeline.svg"
     with matplotlib.rc_context({"svg.fonttype": "none"}):  # text as text, not paths
         draw(Timeline(steps), output)
-    title = "2 steps, 138 tokens computed, 32 prompt tokens from the prefix cache, 1 preemptions"
+    # Summed over the steps: a step's cached tokens and its preempted rows count each.
+    title = "3 steps, 141 tokens computed, 48 prompt tokens from the prefix cache, 2 preemptions"
     assert title in output.read_text()
 
 
