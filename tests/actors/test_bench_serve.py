@@ -469,13 +469,15 @@ def test_with_compare_the_servers_take_turns_to_go_first(tiny, monkeypatch, tmp_
 
 
 @contextlib.contextmanager
-def answering(body: bytes, headers_seen: list | None = None):
+def answering(body: bytes, headers_seen: list | None = None, paths_seen: list | None = None):
     """A loopback HTTP server that answers every GET and POST with `body`: its base URL."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             if headers_seen is not None:
                 headers_seen.append(dict(self.headers))
+            if paths_seen is not None:
+                paths_seen.append(self.path)
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -635,8 +637,9 @@ async def test_a_json_file_that_cannot_be_written_is_one_line_after_the_table(ti
         {"choices": [], "usage": 5},
         {"choices": [], "usage": {"prompt_tokens": "many"}},
         {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": -1}},
+        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": True}},
     ],
-    ids=["text-delta", "list", "string", "choices-text", "usage-int", "count-text", "negative"],
+    ids=["text-delta", "list", "string", "choices-text", "usage-int", "count-text", "negative", "bool"],
 )
 async def test_a_chunk_not_shaped_as_openais_is_a_counted_bad_chunk(chunk):
     """The loadgen promises errors counted, never raised: these were AttributeError and
@@ -772,3 +775,75 @@ async def test_a_body_refused_while_it_is_sent_reports_the_servers_answer(tiny):
             Target(url, "m"), Workload(1, clients=1), Request("x " * 2_000_000, 3, 7)
         )
     assert outcome.error is not None and outcome.error.startswith("HTTP 413"), outcome.error
+
+
+def test_the_medians_are_medians_not_means_and_an_even_count_averages_the_middle_two():
+    """The published figure is each server's median tok/s and the median of the ratios:
+    one slow round must not pull it, and two rounds split the difference."""
+    ours = [result("1 client", 30), result("1 client", 33), result("1 client", 90)]
+    (load,) = bench_serve.run_medians({"server": by_round(ours, loads=1)})
+    assert load.tok_s == {"server": (33, 30, 90)}  # the mean is 51
+    ours, peer = [result("1 client", 20), result("1 client", 30)], [result("1 client", 10)] * 2
+    (load,) = bench_serve.run_medians({"a": by_round(ours, 1), "b": by_round(peer, 1)})
+    assert load.ratios == (2.0, 3.0) and load.median_ratio == 2.5
+
+
+def test_the_latency_columns_print_seconds_and_milliseconds():
+    assert (bench_serve._seconds(1.5), bench_serve._seconds(None)) == ("1.50 s", "-")
+    assert (bench_serve._ms(0.034), bench_serve._ms(None)) == ("34 ms", "-")
+
+
+def test_every_rate_round_draws_fresh_prompts():
+    """A rate run repeated with the same seed sent the same prompts each round: a prefix
+    cache carried over, and later rounds measured cache hits."""
+    args = argparse.Namespace(
+        rate=2.0, clients=[1], requests=None, seed=0, prompt_tokens=Span(20, 20),
+        max_tokens=Span(4, 4), shared_prefix=0.0, endpoint="chat", ignore_eos=True, timeout=9.0,
+    )  # fmt: skip
+    first, second = (
+        {r.prompt for w in bench_serve.workloads(args, i) for r in build_requests(w, None)}
+        for i in range(2)
+    )
+    assert len(first) == 32 and not first & second  # 32: the documented default
+
+
+@pytest.mark.parametrize("suffix", ["", "/", "/v1", "/v1/"])
+async def test_a_url_with_or_without_v1_posts_to_v1_chat_completions(suffix):
+    paths: list = []
+    usage = {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
+    with answering(sse_body(usage), paths_seen=paths) as url:
+        outcome = await loadgen.stream_request(
+            Target(url + suffix, "m"), Workload(1, clients=1), Request("hi", 3, 7)
+        )
+    assert outcome.error is None and paths == ["/v1/chat/completions"]
+
+
+async def test_sse_data_without_a_space_after_the_colon_is_read():
+    """SSE allows `data:{...}`; the space after the colon is optional."""
+    body = b'data:{"choices": [{"delta": {"content": "a"}}]}\n\ndata:[DONE]\n\n'
+    with answering(body) as url:
+        outcome = await loadgen.stream_request(
+            Target(url, "m"), Workload(1, clients=1), Request("hi", 3, 7)
+        )
+    assert outcome.error is None and len(outcome.stamps) == 1
+
+
+async def test_an_error_event_mid_stream_is_counted_with_its_message():
+    body = sse_body(
+        {"choices": [{"delta": {"content": "a"}}]}, {"error": {"message": "out of memory"}}
+    )
+    with answering(body) as url:
+        outcome = await loadgen.stream_request(
+            Target(url, "m"), Workload(1, clients=1), Request("hi", 3, 7)
+        )
+    assert outcome.error == "out of memory"
+
+
+def test_the_gemm_rate_is_two_flops_a_multiply_add_at_the_best_timed_call(tiny, monkeypatch):
+    """The floor's rate: the fastest of the timed calls (not the warm-up's, not the
+    last), and 2 x M x K x N FLOPs for it."""
+    ticks = iter([0.0, 9.0, 10.0, 14.0, 20.0, 22.0, 30.0, 33.0])  # 9 (warm-up), 4, 2, 3
+    monkeypatch.setattr(bench_model.time, "perf_counter", lambda: next(ticks))
+    floor = measure_floor(tiny, tokens=8, repeats=3)
+    m, k, n = floor.gemm_shape
+    assert floor.gemm_flops == 2.0 * m * k * n / 2.0
