@@ -286,11 +286,18 @@ class _Stream:
         for choice in _shaped(chunk.get("choices") or [], list, "choices"):
             choice = _shaped(choice, dict, "choice")
             if endpoint == "chat":
-                text = _shaped(choice.get("delta") or {}, dict, "delta").get("content")
+                delta = _shaped(choice.get("delta") or {}, dict, "delta")
+                # Reasoning and tool-call deltas are output too: stamped by content
+                # alone, a reasoning model's first token was the end of its thinking.
+                text = any(delta.get(key) for key in _CHAT_OUTPUT_KEYS)
             else:
                 text = choice.get("text")
             if text:
                 self.stamps.append(time.perf_counter())
+
+
+# What a chat delta carries of the reply: text, reasoning (vLLM's and cadence's two names), calls.
+_CHAT_OUTPUT_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")
 
 
 def _shaped(value: Any, kind: type, name: str) -> Any:

@@ -313,6 +313,21 @@ def test_only_chunks_that_carry_text_are_stamped():
     assert len(text.stamps) == 1
 
 
+def test_reasoning_and_tool_call_deltas_are_output_tokens_too():
+    """Stamped by `content` alone, a reasoning model's TTFT was the end of its thinking."""
+    stream = _Stream(start=0.0)
+    deltas = [
+        {"reasoning_content": "Let"},
+        {"reasoning": " me"},
+        {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]},
+        {"content": "ok"},
+        {"reasoning_content": "", "content": None, "tool_calls": []},  # carries nothing
+    ]
+    for delta in deltas:
+        stream.on_event(json.dumps({"choices": [{"delta": delta}]}).encode(), "chat")
+    assert len(stream.stamps) == 4
+
+
 async def test_rounds_repeat_every_run_on_fresh_prompts_and_print_the_medians(
     tiny, tmp_path, capsys
 ):
