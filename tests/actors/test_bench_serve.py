@@ -407,6 +407,28 @@ def test_a_run_that_beats_its_floor_is_flagged_under_the_table(capsys):
         assert ("a run beat its floor" in capsys.readouterr().out) is is_flagged
 
 
+def test_each_rounds_rows_print_that_rounds_figures(capsys):
+    """Round by round, each server's row and the ratio row are that round's own."""
+    parser = argparse.ArgumentParser()
+    bench_serve.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--url", "http://127.0.0.1:9", "--clients", "4", "--rounds", "2"])
+    results = {
+        "cadence": [[result("4 clients", 100.0)], [result("4 clients", 140.0)]],
+        "peer": [[result("4 clients", 50.0)], [result("4 clients", 40.0)]],
+    }
+    bench_serve._print(args, None, None, results)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 4 clients, round")]
+    cells = [[cell.strip() for cell in row.split("|")[1:4]] for row in rows]
+    assert cells == [
+        ["4 clients, round 1", "cadence", "100.0"],
+        ["4 clients, round 1", "peer", "50.0"],
+        ["4 clients, round 1", "cadence / peer", "2.00x"],
+        ["4 clients, round 2", "cadence", "140.0"],
+        ["4 clients, round 2", "peer", "40.0"],
+        ["4 clients, round 2", "cadence / peer", "3.50x"],
+    ]
+
+
 def test_the_warm_up_is_the_largest_load_on_prompts_no_measured_run_sends(tiny):
     """mlx's CUDA backend compiles a kernel the first time it meets a batch shape: one
     4-token request left a 64-client run a 30 s stall mid-stream (an H200)."""
