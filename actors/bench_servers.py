@@ -110,7 +110,8 @@ def _wait(server: subprocess.Popen[str], lines: deque[str], reader: threading.Th
 def _ready_event(lines: deque[str]) -> dict | None:
     for line in list(lines):
         with contextlib.suppress(ValueError):
-            if (event := json.loads(line)).get("event") == "ready":
+            # Any JSON may reach stderr (a warning printed as a bare list or number).
+            if isinstance(event := json.loads(line), dict) and event.get("event") == "ready":
                 return event
     return None
 

@@ -566,7 +566,7 @@ def test_the_model_list_is_asked_for_with_the_api_key_when_there_is_one():
 
 
 def test_cadence_is_ready_at_its_ready_event_not_at_an_earlier_one():
-    lines = deque(["not json\n", '{"event": "loading", "model": "m"}\n'])
+    lines = deque(["not json\n", "[1, 2]\n", "7\n", '{"event": "loading", "model": "m"}\n'])
     assert bench_servers._ready_event(lines) is None
     lines.append('{"event": "ready", "url": "http://127.0.0.1:9", "model": "m"}\n')
     assert bench_servers._ready_event(lines) == {
