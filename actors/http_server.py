@@ -183,7 +183,8 @@ class _CloseAfterEarlyResponse:
     arrives: unshielded, that cancellation lands inside Hypercorn's close, the socket
     stays open, and the client's next request on it waits forever. The same race made
     a client's own `Connection: close` leave the socket open. Once `stopping` is set
-    (shutdown began), every response says `Connection: close`.
+    (shutdown began), and for a request framed by both Transfer-Encoding and
+    Content-Length, the response says `Connection: close` too.
     """
 
     def __init__(self, app: Any, stopping: trio.Event):
@@ -194,6 +195,10 @@ class _CloseAfterEarlyResponse:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         is_body_read = not _has_body(scope["headers"])
+        # Framed by chunks and a length at once: h11 reads the chunks, but a proxy in
+        # front may have gone by the length and sent what follows as another request,
+        # so the connection closes after the answer (RFC 9112, 6.1: a MUST).
+        is_ambiguous = _is_framed_twice(scope["headers"])
 
         async def tracked_receive() -> Any:
             nonlocal is_body_read
@@ -206,7 +211,7 @@ class _CloseAfterEarlyResponse:
             # Once shutdown began the server closes the connection after this answer:
             # it says so (RFC 9112, 9.6), or a pooled client sends its next request
             # down a closed connection and gets a connection error, not the 503.
-            is_last = not is_body_read or self.stopping.is_set()
+            is_last = not is_body_read or is_ambiguous or self.stopping.is_set()
             if message["type"] == "http.response.start" and is_last:
                 headers = [*message.get("headers", ()), (b"connection", b"close")]
                 message = {**message, "headers": headers}
@@ -231,6 +236,11 @@ def _has_body(headers: Sequence[tuple[bytes, bytes]]) -> bool:
         if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
             return True
     return False
+
+
+def _is_framed_twice(headers: Sequence[tuple[bytes, bytes]]) -> bool:
+    names = {name.lower() for name, _ in headers}
+    return b"transfer-encoding" in names and b"content-length" in names
 
 
 class _InFlight:

@@ -184,6 +184,24 @@ async def test_a_clients_connection_close_is_honoured_after_a_whole_post():
     assert status.startswith("HTTP/1.1 503") and is_closed
 
 
+async def test_a_body_framed_by_both_chunks_and_a_length_closes_the_connection():
+    """RFC 9112, 6.1: the server must close after answering such a request, or a proxy
+    that framed it by its Content-Length has the rest of it read as a request of ours."""
+    body = b'{"model": "m", "prompt": "hi"}'
+    chunked = f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+    head = post_head("/v1/completions", len(body), "Transfer-Encoding: chunked")
+    async with loading_server() as port:
+
+        def exchange():
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(head + chunked + b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+                status, headers = read_response(sock)
+                return status, headers.get("connection"), is_closed_by_server(sock)
+
+        status, connection, is_closed = await in_thread(exchange)
+    assert status.startswith("HTTP/1.1 503") and connection == "close" and is_closed
+
+
 async def test_keep_alive_still_serves_several_requests_on_one_connection():
     body = b'{"model": "m", "prompt": "hi"}'
     async with loading_server() as port:
