@@ -264,6 +264,12 @@ class _InFlight:
         self._is_refusing = False  # refusing since the count last fell below the cap
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "websocket":
+            # No route speaks it: Quart sent a handshake to the HTTP error handlers,
+            # which need a request context, so it got a bodiless 500 and a traceback.
+            message = "this server has no WebSocket endpoints; send HTTP requests"
+            error = ApiError(400, message, code="websocket_not_supported")
+            return await self._answer(scope, send, error, "websocket.http.response")
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if self._is_full() and not _is_probe(scope):
@@ -289,20 +295,25 @@ class _InFlight:
         if not self._is_refusing:  # once as the cap is reached, not once per refusal
             self._is_refusing = True
             log.warning("http_requests_at_limit", max_requests=self.max_requests)
-        # Refused before the app: its x-request-id and its log line are made here, as
-        # the app makes them for every answer of its own.
-        echoed, request_id = request_ids(_header(scope, b"x-request-id"))
         error = ApiError(
             503,
             f"the server has {self.max_requests} HTTP requests in flight, its limit; retry shortly",
             code="overloaded",
+            headers=(("retry-after", "1"),),
         )
+        await self._answer(scope, send, error, "http.response")
+
+    async def _answer(self, scope: Any, send: Any, error: ApiError, kind: str) -> None:
+        """`error` as an answer sent before the app, `kind` the ASGI messages' prefix."""
+        # Refused before the app: its x-request-id and its log line are made here, as
+        # the app makes them for every answer of its own.
+        echoed, request_id = request_ids(_header(scope, b"x-request-id"))
         # The fields every other refusal's line has (http_app._refused).
         log.info(
             "rejected",
             request_id=request_id,
-            status=503,
-            code="overloaded",
+            status=error.status,
+            code=error.code,
             param=None,
             error=error.message,
         )
@@ -310,14 +321,14 @@ class _InFlight:
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
-            (b"retry-after", b"1"),
+            *((k.encode(), v.encode("latin-1")) for k, v in error.headers),
             (b"x-request-id", echoed.encode()),
             (b"connection", b"close"),  # the body was not read: it must not be parsed next
         ]
         allowed = self.cors.response_headers(_header(scope, b"origin"))
         headers += [(k.lower().encode(), v.encode("latin-1")) for k, v in allowed.items()]
-        await send({"type": "http.response.start", "status": 503, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await send({"type": f"{kind}.start", "status": error.status, "headers": headers})
+        await send({"type": f"{kind}.body", "body": body})
 
 
 # Cheap and bodiless: a load balancer's and Prometheus' view of a busy server.

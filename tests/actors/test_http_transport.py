@@ -202,6 +202,42 @@ async def test_a_body_framed_by_both_chunks_and_a_length_closes_the_connection()
     assert status.startswith("HTTP/1.1 503") and connection == "close" and is_closed
 
 
+@pytest.mark.parametrize("path", ["/health", "/v1/completions", "/nope"])
+async def test_a_websocket_handshake_gets_an_openai_error_and_the_server_keeps_serving(path):
+    """No route speaks WebSocket. A handshake reached the app's error handler outside
+    any request context: a 500 with no body and a traceback in the log, every time."""
+    upgrade = [
+        f"GET {path} HTTP/1.1",
+        "Host: t",
+        "Upgrade: websocket",
+        "Connection: Upgrade",
+        "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==",
+        "Sec-WebSocket-Version: 13",
+    ]
+    async with loading_server() as port:
+
+        def exchange():
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(("\r\n".join(upgrade) + "\r\n\r\n").encode())
+                sock.settimeout(5)
+                answer = b""
+                while chunk := sock.recv(65536):  # the server closes after it
+                    answer += chunk
+                head, _, body = answer.partition(b"\r\n\r\n")
+                return head.decode(), json.loads(body)
+
+        def health():
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            connection.request("GET", "/health")
+            return connection.getresponse().status
+
+        head, body = await in_thread(exchange)
+        health_status = await in_thread(health)
+    assert head.startswith("HTTP/1.1 400") and "x-request-id: " in head
+    assert body["error"]["code"] == "websocket_not_supported"
+    assert health_status == 503  # still loading, and still answering
+
+
 async def test_keep_alive_still_serves_several_requests_on_one_connection():
     body = b'{"model": "m", "prompt": "hi"}'
     async with loading_server() as port:
