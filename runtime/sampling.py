@@ -127,9 +127,23 @@ def _logprobs(
     if k == 0:
         empty = mx.zeros((len(params), 0))
         return Logprobs(token, empty.astype(mx.int32), empty)
-    top_ids = mx.argpartition(logits, -k, axis=-1)[:, -k:]  # [B, K], unordered
+    # Tokens tied with the K-th are taken lowest id first, and ties listed by id: cut by
+    # argpartition, which of them made a row's list (every token a mask excluded sits at
+    # -inf; half-precision logits tie often) and their order changed with K, the most
+    # any row asks, so with a neighbour's top_logprobs. Now a row's top N is the first N
+    # of any longer list.
+    kth = mx.partition(logits, -k, axis=-1)[:, -k][:, None]  # [B, 1]: the K-th largest
+    above, tied = logits > kth, logits == kth
+    needed = k - mx.sum(above, axis=-1, keepdims=True)
+    is_top = above | (tied & (mx.cumsum(tied, axis=-1) <= needed))  # K a row
+    top_ids = mx.argpartition(mx.logical_not(is_top).astype(mx.int32), k - 1, axis=-1)[:, :k]
+    top_ids = mx.sort(top_ids, axis=-1)  # [B, K], by id
     top = mx.take_along_axis(logits, top_ids, axis=-1) - log_total
-    order = mx.argsort(-top, axis=-1)
+    # Ranked by logprob, then by id (unique ranks: no sort's order among ties is relied on).
+    mine, other = top[:, :, None], top[:, None, :]
+    is_lower_id = mx.arange(k)[None, :] < mx.arange(k)[:, None]  # [K, K]: other's id < mine
+    rank = mx.sum((other > mine) | ((other == mine) & is_lower_id), axis=-1)  # [B, K]
+    order = mx.argsort(rank, axis=-1)
     top_ids = mx.take_along_axis(top_ids, order, axis=-1).astype(mx.int32)
     return Logprobs(token, top_ids, mx.take_along_axis(top, order, axis=-1))
 

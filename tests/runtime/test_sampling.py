@@ -445,3 +445,28 @@ def test_a_split_steps_parts_join_with_each_rows_alternatives_whatever_k_each_pa
     assert top_ids.shape == (4, 5)
     assert top_ids[:2].tolist() == np.arange(10).reshape(2, 5).tolist()
     assert top_ids[2, :2].tolist() == [0, 1] and top[2, :2].tolist() == [0.0, -1.0]
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["tied", "masked"])
+def test_a_rows_alternatives_among_ties_are_its_own_whatever_its_neighbour_asks(masked):
+    """The top K was cut by argpartition with K the most any row asked: which of tied
+    tokens (every token a mask excluded, at -inf; equal half-precision logits) made a
+    row's list, and their order, changed with its neighbour's top_logprobs. Ties now go
+    lowest id first, so a row's top N is the first N of any longer list."""
+    logits = np.full((2, 50), 1.0, dtype=np.float32)
+    logits[:, 7] = 3.0
+    logits[:, 30] = 2.0
+    mine = (
+        SamplingParams(temperature=1.0, seed=1, top_k=2, logprobs=4)
+        if masked
+        else SamplingParams(logprobs=4)
+    )
+    alone = sample(mx.array(logits[:1]), [RowSampler.create(mine, [], 50)])
+    beside = sample(
+        mx.array(logits),
+        [RowSampler.create(mine, [], 50), RowSampler.create(SamplingParams(logprobs=20), [], 50)],
+    )
+    want = [7, 30, 0, 1]
+    assert np.array(alone.logprobs.top_ids)[0].tolist() == want
+    assert np.array(beside.logprobs.top_ids)[0, :4].tolist() == want
+    np.testing.assert_array_equal(np.array(beside.logprobs.top)[0, :4], np.array(alone.logprobs.top)[0])
