@@ -15,6 +15,7 @@ import json
 import logging
 import socket
 import time
+from types import SimpleNamespace
 
 from runtime.errors import CadenceError
 
@@ -27,7 +28,7 @@ import trio
 import trio.testing
 from structlog.testing import capture_logs
 
-from actors import http_server
+from actors import http_access, http_server
 from actors.cors import CorsPolicy, parse_origins
 from actors.http_access import LOOPBACK_HOSTS
 from actors.http_app import ServerState, create_app
@@ -361,6 +362,48 @@ def test_origins_match_in_any_case_and_a_star_allows_every_origin():
     star = CorsPolicy(parse_origins(["*"]))
     headers = star.response_headers("https://any.example")
     assert headers["Access-Control-Allow-Origin"] == "https://any.example"
+
+
+def test_a_preflight_asking_for_our_own_headers_gets_each_named_once():
+    policy = CorsPolicy(parse_origins(["https://app.example"]))
+    asked = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    headers = policy.preflight_headers(
+        {**asked, "Access-Control-Request-Headers": "authorization, X-Request-Id, x-stainless-os"}
+    )
+    assert headers is not None
+    allowed = headers["Access-Control-Allow-Headers"]
+    assert allowed == "Authorization, Content-Type, X-Request-Id, x-stainless-os"
+
+
+def test_every_api_key_is_accepted_under_a_bearer_scheme_in_any_case():
+    keys = (b"first", b"second")
+
+    def sent(authorization):
+        return http_access.is_authorized(SimpleNamespace(headers={"Authorization": authorization}), keys)
+
+    assert sent("Bearer first") and sent("Bearer second") and sent("bearer second ")
+    assert not sent("Bearer third") and not sent("Basic second") and not sent("second")
+
+
+def test_loopback_is_known_however_it_is_spelled_and_nothing_else_is():
+    # "::1" unbracketed is what `--host ::1` gives: read as a name with a port, the server
+    # on it lost its Host check (and warned it was open without a key).
+    for host in ("::1", "[::1]", "::ffff:127.0.0.1", "127.0.0.2", "LOCALHOST", "localhost."):
+        assert http_access.is_loopback(host), host
+    for host in ("0.0.0.0", "::", "::ffff:10.0.0.1", "10.0.0.1", "app.example", "localhost.example"):
+        assert not http_access.is_loopback(host), host
+    assert http_access.hostname("::1") == "::1"
+    assert http_access.hostname("[::1]:8000") == "::1"
+    assert http_access.hostname("LocalHost.:80") == "localhost"
+
+
+def test_a_client_request_id_is_echoed_only_when_well_formed_and_short():
+    longest = "a" * 64
+    echoed, internal = http_access.request_ids(longest)
+    assert echoed == longest and internal.startswith(f"{longest}-")
+    for bad in ("a" * 65, "", "has space", "new\nline", "é"):
+        echoed, internal = http_access.request_ids(bad)
+        assert echoed == internal and len(echoed) == 32  # a fresh uuid4().hex
 
 
 @pytest.mark.parametrize("coding", ["gzip", "br, gzip"])
