@@ -22,6 +22,7 @@ from runtime.errors import CadenceError
 import h2.config
 import h2.connection
 import h2.events
+import h2.settings
 import openai
 import pytest
 import trio
@@ -137,6 +138,22 @@ async def test_a_chunked_body_cut_off_at_the_limit_closes_the_connection():
 
         status, headers, is_closed = await in_thread(exchange)
     assert status.split()[1] == "413" and headers.get("connection") == "close" and is_closed
+
+
+@pytest.mark.parametrize(("size", "is_too_big"), [(LIMIT, False), (LIMIT + 1, True)])
+async def test_a_chunked_body_is_taken_up_to_the_limit_and_no_byte_past_it(size, is_too_big):
+    async with loading_server() as port:
+
+        def exchange():
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                head = post_head("/v1/completions", 0).replace(
+                    b"Content-Length: 0", b"Transfer-Encoding: chunked"
+                )
+                sock.sendall(head + b"%x\r\n%s\r\n0\r\n\r\n" % (size, b"x" * size))
+                return read_response(sock)[0]
+
+        status = await in_thread(exchange)
+    assert (status.split()[1] == "413") is is_too_big, status
 
 
 async def test_the_openai_clients_next_request_after_a_413_is_answered():
@@ -528,6 +545,41 @@ async def test_an_http2_client_is_refused_and_the_server_keeps_serving():
 
 
 H2_ENDS = (h2.events.StreamEnded, h2.events.StreamReset, h2.events.ConnectionTerminated)
+
+
+async def test_an_h2c_upgrade_is_answered_and_allows_no_further_streams():
+    """The upgrading request (bodiless, so nothing can follow its answer) gets its answer
+    over HTTP/2; the settings then allow the client no stream of its own, whose body
+    could arrive after an early answer."""
+    async with loading_server() as port:
+
+        def upgrade():
+            client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+            settings = client.initiate_upgrade_connection().decode()
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(
+                    b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+                    + f"Upgrade: h2c\r\nHTTP2-Settings: {settings}\r\n\r\n".encode()
+                )
+                received = b""
+                while b"\r\n\r\n" not in received:
+                    received += sock.recv(65536)
+                switching, _, rest = received.partition(b"\r\n\r\n")
+                events = client.receive_data(rest) if rest else []
+                while not any(isinstance(e, H2_ENDS) for e in events):
+                    if not (data := sock.recv(65536)):
+                        break
+                    events += client.receive_data(data)
+                    sock.sendall(client.data_to_send())
+            return switching.decode(), events
+
+        switching, events = await in_thread(upgrade)
+    assert switching.startswith("HTTP/1.1 101")
+    answers = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+    assert [dict(a.headers)[b":status"] for a in answers] == [b"503"]  # loading
+    server_settings = next(e for e in events if isinstance(e, h2.events.RemoteSettingsChanged))
+    max_streams = h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS
+    assert server_settings.changed_settings[max_streams].new_value == 0
 
 
 async def test_a_connection_that_sends_only_the_http2_preface_is_closed_at_once():
@@ -1090,3 +1142,13 @@ async def test_at_the_cap_a_probe_or_preflight_with_a_body_is_refused_too():
         (status, _, body, is_closed), (preflight, headers) = await in_thread(exchange)
     assert status == 503 and body["error"]["code"] == "overloaded" and is_closed
     assert preflight.split()[1] == "503" and headers["retry-after"] == "1"
+
+
+def test_only_bodiless_gets_of_the_probe_paths_and_preflights_count_as_probes():
+    def probe(method, path, *headers):
+        return http_server._is_probe({"method": method, "path": path, "headers": list(headers)})
+
+    assert probe("GET", "/health") and probe("HEAD", "/metrics") and probe("OPTIONS", "/v1/models")
+    assert not probe("POST", "/health") and not probe("DELETE", "/metrics")
+    assert not probe("GET", "/v1/models") and not probe("GET", "/health", (b"content-length", b"5"))
+    assert probe("GET", "/health", (b"content-length", b"0"))
