@@ -63,7 +63,9 @@ async def serve_http(
     stopping = trio.Event()
     tracked = _InFlight(_CloseAfterEarlyResponse(app, stopping), max_requests, cors)
     config = _Config(send_timeout)
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    # Bracketed always, which Hypercorn strips: bare, a host named "unix" read as
+    # "unix:PATH", a UNIX socket named after the port in the working directory.
+    config.bind = [f"[{host}]:{port}"]
     config.graceful_timeout = graceful_timeout
     config.accesslog = None
     config.errorlog = logging.getLogger("cadence.hypercorn")  # silent unless the app configures it

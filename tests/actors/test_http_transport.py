@@ -989,6 +989,20 @@ async def test_a_body_arriving_at_the_rate_is_read_past_the_grace():
     assert status.split()[1] == "503"  # read whole and parsed: the model is loading
 
 
+async def test_a_host_named_unix_is_a_host_not_a_unix_socket(tmp_path, monkeypatch):
+    """Hypercorn reads a bind of "unix:PATH" as a UNIX socket: `--host unix --port 8000`
+    left a socket file named 8000 in the working directory, then failed on it."""
+    monkeypatch.chdir(tmp_path)
+    app = create_app(ServerState(), max_body_bytes=LIMIT)
+    with pytest.raises(BaseException) as raised:  # no machine "unix" here: it does not resolve
+        await http_server.serve_http(app, "unix", 8000, shutdown_trigger=trio.sleep_forever)
+    error = raised.value
+    while isinstance(error, BaseExceptionGroup):  # the server's nursery groups it
+        (error,) = error.exceptions
+    assert isinstance(error, socket.gaierror), error
+    assert list(tmp_path.iterdir()) == []
+
+
 async def test_the_server_listens_on_the_host_and_port_it_is_given():
     """--host and --port: the server is reached there (and an IPv6 host gets brackets)."""
     hosts = ["127.0.0.1"]
