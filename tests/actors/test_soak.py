@@ -1,12 +1,15 @@
 """The soak (`cadence bench soak`), short: rude and faulty clients, then zero leaks."""
 
 import contextlib
+import json
 import os
 import random
+from types import SimpleNamespace
 
 from runtime.kv.blocks import BlockPool
 
 import attrs
+import h11
 import pytest
 
 from actors import soak
@@ -133,3 +136,66 @@ def test_the_fault_hook_is_armed_inside_and_restored_after(monkeypatch, before):
     with soak._fault_hook():
         assert os.environ["CADENCE_FAULT_TOKEN"] == f"{soak.FAULT_TOKEN}:{soak.FAULT_AT}"
     assert os.environ.get("CADENCE_FAULT_TOKEN") == before
+
+
+def test_a_finished_stream_is_judged_by_its_text():
+    done = soak._Outcome("text", is_done=True, error=None)
+    assert soak._verdict("healthy", done, "text") == "same_text"
+    assert soak._verdict("healthy", done, "other") == "other_text"
+    assert soak._verdict("mid_stream", attrs.evolve(done, is_done=False), "text") == "hung_up"
+    assert soak._verdict("fault", attrs.evolve(done, error="HTTP 500"), "text") == "error"
+
+
+def test_half_the_prompts_share_a_prefix_for_the_prefix_cache():
+    prompts = soak._prompts(random.Random(0), 1000)
+    shared = prompts[1][:48]
+    assert all(p[:48] == shared for p in prompts[1::2])
+    assert not any(p[:48] == shared for p in prompts[::2])
+
+
+async def test_a_single_leaked_row_or_task_is_a_problem():
+    async def engine_stats():
+        return SimpleNamespace(num_open=1, num_pending=0, num_used_blocks=0)
+
+    llm = SimpleNamespace(num_active=0, num_waiting=0, engine_stats=engine_stats)
+    report = soak.SoakReport()
+    await soak._check_leaks(llm, soak._num_tasks() - 1, report)
+    assert report.problems == [
+        "1 engine rows open after the soak",
+        "1 more trio tasks than after warm-up",
+    ]
+
+
+class _Replies:
+    """A stream that hands over `data` in one piece, then the end of the connection."""
+
+    def __init__(self, data):
+        self.data = [data]
+
+    async def receive_some(self, max_bytes):
+        return self.data.pop() if self.data else b""
+
+
+def sse_response(status, *texts):
+    frames = b"".join(
+        b"data: %s\n\n" % json.dumps({"choices": [{"text": t}]}).encode() for t in texts
+    )
+    body = frames + b"data: [DONE]\n\n"
+    head = b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n\r\n" % (status, len(body))
+    return head + body
+
+
+async def read_events(response, kind, hang_up_after=0):
+    connection = h11.Connection(h11.CLIENT)
+    connection.send(h11.Request(method="POST", target="/", headers=[("Host", "t")]))
+    connection.send(h11.EndOfMessage())
+    return await soak._read_events(_Replies(response), connection, kind, hang_up_after)
+
+
+async def test_a_client_hangs_up_after_its_chunk_and_any_non_200_is_an_error():
+    whole = await read_events(sse_response(200, "a", "b", "c"), "healthy")
+    assert (whole.text, whole.is_done, whole.error) == ("abc", True, None)
+    cut = await read_events(sse_response(200, "a", "b", "c"), "mid_stream", 2)
+    assert (cut.text, cut.is_done, cut.error) == ("ab", False, None)
+    refused = await read_events(sse_response(400), "healthy")
+    assert refused.error == "HTTP 400"
