@@ -12,6 +12,7 @@ import socket
 import struct
 import sys
 import threading
+import types
 from collections import deque
 from pathlib import Path
 
@@ -582,6 +583,15 @@ def test_a_server_that_exits_before_it_is_ready_ends_the_bench_with_its_last_lin
     with pytest.raises(SystemExit) as exited, bench_servers._running("x", command) as running:
         bench_servers._wait(*running, ready=lambda: None)
     assert str(exited.value) == "the server exited with 1:\nloading\nno such checkpoint\n"
+
+
+def test_an_exited_servers_last_lines_still_in_the_pipe_are_waited_for():
+    lines: deque[str] = deque()
+    slow_reader = threading.Timer(0.3, lines.append, ["the last words\n"])
+    slow_reader.start()
+    exited = types.SimpleNamespace(poll=lambda: 1, returncode=1)
+    with pytest.raises(SystemExit, match="the last words"):
+        bench_servers._wait(exited, lines, slow_reader, ready=lambda: None)
 
 
 def sse_body(*events):
