@@ -333,6 +333,19 @@ async def test_a_named_origin_gets_its_preflight_before_the_key_check_and_others
         assert "access-control-allow-origin" not in headers
 
 
+async def test_only_an_options_request_is_a_preflight_whatever_headers_another_carries():
+    """A GET or POST carrying a preflight's headers is an ordinary request: the key
+    check answers it, not an empty 204."""
+    cors = CorsPolicy(parse_origins(["https://app.example"]))
+    async with loading_server(api_keys=("sesame",), cors=cors) as port:
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions")):
+            status, headers = await in_thread(
+                cors_exchange, port, method, path, ("Origin: https://app.example", *PREFLIGHT)
+            )
+            assert status.split()[1] == "401", method
+            assert headers["access-control-allow-origin"] == "https://app.example"
+
+
 async def test_a_preflight_may_ask_for_the_openai_sdks_own_headers():
     """The OpenAI SDKs in a browser send `x-stainless-*` headers: a preflight that lists
     them must be allowed them, or the browser never sends the request."""
