@@ -289,10 +289,10 @@ class _Stream:
                 delta = _shaped(choice.get("delta") or {}, dict, "delta")
                 # Reasoning and tool-call deltas are output too: stamped by content
                 # alone, a reasoning model's first token was the end of its thinking.
-                text = any(delta.get(key) for key in _CHAT_OUTPUT_KEYS)
+                carries_output = any(delta.get(key) for key in _CHAT_OUTPUT_KEYS)
             else:
-                text = choice.get("text")
-            if text:
+                carries_output = bool(choice.get("text"))
+            if carries_output:
                 self.stamps.append(time.perf_counter())
 
 
