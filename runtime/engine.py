@@ -242,7 +242,11 @@ class Engine:
             eos_ids=frozenset() if params.ignore_eos else self.eos_ids | params.stop_token_ids,
             tokens=list(params.prompt_tokens),
             fault_at=fault[1] if fault is not None and fault[0] in params.prompt_tokens else None,
-            grammar=params.grammar.start() if params.grammar is not None else None,
+            grammar=(
+                params.grammar.start(self.eos_ids if params.ignore_eos else frozenset())
+                if params.grammar is not None
+                else None
+            ),
         )
         return handle
 

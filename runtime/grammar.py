@@ -127,8 +127,10 @@ class CompiledGrammar:
     spec: GrammarSpec
     prototype: llguidance.LLMatcher  # never advanced: rows advance deep copies
 
-    def start(self) -> GrammarState:
-        return GrammarState(self.prototype.deep_copy())
+    def start(self, barred_eos_ids: frozenset[int] = frozenset()) -> GrammarState:
+        """`barred_eos_ids`: a row that ignores EOS (`ignore_eos`) bars them while its
+        grammar allows anything else, or an EOS the grammar allows would end it."""
+        return GrammarState(self.prototype.deep_copy(), barred_eos_ids)
 
 
 @attrs.define
@@ -136,6 +138,7 @@ class GrammarState:
     """One row's position in its grammar."""
 
     matcher: llguidance.LLMatcher
+    barred_eos_ids: frozenset[int] = frozenset()
 
     def advance(self, token: int) -> str | None:
         """Take a sampled token; an error message when the grammar cannot (never under its mask)."""
@@ -245,7 +248,20 @@ def token_masks(states: Sequence[GrammarState | None], vocab_size: int) -> mx.ar
     bitmask = allocate_token_bitmask(len(states), vocab_size)  # [B, ceil(V / 32)] int32, all set
     for i, state in constrained:
         fill_next_token_bitmask(state.matcher, bitmask, i)
-    return mx.array(unpack_mask(bitmask, vocab_size))
+    allowed = unpack_mask(bitmask, vocab_size)
+    for i, state in constrained:
+        if state.barred_eos_ids:
+            _bar(allowed[i], [t for t in sorted(state.barred_eos_ids) if t < vocab_size])
+    return mx.array(allowed)
+
+
+def _bar(allowed: np.ndarray, eos_ids: list[int]) -> None:
+    """Clear `eos_ids` in one row's mask unless nothing else is allowed (a grammar that
+    can take nothing more is done before it samples: the row never draws from nothing)."""
+    kept = allowed[eos_ids].copy()
+    allowed[eos_ids] = False
+    if not allowed.any():
+        allowed[eos_ids] = kept
 
 
 def unpack_mask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:

@@ -124,6 +124,32 @@ def test_a_grammar_completed_by_the_last_allowed_token_finishes_as_eos_not_lengt
     assert got["c"].finish is FinishCause.EOS
 
 
+def test_ignore_eos_keeps_a_grammar_that_can_go_on_from_ending_at_an_eos(
+    engine, compiler, model
+):
+    """An EOS the grammar allows once it is complete was sampled and ended the row
+    (`a+` stopped after one `a`, `x?` answered nothing) though the request said
+    ignore_eos: now the row goes on while its grammar can, and ends when it cannot."""
+    eos = min(engine.eos_ids)
+    requests = {
+        rid: SequenceParams(
+            (11, 305),
+            max_tokens=5,
+            request_id=rid,
+            ignore_eos=True,
+            grammar=compiler.compile(GrammarSpec("regex", regex, "guided_regex")),
+            sampling=SamplingParams(logit_bias={eos: 100.0}),
+        )
+        for rid, regex in (("more", "a+"), ("optional", "x?"))
+    }
+    got = run(engine, requests)
+    assert not engine.eos_ids & set(got["more"].tokens + got["optional"].tokens)
+    assert got["more"].finish is FinishCause.LENGTH and len(got["more"].tokens) == 5
+    assert set(model.tokenizer.decode(got["more"].tokens)) == {"a"}
+    assert model.tokenizer.decode(got["optional"].tokens) == "x"
+    assert got["optional"].finish is FinishCause.EOS  # complete: the grammar can take no more
+
+
 @pytest.mark.parametrize(
     ("kind", "source", "check"),
     [
