@@ -238,6 +238,26 @@ def _check_safetensors(file: Path) -> None:
             raise CheckpointError(
                 f"{file}: truncated: tensor {name!r} ends at byte {end} of {data_len}"
             )
+    _check_tiling(file, header, data_len)
+
+
+def _check_tiling(file: Path, header: dict[str, dict], data_len: int) -> None:
+    """The tensors' data tiles the data section, as the safetensors format requires (its
+    own reader refuses anything else): mlx reads each tensor at its offsets whatever they
+    share, so a norm pointed at another's bytes loaded as that norm's weights."""
+    position = 0
+    spans = sorted((info["data_offsets"], name) for name, info in header.items() if name != "__metadata__")
+    for (begin, end), name in spans:
+        if begin != position:
+            raise CheckpointError(
+                f"{file}: corrupt safetensors header: tensor {name!r} starts at byte {begin}, "
+                f"expected {position} (tensors overlapping or leaving a gap)"
+            )
+        position = end
+    if position != data_len:
+        raise CheckpointError(
+            f"{file}: corrupt safetensors header: {data_len - position} bytes after the last tensor"
+        )
 
 
 def _tensor_entry_problem(info: object) -> str | None:

@@ -966,3 +966,30 @@ def test_a_quantization_config_in_an_mlx_packing_is_read_as_its_quantization_not
     config = config_from_dict(llama_config(quantization_config={"quant_method": method}))
     assert config.quantization is not None and config.quantization.mode == method
     assert config.foreign_quantization is None
+
+
+def read_safetensors(file):
+    """(header, data) of a safetensors file."""
+    raw = file.read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8 : 8 + header_len]), raw[8 + header_len :]
+
+
+def test_tensors_sharing_bytes_are_refused_not_loaded_as_each_others_weights(broken):
+    """mlx reads each tensor at its offsets, whatever they share: one norm pointed at
+    the other's bytes loaded as that norm's weights."""
+    file = broken / "model.safetensors"
+    header, data = read_safetensors(file)
+    first, second = "model.layers.0.input_layernorm.weight", "model.layers.1.input_layernorm.weight"
+    header[second]["data_offsets"] = header[first]["data_offsets"]
+    write_safetensors(file, header, data)
+    message = error_for(broken)
+    assert "model.safetensors: corrupt safetensors header: tensor" in message
+    assert "(tensors overlapping or leaving a gap)" in message
+
+
+def test_bytes_no_tensor_holds_are_refused_as_safetensors_does(broken):
+    file = broken / "model.safetensors"
+    header, data = read_safetensors(file)
+    write_safetensors(file, header, data + b"\0" * 64)
+    assert "64 bytes after the last tensor" in error_for(broken)
