@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeGuard
 
-from runtime.config import ModelConfig, config_from_dict, load_config
+from runtime.config import MAX_INT_FIELD, ModelConfig, config_from_dict, load_config
 from runtime.cpu_weights import DEFAULT_CPU_QUANTIZE, prepare_for_cpu
 from runtime.environment import environment_problems
 from runtime.errors import CheckpointError
@@ -268,6 +268,8 @@ def _tensor_entry_problem(info: object) -> str | None:
         return "has no dtype string"
     if not _naturals(info.get("shape")):
         return "has no shape of non-negative integers"
+    if any(n > MAX_INT_FIELD for n in info["shape"]):  # mlx kept the low 32 bits of each
+        return f"has a dimension past {MAX_INT_FIELD}"
     offsets = info.get("data_offsets")
     if not (_naturals(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
         return "has no data_offsets [begin, end]"

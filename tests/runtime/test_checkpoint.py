@@ -993,3 +993,14 @@ def test_bytes_no_tensor_holds_are_refused_as_safetensors_does(broken):
     header, data = read_safetensors(file)
     write_safetensors(file, header, data + b"\0" * 64)
     assert "64 bytes after the last tensor" in error_for(broken)
+
+
+def test_a_shape_past_mlxs_int32_sizes_is_refused_not_cut_to_fit(broken):
+    """mlx keeps a stored dimension's low 32 bits: lm_head declared 2**32 + 2048 rows
+    read as its 2,048 and loaded."""
+    file = broken / "model.safetensors"
+    header, data = read_safetensors(file)
+    rows, columns = header["lm_head.weight"]["shape"]
+    header["lm_head.weight"]["shape"] = [2**32 + rows, columns]
+    write_safetensors(file, header, data)
+    assert "tensor 'lm_head.weight' has a dimension past 2147483647" in error_for(broken)
