@@ -20,7 +20,7 @@ from runtime.config import MAX_INT_FIELD, ModelConfig, config_from_dict, load_co
 from runtime.cpu_weights import DEFAULT_CPU_QUANTIZE, prepare_for_cpu
 from runtime.environment import environment_problems
 from runtime.errors import CheckpointError
-from runtime.files import check_regular, is_gguf_file, one_line, read_json, shortened
+from runtime.files import check_regular, is_gguf_file, is_present, one_line, read_json, shortened
 from runtime.models import build_model, rename_weights
 from runtime.models.layers import CausalLM
 from runtime.stored_quantization import quantize_as_stored
@@ -171,7 +171,7 @@ def read_weights(path: Path, progress: Callable[[str], None]) -> dict[str, mx.ar
 
 def _weight_files(path: Path) -> tuple[list[Path], dict[str, str]]:
     """The safetensors files to read, and the index's tensor -> shard map ({} without one)."""
-    if (path / INDEX_FILE).exists():
+    if is_present(path / INDEX_FILE):
         weight_map = _read_index(path / INDEX_FILE)
         files = [path / name for name in sorted(set(weight_map.values()))]
     else:  # Hugging Face's names first, as mlx-lm: a consolidated.safetensors beside

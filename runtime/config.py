@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from runtime.errors import CheckpointError
-from runtime.files import read_json
+from runtime.files import is_present, read_json
 
 import attrs
 
@@ -418,7 +418,7 @@ def is_token_id(value: object, vocab_size: int) -> TypeGuard[int]:
 
 
 def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
-    if not path.exists():
+    if not is_present(path):
         if required:
             raise CheckpointError(f"{path}: file not found")
         return None

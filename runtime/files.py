@@ -7,6 +7,7 @@ and a directory by a weight file's name failed with a bare "Is a directory".
 from __future__ import annotations
 
 import json
+import os
 import stat
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,13 @@ def is_gguf_file(path: Path) -> bool:
         return False
     with path.open("rb") as f:
         return f.read(4) == GGUF_MAGIC
+
+
+def is_present(file: Path) -> bool:
+    """Anything by `file`'s name, a link that loops or dangles included: `exists()`
+    follows links and took such a one for no file, so a tokenizer_config.json that
+    looped loaded without its chat template; read, it is named with the system's reason."""
+    return os.path.lexists(file)
 
 
 def check_regular(file: Path) -> None:

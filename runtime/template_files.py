@@ -14,7 +14,7 @@ from typing import Any
 
 from runtime.chat_template import ChatTemplate
 from runtime.errors import CheckpointError
-from runtime.files import one_line, read_text
+from runtime.files import is_present, one_line, read_text
 
 import jinja2
 
@@ -26,7 +26,7 @@ def chat_template_source(
 ) -> tuple[str | None, Path]:
     """(template text or None, the file it came from)."""
     jinja_file = path / "chat_template.jinja"
-    if jinja_file.exists():
+    if is_present(jinja_file):
         return read_text(jinja_file), jinja_file
     template = config.get("chat_template")
     if isinstance(template, list):
@@ -60,9 +60,9 @@ def tool_use_template_source(
     where transformers saves the named ones beside it) replace the config's templates."""
     tool_use_file = path / TOOL_USE_TEMPLATE_FILE
     template: Any  # the config's value is checked below
-    if tool_use_file.exists():
+    if is_present(tool_use_file):
         template, source = read_text(tool_use_file), tool_use_file
-    elif (path / "chat_template.jinja").exists():
+    elif is_present(path / "chat_template.jinja"):
         return None
     else:
         template, source = _named_templates(config).get("tool_use"), config_file

@@ -14,7 +14,7 @@ from typing import Any
 from runtime.chat_template import CHATML_TEMPLATE, ChatTemplate
 from runtime.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from runtime.errors import CheckpointError, RequestError
-from runtime.files import one_line, read_json
+from runtime.files import is_present, one_line, read_json
 from runtime.template_files import chat_template_source, tool_use_template_source
 
 import jinja2
@@ -287,7 +287,7 @@ class Tokenizer:
 
 def _read_json(file: Path, *, required: bool) -> dict[str, Any]:
     """The JSON object in `file`; {} when an optional file is absent."""
-    if not file.exists():
+    if not is_present(file):
         if required:
             raise CheckpointError(f"{file}: not found (the checkpoint has no tokenizer)")
         return {}

@@ -1004,3 +1004,28 @@ def test_a_shape_past_mlxs_int32_sizes_is_refused_not_cut_to_fit(broken):
     header["lm_head.weight"]["shape"] = [2**32 + rows, columns]
     write_safetensors(file, header, data)
     assert "tensor 'lm_head.weight' has a dimension past 2147483647" in error_for(broken)
+
+
+@pytest.mark.parametrize("link", ["loop", "dangling"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+        "additional_chat_templates/tool_use.jinja",
+        "model.safetensors.index.json",
+    ],
+)
+def test_a_link_that_loops_or_dangles_is_named_not_read_as_an_absent_file(broken, name, link):
+    """Followed by exists(), such a link read as no file at all: a tokenizer_config.json
+    that loops loaded without its chat template and special tokens."""
+    file = broken / name
+    file.parent.mkdir(exist_ok=True)
+    file.unlink(missing_ok=True)
+    file.symlink_to(file.name if link == "loop" else "nowhere.json")
+    reason = "Too many levels of symbolic links" if link == "loop" else "No such file or directory"
+    assert f"{name}: unreadable ({reason})" in error_for(broken)
