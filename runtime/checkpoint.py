@@ -49,6 +49,8 @@ HUB_ALLOW_PATTERNS = [
     TOOL_USE_TEMPLATE_FILE,
 ]
 HUB_IGNORE_PATTERNS = ["*/*.json", "*/*.safetensors", "*/tokenizer.model", "consolidated*.safetensors"]
+# safetensors' own reader refuses a longer header (the largest real ones are a few MB).
+MAX_SAFETENSORS_HEADER = 100_000_000
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 log = structlog.get_logger("cadence.load")
@@ -220,6 +222,11 @@ def _check_safetensors(file: Path) -> None:
         (header_len,) = struct.unpack("<Q", head)
         if header_len > size - 8:
             raise CheckpointError(f"{file}: truncated (header runs past the end of the file)")
+        if header_len > MAX_SAFETENSORS_HEADER:  # read whole, it took as much memory
+            raise CheckpointError(
+                f"{file}: corrupt safetensors header: a header of {header_len} bytes, "
+                f"more than safetensors' {MAX_SAFETENSORS_HEADER}"
+            )
         try:
             header = json.loads(f.read(header_len))
         except (ValueError, RecursionError):  # not UTF-8, not JSON, a 5,000-digit integer

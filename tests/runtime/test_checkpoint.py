@@ -1029,3 +1029,15 @@ def test_a_link_that_loops_or_dangles_is_named_not_read_as_an_absent_file(broken
     file.symlink_to(file.name if link == "loop" else "nowhere.json")
     reason = "Too many levels of symbolic links" if link == "loop" else "No such file or directory"
     assert f"{name}: unreadable ({reason})" in error_for(broken)
+
+
+def test_a_header_length_past_safetensors_limit_is_refused_before_it_is_read(broken):
+    """Read whole, a header length naming the rest of a large shard took that much memory
+    (1.4 GB for a 1 GiB file) before it was found not to be JSON."""
+    file = broken / "model.safetensors"
+    size = 200_000_000
+    with file.open("wb") as f:  # sparse: no disk, and all but its length zeros
+        f.write((size - 8).to_bytes(8, "little"))
+        f.truncate(size)
+    message = error_for(broken)
+    assert f"a header of {size - 8} bytes, more than safetensors' 100000000" in message
