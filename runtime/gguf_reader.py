@@ -8,6 +8,7 @@ weights no one wrote. `runtime.gguf` maps what they read onto a checkpoint.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from pathlib import Path
@@ -86,6 +87,11 @@ class Metadata:
         return self.require(key, str)  # type: ignore[no-any-return]
 
 
+# Array elements a file may hold in all: twice the most a real one does (a 262,144-token
+# vocabulary's strings, scores and types, and its merges). The gguf package's reader
+# keeps each string as a numpy view of its own, some 350 bytes apiece (770 MB at most).
+MAX_ARRAY_ITEMS = 2**21
+
 class BoundedReader(gguf.GGUFReader):
     """The gguf package's reader, refusing any read past the end of the file.
 
@@ -98,6 +104,14 @@ class BoundedReader(gguf.GGUFReader):
     # The fewest bytes one array element of each type takes: a string's length, an
     # array's item type and count.
     _MIN_ITEM_BYTES = {gguf.GGUFValueType.STRING: 8, gguf.GGUFValueType.ARRAY: 12}
+    _array_items = 0  # declared so far, nested arrays' included
+
+    @functools.cached_property
+    def _bytes(self) -> np.ndarray:
+        """The file as one plain array, which every value read is a view of: each view of
+        the memmap carries the file's name and mode, and each view of a view made for one
+        read kept that one alive too (for a vocabulary's strings, 1.6 KB apiece)."""
+        return self.data.view(np.ndarray)
 
     def _get(
         self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
@@ -108,7 +122,9 @@ class BoundedReader(gguf.GGUFReader):
                 f"a value at byte {int(offset)} runs past the end of the file "
                 f"({len(self.data)} bytes)"
             )
-        return super()._get(offset, dtype, count, override_order)
+        data = self._bytes[int(offset) : end]
+        order = self.byte_order if override_order is None else override_order
+        return data.view(np.dtype(dtype).newbyteorder(order))
 
     def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
         if raw_type == gguf.GGUFValueType.ARRAY:
@@ -123,7 +139,35 @@ class BoundedReader(gguf.GGUFReader):
                     f"an array at byte {orig_offs} declares {count} elements, more than "
                     "the rest of the file holds"
                 )
+            self._array_items += count
+            if self._array_items > MAX_ARRAY_ITEMS:
+                raise ValueError(
+                    f"an array at byte {orig_offs} makes more than the {MAX_ARRAY_ITEMS} "
+                    "array elements any real GGUF holds"
+                )
+            if scalar is not None or item_type == gguf.GGUFValueType.STRING:
+                return self._array_parts(orig_offs, item_type, count)
         return super()._get_field_parts(orig_offs, raw_type)
+
+    def _array_parts(self, orig_offs: int, item_type: gguf.GGUFValueType, count: int) -> Any:
+        """An array of numbers or strings as the gguf package's reader returns it, in fewer
+        parts: its numbers as one view (its own made one of each, 1.6 KB apiece with their
+        byte counts and lengths), its strings one view each without their lengths.
+        `ReaderField.contents()` reads the whole array the same (`Metadata` reads no
+        single element of one, which would now find the numbers' first)."""
+        parts = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
+        offs = orig_offs + 12
+        scalar = self.gguf_scalar_to_np.get(item_type)
+        if scalar is not None:
+            parts.append(self._get(offs, scalar, count))
+            offs += parts[-1].nbytes
+        else:
+            for _ in range(count):
+                length = int(self._get(offs, np.uint64)[0])
+                parts.append(self._get(offs + 8, np.uint8, length))
+                offs += 8 + length
+        types = [gguf.GGUFValueType.ARRAY, item_type]
+        return offs - orig_offs, parts, list(range(2, len(parts))), types
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
