@@ -126,11 +126,12 @@ class CompiledGrammar:
 
     spec: GrammarSpec
     prototype: llguidance.LLMatcher  # never advanced: rows advance deep copies
+    mask_vocab: int  # the ids its masks cover (GrammarCompiler.mask_vocab)
 
     def start(self, barred_eos_ids: frozenset[int] = frozenset()) -> GrammarState:
         """`barred_eos_ids`: a row that ignores EOS (`ignore_eos`) bars them while its
         grammar allows anything else, or an EOS the grammar allows would end it."""
-        return GrammarState(self.prototype.deep_copy(), barred_eos_ids)
+        return GrammarState(self.prototype.deep_copy(), self.mask_vocab, barred_eos_ids)
 
 
 @attrs.define
@@ -138,6 +139,7 @@ class GrammarState:
     """One row's position in its grammar."""
 
     matcher: llguidance.LLMatcher
+    mask_vocab: int
     barred_eos_ids: frozenset[int] = frozenset()
 
     def advance(self, token: int) -> str | None:
@@ -160,7 +162,8 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: Iterable[int]):
-        self.vocab_size = vocab_size
+        self.vocab_size = vocab_size  # the model's: its logits' width
+        self.mask_vocab = vocab_size  # at least; set with llguidance's tokenizer (below)
         self._source = tokenizer
         self._eos_ids = sorted(eos_ids)
         self._lock = threading.Lock()
@@ -172,8 +175,13 @@ class GrammarCompiler:
     def _tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._built is None:
+                # The tokenizer may hold ids past the model's rows (Gemma 3 1B's has
+                # <image_soft_token> at 262,144, its model 262,144 rows): llguidance
+                # refuses a vocabulary smaller than the tokenizer's, so its masks cover
+                # both, and are cut to the model's (a token without a row is never drawn).
+                self.mask_vocab = max(self.vocab_size, self._source.highest_token_id + 1)
                 self._built = llguidance.LLTokenizer(
-                    self._source.backend_json(), n_vocab=self.vocab_size, eos_token=self._eos_ids
+                    self._source.backend_json(), n_vocab=self.mask_vocab, eos_token=self._eos_ids
                 )
             return self._built
 
@@ -190,7 +198,7 @@ class GrammarCompiler:
         if refusal is None:
             outcome = self._compile(spec)
             if not isinstance(outcome, str):
-                return CompiledGrammar(spec, outcome)
+                return CompiledGrammar(spec, outcome, self.mask_vocab)
             refusal = outcome
             with self._cache_lock:
                 self._refusals[key] = refusal
@@ -218,7 +226,7 @@ class GrammarCompiler:
         20,000 alternatives on one prefix) compiles, then fails at the first token: a
         row's failure mid-reply, where a 400 at admission is what the client needs."""
         probe = matcher.deep_copy()
-        bitmask = allocate_token_bitmask(1, self.vocab_size)
+        bitmask = allocate_token_bitmask(1, self.mask_vocab)
         fill_next_token_bitmask(probe, bitmask, 0)
         allowed = [t for t in np.flatnonzero(unpack_mask(bitmask, self.vocab_size)[0])]
         first = next((int(t) for t in allowed if t not in self._eos_ids), None)
@@ -245,7 +253,10 @@ def token_masks(states: Sequence[GrammarState | None], vocab_size: int) -> mx.ar
     constrained = [(i, s) for i, s in enumerate(states) if s is not None]
     if not constrained:
         return None
-    bitmask = allocate_token_bitmask(len(states), vocab_size)  # [B, ceil(V / 32)] int32, all set
+    # [B, ceil(W / 32)] int32, all set; W covers every id a grammar's tokenizer holds,
+    # the mask is cut to the model's V below.
+    mask_vocab = max(vocab_size, *(state.mask_vocab for _, state in constrained))
+    bitmask = allocate_token_bitmask(len(states), mask_vocab)
     for i, state in constrained:
         fill_next_token_bitmask(state.matcher, bitmask, i)
     allowed = unpack_mask(bitmask, vocab_size)

@@ -208,6 +208,11 @@ class Tokenizer:
             return self._tool_use_template
         return self._chat_template
 
+    @property
+    def highest_token_id(self) -> int:
+        """The largest id in the vocabulary, added tokens included (-1 for none)."""
+        return max(self._backend.get_vocab(with_added_tokens=True).values(), default=-1)
+
     def backend_json(self) -> str:
         """The `tokenizers` tokenizer as its JSON file reads (llguidance builds its own from it)."""
         return self._backend.to_str()

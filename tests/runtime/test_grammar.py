@@ -7,6 +7,7 @@ is complete, max_tokens cuts it short as LENGTH, and a bad grammar is refused by
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 from runtime.checkpoint import load_model
@@ -148,6 +149,29 @@ def test_ignore_eos_keeps_a_grammar_that_can_go_on_from_ending_at_an_eos(
     assert set(model.tokenizer.decode(got["more"].tokens)) == {"a"}
     assert model.tokenizer.decode(got["optional"].tokens) == "x"
     assert got["optional"].finish is FinishCause.EOS  # complete: the grammar can take no more
+
+
+def test_a_tokenizer_holding_ids_past_the_models_rows_still_takes_grammars(
+    make_checkpoint, tmp_path
+):
+    """Gemma 3 1B's tokenizer holds <image_soft_token> at id 262,144 of a 262,144-row
+    model: llguidance was given the model's size and refused every grammar ("vocab size
+    too small; 2048 vs 2049" here). The masks now cover the tokenizer, cut to the model."""
+    path = tmp_path / "wider-tokenizer"
+    shutil.copytree(make_checkpoint("llama"), path)
+    vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    extra = {**tokenizer["added_tokens"][0], "id": vocab_size, "content": "<image_soft_token>"}
+    tokenizer["added_tokens"].append(extra)
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    wider = load_model(path)
+    assert wider.tokenizer.highest_token_id == vocab_size
+    engine = Engine(wider, max_batch=2)
+    compiler = GrammarCompiler(wider.tokenizer, vocab_size, engine.eos_ids)
+    grammar = compiler.compile(GrammarSpec("choice", json.dumps(["yes", "no"]), "guided_choice"))
+    got = run(engine, {"c": SequenceParams((11, 305), max_tokens=8, request_id="c", grammar=grammar)})
+    assert wider.tokenizer.decode(got["c"].tokens, skip_special_tokens=True) in ("yes", "no")
+    assert got["c"].finish is FinishCause.EOS
 
 
 @pytest.mark.parametrize(
