@@ -198,6 +198,17 @@ def moe_config(family: str, **fields):
     return config_from_dict({**moe_raw(family), **fields})
 
 
+
+def test_packed_experts_read_their_group_size_and_bits_from_the_packing():
+    """None asks for the mode's defaults (mx.quantize's): affine's 64 and 4, mxfp4's 32 and 4,
+    mxfp8's 32 and 8."""
+    weight = mx.random.normal((2, 8, 64), key=mx.random.key(0))
+    defaults = {"affine": (64, 4), "mxfp4": (32, 4), "mxfp8": (32, 8)}
+    cases = [((None, None, mode), want) for mode, want in defaults.items()] + [((32, 8, "affine"), (32, 8))]
+    for args, want in cases:
+        layer = QuantizedExpertLinear(weight, *args)
+        assert (layer.group_size, layer.bits) == want, args
+
 def test_qwen3_moe_runs_the_dense_mlp_where_mlp_only_layers_or_the_sparse_step_say():
     config = moe_config(
         "qwen3_moe", mlp_only_layers=[2], decoder_sparse_step=2, moe_intermediate_size=32

@@ -13,6 +13,7 @@ from runtime.config import config_from_dict
 from runtime.engine import Engine
 from runtime.errors import CheckpointError
 from runtime.kv.blocks import BlockPool
+from runtime.models.layers import RoPE
 from runtime.runner import run_offline
 from runtime.scheduler import FcfsScheduler
 from runtime.sequence import SequenceParams
@@ -22,6 +23,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
+from mlx_lm.models.rope_utils import ProportionalRoPE
 from safetensors.numpy import load_file, save_file
 
 from kernels import paged_attention
@@ -148,6 +150,19 @@ def test_each_departure_from_gemma_3_matters(tmp_path: Path):
         assert not mx.allclose(load_model(path).model(TOKENS), want, atol=1e-2).item(), name
 
 
+@pytest.mark.parametrize("factor", [1.0, 4.0])
+def test_proportional_rope_rotates_as_mlx_lms_its_factor_too(factor):
+    """The full layers' rope_parameters may stretch every rotated period by `factor`."""
+    scaling = {"rope_type": "proportional", "partial_rotary_factor": 0.25, "factor": factor}
+    x = mx.random.normal((5, 2, 32), key=mx.random.key(0))
+    positions = mx.array([0, 1, 7, 40, 300], dtype=mx.int32)
+    got = RoPE(32, 10_000.0, scaling)(x, positions)
+    theirs = ProportionalRoPE(32, rotated_dims=8, base=10_000.0, factor=factor)
+    want = mx.concatenate([theirs(x[None, i : i + 1].transpose(0, 2, 1, 3), offset=int(p))
+                           for i, p in enumerate(positions.tolist())], axis=2)[0].transpose(1, 0, 2)
+    assert mx.allclose(got, want, atol=1e-5).item()
+
+
 def config(**fields):
     raw = hf_config("gemma4_text", vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=6,
                     num_heads=4, num_kv_heads=2, intermediate_size=128, sliding_window_pattern=3)
@@ -178,6 +193,12 @@ def test_shared_layers_read_the_last_storing_layer_of_their_kind():
     assert got.extra["gemma4"].kv_sources == (None, None, None, 1, 2, 1)
     assert got.layer_kv_shapes == ((2, 16), (2, 32), (2, 16))
 
+
+
+def test_a_null_global_head_dim_gives_the_full_layers_the_sliding_ones_width():
+    """mlx-lm's reading of null (left out, it is transformers' 512)."""
+    assert config(head_dim=16, global_head_dim=None).extra["gemma4"].layer_shapes[2] == (2, 16)
+    assert config(head_dim=16, global_head_dim=64).extra["gemma4"].layer_shapes[2] == (2, 64)
 
 @pytest.mark.parametrize(
     ("fields", "message"),

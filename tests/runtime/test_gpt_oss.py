@@ -11,6 +11,7 @@ from pathlib import Path
 from runtime.checkpoint import load_model
 from runtime.config import config_from_dict
 from runtime.errors import CheckpointError
+from runtime.models.experts import clamped_swiglu
 from runtime.models.layers import RoPE
 from runtime.synth import make_tiny_checkpoint, save_weights
 
@@ -81,6 +82,17 @@ def test_the_clamp_and_the_biases_of_the_experts_are_run(tmp_path: Path):
     experts = ours.model.model.layers[1].mlp.switch_mlp
     experts.down_proj.bias = mx.zeros_like(experts.down_proj.bias)
     assert not mx.allclose(ours.model(TOKENS), want, atol=1e-2).item()
+
+
+def test_the_clamp_caps_the_gate_from_above_only_as_transformers():
+    """transformers' GptOssExperts: gate.clamp(max=limit), up.clamp(-limit, limit), then
+    (up + 1) * gate * sigmoid(1.702 gate); a gate far below -limit stays itself."""
+    gate = np.array([-30.0, -9.0, -2.0, 0.0, 3.0, 9.0], dtype=np.float32)
+    up = np.array([-9.0, 1.0, 0.5, 2.0, 8.0, -1.0], dtype=np.float32)
+    capped = np.minimum(gate, 7.0)
+    want = (np.clip(up, -7.0, 7.0) + 1.0) * capped / (1.0 + np.exp(-1.702 * capped))
+    got = clamped_swiglu(mx.array(gate), mx.array(up), 7.0)
+    assert np.allclose(np.array(got), want, rtol=1e-5, atol=1e-9)
 
 
 @pytest.mark.parametrize("path", ATTENTION_PATHS)
@@ -226,6 +238,15 @@ RELEASE_CONFIG = {
     "tie_word_embeddings": False,
     "vocab_size": 201088,
 }
+
+
+def test_fields_the_config_leaves_out_default_as_transformers():
+    """GptOssConfig's defaults: swiglu_limit 7, a 128-token window, biased attention."""
+    left_out = ("swiglu_limit", "sliding_window", "attention_bias")
+    config = config_from_dict({k: v for k, v in RELEASE_CONFIG.items() if k not in left_out})
+    assert config.extra["experts"].swiglu_limit == 7.0
+    assert config.layer_windows == (128, None) * 12
+    assert config.qkv_bias and config.o_bias
 
 
 def openai_yarn(head_dim=64, base=150000.0, factor=32.0, context=4096, beta_fast=32.0, beta_slow=1.0):

@@ -558,6 +558,24 @@ def test_phi3_longrope_from_transformers_5s_rope_parameters_and_its_own_attentio
     assert RoPE(16, 10000.0, config.rope_scaling).attention_factor == 1.25**2
 
 
+
+@pytest.mark.parametrize(("context", "factor"), [(256, 1.0), (4096, math.sqrt(1 + math.log(16) / math.log(256)))])
+def test_phi3_longropes_default_attention_factor_is_1_within_the_original_context(context, factor):
+    raw = hf_config("phi3", vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, intermediate_size=128)
+    raw.update(rope_scaling=LONGROPE, original_max_position_embeddings=256, max_position_embeddings=context)
+    assert config_from_dict(raw).rope_scaling["attention_factor"] == pytest.approx(factor)
+
+
+@pytest.mark.parametrize(("attention_factor", "gain"), [(0.5, 0.25), (1.0, None), (2.0, 4.0)])
+def test_phi3_partial_rotations_longrope_factor_below_1_is_folded_into_q_too(attention_factor, gain):
+    raw = hf_config("phi3", vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, intermediate_size=128)
+    longrope = {**LONGROPE, "short_factor": [1.0] * 4, "long_factor": [1.0] * 4, "attention_factor": attention_factor}
+    raw.update(rope_scaling=longrope, partial_rotary_factor=0.5, original_max_position_embeddings=256)
+    assert config_from_dict(raw).extra.get("rotated_query_gain") == gain
+
+
 def test_a_phi3_fused_projection_of_the_wrong_size_is_named(tmp_path: Path):
     path = phi3_checkpoint(tmp_path)
     weights = mx.load(str(path / "model.safetensors"))

@@ -63,12 +63,21 @@ def test_smollm3_reads_its_layers_as_transformers_derives_them():
     # Without layer_types, use_sliding_window makes the NoPE layers slide.
     assert config(use_sliding_window=True, sliding_window=16).layer_windows == (None, None, None, 16) * 2
     assert config().layer_windows == ()
+    # layer_types, where given, names the sliding layers (as llama's).
+    sliding = ["sliding_attention", "full_attention"] * 4
+    assert config(layer_types=sliding, sliding_window=16).layer_windows == (16, None) * 4
+
+
+def test_smollm3s_attention_bias_puts_a_bias_on_q_k_v_and_o():
+    assert (config().qkv_bias, config().o_bias) == (False, False)
+    assert (config(attention_bias=True).qkv_bias, config(attention_bias=True).o_bias) == (True, True)
 
 
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
         ({"no_rope_layers": [1, 0]}, "no_rope_layers must hold a 0 or 1 for each of the 8 layers"),
+        ({"no_rope_layers": [1] * 7}, "no_rope_layers must hold a 0 or 1 for each of the 8 layers"),
         ({"no_rope_layers": [2] * 8}, "no_rope_layers must hold a 0 or 1"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ],
