@@ -42,6 +42,8 @@ def test_more_rows_than_the_kernel_takes_go_to_the_sgemm():
     batched = mx.random.normal((1, 3, 32))  # [B, T, K] as the models call it: 3 rows
     assert mx.allclose(dm.dense_matmul(batched, w), batched @ w.T, rtol=1e-4, atol=1e-4).item()
     assert ext.num_dense_calls() == before + 1
+    mx.eval(dm.dense_matmul(x[None], w))  # [1, T, K]: T rows, not one
+    assert ext.num_dense_calls() == before + 1
     half = x.astype(mx.float16)  # another dtype: mlx's matmul
     assert dm.dense_matmul(half[:2], w.astype(mx.float16)).dtype == mx.float16
     assert ext.num_dense_calls() == before + 1

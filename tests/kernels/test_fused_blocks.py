@@ -338,6 +338,17 @@ def test_only_layers_and_norms_the_kernels_take_as_they_are_make_a_block():
         assert fused_blocks.normed_layers(norm, 1e-5, panel, four_bit, post_norm=bad_norm) is None
 
 
+
+def test_per_head_norms_the_kernels_do_not_take_keep_the_block_by_parts():
+    from kernels.dense_matmul import KernelLinear, PanelLinear
+
+    panel = PanelLinear.adopt(KernelLinear.adopt(nn.Linear(64, 64)))
+    norm, head_norm = mx.ones((64,)), mx.ones((16,))
+    assert fused_blocks.normed_layers(norm, 1e-5, panel, panel, (head_norm, head_norm, 1e-5)) is not None
+    for bad in (head_norm.astype(mx.float16), head_norm.reshape(1, 16)):
+        assert fused_blocks.normed_layers(norm, 1e-5, panel, panel, (bad, head_norm, 1e-5)) is None
+        assert fused_blocks.normed_layers(norm, 1e-5, panel, panel, (head_norm, bad, 1e-5)) is None
+
 @pytest.mark.parametrize(("value", "is_on"), [("off", False), ("0", False), ("No", False), ("", True), ("on", True)])
 def test_cadence_cpu_blocks_is_read_at_import(value, is_on):
     script = "from kernels import fused_blocks; print(fused_blocks.IS_ON)"

@@ -107,6 +107,16 @@ def test_other_dtypes_and_devices_use_mlx():
         assert (ext.num_rope_calls(), ext.num_rms_norm_calls()) == before
 
 
+
+def test_mlxs_rope_takes_the_position_scale_too():
+    """Linear RoPE scaling in float16 (mlx's op) scales positions as the kernel does."""
+    x = mx.random.normal((3, 2, 16), key=mx.random.key(3)).astype(mx.float16)
+    positions = mx.array([1, 20, 300], dtype=mx.int32)
+    inv = norm_rope.inverse_frequencies(16, 10000.0, None)
+    got = norm_rope.rope(x, positions, dims=16, base=10000.0, scale=0.25, freqs=None, inv_freqs=inv)
+    assert mx.array_equal(got, mlx_rope(x, positions, 16, 10000.0, 0.25)).item()
+    assert not mx.allclose(got, mlx_rope(x, positions, 16, 10000.0, 1.0), atol=1e-2).item()
+
 def test_a_16_bit_weight_or_int64_positions_beside_float32_x_use_mlx():
     """The primitives take float32 operands and int32 positions; other operands are mlx's."""
     x = mx.random.normal((3, 2, 16), key=mx.random.key(8))

@@ -153,6 +153,16 @@ def test_sinks_match_gather_on_each_path(shape, head_dim, group, path):
     assert not mx.allclose(swapped, gather, atol=1e-3).item()
 
 
+
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
+def test_16_bit_sinks_attend_as_their_float32_values(path):
+    """A 16-bit checkpoint's sinks beside a float32 pool (the native op reads float32)."""
+    step, _, keys, values, q, k, v = make_step([5, 2], [1, 7], 2, 2)
+    sinks = some_sinks(4).astype(mx.bfloat16)
+    want, _ = run("gather", step, keys, values, q, k, v, sinks=sinks.astype(mx.float32))
+    got, _ = run(path, step, keys, values, q, k, v, sinks=sinks)
+    assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item()
+
 @needs_native
 def test_the_native_op_refuses_sinks_that_are_not_one_per_query_head():
     ext = cpu_extension()
@@ -270,9 +280,13 @@ def test_gather_matches_plain_attention_over_each_rows_history(group, softcap, w
         lo += n
 
 
-def test_every_new_token_is_written_once_at_its_slot_whichever_path_runs():
+@pytest.mark.parametrize(
+    ("starts", "num_new"),
+    [([5, 2], [1, 7]), ([8, 4, 6], [2, 1, 2])],
+    ids=["opened-mid-step", "opened-at-the-steps-first-token"],
+)
+def test_every_new_token_is_written_once_at_its_slot_whichever_path_runs(starts, num_new):
     """...and the mlx paths zero the rest of a block a row opens (see fresh tails)."""
-    starts, num_new = [5, 2], [1, 7]
     step, tables, keys, values, q, k, v = make_step(starts, num_new, 2, 2)
     S = 64 * BLOCK
     for path in ("fast", "gather") + (("native",) if IS_BUILT else ()):
@@ -285,8 +299,10 @@ def test_every_new_token_is_written_once_at_its_slot_whichever_path_runs():
                 p = s + t
                 expected[:, table[p // BLOCK] * BLOCK + p % BLOCK] = np.array(k[lo + t])
             lo += n
-        if path != "native":  # and the rest of row 1's block 2, opened here, is zeroed
-            expected[:, tables[1][2] * BLOCK + 1 : tables[1][2] * BLOCK + BLOCK] = 0
+        for table, s, n in zip(tables, starts, num_new, strict=True):
+            last = (s + n - 1) // BLOCK  # the row's last block: opened here where it starts at s or later
+            if path != "native" and last * BLOCK >= s:  # the rest of it is zeroed
+                expected[:, table[last] * BLOCK + (s + n) - last * BLOCK : table[last] * BLOCK + BLOCK] = 0
         assert np.array_equal(written, expected), path
 
 

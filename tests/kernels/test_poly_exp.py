@@ -41,6 +41,19 @@ def test_swiglu_matches_reference(shape):
     assert mx.allclose(swiglu(extreme, mx.ones(5)), reference_swiglu(extreme, mx.ones(5))).item()
 
 
+
+@pytest.mark.parametrize("up_shape", [(3, 8), (1, 8)], ids=["float16-up", "broadcast-up"])
+def test_operands_the_kernels_do_not_take_go_to_mlx(up_shape):
+    """The kernels take two float32 operands of one shape: a 16-bit or broadcast `up`
+    beside a float32 gate is mlx's."""
+    gate = mx.random.normal((3, 8), key=mx.random.key(1)) * 4
+    up = mx.random.normal(up_shape, key=mx.random.key(2))
+    up = up.astype(mx.float16) if up_shape == gate.shape else up
+    for ours, reference in ((swiglu, reference_swiglu), (gelu_tanh, reference_gelu_tanh)):
+        want = reference(gate, up)
+        got = ours(gate, up)
+        assert got.shape == want.shape and mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
+
 def test_swiglu_runs_the_cpu_kernel_when_it_is_loaded(monkeypatch):
     calls = []
 
