@@ -188,6 +188,7 @@ def test_gemma3_defaults_follow_transformers_when_fields_are_left_out():
     assert config.tie_word_embeddings is None  # decided from the weights at load
     assert config.layer_windows == (4096,) * 5 + (None,)
     assert config.extra["query_pre_attn_scalar"] == 256.0
+    assert (config.rope_theta, config.extra["rope_local_base_freq"]) == (1_000_000.0, 10_000.0)
 
 
 def test_gemma3_rope_parameters_of_transformers_5():
