@@ -246,6 +246,7 @@ def test_shared_layers_kv_projections_in_a_checkpoint_are_dropped(tmp_path: Path
             weights[f"model.layers.{layer}.self_attn.{name}.weight"] = np.ones((32, 64), np.float32)
         weights[f"model.layers.{layer}.self_attn.k_norm.weight"] = np.ones((16,), np.float32)
     weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones((8,), np.float32)
+    weights["model.layers.0.self_attn.rotary_emb.cos_cached"] = np.ones((4, 16), np.float32)  # a table some exports keep
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     assert mx.array_equal(load_model(path).model(TOKENS), want).item()
 
