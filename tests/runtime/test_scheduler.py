@@ -553,6 +553,7 @@ def test_a_prompt_with_one_token_left_after_a_cache_hit_is_still_prefilling():
     assert (plan.num_prefill_rows, plan.num_prefill_tokens) == (2, 16)
     decoding = p.schedule()
     assert spans(decoding)[0] == ("b", 9, 1) and decoding.num_prefill_rows == 1  # c alone
+    assert decoding.num_prefill_tokens == decoding.num_tokens - 1  # b's decoded token is not
 
 
 def test_a_preempted_request_requeues_by_its_rank_behind_better_priorities():
