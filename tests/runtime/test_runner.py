@@ -5,9 +5,10 @@ from runtime.engine import Engine
 from runtime.kv.blocks import BlockPool
 from runtime.runner import PlanRunner, run_offline
 from runtime.scheduler import FcfsScheduler
-from runtime.sequence import FinishCause
+from runtime.sequence import FinishCause, SamplingParams
 from runtime.step_plan import StepPlan
 
+import attrs
 import pytest
 from structlog.testing import capture_logs
 
@@ -125,6 +126,14 @@ def test_run_offline_tells_the_prompt_tokens_taken_from_the_prefix_cache(engine)
     again = run_offline(engine, policy, {"b": params(prompt, 2)})["b"]
     assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 16)
     assert again.tokens == first.tokens
+
+
+def test_run_offline_returns_one_logprob_per_token_only_to_the_rows_that_ask(engine):
+    asks = attrs.evolve(params(PROMPT, 5), sampling=SamplingParams(logprobs=2))
+    got = run_offline(engine, policy_for(engine), {"asks": asks, "not": params(PROMPT, 5)})
+    assert len(got["asks"].logprobs) == len(got["asks"].tokens) == 5
+    assert [len(lp.top) for lp in got["asks"].logprobs] == [2] * 5
+    assert got["not"].logprobs == () and len(got["not"].tokens) == 5
 
 
 def test_close_all_leaves_the_engine_no_open_row(engine):
