@@ -37,6 +37,17 @@ def test_a_request_the_engine_refuses_fails_alone_with_the_engines_own_reason(en
     assert len(got["ok"].tokens) == 4 and engine.num_open == 0
 
 
+def test_a_row_the_engine_refuses_is_left_out_of_the_steps_rows(engine):
+    """The step event counts `row_ids`: a row that never opened is not in its step."""
+    policy = FcfsScheduler(2, BlockPool(engine.kv.num_blocks, engine.kv.block_size), 1024, 256, 512, 0)
+    policy.add("long", params(range(1, 41), 4))
+    policy.add("ok", params(PROMPT, 4))
+    plan = policy.schedule()
+    assert {s.request_id for s in plan.spans} == {"long", "ok"}
+    launched = PlanRunner(engine).launch(plan)
+    assert launched.row_ids == ("ok",) and [r.request_id for r in launched.failed] == ["long"]
+
+
 def test_an_unexpected_error_opening_a_row_fails_that_request_as_an_engine_error(
     engine, monkeypatch
 ):
@@ -85,7 +96,9 @@ def test_a_step_that_fails_when_read_fails_its_rows_and_the_rest_go_on(engine, m
         return outcomes
 
     monkeypatch.setattr(engine, "collect", collect_failing_step_2)
-    assert_step_2_failed(engine)
+    with capture_logs() as logs:
+        assert_step_2_failed(engine)
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["collect failed"]
 
 
 def assert_step_2_failed(engine):
