@@ -129,8 +129,10 @@ class StartFails:
 def test_a_failure_to_start_the_queued_steps_is_left_to_their_collect(engine):
     """Starting is an optimisation (Engine.defers_start): collect evaluates the step anyway."""
     expected = run_offline(engine, policy_for(engine), {"a": params(PROMPT, 6)})["a"].tokens
-    got = run_offline(StartFails(engine), policy_for(engine), {"a": params(PROMPT, 6)})["a"]
+    with capture_logs() as logs:
+        got = run_offline(StartFails(engine), policy_for(engine), {"a": params(PROMPT, 6)})["a"]
     assert got.tokens == expected and got.finish is FinishCause.LENGTH
+    assert {e["event"] for e in logs if e["log_level"] == "error"} == {"start failed"}
 
 
 def test_run_offline_tells_the_prompt_tokens_taken_from_the_prefix_cache(engine):
