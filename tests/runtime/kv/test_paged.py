@@ -50,6 +50,13 @@ def test_block_tables_are_rebuilt_only_when_a_row_gains_a_block_or_the_pool_move
     assert kv.num_table_builds == 3
 
 
+def test_a_steps_shape_has_the_query_heads_per_kv_head():
+    """The attention path is chosen on it (the native kernel takes at most 64)."""
+    kv = PagedKV(2, 2, 8, 3, num_blocks=8, block_size=4)  # 6 query heads over 2 KV heads
+    step = kv.forward([RowSpan(0, 0, 3, (1,))], 0).step
+    assert (step.num_kv_heads, step.num_queries_per_kv) == (2, 3)
+
+
 def test_row_bytes_counts_what_a_row_holds_in_each_group():
     layer_block = PagedKV.bytes_per_block(1, 2, 16, 4, mx.float32)
     assert layer_block == 2 * 2 * 4 * 16 * 4
@@ -78,6 +85,12 @@ def test_attend_stacked_in_a_windowed_layer_attends_over_its_window():
         assert mx.allclose(out, want, atol=1e-5).item(), layer
         outs.append(out)
     assert not mx.allclose(outs[0], outs[1], atol=1e-3).item()  # the window made a difference
+
+
+def test_a_row_with_fewer_blocks_than_the_widest_is_padded_with_its_own_last_block():
+    kv = PagedKV(2, 1, 8, 1, num_blocks=8, block_size=4)
+    rows = [RowSpan(0, 9, 1, (4, 1, 6)), RowSpan(1, 5, 1, (2, 7)), RowSpan(2, 0, 1, (3,))]
+    assert kv.forward(rows, 0).step.tables.tolist() == [[4, 1, 6], [2, 7, 7], [3, 3, 3]]
 
 
 def test_block_tables_follow_the_rows_when_the_same_rows_come_in_another_order():
