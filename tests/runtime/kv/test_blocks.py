@@ -215,3 +215,47 @@ def test_a_hit_in_a_pool_whose_every_layer_slides_holds_only_the_windows_blocks(
     pool.release_tables(hits)
     pool.check()
     assert pool.num_used_blocks == 0
+
+
+def test_each_windowed_group_is_matched_in_its_own_pool():
+    """Two window sizes: two windowed groups, each with its own pool and block ids."""
+    layout = attrs.evolve(KVLayout.for_layers(3, (None, 4, 8)), group_num_blocks=(8, 2, 8))
+    pool = BlockPool(8, 4, layout=layout)
+    hashes = chain_hashes(list(range(8)), 4, b"")
+    tables = cached_and_released(pool, hashes)
+    assert pool.match_tables(hashes[:1]) == [[tables[0][0]], [tables[1][0]], [tables[2][0]]]
+    pool.group_pools[1].allocate()  # evicts window 4's copy of block 0; window 8's keeps it
+    assert pool.match_tables(hashes[:1]) == [[], [], []]
+    pool.check()
+
+
+def test_a_windowed_pool_short_of_the_blocks_to_keep_free_lets_a_row_grow_by_none():
+    """A prompt chunk leaves a windowed block free per running row: with fewer free than
+    that, its row grows by no block (never by a negative count)."""
+    layout = attrs.evolve(KVLayout.for_layers(2, (None, 4)), group_num_blocks=(8, 2))
+    pool = BlockPool(8, 4, layout=layout)
+    tables = pool.new_tables()
+    pool.grow_tables(tables, 1)
+    assert pool.num_growable(tables, 1) == 1  # the windowed pool's one free block
+    assert pool.num_growable(tables, 1, keep_windowed_free=3) == 0
+
+
+def test_only_a_windowed_group_0_has_blocks_out_of_the_window():
+    """The policy counts group 0's blocks: a full group 0 keeps every one, whatever the
+    windowed groups give back."""
+    layout = attrs.evolve(KVLayout.for_layers(2, (None, 4)), group_num_blocks=(8, 8))
+    pool = BlockPool(8, 4, layout=layout)
+    tables = pool.new_tables()
+    pool.grow_tables(tables, 3)
+    assert pool.num_out_of_window(tables, 12) == 0  # the windowed group reads block 2 only
+    sliding = BlockPool(8, 4, layout=KVLayout.for_layers(1, (4,)))
+    tables = sliding.new_tables()
+    sliding.grow_tables(tables, 3)
+    assert sliding.num_out_of_window(tables, 12) == 2
+    # Every layer slides, in two windows: group 0's own table counts, not the wider one's.
+    two_windows = attrs.evolve(KVLayout.for_layers(2, (4, 8)), group_num_blocks=(8, 8))
+    pool = BlockPool(8, 4, layout=two_windows)
+    tables = pool.new_tables()
+    pool.grow_tables(tables, 3)
+    pool.release_out_of_window(tables, 12)  # window 4 reads block 2, window 8 blocks 1-2
+    assert pool.num_out_of_window(tables, 12) == 0 and tables[1][1] != NULL_BLOCK
