@@ -36,6 +36,8 @@ def test_a_windowed_group_holds_the_window_and_a_chunk_at_most():
     # A window of 4 in blocks of 4: a decoding query's 4 keys span 2 blocks at most, so a
     # pool of 2 holds a row however long it grows.
     assert every_layer_slides.max_row_tokens(2, 4) > 10**9
+    # Two windows: group 0's (the narrower) decides; the wider group's pool never binds.
+    assert KVLayout.for_layers(2, (8, 4)).max_row_tokens(2, 4) > 10**9
 
 
 def test_a_rows_windowed_blocks_go_back_to_their_own_pool():
