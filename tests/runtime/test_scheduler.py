@@ -664,3 +664,14 @@ def test_random_workloads_finish_with_the_pool_intact_in_every_layout(windows):
                 pool.check()
         assert not p.has_work and not queued
         assert pool.num_used_blocks == 0
+
+
+def test_blocks_of_generated_tokens_are_cached_under_the_hashes_a_prompt_of_them_gets():
+    """A follow-up whose prompt is the first request's prompt and reply hits every full
+    block of both (chained on the one before, as a prompt's hashes are)."""
+    p = policy(block_size=4)
+    p.add("a", params(4, max_tokens=9))
+    while p.has_work:
+        done(p, p.schedule())
+    p.add("b", SequenceParams(tuple(range(1, 5)) + (7,) * 9 + (99,), max_tokens=1))
+    assert p.schedule().opens[0][2] == 12  # the prompt's block and two of the reply's
