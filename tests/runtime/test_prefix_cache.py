@@ -26,26 +26,37 @@ def engine(make_checkpoint):
     return Engine(load_model(make_checkpoint("llama")), max_batch=4)
 
 
-def test_a_shared_1000_token_prefix_is_reused_with_the_tokens_of_a_cold_run(engine):
+@pytest.fixture(scope="module")
+def cold(make_checkpoint):
+    """The reference runs, caching off, on an engine of their own: sharing `engine`'s
+    storage, their blocks were the cached ones a test then hit, rewritten with the same
+    prefix, so a hit that read a block some other request had overwritten went unseen."""
+    engine = Engine(load_model(make_checkpoint("llama")), max_batch=4)
+
+    def run(prompt, max_tokens=8):
+        policy = policy_for(engine, caching=False)
+        return run_offline(engine, policy, {"x": params(prompt, max_tokens)})["x"]
+
+    return run
+
+
+def test_a_shared_1000_token_prefix_is_reused_with_the_tokens_of_a_cold_run(engine, cold):
     first = SHARED + [5, 6, 7]
     second = SHARED + [900, 901, 902, 903]
-    cold = run_offline(engine, policy_for(engine, caching=False), {"b": params(second)})["b"]
+    reference = cold(second)
     policy = policy_for(engine)
     run_offline(engine, policy, {"a": params(first)})
     warm = run_offline(engine, policy, {"b": params(second)})["b"]
     assert warm.num_cached_tokens >= 960
-    assert warm.tokens == cold.tokens and cold.num_cached_tokens == 0
+    assert warm.tokens == reference.tokens and reference.num_cached_tokens == 0
     assert policy.pool.hit_rate > 0
 
 
-def test_concurrent_requests_share_blocks_of_a_prefix_computed_earlier(engine):
+def test_concurrent_requests_share_blocks_of_a_prefix_computed_earlier(engine, cold):
     policy = policy_for(engine)
     run_offline(engine, policy, {"warmup": params(SHARED[:200], 1)})
     prompts = {str(i): SHARED[:200] + [i + 3] * (i + 1) for i in range(4)}
-    cold = {
-        k: run_offline(engine, policy_for(engine, caching=False), {k: params(p)})[k].tokens
-        for k, p in prompts.items()
-    }
+    reference = {k: cold(p).tokens for k, p in prompts.items()}
     shared_counts = []
 
     def note(plan):
@@ -53,28 +64,25 @@ def test_concurrent_requests_share_blocks_of_a_prefix_computed_earlier(engine):
             shared_counts.append(max(policy.pool.refcount))
 
     got = run_offline(engine, policy, {k: params(p) for k, p in prompts.items()}, on_step=note)
-    assert {k: r.tokens for k, r in got.items()} == cold
+    assert {k: r.tokens for k, r in got.items()} == reference
     assert all(r.num_cached_tokens == 192 for r in got.values())  # 12 blocks of 16
     assert max(shared_counts) == 4  # one block held by all four rows at once
 
 
-def test_eviction_under_a_tiny_budget_stays_correct(engine):
+def test_eviction_under_a_tiny_budget_stays_correct(engine, cold):
     """Five distinct 60-token prompts through a 12-block pool: blocks are evicted and
     reused, and every request still gets the tokens of a cold run."""
     prompts = {str(i): [(i * 101 + j * 7) % 1900 + 3 for j in range(60)] for i in range(5)}
-    cold = {
-        k: run_offline(engine, policy_for(engine, caching=False), {k: params(p)})[k].tokens
-        for k, p in prompts.items()
-    }
+    reference = {k: cold(p).tokens for k, p in prompts.items()}
     policy = policy_for(engine, num_blocks=12, max_batch=2)
     for _ in range(2):  # the second round finds some prefixes cached, others evicted
         got = run_offline(engine, policy, {k: params(p) for k, p in prompts.items()})
-        assert {k: r.tokens for k, r in got.items()} == cold
+        assert {k: r.tokens for k, r in got.items()} == reference
         policy.pool.check()
     assert policy.pool.num_used_blocks == 0 and len(policy.pool.by_hash) <= 12
 
 
-def test_an_aborted_request_releases_its_blocks_while_shared_ones_stay_alive(engine):
+def test_an_aborted_request_releases_its_blocks_while_shared_ones_stay_alive(engine, cold):
     policy = policy_for(engine)
     run_offline(engine, policy, {"warmup": params(SHARED[:64], 1)})
     shared = policy.pool.match_prefix(
@@ -82,7 +90,7 @@ def test_an_aborted_request_releases_its_blocks_while_shared_ones_stay_alive(eng
     )
     assert len(shared) == 3
     keep, leave = SHARED[:64] + [7, 8, 9], SHARED[:64] + [10, 11, 12]
-    alone = run_offline(engine, policy_for(engine, caching=False), {"keep": params(keep, 24)})
+    alone = cold(keep, 24)
 
     def abort_midway(plan):
         if plan.step == 4:
@@ -92,7 +100,7 @@ def test_an_aborted_request_releases_its_blocks_while_shared_ones_stay_alive(eng
     got = run_offline(
         engine, policy, {"keep": params(keep, 24), "leave": params(leave, 24)}, on_step=abort_midway
     )
-    assert got["keep"].tokens == alone["keep"].tokens
+    assert got["keep"].tokens == alone.tokens
     assert got["leave"].finish is None and len(got["leave"].tokens) < 24
     assert policy.pool.num_used_blocks == 0 and engine.num_open == 0
     policy.pool.check()
