@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeGuard
 
-from runtime.config import MAX_INT_FIELD, ModelConfig, config_from_dict, load_config
+from runtime.config import MAX_INT_FIELD, ModelConfig, config_from_dict, is_token_id, load_config
 from runtime.cpu_weights import DEFAULT_CPU_QUANTIZE, prepare_for_cpu
 from runtime.environment import environment_problems
 from runtime.errors import CheckpointError
@@ -110,8 +110,15 @@ def load_model(
     except CheckpointError as error:  # weights too large for the memory: name the checkpoint
         raise CheckpointError(f"{path}: {error}") from None
     mx.eval(decoder.parameters())
-    if not config.eos_token_ids and tokenizer.eos_token_ids:
-        config = attrs.evolve(config, eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)))
+    # The tokenizer's eos_token stops a reply too, as in mlx-lm and vLLM: early Llama 3
+    # Instruct conversions name <|end_of_text|> in config.json and <|eot_id|> only there.
+    tokenizer_eos = [
+        token_id
+        for token_id in sorted(tokenizer.eos_token_ids)
+        if is_token_id(token_id, config.vocab_size) and token_id not in config.eos_token_ids
+    ]
+    if tokenizer_eos:
+        config = attrs.evolve(config, eos_token_ids=(*config.eos_token_ids, *tokenizer_eos))
     return LoadedModel(model=decoder, config=config, tokenizer=tokenizer, path=path, name=name)
 
 

@@ -135,7 +135,7 @@ def test_an_eos_id_that_is_no_token_is_none_and_grammars_still_compile(broken):
     edit_config(broken, eos_token_id=[vocab_size, -1, True, 3])
     (broken / "generation_config.json").write_text(json.dumps({"eos_token_id": vocab_size + 7}))
     loaded = load_model(broken)
-    assert loaded.config.eos_token_ids == (3,)
+    assert set(loaded.config.eos_token_ids) == {3, *loaded.tokenizer.eos_token_ids}
     compiler = GrammarCompiler(loaded.tokenizer, vocab_size, loaded.config.eos_token_ids)
     assert compiler.compile(GrammarSpec("regex", "[a-z]+", "guided_regex")) is not None
 
@@ -1041,3 +1041,14 @@ def test_a_header_length_past_safetensors_limit_is_refused_before_it_is_read(bro
         f.truncate(size)
     message = error_for(broken)
     assert f"a header of {size - 8} bytes, more than safetensors' 100000000" in message
+
+
+def test_the_tokenizers_eos_stops_a_reply_beside_the_configs(broken):
+    """Early Llama 3 Instruct conversions name <|end_of_text|> in config.json and
+    <|eot_id|> only as the tokenizer's eos_token; mlx-lm and vLLM stop at both, and a
+    reply here ran past <|eot_id|> to max_tokens."""
+    edit_config(broken, eos_token_id=0)
+    (broken / "generation_config.json").unlink()
+    loaded = load_model(broken)
+    assert loaded.tokenizer.eos_token_ids and 0 not in loaded.tokenizer.eos_token_ids
+    assert set(loaded.config.eos_token_ids) == {0, *loaded.tokenizer.eos_token_ids}
