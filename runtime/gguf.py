@@ -141,11 +141,16 @@ _GEMMA4_NAMES = {
 # Phi-3's LongRoPE factors: RoPE settings, not weights (as Llama 3's `rope_freqs`).
 _LONGROPE_TENSORS = frozenset({"rope_factors_long.weight", "rope_factors_short.weight"})
 
+# gpt-oss's (harmony's) ends of a reply. Its <|end|> closes a message, its reasoning's
+# among them, and the reply goes on: where both are EOS, llama.cpp drops <|end|>.
+_HARMONY_ENDS = frozenset({"<|return|>", "<|call|>"})
+
 # The end-of-turn spellings llama.cpp's vocabulary loader recognises (llama-vocab.cpp),
 # Gemma 4's among them: the end of its turn, and the tool response it waits for after
 # a call (a user-defined token in its files, which llama.cpp stops at all the same).
 _END_OF_TURN_TOKENS = frozenset(
     {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>", "<turn|>"}
+    | _HARMONY_ENDS
 )
 _END_OF_TURN_ANY_TYPE = frozenset({"<|tool_response>"})
 
@@ -307,6 +312,8 @@ def _eos_ids(metadata: Metadata) -> list[int]:
         ) or token in _END_OF_TURN_ANY_TYPE
         if is_end_of_turn and token_id not in ids:
             ids.append(token_id)
+    if _HARMONY_ENDS.issubset(tokens[i] for i in ids):
+        ids = [i for i in ids if tokens[i] != "<|end|>"]
     return ids
 
 

@@ -1287,3 +1287,27 @@ def test_gemma2_settings_a_gguf_leaves_out_are_llama_cpps(convert, make_checkpoi
     big = make_checkpoint("gemma2", hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32, num_layers=46)
     config = read_gguf(write_gguf(big, tmp_path / "27b.gguf", tmp_path / "27b")).config
     assert (config["head_dim"], config["query_pre_attn_scalar"]) == (32, 16)
+
+
+def test_a_harmony_gguf_stops_at_return_and_call_not_at_the_end_of_a_message(convert, tmp_path):
+    """gpt-oss's <|end|> closes its reasoning message and the reply goes on: llama.cpp
+    stops at <|return|> and <|call|> and, where a vocabulary holds both, not at <|end|>.
+    Taken as an end of turn, every reply stopped after its reasoning."""
+    path, _ = convert("gpt_oss", GGMLType.F32)
+    reader = gguf.GGUFReader(path)
+    tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
+    types = list(reader.fields["tokenizer.ggml.token_type"].contents())
+    # The demo's three added tokens, respelled (a BPE token a merge names cannot be).
+    end, done, call = (tokens.index(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
+    for token_id, spelling in ((end, "<|end|>"), (done, "<|return|>"), (call, "<|call|>")):
+        tokens[token_id], types[token_id] = spelling, gguf.TokenType.CONTROL
+    harmony = rewritten(
+        path,
+        tmp_path / "harmony.gguf",
+        metadata={
+            "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
+            "tokenizer.ggml.token_type": (types, V.ARRAY, V.INT32),
+        },
+    )
+    eos = read_gguf(harmony).config["eos_token_id"]
+    assert done in eos and call in eos and end not in eos
