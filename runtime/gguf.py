@@ -145,11 +145,14 @@ _LONGROPE_TENSORS = frozenset({"rope_factors_long.weight", "rope_factors_short.w
 # among them, and the reply goes on: where both are EOS, llama.cpp drops <|end|>.
 _HARMONY_ENDS = frozenset({"<|return|>", "<|call|>"})
 
-# The end-of-turn spellings llama.cpp's vocabulary loader recognises (llama-vocab.cpp),
-# Gemma 4's among them: the end of its turn, and the tool response it waits for after
-# a call (a user-defined token in its files, which llama.cpp stops at all the same).
+# The end-of-turn spellings llama.cpp's vocabulary loader recognises (llama-vocab.cpp):
+# Llama 3.1's <|eom_id|> (after a tool call) and <|end_of_text|>, which its files do not
+# name beside <|eot_id|>, and Gemma 4's: the end of its turn, and the tool response it
+# waits for after a call (a user-defined token in its files, which llama.cpp stops at
+# all the same).
 _END_OF_TURN_TOKENS = frozenset(
-    {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>", "<turn|>"}
+    {"<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|end|>", "<end_of_turn>"}
+    | {"<|endoftext|>", "<EOT>", "<turn|>"}
     | _HARMONY_ENDS
 )
 _END_OF_TURN_ANY_TYPE = frozenset({"<|tool_response>"})

@@ -1311,3 +1311,26 @@ def test_a_harmony_gguf_stops_at_return_and_call_not_at_the_end_of_a_message(con
     )
     eos = read_gguf(harmony).config["eos_token_id"]
     assert done in eos and call in eos and end not in eos
+
+
+@pytest.mark.parametrize("spelling", ["<|eom_id|>", "<|end_of_text|>"])
+def test_llama_3_1s_other_ends_stop_generation_as_in_llama_cpp(convert, tmp_path, spelling):
+    """Llama 3.1 files name <|eot_id|> alone (its generation_config.json's other EOS ids,
+    <|eom_id|> after a tool call and <|end_of_text|>, are not carried): llama.cpp stops
+    at them by their spelling, and a reply here ran on past them."""
+    path, _ = convert("llama", GGMLType.F32)
+    reader = gguf.GGUFReader(path)
+    tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
+    types = list(reader.fields["tokenizer.ggml.token_type"].contents())
+    token_id = tokens.index("<|im_start|>")  # an added token, respelled
+    tokens[token_id], types[token_id] = spelling, gguf.TokenType.CONTROL
+    respelled = rewritten(
+        path,
+        tmp_path / "llama31.gguf",
+        metadata={
+            "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
+            "tokenizer.ggml.token_type": (types, V.ARRAY, V.INT32),
+        },
+    )
+    assert token_id in read_gguf(respelled).config["eos_token_id"]
+    assert token_id not in read_gguf(path).config["eos_token_id"]
