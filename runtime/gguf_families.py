@@ -102,8 +102,11 @@ def _phi3_fields(
     """Phi-3's window, its pre-LongRoPE context, and how much of a head RoPE rotates
     (Phi-4-mini's 0.75)."""
     rotated = metadata.optional(key("rope.dimension_count"), int, config["head_dim"])
+    window_key = key("attention.sliding_window")
+    # llama.cpp's converter writes 0 for Phi-4, whose config.json's window is null.
+    no_window = metadata.get(window_key) == 0
     fields: dict[str, Any] = {
-        "sliding_window": metadata.optional(key("attention.sliding_window"), int),
+        "sliding_window": None if no_window else metadata.optional(window_key, int),
         # Half a dimension over, so int(head_dim * factor), as the family reads it, gives
         # `rotated` back: 30 / 44 * 44 is 29.999... in floating point.
         "partial_rotary_factor": (rotated + 0.5) / config["head_dim"],

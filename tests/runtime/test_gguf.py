@@ -1334,3 +1334,15 @@ def test_llama_3_1s_other_ends_stop_generation_as_in_llama_cpp(convert, tmp_path
     )
     assert token_id in read_gguf(respelled).config["eos_token_id"]
     assert token_id not in read_gguf(path).config["eos_token_id"]
+
+
+def test_a_phi3_gguf_window_of_0_is_no_window_as_llama_cpps_phi_4(convert, tmp_path):
+    """llama.cpp's converter writes a window of 0 for Phi-4, whose config.json's
+    sliding_window is null ("to distinguish Phi-4 from other PHI3 models"); its
+    files were refused ("field 'sliding_window' must be positive")."""
+    path, reference_dir = convert("phi3", GGMLType.F32)
+    key = "phi3.attention.sliding_window"
+    phi4 = rewritten(path, tmp_path / "phi4.gguf", metadata={key: (0, V.UINT32, V.UINT32)})
+    loaded = load_model(phi4)
+    assert loaded.config.layer_windows == ()
+    assert mx.array_equal(loaded.model(PROMPT), load_model(reference_dir).model(PROMPT))
