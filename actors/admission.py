@@ -23,7 +23,7 @@ from runtime.harmony import HARMONY_HEADER
 from runtime.sequence import SequenceParams, check_sequence
 from runtime.tokenizer import Tokenizer
 from runtime.tool_prompts import chat_for_template, template_knows_tools, tool_call_grammar
-from runtime.tools import ARGS, REASONING_STYLES, TOOL_CALLS
+from runtime.tools import ARGS, HERMES_TAGS, REASONING_STYLES, TOOL_CALLS
 
 import attrs
 import structlog
@@ -224,12 +224,15 @@ class Admission:
         return answer
 
     def control_tokens(self) -> dict[str, int]:
-        """The call markers (Mistral's, or harmony's header markers) that this tokenizer
-        holds as control tokens, by spelling: a forced call's grammar writes them so."""
-        markers = {"harmony": HARMONY_HEADER, "gemma4": (CALL_OPEN, CALL_CLOSE, QUOTE)}.get(
-            self.tool_style, (TOOL_CALLS, ARGS)
-        )
-        spelled = {marker: self.tokenizer.special_token_id(marker) for marker in markers}
+        """The call markers (Mistral's, harmony's header markers, Hermes's tags) that this
+        tokenizer holds as tokens of their own, by spelling: a forced call's grammar
+        writes them so (llguidance matches no added token against literal text)."""
+        markers = {
+            "harmony": HARMONY_HEADER,
+            "gemma4": (CALL_OPEN, CALL_CLOSE, QUOTE),
+            "hermes": HERMES_TAGS,
+        }.get(self.tool_style, (TOOL_CALLS, ARGS))
+        spelled = {marker: self.tokenizer.added_token_id(marker) for marker in markers}
         return {marker: token_id for marker, token_id in spelled.items() if token_id is not None}
 
     async def _compile(self, spec: GrammarSpec) -> CompiledGrammar:

@@ -94,6 +94,11 @@ class Tokenizer:
             if token.special
         }
         self._special_ids = frozenset(special_spellings)
+        # Every added token, special or not: llguidance takes them all as special, so a
+        # grammar writes one by its id (Qwen's <tool_call> is added, yet not special).
+        self._added_ids = {
+            token.content: token_id for token_id, token in backend.get_added_tokens_decoder().items()
+        }
         # What encode_chat needs to keep a special token spelled in a message as text.
         self._spellings = {i: text for i, text in special_spellings.items() if text}
         self._plain_spelling_ids = _plain_text_ids(backend, self._spellings)
@@ -275,6 +280,10 @@ class Tokenizer:
     def special_token_id(self, text: str) -> int | None:
         """The id of the special (control) token spelled exactly `text`, if there is one."""
         return next((i for i, spelling in self._spellings.items() if spelling == text), None)
+
+    def added_token_id(self, text: str) -> int | None:
+        """The id of the added token, special or not, spelled exactly `text`, if there is one."""
+        return self._added_ids.get(text)
 
     def _spells_special_token(self, text: str) -> bool:
         return self._spelling_pattern.search(text) is not None

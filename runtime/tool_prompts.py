@@ -19,7 +19,7 @@ from typing import Any
 from runtime.gemma4_reply import CALL_CLOSE, CALL_OPEN, QUOTE, gemma4_arguments, gemma4_key
 from runtime.grammar import JSON_OPTIONS, GrammarSpec, answer_json_schema
 from runtime.harmony import CALL, CHANNEL, CONSTRAIN, MESSAGE
-from runtime.tools import ARGS, TOOL_CALLS, TOOL_STYLES
+from runtime.tools import ARGS, CALL_END_TAG, CALL_TAG, TOOL_CALLS, TOOL_STYLES
 
 # Arguments stay JSON objects in forced calls, whatever a tool's own schema omits.
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -60,8 +60,8 @@ def tool_call_grammar(
 
     `answer`, a JSON grammar (`response_format`), is the other choice: the reply is one
     call or that answer, as OpenAI's `tool_choice: auto` beside a `response_format`.
-    `control_tokens` (spelling -> id): Mistral's or harmony's markers that are the
-    tokenizer's own control tokens, written as those tokens (the model's own way), not
+    `control_tokens` (spelling -> id): Mistral's, harmony's or Hermes's markers that are
+    the tokenizer's own tokens, written as those tokens (the model's own way), not
     spelled out."""
     assert style in TOOL_STYLES
     functions = [tool["function"] for tool in tools]
@@ -110,7 +110,7 @@ def tool_call_grammar(
     for i, schema in enumerate(calls):
         call += f"\ncall_{i}: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
     if style == "hermes":
-        lark = f'tool_call: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {call}'
+        lark = f'tool_call: {marker(CALL_TAG)} "\\n" call "\\n" {marker(CALL_END_TAG)}\ncall: {call}'
     elif style == "gemma":
         lark = f'tool_call: "```tool_code\\n" call "\\n```"\ncall: {call}'
     else:

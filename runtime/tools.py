@@ -310,6 +310,7 @@ class _WholeReply:
 
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"  # Mistral's control tokens, kept in its text
+HERMES_TAGS = CALL_TAG, CALL_END_TAG = "<tool_call>", "</tool_call>"  # Qwen's: added tokens
 
 
 @attrs.define
@@ -471,7 +472,7 @@ def parser_for(style: str, parses_calls: bool = True) -> ToolParser:
     Gemma 4's also split reasoning from content, so they run for requests without tools
     too: there (`parses_calls` False) a call is content."""
     if style == "hermes":
-        return _Delimited("<tool_call>", "</tool_call>", streams_arguments=True)
+        return _Delimited(CALL_TAG, CALL_END_TAG, streams_arguments=True)
     if style == "gemma":
         return _Delimited("```tool_code", "```", streams_arguments=False)
     if style == "llama3_json":

@@ -559,3 +559,41 @@ async def test_a_forced_mistral_call_is_written_in_its_control_tokens_and_parsed
     assert written[0] == "[TOOL_CALLS]" and "[ARGS]" in written  # each one token, not spelled
     assert (content, finish) == ("", "tool_calls")
     assert [(n, a) for _, n, a in calls.values()] == [(call.function.name, call.function.arguments)]
+
+
+@pytest.fixture(scope="module")
+def hermes_with_added_tags(make_checkpoint, tmp_path_factory):
+    """A Hermes-style checkpoint whose tokenizer holds <tool_call> and </tool_call> as added
+    tokens that are not special, as Qwen 2.5's, Qwen 3's and QwQ's do."""
+    size = Tokenizer.from_dir(make_checkpoint("llama")).vocab_size
+    out = tmp_path_factory.mktemp("tools") / "hermes-added"
+    checkpoint = with_template(make_checkpoint("llama", vocab_size=size + 8), out, TEMPLATES["hermes"])
+    tokenizer_file = checkpoint / "tokenizer.json"
+    raw = json.loads(tokenizer_file.read_text())
+    for offset, tag in enumerate(("<tool_call>", "</tool_call>")):
+        raw["added_tokens"].append({
+            "id": size + offset, "content": tag, "single_word": False, "lstrip": False,
+            "rstrip": False, "normalized": False, "special": False,
+        })
+    tokenizer_file.write_text(json.dumps(raw))
+    return checkpoint
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+async def test_a_forced_hermes_call_is_written_in_tags_that_are_added_tokens(hermes_with_added_tags, choice):
+    """llguidance takes every added token as special and matches none against literal
+    text: a grammar spelling "<tool_call>" was a 400 for every Qwen. It writes the tags
+    as those tokens, which decode as text, where the parser finds the call."""
+    body = dict(messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=60, logprobs=True)
+    async with serving(hermes_with_added_tags) as server:
+        assert server.llm.tool_style == "hermes"
+        done = await in_thread(whole, server, **body)
+        content, calls, finish = await in_thread(streamed, server, **body)
+    choice_ = done.choices[0]
+    assert choice_.finish_reason == "tool_calls" and choice_.message.content is None
+    (call,) = choice_.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    written = [entry.token for entry in choice_.logprobs.content]
+    assert written[0] == "<tool_call>" and written[-1] == "</tool_call>"  # each one token
+    assert (content, finish) == ("", "tool_calls")
+    assert [(n, a) for _, n, a in calls.values()] == [(call.function.name, call.function.arguments)]
