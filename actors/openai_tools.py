@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from typing import Any
 
@@ -235,6 +237,15 @@ def tool_request(body: dict[str, Any]) -> ToolRequest:
     return ToolRequest(tuple(tools), "function", name, is_parallel)
 
 
+def new_call_id(style: str) -> str:
+    """A fresh id for a call written in `style`. Mistral's templates (Nemo, Small 3.2)
+    refuse a chat whose call ids are not 9 letters and digits, so the id of a call made
+    here, sent back with its result, must be one: there it is, as vLLM writes them."""
+    if style == "mistral":
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @attrs.define
 class ToolCallStream:
     """Text deltas -> (content, OpenAI `tool_calls` delta items), in `style`'s format.
@@ -311,7 +322,7 @@ class ToolCallStream:
                     self.is_cut_short = True
                 case CallStart(index, name):
                     self.blank, self.blank_before_call = "", self.blank
-                    self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                    self.ids.append(new_call_id(self.style))
                     function = {"name": name, "arguments": ""}
                     calls.append(
                         {

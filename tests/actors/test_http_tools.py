@@ -8,6 +8,8 @@ whose chat template takes tools (tests/actors/tool_templates.py).
 
 import http.client
 import json
+import pathlib
+import re
 import urllib.parse
 
 from runtime.tokenizer import Tokenizer
@@ -84,7 +86,9 @@ async def test_forced_calls_streamed_reassemble_to_the_whole_call(styled, choice
     if isinstance(choice, dict):
         assert call.function.name == "get_time"
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-    assert call.id.startswith("call_") and call.type == "function"
+    # Mistral's templates take back only ids of 9 letters and digits.
+    assert re.fullmatch("[A-Za-z0-9]{9}" if style == "mistral" else "call_[0-9a-f]{24}", call.id)
+    assert call.type == "function"
     # Greedy, so the stream is the same reply: its deltas add up to the whole call.
     assert (content, finish) == ("", "tool_calls")
     assert [(name, arguments) for _, name, arguments in calls.values()] == [
@@ -597,3 +601,23 @@ async def test_a_forced_hermes_call_is_written_in_tags_that_are_added_tokens(her
     assert written[0] == "<tool_call>" and written[-1] == "</tool_call>"  # each one token
     assert (content, finish) == ("", "tool_calls")
     assert [(n, a) for _, n, a in calls.values()] == [(call.function.name, call.function.arguments)]
+
+
+async def test_a_mistral_call_id_is_one_its_templates_take_back(make_checkpoint, tmp_path):
+    """Mistral's templates (Nemo, Small 3.2) refuse a chat whose call ids are not 9
+    alphanumeric characters: the id of a call made here, sent back with its result, was
+    a 400 the client could not fix. Published Mistral-Nemo-Instruct-2407 template."""
+    template = (pathlib.Path(__file__).parent / "templates" / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text()
+    checkpoint = with_template(make_checkpoint("llama"), tmp_path / "nemo", template)
+    async with serving(checkpoint) as server:
+        assert server.llm.tool_style == "mistral"
+        done = await in_thread(whole, server, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=60)
+        (call,) = done.choices[0].message.tool_calls
+        assert re.fullmatch("[A-Za-z0-9]{9}", call.id)
+        history = [
+            *ASK,
+            {"role": "assistant", "tool_calls": [call.model_dump(exclude_none=True)]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'},
+        ]
+        answer = await in_thread(whole, server, messages=history, tools=TOOLS, max_tokens=4)
+    assert answer.choices[0].finish_reason == "length"
