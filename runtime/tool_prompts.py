@@ -231,7 +231,7 @@ def chat_for_template(
     chat = [_with_parsed_arguments(m) for m in messages]
     if knows_tools:
         return _responses_in_turn(chat) if style == "gemma4" else chat
-    chat = [_as_text(m, style) for m in chat]
+    chat = _results_joined(chat, [_as_text(m, style) for m in chat])
     if tools:
         preamble = _tools_preamble(tools, style)
         first_user = next((i for i, m in enumerate(chat) if m["role"] == "user"), None)
@@ -241,6 +241,19 @@ def chat_for_template(
             content = chat[first_user].get("content") or ""
             chat[first_user] = {**chat[first_user], "content": f"{preamble}\n\n{content}"}
     return chat
+
+
+def _results_joined(chat: list[dict[str, Any]], texts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`texts` (`chat` as text) with the results of one turn's calls in one user turn:
+    templates that make user and assistant alternate (Gemma 2 and 3, Mixtral) refused
+    two in a row, so a round trip of parallel calls was a 400."""
+    out: list[dict[str, Any]] = []
+    for index, (message, text) in enumerate(zip(chat, texts, strict=True)):
+        if message["role"] == "tool" and index and chat[index - 1]["role"] == "tool":
+            out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n{text['content']}"}
+        else:
+            out.append(text)
+    return out
 
 
 def _responses_in_turn(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1027,3 +1027,25 @@ def test_a_call_fed_a_character_a_delta_is_scanned_and_decoded_once(style, as_st
     text = f"<tool_call>\n{call}\n</tool_call>" if style == "hermes" else call
     assert parse(style, text, range(1, len(text))) == ("", [("f", arguments)])
     assert sum(scanned) <= 2 * len(call) and len(decodes) <= 2
+
+
+def test_the_results_of_parallel_calls_are_one_user_turn_for_a_template_without_tools():
+    """Each result was a user turn of its own: two in a row, which templates that make
+    turns alternate refuse (Gemma 2 and 3, Mixtral), so a round trip of parallel calls
+    was a 400. Rendered through Gemma 2's published template."""
+    template = (Path(__file__).parents[1] / "actors" / "templates" / "google-gemma-2-2b-it.jinja").read_text()
+    calls = [
+        {"id": f"call_{i}", "type": "function", "function": {"name": "get_weather", "arguments": f'{{"city": "{city}"}}'}}
+        for i, city in enumerate(("Paris", "Rome"))
+    ]
+    history = [
+        HISTORY[0],
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_0", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rainy"},
+    ]
+    chat = chat_for_template(history, TOOLS, "gemma", knows_tools=False)
+    assert [m["role"] for m in chat] == ["user", "assistant", "user"]
+    assert chat[2]["content"] == "```tool_output\nsunny\n```\n```tool_output\nrainy\n```"
+    rendered = with_template(template).apply_chat_template(chat, template_kwargs=None)
+    assert rendered.endswith("```tool_output\nsunny\n```\n```tool_output\nrainy\n```<end_of_turn>\n<start_of_turn>model\n")
