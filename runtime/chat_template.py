@@ -7,6 +7,7 @@ globals and `tojson`), so a prompt here is byte-identical to transformers'
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -18,6 +19,7 @@ from runtime.errors import RequestError
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.utils
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -140,6 +142,13 @@ class ChatTemplate:
                 param="messages",
             )
         return prompt, spans
+
+
+@functools.lru_cache(maxsize=16)
+def reads_variable(source: str, name: str) -> bool:
+    """Whether the template `source` (one that compiles) reads the variable `name` from
+    what it is given: the name inside another (`xml_tools`), a comment or text is not it."""
+    return name in jinja2.meta.find_undeclared_variables(_ENVIRONMENT.parse(source))
 
 
 def checked_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from runtime.chat_template import reads_variable
 from runtime.gemma4_reply import CALL_CLOSE, CALL_OPEN, QUOTE, gemma4_arguments, gemma4_key
 from runtime.grammar import JSON_OPTIONS, GrammarSpec, answer_json_schema
 from runtime.harmony import CALL, CHANNEL, CONSTRAIN, MESSAGE
@@ -45,7 +46,8 @@ def tool_style_for(template_source: str, model_type: str) -> str:
 
 
 def template_knows_tools(template_source: str) -> bool:
-    return "tools" in template_source
+    # SmolLM3's reads its tools from `xml_tools` alone: given `tools`, it showed none.
+    return reads_variable(template_source, "tools")
 
 
 def tool_call_grammar(

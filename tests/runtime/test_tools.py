@@ -1049,3 +1049,21 @@ def test_the_results_of_parallel_calls_are_one_user_turn_for_a_template_without_
     assert chat[2]["content"] == "```tool_output\nsunny\n```\n```tool_output\nrainy\n```"
     rendered = with_template(template).apply_chat_template(chat, template_kwargs=None)
     assert rendered.endswith("```tool_output\nsunny\n```\n```tool_output\nrainy\n```<end_of_turn>\n<start_of_turn>model\n")
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        # SmolLM3's reads its tool list from `xml_tools` alone (its card passes them so).
+        "{%- if xml_tools -%}<tools>{%- for tool in xml_tools[:] -%}{{ tool | string }}{%- endfor -%}"
+        "</tools>{%- endif -%}{%- for m in messages -%}{{ m.content }}{%- endfor -%}",
+        "{# no tools here #}{% for m in messages %}{{ m.content }} (tools: none){% endfor %}",
+    ],
+)
+def test_a_template_that_reads_no_tools_variable_gets_them_in_the_first_user_turn(template):
+    """"tools" inside another name, a comment or text took a template to take `tools`:
+    they were passed to it, it showed none, and the model never saw them."""
+    assert not template_knows_tools(template)
+    chat = chat_for_template(HISTORY[:1], TOOLS, "hermes", template_knows_tools(template))
+    rendered = with_template(template).apply_chat_template(chat, template_kwargs=None)
+    assert json.dumps(TOOLS[0]["function"]) in rendered
