@@ -277,10 +277,6 @@ class Tokenizer:
         """Each special (control) token's id -> its text, where it has any."""
         return self._spellings
 
-    def special_token_id(self, text: str) -> int | None:
-        """The id of the special (control) token spelled exactly `text`, if there is one."""
-        return next((i for i, spelling in self._spellings.items() if spelling == text), None)
-
     def added_token_id(self, text: str) -> int | None:
         """The id of the added token, special or not, spelled exactly `text`, if there is one."""
         return self._added_ids.get(text)

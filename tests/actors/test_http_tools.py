@@ -548,7 +548,7 @@ async def test_a_forced_mistral_call_is_written_in_its_control_tokens_and_parsed
     """The grammar writes the markers as the model's own control tokens (not spelled out),
     and the request offering tools keeps them in its text, where the parser finds them."""
     tokenizer = Tokenizer.from_dir(mistral_with_control_tokens)
-    markers = [tokenizer.special_token_id(m) for m in ("[TOOL_CALLS]", "[ARGS]")]
+    markers = [tokenizer.added_token_id(m) for m in ("[TOOL_CALLS]", "[ARGS]")]
     assert None not in markers
     body = dict(messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=60, logprobs=True)
     async with serving(mistral_with_control_tokens) as server:

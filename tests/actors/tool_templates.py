@@ -157,6 +157,6 @@ def written(checkpoint, markers, *parts):
 
     tokenizer = Tokenizer.from_dir(checkpoint)
     pieces = [
-        f"<[{tokenizer.special_token_id(part)}]>" if part in markers else json.dumps(part) for part in parts
+        f"<[{tokenizer.added_token_id(part)}]>" if part in markers else json.dumps(part) for part in parts
     ]
     return "start: " + " ".join(pieces)
