@@ -180,7 +180,6 @@ def tool_request(body: dict[str, Any]) -> ToolRequest:
             or not isinstance(function, dict)
             or not isinstance(function.get("name"), str)
             or not function["name"]
-            or not isinstance(function.get("parameters", {}), dict)
         ):
             raise RequestError(
                 f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}",
@@ -196,7 +195,15 @@ def tool_request(body: dict[str, Any]) -> ToolRequest:
                 f"tools[{i}].function.name must be 1 to 64 letters, digits, '_' or '-'",
                 param=f"tools[{i}].function.name",
             )
-        kind = function.get("parameters", {}).get("type", "object")
+        if not isinstance(parameters := function.get("parameters", {}), dict):
+            # Named, not folded into the whole tool's shape: `parameters: null` read as
+            # a malformed tool, and the client could not tell which part.
+            raise RequestError(
+                f"tools[{i}].function.parameters must be a JSON schema object, "
+                f"got {json.dumps(parameters)[:100]}",
+                param=f"tools[{i}].function.parameters",
+            )
+        kind = parameters.get("type", "object")
         if kind != "object":
             # OpenAI's rule: arguments are a JSON object. A string schema made forced
             # calls whose `arguments` were no JSON at all (']', '<<=').

@@ -352,6 +352,7 @@ def test_a_schema_may_come_as_json_text_or_a_boolean_and_text_format_constrains_
 
 
 TOOL = {"type": "function", "function": {"name": "f"}}
+P0 = "tools[0].function.parameters"
 
 
 def named(name):
@@ -373,7 +374,8 @@ def named(name):
         ({"tools": [named("f\n")]}, "tools[0].function.name"),
         ({"tools": [named("f" * 65)]}, "tools[0].function.name"),
         ({"tools": [named("get.weather")]}, "tools[0].function.name"),
-        ({"tools": [{**TOOL, "function": {"name": "f", "parameters": []}}]}, "tools[0]"),
+        ({"tools": [{**TOOL, "function": {"name": "f", "parameters": []}}]}, P0),
+        ({"tools": [{**TOOL, "function": {"name": "f", "parameters": None}}]}, P0),
         # OpenAI's rule: arguments are an object. A string schema gave calls of no JSON.
         (
             {"tools": [{**TOOL, "function": {"name": "f", "parameters": {"type": "string"}}}]},
@@ -403,6 +405,7 @@ def named(name):
     ],
 )
 def test_bad_tools_are_refused_naming_the_field(body, param):
+    """`parameters` that are no object (null, a list) were named as the whole tool."""
     with pytest.raises(RequestError) as caught:
         tool_request(body)
     assert caught.value.param == param
