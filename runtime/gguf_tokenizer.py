@@ -80,6 +80,9 @@ _BYTE_LEVEL_PRE: dict[str, _PreTokenizer] = {
     "llama-bpe": _PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True),
     "llama3": _PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True),
     "smaug-bpe": _PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True),
+    # GPT-4's cl100k (DBRX's, and Phi-4's: its files name it so); llama.cpp splits it as
+    # Llama 3, merging every word.
+    "dbrx": _PreTokenizer(_LLAMA3_SPLIT),
     "tekken": _PreTokenizer(_TEKKEN_SPLIT, ignore_merges=True, add_bos=True),
     "gpt-4o": _PreTokenizer(_O200K_SPLIT),
     "llama4": _PreTokenizer(_O200K_SPLIT),

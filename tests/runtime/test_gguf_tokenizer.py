@@ -460,7 +460,7 @@ def test_gemma4_tokenizer_merges_by_the_files_merges_over_newline_runs_and_the_r
     ("pre", "add_bos", "expected"),
     [
         ("tekken", None, True), ("llama-bpe", None, True), ("llama3", None, True), ("smaug-bpe", None, False),
-        ("qwen2", None, False), ("gpt-2", None, False), (None, None, False), ("tekken", False, False),
+        ("dbrx", None, False), ("qwen2", None, False), ("gpt-2", None, False), (None, None, False), ("tekken", False, False),
         ("qwen2", True, True),
     ],
 )
@@ -468,10 +468,10 @@ def test_a_byte_level_vocabulary_adds_bos_where_llama_cpp_assumes_it(
     make_checkpoint, tmp_path, pre, add_bos, expected
 ):
     """llama.cpp adds BOS to tekken's and Llama 3's vocabularies when the file is silent
-    (smaug-bpe's split is Llama 3's, its BOS not)."""
+    (smaug-bpe's and dbrx's split is Llama 3's, their BOS not; Phi-4's files name dbrx)."""
     from tests.runtime.test_gguf import rewritten
 
-    split = {"llama3": "llama-bpe", "smaug-bpe": "llama-bpe", None: "gpt-2"}.get(pre, pre)  # None: no name
+    split = {"llama3": "llama-bpe", "smaug-bpe": "llama-bpe", "dbrx": "llama-bpe", None: "gpt-2"}.get(pre, pre)  # None: no name
     checkpoint = byte_level_checkpoint(make_checkpoint, tmp_path, split)
     path = write_gguf(checkpoint, tmp_path / "model.gguf", tmp_path / "reference", pre_tokenizer=pre or split)
     bos = 1
