@@ -813,23 +813,27 @@ def test_only_control_tokens_spelled_as_an_end_of_turn_stop_generation(convert, 
     assert read_gguf(retyped).config["eos_token_id"] == [2]
 
 
+def respelled(path, out, tokens):
+    """A copy of the file at `out` whose tokens `tokens` names (id -> (spelling, type))
+    are spelled and typed so."""
+    field = gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"]
+    spellings = [bytes(field.parts[i]).decode() for i in field.data]
+    types = token_types(path)
+    for token_id, (spelling, kind) in tokens.items():
+        spellings[token_id], types[token_id] = spelling, kind
+    metadata = {
+        "tokenizer.ggml.tokens": (spellings, V.ARRAY, V.STRING),
+        "tokenizer.ggml.token_type": (types, V.ARRAY, V.INT32),
+    }
+    return rewritten(path, out, metadata=metadata)
+
+
 def test_gemma4s_end_of_turn_and_its_wait_for_a_tool_response_stop_generation(convert, tmp_path):
     """As llama.cpp's vocabulary loader: `<turn|>` (a control token) and `<|tool_response>`
     (user-defined in Gemma 4's files), beside the file's EOS."""
     path, _ = convert("gemma4_text", GGMLType.F32)
-    field = gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"]
-    tokens = [bytes(field.parts[i]).decode() for i in field.data]
-    tokens[0], tokens[1] = "<turn|>", "<|tool_response>"  # control and user-defined below
-    types = token_types(path)
-    types[0], types[1] = gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED
-    renamed = rewritten(
-        path,
-        tmp_path / "gemma4.gguf",
-        metadata={
-            "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
-            "tokenizer.ggml.token_type": (types, V.ARRAY, V.INT32),
-        },
-    )
+    ends = {0: ("<turn|>", gguf.TokenType.CONTROL), 1: ("<|tool_response>", gguf.TokenType.USER_DEFINED)}
+    renamed = respelled(path, tmp_path / "gemma4.gguf", ends)
     assert set(read_gguf(renamed).config["eos_token_id"]) == {*read_gguf(path).config["eos_token_id"], 0, 1}
 
 
@@ -1294,21 +1298,12 @@ def test_a_harmony_gguf_stops_at_return_and_call_not_at_the_end_of_a_message(con
     stops at <|return|> and <|call|> and, where a vocabulary holds both, not at <|end|>.
     Taken as an end of turn, every reply stopped after its reasoning."""
     path, _ = convert("gpt_oss", GGMLType.F32)
-    reader = gguf.GGUFReader(path)
-    tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
-    types = list(reader.fields["tokenizer.ggml.token_type"].contents())
+    tokens = list(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].contents())
     # The demo's three added tokens, respelled (a BPE token a merge names cannot be).
     end, done, call = (tokens.index(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
-    for token_id, spelling in ((end, "<|end|>"), (done, "<|return|>"), (call, "<|call|>")):
-        tokens[token_id], types[token_id] = spelling, gguf.TokenType.CONTROL
-    harmony = rewritten(
-        path,
-        tmp_path / "harmony.gguf",
-        metadata={
-            "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
-            "tokenizer.ggml.token_type": (types, V.ARRAY, V.INT32),
-        },
-    )
+    spellings = {end: "<|end|>", done: "<|return|>", call: "<|call|>"}
+    control = {token_id: (s, gguf.TokenType.CONTROL) for token_id, s in spellings.items()}
+    harmony = respelled(path, tmp_path / "harmony.gguf", control)
     eos = read_gguf(harmony).config["eos_token_id"]
     assert done in eos and call in eos and end not in eos
 
@@ -1319,20 +1314,10 @@ def test_llama_3_1s_other_ends_stop_generation_as_in_llama_cpp(convert, tmp_path
     <|eom_id|> after a tool call and <|end_of_text|>, are not carried): llama.cpp stops
     at them by their spelling, and a reply here ran on past them."""
     path, _ = convert("llama", GGMLType.F32)
-    reader = gguf.GGUFReader(path)
-    tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
-    types = list(reader.fields["tokenizer.ggml.token_type"].contents())
+    tokens = list(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].contents())
     token_id = tokens.index("<|im_start|>")  # an added token, respelled
-    tokens[token_id], types[token_id] = spelling, gguf.TokenType.CONTROL
-    respelled = rewritten(
-        path,
-        tmp_path / "llama31.gguf",
-        metadata={
-            "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
-            "tokenizer.ggml.token_type": (types, V.ARRAY, V.INT32),
-        },
-    )
-    assert token_id in read_gguf(respelled).config["eos_token_id"]
+    llama31 = respelled(path, tmp_path / "llama31.gguf", {token_id: (spelling, gguf.TokenType.CONTROL)})
+    assert token_id in read_gguf(llama31).config["eos_token_id"]
     assert token_id not in read_gguf(path).config["eos_token_id"]
 
 
