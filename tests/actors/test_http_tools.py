@@ -526,22 +526,28 @@ async def test_a_guided_json_beside_tools_holds_the_whole_reply(styled):
     jsonschema.validate(json.loads(message.content), ANSWER)
 
 
-@pytest.fixture(scope="module")
-def mistral_with_control_tokens(make_checkpoint, tmp_path_factory):
-    """A Mistral-style checkpoint whose tokenizer holds [TOOL_CALLS] and [ARGS] as control
-    tokens, as Mistral's own do (the model has embedding rows for them)."""
+def with_added_markers(make_checkpoint, tmp_path_factory, style, markers, *, special):
+    """A `style` checkpoint whose tokenizer holds `markers` as added tokens past the demo
+    vocabulary (the model has embedding rows for them), special or not."""
     size = Tokenizer.from_dir(make_checkpoint("llama")).vocab_size
-    out = tmp_path_factory.mktemp("tools") / "mistral-control"
-    checkpoint = with_template(make_checkpoint("llama", vocab_size=size + 8), out, TEMPLATES["mistral"])
+    out = tmp_path_factory.mktemp("tools") / f"{style}-markers"
+    checkpoint = with_template(make_checkpoint("llama", vocab_size=size + 8), out, TEMPLATES[style])
     tokenizer_file = checkpoint / "tokenizer.json"
     raw = json.loads(tokenizer_file.read_text())
-    for offset, marker in enumerate(("[TOOL_CALLS]", "[ARGS]")):
+    for offset, marker in enumerate(markers):
         raw["added_tokens"].append({
             "id": size + offset, "content": marker, "single_word": False, "lstrip": False,
-            "rstrip": False, "normalized": False, "special": True,
+            "rstrip": False, "normalized": False, "special": special,
         })
     tokenizer_file.write_text(json.dumps(raw))
     return checkpoint
+
+
+@pytest.fixture(scope="module")
+def mistral_with_control_tokens(make_checkpoint, tmp_path_factory):
+    """[TOOL_CALLS] and [ARGS] as control tokens, as Mistral's own tokenizers hold them."""
+    markers = ("[TOOL_CALLS]", "[ARGS]")
+    return with_added_markers(make_checkpoint, tmp_path_factory, "mistral", markers, special=True)
 
 
 async def test_a_forced_mistral_call_is_written_in_its_control_tokens_and_parsed(mistral_with_control_tokens):
@@ -567,20 +573,10 @@ async def test_a_forced_mistral_call_is_written_in_its_control_tokens_and_parsed
 
 @pytest.fixture(scope="module")
 def hermes_with_added_tags(make_checkpoint, tmp_path_factory):
-    """A Hermes-style checkpoint whose tokenizer holds <tool_call> and </tool_call> as added
-    tokens that are not special, as Qwen 2.5's, Qwen 3's and QwQ's do."""
-    size = Tokenizer.from_dir(make_checkpoint("llama")).vocab_size
-    out = tmp_path_factory.mktemp("tools") / "hermes-added"
-    checkpoint = with_template(make_checkpoint("llama", vocab_size=size + 8), out, TEMPLATES["hermes"])
-    tokenizer_file = checkpoint / "tokenizer.json"
-    raw = json.loads(tokenizer_file.read_text())
-    for offset, tag in enumerate(("<tool_call>", "</tool_call>")):
-        raw["added_tokens"].append({
-            "id": size + offset, "content": tag, "single_word": False, "lstrip": False,
-            "rstrip": False, "normalized": False, "special": False,
-        })
-    tokenizer_file.write_text(json.dumps(raw))
-    return checkpoint
+    """<tool_call> and </tool_call> as added tokens that are not special, as Qwen 2.5's,
+    Qwen 3's and QwQ's tokenizers hold them."""
+    tags = ("<tool_call>", "</tool_call>")
+    return with_added_markers(make_checkpoint, tmp_path_factory, "hermes", tags, special=False)
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
