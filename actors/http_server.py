@@ -14,12 +14,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import hypercorn.protocol
+import hypercorn.trio.run
 import structlog
 import trio
 from hypercorn.config import Config, Sockets
 from hypercorn.events import Closed, Event
 from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.trio import serve
+from hypercorn.trio.tcp_server import TCPServer
 
 from actors.cors import CorsPolicy
 from actors.http_access import request_ids
@@ -55,10 +57,11 @@ async def serve_http(
     without its CORS headers from the page, `Retry-After` and all).
 
     On shutdown it stops accepting, gives in-flight requests `graceful_timeout`
-    seconds, then cancels what is left (which aborts their rows) and returns. Once the
-    last response is sent it returns without waiting out the timeout for connections
-    still open: Hypercorn (0.17, 0.18) closes a keep-alive connection itself when
-    shutdown began during its response, and this is the backstop should one not.
+    seconds, then closes the connections still open, cancels what is left (which
+    aborts their rows) and returns. Once the last response is sent it returns without
+    waiting out the timeout for connections still open: Hypercorn (0.17, 0.18) closes
+    a keep-alive connection itself when shutdown began during its response, and this
+    is the backstop should one not.
     """
     stopping = trio.Event()
     tracked = _InFlight(_CloseAfterEarlyResponse(app, stopping), max_requests, cors)
@@ -85,8 +88,10 @@ async def serve_http(
 
         async def cut_off_after_drain() -> None:
             await stopping.wait()
-            with trio.move_on_after(graceful_timeout):
+            with trio.move_on_after(graceful_timeout) as grace:
                 await tracked.wait_idle()
+            if grace.cancelled_caught:
+                config.close_open_connections()
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(cut_off_after_drain)
@@ -124,14 +129,45 @@ class _RefusedH2(H2Protocol):
 hypercorn.protocol.H2Protocol = _RefusedH2  # type: ignore[misc]  # the one ProtocolWrapper builds
 
 
+class _TrackedTCPServer(TCPServer):
+    """Hypercorn's connection, known to its `_Config` while it is open, so that the
+    end of a drain can close it (`_Config.close_open_connections`)."""
+
+    async def run(self) -> None:
+        open_streams = getattr(self.config, "open_streams", None)
+        if open_streams is None:  # a config of Hypercorn's own
+            return await super().run()
+        open_streams.add(self.stream)
+        try:
+            await super().run()
+        finally:
+            open_streams.discard(self.stream)
+
+
+hypercorn.trio.run.TCPServer = _TrackedTCPServer  # type: ignore[misc]  # the one worker_serve starts
+
+
 class _Config(Config):
     """Hypercorn's config, its listening sockets set to drop a connection whose sent
     data goes unacknowledged for `send_timeout` (TCP_USER_TIMEOUT, which accepted
-    connections inherit, and which covers a receive window that stays shut)."""
+    connections inherit, and which covers a receive window that stays shut), and that
+    knows its open connections, to close them when a drain's grace runs out."""
 
     def __init__(self, send_timeout: float):
         super().__init__()
         self.send_timeout = send_timeout
+        self.open_streams: set[Any] = set()
+
+    def close_open_connections(self) -> None:
+        """Close every connection still open. Hypercorn shields its writes from
+        cancellation: a client that stopped reading held its write, and so the end of
+        the shutdown, until `send_timeout` dropped it (60 s after its last ACK). Closed,
+        the write fails at once (trio wakes it with ClosedResourceError); what it had
+        sent is left to the kernel to deliver, as after any close."""
+        for stream in list(self.open_streams):
+            sock = getattr(stream, "socket", None)  # a TLS stream has none: we serve none
+            if sock is not None:
+                sock.close()
 
     def create_sockets(self) -> Sockets:
         sockets = super().create_sockets()

@@ -781,6 +781,44 @@ async def test_a_client_that_stops_reading_is_dropped_and_cannot_hold_the_server
     assert trio.current_time() - started < 5  # the send timeout and the grace, not the client
 
 
+async def test_a_client_that_stops_reading_is_dropped_when_the_drain_ends_not_at_the_send_timeout():
+    """Hypercorn's writes are shielded from cancellation: a stream's client that stopped
+    reading held the shutdown until the send timeout (60 s) dropped it, long after the
+    grace. The end of the grace now drops every connection still open."""
+    stop, stopped, writing = trio.Event(), trio.Event(), trio.Event()
+
+    async def app(scope, receive, send):  # an endless stream, like a long generation's
+        if scope["type"] == "lifespan":
+            return await answer_lifespan(receive, send)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        while True:
+            writing.set()
+            await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+
+    async def serve(task_status):
+        await http_server.serve_http(
+            app, "127.0.0.1", 0, shutdown_trigger=stop.wait, graceful_timeout=0.5,
+            task_status=task_status,
+        )  # the default send timeout: 60 s
+        stopped.set()
+
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    async with trio.open_nursery() as nursery:
+        (url,) = await nursery.start(serve)
+        client.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        client.sendall(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")  # and never reads
+        await writing.wait()
+        await trio.sleep(0.5)  # the buffers fill and the write blocks
+        started = trio.current_time()
+        stop.set()
+        with trio.move_on_after(10):
+            await stopped.wait()
+        took = trio.current_time() - started
+        client.close()  # lets a server that still waits stop, so the test ends
+    assert took < 5  # the grace (0.5 s), while the client stays
+
+
 async def answer_lifespan(receive, send):
     """An ASGI app's side of Hypercorn's lifespan protocol: started, then stopped."""
     while (await receive())["type"] != "lifespan.shutdown":
