@@ -13,13 +13,15 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
+import h11
 import hypercorn.protocol
 import hypercorn.trio.run
 import structlog
 import trio
 from hypercorn.config import Config, Sockets
-from hypercorn.events import Closed, Event
+from hypercorn.events import Closed, Event, RawData
 from hypercorn.protocol.h2 import H2Protocol
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio import serve
 from hypercorn.trio.tcp_server import TCPServer
 
@@ -127,6 +129,34 @@ class _RefusedH2(H2Protocol):
 
 
 hypercorn.protocol.H2Protocol = _RefusedH2  # type: ignore[misc]  # the one ProtocolWrapper builds
+
+
+class _LenientH11(H11Protocol):
+    """Hypercorn's HTTP/1.1, ignoring empty lines where a request-line is awaited, as
+    RFC 9112 (2.2) asks and nginx does: h11 took a CRLF sent on an idle keep-alive
+    connection, or after a request (some clients end a POST body with one), for a
+    request with no request-line, and the connection got a 400 and closed. (A CRLF
+    arriving with the end of the body it follows is already in h11's buffer: not seen
+    here.)"""
+
+    async def handle(self, event: Event) -> None:
+        if isinstance(event, RawData) and event.data and self._awaits_request_line():
+            data = event.data.lstrip(b"\r\n")
+            if not data:
+                return  # nothing but empty lines: not the end of the stream (b"")
+            event = RawData(data=data)
+        await super().handle(event)
+
+    def _awaits_request_line(self) -> bool:
+        connection = self.connection  # a WebSocket's is no h11.Connection
+        return (
+            isinstance(connection, h11.Connection)
+            and connection.their_state in (h11.IDLE, h11.DONE)
+            and not connection.trailing_data[0]
+        )
+
+
+hypercorn.protocol.H11Protocol = _LenientH11  # type: ignore[misc]  # the one ProtocolWrapper builds
 
 
 class _TrackedTCPServer(TCPServer):

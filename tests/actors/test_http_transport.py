@@ -285,6 +285,29 @@ def cors_exchange(port, method, path, headers):
 PREFLIGHT = ("Access-Control-Request-Method: POST", "Access-Control-Request-Headers: authorization")
 
 
+async def test_empty_lines_before_a_request_line_are_ignored():
+    """RFC 9112 (2.2): a server SHOULD ignore at least one empty line before a
+    request-line. h11 read one as a request without a request-line: a CRLF sent on an
+    idle keep-alive connection got a 400 and the connection closed."""
+    health = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
+
+    def exchange(port):
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(health)
+            status = read_response(sock)[0]  # the loading server's answer
+            for before in (b"\r\n", b"\n\r\n"):
+                sock.sendall(before)  # alone, on the idle connection
+                time.sleep(0.2)
+                sock.sendall(before + health)  # and with the next request
+                assert read_response(sock)[0] == status, before
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"\r\n" + health)  # before a new connection's first request
+            assert read_response(sock)[0] == status
+
+    async with loading_server() as port:
+        await in_thread(exchange, port)
+
+
 async def test_cors_is_off_unless_origins_are_named():
     async with loading_server(api_keys=("sesame",)) as port:
         origin = "Origin: https://evil.example"
