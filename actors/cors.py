@@ -23,6 +23,7 @@ _METHODS = "GET, POST, OPTIONS"
 _HEADERS = ("Authorization", "Content-Type", "X-Request-Id")
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110's token
 _MAX_AGE_S = "600"
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def parse_origins(values: Iterable[str]) -> frozenset[str]:
@@ -33,7 +34,13 @@ def parse_origins(values: Iterable[str]) -> frozenset[str]:
         match = _ORIGIN.fullmatch(origin)
         if match is None or int(match["port"] or 0) > 65535:
             raise CadenceError(f"--allowed-origin {value!r}: expected http(s)://host[:port] or '*'")
-        origins.add(origin.lower())
+        origin = origin.lower()
+        port = match["port"]
+        # A browser's Origin leaves out its scheme's default port (RFC 6454): named
+        # with it, the origin matched no browser.
+        if port is not None and int(port) == _DEFAULT_PORTS.get(origin.partition(":")[0]):
+            origin = origin.removesuffix(f":{port}")
+        origins.add(origin)
     return frozenset(origins)
 
 

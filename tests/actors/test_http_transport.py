@@ -401,6 +401,15 @@ def test_an_ipv6_origin_is_allowed_and_a_port_past_65535_is_not():
     assert parse_origins(["http://app.example:65535"]) == {"http://app.example:65535"}
 
 
+def test_an_origin_named_with_its_schemes_default_port_matches_the_browsers_origin():
+    """A browser's Origin leaves out the scheme's default port (RFC 6454): an origin
+    named with it matched no browser, so its preflights got the key check's 401."""
+    policy = CorsPolicy(parse_origins(["https://app.example:443", "http://other.example:80/"]))
+    assert policy.allows("https://app.example") and policy.allows("http://other.example")
+    assert not policy.allows("http://app.example")  # another scheme is another origin
+    assert parse_origins(["http://app.example:443"]) == {"http://app.example:443"}
+
+
 @pytest.mark.parametrize("bad", ["app.example", "https://app.example/path", "ftp://x", ""])
 def test_a_malformed_allowed_origin_is_refused(bad):
     # Only http and https: the message said "scheme://host", which ftp://x is.
