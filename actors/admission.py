@@ -21,6 +21,7 @@ from runtime.grammar import (
 )
 from runtime.harmony import HARMONY_HEADER
 from runtime.sequence import SequenceParams, check_sequence
+from runtime.think_reply import THINK_OPEN, opens_thought
 from runtime.tokenizer import Tokenizer
 from runtime.tool_prompts import chat_for_template, template_knows_tools, tool_call_grammar
 from runtime.tools import ARGS, HERMES_TAGS, REASONING_STYLES, TOOL_CALLS
@@ -82,6 +83,9 @@ class Admission:
     prepare_threads: trio.CapacityLimiter = attrs.field(
         factory=lambda: trio.CapacityLimiter(PREPARE_THREADS)
     )
+    # `<think>` and `</think>`'s ids, for a model whose chat replies think in them
+    # (runtime/think_reply.py); None: not such a model, or their split is off.
+    think_ids: tuple[int, int] | None = None
 
     def reserve(self) -> None:
         """Take a waiting slot now or raise OverloadedError; never waits."""
@@ -138,6 +142,8 @@ class Admission:
                 num_prompt_tokens,
                 admit.arrived_at,
                 keep_special_tokens=self.keeps_control_tokens(admit.request),
+                thinks=self.thinks(admit.request),
+                opening=THINK_OPEN if self._opens_thought(admit.request, params) else "",
             )
         )
         await self.to_scheduler.send(Submit(admit.request_id, params))
@@ -194,6 +200,25 @@ class Admission:
         if self.tool_style in REASONING_STYLES:
             return request.messages is not None
         return self.tool_style == "mistral" and bool(request.tools) and request.tool_choice != "none"
+
+    def thinks(self, request: GenerateRequest) -> bool:
+        """Whether the request's reply is a chat reply that may think in `<think>` tags."""
+        return self.think_ids is not None and request.messages is not None
+
+    def _opens_thought(self, request: GenerateRequest, params: SequenceParams) -> bool:
+        """Whether the reply starts inside a thought the prompt opened (QwQ's and
+        DeepSeek-R1's templates end in `<think>` and a newline). Not under a grammar:
+        it shapes the reply from its first token, which is the answer then, as where
+        the template opens no thought (a JSON grammar or a forced call has no room for
+        the tag, an added token: such a reply has no thought, as harmony's forced call
+        has no analysis)."""
+        if self.think_ids is None or not self.thinks(request) or params.grammar is not None:
+            return False
+        return opens_thought(
+            params.prompt_tokens,
+            self.think_ids,
+            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
+        )
 
     def grammar_spec(self, request: GenerateRequest) -> GrammarSpec | None:
         """What the output must match: the request's grammar, or a forced tool call (which

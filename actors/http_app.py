@@ -263,9 +263,13 @@ async def _complete(state: ServerState, api: ApiRequest) -> Response:
         has_logprobs=api.request.sampling.logprobs is not None,
     )
     tools = None
-    if api.parses_tools or (api.kind == "chat" and llm.tool_style in REASONING_STYLES):
-        # A harmony or Gemma 4 reply is parsed for its reasoning whether tools were offered or not.
-        tools = ToolCallDeltas(llm.tool_style, api.parallel_tool_calls, api.is_stream, api.parses_tools)
+    thinks = api.kind == "chat" and llm.thinks
+    if api.parses_tools or thinks or (api.kind == "chat" and llm.tool_style in REASONING_STYLES):
+        # A harmony, Gemma 4 or <think> reply is parsed for its reasoning whether tools
+        # were offered or not.
+        tools = ToolCallDeltas(
+            llm.tool_style, api.parallel_tool_calls, api.is_stream, api.parses_tools, thinks
+        )
     if api.is_stream:
         response = Response(
             _ChoicesStream(generations, writer, tools, api.n), mimetype="text/event-stream"

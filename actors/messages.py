@@ -175,6 +175,11 @@ class Track:
     arrived_at: float
     # Control tokens as text: Mistral's tool calls are [TOOL_CALLS]name[ARGS]{...}.
     keep_special_tokens: bool = False
+    # A chat reply that may think in `<think>` tags (runtime/think_reply.py): the tags
+    # stay text, which stop strings do not read, and `opening` (the `<think>` a prompt
+    # left open) begins the reply's text, so that its parser reads the thought as one.
+    thinks: bool = False
+    opening: str = ""
 
 
 @attrs.frozen

@@ -9,8 +9,9 @@ RequestError naming the field (a 400 over HTTP).
 
 Tool calls leave as OpenAI's `tool_calls`: streamed, a call's first delta carries its
 `id`, `type` and `name` with empty arguments, and the next ones the argument text.
-A harmony model's (gpt-oss's) replies are parsed on every chat request, tools or not,
-for their reasoning, which leaves apart from the content (`Delta.reasoning`).
+A harmony model's (gpt-oss's), Gemma 4's and a `<think>` model's (Qwen3's) replies are
+parsed on every chat request, tools or not, for their reasoning, which leaves apart
+from the content (`Delta.reasoning`).
 """
 
 from __future__ import annotations
@@ -272,6 +273,7 @@ class ToolCallStream:
     is_parallel: bool = True  # False: calls after the first are dropped
     is_streamed: bool = True
     parses_calls: bool = True  # False: harmony's reasoning split alone (no tools offered)
+    thinks: bool = False  # the reply may think in <think> tags first (runtime/think_reply.py)
     parser: Any = None
     reasoning: str = ""  # harmony's: reasoning text since `take_reasoning` last ran
     ids: list[str] = attrs.Factory(list)
@@ -281,7 +283,7 @@ class ToolCallStream:
     is_cut_short: bool = False  # a streamed call the reply ended inside of
 
     def __attrs_post_init__(self) -> None:
-        self.parser = parser_for(self.style, self.parses_calls)
+        self.parser = parser_for(self.style, self.parses_calls, self.thinks)
 
     def take_reasoning(self) -> str:
         text, self.reasoning = self.reasoning, ""
@@ -391,11 +393,15 @@ class ToolCallDeltas:
     is_parallel: bool = True  # parallel_tool_calls
     is_streamed: bool = True  # False: the deltas make a whole response
     parses_calls: bool = True  # False: harmony's reasoning split alone (no tools offered)
+    thinks: bool = False  # the reply may think in <think> tags first (runtime/think_reply.py)
     streams: dict[int, ToolCallStream] = attrs.Factory(dict)  # by choice index
 
     def convert(self, index: int, delta: Delta) -> Delta:
         stream = self.streams.setdefault(
-            index, ToolCallStream(self.style, self.is_parallel, self.is_streamed, self.parses_calls)
+            index,
+            ToolCallStream(
+                self.style, self.is_parallel, self.is_streamed, self.parses_calls, self.thinks
+            ),
         )
         content, calls = stream.feed(delta.text)
         if delta.finish_reason is None:

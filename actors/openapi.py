@@ -291,7 +291,7 @@ _SCHEMAS: dict[str, Any] = {
                 "role": {"const": "assistant"},
                 "content": {"type": ["string", "null"], "description": "null: only tool calls"},
                 "tool_calls": TOOL_CALLS_REPLY,
-                "reasoning": {"type": "string", "description": "a harmony model's (gpt-oss's) reasoning"},
+                "reasoning": {"type": "string", "description": "the reply's reasoning (gpt-oss's analysis, Gemma 4's thought, a <think> block)"},
                 "reasoning_content": {"type": "string", "description": "the same, under DeepSeek's name"},
             },
         },

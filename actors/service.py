@@ -36,7 +36,9 @@ from runtime.ladder import measure_ladder
 from runtime.runner import PlanRunner
 from runtime.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_SOLO_PREFILL_TOKENS, FcfsScheduler
 from runtime.sequence import SamplingParams
+from runtime.think_reply import think_tag_ids
 from runtime.tool_prompts import tool_style_for
+from runtime.tools import REASONING_STYLES
 from runtime.warm_up import warm_up_steps
 
 import attrs
@@ -280,6 +282,8 @@ async def _start_actors(
     waiting_slots = trio.Semaphore(max_waiting)
     metrics = Metrics(loaded.name, policy)
     tool_style = tool_style_for(loaded.tokenizer.tool_use_template_source, loaded.config.model_type)
+    # Harmony's and Gemma 4's replies have reasoning markup of their own.
+    think_ids = None if tool_style in REASONING_STYLES else think_tag_ids(loaded.tokenizer)
     admission = Admission(
         loaded.tokenizer,
         engine.max_context,
@@ -292,10 +296,17 @@ async def _start_actors(
         GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, engine.eos_ids),
         tool_style,
         metrics=metrics,
+        think_ids=think_ids,
     )
     actors = (
         Streamer(
-            loaded.tokenizer, stream_recv, sched_send.clone(), metrics, engine.eos_ids, tool_style
+            loaded.tokenizer,
+            stream_recv,
+            sched_send.clone(),
+            metrics,
+            engine.eos_ids,
+            tool_style,
+            think_ids,
         ),
         GpuActor(
             PlanRunner(engine),
@@ -334,6 +345,7 @@ class LLM:
         self.max_batch = engine.max_batch
         self.vocab_size = admission.vocab_size
         self.tool_style = admission.tool_style  # how tool calls read in this model's output
+        self.thinks = admission.think_ids is not None  # chat replies think in <think> tags
         self.max_waiting = admission.waiting_slots.value  # all free: nothing admitted yet
         self.is_draining = False
         self.num_active = 0  # generations started and not yet done

@@ -20,6 +20,7 @@ from runtime.finishing import first_cause
 from runtime.harmony import BODY_OPENS, HEADER_OPENS
 from runtime.sequence import FinishCause, TokenLogprob
 from runtime.stop_strings import MarkupSplitter, StopMatcher
+from runtime.think_reply import THINK_TAGS
 from runtime.tokenizer import Tokenizer
 
 import attrs
@@ -76,6 +77,8 @@ class Streamer:
     metrics: Metrics
     eos_ids: frozenset[int] = frozenset()  # the engine's: their token ends a row as no text
     tool_style: str = "hermes"  # the model's reply format (runtime/tools.py)
+    # `<think>` and `</think>`'s ids where chat replies think in them (actors/admission.py)
+    think_ids: tuple[int, int] | None = None
     streams: dict[str, _Stream] = attrs.Factory(dict)
     awaiting_release: set[str] = attrs.Factory(set)  # forgotten (reader gone), end unlogged
 
@@ -90,9 +93,13 @@ class Streamer:
                     if isinstance(message, Track):
                         self.streams[message.request_id] = _Stream(
                             message,
-                            self.tokenizer.detokenizer(skip_special_tokens=not message.keep_special_tokens),
+                            self.tokenizer.detokenizer(
+                                skip_special_tokens=not message.keep_special_tokens,
+                                kept_ids=self._think_ids(message),
+                            ),
                             StopMatcher(message.stop),
                             self._markup(message),
+                            unsent=message.opening,  # leaves with the first text
                         )
                     else:
                         await self._on_step(message)
@@ -180,12 +187,17 @@ class Streamer:
 
     def _markup(self, track: Track) -> MarkupSplitter:
         """What of a request's text is its format's markup: control tokens, where it
-        keeps them as text, and harmony's headers."""
+        keeps them as text, harmony's headers, and the thinking tags."""
+        thinking = dict(zip(self._think_ids(track), THINK_TAGS, strict=False))
         if not track.keep_special_tokens:
-            return MarkupSplitter()
+            return MarkupSplitter(thinking)
         if self.tool_style == "harmony":
             return MarkupSplitter(self.tokenizer.control_spellings, HEADER_OPENS, BODY_OPENS)
-        return MarkupSplitter(self.tokenizer.control_spellings)
+        return MarkupSplitter({**self.tokenizer.control_spellings, **thinking})
+
+    def _think_ids(self, track: Track) -> tuple[int, ...]:
+        """The thinking tags' ids, kept as text though special, for a reply that thinks."""
+        return self.think_ids if track.thinks and self.think_ids is not None else ()
 
     def _end(self, stream: _Stream, message: Finished | Failed) -> None:
         self._send(stream, message)

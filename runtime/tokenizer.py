@@ -284,14 +284,21 @@ class Tokenizer:
     def _spells_special_token(self, text: str) -> bool:
         return self._spelling_pattern.search(text) is not None
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+    def detokenizer(
+        self, skip_special_tokens: bool = True, kept_ids: Iterable[int] = ()
+    ) -> IncrementalDetokenizer:
+        """`kept_ids`: special tokens kept as text though the others are skipped (a
+        thinking model's tags, where its tokenizer holds them special)."""
+        skipped = self._special_ids - frozenset(kept_ids) if skip_special_tokens else frozenset()
+        # Skipped ids never reach `decode`: the kept ones alone are left for it to spell.
+        spells = not skip_special_tokens or skipped != self._special_ids
+
         def decode(ids: list[int]) -> str:
-            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+            return self._backend.decode(ids, skip_special_tokens=not spells)
 
         run_ids = self._byte_piece_ids
         if run_ids and skip_special_tokens:
-            run_ids |= self._special_ids  # a skipped token does not end a run of byte pieces
-        skipped = self._special_ids if skip_special_tokens else frozenset()
+            run_ids |= skipped  # a skipped token does not end a run of byte pieces
         return IncrementalDetokenizer(decode, run_ids, skipped)
 
 

@@ -43,11 +43,14 @@ import attrs
 if TYPE_CHECKING:
     from runtime.gemma4_reply import Gemma4Parser
     from runtime.harmony import HarmonyParser
+    from runtime.think_reply import ThinkParser
 
 TOOL_STYLES = ("hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4")
 # Styles whose chat replies are parsed whether tools were offered or not: they hold
 # reasoning apart from the answer, in markup the request keeps (actors/admission.py).
 REASONING_STYLES = ("harmony", "gemma4")
+# Other styles' models may think in `<think>` tags before they answer (Qwen3, QwQ,
+# DeepSeek-R1's distills): a tokenizer's property, not a call format (runtime/think_reply.py).
 
 
 @attrs.frozen
@@ -79,7 +82,8 @@ class CallCutShort:
 
 @attrs.frozen
 class Reasoning:
-    """Text the model reasons in, apart from its answer (gpt-oss's analysis channel)."""
+    """Text the model reasons in, apart from its answer (gpt-oss's analysis channel, a
+    `<think>` block)."""
 
     text: str
 
@@ -464,13 +468,18 @@ def _content(text: str) -> list[Event]:
     return [Content(text)] if text else []
 
 
-ToolParser: TypeAlias = "_Delimited | _WholeReply | _MistralCalls | HarmonyParser | Gemma4Parser"
+ToolParser: TypeAlias = "_Delimited | _WholeReply | _MistralCalls | HarmonyParser | Gemma4Parser | ThinkParser"
 
 
-def parser_for(style: str, parses_calls: bool = True) -> ToolParser:
+def parser_for(style: str, parses_calls: bool = True, thinks: bool = False) -> ToolParser:
     """A fresh parser for one response in `style` (one of TOOL_STYLES). Harmony's and
     Gemma 4's also split reasoning from content, so they run for requests without tools
-    too: there (`parses_calls` False) a call is content."""
+    too: there (`parses_calls` False) a call is content. `thinks`: the reply may think
+    in `<think>` tags first (runtime/think_reply.py), and only its answer holds calls."""
+    if thinks:
+        from runtime.think_reply import ThinkParser  # it builds on this module's events
+
+        return ThinkParser(parser_for(style) if parses_calls else None)
     if style == "hermes":
         return _Delimited(CALL_TAG, CALL_END_TAG, streams_arguments=True)
     if style == "gemma":

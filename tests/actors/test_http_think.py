@@ -1,0 +1,255 @@
+"""Replies that think in `<think>` tags (Qwen3, QwQ, DeepSeek-R1's distills) through
+real HTTP, read by the official openai client: the thought as `reasoning_content` and
+`reasoning`, the answer as `content`, calls after the thought, stop strings, a
+template that opens the thought itself, and reasoning replayed in a history.
+
+The checkpoints' tokenizers hold `<think>`, `</think>`, `<tool_call>` and `</tool_call>`
+as added tokens (not special, as Qwen3's; special in one variant), and their templates
+are Qwen3's (`enable_thinking`) and QwQ's (the generation prompt opens `<think>`) in
+small. Random weights think of nothing, so a grammar writes the reply, the tags as the
+tokenizer's own tokens (llguidance's `<[id]>`), or a bias keeps the tags out of it.
+"""
+
+import json
+
+from runtime.think_reply import THINK_TAGS
+from runtime.tokenizer import Tokenizer
+from runtime.tools import HERMES_TAGS
+
+import pytest
+
+from tests.actors import tool_templates
+from tests.actors.test_http import in_thread, request, serving
+from tests.actors.test_http_tools import ASK, TOOLS, whole
+from tests.actors.tool_templates import with_template
+
+MARKERS = (*THINK_TAGS, *HERMES_TAGS)
+_TURNS = (
+    "{%- if tools %}<|im_start|>system\n<tools>{%- for tool in tools %}\n{{ tool | tojson }}"
+    "{%- endfor %}\n</tools><|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{%- if message.role == 'assistant' and message.reasoning_content %}"
+    "<think>\n{{ message.reasoning_content }}\n</think>\n\n{%- endif %}"
+    "{{ message.content }}<|im_end|>\n{%- endfor %}"
+)
+# Qwen3's: the model opens its thought, unless `enable_thinking` false wrote an empty one.
+QWEN3 = _TURNS + (
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{%- endif %}{%- endif %}"
+)
+# QwQ's and DeepSeek-R1's: the generation prompt opens the thought.
+QWQ = _TURNS + "{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n{%- endif %}"
+
+THOUGHT = "The user asks about Paris."
+REPLY = ("<think>", "\n" + THOUGHT + "\n", "</think>", "\n\nSunny in Paris.")
+
+
+def with_tags(make_checkpoint, out, template, special):
+    size = Tokenizer.from_dir(make_checkpoint("llama")).vocab_size
+    checkpoint = with_template(make_checkpoint("llama", vocab_size=size + 8), out, template)
+    tokenizer_file = checkpoint / "tokenizer.json"
+    raw = json.loads(tokenizer_file.read_text())
+    raw["added_tokens"] += [
+        {"id": size + offset, "content": marker, "single_word": False, "lstrip": False,
+         "rstrip": False, "normalized": False, "special": special and marker in THINK_TAGS}
+        for offset, marker in enumerate(MARKERS)
+    ]
+    tokenizer_file.write_text(json.dumps(raw))
+    return checkpoint
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["plain-tags", "special-tags"])
+def qwen3(request, make_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("think") / "qwen3-like"
+    return with_tags(make_checkpoint, out, QWEN3, special=request.param)
+
+
+@pytest.fixture(scope="module")
+def qwq(make_checkpoint, tmp_path_factory):
+    return with_tags(make_checkpoint, tmp_path_factory.mktemp("think") / "qwq-like", QWQ, special=False)
+
+
+def written(checkpoint, *parts):
+    return tool_templates.written(checkpoint, MARKERS, *parts)
+
+
+def streamed(server, **body):
+    """Per choice: (reasoning, content, calls as [name, arguments], finish_reason,
+    reasoning under its other name), and the usage, from the deltas."""
+    choices, usage = {}, None
+    stream = server.client().chat.completions.create(
+        model=server.model, stream=True, stream_options={"include_usage": True}, **body
+    )
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            reasoning, content, calls, finish, other = choices.setdefault(choice.index, ["", "", {}, None, ""])
+            extra = choice.delta.model_extra or {}
+            for delta in choice.delta.tool_calls or ():
+                call = calls.setdefault(delta.index, ["", ""])
+                call[0] += delta.function.name or ""
+                call[1] += delta.function.arguments or ""
+            choices[choice.index] = [
+                reasoning + (extra.get("reasoning") or ""),
+                content + (choice.delta.content or ""),
+                calls,
+                choice.finish_reason or finish,
+                other + (extra.get("reasoning_content") or ""),
+            ]
+    return [(r, c, list(calls.values()), f, o) for r, c, calls, f, o in (choices[i] for i in sorted(choices))], usage
+
+
+def split_of(message):
+    """(reasoning, reasoning_content, content) of a whole message."""
+    extra = message.model_extra or {}
+    return extra.get("reasoning"), extra.get("reasoning_content"), message.content
+
+
+async def test_the_thought_is_reasoning_and_the_answer_content_whole_and_streamed(qwen3):
+    body = dict(messages=ASK, max_tokens=80, n=2, logprobs=True, extra_body={"guided_grammar": written(qwen3, *REPLY)})
+    async with serving(qwen3) as server:
+        assert server.llm.thinks and server.llm.tool_style == "hermes"
+        done = await in_thread(whole, server, **body)
+        choices, usage = await in_thread(streamed, server, **body)
+    for choice in done.choices:
+        assert split_of(choice.message) == (THOUGHT, THOUGHT, "Sunny in Paris.")
+        assert choice.finish_reason == "stop"
+        # Logprobs are the tokens', the tags' included: the split is of the text alone.
+        tokens = [entry.token for entry in choice.logprobs.content]
+        assert tokens[0] == "<think>" and "</think>" in tokens
+        assert "".join(tokens) == "".join(REPLY)
+    assert choices == [(THOUGHT, "Sunny in Paris.", [], "stop", THOUGHT)] * 2
+    assert (usage.prompt_tokens, usage.completion_tokens) == (done.usage.prompt_tokens, done.usage.completion_tokens)
+
+
+async def test_a_call_after_the_thought_is_a_call_and_one_inside_it_is_reasoning(qwen3):
+    arguments = '{"city": "Paris", "days": 2}'
+    reply = (
+        "<think>", "\nMaybe ", "<tool_call>", "?\n", "</think>", "\n\nChecking.\n",
+        "<tool_call>", f'\n{{"name": "get_weather", "arguments": {arguments}}}\n', "</tool_call>",
+    )
+    body = dict(messages=ASK, tools=TOOLS, max_tokens=80, extra_body={"guided_grammar": written(qwen3, *reply)})
+    async with serving(qwen3) as server:
+        done = await in_thread(whole, server, **body)
+        choices, _ = await in_thread(streamed, server, **body)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert split_of(choice.message) == ("Maybe <tool_call>?", "Maybe <tool_call>?", "Checking.")
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", arguments)
+    assert choices == [("Maybe <tool_call>?", "Checking.", [["get_weather", arguments]], "tool_calls", "Maybe <tool_call>?")]
+
+
+@pytest.mark.parametrize(
+    ("stop", "split", "finish"),
+    [
+        (["think", " in Paris"], (THOUGHT, "Sunny"), "stop"),  # the tags are no text to a stop
+        ([" about"], ("The user asks", ""), "stop"),  # a stop in the thought ends the reply there
+    ],
+)
+async def test_stop_strings_read_the_thought_and_the_answer_not_the_tags(qwen3, stop, split, finish):
+    body = dict(messages=ASK, max_tokens=80, stop=stop, extra_body={"guided_grammar": written(qwen3, *REPLY)})
+    async with serving(qwen3) as server:
+        done = await in_thread(whole, server, **body)
+        choices, _ = await in_thread(streamed, server, **body)
+    reasoning, _, content = split_of(done.choices[0].message)
+    assert ((reasoning, content), done.choices[0].finish_reason) == (split, finish)
+    ((r, c, _, f, _),) = choices
+    assert (r, c, f) == (*split, finish)
+
+
+def no_tags(checkpoint):
+    """A logit_bias keeping the thinking tags out of a random reply."""
+    tokenizer = Tokenizer.from_dir(checkpoint)
+    return {str(tokenizer.added_token_id(tag)): -100 for tag in THINK_TAGS}
+
+
+def completed(server, checkpoint, messages, **kwargs):
+    """The raw text the model writes after the chat's prompt (a completion of its tokens)."""
+    prompt = Tokenizer.from_dir(checkpoint).encode_chat(messages, template_kwargs=kwargs)
+    text = server.client().completions.create(
+        model=server.model, prompt=prompt, max_tokens=8, temperature=0, logit_bias=no_tags(checkpoint)
+    )
+    return text.choices[0].text
+
+
+async def test_a_prompt_that_opens_the_thought_makes_the_reply_reasoning_until_it_closes(qwq):
+    """QwQ's and R1's templates open `<think>` themselves: the reply starts inside the
+    thought, with no tag of its own; cut by max_tokens before it closes, all of it is
+    reasoning, and content is null."""
+    body = dict(messages=ASK, max_tokens=8, temperature=0, logit_bias=no_tags(qwq))
+    async with serving(qwq) as server:
+        done = await in_thread(whole, server, **body)
+        choices, usage = await in_thread(streamed, server, **body)
+        raw = await in_thread(completed, server, qwq, ASK)
+        shaped = await in_thread(whole, server, **body, response_format={"type": "json_object"})
+    thought = raw.strip()
+    assert thought and done.choices[0].finish_reason == "length"
+    assert split_of(done.choices[0].message) == (thought, thought, "")  # no answer: empty
+    assert choices == [(thought, "", [], "length", thought)]
+    assert usage.completion_tokens == done.usage.completion_tokens == 8
+    # A grammar shapes the reply from its first token: that is the answer, no thought.
+    assert split_of(shaped.choices[0].message)[:2] == (None, None)
+    assert shaped.choices[0].message.content.startswith("{")
+
+
+async def test_enable_thinking_false_makes_the_reply_the_answer(qwen3):
+    """Qwen3's template writes an empty thought into the prompt: the reply is content."""
+    kwargs = {"enable_thinking": False}
+    body = dict(messages=ASK, max_tokens=8, temperature=0, logit_bias=no_tags(qwen3))
+    async with serving(qwen3) as server:
+        done = await in_thread(whole, server, **body, extra_body={"chat_template_kwargs": kwargs})
+        raw = await in_thread(completed, server, qwen3, ASK, **kwargs)
+    assert split_of(done.choices[0].message) == (None, None, raw)
+
+
+async def test_reasoning_content_replayed_in_a_history_reaches_the_template(qwen3):
+    reply = {"role": "assistant", "content": "Sunny."}
+    follow = {"role": "user", "content": "And tomorrow?"}
+    async with serving(qwen3) as server:
+        plain = await in_thread(whole, server, messages=[*ASK, reply, follow], max_tokens=1)
+        replayed = [
+            await in_thread(whole, server, messages=[*ASK, {**reply, name: THOUGHT}, follow], max_tokens=1)
+            for name in ("reasoning", "reasoning_content")
+        ]
+    tokenizer = Tokenizer.from_dir(qwen3)
+    rendered = tokenizer.encode_chat([*ASK, {**reply, "reasoning_content": THOUGHT}, follow])
+    assert len(rendered) > plain.usage.prompt_tokens
+    assert replayed[0].usage.prompt_tokens == replayed[1].usage.prompt_tokens == len(rendered)
+
+
+async def test_completions_are_the_raw_text_with_no_split(qwen3):
+    """/v1/completions runs no parser: the text is what the model wrote, the tags as
+    any added token (dropped where special, as any special token in a completion)."""
+    grammar = written(qwen3, *REPLY)
+    is_special = Tokenizer.from_dir(qwen3).added_token_id("<think>") in Tokenizer.from_dir(qwen3).control_spellings
+    async with serving(qwen3) as server:
+        status, _, answer = await in_thread(
+            request, server.url, "POST", "/v1/completions",
+            {"model": server.model, "prompt": "Hi", "max_tokens": 80, "guided_grammar": grammar},
+        )
+    text = "".join(part for part in REPLY if not (is_special and part in THINK_TAGS))
+    assert status == 200 and answer["choices"][0]["text"] == text
+
+
+async def test_a_forced_call_is_the_answer_with_no_thought(qwen3):
+    """A forced call's grammar writes the call from the reply's first token: no room for
+    a thought."""
+    await forced_call_with_no_thought(qwen3)
+
+
+async def test_a_forced_call_is_no_reasoning_where_the_template_opened_a_thought(qwq):
+    await forced_call_with_no_thought(qwq)
+
+
+async def forced_call_with_no_thought(checkpoint):
+    body = dict(messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=60)
+    async with serving(checkpoint) as server:
+        assert server.llm.thinks
+        done = await in_thread(whole, server, **body)
+        choices, _ = await in_thread(streamed, server, **body)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and split_of(choice.message) == (None, None, None)
+    (call,) = choice.message.tool_calls
+    assert choices == [("", "", [[call.function.name, call.function.arguments]], "tool_calls", "")]

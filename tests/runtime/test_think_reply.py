@@ -1,0 +1,108 @@
+"""Replies that think in `<think>` tags -> reasoning, then content or calls, in any split."""
+
+import json
+
+from runtime.think_reply import THINK_CLOSE, THINK_OPEN, opens_thought, think_tag_ids
+from runtime.tools import CallArguments, CallCutShort, CallStart, Content, Reasoning, parser_for
+
+import pytest
+
+SPLITS = [1, 2, 3, 5, 7, 11, 1000]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def parsed(text, split, parses_calls=False, style="hermes"):
+    """(reasoning, content, [(name, arguments)], cut) from `text` fed `split` characters at a time."""
+    parser = parser_for(style, parses_calls, thinks=True)
+    events = [e for i in range(0, len(text), split) for e in parser.feed(text[i : i + split])]
+    events += parser.finish()
+    assert all(e.text for e in events if isinstance(e, Reasoning | Content))  # no empty events
+    reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
+    content = "".join(e.text for e in events if isinstance(e, Content))
+    calls = [[e.name, ""] for e in events if isinstance(e, CallStart)]
+    for e in events:
+        if isinstance(e, CallArguments):
+            calls[e.index][1] += e.fragment
+    cut = [e.index for e in events if isinstance(e, CallCutShort)]
+    return reasoning, content, [(n, json.loads(a)) for n, a in calls if not cut], cut
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_the_thought_is_reasoning_and_the_rest_content_in_any_split(split):
+    """Qwen3's form: the blanks around the thought and before the answer are no text of
+    either (as llama.cpp returns them, and as Qwen3's template reads them back)."""
+    text = f"{THINK_OPEN}\nThe user asks.\n\nTwo  lines. \n{THINK_CLOSE}\n\nParis is sunny.\n"
+    assert parsed(text, split)[:2] == ("The user asks.\n\nTwo  lines.", "Paris is sunny.\n")
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize(
+    ("text", "reasoning", "content"),
+    [
+        ("Paris is sunny.", "", "Paris is sunny."),  # no thought (enable_thinking false): content
+        ("\n  Paris <think> is", "", "\n  Paris <think> is"),  # a tag past the start is text
+        (f"{THINK_OPEN}\n\n{THINK_CLOSE}\n\nParis.", "", "Paris."),  # an empty thought
+        (f"{THINK_OPEN}\nStill thinking when max_tokens came", "Still thinking when max_tokens came", ""),
+        (f"{THINK_OPEN}{THINK_OPEN}\nrepeated tag{THINK_CLOSE}x", "repeated tag", "x"),
+        (f"{THINK_OPEN}a < b and a </thin{THINK_CLOSE}ok", "a < b and a </thin", "ok"),
+        (f"{THINK_OPEN}x{THINK_CLOSE}a{THINK_CLOSE}b", "x", f"a{THINK_CLOSE}b"),
+        ("<thin", "", "<thin"),  # a tag only begun, at the end: content as written
+        ("  \n", "", "  \n"),
+        (f"{THINK_OPEN}  \n ", "", ""),
+    ],
+)
+def test_edge_cases(text, reasoning, content, split):
+    assert parsed(text, split)[:2] == (reasoning, content)
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_a_call_after_the_thought_is_parsed_and_one_inside_it_is_reasoning(split):
+    """Qwen3 thinks, then calls: the Hermes parser sees the answer alone."""
+    text = f"{THINK_OPEN}\nMaybe {CALL}?\n{THINK_CLOSE}\n\nChecking.\n{CALL}"
+    reasoning, content, calls, _ = parsed(text, split, parses_calls=True)
+    assert reasoning == f"Maybe {CALL}?"
+    assert content == "Checking.\n"
+    assert calls == [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize("split", [1, 3, 1000])
+def test_a_call_cut_short_after_the_thought_is_reported_as_the_content_parser_does(split):
+    text = f"{THINK_OPEN}hm{THINK_CLOSE}" + CALL[:62]
+    reasoning, _, _, cut = parsed(text, split, parses_calls=True)
+    assert reasoning == "hm" and cut == [0]
+
+
+@pytest.mark.parametrize("split", [1, 1000])
+def test_offered_no_tools_a_call_after_the_thought_is_content(split):
+    text = f"{THINK_OPEN}hm{THINK_CLOSE}{CALL}"
+    assert parsed(text, split)[:3] == ("hm", CALL, [])
+
+
+def test_a_prompt_opens_the_thought_when_it_ends_in_the_tag_but_blanks():
+    def decode(ids):
+        return "".join({7: "\n", 3: "x", 101: "</think>"}[i] for i in ids)
+
+    assert opens_thought([5, 9, 100], (100, 101), decode)
+    assert opens_thought([5, 9, 100, 7], (100, 101), decode)
+    assert not opens_thought([100, 101, 7, 7], (100, 101), decode)  # Qwen3's empty thought
+    assert not opens_thought([100, 3], (100, 101), decode)
+    assert not opens_thought([7], (100, 101), decode)
+    assert not opens_thought([100, *[7] * 9], (100, 101), decode)  # past the few blanks a template writes
+    # A closing tag the decoder spells as nothing (a special token skipped) closes it all the same.
+    assert not opens_thought([100, 7, 101, 7], (100, 101), lambda ids: "\n" * len(ids))
+
+
+class _Tokenizer:
+    def __init__(self, added, template):
+        self.added, self.chat_template_source, self.tool_use_template_source = added, template, template
+
+    def added_token_id(self, text):
+        return self.added.get(text)
+
+
+def test_a_checkpoint_thinks_when_both_tags_are_added_tokens_and_its_template_writes_one():
+    tags = {THINK_OPEN: 10, THINK_CLOSE: 11}
+    assert think_tag_ids(_Tokenizer(tags, "{{ '<think>\\n' }}")) == (10, 11)
+    assert think_tag_ids(_Tokenizer(tags, "{{ messages }}")) is None  # the template never thinks
+    assert think_tag_ids(_Tokenizer({THINK_OPEN: 10}, "<think>")) is None
+    assert think_tag_ids(_Tokenizer({}, "<think>")) is None  # spelled out, not a token
