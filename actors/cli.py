@@ -163,6 +163,13 @@ def _parser() -> argparse.ArgumentParser:
         "the first time a step needs it)",
     )
     serve.add_argument(
+        "--no-think-split",
+        dest="think_split",
+        action="store_false",
+        help="leave a <think> model's thought (Qwen3, QwQ, R1) in content, tags and all, "
+        "not apart as reasoning_content (see README, Tools and reasoning)",
+    )
+    serve.add_argument(
         "--no-prefix-cache",
         dest="prefix_cache",
         action="store_false",
@@ -332,6 +339,7 @@ async def _serve(args: argparse.Namespace) -> None:
             cpu_quantize=args.cpu_quantize or DEFAULT_CPU_QUANTIZE,
             on_progress=_progress,
             drain_timeout=args.drain_timeout,
+            think_split=args.think_split,
         ) as llm:
             state.llm = llm
             log.info(

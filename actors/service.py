@@ -93,6 +93,7 @@ async def open_llm(
     cpu_quantize: str = DEFAULT_CPU_QUANTIZE,
     on_progress: Callable[[str], None] | None = None,
     drain_timeout: float | None = None,
+    think_split: bool = True,
 ) -> AsyncIterator[LLM]:
     """Load `model` (None: the built-in demo) and serve it until the block exits.
 
@@ -108,6 +109,8 @@ async def open_llm(
     `prefix_cache=False` turns prefix caching off. `lookahead` (>= 1) is how many engine steps stay queued
     behind the running one (more hides more scheduling latency, and costs that many
     speculative steps per finish).
+    `think_split=False` leaves a `<think>` model's thought in its chat replies' content,
+    tags and all, unparsed (runtime/think_reply.py).
     `on_progress` is called from the loading thread with one-line messages.
     Raises `runtime.errors.CheckpointError` for a bad checkpoint, and `CadenceError`
     naming the setting for a bad setting, before anything loads.
@@ -136,6 +139,7 @@ async def open_llm(
             "batch_ladder": batch_ladder,
             "offline": offline,
             "keep_dtype": keep_dtype,
+            "think_split": think_split,
         },
         {"warm_up": warm_up},
         on_progress,
@@ -214,7 +218,7 @@ async def open_llm(
     if warm is not None:
         log.info("warm_up", **attrs.asdict(warm))
     async with run_actors(
-        thread, loaded, engine, policy, max_waiting, drain_timeout, lookahead
+        thread, loaded, engine, policy, max_waiting, drain_timeout, lookahead, think_split
     ) as llm:
         yield llm
 
@@ -228,6 +232,7 @@ async def run_actors(
     max_waiting: int = 64,
     drain_timeout: float | None = None,
     lookahead: int = 1,
+    think_split: bool = True,
 ) -> AsyncIterator[LLM]:
     """Serve an already-built engine (`open_llm` without the loading)."""
     if lookahead < 1:  # the GPU actor collects step N only once N+1 is queued
@@ -235,7 +240,9 @@ async def run_actors(
     body_error: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
-            llm = await _start_actors(nursery, thread, loaded, engine, policy, max_waiting, lookahead)
+            llm = await _start_actors(
+                nursery, thread, loaded, engine, policy, max_waiting, lookahead, think_split
+            )
             try:
                 yield llm
                 await llm.drain(drain_timeout)
@@ -268,6 +275,7 @@ async def _start_actors(
     policy: FcfsScheduler,
     max_waiting: int,
     lookahead: int,
+    think_split: bool,
 ) -> LLM:
     # Every buffer is bounded. Admission's and the scheduler's hold all that can be
     # outstanding (a Submit and an Abort per request, a StepDone per plan in flight),
@@ -283,7 +291,8 @@ async def _start_actors(
     metrics = Metrics(loaded.name, policy)
     tool_style = tool_style_for(loaded.tokenizer.tool_use_template_source, loaded.config.model_type)
     # Harmony's and Gemma 4's replies have reasoning markup of their own.
-    think_ids = None if tool_style in REASONING_STYLES else think_tag_ids(loaded.tokenizer)
+    thinks = think_split and tool_style not in REASONING_STYLES
+    think_ids = think_tag_ids(loaded.tokenizer) if thinks else None
     admission = Admission(
         loaded.tokenizer,
         engine.max_context,

@@ -350,6 +350,25 @@ def serve_until_loading(monkeypatch, *argv):
     return built[0]
 
 
+def test_no_think_split_reaches_the_model_s_service(monkeypatch):
+    """`--no-think-split` leaves a <think> model's thought in content: open_llm is told."""
+    loaded = []
+
+    def open_llm(*args, **kwargs):
+        loaded.append(kwargs)
+        raise CadenceError("loading")
+
+    monkeypatch.setattr(cli, "open_llm", open_llm)
+    for argv, expected in ((["--no-think-split"], False), ([], True)):
+        args = cli._parser().parse_args(["serve", "--port", "0", *argv])
+        try:
+            trio.run(cli._serve, args)
+        except BaseException as error:  # trio wraps it in a group
+            if str(cli._leaf(error, CadenceError)) != "loading":
+                raise
+        assert loaded.pop()["think_split"] is expected
+
+
 def test_flags_at_their_bounds_are_taken_and_reach_the_app(monkeypatch):
     options = serve_until_loading(
         monkeypatch,

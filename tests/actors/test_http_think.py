@@ -233,6 +233,17 @@ async def test_completions_are_the_raw_text_with_no_split(qwen3):
     assert status == 200 and answer["choices"][0]["text"] == text
 
 
+async def test_with_the_split_off_the_thought_stays_in_content(qwen3):
+    """`think_split=False` (`--no-think-split`): the reply is content as the model wrote it."""
+    body = dict(messages=ASK, max_tokens=80, extra_body={"guided_grammar": written(qwen3, *REPLY)})
+    is_special = Tokenizer.from_dir(qwen3).added_token_id("<think>") in Tokenizer.from_dir(qwen3).control_spellings
+    async with serving(qwen3, think_split=False) as server:
+        assert not server.llm.thinks
+        done = await in_thread(whole, server, **body)
+    text = "".join(part for part in REPLY if not (is_special and part in THINK_TAGS))
+    assert split_of(done.choices[0].message) == (None, None, text)
+
+
 async def test_a_forced_call_is_the_answer_with_no_thought(qwen3):
     """A forced call's grammar writes the call from the reply's first token: no room for
     a thought."""
