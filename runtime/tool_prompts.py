@@ -12,7 +12,10 @@ that does not, the tool list is written into the first user turn as the guide do
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import re
+import string
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -231,6 +234,8 @@ def chat_for_template(
     and the tool list goes into the first user turn.
     """
     chat = [_with_parsed_arguments(m) for m in messages]
+    if style == "mistral":
+        chat = _mistral_call_ids(chat)
     if knows_tools:
         return _responses_in_turn(chat) if style == "gemma4" else chat
     chat = _results_joined(chat, [_as_text(m, style) for m in chat])
@@ -243,6 +248,52 @@ def chat_for_template(
             content = chat[first_user].get("content") or ""
             chat[first_user] = {**chat[first_user], "content": f"{preamble}\n\n{content}"}
     return chat
+
+
+# The call ids Mistral's templates (Nemo, Small 3.x) take; any other refuses the chat.
+_MISTRAL_CALL_ID = re.compile(r"[A-Za-z0-9]{9}")
+_ID_CHARACTERS = string.ascii_letters + string.digits
+
+
+def _mistral_call_ids(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`chat` with each call id as Mistral's templates take it: 9 letters and digits. An
+    id another client or server wrote (OpenAI's `call_` and 24 characters) was a 400 the
+    client could not fix; it is shown as 9 characters of its hash, the same in the call
+    and in its result, and in every request that sends it (a cached prefix still
+    matches). vLLM keeps the last 9 characters, which left shorter ids refused and made
+    two that end alike one call; here two ids are one only where their hashes agree."""
+    ids = [call.get("id") for m in chat for call in m.get("tool_calls") or ()]
+    ids += [m.get("tool_call_id") for m in chat if m["role"] == "tool"]
+    taken = {i for i in ids if isinstance(i, str) and _MISTRAL_CALL_ID.fullmatch(i)}
+    shown: dict[str, str] = {}
+    for call_id in ids:
+        if isinstance(call_id, str) and call_id not in taken and call_id not in shown:
+            shown[call_id] = _nine_characters(call_id, taken | set(shown.values()))
+    if not shown:
+        return chat
+    out = []
+    for message in chat:
+        if message.get("tool_calls"):
+            calls = [{**c, "id": shown.get(c.get("id"), c.get("id"))} for c in message["tool_calls"]]
+            message = {**message, "tool_calls": calls}
+        if message["role"] == "tool" and message.get("tool_call_id") in shown:
+            message = {**message, "tool_call_id": shown[message["tool_call_id"]]}
+        out.append(message)
+    return out
+
+
+def _nine_characters(call_id: str, taken: set[str]) -> str:
+    """9 letters and digits from the hash of `call_id`, none of `taken`."""
+    attempt = 0
+    while True:  # a clash (about one in 62**9 for each id taken) draws again
+        digest = int.from_bytes(hashlib.sha256(f"{attempt}:{call_id}".encode()).digest(), "big")
+        chosen = ""
+        for _ in range(9):
+            digest, index = divmod(digest, len(_ID_CHARACTERS))
+            chosen += _ID_CHARACTERS[index]
+        if chosen not in taken:
+            return chosen
+        attempt += 1
 
 
 def _results_joined(chat: list[dict[str, Any]], texts: list[dict[str, Any]]) -> list[dict[str, Any]]:

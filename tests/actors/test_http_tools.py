@@ -617,3 +617,25 @@ async def test_a_mistral_call_id_is_one_its_templates_take_back(make_checkpoint,
         ]
         answer = await in_thread(whole, server, messages=history, tools=TOOLS, max_tokens=4)
     assert answer.choices[0].finish_reason == "length"
+
+
+async def test_call_ids_from_other_clients_reach_a_mistral_template_as_9_characters(make_checkpoint, tmp_path):
+    """A chat whose calls another server or client named (OpenAI's `call_` and 24
+    characters, a short `call_1`) was a 400 from Mistral's template ("Tool call IDs
+    should be alphanumeric strings with length 9!"). Each id is now shown as 9 letters
+    and digits, a call and its result alike. Published Mistral-Nemo-Instruct-2407 template."""
+    template = (pathlib.Path(__file__).parent / "templates" / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text()
+    checkpoint = with_template(make_checkpoint("llama"), tmp_path / "nemo", template)
+    ids = ["call_Xq3bZk9LmN2pR7sT4vW8yA1c", "call_1", "abc-def-ghi"]
+    calls = [
+        {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+        for call_id in ids
+    ]
+    history = [
+        *ASK,
+        {"role": "assistant", "tool_calls": calls},
+        *({"role": "tool", "tool_call_id": call_id, "content": '{"sky": "clear"}'} for call_id in ids),
+    ]
+    async with serving(checkpoint) as server:
+        answer = await in_thread(whole, server, messages=history, tools=TOOLS, max_tokens=4)
+    assert answer.choices[0].finish_reason == "length"

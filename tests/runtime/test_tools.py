@@ -3,6 +3,7 @@ implies; the chat a template sees; and the grammar that forces a call."""
 
 import json
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -615,6 +616,26 @@ def test_a_tool_history_round_trips_into_a_template_that_takes_tools():
     # Arguments sent as JSON text reach the template as an object (`| tojson` of a dict).
     assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in rendered
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in rendered
+
+
+def test_mistral_call_ids_are_nine_characters_a_call_and_its_result_alike():
+    """Mistral's templates refuse ids not of 9 letters and digits; another client's ids
+    are shown as such, each the same in its call and its result, distinct ids distinct,
+    one already of that form kept, and the same every time the chat is sent."""
+    ids = ["call_1", "call_Xq3bZk9LmN2pR7sT4vW8yA1c", "xyzcall_Xq3bZk9LmN2pR7sT4vW8yA1c", "", "Ab3dE6gH9"]
+    calls = [{"id": i, "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in ids]
+    chat = [
+        HISTORY[0],
+        {"role": "assistant", "tool_calls": calls},
+        *({"role": "tool", "tool_call_id": i, "content": "ok"} for i in ids),
+    ]
+    shown = chat_for_template(chat, TOOLS, "mistral", knows_tools=True)
+    call_ids = [call["id"] for call in shown[1]["tool_calls"]]
+    assert all(re.fullmatch("[A-Za-z0-9]{9}", i) for i in call_ids)
+    assert len(set(call_ids)) == len(ids) and call_ids[-1] == "Ab3dE6gH9"
+    assert [m["tool_call_id"] for m in shown[2:]] == call_ids
+    assert chat_for_template(chat, TOOLS, "mistral", knows_tools=True) == shown
+    assert chat_for_template(chat, TOOLS, "hermes", knows_tools=True)[1]["tool_calls"][0]["id"] == "call_1"
 
 
 def test_hermes_template_is_given_the_tools():
