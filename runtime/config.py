@@ -10,6 +10,9 @@ from runtime.errors import CheckpointError
 from runtime.files import is_present, read_json
 
 import attrs
+import structlog
+
+log = structlog.get_logger("cadence.load")
 
 # mlx's quantization modes (`mode` in config.json's `quantization`; mlx-lm's `--q-mode`):
 # affine stores `.scales` and `.biases`, the microscaling ones `.scales` alone.
@@ -122,8 +125,20 @@ def load_config(path: Path) -> ModelConfig:
     config_file = path / "config.json"
     raw = _read_json(config_file, required=True)
     assert raw is not None  # required=True raised otherwise
-    generation = _read_json(path / "generation_config.json", required=False)
-    return config_from_dict(raw, generation, source=str(config_file))
+    return config_from_dict(raw, _read_generation_config(path), source=str(config_file))
+
+
+def _read_generation_config(path: Path) -> dict[str, Any] | None:
+    """generation_config.json, or None where there is none or it cannot be read. It
+    adds EOS ids alone, and as transformers (whose from_pretrained catches the error and
+    derives one from config.json) and mlx-lm (which skips invalid JSON) load a checkpoint
+    whose copy is broken, so does this, with a warning: it was refused, config.json and
+    the weights sound."""
+    try:
+        return _read_json(path / "generation_config.json", required=False)
+    except CheckpointError as error:
+        log.warning("generation_config.json skipped", problem=str(error))
+        return None
 
 
 def config_from_dict(

@@ -11,6 +11,7 @@ from runtime.synth import hf_config, quantize_weights
 
 import mlx.core as mx
 import pytest
+from structlog.testing import capture_logs
 
 from tests.runtime.test_files import releasing_fifo
 
@@ -127,6 +128,36 @@ def test_eos_ids_come_from_both_config_files(broken):
     assert set(load_model(broken).config.eos_token_ids) == {2, 3, 7}
     (broken / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
     assert set(load_model(broken).config.eos_token_ids) == {2, 3, 7}
+
+
+def _damage(file, how):
+    if how == "invalid JSON":
+        file.write_text('{"eos_token_id": [2, 3],}')
+    elif how == "no object":
+        file.write_text("[2, 3]")
+    elif how == "nested too deeply":
+        file.write_text("[" * 100_000 + "]" * 100_000)
+    elif how == "a directory":
+        file.unlink()
+        file.mkdir()
+    else:  # a link that loops
+        file.unlink()
+        file.symlink_to(file.name)
+
+
+@pytest.mark.parametrize("how", ["invalid JSON", "no object", "nested too deeply", "a directory", "a loop"])
+def test_a_generation_config_that_cannot_be_read_is_skipped_with_a_warning(broken, how):
+    """It only adds EOS ids: transformers loads such a checkpoint (its from_pretrained
+    catches the OSError and derives one from config.json) and mlx-lm skips invalid JSON;
+    a checkpoint whose config.json and weights are sound was refused here."""
+    edit_config(broken, eos_token_id=7)
+    _damage(broken / "generation_config.json", how)
+    with capture_logs() as logs:
+        loaded = load_model(broken)
+    assert set(loaded.config.eos_token_ids) == {7, *loaded.tokenizer.eos_token_ids}
+    (warning,) = [entry for entry in logs if entry["log_level"] == "warning"]
+    assert warning["event"] == "generation_config.json skipped"
+    assert "generation_config.json: " in warning["problem"] and "\n" not in warning["problem"]
 
 
 def test_an_eos_id_that_is_no_token_is_none_and_grammars_still_compile(broken):
@@ -576,7 +607,6 @@ def test_a_shard_linked_from_outside_loads_as_in_the_hugging_face_cache(broken, 
     "name",
     [
         "config.json",
-        "generation_config.json",
         "model.safetensors.index.json",
         "tokenizer.json",
         "tokenizer_config.json",
@@ -1011,7 +1041,6 @@ def test_a_shape_past_mlxs_int32_sizes_is_refused_not_cut_to_fit(broken):
     "name",
     [
         "config.json",
-        "generation_config.json",
         "tokenizer.json",
         "tokenizer_config.json",
         "special_tokens_map.json",
