@@ -133,7 +133,8 @@ def _gemma3_fields(
         "query_pre_attn_scalar": (
             config["hidden_size"] // config["num_attention_heads"] if is_27b else config["head_dim"]
         ),
-        "final_logit_softcapping": None,
+        # Written where config.json sets one (Rnj-1, a Gemma 3 of EssentialAI's).
+        "final_logit_softcapping": metadata.optional(key("final_logit_softcapping"), float),
         "attn_logit_softcapping": None,
     }
     pattern = metadata.get(key("attention.sliding_window_pattern"))

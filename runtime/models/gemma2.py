@@ -21,8 +21,6 @@ from runtime.config import ConfigFields, is_positive_number, read_sliding_layers
 from runtime.errors import CheckpointError
 from runtime.models import gemma3
 
-import mlx.core as mx
-
 # transformers' Gemma2Config defaults, for fields a config may leave out.
 DEFAULTS: dict[str, Any] = {
     "head_dim": 256,
@@ -61,12 +59,6 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
     }
 
 
-class Gemma2(gemma3.Gemma3):
-    def project(self, h: mx.array) -> mx.array:
-        logits = super().project(h)
-        cap = self.config.extra["final_logit_softcapping"]
-        return mx.tanh(logits / cap) * cap if cap else logits
-
-
-build = Gemma2
+# Gemma 3's model, whose logits take the final cap too (its `project`).
+build = gemma3.Gemma3
 rename_weights = gemma3.rename_weights

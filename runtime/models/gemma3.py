@@ -13,6 +13,9 @@ transformers' `modeling_gemma3`:
   `rope_local_base_freq`; full (global) layers rotate with `rope_theta` and its scaling;
 - which layers slide comes from `layer_types`, or from `sliding_window_pattern` in
   older configs (every pattern-th layer is global);
+- logits are capped at c * tanh(z / c), c = `final_logit_softcapping`, where it is set
+  (null in Google's releases; Rnj-1, a Gemma 3 of EssentialAI's, sets it), as
+  transformers caps them;
 - embeddings are tied as config.json says, or where it does not say, when the weights
   hold no lm_head (as mlx-lm, which ties exactly then; transformers' default is tied).
 
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.config import ConfigFields, ModelConfig, read_sliding_layers
+from runtime.config import ConfigFields, ModelConfig, is_positive_number, read_sliding_layers
 from runtime.errors import CheckpointError
 from runtime.kv.base import ForwardKV
 from runtime.models import multimodal
@@ -59,9 +62,15 @@ def unwrap_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def read_config(fields: ConfigFields) -> dict[str, Any]:
-    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if fields.raw.get(name) is not None:
-            raise CheckpointError(f"{fields.source}: gemma3 with {name} is not supported")
+    if fields.raw.get("attn_logit_softcapping") is not None:
+        raise CheckpointError(f"{fields.source}: gemma3 with attn_logit_softcapping is not supported")
+    # Null in Google's Gemma 3 configs; Rnj-1 (a Gemma 3 of EssentialAI's) sets one, and
+    # transformers caps its logits with it, as Gemma 2's.
+    final_cap = fields.raw.get("final_logit_softcapping")
+    if final_cap is not None and not is_positive_number(final_cap):
+        raise CheckpointError(
+            f"{fields.source}: gemma3's final_logit_softcapping must be a positive number or null, got {final_cap!r}"
+        )
     if fields.raw.get("use_bidirectional_attention"):
         raise CheckpointError(f"{fields.source}: gemma3 with bidirectional attention is not supported")
     activation = fields.get("hidden_activation", str, "gelu_pytorch_tanh")
@@ -98,6 +107,7 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
         "extra": {
             "query_pre_attn_scalar": fields.get("query_pre_attn_scalar", float),
             "rope_local_base_freq": local_base,
+            "final_logit_softcapping": float(final_cap or 0.0),  # 0: no cap
         },
     }
 
@@ -179,6 +189,12 @@ class Gemma3(CausalLM):
         self.model = Gemma3Body(config)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def project(self, h: mx.array) -> mx.array:
+        """Logits, each z capped to c * tanh(z / c) where `final_logit_softcapping` c is set."""
+        logits = super().project(h)
+        cap = self.config.extra.get("final_logit_softcapping")
+        return mx.tanh(logits / cap) * cap if cap else logits
 
     def embed(self, tokens: mx.array) -> mx.array:
         h = self.model.embed_tokens(tokens)

@@ -768,6 +768,19 @@ def test_gemma3_layer_pattern_and_local_rope_base_are_read_when_the_file_states_
     assert "should be a list of booleans" in one_line_error(numbers)
 
 
+def test_gemma3_final_logit_softcapping_in_the_file_caps_the_logits(convert, tmp_path):
+    """llama.cpp's converter writes gemma3.final_logit_softcapping where config.json sets
+    one (Rnj-1, a Gemma 3 of EssentialAI's), and llama.cpp applies it; it was read as
+    none, every logit uncapped."""
+    path, _ = convert("gemma3_text", GGMLType.F32)
+    plain = load_model(path).model(PROMPT)
+    stated = rewritten(
+        path, tmp_path / "capped.gguf", metadata={"gemma3.final_logit_softcapping": (0.5, V.FLOAT32, V.FLOAT32)}
+    )
+    assert mx.allclose(load_model(stated).model(PROMPT), mx.tanh(plain / 0.5) * 0.5, atol=1e-5).item()
+    assert mx.abs(plain).max().item() > 0.5
+
+
 def test_llama_attention_biases_are_loaded_and_un_permuted(convert, tmp_path):
     """convert_hf_to_gguf.py permutes the q/k biases' rows as it does the weights'."""
     path, reference_dir = convert("llama", GGMLType.F32)

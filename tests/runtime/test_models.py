@@ -174,7 +174,9 @@ def test_gemma3_reads_layer_types_or_the_older_sliding_window_pattern():
         gemma_config(layer_types=["full_attention"] + ["sliding_attention"] * 5, sliding_window=16)
     )
     assert by_types.layer_windows == (None, 16, 16, 16, 16, 16)
-    assert by_types.extra == {"query_pre_attn_scalar": 24.0, "rope_local_base_freq": 10000.0}
+    assert by_types.extra == {
+        "query_pre_attn_scalar": 24.0, "rope_local_base_freq": 10000.0, "final_logit_softcapping": 0.0
+    }
     assert by_types.tie_word_embeddings is False and by_types.rope_theta == 1_000_000.0
 
 
@@ -232,10 +234,24 @@ def test_rope_parameters_as_transformers_5_writes_them_give_the_old_layouts_mode
     assert mx.allclose(new.model(TOKENS), old.model(TOKENS), atol=1e-5).item()
 
 
+def test_gemma3_caps_its_logits_where_config_json_sets_final_logit_softcapping(tmp_path: Path):
+    """transformers' Gemma3ForCausalLM caps them (c * tanh(z / c)) where
+    final_logit_softcapping is set, as Rnj-1 (a Gemma 3 of EssentialAI's) sets it; it
+    was refused. Gemma 2's cap is the same code."""
+    path = make_tiny_checkpoint(tmp_path, "gemma3_text", num_layers=2, hidden_size=96, seed=3)
+    plain = load_model(path).model(TOKENS)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "final_logit_softcapping": 0.5}))
+    capped = load_model(path).model(TOKENS)
+    assert mx.abs(plain).max().item() > 0.5
+    assert mx.allclose(capped, mx.tanh(plain / 0.5) * 0.5, atol=1e-5).item()
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ({"final_logit_softcapping": -1.0}, "final_logit_softcapping must be a positive number or null"),
         ({"layer_types": ["sliding_attention"]}, "layer_types needs 6 entries"),
         ({"hidden_activation": "relu"}, "hidden_activation 'relu'"),
         ({"sliding_window": 0}, "'sliding_window' must be positive"),
