@@ -123,11 +123,11 @@ def _gemma3_fields(
     """What Gemma 3's config.json says and its GGUF leaves to llama.cpp's code: the local
     RoPE base (10,000), one global layer in six, and the attention scale (head_dim, but
     hidden/heads for the 62-layer 27B), as llama.cpp hard-codes them, unless the file
-    states them (newer converters write a per-layer sliding pattern and the local base)."""
+    states them (newer converters write a per-layer sliding pattern and the local base);
+    no sliding layer where the file has no window."""
     is_27b = config["num_hidden_layers"] == 62
     fields: dict[str, Any] = {
         "hidden_activation": "gelu_pytorch_tanh",
-        "sliding_window": metadata.require(key("attention.sliding_window"), int),
         "sliding_window_pattern": 6,
         "rope_local_base_freq": metadata.optional(key("rope.freq_base_swa"), float, 10000.0),
         "query_pre_attn_scalar": (
@@ -137,6 +137,11 @@ def _gemma3_fields(
         "final_logit_softcapping": metadata.optional(key("final_logit_softcapping"), float),
         "attn_logit_softcapping": None,
     }
+    if key("attention.sliding_window") not in metadata:
+        # Left out by the converter where every layer is global (config.json's
+        # sliding_window_pattern 1: Rnj-1); llama.cpp then slides in no layer.
+        return {**fields, "layer_types": ["full_attention"] * config["num_hidden_layers"]}
+    fields["sliding_window"] = metadata.require(key("attention.sliding_window"), int)
     pattern = metadata.get(key("attention.sliding_window_pattern"))
     if isinstance(pattern, list) and len(pattern) == config["num_hidden_layers"]:
         if not all(isinstance(is_sliding, bool) for is_sliding in pattern):

@@ -768,6 +768,27 @@ def test_gemma3_layer_pattern_and_local_rope_base_are_read_when_the_file_states_
     assert "should be a list of booleans" in one_line_error(numbers)
 
 
+def test_a_gemma3_file_without_a_sliding_window_attends_fully_in_every_layer(convert, tmp_path):
+    """llama.cpp's converter leaves gemma3.attention.sliding_window out where config.json
+    has every layer global (`sliding_window_pattern` 1: Rnj-1), and llama.cpp then runs
+    no layer sliding, a pattern in the file or not; such a file was refused."""
+    path, reference_dir = convert("gemma3_text", GGMLType.F32)
+    pattern = [True, False, True, True, True, False]
+    silent = rewritten(
+        path,
+        tmp_path / "silent.gguf",
+        metadata={"gemma3.attention.sliding_window_pattern": (pattern, V.ARRAY, V.BOOL)},
+        dropped=["gemma3.attention.sliding_window"],
+    )
+    reference = tmp_path / "all-full"
+    shutil.copytree(reference_dir, reference)
+    config = json.loads((reference / "config.json").read_text())
+    (reference / "config.json").write_text(json.dumps({**config, "layer_types": ["full_attention"] * 6}))
+    loaded = load_model(silent)
+    assert loaded.config.layer_windows == (None,) * 6
+    assert mx.allclose(loaded.model(PROMPT), load_model(reference).model(PROMPT), atol=1e-5).item()
+
+
 def test_gemma3_final_logit_softcapping_in_the_file_caps_the_logits(convert, tmp_path):
     """llama.cpp's converter writes gemma3.final_logit_softcapping where config.json sets
     one (Rnj-1, a Gemma 3 of EssentialAI's), and llama.cpp applies it; it was read as
