@@ -173,6 +173,7 @@ def tool_request(body: dict[str, Any]) -> ToolRequest:
         tools = []
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise RequestError(f"'tools' must be a list of at most {MAX_TOOLS} tools", param="tools")
+    first_of_name: dict[str, int] = {}
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if (
@@ -194,6 +195,14 @@ def tool_request(body: dict[str, Any]) -> ToolRequest:
             # the call format the model writes it in: a forced call came back as text.
             raise RequestError(
                 f"tools[{i}].function.name must be 1 to 64 letters, digits, '_' or '-'",
+                param=f"tools[{i}].function.name",
+            )
+        if (first := first_of_name.setdefault(function["name"], i)) != i:
+            # A call names its tool: of two by one name, which did the model call, and
+            # with whose parameters? (Anthropic's and DeepSeek's APIs refuse it too.)
+            raise RequestError(
+                f"tools[{i}].function.name '{function['name']}' is tools[{first}]'s too: "
+                "tool names must be unique",
                 param=f"tools[{i}].function.name",
             )
         if not isinstance(parameters := function.get("parameters", {}), dict):

@@ -70,7 +70,16 @@ STRUCTURED_OUTPUT_FIELDS: dict[str, Any] = {
 
 # Chat only.
 TOOL_FIELDS: dict[str, Any] = {
-    "tools": or_null({"type": "array", "maxItems": MAX_TOOLS, "items": {"$ref": _REF + "Tool"}}),
+    "tools": or_null(
+        {
+            "type": "array",
+            "maxItems": MAX_TOOLS,
+            "items": {"$ref": _REF + "Tool"},
+            # Names unique, which JSON Schema cannot say: it refuses only whole copies.
+            "uniqueItems": True,
+            "description": "each function's name once",
+        }
+    ),
     "tool_choice": or_null(
         {
             "description": "only beside 'tools'",

@@ -217,6 +217,7 @@ def documented(schema_name):
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}
 TOOL = {"type": "function", "function": {"name": "f"}}
+TOOLS = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(MAX_TOOLS + 1)]
 # (request, field, a value at the edge of what the parser takes, one just past it)
 EDGES = [
     (COMPLETION, "max_tokens", 1, 0),
@@ -253,7 +254,8 @@ EDGES = [
     (CHAT, "guided_choice", ["a"], []),
     (CHAT, "structured_outputs", {"regex": "a"}, {"regex": "a", "choice": ["a"]}),
     (CHAT, "structured_outputs", {"regex": "a"}, {"pattern": "a"}),
-    (CHAT, "tools", [TOOL] * MAX_TOOLS, [TOOL] * (MAX_TOOLS + 1)),
+    (CHAT, "tools", TOOLS[:MAX_TOOLS], TOOLS),
+    (CHAT, "tools", [TOOL], [TOOL, TOOL]),  # a name twice: which would a call be?
     (CHAT, "tools", [TOOL], [{"type": "function", "function": {"name": ""}}]),
     (CHAT, "tools", [TOOL], [{**TOOL, "strict": True}]),
     (CHAT, "tools", [TOOL], [{"type": "function", "function": {"name": "f", "paramters": {}}}]),

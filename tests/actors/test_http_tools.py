@@ -358,6 +358,10 @@ async def test_the_vllm_style_extensions_constrain_text(tiny):
             "tool_choice",
         ),
         ({"tools": [{"type": "function"}]}, "tools[0]"),
+        (  # two tools by one name: a call to it would be ambiguous
+            {"tools": [TOOLS[0], {"type": "function", "function": {"name": "get_weather"}}]},
+            "tools[1].function.name",
+        ),
         ({"functions": [{"name": "f"}]}, "functions"),
         (
             {

@@ -355,6 +355,11 @@ TOOL = {"type": "function", "function": {"name": "f"}}
 P0 = "tools[0].function.parameters"
 
 
+def tools(count):
+    """`count` tools of distinct names (a name twice is a 400)."""
+    return [{"type": "function", "function": {"name": f"f{i}"}} for i in range(count)]
+
+
 def named(name):
     return {"type": "function", "function": {"name": name}}
 
@@ -364,7 +369,7 @@ def named(name):
     [
         ({"function_call": "auto"}, "function_call"),
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
-        ({"tools": [TOOL] * (MAX_TOOLS + 1)}, "tools"),
+        ({"tools": tools(MAX_TOOLS + 1)}, "tools"),
         ({"tools": [{**TOOL, "type": "retrieval"}]}, "tools[0]"),
         ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0]"),
         # OpenAI's names: 1 to 64 of [A-Za-z0-9_-]. Markup in one broke the call format.
@@ -434,16 +439,16 @@ def test_a_named_tool_choice_forces_that_function():
 
 
 def test_at_most_128_tools_as_openai():
-    assert len(tool_request({"tools": [TOOL] * 128}).tools) == 128
+    assert len(tool_request({"tools": tools(128)}).tools) == 128
     with pytest.raises(RequestError):
-        tool_request({"tools": [TOOL] * 129})
+        tool_request({"tools": tools(129)})
 
 
 def test_parallel_tool_calls_are_on_unless_turned_off():
     assert tool_request({"tools": [TOOL]}).is_parallel
     assert tool_request({"tools": [TOOL], "parallel_tool_calls": None}).is_parallel
     assert not tool_request({"tools": [TOOL], "parallel_tool_calls": False}).is_parallel
-    assert tool_request({"tools": [TOOL] * MAX_TOOLS, "tool_choice": "none"}).choice == "none"
+    assert tool_request({"tools": tools(MAX_TOOLS), "tool_choice": "none"}).choice == "none"
 
 
 def test_reasoning_streams_out_with_each_delta_not_only_the_last():
