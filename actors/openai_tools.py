@@ -168,6 +168,8 @@ def tool_request(body: dict[str, Any]) -> ToolRequest:
             raise RequestError(
                 f"'{legacy}' is deprecated: send 'tools' and 'tool_choice'", param=legacy
             )
+    # [] is no tools, where OpenAI and vLLM answer 400: agent clients send it when
+    # they have none to offer (Koog, kimi-cli, LangGraph), and that 400 broke them.
     tools = body.get("tools")
     if tools is None:
         tools = []

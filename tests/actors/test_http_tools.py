@@ -405,6 +405,20 @@ async def test_tool_settings_without_tools_are_a_400_as_openais(tiny):
     assert done.usage.completion_tokens >= 1
 
 
+async def test_an_empty_tools_list_is_no_tools(tiny):
+    """`tools: []` is no tools, not OpenAI's 400 ("[] is too short"): agent clients
+    send it when they have none to offer (Koog, kimi-cli, pi --no-tools, LangGraph
+    after a revoke), and vLLM's 400 to it broke each of them."""
+    async with serving(tiny) as server:
+        empty = await in_thread(whole, server, messages=ASK, max_tokens=3, tools=[])
+        plain = await in_thread(whole, server, messages=ASK, max_tokens=3)
+        with pytest.raises(openai.BadRequestError) as raised:  # as beside no tools at all
+            await in_thread(whole, server, messages=ASK, max_tokens=3, tools=[], tool_choice="auto")
+    assert raised.value.param == "tool_choice"
+    assert empty.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert empty.choices[0].message.content == plain.choices[0].message.content
+
+
 async def test_an_unknown_key_in_a_tool_is_a_400_naming_it_and_one_in_a_message_is_not(tiny):
     """A typo'd `paramters` was dropped, leaving a tool without parameters. Messages
     stay lenient: OpenAI's SDK replays a reply with refusal, annotations, audio null."""
