@@ -90,12 +90,20 @@ def _response_format(value: Any) -> GrammarSpec:
             param="response_format.type",
         )
     spec = value.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+    if not isinstance(spec, dict):
         raise RequestError(
             "'response_format.json_schema' must be an object with a 'name'",
             param="response_format.json_schema",
         )
     _refuse_unknown_keys(spec, _JSON_SCHEMA_KEYS, "response_format.json_schema")
+    name = spec.get("name")
+    if not isinstance(name, str) or _FUNCTION_NAME.fullmatch(name) is None:
+        # OpenAI's rule, and vLLM's too insofar as it requires a name. The name changes
+        # nothing here, but one OpenAI refuses ("" or "My schema") was accepted.
+        raise RequestError(
+            "'response_format.json_schema.name' must be 1 to 64 letters, digits, '_' or '-'",
+            param="response_format.json_schema.name",
+        )
     if not isinstance(spec.get("strict"), bool | None):
         raise RequestError(
             "'response_format.json_schema.strict' must be a boolean",

@@ -36,7 +36,15 @@ STRUCTURED_OUTPUT_FIELDS: dict[str, Any] = {
             "if": {"properties": {"type": {"const": "json_schema"}}},
             "then": {
                 "required": ["json_schema"],
-                "properties": {"json_schema": {"type": "object", "required": ["name"]}},
+                "properties": {
+                    "json_schema": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {
+                            "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
+                        },
+                    }
+                },
             },
         }
     ),

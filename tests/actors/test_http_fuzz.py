@@ -268,6 +268,12 @@ EDGES = [
         {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
         {"type": "json_schema", "json_schema": {"schema": {}}},
     ),
+    (
+        CHAT,
+        "response_format",
+        {"type": "json_schema", "json_schema": {"name": "a-b_" + "c" * 60}},
+        {"type": "json_schema", "json_schema": {"name": "a b"}},
+    ),
     (COMPLETION, "max_tokens", 5.0, 5.5),  # JSON Schema's integers, as vLLM takes them
     (
         CHAT,

@@ -346,6 +346,14 @@ async def test_the_vllm_style_extensions_constrain_text(tiny):
             },
             "response_format.json_schema.schema",
         ),
+        # OpenAI's rule for the name: 1 to 64 letters, digits, '_' or '-'.
+        *(
+            (
+                {"response_format": {"type": "json_schema", "json_schema": spec}},
+                "response_format.json_schema.name",
+            )
+            for spec in ({"schema": {}}, {"name": "", "schema": {}}, {"name": "My schema"})
+        ),
         ({"guided_regex": "([a-z]"}, "guided_regex"),
         ({"guided_grammar": "start: nowhere"}, "guided_grammar"),
         ({"guided_regex": "a{100000}{100000}"}, "guided_regex"),  # past the lexer's limits

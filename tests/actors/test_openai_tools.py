@@ -237,7 +237,7 @@ def test_a_whole_reply_of_calls_only_has_null_content():
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),  # two: not the first
         (
             {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
-            "response_format.json_schema",
+            "response_format.json_schema.name",
         ),
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_regex": ""}, "guided_regex"),
@@ -251,7 +251,7 @@ def test_a_whole_reply_of_calls_only_has_null_content():
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": 1}}},
-            "response_format.json_schema",
+            "response_format.json_schema.name",
         ),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "s"}}},
