@@ -45,7 +45,13 @@ from actors.cors import CorsPolicy
 from actors.generation import Generation
 from actors.http_access import hostname, is_authorized, request_ids
 from actors.http_body import BODY_GRACE_S, BODY_MIN_RATE, request_api
-from actors.openai_requests import ApiError, ApiRequest, parse_chat, parse_completion
+from actors.openai_requests import (
+    ApiError,
+    ApiRequest,
+    naming_the_prompt,
+    parse_chat,
+    parse_completion,
+)
 from actors.openai_responses import SSE_DONE, ChunkWriter, sse, wire_json
 from actors.openai_tools import ToolCallDeltas, with_tool_calls
 from actors.openapi import OPENAPI
@@ -285,13 +291,12 @@ def _naming_the_prompt(
 ) -> ApiError:
     """A batch of prompts' refusal names the prompt it is about, `prompt[i]`: "the
     prompt is longer than the context" did not say which of 20."""
-    if not api.more_prompts or refusal.param != "prompt":
+    if not api.is_batch or refusal.param != "prompt":
         return refusal
     refused = [i for i, generation in enumerate(generations) if generation.refusal is error]
     if not refused:
         return refusal
-    field = f"prompt[{refused[0] // api.n}]"  # choice i*n + j is prompt i's
-    return attrs.evolve(refusal, message=f"{field}: {refusal.message}", param=field)
+    return naming_the_prompt(refusal, f"prompt[{refused[0] // api.n}]")  # choice i*n + j is prompt i's
 
 
 class _ChoicesStream(ResponseBody):

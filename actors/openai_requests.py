@@ -89,6 +89,7 @@ class ApiRequest:
     n: int = 1  # choices: requests of their own that share the prompt (actors/choices.py)
     # A completion's further prompts (OpenAI's batch): n choices each, after the first's.
     more_prompts: tuple[str | tuple[int, ...], ...] = ()
+    is_batch: bool = False  # the prompt was a list of prompts: a refusal names `prompt[i]`
 
     @property
     def requests(self) -> list[GenerateRequest]:
@@ -174,6 +175,7 @@ def parse_chat(body: dict[str, Any], *, max_n: int = DEFAULT_MAX_N) -> ApiReques
 def parse_completion(body: dict[str, Any], *, max_n: int = DEFAULT_MAX_N) -> ApiRequest:
     prompt = _field(body, "prompt", (str, list), required=True)
     prompts = _prompts(prompt)
+    is_batch = _is_batch(prompt)
     if body.get("chat_template_kwargs") is not None:
         raise ApiError(
             400, "'chat_template_kwargs' applies to chat only", param="chat_template_kwargs"
@@ -182,27 +184,47 @@ def parse_completion(body: dict[str, Any], *, max_n: int = DEFAULT_MAX_N) -> Api
         raise ApiError(400, "'echo' is not supported", param="echo")
     if _field(body, "suffix", str):
         raise ApiError(400, "'suffix' is not supported", param="suffix")
-    api = _parse_common(body, "completion", max_n=max_n, prompt=prompts[0])
-    return attrs.evolve(api, more_prompts=tuple(prompts[1:]))
+    try:
+        api = _parse_common(body, "completion", max_n=max_n, prompt=prompts[0])
+    except ApiError as error:
+        # The first prompt is checked here, the others in admission (which names them):
+        # a batch's first, even alone ([""]), is prompt[0] too.
+        if is_batch and error.param == "prompt":
+            raise naming_the_prompt(error, "prompt[0]") from None
+        raise
+    return attrs.evolve(api, more_prompts=tuple(prompts[1:]), is_batch=is_batch)
 
 
 def _prompts(prompt: str | list[Any]) -> list[str | tuple[int, ...]]:
     """A completion's prompts: text, token ids, or a batch (a list) of either, as OpenAI's."""
     if isinstance(prompt, str):
         return [prompt]
-    if prompt and all(isinstance(p, str | list) for p in prompt):
-        return [p if isinstance(p, str) else _token_ids(p) for p in prompt]
-    return [_token_ids(prompt)]
+    if _is_batch(prompt):
+        return [
+            p if isinstance(p, str) else _token_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)
+        ]
+    return [_token_ids(prompt, "prompt")]
 
 
-def _token_ids(prompt: list[Any]) -> tuple[int, ...]:
+def _is_batch(prompt: str | list[Any]) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, str | list) for p in prompt)
+
+
+def _token_ids(prompt: list[Any], param: str) -> tuple[int, ...]:
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise ApiError(
             400,
-            "'prompt' must be a string, a list of token ids, or a list of either",
-            param="prompt",
+            # a batch's prompt is one of the two; the whole may be a list of them
+            f"'{param}' must be a string or a list of token ids"
+            + (", or a list of either" if param == "prompt" else ""),
+            param=param,
         )
     return tuple(prompt)
+
+
+def naming_the_prompt(error: ApiError, field: str) -> ApiError:
+    """`error` about a batch's prompt, named as that one, `field` (`prompt[i]`)."""
+    return attrs.evolve(error, message=f"{field}: {error.message}", param=field)
 
 
 def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any) -> ApiRequest:

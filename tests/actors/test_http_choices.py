@@ -282,6 +282,35 @@ async def test_a_batch_of_prompts_answers_each_as_alone_numbered_prompt_by_choic
     assert refusals[1][2]["error"]["code"] == "context_length_exceeded"
 
 
+async def test_a_batchs_first_prompt_is_named_prompt_0_when_refused_even_alone(tiny):
+    """The first prompt is checked while parsing, the others in admission: a refusal
+    of `[""]` or `["", "a"]` named `prompt`, as though the whole batch were at fault."""
+    cases = [
+        ([""], "prompt[0]"),
+        (["", "a"], "prompt[0]"),
+        ([[]], "prompt[0]"),
+        ([[-1], "a"], "prompt[0]"),
+        (["a", [1.5]], "prompt[1]"),
+        ([list(range(2000))], "prompt[0]"),  # past the context: refused in admission
+        ("", "prompt"),  # not a batch
+        ([], "prompt"),
+    ]
+    async with serving(tiny) as server:
+        replies = [
+            await in_thread(
+                request,
+                server.url,
+                "POST",
+                "/v1/completions",
+                {"model": server.model, "prompt": prompt, "max_tokens": 2},
+            )
+            for prompt, _ in cases
+        ]
+    for (prompt, param), (status, _, reply) in zip(cases, replies, strict=True):
+        assert (status, reply["error"]["param"]) == (400, param), prompt
+        assert param in reply["error"]["message"], prompt
+
+
 async def test_a_batch_refused_for_one_prompt_runs_none_of_the_others(tiny):
     """Each prompt was submitted as soon as it was prepared: "a" ran a step, and its
     abort was logged as a client's disconnect, for a request answered with a 400."""

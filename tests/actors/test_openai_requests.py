@@ -107,11 +107,20 @@ def test_tool_fields_on_a_completion_are_refused_as_chat_only(name):
     assert caught.value.message == f"'{name}' applies to chat only"
 
 
-@pytest.mark.parametrize("prompt", [[1, "x"], [1, True], [1, 2.0], [[1, 2], ["a"]], ["a", 1]])
-def test_a_completion_prompt_list_is_token_ids_or_a_batch_of_prompts_only(prompt):
+@pytest.mark.parametrize(
+    ("prompt", "param"),
+    [
+        ([1, "x"], "prompt"),
+        ([1, True], "prompt"),
+        ([1, 2.0], "prompt"),
+        ([[1, 2], ["a"]], "prompt[1]"),  # a batch: its prompt is named
+        (["a", 1], "prompt"),
+    ],
+)
+def test_a_completion_prompt_list_is_token_ids_or_a_batch_of_prompts_only(prompt, param):
     with pytest.raises(ApiError) as caught:
         parse_completion({"model": "m", "prompt": prompt})
-    assert caught.value.status == 400 and caught.value.param == "prompt"
+    assert caught.value.status == 400 and caught.value.param == param
     assert "a list of token ids" in caught.value.message
 
 
