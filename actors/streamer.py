@@ -13,6 +13,7 @@ memory per slow reader is its own unread text, and `send_nowait` never blocks.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 
 from runtime.detokenizer import IncrementalDetokenizer
@@ -58,7 +59,10 @@ class _Stream:
     first_token_at: float | None = None
     last_token_at: float = 0.0
     unsent: str = ""  # text held back while the reader is behind
-    unsent_logprobs: list[LogprobEntry] = attrs.Factory(list)  # ... and its tokens' logprobs
+    unsent_logprobs: list[LogprobEntry] = attrs.Factory(list)  # ... and its tokens' logprobs,
+    unsent_starts: list[int] = attrs.Factory(list)  # ... each where its token's text starts
+    num_chars_in: int = 0  # characters fed to the stop matcher (its output is a prefix)
+    num_chars_out: int = 0  # ... and let through by it
 
     @property
     def request_id(self) -> str:
@@ -154,18 +158,20 @@ class Streamer:
             # nothing (a Strip decoder), yet the word start after it keeps its space.
             after_text = stream.detokenizer.has_tokens  # before this token joins it
             stream.unsent_logprobs.append(self._logprob_entry(row.token, row.logprob, after_text))
+            stream.unsent_starts.append(stream.num_chars_in)
         # An EOS token that ended the row is no text, as in vLLM and mlx-lm: where a
         # tokenizer does not flag it special, decoding spelled it out. (A grammar that
         # completes ends its row as EOS too, on a token of its text.)
         is_eos = row.finish is FinishCause.EOS and row.token in self.eos_ids
         piece = "" if is_eos else stream.detokenizer.add(row.token)
-        text, is_stop = stream.stop_matcher.feed(*stream.markup.split(row.token, piece))
+        text, is_stop = _feed(stream, *stream.markup.split(row.token, piece))
         cause = first_cause(row.finish, FinishCause.STOP_SEQUENCE if is_stop else None)
         if cause is not None and not is_stop:
-            tail, is_stop = stream.stop_matcher.feed(stream.detokenizer.flush())
+            tail, is_stop = _feed(stream, stream.detokenizer.flush())
             text += tail if is_stop else tail + stream.stop_matcher.flush()
             cause = first_cause(row.finish, FinishCause.STOP_SEQUENCE if is_stop else None)
         stream.unsent += text
+        stream.num_chars_out += len(text)
         if cause is None:
             # Asked at every token, text or not: a reader gone while its tokens made no
             # text (special tokens, a character's first bytes, a held-back stop) was
@@ -180,7 +186,9 @@ class Streamer:
         usage = Usage(
             stream.track.num_prompt_tokens, stream.num_completion_tokens, stream.num_cached_tokens
         )
-        logprobs = tuple(stream.unsent_logprobs)
+        # A stop string cuts the tokens of its text, and those after it, out of the
+        # logprobs too, so they hold the text's tokens (only the cut text was spelled).
+        logprobs = _take_logprobs(stream, is_all=not is_stop)
         self._end(stream, Finished(stream.request_id, stream.unsent, cause, usage, logprobs))
         # The engine already closed a row it finished; a stop string is ours to close.
         return "stop_sequence" if row.finish is None else None
@@ -240,7 +248,7 @@ class Streamer:
         if stats.current_buffer_used >= MAX_QUEUED_DELTAS or not stream.unsent:
             return True  # held back (or nothing yet): it leaves with the next delta that fits
         text, stream.unsent = stream.unsent, ""
-        logprobs, stream.unsent_logprobs = tuple(stream.unsent_logprobs), []
+        logprobs = _take_logprobs(stream, is_all=False)
         return self._send(stream, TextDelta(stream.request_id, text, logprobs))
 
     def _logprob_entry(self, token: int, logprob: TokenLogprob, after_text: bool) -> LogprobEntry:
@@ -255,6 +263,23 @@ class Streamer:
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
             return False
         return True
+
+
+def _feed(stream: _Stream, text: str, markup: str = "") -> tuple[str, bool]:
+    stream.num_chars_in += len(text) + len(markup)
+    return stream.stop_matcher.feed(text, markup)
+
+
+def _take_logprobs(stream: _Stream, *, is_all: bool) -> tuple[LogprobEntry, ...]:
+    """The unsent entries to send: all of them, or those of tokens whose text has begun
+    to go out. One whose text is all held back (the start of a stop string, or a
+    character's first bytes) waits: a stop may yet cut it away."""
+    num = len(stream.unsent_starts) if is_all else bisect.bisect_left(
+        stream.unsent_starts, stream.num_chars_out
+    )
+    taken = tuple(stream.unsent_logprobs[:num])
+    del stream.unsent_logprobs[:num], stream.unsent_starts[:num]
+    return taken
 
 
 def _ms(seconds: float) -> float:

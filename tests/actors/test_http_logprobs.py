@@ -203,6 +203,31 @@ async def test_the_bytes_of_tokens_inside_a_character_rebuild_the_text(tiny):
     assert offsets == starts and offsets[0] == 0 and offsets[-1] <= len(text) - 1
 
 
+@pytest.mark.parametrize(("text", "stop", "kept"), [("abcdefgh", "d", "abc"), ("ab😀é", "😀", "ab")])
+async def test_the_tokens_a_stop_string_cut_away_have_no_logprobs(tiny, text, stop, kept):
+    """The entries of the tokens that wrote the stop string (or a character's bytes it
+    cut) were kept, so the tokens spelled text the reply did not hold: "abc" came with
+    "abc", "def", and "ab" with the four bytes of the emoji after it."""
+    body = {"extra_body": {"guided_regex": text}, "stop": stop}
+    async with serving(tiny) as server:
+        got = {
+            stream: await in_thread(completion_logprobs, server, stream, logprobs=1, **body)
+            for stream in (False, True)
+        }
+        chat = [
+            await in_thread(chat_entries, server, stream, logprobs=True, **body)
+            for stream in (False, True)
+        ]
+    assert got[True] == got[False] and chat[0] == chat[1]
+    tokens, _, _, offsets, completion, num_tokens = got[False]
+    assert completion == kept
+    assert b"".join(_spelled_bytes(t) for t in tokens) == kept.encode()
+    assert all(offset < len(kept) for offset in offsets)
+    assert bytes(b for e in chat[0][0] for b in e["bytes"]) == kept.encode()
+    # They were generated all the same, and are billed.
+    assert num_tokens == chat[0][1] > len(tokens)
+
+
 def _byte_starts(tokens):
     """Where each completion token starts in the text's bytes, from its spelling."""
     starts, at = [], 0
