@@ -25,7 +25,8 @@ class ChunkWriter:
     different choices interleave. With `has_logprobs`, every choice carries OpenAI's
     logprobs object for its tokens; completions' `text_offset` counts the characters
     the tokens' bytes complete, from the start of that choice's generated text, across
-    chunks (the bytes of one emoji, four tokens, all start at its offset).
+    chunks (the bytes of one emoji, four tokens, all start at its offset; a token after
+    bytes it does not finish a character of starts after their U+FFFD).
     """
 
     kind: str
@@ -86,9 +87,14 @@ class ChunkWriter:
         offsets = []
         decoder = self.decoders.setdefault(index, codecs.getincrementaldecoder("utf-8")("replace"))
         for entry in entries:
-            offsets.append(self.num_chars.get(index, 0))
-            completed = decoder.decode(_token_bytes(entry.token, entry.token_bytes))
-            self.num_chars[index] = offsets[-1] + len(completed)
+            raw = _token_bytes(entry.token, entry.token_bytes)
+            num_chars = self.num_chars.get(index, 0)
+            held = decoder.getstate()[0]
+            # Held bytes this token does not go on with were no character: their
+            # U+FFFD stands first, so the token starts a character after it.
+            is_after_held = bool(held) and bool(raw) and not _continues(held, raw[0])
+            offsets.append(num_chars + 1 if is_after_held else num_chars)
+            self.num_chars[index] = num_chars + len(decoder.decode(raw))
         return {
             "tokens": [e.token for e in entries],
             "token_logprobs": [_finite(e.logprob) for e in entries],
@@ -182,6 +188,15 @@ def _chat_logprob(entry: LogprobEntry) -> dict[str, Any]:
 
 def _token_json(token: str, logprob: float, raw: bytes | None) -> dict[str, Any]:
     return {"token": token, "logprob": _finite(logprob), "bytes": list(_token_bytes(token, raw))}
+
+
+def _continues(held: bytes, byte: int) -> bool:
+    """Whether `byte` goes on with the character whose first bytes are `held`."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(held + bytes([byte]))
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _token_bytes(token: str, raw: bytes | None) -> bytes:

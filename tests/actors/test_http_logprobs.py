@@ -5,8 +5,11 @@ import codecs
 import http.client
 import json
 import math
+import pathlib
 import shutil
 import urllib.parse
+
+from runtime.tokenizer import Tokenizer
 
 import openai
 import pytest
@@ -94,12 +97,9 @@ async def test_completion_logprobs_streamed_equal_whole_in_openai_shape(tiny):
     assert streamed == whole
     tokens, token_logprobs, top_logprobs, text_offset, text, num_tokens = whole
     assert len(tokens) == len(token_logprobs) == len(top_logprobs) == num_tokens > 0
-    # Each offset counts the characters the tokens before it complete (a random model
-    # writes stray bytes: each invalid one is a U+FFFD, as in its text).
-    decoder, completed = codecs.getincrementaldecoder("utf-8")("replace"), [0]
-    for token in tokens[:-1]:
-        completed.append(completed[-1] + len(decoder.decode(_spelled_bytes(token))))
-    assert text_offset == completed
+    # Each offset is the character its token's first byte is in (a random model writes
+    # stray bytes: each invalid run is a U+FFFD, as in its text).
+    assert text_offset == _char_starts(tokens)
     for token, logprob, top in zip(tokens, token_logprobs, top_logprobs, strict=True):
         assert 1 <= len(top) <= 3 and top[token] == logprob == max(top.values())
 
@@ -226,6 +226,52 @@ async def test_the_tokens_a_stop_string_cut_away_have_no_logprobs(tiny, text, st
     assert bytes(b for e in chat[0][0] for b in e["bytes"]) == kept.encode()
     # They were generated all the same, and are billed.
     assert num_tokens == chat[0][1] > len(tokens)
+
+
+async def test_a_token_after_bytes_that_make_no_character_starts_after_their_u_fffd(tiny):
+    """A byte starting a 4-byte character, again and again: each ends the one before as
+    invalid, a U+FFFD. The token after such held bytes was given their offset, so the
+    offsets went 0, 0, 1, 2 for text whose characters are at 0, 1, 2, 3."""
+    tokenizer = Tokenizer.from_dir(pathlib.Path(tiny))
+    lead = next(i for i in range(tokenizer.vocab_size) if tokenizer.token_piece(i)[1] == b"\xf0")
+    async with serving(tiny) as server:
+        got = {
+            stream: await in_thread(
+                completion_logprobs, server, stream, logprobs=0, logit_bias={str(lead): 100}
+            )
+            for stream in (False, True)
+        }
+    assert got[True] == got[False]
+    tokens, _, _, offsets, text, _ = got[False]
+    assert tokens == ["bytes:\\xf0"] * MAX_TOKENS and text == "\ufffd" * MAX_TOKENS
+    assert offsets == list(range(MAX_TOKENS)) == _char_starts(tokens)
+
+
+def _char_starts(tokens):
+    """The character each completion token's first byte is in, its bytes decoded as
+    UTF-8 with a U+FFFD for each invalid run (each maximal part of a character)."""
+    data, char_at, num_chars, at = b"".join(map(_spelled_bytes, tokens)), [], 0, 0
+    while at < len(data):
+        size = next((n for n in range(1, 5) if _is_char(data[at : at + n])), 0)
+        if not size:  # no character: the longest start of one, or the lone byte
+            size = max(n for n in range(1, 5) if n == 1 or _begins_char(data[at : at + n]))
+        char_at += [num_chars] * size
+        num_chars, at = num_chars + 1, at + size
+    return [char_at[start] for start in _byte_starts(tokens)]
+
+
+def _is_char(data):
+    try:
+        return len(data.decode()) == 1
+    except UnicodeDecodeError:
+        return False
+
+
+def _begins_char(data):
+    try:
+        return codecs.getincrementaldecoder("utf-8")().decode(data) == ""
+    except UnicodeDecodeError:
+        return False
 
 
 def _byte_starts(tokens):
