@@ -36,6 +36,7 @@ import math
 import re
 from typing import TYPE_CHECKING, TypeAlias
 
+from runtime.json_constants import NonFiniteAsNull, with_non_finite_as_null
 from runtime.json_ends import ValueEnd
 
 import attrs
@@ -110,6 +111,9 @@ class _JsonCalls:
     num_sent: int = 0  # characters of its arguments reported
     call_end: ValueEnd | None = None  # where the current call object ends, once it does
     arguments_end: ValueEnd | None = None  # ... and its arguments' value
+    # NaN and Infinity, which Python's json takes but no client's JSON reader does, go
+    # out as null: streamed as they grow, the arguments cannot be taken back.
+    literals: NonFiniteAsNull = attrs.Factory(NonFiniteAsNull)
 
     def update(self, body: str, is_final: bool) -> list[Event]:
         events: list[Event] = []
@@ -140,6 +144,7 @@ class _JsonCalls:
             self.num_calls += is_call  # indexes count calls only: 0, 1, ... as OpenAI's
             self.position, self.name_seen, self.num_sent = whole, False, 0
             self.call_end = self.arguments_end = None
+            self.literals = NonFiniteAsNull()
 
     def cut_short(self, body: str) -> CallCutShort | None:
         """After the final update: the call the reply ended in, if its arguments are not
@@ -174,15 +179,17 @@ class _JsonCalls:
         end = self.arguments_end.find(body, is_final)
         if body[at] == '"' and end is not None and self.num_sent == 0:
             self.num_sent = end - at
-            return [CallArguments(self.num_calls, json.loads(body[at:end]))]
+            text = with_non_finite_as_null(json.loads(body[at:end]))
+            return [CallArguments(self.num_calls, text)]
         if body[at] == '"' and not is_final:
             return []
         known = len(body) if end is None else end
-        if known <= at + self.num_sent:
-            return []
         fragment = body[at + self.num_sent : known]
         self.num_sent += len(fragment)
-        return [CallArguments(self.num_calls, fragment)]
+        text = self.literals.feed(fragment)
+        if end is not None or is_final:
+            text += self.literals.finish()
+        return [CallArguments(self.num_calls, text)] if text else []
 
 
 def _name_first(body: str, start: int) -> tuple[str, int] | None:
@@ -202,7 +209,10 @@ def _whole_call(index: int, call: object, raw: str = "") -> list[Event]:
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return [Content(raw)]
     arguments = call.get("arguments", call.get("parameters", {}))
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    if isinstance(arguments, str):  # JSON text in a string: as the model wrote it
+        text = with_non_finite_as_null(arguments)
+    else:
+        text = json.dumps(arguments, ensure_ascii=False)
     return [CallStart(index, call["name"]), CallArguments(index, text)]
 
 

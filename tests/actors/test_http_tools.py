@@ -181,6 +181,23 @@ async def test_a_python_tag_inside_a_llama3_argument_is_kept(checkpoint_for):
     assert (content, finish) == ("", "tool_calls")
 
 
+@pytest.mark.parametrize(
+    ("style", "text"),
+    [
+        ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": NaN, "days": [Infinity]}}\n</tool_call>'),
+        ("llama3_json", '{"name": "get_weather", "parameters": {"city": NaN, "days": [-Infinity]}}'),
+    ],
+)
+async def test_nan_or_infinity_in_arguments_is_null_streamed_or_not(checkpoint_for, style, text):
+    """Python's json writes and reads NaN and Infinity, no JSON reader of a client's
+    does: the arguments went out as written, and JSON.parse refused the whole call."""
+    done, (content, calls, finish) = await answers_writing(checkpoint_for(style), text)
+    (call,) = done.choices[0].message.tool_calls
+    assert [(n, a) for _, n, a in calls.values()] == [(call.function.name, call.function.arguments)]
+    assert json.loads(call.function.arguments, parse_constant=pytest.fail) == {"city": None, "days": [None]}
+    assert (content, finish, done.choices[0].finish_reason) == ("", "tool_calls", "tool_calls")
+
+
 NOTE = "Rome is the city of seven hills and of many fountains, of old walls and narrow streets"
 LONG_CALL = {
     "hermes": 'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"note": "%s"}}\n</tool_call>',

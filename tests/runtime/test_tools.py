@@ -248,6 +248,18 @@ CASES = [
     ("hermes", '<tool_call>{"arguments": {"a": 1e999}, "name": "f"}</tool_call>',
      ('{"arguments": {"a": 1e999}, "name": "f"}', [])),
     ("llama3_json", '{"parameters": {"a": NaN}, "name": "f"}', ('{"parameters": {"a": NaN}, "name": "f"}', [])),
+    # Streamed as they grow when the name comes first, NaN and Infinity go out as null:
+    # they went out as written, and a client's JSON reader refused the whole call. In a
+    # string, or a word of arguments that are no JSON, they stay.
+    (
+        "hermes",
+        '<tool_call>{"name": "f", "arguments": {"a": NaN, "b": [-Infinity,Infinity ], "c": "NaN"}}</tool_call>',
+        ("", [("f", '{"a": null, "b": [null,null ], "c": "NaN"}')]),
+    ),
+    ("hermes", '<tool_call>{"name": "f", "arguments": a=NaNa}</tool_call>', ("", [("f", "a=NaNa}")])),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": NaN}"}</tool_call>', ("", [("f", '{"a": null}')])),
+    ("llama3_json", '{"name": "f", "parameters": {"a": [NaN]}}', ("", [("f", '{"a": [null]}')])),
+    ("llama3_json", '{"name": "f", "parameters": {"a": -Infinity', ("", [("f", '{"a": null')])),
     ("mistral", "a [TOOL_C", ("a [TOOL_C", [])),
     ("mistral", '[TOOL_CALLS]f[ARGS]{"a": "cut', ('[TOOL_CALLS]f[ARGS]{"a": "cut', [])),
     # A third call after a tagged second one: each call is found, the tag split anywhere.

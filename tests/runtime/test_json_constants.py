@@ -1,0 +1,62 @@
+import json
+import math
+import random
+
+from runtime.json_constants import NonFiniteAsNull, with_non_finite_as_null
+
+import pytest
+
+SPECIAL = [math.nan, math.inf, -math.inf]
+
+
+def random_text(rng):  # the values' letters, quotes and escapes, inside strings
+    return "".join(rng.choice('NaIfity-"\\ :,[]') for _ in range(rng.randint(0, 10)))
+
+
+def random_value(rng, depth=0):
+    kind = rng.choice(["str", "num", "list", "dict"] if depth < 3 else ["str", "num"])
+    if kind == "str":
+        return random_text(rng)
+    if kind == "num":
+        return rng.choice([*SPECIAL, 0, -1, 2.5, True, None])
+    if kind == "list":
+        return [random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {random_text(rng): random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))}
+
+
+def finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    return value
+
+
+def fed(text, cuts):
+    literals, out, start = NonFiniteAsNull(), "", 0
+    for cut in [*sorted(cuts), len(text)]:
+        out, start = out + literals.feed(text[start:cut]), cut
+    return out + literals.finish()
+
+
+def test_non_finite_values_become_null_whatever_the_split():
+    rng = random.Random(0)
+    for _ in range(300):
+        value = random_value(rng)
+        text = json.dumps(value, separators=rng.choice([(",", ":"), (", ", ": ")]))
+        expected = with_non_finite_as_null(text)
+        assert json.loads(expected, parse_constant=pytest.fail) == finite(value), text
+        for _ in range(5):
+            cuts = rng.sample(range(len(text) + 1), k=min(len(text), rng.randint(1, 6)))
+            assert fed(text, cuts) == expected, (text, cuts)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['a=NaNa', "BaNaNa", "x-Infinity", '"NaN"', '"\\"NaN"', "NaNo", "-1", "Inf"],
+)
+def test_what_is_no_non_finite_value_stays(text):
+    assert with_non_finite_as_null(text) == text
+    assert fed(text, range(1, len(text))) == text
