@@ -17,11 +17,12 @@ from runtime.grammar import (
     CompiledGrammar,
     GrammarCompiler,
     GrammarSpec,
+    ThoughtFirst,
     shapes_content_only,
 )
 from runtime.harmony import HARMONY_HEADER
 from runtime.sequence import SequenceParams, check_sequence
-from runtime.think_reply import THINK_OPEN, opens_thought
+from runtime.think_reply import THINK_OPEN, closes_thought, opens_thought
 from runtime.tokenizer import Tokenizer
 from runtime.tool_prompts import chat_for_template, template_knows_tools, tool_call_grammar
 from runtime.tools import ARGS, HERMES_TAGS, REASONING_STYLES, TOOL_CALLS
@@ -108,7 +109,11 @@ class Admission:
         try:
             params = await self._prepare_while_awaited(admit)
             if params is not None and (spec := self.grammar_spec(admit.request)) is not None:
-                params = attrs.evolve(params, grammar=await self._compile(spec))
+                params = attrs.evolve(
+                    params,
+                    grammar=await self._compile(spec),
+                    thought_first=self._thought_first(admit.request, params),
+                )
         except Exception as error:
             if not isinstance(error, CadenceError):  # a tokenizer or template bug: this request only
                 bound.exception("prepare failed")
@@ -207,18 +212,28 @@ class Admission:
 
     def _opens_thought(self, request: GenerateRequest, params: SequenceParams) -> bool:
         """Whether the reply starts inside a thought the prompt opened (QwQ's and
-        DeepSeek-R1's templates end in `<think>` and a newline). Not under a grammar:
-        it shapes the reply from its first token, which is the answer then, as where
-        the template opens no thought (a JSON grammar or a forced call has no room for
-        the tag, an added token: such a reply has no thought, as harmony's forced call
-        has no analysis)."""
-        if self.think_ids is None or not self.thinks(request) or params.grammar is not None:
+        DeepSeek-R1's templates end in `<think>` and a newline), a grammar or not: one
+        shapes what follows the thought (`_thought_first`)."""
+        if self.think_ids is None or not self.thinks(request):
             return False
-        return opens_thought(
-            params.prompt_tokens,
-            self.think_ids,
-            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
-        )
+        return opens_thought(params.prompt_tokens, self.think_ids, self._spelled)
+
+    def _spelled(self, ids: list[int]) -> str:
+        """`ids` as text, special tokens spelled out (a thought's tags may be special)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _thought_first(self, request: GenerateRequest, params: SequenceParams) -> ThoughtFirst | None:
+        """For a chat reply that thinks in `<think>` tags, the grammar (`response_format`,
+        the guided fields, a forced call) waits for the thought to end, as vLLM's and
+        SGLang's with a reasoning parser: shaped from its first token, a QwQ reply would
+        answer inside the thought its prompt opened, and a Qwen3 reply could not think.
+        None where the template closed an empty thought (Qwen3's `enable_thinking:
+        false`): the reply answers at once, shaped from its first token."""
+        if self.think_ids is None or not self.thinks(request):
+            return None
+        if closes_thought(params.prompt_tokens, self.think_ids, self._spelled):
+            return None
+        return ThoughtFirst(*self.think_ids, is_open=self._opens_thought(request, params))
 
     def grammar_spec(self, request: GenerateRequest) -> GrammarSpec | None:
         """What the output must match: the request's grammar, or a forced tool call (which

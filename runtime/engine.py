@@ -18,7 +18,9 @@ sit in step N+1; that speculative token is dropped and the policy frees its bloc
 
 A row with a grammar (structured output, runtime/grammar.py) samples under its
 token mask, computed on the host from its collected tokens: it is never fed a
-queued sample, so the policy plans it no speculative step.
+queued sample, so the policy plans it no speculative step. Its state lives in its row,
+which a preemption keeps (only the K/V is recomputed), so a resumed row goes on where
+its grammar, or the thought before it, was.
 
 A forward that raises while its graph is built is retried in halves, down to
 single spans: a span that still raises fails its row alone (ERROR, naming the
@@ -243,7 +245,9 @@ class Engine:
             tokens=list(params.prompt_tokens),
             fault_at=fault[1] if fault is not None and fault[0] in params.prompt_tokens else None,
             grammar=(
-                params.grammar.start(self.eos_ids if params.ignore_eos else frozenset())
+                params.grammar.start(
+                    self.eos_ids if params.ignore_eos else frozenset(), params.thought_first
+                )
                 if params.grammar is not None
                 else None
             ),

@@ -13,6 +13,12 @@ is still in flight (runtime/scheduler.py), so when the engine samples it, its st
 is current. Unconstrained rows keep the lookahead; a constrained row decodes every
 other step at lookahead 1, and never forces a batch of its own.
 
+A `<think>` model's chat reply (runtime/think_reply.py) thinks before the grammar
+shapes its answer (`ThoughtFirst`, as vLLM and SGLang do with a reasoning parser): the
+thought is free but for EOS, which it may not end the reply on; `</think>` starts the
+grammar, a few blank tokens (the model's "\n\n") allowed before it. Where the prompt
+did not open the thought, the first token may open one or start the grammar.
+
 Compiling is bounded three ways: llguidance's parser limits cap the work a grammar may
 take (lexer fuel, grammar size), the caller gives up waiting after a deadline, and
 admission compiles on one thread of its own (actors/admission.py), so the work that
@@ -46,6 +52,9 @@ REFUSALS_KEPT = 64
 # No free whitespace in generated JSON: the separators are fixed, so a model cannot spend
 # its max_tokens on blanks (random and small models do) and the output stays compact.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Blank tokens a thought's end may be followed by before the grammar (which, for JSON,
+# takes none): Qwen3 writes "\n\n", one token or two.
+BLANKS_AFTER_THOUGHT = 4
 
 
 @attrs.frozen
@@ -120,6 +129,17 @@ def answer_json_schema(spec: GrammarSpec) -> dict[str, Any]:
     return schema
 
 
+@attrs.frozen
+class ThoughtFirst:
+    """A `<think>` model's chat reply: its grammar shapes what follows the thought.
+    `is_open`: the prompt opened the thought (QwQ's and R1's templates), so the reply
+    starts inside it; else its first token may open one."""
+
+    open_id: int
+    close_id: int
+    is_open: bool
+
+
 @attrs.frozen(eq=False)
 class CompiledGrammar:
     """A grammar checked against the tokenizer; `start()` gives each row its own state."""
@@ -127,31 +147,83 @@ class CompiledGrammar:
     spec: GrammarSpec
     prototype: llguidance.LLMatcher  # never advanced: rows advance deep copies
     mask_vocab: int  # the ids its masks cover (GrammarCompiler.mask_vocab)
+    eos_ids: frozenset[int] = frozenset()  # the model's: a thought may not end on one
+    blank_ids: tuple[int, ...] = ()  # tokens of blanks alone (BLANKS_AFTER_THOUGHT)
 
-    def start(self, barred_eos_ids: frozenset[int] = frozenset()) -> GrammarState:
+    def start(
+        self, barred_eos_ids: frozenset[int] = frozenset(), thought: ThoughtFirst | None = None
+    ) -> GrammarState:
         """`barred_eos_ids`: a row that ignores EOS (`ignore_eos`) bars them while its
-        grammar allows anything else, or an EOS the grammar allows would end it."""
-        return GrammarState(self.prototype.deep_copy(), self.mask_vocab, barred_eos_ids)
+        grammar allows anything else, or an EOS the grammar allows would end it.
+        `thought`: the grammar waits for the reply's thought to end."""
+        phase = "grammar" if thought is None else "thought" if thought.is_open else "may_think"
+        return GrammarState(
+            self.prototype.deep_copy(), self.mask_vocab, barred_eos_ids, thought, phase, self
+        )
 
 
 @attrs.define
 class GrammarState:
-    """One row's position in its grammar."""
+    """One row's position in its grammar, or in the thought before it (`ThoughtFirst`)."""
 
     matcher: llguidance.LLMatcher
     mask_vocab: int
     barred_eos_ids: frozenset[int] = frozenset()
+    thought: ThoughtFirst | None = None
+    # grammar: the grammar shapes each token | may_think: the first, which may open a
+    # thought instead | thought: free but for EOS, until `</think>` | blanks: past it,
+    # blank tokens (BLANKS_AFTER_THOUGHT at most) or the grammar's first.
+    phase: str = "grammar"
+    compiled: CompiledGrammar | None = None  # its eos_ids and blank_ids
+    num_blanks: int = 0
 
     def advance(self, token: int) -> str | None:
         """Take a sampled token; an error message when the grammar cannot (never under its mask)."""
+        thought = self.thought
+        if thought is not None and self.phase != "grammar":
+            if self.phase == "thought":
+                if token == thought.close_id:
+                    self.phase = "blanks"
+                return None
+            # A grammar that writes the tag itself (one of the thought) takes it.
+            if self.phase == "may_think" and token == thought.open_id and not self._takes(token):
+                self.phase = "thought"
+                return None
+            if self.phase == "blanks" and not self._takes(token) and self._is_blank(token):
+                self.num_blanks += 1
+                if self.num_blanks >= BLANKS_AFTER_THOUGHT:
+                    self.phase = "grammar"
+                return None
+            self.phase = "grammar"
         if self.matcher.consume_token(token):
             return None
         return f"the structured-output grammar refused token {token}: {_reason(self.matcher)}"
 
+    def _takes(self, token: int) -> bool:
+        return bool(self.matcher.validate_tokens([token]))
+
+    def _is_blank(self, token: int) -> bool:
+        return self.compiled is not None and token in self.compiled.blank_ids
+
+    def fill_mask(self, allowed: np.ndarray) -> None:
+        """Widen one row's mask (its grammar's) by what the phase allows besides: the
+        tag that opens a thought, the blanks past one, or all but EOS inside it."""
+        thought, compiled = self.thought, self.compiled
+        if thought is None or compiled is None or self.phase == "grammar":
+            return
+        vocab = allowed.shape[0]
+        if self.phase == "thought":
+            allowed[:] = True
+            # Unless max_tokens cuts it, the reply does not end before it answers.
+            _bar(allowed, [t for t in sorted(compiled.eos_ids) if t < vocab])
+            return
+        extra = (thought.open_id,) if self.phase == "may_think" else compiled.blank_ids
+        allowed[[t for t in extra if t < vocab]] = True
+
     @property
     def is_done(self) -> bool:
         """The grammar is complete and can take no more (EOS aside): the row ends here."""
-        return self.matcher.is_stopped()
+        return self.phase == "grammar" and self.matcher.is_stopped()
 
 
 class GrammarCompiler:
@@ -170,6 +242,7 @@ class GrammarCompiler:
         self._built: llguidance.LLTokenizer | None = None
         self._cache_lock = threading.Lock()
         self._refusals: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._blank_ids: tuple[int, ...] | None = None
 
     @property
     def _tokenizer(self) -> llguidance.LLTokenizer:
@@ -198,7 +271,9 @@ class GrammarCompiler:
         if refusal is None:
             outcome = self._compile(spec)
             if not isinstance(outcome, str):
-                return CompiledGrammar(spec, outcome, self.mask_vocab)
+                return CompiledGrammar(
+                    spec, outcome, self.mask_vocab, frozenset(self._eos_ids), self._blanks()
+                )
             refusal = outcome
             with self._cache_lock:
                 self._refusals[key] = refusal
@@ -219,6 +294,23 @@ class GrammarCompiler:
         if matcher.is_error() or (matcher := self._first_step(matcher)).is_error():
             return f"cannot be compiled: {_reason(matcher)}"
         return matcher
+
+    def _blanks(self) -> tuple[int, ...]:
+        """The tokens that are blanks alone (spaces, tabs, newlines): those a grammar of
+        blanks allows first. Found once, on the first compile."""
+        with self._lock:
+            blank_ids = self._blank_ids
+        if blank_ids is None:
+            matcher = llguidance.LLMatcher(
+                self._tokenizer, llguidance.LLMatcher.grammar_from_regex(r"[ \t\r\n]+")
+            )
+            bitmask = allocate_token_bitmask(1, self.mask_vocab)
+            fill_next_token_bitmask(matcher, bitmask, 0)
+            allowed = unpack_mask(bitmask, self.mask_vocab)[0]
+            blank_ids = tuple(int(t) for t in np.flatnonzero(allowed) if t not in self._eos_ids)
+            with self._lock:
+                self._blank_ids = blank_ids
+        return blank_ids
 
     def _first_step(self, matcher: llguidance.LLMatcher) -> llguidance.LLMatcher:
         """`matcher`, or a copy that failed its first mask or token. llguidance builds
@@ -258,9 +350,11 @@ def token_masks(states: Sequence[GrammarState | None], vocab_size: int) -> mx.ar
     mask_vocab = max(vocab_size, *(state.mask_vocab for _, state in constrained))
     bitmask = allocate_token_bitmask(len(states), mask_vocab)
     for i, state in constrained:
-        fill_next_token_bitmask(state.matcher, bitmask, i)
+        if state.phase != "thought":  # (a thought's mask is not the grammar's)
+            fill_next_token_bitmask(state.matcher, bitmask, i)
     allowed = unpack_mask(bitmask, vocab_size)
     for i, state in constrained:
+        state.fill_mask(allowed[i])
         if state.barred_eos_ids:
             _bar(allowed[i], [t for t in sorted(state.barred_eos_ids) if t < vocab_size])
     return mx.array(allowed)

@@ -14,7 +14,7 @@ from runtime.kv.base import RowSpan
 import attrs
 
 if TYPE_CHECKING:
-    from runtime.grammar import CompiledGrammar
+    from runtime.grammar import CompiledGrammar, ThoughtFirst
 
 
 def _bias_pairs(
@@ -87,6 +87,9 @@ class SequenceParams:
     # Structured output: every token must keep the output inside this grammar, and the
     # row ends when the grammar is complete. None: free text.
     grammar: CompiledGrammar | None = None
+    # A `<think>` model's chat reply: the grammar shapes what follows its thought, which
+    # is the model's own (runtime/grammar.py). None: the grammar shapes every token.
+    thought_first: ThoughtFirst | None = None
 
 
 @attrs.frozen

@@ -11,8 +11,9 @@ Qwen3, QwQ, DeepSeek-R1's distills, SmolLM3 and Phi-4-reasoning write
 Some templates open the thought themselves (QwQ's and R1's generation prompt ends in
 `<think>\\n`), so the reply starts inside it; Qwen3's writes an empty thought into the
 prompt when `enable_thinking` is false, and the reply starts past it. Admission tells
-them apart by the prompt (`opens_thought`), and the reply's text then begins with the
-`<think>` the prompt wrote (actors/streamer.py), so the parser reads one form only.
+them apart by the prompt (`opens_thought`, `closes_thought`), and the reply's text then
+begins with the `<think>` the prompt wrote (actors/streamer.py), so the parser reads
+one form only. Under a grammar the thought comes first (runtime/grammar.py).
 
 The rule for a checkpoint being such a model (`think_tag_ids`): its tokenizer holds
 `<think>` and `</think>` as added tokens (single tokens, so a tag is never split
@@ -72,6 +73,19 @@ def opens_thought(
         return False
     after = tail[len(tail) - tail[::-1].index(open_id) :]
     return close_id not in after and not decode(after).strip()
+
+
+def closes_thought(
+    prompt_tokens: Sequence[int], think_ids: tuple[int, int], decode: Callable[[list[int]], str]
+) -> bool:
+    """Whether the prompt ends past a thought its template closed: in `</think>` and at
+    most blanks (Qwen3's empty thought under `enable_thinking: false`), so the reply is
+    the answer, with no thought of its own (vLLM's reasoning parsers read it so too)."""
+    close_id = think_ids[1]
+    tail = list(prompt_tokens[-_BLANKS_AFTER_OPENING - 1 :])
+    if close_id not in tail:
+        return False
+    return not decode(tail[len(tail) - tail[::-1].index(close_id) :]).strip()
 
 
 @attrs.define

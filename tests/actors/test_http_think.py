@@ -1,13 +1,15 @@
 """Replies that think in `<think>` tags (Qwen3, QwQ, DeepSeek-R1's distills) through
 real HTTP, read by the official openai client: the thought as `reasoning_content` and
 `reasoning`, the answer as `content`, calls after the thought, stop strings, a
-template that opens the thought itself, and reasoning replayed in a history.
+template that opens the thought itself, a grammar that shapes what follows the
+thought, and reasoning replayed in a history.
 
 The checkpoints' tokenizers hold `<think>`, `</think>`, `<tool_call>` and `</tool_call>`
 as added tokens (not special, as Qwen3's; special in one variant), and their templates
 are Qwen3's (`enable_thinking`) and QwQ's (the generation prompt opens `<think>`) in
 small. Random weights think of nothing, so a grammar writes the reply, the tags as the
-tokenizer's own tokens (llguidance's `<[id]>`), or a bias keeps the tags out of it.
+tokenizer's own tokens (llguidance's `<[id]>`; a grammar that writes `<think>` itself
+shapes the thought too), or a bias keeps the tags out of it, or biases write them.
 """
 
 import json
@@ -189,9 +191,8 @@ async def test_a_prompt_that_opens_the_thought_makes_the_reply_reasoning_until_i
     assert split_of(done.choices[0].message) == (thought, thought, "")  # no answer: empty
     assert choices == [(thought, "", [], "length", thought)]
     assert usage.completion_tokens == done.usage.completion_tokens == 8
-    # A grammar shapes the reply from its first token: that is the answer, no thought.
-    assert split_of(shaped.choices[0].message)[:2] == (None, None)
-    assert shaped.choices[0].message.content.startswith("{")
+    # A grammar waits for the thought to end: one that never closes is no answer.
+    assert split_of(shaped.choices[0].message) == (thought, thought, "")
 
 
 async def test_enable_thinking_false_makes_the_reply_the_answer(qwen3):
@@ -244,19 +245,11 @@ async def test_with_the_split_off_the_thought_stays_in_content(qwen3):
     assert split_of(done.choices[0].message) == (None, None, text)
 
 
-async def test_a_forced_call_is_the_answer_with_no_thought(qwen3):
-    """A forced call's grammar writes the call from the reply's first token: no room for
-    a thought."""
-    await forced_call_with_no_thought(qwen3)
-
-
-async def test_a_forced_call_is_no_reasoning_where_the_template_opened_a_thought(qwq):
-    await forced_call_with_no_thought(qwq)
-
-
-async def forced_call_with_no_thought(checkpoint):
-    body = dict(messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=60)
-    async with serving(checkpoint) as server:
+async def test_a_forced_call_with_no_thought_is_the_answer_from_its_first_token(qwen3):
+    """Where the prompt opened no thought, a first token that opens none starts the
+    grammar: the forced call, with no reasoning."""
+    body = dict(messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=60, logit_bias=no_tags(qwen3))
+    async with serving(qwen3) as server:
         assert server.llm.thinks
         done = await in_thread(whole, server, **body)
         choices, _ = await in_thread(streamed, server, **body)
@@ -264,3 +257,85 @@ async def forced_call_with_no_thought(checkpoint):
     assert choice.finish_reason == "tool_calls" and split_of(choice.message) == (None, None, None)
     (call,) = choice.message.tool_calls
     assert choices == [("", "", [[call.function.name, call.function.arguments]], "tool_calls", "")]
+
+
+def thinking_first(checkpoint):
+    """Sampling that writes `<think>` (where the prompt did not), one word, `</think>`,
+    then what the grammar allows: biases 20 and more apart, and a repetition penalty that
+    takes two thirds of a used (or prompted) token's logit. The word is `</tool_call>`,
+    which neither a JSON answer nor a call's arguments can hold."""
+    tokenizer = Tokenizer.from_dir(checkpoint)
+    ids = [tokenizer.added_token_id(tag) for tag in ("<think>", "</tool_call>", "</think>")]
+    return dict(
+        logit_bias={str(token): bias for token, bias in zip(ids, (100, 75, 55), strict=True)},
+        extra_body={"repetition_penalty": 3.0},
+        seed=7,
+    )
+
+
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"], "additionalProperties": False}
+
+
+async def test_a_json_schema_shapes_the_answer_after_the_thought(qwen3):
+    """The grammar waits for `</think>` (vLLM's and SGLang's with a reasoning parser):
+    the thought, which a JSON grammar would refuse, is reasoning, and the JSON content."""
+    await json_after_the_thought(qwen3)
+
+
+async def test_a_json_schema_shapes_the_answer_after_the_thought_the_prompt_opened(qwq):
+    await json_after_the_thought(qwq)
+
+
+async def json_after_the_thought(thinker):
+    schema = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    body = dict(messages=ASK, max_tokens=40, n=2, logprobs=True, response_format=schema, **thinking_first(thinker))
+    async with serving(thinker) as server:
+        done = await in_thread(whole, server, **body)
+        choices, _ = await in_thread(streamed, server, **body)
+    for choice in done.choices:
+        assert split_of(choice.message) == ("</tool_call>", "</tool_call>", '{"city": "Paris"}')
+        assert choice.finish_reason == "stop"
+        # Logprobs are every token's, the thought's and its tags' included.
+        tokens = [entry.token for entry in choice.logprobs.content]
+        thought = tokens[: tokens.index("</think>") + 1]
+        assert thought[-2:] == ["</tool_call>", "</think>"] and thought[0] in ("<think>", "</tool_call>")
+        assert "".join(tokens[len(thought) :]).strip() == '{"city": "Paris"}'
+    assert choices == [("</tool_call>", '{"city": "Paris"}', [], "stop", "</tool_call>")] * 2
+
+
+async def test_enable_thinking_false_shapes_the_reply_from_its_first_token(qwen3):
+    """Qwen3's template closed an empty thought: the reply answers at once, and the
+    grammar allows no `<think>` (as vLLM's reasoning parser reads that prompt)."""
+    schema = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    body = dict(messages=ASK, max_tokens=40, logprobs=True, response_format=schema, **thinking_first(qwen3))
+    body["extra_body"] = {**body["extra_body"], **kwargs}
+    async with serving(qwen3) as server:
+        done = await in_thread(whole, server, **body)
+    (choice,) = done.choices
+    assert split_of(choice.message) == (None, None, '{"city": "Paris"}')
+    assert "".join(entry.token for entry in choice.logprobs.content) == '{"city": "Paris"}'
+
+
+async def test_a_forced_named_call_follows_the_thought(qwen3):
+    await named_call_after_the_thought(qwen3)
+
+
+async def test_a_forced_named_call_follows_the_thought_the_prompt_opened(qwq):
+    await named_call_after_the_thought(qwq)
+
+
+async def named_call_after_the_thought(thinker):
+    body = dict(
+        messages=ASK, tools=TOOLS, max_tokens=80, **thinking_first(thinker),
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    async with serving(thinker) as server:
+        done = await in_thread(whole, server, **body)
+        choices, _ = await in_thread(streamed, server, **body)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert split_of(choice.message) == ("</tool_call>", "</tool_call>", None)
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
+    assert choices == [("</tool_call>", "", [["get_weather", call.function.arguments]], "tool_calls", "</tool_call>")]

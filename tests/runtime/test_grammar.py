@@ -5,6 +5,7 @@ greedy tokens are exactly those of a batch without it, the row ends when its gra
 is complete, max_tokens cuts it short as LENGTH, and a bad grammar is refused by name.
 """
 
+import itertools
 import json
 import re
 import shutil
@@ -14,9 +15,11 @@ from runtime.checkpoint import load_model
 from runtime.engine import Engine
 from runtime.errors import RequestError
 from runtime.grammar import (
+    BLANKS_AFTER_THOUGHT,
     REFUSALS_KEPT,
     GrammarCompiler,
     GrammarSpec,
+    ThoughtFirst,
     answer_json_schema,
     shapes_content_only,
     token_masks,
@@ -29,6 +32,7 @@ from runtime.sequence import FinishCause, SamplingParams, SequenceParams, StepBa
 from runtime.tokenizer import Tokenizer
 from runtime.tool_prompts import tool_call_grammar
 
+import attrs
 import jsonschema
 import pytest
 
@@ -528,3 +532,112 @@ def test_a_grammar_that_fails_mid_reply_fails_the_same_way_for_the_next_request(
         assert state.advance(a) is None
         token_masks([state], demo.vocab_size)
         assert "too many expressions" in (state.advance(a) or "")  # the second is past them
+
+
+# A `<think>` model's reply under a grammar (ThoughtFirst): three ids stand in for
+# `<think>`, `</think>` and a word of the thought. Biases 10 apart and a repetition
+# penalty that halves a used token's logit write them in order at temperature 0.
+OPEN, CLOSE, WORD = 300, 301, 302
+YES_NO = GrammarSpec("choice", json.dumps(["yes", "no"]), "guided_choice")
+
+
+def thinking(rid, bias, is_open, grammar, max_tokens=16, **kw):
+    return SequenceParams(
+        (11, 305),
+        max_tokens=max_tokens,
+        request_id=rid,
+        grammar=grammar,
+        thought_first=ThoughtFirst(OPEN, CLOSE, is_open),
+        sampling=SamplingParams(logit_bias=bias, repetition_penalty=2.0),
+        **kw,
+    )
+
+
+def answer_after(tokens, thought, grammar, model):
+    """The text past `thought` and the blanks after it (at most BLANKS_AFTER_THOUGHT)."""
+    assert list(tokens[: len(thought)]) == thought
+    rest = list(tokens[len(thought) :])
+    blanks = list(itertools.takewhile(grammar.blank_ids.__contains__, rest))
+    assert len(blanks) <= BLANKS_AFTER_THOUGHT
+    return model.tokenizer.decode(rest[len(blanks) :])
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_a_grammar_waits_for_the_thought_to_end_and_shapes_what_follows(
+    engine, compiler, model, lookahead
+):
+    """The thought (opened by the prompt, or by the reply's first token) takes tokens
+    the grammar refuses, and EOS aside, any; `</think>` hands the reply to the grammar.
+    Without ThoughtFirst the same biases cannot place a token outside the grammar."""
+    grammar = compiler.compile(YES_NO)
+    opened = {WORD: 100, CLOSE: 90}
+    opening = {OPEN: 100, WORD: 90, CLOSE: 80}
+    requests = {
+        "opened": thinking("opened", opened, True, grammar),
+        "opening": thinking("opening", opening, False, grammar),
+        "plain": attrs.evolve(thinking("plain", opening, False, grammar), thought_first=None),
+    }
+    got = run(engine, requests, lookahead)
+    assert answer_after(got["opened"].tokens, [WORD, CLOSE], grammar, model) in ("yes", "no")
+    assert answer_after(got["opening"].tokens, [OPEN, WORD, CLOSE], grammar, model) in ("yes", "no")
+    assert model.tokenizer.decode(got["plain"].tokens) in ("yes", "no")
+    assert all(result.finish is FinishCause.EOS for result in got.values())
+
+
+def test_a_first_token_that_opens_no_thought_starts_the_grammar(engine, compiler, model):
+    """Where the prompt opened no thought, a first token the grammar allows is the
+    answer's: the grammar holds from there (WORD, favoured, never gets in). A grammar
+    that writes `<think>` itself takes the tag as its own, and shapes the thought too."""
+    writes_the_tag = compiler.compile(GrammarSpec("lark", f'start: <[{OPEN}]> "yes"', "guided_grammar"))
+    requests = {
+        "answer": thinking("answer", {OPEN: -100, WORD: 100}, False, compiler.compile(YES_NO)),
+        "tag": thinking("tag", {OPEN: 100, WORD: 90}, False, writes_the_tag),
+    }
+    got = run(engine, requests)
+    assert model.tokenizer.decode(got["answer"].tokens) in ("yes", "no")
+    assert got["tag"].tokens[0] == OPEN
+    assert model.tokenizer.decode(got["tag"].tokens[1:]) == "yes"
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_thought_cannot_end_the_reply_on_an_eos(engine, compiler, ignore_eos):
+    eos = min(engine.eos_ids)
+    request = thinking("t", {eos: 100}, True, compiler.compile(YES_NO), max_tokens=4, ignore_eos=ignore_eos)
+    got = run(engine, {"t": request})["t"]
+    assert got.finish is FinishCause.LENGTH and len(got.tokens) == 4
+    assert not engine.eos_ids & set(got.tokens)
+
+
+def test_a_few_blank_tokens_may_follow_the_thought_before_the_grammar(engine, compiler, model):
+    """JSON's grammar takes no leading blanks, yet Qwen3 writes "\\n\\n" past `</think>`:
+    blank tokens are allowed there, BLANKS_AFTER_THOUGHT at most."""
+    grammar = compiler.compile(YES_NO)
+    assert model.tokenizer.decode(grammar.blank_ids[:1]).isspace()
+    blank = model.tokenizer.encode("\n\n")[-1]
+    assert blank in grammar.blank_ids
+    got = run(engine, {"b": thinking("b", {WORD: 100, CLOSE: 90, blank: 80}, True, grammar)})["b"]
+    cut = 2 + BLANKS_AFTER_THOUGHT
+    assert list(got.tokens[:cut]) == [WORD, CLOSE] + [blank] * BLANKS_AFTER_THOUGHT
+    assert model.tokenizer.decode(got.tokens[cut:]) in ("yes", "no")
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_a_preempted_row_resumes_its_thought_and_its_grammar(model, lookahead):
+    """Preemption recomputes the K/V alone: the row's place in its thought or grammar
+    stays, so each reply is the one it writes alone."""
+    engine = Engine(model, max_batch=4, block_size=4)
+    compiler = GrammarCompiler(model.tokenizer, model.config.vocab_size, engine.eos_ids)
+    long_answer = compiler.compile(GrammarSpec("regex", "(yes|no)( (yes|no)){40}", "guided_regex"))
+    requests = {
+        "thought": thinking("thought", {CLOSE: -100}, True, long_answer, max_tokens=30),
+        "answer": thinking("answer", {CLOSE: 100}, True, long_answer, max_tokens=30),
+        "opening": thinking("opening", {OPEN: 100, CLOSE: 90}, False, long_answer, max_tokens=30),
+    }
+    alone = {rid: run(engine, {rid: request}, lookahead)[rid].tokens for rid, request in requests.items()}
+    pool = BlockPool(12, engine.kv.block_size)  # 48 tokens for three rows of 32
+    policy = FcfsScheduler(engine.max_batch, pool, engine.max_context, 8, 12, 0)
+    got = run_offline(engine, policy, requests, lookahead=lookahead)
+    assert policy.num_preemptions > 0
+    assert {rid: result.tokens for rid, result in got.items()} == alone
+    assert CLOSE not in alone["thought"] and alone["answer"][0] == CLOSE
+    assert alone["opening"][:2] == (OPEN, CLOSE)

@@ -2,7 +2,13 @@
 
 import json
 
-from runtime.think_reply import THINK_CLOSE, THINK_OPEN, opens_thought, think_tag_ids
+from runtime.think_reply import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    closes_thought,
+    opens_thought,
+    think_tag_ids,
+)
 from runtime.tools import CallArguments, CallCutShort, CallStart, Content, Reasoning, parser_for
 
 import pytest
@@ -90,6 +96,18 @@ def test_a_prompt_opens_the_thought_when_it_ends_in_the_tag_but_blanks():
     assert not opens_thought([100, *[7] * 9], (100, 101), decode)  # past the few blanks a template writes
     # A closing tag the decoder spells as nothing (a special token skipped) closes it all the same.
     assert not opens_thought([100, 7, 101, 7], (100, 101), lambda ids: "\n" * len(ids))
+
+
+def test_a_prompt_closes_the_thought_when_it_ends_in_the_closing_tag_but_blanks():
+    def decode(ids):
+        return "".join({7: "\n", 3: "x", 100: "<think>", 101: "</think>"}[i] for i in ids)
+
+    assert closes_thought([5, 100, 7, 101, 7, 7], (100, 101), decode)  # Qwen3's empty thought
+    assert closes_thought([5, 101], (100, 101), decode)
+    assert not closes_thought([5, 100, 7], (100, 101), decode)  # open: QwQ's
+    assert not closes_thought([101, 7, 3], (100, 101), decode)  # text after it
+    assert not closes_thought([101, 7, 100], (100, 101), decode)  # a thought opened again
+    assert not closes_thought([101, *[7] * 9], (100, 101), decode)  # past the few blanks a template writes
 
 
 class _Tokenizer:
