@@ -209,3 +209,49 @@ async def test_stop_and_new_chat_abort_the_reply_and_the_new_chat_starts_empty(t
     assert not ime_sent
     ends = [e["event"] for e in logs if e["event"] in ("aborted", "finished", "failed")]
     assert ends == ["aborted", "aborted", "finished"]  # the server stopped both replies
+
+
+def think_in_the_browser(url):
+    """Send a message with greedy settings; returns the reply's thought and answer as the
+    page shows them, once the stream ended."""
+    with chromium() as driver:
+        driver.get(f"{url}/")
+        wait = WebDriverWait(driver, 20)
+        wait.until(lambda d: d.find_element(By.ID, "model").text not in ("loading…", ""))
+        for name, value in (("temperature", "0"), ("max-tokens", "8")):
+            driver.find_element(By.ID, name).clear()
+            driver.find_element(By.ID, name).send_keys(value)
+        driver.find_element(By.ID, "prompt").send_keys("Tell me about Python.")
+        driver.find_element(By.ID, "send").click()
+        wait.until(lambda d: len(d.execute_script("return history")) == 2)  # the reply ended
+        shown = driver.find_element(By.CSS_SELECTOR, ".assistant").text
+        answer = driver.find_element(By.CSS_SELECTOR, ".assistant .content").text
+        return shown, answer, driver.execute_script("return history[1]")
+
+
+@pytest.mark.skipif(
+    CHROMIUM is None or CHROMEDRIVER is None,
+    reason="needs chromium and chromedriver (Debian: apt-get install chromium chromium-driver)",
+)
+async def test_a_thinking_models_thought_shows_and_is_sent_back(make_checkpoint, tmp_path):
+    """A `<think>` model's thought leaves as `reasoning`, which the page did not read: a
+    QwQ reply still thinking at max_tokens showed as an empty message (and the stream as
+    nothing at all until the answer began)."""
+    from tests.actors.test_http_think import QWQ, with_tags
+
+    checkpoint = with_tags(make_checkpoint, tmp_path / "qwq-like", QWQ, special=False)
+    body = {
+        "messages": [{"role": "user", "content": "Tell me about Python."}],
+        "max_tokens": 8, "temperature": 0, "top_p": 1,
+    }
+    async with serving(checkpoint) as server:
+        status, _, api = await in_thread(
+            request, server.url, "POST", "/v1/chat/completions", {"model": server.model, **body}
+        )
+        shown, answer, sent_back = await in_thread(think_in_the_browser, server.url)
+    message = api["choices"][0]["message"]
+    assert status == 200 and message["reasoning"].strip()  # greedy: the same reply both times
+    thought_and_answer = "\n".join(part for part in (message["reasoning"], message["content"]) if part)
+    assert shown.split("\n", 1) == ["assistant", thought_and_answer], shown
+    assert answer == message["content"]
+    assert sent_back == {"role": "assistant", "content": message["content"], "reasoning_content": message["reasoning"]}
