@@ -355,12 +355,18 @@ async def _sse_events(
                 raise event
             if tools is not None:
                 event = tools.convert(index, event)
+            # A chunk carries its tokens' logprob entries: they leave with the first of
+            # the reasoning, the text and the calls that the tokens made, or alone (as
+            # empty content) where the parser holds back what they made.
+            logprobs = event.logprobs
             if event.reasoning:
-                yield writer.reasoning(event.reasoning, index)
-            if event.text or event.logprobs:
-                yield writer.text(event.text, event.logprobs, index)
+                yield writer.reasoning(event.reasoning, index, logprobs)
+                logprobs = ()
+            if event.text or (logprobs and not event.tool_calls):
+                yield writer.text(event.text, logprobs, index)
+                logprobs = ()
             if event.tool_calls:
-                yield writer.tool_calls(event.tool_calls, index)
+                yield writer.tool_calls(event.tool_calls, index, logprobs)
             if event.finish_reason is not None:
                 yield writer.finish(event.finish_reason, index)
                 assert event.usage is not None

@@ -119,17 +119,26 @@ class ChunkWriter:
     def finish(self, finish_reason: str, index: int = 0) -> bytes:
         return self._chunk([self._choice(None, finish_reason, index=index)])
 
-    def reasoning(self, text: str, index: int = 0) -> bytes:
-        """A chat chunk of reasoning (gpt-oss's analysis channel), under both names
-        clients read it by: `reasoning` (vLLM's, as OpenAI advises for gpt-oss) and
-        `reasoning_content` (DeepSeek's, which many clients still expect)."""
-        choice = {"index": index, "delta": reasoning_fields(text), "logprobs": None}
-        return self._chunk([{**choice, "finish_reason": None}])
+    def reasoning(
+        self, text: str, index: int = 0, logprobs: Sequence[LogprobEntry] = ()
+    ) -> bytes:
+        """A chat chunk of reasoning (gpt-oss's analysis channel, a <think> block), under
+        both names clients read it by: `reasoning` (vLLM's, as OpenAI advises for
+        gpt-oss) and `reasoning_content` (DeepSeek's, which many clients still expect)."""
+        delta = reasoning_fields(text)
+        return self._chunk([self._delta_choice(delta, logprobs, index)])
 
-    def tool_calls(self, calls: Sequence[dict[str, Any]], index: int = 0) -> bytes:
+    def tool_calls(
+        self, calls: Sequence[dict[str, Any]], index: int = 0, logprobs: Sequence[LogprobEntry] = ()
+    ) -> bytes:
         """A chat chunk of OpenAI `tool_calls` delta items (actors/openai_tools.py)."""
-        choice = {"index": index, "delta": {"tool_calls": list(calls)}, "logprobs": None}
-        return self._chunk([{**choice, "finish_reason": None}])
+        return self._chunk([self._delta_choice({"tool_calls": list(calls)}, logprobs, index)])
+
+    def _delta_choice(
+        self, delta: dict[str, Any], logprobs: Sequence[LogprobEntry], index: int
+    ) -> dict[str, Any]:
+        logprobs_json = self._logprobs(logprobs, index) if logprobs else None
+        return {"index": index, "delta": delta, "logprobs": logprobs_json, "finish_reason": None}
 
     def usage(self, usage: Usage) -> bytes:
         return self._chunk([], usage)

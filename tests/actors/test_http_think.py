@@ -339,3 +339,31 @@ async def named_call_after_the_thought(thinker):
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
     assert choices == [("</tool_call>", "", [["get_weather", call.function.arguments]], "tool_calls", "</tool_call>")]
+
+
+def streamed_logprobs(server, **body):
+    """Per streamed chunk of choice 0: (reasoning, content, calls, its entries' tokens)."""
+    chunks = []
+    stream = server.client().chat.completions.create(model=server.model, stream=True, **body)
+    for chunk in stream:
+        for choice in chunk.choices:
+            reasoning = (choice.delta.model_extra or {}).get("reasoning")
+            tokens = [entry.token for entry in (choice.logprobs.content or [])] if choice.logprobs else []
+            chunks.append((reasoning, choice.delta.content, choice.delta.tool_calls, "".join(tokens)))
+    return chunks
+
+
+async def test_streamed_logprobs_leave_with_the_reasoning_and_the_calls_their_tokens_made(qwen3):
+    """Each chunk carries the entries of its tokens: a thought's and a call's left in
+    chunks of their own, `content: ""`, after the reasoning or the call they made."""
+    call = ("<tool_call>", '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', "</tool_call>")
+    reply = (*REPLY[:3], "\n\n", *call)
+    body = dict(messages=ASK, tools=TOOLS, max_tokens=80, logprobs=True, extra_body={"guided_grammar": written(qwen3, *reply)})
+    async with serving(qwen3) as server:
+        chunks = await in_thread(streamed_logprobs, server, **body)
+    thought = [(reasoning, tokens) for reasoning, _, _, tokens in chunks if reasoning]
+    assert "".join(reasoning for reasoning, _ in thought) == THOUGHT
+    assert all(tokens.strip() == reasoning.strip() for reasoning, tokens in thought), thought
+    calls = [tokens for _, _, calls, tokens in chunks if calls]
+    assert calls and all(calls), calls  # each call chunk with the tokens that made it
+    assert "".join(tokens for *_, tokens in chunks) == "".join(reply)  # each entry once
