@@ -22,7 +22,7 @@ from runtime.grammar import (
 )
 from runtime.harmony import HARMONY_HEADER
 from runtime.sequence import SequenceParams, check_sequence
-from runtime.think_reply import THINK_OPEN, closes_thought, opens_thought
+from runtime.think_reply import ThinkTags, closes_thought, opens_thought
 from runtime.tokenizer import Tokenizer
 from runtime.tool_prompts import chat_for_template, template_knows_tools, tool_call_grammar
 from runtime.tools import ARGS, HERMES_TAGS, REASONING_STYLES, TOOL_CALLS
@@ -84,9 +84,9 @@ class Admission:
     prepare_threads: trio.CapacityLimiter = attrs.field(
         factory=lambda: trio.CapacityLimiter(PREPARE_THREADS)
     )
-    # `<think>` and `</think>`'s ids, for a model whose chat replies think in them
+    # The tags (`<think>`, Mistral's `[THINK]`) a model's chat replies think between
     # (runtime/think_reply.py); None: not such a model, or their split is off.
-    think_ids: tuple[int, int] | None = None
+    think_tags: ThinkTags | None = None
 
     def reserve(self) -> None:
         """Take a waiting slot now or raise OverloadedError; never waits."""
@@ -148,7 +148,7 @@ class Admission:
                 admit.arrived_at,
                 keep_special_tokens=self.keeps_control_tokens(admit.request),
                 thinks=self.thinks(admit.request),
-                opening=THINK_OPEN if self._opens_thought(admit.request, params) else "",
+                opening=self._opening(admit.request, params),
             )
         )
         await self.to_scheduler.send(Submit(admit.request_id, params))
@@ -207,33 +207,39 @@ class Admission:
         return self.tool_style == "mistral" and bool(request.tools) and request.tool_choice != "none"
 
     def thinks(self, request: GenerateRequest) -> bool:
-        """Whether the request's reply is a chat reply that may think in `<think>` tags."""
-        return self.think_ids is not None and request.messages is not None
+        """Whether the request's reply is a chat reply that may think in the model's tags."""
+        return self.think_tags is not None and request.messages is not None
 
     def _opens_thought(self, request: GenerateRequest, params: SequenceParams) -> bool:
         """Whether the reply starts inside a thought the prompt opened (QwQ's and
-        DeepSeek-R1's templates end in `<think>` and a newline), a grammar or not: one
-        shapes what follows the thought (`_thought_first`)."""
-        if self.think_ids is None or not self.thinks(request):
+        DeepSeek-R1's templates end in `<think>` and a newline; Mistral's never), a
+        grammar or not: one shapes what follows the thought (`_thought_first`)."""
+        if self.think_tags is None or not self.thinks(request):
             return False
-        return opens_thought(params.prompt_tokens, self.think_ids, self._spelled)
+        return opens_thought(params.prompt_tokens, self.think_tags.ids, self._spelled)
+
+    def _opening(self, request: GenerateRequest, params: SequenceParams) -> str:
+        """The opening tag the prompt left open, which the reply's text begins with."""
+        if self.think_tags is None or not self._opens_thought(request, params):
+            return ""
+        return self.think_tags.open
 
     def _spelled(self, ids: list[int]) -> str:
         """`ids` as text, special tokens spelled out (a thought's tags may be special)."""
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _thought_first(self, request: GenerateRequest, params: SequenceParams) -> ThoughtFirst | None:
-        """For a chat reply that thinks in `<think>` tags, the grammar (`response_format`,
+        """For a chat reply that thinks in the model's tags, the grammar (`response_format`,
         the guided fields, a forced call) waits for the thought to end, as vLLM's and
         SGLang's with a reasoning parser: shaped from its first token, a QwQ reply would
         answer inside the thought its prompt opened, and a Qwen3 reply could not think.
         None where the template closed an empty thought (Qwen3's `enable_thinking:
         false`): the reply answers at once, shaped from its first token."""
-        if self.think_ids is None or not self.thinks(request):
+        if self.think_tags is None or not self.thinks(request):
             return None
-        if closes_thought(params.prompt_tokens, self.think_ids, self._spelled):
+        if closes_thought(params.prompt_tokens, self.think_tags.ids, self._spelled):
             return None
-        return ThoughtFirst(*self.think_ids, is_open=self._opens_thought(request, params))
+        return ThoughtFirst(*self.think_tags.ids, is_open=self._opens_thought(request, params))
 
     def grammar_spec(self, request: GenerateRequest) -> GrammarSpec | None:
         """What the output must match: the request's grammar, or a forced tool call (which

@@ -166,7 +166,8 @@ def _parser() -> argparse.ArgumentParser:
         "--no-think-split",
         dest="think_split",
         action="store_false",
-        help="leave a <think> model's thought (Qwen3, QwQ, R1) in content, tags and all, "
+        help="leave a thinking model's thought (Qwen3's, QwQ's, R1's <think>, Magistral's "
+        "[THINK]) in content, tags and all, "
         "not apart as reasoning_content (see README, Tools and reasoning)",
     )
     serve.add_argument(

@@ -269,12 +269,12 @@ async def _complete(state: ServerState, api: ApiRequest) -> Response:
         has_logprobs=api.request.sampling.logprobs is not None,
     )
     tools = None
-    thinks = api.kind == "chat" and llm.thinks
-    if api.parses_tools or thinks or (api.kind == "chat" and llm.tool_style in REASONING_STYLES):
-        # A harmony, Gemma 4 or <think> reply is parsed for its reasoning whether tools
-        # were offered or not.
+    think_tags = llm.think_tags.spellings if api.kind == "chat" and llm.think_tags else None
+    if api.parses_tools or think_tags or (api.kind == "chat" and llm.tool_style in REASONING_STYLES):
+        # A harmony, Gemma 4 or thinking (<think>, [THINK]) reply is parsed for its
+        # reasoning whether tools were offered or not.
         tools = ToolCallDeltas(
-            llm.tool_style, api.parallel_tool_calls, api.is_stream, api.parses_tools, thinks
+            llm.tool_style, api.parallel_tool_calls, api.is_stream, api.parses_tools, think_tags
         )
     if api.is_stream:
         response = Response(

@@ -175,9 +175,10 @@ class Track:
     arrived_at: float
     # Control tokens as text: Mistral's tool calls are [TOOL_CALLS]name[ARGS]{...}.
     keep_special_tokens: bool = False
-    # A chat reply that may think in `<think>` tags (runtime/think_reply.py): the tags
-    # stay text, which stop strings do not read, and `opening` (the `<think>` a prompt
-    # left open) begins the reply's text, so that its parser reads the thought as one.
+    # A chat reply that may think in the model's tags (`<think>`, Mistral's `[THINK]`;
+    # runtime/think_reply.py): the tags stay text, which stop strings do not read, and
+    # `opening` (the tag a prompt left open) begins the reply's text, so that its parser
+    # reads the thought as one.
     thinks: bool = False
     opening: str = ""
 

@@ -9,9 +9,9 @@ RequestError naming the field (a 400 over HTTP).
 
 Tool calls leave as OpenAI's `tool_calls`: streamed, a call's first delta carries its
 `id`, `type` and `name` with empty arguments, and the next ones the argument text.
-A harmony model's (gpt-oss's), Gemma 4's and a `<think>` model's (Qwen3's) replies are
-parsed on every chat request, tools or not, for their reasoning, which leaves apart
-from the content (`Delta.reasoning`).
+A harmony model's (gpt-oss's), Gemma 4's and a thinking model's (Qwen3's `<think>`,
+Magistral's `[THINK]`) replies are parsed on every chat request, tools or not, for
+their reasoning, which leaves apart from the content (`Delta.reasoning`).
 """
 
 from __future__ import annotations
@@ -292,7 +292,8 @@ class ToolCallStream:
     is_parallel: bool = True  # False: calls after the first are dropped
     is_streamed: bool = True
     parses_calls: bool = True  # False: harmony's reasoning split alone (no tools offered)
-    thinks: bool = False  # the reply may think in <think> tags first (runtime/think_reply.py)
+    # The (opening, closing) tags the reply may think between first (runtime/think_reply.py)
+    think_tags: tuple[str, str] | None = None
     parser: Any = None
     reasoning: str = ""  # harmony's: reasoning text since `take_reasoning` last ran
     ids: list[str] = attrs.Factory(list)
@@ -302,7 +303,7 @@ class ToolCallStream:
     is_cut_short: bool = False  # a streamed call the reply ended inside of
 
     def __attrs_post_init__(self) -> None:
-        self.parser = parser_for(self.style, self.parses_calls, self.thinks)
+        self.parser = parser_for(self.style, self.parses_calls, self.think_tags)
 
     def take_reasoning(self) -> str:
         text, self.reasoning = self.reasoning, ""
@@ -412,14 +413,15 @@ class ToolCallDeltas:
     is_parallel: bool = True  # parallel_tool_calls
     is_streamed: bool = True  # False: the deltas make a whole response
     parses_calls: bool = True  # False: harmony's reasoning split alone (no tools offered)
-    thinks: bool = False  # the reply may think in <think> tags first (runtime/think_reply.py)
+    # The (opening, closing) tags the reply may think between first (runtime/think_reply.py)
+    think_tags: tuple[str, str] | None = None
     streams: dict[int, ToolCallStream] = attrs.Factory(dict)  # by choice index
 
     def convert(self, index: int, delta: Delta) -> Delta:
         stream = self.streams.setdefault(
             index,
             ToolCallStream(
-                self.style, self.is_parallel, self.is_streamed, self.parses_calls, self.thinks
+                self.style, self.is_parallel, self.is_streamed, self.parses_calls, self.think_tags
             ),
         )
         content, calls = stream.feed(delta.text)

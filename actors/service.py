@@ -36,7 +36,7 @@ from runtime.ladder import measure_ladder
 from runtime.runner import PlanRunner
 from runtime.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_SOLO_PREFILL_TOKENS, FcfsScheduler
 from runtime.sequence import SamplingParams
-from runtime.think_reply import think_tag_ids
+from runtime.think_reply import think_tags
 from runtime.tool_prompts import tool_style_for
 from runtime.tools import REASONING_STYLES
 from runtime.warm_up import warm_up_steps
@@ -109,8 +109,8 @@ async def open_llm(
     `prefix_cache=False` turns prefix caching off. `lookahead` (>= 1) is how many engine steps stay queued
     behind the running one (more hides more scheduling latency, and costs that many
     speculative steps per finish).
-    `think_split=False` leaves a `<think>` model's thought in its chat replies' content,
-    tags and all, unparsed (runtime/think_reply.py).
+    `think_split=False` leaves a thinking model's thought (`<think>`, Mistral's `[THINK]`)
+    in its chat replies' content, tags and all, unparsed (runtime/think_reply.py).
     `on_progress` is called from the loading thread with one-line messages.
     Raises `runtime.errors.CheckpointError` for a bad checkpoint, and `CadenceError`
     naming the setting for a bad setting, before anything loads.
@@ -292,7 +292,7 @@ async def _start_actors(
     tool_style = tool_style_for(loaded.tokenizer.tool_use_template_source, loaded.config.model_type)
     # Harmony's and Gemma 4's replies have reasoning markup of their own.
     thinks = think_split and tool_style not in REASONING_STYLES
-    think_ids = think_tag_ids(loaded.tokenizer) if thinks else None
+    tags = think_tags(loaded.tokenizer) if thinks else None
     admission = Admission(
         loaded.tokenizer,
         engine.max_context,
@@ -305,7 +305,7 @@ async def _start_actors(
         GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, engine.eos_ids),
         tool_style,
         metrics=metrics,
-        think_ids=think_ids,
+        think_tags=tags,
     )
     actors = (
         Streamer(
@@ -315,7 +315,7 @@ async def _start_actors(
             metrics,
             engine.eos_ids,
             tool_style,
-            think_ids,
+            tags,
         ),
         GpuActor(
             PlanRunner(engine),
@@ -354,7 +354,9 @@ class LLM:
         self.max_batch = engine.max_batch
         self.vocab_size = admission.vocab_size
         self.tool_style = admission.tool_style  # how tool calls read in this model's output
-        self.thinks = admission.think_ids is not None  # chat replies think in <think> tags
+        # The tags chat replies think between (`<think>`, Mistral's `[THINK]`), if any
+        self.think_tags = admission.think_tags
+        self.thinks = self.think_tags is not None
         self.max_waiting = admission.waiting_slots.value  # all free: nothing admitted yet
         self.is_draining = False
         self.num_active = 0  # generations started and not yet done

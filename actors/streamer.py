@@ -21,7 +21,7 @@ from runtime.finishing import first_cause
 from runtime.harmony import BODY_OPENS, HEADER_OPENS
 from runtime.sequence import FinishCause, TokenLogprob
 from runtime.stop_strings import MarkupSplitter, StopMatcher
-from runtime.think_reply import THINK_TAGS
+from runtime.think_reply import ThinkTags
 from runtime.tokenizer import Tokenizer
 
 import attrs
@@ -81,8 +81,9 @@ class Streamer:
     metrics: Metrics
     eos_ids: frozenset[int] = frozenset()  # the engine's: their token ends a row as no text
     tool_style: str = "hermes"  # the model's reply format (runtime/tools.py)
-    # `<think>` and `</think>`'s ids where chat replies think in them (actors/admission.py)
-    think_ids: tuple[int, int] | None = None
+    # The tags chat replies think between (`<think>`, Mistral's `[THINK]`), if any
+    # (actors/admission.py)
+    think_tags: ThinkTags | None = None
     streams: dict[str, _Stream] = attrs.Factory(dict)
     awaiting_release: set[str] = attrs.Factory(set)  # forgotten (reader gone), end unlogged
 
@@ -196,7 +197,8 @@ class Streamer:
     def _markup(self, track: Track) -> MarkupSplitter:
         """What of a request's text is its format's markup: control tokens, where it
         keeps them as text, harmony's headers, and the thinking tags."""
-        thinking = dict(zip(self._think_ids(track), THINK_TAGS, strict=False))
+        spellings = self.think_tags.spellings if self.think_tags is not None else ()
+        thinking = dict(zip(self._think_ids(track), spellings, strict=False))
         if not track.keep_special_tokens:
             return MarkupSplitter(thinking)
         if self.tool_style == "harmony":
@@ -205,7 +207,7 @@ class Streamer:
 
     def _think_ids(self, track: Track) -> tuple[int, ...]:
         """The thinking tags' ids, kept as text though special, for a reply that thinks."""
-        return self.think_ids if track.thinks and self.think_ids is not None else ()
+        return self.think_tags.ids if track.thinks and self.think_tags is not None else ()
 
     def _end(self, stream: _Stream, message: Finished | Failed) -> None:
         self._send(stream, message)

@@ -13,11 +13,12 @@ is still in flight (runtime/scheduler.py), so when the engine samples it, its st
 is current. Unconstrained rows keep the lookahead; a constrained row decodes every
 other step at lookahead 1, and never forces a batch of its own.
 
-A `<think>` model's chat reply (runtime/think_reply.py) thinks before the grammar
-shapes its answer (`ThoughtFirst`, as vLLM and SGLang do with a reasoning parser): the
-thought is free but for EOS, which it may not end the reply on; `</think>` starts the
-grammar, a few blank tokens (the model's "\n\n") allowed before it. Where the prompt
-did not open the thought, the first token may open one or start the grammar.
+A thinking model's chat reply (`<think>`, Mistral's `[THINK]`; runtime/think_reply.py)
+thinks before the grammar shapes its answer (`ThoughtFirst`, as vLLM and SGLang do with
+a reasoning parser): the thought is free but for EOS, which it may not end the reply
+on; the closing tag (`</think>`, `[/THINK]`) starts the grammar, a few blank tokens
+(the model's "\n\n") allowed before it. Where the prompt did not open the thought, the
+first token may open one or start the grammar.
 
 Compiling is bounded three ways: llguidance's parser limits cap the work a grammar may
 take (lexer fuel, grammar size), the caller gives up waiting after a deadline, and
@@ -131,7 +132,8 @@ def answer_json_schema(spec: GrammarSpec) -> dict[str, Any]:
 
 @attrs.frozen
 class ThoughtFirst:
-    """A `<think>` model's chat reply: its grammar shapes what follows the thought.
+    """A thinking model's chat reply: its grammar shapes what follows the thought (the
+    tags' ids: `<think>`'s and `</think>`'s, or Mistral's `[THINK]`'s and `[/THINK]`'s).
     `is_open`: the prompt opened the thought (QwQ's and R1's templates), so the reply
     starts inside it; else its first token may open one."""
 
@@ -171,7 +173,7 @@ class GrammarState:
     barred_eos_ids: frozenset[int] = frozenset()
     thought: ThoughtFirst | None = None
     # grammar: the grammar shapes each token | may_think: the first, which may open a
-    # thought instead | thought: free but for EOS, until `</think>` | blanks: past it,
+    # thought instead | thought: free but for EOS, until the closing tag | blanks: past it,
     # blank tokens (BLANKS_AFTER_THOUGHT at most) or the grammar's first.
     phase: str = "grammar"
     compiled: CompiledGrammar | None = None  # its eos_ids and blank_ids

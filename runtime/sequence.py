@@ -87,7 +87,7 @@ class SequenceParams:
     # Structured output: every token must keep the output inside this grammar, and the
     # row ends when the grammar is complete. None: free text.
     grammar: CompiledGrammar | None = None
-    # A `<think>` model's chat reply: the grammar shapes what follows its thought, which
+    # A thinking model's chat reply (`<think>`, `[THINK]`): the grammar shapes what follows its thought, which
     # is the model's own (runtime/grammar.py). None: the grammar shapes every token.
     thought_first: ThoughtFirst | None = None
 

@@ -1,4 +1,4 @@
-"""Replies that think between `<think>` and `</think>` before they answer.
+"""Replies that think between a pair of tags before they answer.
 
 Qwen3, QwQ, DeepSeek-R1's distills, SmolLM3 and Phi-4-reasoning write
 
@@ -8,6 +8,13 @@ Qwen3, QwQ, DeepSeek-R1's distills, SmolLM3 and Phi-4-reasoning write
 
     Paris is sunny.<tool_call>...</tool_call>
 
+and Mistral's reasoning models (Magistral Small 2507 and 2509, Ministral 3 Reasoning,
+Mistral Small 4 and Medium 3.5 at `reasoning_effort: high`) the same between the control
+tokens `[THINK]` and `[/THINK]`: `[THINK]The user asks ...[/THINK]Paris is sunny.`, with
+`[TOOL_CALLS]` calls after it. Their templates never open the thought (a Magistral
+prompt ends in `[/INST]`); the reply opens its own, as vLLM's `mistral` reasoning
+parser and llama.cpp's Magistral format read it.
+
 Some templates open the thought themselves (QwQ's and R1's generation prompt ends in
 `<think>\\n`), so the reply starts inside it; Qwen3's writes an empty thought into the
 prompt when `enable_thinking` is false, and the reply starts past it. Admission tells
@@ -15,15 +22,17 @@ them apart by the prompt (`opens_thought`, `closes_thought`), and the reply's te
 begins with the `<think>` the prompt wrote (actors/streamer.py), so the parser reads
 one form only. Under a grammar the thought comes first (runtime/grammar.py).
 
-The rule for a checkpoint being such a model (`think_tag_ids`): its tokenizer holds
-`<think>` and `</think>` as added tokens (single tokens, so a tag is never split
-across tokens, nor mistaken for text the model spelled out) and its chat template
-writes `<think>`. Tags that are special tokens are kept in the reply's text.
+The rule for a checkpoint being such a model (`think_tags`): its tokenizer holds both
+tags of a pair as added tokens (single tokens, so a tag is never split across tokens,
+nor mistaken for text the model spelled out) and its chat template writes the opening
+one (Mistral's write `[THINK]` for a `thinking` chunk of an assistant turn: a Mistral
+tokenizer may hold the tags where its template never thinks). Tags that are special
+tokens (Mistral's always) are kept in the reply's text.
 
 `ThinkParser` turns the text, fed in any split, into `Reasoning` for the thought and
 the content's own parser's events (a Hermes call's, or `Content`) for the rest, so a
 `<tool_call>` inside the thought is no call. As llama.cpp returns it, the thought is
-stripped of the blanks around it and the answer of those before it; a `<think>`
+stripped of the blanks around it and the answer of those before it; an opening tag
 repeated at the thought's start (the model writing the tag its prompt opened) is
 dropped. A reply with no thought is content as written; one that ends inside its
 thought (max_tokens) is all reasoning.
@@ -31,7 +40,6 @@ thought (max_tokens) is all reasoning.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -44,28 +52,48 @@ if TYPE_CHECKING:
     from runtime.tools import ToolParser
 
 THINK_TAGS = THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-_OPEN_TAG_IN_TEMPLATE = re.compile(re.escape(THINK_OPEN))
+MISTRAL_THINK_TAGS = "[THINK]", "[/THINK]"  # Mistral's control tokens
+TAG_PAIRS = (THINK_TAGS, MISTRAL_THINK_TAGS)
 _BLANKS_AFTER_OPENING = 4  # tokens of blanks a template may write past the tag it opens
 
 
-def think_tag_ids(tokenizer: Tokenizer) -> tuple[int, int] | None:
-    """(`<think>`'s id, `</think>`'s id) for a checkpoint whose replies think in those
-    tags, else None: both are added tokens and a chat template writes `<think>`."""
-    open_id = tokenizer.added_token_id(THINK_OPEN)
-    close_id = tokenizer.added_token_id(THINK_CLOSE)
-    if open_id is None or close_id is None:
-        return None
+@attrs.frozen
+class ThinkTags:
+    """The tags a model's replies think between: their spellings and their token ids."""
+
+    open: str
+    close: str
+    open_id: int
+    close_id: int
+
+    @property
+    def ids(self) -> tuple[int, int]:
+        return self.open_id, self.close_id
+
+    @property
+    def spellings(self) -> tuple[str, str]:
+        return self.open, self.close
+
+
+def think_tags(tokenizer: Tokenizer) -> ThinkTags | None:
+    """The tag pair a checkpoint's replies think in, else None: both tags are added
+    tokens and a chat template writes the opening one."""
     sources = (tokenizer.chat_template_source, tokenizer.tool_use_template_source)
-    if not any(_OPEN_TAG_IN_TEMPLATE.search(source) for source in sources):
-        return None
-    return open_id, close_id
+    for open_tag, close_tag in TAG_PAIRS:
+        open_id = tokenizer.added_token_id(open_tag)
+        close_id = tokenizer.added_token_id(close_tag)
+        if open_id is None or close_id is None:
+            continue
+        if any(open_tag in source for source in sources):
+            return ThinkTags(open_tag, close_tag, open_id, close_id)
+    return None
 
 
 def opens_thought(
     prompt_tokens: Sequence[int], think_ids: tuple[int, int], decode: Callable[[list[int]], str]
 ) -> bool:
-    """Whether the prompt ends inside a thought its template opened: in `<think>` and
-    at most blanks (QwQ's and R1's "\\n"), which `decode` tells (spelling special
+    """Whether the prompt ends inside a thought its template opened: in the opening tag
+    and at most blanks (QwQ's and R1's "\\n"), which `decode` tells (spelling special
     tokens: Qwen3's empty thought, `<think>\\n\\n</think>\\n\\n`, is closed)."""
     open_id, close_id = think_ids
     tail = list(prompt_tokens[-_BLANKS_AFTER_OPENING - 1 :])
@@ -78,8 +106,8 @@ def opens_thought(
 def closes_thought(
     prompt_tokens: Sequence[int], think_ids: tuple[int, int], decode: Callable[[list[int]], str]
 ) -> bool:
-    """Whether the prompt ends past a thought its template closed: in `</think>` and at
-    most blanks (Qwen3's empty thought under `enable_thinking: false`), so the reply is
+    """Whether the prompt ends past a thought its template closed: in the closing tag and
+    at most blanks (Qwen3's empty thought under `enable_thinking: false`), so the reply is
     the answer, with no thought of its own (vLLM's reasoning parsers read it so too)."""
     close_id = think_ids[1]
     tail = list(prompt_tokens[-_BLANKS_AFTER_OPENING - 1 :])
@@ -91,9 +119,10 @@ def closes_thought(
 @attrs.define
 class ThinkParser:
     """One reply's text -> `Reasoning` and the events of `content`'s parser (None:
-    the content is text)."""
+    the content is text); `tags`: the (opening, closing) pair it thinks between."""
 
     content: ToolParser | None = None
+    tags: tuple[str, str] = THINK_TAGS
     state: str = "start"  # start | thought | after (blanks past the thought) | answer
     pending: str = ""  # text not yet reported
     thought_began: bool = False  # some of the thought was reported
@@ -113,25 +142,26 @@ class ThinkParser:
 
     def _scan(self, is_final: bool) -> list[Event]:
         events: list[Event] = []
+        opening, closing = self.tags
         while True:
             head = self.pending.lstrip()
             if self.state == "start" or (self.state == "thought" and not self.thought_began):
-                if head.startswith(THINK_OPEN):  # (again, at a thought's start: dropped)
-                    self.pending, self.state = head[len(THINK_OPEN) :], "thought"
+                if head.startswith(opening):  # (again, at a thought's start: dropped)
+                    self.pending, self.state = head[len(opening) :], "thought"
                     continue
-                if THINK_OPEN.startswith(head) and not is_final:
+                if opening.startswith(head) and not is_final:
                     return events  # blanks, or what may be the tag's beginning
                 if self.state == "start":  # no thought: the reply is the answer
                     self.state = "answer"
             if self.state == "thought":
-                at = self.pending.find(THINK_CLOSE)
+                at = self.pending.find(closing)
                 if at < 0:  # all of it but a tail that may begin the closing tag
-                    keep = 0 if is_final else marker_prefix_length(self.pending, THINK_CLOSE)
+                    keep = 0 if is_final else marker_prefix_length(self.pending, closing)
                     events += self._reasoning(self.pending[: len(self.pending) - keep])
                     self.pending = self.pending[len(self.pending) - keep :]
                     return events
                 events += self._reasoning(self.pending[:at])
-                self.pending, self.state, self.blank = self.pending[at + len(THINK_CLOSE) :], "after", ""
+                self.pending, self.state, self.blank = self.pending[at + len(closing) :], "after", ""
                 continue
             if self.state == "after":
                 if not head:

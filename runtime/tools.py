@@ -51,7 +51,8 @@ TOOL_STYLES = ("hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4")
 # reasoning apart from the answer, in markup the request keeps (actors/admission.py).
 REASONING_STYLES = ("harmony", "gemma4")
 # Other styles' models may think in `<think>` tags before they answer (Qwen3, QwQ,
-# DeepSeek-R1's distills): a tokenizer's property, not a call format (runtime/think_reply.py).
+# DeepSeek-R1's distills), or Mistral's in `[THINK]` (Magistral): a tokenizer's
+# property, not a call format (runtime/think_reply.py).
 
 
 @attrs.frozen
@@ -84,7 +85,7 @@ class CallCutShort:
 @attrs.frozen
 class Reasoning:
     """Text the model reasons in, apart from its answer (gpt-oss's analysis channel, a
-    `<think>` block)."""
+    `<think>` or `[THINK]` block)."""
 
     text: str
 
@@ -481,15 +482,18 @@ def _content(text: str) -> list[Event]:
 ToolParser: TypeAlias = "_Delimited | _WholeReply | _MistralCalls | HarmonyParser | Gemma4Parser | ThinkParser"
 
 
-def parser_for(style: str, parses_calls: bool = True, thinks: bool = False) -> ToolParser:
+def parser_for(
+    style: str, parses_calls: bool = True, think_tags: tuple[str, str] | None = None
+) -> ToolParser:
     """A fresh parser for one response in `style` (one of TOOL_STYLES). Harmony's and
     Gemma 4's also split reasoning from content, so they run for requests without tools
-    too: there (`parses_calls` False) a call is content. `thinks`: the reply may think
-    in `<think>` tags first (runtime/think_reply.py), and only its answer holds calls."""
-    if thinks:
+    too: there (`parses_calls` False) a call is content. `think_tags`: the reply may
+    think between these tags first (`<think>`, Mistral's `[THINK]`; runtime/think_reply.py),
+    and only its answer holds calls."""
+    if think_tags is not None:
         from runtime.think_reply import ThinkParser  # it builds on this module's events
 
-        return ThinkParser(parser_for(style) if parses_calls else None)
+        return ThinkParser(parser_for(style) if parses_calls else None, think_tags)
     if style == "hermes":
         return _Delimited(CALL_TAG, CALL_END_TAG, streams_arguments=True)
     if style == "gemma":

@@ -1,8 +1,9 @@
-"""Replies that think in `<think>` tags (Qwen3, QwQ, DeepSeek-R1's distills) through
-real HTTP, read by the official openai client: the thought as `reasoning_content` and
-`reasoning`, the answer as `content`, calls after the thought, stop strings, a
-template that opens the thought itself, a grammar that shapes what follows the
-thought, and reasoning replayed in a history.
+"""Replies that think in `<think>` tags (Qwen3, QwQ, DeepSeek-R1's distills), or in
+Mistral's `[THINK]` control tokens (Magistral), through real HTTP, read by the
+official openai client: the thought as `reasoning_content` and `reasoning`, the answer
+as `content`, calls after the thought, stop strings, a template that opens the thought
+itself, a grammar that shapes what follows the thought, and reasoning replayed in a
+history.
 
 The checkpoints' tokenizers hold `<think>`, `</think>`, `<tool_call>` and `</tool_call>`
 as added tokens (not special, as Qwen3's; special in one variant), and their templates
@@ -367,3 +368,130 @@ async def test_streamed_logprobs_leave_with_the_reasoning_and_the_calls_their_to
     calls = [tokens for _, _, calls, tokens in chunks if calls]
     assert calls and all(calls), calls  # each call chunk with the tokens that made it
     assert "".join(tokens for *_, tokens in chunks) == "".join(reply)  # each entry once
+
+
+# Magistral's (2507, 2509), in small: `[THINK]` and `[/THINK]` are control tokens (special,
+# as tekken's converted tokenizer.json holds them), written around an assistant turn's
+# `thinking` chunk; the prompt ends in `[/INST]`, so the reply opens its own thought.
+MAGISTRAL = (
+    "{{ bos_token }}{%- if messages[0].role == 'system' %}"
+    "[SYSTEM_PROMPT]{{ messages[0].content }}[/SYSTEM_PROMPT]{%- set turns = messages[1:] %}"
+    "{%- else %}{%- set turns = messages %}{%- endif %}"
+    "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}"
+    "{%- for message in turns %}"
+    "{%- if message.role == 'user' %}[INST]{{ message.content }}[/INST]"
+    "{%- elif message.role == 'assistant' %}"
+    "{%- if message.content is string %}{{ message.content }}"
+    "{%- elif message.content %}{%- for block in message.content %}"
+    "{%- if block.type == 'thinking' %}{{ '[THINK]' + block.thinking + '[/THINK]' }}"
+    "{%- else %}{{ block.text }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{%- for call in message.tool_calls or [] %}[TOOL_CALLS]{{ call.function.name }}[ARGS]"
+    "{{ call.function.arguments | tojson }}{%- endfor %}{{ eos_token }}"
+    "{%- elif message.role == 'tool' %}[TOOL_RESULTS]{{ message.content }}[/TOOL_RESULTS]"
+    "{%- endif %}{%- endfor %}"
+)
+MISTRAL_MARKERS = ("[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]")
+MAGISTRAL_REPLY = ("[THINK]", THOUGHT, "[/THINK]", "Sunny in Paris.")
+
+
+def with_mistral_tags(make_checkpoint, out, template):
+    """Mistral's markers as control tokens, and `Hmm` as a plain added token (a word a
+    thought may hold that no JSON answer can)."""
+    size = Tokenizer.from_dir(make_checkpoint("llama")).vocab_size
+    checkpoint = with_template(make_checkpoint("llama", vocab_size=size + 8), out, template)
+    tokenizer_file = checkpoint / "tokenizer.json"
+    raw = json.loads(tokenizer_file.read_text())
+    raw["added_tokens"] += [
+        {"id": size + offset, "content": marker, "single_word": False, "lstrip": False,
+         "rstrip": False, "normalized": False, "special": marker != "Hmm"}
+        for offset, marker in enumerate((*MISTRAL_MARKERS, "Hmm"))
+    ]
+    tokenizer_file.write_text(json.dumps(raw))
+    return checkpoint
+
+
+@pytest.fixture(scope="module")
+def magistral(make_checkpoint, tmp_path_factory):
+    return with_mistral_tags(make_checkpoint, tmp_path_factory.mktemp("think") / "magistral-like", MAGISTRAL)
+
+
+async def test_a_magistral_thought_is_reasoning_and_the_answer_content_whole_and_streamed(magistral):
+    """`[THINK]...[/THINK]` is the thought (vLLM's `mistral` reasoning parser, llama.cpp's
+    Magistral format); the tags, special tokens, are no text of either."""
+    grammar = tool_templates.written(magistral, MISTRAL_MARKERS, *MAGISTRAL_REPLY)
+    body = dict(messages=ASK, max_tokens=80, n=2, logprobs=True, extra_body={"guided_grammar": grammar})
+    async with serving(magistral) as server:
+        assert server.llm.thinks and server.llm.tool_style == "mistral"
+        done = await in_thread(whole, server, **body)
+        choices, _ = await in_thread(streamed, server, **body)
+    for choice in done.choices:
+        assert split_of(choice.message) == (THOUGHT, THOUGHT, "Sunny in Paris.")
+        tokens = [entry.token for entry in choice.logprobs.content]
+        assert tokens[0] == "[THINK]" and "[/THINK]" in tokens
+    assert choices == [(THOUGHT, "Sunny in Paris.", [], "stop", THOUGHT)] * 2
+
+
+async def test_stop_strings_read_the_magistral_thought_and_answer_not_its_tags(magistral):
+    grammar = tool_templates.written(magistral, MISTRAL_MARKERS, *MAGISTRAL_REPLY)
+    body = dict(messages=ASK, max_tokens=80, stop=["THINK", " in Paris"], extra_body={"guided_grammar": grammar})
+    async with serving(magistral) as server:
+        done = await in_thread(whole, server, **body)
+        choices, _ = await in_thread(streamed, server, **body)
+    assert split_of(done.choices[0].message) == (THOUGHT, THOUGHT, "Sunny")
+    assert choices == [(THOUGHT, "Sunny", [], "stop", THOUGHT)]
+
+
+async def test_a_magistral_call_after_the_thought_is_a_call_and_one_inside_it_is_reasoning(magistral):
+    arguments = '{"city": "Paris", "days": 2}'
+    reply = (
+        "[THINK]", "Maybe ", "[TOOL_CALLS]", "?", "[/THINK]", "Checking.",
+        "[TOOL_CALLS]", "get_weather", "[ARGS]", arguments,
+    )
+    grammar = tool_templates.written(magistral, MISTRAL_MARKERS, *reply)
+    body = dict(messages=ASK, tools=TOOLS, max_tokens=80, extra_body={"guided_grammar": grammar})
+    async with serving(magistral) as server:
+        done = await in_thread(whole, server, **body)
+        choices, _ = await in_thread(streamed, server, **body)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert split_of(choice.message) == ("Maybe [TOOL_CALLS]?", "Maybe [TOOL_CALLS]?", "Checking.")
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", arguments)
+    assert choices == [("Maybe [TOOL_CALLS]?", "Checking.", [["get_weather", arguments]], "tool_calls", "Maybe [TOOL_CALLS]?")]
+
+
+async def test_a_json_schema_shapes_the_magistral_answer_after_the_thought(magistral):
+    """The grammar waits for `[/THINK]`: the first token may open the thought, which is
+    free (`Hmm`, which the JSON could not hold), and the JSON is the content."""
+    tokenizer = Tokenizer.from_dir(magistral)
+    ids = [tokenizer.added_token_id(tag) for tag in ("[THINK]", "Hmm", "[/THINK]")]
+    schema = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    body = dict(
+        messages=ASK, max_tokens=40, response_format=schema, seed=7,
+        logit_bias={str(token): bias for token, bias in zip(ids, (100, 75, 55), strict=True)},
+        extra_body={"repetition_penalty": 3.0},
+    )
+    async with serving(magistral) as server:
+        done = await in_thread(whole, server, **body)
+        choices, _ = await in_thread(streamed, server, **body)
+    assert split_of(done.choices[0].message) == ("Hmm", "Hmm", '{"city": "Paris"}')
+    assert choices == [("Hmm", '{"city": "Paris"}', [], "stop", "Hmm")]
+
+
+async def test_with_the_split_off_or_a_template_that_never_thinks_a_magistral_reply_is_content(
+    magistral, make_checkpoint, tmp_path
+):
+    """`--no-think-split`, or a Mistral tokenizer holding the tags beside a template that
+    never writes them (Mistral Small 3.2's): the reply is content, the special tags
+    dropped as any control token."""
+    grammar = tool_templates.written(magistral, MISTRAL_MARKERS, *MAGISTRAL_REPLY)
+    body = dict(messages=ASK, max_tokens=80, extra_body={"guided_grammar": grammar})
+    no_thinking = with_mistral_tags(make_checkpoint, tmp_path / "mistral-like", MAGISTRAL.replace("[THINK]", ""))
+    async with serving(magistral, think_split=False) as server:
+        assert not server.llm.thinks
+        split_off = await in_thread(whole, server, **body)
+    async with serving(no_thinking) as server:
+        assert not server.llm.thinks and server.llm.tool_style == "mistral"
+        never = await in_thread(whole, server, **body)
+    text = THOUGHT + "Sunny in Paris."
+    assert split_of(split_off.choices[0].message) == split_of(never.choices[0].message) == (None, None, text)

@@ -1,13 +1,17 @@
-"""Replies that think in `<think>` tags -> reasoning, then content or calls, in any split."""
+"""Replies that think in `<think>` tags, or Mistral's `[THINK]` -> reasoning, then
+content or calls, in any split."""
 
 import json
 
 from runtime.think_reply import (
+    MISTRAL_THINK_TAGS,
     THINK_CLOSE,
     THINK_OPEN,
+    THINK_TAGS,
+    ThinkTags,
     closes_thought,
     opens_thought,
-    think_tag_ids,
+    think_tags,
 )
 from runtime.tools import CallArguments, CallCutShort, CallStart, Content, Reasoning, parser_for
 
@@ -17,9 +21,9 @@ SPLITS = [1, 2, 3, 5, 7, 11, 1000]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
-def parsed(text, split, parses_calls=False, style="hermes"):
+def parsed(text, split, parses_calls=False, style="hermes", tags=THINK_TAGS):
     """(reasoning, content, [(name, arguments)], cut) from `text` fed `split` characters at a time."""
-    parser = parser_for(style, parses_calls, thinks=True)
+    parser = parser_for(style, parses_calls, think_tags=tags)
     events = [e for i in range(0, len(text), split) for e in parser.feed(text[i : i + split])]
     events += parser.finish()
     assert all(e.text for e in events if isinstance(e, Reasoning | Content))  # no empty events
@@ -120,7 +124,51 @@ class _Tokenizer:
 
 def test_a_checkpoint_thinks_when_both_tags_are_added_tokens_and_its_template_writes_one():
     tags = {THINK_OPEN: 10, THINK_CLOSE: 11}
-    assert think_tag_ids(_Tokenizer(tags, "{{ '<think>\\n' }}")) == (10, 11)
-    assert think_tag_ids(_Tokenizer(tags, "{{ messages }}")) is None  # the template never thinks
-    assert think_tag_ids(_Tokenizer({THINK_OPEN: 10}, "<think>")) is None
-    assert think_tag_ids(_Tokenizer({}, "<think>")) is None  # spelled out, not a token
+    assert think_tags(_Tokenizer(tags, "{{ '<think>\\n' }}")) == ThinkTags(THINK_OPEN, THINK_CLOSE, 10, 11)
+    assert think_tags(_Tokenizer(tags, "{{ messages }}")) is None  # the template never thinks
+    assert think_tags(_Tokenizer({THINK_OPEN: 10}, "<think>")) is None
+    assert think_tags(_Tokenizer({}, "<think>")) is None  # spelled out, not a token
+
+
+def test_a_mistral_checkpoint_thinks_in_its_control_tokens_where_its_template_writes_them():
+    """Magistral's tokenizer holds `[THINK]` and `[/THINK]` (special), and its template
+    writes them around a `thinking` chunk; Mistral Small 3.2's template has none."""
+    tags = {"[THINK]": 34, "[/THINK]": 35, "[TOOL_CALLS]": 9}
+    magistral = "{%- elif block['type'] == 'thinking' %}{{- '[THINK]' + block['thinking'] + '[/THINK]' }}"
+    assert think_tags(_Tokenizer(tags, magistral)) == ThinkTags("[THINK]", "[/THINK]", 34, 35)
+    assert think_tags(_Tokenizer(tags, "[INST]{{ message.content }}[/INST]")) is None
+    assert think_tags(_Tokenizer({"[THINK]": 34}, magistral)) is None
+    # A template writing one pair's tag thinks in that pair, whichever tokens there are besides.
+    both = {**tags, THINK_OPEN: 10, THINK_CLOSE: 11}
+    assert think_tags(_Tokenizer(both, magistral)) == ThinkTags("[THINK]", "[/THINK]", 34, 35)
+
+
+MISTRAL_OPEN, MISTRAL_CLOSE = MISTRAL_THINK_TAGS
+MISTRAL_CALL = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize(
+    ("text", "reasoning", "content"),
+    [
+        # Magistral's form: no blanks around the tags.
+        (f"{MISTRAL_OPEN}The user asks.{MISTRAL_CLOSE}Paris is sunny.", "The user asks.", "Paris is sunny."),
+        ("Paris is sunny.", "", "Paris is sunny."),  # no thought (reasoning_effort none)
+        (f"{MISTRAL_OPEN}Still thinking", "Still thinking", ""),  # cut by max_tokens
+        (f"{MISTRAL_OPEN}a [/THIN and <think>x</think>{MISTRAL_CLOSE}ok", "a [/THIN and <think>x</think>", "ok"),
+        (f"{THINK_OPEN}x{THINK_CLOSE}y", "", f"{THINK_OPEN}x{THINK_CLOSE}y"),  # the other pair is text
+        ("[THIN", "", "[THIN"),
+    ],
+)
+def test_a_mistral_thought_is_reasoning_in_any_split(text, reasoning, content, split):
+    assert parsed(text, split, tags=MISTRAL_THINK_TAGS)[:2] == (reasoning, content)
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_a_mistral_call_after_the_thought_is_parsed_and_one_inside_it_is_reasoning(split):
+    """Magistral thinks, then calls: the Mistral parser sees the answer alone."""
+    text = f"{MISTRAL_OPEN}Maybe {MISTRAL_CALL}?{MISTRAL_CLOSE}Checking.{MISTRAL_CALL}"
+    reasoning, content, calls, _ = parsed(text, split, True, "mistral", MISTRAL_THINK_TAGS)
+    assert reasoning == f"Maybe {MISTRAL_CALL}?"
+    assert content == "Checking."
+    assert calls == [("get_weather", {"city": "Paris"})]
