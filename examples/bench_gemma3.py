@@ -72,7 +72,7 @@ def kv_bytes(layers: int, kv_heads: int, head_dim: int, windows: tuple, dtype: m
     while (plan := policy.schedule()) is not None:  # None once the row is at max_tokens
         held = sum(p.num_used_blocks * b for p, b in zip(pool.group_pools, group_block_bytes, strict=True))
         peak = max(peak, held)
-        policy.on_step_done(plan.step, [(s.request_id, 0, False) for s in plan.spans if s.samples])
+        policy.on_step_done(plan.step, [(s.request_id, 0, False, False) for s in plan.spans if s.samples])
     return peak
 
 

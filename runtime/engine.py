@@ -18,7 +18,10 @@ sit in step N+1; that speculative token is dropped and the policy frees its bloc
 
 A row with a grammar (structured output, runtime/grammar.py) samples under its
 token mask, computed on the host from its collected tokens: it is never fed a
-queued sample, so the policy plans it no speculative step. Its state lives in its row,
+queued sample, so the policy plans it no speculative step; but for a row inside the
+thought before its grammar, fed one queued sample under a mask picked on the device
+(the thought's, or the one past `</think>`). Each outcome says whether its row is
+there (`is_thinking`), for the policy. Its state lives in its row,
 which a preemption keeps (only the K/V is recomputed), so a resumed row goes on where
 its grammar, or the thought before it, was.
 
@@ -353,7 +356,10 @@ class Engine:
                 row.finished = first_cause(row.finished, FinishCause.EOS)
             num_top = row.params.sampling.logprobs
             asked = None if num_top is None else TokenLogprob(logprob[0], logprob[1][:num_top])
-            outcomes.append(StepOutcome(seq_id, token, row.finished, logprob=asked))
+            is_thinking = row.grammar is not None and row.grammar.is_thinking
+            outcomes.append(
+                StepOutcome(seq_id, token, row.finished, logprob=asked, is_thinking=is_thinking)
+            )
         return outcomes
 
     # -- internals ---------------------------------------------------------------
@@ -420,7 +426,11 @@ class Engine:
         if not plan.sampling:
             return None  # its K/V writes are evaluated (`submit`); the states never are
         logits = self.model.project(hidden)  # [S, V]
-        allowed = token_masks([row.grammar for row in plan.sampling], logits.shape[-1])
+        allowed = token_masks(
+            [row.grammar for row in plan.sampling],
+            logits.shape[-1],
+            [row.next_input if row.num_pending else None for row in plan.sampling],
+        )
         samples = sample(logits, [row.sampler for row in plan.sampling], allowed)
         return samples, rows_are_finite(logits)
 
@@ -463,7 +473,9 @@ class Engine:
             ) or row.frontier >= self.max_context:
                 return None
         if row.num_pending:
-            if row.grammar is not None:  # its mask needs the queued token (runtime/grammar.py)
+            # A constrained row's mask needs the queued token on the host, unless the row
+            # is inside its thought and it is its only one (runtime/grammar.py).
+            if row.grammar is not None and not (row.grammar.is_thinking and row.num_pending == 1):
                 raise ValueError(f"row {row.handle.seq_id} is constrained: it skips lookahead")
             if span.start != row.frontier - 1 or span.num_new != 1:
                 raise ValueError(f"row {row.handle.seq_id} has a queued sample: only it can be fed")

@@ -18,7 +18,12 @@ thinks before the grammar shapes its answer (`ThoughtFirst`, as vLLM and SGLang 
 a reasoning parser): the thought is free but for EOS, which it may not end the reply
 on; the closing tag (`</think>`, `[/THINK]`) starts the grammar, a few blank tokens
 (the model's "\n\n") allowed before it. Where the prompt did not open the thought, the
-first token may open one or start the grammar.
+first token may open one or start the grammar. Inside the thought a row keeps the
+lookahead: its next mask depends on its queued token only through whether it is the
+closing tag, and the mask past that tag is known before it is drawn (the grammar has
+not moved), so it may be fed one queued sample, its mask picked on the device from the
+two (`token_masks`). Once its host state is past the thought it is constrained as any
+other row.
 
 Compiling is bounded three ways: llguidance's parser limits cap the work a grammar may
 take (lexer fuel, grammar size), the caller gives up waiting after a deadline, and
@@ -227,6 +232,26 @@ class GrammarState:
         """The grammar is complete and can take no more (EOS aside): the row ends here."""
         return self.phase == "grammar" and self.matcher.is_stopped()
 
+    @property
+    def is_thinking(self) -> bool:
+        """Inside the thought: the next mask needs no token of it but whether the last
+        was `</think>`, so the row may be fed its queued sample (`token_masks`)."""
+        return self.phase == "thought"
+
+    def past_thought(self) -> GrammarState:
+        """The state `</think>` takes a thinking row to, for its mask alone: it shares
+        the matcher, which the thought never advances (nor does this)."""
+        assert self.is_thinking
+        ahead = attrs.evolve(self)
+        ahead.advance(self.close_id)
+        return ahead
+
+    @property
+    def close_id(self) -> int:
+        """`</think>`'s id (a row with a thought)."""
+        assert self.thought is not None
+        return self.thought.close_id
+
 
 class GrammarCompiler:
     """Compiles grammars for one model; thread-safe, so admission's workers share it.
@@ -335,8 +360,17 @@ def _reason(matcher: llguidance.LLMatcher) -> str:
     return " ".join(matcher.get_error().split("<state>")[0].split())[:300]
 
 
-def token_masks(states: Sequence[GrammarState | None], vocab_size: int) -> mx.array | None:
+def token_masks(
+    states: Sequence[GrammarState | None],
+    vocab_size: int,
+    queued: Sequence[mx.array | None] = (),
+) -> mx.array | None:
     """[B, V] bool: the tokens each row's grammar allows next (all, for a None row).
+
+    `queued`: each row's input token (lazy, [1]) where it is its sample still in
+    flight, else None (or left off). Only a thinking row is fed one (`is_thinking`): its
+    mask is the thought's, or where that token is `</think>`, the one past it
+    (`past_thought`), picked on the device.
 
     None when no row has a grammar. Computed on the host, row by row: llguidance's
     parallel executor took 2.3 ms for 8 rows of the demo vocabulary on the loaded
@@ -347,19 +381,44 @@ def token_masks(states: Sequence[GrammarState | None], vocab_size: int) -> mx.ar
     constrained = [(i, s) for i, s in enumerate(states) if s is not None]
     if not constrained:
         return None
+    fed = _fed(states, queued)
+    # Each row's own mask, then for each fed row the one past its thought's end.
+    past = [(len(states) + j, state.past_thought()) for j, (_, state, _) in enumerate(fed)]
     # [B, ceil(W / 32)] int32, all set; W covers every id a grammar's tokenizer holds,
     # the mask is cut to the model's V below.
     mask_vocab = max(vocab_size, *(state.mask_vocab for _, state in constrained))
-    bitmask = allocate_token_bitmask(len(states), mask_vocab)
-    for i, state in constrained:
+    bitmask = allocate_token_bitmask(len(states) + len(past), mask_vocab)
+    for i, state in constrained + past:
         if state.phase != "thought":  # (a thought's mask is not the grammar's)
             fill_next_token_bitmask(state.matcher, bitmask, i)
     allowed = unpack_mask(bitmask, vocab_size)
-    for i, state in constrained:
+    for i, state in constrained + past:
         state.fill_mask(allowed[i])
         if state.barred_eos_ids:
             _bar(allowed[i], [t for t in sorted(state.barred_eos_ids) if t < vocab_size])
-    return mx.array(allowed)
+    if not fed:
+        return mx.array(allowed)
+    # Each row takes its own mask, a fed row the one past its thought where it is fed `</think>`.
+    rows = mx.array([i for i, _, _ in fed])
+    is_close = mx.concatenate([token for _, _, token in fed]) == mx.array(
+        [state.close_id for _, state, _ in fed]
+    )
+    pick = mx.arange(len(states))
+    pick[rows] = mx.where(is_close, mx.array([i for i, _ in past]), rows)
+    return mx.take(mx.array(allowed), pick, axis=0)
+
+
+def _fed(
+    states: Sequence[GrammarState | None], queued: Sequence[mx.array | None]
+) -> list[tuple[int, GrammarState, mx.array]]:
+    """The constrained rows fed their queued token, and it; only a thinking row may be."""
+    fed = []
+    for i, token in enumerate(queued):
+        if token is not None and (state := states[i]) is not None:
+            if not state.is_thinking:
+                raise ValueError("only a row inside its thought may be fed its queued sample")
+            fed.append((i, state, token))
+    return fed
 
 
 def _bar(allowed: np.ndarray, eos_ids: list[int]) -> None:

@@ -40,6 +40,7 @@ class RowResult:
     error: str | None = None
     logprob: TokenLogprob | None = None  # when the request asks for logprobs
     error_param: str | None = None  # the request field at fault for `error`, if any
+    is_thinking: bool = False  # a constrained row inside its thought (StepOutcome)
 
 
 @attrs.define
@@ -110,6 +111,7 @@ class PlanRunner:
                     outcome.error,
                     outcome.logprob,
                     outcome.error_param,
+                    outcome.is_thinking,
                 )
             )
             if outcome.finish is not None:
@@ -138,9 +140,9 @@ class PlanRunner:
         return failed
 
 
-def step_results(results: tuple[RowResult, ...]) -> list[tuple[str, int | None, bool]]:
+def step_results(results: tuple[RowResult, ...]) -> list[tuple[str, int | None, bool, bool]]:
     """What the policy's `on_step_done` takes."""
-    return [(r.request_id, r.token, r.finish is not None) for r in results]
+    return [(r.request_id, r.token, r.finish is not None, r.is_thinking) for r in results]
 
 
 @attrs.frozen

@@ -59,6 +59,9 @@ class ScheduledRequest:
     num_samples: int = 0  # tokens sampled, counting queued steps
     num_cached_tokens: int = 0  # prompt tokens its first admission took from the cache
     is_open: bool = False  # the engine has a row for it (kept across preemption)
+    # A constrained row inside the thought before its grammar, as of its collected
+    # tokens (the engine says so): it may have one sample in flight (`_awaits_its_sample`).
+    is_thinking: bool = False
     arrival: int = 0  # order of `add` calls
 
     @property
@@ -165,16 +168,20 @@ class FcfsScheduler:
             return "running"
         return None
 
-    def on_step_done(self, step: int, results: Sequence[tuple[str, int | None, bool]]) -> None:
-        """Step `step` ran: (request id, sampled token or None, finished) for each result."""
+    def on_step_done(
+        self, step: int, results: Sequence[tuple[str, int | None, bool, bool]]
+    ) -> None:
+        """Step `step` ran: (request id, sampled token or None, finished, inside the
+        thought before its grammar) for each result."""
         computed = self.in_flight.pop(step, {})
         finished, failed = [], set()
-        for request_id, token, is_finished in results:
+        for request_id, token, is_finished, is_thinking in results:
             request = self.running.get(request_id)
             if request is None:
                 continue
             if token is not None:
                 request.tokens.append(token)
+                request.is_thinking = is_thinking
             else:
                 failed.add(request_id)  # its K/V may never have been written
             if is_finished:
@@ -257,9 +264,11 @@ class FcfsScheduler:
 
     def _awaits_its_sample(self, request: ScheduledRequest) -> bool:
         """A constrained row's next mask needs its queued token: it skips lookahead's
-        speculative step (runtime/grammar.py)."""
+        speculative step (runtime/grammar.py). Inside the thought before its grammar,
+        only its second: the engine picks the mask past one on the device."""
         num_collected = len(request.tokens) - len(request.params.prompt_tokens)
-        return request.params.grammar is not None and request.num_samples > num_collected
+        may_fly = 1 if request.is_thinking else 0
+        return request.params.grammar is not None and request.num_samples - num_collected > may_fly
 
     def _admit(self) -> list[tuple[str, SequenceParams, int]]:
         opens = []

@@ -153,6 +153,9 @@ class StepOutcome:
     # The request field whose value failed the row (a grammar past llguidance's limits
     # mid-reply): the client's fault, not the server's.
     error_param: str | None = None
+    # A constrained row inside the thought before its grammar (runtime/grammar.py): it
+    # may be fed its queued sample, so the policy may plan it a speculative step.
+    is_thinking: bool = False
 
 
 def check_sequence(

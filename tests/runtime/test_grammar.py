@@ -34,6 +34,7 @@ from runtime.tool_prompts import tool_call_grammar
 
 import attrs
 import jsonschema
+import mlx.core as mx
 import pytest
 
 SCHEMA = {
@@ -641,3 +642,129 @@ def test_a_preempted_row_resumes_its_thought_and_its_grammar(model, lookahead):
     assert {rid: result.tokens for rid, result in got.items()} == alone
     assert CLOSE not in alone["thought"] and alone["answer"][0] == CLOSE
     assert alone["opening"][:2] == (OPEN, CLOSE)
+
+
+def test_a_thinking_row_fed_its_queued_sample_takes_the_mask_its_token_picks(compiler):
+    """Inside the thought the next mask is the thought's (all but EOS), or where the
+    queued token is `</think>`, the one past it: the grammar's first tokens and blanks."""
+    grammar = compiler.compile(YES_NO)
+    vocab = compiler.vocab_size
+    state = grammar.start(thought=ThoughtFirst(OPEN, CLOSE, True))
+    thought = token_masks([state], vocab)[0]
+    past = token_masks([state.past_thought()], vocab)[0]
+    assert thought[WORD].item() and not past[WORD].item() and past[grammar.blank_ids[0]].item()
+    for fed, expected in [(WORD, thought), (CLOSE, past)]:
+        masks = token_masks([None, state], vocab, [mx.array([7]), mx.array([fed])])
+        assert masks[0].all().item() and mx.array_equal(masks[1], expected).item(), fed
+    assert state.is_thinking  # masks read the state, never advance it
+    state.advance(CLOSE)
+    with pytest.raises(ValueError, match="inside its thought"):
+        token_masks([state], vocab, [mx.array([WORD])])
+
+
+def test_the_engine_fails_a_thinking_row_fed_two_queued_samples(compiler, model):
+    """The mask past the second depends on the first: only one may be in flight."""
+    engine = Engine(model, max_batch=1)
+    params = thinking("t", {}, True, compiler.compile(YES_NO))
+    seq = engine.open(params)
+    engine.submit(StepBatch((RowSpan(seq.seq_id, 0, 2, (0,)),)))
+    engine.submit(StepBatch((RowSpan(seq.seq_id, 2, 1, (0,)),)))  # its one queued sample
+    outcomes = engine.collect() + engine.collect()
+    assert [(o.finish, o.is_thinking) for o in outcomes] == [(None, True), (None, True)]
+    for start in (3, 4, 5):  # the last with a second in flight
+        engine.submit(StepBatch((RowSpan(seq.seq_id, start, 1, (0,)),)))
+    outcomes = engine.collect() + engine.collect() + engine.collect()
+    assert [o.finish for o in outcomes] == [FinishCause.ERROR] and "constrained" in outcomes[0].error
+
+
+def thinking_json(rid, bias, is_open, grammar, **kw):
+    """A thinking row under a JSON schema, with logprobs: `bias` writes its thought."""
+    params = thinking(rid, bias, is_open, grammar, max_tokens=24, **kw)
+    return attrs.evolve(params, sampling=attrs.evolve(params.sampling, logprobs=3))
+
+
+@pytest.fixture(scope="module")
+def json_grammar(compiler):
+    return compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMA), "response_format"))
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_a_thinking_row_writes_the_same_reply_with_or_without_lookahead(
+    engine, compiler, json_grammar, model, lookahead
+):
+    """Fed its queued sample inside the thought, a row draws what it draws with the
+    lookahead off, logprobs included, and a token drawn while `</think>` was still
+    queued keeps to the mask past the thought; a grammar that writes `<think>` itself
+    is no thought and skips the lookahead (the engine would fail it otherwise)."""
+    blank, eos = model.tokenizer.encode("\n\n")[-1], min(engine.eos_ids)
+    writes_the_tag = compiler.compile(GrammarSpec("lark", f'start: <[{OPEN}]> "yes"', "guided_grammar"))
+    seeded = SamplingParams(temperature=1.0, seed=5, repetition_penalty=2.0, logprobs=3)
+    # Past `</think>` the penalized WORD and CLOSE still lead: under the thought's mask
+    # the row would draw one of them, under the mask past it `{` or a blank.
+    requests = {
+        **free_rows(24),
+        "opened": thinking_json("opened", {WORD: 100, CLOSE: 90}, True, json_grammar),
+        "blank": thinking_json("blank", {WORD: 100, CLOSE: 90, blank: 70}, True, json_grammar),
+        "opening": thinking_json("opening", {OPEN: 100, WORD: 90, CLOSE: 80}, False, json_grammar),
+        "eos": thinking_json("eos", {eos: 100, WORD: 90, CLOSE: 80}, True, json_grammar, ignore_eos=True),
+        "seeded": attrs.evolve(
+            thinking_json("seeded", {}, True, json_grammar),
+            sampling=attrs.evolve(seeded, logit_bias={WORD: 100, CLOSE: 90}),
+        ),
+        # n choices: each its own row and state
+        **{f"choice{i}": thinking_json(f"choice{i}", {WORD: 100, CLOSE: 90}, True, json_grammar) for i in range(2)},
+        "tag": thinking("tag", {OPEN: 100, WORD: 90}, False, writes_the_tag),
+    }
+    pool = BlockPool(engine.kv.num_blocks, engine.kv.block_size)
+    policy = FcfsScheduler(engine.max_batch, pool, engine.max_context)
+    known = {rid: [] for rid in requests}  # per token: how many before it were collected when it was planned
+
+    def on_step(plan):
+        for span in plan.spans:
+            request = policy.running[span.request_id]
+            if span.samples:
+                known[span.request_id].append(len(request.tokens) - len(request.params.prompt_tokens))
+
+    got = run_offline(engine, policy, requests, lookahead=lookahead, on_step=on_step)
+    off = run(engine, requests, lookahead=0)
+    assert {rid: (r.tokens, r.finish, r.logprobs) for rid, r in got.items()} == {
+        rid: (r.tokens, r.finish, r.logprobs) for rid, r in off.items()
+    }
+    for rid in ("opened", "blank", "opening", "eos", "seeded", "choice0"):
+        tokens = got[rid].tokens
+        thought = [OPEN, WORD, CLOSE] if rid == "opening" else [WORD, CLOSE]
+        assert answer_after(tokens, thought, json_grammar, model).startswith('{"name": "'), rid
+        close = tokens.index(CLOSE)
+        # `</think>` was still in flight when the token after it was planned.
+        assert known[rid][close + 1] == close, rid
+        assert WORD not in dict(got[rid].logprobs[close + 1].top)  # (-inf: masked)
+    assert got["blank"].tokens[2] in json_grammar.blank_ids
+    assert got["choice0"].tokens == got["choice1"].tokens
+    assert model.tokenizer.decode(got["tag"].tokens[1:]) == "yes" and got["tag"].finish is FinishCause.EOS
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_a_thinking_row_is_planned_in_consecutive_steps_until_its_thought_ends(
+    engine, json_grammar, lookahead
+):
+    """Inside the thought a constrained row keeps the lookahead (one sample in flight:
+    at lookahead 2, two steps in three), past it one step in lookahead + 1."""
+    requests = {
+        **free_rows(60),  # they outlast it: every plan is a step after the one before
+        "thought": thinking("thought", {CLOSE: -100}, True, json_grammar, max_tokens=16),
+        "answer": thinking("answer", {CLOSE: 100}, True, json_grammar, max_tokens=16),
+    }
+    plans = []
+    pool = BlockPool(engine.kv.num_blocks, engine.kv.block_size)
+    policy = FcfsScheduler(engine.max_batch, pool, engine.max_context)
+    got = run_offline(engine, policy, requests, lookahead=lookahead, on_step=plans.append)
+
+    def gaps(rid):
+        steps = [i for i, p in enumerate(plans) if any(s.request_id == rid and s.samples for s in p.spans)]
+        assert len(steps) == len(got[rid].tokens)
+        return [b - a for a, b in itertools.pairwise(steps)]
+
+    assert got["thought"].finish is FinishCause.LENGTH and CLOSE not in got["thought"].tokens
+    # Its first token is collected before the engine says it is thinking.
+    assert gaps("thought")[1:] == ([1] * 14 if lookahead == 1 else [1, 2] * 7)
+    assert got["answer"].tokens[0] == CLOSE and set(gaps("answer")[1:]) == {lookahead + 1}

@@ -46,7 +46,7 @@ def done(p, plan, tokens=None, finished=()):
         num_generated = len(request.tokens) - len(request.params.prompt_tokens) + 1
         is_last = num_generated >= (request.params.max_tokens or 10**9)
         token = (tokens or {}).get(s.request_id, 7)
-        results.append((s.request_id, token, s.request_id in finished or is_last))
+        results.append((s.request_id, token, s.request_id in finished or is_last, False))
     p.on_step_done(plan.step, results)
 
 
@@ -202,7 +202,7 @@ def test_a_failed_rows_blocks_are_never_offered_to_the_cache():
     p = policy(block_size=4)
     p.add("a", params(10, max_tokens=4))
     plan = p.schedule()
-    p.on_step_done(plan.step, [("a", None, True)])  # its step failed: K/V may be garbage
+    p.on_step_done(plan.step, [("a", None, True, False)])  # its step failed: K/V may be garbage
     assert p.pool.by_hash == {} and p.pool.num_used_blocks == 0
     p.add("b", params(10))
     assert p.schedule().opens[0][2] == 0
