@@ -19,6 +19,7 @@ import re
 import attrs
 
 _NON_FINITE = ("NaN", "Infinity", "-Infinity")
+_LONGEST = max(map(len, _NON_FINITE))
 # In JSON a value follows one of these, and is followed by one: elsewhere the letters
 # are part of something else (a word in arguments that are no JSON), and kept.
 _BEFORE_VALUE = frozenset(":[, \t\r\n")
@@ -58,7 +59,7 @@ class NonFiniteAsNull:
             after = at + len(value) if value is not None else at
             if self.last not in _BEFORE_VALUE:
                 at = self._pass(out, text, at, at + 1)
-            elif value is None and any(v.startswith(text[at:]) for v in _NON_FINITE):
+            elif value is None and _may_grow_into_one(text, at):
                 self.held = text[at:]  # "Na", "-": what comes next tells
                 break
             elif value is None:
@@ -85,6 +86,13 @@ class NonFiniteAsNull:
             out.append(text[start:end])
             self.last = text[end - 1]
         return end
+
+
+def _may_grow_into_one(text: str, at: int) -> bool:
+    # Only a tail shorter than the longest value can: slicing the rest of a long text
+    # at each '-' would take time quadratic in its length.
+    tail = text[at : at + _LONGEST]
+    return len(tail) < _LONGEST and any(v.startswith(tail) for v in _NON_FINITE)
 
 
 def with_non_finite_as_null(text: str) -> str:

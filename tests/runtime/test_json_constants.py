@@ -1,6 +1,7 @@
 import json
 import math
 import random
+import time
 
 from runtime.json_constants import NonFiniteAsNull, with_non_finite_as_null
 
@@ -60,3 +61,16 @@ def test_non_finite_values_become_null_whatever_the_split():
 def test_what_is_no_non_finite_value_stays(text):
     assert with_non_finite_as_null(text) == text
     assert fed(text, range(1, len(text))) == text
+
+
+def test_long_arguments_take_linear_time_whole_as_in_pieces():
+    # Each '-' or 'N' where a value may begin once copied the rest of the text to see
+    # whether it could still grow into -Infinity or NaN: 1 MB of [-1, -1, ...] took
+    # seconds whole, though fed in pieces it takes a fraction of one.
+    text = "[" + ", ".join(["-1"] * 250_000) + "]"
+    started = time.perf_counter()
+    assert fed(text, range(1000, len(text), 1000)) == text
+    in_pieces = time.perf_counter() - started
+    started = time.perf_counter()
+    assert with_non_finite_as_null(text) == text
+    assert time.perf_counter() - started < 5 * in_pieces + 0.5
