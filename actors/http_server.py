@@ -20,8 +20,11 @@ import structlog
 import trio
 from hypercorn.config import Config, Sockets
 from hypercorn.events import Closed, Event, RawData
+from hypercorn.protocol.events import Body, Data
+from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.ws_stream import WSStream
 from hypercorn.trio import serve
 from hypercorn.trio.tcp_server import TCPServer
 
@@ -157,6 +160,23 @@ class _LenientH11(H11Protocol):
 
 
 hypercorn.protocol.H11Protocol = _LenientH11  # type: ignore[misc]  # the one ProtocolWrapper builds
+
+
+class _RefusedWSStream(WSStream):
+    """Hypercorn's WebSocket stream, whose handshake the app always refuses (no route
+    speaks WebSocket: `_InFlight`). Bytes sent before the answer to the handshake (a
+    frame, a CRLF, in the handshake's packet) are dropped: Hypercorn answered them with
+    a 400 of its own, the app's answer then failed, and where the app had answered
+    first, h11 refused Hypercorn's second answer and the error ended the whole server."""
+
+    async def handle(self, event: StreamEvent) -> None:
+        if isinstance(event, (Body, Data)) and not self.handshake.accepted:
+            return
+        await super().handle(event)
+
+
+hypercorn.protocol.h11.WSStream = _RefusedWSStream  # type: ignore[misc]  # the ones the protocols build
+hypercorn.protocol.h2.WSStream = _RefusedWSStream  # type: ignore[misc]
 
 
 class _TrackedTCPServer(TCPServer):

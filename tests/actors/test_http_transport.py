@@ -220,10 +220,19 @@ async def test_a_body_framed_by_both_chunks_and_a_length_closes_the_connection()
     assert status.startswith("HTTP/1.1 503") and connection == "close" and is_closed
 
 
-@pytest.mark.parametrize("path", ["/health", "/v1/completions", "/nope"])
-async def test_a_websocket_handshake_gets_an_openai_error_and_the_server_keeps_serving(path):
+@pytest.mark.parametrize(
+    ("path", "after"),
+    [("/health", b""), ("/v1/completions", b""), ("/nope", b""), ("/health", b"\r\n")]
+    + [("/health", b"\x81\x80\x00\x00\x00\x00")],
+    ids=["health", "completions", "nope", "crlf-after", "frame-after"],
+)
+async def test_a_websocket_handshake_gets_an_openai_error_and_the_server_keeps_serving(
+    path, after
+):
     """No route speaks WebSocket. A handshake reached the app's error handler outside
-    any request context: a 500 with no body and a traceback in the log, every time."""
+    any request context: a 500 with no body and a traceback in the log, every time.
+    With bytes after its head in the same packet (a frame, a CRLF), Hypercorn answered
+    twice, h11 refused the second, and the error ended the whole server."""
     upgrade = [
         f"GET {path} HTTP/1.1",
         "Host: t",
@@ -236,7 +245,7 @@ async def test_a_websocket_handshake_gets_an_openai_error_and_the_server_keeps_s
 
         def exchange():
             with socket.create_connection(("127.0.0.1", port)) as sock:
-                sock.sendall(("\r\n".join(upgrade) + "\r\n\r\n").encode())
+                sock.sendall(("\r\n".join(upgrade) + "\r\n\r\n").encode() + after)
                 sock.settimeout(5)
                 answer = b""
                 while chunk := sock.recv(65536):  # the server closes after it
