@@ -264,11 +264,13 @@ def _mistral_call_ids(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
     two that end alike one call; here two ids are one only where their hashes agree."""
     ids = [call.get("id") for m in chat for call in m.get("tool_calls") or ()]
     ids += [m.get("tool_call_id") for m in chat if m["role"] == "tool"]
-    taken = {i for i in ids if isinstance(i, str) and _MISTRAL_CALL_ID.fullmatch(i)}
+    kept = {i for i in ids if isinstance(i, str) and _MISTRAL_CALL_ID.fullmatch(i)}
+    taken = set(kept)  # grows with each id shown: copying it per id took quadratic time
     shown: dict[str, str] = {}
     for call_id in ids:
-        if isinstance(call_id, str) and call_id not in taken and call_id not in shown:
-            shown[call_id] = _nine_characters(call_id, taken | set(shown.values()))
+        if isinstance(call_id, str) and call_id not in kept and call_id not in shown:
+            shown[call_id] = _nine_characters(call_id, taken)
+            taken.add(shown[call_id])
     if not shown:
         return chat
     out = []

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from runtime import json_ends
@@ -648,6 +649,22 @@ def test_mistral_call_ids_are_nine_characters_a_call_and_its_result_alike():
     assert [m["tool_call_id"] for m in shown[2:]] == call_ids
     assert chat_for_template(chat, TOOLS, "mistral", knows_tools=True) == shown
     assert chat_for_template(chat, TOOLS, "hermes", knows_tools=True)[1]["tool_calls"][0]["id"] == "call_1"
+
+
+def test_mistral_call_ids_take_time_linear_in_their_number():
+    """Each id shown was drawn against a fresh copy of every id taken so far: 16,000
+    calls (a long agent history, well under the body limit) took seconds."""
+
+    def seconds(num_calls):
+        calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "f"}} for i in range(num_calls)]
+        chat = [HISTORY[0], {"role": "assistant", "tool_calls": calls}]
+        started = time.perf_counter()
+        shown = chat_for_template(chat, TOOLS, "mistral", knows_tools=True)
+        assert len({call["id"] for call in shown[1]["tool_calls"]}) == num_calls
+        return time.perf_counter() - started
+
+    small = min(seconds(2_000) for _ in range(3))
+    assert seconds(16_000) < 20 * small + 1.0  # linear: 8 times; quadratic: 64 (~4 s)
 
 
 def test_hermes_template_is_given_the_tools():
