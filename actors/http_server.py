@@ -134,13 +134,31 @@ class _RefusedH2(H2Protocol):
 hypercorn.protocol.H2Protocol = _RefusedH2  # type: ignore[misc]  # the one ProtocolWrapper builds
 
 
+class _LenientConnection(h11.Connection):
+    """h11's connection, dropping the empty lines its buffer starts with when a new
+    request is due: ones that came with the end of the request before (a CRLF written
+    with a POST's body, or between pipelined requests)."""
+
+    def start_next_cycle(self) -> None:
+        super().start_next_cycle()
+        data = self.trailing_data[0]
+        if num_blank := len(data) - len(data.lstrip(b"\r\n")):
+            self._receive_buffer.maybe_extract_at_most(num_blank)  # h11 has no public way
+
+
 class _LenientH11(H11Protocol):
     """Hypercorn's HTTP/1.1, ignoring empty lines where a request-line is awaited, as
     RFC 9112 (2.2) asks and nginx does: h11 took a CRLF sent on an idle keep-alive
     connection, or after a request (some clients end a POST body with one), for a
-    request with no request-line, and the connection got a 400 and closed. (A CRLF
-    arriving with the end of the body it follows is already in h11's buffer: not seen
-    here.)"""
+    request with no request-line, and the connection got a 400 and closed. Those that
+    arrive alone are dropped here; those that came with what they follow are in h11's
+    buffer, and dropped there (`_LenientConnection`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.connection = _LenientConnection(
+            h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size
+        )
 
     async def handle(self, event: Event) -> None:
         if isinstance(event, RawData) and event.data and self._awaits_request_line():

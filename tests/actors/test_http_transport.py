@@ -13,6 +13,7 @@ import gzip
 import http.client
 import json
 import logging
+import re
 import socket
 import time
 from types import SimpleNamespace
@@ -315,6 +316,33 @@ async def test_empty_lines_before_a_request_line_are_ignored():
 
     async with loading_server() as port:
         await in_thread(exchange, port)
+
+
+async def test_empty_lines_sent_with_the_request_before_are_ignored():
+    """A CRLF written with the end of a body (curl-style POSTs), or between pipelined
+    requests, arrives with what it follows and sat in h11's buffer: the next request
+    got a 400 and the connection closed."""
+    health = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
+
+    def exchange(port):
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            body = b'{"model": "m", "prompt": "hi"}'
+            sock.sendall(post_head("/v1/completions", len(body)) + body + b"\r\n")
+            first = read_response(sock)[0]  # the loading server's answer
+            sock.sendall(health)
+            after_body = read_response(sock)[0]
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(health + b"\r\n" + health + b"\r\n\n\r\n" + health)
+            sock.settimeout(5)
+            answers = b""
+            while answers.count(b"HTTP/1.1 ") < 3 and (chunk := sock.recv(65536)):
+                answers += chunk
+        return first, after_body, re.findall(rb"HTTP/1\.1 (\d+)", answers)
+
+    async with loading_server() as port:
+        first, after_body, statuses = await in_thread(exchange, port)
+    assert first.split()[1] == "503" and after_body.split()[1] == "503"
+    assert statuses == [b"503"] * 3
 
 
 async def test_cors_is_off_unless_origins_are_named():
