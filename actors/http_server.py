@@ -199,7 +199,9 @@ hypercorn.protocol.h2.WSStream = _RefusedWSStream  # type: ignore[misc]
 
 class _TrackedTCPServer(TCPServer):
     """Hypercorn's connection, known to its `_Config` while it is open, so that the
-    end of a drain can close it (`_Config.close_open_connections`)."""
+    end of a drain can close it (`_Config.close_open_connections`). An error its
+    handling lets through ends this connection alone (Hypercorn closed it already):
+    Hypercorn passes it to the listener's nursery, which ended the whole server."""
 
     async def run(self) -> None:
         open_streams = getattr(self.config, "open_streams", None)
@@ -208,6 +210,8 @@ class _TrackedTCPServer(TCPServer):
         open_streams.add(self.stream)
         try:
             await super().run()
+        except Exception:
+            log.exception("connection_failed")
         finally:
             open_streams.discard(self.stream)
 

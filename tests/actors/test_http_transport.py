@@ -266,6 +266,32 @@ async def test_a_websocket_handshake_gets_an_openai_error_and_the_server_keeps_s
     assert health_status == 503  # still loading, and still answering
 
 
+async def test_an_error_in_one_connections_handling_closes_that_connection_only(monkeypatch):
+    """An exception Hypercorn's connection handling lets through (as h11's refusal of
+    its second answer to a WebSocket handshake did) reached the listener's nursery
+    and ended the whole server; it now closes its own connection."""
+    handle = http_server._LenientH11.handle
+
+    async def failing(self, event):
+        if getattr(event, "data", b"").startswith(b"FAIL"):
+            raise RuntimeError("a bug in the protocol's handling")
+        await handle(self, event)
+
+    monkeypatch.setattr(http_server._LenientH11, "handle", failing)
+
+    def exchange(port):
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"FAIL / HTTP/1.1\r\n\r\n")
+            is_closed = is_closed_by_server(sock)
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+            return is_closed, read_response(sock)[0]
+
+    async with loading_server() as port:
+        is_closed, status = await in_thread(exchange, port)
+    assert is_closed and status.split()[1] == "503"
+
+
 async def test_keep_alive_still_serves_several_requests_on_one_connection():
     body = b'{"model": "m", "prompt": "hi"}'
     async with loading_server() as port:
