@@ -96,12 +96,12 @@ def _response_format(value: Any) -> GrammarSpec:
             param="response_format.json_schema",
         )
     _refuse_unknown_keys(spec, _JSON_SCHEMA_KEYS, "response_format.json_schema")
-    name = spec.get("name")
-    if not isinstance(name, str) or _FUNCTION_NAME.fullmatch(name) is None:
-        # OpenAI's rule, and vLLM's too insofar as it requires a name. The name changes
-        # nothing here, but one OpenAI refuses ("" or "My schema") was accepted.
+    if not isinstance(spec.get("name"), str):
+        # Required, as OpenAI's and vLLM's. Any string, as vLLM takes it: the name
+        # changes nothing here, and clients send titles ("My schema") and generic
+        # pydantic names ("Page[Item]") that OpenAI's pattern would refuse.
         raise RequestError(
-            "'response_format.json_schema.name' must be 1 to 64 letters, digits, '_' or '-'",
+            "'response_format.json_schema.name' must be a string",
             param="response_format.json_schema.name",
         )
     if not isinstance(spec.get("strict"), bool | None):

@@ -40,9 +40,7 @@ STRUCTURED_OUTPUT_FIELDS: dict[str, Any] = {
                     "json_schema": {
                         "type": "object",
                         "required": ["name"],
-                        "properties": {
-                            "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
-                        },
+                        "properties": {"name": {"type": "string"}},
                     }
                 },
             },

@@ -271,8 +271,8 @@ EDGES = [
     (
         CHAT,
         "response_format",
-        {"type": "json_schema", "json_schema": {"name": "a-b_" + "c" * 60}},
-        {"type": "json_schema", "json_schema": {"name": "a b"}},
+        {"type": "json_schema", "json_schema": {"name": "My schema: Page[Item]"}},
+        {"type": "json_schema", "json_schema": {"name": ["a"]}},
     ),
     (COMPLETION, "max_tokens", 5.0, 5.5),  # JSON Schema's integers, as vLLM takes them
     (
