@@ -142,8 +142,9 @@ class _LenientConnection(h11.Connection):
     def start_next_cycle(self) -> None:
         super().start_next_cycle()
         data = self.trailing_data[0]
-        if num_blank := len(data) - len(data.lstrip(b"\r\n")):
-            self._receive_buffer.maybe_extract_at_most(num_blank)  # h11 has no public way
+        buffer = getattr(self, "_receive_buffer", None)  # h11 has no public way; 0.14-0.16
+        if (num_blank := len(data) - len(data.lstrip(b"\r\n"))) and buffer is not None:
+            buffer.maybe_extract_at_most(num_blank)  # (a later h11 without it: a 400, as before)
 
 
 class _LenientH11(H11Protocol):
