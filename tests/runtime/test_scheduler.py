@@ -675,3 +675,170 @@ def test_blocks_of_generated_tokens_are_cached_under_the_hashes_a_prompt_of_them
         done(p, p.schedule())
     p.add("b", SequenceParams(tuple(range(1, 5)) + (7,) * 9 + (99,), max_tokens=1))
     assert p.schedule().opens[0][2] == 12  # the prompt's block and two of the reply's
+
+
+def two_groups(windowed_blocks, *, num_blocks=64, max_batch=2, chunk=4, budget=6):
+    """Full layers in group 0, layers sliding over 8 tokens in group 1 (blocks of 4), whose
+    pool holds `windowed_blocks`: a pool smaller than PagedKV sizes (for 512-token chunks)."""
+    base = KVLayout.for_layers(2, (None, 8))
+    sizes = (num_blocks, windowed_blocks)
+    layout = KVLayout(base.group_windows, base.group_layers, base.group_of_layer, sizes)
+    pool = BlockPool(num_blocks, 4, layout=layout)
+    return FcfsScheduler(max_batch, pool, 256, chunk, budget, 0)
+
+
+def test_a_span_carries_group_0s_table_as_its_blocks_and_the_other_groups_beside_it():
+    p = two_groups(windowed_blocks=8)
+    p.add("a", params(20))
+    for _ in range(4):  # chunks of 4: the window's first blocks went back
+        (span,) = p.schedule().spans
+    full, windowed = p.running["a"].tables
+    assert span.blocks == tuple(full) and span.group_tables == (tuple(windowed),)
+    assert full != windowed  # [-1, 1, 2, 3] beside [0, 1, 2, 3]: a swap would show
+
+
+def test_with_no_row_given_a_token_and_nothing_in_flight_the_newest_row_is_preempted():
+    """The last resort: no row can take a windowed block (each prompt chunk leaves one per
+    row free) until the newest gives its row back; c, queued ahead of it and too large
+    for the pool's rest, keeps it from being readmitted at once."""
+    p = two_groups(windowed_blocks=3, num_blocks=6)
+    p.add("a", params(5, priority=1))
+    p.add("b", params(5, first=50, priority=1))
+    plan = p.schedule()
+    assert [o[0] for o in plan.opens] == ["a", "b"]
+    assert spans(plan) == [("a", 0, 4)]  # of the 3 windowed blocks, 2 stay free
+    done(p, plan)
+    p.add("c", params(17, first=100, priority=0))
+    plan = p.schedule()  # neither a nor b can take a block now
+    assert plan.preempted == ("b",) and spans(plan) == [("a", 4, 1)]
+    assert [r.request_id for r in p.waiting] == ["c", "b"]
+
+
+def test_a_plan_carries_its_opens_even_when_no_row_gets_a_token():
+    """The engine must learn of every row the policy opened, spans or not."""
+    p = two_groups(windowed_blocks=2)
+    p.add("a", params(5))
+    p.add("b", params(5, first=50))
+    plan = p.schedule()
+    assert [o[0] for o in plan.opens] == ["a", "b"] and plan.spans == ()
+
+
+def test_a_prompt_chunk_leaves_each_row_a_windowed_block_for_its_next_token():
+    """A 32-token chunk wants more windowed blocks than the pool has: it takes all but one
+    per row, so the decoding row still grows every step; a decoding row keeps none back."""
+    p = two_groups(windowed_blocks=8, chunk=32, budget=40)
+    p.add("d", params(3, max_tokens=60))
+    done(p, p.schedule())
+    p.add("long", params(80, first=100))
+    for decoding, plan in planned_steps(p, check_pool=True):
+        assert decoding <= {s.request_id for s in plan.spans}
+    assert not p.has_work
+
+
+def test_a_result_for_a_row_aborted_while_its_step_ran_is_ignored():
+    p = policy()
+    p.add("a", params(3))
+    p.add("b", params(3, first=50))
+    plan = p.schedule()
+    assert p.abort("a") == "running"
+    p.on_step_done(plan.step, [("a", 9, False), ("b", 8, False)])
+    assert "a" not in p.running and p.running["b"].tokens[-1] == 8
+
+
+@pytest.mark.timeout(10)
+def test_a_lone_row_that_cannot_grow_is_neither_preempted_nor_spun_on():
+    """Only a context past the pool (the engine caps it to the pool) gets here: the row
+    waits, and `schedule` returns rather than preempting it or looping."""
+    p = policy(max_batch=1, num_blocks=2, block_size=4, max_context=100)
+    p.add("a", params(3, max_tokens=None))
+    while (plan := p.schedule()) is not None:
+        done(p, plan)
+    assert p.running["a"].num_computed == 8 and p.num_preemptions == 0 and not plan
+
+
+def test_a_prompt_out_of_blocks_does_not_preempt_while_the_decoding_rows_fit():
+    """Only a decoding row's next token makes room by preemption; a prompt waits."""
+    p = policy(max_batch=2, num_blocks=6, block_size=4, chunk=8, budget=9)
+    p.add("a", params(3, max_tokens=30))
+    p.add("b", params(17, first=50))
+    for _ in range(3):
+        done(p, p.schedule())
+    assert p.pool.num_free_blocks == 0 and p.running["b"].num_computed == 16
+    plan = p.schedule()  # b's last token needs a block; a's next fits its own
+    assert spans(plan) == [("a", 5, 1)] and plan.preempted == ()
+
+
+def test_a_constrained_row_skips_lookahead_until_its_sample_is_in():
+    """Its next mask needs the token it sampled, so it is planned no further."""
+    grammar = object()  # the policy only asks whether there is one
+    p = policy()
+    p.add("g", SequenceParams(prompt_tokens=(1, 2, 3), max_tokens=8, grammar=grammar))
+    p.add("free", params(3, first=50))
+    first = p.schedule()
+    assert spans(first) == [("g", 0, 3), ("free", 0, 3)]
+    assert spans(p.schedule()) == [("free", 3, 1)]  # g's sample is not in: g waits
+    done(p, first)
+    assert spans(p.schedule())[0] == ("g", 3, 1)
+
+
+def test_the_budget_once_spent_gives_the_later_prompts_no_span():
+    p = policy(max_batch=3, chunk=8, budget=10)
+    for name, first in (("a", 1), ("b", 100), ("c", 200)):
+        p.add(name, params(9, first=first))
+    assert spans(p.schedule()) == [("a", 0, 8), ("b", 0, 2)]
+    assert p.running["c"].num_computed == 0
+
+
+def test_every_layer_sliding_a_decoding_row_reserves_only_the_blocks_its_window_needs():
+    """8-token window, blocks of 4: a decoding row holds 2 or 3 blocks, so it reserves 3
+    at most; with 2 held, a 2-block prompt fits a pool of 5 beside it."""
+    p = all_windowed(num_blocks=5)
+    p.add("long", params(5, max_tokens=100))
+    done(p, p.schedule())
+    while p.pool.num_held(p.running["long"].tables) != 2 or p.running["long"].num_samples < 8:
+        done(p, p.schedule())
+    p.add("late", params(5, first=50))
+    assert [o[0] for o in p.schedule().opens] == ["late"]
+
+
+def test_a_decoding_row_takes_the_last_windowed_block():
+    """A windowed pool of exactly the 3 blocks an 8-token window touches: a row alone
+    decodes to its end, taking the one block free each time it crosses into a new one."""
+    p = two_groups(windowed_blocks=3)
+    p.add("a", params(3, max_tokens=30))
+    for _ in planned_steps(p, check_pool=True):
+        pass
+    assert not p.has_work
+
+
+def test_every_layer_sliding_a_row_whose_next_block_frees_one_is_not_short():
+    """A 9-token window in blocks of 4: a row's first block falls out of it just as the
+    next begins, so two rows of 3 blocks fill a pool of 6 and trade, never preempting."""
+    p = all_windowed(num_blocks=6, window=9)
+    p.add("a", params(5, max_tokens=30))
+    p.add("b", params(5, max_tokens=30, first=50))
+    for _ in planned_steps(p, check_pool=True):
+        pass
+    assert not p.has_work and p.num_preemptions == 0
+
+
+def test_a_row_at_its_max_tokens_needs_no_block_for_a_next_token():
+    """a's last token is queued at a block's end and the pool is full: b's lookahead still
+    plans, not held up as if a had to grow."""
+    p = policy(max_batch=2, num_blocks=2, block_size=4)
+    p.add("a", params(3, max_tokens=2))
+    p.add("b", params(1, max_tokens=8, first=50))
+    assert spans(p.schedule()) == [("b", 0, 1), ("a", 0, 3)]
+    assert spans(p.schedule()) == [("a", 3, 1), ("b", 1, 1)]  # a's last sample
+    assert p.pool.num_free_blocks == 0 and spans(p.schedule()) == [("b", 2, 1)]
+
+
+def test_a_decoding_row_finding_no_windowed_block_waits_for_one():
+    """Two rows cross into a new block together with one windowed block free: one takes
+    it and the other waits a few tokens for the first's oldest block to leave the window."""
+    p = two_groups(windowed_blocks=5)
+    p.add("a", params(3, max_tokens=30))
+    p.add("b", params(3, max_tokens=30, first=50))
+    for _ in planned_steps(p, check_pool=True):
+        pass
+    assert not p.has_work

@@ -116,3 +116,16 @@ def test_a_request_is_held_behind_the_best_priority_computing_its_prompt():
     p.add("sibling", params(priority=0))
     p.schedule()
     assert [r.request_id for r in p.waiting] == ["sibling"]
+
+
+def test_the_block_holding_the_last_token_does_not_count_against_holding():
+    """b's 12 tokens look up 2 blocks (the last is computed whatever is cached); a is
+    computing the first: half of them, so b waits for it."""
+    p = siblings_policy()
+    head = tuple(range(1, 5))
+    p.add("a", params(head + tuple(range(100, 105))))
+    first = p.schedule()
+    p.add("b", params(head + tuple(range(200, 208))))
+    assert p.schedule().opens == () and p.num_waiting == 1
+    done(p, first)
+    assert p.schedule().opens[0][::2] == ("b", 4)
