@@ -76,3 +76,15 @@ def test_the_smallest_windows_detect_a_repeated_token():
     assert is_repetition_loop([7] * 10, 4)  # max period 1
     assert not is_repetition_loop([1, 2] * 5, 4)  # period 2 > 4 // 4
     assert not is_repetition_loop([7] * 10, 3)  # no period fits: never a loop
+
+
+def test_a_window_of_varied_new_tokens_is_no_loop():
+    limits = dict(BASE, max_tokens=None)
+    varied = list(range(40))
+    assert finish_step(token=39, num_generated=40, tokens=varied, repetition_window=16, **limits) is None
+
+
+def test_the_detector_compares_a_window_and_a_quarter_of_tokens_or_none():
+    """19 repeats of one token fill window 16 and 3 more: one short of the 4 before it."""
+    assert not is_repetition_loop([7] * 19, 16)
+    assert is_repetition_loop([7] * 20, 16)
