@@ -184,3 +184,24 @@ def test_a_header_is_markup_from_its_opening_marker_through_the_one_opening_its_
     split = [splitter.split(token, piece) for token, piece in pieces]
     assert "".join(text for text, _ in split) == "hmmHi"
     assert "".join(text + markup for text, markup in split) == "".join(piece for _, piece in pieces)
+
+
+def test_a_stop_beginning_right_after_markup_or_a_flush_is_found():
+    matcher = StopMatcher(["aa"])
+    assert matcher.feed("a", markup="<|m|>") == ("a<|m|>", False)
+    assert matcher.feed("aa") == ("", True)
+    flushed = StopMatcher(["aa"])
+    assert flushed.feed("a") == ("", False) and flushed.flush() == "a"
+    assert flushed.feed("ab") == ("ab", False)  # the flushed "a" begins nothing
+    assert flushed.feed("a") == ("", False) and flushed.flush() == "a"
+    assert flushed.feed("aa") == ("", True)
+
+
+def test_a_header_of_several_tokens_is_markup_to_its_end():
+    """gpt-oss's `<|start|>assistant to=functions.f<|channel|>...`: every token of it."""
+    splitter = MarkupSplitter(
+        {1: "<|start|>", 3: "<|message|>"}, frozenset({"<|start|>"}), frozenset({"<|message|>"})
+    )
+    pieces = [(1, "<|start|>"), (9, "assistant"), (9, " to"), (9, "=functions.f"), (3, "<|message|>")]
+    assert [splitter.split(token, piece)[0] for token, piece in pieces] == [""] * 5
+    assert splitter.split(9, "{}") == ("{}", "")
