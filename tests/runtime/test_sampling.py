@@ -12,6 +12,7 @@ from runtime.sampling import (
     Sampled,
     apply_penalties,
     joined,
+    logprob_rows,
     min_p_mask,
     sample,
     top_k_mask,
@@ -445,6 +446,9 @@ def test_a_split_steps_parts_join_with_each_rows_alternatives_whatever_k_each_pa
     assert top_ids.shape == (4, 5)
     assert top_ids[:2].tolist() == np.arange(10).reshape(2, 5).tolist()
     assert top_ids[2, :2].tolist() == [0, 1] and top[2, :2].tolist() == [0.0, -1.0]
+    plain, finite = joined([part([3, 4], None), part([5], None)])  # nobody asked: none
+    assert plain.tokens.tolist() == [3, 4, 5] and plain.logprobs is None
+    assert finite.tolist() == [True] * 3
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["tied", "masked"])
@@ -470,3 +474,37 @@ def test_a_rows_alternatives_among_ties_are_its_own_whatever_its_neighbour_asks(
     assert np.array(alone.logprobs.top_ids)[0].tolist() == want
     assert np.array(beside.logprobs.top_ids)[0, :4].tolist() == want
     np.testing.assert_array_equal(np.array(beside.logprobs.top)[0, :4], np.array(alone.logprobs.top)[0])
+
+
+def test_a_rows_grammar_mask_bounds_what_it_draws_greedy_or_not():
+    allowed = np.zeros((2, 50), dtype=bool)
+    allowed[:, [3, 7]] = True
+    rows = [
+        RowSampler.create(SamplingParams(), [], 50),
+        RowSampler.create(SamplingParams(temperature=5.0, seed=1), [], 50),
+    ]
+    best = 3 if LOGITS[0, 3] > LOGITS[0, 7] else 7
+    for _ in range(8):
+        greedy, drawn = sample(mx.array(LOGITS[:2]), rows, mx.array(allowed)).tokens.tolist()
+        assert greedy == best and drawn in (3, 7)
+
+
+def test_half_precision_logits_are_sampled_in_float32():
+    """A model's bfloat16 logits: the logprobs come back float32, of those logits."""
+    logits = mx.array(LOGITS[:1]).astype(mx.bfloat16)
+    got = sample(logits, [RowSampler.create(SamplingParams(logprobs=2), [], 50)]).logprobs
+    assert got.token.dtype == got.top.dtype == mx.float32
+    exact = log_softmax(np.array(logits.astype(mx.float32))[0])
+    np.testing.assert_allclose(np.array(got.top)[0], np.sort(exact)[::-1][:2], rtol=1e-6)
+
+
+def test_logprobs_asking_for_one_alternative_get_the_most_likely_token():
+    got = sample(mx.array(LOGITS[:1]), [RowSampler.create(SamplingParams(logprobs=1), [], 50)]).logprobs
+    assert np.array(got.top_ids).tolist() == [[int(LOGITS[0].argmax())]]
+    np.testing.assert_allclose(np.array(got.top)[0], [log_softmax(LOGITS[0]).max()], rtol=1e-5)
+
+
+def test_a_steps_logprobs_come_out_per_row_as_id_and_logprob_pairs():
+    logprobs = Logprobs(mx.array([-0.5, -1.0]), mx.array([[4, 2], [1, 3]]), mx.array([[-0.5, -2.0], [-0.25, -1.0]]))
+    assert logprob_rows(logprobs, 2) == [(-0.5, ((4, -0.5), (2, -2.0))), (-1.0, ((1, -0.25), (3, -1.0)))]
+    assert logprob_rows(None, 2) == [(0.0, ())] * 2  # nobody asked
