@@ -741,7 +741,7 @@ def test_a_result_for_a_row_aborted_while_its_step_ran_is_ignored():
     p.add("b", params(3, first=50))
     plan = p.schedule()
     assert p.abort("a") == "running"
-    p.on_step_done(plan.step, [("a", 9, False), ("b", 8, False)])
+    p.on_step_done(plan.step, [("a", 9, False, False), ("b", 8, False, False)])
     assert "a" not in p.running and p.running["b"].tokens[-1] == 8
 
 
