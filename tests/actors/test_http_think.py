@@ -126,22 +126,30 @@ async def test_the_thought_is_reasoning_and_the_answer_content_whole_and_streame
     assert (usage.prompt_tokens, usage.completion_tokens) == (done.usage.prompt_tokens, done.usage.completion_tokens)
 
 
+CALL_ARGUMENTS = '{"city": "Paris", "days": 2}'
+
+
 async def test_a_call_after_the_thought_is_a_call_and_one_inside_it_is_reasoning(qwen3):
-    arguments = '{"city": "Paris", "days": 2}'
     reply = (
         "<think>", "\nMaybe ", "<tool_call>", "?\n", "</think>", "\n\nChecking.\n",
-        "<tool_call>", f'\n{{"name": "get_weather", "arguments": {arguments}}}\n', "</tool_call>",
+        "<tool_call>", f'\n{{"name": "get_weather", "arguments": {CALL_ARGUMENTS}}}\n', "</tool_call>",
     )
-    body = dict(messages=ASK, tools=TOOLS, max_tokens=80, extra_body={"guided_grammar": written(qwen3, *reply)})
-    async with serving(qwen3) as server:
+    await a_call_after_the_thought(qwen3, written(qwen3, *reply), "Maybe <tool_call>?")
+
+
+async def a_call_after_the_thought(thinker, grammar, thought):
+    """The reply `grammar` writes thinks `thought` (a call's marker in it), says
+    "Checking." and calls get_weather with CALL_ARGUMENTS: whole and streamed alike."""
+    body = dict(messages=ASK, tools=TOOLS, max_tokens=80, extra_body={"guided_grammar": grammar})
+    async with serving(thinker) as server:
         done = await in_thread(whole, server, **body)
         choices, _ = await in_thread(streamed, server, **body)
     choice = done.choices[0]
     assert choice.finish_reason == "tool_calls"
-    assert split_of(choice.message) == ("Maybe <tool_call>?", "Maybe <tool_call>?", "Checking.")
+    assert split_of(choice.message) == (thought, thought, "Checking.")
     (call,) = choice.message.tool_calls
-    assert (call.function.name, call.function.arguments) == ("get_weather", arguments)
-    assert choices == [("Maybe <tool_call>?", "Checking.", [["get_weather", arguments]], "tool_calls", "Maybe <tool_call>?")]
+    assert (call.function.name, call.function.arguments) == ("get_weather", CALL_ARGUMENTS)
+    assert choices == [(thought, "Checking.", [["get_weather", CALL_ARGUMENTS]], "tool_calls", thought)]
 
 
 @pytest.mark.parametrize(
@@ -442,22 +450,12 @@ async def test_stop_strings_read_the_magistral_thought_and_answer_not_its_tags(m
 
 
 async def test_a_magistral_call_after_the_thought_is_a_call_and_one_inside_it_is_reasoning(magistral):
-    arguments = '{"city": "Paris", "days": 2}'
     reply = (
         "[THINK]", "Maybe ", "[TOOL_CALLS]", "?", "[/THINK]", "Checking.",
-        "[TOOL_CALLS]", "get_weather", "[ARGS]", arguments,
+        "[TOOL_CALLS]", "get_weather", "[ARGS]", CALL_ARGUMENTS,
     )
     grammar = tool_templates.written(magistral, MISTRAL_MARKERS, *reply)
-    body = dict(messages=ASK, tools=TOOLS, max_tokens=80, extra_body={"guided_grammar": grammar})
-    async with serving(magistral) as server:
-        done = await in_thread(whole, server, **body)
-        choices, _ = await in_thread(streamed, server, **body)
-    choice = done.choices[0]
-    assert choice.finish_reason == "tool_calls"
-    assert split_of(choice.message) == ("Maybe [TOOL_CALLS]?", "Maybe [TOOL_CALLS]?", "Checking.")
-    (call,) = choice.message.tool_calls
-    assert (call.function.name, call.function.arguments) == ("get_weather", arguments)
-    assert choices == [("Maybe [TOOL_CALLS]?", "Checking.", [["get_weather", arguments]], "tool_calls", "Maybe [TOOL_CALLS]?")]
+    await a_call_after_the_thought(magistral, grammar, "Maybe [TOOL_CALLS]?")
 
 
 async def test_a_json_schema_shapes_the_magistral_answer_after_the_thought(magistral):

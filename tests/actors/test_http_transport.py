@@ -833,19 +833,28 @@ async def test_an_answer_sent_once_shutdown_began_says_the_connection_closes():
 
 
 @pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="Linux's TCP_USER_TIMEOUT")
-async def test_a_client_that_stops_reading_is_dropped_and_cannot_hold_the_server_open():
-    """A stream whose client never reads fills the socket buffers and then its write
-    blocks, shielded from cancellation: without a send timeout the connection, its task
-    and the server's shutdown all waited for as long as the client stayed."""
-    stop, stopped, writing = trio.Event(), trio.Event(), trio.Event()
+def endless_stream(writing: trio.Event):
+    """An app whose responses stream forever, like a long generation's; `writing` is set
+    at each write."""
 
-    async def app(scope, receive, send):  # an endless stream, like a long generation's
+    async def app(scope, receive, send):
         if scope["type"] == "lifespan":
             return await answer_lifespan(receive, send)
         await send({"type": "http.response.start", "status": 200, "headers": []})
         while True:
             writing.set()
             await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+
+    return app
+
+
+async def test_a_client_that_stops_reading_is_dropped_and_cannot_hold_the_server_open():
+    """A stream whose client never reads fills the socket buffers and then its write
+    blocks, shielded from cancellation: without a send timeout the connection, its task
+    and the server's shutdown all waited for as long as the client stayed."""
+    stop, stopped, writing = trio.Event(), trio.Event(), trio.Event()
+
+    app = endless_stream(writing)
 
     async def serve(task_status):
         await http_server.serve_http(
@@ -882,13 +891,7 @@ async def test_a_client_that_stops_reading_is_dropped_when_the_drain_ends_not_at
     grace. The end of the grace now drops every connection still open."""
     stop, stopped, writing = trio.Event(), trio.Event(), trio.Event()
 
-    async def app(scope, receive, send):  # an endless stream, like a long generation's
-        if scope["type"] == "lifespan":
-            return await answer_lifespan(receive, send)
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        while True:
-            writing.set()
-            await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+    app = endless_stream(writing)
 
     async def serve(task_status):
         await http_server.serve_http(
