@@ -126,7 +126,11 @@ class ThinkParser:
     state: str = "start"  # start | thought | after (blanks past the thought) | answer
     pending: str = ""  # text not yet reported
     thought_began: bool = False  # some of the thought was reported
-    blank: str = ""  # the thought's trailing blanks, held until more of it follows
+    # Held blanks, as pieces: joined once, not copied at every token (a run of blank
+    # tokens was quadratic). `lead`: a reply's first, which a thought drops and an
+    # answer keeps; `blank`: the thought's trailing ones, until more of it follows.
+    lead: list[str] = attrs.Factory(list)
+    blank: list[str] = attrs.Factory(list)
 
     def feed(self, text: str) -> list[Event]:
         self.pending += text
@@ -144,15 +148,18 @@ class ThinkParser:
         events: list[Event] = []
         opening, closing = self.tags
         while True:
-            head = self.pending.lstrip()
             if self.state == "start" or (self.state == "thought" and not self.thought_began):
+                head = self.pending.lstrip()
+                if self.state == "start" and len(head) < len(self.pending):
+                    self.lead.append(self.pending[: len(self.pending) - len(head)])
+                self.pending = head  # (a thought's first blanks are dropped)
                 if head.startswith(opening):  # (again, at a thought's start: dropped)
-                    self.pending, self.state = head[len(opening) :], "thought"
+                    self.pending, self.state, self.lead = head[len(opening) :], "thought", []
                     continue
                 if opening.startswith(head) and not is_final:
                     return events  # blanks, or what may be the tag's beginning
-                if self.state == "start":  # no thought: the reply is the answer
-                    self.state = "answer"
+                if self.state == "start":  # no thought: the reply is the answer, as written
+                    self.pending, self.state, self.lead = "".join(self.lead) + head, "answer", []
             if self.state == "thought":
                 at = self.pending.find(closing)
                 if at < 0:  # all of it but a tail that may begin the closing tag
@@ -161,9 +168,10 @@ class ThinkParser:
                     self.pending = self.pending[len(self.pending) - keep :]
                     return events
                 events += self._reasoning(self.pending[:at])
-                self.pending, self.state, self.blank = self.pending[at + len(closing) :], "after", ""
+                self.pending, self.state, self.blank = self.pending[at + len(closing) :], "after", []
                 continue
             if self.state == "after":
+                head = self.pending.lstrip()
                 if not head:
                     self.pending = ""
                     return events
@@ -178,10 +186,12 @@ class ThinkParser:
         if not text:
             return []
         self.thought_began = True
-        text = self.blank + text
         kept = text.rstrip()
-        self.blank = text[len(kept) :]
-        return [Reasoning(kept)] if kept else []
+        if not kept:  # blanks alone: held, as a thought's last blanks are dropped
+            self.blank.append(text)
+            return []
+        held, self.blank = "".join(self.blank), [text[len(kept) :]]
+        return [Reasoning(held + kept)]
 
     def _answer(self, text: str) -> list[Event]:
         if not text:

@@ -2,6 +2,7 @@
 content or calls, in any split."""
 
 import json
+import time
 
 from runtime.think_reply import (
     MISTRAL_THINK_TAGS,
@@ -172,3 +173,24 @@ def test_a_mistral_call_after_the_thought_is_parsed_and_one_inside_it_is_reasoni
     assert reasoning == f"Maybe {MISTRAL_CALL}?"
     assert content == "Checking."
     assert calls == [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        lambda blanks: blanks + "Hi",  # before a reply that turns out to be the answer
+        lambda blanks: "<think>" + blanks + "x" + blanks + "y</think>Hi",  # in a thought
+    ],
+    ids=["before-the-answer", "in-a-thought"],
+)
+def test_a_long_run_of_blank_tokens_takes_linear_time(reply):
+    """Held blanks were copied at every token: 160,000 blank tokens took seconds, time
+    growing with the square of their number (a degenerate model writes such runs)."""
+
+    def seconds(num_blanks):
+        text = reply(" " * num_blanks)
+        started = time.perf_counter()
+        assert parsed(text, 1)[:2] in (("", text), ("x" + " " * num_blanks + "y", "Hi"))
+        return time.perf_counter() - started
+
+    assert seconds(160_000) < 40 * seconds(10_000) + 0.5
