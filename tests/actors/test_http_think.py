@@ -24,7 +24,7 @@ import pytest
 from tests.actors import tool_templates
 from tests.actors.test_http import in_thread, request, serving
 from tests.actors.test_http_tools import ASK, TOOLS, whole
-from tests.actors.tool_templates import with_template
+from tests.actors.tool_templates import with_markers
 
 MARKERS = (*THINK_TAGS, *HERMES_TAGS)
 _TURNS = (
@@ -49,17 +49,11 @@ REPLY = ("<think>", "\n" + THOUGHT + "\n", "</think>", "\n\nSunny in Paris.")
 
 
 def with_tags(make_checkpoint, out, template, special):
+    """The think tags and Hermes' call tags as added tokens, the think tags special if
+    `special` (the call tags never are)."""
     size = Tokenizer.from_dir(make_checkpoint("llama")).vocab_size
-    checkpoint = with_template(make_checkpoint("llama", vocab_size=size + 8), out, template)
-    tokenizer_file = checkpoint / "tokenizer.json"
-    raw = json.loads(tokenizer_file.read_text())
-    raw["added_tokens"] += [
-        {"id": size + offset, "content": marker, "single_word": False, "lstrip": False,
-         "rstrip": False, "normalized": False, "special": special and marker in THINK_TAGS}
-        for offset, marker in enumerate(MARKERS)
-    ]
-    tokenizer_file.write_text(json.dumps(raw))
-    return checkpoint
+    plain = HERMES_TAGS if special else MARKERS
+    return with_markers(make_checkpoint("llama", vocab_size=size + 8), out, template, MARKERS, plain=plain)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["plain-tags", "special-tags"])
@@ -406,16 +400,8 @@ def with_mistral_tags(make_checkpoint, out, template):
     """Mistral's markers as control tokens, and `Hmm` as a plain added token (a word a
     thought may hold that no JSON answer can)."""
     size = Tokenizer.from_dir(make_checkpoint("llama")).vocab_size
-    checkpoint = with_template(make_checkpoint("llama", vocab_size=size + 8), out, template)
-    tokenizer_file = checkpoint / "tokenizer.json"
-    raw = json.loads(tokenizer_file.read_text())
-    raw["added_tokens"] += [
-        {"id": size + offset, "content": marker, "single_word": False, "lstrip": False,
-         "rstrip": False, "normalized": False, "special": marker != "Hmm"}
-        for offset, marker in enumerate((*MISTRAL_MARKERS, "Hmm"))
-    ]
-    tokenizer_file.write_text(json.dumps(raw))
-    return checkpoint
+    checkpoint = make_checkpoint("llama", vocab_size=size + 8)
+    return with_markers(checkpoint, out, template, (*MISTRAL_MARKERS, "Hmm"), plain=("Hmm",))
 
 
 @pytest.fixture(scope="module")

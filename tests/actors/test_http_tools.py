@@ -20,7 +20,7 @@ import pytest
 import transformers
 
 from tests.actors.test_http import in_thread, request, serving
-from tests.actors.tool_templates import TEMPLATES, with_template
+from tests.actors.tool_templates import TEMPLATES, with_markers, with_template
 
 WEATHER = {
     "type": "object",
@@ -574,16 +574,8 @@ def with_added_markers(make_checkpoint, tmp_path_factory, style, markers, *, spe
     vocabulary (the model has embedding rows for them), special or not."""
     size = Tokenizer.from_dir(make_checkpoint("llama")).vocab_size
     out = tmp_path_factory.mktemp("tools") / f"{style}-markers"
-    checkpoint = with_template(make_checkpoint("llama", vocab_size=size + 8), out, TEMPLATES[style])
-    tokenizer_file = checkpoint / "tokenizer.json"
-    raw = json.loads(tokenizer_file.read_text())
-    for offset, marker in enumerate(markers):
-        raw["added_tokens"].append({
-            "id": size + offset, "content": marker, "single_word": False, "lstrip": False,
-            "rstrip": False, "normalized": False, "special": special,
-        })
-    tokenizer_file.write_text(json.dumps(raw))
-    return checkpoint
+    checkpoint = make_checkpoint("llama", vocab_size=size + 8)
+    return with_markers(checkpoint, out, TEMPLATES[style], markers, plain=() if special else markers)
 
 
 @pytest.fixture(scope="module")

@@ -127,10 +127,11 @@ def with_template(checkpoint, out_dir, template):
     return out_dir
 
 
-def with_markers(checkpoint, out_dir, template, markers, stops):
+def with_markers(checkpoint, out_dir, template, markers, stops=(), plain=()):
     """A copy of `checkpoint`, whose tokenizer has room for 8 more tokens, shipping
-    `template`, with `markers` as its special tokens and `stops` among its EOS tokens
-    (a model family's own markup, as its tokenizer and generation config hold it)."""
+    `template`, with `markers` as its added tokens, special but for those in `plain`,
+    and `stops` among its EOS tokens (a model family's own markup, as its tokenizer and
+    generation config hold it)."""
     from runtime.tokenizer import Tokenizer
 
     with_template(checkpoint, out_dir, template)
@@ -140,7 +141,7 @@ def with_markers(checkpoint, out_dir, template, markers, stops):
     ids = {marker: size + offset for offset, marker in enumerate(markers)}
     raw["added_tokens"] += [
         {"id": token_id, "content": marker, "single_word": False, "lstrip": False,
-         "rstrip": False, "normalized": False, "special": True}
+         "rstrip": False, "normalized": False, "special": marker not in plain}
         for marker, token_id in ids.items()
     ]
     tokenizer_file.write_text(json.dumps(raw))
