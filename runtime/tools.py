@@ -19,6 +19,8 @@ The formats, as the families' chat templates teach them:
                parser also tells reasoning from the answer (runtime/harmony.py).
   gemma4       Gemma 4: `<|tool_call>call:NAME{key:value,...}<tool_call|>` in its own notation,
                reasoning in a `<|channel>` block (runtime/gemma4_reply.py).
+  qwen3_coder  Qwen3-Coder, Qwen3.5: `<tool_call>` blocks of `<function=NAME>` and
+               `<parameter=KEY>` text, typed by the tool's schema (runtime/qwen3_coder_reply.py).
 
 Feeding the text in any split yields the same calls with the same argument text, so
 streamed deltas reassemble to the whole response: parsing state is the text, never
@@ -34,7 +36,7 @@ import ast
 import json
 import math
 import re
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from runtime.json_constants import NonFiniteAsNull, with_non_finite_as_null
 from runtime.json_ends import ValueEnd
@@ -42,11 +44,14 @@ from runtime.json_ends import ValueEnd
 import attrs
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
     from runtime.gemma4_reply import Gemma4Parser
     from runtime.harmony import HarmonyParser
+    from runtime.qwen3_coder_reply import XmlCallParser
     from runtime.think_reply import ThinkParser
 
-TOOL_STYLES = ("hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4")
+TOOL_STYLES = ("hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder")
 # Styles whose chat replies are parsed whether tools were offered or not: they hold
 # reasoning apart from the answer, in markup the request keeps (actors/admission.py).
 REASONING_STYLES = ("harmony", "gemma4")
@@ -479,21 +484,27 @@ def _content(text: str) -> list[Event]:
     return [Content(text)] if text else []
 
 
-ToolParser: TypeAlias = "_Delimited | _WholeReply | _MistralCalls | HarmonyParser | Gemma4Parser | ThinkParser"
+ToolParser: TypeAlias = (
+    "_Delimited | _WholeReply | _MistralCalls | HarmonyParser | Gemma4Parser | ThinkParser | XmlCallParser"
+)
 
 
 def parser_for(
-    style: str, parses_calls: bool = True, think_tags: tuple[str, str] | None = None
+    style: str,
+    parses_calls: bool = True,
+    think_tags: tuple[str, str] | None = None,
+    tools: Sequence[Mapping[str, Any]] = (),
 ) -> ToolParser:
     """A fresh parser for one response in `style` (one of TOOL_STYLES). Harmony's and
     Gemma 4's also split reasoning from content, so they run for requests without tools
     too: there (`parses_calls` False) a call is content. `think_tags`: the reply may
     think between these tags first (`<think>`, Mistral's `[THINK]`; runtime/think_reply.py),
-    and only its answer holds calls."""
+    and only its answer holds calls. `tools`, the request's: Qwen3-Coder's parameters are
+    text, which their schemas type."""
     if think_tags is not None:
         from runtime.think_reply import ThinkParser  # it builds on this module's events
 
-        return ThinkParser(parser_for(style) if parses_calls else None, think_tags)
+        return ThinkParser(parser_for(style, tools=tools) if parses_calls else None, think_tags)
     if style == "hermes":
         return _Delimited(CALL_TAG, CALL_END_TAG, streams_arguments=True)
     if style == "gemma":
@@ -510,4 +521,9 @@ def parser_for(
         from runtime.gemma4_reply import Gemma4Parser  # it builds on this module's events
 
         return Gemma4Parser(parses_calls)
+    if style == "qwen3_coder":
+        # It builds on this module's events.
+        from runtime.qwen3_coder_reply import XmlCallParser, parameter_types
+
+        return XmlCallParser(parameter_types(tools))
     raise ValueError(f"unknown tool-call style {style!r} (known: {', '.join(TOOL_STYLES)})")

@@ -45,9 +45,9 @@ def with_template(template):
     return Tokenizer(backend, chat_template=template)
 
 
-def parse(style, text, cuts=()):
+def parse(style, text, cuts=(), tools=()):
     """(content, [(name, arguments)]) from `text` fed in pieces split at `cuts`."""
-    parser, events, last = parser_for(style), [], 0
+    parser, events, last = parser_for(style, tools=tools), [], 0
     for cut in [*sorted(cuts), len(text)]:
         events += parser.feed(text[last:cut])
         last = cut
@@ -1117,3 +1117,197 @@ def test_a_template_that_reads_no_tools_variable_gets_them_in_the_first_user_tur
     chat = chat_for_template(HISTORY[:1], TOOLS, "hermes", template_knows_tools(template))
     rendered = with_template(template).apply_chat_template(chat, template_kwargs=None)
     assert json.dumps(TOOLS[0]["function"]) in rendered
+
+
+# Qwen3-Coder's and Qwen3.5's XML calls.
+TYPED = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "days": {"type": "integer"},
+        "scale": {"type": "number"},
+        "metric": {"type": "boolean"},
+        "hours": {"type": "array", "items": {"type": "integer"}},
+        "where": {"type": "object"},
+        "note": {"type": ["string", "null"]},
+        "zone": {"enum": ["UTC", "CET"]},
+        "step": {"enum": [1, 2]},
+        "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+        "code": {"type": ["integer", "string"]},
+        "free": {},
+    },
+}
+XML_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": TYPED}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {}}},
+]
+
+
+def xml(name, *pairs):
+    """A call as the templates write it."""
+    parameters = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in pairs)
+    return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
+
+
+XML_CASES = [
+    (
+        "Let me check.\n" + xml("get_weather", ("city", "Paris"), ("days", "3")) + "\n" + xml("get_time"),
+        ("Let me check.\n\n", [("get_weather", '{"city": "Paris", "days": 3}'), ("get_time", "{}")]),
+    ),
+    (  # two functions in one block, blanks anywhere between the markers
+        "<tool_call><function=get_time>  </function>\n\n<function=get_weather><parameter=city>Rome</parameter>"
+        "</function></tool_call> Done.",
+        (" Done.", [("get_time", "{}"), ("get_weather", '{"city": "Rome"}')]),
+    ),
+    (  # only the newline after the tag and the one before its end are markup
+        xml("get_weather", ("city", "\n  Paris, France\n\nnext line  \n")),
+        ("", [("get_weather", json.dumps({"city": "\n  Paris, France\n\nnext line  \n"}))]),
+    ),
+    (  # nested markers in a value are its text; a parameter given twice keeps its first value
+        xml("get_weather", ("city", "<tool_call><function=x><parameter=y>"), ("city", "Rome")),
+        ("", [("get_weather", json.dumps({"city": "<tool_call><function=x><parameter=y>"}))]),
+    ),
+    (  # a parameter with no name is dropped, stray text between parameters too
+        "<tool_call>\n<function=get_weather>\n<parameter=>\nx\n</parameter>\nhmm <b>\n<parameter=days>\n2\n"
+        "</parameter>\n</function>\n</tool_call>",
+        ("", [("get_weather", '{"days": 2}')]),
+    ),
+    (  # a block that holds no call is text, as written
+        'A <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call> B',
+        ('A <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call> B', []),
+    ),
+    (  # a name that cannot be one: text
+        "<tool_call>\n<function=get time>\n</function>\n</tool_call>",
+        ("<tool_call>\n<function=get time>\n</function>\n</tool_call>", []),
+    ),
+    ("It ends in <tool_ca", ("It ends in <tool_ca", [])),  # held as a marker, then text
+    ("x <function=f>\n</function>", ("x <function=f>\n</function>", [])),  # outside a block: text
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), XML_CASES)
+def test_qwen3_coder_calls_are_the_same_whatever_the_split(text, expected):
+    assert parse("qwen3_coder", text, tools=XML_TOOLS) == expected
+    for cut in range(1, len(text)):
+        assert parse("qwen3_coder", text, [cut], tools=XML_TOOLS) == expected, cut
+    assert parse("qwen3_coder", text, range(1, len(text)), tools=XML_TOOLS) == expected
+    rng = random.Random(0)
+    for _ in range(100):
+        cuts = rng.sample(range(1, len(text)), k=rng.randint(1, min(12, len(text) - 1)))
+        assert parse("qwen3_coder", text, cuts, tools=XML_TOOLS) == expected, cuts
+
+
+@pytest.mark.parametrize(
+    ("key", "text", "value"),
+    [
+        ("city", "42", "42"),  # a string stays the text
+        ("city", "null", "null"),
+        ("days", "3", 3),
+        ("days", "three", "three"),  # not what its type reads as: the text
+        ("days", "1" * 5000, "1" * 5000),  # too long for Python's int: the text
+        ("scale", "2.5", 2.5),
+        ("scale", "1e999", "1e999"),  # no finite number: the text
+        ("metric", "true", True),
+        ("metric", "False", False),  # Python's, as the Qwen3-Coder template writes it
+        ("hours", "[9, 12]", [9, 12]),
+        ("where", '{"lat": 1}', {"lat": 1}),
+        ("where", "{'lat': None}", {"lat": None}),  # a Python literal
+        ("where", "{1, 2}", "{1, 2}"),  # a set is no JSON: the text
+        ("where", "[" * 5000, "[" * 5000),  # too deep to read: the text
+        ("note", "None", None),
+        ("note", "null", None),
+        ("note", "nothing", "nothing"),
+        ("zone", "UTC", "UTC"),
+        ("step", "2", 2),  # an enum of integers
+        ("limit", "7", 7),
+        ("limit", "null", None),
+        ("code", "12", 12),
+        ("code", "A12", "A12"),
+        ("free", "12", "12"),  # a schema that says nothing: text, as vLLM's
+        ("unknown", "12", "12"),  # no schema: text
+    ],
+)
+def test_qwen3_coder_values_take_their_type_from_the_schema(key, text, value):
+    _, [(_, arguments)] = parse("qwen3_coder", xml("get_weather", (key, text)), tools=XML_TOOLS)
+    assert json.loads(arguments, parse_constant=pytest.fail) == {key: value}
+
+
+def test_qwen3_coder_streams_the_name_then_each_parameter_as_it_closes():
+    parser = parser_for("qwen3_coder", tools=XML_TOOLS)
+    assert parser.feed("Sure.\n<tool_call>\n<function=get_wea") == [Content("Sure.\n")]
+    assert parser.feed("ther>\n<parameter=city>\nPar") == [CallStart(0, "get_weather")]
+    assert parser.feed("is\n</parameter>\n<parameter=days>\n3\n</param") == [CallArguments(0, '{"city": "Paris"')]
+    assert parser.feed("eter>\n</function>") == [CallArguments(0, ', "days": 3'), CallArguments(0, "}")]
+    assert parser.feed("\n</tool_call>") == []
+    assert parser.finish() == []
+
+
+@pytest.mark.parametrize(
+    ("text", "call_text"),
+    [
+        ("A <tool_call>\n<function=f>\n<parameter=a>\nxy", "<function=f>\n<parameter=a>\nxy"),
+        ("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n", "<function=f>\n<parameter=a>\n1\n</parameter>\n"),
+        ("<tool_call>\n<function=f>\n<parameter=a", "<function=f>\n<parameter=a"),
+        ("<tool_call>\n<function=f>\n</funct", "<function=f>\n</funct"),
+    ],
+)
+def test_a_qwen3_coder_call_the_reply_ends_inside_of_is_cut_short_with_its_text(text, call_text):
+    for cut in range(1, len(text)):
+        parser = parser_for("qwen3_coder")
+        events = parser.feed(text[:cut]) + parser.feed(text[cut:]) + parser.finish()
+        assert events[-1] == CallCutShort(0, call_text), cut
+        assert [e for e in events if isinstance(e, CallStart)] == [CallStart(0, "f")]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("A <tool_call>\n<function=get_wea", ("A <function=get_wea", [])),  # no name yet: text
+        ("<tool_call>\n<function=f>\n</function>", ("", [("f", "{}")])),  # whole, though unclosed
+        ("A <tool_call>\n<func", ("A ", [])),  # a marker begun: markup
+    ],
+)
+def test_a_qwen3_coder_reply_ending_before_or_after_a_calls_parameters(text, expected):
+    for cut in range(1, len(text)):
+        assert parse("qwen3_coder", text, [cut]) == expected, cut
+
+
+def test_an_unclosed_qwen3_coder_name_is_text_once_it_cannot_be_one():
+    """A `<function=` with no `>` in sight is not held to the end of the reply."""
+    parser = parser_for("qwen3_coder")
+    assert parser.feed("<tool_call><function=f") == []
+    assert "".join(e.text for e in parser.feed("\nmore")) == "<tool_call><function=f\nmore"
+    parser = parser_for("qwen3_coder")
+    events = parser.feed("<tool_call><function=" + "x" * 300)
+    assert "".join(e.text for e in events) == "<tool_call><function=" + "x" * 300
+
+
+def test_a_long_qwen3_coder_value_fed_a_character_a_delta_takes_linear_time():
+    """Each delta's text is searched once for the value's end: searching the whole value
+    again at every token made a long one O(n^2)."""
+
+    def seconds(size):
+        text = xml("get_weather", ("city", "x<" * size))
+        parser, events = parser_for("qwen3_coder", tools=XML_TOOLS), []
+        started = time.perf_counter()
+        for at in range(0, len(text), 4):
+            events += parser.feed(text[at : at + 4])
+        took = time.perf_counter() - started
+        arguments = "".join(e.fragment for e in events + parser.finish() if isinstance(e, CallArguments))
+        assert json.loads(arguments) == {"city": "x<" * size}
+        return took
+
+    small = seconds(20_000)
+    assert seconds(160_000) < 20 * small + 1.0  # linear: 8 times; quadratic: 64
+
+
+def test_qwen3_coder_calls_in_a_thought_are_reasoning():
+    from runtime.think_reply import THINK_TAGS
+    from runtime.tools import Reasoning
+
+    parser = parser_for("qwen3_coder", think_tags=THINK_TAGS, tools=XML_TOOLS)
+    thought = "\n" + xml("get_time") + "\n"
+    events = parser.feed(f"<think>{thought}</think>\n\n" + xml("get_weather", ("days", "2"))) + parser.finish()
+    assert "".join(e.text for e in events if isinstance(e, Reasoning)) == thought.strip()
+    calls = [e for e in events if isinstance(e, CallStart | CallArguments)]
+    assert calls == [CallStart(0, "get_weather"), CallArguments(0, '{"days": 2'), CallArguments(0, "}")]
