@@ -270,13 +270,15 @@ class Admission:
         return answer
 
     def control_tokens(self) -> dict[str, int]:
-        """The call markers (Mistral's, harmony's header markers, Hermes's tags) that this
-        tokenizer holds as tokens of their own, by spelling: a forced call's grammar
-        writes them so (llguidance matches no added token against literal text)."""
+        """The call markers (Mistral's, harmony's header markers, the `<tool_call>` tags of
+        Hermes and Qwen3-Coder) that this tokenizer holds as tokens of their own, by
+        spelling: a forced call's grammar writes them so (llguidance matches no added
+        token against literal text)."""
         markers = {
             "harmony": HARMONY_HEADER,
             "gemma4": (CALL_OPEN, CALL_CLOSE, QUOTE),
             "hermes": HERMES_TAGS,
+            "qwen3_coder": HERMES_TAGS,
         }.get(self.tool_style, (TOOL_CALLS, ARGS))
         spelled = {marker: self.tokenizer.added_token_id(marker) for marker in markers}
         return {marker: token_id for marker, token_id in spelled.items() if token_id is not None}

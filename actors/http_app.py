@@ -274,7 +274,12 @@ async def _complete(state: ServerState, api: ApiRequest) -> Response:
         # A harmony, Gemma 4 or thinking (<think>, [THINK]) reply is parsed for its
         # reasoning whether tools were offered or not.
         tools = ToolCallDeltas(
-            llm.tool_style, api.parallel_tool_calls, api.is_stream, api.parses_tools, think_tags
+            llm.tool_style,
+            api.parallel_tool_calls,
+            api.is_stream,
+            api.parses_tools,
+            think_tags,
+            api.request.tools,
         )
     if api.is_stream:
         response = Response(

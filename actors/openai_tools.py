@@ -294,6 +294,7 @@ class ToolCallStream:
     parses_calls: bool = True  # False: harmony's reasoning split alone (no tools offered)
     # The (opening, closing) tags the reply may think between first (runtime/think_reply.py)
     think_tags: tuple[str, str] | None = None
+    tools: tuple[dict[str, Any], ...] = ()  # the request's: they type Qwen3-Coder's arguments
     parser: Any = None
     reasoning: str = ""  # harmony's: reasoning text since `take_reasoning` last ran
     ids: list[str] = attrs.Factory(list)
@@ -303,7 +304,7 @@ class ToolCallStream:
     is_cut_short: bool = False  # a streamed call the reply ended inside of
 
     def __attrs_post_init__(self) -> None:
-        self.parser = parser_for(self.style, self.parses_calls, self.think_tags)
+        self.parser = parser_for(self.style, self.parses_calls, self.think_tags, self.tools)
 
     def take_reasoning(self) -> str:
         text, self.reasoning = self.reasoning, ""
@@ -415,13 +416,19 @@ class ToolCallDeltas:
     parses_calls: bool = True  # False: harmony's reasoning split alone (no tools offered)
     # The (opening, closing) tags the reply may think between first (runtime/think_reply.py)
     think_tags: tuple[str, str] | None = None
+    tools: tuple[dict[str, Any], ...] = ()  # the request's: they type Qwen3-Coder's arguments
     streams: dict[int, ToolCallStream] = attrs.Factory(dict)  # by choice index
 
     def convert(self, index: int, delta: Delta) -> Delta:
         stream = self.streams.setdefault(
             index,
             ToolCallStream(
-                self.style, self.is_parallel, self.is_streamed, self.parses_calls, self.think_tags
+                self.style,
+                self.is_parallel,
+                self.is_streamed,
+                self.parses_calls,
+                self.think_tags,
+                self.tools,
             ),
         )
         content, calls = stream.feed(delta.text)

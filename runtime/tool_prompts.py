@@ -2,7 +2,8 @@
 grammar that forces a call (`tool_choice` required or named).
 
 The format follows the chat template, the thing that taught the model: a template that
-writes `[TOOL_CALLS]` is Mistral's, one that writes `<tool_call>` is Hermes/Qwen's, one
+writes `[TOOL_CALLS]` is Mistral's, one that writes `<function=` and `<parameter=` is
+Qwen3-Coder's and Qwen3.5's XML, one that writes `<tool_call>` otherwise is Hermes/Qwen's, one
 with `<|python_tag|>` or an `ipython` role is Llama 3's JSON form, and Gemma (whose template has no tools at all) gets the
 ```tool_code form from Google's function-calling guide. Anything else: Hermes, the
 most common. Templates that take `tools` get them as transformers passes them; for one
@@ -23,6 +24,15 @@ from runtime.chat_template import reads_variable
 from runtime.gemma4_reply import CALL_CLOSE, CALL_OPEN, QUOTE, gemma4_arguments, gemma4_key
 from runtime.grammar import JSON_OPTIONS, GrammarSpec, answer_json_schema
 from runtime.harmony import CALL, CHANNEL, CONSTRAIN, MESSAGE
+from runtime.qwen3_coder_reply import (
+    FUNCTION,
+    FUNCTION_END,
+    PARAMETER,
+    PARAMETER_END,
+    is_text,
+    value_types,
+    xml_call,
+)
 from runtime.tools import ARGS, CALL_END_TAG, CALL_TAG, TOOL_CALLS, TOOL_STYLES
 
 # Arguments stay JSON objects in forced calls, whatever a tool's own schema omits.
@@ -39,6 +49,9 @@ def tool_style_for(template_source: str, model_type: str) -> str:
         return "gemma4"
     if CHANNEL in template_source and MESSAGE in template_source:
         return "harmony"
+    # Inside `<tool_call>` too, so before Hermes: its JSON templates write neither.
+    if FUNCTION in template_source and PARAMETER in template_source:
+        return "qwen3_coder"
     if "<tool_call>" in template_source:
         return "hermes"
     if "<|python_tag|>" in template_source or "ipython" in template_source:
@@ -96,6 +109,8 @@ def tool_call_grammar(
         return marked_calls(marker(TOOL_CALLS), lambda name: f"{json.dumps(name)} {marker(ARGS)}")
     if style == "gemma4":  # <|tool_call>call:NAME{...}<tool_call|>, in Gemma's notation
         return _with_answer(_gemma4_calls(functions, marker), answer)
+    if style == "qwen3_coder":  # <tool_call>\n<function=NAME>\n<parameter=KEY>\nvalue\n</parameter>\n...
+        return _with_answer(_xml_calls(functions, marker), answer)
     key = "parameters" if style == "llama3_json" else "arguments"
     calls = [
         {
@@ -172,6 +187,59 @@ def _gemma4_calls(functions: Sequence[Mapping[str, Any]], marker: Callable[[str]
                     rules.append(f"{here}: ({this})?")
     rules += [_GEMMA4_VALUES, f"mark: {marker(QUOTE)}"]
     return "\n".join(rules)
+
+
+# A parameter's text and its end: lazy, so it ends at the first "\n</parameter>\n", and
+# holding no "</parameter>", where the parser would end it.
+_XML_TEXT = 'text[lazy]: (/(?s:.*)/ & ~/(?s:.*)<\\/parameter>(?s:.*)/) /\\n<\\/parameter>\\n/'
+_XML_KEY = "KEY: /[A-Za-z_][A-Za-z0-9_.-]*/"
+_XML_END = json.dumps(f"\n{PARAMETER_END}\n")
+
+
+def _xml_calls(functions: Sequence[Mapping[str, Any]], marker: Callable[[str], str]) -> str:
+    """One call in Qwen3-Coder's XML of one of `functions`. Where a tool's parameters
+    list their properties, its parameters are those in that order, the required ones
+    always, the others maybe; a string's value is text (one of its enum, if it has
+    one), any other its JSON; otherwise any parameters, their values text."""
+    rules = [
+        f'tool_call: {marker(CALL_TAG)} "\\n{FUNCTION}" call "{FUNCTION_END}\\n" {marker(CALL_END_TAG)}',
+        "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
+        f'any_parameter: "{PARAMETER}" KEY ">\\n" text',
+    ]
+    for i, function in enumerate(functions):
+        parameters = _parameters(function)
+        properties = parameters.get("properties")
+        head = json.dumps(function["name"] + ">\n")
+        if properties == {} and parameters.get("additionalProperties") is False:
+            rules.append(f"call_{i}: {head}")  # takes none
+            continue
+        if not isinstance(properties, dict) or not properties:
+            rules.append(f"call_{i}: {head} any_parameter*")
+            continue
+        required = set(parameters.get("required") or ())
+        # A property's "#/$defs/..." refs point into the parameters' schema.
+        shared: dict[str, Any] = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
+        body = []
+        for k, (name, schema) in enumerate(properties.items()):
+            opening = json.dumps(f"{PARAMETER}{name}>\n")
+            rules.append(f"parameter_{i}_{k}: {opening} {_xml_value(schema, shared)}")
+            body.append(f"parameter_{i}_{k}" + ("" if name in required else "?"))
+        rules.append(f"call_{i}: {head} {' '.join(body)}")
+    return "\n".join([*rules, _XML_TEXT, _XML_KEY])
+
+
+def _xml_value(schema: Any, shared: dict[str, Any]) -> str:
+    """The Lark expression for a parameter's value and its end, in Qwen3-Coder's XML:
+    text for a string (or what its schema leaves open), JSON for any other type."""
+    if not isinstance(schema, dict):
+        return "text"
+    if not is_text(value_types(schema)):
+        json_schema = {**schema, **shared, "x-guidance": JSON_OPTIONS}
+        return f"%json {json.dumps(json_schema)} {_XML_END}"
+    consts = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
+    if consts and all(isinstance(c, str) for c in consts):
+        return "(" + " | ".join(json.dumps(c) for c in consts) + f") {_XML_END}"
+    return "text"
 
 
 def _gemma4_value(schema: Any) -> str:
@@ -383,6 +451,8 @@ def _call_text(function: Mapping[str, Any], style: str) -> str:
         return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
     if style == "gemma4":
         return f"{CALL_OPEN}call:{function['name']}{gemma4_arguments(arguments)}{CALL_CLOSE}"
+    if style == "qwen3_coder":
+        return xml_call(function["name"], arguments)
     return json.dumps({"name": function["name"], "parameters": arguments})
 
 
@@ -394,6 +464,8 @@ def _tools_preamble(tools: Sequence[Mapping[str, Any]], style: str) -> str:
             "```tool_code\nfunction_name(param_name=param_value, ...)\n```\n"
             "You SHOULD NOT include any other text in the response if you call a function."
         )
+    elif style == "qwen3_coder":
+        how = "To call a function, reply with\n" + xml_call("<function-name>", {"<parameter-name>": "<value>"})
     elif style == "hermes":
         how = (
             "To call a function, reply with\n"

@@ -14,6 +14,7 @@ shapes the thought too), or a bias keeps the tags out of it, or biases write the
 """
 
 import json
+import pathlib
 
 from runtime.think_reply import THINK_TAGS
 from runtime.tokenizer import Tokenizer
@@ -479,3 +480,35 @@ async def test_with_the_split_off_or_a_template_that_never_thinks_a_magistral_re
         never = await in_thread(whole, server, **body)
     text = THOUGHT + "Sunny in Paris."
     assert split_of(split_off.choices[0].message) == split_of(never.choices[0].message) == (None, None, text)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(make_checkpoint, tmp_path_factory):
+    """Qwen3.5's published template: its generation prompt opens the thought, and its
+    calls are XML."""
+    template = (pathlib.Path(__file__).parent / "templates" / "Qwen-Qwen3.5-4B.jinja").read_text()
+    return with_tags(make_checkpoint, tmp_path_factory.mktemp("think") / "qwen3.5", template, special=False)
+
+
+async def test_a_forced_qwen3_5_call_follows_the_thought_in_its_xml(qwen3_5):
+    """The prompt opened the thought: the reply thinks (a letter, which biases write: its
+    template's tool prompt holds the call tags, which the repetition penalty takes down)
+    and then calls, in Qwen3.5's XML; the thought is reasoning, the call the call."""
+    tokenizer = Tokenizer.from_dir(qwen3_5)
+    (word,) = tokenizer.encode("H", add_special_tokens=False)
+    closing = tokenizer.added_token_id("</think>")
+    body = dict(
+        messages=ASK, tools=TOOLS, max_tokens=80, seed=7,
+        logit_bias={str(word): 100, str(closing): 75}, extra_body={"repetition_penalty": 3.0},
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    async with serving(qwen3_5) as server:
+        assert server.llm.thinks and server.llm.tool_style == "qwen3_coder"
+        done = await in_thread(whole, server, **body)
+        choices, _ = await in_thread(streamed, server, **body)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert split_of(choice.message) == ("H", "H", None)
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["days"], int)
+    assert choices == [("H", "", [["get_weather", call.function.arguments]], "tool_calls", "H")]

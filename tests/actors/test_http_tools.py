@@ -13,12 +13,14 @@ import re
 import urllib.parse
 
 from runtime.tokenizer import Tokenizer
+from runtime.tools import HERMES_TAGS
 
 import jsonschema
 import openai
 import pytest
 import transformers
 
+from tests.actors import tool_templates
 from tests.actors.test_http import in_thread, request, serving
 from tests.actors.tool_templates import TEMPLATES, with_markers, with_template
 
@@ -101,6 +103,8 @@ CALL_TEXT = {
     "llama3_json": '{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}',
     "gemma": 'Checking.\n```tool_code\nget_weather(city="Rome", days=2)\n```',
     "mistral": 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "days": 2}',
+    "qwen3_coder": "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n"
+    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
 }
 
 
@@ -204,12 +208,14 @@ LONG_CALL = {
     "llama3_json": '{"name": "get_weather", "parameters": {"note": "%s"}}',
     "gemma": 'Checking.\n```tool_code\n{"name": "get_weather", "arguments": {"note": "%s"}}\n```',
     "mistral": 'Checking.[TOOL_CALLS]get_weather[ARGS]{"note": "%s"}',
+    "qwen3_coder": "Checking. <tool_call>\n<function=get_weather>\n<parameter=note>\n%s\n</parameter>\n</function>\n</tool_call>",
 }
 CUT_CONTENT = {  # the markup is left out, as of a call cut before its name is whole
     "hermes": 'Checking. {"name": "get_weather", "arguments": {"note": "Rome is',
     "llama3_json": '{"name": "get_weather", "parameters": {"note": "Rome is',
     "gemma": 'Checking.\n{"name": "get_weather", "arguments": {"note": "Rome is',
     "mistral": 'Checking.[TOOL_CALLS]get_weather[ARGS]{"note": "Rome is',
+    "qwen3_coder": "Checking. <function=get_weather>\n<parameter=note>\nRome is",
 }
 
 
@@ -228,6 +234,9 @@ async def test_a_call_max_tokens_ends_in_is_text_in_the_whole_response(styled):
         assert (content, calls) == (choice.message.content, {})
         return
     ((_, name, arguments),) = calls.values()
+    if style == "qwen3_coder":  # its arguments go out a parameter at a time: none closed
+        assert (content, name, arguments) == ("Checking.", "get_weather", "")
+        return
     assert (content, name) == (CUT_CONTENT[style].split("{")[0].strip(), "get_weather")
     assert arguments.startswith('{"note": "Rome is') and choice.message.content.endswith(arguments)
 
@@ -525,7 +534,7 @@ ANSWER = {
     "additionalProperties": False,
 }
 FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
-MARKER = {"hermes": "<tool_call>", "gemma": "```tool_code", "mistral": "[TOOL_CALLS]"}
+MARKER = {"hermes": "<tool_call>", "gemma": "```tool_code", "mistral": "[TOOL_CALLS]", "qwen3_coder": "<tool_call>"}
 
 
 async def test_auto_beside_a_response_format_may_call_or_answer_in_the_format(styled):
@@ -674,3 +683,93 @@ async def test_call_ids_from_other_clients_reach_a_mistral_template_as_9_charact
     async with serving(checkpoint) as server:
         answer = await in_thread(whole, server, messages=history, tools=TOOLS, max_tokens=4)
     assert answer.choices[0].finish_reason == "length"
+
+
+TYPED = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "days": {"type": "integer"},
+        "metric": {"type": "boolean"},
+        "hours": {"type": "array", "items": {"type": "integer"}},
+    },
+    "required": ["city", "days"],
+}
+TYPED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": TYPED}}, TOOLS[1]]
+
+
+@pytest.fixture(scope="module")
+def qwen3_coder_with_added_tags(make_checkpoint, tmp_path_factory):
+    """Qwen3-Coder's template, <tool_call> and </tool_call> added tokens that are not
+    special, as its tokenizer holds them."""
+    return with_added_markers(make_checkpoint, tmp_path_factory, "qwen3_coder", HERMES_TAGS, special=False)
+
+
+def xml_parameters(*pairs):
+    return "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in pairs)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+async def test_qwen3_coder_calls_are_parsed_their_text_values_typed_by_the_schema(qwen3_coder_with_added_tags, parallel):
+    """Qwen3-Coder's XML calls were content: its template writes `<tool_call>`, which
+    made it Hermes', whose parser found no JSON in them. Each value is text; the tool's
+    schema gives it its JSON type (`True` as Python writes it, the template's own)."""
+    checkpoint = qwen3_coder_with_added_tags
+    weather = xml_parameters(("city", "Rome"), ("days", "2"), ("metric", "True"), ("hours", "[9, 12]"))
+    parts = (
+        "Checking.\n", "<tool_call>", f"\n<function=get_weather>\n{weather}</function>\n", "</tool_call>",
+        "\n", "<tool_call>", f"\n<function=get_time>\n{xml_parameters(('zone', 'UTC'))}</function>\n", "</tool_call>",
+    )
+    grammar = tool_templates.written(checkpoint, HERMES_TAGS, *parts)
+    body = dict(
+        messages=ASK, tools=TYPED_TOOLS, max_tokens=150, parallel_tool_calls=parallel, extra_body={"guided_grammar": grammar}
+    )
+    async with serving(checkpoint) as server:
+        assert server.llm.tool_style == "qwen3_coder"
+        done = await in_thread(whole, server, **body)
+        content, calls, finish = await in_thread(streamed, server, **body)
+    expected = [
+        ("get_weather", {"city": "Rome", "days": 2, "metric": True, "hours": [9, 12]}),
+        ("get_time", {"zone": "UTC"}),
+    ][: 2 if parallel else 1]
+    message = done.choices[0].message
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == expected
+    assert (message.content, done.choices[0].finish_reason) == ("Checking.", "tool_calls")
+    assert (content, finish) == ("Checking.", "tool_calls")
+    assert [(n, a) for _, n, a in calls.values()] == [(c.function.name, c.function.arguments) for c in message.tool_calls]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+async def test_a_forced_qwen3_coder_call_is_its_xml_in_its_tags_tokens(qwen3_coder_with_added_tags, choice):
+    body = dict(messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=120, logprobs=True)
+    async with serving(qwen3_coder_with_added_tags) as server:
+        done = await in_thread(whole, server, **body)
+        content, calls, finish = await in_thread(streamed, server, **body)
+    choice_ = done.choices[0]
+    assert choice_.finish_reason == "tool_calls" and choice_.message.content is None
+    (call,) = choice_.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    written = [entry.token for entry in choice_.logprobs.content]
+    assert written[0] == "<tool_call>" and written[-1] == "</tool_call>"  # each one token
+    assert "".join(written).startswith(f"<tool_call>\n<function={call.function.name}>\n<parameter=")
+    assert (content, finish) == ("", "tool_calls")
+    assert [(n, a) for _, n, a in calls.values()] == [(call.function.name, call.function.arguments)]
+
+
+async def test_a_qwen3_coder_history_renders_its_calls_arguments_as_parameters(qwen3_coder_with_added_tags):
+    """The template iterates `arguments|items`: the arguments' JSON text comes back in
+    `messages` and must reach it as a mapping, as transformers renders it."""
+    arguments = {"city": "Paris", "days": 1, "hours": [9]}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(arguments)}}
+    history = [
+        *ASK,
+        {"role": "assistant", "content": "Checking.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny and warm"},
+    ]
+    reference = transformers.AutoTokenizer.from_pretrained(str(qwen3_coder_with_added_tags))
+    as_mapping = [*history[:1], {**history[1], "tool_calls": [{**call, "function": {**call["function"], "arguments": arguments}}]}, history[2]]
+    prompt = reference.apply_chat_template(as_mapping, tools=TYPED_TOOLS, add_generation_prompt=True, tokenize=False)
+    assert "<parameter=city>\nParis\n</parameter>" in prompt
+    async with serving(qwen3_coder_with_added_tags) as server:
+        done = await in_thread(whole, server, messages=history, tools=TYPED_TOOLS, max_tokens=1)
+    assert done.usage.prompt_tokens == len(reference(prompt, add_special_tokens=False)["input_ids"])

@@ -5,10 +5,12 @@ in the system turn, `<tool_call>` JSON, `<tool_response>` turns), Llama 3.1's JS
 (`ipython` results, calls as `{"name", "parameters"}`), Gemma 3's, which has no tools,
 Mistral Small 3.2's (tools before the last user turn, `[TOOL_CALLS]name[ARGS]{...}`),
 gpt-oss's harmony and Gemma 4's (tests/actors/test_http_harmony.py and
-test_http_gemma4.py, with their markers as tokens: `with_markers`).
+test_http_gemma4.py, with their markers as tokens: `with_markers`); and Qwen3-Coder's
+own, published (templates/).
 """
 
 import json
+import pathlib
 import shutil
 
 HERMES = (
@@ -114,7 +116,10 @@ GEMMA4 = (
     "{%- if not enable_thinking %}<|channel>thought\n<channel|>{%- endif %}{%- endif %}"
 )
 
-TEMPLATES = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "gemma": GEMMA, "mistral": MISTRAL}
+# Qwen3-Coder's published template (as llama.cpp keeps it): calls in XML, in <tool_call>.
+QWEN3_CODER = (pathlib.Path(__file__).parent / "templates" / "Qwen-Qwen3-Coder-30B-A3B-Instruct.jinja").read_text()
+
+TEMPLATES = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "gemma": GEMMA, "mistral": MISTRAL, "qwen3_coder": QWEN3_CODER}
 
 
 def with_template(checkpoint, out_dir, template):

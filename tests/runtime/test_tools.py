@@ -773,7 +773,7 @@ def test_tools_render_as_transformers_renders_them(tmp_path, template):
     assert Tokenizer.from_dir(tmp_path).encode_chat(chat, tools=TOOLS) == expected
 
 
-@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral", "harmony"])
+@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral", "harmony", "qwen3_coder"])
 def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(style):
     said = {**HISTORY[1], "content": "Let me check."}
     chat = chat_for_template([HISTORY[0], said, HISTORY[2]], TOOLS, style, knows_tools=False)
@@ -785,6 +785,7 @@ def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(st
         "gemma": "```tool_code\nfunction_name(",
         "mistral": "[TOOL_CALLS]<function-name>[ARGS]<args-json-object>",
         "harmony": "on the commentary channel to=functions.<function-name>",
+        "qwen3_coder": "<tool_call>\n<function=<function-name>>\n<parameter=<parameter-name>>\n<value>\n",
     }
     assert taught[style] in first and json.dumps(TOOLS[0]["function"]) in first
     # The assistant's text, then its call in the model's own format: it parses back.
@@ -830,7 +831,7 @@ def test_call_arguments_that_are_not_json_reach_the_template_as_sent():
     assert kept["tool_calls"][0]["function"]["arguments"] == "{oops"
 
 
-@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4"])
+@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder"])
 def test_call_arguments_that_are_not_json_are_written_into_a_template_without_tools(style):
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
     message = {"role": "assistant", "content": "", "tool_calls": [call]}
@@ -1119,7 +1120,11 @@ def test_a_template_that_reads_no_tools_variable_gets_them_in_the_first_user_tur
     assert json.dumps(TOOLS[0]["function"]) in rendered
 
 
-# Qwen3-Coder's and Qwen3.5's XML calls.
+# Qwen3-Coder's and Qwen3.5's XML calls: their published templates, as llama.cpp keeps them.
+TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "actors" / "templates"
+QWEN3_CODER = (TEMPLATE_DIR / "Qwen-Qwen3-Coder-30B-A3B-Instruct.jinja").read_text()
+QWEN3_5 = (TEMPLATE_DIR / "Qwen-Qwen3.5-4B.jinja").read_text()
+QWEN3 = (TEMPLATE_DIR / "Qwen-Qwen3-0.6B.jinja").read_text()  # Hermes JSON in <tool_call>
 TYPED = {
     "type": "object",
     "properties": {
@@ -1311,3 +1316,44 @@ def test_qwen3_coder_calls_in_a_thought_are_reasoning():
     assert "".join(e.text for e in events if isinstance(e, Reasoning)) == thought.strip()
     calls = [e for e in events if isinstance(e, CallStart | CallArguments)]
     assert calls == [CallStart(0, "get_weather"), CallArguments(0, '{"days": 2'), CallArguments(0, "}")]
+
+
+def test_the_qwen3_coder_and_qwen3_5_templates_are_xml_and_qwen3s_stays_hermes():
+    assert tool_style_for(QWEN3_CODER, "qwen3_moe") == tool_style_for(QWEN3_5, "qwen3_5") == "qwen3_coder"
+    assert tool_style_for(QWEN3, "qwen3") == tool_style_for(HERMES, "qwen3_moe") == "hermes"
+    assert template_knows_tools(QWEN3_CODER) and template_knows_tools(QWEN3_5)
+
+
+@pytest.mark.parametrize("template", [QWEN3_CODER, QWEN3_5])
+def test_a_tool_history_renders_into_the_xml_templates_as_parameters(template):
+    """The templates iterate `arguments|items`: the JSON text a client sends back must
+    reach them as a mapping."""
+    history = [*HISTORY[:1], {**HISTORY[1], "tool_calls": [{**HISTORY[1]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]}, HISTORY[2]]
+    rendered = with_template(template).apply_chat_template(
+        chat_for_template(history, TOOLS, "qwen3_coder", knows_tools=True), template_kwargs=None
+    )
+    written = "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+    assert written in rendered and "<tool_response>\nsunny, 21 C\n</tool_response>" in rendered
+
+
+@pytest.mark.parametrize("forced", [None, "get_weather"])
+def test_a_forced_qwen3_coder_call_is_its_xml_typed_by_the_schema(forced):
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    weather = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer"}, "note": {"type": "string"}},
+        "required": ["city", "days"],
+    }
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}, *XML_TOOLS[1:]]
+    grammar = compiler.compile(tool_call_grammar("qwen3_coder", tools, forced))
+    call = xml("get_weather", ("city", "Rome"), ("days", "2"), ("note", "a <b> c"))
+    assert admitted_by(grammar, call)
+    assert parse("qwen3_coder", call, tools=tools) == ("", [("get_weather", '{"city": "Rome", "days": 2, "note": "a <b> c"}')])
+    assert admitted_by(grammar, xml("get_weather", ("city", "Rome"), ("days", "2")))  # note is optional
+    assert not admitted_by(grammar, xml("get_weather", ("city", "Berlin")))  # not of its enum
+    assert not admitted_by(grammar, xml("get_weather", ("days", "2")))  # city is required
+    assert not admitted_by(grammar, xml("get_weather", ("city", "Rome"), ("days", "two")))
+    assert not admitted_by(grammar, xml("get_weather", ("city", "Rome"), ("days", "2"), ("note", "a</parameter>b")))
+    assert admitted_by(grammar, xml("get_time", ("any", "x"))) == (forced is None)
+    assert not admitted_by(grammar, "Sure. " + call)
