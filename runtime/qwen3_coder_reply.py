@@ -254,13 +254,16 @@ class XmlCallParser:
             self._consume(len(PARAMETER))
             self.state = "parameter"
             return []
-        if head.startswith(FUNCTION_END):
-            self._consume(len(FUNCTION_END))
-            events: list[Event] = [CallArguments(self.num_calls, "}" if self.sent else "{}")]
-            self.num_calls, self.block_calls, self.state = self.num_calls + 1, self.block_calls + 1, "block"
-            self.blank, self.call_text = "", []
-            return events
-        if not head or PARAMETER.startswith(head) or FUNCTION_END.startswith(head):
+        # `</tool_call>` where `</function>` belongs closes both, as vLLM's parser reads a
+        # call that lacks it: otherwise the rest of the reply was stray text, dropped.
+        for closing, after in ((FUNCTION_END, "block"), (CALL_END_TAG, "text")):
+            if head.startswith(closing):
+                self._consume(len(closing))
+                events: list[Event] = [CallArguments(self.num_calls, "}" if self.sent else "{}")]
+                self.num_calls, self.block_calls, self.state = self.num_calls + 1, self.block_calls + 1, after
+                self.blank, self.call_text = "", []
+                return events
+        if not head or any(m.startswith(head) for m in (PARAMETER, FUNCTION_END, CALL_END_TAG)):
             return None
         # Stray text between parameters: the call has gone out, so it is dropped, up to
         # the next "<" that may begin a marker.

@@ -1185,6 +1185,10 @@ XML_CASES = [
         "<tool_call>\n<function=get time>\n</function>\n</tool_call>",
         ("<tool_call>\n<function=get time>\n</function>\n</tool_call>", []),
     ),
+    (  # </tool_call> where </function> belongs closes both
+        "<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</tool_call> Done.",
+        (" Done.", [("get_time", '{"zone": "UTC"}')]),
+    ),
     ("It ends in <tool_ca", ("It ends in <tool_ca", [])),  # held as a marker, then text
     ("x <function=f>\n</function>", ("x <function=f>\n</function>", [])),  # outside a block: text
 ]
