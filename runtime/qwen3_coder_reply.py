@@ -63,10 +63,11 @@ _NAME_LIMIT = 256
 _JSON_TYPES = ("string", "integer", "number", "boolean", "null", "object", "array")
 
 
-def value_types(schema: object, depth: int = 0) -> frozenset[str]:
+def value_types(schema: object, root: object = None, depth: int = 0) -> frozenset[str]:
     """The JSON types a parameter's schema admits, from its `type`, its `enum` or
-    `const` values, and the members of its `anyOf` / `oneOf`; empty where it says
-    nothing (no schema, `{}`, a `$ref`)."""
+    `const` values, the members of its `anyOf` / `oneOf` (any) and `allOf` (all), and
+    a `$ref` into `root`, the tool's parameters ("#/$defs/Item", as Pydantic writes a
+    nested model); empty where it says nothing (no schema, `{}`)."""
     if not isinstance(schema, Mapping) or depth > 8:
         return frozenset()
     kind = schema.get("type")
@@ -78,7 +79,16 @@ def value_types(schema: object, depth: int = 0) -> frozenset[str]:
     for key in ("anyOf", "oneOf"):
         members = schema.get(key)
         for member in members if isinstance(members, list) else ():
-            types |= value_types(member, depth + 1)
+            types |= value_types(member, root, depth + 1)
+    members = schema.get("allOf")
+    for member in members if isinstance(members, list) else ():
+        if member_types := value_types(member, root, depth + 1):
+            types = (types & member_types) if types else set(member_types)
+    if isinstance(ref := schema.get("$ref"), str) and ref.startswith("#/"):
+        target = root
+        for part in ref[2:].split("/"):
+            target = target.get(part) if isinstance(target, Mapping) else None
+        types |= value_types(target, root, depth + 1)
     return frozenset(types)
 
 
@@ -138,9 +148,10 @@ def parameter_types(tools: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, f
     types: dict[str, dict[str, frozenset[str]]] = {}
     for tool in tools:
         function = tool.get("function") or {}
-        properties = (function.get("parameters") or {}).get("properties")
+        parameters = function.get("parameters") or {}
+        properties = parameters.get("properties")
         if isinstance(properties, Mapping):
-            types[function["name"]] = {name: value_types(s) for name, s in properties.items()}
+            types[function["name"]] = {name: value_types(s, parameters) for name, s in properties.items()}
     return types
 
 

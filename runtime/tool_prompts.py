@@ -222,18 +222,18 @@ def _xml_calls(functions: Sequence[Mapping[str, Any]], marker: Callable[[str], s
         body = []
         for k, (name, schema) in enumerate(properties.items()):
             opening = json.dumps(f"{PARAMETER}{name}>\n")
-            rules.append(f"parameter_{i}_{k}: {opening} {_xml_value(schema, shared)}")
+            rules.append(f"parameter_{i}_{k}: {opening} {_xml_value(schema, parameters, shared)}")
             body.append(f"parameter_{i}_{k}" + ("" if name in required else "?"))
         rules.append(f"call_{i}: {head} {' '.join(body)}")
     return "\n".join([*rules, _XML_TEXT, _XML_KEY])
 
 
-def _xml_value(schema: Any, shared: dict[str, Any]) -> str:
+def _xml_value(schema: Any, parameters: dict[str, Any], shared: dict[str, Any]) -> str:
     """The Lark expression for a parameter's value and its end, in Qwen3-Coder's XML:
     text for a string (or what its schema leaves open), JSON for any other type."""
     if not isinstance(schema, dict):
         return "text"
-    if not is_text(value_types(schema)):
+    if not is_text(value_types(schema, parameters)):
         json_schema = {**schema, **shared, "x-guidance": JSON_OPTIONS}
         return f"%json {json.dumps(json_schema)} {_XML_END}"
     consts = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None

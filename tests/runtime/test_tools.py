@@ -1140,6 +1140,14 @@ TYPED = {
         "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
         "code": {"type": ["integer", "string"]},
         "free": {},
+        "place": {"$ref": "#/$defs/Place"},  # as Pydantic writes a nested model
+        "level": {"allOf": [{"$ref": "#/$defs/Level"}], "description": "how loud"},
+        "loop": {"$ref": "#/$defs/Loop"},
+    },
+    "$defs": {
+        "Place": {"type": "object", "properties": {"lat": {"type": "number"}}},
+        "Level": {"enum": [1, 2, 3]},
+        "Loop": {"$ref": "#/$defs/Loop"},  # refers to itself: says nothing
     },
 }
 XML_TOOLS = [
@@ -1234,6 +1242,9 @@ def test_qwen3_coder_calls_are_the_same_whatever_the_split(text, expected):
         ("code", "A12", "A12"),
         ("free", "12", "12"),  # a schema that says nothing: text, as vLLM's
         ("unknown", "12", "12"),  # no schema: text
+        ("place", '{"lat": 1.5}', {"lat": 1.5}),
+        ("level", "2", 2),
+        ("loop", "2", "2"),
     ],
 )
 def test_qwen3_coder_values_take_their_type_from_the_schema(key, text, value):
@@ -1346,8 +1357,14 @@ def test_a_forced_qwen3_coder_call_is_its_xml_typed_by_the_schema(forced):
     compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
     weather = {
         "type": "object",
-        "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer"}, "note": {"type": "string"}},
+        "properties": {
+            "city": {"enum": ["Paris", "Rome"]},
+            "days": {"type": "integer"},
+            "note": {"type": "string"},
+            "place": {"$ref": "#/$defs/Place"},
+        },
         "required": ["city", "days"],
+        "$defs": {"Place": {"type": "object", "properties": {"lat": {"type": "number"}}, "required": ["lat"]}},
     }
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}, *XML_TOOLS[1:]]
     grammar = compiler.compile(tool_call_grammar("qwen3_coder", tools, forced))
@@ -1359,5 +1376,7 @@ def test_a_forced_qwen3_coder_call_is_its_xml_typed_by_the_schema(forced):
     assert not admitted_by(grammar, xml("get_weather", ("days", "2")))  # city is required
     assert not admitted_by(grammar, xml("get_weather", ("city", "Rome"), ("days", "two")))
     assert not admitted_by(grammar, xml("get_weather", ("city", "Rome"), ("days", "2"), ("note", "a</parameter>b")))
+    place = xml("get_weather", ("city", "Rome"), ("days", "2"), ("place", '{"lat": 1.5}'))
+    assert admitted_by(grammar, place) and not admitted_by(grammar, place.replace('"lat"', '"x"'))
     assert admitted_by(grammar, xml("get_time", ("any", "x"))) == (forced is None)
     assert not admitted_by(grammar, "Sure. " + call)
