@@ -23,6 +23,7 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
@@ -179,6 +180,14 @@ def hf_config(
             attn_logit_softcapping=None,
         )
         del raw["hidden_act"]
+    if family == "gemma":  # the releases' legacy "gelu" beside the name transformers runs
+        raw.update(
+            head_dim=head_dim or hidden_size // num_heads,
+            hidden_act="gelu",
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+        )
+        del raw["rope_scaling"]
     if family == "gemma2":
         raw.update(
             head_dim=head_dim or hidden_size // num_heads,

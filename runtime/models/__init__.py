@@ -16,6 +16,7 @@ from types import ModuleType
 
 from runtime.config import ModelConfig
 from runtime.models import (
+    gemma,
     gemma2,
     gemma3,
     gemma4,
@@ -49,6 +50,7 @@ FAMILIES: dict[str, ModuleType] = {
     "mixtral": mixtral,
     "gpt_oss": gpt_oss,
     "phi3": phi3,
+    "gemma": gemma,
     "gemma2": gemma2,
     "gemma3_text": gemma3,
     "gemma3": gemma3,  # the multimodal layout: its text model

@@ -17,6 +17,7 @@ from runtime.errors import CheckpointError
 from runtime.kv.base import ForwardKV
 from runtime.models.experts import feed_forward
 from runtime.models.layers import (
+    AnyRMSNorm,
     Attention,
     AttentionTemperature,
     CausalLM,
@@ -53,8 +54,9 @@ class DecoderLayer(nn.Module):
             sinks=config.extra.get("attention_sinks", False),  # gpt-oss's
         )
         self.mlp = feed_forward(config, layer)  # dense, or routed experts (runtime/models/experts.py)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # AnyRMSNorm: Gemma 1's layer (gemma.py) takes its (1 + w) norms here.
+        self.input_layernorm: AnyRMSNorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm: AnyRMSNorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     # Each residual block as one op where the CPU kernels allow (kernels/fused_blocks.py):
     # planned once the CPU weights are in place (runtime/cpu_weights.py), else None.
