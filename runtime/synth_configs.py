@@ -23,6 +23,7 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -188,6 +189,15 @@ def hf_config(
             tie_word_embeddings=True,
         )
         del raw["rope_scaling"]
+    if family == "granite":  # Granite 3's multipliers (its attention's is 1 / head_dim)
+        raw.update(
+            attention_bias=False,
+            mlp_bias=False,
+            embedding_multiplier=12.0,
+            attention_multiplier=1.0 / (head_dim or hidden_size // num_heads),
+            residual_multiplier=0.22,
+            logits_scaling=8.0,
+        )
     if family == "gemma2":
         raw.update(
             head_dim=head_dim or hidden_size // num_heads,

@@ -47,6 +47,7 @@ FAMILIES = {
                 "num_kv_shared_layers": 2, "use_double_wide_mlp": True, "enable_moe_block": True},
     ),
     "smollm3": dict(num_layers=4),  # its fourth layer without RoPE
+    "granite": dict(),  # its multipliers, its layers off the one-op blocks
 }
 SHAPE = dict(hidden_size=128, intermediate_size=256)
 

@@ -1,0 +1,79 @@
+"""Granite (`granite`: IBM Granite 3.0 to 3.3 dense): llama's decoder with four
+multipliers, each checked against transformers' `modeling_granite` and mlx-lm's `granite`:
+
+- the embedding is multiplied by `embedding_multiplier` (12 in the releases);
+- attention scores are scaled by `attention_multiplier`, not head_dim**-0.5;
+- each block's output is multiplied by `residual_multiplier` before the residual add;
+- logits are divided by `logits_scaling`.
+
+The one-op residual blocks on the CPU (kernels/fused_blocks.py) add the branch as it
+is, so a Granite layer runs its blocks by parts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.config import ConfigFields, ModelConfig, is_positive_number
+from runtime.errors import CheckpointError
+from runtime.kv.base import ForwardKV
+from runtime.models import llama
+from runtime.models.layers import CausalLM, RMSNorm, kept_rows
+
+import mlx.core as mx
+import mlx.nn as nn
+
+MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
+
+
+def read_config(fields: ConfigFields) -> dict[str, Any]:
+    """llama's fields, and the four multipliers (1, transformers' default, where left out)."""
+    multipliers = {}
+    for name in MULTIPLIERS:
+        value = fields.raw.get(name, 1.0)
+        if not is_positive_number(value):
+            raise CheckpointError(f"{fields.source}: granite's {name} must be a positive number, got {value!r}")
+        multipliers[name] = float(value)
+    own = llama.read_config(fields)
+    return {**own, "extra": {**own.get("extra", {}), **multipliers}}
+
+
+class GraniteLayer(llama.DecoderLayer):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__(config, layer)
+        self.self_attn.scale = config.extra["attention_multiplier"] * self.self_attn.rope.attention_factor
+        self.residual_multiplier = config.extra["residual_multiplier"]
+
+    def __call__(self, x: mx.array, kv: ForwardKV, keep: mx.array | None = None) -> mx.array:
+        """x [B, T, hidden] -> [B, T, hidden], or [B, S, hidden] at the tokens `keep`."""
+        m = self.residual_multiplier
+        h = kept_rows(x, keep) + self.self_attn(self.input_layernorm(x), kv, keep) * m
+        return h + self.mlp(self.post_attention_layernorm(h)) * m
+
+    def plan_blocks(self) -> None:
+        """None: the one-op blocks would add the branch without its multiplier."""
+
+
+class GraniteBody(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = [GraniteLayer(config, i) for i in range(config.num_hidden_layers)]
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class Granite(CausalLM):
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.model = GraniteBody(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.model.embed_tokens(tokens) * self.config.extra["embedding_multiplier"]
+
+    def project(self, h: mx.array) -> mx.array:
+        return super().project(h) / self.config.extra["logits_scaling"]
+
+
+build = Granite
