@@ -23,6 +23,7 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
@@ -198,6 +199,8 @@ def hf_config(
             residual_multiplier=0.22,
             logits_scaling=8.0,
         )
+    if family == "olmo2":
+        raw["attention_bias"] = False
     if family == "gemma2":
         raw.update(
             head_dim=head_dim or hidden_size // num_heads,

@@ -48,6 +48,7 @@ FAMILIES = {
     ),
     "smollm3": dict(num_layers=4),  # its fourth layer without RoPE
     "granite": dict(),  # its multipliers, its layers off the one-op blocks
+    "olmo2": dict(),  # norms after each block and over each whole q and k projection
 }
 SHAPE = dict(hidden_size=128, intermediate_size=256)
 
