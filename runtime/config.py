@@ -241,7 +241,7 @@ def read_sliding_layers(fields: ConfigFields) -> list[bool] | None:
 
 def _check_full_rotation(fields: ConfigFields, rope_scaling: dict[str, Any] | None, family_rotates_part: bool) -> None:
     """A `partial_rotary_factor` under 1 where the family rotates whole heads (all but
-    phi3's and Gemma 4's): transformers rotates that share of each head, and run whole
+    phi3's, glm4's and Gemma 4's): transformers rotates that share of each head, and run whole
     every token was off, with no error."""
     if family_rotates_part:
         return
@@ -253,7 +253,7 @@ def _check_full_rotation(fields: ConfigFields, rope_scaling: dict[str, Any] | No
         if value is not None and value != 1:
             raise CheckpointError(
                 f"{fields.source}: {where} {value!r} is not supported for model_type "
-                f"'{fields.raw['model_type']}' (it rotates whole heads; phi3 and Gemma 4 rotate part)"
+                f"'{fields.raw['model_type']}' (it rotates whole heads; phi3, glm4 and Gemma 4 rotate part)"
             )
 
 

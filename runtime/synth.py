@@ -125,6 +125,8 @@ def make_tiny_checkpoint(
     weights = {name: w.astype(DTYPES[dtype]) for name, w in weights.items()}
     if family == "phi3":
         weights = fused_projections(weights)
+    if family == "glm4":  # gate and up as one, q, k and v apart
+        weights = fused_projections(weights, fused=("gate_proj",))
     if family == "mixtral":
         weights = {name.replace(".mlp.", ".block_sparse_moe."): w for name, w in weights.items()}
     if family == "gpt_oss":  # mlx-community's names (mlx-lm reads them as they are)
@@ -149,20 +151,25 @@ def make_tiny_checkpoint(
     return out_dir
 
 
-def fused_projections(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Phi-3's layout: q, k, v as one `qkv_proj`, gate and up as one `gate_up_proj`."""
-    fused = {
+def fused_projections(
+    weights: dict[str, mx.array], fused: tuple[str, ...] = ("q_proj", "gate_proj")
+) -> dict[str, mx.array]:
+    """Phi-3's layout: q, k, v as one `qkv_proj`, gate and up as one `gate_up_proj`
+    (GLM-4's: the latter alone, `fused` naming the groups' first layers)."""
+    groups = {
         "q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
         "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
     }
+    merged = {first: groups[first] for first in fused}
+    absorbed = {part for _, parts in merged.values() for part in parts[1:]}
     out = {}
     for name, w in weights.items():
         layer, _, projection = name.rpartition(".")[0].rpartition(".")
-        if projection in fused:
-            into, parts = fused[projection]
+        if projection in merged:
+            into, parts = merged[projection]
             parts_weights = [weights[f"{layer}.{part}.weight"] for part in parts]
             out[f"{layer}.{into}.weight"] = mx.concatenate(parts_weights)
-        elif projection not in ("k_proj", "v_proj", "up_proj"):
+        elif projection not in absorbed:
             out[name] = w
     return out
 

@@ -23,6 +23,7 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "glm4": "Glm4ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM",
     "gemma": "GemmaForCausalLM",
@@ -201,6 +202,9 @@ def hf_config(
         )
     if family == "olmo2":
         raw["attention_bias"] = False
+    if family == "glm4":  # half of each head rotated, in interleaved pairs
+        raw.update(head_dim=head_dim or hidden_size // num_heads, partial_rotary_factor=0.5, attention_bias=True)
+        del raw["rope_scaling"]
     if family == "gemma2":
         raw.update(
             head_dim=head_dim or hidden_size // num_heads,
