@@ -25,6 +25,7 @@ ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
@@ -202,6 +203,12 @@ def hf_config(
         )
     if family == "olmo2":
         raw["attention_bias"] = False
+    if family == "olmo3":  # every fourth layer full, as the releases
+        raw.update(
+            attention_bias=False,
+            sliding_window=sliding_window,
+            layer_types=["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(num_layers)],
+        )
     if family == "glm4":  # half of each head rotated, in interleaved pairs
         raw.update(head_dim=head_dim or hidden_size // num_heads, partial_rotary_factor=0.5, attention_bias=True)
         del raw["rope_scaling"]

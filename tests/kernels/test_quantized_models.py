@@ -49,6 +49,7 @@ FAMILIES = {
     "smollm3": dict(num_layers=4),  # its fourth layer without RoPE
     "granite": dict(),  # its multipliers, its layers off the one-op blocks
     "olmo2": dict(),  # norms after each block and over each whole q and k projection
+    "olmo3": dict(num_layers=4, sliding_window=8),  # OLMo 2's layer, three in four sliding
     "glm4": dict(head_dim=32),  # half of each head rotated in interleaved pairs; gate_up stored fused
 }
 SHAPE = dict(hidden_size=128, intermediate_size=256)
