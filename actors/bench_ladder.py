@@ -20,6 +20,7 @@ from runtime.engine import Engine
 from runtime.errors import CadenceError
 from runtime.kv.base import RowSpan
 from runtime.kv.layout import NULL_BLOCK
+from runtime.kv.recurrent import zero_states
 from runtime.ladder import BatchLadder, measure_ladder, pad_step
 
 import mlx.core as mx
@@ -89,7 +90,8 @@ def _run(args: argparse.Namespace) -> int:
 def _step(
     engine: Engine, ladder: BatchLadder | None, tokens: mx.array, spans: list[RowSpan]
 ) -> mx.array:
-    t, view = pad_step(ladder, tokens, engine.kv.forward(spans, 0))
+    recurrent = None if engine.states is None else zero_states(spans)  # a hybrid model's
+    t, view = pad_step(ladder, tokens, engine.kv.forward(spans, 0, recurrent))
     return engine.model.hidden(t[None], view)
 
 

@@ -71,8 +71,11 @@ class ModelConfig:
     # (Gemma 4's full layers); empty: every layer's are the two fields above.
     layer_kv_shapes: tuple[tuple[int, int], ...] = ()
     # How many layers, the first ones, store K/V; the rest read an earlier layer's
-    # (Gemma 4's KV-shared layers). None: every layer stores its own.
+    # (Gemma 4's KV-shared layers); in a hybrid model, its attention layers (the
+    # linear-attention ones keep a recurrent state instead). None: every layer stores its own.
     num_kv_layers: int | None = None
+    # A hybrid model's recurrent state, per row: its bytes (0: none; runtime/kv/recurrent.py).
+    recurrent_row_bytes: int = 0
     extra: dict[str, Any] = attrs.field(factory=dict)  # the family's own settings
     # config.json's `quantization_config.quant_method` when it has no MLX `quantization`
     # (GPTQ, AWQ, bitsandbytes, fp8, ...): named if the weights then do not fit.

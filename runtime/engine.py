@@ -56,6 +56,7 @@ from runtime.kv.base import RowSpan
 from runtime.kv.budget import DEFAULT_BLOCK_SIZE, check_block_size, pool_blocks
 from runtime.kv.layout import KVLayout
 from runtime.kv.paged import PagedKV
+from runtime.kv.recurrent import RecurrentStore
 from runtime.ladder import BatchLadder, pad_step
 from runtime.sampling import Logprobs, RowSampler, Sampled, joined, logprob_rows, sample
 from runtime.sequence import (
@@ -197,8 +198,15 @@ class Engine:
             self.kv_layout, *geometry[1:], block_size, dtype, max_batch, config.layer_kv_shapes
         )
         blocks_per_row = self.kv_layout.row_blocks(0, self.model_max_context, block_size)
+        # A hybrid model's linear-attention layers keep a state per row instead of K/V
+        # (runtime/kv/recurrent.py): max_batch rows of it come off the budget first.
+        self.states = RecurrentStore() if config.recurrent_row_bytes else None
+        self.recurrent_bytes = max_batch * config.recurrent_row_bytes
         num_blocks = pool_blocks(
-            kv_budget, max_batch * blocks_per_row, self.bytes_per_block, self.window_bytes
+            kv_budget,
+            max_batch * blocks_per_row,
+            self.bytes_per_block,
+            self.window_bytes + self.recurrent_bytes,
         )
         self.kv = PagedKV(
             *geometry, config.num_queries_per_kv, num_blocks, block_size, dtype,
@@ -259,6 +267,8 @@ class Engine:
 
     def close(self, seq: SeqHandle) -> None:
         self._rows.pop(seq.seq_id, None)
+        if self.states is not None:
+            self.states.release(seq.seq_id)
 
     @property
     def num_open(self) -> int:
@@ -299,7 +309,8 @@ class Engine:
             # copied. Such a step is a whole prefill chunk: waiting costs it only the
             # overlap with the next step's graph building (a few ms of hundreds).
             if ran:
-                mx.eval(*self.kv.keys, *self.kv.values)
+                states = [] if self.states is None else self.states.arrays()
+                mx.eval(*self.kv.keys, *self.kv.values, *states)
             self._queue(plan, [], None)
             return
         parts = [out for _, out in ran if out is not None]  # more than one if it was split
@@ -413,8 +424,10 @@ class Engine:
     def _forward(self, plan: _Plan, epoch: int) -> _Sampled | None:
         """One ragged forward over `plan`'s spans: their K/V writes, and (sampled [S],
         is_finite [S]) for its sampling rows, or None when none samples. Records nothing
-        on the rows, so a forward that raises can be retried."""
-        view = self.kv.forward(plan.spans, epoch)
+        on the rows, and commits their recurrent states (a hybrid model's) only once it
+        is built, so a forward that raises can be retried."""
+        recurrent = None if self.states is None else self.states.step(plan.spans)
+        view = self.kv.forward(plan.spans, epoch, recurrent)
         tokens, view = pad_step(self.ladder, mx.concatenate(plan.inputs), view)
         # Only the sampling tokens' states are wanted. When that is every token (a decode
         # step), selecting them would only add ops; when none samples, nothing reads them.
@@ -423,16 +436,19 @@ class Engine:
         hidden = self.model.hidden(tokens[None], view, keep)[0]  # [S, hidden]
         if self._fault is not None:
             self._inject_fault(plan)
-        if not plan.sampling:
-            return None  # its K/V writes are evaluated (`submit`); the states never are
-        logits = self.model.project(hidden)  # [S, V]
-        allowed = token_masks(
-            [row.grammar for row in plan.sampling],
-            logits.shape[-1],
-            [row.next_input if row.num_pending else None for row in plan.sampling],
-        )
-        samples = sample(logits, [row.sampler for row in plan.sampling], allowed)
-        return samples, rows_are_finite(logits)
+        result = None  # no row samples: its K/V writes are evaluated (`submit`), not its states
+        if plan.sampling:
+            logits = self.model.project(hidden)  # [S, V]
+            allowed = token_masks(
+                [row.grammar for row in plan.sampling],
+                logits.shape[-1],
+                [row.next_input if row.num_pending else None for row in plan.sampling],
+            )
+            samples = sample(logits, [row.sampler for row in plan.sampling], allowed)
+            result = samples, rows_are_finite(logits)
+        if recurrent is not None:  # last: nothing after it raises
+            self.states.commit(recurrent)  # type: ignore[union-attr]  # set with `recurrent`
+        return result
 
     def _inject_fault(self, plan: _Plan) -> None:
         """CADENCE_FAULT_TOKEN: raise as a model error would, judged on host counters only."""

@@ -101,9 +101,9 @@ def _dtype(linear: Any) -> mx.Dtype:
 class PaddedForward:
     """A `ForwardKV` for a token batch padded past its `num_real` tokens.
 
-    Pad tokens run through the dense layers only: around attention they are cut off
-    (so they store no K/V and read none) and come back as zeros. Their positions are
-    0, so RoPE stays in range."""
+    Pad tokens run through the dense layers only: around attention (and a linear-attention
+    layer's recurrence) they are cut off (so they store no K/V or state and read none)
+    and come back as zeros. Their positions are 0, so RoPE stays in range."""
 
     def __init__(self, inner: Any, num_real: int, num_padded: int):
         self._inner = inner
@@ -129,6 +129,19 @@ class PaddedForward:
 
     def attend_stacked(self, layer: int, qkv: mx.array, *args: Any) -> mx.array:
         return attend_stacked_by_parts(self, layer, qkv, *args)  # pads cut in `attend`
+
+    def convolve(self, layer: int, x: mx.array, weight: mx.array) -> mx.array:
+        return self._padded(self._inner.convolve(layer, x[: self._num_real], weight))
+
+    def delta_rule(
+        self, layer: int, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array
+    ) -> mx.array:
+        """Like attention, the recurrence never sees a pad: no row's state takes one."""
+        n = self._num_real
+        return self._padded(self._inner.delta_rule(layer, q[:n], k[:n], v[:n], g[:n], beta[:n]))
+
+    def _padded(self, out: mx.array) -> mx.array:
+        return mx.concatenate([out, mx.zeros((self._pad, *out.shape[1:]), dtype=out.dtype)])
 
     def residual_attention(self, *args: Any) -> None:
         return None  # by parts, so the pads are cut around attention

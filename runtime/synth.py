@@ -62,6 +62,7 @@ def make_tiny_checkpoint(
     dense_layers: tuple[int, ...] = (),
     text_family: str = "ministral3",
     gemma4: dict[str, Any] | None = None,
+    hf_original: bool | None = None,
 ) -> Path:
     """Write a random-weight checkpoint of `family` into `out_dir` and return `out_dir`.
 
@@ -85,6 +86,12 @@ def make_tiny_checkpoint(
     `intermediate_size`); float weights are stored per expert as Hugging Face does,
     quantized ones stacked as mlx-community does (gpt-oss's always stacked, in
     mlx-community's names; its layers alternate a `sliding_window` and full attention).
+
+    Qwen3.5 (`qwen3_5_text`, or the multimodal `qwen3_5` layout with a stub vision
+    tower and multi-token-prediction head) has every fourth layer full attention, the
+    rest Gated DeltaNet. `hf_original` stores the conv weights and norm offsets as
+    Hugging Face's originals do; False as mlx-lm's conversions; None: original unless
+    quantized (mlx-community's quantized conversions are mlx-lm's form).
 
     `vocab_size` above the demo tokenizer's adds embedding rows no text encodes to
     (a large-vocabulary model, e.g. 151,936 as Qwen's).
@@ -136,6 +143,9 @@ def make_tiny_checkpoint(
         }
     if family in EXPERT_NAMES and quantize is None:
         weights = per_expert_weights(weights, EXPERT_NAMES[family])
+    if family in QWEN3_5:
+        is_original = quantize is None if hf_original is None else hf_original
+        weights = qwen3_5_weights(weights, is_original, family == "qwen3_5", seed)
     if family in MULTIMODAL:
         weights = {f"language_model.{name}": w for name, w in weights.items()}
         rng = np.random.default_rng(seed)
@@ -171,6 +181,37 @@ def fused_projections(
             out[f"{layer}.{into}.weight"] = mx.concatenate(parts_weights)
         elif projection not in absorbed:
             out[name] = w
+    return out
+
+
+QWEN3_5 = ("qwen3_5_text", "qwen3_5")
+
+
+def qwen3_5_weights(
+    weights: dict[str, mx.array], is_original: bool, is_multimodal: bool, seed: int
+) -> dict[str, mx.array]:
+    """Qwen3.5's weights as stored: a Hugging Face original's conv weights [C, 1, K] and
+    norm offsets from 1 (runtime/models/qwen3_5.py), else mlx-lm's form as they are; the
+    multimodal layout's names (the original's `model.language_model.`, a conversion's
+    `language_model.model.`) beside a stub vision tower and MTP head, to be dropped."""
+    from runtime.models.qwen3_5 import OFFSET_NORMS
+
+    out = {}
+    for name, w in weights.items():
+        if is_original and name.endswith("conv1d.weight"):
+            w = w.moveaxis(2, 1)
+        elif is_original and name.endswith(OFFSET_NORMS):
+            w = w - 1.0
+        if is_multimodal:
+            name = name.replace("model.", "model.language_model." if is_original else "language_model.model.", 1)
+            if not is_original and name == "lm_head.weight":
+                name = "language_model.lm_head.weight"
+        out[name] = w
+    if is_multimodal:
+        rng = np.random.default_rng(seed)
+        stubs = ("model.visual.merger.norm.weight", "mtp.norm.weight") if is_original else ("vision_tower.merger.norm.weight",)
+        for name in stubs:
+            out[name] = mx.array(rng.standard_normal((8,)).astype(np.float32))
     return out
 
 

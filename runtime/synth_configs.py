@@ -19,6 +19,8 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
@@ -251,6 +253,33 @@ def hf_config(
         if raw["enable_moe_block"]:
             raw.update(num_experts=num_experts, top_k_experts=num_experts_per_tok, moe_intermediate_size=intermediate_size)
         del raw["hidden_act"], raw["rope_theta"], raw["rope_scaling"]
+    if family in ("qwen3_5_text", "qwen3_5"):  # Gated DeltaNet layers, every 4th full attention
+        raw.update(
+            head_dim=head_dim or hidden_size // num_heads,
+            attn_output_gate=True,
+            full_attention_interval=4,
+            layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_num_key_heads=2,
+            linear_value_head_dim=16,
+            linear_num_value_heads=4,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": raw.pop("rope_theta"),
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [1, 1, 0],
+                "mrope_interleaved": True,
+            },
+        )
+        del raw["rope_scaling"]
+    if family == "qwen3_5":  # the multimodal layout: the text model's config nested
+        text = {**raw, "model_type": "qwen3_5_text"}
+        outer = ("architectures", "eos_token_id", "torch_dtype", "tie_word_embeddings")
+        for name in outer[:-1]:  # tying is said in both, as the releases do
+            text.pop(name)
+        raw = {name: raw[name] for name in outer}
+        raw.update(model_type=family, text_config=text, vision_config={"model_type": "qwen3_5", "hidden_size": 8})
     if family in ("gemma3", "gemma4"):  # the multimodal layout: the text model's config nested
         text = {**raw, "model_type": f"{family}_text"}
         outer = ("architectures", "eos_token_id", "torch_dtype", "vocab_size")

@@ -6,12 +6,16 @@ one flat batch `[N]`. For every forward the engine asks the storage for a
 The model calls `kv.attend(layer, q, k, v, scale)` in every layer (or, with its
 q/k/v projections stacked, `kv.attend_stacked`, or the whole attention block,
 `kv.residual_attention`) and never branches on storage or on prefill versus decode.
+A linear-attention layer (a hybrid model's) calls `kv.convolve` and `kv.delta_rule`,
+which carry each row's recurrent state instead (runtime/kv/recurrent.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
+
+from runtime.kv.recurrent import RecurrentStep
 
 import attrs
 import mlx.core as mx
@@ -104,6 +108,19 @@ class ForwardKV(Protocol):
         and the caller runs the parts."""
         ...
 
+    def convolve(self, layer: int, x: mx.array, weight: mx.array) -> mx.array:
+        """Recurrent `layer`'s causal depthwise convolution, x [N, C] by weight [C, K],
+        over each row's inputs (its stored last K - 1 before its span); see
+        runtime/kv/recurrent.py."""
+        ...
+
+    def delta_rule(
+        self, layer: int, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array
+    ) -> mx.array:
+        """Recurrent `layer`'s gated delta rule from each row's state: q, k [N, Hv, Dk],
+        v [N, Hv, Dv], g and beta [N, Hv] -> [N, Hv, Dv]; see runtime/kv/recurrent.py."""
+        ...
+
 
 Rotary = Callable[[mx.array, mx.array], mx.array]  # (x [N, H, D], positions [N]) -> rotated x
 
@@ -131,6 +148,8 @@ class CausalNoCache:
     def __init__(self, batch: int, length: int, windows: tuple[int | None, ...] = ()):
         self.batch, self.length, self.windows = batch, length, windows
         self.positions = mx.tile(mx.arange(length, dtype=mx.int32), batch)  # [B * T]
+        # Linear-attention layers' states: every row from position 0, kept by no one.
+        self.recurrent = RecurrentStep([(b, 0, length) for b in range(batch)], [None] * batch)
 
     def attend(
         self,
@@ -167,3 +186,11 @@ class CausalNoCache:
 
     def residual_attention(self, *args: object) -> None:
         return None  # no cache to write in place: by parts
+
+    def convolve(self, layer: int, x: mx.array, weight: mx.array) -> mx.array:
+        return self.recurrent.convolve(layer, x, weight)
+
+    def delta_rule(
+        self, layer: int, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array
+    ) -> mx.array:
+        return self.recurrent.delta_rule(layer, q, k, v, g, beta)

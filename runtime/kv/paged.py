@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from runtime.kv.base import Rotary, RowSpan, attend_stacked_by_parts
 from runtime.kv.layout import NULL_BLOCK, SIZING_CHUNK, KVLayout
+from runtime.kv.recurrent import RecurrentStep
 
 import attrs
 import mlx.core as mx
@@ -119,7 +120,10 @@ class PagedKV:
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values, strict=True))
 
-    def forward(self, rows: Sequence[RowSpan], epoch: int) -> PagedForward:
+    def forward(
+        self, rows: Sequence[RowSpan], epoch: int, recurrent: RecurrentStep | None = None
+    ) -> PagedForward:
+        """`recurrent`: the rows' linear-attention states, for a hybrid model."""
         for row in rows:
             if len(row.tables) != self.layout.num_groups:
                 raise ValueError(
@@ -147,7 +151,7 @@ class PagedKV:
                 strict=True,
             )
         ]
-        return PagedForward(self, steps)
+        return PagedForward(self, steps, recurrent)
 
     def _block_tables(self, rows: Sequence[RowSpan], epoch: int) -> list[mx.array]:
         """Per layer group [R, max_blocks] int32, reused while the same rows hold the same blocks."""
@@ -203,8 +207,9 @@ class PagedForward:
     """The `ForwardKV` of one ragged step; the attention path is chosen once, here.
     `steps[g]` is layer group g's view of the step (its tables and window)."""
 
-    def __init__(self, storage: PagedKV, steps: list[PagedStep]):
+    def __init__(self, storage: PagedKV, steps: list[PagedStep], recurrent: RecurrentStep | None = None):
         self._storage = storage
+        self.recurrent = recurrent
         self.steps = steps
         self.step = steps[0]
         self.path = dispatch(self.step)
@@ -282,3 +287,17 @@ class PagedForward:
             return None
         out, keys[layer], values[layer] = written
         return out
+
+    def convolve(self, layer: int, x: mx.array, weight: mx.array) -> mx.array:
+        return self._recurrent.convolve(layer, x, weight)
+
+    def delta_rule(
+        self, layer: int, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array
+    ) -> mx.array:
+        return self._recurrent.delta_rule(layer, q, k, v, g, beta)
+
+    @property
+    def _recurrent(self) -> RecurrentStep:
+        if self.recurrent is None:
+            raise ValueError("a linear-attention layer in a forward without recurrent state")
+        return self.recurrent

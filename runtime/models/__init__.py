@@ -34,6 +34,7 @@ from runtime.models import (
     qwen2,
     qwen2_moe,
     qwen3,
+    qwen3_5,
     qwen3_moe,
     smollm3,
 )
@@ -51,6 +52,8 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen2_moe": qwen2_moe,
     "qwen3": qwen3,
     "qwen3_moe": qwen3_moe,
+    "qwen3_5_text": qwen3_5,  # hybrid: linear-attention layers keep a recurrent state
+    "qwen3_5": qwen3_5,  # the multimodal layout (or a flat text config): its text model
     "mixtral": mixtral,
     "gpt_oss": gpt_oss,
     "phi3": phi3,

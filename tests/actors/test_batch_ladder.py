@@ -69,3 +69,14 @@ def test_bench_ladder_runs_a_model_with_sliding_window_layers(make_checkpoint, c
     assert args.run(args) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
     assert [row.split("|")[1].strip() for row in rows[1:]] == ["1", "2", "3"]
+
+
+def test_bench_ladder_runs_a_hybrid_model_from_zero_recurrent_states(make_checkpoint, capsys):
+    """Its views had no recurrent state: every Qwen3.5 size raised in its first
+    linear-attention layer."""
+    hybrid = make_checkpoint("qwen3_5_text", num_layers=4)
+    argv = ["bench", "ladder", "--model", str(hybrid), "--max-tokens", "3", "--repeats", "1", "--context", "20"]
+    args = _parser().parse_args(argv)
+    assert args.run(args) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == ["1", "2", "3"]

@@ -71,9 +71,9 @@ def test_a_model_error_mid_forward_fails_only_its_row(make_checkpoint, monkeypat
     hidden, forward = type(engine.model).hidden, engine.kv.forward
     seen = []
 
-    def recording_forward(spans, epoch):
+    def recording_forward(spans, epoch, *recurrent):
         seen[:] = [engine._rows[s.seq_id] for s in spans]
-        return forward(spans, epoch)
+        return forward(spans, epoch, *recurrent)
 
     def failing_hidden(model, tokens, kv=None, keep=None):
         h = hidden(model, tokens, kv, keep)

@@ -1,0 +1,243 @@
+"""Qwen3.5 (hybrid Gated DeltaNet + gated attention) against mlx-lm's `qwen3_5` on tiny
+random checkpoints: the model alone, both weight forms, quantized, the multimodal
+layout, and through the paged engine, whose rows carry recurrent state
+(runtime/kv/recurrent.py) across chunks, mixed steps, lookahead, preemption, aborts,
+a retried forward and ladder padding."""
+
+import json
+from pathlib import Path
+
+from runtime.checkpoint import load_model
+from runtime.config import config_from_dict
+from runtime.engine import FAULT_ENV, Engine
+from runtime.errors import CheckpointError
+from runtime.kv.base import RowSpan
+from runtime.kv.blocks import BlockPool
+from runtime.kv.recurrent import RecurrentStore
+from runtime.ladder import BatchLadder
+from runtime.runner import run_offline
+from runtime.scheduler import FcfsScheduler
+from runtime.sequence import FinishCause, SequenceParams, StepBatch
+from runtime.synth_configs import hf_config
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import generate_step
+
+TOKENS = mx.array([[1, 5, 9, 200, 33, 17, 4, 88, 120, 7, 301, 44]])
+PROMPTS = {
+    "a": [11, 305, 42, 977, 5, 1203, 64, 88, 300, 7, 1500, 19, 23, 99, 410],
+    "b": [7, 8, 9],
+    "c": [900, 5, 6, 31, 77, 2, 18, 260, 13],
+    "d": [612],  # its token in no other prompt (the fault hook finds rows by it)
+}
+NEW_TOKENS = 10
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(make_checkpoint):
+    return make_checkpoint("qwen3_5_text", num_layers=4)  # 3 Gated DeltaNet layers, then attention
+
+
+def reference(path: Path):
+    """mlx-lm's model: a flat config is its `qwen3_5` text config, whatever it names."""
+    model, _ = mlx_lm.load(str(path), model_config={"model_type": "qwen3_5"})
+    return model
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint):
+    model = reference(checkpoint)
+    return {
+        rid: [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=NEW_TOKENS)]
+        for rid, prompt in PROMPTS.items()
+    }
+
+
+def engine_for(checkpoint, **kwargs):
+    return Engine(load_model(checkpoint), **{"max_batch": 4, "block_size": BLOCK, "kv_budget": 1 << 22, **kwargs})
+
+
+def policy_for(engine, *, chunk=256, budget=512, solo=0, num_blocks=None):
+    pool = BlockPool(num_blocks or engine.kv.num_blocks, BLOCK, is_caching=False, layout=engine.kv.layout)
+    return FcfsScheduler(engine.max_batch, pool, engine.max_context, chunk, budget, solo)
+
+
+def params(rid, max_tokens=NEW_TOKENS, **kwargs):
+    return SequenceParams(tuple(PROMPTS[rid]), max_tokens=max_tokens, ignore_eos=True, request_id=rid, **kwargs)
+
+
+def run(engine, policy, rids, lookahead=1, on_step=None):
+    got = run_offline(engine, policy, {rid: params(rid) for rid in rids}, lookahead=lookahead, on_step=on_step)
+    assert engine.num_open == 0 and len(engine.states) == 0  # every row's state freed
+    return got
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5"])
+@pytest.mark.parametrize("is_original", [True, False], ids=["hf-original", "mlx-converted"])
+@pytest.mark.parametrize("is_tied", [True, False], ids=["tied", "untied"])
+def test_logits_match_mlx_lm_in_both_weight_forms_and_layouts(make_checkpoint, family, is_original, is_tied):
+    path = make_checkpoint(family, num_layers=4, hf_original=is_original, tie_word_embeddings=is_tied)
+    got, want = load_model(path, keep_dtype=True).model(TOKENS), reference(path)(TOKENS)
+    assert mx.allclose(got, want, atol=1e-4).item()
+
+
+def test_both_weight_forms_load_to_the_same_logits(make_checkpoint):
+    original = make_checkpoint("qwen3_5", num_layers=4, hf_original=True)
+    converted = make_checkpoint("qwen3_5", num_layers=4, hf_original=False)
+    names = json.loads((original / "config.json").read_text())
+    assert names["model_type"] == "qwen3_5" and "text_config" in names
+    a, b = (load_model(p, keep_dtype=True).model(TOKENS) for p in (original, converted))
+    assert mx.array_equal(a, b).item()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5"])
+def test_a_quantized_checkpoint_matches_mlx_lms_quantized_model(make_checkpoint, family):
+    path = make_checkpoint(family, num_layers=4, quantize=(32, 4))
+    got, want = load_model(path).model(TOKENS), reference(path)(TOKENS)
+    assert mx.allclose(got, want, atol=1e-3).item()
+
+
+def test_a_bfloat16_checkpoint_kept_in_its_dtype_matches_mlx_lm(make_checkpoint):
+    path = make_checkpoint("qwen3_5_text", num_layers=4, dtype="bfloat16")
+    got, want = load_model(path, keep_dtype=True).model(TOKENS), reference(path)(TOKENS)
+    assert got.dtype == want.dtype == mx.bfloat16
+    assert mx.array_equal(got, want).item()
+
+
+def test_only_the_attention_layers_get_kv_pools_and_the_budget_holds_the_states(checkpoint):
+    engine = engine_for(checkpoint)
+    config = engine.config
+    assert config.extra["linear_layers"] == (True, True, True, False) and config.kv_layers == 1
+    assert len(engine.kv.keys) == 1
+    # 3 layers x (3 conv inputs of 2*32 + 64 channels, and a 4 x 16 x 16 state), float32.
+    assert config.recurrent_row_bytes == 3 * (3 * 128 + 4 * 16 * 16) * 4
+    assert engine.recurrent_bytes == 4 * config.recurrent_row_bytes
+    assert engine.kv.nbytes + engine.recurrent_bytes <= 1 << 22
+    assert engine.kv.nbytes > (1 << 22) - engine.recurrent_bytes - engine.bytes_per_block
+
+
+def test_a_row_alone_matches_mlx_lm(checkpoint, expected):
+    engine = engine_for(checkpoint)
+    for rid in PROMPTS:
+        assert run(engine, policy_for(engine), [rid])[rid].tokens == tuple(expected[rid]), rid
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+@pytest.mark.parametrize(("chunk", "budget"), [(256, 512), (3, 6)], ids=["whole-prompts", "small-chunks"])
+def test_rows_in_mixed_steps_match_mlx_lm(checkpoint, expected, lookahead, chunk, budget):
+    """Small chunks: each prompt over several steps, beside the others' decode tokens."""
+    engine = engine_for(checkpoint)
+    policy = policy_for(engine, chunk=chunk, budget=budget)
+    kinds = []
+
+    def note(plan):  # steps with both a decode token and a prompt chunk of another row
+        prefill = [span.is_prefill for span in plan.spans]
+        kinds.append(any(prefill) and not all(prefill))
+
+    got = run(engine, policy, PROMPTS, lookahead, on_step=note)
+    assert {rid: list(r.tokens) for rid, r in got.items()} == expected
+    assert any(kinds) or chunk == 256
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_a_preempted_row_recomputes_its_state_from_the_start(checkpoint, expected, lookahead):
+    engine = engine_for(checkpoint)
+    policy = policy_for(engine, chunk=4, budget=8, num_blocks=12)  # too few for all four rows
+    got = run(engine, policy, PROMPTS, lookahead)
+    assert policy.num_preemptions > 0
+    assert {rid: list(r.tokens) for rid, r in got.items()} == expected
+
+
+def test_an_aborted_neighbour_leaves_the_other_rows_as_they_were(checkpoint, expected):
+    engine = engine_for(checkpoint)
+    policy = policy_for(engine, chunk=3, budget=6)
+    steps = []
+
+    def abort_c(plan):
+        steps.append(plan)
+        if len(steps) == 6:
+            policy.abort("c")
+
+    got = run(engine, policy, PROMPTS, 2, on_step=abort_c)
+    assert len(got["c"].tokens) < NEW_TOKENS
+    assert {rid: list(got[rid].tokens) for rid in "abd"} == {rid: expected[rid] for rid in "abd"}
+
+
+@pytest.mark.parametrize("fault", [":0", ":3"])
+def test_a_forward_retried_in_halves_commits_no_half_updated_state(checkpoint, expected, monkeypatch, fault):
+    """The fault raises once every layer of the forward is built: had the first try
+    kept its states, the healthy rows' retries would start from advanced ones."""
+    monkeypatch.setenv(FAULT_ENV, f"{PROMPTS['d'][0]}{fault}")
+    engine = engine_for(checkpoint)
+    got = run(engine, policy_for(engine, chunk=3, budget=6), PROMPTS, 1)
+    assert got["d"].finish is FinishCause.ERROR
+    assert {rid: list(got[rid].tokens) for rid in "abc"} == {rid: expected[rid] for rid in "abc"}
+
+
+def test_ladder_pads_never_touch_a_rows_state(checkpoint, expected):
+    engine = engine_for(checkpoint)
+    engine.ladder = BatchLadder(tuple([10.0] * 7 + [1.0] * 9))  # 1..7 tokens run as 8
+    got = run(engine, policy_for(engine, chunk=3, budget=6), PROMPTS, 2)
+    assert {rid: list(r.tokens) for rid, r in got.items()} == expected
+
+
+def test_a_row_stopped_by_a_stop_token_drops_its_speculative_step(checkpoint, expected):
+    engine = engine_for(checkpoint)
+    stop = expected["a"][4]  # the 5th token ends it while the 6th's step is queued
+    requests = {
+        "a": SequenceParams(tuple(PROMPTS["a"]), max_tokens=NEW_TOKENS, stop_token_ids=frozenset([stop])),
+        "b": params("b"),
+    }
+    got = run_offline(engine, policy_for(engine), requests, lookahead=2)
+    assert list(got["a"].tokens) == expected["a"][: expected["a"].index(stop) + 1]
+    assert list(got["b"].tokens) == expected["b"] and len(engine.states) == 0
+
+
+def test_a_span_not_starting_where_its_rows_state_is_fails(checkpoint):
+    store = RecurrentStore()
+    with pytest.raises(ValueError, match="row 7: its recurrent state is at position 0, the span starts at 16"):
+        store.step([RowSpan(7, 16, 1, (0,) * 5)])  # a cached prefix: no state for it
+    engine = engine_for(checkpoint)
+    seq = engine.open(SequenceParams((1, 2, 3), max_tokens=2))
+    engine.step(StepBatch((RowSpan(seq.seq_id, 0, 3, (0,)),)))
+    assert len(engine.states) == 1
+    (failed,) = engine.step(StepBatch((RowSpan(seq.seq_id, 1, 3, (0,)),)))  # not where it is
+    assert failed.finish is FinishCause.ERROR and "recurrent state is at position 3" in failed.error
+    engine.close(seq)
+    assert len(engine.states) == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"num_experts": 8}, r"routed experts \(qwen3_5_moe\) is not supported"),
+        ({"attn_output_gate": False}, "attn_output_gate=false is not supported"),
+        ({"layer_types": ["full_attention"]}, "layer_types needs 4 entries"),
+        ({"linear_num_value_heads": 3}, "multiple of linear_num_key_heads"),
+    ],
+)
+def test_settings_it_cannot_run_are_one_line_errors(fields, message):
+    raw = {**hf_qwen3_5(), **fields}
+    with pytest.raises(CheckpointError, match=message):
+        config_from_dict(raw)
+
+
+def test_qwen3_5_moe_is_refused_by_name():
+    with pytest.raises(CheckpointError, match="unsupported model_type 'qwen3_5_moe'"):
+        config_from_dict({**hf_qwen3_5(), "model_type": "qwen3_5_moe"})
+
+
+def test_full_attention_interval_places_the_attention_layers_without_layer_types():
+    raw = {**hf_qwen3_5(num_layers=8), "full_attention_interval": 2}
+    del raw["layer_types"]
+    assert config_from_dict(raw).extra["linear_layers"] == (True, False) * 4
+
+
+def hf_qwen3_5(num_layers=4):
+    return hf_config(
+        "qwen3_5_text", vocab_size=512, eos_token_id=[1], hidden_size=64, num_layers=num_layers,
+        num_heads=4, num_kv_heads=2, intermediate_size=128,
+    )
