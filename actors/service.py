@@ -106,7 +106,8 @@ async def open_llm(
     and pads steps to a cheaper size (runtime/ladder.py).
     `warm_up` runs the step shapes once on dummy prompts before serving, so that no
     request waits for a kernel compile (runtime/warm_up.py); None: on a GPU only.
-    `prefix_cache=False` turns prefix caching off. `lookahead` (>= 1) is how many engine steps stay queued
+    `prefix_cache=False` turns prefix caching off (a hybrid model, Qwen3.5, always has it
+    off: runtime/kv/recurrent.py). `lookahead` (>= 1) is how many engine steps stay queued
     behind the running one (more hides more scheduling latency, and costs that many
     speculative steps per finish).
     `think_split=False` leaves a thinking model's thought (`<think>`, Mistral's `[THINK]`)
@@ -174,7 +175,16 @@ async def open_llm(
             abandon_on_cancel=True,
         )
         log.info("batch_ladder", **engine.ladder.describe())
+    if prefix_cache and engine.states is not None:
+        # A cached prefix is K/V only: a hybrid model's linear-attention layers would
+        # need their recurrent state at its end too, which no block holds.
+        log.info(
+            "prefix_cache_off",
+            reason="the model's linear-attention layers keep a recurrent state, which a cached prefix lacks",
+        )
+        prefix_cache = False
     kv = engine.kv
+    recurrent = {} if engine.states is None else {"recurrent_state_bytes": engine.recurrent_bytes}
     log.info(
         "kv_pool",
         block_size=kv.block_size,
@@ -182,6 +192,7 @@ async def open_llm(
         bytes=kv.nbytes,
         tokens=engine.kv_tokens,
         prefix_cache=prefix_cache,
+        **recurrent,  # max_batch rows' linear-attention states, off the same budget
     )
     if kv.layout.is_windowed:  # what the windows save on the longest row
         windowed, full = kv.row_bytes(engine.max_context)

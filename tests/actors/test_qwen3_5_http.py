@@ -1,0 +1,73 @@
+"""`cadence serve` with a Qwen3.5 checkpoint (the multimodal layout as Qwen releases it,
+vision tower and MTP head skipped) as a user tries it: the official openai client
+against a real server. Its prefix caching is off (a cached prefix has no recurrent
+state), so the same prompt twice is computed twice, to the same tokens."""
+
+from runtime.config import load_config
+from runtime.synth import make_tiny_checkpoint
+from runtime.tokenizer import Tokenizer
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import generate_step
+from structlog.testing import capture_logs
+
+from tests.actors.test_http import in_thread, serving
+from tests.actors.test_metrics import samples, scrape
+
+PROMPT = "The for statement is used to iterate over the elements of a sequence, in order"
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("Qwen3.5-tiny"), "qwen3_5", num_layers=4)
+
+
+def mlx_lm_completion(path, tokenizer, ids, n):
+    model, _ = mlx_lm.load(str(path))
+    want = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=n)]
+    eos = set(load_config(path).eos_token_ids) | tokenizer.eos_token_ids
+    ends = [i for i, token in enumerate(want) if token in eos]
+    return want[: ends[0]] if ends else want, bool(ends)
+
+
+async def test_qwen3_5_serves_the_same_prompt_twice_with_prefix_caching_off(qwen3_5):
+    with capture_logs() as logs:
+        async with serving(qwen3_5, max_batch=4) as server:
+            client = server.client()
+
+            def complete():
+                return client.completions.create(model=server.model, prompt=PROMPT * 3, max_tokens=16)
+
+            first, second = await in_thread(complete), await in_thread(complete)
+
+            def stream():
+                chunks = client.chat.completions.create(
+                    model=server.model, messages=[{"role": "user", "content": PROMPT}], max_tokens=12, stream=True
+                )
+                return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+            streamed = await in_thread(stream)
+            whole = await in_thread(
+                client.chat.completions.create,
+                model=server.model,
+                messages=[{"role": "user", "content": PROMPT}],
+                max_tokens=12,
+            )
+            status, _, body = await in_thread(scrape, server.url)
+    assert any(e["event"] == "prefix_cache_off" for e in logs)
+    (pool,) = [e for e in logs if e["event"] == "kv_pool"]
+    assert pool["prefix_cache"] is False and pool["recurrent_state_bytes"] > 0
+    tokenizer = Tokenizer.from_dir(qwen3_5)
+    ids = tokenizer.encode(PROMPT * 3)
+    want, ended = mlx_lm_completion(qwen3_5, tokenizer, ids, 16)
+    for completion in (first, second):
+        assert completion.choices[0].text == tokenizer.decode(want)
+        assert completion.usage.completion_tokens == len(want) + ended
+    assert streamed == whole.choices[0].message.content
+    assert status == 200
+    metrics = {name: value for (name, _), value in samples(body).items()}
+    assert metrics["cadence:prefix_cache_hits_total"] == 0
+    assert metrics["cadence:prefix_cache_queries_total"] > 0
+    assert second.usage.prompt_tokens_details is None or second.usage.prompt_tokens_details.cached_tokens == 0
