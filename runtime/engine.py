@@ -270,6 +270,13 @@ class Engine:
         if self.states is not None:
             self.states.release(seq.seq_id)
 
+    def drop_state(self, seq: SeqHandle) -> None:
+        """Free a preempted row's recurrent state (a hybrid model's): it is computed again
+        from position 0, so while it waits it holds none, and the rows holding one are
+        at most max_batch, as the KV budget counts them."""
+        if self.states is not None:
+            self.states.release(seq.seq_id)
+
     @property
     def num_open(self) -> int:
         return len(self._rows)

@@ -62,6 +62,9 @@ class PlanRunner:
         for request_id in plan.closes:
             if (seq := self.rows.pop(request_id, None)) is not None:
                 self.engine.close(seq)
+        for request_id in plan.preempted:  # recomputed from 0: a hybrid model's state goes now
+            if (seq := self.rows.get(request_id)) is not None:
+                self.engine.drop_state(seq)
         failed = [RowResult(rid, None, FinishCause.ERROR, why) for rid, why in plan.rejects]
         for request_id, params, _ in plan.opens:
             try:

@@ -64,6 +64,9 @@ class FakeEngine:
     def close(self, seq: SeqHandle) -> None:
         self.rows.pop(seq.seq_id, None)
 
+    def drop_state(self, seq: SeqHandle) -> None:
+        pass  # no recurrent state here
+
     def submit(self, batch: StepBatch) -> None:
         self._num_steps += 1
         live = [span for span in batch.spans if span.seq_id in self.rows]

@@ -146,8 +146,14 @@ def test_rows_in_mixed_steps_match_mlx_lm(checkpoint, expected, lookahead, chunk
 def test_a_preempted_row_recomputes_its_state_from_the_start(checkpoint, expected, lookahead):
     engine = engine_for(checkpoint)
     policy = policy_for(engine, chunk=4, budget=8, num_blocks=12)  # too few for all four rows
-    got = run(engine, policy, PROMPTS, lookahead)
+    held = []
+
+    def note(plan):  # this plan's preempted rows are still running in the engine
+        held.append(len(engine.states) - len(policy.running) - len(plan.preempted))
+
+    got = run(engine, policy, PROMPTS, lookahead, on_step=note)
     assert policy.num_preemptions > 0
+    assert max(held) <= 0  # a waiting (preempted) row holds no state
     assert {rid: list(r.tokens) for rid, r in got.items()} == expected
 
 
