@@ -17,7 +17,7 @@ from typing import Any
 from runtime.config import config_from_dict
 from runtime.models import FAMILIES, build_model
 from runtime.models.layers import CausalLM
-from runtime.synth_configs import DTYPES, hf_config
+from runtime.synth_configs import DTYPES, QWEN3_5_FAMILIES, hf_config
 
 import mlx.core as mx
 import numpy as np
@@ -88,8 +88,9 @@ def make_tiny_checkpoint(
     mlx-community's names; its layers alternate a `sliding_window` and full attention).
 
     Qwen3.5 (`qwen3_5_text`, or the multimodal `qwen3_5` layout with a stub vision
-    tower and multi-token-prediction head) has every fourth layer full attention, the
-    rest Gated DeltaNet. `hf_original` stores the conv weights and norm offsets as
+    tower and multi-token-prediction head; `qwen3_5_moe_text` and `qwen3_5_moe` with
+    routed experts in every layer) has every fourth layer full attention, the rest
+    Gated DeltaNet. `hf_original` stores the conv weights, norm offsets and experts as
     Hugging Face's originals do; False as mlx-lm's conversions; None: original unless
     quantized (mlx-community's quantized conversions are mlx-lm's form).
 
@@ -143,9 +144,9 @@ def make_tiny_checkpoint(
         }
     if family in EXPERT_NAMES and quantize is None:
         weights = per_expert_weights(weights, EXPERT_NAMES[family])
-    if family in QWEN3_5:
+    if family in QWEN3_5_FAMILIES:
         is_original = quantize is None if hf_original is None else hf_original
-        weights = qwen3_5_weights(weights, is_original, family == "qwen3_5", seed)
+        weights = qwen3_5_weights(weights, is_original, "text_config" in raw, seed)
     if family in MULTIMODAL:
         weights = {f"language_model.{name}": w for name, w in weights.items()}
         rng = np.random.default_rng(seed)
@@ -184,19 +185,22 @@ def fused_projections(
     return out
 
 
-QWEN3_5 = ("qwen3_5_text", "qwen3_5")
-
-
 def qwen3_5_weights(
     weights: dict[str, mx.array], is_original: bool, is_multimodal: bool, seed: int
 ) -> dict[str, mx.array]:
-    """Qwen3.5's weights as stored: a Hugging Face original's conv weights [C, 1, K] and
-    norm offsets from 1 (runtime/models/qwen3_5.py), else mlx-lm's form as they are; the
+    """Qwen3.5's weights as stored: a Hugging Face original's conv weights [C, 1, K], norm
+    offsets from 1 and fused experts (runtime/models/qwen3_5.py), else mlx-lm's form; the
     multimodal layout's names (the original's `model.language_model.`, a conversion's
     `language_model.model.`) beside a stub vision tower and MTP head, to be dropped."""
     from runtime.models.qwen3_5 import OFFSET_NORMS
 
     out = {}
+    if is_original:  # the experts fused per layer: gate and up rows in one tensor
+        for name in [n for n in weights if n.endswith(".switch_mlp.gate_proj.weight")]:
+            prefix = name.removesuffix(".switch_mlp.gate_proj.weight")
+            up = weights.pop(f"{prefix}.switch_mlp.up_proj.weight")
+            weights[f"{prefix}.experts.gate_up_proj"] = mx.concatenate([weights.pop(name), up], axis=-2)
+            weights[f"{prefix}.experts.down_proj"] = weights.pop(f"{prefix}.switch_mlp.down_proj.weight")
     for name, w in weights.items():
         if is_original and name.endswith("conv1d.weight"):
             w = w.moveaxis(2, 1)

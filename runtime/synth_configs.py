@@ -21,6 +21,8 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
@@ -38,6 +40,7 @@ ARCHITECTURES = {
 }
 # Ministral 3's settings with an original context of 16 (the releases': 16,384); the
 # factor is the ratio of max_position_embeddings to it, as in the releases.
+QWEN3_5_FAMILIES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 MINISTRAL3_ROPE = {
     "factor": 16.0,
     "original_max_position_embeddings": 16,
@@ -253,7 +256,7 @@ def hf_config(
         if raw["enable_moe_block"]:
             raw.update(num_experts=num_experts, top_k_experts=num_experts_per_tok, moe_intermediate_size=intermediate_size)
         del raw["hidden_act"], raw["rope_theta"], raw["rope_scaling"]
-    if family in ("qwen3_5_text", "qwen3_5"):  # Gated DeltaNet layers, every 4th full attention
+    if family in QWEN3_5_FAMILIES:  # Gated DeltaNet layers, every 4th full attention
         raw.update(
             head_dim=head_dim or hidden_size // num_heads,
             attn_output_gate=True,
@@ -273,8 +276,16 @@ def hf_config(
             },
         )
         del raw["rope_scaling"]
-    if family == "qwen3_5":  # the multimodal layout: the text model's config nested
-        text = {**raw, "model_type": "qwen3_5_text"}
+        if "moe" in family:  # every layer's MLP routed, beside a shared expert
+            raw.update(
+                num_experts=num_experts,
+                num_experts_per_tok=num_experts_per_tok,
+                moe_intermediate_size=intermediate_size,
+                shared_expert_intermediate_size=2 * intermediate_size,
+                norm_topk_prob=True,
+            )
+    if family in ("qwen3_5", "qwen3_5_moe"):  # the multimodal layout: the text model's config nested
+        text = {**raw, "model_type": f"{family}_text"}
         outer = ("architectures", "eos_token_id", "torch_dtype", "tie_word_embeddings")
         for name in outer[:-1]:  # tying is said in both, as the releases do
             text.pop(name)

@@ -54,6 +54,8 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen3_moe": qwen3_moe,
     "qwen3_5_text": qwen3_5,  # hybrid: linear-attention layers keep a recurrent state
     "qwen3_5": qwen3_5,  # the multimodal layout (or a flat text config): its text model
+    "qwen3_5_moe_text": qwen3_5,  # the same with routed experts
+    "qwen3_5_moe": qwen3_5,
     "mixtral": mixtral,
     "gpt_oss": gpt_oss,
     "phi3": phi3,

@@ -1,5 +1,6 @@
-"""Qwen3.5 (`qwen3_5`; its text model `qwen3_5_text`): a hybrid of Gated DeltaNet
-linear-attention layers and gated full-attention layers, as mlx-lm's `qwen3_5` runs it.
+"""Qwen3.5 (`qwen3_5`; its text model `qwen3_5_text`; with routed experts `qwen3_5_moe`,
+`qwen3_5_moe_text`): a hybrid of Gated DeltaNet linear-attention layers and gated
+full-attention layers, as mlx-lm's `qwen3_5` and `qwen3_5_moe` run it.
 
     layer i: linear attention, or full attention where `layer_types` says
              "full_attention" (without it: every `full_attention_interval`-th layer)
@@ -25,6 +26,12 @@ from 1; mlx-lm's conversions store [C, K, 1] and the scales. Both load, told apa
 the conv weights' shape as mlx-lm does. The multimodal layout (`text_config`,
 `model.language_model.` names) loads its text model; the vision tower and the
 multi-token-prediction head (`mtp.`) are dropped.
+
+With routed experts, every layer's MLP routes among `num_experts` of
+`moe_intermediate_size` beside a gated shared expert, as qwen2_moe's
+(runtime/models/experts.py). Hugging Face's originals store each layer's experts fused
+(`mlp.experts.gate_up_proj` [E, 2 I, hidden], gate rows first, and `mlp.experts.down_proj`),
+older exports one tensor per expert; both are stacked into `switch_mlp` at load.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ from runtime.errors import CheckpointError
 from runtime.kv.base import ForwardKV
 from runtime.kv.recurrent import STATE_BYTES
 from runtime.models import llama, multimodal
-from runtime.models.layers import CausalLM, GatedMLP, RMSNorm, RoPE, kept_rows
+from runtime.models.experts import Experts, feed_forward, stack_experts
+from runtime.models.layers import CausalLM, RMSNorm, RoPE, kept_rows
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -149,7 +157,7 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(config, index)
         else:
             self.self_attn = GatedAttention(config, index)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = feed_forward(config, layer)  # dense, or routed experts (qwen3_5_moe)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -189,18 +197,18 @@ build = Decoder
 
 
 def unwrap_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
-    """The multimodal `qwen3_5` config -> its text model's (`qwen3_5_text`); a flat
-    `qwen3_5` config (mlx-lm reads one as its own text config) is the text model's."""
+    """The multimodal `qwen3_5` (`qwen3_5_moe`) config -> its text model's (`qwen3_5_text`,
+    `qwen3_5_moe_text`); a flat config (mlx-lm reads one as its own text config) is the
+    text model's."""
+    text_type = raw["model_type"].removesuffix("_text") + "_text"
     if "text_config" not in raw:
-        return {**raw, "model_type": "qwen3_5_text"}
-    return {**multimodal.text_config(raw, source, "qwen3_5_text"), "model_type": "qwen3_5_text"}
+        return {**raw, "model_type": text_type}
+    return {**multimodal.text_config(raw, source, text_type), "model_type": text_type}
 
 
 def read_config(fields: ConfigFields) -> dict[str, Any]:
     llama.check_activation(fields)
     source, num_layers = fields.source, fields.get("num_hidden_layers", int)
-    if fields.raw.get("num_experts"):
-        raise CheckpointError(f"{source}: Qwen3.5 with routed experts (qwen3_5_moe) is not supported yet")
     if not fields.get("attn_output_gate", bool, True):
         raise CheckpointError(f"{source}: attn_output_gate=false is not supported")
     is_linear = _linear_layers(fields, num_layers)
@@ -229,11 +237,27 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
         "num_kv_layers": is_linear.count(False),
         "recurrent_row_bytes": is_linear.count(True) * row_state * STATE_BYTES,
         "extra": {
+            "experts": _experts(fields),
             "linear_layers": tuple(is_linear),
             "linear": lin,
             "rotary_dims": int(head_dim * _partial_rotary_factor(fields)),
         },
     }
+
+
+def _experts(fields: ConfigFields) -> Experts | None:
+    """Routed experts in every layer (mlx-lm's and transformers' qwen3_5_moe: neither
+    reads `mlp_only_layers` or `decoder_sparse_step`), or None for the dense model."""
+    if not fields.raw.get("num_experts"):
+        return None
+    shared = fields.raw.get("shared_expert_intermediate_size")
+    return Experts.read(
+        fields,
+        num_experts=fields.get("num_experts", int),
+        intermediate_size=fields.get("moe_intermediate_size", int),
+        normalize=fields.get("norm_topk_prob", bool, True),
+        shared_intermediate_size=fields.get("shared_expert_intermediate_size", int) if shared else None,
+    )
 
 
 def _linear_layers(fields: ConfigFields, num_layers: int) -> list[bool]:
@@ -271,6 +295,8 @@ def rename_weights(weights: dict[str, mx.array], config: ModelConfig) -> dict[st
     weights = {
         name: w for name, w in weights.items() if not name.startswith(("mtp.", "model.visual.", "visual."))
     }
+    if (experts := config.extra["experts"]) is not None:
+        _stack_experts(weights, experts, config.num_hidden_layers)
     is_original = any(name.endswith("conv1d.weight") and w.shape[-1] != 1 for name, w in weights.items())
     if not is_original:
         return weights
@@ -280,3 +306,19 @@ def rename_weights(weights: dict[str, mx.array], config: ModelConfig) -> dict[st
         elif name.endswith(OFFSET_NORMS) and w.ndim == 1:
             weights[name] = w + 1.0
     return weights
+
+
+EXPERT_NAMES = {name: name for name in ("gate_proj", "up_proj", "down_proj")}  # stored: ours
+
+
+def _stack_experts(weights: dict[str, mx.array], experts: Experts, num_layers: int) -> None:
+    """A layer's experts as stored (fused, or one tensor each) -> `switch_mlp`, in place."""
+    for layer in range(num_layers):
+        prefix = f"model.layers.{layer}.mlp"
+        if (gate_up := weights.pop(f"{prefix}.experts.gate_up_proj", None)) is not None:
+            gate, up = mx.split(gate_up, 2, axis=-2)  # copied: the expert kernel reads whole rows
+            weights[f"{prefix}.switch_mlp.gate_proj.weight"] = mx.contiguous(gate)
+            weights[f"{prefix}.switch_mlp.up_proj.weight"] = mx.contiguous(up)
+        if (down := weights.pop(f"{prefix}.experts.down_proj", None)) is not None:
+            weights[f"{prefix}.switch_mlp.down_proj.weight"] = down
+    stack_experts(weights, experts, layer_prefix="model.layers.{layer}.mlp", names=EXPERT_NAMES)

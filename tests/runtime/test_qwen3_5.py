@@ -42,8 +42,10 @@ def checkpoint(make_checkpoint):
 
 
 def reference(path: Path):
-    """mlx-lm's model: a flat config is its `qwen3_5` text config, whatever it names."""
-    model, _ = mlx_lm.load(str(path), model_config={"model_type": "qwen3_5"})
+    """mlx-lm's model: a flat config is its `qwen3_5` (`qwen3_5_moe`) text config, whatever
+    it names (mlx-lm has no `qwen3_5_text`)."""
+    is_moe = "moe" in json.loads((path / "config.json").read_text())["model_type"]
+    model, _ = mlx_lm.load(str(path), model_config={"model_type": "qwen3_5_moe" if is_moe else "qwen3_5"})
     return model
 
 
@@ -75,7 +77,7 @@ def run(engine, policy, rids, lookahead=1, on_step=None):
     return got
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe"])
 @pytest.mark.parametrize("is_original", [True, False], ids=["hf-original", "mlx-converted"])
 @pytest.mark.parametrize("is_tied", [True, False], ids=["tied", "untied"])
 def test_logits_match_mlx_lm_in_both_weight_forms_and_layouts(make_checkpoint, family, is_original, is_tied):
@@ -84,16 +86,37 @@ def test_logits_match_mlx_lm_in_both_weight_forms_and_layouts(make_checkpoint, f
     assert mx.allclose(got, want, atol=1e-4).item()
 
 
-def test_both_weight_forms_load_to_the_same_logits(make_checkpoint):
-    original = make_checkpoint("qwen3_5", num_layers=4, hf_original=True)
-    converted = make_checkpoint("qwen3_5", num_layers=4, hf_original=False)
-    names = json.loads((original / "config.json").read_text())
-    assert names["model_type"] == "qwen3_5" and "text_config" in names
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_both_weight_forms_load_to_the_same_logits(make_checkpoint, family):
+    original = make_checkpoint(family, num_layers=4, hf_original=True)
+    converted = make_checkpoint(family, num_layers=4, hf_original=False)
+    stored = mx.load(str(original / "model.safetensors"))
+    assert stored["model.language_model.layers.0.linear_attn.conv1d.weight"].shape[1] == 1
+    assert ("model.language_model.layers.0.mlp.experts.gate_up_proj" in stored) == (family == "qwen3_5_moe")
+    assert any(name.startswith("model.visual.") for name in stored) and "mtp.norm.weight" in stored
     a, b = (load_model(p, keep_dtype=True).model(TOKENS) for p in (original, converted))
     assert mx.array_equal(a, b).item()
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5"])
+def test_experts_stored_one_tensor_each_load_as_the_fused_ones(make_checkpoint, tmp_path):
+    """Older exports (Qwen3-Next's) store `mlp.experts.{e}.gate_proj.weight` and so on."""
+    fused = make_checkpoint("qwen3_5_moe_text", num_layers=4)
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((fused / name).read_bytes())
+    weights = mx.load(str(fused / "model.safetensors"))
+    for name in [n for n in weights if n.endswith(".experts.gate_up_proj")]:
+        prefix = name.removesuffix(".gate_up_proj")
+        gate, up = mx.split(weights.pop(name), 2, axis=-2)
+        down = weights.pop(f"{prefix}.down_proj")
+        for e in range(gate.shape[0]):
+            for projection, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+                weights[f"{prefix}.{e}.{projection}.weight"] = mx.contiguous(w[e])
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights, metadata={"format": "pt"})
+    a, b = (load_model(p, keep_dtype=True).model(TOKENS) for p in (fused, tmp_path))
+    assert mx.array_equal(a, b).item()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe"])
 def test_a_quantized_checkpoint_matches_mlx_lms_quantized_model(make_checkpoint, family):
     path = make_checkpoint(family, num_layers=4, quantize=(32, 4))
     got, want = load_model(path).model(TOKENS), reference(path)(TOKENS)
@@ -219,7 +242,10 @@ def test_a_span_not_starting_where_its_rows_state_is_fails(checkpoint):
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"num_experts": 8}, r"routed experts \(qwen3_5_moe\) is not supported"),
+        (
+            {"num_experts": 2, "num_experts_per_tok": 4, "moe_intermediate_size": 8},
+            r"num_experts_per_tok \(4\) is more than the 2 experts",
+        ),
         ({"attn_output_gate": False}, "attn_output_gate=false is not supported"),
         ({"layer_types": ["full_attention"]}, "layer_types needs 4 entries"),
         ({"linear_num_value_heads": 3}, "multiple of linear_num_key_heads"),
@@ -231,9 +257,16 @@ def test_settings_it_cannot_run_are_one_line_errors(fields, message):
         config_from_dict(raw)
 
 
-def test_qwen3_5_moe_is_refused_by_name():
-    with pytest.raises(CheckpointError, match="unsupported model_type 'qwen3_5_moe'"):
-        config_from_dict({**hf_qwen3_5(), "model_type": "qwen3_5_moe"})
+def test_rows_of_the_experts_model_in_mixed_steps_match_mlx_lm(make_checkpoint):
+    path = make_checkpoint("qwen3_5_moe", num_layers=4)
+    model = reference(path)
+    want = {
+        rid: [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=NEW_TOKENS)]
+        for rid, prompt in PROMPTS.items()
+    }
+    engine = engine_for(path)
+    got = run(engine, policy_for(engine, chunk=3, budget=6), PROMPTS, 2)
+    assert {rid: list(r.tokens) for rid, r in got.items()} == want
 
 
 def test_full_attention_interval_places_the_attention_layers_without_layer_types():
