@@ -280,3 +280,25 @@ def hf_qwen3_5(num_layers=4):
         "qwen3_5_text", vocab_size=512, eos_token_id=[1], hidden_size=64, num_layers=num_layers,
         num_heads=4, num_kv_heads=2, intermediate_size=128,
     )
+
+
+def test_a_row_left_out_of_a_step_keeps_a_copy_of_its_state_not_the_batch():
+    """Decoding rows' states are held as one batch; a row that sits out a step must not
+    keep the others' (a constrained row awaiting its sample, a prompt without budget)."""
+    store = RecurrentStore()
+    spans = [RowSpan(r, 0, 1, (0,)) for r in range(3)]
+
+    def forward(spans):
+        step = store.step(spans)
+        n = len(spans)
+        step.convolve(0, mx.ones((n, 8)), mx.ones((8, 4)))
+        step.delta_rule(0, *(mx.ones((n, 2, 4)) for _ in range(3)), mx.ones((n, 2)), mx.ones((n, 2)))
+        store.commit(step)
+
+    forward(spans)
+    batch = store._rows[0].delta[0].batch
+    assert all(store._rows[r].delta[0].batch is batch for r in range(3))  # held as one
+    forward([RowSpan(r, 1, 1, (0,)) for r in (0, 1)])  # row 2 sits out
+    sat_out = store._rows[2]
+    assert [h.batch.shape[0] for h in (*sat_out.conv, *sat_out.delta)] == [1, 1]
+    assert mx.array_equal(sat_out.delta[0].array, batch[2]).item()
