@@ -212,6 +212,8 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
     if not fields.get("attn_output_gate", bool, True):
         raise CheckpointError(f"{source}: attn_output_gate=false is not supported")
     is_linear = _linear_layers(fields, num_layers)
+    if all(is_linear):  # the KV pools' sizing, and every released config, has one
+        raise CheckpointError(f"{source}: a Qwen3.5 model needs at least one full_attention layer")
     lin = {
         "num_key_heads": fields.get("linear_num_key_heads", int),
         "num_value_heads": fields.get("linear_num_value_heads", int),

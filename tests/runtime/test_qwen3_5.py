@@ -248,6 +248,7 @@ def test_a_span_not_starting_where_its_rows_state_is_fails(checkpoint):
         ),
         ({"attn_output_gate": False}, "attn_output_gate=false is not supported"),
         ({"layer_types": ["full_attention"]}, "layer_types needs 4 entries"),
+        ({"layer_types": ["linear_attention"] * 4}, "needs at least one full_attention layer"),
         ({"linear_num_value_heads": 3}, "multiple of linear_num_key_heads"),
     ],
 )
