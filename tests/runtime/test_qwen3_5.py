@@ -303,3 +303,17 @@ def test_a_row_left_out_of_a_step_keeps_a_copy_of_its_state_not_the_batch():
     sat_out = store._rows[2]
     assert [h.batch.shape[0] for h in (*sat_out.conv, *sat_out.delta)] == [1, 1]
     assert mx.array_equal(sat_out.delta[0].array, batch[2]).item()
+
+
+def test_a_model_ending_in_a_linear_attention_layer_matches_mlx_lm(make_checkpoint):
+    """Its last layer projects out only the sampling tokens (`keep`) after the recurrence
+    ran over every token."""
+    path = make_checkpoint("qwen3_5_text", num_layers=6)  # layers 4 and 5 linear
+    model = reference(path)
+    want = {
+        rid: [int(t) for t, _ in generate_step(mx.array(PROMPTS[rid]), model, max_tokens=NEW_TOKENS)]
+        for rid in "ab"
+    }
+    engine = engine_for(path)
+    got = run(engine, policy_for(engine, chunk=3, budget=6), "ab", 1)
+    assert {rid: list(r.tokens) for rid, r in got.items()} == want
