@@ -134,11 +134,11 @@ class PaddedForward:
         return self._padded(self._inner.convolve(layer, x[: self._num_real], weight))
 
     def delta_rule(
-        self, layer: int, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array
+        self, layer: int, q: mx.array, k: mx.array, v: mx.array, log_decay: mx.array, beta: mx.array
     ) -> mx.array:
         """Like attention, the recurrence never sees a pad: no row's state takes one."""
         n = self._num_real
-        return self._padded(self._inner.delta_rule(layer, q[:n], k[:n], v[:n], g[:n], beta[:n]))
+        return self._padded(self._inner.delta_rule(layer, q[:n], k[:n], v[:n], log_decay[:n], beta[:n]))
 
     def _padded(self, out: mx.array) -> mx.array:
         return mx.concatenate([out, mx.zeros((self._pad, *out.shape[1:]), dtype=out.dtype)])

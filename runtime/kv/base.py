@@ -115,10 +115,10 @@ class ForwardKV(Protocol):
         ...
 
     def delta_rule(
-        self, layer: int, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array
+        self, layer: int, q: mx.array, k: mx.array, v: mx.array, log_decay: mx.array, beta: mx.array
     ) -> mx.array:
         """Recurrent `layer`'s gated delta rule from each row's state: q, k [N, Hv, Dk],
-        v [N, Hv, Dv], g and beta [N, Hv] -> [N, Hv, Dv]; see runtime/kv/recurrent.py."""
+        v [N, Hv, Dv], log_decay and beta [N, Hv] -> [N, Hv, Dv]; see runtime/kv/recurrent.py."""
         ...
 
 
@@ -191,6 +191,6 @@ class CausalNoCache:
         return self.recurrent.convolve(layer, x, weight)
 
     def delta_rule(
-        self, layer: int, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array
+        self, layer: int, q: mx.array, k: mx.array, v: mx.array, log_decay: mx.array, beta: mx.array
     ) -> mx.array:
-        return self.recurrent.delta_rule(layer, q, k, v, g, beta)
+        return self.recurrent.delta_rule(layer, q, k, v, log_decay, beta)

@@ -292,9 +292,9 @@ class PagedForward:
         return self._recurrent.convolve(layer, x, weight)
 
     def delta_rule(
-        self, layer: int, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array
+        self, layer: int, q: mx.array, k: mx.array, v: mx.array, log_decay: mx.array, beta: mx.array
     ) -> mx.array:
-        return self._recurrent.delta_rule(layer, q, k, v, g, beta)
+        return self._recurrent.delta_rule(layer, q, k, v, log_decay, beta)
 
     @property
     def _recurrent(self) -> RecurrentStep:

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from runtime.kv.delta_rule import delta_step, span_delta_rule
+
 import attrs
 import mlx.core as mx
 import numpy as np
@@ -163,11 +165,12 @@ class RecurrentStep:
         return out
 
     def delta_rule(
-        self, layer: int, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array
+        self, layer: int, q: mx.array, k: mx.array, v: mx.array, log_decay: mx.array, beta: mx.array
     ) -> mx.array:
         """The gated delta rule over each row's tokens in order: q, k [N, Hv, Dk] (q
-        scaled, both normalized), v [N, Hv, Dv], g (decay) and beta [N, Hv] -> y [N, Hv, Dv].
-        Rows of one token step together as one batch; a longer span loops over its tokens."""
+        scaled, both normalized), v [N, Hv, Dv], log_decay and beta [N, Hv] -> y [N, Hv, Dv].
+        Rows of one token step together as one batch; a longer span runs by chunks
+        (runtime/kv/delta_rule.py)."""
         if layer != len(self.new_delta):
             raise ValueError(f"recurrent layer {layer} stepped out of order")
         Hv, Dv, Dk = v.shape[1], v.shape[2], q.shape[2]
@@ -178,7 +181,7 @@ class RecurrentStep:
         if singles:
             at = mx.array(self._offsets[singles].astype(np.int32))
             state = self._layer_states("delta", layer, singles, zeros)
-            y, state = delta_step(q[at], k[at], v[at], g[at], beta[at], state)
+            y, state = delta_step(q[at], k[at], v[at], log_decay[at], beta[at], state)
             pieces.append(y)
             order.extend(self._offsets[singles].tolist())
             for j, i in enumerate(singles):
@@ -187,36 +190,17 @@ class RecurrentStep:
             if n == 1:
                 continue
             start = int(self._offsets[i])
-            state, ys = self._layer_states("delta", layer, [i], zeros), []
-            for t in range(start, start + n):
-                y, state = delta_step(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], state)
-                ys.append(y)
-            pieces.append(mx.concatenate(ys))
+            span = slice(start, start + n)
+            state = self._layer_states("delta", layer, [i], zeros)[0]
+            y, state = span_delta_rule(q[span], k[span], v[span], log_decay[span], beta[span], state)
+            pieces.append(y)
             order.extend(range(start, start + n))
-            new_states[i] = Held(state, 0)
+            new_states[i] = Held(state[None], 0)
         self.new_delta.append(new_states)  # type: ignore[arg-type]  # every row's is set
         out = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
         if order != list(range(self._num_tokens)):  # back to the flat batch's order
             out = out[mx.array(np.argsort(np.array(order)).astype(np.int32))]
         return out
-
-
-# Compiled: its elementwise ops fuse into a few kernels, once per batch size (a prompt
-# chunk's loop is 1 row, a decode step its decoding rows). A 160-token chunk of an
-# 8-layer synth model (6 such layers) took ~90 ms against ~105-150 ms unfused.
-@mx.compile
-def delta_step(
-    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
-) -> tuple[mx.array, mx.array]:
-    """One token of B rows: q, k [B, H, Dk], v [B, H, Dv], g, beta [B, H], state
-    [B, H, Dv, Dk] -> (y [B, H, Dv], the new state). The state decays by g, then
-    moves its read-out at k towards v by beta; y reads the new state at q."""
-    state = state * g[..., None, None].astype(mx.float32)
-    remembered = (state * k[..., None, :]).sum(axis=-1)  # [B, H, Dv]
-    delta = (v - remembered) * beta[..., None]
-    state = state + k[..., None, :] * delta[..., None]
-    y = (state * q[..., None, :]).sum(axis=-1)
-    return y.astype(q.dtype), state
 
 
 def _window_indices(offsets: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray]:

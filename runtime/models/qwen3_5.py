@@ -15,7 +15,7 @@ Only these layers store K/V (`num_kv_layers`, indexed among themselves).
 
 Linear attention (Gated DeltaNet): per token, in_proj_qkv -> a causal depthwise conv
 (kernel `linear_conv_kernel_dim`) -> SiLU -> q, k (L2-normed, q scaled by Dk^-0.5), v;
-a decay g = exp(-exp(A_log) softplus(a + dt_bias)) and a write strength
+a decay g = exp(-exp(A_log) softplus(a + dt_bias)) (passed as its log) and a write strength
 beta = sigmoid(b); the delta rule's state [Hv, Dv, Dk] gives y, RMS-normed and gated
 by silu(z). The conv inputs and the state are a row's recurrent state, held by the
 storage (`kv.convolve`, `kv.delta_rule`: runtime/kv/recurrent.py).
@@ -141,9 +141,9 @@ class GatedDeltaNet(nn.Module):
         if Hv > Hk:  # each key head serves Hv / Hk value heads, adjacent
             q, k = mx.repeat(q, Hv // Hk, axis=1), mx.repeat(k, Hv // Hk, axis=1)
         a = self.in_proj_a(x).reshape(N, Hv)
-        decay = mx.exp(-mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias))
+        log_decay = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias)
         beta = mx.sigmoid(self.in_proj_b(x).reshape(N, Hv))
-        y = kv.delta_rule(self.state_layer, q, k, v.reshape(N, Hv, Dv), decay, beta)
+        y = kv.delta_rule(self.state_layer, q, k, v.reshape(N, Hv, Dv), log_decay, beta)
         y = self.norm(y, self.in_proj_z(x).reshape(N, Hv, Dv))
         return self.out_proj(kept_rows(y.reshape(B, T, -1), keep))
 

@@ -317,3 +317,15 @@ def test_a_model_ending_in_a_linear_attention_layer_matches_mlx_lm(make_checkpoi
     engine = engine_for(path)
     got = run(engine, policy_for(engine, chunk=3, budget=6), "ab", 1)
     assert {rid: list(r.tokens) for rid, r in got.items()} == want
+
+
+@pytest.mark.parametrize("chunk", [256, 48], ids=["one-span", "spans-of-48"])
+def test_a_long_prompt_computed_by_chunks_of_the_delta_rule_matches_mlx_lm(checkpoint, chunk):
+    """150 tokens: three of the delta rule's 64-token chunks in one span (or spans of
+    48, each one chunk), against mlx-lm's token-by-token recurrence."""
+    prompt = [(37 * i) % 1500 + 3 for i in range(150)]
+    want = [int(t) for t, _ in generate_step(mx.array(prompt), reference(checkpoint), max_tokens=NEW_TOKENS)]
+    engine = engine_for(checkpoint)
+    requests = {"long": SequenceParams(tuple(prompt), max_tokens=NEW_TOKENS, ignore_eos=True)}
+    got = run_offline(engine, policy_for(engine, chunk=chunk, budget=chunk + 4), requests)
+    assert list(got["long"].tokens) == want
