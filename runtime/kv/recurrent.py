@@ -2,7 +2,8 @@
 
 A hybrid model's linear-attention layer keeps no K/V: each row carries, per such
 layer, a causal convolution's last K - 1 inputs `[K-1, C]` and a delta-rule state
-`[Hv, Dv, Dk]` (float32), advanced token by token. The storage interface holds them
+`[Hv, Dv, Dk]` (float32), advanced by each of its spans (runtime/kv/delta_rule.py:
+decoding rows one batched step, a prompt chunk by chunks). The storage interface holds them
 beside the paged K/V: a layer calls `kv.convolve(...)` and `kv.delta_rule(...)`,
 as an attention layer calls `kv.attend(...)`, and never branches on prefill or decode.
 
