@@ -202,11 +202,16 @@ class Engine:
         # (runtime/kv/recurrent.py): max_batch rows of it come off the budget first.
         self.states = RecurrentStore() if config.recurrent_row_bytes else None
         self.recurrent_bytes = max_batch * config.recurrent_row_bytes
+        reserved = (
+            ("the sliding-window layers' KV", self.window_bytes),
+            ("the linear-attention layers' state", self.recurrent_bytes),
+        )
         num_blocks = pool_blocks(
             kv_budget,
             max_batch * blocks_per_row,
             self.bytes_per_block,
             self.window_bytes + self.recurrent_bytes,
+            " and ".join(what for what, size in reserved if size) or reserved[0][0],
         )
         self.kv = PagedKV(
             *geometry, config.num_queries_per_kv, num_blocks, block_size, dtype,

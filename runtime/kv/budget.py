@@ -40,9 +40,14 @@ def is_kv_budget(kv_budget: object) -> bool:
 
 
 def pool_blocks(
-    kv_budget: int | float | None, wanted_blocks: int, bytes_per_block: int, window_bytes: int
+    kv_budget: int | float | None,
+    wanted_blocks: int,
+    bytes_per_block: int,
+    window_bytes: int,
+    reserved: str = "the sliding-window layers' KV",
 ) -> int:
-    """The pool's blocks under `kv_budget`, past the sliding-window pools' `window_bytes`."""
+    """The pool's blocks under `kv_budget`, past the sliding-window pools' `window_bytes`
+    (or whatever else is reserved per row first: `reserved` names it in an error)."""
     if not is_kv_budget(kv_budget):
         raise ValueError(f"kv_budget must be bytes > 0 or a fraction in (0, 1), got {kv_budget!r}")
     available = available_memory()
@@ -52,7 +57,7 @@ def pool_blocks(
     # swapped the machine to a halt while they filled, as an oversized budget did.
     if available is not None and window_bytes + bytes_per_block > available:
         raise CadenceError(
-            f"the sliding-window layers' KV for --max-batch rows takes "
+            f"{reserved} for --max-batch rows takes "
             f"{window_bytes / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of "
             "memory available: lower --max-batch"
         )
@@ -64,7 +69,7 @@ def pool_blocks(
                 f"KV budget of {kv_budget / 2**30:.1f} GiB is more than the "
                 f"{available / 2**30:.1f} GiB of memory available (--kv-budget)"
             )
-        _check_holds_windows(kv_budget, window_bytes, "the KV budget (--kv-budget)")
+        _check_holds_windows(kv_budget, window_bytes, "the KV budget (--kv-budget)", reserved)
         return max((kv_budget - window_bytes) // bytes_per_block, 1)
     if available is None:
         return wanted_blocks
@@ -74,18 +79,18 @@ def pool_blocks(
         what = f"the default KV budget ({DEFAULT_FREE_FRACTION:.0%} of the memory available)"
     else:
         what = "the KV budget (--kv-budget)"
-    _check_holds_windows(share, window_bytes, what)
+    _check_holds_windows(share, window_bytes, what, reserved)
     affordable = max((share - window_bytes) // bytes_per_block, 1)
     return min(wanted_blocks, affordable) if kv_budget is None else affordable
 
 
-def _check_holds_windows(budget_bytes: int, window_bytes: int, what: str) -> None:
+def _check_holds_windows(budget_bytes: int, window_bytes: int, what: str, reserved: str) -> None:
     """A budget the sliding-window pools alone outgrow left the full-attention layers one
     block, 16 tokens of context: a server that refused nearly every request, over a
     budget exceeded without a word."""
     if window_bytes > budget_bytes:
         raise CadenceError(
-            f"the sliding-window layers' KV for --max-batch rows takes "
+            f"{reserved} for --max-batch rows takes "
             f"{_size(window_bytes)}, more than {what} of "
             f"{_size(budget_bytes)}: lower --max-batch or raise --kv-budget"
         )

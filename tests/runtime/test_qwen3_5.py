@@ -10,7 +10,7 @@ from pathlib import Path
 from runtime.checkpoint import load_model
 from runtime.config import config_from_dict
 from runtime.engine import FAULT_ENV, Engine
-from runtime.errors import CheckpointError
+from runtime.errors import CadenceError, CheckpointError
 from runtime.kv.base import RowSpan
 from runtime.kv.blocks import BlockPool
 from runtime.kv.recurrent import RecurrentStore
@@ -140,6 +140,11 @@ def test_only_the_attention_layers_get_kv_pools_and_the_budget_holds_the_states(
     assert engine.recurrent_bytes == 4 * config.recurrent_row_bytes
     assert engine.kv.nbytes + engine.recurrent_bytes <= 1 << 22
     assert engine.kv.nbytes > (1 << 22) - engine.recurrent_bytes - engine.bytes_per_block
+
+
+def test_a_budget_the_rows_states_alone_outgrow_is_refused_naming_them(checkpoint):
+    with pytest.raises(CadenceError, match="the linear-attention layers' state for --max-batch rows takes"):
+        engine_for(checkpoint, kv_budget=1000)
 
 
 def test_a_row_alone_matches_mlx_lm(checkpoint, expected):
