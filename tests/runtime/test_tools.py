@@ -1252,6 +1252,21 @@ def test_qwen3_coder_values_take_their_type_from_the_schema(key, text, value):
     assert json.loads(arguments, parse_constant=pytest.fail) == {key: value}
 
 
+def test_a_qwen3_coder_schema_whose_refs_branch_back_is_read_once_per_ref(monkeypatch):
+    """Each "#/$defs/A" was read again at every place it is named: an anyOf of 20 refs
+    back to itself (under 1 kB of request) was 20**4 reads, 0.7 s for each reply's parser,
+    and twice the refs 16 times that. Each ref is read once; one in a loop adds nothing."""
+    from runtime import qwen3_coder_reply
+
+    reads = []
+    read = qwen3_coder_reply.value_types
+    monkeypatch.setattr(qwen3_coder_reply, "value_types", lambda *a, **k: reads.append(1) or read(*a, **k))
+    branches = {"anyOf": [{"$ref": "#/$defs/A"}] * 20 + [{"type": "integer"}, {"$ref": "#/$defs/B"}]}
+    parameters = {"$defs": {"A": branches, "B": {"type": "null"}}, "properties": {"x": {"$ref": "#/$defs/A"}}}
+    assert qwen3_coder_reply.value_types(parameters["properties"]["x"], parameters) == {"integer", "null"}
+    assert len(reads) < 100
+
+
 def test_qwen3_coder_streams_the_name_then_each_parameter_as_it_closes():
     parser = parser_for("qwen3_coder", tools=XML_TOOLS)
     assert parser.feed("Sure.\n<tool_call>\n<function=get_wea") == [Content("Sure.\n")]
