@@ -420,17 +420,16 @@ class ToolCallDeltas:
     streams: dict[int, ToolCallStream] = attrs.Factory(dict)  # by choice index
 
     def convert(self, index: int, delta: Delta) -> Delta:
-        stream = self.streams.setdefault(
-            index,
-            ToolCallStream(
+        stream = self.streams.get(index)
+        if stream is None:  # once per choice: its parser reads every tool's schema
+            stream = self.streams[index] = ToolCallStream(
                 self.style,
                 self.is_parallel,
                 self.is_streamed,
                 self.parses_calls,
                 self.think_tags,
                 self.tools,
-            ),
-        )
+            )
         content, calls = stream.feed(delta.text)
         if delta.finish_reason is None:
             return attrs.evolve(
