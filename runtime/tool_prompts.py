@@ -222,24 +222,28 @@ def _xml_calls(functions: Sequence[Mapping[str, Any]], marker: Callable[[str], s
         body = []
         for k, (name, schema) in enumerate(properties.items()):
             opening = json.dumps(f"{PARAMETER}{name}>\n")
-            rules.append(f"parameter_{i}_{k}: {opening} {_xml_value(schema, parameters, shared)}")
+            value, *terminals = _xml_value(schema, parameters, shared, f"VALUE_{i}_{k}")
+            rules += [f"parameter_{i}_{k}: {opening} {value}", *terminals]
             body.append(f"parameter_{i}_{k}" + ("" if name in required else "?"))
         rules.append(f"call_{i}: {head} {' '.join(body)}")
     return "\n".join([*rules, _XML_TEXT, _XML_KEY])
 
 
-def _xml_value(schema: Any, parameters: dict[str, Any], shared: dict[str, Any]) -> str:
+def _xml_value(schema: Any, parameters: dict[str, Any], shared: dict[str, Any], terminal: str) -> list[str]:
     """The Lark expression for a parameter's value and its end, in Qwen3-Coder's XML:
-    text for a string (or what its schema leaves open), JSON for any other type."""
+    text for a string (or what its schema leaves open), JSON for any other type; then
+    the definition of `terminal`, the name its string enum's values take, if it has one."""
     if not isinstance(schema, dict):
-        return "text"
+        return ["text"]
     if not is_text(value_types(schema, parameters)):
         json_schema = {**schema, **shared, "x-guidance": JSON_OPTIONS}
-        return f"%json {json.dumps(json_schema)} {_XML_END}"
+        return [f"%json {json.dumps(json_schema)} {_XML_END}"]
     consts = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
     if consts and all(isinstance(c, str) for c in consts):
-        return "(" + " | ".join(json.dumps(c) for c in consts) + f") {_XML_END}"
-    return "text"
+        # One terminal, which the lexer matches: as alternatives of a rule, past 2,000
+        # values llguidance's parser refused the grammar (the JSON styles take them).
+        return [f"{terminal} {_XML_END}", f"{terminal}: " + " | ".join(json.dumps(c) for c in consts)]
+    return ["text"]
 
 
 def _gemma4_value(schema: Any) -> str:

@@ -1395,3 +1395,17 @@ def test_a_forced_qwen3_coder_call_is_its_xml_typed_by_the_schema(forced):
     assert admitted_by(grammar, place) and not admitted_by(grammar, place.replace('"lat"', '"x"'))
     assert admitted_by(grammar, xml("get_time", ("any", "x"))) == (forced is None)
     assert not admitted_by(grammar, "Sure. " + call)
+
+
+def test_a_forced_qwen3_coder_call_takes_a_string_enum_of_thousands():
+    """Each value of a string enum was an alternative of the parameter's rule: past
+    2,000 of them llguidance's parser refused the grammar, a 400 for a forced call that
+    the JSON styles take. The values are one terminal now, matched by the lexer."""
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    zones = [f"Zone/{i}" for i in range(5000)] + ["", "a\nb"]
+    clock = {"type": "object", "properties": {"zone": {"enum": zones}}, "required": ["zone"]}
+    grammar = compiler.compile(tool_call_grammar("qwen3_coder", [{"type": "function", "function": {"name": "get_time", "parameters": clock}}], "get_time"))
+    for zone in ("Zone/4999", "Zone/1", "", "a\nb"):
+        assert admitted_by(grammar, xml("get_time", ("zone", zone)))
+    assert not admitted_by(grammar, xml("get_time", ("zone", "Zone/5000")))
+    assert not admitted_by(grammar, xml("get_time", ("zone", "Zone/1 ")))
