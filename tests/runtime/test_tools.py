@@ -1193,6 +1193,10 @@ XML_CASES = [
         "<tool_call>\n<function=get time>\n</function>\n</tool_call>",
         ("<tool_call>\n<function=get time>\n</function>\n</tool_call>", []),
     ),
+    (  # nor can one with a newline in it: read whole, it was the call "get_time"
+        "<tool_call>\n<function=\nget_time>\n</function>\n</tool_call>",
+        ("<tool_call>\n<function=\nget_time>\n</function>\n</tool_call>", []),
+    ),
     (  # </tool_call> where </function> belongs closes both
         "<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</tool_call> Done.",
         (" Done.", [("get_time", '{"zone": "UTC"}')]),
