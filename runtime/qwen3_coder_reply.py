@@ -253,7 +253,8 @@ class XmlCallParser:
             return None
         # A newline is no part of one, around it too: while ">" was still to come it
         # broke the name, so split there the text read as text and whole as a call.
-        if not name or "\n" in name or any(c.isspace() for c in name.strip()) or "<" in name:
+        # A blank one (stripped, "") is none either: it was a call no client can run.
+        if not name.strip() or "\n" in name or any(c.isspace() for c in name.strip()) or "<" in name:
             return self._stray(FUNCTION)
         self._consume(len(name) + 1)
         self.function, self.sent, self.state = name.strip(), set(), "params"

@@ -1193,6 +1193,10 @@ XML_CASES = [
         "<tool_call>\n<function=get time>\n</function>\n</tool_call>",
         ("<tool_call>\n<function=get time>\n</function>\n</tool_call>", []),
     ),
+    (  # nor a blank one: it was a call named "", which no client can run
+        "<tool_call>\n<function= >\n</function>\n</tool_call>",
+        ("<tool_call>\n<function= >\n</function>\n</tool_call>", []),
+    ),
     (  # nor can one with a newline in it: read whole, it was the call "get_time"
         "<tool_call>\n<function=\nget_time>\n</function>\n</tool_call>",
         ("<tool_call>\n<function=\nget_time>\n</function>\n</tool_call>", []),
