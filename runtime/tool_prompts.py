@@ -3,7 +3,8 @@ grammar that forces a call (`tool_choice` required or named).
 
 The format follows the chat template, the thing that taught the model: a template that
 writes `[TOOL_CALLS]` is Mistral's, one that writes `<function=` and `<parameter=` is
-Qwen3-Coder's and Qwen3.5's XML, one that writes `<tool_call>` otherwise is Hermes/Qwen's, one
+Qwen3-Coder's and Qwen3.5's XML, one that writes `<function_calls>` OLMo 3's Python calls,
+one that writes `<tool_call>` otherwise is Hermes/Qwen's, one
 with `<|python_tag|>` or an `ipython` role is Llama 3's JSON form, and Gemma (whose template has no tools at all) gets the
 ```tool_code form from Google's function-calling guide. Anything else: Hermes, the
 most common. Templates that take `tools` get them as transformers passes them; for one
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import keyword
 import re
 import string
 from collections.abc import Callable, Mapping, Sequence
@@ -33,7 +35,15 @@ from runtime.qwen3_coder_reply import (
     value_types,
     xml_call,
 )
-from runtime.tools import ARGS, CALL_END_TAG, CALL_TAG, TOOL_CALLS, TOOL_STYLES
+from runtime.tools import (
+    ARGS,
+    CALL_END_TAG,
+    CALL_TAG,
+    FUNCTION_CALLS,
+    FUNCTION_CALLS_END,
+    TOOL_CALLS,
+    TOOL_STYLES,
+)
 
 # Arguments stay JSON objects in forced calls, whatever a tool's own schema omits.
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -52,6 +62,8 @@ def tool_style_for(template_source: str, model_type: str) -> str:
     # Inside `<tool_call>` too, so before Hermes: its JSON templates write neither.
     if FUNCTION in template_source and PARAMETER in template_source:
         return "qwen3_coder"
+    if FUNCTION_CALLS in template_source:
+        return "olmo3"
     if "<tool_call>" in template_source:
         return "hermes"
     if "<|python_tag|>" in template_source or "ipython" in template_source:
@@ -109,6 +121,8 @@ def tool_call_grammar(
         return marked_calls(marker(TOOL_CALLS), lambda name: f"{json.dumps(name)} {marker(ARGS)}")
     if style == "gemma4":  # <|tool_call>call:NAME{...}<tool_call|>, in Gemma's notation
         return _with_answer(_gemma4_calls(functions, marker), answer)
+    if style == "olmo3":  # <function_calls>NAME(key=value, ...)</function_calls>
+        return _with_answer(_olmo3_calls(functions, marker), answer)
     if style == "qwen3_coder":  # <tool_call>\n<function=NAME>\n<parameter=KEY>\nvalue\n</parameter>\n...
         return _with_answer(_xml_calls(functions, marker), answer)
     key = "parameters" if style == "llama3_json" else "arguments"
@@ -169,24 +183,72 @@ def _gemma4_calls(functions: Sequence[Mapping[str, Any]], marker: Callable[[str]
         if not isinstance(properties, dict) or not properties:
             rules.append(f'call_{i}: {json.dumps(function["name"])} "{{" pairs? "}}"')
             continue
-        required = set(parameters.get("required") or ())
-        names = list(properties)
         rules.append(f'call_{i}: {json.dumps(function["name"])} "{{" args_{i}_0_first "}}"')
-        for k, name in enumerate(names):
-            pair = f"{_gemma4_literal(gemma4_key(name))} \":\" {_gemma4_value(properties[name])}"
-            for started in (False, True):
-                here = f"args_{i}_{k}_{'more' if started else 'first'}"
-                after = f" args_{i}_{k + 1}_more" if k + 1 < len(names) else ""
-                this = f'{chr(34) + "," + chr(34) + " " if started else ""}{pair}{after}'
-                skip = f"args_{i}_{k + 1}_{'more' if started else 'first'}" if k + 1 < len(names) else ""
-                if name in required:
-                    rules.append(f"{here}: {this}")
-                elif skip:
-                    rules.append(f"{here}: {this} | {skip}")
-                else:
-                    rules.append(f"{here}: ({this})?")
+        pairs = {
+            name: f"{_gemma4_literal(gemma4_key(name))} \":\" {_gemma4_value(schema)}"
+            for name, schema in properties.items()
+        }
+        rules += _arguments_in_order(i, pairs, set(parameters.get("required") or ()), '","')
     rules += [_GEMMA4_VALUES, f"mark: {marker(QUOTE)}"]
     return "\n".join(rules)
+
+
+def _arguments_in_order(i: int, pairs: Mapping[str, str], required: set[str], separator: str) -> list[str]:
+    """Rules `args_{i}_0_first` and on: the arguments `pairs` (name -> its Lark
+    expression) in their order, `separator` between two, the `required` ones always and
+    the others maybe."""
+    rules = []
+    names = list(pairs)
+    for k, name in enumerate(names):
+        for started in (False, True):
+            here = f"args_{i}_{k}_{'more' if started else 'first'}"
+            after = f" args_{i}_{k + 1}_more" if k + 1 < len(names) else ""
+            this = f"{separator + ' ' if started else ''}{pairs[name]}{after}"
+            skip = f"args_{i}_{k + 1}_{'more' if started else 'first'}" if k + 1 < len(names) else ""
+            if name in required:
+                rules.append(f"{here}: {this}")
+            elif skip:
+                rules.append(f"{here}: {this} | {skip}")
+            else:
+                rules.append(f"{here}: ({this})?")
+    return rules
+
+
+def _olmo3_calls(functions: Sequence[Mapping[str, Any]], marker: Callable[[str], str]) -> str:
+    """One call as OLMo 3 writes it, of one of `functions`: `name(key=value, ...)`
+    inside its tags, each value JSON. Where a tool's parameters list their properties,
+    its arguments are those keys in that order, the required ones always, each value
+    of its schema; otherwise any keys, any JSON values."""
+    rules = [
+        f"tool_call: {marker(FUNCTION_CALLS)} call {marker(FUNCTION_CALLS_END)}",
+        "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
+        f"any_pair: KEY \"=\" %json {json.dumps({'x-guidance': JSON_OPTIONS})}",
+        "KEY: /[A-Za-z_][A-Za-z0-9_]*/",
+    ]
+    for i, function in enumerate(functions):
+        parameters = _parameters(function)
+        properties = parameters.get("properties")
+        head = json.dumps(function["name"] + "(")
+        if properties == {} and parameters.get("additionalProperties") is False:
+            rules.append(f'call_{i}: {head} ")"')  # takes none
+            continue
+        if not isinstance(properties, dict) or not properties or not all(map(_is_keyword, properties)):
+            rules.append(f'call_{i}: {head} (any_pair ("," " " any_pair)*)? ")"')
+            continue
+        # A property's "#/$defs/..." refs point into the parameters' schema.
+        shared = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
+        pairs = {
+            name: f"{json.dumps(name + '=')} %json {json.dumps({**schema, **shared, 'x-guidance': JSON_OPTIONS})}"
+            for name, schema in properties.items()
+        }
+        rules.append(f'call_{i}: {head} args_{i}_0_first ")"')
+        rules += _arguments_in_order(i, pairs, set(parameters.get("required") or ()), '", "')
+    return "\n".join(rules)
+
+
+def _is_keyword(name: str) -> bool:
+    """Whether `name` can be a Python call's keyword (the parser reads the calls as Python)."""
+    return name.isidentifier() and not keyword.iskeyword(name)
 
 
 # A parameter's text and its end: lazy, so it ends at the first "\n</parameter>\n", and
@@ -457,6 +519,9 @@ def _call_text(function: Mapping[str, Any], style: str) -> str:
         return f"{CALL_OPEN}call:{function['name']}{gemma4_arguments(arguments)}{CALL_CLOSE}"
     if style == "qwen3_coder":
         return xml_call(function["name"], arguments)
+    if style == "olmo3":  # as its template writes them; text that is no JSON as it is
+        pairs = ", ".join(f"{k}={json.dumps(v)}" for k, v in arguments.items()) if isinstance(arguments, dict) else arguments
+        return f"{FUNCTION_CALLS}{function['name']}({pairs}){FUNCTION_CALLS_END}"
     return json.dumps({"name": function["name"], "parameters": arguments})
 
 
@@ -468,6 +533,8 @@ def _tools_preamble(tools: Sequence[Mapping[str, Any]], style: str) -> str:
             "```tool_code\nfunction_name(param_name=param_value, ...)\n```\n"
             "You SHOULD NOT include any other text in the response if you call a function."
         )
+    elif style == "olmo3":
+        how = f"To call a function, reply with {FUNCTION_CALLS}<function-name>(<param-name>=<json-value>, ...){FUNCTION_CALLS_END}"
     elif style == "qwen3_coder":
         how = "To call a function, reply with\n" + xml_call("<function-name>", {"<parameter-name>": "<value>"})
     elif style == "hermes":

@@ -21,13 +21,15 @@ The formats, as the families' chat templates teach them:
                reasoning in a `<|channel>` block (runtime/gemma4_reply.py).
   qwen3_coder  Qwen3-Coder, Qwen3.5: `<tool_call>` blocks of `<function=NAME>` and
                `<parameter=KEY>` text, typed by the tool's schema (runtime/qwen3_coder_reply.py).
+  olmo3        OLMo 3 Instruct: `<function_calls>name(key=value, ...)</function_calls>`, a
+               call a line, each value JSON (`true`, `null`, `"text"`).
 
 Feeding the text in any split yields the same calls with the same argument text, so
 streamed deltas reassemble to the whole response: parsing state is the text, never
 the split. A call's name is reported as soon as it is complete; its arguments stream
 as raw JSON text (hermes, llama3_json) as they are generated, or whole when the call
-closes (gemma's Python syntax must be converted; mistral's calls are reported whole
-as each one's JSON closes).
+closes (gemma's and olmo3's Python syntax must be converted; mistral's calls are
+reported whole as each one's JSON closes).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ if TYPE_CHECKING:
     from runtime.qwen3_coder_reply import XmlCallParser
     from runtime.think_reply import ThinkParser
 
-TOOL_STYLES = ("hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder")
+TOOL_STYLES = ("hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3")
 # Styles whose chat replies are parsed whether tools were offered or not: they hold
 # reasoning apart from the answer, in markup the request keeps (actors/admission.py).
 REASONING_STYLES = ("harmony", "gemma4")
@@ -229,6 +231,8 @@ class _Delimited:
     opening: str
     closing: str
     streams_arguments: bool  # JSON bodies stream; gemma's Python calls go whole
+    # OLMo 3 writes its Python calls' values as JSON: `true`, `false` and `null` are values.
+    json_literals: bool = False
     pending: str = ""  # text not yet reported
     in_call: bool = False
     calls: _JsonCalls = attrs.Factory(_JsonCalls)
@@ -281,7 +285,7 @@ class _Delimited:
 
     def _body_events(self, body: str, is_final: bool, closing: str) -> list[Event]:
         if not self.streams_arguments and not body.lstrip().startswith("{"):
-            calls = python_calls(body) if is_final else None
+            calls = python_calls(body, self.json_literals) if is_final else None
             if calls is None:  # not a call: the text as the model wrote it
                 return [Content(self.opening + body + closing)] if is_final else []
             events = [
@@ -331,6 +335,7 @@ class _WholeReply:
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"  # Mistral's control tokens, kept in its text
 HERMES_TAGS = CALL_TAG, CALL_END_TAG = "<tool_call>", "</tool_call>"  # Qwen's: added tokens
+OLMO3_TAGS = FUNCTION_CALLS, FUNCTION_CALLS_END = "<function_calls>", "</function_calls>"
 
 
 @attrs.define
@@ -441,9 +446,10 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def python_calls(body: str) -> list[dict[str, object]] | None:
-    """`f(a=1)`, `[f(a=1), g(b="x")]` or one call a line -> [{name, arguments}]; None if not that."""
-    text = body.strip()
+def python_calls(body: str, json_literals: bool = False) -> list[dict[str, object]] | None:
+    """`f(a=1)`, `[f(a=1), g(b="x")]` or one call a line -> [{name, arguments}]; None if not that.
+    `json_literals`: `true`, `false` and `null` are values too (OLMo 3 writes values as JSON)."""
+    text = _hyphens_spelled(body.strip())
     try:
         tree = ast.parse(text if text.startswith("[") else f"[{','.join(text.splitlines())}]")
         (statement,) = tree.body
@@ -458,14 +464,59 @@ def python_calls(body: str) -> list[dict[str, object]] | None:
             # A `**` splat has no name (kw.arg None): dropped, its arguments were lost.
             if any(kw.arg is None for kw in node.keywords):
                 raise ValueError("a splat")
-            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            values = (_JsonLiterals().visit(kw.value) if json_literals else kw.value for kw in node.keywords)
+            arguments = {kw.arg: ast.literal_eval(value) for kw, value in zip(node.keywords, values, strict=True)}
             json.dumps(arguments, allow_nan=False)  # a set, bytes, `...` or inf is no JSON
-            calls.append({"name": node.func.id, "arguments": arguments})
+            calls.append({"name": node.func.id.replace(_HYPHEN, "-"), "arguments": arguments})
     # MemoryError too: CPython's parser raises it for an expression nested past its
     # stack (`f(a=----...1)` with 10,000 signs), not RecursionError.
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         return None
     return calls or None
+
+
+# OpenAI's tool names may hold "-", which no Python name does: between calls, a "-" in
+# a name is read as this letter (which no tool name holds: they are ASCII), then back.
+_HYPHEN = "\u1428"
+
+
+def _hyphens_spelled(text: str) -> str:
+    """`text` with the hyphens of its calls' names spelled `_HYPHEN`; the calls'
+    arguments and any string left as they are."""
+    outside = 1 if text.startswith("[") else 0  # the depth between calls
+    pieces, depth, at = [], 0, 0
+    while at < len(text):
+        character = text[at]
+        if character in "\"'":  # a string, to its closing quote
+            end = at + 1
+            while end < len(text) and text[end] != character:
+                end += 2 if text[end] == "\\" else 1
+            pieces.append(text[at : end + 1])
+            at = end + 1
+            continue
+        depth += (character in "([{") - (character in ")]}")
+        between_calls = depth == outside and 0 < at < len(text) - 1
+        if character == "-" and between_calls and _in_name(text[at - 1]) and _in_name(text[at + 1]):
+            character = _HYPHEN
+        pieces.append(character)
+        at += 1
+    return "".join(pieces)
+
+
+def _in_name(character: str) -> bool:
+    return character.isalnum() or character == "_"
+
+
+_JSON_LITERALS = {"true": True, "false": False, "null": None}
+
+
+class _JsonLiterals(ast.NodeTransformer):
+    """JSON's literal names, as constants: to literal_eval, any other name is no value."""
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if node.id not in _JSON_LITERALS:
+            return node
+        return ast.copy_location(ast.Constant(_JSON_LITERALS[node.id]), node)
 
 
 def _is_part_of(event: Event, index: int) -> bool:
@@ -509,6 +560,8 @@ def parser_for(
         return _Delimited(CALL_TAG, CALL_END_TAG, streams_arguments=True)
     if style == "gemma":
         return _Delimited("```tool_code", "```", streams_arguments=False)
+    if style == "olmo3":
+        return _Delimited(FUNCTION_CALLS, FUNCTION_CALLS_END, streams_arguments=False, json_literals=True)
     if style == "llama3_json":
         return _WholeReply()
     if style == "mistral":

@@ -105,6 +105,7 @@ CALL_TEXT = {
     "mistral": 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "days": 2}',
     "qwen3_coder": "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n"
     "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
+    "olmo3": 'Checking.<function_calls>get_weather(city="Rome", days=2)</function_calls>',
 }
 
 
@@ -209,6 +210,7 @@ LONG_CALL = {
     "gemma": 'Checking.\n```tool_code\n{"name": "get_weather", "arguments": {"note": "%s"}}\n```',
     "mistral": 'Checking.[TOOL_CALLS]get_weather[ARGS]{"note": "%s"}',
     "qwen3_coder": "Checking. <tool_call>\n<function=get_weather>\n<parameter=note>\n%s\n</parameter>\n</function>\n</tool_call>",
+    "olmo3": 'Checking.<function_calls>get_weather(note="%s")</function_calls>',
 }
 CUT_CONTENT = {  # the markup is left out, as of a call cut before its name is whole
     "hermes": 'Checking. {"name": "get_weather", "arguments": {"note": "Rome is',
@@ -216,6 +218,7 @@ CUT_CONTENT = {  # the markup is left out, as of a call cut before its name is w
     "gemma": 'Checking.\n{"name": "get_weather", "arguments": {"note": "Rome is',
     "mistral": 'Checking.[TOOL_CALLS]get_weather[ARGS]{"note": "Rome is',
     "qwen3_coder": "Checking. <function=get_weather>\n<parameter=note>\nRome is",
+    "olmo3": 'Checking.<function_calls>get_weather(note="Rome is',
 }
 
 
@@ -230,7 +233,7 @@ async def test_a_call_max_tokens_ends_in_is_text_in_the_whole_response(styled):
     assert choice.finish_reason == finish == "length"
     assert choice.message.tool_calls is None
     assert choice.message.content.startswith(CUT_CONTENT[style])
-    if style in ("gemma", "mistral"):  # their calls go out when whole: this one never was
+    if style in ("gemma", "mistral", "olmo3"):  # their calls go out when whole: this one never was
         assert (content, calls) == (choice.message.content, {})
         return
     ((_, name, arguments),) = calls.values()
@@ -534,7 +537,13 @@ ANSWER = {
     "additionalProperties": False,
 }
 FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
-MARKER = {"hermes": "<tool_call>", "gemma": "```tool_code", "mistral": "[TOOL_CALLS]", "qwen3_coder": "<tool_call>"}
+MARKER = {
+    "hermes": "<tool_call>",
+    "gemma": "```tool_code",
+    "mistral": "[TOOL_CALLS]",
+    "qwen3_coder": "<tool_call>",
+    "olmo3": "<function_calls>",
+}
 
 
 async def test_auto_beside_a_response_format_may_call_or_answer_in_the_format(styled):
@@ -773,3 +782,27 @@ async def test_a_qwen3_coder_history_renders_its_calls_arguments_as_parameters(q
     async with serving(qwen3_coder_with_added_tags) as server:
         done = await in_thread(whole, server, messages=history, tools=TYPED_TOOLS, max_tokens=1)
     assert done.usage.prompt_tokens == len(reference(prompt, add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.parametrize("special", [True, False])
+async def test_olmo3_tags_that_are_added_tokens_are_written_as_those_tokens_and_parsed(
+    make_checkpoint, tmp_path_factory, special
+):
+    """OLMo 3's `<function_calls>` tags as added tokens, special or not: a forced call
+    writes them as those tokens, and a request offering tools keeps them in its text
+    (decoding drops special ones), where the parser finds the call."""
+    tags = ("<function_calls>", "</function_calls>")
+    checkpoint = with_added_markers(make_checkpoint, tmp_path_factory, "olmo3", tags, special=special)
+    body = dict(messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=60, logprobs=True)
+    async with serving(checkpoint) as server:
+        assert server.llm.tool_style == "olmo3"
+        done = await in_thread(whole, server, **body)
+        content, calls, finish = await in_thread(streamed, server, **body)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    written = [entry.token for entry in choice.logprobs.content]
+    assert written[0] == "<function_calls>" and written[-1] == "</function_calls>"  # each one token
+    assert (content, finish) == ("", "tool_calls")
+    assert [(n, a) for _, n, a in calls.values()] == [(call.function.name, call.function.arguments)]

@@ -6,7 +6,7 @@ in the system turn, `<tool_call>` JSON, `<tool_response>` turns), Llama 3.1's JS
 Mistral Small 3.2's (tools before the last user turn, `[TOOL_CALLS]name[ARGS]{...}`),
 gpt-oss's harmony and Gemma 4's (tests/actors/test_http_harmony.py and
 test_http_gemma4.py, with their markers as tokens: `with_markers`); and Qwen3-Coder's
-own, published (templates/).
+and OLMo 3's own, published (templates/).
 """
 
 import json
@@ -119,7 +119,17 @@ GEMMA4 = (
 # Qwen3-Coder's published template (as llama.cpp keeps it): calls in XML, in <tool_call>.
 QWEN3_CODER = (pathlib.Path(__file__).parent / "templates" / "Qwen-Qwen3-Coder-30B-A3B-Instruct.jinja").read_text()
 
-TEMPLATES = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "gemma": GEMMA, "mistral": MISTRAL, "qwen3_coder": QWEN3_CODER}
+# OLMo 3.1 Instruct's published template: Python calls in <function_calls>, results as environment turns.
+OLMO3 = (pathlib.Path(__file__).parent / "templates" / "allenai-Olmo-3.1-32B-Instruct.jinja").read_text()
+
+TEMPLATES = {
+    "hermes": HERMES,
+    "llama3_json": LLAMA3_JSON,
+    "gemma": GEMMA,
+    "mistral": MISTRAL,
+    "qwen3_coder": QWEN3_CODER,
+    "olmo3": OLMO3,
+}
 
 
 def with_template(checkpoint, out_dir, template):

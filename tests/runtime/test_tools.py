@@ -773,7 +773,7 @@ def test_tools_render_as_transformers_renders_them(tmp_path, template):
     assert Tokenizer.from_dir(tmp_path).encode_chat(chat, tools=TOOLS) == expected
 
 
-@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral", "harmony", "qwen3_coder"])
+@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral", "harmony", "qwen3_coder", "olmo3"])
 def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(style):
     said = {**HISTORY[1], "content": "Let me check."}
     chat = chat_for_template([HISTORY[0], said, HISTORY[2]], TOOLS, style, knows_tools=False)
@@ -786,6 +786,7 @@ def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(st
         "mistral": "[TOOL_CALLS]<function-name>[ARGS]<args-json-object>",
         "harmony": "on the commentary channel to=functions.<function-name>",
         "qwen3_coder": "<tool_call>\n<function=<function-name>>\n<parameter=<parameter-name>>\n<value>\n",
+        "olmo3": "<function_calls><function-name>(<param-name>=<json-value>, ...)</function_calls>",
     }
     assert taught[style] in first and json.dumps(TOOLS[0]["function"]) in first
     # The assistant's text, then its call in the model's own format: it parses back.
@@ -831,12 +832,14 @@ def test_call_arguments_that_are_not_json_reach_the_template_as_sent():
     assert kept["tool_calls"][0]["function"]["arguments"] == "{oops"
 
 
-@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder"])
+@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3"])
 def test_call_arguments_that_are_not_json_are_written_into_a_template_without_tools(style):
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
     message = {"role": "assistant", "content": "", "tool_calls": [call]}
     (written,) = chat_for_template([message], [], style, knows_tools=False)
     assert written["role"] == "assistant" and "{oops" in written["content"]
+    if style == "olmo3":  # in its own form still, not Llama 3's JSON
+        assert written["content"] == "<function_calls>f({oops)</function_calls>"
 
 
 @pytest.mark.parametrize(
@@ -1417,3 +1420,119 @@ def test_a_forced_qwen3_coder_call_takes_a_string_enum_of_thousands():
         assert admitted_by(grammar, xml("get_time", ("zone", zone)))
     assert not admitted_by(grammar, xml("get_time", ("zone", "Zone/5000")))
     assert not admitted_by(grammar, xml("get_time", ("zone", "Zone/1 ")))
+
+
+# OLMo 3 Instruct's Python calls in <function_calls>, each value JSON: its published
+# template (OLMo 3.1 32B Instruct's, as its tokenizer_config ships it).
+OLMO3 = (TEMPLATE_DIR / "allenai-Olmo-3.1-32B-Instruct.jinja").read_text()
+OLMO3_CASES = [
+    (
+        'Let me check.<function_calls>get_weather(city="Paris", days=2)\n'
+        'get_time(zone="UTC", exact=true, note=null, at={"h": [1, 2.5]})</function_calls>',
+        (
+            "Let me check.",
+            [
+                ("get_weather", '{"city": "Paris", "days": 2}'),
+                ("get_time", '{"zone": "UTC", "exact": true, "note": null, "at": {"h": [1, 2.5]}}'),
+            ],
+        ),
+    ),
+    ("<function_calls>now()</function_calls> Done.", (" Done.", [("now", "{}")])),
+    ("No <function call here.", ("No <function call here.", [])),
+    # Not calls (a name that is no JSON literal, a positional value): the text stays.
+    ("<function_calls>f(a=maybe)</function_calls>", ("<function_calls>f(a=maybe)</function_calls>", [])),
+    ('<function_calls>f("x")</function_calls>', ('<function_calls>f("x")</function_calls>', [])),
+    # Cut short (max_tokens): the text as written, no call.
+    ('Sure.<function_calls>get_weather(city="Par', ('Sure.<function_calls>get_weather(city="Par', [])),
+    ("It ends in <function_ca", ("It ends in <function_ca", [])),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), OLMO3_CASES)
+def test_olmo3_calls_are_the_same_whatever_the_split(text, expected):
+    assert parse("olmo3", text) == expected
+    for cut in range(1, len(text)):
+        assert parse("olmo3", text, [cut]) == expected, cut
+    assert parse("olmo3", text, range(1, len(text))) == expected
+
+
+def test_json_literals_are_values_only_where_asked():
+    """Gemma's calls are Python: `true` there is an unknown name, no value."""
+    assert python_calls("f(a=true, b=[null, false])", json_literals=True) == [
+        {"name": "f", "arguments": {"a": True, "b": [None, False]}}
+    ]
+    assert python_calls("f(a=true)") is None and python_calls("f(a=yes)", json_literals=True) is None
+
+
+def test_a_python_call_of_a_tool_whose_name_holds_a_hyphen_is_that_call():
+    """OpenAI's tool names may hold "-", Python's names never: such a call (OLMo 3's
+    template writes the name as it is, and so does its forced call) was text."""
+    assert parse("olmo3", '<function_calls>get-weather(city="Ro-me", days=-1)\nx-y()</function_calls>') == (
+        "", [("get-weather", '{"city": "Ro-me", "days": -1}'), ("x-y", "{}")]
+    )
+    assert python_calls('[a-b(x="p-q(")]') == [{"name": "a-b", "arguments": {"x": "p-q("}}]
+    assert python_calls("a -b(x=1)") is None  # a subtraction, no name
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    tools = [{"type": "function", "function": {"name": "get-weather", "parameters": TOOLS[0]["function"]["parameters"]}}]
+    grammar = compiler.compile(tool_call_grammar("olmo3", tools, None))
+    assert admitted_by(grammar, '<function_calls>get-weather(city="Rome")</function_calls>')
+
+
+def test_the_olmo3_template_is_olmo3s_and_the_others_keep_theirs():
+    assert tool_style_for(OLMO3, "olmo3") == tool_style_for(OLMO3, "llama") == "olmo3"
+    assert template_knows_tools(OLMO3)
+    kept = {HERMES: "hermes", QWEN3: "hermes", QWEN3_CODER: "qwen3_coder", LLAMA3_JSON: "llama3_json",
+            MISTRAL: "mistral", HARMONY: "harmony", GEMMA: "gemma"}
+    assert {tool_style_for(t, "olmo2"): style for t, style in kept.items()} == {s: s for s in kept.values()}
+
+
+def test_an_olmo3_history_renders_its_calls_as_python_and_results_as_environment_turns():
+    history = [*HISTORY[:1], {**HISTORY[1], "tool_calls": [{**HISTORY[1]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris", "days": 3, "exact": true}'}}]}, HISTORY[2]]
+    rendered = with_template(OLMO3).apply_chat_template(
+        chat_for_template(history, TOOLS, "olmo3", knows_tools=True), template_kwargs=None
+    )
+    written = '<function_calls>get_weather(city="Paris", days=3, exact=true)</function_calls>'
+    assert written in rendered and "<|im_start|>environment\nsunny, 21 C<|im_end|>" in rendered
+    assert parse("olmo3", written) == ("", [("get_weather", '{"city": "Paris", "days": 3, "exact": true}')])
+    # A template without tools is shown the same form, which parses back.
+    (_, said, _) = chat_for_template(history, TOOLS, "olmo3", knows_tools=False)
+    assert said["content"] == written
+
+
+@pytest.mark.parametrize("forced", [None, "get_weather"])
+def test_a_forced_olmo3_call_is_its_python_with_json_values_of_the_schema(forced):
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    weather = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer"}, "note": {"type": "string"}},
+        "required": ["city", "days"],
+    }
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": weather}},
+        {"type": "function", "function": {"name": "get_time"}},  # takes no arguments
+        {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}},
+    ]
+    grammar = compiler.compile(tool_call_grammar("olmo3", tools, forced))
+
+    def call(text):
+        return f"<function_calls>{text}</function_calls>"
+
+    assert admitted_by(grammar, call('get_weather(city="Rome", days=2, note="a \\"b\\" c")'))
+    assert parse("olmo3", call('get_weather(city="Rome", days=2, note="a \\"b\\" c")')) == (
+        "", [("get_weather", '{"city": "Rome", "days": 2, "note": "a \\"b\\" c"}')]
+    )
+    assert admitted_by(grammar, call('get_weather(city="Rome", days=2)'))  # note is optional
+    assert not admitted_by(grammar, call('get_weather(city="Berlin", days=2)'))  # not of its enum
+    assert not admitted_by(grammar, call("get_weather(days=2)"))  # city is required
+    assert not admitted_by(grammar, call('get_weather(city="Rome", days="2")'))
+    assert admitted_by(grammar, call("get_time()")) == (forced is None)
+    assert not admitted_by(grammar, call("get_time(x=1)"))
+    assert admitted_by(grammar, call('lookup(q="x", deep=true)')) == (forced is None)
+    assert not admitted_by(grammar, "Sure. " + call('get_weather(city="Rome", days=2)'))
+
+
+def test_a_forced_olmo3_calls_tags_that_are_added_tokens_are_written_as_those_tokens():
+    tokens = {"<function_calls>": 100, "</function_calls>": 101}
+    source = tool_call_grammar("olmo3", TOOLS, None, control_tokens=tokens).source
+    assert "<[100]>" in source and "<[101]>" in source and '"<function_calls>"' not in source
