@@ -25,7 +25,14 @@ from runtime.sequence import SequenceParams, check_sequence
 from runtime.think_reply import ThinkTags, closes_thought, opens_thought
 from runtime.tokenizer import Tokenizer
 from runtime.tool_prompts import chat_for_template, template_knows_tools, tool_call_grammar
-from runtime.tools import ARGS, HERMES_TAGS, OLMO3_TAGS, REASONING_STYLES, TOOL_CALLS
+from runtime.tools import (
+    ARGS,
+    GRANITE_TOOL_CALL,
+    HERMES_TAGS,
+    OLMO3_TAGS,
+    REASONING_STYLES,
+    TOOL_CALLS,
+)
 
 import attrs
 import structlog
@@ -201,11 +208,12 @@ class Admission:
     def keeps_control_tokens(self, request: GenerateRequest) -> bool:
         """Whether the request's text keeps the control tokens decoding drops, for the
         parser (as vLLM does): Mistral's models call tools in them (kept where tools
-        are offered), as OLMo 3's may (its `<function_calls>` tags), and gpt-oss marks
-        every message of its chat replies with them."""
+        are offered), as Granite 3's do (`<|tool_call|>`) and OLMo 3's may (its
+        `<function_calls>` tags), and gpt-oss marks every message of its chat replies
+        with them."""
         if self.tool_style in REASONING_STYLES:
             return request.messages is not None
-        calls_in_control_tokens = self.tool_style in ("mistral", "olmo3")
+        calls_in_control_tokens = self.tool_style in ("mistral", "olmo3", "granite")
         return calls_in_control_tokens and bool(request.tools) and request.tool_choice != "none"
 
     def thinks(self, request: GenerateRequest) -> bool:
@@ -273,15 +281,16 @@ class Admission:
 
     def control_tokens(self) -> dict[str, int]:
         """The call markers (Mistral's, harmony's header markers, the `<tool_call>` tags of
-        Hermes and Qwen3-Coder, OLMo 3's `<function_calls>` tags) that this tokenizer
-        holds as tokens of their own, by spelling: a forced call's grammar writes them so
-        (llguidance matches no added token against literal text)."""
+        Hermes and Qwen3-Coder, OLMo 3's `<function_calls>` tags, Granite's `<|tool_call|>`)
+        that this tokenizer holds as tokens of their own, by spelling: a forced call's
+        grammar writes them so (llguidance matches no added token against literal text)."""
         markers = {
             "harmony": HARMONY_HEADER,
             "gemma4": (CALL_OPEN, CALL_CLOSE, QUOTE),
             "hermes": HERMES_TAGS,
             "qwen3_coder": HERMES_TAGS,
             "olmo3": OLMO3_TAGS,
+            "granite": (GRANITE_TOOL_CALL,),
         }.get(self.tool_style, (TOOL_CALLS, ARGS))
         spelled = {marker: self.tokenizer.added_token_id(marker) for marker in markers}
         return {marker: token_id for marker, token_id in spelled.items() if token_id is not None}

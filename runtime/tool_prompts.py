@@ -4,6 +4,7 @@ grammar that forces a call (`tool_choice` required or named).
 The format follows the chat template, the thing that taught the model: a template that
 writes `[TOOL_CALLS]` is Mistral's, one that writes `<function=` and `<parameter=` is
 Qwen3-Coder's and Qwen3.5's XML, one that writes `<function_calls>` OLMo 3's Python calls,
+one that writes `<|tool_call|>` Granite 3's JSON list,
 one that writes `<tool_call>` otherwise is Hermes/Qwen's, one
 with `<|python_tag|>` or an `ipython` role is Llama 3's JSON form, and Gemma (whose template has no tools at all) gets the
 ```tool_code form from Google's function-calling guide. Anything else: Hermes, the
@@ -41,6 +42,7 @@ from runtime.tools import (
     CALL_TAG,
     FUNCTION_CALLS,
     FUNCTION_CALLS_END,
+    GRANITE_TOOL_CALL,
     TOOL_CALLS,
     TOOL_STYLES,
 )
@@ -64,6 +66,8 @@ def tool_style_for(template_source: str, model_type: str) -> str:
         return "qwen3_coder"
     if FUNCTION_CALLS in template_source:
         return "olmo3"
+    if GRANITE_TOOL_CALL in template_source:
+        return "granite"
     if "<tool_call>" in template_source:
         return "hermes"
     if "<|python_tag|>" in template_source or "ipython" in template_source:
@@ -147,6 +151,8 @@ def tool_call_grammar(
         lark = f'tool_call: {marker(CALL_TAG)} "\\n" call "\\n" {marker(CALL_END_TAG)}\ncall: {call}'
     elif style == "gemma":
         lark = f'tool_call: "```tool_code\\n" call "\\n```"\ncall: {call}'
+    elif style == "granite":  # <|tool_call|>[{"name": ..., "arguments": ...}]
+        lark = f'tool_call: {marker(GRANITE_TOOL_CALL)} "[" call "]"\ncall: {call}'
     else:
         lark = f"tool_call: {call}"
     return _with_answer(lark, answer)
@@ -371,6 +377,8 @@ def chat_for_template(
     if style == "mistral":
         chat = _mistral_call_ids(chat)
     if knows_tools:
+        if style == "granite":
+            return _granite_turns(chat)
         return _responses_in_turn(chat) if style == "gemma4" else chat
     chat = _results_joined(chat, [_as_text(m, style) for m in chat])
     if tools:
@@ -471,6 +479,29 @@ def _responses_in_turn(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _granite_turns(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's calls and results as Granite 3's templates take them: those write each
+    turn's role and `content` alone, so a call is its `<|tool_call|>` list in the
+    assistant's content (its `tool_calls` were never shown, and a null content broke the
+    template), and a result the `tool_response` role Granite was taught (as Ollama and
+    llama.cpp write it), not `tool`."""
+    out = []
+    for message in chat:
+        if message["role"] == "tool":
+            message = {**message, "role": "tool_response"}
+        elif message["role"] == "assistant" and message.get("tool_calls"):
+            written = _call_text_granite([call["function"] for call in message["tool_calls"]])
+            message = {k: v for k, v in message.items() if k != "tool_calls"}
+            message["content"] = (message.get("content") or "") + written
+        out.append(message)
+    return out
+
+
+def _call_text_granite(functions: Sequence[Mapping[str, Any]]) -> str:
+    calls = [{"name": f["name"], "arguments": f.get("arguments") or {}} for f in functions]
+    return GRANITE_TOOL_CALL + json.dumps(calls)
+
+
 def _with_parsed_arguments(message: Mapping[str, Any]) -> dict[str, Any]:
     calls = message.get("tool_calls")
     if not calls:
@@ -496,7 +527,10 @@ def _as_text(message: Mapping[str, Any], style: str) -> dict[str, Any]:
     calls = message.get("tool_calls")
     if message["role"] != "assistant" or not calls:
         return dict(message)
-    written = "\n".join(_call_text(call["function"], style) for call in calls)
+    if style == "granite":  # one list of the turn's calls, as its template shows them
+        written = _call_text_granite([call["function"] for call in calls])
+    else:
+        written = "\n".join(_call_text(call["function"], style) for call in calls)
     content = message.get("content") or ""
     text = f"{content}\n{written}" if content else written
     return {"role": "assistant", "content": text}
@@ -533,6 +567,8 @@ def _tools_preamble(tools: Sequence[Mapping[str, Any]], style: str) -> str:
             "```tool_code\nfunction_name(param_name=param_value, ...)\n```\n"
             "You SHOULD NOT include any other text in the response if you call a function."
         )
+    elif style == "granite":
+        how = f'To call a function, reply with {GRANITE_TOOL_CALL}[{{"name": <function-name>, "arguments": <args-json-object>}}]'
     elif style == "olmo3":
         how = f"To call a function, reply with {FUNCTION_CALLS}<function-name>(<param-name>=<json-value>, ...){FUNCTION_CALLS_END}"
     elif style == "qwen3_coder":

@@ -21,6 +21,8 @@ The formats, as the families' chat templates teach them:
                reasoning in a `<|channel>` block (runtime/gemma4_reply.py).
   qwen3_coder  Qwen3-Coder, Qwen3.5: `<tool_call>` blocks of `<function=NAME>` and
                `<parameter=KEY>` text, typed by the tool's schema (runtime/qwen3_coder_reply.py).
+  granite      Granite 3.x: `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`, Mistral's
+               list form after Granite's marker. Text may come first.
   olmo3        OLMo 3 Instruct: `<function_calls>name(key=value, ...)</function_calls>`, a
                call a line, each value JSON (`true`, `null`, `"text"`).
 
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
     from runtime.qwen3_coder_reply import XmlCallParser
     from runtime.think_reply import ThinkParser
 
-TOOL_STYLES = ("hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3")
+TOOL_STYLES = ("hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3", "granite")
 # Styles whose chat replies are parsed whether tools were offered or not: they hold
 # reasoning apart from the answer, in markup the request keeps (actors/admission.py).
 REASONING_STYLES = ("harmony", "gemma4")
@@ -334,6 +336,7 @@ class _WholeReply:
 
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"  # Mistral's control tokens, kept in its text
+GRANITE_TOOL_CALL = "<|tool_call|>"  # Granite 3's special token, kept in its text
 HERMES_TAGS = CALL_TAG, CALL_END_TAG = "<tool_call>", "</tool_call>"  # Qwen's: added tokens
 OLMO3_TAGS = FUNCTION_CALLS, FUNCTION_CALLS_END = "<function_calls>", "</function_calls>"
 
@@ -342,8 +345,11 @@ OLMO3_TAGS = FUNCTION_CALLS, FUNCTION_CALLS_END = "<function_calls>", "</functio
 class _MistralCalls:
     """Mistral's form: after each `[TOOL_CALLS]`, either `name[ARGS]` and the arguments'
     JSON object, or a JSON list of {"name", "arguments"} calls. Each call is reported
-    whole once its JSON closes; what follows a marker and is neither stays text."""
+    whole once its JSON closes; what follows a marker and is neither stays text.
+    Granite 3's is the list form alone, after its own marker."""
 
+    marker: str = TOOL_CALLS
+    takes_named_calls: bool = True  # `name[ARGS]{...}`, Mistral's newer form
     pending: str = ""  # text not yet reported, from a marker on when in a call
     in_call: bool = False  # pending begins just past a marker
     num_calls: int = 0
@@ -360,22 +366,22 @@ class _MistralCalls:
         events: list[Event] = []
         while True:
             if not self.in_call:
-                at = self.pending.find(TOOL_CALLS)
+                at = self.pending.find(self.marker)
                 if at < 0:  # hold back a tail that may begin a marker
-                    keep = 0 if is_final else marker_prefix_length(self.pending, TOOL_CALLS)
+                    keep = 0 if is_final else marker_prefix_length(self.pending, self.marker)
                     events += _content(self.pending[: len(self.pending) - keep])
                     self.pending = self.pending[len(self.pending) - keep :]
                     return events
                 events += _content(self.pending[:at])
-                self.pending, self.in_call, self.value_end = self.pending[at + len(TOOL_CALLS) :], True, None
+                self.pending, self.in_call, self.value_end = self.pending[at + len(self.marker) :], True, None
             end, calls = self._call(is_final)
             if end is None:
                 if is_final:  # cut short, or no call after all: the text as the model wrote it
-                    events += _content(TOOL_CALLS + self.pending)
+                    events += _content(self.marker + self.pending)
                     self.pending, self.in_call = "", False
                 return events
             if calls is None:
-                events += _content(TOOL_CALLS + self.pending[:end])
+                events += _content(self.marker + self.pending[:end])
             for call in calls or ():
                 events += _whole_call(self.num_calls, call)
                 self.num_calls += 1
@@ -398,6 +404,8 @@ class _MistralCalls:
                 return end, None
             calls = [c for c in listed if isinstance(c, dict) and isinstance(c.get("name"), str)]
             return end, calls if len(calls) == len(listed) else None
+        if not self.takes_named_calls:  # no list: text, as what follows it
+            return len(body), None
         at = body.find(ARGS)
         if at < 0:
             # A name goes up to [ARGS]: anything else is text once the reply ends.
@@ -566,6 +574,8 @@ def parser_for(
         return _WholeReply()
     if style == "mistral":
         return _MistralCalls()
+    if style == "granite":
+        return _MistralCalls(GRANITE_TOOL_CALL, takes_named_calls=False)
     if style == "harmony":
         from runtime.harmony import HarmonyParser  # it builds on this module's events
 

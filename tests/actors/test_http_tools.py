@@ -106,6 +106,7 @@ CALL_TEXT = {
     "qwen3_coder": "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n"
     "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
     "olmo3": 'Checking.<function_calls>get_weather(city="Rome", days=2)</function_calls>',
+    "granite": 'Checking.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}]',
 }
 
 
@@ -211,6 +212,7 @@ LONG_CALL = {
     "mistral": 'Checking.[TOOL_CALLS]get_weather[ARGS]{"note": "%s"}',
     "qwen3_coder": "Checking. <tool_call>\n<function=get_weather>\n<parameter=note>\n%s\n</parameter>\n</function>\n</tool_call>",
     "olmo3": 'Checking.<function_calls>get_weather(note="%s")</function_calls>',
+    "granite": 'Checking.<|tool_call|>[{"name": "get_weather", "arguments": {"note": "%s"}}]',
 }
 CUT_CONTENT = {  # the markup is left out, as of a call cut before its name is whole
     "hermes": 'Checking. {"name": "get_weather", "arguments": {"note": "Rome is',
@@ -219,6 +221,7 @@ CUT_CONTENT = {  # the markup is left out, as of a call cut before its name is w
     "mistral": 'Checking.[TOOL_CALLS]get_weather[ARGS]{"note": "Rome is',
     "qwen3_coder": "Checking. <function=get_weather>\n<parameter=note>\nRome is",
     "olmo3": 'Checking.<function_calls>get_weather(note="Rome is',
+    "granite": 'Checking.<|tool_call|>[{"name": "get_weather", "arguments": {"note": "Rome is',
 }
 
 
@@ -233,7 +236,7 @@ async def test_a_call_max_tokens_ends_in_is_text_in_the_whole_response(styled):
     assert choice.finish_reason == finish == "length"
     assert choice.message.tool_calls is None
     assert choice.message.content.startswith(CUT_CONTENT[style])
-    if style in ("gemma", "mistral", "olmo3"):  # their calls go out when whole: this one never was
+    if style in ("gemma", "mistral", "olmo3", "granite"):  # their calls go out when whole: this one never was
         assert (content, calls) == (choice.message.content, {})
         return
     ((_, name, arguments),) = calls.values()
@@ -543,6 +546,7 @@ MARKER = {
     "mistral": "[TOOL_CALLS]",
     "qwen3_coder": "<tool_call>",
     "olmo3": "<function_calls>",
+    "granite": "<|tool_call|>",
 }
 
 
@@ -555,9 +559,12 @@ async def test_auto_beside_a_response_format_may_call_or_answer_in_the_format(st
     async with serving(checkpoint) as server:
         forced = await in_thread(whole, server, **body, tool_choice="required")
         if style in MARKER:  # random weights: the marker's first token decides the branch
-            first = Tokenizer.from_dir(checkpoint).encode(MARKER[style], add_special_tokens=False)[0]
+            tokenizer = Tokenizer.from_dir(checkpoint)
+            first = tokenizer.encode(MARKER[style], add_special_tokens=False)[0]
             called = await in_thread(whole, server, **body, logit_bias={str(first): 100})
-            answered = await in_thread(whole, server, **body, logit_bias={str(first): -100})
+            # Its first character too: the grammar may spell "<|tool_call|>" from "<".
+            starts = {first, tokenizer.encode(MARKER[style][0], add_special_tokens=False)[0]}
+            answered = await in_thread(whole, server, **body, logit_bias={str(t): -100 for t in starts})
         else:  # Llama 3's calls are bare JSON, as the answer is: there the answer alone
             called, answered = None, await in_thread(whole, server, **body, logit_bias={})
     (call,) = forced.choices[0].message.tool_calls
@@ -784,18 +791,24 @@ async def test_a_qwen3_coder_history_renders_its_calls_arguments_as_parameters(q
     assert done.usage.prompt_tokens == len(reference(prompt, add_special_tokens=False)["input_ids"])
 
 
-@pytest.mark.parametrize("special", [True, False])
-async def test_olmo3_tags_that_are_added_tokens_are_written_as_those_tokens_and_parsed(
-    make_checkpoint, tmp_path_factory, special
+@pytest.mark.parametrize(
+    ("style", "markers", "special"),
+    [
+        ("olmo3", ("<function_calls>", "</function_calls>"), True),
+        ("olmo3", ("<function_calls>", "</function_calls>"), False),
+        ("granite", ("<|tool_call|>",), True),  # a special token, as Granite 3's tokenizer holds it
+    ],
+)
+async def test_call_markers_that_are_added_tokens_are_written_as_those_tokens_and_parsed(
+    make_checkpoint, tmp_path_factory, style, markers, special
 ):
-    """OLMo 3's `<function_calls>` tags as added tokens, special or not: a forced call
-    writes them as those tokens, and a request offering tools keeps them in its text
-    (decoding drops special ones), where the parser finds the call."""
-    tags = ("<function_calls>", "</function_calls>")
-    checkpoint = with_added_markers(make_checkpoint, tmp_path_factory, "olmo3", tags, special=special)
+    """OLMo 3's `<function_calls>` tags and Granite's `<|tool_call|>` as added tokens: a
+    forced call writes them as those tokens, and a request offering tools keeps them in
+    its text (decoding drops special ones), where the parser finds the call."""
+    checkpoint = with_added_markers(make_checkpoint, tmp_path_factory, style, markers, special=special)
     body = dict(messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=60, logprobs=True)
     async with serving(checkpoint) as server:
-        assert server.llm.tool_style == "olmo3"
+        assert server.llm.tool_style == style
         done = await in_thread(whole, server, **body)
         content, calls, finish = await in_thread(streamed, server, **body)
     choice = done.choices[0]
@@ -803,6 +816,6 @@ async def test_olmo3_tags_that_are_added_tokens_are_written_as_those_tokens_and_
     (call,) = choice.message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
     written = [entry.token for entry in choice.logprobs.content]
-    assert written[0] == "<function_calls>" and written[-1] == "</function_calls>"  # each one token
+    assert written[0] == markers[0] and markers[-1] in written  # each one token, not spelled
     assert (content, finish) == ("", "tool_calls")
     assert [(n, a) for _, n, a in calls.values()] == [(call.function.name, call.function.arguments)]

@@ -6,7 +6,7 @@ in the system turn, `<tool_call>` JSON, `<tool_response>` turns), Llama 3.1's JS
 Mistral Small 3.2's (tools before the last user turn, `[TOOL_CALLS]name[ARGS]{...}`),
 gpt-oss's harmony and Gemma 4's (tests/actors/test_http_harmony.py and
 test_http_gemma4.py, with their markers as tokens: `with_markers`); and Qwen3-Coder's
-and OLMo 3's own, published (templates/).
+OLMo 3's and Granite 3's own, published (templates/).
 """
 
 import json
@@ -122,6 +122,9 @@ QWEN3_CODER = (pathlib.Path(__file__).parent / "templates" / "Qwen-Qwen3-Coder-3
 # OLMo 3.1 Instruct's published template: Python calls in <function_calls>, results as environment turns.
 OLMO3 = (pathlib.Path(__file__).parent / "templates" / "allenai-Olmo-3.1-32B-Instruct.jinja").read_text()
 
+# Granite 3.3 Instruct's published template: roles and content alone, tools as `available_tools`.
+GRANITE = (pathlib.Path(__file__).parent / "templates" / "ibm-granite-granite-3.3-2b-instruct.jinja").read_text()
+
 TEMPLATES = {
     "hermes": HERMES,
     "llama3_json": LLAMA3_JSON,
@@ -129,6 +132,7 @@ TEMPLATES = {
     "mistral": MISTRAL,
     "qwen3_coder": QWEN3_CODER,
     "olmo3": OLMO3,
+    "granite": GRANITE,
 }
 
 

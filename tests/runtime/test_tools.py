@@ -773,7 +773,7 @@ def test_tools_render_as_transformers_renders_them(tmp_path, template):
     assert Tokenizer.from_dir(tmp_path).encode_chat(chat, tools=TOOLS) == expected
 
 
-@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral", "harmony", "qwen3_coder", "olmo3"])
+@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral", "harmony", "qwen3_coder", "olmo3", "granite"])
 def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(style):
     said = {**HISTORY[1], "content": "Let me check."}
     chat = chat_for_template([HISTORY[0], said, HISTORY[2]], TOOLS, style, knows_tools=False)
@@ -787,6 +787,7 @@ def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(st
         "harmony": "on the commentary channel to=functions.<function-name>",
         "qwen3_coder": "<tool_call>\n<function=<function-name>>\n<parameter=<parameter-name>>\n<value>\n",
         "olmo3": "<function_calls><function-name>(<param-name>=<json-value>, ...)</function_calls>",
+        "granite": '<|tool_call|>[{"name": <function-name>, "arguments": <args-json-object>}]',
     }
     assert taught[style] in first and json.dumps(TOOLS[0]["function"]) in first
     # The assistant's text, then its call in the model's own format: it parses back.
@@ -832,7 +833,9 @@ def test_call_arguments_that_are_not_json_reach_the_template_as_sent():
     assert kept["tool_calls"][0]["function"]["arguments"] == "{oops"
 
 
-@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3"])
+@pytest.mark.parametrize(
+    "style", ["hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3", "granite"]
+)
 def test_call_arguments_that_are_not_json_are_written_into_a_template_without_tools(style):
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
     message = {"role": "assistant", "content": "", "tool_calls": [call]}
@@ -1536,3 +1539,91 @@ def test_a_forced_olmo3_calls_tags_that_are_added_tokens_are_written_as_those_to
     tokens = {"<function_calls>": 100, "</function_calls>": 101}
     source = tool_call_grammar("olmo3", TOOLS, None, control_tokens=tokens).source
     assert "<[100]>" in source and "<[101]>" in source and '"<function_calls>"' not in source
+
+
+# Granite 3.x: `<|tool_call|>` and a JSON list of calls, Mistral's list form after its own
+# marker. Its published template (Granite 3.3 2B Instruct's, as llama.cpp keeps it).
+GRANITE3 = (TEMPLATE_DIR / "ibm-granite-granite-3.3-2b-instruct.jinja").read_text()
+# Granite 4.0's, the parts that matter: Hermes's <tool_call> JSON in Granite's turns.
+GRANITE4 = (
+    "{%- if tools %}{%- for tool in tools %}{{ tool | tojson }}{%- endfor %}{%- endif %}"
+    "{%- for message in messages %}<|start_of_role|>{{ message.role }}<|end_of_role|>"
+    '{%- for tool_call in message.tool_calls or [] %}<tool_call>\n{"name": "{{ tool_call.function.name }}"'
+    "}\n</tool_call>{%- endfor %}<|end_of_text|>\n{%- endfor %}"
+)
+GRANITE_CASES = [
+    (
+        'Let me check.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+        '{"arguments": {"zone": "UTC"}, "name": "get_time"}]',
+        ("Let me check.", [("get_weather", '{"city": "Paris", "days": 2}'), ("get_time", '{"zone": "UTC"}')]),
+    ),
+    ('<|tool_call|> [{"name": "now", "arguments": {}}] Done.', (" Done.", [("now", "{}")])),
+    # Mistral's named form is no Granite call, nor an object or a list of no calls.
+    ('<|tool_call|>f[ARGS]{"a": 1}', ('<|tool_call|>f[ARGS]{"a": 1}', [])),
+    ('<|tool_call|>{"name": "f", "arguments": {}}', ('<|tool_call|>{"name": "f", "arguments": {}}', [])),
+    ('<|tool_call|>[1, 2]', ('<|tool_call|>[1, 2]', [])),
+    ("No <|tool call here.", ("No <|tool call here.", [])),
+    # Cut short (max_tokens): the text as written, no call.
+    ('Sure.<|tool_call|>[{"name": "f", "arguments": {"a": "x', ('Sure.<|tool_call|>[{"name": "f", "arguments": {"a": "x', [])),
+    ("It ends in <|tool_ca", ("It ends in <|tool_ca", [])),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), GRANITE_CASES)
+def test_granite_calls_are_the_same_whatever_the_split(text, expected):
+    assert parse("granite", text) == expected
+    for cut in range(1, len(text)):
+        assert parse("granite", text, [cut]) == expected, cut
+    assert parse("granite", text, range(1, len(text))) == expected
+
+
+def test_the_granite_3_template_is_granites_and_the_others_keep_theirs():
+    assert tool_style_for(GRANITE3, "granite") == tool_style_for(GRANITE3, "llama") == "granite"
+    assert template_knows_tools(GRANITE3)
+    assert tool_style_for(GRANITE4, "granitemoehybrid") == "hermes"  # Granite 4 writes <tool_call>
+    kept = {HERMES: "hermes", QWEN3: "hermes", QWEN3_CODER: "qwen3_coder", LLAMA3_JSON: "llama3_json",
+            MISTRAL: "mistral", HARMONY: "harmony", GEMMA: "gemma", OLMO3: "olmo3"}
+    assert {tool_style_for(t, "granite"): style for t, style in kept.items()} == {s: s for s in kept.values()}
+
+
+def test_a_granite_history_shows_its_calls_as_it_writes_them_and_results_as_tool_responses():
+    """Granite 3's templates write each turn's role and content alone: a past call was
+    not shown at all (its null content broke the template) and a result was a `tool`
+    turn, a role Granite was not taught."""
+    calls = [
+        {"id": f"call_{i}", "type": "function", "function": {"name": "get_weather", "arguments": f'{{"city": "{city}"}}'}}
+        for i, city in enumerate(("Paris", "Rome"))
+    ]
+    history = [
+        HISTORY[0],
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_0", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rainy"},
+    ]
+    rendered = with_template(GRANITE3).apply_chat_template(
+        chat_for_template(history, TOOLS, "granite", knows_tools=True), template_kwargs=None
+    )
+    written = '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]'
+    assert f"<|start_of_role|>assistant<|end_of_role|>{written}<|end_of_text|>" in rendered
+    assert "<|start_of_role|>tool_response<|end_of_role|>sunny<|end_of_text|>\n" in rendered
+    assert "<|start_of_role|>tool_response<|end_of_role|>rainy<|end_of_text|>\n" in rendered
+    assert parse("granite", written)[1] == [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Rome"}')]
+    # A template without tools is shown the same form.
+    said = chat_for_template(history[:2], TOOLS, "granite", knows_tools=False)[1]
+    assert said["content"] == written
+
+
+@pytest.mark.parametrize("forced", [None, "get_weather"])
+def test_a_forced_granite_call_is_a_list_of_one_call_after_its_marker(forced):
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    tools = [*TOOLS, {"type": "function", "function": {"name": "get_time"}}]
+    grammar = compiler.compile(tool_call_grammar("granite", tools, forced))
+    call = '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Rome"}}]'
+    assert admitted_by(grammar, call)
+    assert parse("granite", call) == ("", [("get_weather", '{"city": "Rome"}')])
+    assert not admitted_by(grammar, '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Berlin"}}]')
+    assert not admitted_by(grammar, '<|tool_call|>{"name": "get_weather", "arguments": {"city": "Rome"}}')
+    assert admitted_by(grammar, '<|tool_call|>[{"name": "get_time", "arguments": {}}]') == (forced is None)
+    assert not admitted_by(grammar, "Sure. " + call)
+    source = tool_call_grammar("granite", tools, forced, control_tokens={"<|tool_call|>": 100}).source
+    assert "<[100]>" in source and '"<|tool_call|>"' not in source
