@@ -5,6 +5,7 @@ The format follows the chat template, the thing that taught the model: a templat
 writes `[TOOL_CALLS]` is Mistral's, one that writes `<function=` and `<parameter=` is
 Qwen3-Coder's and Qwen3.5's XML, one that writes `<function_calls>` OLMo 3's Python calls,
 one that writes `<|tool_call|>` Granite 3's JSON list,
+one with an `<|observation|>` turn and no `<tool_call>` GLM-4-0414's name-then-JSON,
 one that writes `<tool_call>` otherwise is Hermes/Qwen's, one
 with `<|python_tag|>` or an `ipython` role is Llama 3's JSON form, and Gemma (whose template has no tools at all) gets the
 ```tool_code form from Google's function-calling guide. Anything else: Hermes, the
@@ -70,6 +71,9 @@ def tool_style_for(template_source: str, model_type: str) -> str:
         return "granite"
     if "<tool_call>" in template_source:
         return "hermes"
+    # GLM-4-0414's and GLM-Z1's results are `observation` turns (GLM-4.5's write <tool_call>).
+    if "<|observation|>" in template_source:
+        return "glm4"
     if "<|python_tag|>" in template_source or "ipython" in template_source:
         return "llama3_json"
     if model_type.startswith("gemma") or "<start_of_turn>" in template_source:
@@ -123,6 +127,8 @@ def tool_call_grammar(
         )
     if style == "mistral":  # [TOOL_CALLS]name[ARGS]arguments
         return marked_calls(marker(TOOL_CALLS), lambda name: f"{json.dumps(name)} {marker(ARGS)}")
+    if style == "glm4":  # NAME\n{arguments}
+        return marked_calls('""', lambda name: json.dumps(name + "\n"))
     if style == "gemma4":  # <|tool_call>call:NAME{...}<tool_call|>, in Gemma's notation
         return _with_answer(_gemma4_calls(functions, marker), answer)
     if style == "olmo3":  # <function_calls>NAME(key=value, ...)</function_calls>
@@ -379,6 +385,8 @@ def chat_for_template(
     if knows_tools:
         if style == "granite":
             return _granite_turns(chat)
+        if style == "glm4":
+            return _glm4_turns(chat)
         return _responses_in_turn(chat) if style == "gemma4" else chat
     chat = _results_joined(chat, [_as_text(m, style) for m in chat])
     if tools:
@@ -497,6 +505,33 @@ def _granite_turns(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _glm4_turns(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's calls and results as GLM-4-0414's template takes them: each call an
+    assistant turn of its own, the tool's name its `metadata` and the arguments' JSON its
+    text, after one for the turn's text if it has any, and a result an `observation`
+    turn. The template writes neither `tool_calls` nor a `tool` turn: both were dropped."""
+    out: list[dict[str, Any]] = []
+    for message in chat:
+        if message["role"] == "tool":
+            out.append({"role": "observation", "content": message.get("content") or ""})
+        elif message["role"] == "assistant" and message.get("tool_calls"):
+            if message.get("content"):
+                out.append({k: v for k, v in message.items() if k != "tool_calls"})
+            for call in message["tool_calls"]:
+                name, arguments = _glm4_call(call["function"])
+                out.append({"role": "assistant", "metadata": name, "content": arguments})
+        else:
+            out.append(message)
+    return out
+
+
+def _glm4_call(function: Mapping[str, Any]) -> tuple[str, str]:
+    """A call's name and its arguments' JSON text, as GLM-4 writes them."""
+    arguments = function.get("arguments") or {}
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return function["name"], text
+
+
 def _call_text_granite(functions: Sequence[Mapping[str, Any]]) -> str:
     calls = [{"name": f["name"], "arguments": f.get("arguments") or {}} for f in functions]
     return GRANITE_TOOL_CALL + json.dumps(calls)
@@ -553,6 +588,8 @@ def _call_text(function: Mapping[str, Any], style: str) -> str:
         return f"{CALL_OPEN}call:{function['name']}{gemma4_arguments(arguments)}{CALL_CLOSE}"
     if style == "qwen3_coder":
         return xml_call(function["name"], arguments)
+    if style == "glm4":
+        return "\n".join(_glm4_call(function))
     if style == "olmo3":  # as its template writes them; text that is no JSON as it is
         pairs = ", ".join(f"{k}={json.dumps(v)}" for k, v in arguments.items()) if isinstance(arguments, dict) else arguments
         return f"{FUNCTION_CALLS}{function['name']}({pairs}){FUNCTION_CALLS_END}"
@@ -569,6 +606,8 @@ def _tools_preamble(tools: Sequence[Mapping[str, Any]], style: str) -> str:
         )
     elif style == "granite":
         how = f'To call a function, reply with {GRANITE_TOOL_CALL}[{{"name": <function-name>, "arguments": <args-json-object>}}]'
+    elif style == "glm4":
+        how = "To call a function, reply with its name alone on the first line, then its arguments as a JSON object."
     elif style == "olmo3":
         how = f"To call a function, reply with {FUNCTION_CALLS}<function-name>(<param-name>=<json-value>, ...){FUNCTION_CALLS_END}"
     elif style == "qwen3_coder":

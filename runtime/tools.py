@@ -23,6 +23,9 @@ The formats, as the families' chat templates teach them:
                `<parameter=KEY>` text, typed by the tool's schema (runtime/qwen3_coder_reply.py).
   granite      Granite 3.x: `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`, Mistral's
                list form after Granite's marker. Text may come first.
+  glm4         GLM-4-0414, GLM-Z1: the reply is a tool's name alone on its first line, then the
+               arguments' JSON object; no marker, so the request's tool names tell a call
+               (runtime/glm4_reply.py).
   olmo3        OLMo 3 Instruct: `<function_calls>name(key=value, ...)</function_calls>`, a
                call a line, each value JSON (`true`, `null`, `"text"`).
 
@@ -51,11 +54,12 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
     from runtime.gemma4_reply import Gemma4Parser
+    from runtime.glm4_reply import FirstLineCall
     from runtime.harmony import HarmonyParser
     from runtime.qwen3_coder_reply import XmlCallParser
     from runtime.think_reply import ThinkParser
 
-TOOL_STYLES = ("hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3", "granite")
+TOOL_STYLES = ("hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3", "granite", "glm4")
 # Styles whose chat replies are parsed whether tools were offered or not: they hold
 # reasoning apart from the answer, in markup the request keeps (actors/admission.py).
 REASONING_STYLES = ("harmony", "gemma4")
@@ -545,6 +549,7 @@ def _content(text: str) -> list[Event]:
 
 ToolParser: TypeAlias = (
     "_Delimited | _WholeReply | _MistralCalls | HarmonyParser | Gemma4Parser | ThinkParser | XmlCallParser"
+    " | FirstLineCall"
 )
 
 
@@ -559,7 +564,7 @@ def parser_for(
     too: there (`parses_calls` False) a call is content. `think_tags`: the reply may
     think between these tags first (`<think>`, Mistral's `[THINK]`; runtime/think_reply.py),
     and only its answer holds calls. `tools`, the request's: Qwen3-Coder's parameters are
-    text, which their schemas type."""
+    text, which their schemas type; GLM-4's calls are known by their names alone."""
     if think_tags is not None:
         from runtime.think_reply import ThinkParser  # it builds on this module's events
 
@@ -584,6 +589,11 @@ def parser_for(
         from runtime.gemma4_reply import Gemma4Parser  # it builds on this module's events
 
         return Gemma4Parser(parses_calls)
+    if style == "glm4":
+        # It builds on this module's events.
+        from runtime.glm4_reply import FirstLineCall, tool_names
+
+        return FirstLineCall(tool_names(tools))
     if style == "qwen3_coder":
         # It builds on this module's events.
         from runtime.qwen3_coder_reply import XmlCallParser, parameter_types

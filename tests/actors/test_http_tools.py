@@ -107,6 +107,7 @@ CALL_TEXT = {
     "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
     "olmo3": 'Checking.<function_calls>get_weather(city="Rome", days=2)</function_calls>',
     "granite": 'Checking.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}]',
+    "glm4": 'get_weather\n{"city": "Rome", "days": 2}',  # a reply of a call alone: no text before
 }
 
 
@@ -126,7 +127,7 @@ async def test_auto_finds_the_call_the_model_writes(styled):
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
         ("get_weather", {"city": "Rome", "days": 2})
     ]
-    expected_content = None if style == "llama3_json" else "Checking."
+    expected_content = None if style in ("llama3_json", "glm4") else "Checking."
     assert message.content == expected_content
     assert (content or None, finish) == (expected_content, "tool_calls")
     assert [(n, a) for _, n, a in calls.values()] == [
@@ -213,6 +214,7 @@ LONG_CALL = {
     "qwen3_coder": "Checking. <tool_call>\n<function=get_weather>\n<parameter=note>\n%s\n</parameter>\n</function>\n</tool_call>",
     "olmo3": 'Checking.<function_calls>get_weather(note="%s")</function_calls>',
     "granite": 'Checking.<|tool_call|>[{"name": "get_weather", "arguments": {"note": "%s"}}]',
+    "glm4": 'get_weather\n{"note": "%s"}',
 }
 CUT_CONTENT = {  # the markup is left out, as of a call cut before its name is whole
     "hermes": 'Checking. {"name": "get_weather", "arguments": {"note": "Rome is',
@@ -222,6 +224,7 @@ CUT_CONTENT = {  # the markup is left out, as of a call cut before its name is w
     "qwen3_coder": "Checking. <function=get_weather>\n<parameter=note>\nRome is",
     "olmo3": 'Checking.<function_calls>get_weather(note="Rome is',
     "granite": 'Checking.<|tool_call|>[{"name": "get_weather", "arguments": {"note": "Rome is',
+    "glm4": 'get_weather\n{"note": "Rome is',
 }
 
 
@@ -236,7 +239,7 @@ async def test_a_call_max_tokens_ends_in_is_text_in_the_whole_response(styled):
     assert choice.finish_reason == finish == "length"
     assert choice.message.tool_calls is None
     assert choice.message.content.startswith(CUT_CONTENT[style])
-    if style in ("gemma", "mistral", "olmo3", "granite"):  # their calls go out when whole: this one never was
+    if style in ("gemma", "mistral", "olmo3", "granite", "glm4"):  # their calls go out when whole: this one never was
         assert (content, calls) == (choice.message.content, {})
         return
     ((_, name, arguments),) = calls.values()
@@ -547,6 +550,7 @@ MARKER = {
     "qwen3_coder": "<tool_call>",
     "olmo3": "<function_calls>",
     "granite": "<|tool_call|>",
+    "glm4": "get_",  # no marker: both tools' names begin so
 }
 
 
@@ -562,9 +566,10 @@ async def test_auto_beside_a_response_format_may_call_or_answer_in_the_format(st
             tokenizer = Tokenizer.from_dir(checkpoint)
             first = tokenizer.encode(MARKER[style], add_special_tokens=False)[0]
             called = await in_thread(whole, server, **body, logit_bias={str(first): 100})
-            # Its first character too: the grammar may spell "<|tool_call|>" from "<".
-            starts = {first, tokenizer.encode(MARKER[style][0], add_special_tokens=False)[0]}
-            answered = await in_thread(whole, server, **body, logit_bias={str(t): -100 for t in starts})
+            # The answer's "{": banning the marker's first token left others to spell it
+            # ("<|tool_call|>" from "<", a GLM-4 name from "ge").
+            brace = tokenizer.encode("{", add_special_tokens=False)[0]
+            answered = await in_thread(whole, server, **body, logit_bias={str(brace): 100})
         else:  # Llama 3's calls are bare JSON, as the answer is: there the answer alone
             called, answered = None, await in_thread(whole, server, **body, logit_bias={})
     (call,) = forced.choices[0].message.tool_calls

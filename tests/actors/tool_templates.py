@@ -6,7 +6,7 @@ in the system turn, `<tool_call>` JSON, `<tool_response>` turns), Llama 3.1's JS
 Mistral Small 3.2's (tools before the last user turn, `[TOOL_CALLS]name[ARGS]{...}`),
 gpt-oss's harmony and Gemma 4's (tests/actors/test_http_harmony.py and
 test_http_gemma4.py, with their markers as tokens: `with_markers`); and Qwen3-Coder's
-OLMo 3's and Granite 3's own, published (templates/).
+OLMo 3's, Granite 3's and GLM-Z1's own, published (templates/).
 """
 
 import json
@@ -124,6 +124,8 @@ OLMO3 = (pathlib.Path(__file__).parent / "templates" / "allenai-Olmo-3.1-32B-Ins
 
 # Granite 3.3 Instruct's published template: roles and content alone, tools as `available_tools`.
 GRANITE = (pathlib.Path(__file__).parent / "templates" / "ibm-granite-granite-3.3-2b-instruct.jinja").read_text()
+# GLM-Z1-9B-0414's published template: a call is a tool's name, then its JSON, results observations.
+GLM4 = (pathlib.Path(__file__).parent / "templates" / "THUDM-GLM-Z1-9B-0414.jinja").read_text()
 
 TEMPLATES = {
     "hermes": HERMES,
@@ -133,6 +135,7 @@ TEMPLATES = {
     "qwen3_coder": QWEN3_CODER,
     "olmo3": OLMO3,
     "granite": GRANITE,
+    "glm4": GLM4,
 }
 
 

@@ -25,6 +25,7 @@ from runtime.tools import (
     CallCutShort,
     CallStart,
     Content,
+    Reasoning,
     parser_for,
     python_calls,
 )
@@ -773,7 +774,9 @@ def test_tools_render_as_transformers_renders_them(tmp_path, template):
     assert Tokenizer.from_dir(tmp_path).encode_chat(chat, tools=TOOLS) == expected
 
 
-@pytest.mark.parametrize("style", ["hermes", "llama3_json", "gemma", "mistral", "harmony", "qwen3_coder", "olmo3", "granite"])
+@pytest.mark.parametrize(
+    "style", ["hermes", "llama3_json", "gemma", "mistral", "harmony", "qwen3_coder", "olmo3", "granite", "glm4"]
+)
 def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(style):
     said = {**HISTORY[1], "content": "Let me check."}
     chat = chat_for_template([HISTORY[0], said, HISTORY[2]], TOOLS, style, knows_tools=False)
@@ -788,12 +791,13 @@ def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(st
         "qwen3_coder": "<tool_call>\n<function=<function-name>>\n<parameter=<parameter-name>>\n<value>\n",
         "olmo3": "<function_calls><function-name>(<param-name>=<json-value>, ...)</function_calls>",
         "granite": '<|tool_call|>[{"name": <function-name>, "arguments": <args-json-object>}]',
+        "glm4": "reply with its name alone on the first line, then its arguments as a JSON object",
     }
     assert taught[style] in first and json.dumps(TOOLS[0]["function"]) in first
     # The assistant's text, then its call in the model's own format: it parses back.
     assert chat[1]["content"].startswith("Let me check.\n")
     assert "tool_calls" not in chat[1]  # the calls are its text now
-    content, calls = parse(style, chat[1]["content"].removeprefix("Let me check.\n"))
+    content, calls = parse(style, chat[1]["content"].removeprefix("Let me check.\n"), tools=TOOLS)
     assert (content, calls) == ("", [("get_weather", '{"city": "Paris"}')])
 
 
@@ -834,7 +838,7 @@ def test_call_arguments_that_are_not_json_reach_the_template_as_sent():
 
 
 @pytest.mark.parametrize(
-    "style", ["hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3", "granite"]
+    "style", ["hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3", "granite", "glm4"]
 )
 def test_call_arguments_that_are_not_json_are_written_into_a_template_without_tools(style):
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
@@ -1627,3 +1631,98 @@ def test_a_forced_granite_call_is_a_list_of_one_call_after_its_marker(forced):
     assert not admitted_by(grammar, "Sure. " + call)
     source = tool_call_grammar("granite", tools, forced, control_tokens={"<|tool_call|>": 100}).source
     assert "<[100]>" in source and '"<|tool_call|>"' not in source
+
+
+# GLM-4-0414 and GLM-Z1: a tool's name alone on the reply's first line, then the
+# arguments' JSON object. GLM-Z1-9B-0414's published template.
+GLM_Z1 = (TEMPLATE_DIR / "THUDM-GLM-Z1-9B-0414.jinja").read_text()
+GLM_TOOLS = [{"type": "function", "function": {"name": n}} for n in ("get_weather", "get_time")]
+GLM4_CASES = [
+    ('get_weather\n{"city": "Paris", "days": 2}', ("", [("get_weather", '{"city": "Paris", "days": 2}')])),
+    ('\n get_time \n\n{"zone": "UTC"}\n', ("\n", [("get_time", '{"zone": "UTC"}')])),
+    ("\nParis is sunny.", ("\nParis is sunny.", [])),  # the template's text form
+    ("get the weather first", ("get the weather first", [])),
+    ("get_weather", ("get_weather", [])),  # a name alone is no call
+    ('get_weather\nIt is {"sunny": 1}', ('get_weather\nIt is {"sunny": 1}', [])),
+    ('get_weather\n[1, 2]', ('get_weather\n[1, 2]', [])),
+    ('lookup\n{"q": "x"}', ('lookup\n{"q": "x"}', [])),  # no tool of the request's
+    ('get_weather\n{"city": NaN}', ('get_weather\n{"city": NaN}', [])),
+    ('get_weather\n{"city": "Pa', ('get_weather\n{"city": "Pa', [])),  # cut short: text
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), GLM4_CASES)
+def test_glm4_calls_are_the_same_whatever_the_split(text, expected):
+    assert parse("glm4", text, tools=GLM_TOOLS) == expected
+    for cut in range(1, len(text)):
+        assert parse("glm4", text, [cut], tools=GLM_TOOLS) == expected, cut
+    assert parse("glm4", text, range(1, len(text)), tools=GLM_TOOLS) == expected
+
+
+def test_glm4_text_that_cannot_become_a_tools_name_goes_out_at_once():
+    parser = parser_for("glm4", tools=GLM_TOOLS)
+    assert parser.feed("get_") == [] and parser.feed("wea") == []
+    assert parser.feed("ry well") == [Content("get_weary well")]
+    assert parser_for("glm4", tools=GLM_TOOLS).feed("Paris") == [Content("Paris")]
+
+
+def test_a_glm_z1_call_after_its_thought_is_a_call_and_one_inside_it_reasoning():
+    call = 'get_weather\n{"city": "Rome"}'
+    parser = parser_for("glm4", think_tags=("<think>", "</think>"), tools=GLM_TOOLS)
+    events = parser.feed(f"<think>\nMaybe {call}?\n</think>\n{call}") + parser.finish()
+    assert "".join(e.text for e in events if isinstance(e, Reasoning)) == f"Maybe {call}?"
+    assert [e for e in events if isinstance(e, CallStart | CallArguments)] == [
+        CallStart(0, "get_weather"), CallArguments(0, '{"city": "Rome"}')
+    ]
+
+
+def test_the_glm4_template_is_glm4s_and_the_others_keep_theirs():
+    assert tool_style_for(GLM_Z1, "glm4") == tool_style_for(GLM_Z1, "llama") == "glm4"
+    assert template_knows_tools(GLM_Z1)
+    glm45 = "<|observation|>{% for c in m.tool_calls %}<tool_call>{{ c.name }}<arg_key>{% endfor %}"
+    assert tool_style_for(glm45, "glm4_moe") == "hermes"  # GLM-4.5's XML is no name-then-JSON
+    kept = {HERMES: "hermes", QWEN3: "hermes", QWEN3_CODER: "qwen3_coder", LLAMA3_JSON: "llama3_json",
+            MISTRAL: "mistral", HARMONY: "harmony", GEMMA: "gemma", OLMO3: "olmo3", GRANITE3: "granite"}
+    assert {tool_style_for(t, "glm4"): style for t, style in kept.items()} == {s: s for s in kept.values()}
+
+
+def test_a_glm4_history_is_assistant_turns_named_by_metadata_and_observation_turns():
+    """The template writes neither `tool_calls` nor a `tool` turn: a past call and its
+    result were dropped from the prompt."""
+    calls = [
+        {"id": f"call_{i}", "type": "function", "function": {"name": "get_weather", "arguments": f'{{"city": "{city}"}}'}}
+        for i, city in enumerate(("Paris", "Zürich"))
+    ]
+    history = [
+        HISTORY[0],
+        {"role": "assistant", "content": "Checking both.", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_0", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rainy"},
+    ]
+    rendered = with_template(GLM_Z1).apply_chat_template(
+        chat_for_template(history, TOOLS, "glm4", knows_tools=True), template_kwargs=None
+    )
+    assert rendered.endswith(
+        "<|user|>\nWeather in Paris?<|assistant|>\nChecking both."
+        '<|assistant|>get_weather\n{"city": "Paris"}<|assistant|>get_weather\n{"city": "Zürich"}'
+        "<|observation|>\nsunny<|observation|>\nrainy<|assistant|>\n<think>"
+    )
+    # A template without tools is shown the same form, which parses back.
+    said = chat_for_template(history[:2], TOOLS, "glm4", knows_tools=False)[1]["content"]
+    assert said.startswith('Checking both.\nget_weather\n{"city": "Paris"}')
+    assert parse("glm4", said.removeprefix("Checking both.\n").split("\nget_weather")[0], tools=GLM_TOOLS)[1] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
+
+
+@pytest.mark.parametrize("forced", [None, "get_weather"])
+def test_a_forced_glm4_call_is_the_name_then_the_arguments_json(forced):
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    tools = [*TOOLS, {"type": "function", "function": {"name": "get_time"}}]
+    grammar = compiler.compile(tool_call_grammar("glm4", tools, forced))
+    call = 'get_weather\n{"city": "Rome"}'
+    assert admitted_by(grammar, call)
+    assert parse("glm4", call, tools=tools) == ("", [("get_weather", '{"city": "Rome"}')])
+    assert not admitted_by(grammar, 'get_weather\n{"city": "Berlin"}')
+    assert admitted_by(grammar, "get_time\n{}") == (forced is None)
+    assert not admitted_by(grammar, "\nSure.")
