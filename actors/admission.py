@@ -22,7 +22,7 @@ from runtime.grammar import (
 )
 from runtime.harmony import HARMONY_HEADER
 from runtime.sequence import SequenceParams, check_sequence
-from runtime.think_reply import ThinkTags, closes_thought, opens_thought
+from runtime.think_reply import ThinkTags, prompt_closes_thought, prompt_opens_thought
 from runtime.tokenizer import Tokenizer
 from runtime.tool_prompts import chat_for_template, template_knows_tools, tool_call_grammar
 from runtime.tools import (
@@ -226,11 +226,15 @@ class Admission:
         grammar or not: one shapes what follows the thought (`_thought_first`)."""
         if self.think_tags is None or not self.thinks(request):
             return False
-        return opens_thought(params.prompt_tokens, self.think_tags.ids, self._spelled)
+        return prompt_opens_thought(params.prompt_tokens, self.think_tags, self._spelled)
 
     def _opening(self, request: GenerateRequest, params: SequenceParams) -> str:
-        """The opening tag the prompt left open, which the reply's text begins with."""
+        """The opening tag the prompt left open, which the reply's text begins with; none
+        under a grammar with text tags, which shapes the reply from its first token, the
+        answer (`_thought_first`)."""
         if self.think_tags is None or not self._opens_thought(request, params):
+            return ""
+        if self.think_tags.ids is None and params.grammar is not None:
             return ""
         return self.think_tags.open
 
@@ -244,10 +248,13 @@ class Admission:
         SGLang's with a reasoning parser: shaped from its first token, a QwQ reply would
         answer inside the thought its prompt opened, and a Qwen3 reply could not think.
         None where the template closed an empty thought (Qwen3's `enable_thinking:
-        false`): the reply answers at once, shaped from its first token."""
-        if self.think_tags is None or not self.thinks(request):
+        false`): the reply answers at once, shaped from its first token. None too where
+        the tags are text (OLMo 3 Think's): the grammar's switch needs `</think>` as one
+        token, so the grammar shapes the reply from its first token, and the shaped
+        reply is the answer, no thought (`_opening`)."""
+        if self.think_tags is None or self.think_tags.ids is None or not self.thinks(request):
             return None
-        if closes_thought(params.prompt_tokens, self.think_tags.ids, self._spelled):
+        if prompt_closes_thought(params.prompt_tokens, self.think_tags, self._spelled):
             return None
         return ThoughtFirst(*self.think_tags.ids, is_open=self._opens_thought(request, params))
 

@@ -303,7 +303,7 @@ async def _start_actors(
     tool_style = tool_style_for(loaded.tokenizer.tool_use_template_source, loaded.config.model_type)
     # Harmony's and Gemma 4's replies have reasoning markup of their own.
     thinks = think_split and tool_style not in REASONING_STYLES
-    tags = think_tags(loaded.tokenizer) if thinks else None
+    tags = think_tags(loaded.tokenizer, loaded.config.model_type) if thinks else None
     admission = Admission(
         loaded.tokenizer,
         engine.max_context,

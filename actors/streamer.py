@@ -207,7 +207,9 @@ class Streamer:
 
     def _think_ids(self, track: Track) -> tuple[int, ...]:
         """The thinking tags' ids, kept as text though special, for a reply that thinks."""
-        return self.think_tags.ids if track.thinks and self.think_tags is not None else ()
+        if not track.thinks or self.think_tags is None or self.think_tags.ids is None:
+            return ()  # (text tags are no tokens of their own)
+        return self.think_tags.ids
 
     def _end(self, stream: _Stream, message: Finished | Failed) -> None:
         self._send(stream, message)

@@ -55,19 +55,27 @@ THINK_TAGS = THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 MISTRAL_THINK_TAGS = "[THINK]", "[/THINK]"  # Mistral's control tokens
 TAG_PAIRS = (THINK_TAGS, MISTRAL_THINK_TAGS)
 _BLANKS_AFTER_OPENING = 4  # tokens of blanks a template may write past the tag it opens
+# Families whose replies think in `<think>` written as text, not as added tokens.
+TEXT_TAG_FAMILIES = ("olmo3",)
+# Prompt tokens decoded to tell a thought opened or closed by text tags: a tag's
+# spelling (one token a character at worst) and the blanks past it.
+_TEXT_TAIL_TOKENS = 16
 
 
 @attrs.frozen
 class ThinkTags:
-    """The tags a model's replies think between: their spellings and their token ids."""
+    """The tags a model's replies think between: their spellings and their token ids,
+    None where they are text (OLMo 3 Think's)."""
 
     open: str
     close: str
-    open_id: int
-    close_id: int
+    open_id: int | None = None
+    close_id: int | None = None
 
     @property
-    def ids(self) -> tuple[int, int]:
+    def ids(self) -> tuple[int, int] | None:
+        if self.open_id is None or self.close_id is None:
+            return None
         return self.open_id, self.close_id
 
     @property
@@ -75,9 +83,10 @@ class ThinkTags:
         return self.open, self.close
 
 
-def think_tags(tokenizer: Tokenizer) -> ThinkTags | None:
+def think_tags(tokenizer: Tokenizer, family: str = "") -> ThinkTags | None:
     """The tag pair a checkpoint's replies think in, else None: both tags are added
-    tokens and a chat template writes the opening one."""
+    tokens and a chat template writes the opening one; or, for a `family` of
+    TEXT_TAG_FAMILIES, `<think>` is no added token and a chat template writes it."""
     sources = (tokenizer.chat_template_source, tokenizer.tool_use_template_source)
     for open_tag, close_tag in TAG_PAIRS:
         open_id = tokenizer.added_token_id(open_tag)
@@ -86,7 +95,30 @@ def think_tags(tokenizer: Tokenizer) -> ThinkTags | None:
             continue
         if any(open_tag in source for source in sources):
             return ThinkTags(open_tag, close_tag, open_id, close_id)
+    is_added = any(tokenizer.added_token_id(tag) is not None for tag in THINK_TAGS)
+    if family in TEXT_TAG_FAMILIES and not is_added and any(THINK_OPEN in source for source in sources):
+        return ThinkTags(*THINK_TAGS)
     return None
+
+
+def prompt_opens_thought(
+    prompt_tokens: Sequence[int], tags: ThinkTags, decode: Callable[[list[int]], str]
+) -> bool:
+    """`opens_thought` for either kind of tags: text tags by the prompt's decoded end."""
+    if tags.ids is not None:
+        return opens_thought(prompt_tokens, tags.ids, decode)
+    tail = decode(list(prompt_tokens[-_TEXT_TAIL_TOKENS:])).rstrip()
+    return tail.endswith(tags.open)
+
+
+def prompt_closes_thought(
+    prompt_tokens: Sequence[int], tags: ThinkTags, decode: Callable[[list[int]], str]
+) -> bool:
+    """`closes_thought` for either kind of tags: text tags by the prompt's decoded end."""
+    if tags.ids is not None:
+        return closes_thought(prompt_tokens, tags.ids, decode)
+    tail = decode(list(prompt_tokens[-_TEXT_TAIL_TOKENS:])).rstrip()
+    return tail.endswith(tags.close)
 
 
 def opens_thought(

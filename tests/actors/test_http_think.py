@@ -11,6 +11,7 @@ are Qwen3's (`enable_thinking`) and QwQ's (the generation prompt opens `<think>`
 small. Random weights think of nothing, so a grammar writes the reply, the tags as the
 tokenizer's own tokens (llguidance's `<[id]>`; a grammar that writes `<think>` itself
 shapes the thought too), or a bias keeps the tags out of it, or biases write them.
+OLMo 3 Think's tags are text (its tokenizer holds neither), its template published.
 """
 
 import json
@@ -512,3 +513,86 @@ async def test_a_forced_qwen3_5_call_follows_the_thought_in_its_xml(qwen3_5):
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["days"], int)
     assert choices == [("H", "", [["get_weather", call.function.arguments]], "tool_calls", "H")]
+
+
+# OLMo 3 Think's published template (open-instruct's `olmo_thinker`, which
+# allenai/Olmo-3-7B-Think ships): its generation prompt ends in `<think>`, written as
+# text. Its tokenizer holds no tag as a token (the demo tokenizer spells `</think>` in six).
+OLMO3_THINK = (pathlib.Path(__file__).parent / "templates" / "allenai-Olmo-3-7B-Think.jinja").read_text()
+
+
+@pytest.fixture(scope="module")
+def olmo3_think(make_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("think") / "olmo3-think"
+    return tool_templates.with_template(make_checkpoint("olmo3"), out, OLMO3_THINK)
+
+
+def no_text_tags(checkpoint):
+    """A logit_bias keeping `<` (which every tag begins with) out of a random reply."""
+    (less_than,) = Tokenizer.from_dir(checkpoint).encode("<")
+    return {str(less_than): -100}
+
+
+async def test_an_olmo3_think_reply_is_reasoning_until_its_text_tag_closes(olmo3_think):
+    """The prompt opened `<think>` as text: the reply is the thought, cut here by
+    max_tokens before it closes, so all reasoning, whole and streamed alike."""
+    body = dict(messages=ASK, max_tokens=8, temperature=0, logit_bias=no_text_tags(olmo3_think))
+    async with serving(olmo3_think) as server:
+        assert server.llm.thinks and server.llm.think_tags.ids is None
+        done = await in_thread(whole, server, **body)
+        choices, _ = await in_thread(streamed, server, **body)
+        prompt = Tokenizer.from_dir(olmo3_think).encode_chat(ASK)
+        raw = await in_thread(
+            lambda: server.client().completions.create(
+                model=server.model, prompt=prompt, max_tokens=8, temperature=0, logit_bias=no_text_tags(olmo3_think)
+            )
+        )
+    thought = raw.choices[0].text.strip()
+    assert thought and done.choices[0].finish_reason == "length"
+    assert split_of(done.choices[0].message) == (thought, thought, "")
+    assert choices == [(thought, "", [], "length", thought)]
+
+
+OLMO3_REPLY = ("<think>", THOUGHT, "</think>", "\n\nSunny in Paris.")
+
+
+async def test_text_tags_split_across_tokens_split_the_reply_whole_and_streamed(olmo3_think):
+    """A grammar writing the tags as text (each tag several tokens): the thought is
+    reasoning and the rest content, whole and streamed alike."""
+    grammar = "start: " + " ".join(json.dumps(part) for part in OLMO3_REPLY)
+    body = dict(messages=ASK, max_tokens=80, n=2, logprobs=True, extra_body={"guided_grammar": grammar})
+    async with serving(olmo3_think) as server:
+        done = await in_thread(whole, server, **body)
+        choices, _ = await in_thread(streamed, server, **body)
+    for choice in done.choices:
+        assert split_of(choice.message) == (THOUGHT, THOUGHT, "Sunny in Paris.")
+        tokens = [entry.token for entry in choice.logprobs.content]
+        assert "</think>" not in tokens and "".join(tokens) == "".join(OLMO3_REPLY)
+    assert choices == [(THOUGHT, "Sunny in Paris.", [], "stop", THOUGHT)] * 2
+
+
+async def test_a_json_schema_shapes_an_olmo3_think_reply_from_its_first_token(olmo3_think):
+    """With text tags no grammar can wait for `</think>` (one token to switch on): it
+    shapes the reply from its first token, and the shaped reply is the answer."""
+    schema = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    body = dict(messages=ASK, max_tokens=40, response_format=schema)
+    async with serving(olmo3_think) as server:
+        done = await in_thread(whole, server, **body)
+        choices, _ = await in_thread(streamed, server, **body)
+    assert split_of(done.choices[0].message) == (None, None, '{"city": "Paris"}')
+    assert choices == [("", '{"city": "Paris"}', [], "stop", "")]
+
+
+async def test_with_the_split_off_an_olmo3_think_reply_is_content(olmo3_think):
+    grammar = "start: " + " ".join(json.dumps(part) for part in OLMO3_REPLY[1:])
+    body = dict(messages=ASK, max_tokens=80, extra_body={"guided_grammar": grammar})
+    async with serving(olmo3_think, think_split=False) as server:
+        assert not server.llm.thinks
+        done = await in_thread(whole, server, **body)
+    assert split_of(done.choices[0].message) == (None, None, "".join(OLMO3_REPLY[1:]))
+
+
+async def test_olmo3_instruct_does_not_think(make_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("think") / "olmo3-instruct"
+    async with serving(tool_templates.with_template(make_checkpoint("olmo3"), out, tool_templates.OLMO3)) as server:
+        assert not server.llm.thinks

@@ -12,6 +12,8 @@ from runtime.think_reply import (
     ThinkTags,
     closes_thought,
     opens_thought,
+    prompt_closes_thought,
+    prompt_opens_thought,
     think_tags,
 )
 from runtime.tools import CallArguments, CallCutShort, CallStart, Content, Reasoning, parser_for
@@ -142,6 +144,91 @@ def test_a_mistral_checkpoint_thinks_in_its_control_tokens_where_its_template_wr
     # A template writing one pair's tag thinks in that pair, whichever tokens there are besides.
     both = {**tags, THINK_OPEN: 10, THINK_CLOSE: 11}
     assert think_tags(_Tokenizer(both, magistral)) == ThinkTags("[THINK]", "[/THINK]", 34, 35)
+
+
+def test_olmo3_think_thinks_in_text_tags_where_no_tag_is_a_token():
+    """OLMo 3 Think's template writes `<think>` (its generation prompt ends in it) and
+    its tokenizer holds no tag: the tags are text. Any other family with such a template
+    (a system prompt may mention `<think>`), OLMo 3 Instruct's template, or a tokenizer
+    holding a tag as a token is not taken for it."""
+    olmo3_think = "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>' }}{% endif %}"
+    assert think_tags(_Tokenizer({}, olmo3_think), "olmo3") == ThinkTags(THINK_OPEN, THINK_CLOSE)
+    assert think_tags(_Tokenizer({}, olmo3_think), "olmo3").ids is None
+    assert think_tags(_Tokenizer({}, olmo3_think), "llama") is None
+    assert think_tags(_Tokenizer({}, olmo3_think)) is None
+    assert think_tags(_Tokenizer({}, "<|im_start|>assistant\n"), "olmo3") is None  # Instruct's
+    assert think_tags(_Tokenizer({THINK_OPEN: 10}, olmo3_think), "olmo3") is None
+    assert think_tags(_Tokenizer({THINK_CLOSE: 11}, olmo3_think), "olmo3") is None
+    # Both tags as tokens: the token tags, whatever the family.
+    tags = {THINK_OPEN: 10, THINK_CLOSE: 11}
+    assert think_tags(_Tokenizer(tags, olmo3_think), "olmo3") == ThinkTags(THINK_OPEN, THINK_CLOSE, 10, 11)
+
+
+# Text tags spelled across tokens, as a BPE vocabulary writes them.
+_PIECES = {1: "assistant", 2: "\n", 3: "<", 4: "think", 5: ">", 6: "</", 7: "x", 8: "<th", 9: "ink>", 10: " "}
+
+
+def _decode(ids):
+    return "".join(_PIECES[i] for i in ids)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "opens", "closes"),
+    [
+        ([1, 2, 3, 4, 5], True, False),  # OLMo 3 Think's generation prompt: `<think>`
+        ([1, 2, 8, 9], True, False),  # the tag in another split
+        ([1, 2, 3, 4, 5, 2, 10], True, False),  # blanks past it
+        ([1, 2, 3, 4, 5, 7], False, False),  # text past it
+        ([1, 2, 3, 4, 5, 7, 6, 4, 5, 2], False, True),  # a thought closed
+        ([1, 2, 7, 3, 4], False, False),  # a tag only begun
+        ([1, 2], False, False),
+    ],
+)
+def test_a_prompt_opens_or_closes_a_thought_in_text_tags_by_its_decoded_end(prompt, opens, closes):
+    text_tags = ThinkTags(THINK_OPEN, THINK_CLOSE)
+    assert prompt_opens_thought(prompt, text_tags, _decode) is opens
+    assert prompt_closes_thought(prompt, text_tags, _decode) is closes
+
+
+def test_token_tags_still_tell_the_prompt_by_their_ids():
+    """Token tags read ids, not text: `<think>` spelled out of text tokens opens nothing."""
+    pieces = {**_PIECES, 100: "<think>", 101: "</think>"}
+    token_tags = ThinkTags(THINK_OPEN, THINK_CLOSE, 100, 101)
+
+    def decode(ids):
+        return "".join(pieces[i] for i in ids)
+
+    assert prompt_opens_thought([1, 2, 100, 2], token_tags, decode)
+    assert not prompt_opens_thought([1, 2, 3, 4, 5], token_tags, decode)
+    assert prompt_closes_thought([100, 101, 2], token_tags, decode)
+    assert not prompt_closes_thought([100, 6, 4, 5], token_tags, decode)
+
+
+OLMO3_CALL = '<function_calls>get_weather(city="Paris")</function_calls>'
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize(
+    ("text", "reasoning", "content"),
+    [
+        # OLMo 3 Think's reply: its prompt opened `<think>`, which begins the text.
+        (f"{THINK_OPEN}The user asks.{THINK_CLOSE}\n\nParis is sunny.", "The user asks.", "Paris is sunny."),
+        (f"{THINK_OPEN}a </thin and <th{THINK_CLOSE}ok", "a </thin and <th", "ok"),
+        (f"{THINK_OPEN}cut by max_tokens </thi", "cut by max_tokens </thi", ""),
+        (f"{THINK_OPEN}{THINK_OPEN}again{THINK_CLOSE}ok", "again", "ok"),
+    ],
+)
+def test_an_olmo3_think_reply_splits_in_any_split(text, reasoning, content, split):
+    """Text tags arrive in any split: only a tail that may begin `</think>` is held."""
+    assert parsed(text, split, style="olmo3")[:2] == (reasoning, content)
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_an_olmo3_call_after_a_text_thought_is_parsed_and_one_inside_it_is_reasoning(split):
+    text = f"{THINK_OPEN}Maybe {OLMO3_CALL}?{THINK_CLOSE}\n\nChecking.{OLMO3_CALL}"
+    reasoning, content, calls, _ = parsed(text, split, True, "olmo3")
+    assert (reasoning, content) == (f"Maybe {OLMO3_CALL}?", "Checking.")
+    assert calls == [("get_weather", {"city": "Paris"})]
 
 
 MISTRAL_OPEN, MISTRAL_CLOSE = MISTRAL_THINK_TAGS
