@@ -118,7 +118,7 @@ class Admission:
             if params is not None and (spec := self.grammar_spec(admit.request)) is not None:
                 params = attrs.evolve(
                     params,
-                    grammar=await self._compile(spec),
+                    grammar=await self._compile(self._after_text_thought(admit.request, params, spec)),
                     thought_first=self._thought_first(admit.request, params),
                 )
         except Exception as error:
@@ -229,12 +229,8 @@ class Admission:
         return prompt_opens_thought(params.prompt_tokens, self.think_tags, self._spelled)
 
     def _opening(self, request: GenerateRequest, params: SequenceParams) -> str:
-        """The opening tag the prompt left open, which the reply's text begins with; none
-        under a grammar with text tags, which shapes the reply from its first token, the
-        answer (`_thought_first`)."""
+        """The opening tag the prompt left open, which the reply's text begins with."""
         if self.think_tags is None or not self._opens_thought(request, params):
-            return ""
-        if self.think_tags.ids is None and params.grammar is not None:
             return ""
         return self.think_tags.open
 
@@ -249,14 +245,26 @@ class Admission:
         answer inside the thought its prompt opened, and a Qwen3 reply could not think.
         None where the template closed an empty thought (Qwen3's `enable_thinking:
         false`): the reply answers at once, shaped from its first token. None too where
-        the tags are text (OLMo 3 Think's): the grammar's switch needs `</think>` as one
-        token, so the grammar shapes the reply from its first token, and the shaped
-        reply is the answer, no thought (`_opening`)."""
+        the tags are text (OLMo 3 Think's): no one token closes the thought to switch
+        on, so the grammar holds the thought itself (`_after_text_thought`)."""
         if self.think_tags is None or self.think_tags.ids is None or not self.thinks(request):
             return None
         if prompt_closes_thought(params.prompt_tokens, self.think_tags, self._spelled):
             return None
         return ThoughtFirst(*self.think_tags.ids, is_open=self._opens_thought(request, params))
+
+    def _after_text_thought(
+        self, request: GenerateRequest, params: SequenceParams, spec: GrammarSpec
+    ) -> GrammarSpec:
+        """For a chat reply that thinks in text tags (OLMo 3 Think's), `spec` past the
+        thought, written into the grammar: free text up to `</think>`, then the answer
+        it shapes (runtime/grammar.py). As it is where the prompt closed the thought."""
+        tags = self.think_tags
+        if tags is None or tags.ids is not None or not self.thinks(request):
+            return spec
+        if prompt_closes_thought(params.prompt_tokens, tags, self._spelled):
+            return spec
+        return attrs.evolve(spec, after_thought=(tags.open, tags.close, self._opens_thought(request, params)))
 
     def grammar_spec(self, request: GenerateRequest) -> GrammarSpec | None:
         """What the output must match: the request's grammar, or a forced tool call (which

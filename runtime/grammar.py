@@ -25,6 +25,12 @@ not moved), so it may be fed one queued sample, its mask picked on the device fr
 two (`token_masks`). Once its host state is past the thought it is constrained as any
 other row.
 
+OLMo 3 Think's tags are text, so no one token closes its thought: there the thought is
+written into the grammar (`GrammarSpec.after_thought`): free text up to the first
+`</think>`, a few blanks, then the answer's grammar. Such a row is constrained from its
+first token, so its thought decodes without the lookahead, and as text: valid UTF-8, no
+special token.
+
 Compiling is bounded three ways: llguidance's parser limits cap the work a grammar may
 take (lexer fuel, grammar size), the caller gives up waiting after a deadline, and
 admission compiles on one thread of its own (actors/admission.py), so the work that
@@ -61,6 +67,7 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 # Blank tokens a thought's end may be followed by before the grammar (which, for JSON,
 # takes none): Qwen3 writes "\n\n", one token or two.
 BLANKS_AFTER_THOUGHT = 4
+TEXT_BLANKS_AFTER_THOUGHT = 8  # the same past text tags, in characters
 
 
 @attrs.frozen
@@ -76,9 +83,17 @@ class GrammarSpec:
     kind: str
     source: str
     param: str
+    # Text tags (OLMo 3 Think's) the answer follows a thought in, and whether the prompt
+    # opened it: the thought is written into the grammar (`_after_text_thought`), as no
+    # one token closes it for `ThoughtFirst` to switch on. None: the grammar alone.
+    after_thought: tuple[str, str, bool] | None = None
 
     def llguidance_grammar(self) -> str:
         """llguidance's grammar text; raises RequestError when `source` is not of `kind`."""
+        grammar = self._own_grammar()
+        return grammar if self.after_thought is None else _after_text_thought(grammar, *self.after_thought)
+
+    def _own_grammar(self) -> str:
         match self.kind:
             case "json_schema":
                 # A boolean schema: llguidance applies its options to objects only. `true`
@@ -106,6 +121,26 @@ class GrammarSpec:
                 lark = "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(str(c)) for c in choices)
                 return llguidance.LLMatcher.grammar_from_lark(lark)
         raise RequestError(f"unknown grammar kind {self.kind!r}", param=self.param)
+
+
+def _after_text_thought(grammar: str, opening: str, closing: str, is_open: bool) -> str:
+    """`grammar` (llguidance's, of one grammar) past a thought in text tags: free text
+    up to the first `closing` (a lazy lexeme: the thought ends there), at most a few
+    blanks (the "\\n\\n" a model writes there), then `grammar`. Where the prompt opened
+    no thought, the reply may open one with `opening` or answer at once."""
+    # llguidance's JSON form, or (from grammar_from_lark) Lark's text, which cannot begin with "{"
+    top = json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
+    answers = top.get("grammars") or []
+    if len(answers) != 1:
+        raise ValueError("a grammar past a thought must be one grammar")
+    head = "thought BLANKS" if is_open else f"({json.dumps(opening)} thought BLANKS)?"
+    lark = (
+        f"start: {head} @answer\n"
+        f"thought[suffix={json.dumps(closing)}]: /(?s:.*)/\n"
+        f"BLANKS: /[ \\t\\r\\n]{{0,{TEXT_BLANKS_AFTER_THOUGHT}}}/\n"
+    )
+    top["grammars"] = [{"lark_grammar": lark}, {**answers[0], "name": "answer"}]
+    return json.dumps(top)
 
 
 JSON_KINDS = ("json_schema", "json_object")
@@ -268,7 +303,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._built: llguidance.LLTokenizer | None = None
         self._cache_lock = threading.Lock()
-        self._refusals: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._refusals: OrderedDict[tuple[str, str, tuple[str, str, bool] | None], str] = OrderedDict()
         self._blank_ids: tuple[int, ...] | None = None
 
     @property
@@ -292,7 +327,7 @@ class GrammarCompiler:
         refused at once. Grammars that compile are not: the copies of one matcher share
         its lexer and the lexer's limits (llguidance), so one reply that used them up
         failed every later request's grammar at its first token."""
-        key = (spec.kind, spec.source)
+        key = (spec.kind, spec.source, spec.after_thought)
         with self._cache_lock:
             refusal = self._refusals.get(key)
         if refusal is None:

@@ -29,6 +29,15 @@ one (Mistral's write `[THINK]` for a `thinking` chunk of an assistant turn: a Mi
 tokenizer may hold the tags where its template never thinks). Tags that are special
 tokens (Mistral's always) are kept in the reply's text.
 
+OLMo 3 Think writes `<think>...</think>` as plain text, tokens of the vocabulary (as
+vLLM's `olmo3` reasoning parser reads it): its tags are taken as text (`ThinkTags` with
+no ids) where the family is one known to think so (`TEXT_TAG_FAMILIES`), its tokenizer
+holds no tag as an added token, and a chat template writes `<think>` (OLMo 3 Think's
+generation prompt ends in it; OLMo 3 Instruct's never writes it). The prompt opens or
+closes the thought by its decoded end, and the parser, which reads text in any split,
+splits alike; stop strings read such tags as the text they are, and a grammar, which
+cannot switch on one closing token, holds their thought itself (runtime/grammar.py).
+
 `ThinkParser` turns the text, fed in any split, into `Reasoning` for the thought and
 the content's own parser's events (a Hermes call's, or `Content`) for the rest, so a
 `<tool_call>` inside the thought is no call. As llama.cpp returns it, the thought is

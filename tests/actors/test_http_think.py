@@ -16,6 +16,7 @@ OLMo 3 Think's tags are text (its tokenizer holds neither), its template publish
 
 import json
 import pathlib
+import shutil
 
 from runtime.think_reply import THINK_TAGS
 from runtime.tokenizer import Tokenizer
@@ -553,43 +554,99 @@ async def test_an_olmo3_think_reply_is_reasoning_until_its_text_tag_closes(olmo3
     assert choices == [(thought, "", [], "length", thought)]
 
 
-OLMO3_REPLY = ("<think>", THOUGHT, "</think>", "\n\nSunny in Paris.")
+@pytest.fixture(scope="module")
+def olmo3_think_flat(olmo3_think, tmp_path_factory):
+    """`olmo3_think` with its every logit 0 (lm_head zeroed): biases alone pick a token."""
+    import mlx.core as mx
+
+    out = tmp_path_factory.mktemp("think") / "olmo3-think-flat"
+    shutil.copytree(olmo3_think, out)
+    weights = mx.load(str(out / "model.safetensors"))
+    weights["lm_head.weight"] = mx.zeros_like(weights["lm_head.weight"])
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    return out
 
 
-async def test_text_tags_split_across_tokens_split_the_reply_whole_and_streamed(olmo3_think):
-    """A grammar writing the tags as text (each tag several tokens): the thought is
-    reasoning and the rest content, whole and streamed alike."""
-    grammar = "start: " + " ".join(json.dumps(part) for part in OLMO3_REPLY)
-    body = dict(messages=ASK, max_tokens=80, n=2, logprobs=True, extra_body={"guided_grammar": grammar})
-    async with serving(olmo3_think) as server:
+def thinking_in_text(checkpoint):
+    """Sampling that writes a word, then `</think>` token by token, then what the grammar
+    allows, on a checkpoint whose logits are all 0: biases 0.5 apart and presence and
+    frequency penalties that take 4 from a written token (the prompt holds the tags'
+    tokens, which a repetition penalty would take from at once)."""
+    tokenizer = Tokenizer.from_dir(checkpoint)
+    word = tokenizer.encode(" Well")
+    tokens = [*word, *tokenizer.encode("</think>")]
+    assert len(set(tokens)) == len(tokens)
+    bias = {str(token): 100 - 0.5 * i for i, token in enumerate(tokens)}
+    return dict(logit_bias=bias, presence_penalty=2.0, frequency_penalty=2.0, temperature=0), tokenizer.decode(word)
+
+
+async def test_a_json_schema_shapes_what_follows_an_olmo3_think_thought(olmo3_think_flat):
+    """Text tags: the grammar holds the thought as free text up to `</think>`, then
+    shapes the answer; the thought is reasoning, the JSON content."""
+    schema = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    sampling, word = thinking_in_text(olmo3_think_flat)
+    body = dict(messages=ASK, max_tokens=40, n=2, response_format=schema, **sampling)
+    async with serving(olmo3_think_flat) as server:
         done = await in_thread(whole, server, **body)
         choices, _ = await in_thread(streamed, server, **body)
     for choice in done.choices:
-        assert split_of(choice.message) == (THOUGHT, THOUGHT, "Sunny in Paris.")
-        tokens = [entry.token for entry in choice.logprobs.content]
-        assert "</think>" not in tokens and "".join(tokens) == "".join(OLMO3_REPLY)
-    assert choices == [(THOUGHT, "Sunny in Paris.", [], "stop", THOUGHT)] * 2
+        assert split_of(choice.message) == (word.strip(), word.strip(), '{"city": "Paris"}')
+    assert choices == [(word.strip(), '{"city": "Paris"}', [], "stop", word.strip())] * 2
 
 
-async def test_a_json_schema_shapes_an_olmo3_think_reply_from_its_first_token(olmo3_think):
-    """With text tags no grammar can wait for `</think>` (one token to switch on): it
-    shapes the reply from its first token, and the shaped reply is the answer."""
-    schema = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
-    body = dict(messages=ASK, max_tokens=40, response_format=schema)
-    async with serving(olmo3_think) as server:
+async def test_text_tags_split_across_tokens_split_the_reply_whole_and_streamed(olmo3_think_flat):
+    """`</think>` written in six tokens (its prompt opened the thought): the thought is
+    reasoning, the rest (here a grammar's) content, whole and streamed alike; logprobs
+    are every token's, the tag's included."""
+    sampling, word = thinking_in_text(olmo3_think_flat)
+    grammar = 'start: "Sunny in Paris."'
+    body = dict(messages=ASK, max_tokens=40, n=2, logprobs=True, extra_body={"guided_grammar": grammar}, **sampling)
+    async with serving(olmo3_think_flat) as server:
         done = await in_thread(whole, server, **body)
         choices, _ = await in_thread(streamed, server, **body)
-    assert split_of(done.choices[0].message) == (None, None, '{"city": "Paris"}')
-    assert choices == [("", '{"city": "Paris"}', [], "stop", "")]
+    for choice in done.choices:
+        assert split_of(choice.message) == (word.strip(), word.strip(), "Sunny in Paris.")
+        tokens = [entry.token for entry in choice.logprobs.content]
+        assert "</think>" not in tokens and "".join(tokens).startswith(word + "</think>")
+    assert choices == [(word.strip(), "Sunny in Paris.", [], "stop", word.strip())] * 2
+
+
+async def test_stop_strings_read_text_tags_as_text(olmo3_think_flat):
+    """A stop string matches in `</think>` where it is text (as vLLM's): the reply ends
+    there, inside its thought."""
+    sampling, word = thinking_in_text(olmo3_think_flat)
+    body = dict(messages=ASK, max_tokens=40, stop=["think"], **sampling)
+    async with serving(olmo3_think_flat) as server:
+        done = await in_thread(whole, server, **body)
+        choices, _ = await in_thread(streamed, server, **body)
+    thought = word.strip() + "</"
+    assert (split_of(done.choices[0].message), done.choices[0].finish_reason) == ((thought, thought, ""), "stop")
+    assert choices == [(thought, "", [], "stop", thought)]
+
+
+async def test_a_json_schema_waits_for_an_olmo3_think_thought_that_never_closes(olmo3_think):
+    """Cut by max_tokens inside the thought, a shaped reply is all reasoning: the
+    grammar never applied (its thought is free text, so valid UTF-8 text: a token that
+    would break a character is not drawn there)."""
+    schema = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    body = dict(messages=ASK, max_tokens=8, temperature=0, logit_bias=no_text_tags(olmo3_think))
+    async with serving(olmo3_think) as server:
+        shaped = await in_thread(whole, server, **body, response_format=schema)
+    (choice,) = shaped.choices
+    reasoning, _, content = split_of(choice.message)
+    assert reasoning and content == "" and choice.finish_reason == "length"
+    assert shaped.usage.completion_tokens == 8
 
 
 async def test_with_the_split_off_an_olmo3_think_reply_is_content(olmo3_think):
-    grammar = "start: " + " ".join(json.dumps(part) for part in OLMO3_REPLY[1:])
-    body = dict(messages=ASK, max_tokens=80, extra_body={"guided_grammar": grammar})
+    """`--no-think-split`: the thought, its `</think>` and the answer are content, and a
+    grammar shapes the reply from its first token (as vLLM's without a reasoning parser)."""
+    reply = f"{THOUGHT}</think>\n\nSunny in Paris."
+    body = dict(messages=ASK, max_tokens=80, extra_body={"guided_grammar": f"start: {json.dumps(reply)}"})
     async with serving(olmo3_think, think_split=False) as server:
         assert not server.llm.thinks
         done = await in_thread(whole, server, **body)
-    assert split_of(done.choices[0].message) == (None, None, "".join(OLMO3_REPLY[1:]))
+    assert split_of(done.choices[0].message) == (None, None, reply)
 
 
 async def test_olmo3_instruct_does_not_think(make_checkpoint, tmp_path_factory):

@@ -768,3 +768,91 @@ def test_a_thinking_row_is_planned_in_consecutive_steps_until_its_thought_ends(
     # Its first token is collected before the engine says it is thinking.
     assert gaps("thought")[1:] == ([1] * 14 if lookahead == 1 else [1, 2] * 7)
     assert got["answer"].tokens[0] == CLOSE and set(gaps("answer")[1:]) == {lookahead + 1}
+
+
+# OLMo 3 Think's tags are text: `</think>` is several tokens of the vocabulary.
+TEXT_TAGS = ("<think>", "</think>")
+
+
+def after_text_thought(compiler, is_open, spec=YES_NO):
+    return compiler.compile(attrs.evolve(spec, after_thought=(*TEXT_TAGS, is_open)))
+
+
+@pytest.mark.parametrize(
+    ("is_open", "text", "verdict"),
+    [
+        (True, "a </thin> <think> b</think>\n\nyes", "done"),  # the first `</think>` ends it
+        (True, "</think>no", "done"),  # an empty thought
+        (True, "a yes", "open"),  # still the thought: no answer yet
+        (True, "a</think>x", "refused"),  # past the thought, the grammar's
+        (True, "a</think>" + " " * 9 + "yes", "refused"),  # more blanks than a model writes there
+        (True, "a</think>yes</think>", "refused"),  # one thought
+        (False, "yes", "done"),  # the prompt opened none: an answer at once
+        (False, "<think>a</think>\nno", "done"),  # or a thought the reply opens
+        (False, "a", "refused"),
+    ],
+)
+def test_a_grammar_past_a_text_thought_takes_free_text_up_to_the_closing_tag(
+    compiler, model, is_open, text, verdict
+):
+    state = after_text_thought(compiler, is_open).start()
+    refused = [state.advance(token) for token in model.tokenizer.encode(text, add_special_tokens=False)]
+    if verdict == "refused":
+        assert any(reason is not None for reason in refused)
+    else:
+        assert refused == [None] * len(refused) and state.is_done is (verdict == "done")
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_a_grammar_past_a_text_thought_shapes_what_follows_the_closing_tag(engine, compiler, model, lookahead):
+    """Biases and a repetition penalty that takes nine tenths of a used token's logit
+    write a word and `</think>` token by token (the prompt holds none of them), then the
+    grammar holds: the same biases cannot place the word where the grammar applies from
+    the first token."""
+    closing = model.tokenizer.encode("</think>", add_special_tokens=False)
+    assert len(closing) > 1 and WORD not in closing
+    bias = {token: 100 - 10 * i for i, token in enumerate([WORD, *closing])}
+
+    def request(rid, grammar):
+        sampling = SamplingParams(logit_bias=bias, repetition_penalty=10.0)
+        return SequenceParams((11, 305), max_tokens=24, request_id=rid, grammar=grammar, sampling=sampling)
+
+    got = run(engine, {"text": request("text", after_text_thought(compiler, True)), "plain": request("plain", compiler.compile(YES_NO))}, lookahead)
+    text = model.tokenizer.decode(got["text"].tokens)
+    thought, _, answer = text.partition("</think>")
+    assert thought == model.tokenizer.decode([WORD]) and answer.strip() in ("yes", "no")
+    assert got["text"].finish is FinishCause.EOS
+    assert model.tokenizer.decode(got["plain"].tokens) in ("yes", "no")
+
+
+def test_a_text_thought_cannot_end_the_reply_on_an_eos(engine, compiler):
+    eos = min(engine.eos_ids)
+    request = SequenceParams(
+        (11, 305), max_tokens=4, request_id="t", grammar=after_text_thought(compiler, True),
+        sampling=SamplingParams(logit_bias={eos: 100}),
+    )
+    got = run(engine, {"t": request})["t"]
+    assert got.finish is FinishCause.LENGTH and not engine.eos_ids & set(got.tokens)
+
+
+def test_a_grammar_past_a_text_thought_that_is_no_one_grammar_is_refused(compiler):
+    """A refusal names the request's field, as any grammar's."""
+    spec = attrs.evolve(GrammarSpec("lark", "start: @other", "guided_grammar"), after_thought=(*TEXT_TAGS, True))
+    with pytest.raises(RequestError, match="guided_grammar"):
+        compiler.compile(spec)
+
+
+def test_an_olmo3_call_or_answer_follows_a_text_thought(compiler, model):
+    """A forced call, and `auto` beside a response_format, past a text thought: their
+    Lark grammars (JSON embedded) are the answer the thought is followed by."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    answer = GrammarSpec("json_object", "", "response_format")
+    call = "<function_calls>f()</function_calls>"
+    for spec, good in [
+        (tool_call_grammar("olmo3", tools, "f"), [call]),
+        (tool_call_grammar("olmo3", tools, None, answer), [call, '{"k": 1}']),
+    ]:
+        for reply in good:
+            state = after_text_thought(compiler, True, spec).start()
+            ids = model.tokenizer.encode(f"Hmm, {call}?</think>\n{reply}", add_special_tokens=False)
+            assert all(state.advance(t) is None for t in ids) and state.is_done, reply
