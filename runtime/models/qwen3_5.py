@@ -201,9 +201,14 @@ def unwrap_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
     `qwen3_5_moe_text`); a flat config (mlx-lm reads one as its own text config) is the
     text model's."""
     text_type = raw["model_type"].removesuffix("_text") + "_text"
-    if "text_config" not in raw:
-        return {**raw, "model_type": text_type}
-    return {**multimodal.text_config(raw, source, text_type), "model_type": text_type}
+    if "text_config" in raw:
+        raw = multimodal.text_config(raw, source, text_type)
+    text = {**raw, "model_type": text_type}
+    if "intermediate_size" not in text and "moe_intermediate_size" in text:
+        # The experts model's releases give no dense size (transformers' config has none):
+        # every layer routes, so no layer runs one.
+        text["intermediate_size"] = text["moe_intermediate_size"]
+    return text
 
 
 def read_config(fields: ConfigFields) -> dict[str, Any]:

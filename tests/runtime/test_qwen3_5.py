@@ -334,3 +334,16 @@ def test_a_long_prompt_computed_by_chunks_of_the_delta_rule_matches_mlx_lm(check
     requests = {"long": SequenceParams(tuple(prompt), max_tokens=NEW_TOKENS, ignore_eos=True)}
     got = run_offline(engine, policy_for(engine, chunk=chunk, budget=chunk + 4), requests)
     assert list(got["long"].tokens) == want
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_5_moe_text"])
+def test_an_experts_config_without_a_dense_intermediate_size_loads_as_the_releases_do(make_checkpoint, family):
+    """Qwen3.5-35B-A3B's and the larger releases' configs give only moe_intermediate_size
+    and shared_expert_intermediate_size: every layer routes."""
+    path = make_checkpoint(family, num_layers=4)
+    raw = json.loads((path / "config.json").read_text())
+    text = raw.get("text_config", raw)
+    del text["intermediate_size"]
+    (path / "config.json").write_text(json.dumps(raw))
+    got, want = load_model(path, keep_dtype=True).model(TOKENS), reference(path)(TOKENS)
+    assert mx.allclose(got, want, atol=1e-4).item()
