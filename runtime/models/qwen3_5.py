@@ -36,6 +36,7 @@ older exports one tensor per expert; both are stacked into `switch_mlp` at load.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from runtime.config import ConfigFields, ModelConfig
@@ -78,7 +79,13 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=bias)
         self.q_norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(d, eps=config.rms_norm_eps)
-        self.rope = RoPE(config.extra["rotary_dims"], config.rope_theta, config.rope_scaling)
+        rotary = config.extra["rotary_dims"]
+        self.rope = RoPE(rotary, config.rope_theta, config.rope_scaling)
+        # YaRN's gain on q and k (mscale) is on their rotated part alone, as transformers and
+        # mlx-lm apply it: the rest of each head keeps its scale, so the attention's scale
+        # cannot take it as a whole head's rotation lets it (runtime/models/layers.py).
+        gain = math.sqrt(self.rope.attention_factor)
+        self._rotated_gain = None if gain == 1.0 else mx.concatenate([mx.full((rotary,), gain), mx.ones((d - rotary,))])
 
     def __call__(self, x: mx.array, kv: ForwardKV) -> mx.array:
         B, T, _ = x.shape
@@ -88,8 +95,10 @@ class GatedAttention(nn.Module):
         else:
             query_gate, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, gate = mx.split(query_gate.reshape(N, H, 2 * D), 2, axis=-1)
-        q = self.rope(self.q_norm(q), kv.positions)
-        k = self.rope(self.k_norm(k.reshape(N, Hkv, D)), kv.positions)
+        q, k = self.q_norm(q), self.k_norm(k.reshape(N, Hkv, D))
+        if self._rotated_gain is not None:
+            q, k = q * self._rotated_gain.astype(q.dtype), k * self._rotated_gain.astype(k.dtype)
+        q, k = self.rope(q, kv.positions), self.rope(k, kv.positions)
         out = kv.attend(self.kv_layer, q, k, v.reshape(N, Hkv, D), D**-0.5)  # [N, H, D]
         return self.o_proj((out * mx.sigmoid(gate)).reshape(B, T, -1))
 

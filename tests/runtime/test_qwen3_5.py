@@ -347,3 +347,18 @@ def test_an_experts_config_without_a_dense_intermediate_size_loads_as_the_releas
     (path / "config.json").write_text(json.dumps(raw))
     got, want = load_model(path, keep_dtype=True).model(TOKENS), reference(path)(TOKENS)
     assert mx.allclose(got, want, atol=1e-4).item()
+
+
+def test_yarn_as_the_model_card_sets_it_gains_only_the_rotated_part_as_mlx_lm_does(make_checkpoint, tmp_path):
+    """Qwen's card extends the context with YaRN in rope_parameters; its gain (mscale)
+    multiplies the rotated quarter of q and k, not the whole head."""
+    path = make_checkpoint("qwen3_5", num_layers=4, head_dim=64)
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((path / name).read_bytes())
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["text_config"]["rope_parameters"].update(rope_type="yarn", factor=4.0, original_max_position_embeddings=8)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    model = load_model(tmp_path, keep_dtype=True)
+    assert model.model.model.layers[3].self_attn.rope.attention_factor > 1.2  # (0.1 ln 4 + 1)^2
+    got, want = model.model(TOKENS), reference(tmp_path)(TOKENS)
+    assert mx.allclose(got, want, atol=1e-4).item()
