@@ -59,6 +59,7 @@ def test_the_thought_is_reasoning_and_the_rest_content_in_any_split(split):
         (f"{THINK_OPEN}{THINK_OPEN}\nrepeated tag{THINK_CLOSE}x", "repeated tag", "x"),
         (f"{THINK_OPEN}a < b and a </thin{THINK_CLOSE}ok", "a < b and a </thin", "ok"),
         (f"{THINK_OPEN}x{THINK_CLOSE}a{THINK_CLOSE}b", "x", f"a{THINK_CLOSE}b"),
+        (f"{THINK_OPEN}x{THINK_CLOSE}a {THINK_OPEN}b", "x", f"a {THINK_OPEN}b"),  # no second thought
         ("<thin", "", "<thin"),  # a tag only begun, at the end: content as written
         ("  \n", "", "  \n"),
         (f"{THINK_OPEN}  \n ", "", ""),
@@ -85,6 +86,15 @@ def test_a_call_cut_short_after_the_thought_is_reported_as_the_content_parser_do
     assert reasoning == "hm" and cut == [0]
 
 
+@pytest.mark.parametrize("split", [1, 3, 1000])
+@pytest.mark.parametrize("parses_calls", [False, True])
+def test_a_reply_cut_short_keeps_what_it_held_back_for_a_tag(split, parses_calls):
+    """A tail held as a tag's possible beginning comes out at the end, whatever parses the content."""
+    cut_in_thought = f"{THINK_OPEN}hm </thi"
+    assert parsed(cut_in_thought, split, parses_calls)[:2] == ("hm </thi", "")
+    assert parsed("<thin", split, parses_calls)[:2] == ("", "<thin")
+
+
 @pytest.mark.parametrize("split", [1, 1000])
 def test_offered_no_tools_a_call_after_the_thought_is_content(split):
     text = f"{THINK_OPEN}hm{THINK_CLOSE}{CALL}"
@@ -101,6 +111,8 @@ def test_a_prompt_opens_the_thought_when_it_ends_in_the_tag_but_blanks():
     assert not opens_thought([100, 3], (100, 101), decode)
     assert not opens_thought([7], (100, 101), decode)
     assert not opens_thought([100, *[7] * 9], (100, 101), decode)  # past the few blanks a template writes
+    assert opens_thought([5, 100, *[7] * 4], (100, 101), decode)  # as many blanks as a template may write
+    assert not opens_thought([5, 100, *[7] * 5], (100, 101), decode)  # one more
     # A closing tag the decoder spells as nothing (a special token skipped) closes it all the same.
     assert not opens_thought([100, 7, 101, 7], (100, 101), lambda ids: "\n" * len(ids))
 
@@ -115,11 +127,15 @@ def test_a_prompt_closes_the_thought_when_it_ends_in_the_closing_tag_but_blanks(
     assert not closes_thought([101, 7, 3], (100, 101), decode)  # text after it
     assert not closes_thought([101, 7, 100], (100, 101), decode)  # a thought opened again
     assert not closes_thought([101, *[7] * 9], (100, 101), decode)  # past the few blanks a template writes
+    assert closes_thought([5, 101, 7], (100, 101), decode)
+    assert closes_thought([5, 101, *[7] * 4], (100, 101), decode)  # as many blanks as a template may write
+    assert not closes_thought([5, 101, *[7] * 5], (100, 101), decode)  # one more
 
 
 class _Tokenizer:
-    def __init__(self, added, template):
-        self.added, self.chat_template_source, self.tool_use_template_source = added, template, template
+    def __init__(self, added, template, tool_use_template=None):
+        self.added, self.chat_template_source = added, template
+        self.tool_use_template_source = template if tool_use_template is None else tool_use_template
 
     def added_token_id(self, text):
         return self.added.get(text)
@@ -131,6 +147,11 @@ def test_a_checkpoint_thinks_when_both_tags_are_added_tokens_and_its_template_wr
     assert think_tags(_Tokenizer(tags, "{{ messages }}")) is None  # the template never thinks
     assert think_tags(_Tokenizer({THINK_OPEN: 10}, "<think>")) is None
     assert think_tags(_Tokenizer({}, "<think>")) is None  # spelled out, not a token
+    found = think_tags(_Tokenizer(tags, "<think>"))
+    assert found is not None and found.ids == (10, 11) and found.spellings == (THINK_OPEN, THINK_CLOSE)
+    # Either template writing it will do: a checkpoint's separate "tool_use" one need not.
+    assert think_tags(_Tokenizer(tags, "<think>", tool_use_template="{{ tools }}")) is not None
+    assert think_tags(_Tokenizer(tags, "{{ messages }}", tool_use_template="<think>")) is not None
 
 
 def test_a_mistral_checkpoint_thinks_in_its_control_tokens_where_its_template_writes_them():
