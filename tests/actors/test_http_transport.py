@@ -24,6 +24,8 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.settings
+import hypercorn.config
+import hypercorn.trio
 import openai
 import pytest
 import trio
@@ -287,9 +289,68 @@ async def test_an_error_in_one_connections_handling_closes_that_connection_only(
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
             return is_closed, read_response(sock)[0]
 
-    async with loading_server() as port:
-        is_closed, status = await in_thread(exchange, port)
+    with capture_logs() as logs:
+        async with loading_server() as port:
+            is_closed, status = await in_thread(exchange, port)
     assert is_closed and status.split()[1] == "503"
+    assert [e["log_level"] for e in logs if e["event"] == "connection_failed"] == ["error"]  # with its traceback
+
+
+async def test_a_connection_its_client_closes_is_forgotten_and_logs_no_failure(monkeypatch):
+    """Closed by its client, after an answer or with none, a connection leaves the set a
+    drain's end would close (else every connection a server ever had stayed in it), and
+    its end is no `connection_failed`."""
+    configs = []
+
+    class Recorded(http_server._Config):
+        def __init__(self, send_timeout):
+            super().__init__(send_timeout)
+            self.keep_alive_timeout = 0.2  # Hypercorn ends a connection's task then, closed or not
+            configs.append(self)
+
+    monkeypatch.setattr(http_server, "_Config", Recorded)
+
+    def exchange(port):
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+            read_response(sock)  # kept alive, then closed while idle
+        with socket.create_connection(("127.0.0.1", port)):
+            pass  # closed before any request
+        deadline = time.monotonic() + 5
+        while configs[0].open_streams and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return len(configs[0].open_streams)
+
+    with capture_logs() as logs:
+        async with loading_server() as port:
+            assert await in_thread(exchange, port) == 0
+    assert [e for e in logs if e["event"] == "connection_failed"] == []
+
+
+async def test_a_hypercorn_server_of_an_embedders_own_still_serves():
+    """The connection class is replaced for the whole process: a Hypercorn served with a
+    config of its own (no drain's set) in the same process still gets its connections."""
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            return await answer_lifespan(receive, send)
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    config = hypercorn.config.Config()
+    config.bind, config.accesslog, config.errorlog = ["127.0.0.1:0"], None, None
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        (url,) = await nursery.start(functools.partial(hypercorn.trio.serve, app, config, shutdown_trigger=stop.wait))
+        head = await in_thread(answer_head, int(url.rsplit(":", 1)[1]), HEALTH)
+        stop.set()
+    assert head.startswith("HTTP/1.1 204")
+
+
+def answer_head(port, request):
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(request)
+        return read_response(sock)[0]
 
 
 async def test_keep_alive_still_serves_several_requests_on_one_connection():
@@ -342,6 +403,21 @@ async def test_empty_lines_before_a_request_line_are_ignored():
 
     async with loading_server() as port:
         await in_thread(exchange, port)
+
+
+async def test_a_request_head_whose_last_empty_line_arrives_alone_is_answered():
+    """The CRLF that ends a head, sent on its own after the rest, is that head's end:
+    only empty lines where a request-line is awaited (nothing of one buffered) are dropped."""
+
+    def exchange(port):
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n")
+            time.sleep(0.2)
+            sock.sendall(b"\r\n")
+            return read_response(sock)[0]
+
+    async with loading_server() as port:
+        assert (await in_thread(exchange, port)).split()[1] == "503"  # (still loading)
 
 
 async def test_empty_lines_sent_with_the_request_before_are_ignored():
