@@ -1,6 +1,7 @@
 """Tool calls in text: each family's parser, fed in any split; the format a template
 implies; the chat a template sees; and the grammar that forces a call."""
 
+import hashlib
 import json
 import random
 import re
@@ -10,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from runtime import json_ends
+from runtime import json_ends, tool_prompts
 from runtime.errors import RequestError
 from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.tokenizer import Tokenizer
@@ -650,6 +651,27 @@ def test_mistral_call_ids_are_nine_characters_a_call_and_its_result_alike():
     assert [m["tool_call_id"] for m in shown[2:]] == call_ids
     assert chat_for_template(chat, TOOLS, "mistral", knows_tools=True) == shown
     assert chat_for_template(chat, TOOLS, "hermes", knows_tools=True)[1]["tool_calls"][0]["id"] == "call_1"
+
+
+def test_a_mistral_call_id_shown_never_takes_one_the_chat_already_holds():
+    """An id whose hash spells an id of the chat's own (kept as it is) draws again: two
+    calls are never shown as one."""
+    ids = ["call_1", "Cn4EhgXRh"]  # the second: the first's first draw
+    calls = [{"id": i, "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in ids]
+    chat = [HISTORY[0], {"role": "assistant", "tool_calls": calls}]
+    shown = [call["id"] for call in chat_for_template(chat, TOOLS, "mistral", knows_tools=True)[1]["tool_calls"]]
+    assert shown[1] == "Cn4EhgXRh" and re.fullmatch("[A-Za-z0-9]{9}", shown[0]) and shown[0] != shown[1]
+
+
+def test_two_mistral_call_ids_whose_hashes_agree_are_still_shown_apart(monkeypatch):
+    """A clash between two ids shown (one in 62**9 per pair) draws again, as a clash
+    with a kept one does: here every id's draws are the same (its first, its second)."""
+    real = hashlib.sha256
+    monkeypatch.setattr(tool_prompts.hashlib, "sha256", lambda data: real(data.split(b":")[0]))
+    calls = [{"id": i, "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in ("call_1", "call_2", "call_3")]
+    chat = [HISTORY[0], {"role": "assistant", "tool_calls": calls}]
+    shown = [call["id"] for call in chat_for_template(chat, TOOLS, "mistral", knows_tools=True)[1]["tool_calls"]]
+    assert len(set(shown)) == 3 and all(re.fullmatch("[A-Za-z0-9]{9}", i) for i in shown)
 
 
 def test_mistral_call_ids_take_time_linear_in_their_number():
