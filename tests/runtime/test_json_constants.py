@@ -56,9 +56,17 @@ def test_non_finite_values_become_null_whatever_the_split():
 
 @pytest.mark.parametrize(
     "text",
-    ['a=NaNa', "BaNaNa", "x-Infinity", '"NaN"', '"\\"NaN"', "NaNo", "-1", "Inf"],
+    ['a=NaNa', "BaNaNa", "x-Infinity", '"NaN"', '"\\"NaN"', "NaNo", "-1", "Inf", '-", NaN, "...'],
 )
 def test_what_is_no_non_finite_value_stays(text):
+    assert with_non_finite_as_null(text) == text
+    assert fed(text, range(1, len(text))) == text
+
+
+@pytest.mark.parametrize("text", ['{"a": "x, NaN, y"}', '["\\", NaN, -Infinity]"]', '{"k": ": Infinity}"}'])
+def test_a_string_that_holds_what_reads_as_a_value_stays(text):
+    """Inside a string (escaped quotes and all) `, NaN,` is text, not a value."""
+    assert json.loads(text)  # a string holds it
     assert with_non_finite_as_null(text) == text
     assert fed(text, range(1, len(text))) == text
 
