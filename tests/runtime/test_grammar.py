@@ -35,6 +35,7 @@ from runtime.tool_prompts import tool_call_grammar
 import attrs
 import jsonschema
 import mlx.core as mx
+import numpy as np
 import pytest
 
 SCHEMA = {
@@ -622,6 +623,21 @@ def test_a_few_blank_tokens_may_follow_the_thought_before_the_grammar(engine, co
     assert model.tokenizer.decode(got.tokens[cut:]) in ("yes", "no")
 
 
+@pytest.mark.parametrize("is_open", [True, False])
+def test_a_blank_the_grammar_takes_after_the_thought_is_the_grammars(engine, compiler, model, is_open):
+    """A grammar whose answer begins with a blank takes it, past `</think>` or as the
+    reply's first token: it is no free blank, which the grammar would still want after."""
+    blank = model.tokenizer.encode("\n\n")[-1]
+    grammar = compiler.compile(GrammarSpec("regex", re.escape(model.tokenizer.decode([blank])) + "(yes|no)", "guided_regex"))
+    assert blank in grammar.blank_ids
+    bias = {WORD: 100, CLOSE: 90, blank: 80} if is_open else {OPEN: -100, WORD: -100, blank: 80}
+    got = run(engine, {"b": thinking("b", bias, is_open, grammar)})["b"]
+    thought = [WORD, CLOSE] if is_open else []
+    assert list(got.tokens[: len(thought) + 1]) == [*thought, blank]
+    assert model.tokenizer.decode(got.tokens[len(thought) + 1 :]) in ("yes", "no")
+    assert got.finish is FinishCause.EOS
+
+
 @pytest.mark.parametrize("lookahead", [1, 2])
 def test_a_preempted_row_resumes_its_thought_and_its_grammar(model, lookahead):
     """Preemption recomputes the K/V alone: the row's place in its thought or grammar
@@ -660,6 +676,21 @@ def test_a_thinking_row_fed_its_queued_sample_takes_the_mask_its_token_picks(com
     state.advance(CLOSE)
     with pytest.raises(ValueError, match="inside its thought"):
         token_masks([state], vocab, [mx.array([WORD])])
+
+
+@pytest.mark.parametrize("phase", ["may_think", "thought", "blanks"])
+def test_a_thinking_rows_mask_leaves_out_ids_past_the_models_vocabulary(compiler, phase):
+    """A tokenizer may hold ids the model has no logits for (its EOS, a tag, a blank):
+    the mask, cut to the model's V, widens by those under V alone."""
+    vocab = 300  # the model's V here: OPEN and up are past it
+    grammar = attrs.evolve(compiler.compile(YES_NO), eos_ids=frozenset({vocab}), blank_ids=(vocab,))
+    state = grammar.start(thought=ThoughtFirst(OPEN, CLOSE, is_open=phase != "may_think"))
+    if phase == "blanks":
+        state.advance(CLOSE)
+    assert state.phase == phase
+    allowed = np.zeros(vocab, dtype=bool)
+    state.fill_mask(allowed)
+    assert allowed.all() if phase == "thought" else not allowed.any()
 
 
 def test_the_engine_fails_a_thinking_row_fed_two_queued_samples(compiler, model):
