@@ -708,6 +708,17 @@ def test_the_engine_fails_a_thinking_row_fed_two_queued_samples(compiler, model)
     assert [o.finish for o in outcomes] == [FinishCause.ERROR] and "constrained" in outcomes[0].error
 
 
+def test_the_engine_fails_a_thinking_row_fed_anything_but_its_queued_sample(compiler, model):
+    """With a sample in flight a thinking row may be fed that sample alone: a span over
+    earlier tokens would take the queued one as its input."""
+    engine = Engine(model, max_batch=1)
+    seq = engine.open(thinking("t", {}, True, compiler.compile(YES_NO)))
+    engine.submit(StepBatch((RowSpan(seq.seq_id, 0, 2, (0,)),)))
+    engine.submit(StepBatch((RowSpan(seq.seq_id, 1, 1, (0,)),)))  # the prompt's last token, again
+    outcomes = engine.collect() + engine.collect()
+    assert [o.finish for o in outcomes] == [FinishCause.ERROR] and "only it can be fed" in outcomes[0].error
+
+
 def thinking_json(rid, bias, is_open, grammar, **kw):
     """A thinking row under a JSON schema, with logprobs: `bias` writes its thought."""
     params = thinking(rid, bias, is_open, grammar, max_tokens=24, **kw)
