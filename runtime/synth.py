@@ -90,7 +90,8 @@ def make_tiny_checkpoint(
     Qwen3.5 (`qwen3_5_text`, or the multimodal `qwen3_5` layout with a stub vision
     tower and multi-token-prediction head; `qwen3_5_moe_text` and `qwen3_5_moe` with
     routed experts in every layer) has every fourth layer full attention, the rest
-    Gated DeltaNet. `hf_original` stores the conv weights, norm offsets and experts as
+    Gated DeltaNet; so has Qwen3-Next (`qwen3_next`, its experts as `qwen3_moe`'s beside a
+    shared expert, its linear-attention projections fused). `hf_original` stores the conv weights, norm offsets and experts as
     Hugging Face's originals do; False as mlx-lm's conversions; None: original unless
     quantized (mlx-community's quantized conversions are mlx-lm's form).
 
@@ -144,6 +145,9 @@ def make_tiny_checkpoint(
         }
     if family in EXPERT_NAMES and quantize is None:
         weights = per_expert_weights(weights, EXPERT_NAMES[family])
+    if family == "qwen3_next":
+        is_original = quantize is None if hf_original is None else hf_original
+        weights = qwen3_next_weights(weights, raw, is_original, seed)
     if family in QWEN3_5_FAMILIES:
         is_original = quantize is None if hf_original is None else hf_original
         weights = qwen3_5_weights(weights, is_original, "text_config" in raw, seed)
@@ -216,6 +220,43 @@ def qwen3_5_weights(
         stubs = ("model.visual.merger.norm.weight", "mtp.norm.weight") if is_original else ("vision_tower.merger.norm.weight",)
         for name in stubs:
             out[name] = mx.array(rng.standard_normal((8,)).astype(np.float32))
+    return out
+
+
+def qwen3_next_weights(
+    weights: dict[str, mx.array], raw: dict[str, Any], is_original: bool, seed: int
+) -> dict[str, mx.array]:
+    """Qwen3-Next's weights as stored (runtime/models/qwen3_next.py): each Gated DeltaNet
+    layer's projections fused as `in_proj_qkvz` and `in_proj_ba`, grouped per key head;
+    a Hugging Face original's experts one tensor each, conv weights [C, 1, K], norm
+    offsets from 1 and a stub MTP head, else mlx-lm's form."""
+    from runtime.models.qwen3_5 import OFFSET_NORMS
+
+    Hk, Dk, Dv = raw["linear_num_key_heads"], raw["linear_key_head_dim"], raw["linear_value_head_dim"]
+    per_key = raw["linear_num_value_heads"] // Hk
+    out = {}
+    for name, w in weights.items():
+        prefix, _, projection = name.removesuffix(".weight").rpartition(".")
+        if projection == "in_proj_qkv":
+            hidden = w.shape[-1]
+            q, k, v = (p.reshape(Hk, -1, hidden) for p in mx.split(w, [Hk * Dk, 2 * Hk * Dk]))
+            z = weights[f"{prefix}.in_proj_z.weight"].reshape(Hk, per_key * Dv, hidden)
+            out[f"{prefix}.in_proj_qkvz.weight"] = mx.concatenate([q, k, v, z], axis=1).reshape(-1, hidden)
+        elif projection == "in_proj_b":
+            b, a = (weights[f"{prefix}.in_proj_{x}.weight"].reshape(Hk, per_key, -1) for x in "ba")
+            out[f"{prefix}.in_proj_ba.weight"] = mx.concatenate([b, a], axis=1).reshape(-1, w.shape[-1])
+        elif projection in ("in_proj_z", "in_proj_a"):
+            continue
+        elif is_original and name.endswith("conv1d.weight"):
+            out[name] = w.moveaxis(2, 1)
+        elif is_original and name.endswith(OFFSET_NORMS):
+            out[name] = w - 1.0
+        else:
+            out[name] = w
+    if not is_original:
+        return out
+    out = per_expert_weights(out, EXPERT_NAMES["qwen3_moe"])
+    out["mtp.norm.weight"] = mx.array(np.random.default_rng(seed).standard_normal((8,)).astype(np.float32))
     return out
 
 

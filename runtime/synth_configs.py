@@ -23,6 +23,7 @@ ARCHITECTURES = {
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "qwen3_next": "Qwen3NextForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
@@ -284,6 +285,25 @@ def hf_config(
                 shared_expert_intermediate_size=2 * intermediate_size,
                 norm_topk_prob=True,
             )
+    if family == "qwen3_next":  # Qwen3.5's hybrid layers in its own fields; experts as qwen3_moe's
+        raw.update(
+            head_dim=head_dim or hidden_size // num_heads,
+            attention_bias=False,
+            full_attention_interval=4,
+            partial_rotary_factor=0.25,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_num_key_heads=2,
+            linear_value_head_dim=16,
+            linear_num_value_heads=4,
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=intermediate_size,
+            shared_expert_intermediate_size=2 * intermediate_size,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(dense_layers),
+        )
     if family in ("qwen3_5", "qwen3_5_moe"):  # the multimodal layout: the text model's config nested
         text = {**raw, "model_type": f"{family}_text"}
         outer = ("architectures", "eos_token_id", "torch_dtype", "tie_word_embeddings")

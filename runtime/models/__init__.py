@@ -36,6 +36,7 @@ from runtime.models import (
     qwen3,
     qwen3_5,
     qwen3_moe,
+    qwen3_next,
     smollm3,
 )
 from runtime.models.layers import CausalLM
@@ -56,6 +57,7 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen3_5": qwen3_5,  # the multimodal layout (or a flat text config): its text model
     "qwen3_5_moe_text": qwen3_5,  # the same with routed experts
     "qwen3_5_moe": qwen3_5,
+    "qwen3_next": qwen3_next,  # Qwen3.5's hybrid decoder, its checkpoints' layout regrouped at load
     "mixtral": mixtral,
     "gpt_oss": gpt_oss,
     "phi3": phi3,

@@ -221,13 +221,18 @@ def unwrap_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def read_config(fields: ConfigFields) -> dict[str, Any]:
+    return read_hybrid(fields, _experts(fields))
+
+
+def read_hybrid(fields: ConfigFields, experts: Experts | None) -> dict[str, Any]:
+    """The hybrid decoder's settings (Qwen3-Next's too), its MLPs' routed `experts` or None."""
     llama.check_activation(fields)
     source, num_layers = fields.source, fields.get("num_hidden_layers", int)
     if not fields.get("attn_output_gate", bool, True):
         raise CheckpointError(f"{source}: attn_output_gate=false is not supported")
     is_linear = _linear_layers(fields, num_layers)
     if all(is_linear):  # the KV pools' sizing, and every released config, has one
-        raise CheckpointError(f"{source}: a Qwen3.5 model needs at least one full_attention layer")
+        raise CheckpointError(f"{source}: a hybrid Qwen model needs at least one full_attention layer")
     lin = {
         "num_key_heads": fields.get("linear_num_key_heads", int),
         "num_value_heads": fields.get("linear_num_value_heads", int),
@@ -253,7 +258,7 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
         "num_kv_layers": is_linear.count(False),
         "recurrent_row_bytes": is_linear.count(True) * row_state * STATE_BYTES,
         "extra": {
-            "experts": _experts(fields),
+            "experts": experts,
             "linear_layers": tuple(is_linear),
             "linear": lin,
             "rotary_dims": int(head_dim * _partial_rotary_factor(fields)),
@@ -313,6 +318,12 @@ def rename_weights(weights: dict[str, mx.array], config: ModelConfig) -> dict[st
     }
     if (experts := config.extra["experts"]) is not None:
         _stack_experts(weights, experts, config.num_hidden_layers)
+    return from_original(weights)
+
+
+def from_original(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """A Hugging Face original's conv weights [C, 1, K] and norm offsets -> mlx-lm's form,
+    in place; a conversion (conv weights [C, K, 1]) is left as it is."""
     is_original = any(name.endswith("conv1d.weight") and w.shape[-1] != 1 for name, w in weights.items())
     if not is_original:
         return weights
