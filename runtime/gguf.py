@@ -158,6 +158,11 @@ _END_OF_TURN_TOKENS = frozenset(
 _END_OF_TURN_ANY_TYPE = frozenset({"<|tool_response>"})
 
 
+# Qwen3-Next's GGUF: its linear-attention layers' tensors are llama.cpp's own layout,
+# which no conversion here reads; the family loads from its safetensors checkpoints.
+HYBRID_REFUSAL = " (Qwen3-Next is served from its Hugging Face or mlx-community checkpoint, not a GGUF)"
+
+
 @attrs.frozen
 class GGUFCheckpoint:
     config: dict[str, Any]  # config.json's fields
@@ -181,7 +186,7 @@ def read_gguf(path: Path, progress: Callable[[str], None] = lambda message: None
         # llama.cpp writes a vision model's projector (mmproj) as architecture 'clip'.
         what = " (a multimodal projector, mmproj: give the language model's GGUF)" * (
             arch_name == "clip"
-        )
+        ) + HYBRID_REFUSAL * (arch_name == "qwen3next")
         raise CheckpointError(
             f"{path}: unsupported GGUF architecture '{arch_name}'{what} (supported: {supported})"
         )

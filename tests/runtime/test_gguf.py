@@ -479,6 +479,12 @@ def test_an_unsupported_architecture_is_named(tmp_path):
     assert "mmproj" not in message
 
 
+def test_a_qwen3_next_gguf_is_refused_naming_the_checkpoints_that_load(tmp_path):
+    tensors = {"token_embd.weight": (np.zeros((8, 32), np.float32), None)}
+    message = one_line_error(minimal_gguf(tmp_path / "next.gguf", "qwen3next", tensors))
+    assert "unsupported GGUF architecture 'qwen3next' (Qwen3-Next is served from its Hugging Face" in message
+
+
 def test_a_multimodal_projector_file_is_named_as_one(tmp_path):
     """llama.cpp's mmproj files say architecture 'clip'; the error said only that."""
     tensors = {"v.patch_embd.weight": (np.zeros((8, 32), np.float32), None)}
