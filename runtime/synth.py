@@ -95,6 +95,10 @@ def make_tiny_checkpoint(
     Hugging Face's originals do; False as mlx-lm's conversions; None: original unless
     quantized (mlx-community's quantized conversions are mlx-lm's form).
 
+    LFM2 (`lfm2`) has every third layer attention, the rest short convolutions, its
+    FFN `intermediate_size` wide after the configs' width adjustment; `hf_original`
+    stores its conv weights as Hugging Face's originals do ([C, 1, L]), as above.
+
     `vocab_size` above the demo tokenizer's adds embedding rows no text encodes to
     (a large-vocabulary model, e.g. 151,936 as Qwen's).
 
@@ -151,6 +155,10 @@ def make_tiny_checkpoint(
     if family in QWEN3_5_FAMILIES:
         is_original = quantize is None if hf_original is None else hf_original
         weights = qwen3_5_weights(weights, is_original, "text_config" in raw, seed)
+    if family == "lfm2" and (quantize is None if hf_original is None else hf_original):
+        weights = {  # Hugging Face's conv weights: [C, 1, L]
+            name: w.moveaxis(2, 1) if name.endswith(".conv.conv.weight") else w for name, w in weights.items()
+        }
     if family in MULTIMODAL:
         weights = {f"language_model.{name}": w for name, w in weights.items()}
         rng = np.random.default_rng(seed)
@@ -310,7 +318,7 @@ def random_weights(model: CausalLM, seed: int) -> dict[str, mx.array]:
         shape = param.shape
         if name.endswith("norm.weight"):
             values = 1.0 + 0.1 * rng.standard_normal(shape)
-            if is_tied and name == "model.norm.weight":
+            if is_tied and name in ("model.norm.weight", "model.embedding_norm.weight"):  # the final norm
                 values *= 10.0
             values -= norm_offset
         elif name.endswith(".bias"):

@@ -24,6 +24,7 @@ ARCHITECTURES = {
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
@@ -304,6 +305,21 @@ def hf_config(
             decoder_sparse_step=1,
             mlp_only_layers=list(dense_layers),
         )
+    if family == "lfm2":  # LFM2-350M's fields: every third layer attention, the FFN width adjusted
+        raw.update(
+            full_attn_idxs=[i for i in range(num_layers) if i % 3 == 2],
+            layer_types=["full_attention" if i % 3 == 2 else "conv" for i in range(num_layers)],
+            norm_eps=raw.pop("rms_norm_eps"),
+            conv_L_cache=3,
+            conv_bias=False,
+            block_dim=hidden_size,
+            block_ff_dim=3 * intermediate_size // 2,  # adjusted: 2/3 of it, rounded up to 16
+            block_multiple_of=16,
+            block_ffn_dim_multiplier=1.0,
+            block_auto_adjust_ff_dim=True,
+            tie_embedding=True,
+        )
+        del raw["rope_scaling"], raw["hidden_act"], raw["tie_word_embeddings"]
     if family in ("qwen3_5", "qwen3_5_moe"):  # the multimodal layout: the text model's config nested
         text = {**raw, "model_type": f"{family}_text"}
         outer = ("architectures", "eos_token_id", "torch_dtype", "tie_word_embeddings")

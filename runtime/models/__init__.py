@@ -23,6 +23,7 @@ from runtime.models import (
     glm4,
     gpt_oss,
     granite,
+    lfm2,
     llama,
     ministral3,
     mistral,
@@ -58,6 +59,7 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen3_5_moe_text": qwen3_5,  # the same with routed experts
     "qwen3_5_moe": qwen3_5,
     "qwen3_next": qwen3_next,  # Qwen3.5's hybrid decoder, its checkpoints' layout regrouped at load
+    "lfm2": lfm2,  # hybrid: short-convolution layers keep their last inputs
     "mixtral": mixtral,
     "gpt_oss": gpt_oss,
     "phi3": phi3,

@@ -1,0 +1,65 @@
+"""`cadence serve` with an LFM2 checkpoint as a user tries it: the official openai client
+against a real server. Its conv layers keep a recurrent state, so prefix caching is off
+and the same prompt twice is computed twice, to mlx-lm's tokens."""
+
+from runtime.config import load_config
+from runtime.synth import make_tiny_checkpoint
+from runtime.tokenizer import Tokenizer
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import generate_step
+from structlog.testing import capture_logs
+
+from tests.actors.test_http import in_thread, serving
+
+PROMPT = "The for statement is used to iterate over the elements of a sequence, in order"
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("LFM2-tiny"), "lfm2", num_layers=4)
+
+
+def mlx_lm_completion(path, tokenizer, ids, n):
+    model, _ = mlx_lm.load(str(path))
+    want = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=n)]
+    eos = set(load_config(path).eos_token_ids) | tokenizer.eos_token_ids
+    ends = [i for i, token in enumerate(want) if token in eos]
+    return want[: ends[0]] if ends else want, bool(ends)
+
+
+async def test_lfm2_serves_completions_and_chat_with_prefix_caching_off(lfm2):
+    with capture_logs() as logs:
+        async with serving(lfm2, max_batch=4) as server:
+            client = server.client()
+
+            def complete():
+                return client.completions.create(model=server.model, prompt=PROMPT * 3, max_tokens=16)
+
+            first, second = await in_thread(complete), await in_thread(complete)
+
+            def stream():
+                chunks = client.chat.completions.create(
+                    model=server.model, messages=[{"role": "user", "content": PROMPT}], max_tokens=12, stream=True
+                )
+                return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+            streamed = await in_thread(stream)
+            whole = await in_thread(
+                client.chat.completions.create,
+                model=server.model,
+                messages=[{"role": "user", "content": PROMPT}],
+                max_tokens=12,
+            )
+    assert any(e["event"] == "prefix_cache_off" for e in logs)
+    (pool,) = [e for e in logs if e["event"] == "kv_pool"]
+    assert pool["prefix_cache"] is False and pool["recurrent_state_bytes"] == 4 * 3 * 2 * 64 * 4
+    tokenizer = Tokenizer.from_dir(lfm2)
+    ids = tokenizer.encode(PROMPT * 3)
+    want, ended = mlx_lm_completion(lfm2, tokenizer, ids, 16)
+    for completion in (first, second):
+        assert completion.choices[0].text == tokenizer.decode(want)
+        assert completion.usage.completion_tokens == len(want) + ended
+    assert whole.choices[0].message.content and streamed == whole.choices[0].message.content

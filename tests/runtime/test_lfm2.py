@@ -1,0 +1,193 @@
+"""LFM2 (hybrid gated short convolutions + GQA attention) against mlx-lm's `lfm2` on tiny
+random checkpoints: the model alone, both conv weight forms, quantized, and through the
+paged engine, whose rows carry each conv layer's last inputs (runtime/kv/recurrent.py)
+across chunks, mixed steps, lookahead and preemption."""
+
+from runtime.checkpoint import load_model
+from runtime.config import config_from_dict
+from runtime.engine import Engine
+from runtime.errors import CheckpointError
+from runtime.kv.blocks import BlockPool
+from runtime.runner import run_offline
+from runtime.scheduler import FcfsScheduler
+from runtime.sequence import SequenceParams
+from runtime.synth_configs import hf_config
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from tests.runtime.test_gguf import minimal_gguf, one_line_error
+
+TOKENS = mx.array([[1, 5, 9, 200, 33, 17, 4, 88, 120, 7, 301, 44]])
+PROMPTS = {
+    "a": [11, 305, 42, 977, 5, 1203, 64, 88, 300, 7, 1500, 19, 23, 99, 410],
+    "b": [7, 8, 9],
+    "c": [900, 5, 6, 31, 77, 2, 18, 260, 13],
+    "d": [612],
+}
+NEW_TOKENS = 10
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(make_checkpoint):
+    return make_checkpoint("lfm2", num_layers=4)  # conv, conv, attention, conv
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint):
+    model, _ = mlx_lm.load(str(checkpoint))
+    return {
+        rid: [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=NEW_TOKENS)]
+        for rid, prompt in PROMPTS.items()
+    }
+
+
+def engine_for(checkpoint, **kwargs):
+    return Engine(load_model(checkpoint), **{"max_batch": 4, "block_size": BLOCK, "kv_budget": 1 << 22, **kwargs})
+
+
+def policy_for(engine, *, chunk=256, budget=512, num_blocks=None):
+    pool = BlockPool(num_blocks or engine.kv.num_blocks, BLOCK, is_caching=False, layout=engine.kv.layout)
+    return FcfsScheduler(engine.max_batch, pool, engine.max_context, chunk, budget, 0)
+
+
+def run(engine, policy, rids, lookahead=1, on_step=None):
+    params = {
+        rid: SequenceParams(tuple(PROMPTS[rid]), max_tokens=NEW_TOKENS, ignore_eos=True, request_id=rid)
+        for rid in rids
+    }
+    got = run_offline(engine, policy, params, lookahead=lookahead, on_step=on_step)
+    assert engine.num_open == 0 and len(engine.states) == 0  # every row's state freed
+    return got
+
+
+@pytest.mark.parametrize("is_original", [True, False], ids=["hf-original", "mlx-converted"])
+def test_logits_match_mlx_lm_in_both_weight_forms(make_checkpoint, is_original):
+    path = make_checkpoint("lfm2", num_layers=4, hf_original=is_original)
+    stored = mx.load(str(path / "model.safetensors"))
+    assert stored["model.layers.0.conv.conv.weight"].shape == ((64, 1, 3) if is_original else (64, 3, 1))
+    got, want = load_model(path, keep_dtype=True).model(TOKENS), mlx_lm.load(str(path))[0](TOKENS)
+    assert mx.allclose(got, want, atol=1e-4).item()
+
+
+def test_a_conv_bias_matches_mlx_lm(make_checkpoint, tmp_path):
+    """`conv_bias: true` puts a bias on in_proj, the conv and out_proj."""
+    path = make_checkpoint("lfm2", num_layers=4)
+    config = (path / "config.json").read_text().replace('"conv_bias": false', '"conv_bias": true')
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((path / name).read_bytes())
+    (tmp_path / "config.json").write_text(config)
+    weights = mx.load(str(path / "model.safetensors"))
+    for name in [n for n in weights if ".conv." in n and n.endswith(".weight")]:
+        rows = weights[name].shape[0]
+        weights[name.removesuffix(".weight") + ".bias"] = mx.linspace(-0.3, 0.3, rows)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights, metadata={"format": "pt"})
+    got, want = load_model(tmp_path, keep_dtype=True).model(TOKENS), mlx_lm.load(str(tmp_path))[0](TOKENS)
+    assert mx.allclose(got, want, atol=1e-4).item()
+    assert not mx.allclose(got, load_model(path, keep_dtype=True).model(TOKENS), atol=1e-2).item()
+
+
+def test_a_quantized_checkpoint_matches_mlx_lms_quantized_model(make_checkpoint):
+    path = make_checkpoint("lfm2", num_layers=4, quantize=(32, 4))
+    assert "model.layers.0.conv.in_proj.scales" in mx.load(str(path / "model.safetensors"))
+    got, want = load_model(path).model(TOKENS), mlx_lm.load(str(path))[0](TOKENS)
+    assert mx.allclose(got, want, atol=1e-3).item()
+
+
+def test_a_bfloat16_checkpoint_kept_in_its_dtype_matches_mlx_lm(make_checkpoint):
+    path = make_checkpoint("lfm2", num_layers=4, dtype="bfloat16")
+    got, want = load_model(path, keep_dtype=True).model(TOKENS), mlx_lm.load(str(path))[0](TOKENS)
+    assert got.dtype == want.dtype == mx.bfloat16
+    assert mx.array_equal(got, want).item()
+
+
+def lfm2_config(**changes):
+    raw = hf_config(
+        "lfm2", vocab_size=512, eos_token_id=[2], hidden_size=1024, num_layers=16, num_heads=16,
+        num_kv_heads=8, intermediate_size=128,
+    )
+    raw.update(full_attn_idxs=[2, 5, 8, 10, 12, 14], block_ff_dim=6656, block_multiple_of=256)
+    raw.update(changes)
+    return {name: value for name, value in raw.items() if value is not None}
+
+
+def test_the_ffn_width_is_adjusted_as_the_releases_say():
+    """LFM2-350M: block_ff_dim 6656 -> 2/3 of it, rounded up to 256: 4608 (its w1's rows)."""
+    assert config_from_dict(lfm2_config()).intermediate_size == 4608
+    assert config_from_dict(lfm2_config(block_ffn_dim_multiplier=1.5)).intermediate_size == 6656
+    assert config_from_dict(lfm2_config(block_auto_adjust_ff_dim=False)).intermediate_size == 6656
+    # Without block_ff_dim, intermediate_size is the width to adjust (transformers' name).
+    assert config_from_dict(lfm2_config(block_ff_dim=None, intermediate_size=6656)).intermediate_size == 4608
+
+
+def test_the_attention_layers_are_read_from_either_field():
+    config = config_from_dict(lfm2_config())
+    assert config.kv_layers == 6 and config.extra["conv_layers"].count(True) == 10
+    # 10 conv layers x 2 stored inputs x 1024 channels, float32.
+    assert config.recurrent_row_bytes == 10 * 2 * 1024 * 4
+    by_types = config_from_dict(lfm2_config(full_attn_idxs=None))
+    assert by_types.extra["conv_layers"] == tuple(i % 3 != 2 for i in range(16))
+    assert config.tie_word_embeddings and config.head_dim == 64 and config.rms_norm_eps == 1e-6
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"full_attn_idxs": [], "layer_types": None}, "needs at least one attention layer"),
+        ({"full_attn_idxs": [16]}, "full_attn_idxs needs layer indices below 16"),
+        ({"full_attn_idxs": None, "layer_types": ["conv"] * 15}, "layer_types needs 16 entries"),
+        ({"full_attn_idxs": None, "layer_types": None}, "missing required field 'full_attn_idxs'"),
+        ({"conv_L_cache": 1}, "conv_L_cache must be at least 2"),
+        ({"block_dim": 512}, "block_dim must equal hidden_size"),
+        ({"conv_bias": "no"}, "field 'conv_bias' should be bool"),
+    ],
+)
+def test_a_malformed_config_is_one_line(changes, message):
+    with pytest.raises(CheckpointError, match=message):
+        config_from_dict(lfm2_config(**changes))
+
+
+def test_only_the_attention_layers_get_kv_pools(checkpoint):
+    engine = engine_for(checkpoint)
+    assert engine.config.extra["conv_layers"] == (True, True, False, True) and len(engine.kv.keys) == 1
+    assert engine.recurrent_bytes == 4 * 3 * 2 * 64 * 4
+
+
+def test_a_row_alone_matches_mlx_lm(checkpoint, expected):
+    engine = engine_for(checkpoint)
+    for rid in PROMPTS:
+        assert run(engine, policy_for(engine), [rid])[rid].tokens == tuple(expected[rid]), rid
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+@pytest.mark.parametrize(("chunk", "budget"), [(256, 512), (3, 6)], ids=["whole-prompts", "small-chunks"])
+def test_rows_in_mixed_steps_match_mlx_lm(checkpoint, expected, lookahead, chunk, budget):
+    engine = engine_for(checkpoint)
+    policy = policy_for(engine, chunk=chunk, budget=budget)
+    kinds = []
+
+    def note(plan):  # steps with both a decode token and a prompt chunk of another row
+        prefill = [span.is_prefill for span in plan.spans]
+        kinds.append(any(prefill) and not all(prefill))
+
+    got = run(engine, policy, PROMPTS, lookahead, on_step=note)
+    assert {rid: list(r.tokens) for rid, r in got.items()} == expected
+    assert any(kinds) or chunk == 256
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_a_preempted_row_recomputes_its_state_from_the_start(checkpoint, expected, lookahead):
+    engine = engine_for(checkpoint)
+    policy = policy_for(engine, chunk=4, budget=8, num_blocks=12)  # too few for all four rows
+    got = run(engine, policy, PROMPTS, lookahead)
+    assert policy.num_preemptions > 0
+    assert {rid: list(r.tokens) for rid, r in got.items()} == expected
+
+
+def test_an_lfm2_gguf_is_a_one_line_refusal(tmp_path):
+    path = minimal_gguf(tmp_path / "lfm2.gguf", "lfm2", {"token_embd.weight": (np.zeros((8, 32), np.float32), None)})
+    assert "unsupported GGUF architecture 'lfm2'" in one_line_error(path)
