@@ -98,6 +98,9 @@ def make_tiny_checkpoint(
     LFM2 (`lfm2`) has every third layer attention, the rest short convolutions, its
     FFN `intermediate_size` wide after the configs' width adjustment; `hf_original`
     stores its conv weights as Hugging Face's originals do ([C, 1, L]), as above.
+    LFM2-MoE (`lfm2_moe`) routes every layer from the `len(dense_layers)`-th among
+    `num_experts` of `intermediate_size` (the dense ones twice as wide); an original
+    stores each expert apart under Hugging Face's names (w1, w3, w2).
 
     `vocab_size` above the demo tokenizer's adds embedding rows no text encodes to
     (a large-vocabulary model, e.g. 151,936 as Qwen's).
@@ -155,10 +158,8 @@ def make_tiny_checkpoint(
     if family in QWEN3_5_FAMILIES:
         is_original = quantize is None if hf_original is None else hf_original
         weights = qwen3_5_weights(weights, is_original, "text_config" in raw, seed)
-    if family == "lfm2" and (quantize is None if hf_original is None else hf_original):
-        weights = {  # Hugging Face's conv weights: [C, 1, L]
-            name: w.moveaxis(2, 1) if name.endswith(".conv.conv.weight") else w for name, w in weights.items()
-        }
+    if family in ("lfm2", "lfm2_moe") and (quantize is None if hf_original is None else hf_original):
+        weights = lfm2_original_weights(weights)
     if family in MULTIMODAL:
         weights = {f"language_model.{name}": w for name, w in weights.items()}
         rng = np.random.default_rng(seed)
@@ -194,6 +195,23 @@ def fused_projections(
             out[f"{layer}.{into}.weight"] = mx.concatenate(parts_weights)
         elif projection not in absorbed:
             out[name] = w
+    return out
+
+
+def lfm2_original_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """LFM2's weights as Hugging Face's originals store them: conv weights [C, 1, L];
+    LFM2-MoE's MLPs as w1/w3/w2, each expert's apart."""
+    from runtime.models.lfm2 import MOE_PROJECTIONS
+
+    stored = {ours: theirs for theirs, ours in MOE_PROJECTIONS.items()}
+    out = {}
+    for name, w in per_expert_weights(weights, stored).items():
+        if name.endswith(".conv.conv.weight"):
+            w = w.moveaxis(2, 1)
+        block, _, projection = name.rpartition(".")[0].rpartition(".")
+        if ".feed_forward" in block and projection in stored:
+            name = f"{block}.{stored[projection]}.weight"
+        out[name] = w
     return out
 
 

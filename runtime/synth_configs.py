@@ -25,6 +25,7 @@ ARCHITECTURES = {
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "qwen3_next": "Qwen3NextForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
+    "lfm2_moe": "Lfm2MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
@@ -320,6 +321,22 @@ def hf_config(
             tie_embedding=True,
         )
         del raw["rope_scaling"], raw["hidden_act"], raw["tie_word_embeddings"]
+    if family == "lfm2_moe":  # LFM2-8B-A1B's fields: its first layers dense, twice an expert's width
+        raw.update(
+            layer_types=["full_attention" if i % 3 == 2 else "conv" for i in range(num_layers)],
+            norm_eps=raw.pop("rms_norm_eps"),
+            conv_L_cache=3,
+            conv_bias=False,
+            intermediate_size=2 * intermediate_size,
+            moe_intermediate_size=intermediate_size,
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            num_dense_layers=len(dense_layers),
+            norm_topk_prob=True,
+            use_expert_bias=True,
+            routed_scaling_factor=1.0,
+        )
+        del raw["rope_scaling"], raw["hidden_act"]
     if family in ("qwen3_5", "qwen3_5_moe"):  # the multimodal layout: the text model's config nested
         text = {**raw, "model_type": f"{family}_text"}
         outer = ("architectures", "eos_token_id", "torch_dtype", "tie_word_embeddings")

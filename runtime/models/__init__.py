@@ -60,6 +60,7 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen3_5_moe": qwen3_5,
     "qwen3_next": qwen3_next,  # Qwen3.5's hybrid decoder, its checkpoints' layout regrouped at load
     "lfm2": lfm2,  # hybrid: short-convolution layers keep their last inputs
+    "lfm2_moe": lfm2,  # the same with routed experts
     "mixtral": mixtral,
     "gpt_oss": gpt_oss,
     "phi3": phi3,

@@ -21,17 +21,29 @@ times `block_ffn_dim_multiplier`, rounded up to `block_multiple_of` (LFM2-350M's
 Module names are the checkpoints' own (the same in Hugging Face's and mlx-lm's). Hugging
 Face's originals store the conv weight as [C, 1, L], mlx-lm's conversions as [C, L, 1];
 both load, told apart by its shape as mlx-lm does.
+
+LFM2-MoE (`lfm2_moe`: LFM2-8B-A1B) has the same layers; its first `num_dense_layers`
+FFNs are SwiGLU MLPs `intermediate_size` wide (no adjustment), the rest route each token
+to `num_experts_per_tok` of `num_experts` SwiGLU experts of `moe_intermediate_size`
+(runtime/models/experts.py) by sigmoid scores: `expert_bias` (`use_expert_bias`) added
+for choosing only, the chosen scores divided by their sum (plus 1e-6) where
+`norm_topk_prob` says, times `routed_scaling_factor`. Hugging Face's originals name the
+MLPs' projections w1 (gate), w3 (up), w2 (down), each expert's apart
+(`feed_forward.experts.{e}.w1`); mlx-lm's conversions gate_proj, up_proj, down_proj,
+the experts stacked (`feed_forward.switch_mlp`); both load.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from runtime.config import ConfigFields, ModelConfig
 from runtime.errors import CheckpointError
 from runtime.kv.base import ForwardKV, split_heads
 from runtime.kv.recurrent import STATE_BYTES
-from runtime.models.layers import CausalLM, RMSNorm, RoPE, kept_rows
+from runtime.models.experts import ExpertMLPs, Experts, stack_experts
+from runtime.models.layers import CausalLM, GatedMLP, RMSNorm, RoPE, kept_rows
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -74,8 +86,10 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
     kernel = fields.get("conv_L_cache", int)
     if kernel < 2:
         raise CheckpointError(f"{source}: conv_L_cache must be at least 2, got {kernel}")
+    is_moe = fields.raw["model_type"] == "lfm2_moe"
     return {
-        "intermediate_size": _ffn_width(fields),
+        # The dense FFNs' width: LFM2-MoE's as it is said (transformers and mlx-lm adjust only LFM2's).
+        "intermediate_size": fields.get("intermediate_size", int) if is_moe else _ffn_width(fields),
         "qk_norm": True,
         "tie_word_embeddings": True,
         "num_kv_layers": is_conv.count(False),
@@ -84,6 +98,9 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
             "conv_layers": tuple(is_conv),
             "conv_kernel": kernel,
             "conv_bias": fields.get("conv_bias", bool),
+            "experts": _experts(fields, num_layers) if is_moe else None,
+            "expert_bias": is_moe and fields.get("use_expert_bias", bool, True),
+            "routed_scaling": fields.get("routed_scaling_factor", float, 1.0) if is_moe else 1.0,
         },
     }
 
@@ -104,6 +121,21 @@ def _conv_layers(fields: ConfigFields, num_layers: int) -> list[bool]:
             f"{fields.source}: layer_types needs {num_layers} entries of 'conv' or 'full_attention'"
         )
     return [kind != "full_attention" for kind in layer_types]
+
+
+def _experts(fields: ConfigFields, num_layers: int) -> Experts:
+    """LFM2-MoE's experts (transformers' defaults where a config leaves them out): every
+    layer from `num_dense_layers` on routes."""
+    num_dense = fields.raw.get("num_dense_layers", 2)
+    if not isinstance(num_dense, int) or isinstance(num_dense, bool) or not 0 <= num_dense <= num_layers:
+        raise CheckpointError(f"{fields.source}: num_dense_layers must be 0 to {num_layers}, got {num_dense!r}")
+    return Experts.read(
+        fields,
+        num_experts=fields.get("num_experts", int),
+        intermediate_size=fields.get("moe_intermediate_size", int),
+        normalize=fields.get("norm_topk_prob", bool, True),
+        dense_layers=range(num_dense),
+    )
 
 
 def _ffn_width(fields: ConfigFields) -> int:
@@ -179,6 +211,40 @@ class FeedForward(nn.Module):
         return self.w2(swiglu(self.w1(x), self.w3(x)))
 
 
+class SigmoidRoutedExperts(nn.Module):
+    """LFM2-MoE's sparse FFN: sigmoid scores choose (with `expert_bias`) and weigh
+    (without it) each token's experts in `switch_mlp`."""
+
+    def __init__(self, hidden: int, experts: Experts, has_bias: bool, scaling: float):
+        super().__init__()
+        self.gate = nn.Linear(hidden, experts.num_experts, bias=False)
+        self.switch_mlp = ExpertMLPs(hidden, experts)
+        if has_bias:
+            self.expert_bias = mx.zeros((experts.num_experts,))
+        self.top_k, self.normalize, self.scaling = experts.top_k, experts.normalize, scaling
+
+    def __call__(self, x: mx.array) -> mx.array:
+        tokens = x.reshape(-1, x.shape[-1])
+        scores = mx.sigmoid(self.gate(tokens).astype(mx.float32))
+        choosing = scores + self.expert_bias.astype(mx.float32) if "expert_bias" in self else scores
+        chosen = mx.argpartition(choosing, kth=-self.top_k, axis=-1)[:, -self.top_k :]
+        weights = mx.take_along_axis(scores, chosen, axis=-1)
+        if self.normalize:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-6)
+        outputs = self.switch_mlp(tokens, chosen)  # [N, k, hidden]
+        y = (outputs * (weights * self.scaling)[..., None].astype(outputs.dtype)).sum(axis=-2)
+        return y.reshape(x.shape)
+
+
+def _feed_forward(config: ModelConfig, layer: int) -> nn.Module:
+    experts: Experts | None = config.extra["experts"]
+    if experts is None:
+        return FeedForward(config.hidden_size, config.intermediate_size)
+    if not experts.sparse_layers[layer]:
+        return GatedMLP(config.hidden_size, config.intermediate_size)  # mlx-lm's names (rename_weights)
+    return SigmoidRoutedExperts(config.hidden_size, experts, config.extra["expert_bias"], config.extra["routed_scaling"])
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -188,7 +254,7 @@ class DecoderLayer(nn.Module):
             self.conv = ShortConv(config, index)
         else:
             self.self_attn = Attention(config, index)
-        self.feed_forward = FeedForward(config.hidden_size, config.intermediate_size)
+        self.feed_forward = _feed_forward(config, layer)
         self.operator_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.ffn_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -223,9 +289,24 @@ class Decoder(CausalLM):
 build = Decoder
 
 
+# LFM2-MoE's MLP projections as Hugging Face names them -> as mlx-lm's conversions do.
+MOE_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_MOE_PROJECTION = re.compile(r"(\.feed_forward\.(?:experts\.\d+\.)?)(w[123])\.")
+
+
 def rename_weights(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
-    """A Hugging Face original's conv weights [C, 1, L] -> mlx-lm's [C, L, 1]."""
-    return {
+    """A Hugging Face original's conv weights [C, 1, L] -> mlx-lm's [C, L, 1]; LFM2-MoE's
+    w1/w3/w2 -> gate_proj/up_proj/down_proj, each expert's stacked into `switch_mlp`."""
+    renamed = {
         name: w.moveaxis(2, 1) if name.endswith(".conv.conv.weight") and w.ndim == 3 and w.shape[-1] > w.shape[1] else w
         for name, w in weights.items()
     }
+    if (experts := config.extra["experts"]) is None:
+        return renamed
+    renamed = {
+        _MOE_PROJECTION.sub(lambda m: m.group(1) + MOE_PROJECTIONS[m.group(2)] + ".", name): w
+        for name, w in renamed.items()
+    }
+    names = {name: name for name in MOE_PROJECTIONS.values()}
+    stack_experts(renamed, experts, layer_prefix="model.layers.{layer}.feed_forward", names=names)
+    return renamed

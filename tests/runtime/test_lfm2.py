@@ -3,6 +3,8 @@ random checkpoints: the model alone, both conv weight forms, quantized, and thro
 paged engine, whose rows carry each conv layer's last inputs (runtime/kv/recurrent.py)
 across chunks, mixed steps, lookahead and preemption."""
 
+import re
+
 from runtime.checkpoint import load_model
 from runtime.config import config_from_dict
 from runtime.engine import Engine
@@ -191,3 +193,82 @@ def test_a_preempted_row_recomputes_its_state_from_the_start(checkpoint, expecte
 def test_an_lfm2_gguf_is_a_one_line_refusal(tmp_path):
     path = minimal_gguf(tmp_path / "lfm2.gguf", "lfm2", {"token_embd.weight": (np.zeros((8, 32), np.float32), None)})
     assert "unsupported GGUF architecture 'lfm2'" in one_line_error(path)
+
+
+MOE = {"num_layers": 4, "dense_layers": (0,)}  # a dense first layer, then routed experts
+
+
+@pytest.mark.parametrize("is_original", [True, False], ids=["hf-original", "mlx-converted"])
+def test_lfm2_moe_logits_match_mlx_lm_in_both_weight_forms(make_checkpoint, is_original):
+    path = make_checkpoint("lfm2_moe", **MOE, hf_original=is_original)
+    stored = mx.load(str(path / "model.safetensors"))
+    per_expert = "model.layers.1.feed_forward.experts.3.w1.weight" in stored
+    assert per_expert == is_original and ("model.layers.0.feed_forward.w1.weight" in stored) == is_original
+    assert "model.layers.1.feed_forward.expert_bias" in stored
+    got, want = load_model(path, keep_dtype=True).model(TOKENS), mlx_lm.load(str(path))[0](TOKENS)
+    assert mx.allclose(got, want, atol=1e-4).item()
+
+
+def test_lfm2_moe_weighs_by_its_scaling_factor_as_mlx_lm(make_checkpoint, tmp_path):
+    path = make_checkpoint("lfm2_moe", **MOE)
+    for name in ("model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((path / name).read_bytes())
+    config = (path / "config.json").read_text()
+    (tmp_path / "config.json").write_text(config.replace('"routed_scaling_factor": 1.0', '"routed_scaling_factor": 2.5'))
+    got, want = load_model(tmp_path, keep_dtype=True).model(TOKENS), mlx_lm.load(str(tmp_path))[0](TOKENS)
+    assert mx.allclose(got, want, atol=1e-4).item()
+    assert not mx.allclose(got, load_model(path, keep_dtype=True).model(TOKENS), atol=1e-2).item()
+
+
+def test_a_quantized_lfm2_moe_matches_mlx_lms_quantized_model(make_checkpoint):
+    path = make_checkpoint("lfm2_moe", **MOE, quantize=(32, 4))
+    got, want = load_model(path).model(TOKENS), mlx_lm.load(str(path))[0](TOKENS)
+    assert mx.allclose(got, want, atol=1e-3).item()
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_lfm2_moe_rows_in_mixed_small_chunk_steps_match_mlx_lm(make_checkpoint, lookahead):
+    path = make_checkpoint("lfm2_moe", **MOE)
+    model, _ = mlx_lm.load(str(path))
+    want = {
+        rid: [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=NEW_TOKENS)]
+        for rid, prompt in PROMPTS.items()
+    }
+    engine = engine_for(path)
+    got = run(engine, policy_for(engine, chunk=3, budget=6), PROMPTS, lookahead)
+    assert {rid: list(r.tokens) for rid, r in got.items()} == want
+
+
+def lfm2_8b_a1b(**changes):
+    """LFM2-8B-A1B's config.json (its fields as released)."""
+    layer_types = ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)]
+    raw = {
+        "architectures": ["Lfm2MoeForCausalLM"], "model_type": "lfm2_moe", "vocab_size": 65536,
+        "hidden_size": 2048, "intermediate_size": 7168, "num_hidden_layers": 24, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "layer_types": layer_types, "conv_L_cache": 3, "conv_bias": False,
+        "norm_eps": 1e-5, "rope_theta": 1_000_000.0, "max_position_embeddings": 128000, "num_experts": 32,
+        "num_experts_per_tok": 4, "moe_intermediate_size": 1792, "num_dense_layers": 2,
+        "use_expert_bias": True, "norm_topk_prob": True, "routed_scaling_factor": 1.0, "eos_token_id": 7,
+    }
+    return {**raw, **changes}
+
+
+def test_lfm2_8b_a1b_config_reads_as_released():
+    config = config_from_dict(lfm2_8b_a1b())
+    experts = config.extra["experts"]
+    assert config.intermediate_size == 7168 and experts.intermediate_size == 1792  # neither adjusted
+    assert experts.sparse_layers == (False, False) + (True,) * 22 and experts.top_k == 4 and experts.normalize
+    assert config.kv_layers == 6 and config.rms_norm_eps == 1e-5 and config.head_dim == 64
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"num_dense_layers": 25}, "num_dense_layers must be 0 to 24"),
+        ({"num_experts_per_tok": 33}, "num_experts_per_tok (33) is more than the 32 experts"),
+        ({"use_expert_bias": 1}, "field 'use_expert_bias' should be bool"),
+    ],
+)
+def test_a_malformed_lfm2_moe_config_is_one_line(changes, message):
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        config_from_dict(lfm2_8b_a1b(**changes))
