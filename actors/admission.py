@@ -29,6 +29,7 @@ from runtime.tools import (
     ARGS,
     GRANITE_TOOL_CALL,
     HERMES_TAGS,
+    LFM2_TAGS,
     OLMO3_TAGS,
     REASONING_STYLES,
     TOOL_CALLS,
@@ -208,12 +209,12 @@ class Admission:
     def keeps_control_tokens(self, request: GenerateRequest) -> bool:
         """Whether the request's text keeps the control tokens decoding drops, for the
         parser (as vLLM does): Mistral's models call tools in them (kept where tools
-        are offered), as Granite 3's do (`<|tool_call|>`) and OLMo 3's may (its
+        are offered), as Granite 3's (`<|tool_call|>`) and LFM2's (`<|tool_call_start|>`) do and OLMo 3's may (its
         `<function_calls>` tags), and gpt-oss marks every message of its chat replies
         with them."""
         if self.tool_style in REASONING_STYLES:
             return request.messages is not None
-        calls_in_control_tokens = self.tool_style in ("mistral", "olmo3", "granite")
+        calls_in_control_tokens = self.tool_style in ("mistral", "olmo3", "granite", "lfm2")
         return calls_in_control_tokens and bool(request.tools) and request.tool_choice != "none"
 
     def thinks(self, request: GenerateRequest) -> bool:
@@ -296,7 +297,8 @@ class Admission:
 
     def control_tokens(self) -> dict[str, int]:
         """The call markers (Mistral's, harmony's header markers, the `<tool_call>` tags of
-        Hermes and Qwen3-Coder, OLMo 3's `<function_calls>` tags, Granite's `<|tool_call|>`)
+        Hermes and Qwen3-Coder, OLMo 3's `<function_calls>` tags, Granite's `<|tool_call|>`,
+        LFM2's `<|tool_call_start|>` and `<|tool_call_end|>`)
         that this tokenizer holds as tokens of their own, by spelling: a forced call's
         grammar writes them so (llguidance matches no added token against literal text)."""
         markers = {
@@ -306,6 +308,7 @@ class Admission:
             "qwen3_coder": HERMES_TAGS,
             "olmo3": OLMO3_TAGS,
             "granite": (GRANITE_TOOL_CALL,),
+            "lfm2": LFM2_TAGS,
         }.get(self.tool_style, (TOOL_CALLS, ARGS))
         spelled = {marker: self.tokenizer.added_token_id(marker) for marker in markers}
         return {marker: token_id for marker, token_id in spelled.items() if token_id is not None}

@@ -4,7 +4,8 @@ grammar that forces a call (`tool_choice` required or named).
 The format follows the chat template, the thing that taught the model: a template that
 writes `[TOOL_CALLS]` is Mistral's, one that writes `<function=` and `<parameter=` is
 Qwen3-Coder's and Qwen3.5's XML, one that writes `<function_calls>` OLMo 3's Python calls,
-one that writes `<|tool_call|>` Granite 3's JSON list,
+one that writes `<|tool_call|>` Granite 3's JSON list, one that lists the tools in
+`<|tool_list_start|>` LFM2's Python call list,
 one with an `<|observation|>` turn and no `<tool_call>` GLM-4-0414's name-then-JSON,
 one that writes `<tool_call>` otherwise is Hermes/Qwen's, one
 with `<|python_tag|>` or an `ipython` role is Llama 3's JSON form, and Gemma (whose template has no tools at all) gets the
@@ -44,6 +45,8 @@ from runtime.tools import (
     FUNCTION_CALLS,
     FUNCTION_CALLS_END,
     GRANITE_TOOL_CALL,
+    LFM2_CALL_END,
+    LFM2_CALL_START,
     TOOL_CALLS,
     TOOL_STYLES,
 )
@@ -69,6 +72,9 @@ def tool_style_for(template_source: str, model_type: str) -> str:
         return "olmo3"
     if GRANITE_TOOL_CALL in template_source:
         return "granite"
+    # LFM2's template writes its tool list so, and never a call (they are the reply's text).
+    if "<|tool_list_start|>" in template_source or LFM2_CALL_START in template_source:
+        return "lfm2"
     if "<tool_call>" in template_source:
         return "hermes"
     # GLM-4-0414's and GLM-Z1's results are `observation` turns (GLM-4.5's write <tool_call>).
@@ -132,7 +138,10 @@ def tool_call_grammar(
     if style == "gemma4":  # <|tool_call>call:NAME{...}<tool_call|>, in Gemma's notation
         return _with_answer(_gemma4_calls(functions, marker), answer)
     if style == "olmo3":  # <function_calls>NAME(key=value, ...)</function_calls>
-        return _with_answer(_olmo3_calls(functions, marker), answer)
+        return _with_answer(_python_call(functions, marker(FUNCTION_CALLS), marker(FUNCTION_CALLS_END)), answer)
+    if style == "lfm2":  # <|tool_call_start|>[NAME(key=value, ...)]<|tool_call_end|>
+        opening, closing = f'{marker(LFM2_CALL_START)} "["', f'"]" {marker(LFM2_CALL_END)}'
+        return _with_answer(_python_call(functions, opening, closing), answer)
     if style == "qwen3_coder":  # <tool_call>\n<function=NAME>\n<parameter=KEY>\nvalue\n</parameter>\n...
         return _with_answer(_xml_calls(functions, marker), answer)
     key = "parameters" if style == "llama3_json" else "arguments"
@@ -226,13 +235,13 @@ def _arguments_in_order(i: int, pairs: Mapping[str, str], required: set[str], se
     return rules
 
 
-def _olmo3_calls(functions: Sequence[Mapping[str, Any]], marker: Callable[[str], str]) -> str:
-    """One call as OLMo 3 writes it, of one of `functions`: `name(key=value, ...)`
-    inside its tags, each value JSON. Where a tool's parameters list their properties,
-    its arguments are those keys in that order, the required ones always, each value
-    of its schema; otherwise any keys, any JSON values."""
+def _python_call(functions: Sequence[Mapping[str, Any]], opening: str, closing: str) -> str:
+    """One call as OLMo 3 and LFM2 write it, of one of `functions`: `name(key=value, ...)`
+    between `opening` and `closing` (Lark), each value JSON. Where a tool's parameters
+    list their properties, its arguments are those keys in that order, the required ones
+    always, each value of its schema; otherwise any keys, any JSON values."""
     rules = [
-        f"tool_call: {marker(FUNCTION_CALLS)} call {marker(FUNCTION_CALLS_END)}",
+        f"tool_call: {opening} call {closing}",
         "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
         f"any_pair: KEY \"=\" %json {json.dumps({'x-guidance': JSON_OPTIONS})}",
         "KEY: /[A-Za-z_][A-Za-z0-9_]*/",
@@ -387,6 +396,8 @@ def chat_for_template(
             return _granite_turns(chat)
         if style == "glm4":
             return _glm4_turns(chat)
+        if style == "lfm2":
+            return _lfm2_turns(chat)
         return _responses_in_turn(chat) if style == "gemma4" else chat
     chat = _results_joined(chat, [_as_text(m, style) for m in chat])
     if tools:
@@ -525,6 +536,32 @@ def _glm4_turns(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _lfm2_turns(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's calls as LFM2's template takes them: it writes each turn's `content`
+    alone (its `tool_calls` were dropped, a null content written as `null`), so a turn's
+    calls are its one `<|tool_call_start|>[...]` list, before its text as LFM2 writes
+    them. Results stay `tool` turns, which the template marks."""
+    out = []
+    for message in chat:
+        if message["role"] == "assistant" and message.get("tool_calls"):
+            written = _call_text_lfm2([call["function"] for call in message["tool_calls"]])
+            message = {k: v for k, v in message.items() if k != "tool_calls"}
+            message["content"] = written + (message.get("content") or "")
+        out.append(message)
+    return out
+
+
+def _call_text_lfm2(functions: Sequence[Mapping[str, Any]]) -> str:
+    return LFM2_CALL_START + "[" + ", ".join(map(_python_call_text, functions)) + "]" + LFM2_CALL_END
+
+
+def _python_call_text(function: Mapping[str, Any]) -> str:
+    """`name(key=value, ...)`, each value JSON (arguments that are no JSON object as sent)."""
+    arguments = function.get("arguments") or {}
+    pairs = ", ".join(f"{k}={json.dumps(v)}" for k, v in arguments.items()) if isinstance(arguments, dict) else arguments
+    return f"{function['name']}({pairs})"
+
+
 def _glm4_call(function: Mapping[str, Any]) -> tuple[str, str]:
     """A call's name and its arguments' JSON text, as GLM-4 writes them."""
     arguments = function.get("arguments") or {}
@@ -564,6 +601,8 @@ def _as_text(message: Mapping[str, Any], style: str) -> dict[str, Any]:
         return dict(message)
     if style == "granite":  # one list of the turn's calls, as its template shows them
         written = _call_text_granite([call["function"] for call in calls])
+    elif style == "lfm2":
+        written = _call_text_lfm2([call["function"] for call in calls])
     else:
         written = "\n".join(_call_text(call["function"], style) for call in calls)
     content = message.get("content") or ""
@@ -591,8 +630,7 @@ def _call_text(function: Mapping[str, Any], style: str) -> str:
     if style == "glm4":
         return "\n".join(_glm4_call(function))
     if style == "olmo3":  # as its template writes them; text that is no JSON as it is
-        pairs = ", ".join(f"{k}={json.dumps(v)}" for k, v in arguments.items()) if isinstance(arguments, dict) else arguments
-        return f"{FUNCTION_CALLS}{function['name']}({pairs}){FUNCTION_CALLS_END}"
+        return f"{FUNCTION_CALLS}{_python_call_text(function)}{FUNCTION_CALLS_END}"
     return json.dumps({"name": function["name"], "parameters": arguments})
 
 
@@ -610,6 +648,8 @@ def _tools_preamble(tools: Sequence[Mapping[str, Any]], style: str) -> str:
         how = "To call a function, reply with its name alone on the first line, then its arguments as a JSON object."
     elif style == "olmo3":
         how = f"To call a function, reply with {FUNCTION_CALLS}<function-name>(<param-name>=<json-value>, ...){FUNCTION_CALLS_END}"
+    elif style == "lfm2":
+        how = f"To call functions, reply with {LFM2_CALL_START}[<function-name>(<param-name>=<value>, ...), ...]{LFM2_CALL_END}"
     elif style == "qwen3_coder":
         how = "To call a function, reply with\n" + xml_call("<function-name>", {"<parameter-name>": "<value>"})
     elif style == "hermes":

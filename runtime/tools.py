@@ -28,12 +28,14 @@ The formats, as the families' chat templates teach them:
                (runtime/glm4_reply.py).
   olmo3        OLMo 3 Instruct: `<function_calls>name(key=value, ...)</function_calls>`, a
                call a line, each value JSON (`true`, `null`, `"text"`).
+  lfm2         LFM2: `<|tool_call_start|>[name(key=value, ...), ...]<|tool_call_end|>`, a
+               Python list of calls, each value a Python or JSON literal.
 
 Feeding the text in any split yields the same calls with the same argument text, so
 streamed deltas reassemble to the whole response: parsing state is the text, never
 the split. A call's name is reported as soon as it is complete; its arguments stream
 as raw JSON text (hermes, llama3_json) as they are generated, or whole when the call
-closes (gemma's and olmo3's Python syntax must be converted; mistral's calls are
+closes (gemma's, olmo3's and lfm2's Python syntax must be converted; mistral's calls are
 reported whole as each one's JSON closes).
 """
 
@@ -59,7 +61,9 @@ if TYPE_CHECKING:
     from runtime.qwen3_coder_reply import XmlCallParser
     from runtime.think_reply import ThinkParser
 
-TOOL_STYLES = ("hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3", "granite", "glm4")
+TOOL_STYLES = (
+    "hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3", "granite", "glm4", "lfm2"
+)
 # Styles whose chat replies are parsed whether tools were offered or not: they hold
 # reasoning apart from the answer, in markup the request keeps (actors/admission.py).
 REASONING_STYLES = ("harmony", "gemma4")
@@ -343,6 +347,8 @@ TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"  # Mistral's control tokens, kept in
 GRANITE_TOOL_CALL = "<|tool_call|>"  # Granite 3's special token, kept in its text
 HERMES_TAGS = CALL_TAG, CALL_END_TAG = "<tool_call>", "</tool_call>"  # Qwen's: added tokens
 OLMO3_TAGS = FUNCTION_CALLS, FUNCTION_CALLS_END = "<function_calls>", "</function_calls>"
+# LFM2's special tokens around a call list (its template's tool list is `<|tool_list_start|>`).
+LFM2_TAGS = LFM2_CALL_START, LFM2_CALL_END = "<|tool_call_start|>", "<|tool_call_end|>"
 
 
 @attrs.define
@@ -575,6 +581,8 @@ def parser_for(
         return _Delimited("```tool_code", "```", streams_arguments=False)
     if style == "olmo3":
         return _Delimited(FUNCTION_CALLS, FUNCTION_CALLS_END, streams_arguments=False, json_literals=True)
+    if style == "lfm2":  # Python literals, or JSON's (`true`, `null`) as forced calls write them
+        return _Delimited(LFM2_CALL_START, LFM2_CALL_END, streams_arguments=False, json_literals=True)
     if style == "llama3_json":
         return _WholeReply()
     if style == "mistral":

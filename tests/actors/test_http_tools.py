@@ -108,6 +108,7 @@ CALL_TEXT = {
     "olmo3": 'Checking.<function_calls>get_weather(city="Rome", days=2)</function_calls>',
     "granite": 'Checking.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}]',
     "glm4": 'get_weather\n{"city": "Rome", "days": 2}',  # a reply of a call alone: no text before
+    "lfm2": 'Checking.<|tool_call_start|>[get_weather(city="Rome", days=2)]<|tool_call_end|>',
 }
 
 
@@ -215,6 +216,7 @@ LONG_CALL = {
     "olmo3": 'Checking.<function_calls>get_weather(note="%s")</function_calls>',
     "granite": 'Checking.<|tool_call|>[{"name": "get_weather", "arguments": {"note": "%s"}}]',
     "glm4": 'get_weather\n{"note": "%s"}',
+    "lfm2": 'Checking.<|tool_call_start|>[get_weather(note="%s")]<|tool_call_end|>',
 }
 CUT_CONTENT = {  # the markup is left out, as of a call cut before its name is whole
     "hermes": 'Checking. {"name": "get_weather", "arguments": {"note": "Rome is',
@@ -225,6 +227,7 @@ CUT_CONTENT = {  # the markup is left out, as of a call cut before its name is w
     "olmo3": 'Checking.<function_calls>get_weather(note="Rome is',
     "granite": 'Checking.<|tool_call|>[{"name": "get_weather", "arguments": {"note": "Rome is',
     "glm4": 'get_weather\n{"note": "Rome is',
+    "lfm2": 'Checking.<|tool_call_start|>[get_weather(note="Rome is',
 }
 
 
@@ -239,7 +242,7 @@ async def test_a_call_max_tokens_ends_in_is_text_in_the_whole_response(styled):
     assert choice.finish_reason == finish == "length"
     assert choice.message.tool_calls is None
     assert choice.message.content.startswith(CUT_CONTENT[style])
-    if style in ("gemma", "mistral", "olmo3", "granite", "glm4"):  # their calls go out when whole: this one never was
+    if style in ("gemma", "mistral", "olmo3", "granite", "glm4", "lfm2"):  # their calls go out when whole: this one never was
         assert (content, calls) == (choice.message.content, {})
         return
     ((_, name, arguments),) = calls.values()
@@ -551,6 +554,7 @@ MARKER = {
     "olmo3": "<function_calls>",
     "granite": "<|tool_call|>",
     "glm4": "get_",  # no marker: both tools' names begin so
+    "lfm2": "<|tool_call_start|>",
 }
 
 
@@ -802,6 +806,7 @@ async def test_a_qwen3_coder_history_renders_its_calls_arguments_as_parameters(q
         ("olmo3", ("<function_calls>", "</function_calls>"), True),
         ("olmo3", ("<function_calls>", "</function_calls>"), False),
         ("granite", ("<|tool_call|>",), True),  # a special token, as Granite 3's tokenizer holds it
+        ("lfm2", ("<|tool_call_start|>", "<|tool_call_end|>"), True),  # special, as LFM2's tokenizer holds them
     ],
 )
 async def test_call_markers_that_are_added_tokens_are_written_as_those_tokens_and_parsed(

@@ -127,6 +127,9 @@ GRANITE = (pathlib.Path(__file__).parent / "templates" / "ibm-granite-granite-3.
 # GLM-Z1-9B-0414's published template: a call is a tool's name, then its JSON, results observations.
 GLM4 = (pathlib.Path(__file__).parent / "templates" / "THUDM-GLM-Z1-9B-0414.jinja").read_text()
 
+# LFM2-1.2B's published template: the tool list in <|tool_list_start|>, each turn's content alone.
+LFM2 = (pathlib.Path(__file__).parent / "templates" / "LiquidAI-LFM2-1.2B.jinja").read_text()
+
 TEMPLATES = {
     "hermes": HERMES,
     "llama3_json": LLAMA3_JSON,
@@ -136,6 +139,7 @@ TEMPLATES = {
     "olmo3": OLMO3,
     "granite": GRANITE,
     "glm4": GLM4,
+    "lfm2": LFM2,
 }
 
 

@@ -797,7 +797,7 @@ def test_tools_render_as_transformers_renders_them(tmp_path, template):
 
 
 @pytest.mark.parametrize(
-    "style", ["hermes", "llama3_json", "gemma", "mistral", "harmony", "qwen3_coder", "olmo3", "granite", "glm4"]
+    "style", ["hermes", "llama3_json", "gemma", "mistral", "harmony", "qwen3_coder", "olmo3", "granite", "glm4", "lfm2"]
 )
 def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(style):
     said = {**HISTORY[1], "content": "Let me check."}
@@ -814,6 +814,7 @@ def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(st
         "olmo3": "<function_calls><function-name>(<param-name>=<json-value>, ...)</function_calls>",
         "granite": '<|tool_call|>[{"name": <function-name>, "arguments": <args-json-object>}]',
         "glm4": "reply with its name alone on the first line, then its arguments as a JSON object",
+        "lfm2": "<|tool_call_start|>[<function-name>(<param-name>=<value>, ...), ...]<|tool_call_end|>",
     }
     assert taught[style] in first and json.dumps(TOOLS[0]["function"]) in first
     # The assistant's text, then its call in the model's own format: it parses back.
@@ -860,7 +861,8 @@ def test_call_arguments_that_are_not_json_reach_the_template_as_sent():
 
 
 @pytest.mark.parametrize(
-    "style", ["hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3", "granite", "glm4"]
+    "style",
+    ["hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3", "granite", "glm4", "lfm2"],
 )
 def test_call_arguments_that_are_not_json_are_written_into_a_template_without_tools(style):
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
@@ -1565,6 +1567,91 @@ def test_a_forced_olmo3_calls_tags_that_are_added_tokens_are_written_as_those_to
     tokens = {"<function_calls>": 100, "</function_calls>": 101}
     source = tool_call_grammar("olmo3", TOOLS, None, control_tokens=tokens).source
     assert "<[100]>" in source and "<[101]>" in source and '"<function_calls>"' not in source
+
+
+# LFM2: `<|tool_call_start|>` and a Python list of calls, its values Python's literals (or
+# JSON's, as forced calls write them). Its published template (LFM2-1.2B's) writes the tool
+# list in `<|tool_list_start|>` and each turn's content alone.
+LFM2 = (TEMPLATE_DIR / "LiquidAI-LFM2-1.2B.jinja").read_text()
+LFM2_CASES = [
+    (
+        '<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>Checking the weather.',
+        ("Checking the weather.", [("get_weather", '{"city": "Paris"}')]),
+    ),
+    (
+        "Sure. <|tool_call_start|>[f(a=1, b=True, c=None), g(x=[1, 'two'], y=false)]<|tool_call_end|>",
+        ("Sure. ", [("f", '{"a": 1, "b": true, "c": null}'), ("g", '{"x": [1, "two"], "y": false}')]),
+    ),
+    ("<|tool_call_start|>[]<|tool_call_end|>", ("<|tool_call_start|>[]<|tool_call_end|>", [])),  # no call
+    ("<|tool_call_start|>[f(1)]<|tool_call_end|>", ("<|tool_call_start|>[f(1)]<|tool_call_end|>", [])),
+    # Cut short (max_tokens): the text as written, no call.
+    ('<|tool_call_start|>[get_weather(city="Par', ('<|tool_call_start|>[get_weather(city="Par', [])),
+    ("It ends in <|tool_call", ("It ends in <|tool_call", [])),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), LFM2_CASES)
+def test_lfm2_calls_are_the_same_whatever_the_split(text, expected):
+    assert parse("lfm2", text) == expected
+    for cut in range(1, len(text)):
+        assert parse("lfm2", text, [cut]) == expected, cut
+    assert parse("lfm2", text, range(1, len(text))) == expected
+
+
+def test_the_lfm2_template_is_lfm2s_and_the_others_keep_theirs():
+    assert tool_style_for(LFM2, "lfm2") == tool_style_for(LFM2, "llama") == "lfm2"
+    assert template_knows_tools(LFM2)
+    kept = {HERMES: "hermes", QWEN3: "hermes", QWEN3_CODER: "qwen3_coder", LLAMA3_JSON: "llama3_json",
+            MISTRAL: "mistral", HARMONY: "harmony", GEMMA: "gemma", OLMO3: "olmo3"}
+    assert {tool_style_for(t, "lfm2"): style for t, style in kept.items()} == {s: s for s in kept.values()}
+
+
+def test_an_lfm2_history_renders_its_calls_as_its_python_list_before_the_turns_text():
+    """Its template writes a turn's content alone: the calls were dropped, and a turn of
+    calls with no text was written `null`."""
+    calls = [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "exact": true}'}},
+        {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+    ]
+    history = [HISTORY[0], {"role": "assistant", "content": None, "tool_calls": calls}, HISTORY[2]]
+    rendered = with_template(LFM2).apply_chat_template(
+        chat_for_template(history, TOOLS, "lfm2", knows_tools=True), template_kwargs=None
+    )
+    written = '<|tool_call_start|>[get_weather(city="Paris", exact=true), get_time()]<|tool_call_end|>'
+    assert f"<|im_start|>assistant\n{written}<|im_end|>" in rendered and "null" not in rendered
+    assert "<|tool_response_start|>sunny, 21 C<|tool_response_end|>" in rendered
+    assert parse("lfm2", written) == ("", [("get_weather", '{"city": "Paris", "exact": true}'), ("get_time", "{}")])
+    with_text = [HISTORY[0], {"role": "assistant", "content": "Checking.", "tool_calls": calls[:1]}]
+    (_, said) = chat_for_template(with_text, TOOLS, "lfm2", knows_tools=True)
+    assert said == {"role": "assistant", "content": written.replace(", get_time()", "") + "Checking."}
+
+
+@pytest.mark.parametrize("forced", [None, "get_weather"])
+def test_a_forced_lfm2_call_is_its_python_list_with_json_values_of_the_schema(forced):
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    weather = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer"}},
+        "required": ["city"],
+    }
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": weather}},
+        {"type": "function", "function": {"name": "get_time"}},
+    ]
+    grammar = compiler.compile(tool_call_grammar("lfm2", tools, forced))
+
+    def call(text):
+        return f"<|tool_call_start|>[{text}]<|tool_call_end|>"
+
+    assert admitted_by(grammar, call('get_weather(city="Rome", days=2)'))
+    assert parse("lfm2", call('get_weather(city="Rome", days=2)')) == ("", [("get_weather", '{"city": "Rome", "days": 2}')])
+    assert not admitted_by(grammar, call('get_weather(city="Berlin")'))
+    assert not admitted_by(grammar, call("get_weather(days=2)"))
+    assert admitted_by(grammar, call("get_time()")) == (forced is None)
+    assert not admitted_by(grammar, '<|tool_call_start|>get_weather(city="Rome")<|tool_call_end|>')  # no list
+    tokens = {"<|tool_call_start|>": 100, "<|tool_call_end|>": 101}
+    source = tool_call_grammar("lfm2", tools, forced, control_tokens=tokens).source
+    assert "<[100]>" in source and "<[101]>" in source and '"<|tool_call_start|>"' not in source
 
 
 # Granite 3.x: `<|tool_call|>` and a JSON list of calls, Mistral's list form after its own
