@@ -1775,6 +1775,32 @@ def test_glm4_text_that_cannot_become_a_tools_name_goes_out_at_once():
     assert parser_for("glm4", tools=GLM_TOOLS).feed("Paris") == [Content("Paris")]
 
 
+@pytest.mark.parametrize("blank_at", ["before", "after_line"])
+def test_glm4_blank_tokens_around_a_name_take_linear_time(blank_at):
+    """The first line's blanks were stripped again, and those before the arguments
+    walked again, at every token: a run of blank tokens made a reply O(n^2)."""
+
+    def seconds(size):
+        head, tail = {
+            "before": ("", 'get_weather\n{"city": "Rome"}'),
+            "after_line": ("get_weather\n", '{"city": "Rome"}'),
+        }[blank_at]
+        parser = parser_for("glm4", tools=GLM_TOOLS)
+        started = time.perf_counter()
+        events = parser.feed(head)
+        for _ in range(size):
+            events += parser.feed("\n")
+        events += parser.feed(tail) + parser.finish()
+        took = time.perf_counter() - started
+        assert [e for e in events if isinstance(e, CallStart | CallArguments)] == [
+            CallStart(0, "get_weather"), CallArguments(0, '{"city": "Rome"}')
+        ]
+        return took
+
+    small = min(seconds(2_000) for _ in range(3))
+    assert seconds(16_000) < 20 * small + 0.5  # linear: 8 times; quadratic: 64 (~1-10 s)
+
+
 def test_a_glm_z1_call_after_its_thought_is_a_call_and_one_inside_it_reasoning():
     call = 'get_weather\n{"city": "Rome"}'
     parser = parser_for("glm4", think_tags=("<think>", "</think>"), tools=GLM_TOOLS)
