@@ -414,8 +414,12 @@ class _MistralCalls:
                 return end, None
             calls = [c for c in listed if isinstance(c, dict) and isinstance(c.get("name"), str)]
             return end, calls if len(calls) == len(listed) else None
-        if not self.takes_named_calls:  # no list: text, as what follows it
-            return len(body), None
+        if not self.takes_named_calls:  # no list: text, up to a marker that may begin one
+            # (Taken to the reply's end, the next marker's call was text when one feed
+            # held both and a call when the marker came in a later one.)
+            at = body.find(self.marker)
+            held = 0 if is_final else marker_prefix_length(body, self.marker)
+            return (len(body) - held if at < 0 else at), None
         at = body.find(ARGS)
         if at < 0:
             # A name goes up to [ARGS]: anything else is text once the reply ends.

@@ -1679,6 +1679,12 @@ GRANITE_CASES = [
     # Cut short (max_tokens): the text as written, no call.
     ('Sure.<|tool_call|>[{"name": "f", "arguments": {"a": "x', ('Sure.<|tool_call|>[{"name": "f", "arguments": {"a": "x', [])),
     ("It ends in <|tool_ca", ("It ends in <|tool_ca", [])),
+    # Text after a marker is text up to the next marker, whose list is a call however split.
+    (
+        'Hm.<|tool_call|>let me see <|tool_call|>[{"name": "now", "arguments": {}}]',
+        ("Hm.<|tool_call|>let me see ", [("now", "{}")]),
+    ),
+    ('<|tool_call|>so<|tool_call|>', ("<|tool_call|>so<|tool_call|>", [])),
 ]
 
 
