@@ -258,10 +258,16 @@ def _python_call(functions: Sequence[Mapping[str, Any]], opening: str, closing: 
             continue
         # A property's "#/$defs/..." refs point into the parameters' schema.
         shared = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
+        # A property's schema may be a boolean, as JSON Schema has it (`true`: any value,
+        # `false`: never given): spread into a dict, it failed the request as a bug.
         pairs = {
             name: f"{json.dumps(name + '=')} %json {json.dumps({**schema, **shared, 'x-guidance': JSON_OPTIONS})}"
-            for name, schema in properties.items()
+            for name, schema in ((n, {} if s is True else s) for n, s in properties.items())
+            if isinstance(schema, dict)
         }
+        if not pairs:  # none can be given
+            rules.append(f'call_{i}: {head} ")"')
+            continue
         rules.append(f'call_{i}: {head} args_{i}_0_first ")"')
         rules += _arguments_in_order(i, pairs, set(parameters.get("required") or ()), '", "')
     return "\n".join(rules)

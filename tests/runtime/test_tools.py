@@ -1563,6 +1563,19 @@ def test_a_forced_olmo3_call_is_its_python_with_json_values_of_the_schema(forced
     assert not admitted_by(grammar, "Sure. " + call('get_weather(city="Rome", days=2)'))
 
 
+def test_a_forced_olmo3_call_takes_properties_whose_schemas_are_booleans():
+    """JSON Schema lets a property's schema be `true` (any value) or `false` (none): the
+    grammar spread each into a dict, and the request failed as a template bug."""
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    parameters = {"type": "object", "properties": {"q": True, "never": False}, "required": ["q"]}
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": parameters}}]
+    grammar = compiler.compile(tool_call_grammar("olmo3", tools, "lookup"))
+    assert admitted_by(grammar, '<function_calls>lookup(q=[1, "x"])</function_calls>')
+    assert admitted_by(grammar, '<function_calls>lookup(q="x")</function_calls>')
+    assert not admitted_by(grammar, '<function_calls>lookup(q="x", never=1)</function_calls>')
+    assert not admitted_by(grammar, "<function_calls>lookup()</function_calls>")
+
+
 def test_a_forced_olmo3_calls_tags_that_are_added_tokens_are_written_as_those_tokens():
     tokens = {"<function_calls>": 100, "</function_calls>": 101}
     source = tool_call_grammar("olmo3", TOOLS, None, control_tokens=tokens).source
