@@ -59,7 +59,7 @@ FUNCTION, FUNCTION_END = "<function=", "</function>"
 PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
 # A name runs to its ">": one longer than this, or broken by a newline or "<", is no
 # name, so a stray "<function=" in text is not held to the end of the reply.
-_NAME_LIMIT = 256
+XML_NAME_LIMIT = 256
 _JSON_TYPES = ("string", "integer", "number", "boolean", "null", "object", "array")
 
 
@@ -264,11 +264,11 @@ class XmlCallParser:
     def _tag_name(self) -> str | None:
         """The name up to ">" once it closes; "<" where no name can close any more;
         None while it may."""
-        at = self.pending.find(">", 0, _NAME_LIMIT + 1)
+        at = self.pending.find(">", 0, XML_NAME_LIMIT + 1)
         if at >= 0:
             return self.pending[:at]
-        head = self.pending[:_NAME_LIMIT]
-        broken = "\n" in head or "<" in head or len(self.pending) > _NAME_LIMIT
+        head = self.pending[:XML_NAME_LIMIT]
+        broken = "\n" in head or "<" in head or len(self.pending) > XML_NAME_LIMIT
         return "<" if broken else None
 
     def _params(self) -> list[Event] | None:

@@ -34,6 +34,7 @@ from runtime.qwen3_coder_reply import (
     FUNCTION_END,
     PARAMETER,
     PARAMETER_END,
+    XML_NAME_LIMIT,
     is_text,
     value_types,
     xml_call,
@@ -281,7 +282,7 @@ def _is_keyword(name: str) -> bool:
 # A parameter's text and its end: lazy, so it ends at the first "\n</parameter>\n", and
 # holding no "</parameter>", where the parser would end it.
 _XML_TEXT = 'text[lazy]: (/(?s:.*)/ & ~/(?s:.*)<\\/parameter>(?s:.*)/) /\\n<\\/parameter>\\n/'
-_XML_KEY = "KEY: /[A-Za-z_][A-Za-z0-9_.-]*/"
+_XML_KEY = f"KEY: /[A-Za-z_][A-Za-z0-9_.-]{{0,{XML_NAME_LIMIT - 1}}}/"  # the parser reads no longer one
 _XML_END = json.dumps(f"\n{PARAMETER_END}\n")
 
 
@@ -302,7 +303,9 @@ def _xml_calls(functions: Sequence[Mapping[str, Any]], marker: Callable[[str], s
         if properties == {} and parameters.get("additionalProperties") is False:
             rules.append(f"call_{i}: {head}")  # takes none
             continue
-        if not isinstance(properties, dict) or not properties:
+        # A name the parser cannot read back (`<parameter=a>b>` reads as `a`) goes out
+        # as any parameters, as OLMo 3's do: written, it made a call of other keys.
+        if not isinstance(properties, dict) or not properties or not all(map(_is_xml_name, properties)):
             rules.append(f"call_{i}: {head} any_parameter*")
             continue
         required = set(parameters.get("required") or ())
@@ -316,6 +319,11 @@ def _xml_calls(functions: Sequence[Mapping[str, Any]], marker: Callable[[str], s
             body.append(f"parameter_{i}_{k}" + ("" if name in required else "?"))
         rules.append(f"call_{i}: {head} {' '.join(body)}")
     return "\n".join([*rules, _XML_TEXT, _XML_KEY])
+
+
+def _is_xml_name(name: str) -> bool:
+    """Whether a parameter `name` reads back as itself from `<parameter=NAME>`."""
+    return 0 < len(name) <= XML_NAME_LIMIT and name == name.strip() and not any(c in name for c in "<>\n")
 
 
 def _xml_value(schema: Any, parameters: dict[str, Any], shared: dict[str, Any], terminal: str) -> list[str]:

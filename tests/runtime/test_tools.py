@@ -1439,6 +1439,22 @@ def test_a_forced_qwen3_coder_call_is_its_xml_typed_by_the_schema(forced):
     assert not admitted_by(grammar, "Sure. " + call)
 
 
+@pytest.mark.parametrize("odd", ["a>b", "x\ny", "<", "", " pad", "n" * 300])
+def test_a_forced_qwen3_coder_call_never_writes_a_parameter_name_that_reads_back_as_another(odd):
+    """`<parameter=a>b>` reads as the parameter `a` (its value `b>...`), and a name with a
+    newline, a "<", blanks around it, none or over 256 characters as no name at all: the
+    grammar wrote such names, and a forced call came out with other keys than its own."""
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    parameters = {"type": "object", "properties": {odd: {"type": "string"}, "q": {"type": "string"}}, "required": [odd]}
+    tools = [{"type": "function", "function": {"name": "odd", "parameters": parameters}}]
+    grammar = compiler.compile(tool_call_grammar("qwen3_coder", tools, "odd"))
+    assert not admitted_by(grammar, xml("odd", (odd, "v")))
+    # Its parameters go as any names the parser reads back, as where none are listed.
+    call = xml("odd", ("q", "v"), ("other", "w"))
+    assert admitted_by(grammar, call)
+    assert parse("qwen3_coder", call, tools=tools) == ("", [("odd", '{"q": "v", "other": "w"}')])
+
+
 def test_a_forced_qwen3_coder_call_takes_a_string_enum_of_thousands():
     """Each value of a string enum was an alternative of the parameter's rule: past
     2,000 of them llguidance's parser refused the grammar, a 400 for a forced call that
