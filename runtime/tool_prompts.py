@@ -245,7 +245,8 @@ def _python_call(functions: Sequence[Mapping[str, Any]], opening: str, closing: 
         f"tool_call: {opening} call {closing}",
         "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
         f"any_pair: KEY \"=\" %json {json.dumps({'x-guidance': JSON_OPTIONS})}",
-        "KEY: /[A-Za-z_][A-Za-z0-9_]*/",
+        # A keyword (`from=`) is no Python keyword argument: the call read as text.
+        "KEY: /[A-Za-z_][A-Za-z0-9_]*/ & ~/" + "|".join(keyword.kwlist) + "/",
     ]
     for i, function in enumerate(functions):
         parameters = _parameters(function)

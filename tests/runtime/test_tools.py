@@ -1592,6 +1592,22 @@ def test_a_forced_olmo3_call_takes_properties_whose_schemas_are_booleans():
     assert not admitted_by(grammar, "<function_calls>lookup()</function_calls>")
 
 
+@pytest.mark.parametrize("parameters", [{"type": "object"}, {"type": "object", "properties": {"from": {}}}])
+def test_a_forced_olmo3_call_takes_no_python_keyword_for_a_key(parameters):
+    """`lookup(from="x")` is no Python call, so the parser reads it as text: the keys of
+    a tool that lists none (or names one no call can take) admitted keywords, and a
+    forced call could come out as no call."""
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": parameters}}]
+    grammar = compiler.compile(tool_call_grammar("olmo3", tools, "lookup"))
+    for word in ("from", "True", "lambda"):
+        assert not admitted_by(grammar, f'<function_calls>lookup({word}="x")</function_calls>')
+    for word in ("fromage", "Truest", "src"):  # a keyword's start is no keyword
+        call = f'<function_calls>lookup({word}="x")</function_calls>'
+        assert admitted_by(grammar, call)
+        assert parse("olmo3", call) == ("", [("lookup", json.dumps({word: "x"}))])
+
+
 def test_a_forced_olmo3_calls_tags_that_are_added_tokens_are_written_as_those_tokens():
     tokens = {"<function_calls>": 100, "</function_calls>": 101}
     source = tool_call_grammar("olmo3", TOOLS, None, control_tokens=tokens).source
