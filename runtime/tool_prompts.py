@@ -597,7 +597,11 @@ def _with_parsed_arguments(message: Mapping[str, Any]) -> dict[str, Any]:
     for call in calls:
         function = dict(call.get("function") or {})
         arguments = function.get("arguments")
-        if isinstance(arguments, str):
+        if isinstance(arguments, str) and not arguments.strip():
+            # No arguments, as some clients send a call of a tool without parameters:
+            # an object, as vLLM takes it (templates that read `arguments|items` failed).
+            function["arguments"] = {}
+        elif isinstance(arguments, str):
             # Text that is not JSON reaches the template as the client sent it, and so
             # does JSON that Python cannot read: an integer past 4,300 digits (ValueError)
             # or nesting past the recursion limit.

@@ -1547,6 +1547,24 @@ def test_an_olmo3_history_renders_its_calls_as_python_and_results_as_environment
     assert said["content"] == written
 
 
+@pytest.mark.parametrize("template", ["qwen3_coder", "olmo3"])
+@pytest.mark.parametrize("empty", ["", " "])
+def test_a_past_call_with_empty_arguments_is_a_call_of_none(template, empty):
+    """A call of a tool without parameters sent back with `arguments: ""` (as some
+    clients send it) reached the template as text, and the templates that read
+    `arguments|items` refused the chat (a 400): it is an object of none, as vLLM takes it."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": empty}}
+    history = [HISTORY[0], {"role": "assistant", "content": None, "tool_calls": [call]}, HISTORY[2]]
+    source, written = {
+        "qwen3_coder": (QWEN3_CODER, "<tool_call>\n<function=get_time>\n</function>\n</tool_call>"),
+        "olmo3": (OLMO3, "<function_calls>get_time()</function_calls>"),
+    }[template]
+    rendered = with_template(source).apply_chat_template(
+        chat_for_template(history, TOOLS, template, knows_tools=True), template_kwargs=None
+    )
+    assert written in rendered
+
+
 @pytest.mark.parametrize("forced", [None, "get_weather"])
 def test_a_forced_olmo3_call_is_its_python_with_json_values_of_the_schema(forced):
     compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
