@@ -24,7 +24,12 @@ from runtime.harmony import HARMONY_HEADER
 from runtime.sequence import SequenceParams, check_sequence
 from runtime.think_reply import ThinkTags, prompt_closes_thought, prompt_opens_thought
 from runtime.tokenizer import Tokenizer
-from runtime.tool_prompts import chat_for_template, template_knows_tools, tool_call_grammar
+from runtime.tool_prompts import (
+    chat_for_template,
+    template_knows_tools,
+    tool_call_grammar,
+    tools_for_template,
+)
 from runtime.tools import (
     ARGS,
     GRANITE_TOOL_CALL,
@@ -360,7 +365,7 @@ class Admission:
                     request.messages, tools, self.tool_style, template_knows_tools(source)
                 ),
                 template_kwargs=dict(request.chat_template_kwargs),
-                tools=tools or None,
+                tools=tools_for_template(tools) or None,
             )
             field = "messages"
         elif isinstance(request.prompt, str):

@@ -390,6 +390,19 @@ def _own_resource(parameters: dict[str, Any], index: int) -> dict[str, Any]:
     return {"$id": f"urn:cadence:tool:{index}", **parameters}
 
 
+def tools_for_template(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The request's tools as a template reads them: a function without `parameters`
+    (OpenAI: no parameters) given an empty object schema, as Qwen3-Coder's template reads
+    `tool.parameters.properties` and refused the chat without them."""
+    shown = []
+    for tool in tools:
+        function = tool.get("function")
+        if isinstance(function, Mapping) and function.get("parameters") is None:
+            tool = {**tool, "function": {**function, "parameters": {"type": "object", "properties": {}}}}
+        shown.append(dict(tool))
+    return shown
+
+
 def chat_for_template(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]],

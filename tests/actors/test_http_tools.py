@@ -734,6 +734,24 @@ def xml_parameters(*pairs):
     return "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in pairs)
 
 
+@pytest.mark.parametrize("choice", ["auto", {"type": "function", "function": {"name": "now"}}])
+async def test_a_qwen3_coder_tool_without_parameters_is_offered_and_called(qwen3_coder_with_added_tags, choice):
+    """OpenAI takes a function without `parameters` as one of none; Qwen3-Coder's template
+    reads `tool.parameters.properties`, and the chat was a 400 ('dict object' has no
+    attribute 'parameters'). The template is given an empty object schema."""
+    tools = [{"type": "function", "function": {"name": "now"}}, *TOOLS]
+    async with serving(qwen3_coder_with_added_tags) as server:
+        status, payload = await in_thread(
+            raw_post,
+            server.url,
+            {"model": server.model, "messages": ASK, "tools": tools, "tool_choice": choice, "max_tokens": 20},
+        )
+    assert status == 200, payload
+    if choice != "auto":
+        (call,) = json.loads(payload)["choices"][0]["message"]["tool_calls"]
+        assert (call["function"]["name"], call["function"]["arguments"]) == ("now", "{}")
+
+
 @pytest.mark.parametrize("parallel", [True, False])
 async def test_qwen3_coder_calls_are_parsed_their_text_values_typed_by_the_schema(qwen3_coder_with_added_tags, parallel):
     """Qwen3-Coder's XML calls were content: its template writes `<tool_call>`, which
