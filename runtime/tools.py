@@ -364,6 +364,7 @@ class _MistralCalls:
     in_call: bool = False  # pending begins just past a marker
     num_calls: int = 0
     value_end: ValueEnd | None = None  # where the current call's JSON ends, once it does
+    blanks_end: int = 0  # pending holds only blanks before this, past a marker
 
     def feed(self, text: str) -> list[Event]:
         self.pending += text
@@ -384,6 +385,7 @@ class _MistralCalls:
                     return events
                 events += _content(self.pending[:at])
                 self.pending, self.in_call, self.value_end = self.pending[at + len(self.marker) :], True, None
+                self.blanks_end = 0
             end, calls = self._call(is_final)
             if end is None:
                 if is_final:  # cut short, or no call after all: the text as the model wrote it
@@ -401,11 +403,11 @@ class _MistralCalls:
         """(where the call text after the marker ends, its calls or None if it is none),
         or (None, None) while it may still grow into one."""
         body = self.pending
-        head = body.lstrip()
-        if not head:
+        # Blanks after the marker are passed once, not stripped again at every token.
+        start = self.blanks_end = _blanks_end(body, self.blanks_end)
+        if start == len(body):
             return None, None
-        start = len(body) - len(head)
-        if head[0] == "[":  # the JSON list form
+        if body[start] == "[":  # the JSON list form
             end = self._value_end(body, start, is_final)
             if end is None:
                 return None, None
@@ -441,6 +443,15 @@ class _MistralCalls:
         if self.value_end is None or self.value_end.start != start:
             self.value_end = ValueEnd(start)
         return self.value_end.find(body, is_final)
+
+
+_BLANKS = re.compile(r"\S")
+
+
+def _blanks_end(text: str, start: int) -> int:
+    """Where the blanks from `start` on end in `text`."""
+    found = _BLANKS.search(text, start)
+    return len(text) if found is None else found.start()
 
 
 def _decoded(text: str) -> object:

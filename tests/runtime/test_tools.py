@@ -1759,6 +1759,26 @@ def test_granite_calls_are_the_same_whatever_the_split(text, expected):
     assert parse("granite", text, range(1, len(text))) == expected
 
 
+@pytest.mark.parametrize(("style", "marker"), [("granite", "<|tool_call|>"), ("mistral", "[TOOL_CALLS]")])
+def test_blank_tokens_after_a_list_marker_take_linear_time(style, marker):
+    """The text after a marker was stripped of its blanks again at every token: a run
+    of blank tokens there made a reply O(n^2) (80,000 of them: ~1 s)."""
+
+    def seconds(size):
+        parser = parser_for(style)
+        started = time.perf_counter()
+        events = parser.feed(marker)
+        for _ in range(size):
+            events += parser.feed("\n")
+        events += parser.feed('[{"name": "now", "arguments": {}}]') + parser.finish()
+        took = time.perf_counter() - started
+        assert [e for e in events if isinstance(e, CallStart)] == [CallStart(0, "now")]
+        return took
+
+    small = min(seconds(10_000) for _ in range(3))
+    assert seconds(80_000) < 20 * small + 0.3  # linear: 8 times; quadratic: 64
+
+
 def test_the_granite_3_template_is_granites_and_the_others_keep_theirs():
     assert tool_style_for(GRANITE3, "granite") == tool_style_for(GRANITE3, "llama") == "granite"
     assert template_knows_tools(GRANITE3)
