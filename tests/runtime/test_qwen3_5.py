@@ -255,12 +255,31 @@ def test_a_span_not_starting_where_its_rows_state_is_fails(checkpoint):
         ({"layer_types": ["full_attention"]}, "layer_types needs 4 entries"),
         ({"layer_types": ["linear_attention"] * 4}, "needs at least one full_attention layer"),
         ({"linear_num_value_heads": 3}, "multiple of linear_num_key_heads"),
+        ({"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim at least 2"),
+        ({"layer_types": None, "full_attention_interval": 0}, "full_attention_interval.*must be positive, got 0"),
+        ({"rope_parameters": {"partial_rotary_factor": 1.5}}, r"partial_rotary_factor must be in \(0, 1\], got 1.5"),
+        ({"rope_parameters": {"partial_rotary_factor": 0}}, r"partial_rotary_factor must be in \(0, 1\], got 0"),
+        ({"rope_parameters": {"partial_rotary_factor": True}}, r"partial_rotary_factor must be in \(0, 1\], got True"),
     ],
 )
 def test_settings_it_cannot_run_are_one_line_errors(fields, message):
     raw = {**hf_qwen3_5(), **fields}
     with pytest.raises(CheckpointError, match=message):
-        config_from_dict(raw)
+        config_from_dict({name: value for name, value in raw.items() if value is not None})
+
+
+def test_fields_a_config_leaves_out_take_mlx_lms_defaults():
+    """mlx-lm's ModelArgs: a conv kernel of 4, the output gate on, experts' weights
+    renormalized; the rotated part is rope_parameters' partial_rotary_factor."""
+    raw = hf_qwen3_5()
+    for name in ("linear_conv_kernel_dim", "attn_output_gate"):
+        del raw[name]
+    raw["rope_parameters"] = {**raw["rope_parameters"], "partial_rotary_factor": 0.5}
+    config = config_from_dict(raw)
+    assert config.extra["linear"]["conv_kernel"] == 4
+    assert config.extra["rotary_dims"] == config.head_dim // 2 == 8
+    experts = {**hf_qwen3_5(), "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8}
+    assert config_from_dict(experts).extra["experts"].normalize is True
 
 
 def test_rows_of_the_experts_model_in_mixed_steps_match_mlx_lm(make_checkpoint):
@@ -361,4 +380,21 @@ def test_yarn_as_the_model_card_sets_it_gains_only_the_rotated_part_as_mlx_lm_do
     model = load_model(tmp_path, keep_dtype=True)
     assert model.model.model.layers[3].self_attn.rope.attention_factor > 1.2  # (0.1 ln 4 + 1)^2
     got, want = model.model(TOKENS), reference(tmp_path)(TOKENS)
+    assert mx.allclose(got, want, atol=1e-4).item()
+
+
+def test_near_zero_queries_and_keys_are_l2_normed_with_mlx_lms_eps(make_checkpoint, tmp_path):
+    """The eps goes on the sum of squares (transformers' l2norm, mlx-lm's normalize_qk):
+    through rms_norm, on the mean, it is divided by the head size. Only q and k small
+    enough to meet it tell the two apart."""
+    path = make_checkpoint("qwen3_5_text", num_layers=4)
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((path / name).read_bytes())
+    weights = mx.load(str(path / "model.safetensors"))
+    for layer in range(3):
+        name = f"model.layers.{layer}.linear_attn.in_proj_qkv.weight"
+        qk = 2 * 2 * 16  # q's and k's channels: 2 key heads of 16
+        weights[name] = mx.concatenate([weights[name][:qk] * 1e-3, weights[name][qk:]])
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights, metadata={"format": "pt"})
+    got, want = load_model(tmp_path, keep_dtype=True).model(TOKENS), reference(tmp_path)(TOKENS)
     assert mx.allclose(got, want, atol=1e-4).item()
