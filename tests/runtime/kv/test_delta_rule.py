@@ -1,6 +1,6 @@
 """The gated delta rule by chunks against token by token (mlx-lm's ops path)."""
 
-from runtime.kv.delta_rule import _by_chunks, _token_by_token
+from runtime.kv.delta_rule import _by_chunks, _token_by_token, delta_step
 
 import mlx.core as mx
 import pytest
@@ -33,3 +33,10 @@ def test_a_span_split_in_two_continues_from_the_first_halfs_state():
     second, end = _by_chunks(q[30:], k[30:], v[30:], log_decay[30:], beta[30:], mid)
     assert mx.allclose(mx.concatenate([first, second]), whole, atol=1e-5).item()
     assert mx.allclose(end, whole_state, atol=1e-5).item()
+
+
+def test_a_bfloat16_models_decode_step_keeps_its_state_in_float32():
+    """Only y takes the inputs' dtype: a bfloat16 state would round every step's write."""
+    q, k, v, log_decay, beta, state = inputs(1)
+    y, new = delta_step(*(x.astype(mx.bfloat16) for x in (q, k, v, log_decay, beta)), state[None])
+    assert y.dtype == mx.bfloat16 and new.dtype == mx.float32
