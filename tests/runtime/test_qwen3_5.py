@@ -280,6 +280,33 @@ def test_fields_a_config_leaves_out_take_mlx_lms_defaults():
     assert config.extra["rotary_dims"] == config.head_dim // 2 == 8
     experts = {**hf_qwen3_5(), "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8}
     assert config_from_dict(experts).extra["experts"].normalize is True
+    headless = hf_qwen3_5()
+    del headless["head_dim"]  # hidden_size / num_attention_heads: 16, a quarter of it turned
+    assert config_from_dict(headless).extra["rotary_dims"] == 4
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
+def test_a_flat_config_of_the_multimodal_type_reads_as_its_text_model(model_type):
+    raw = {**hf_qwen3_5(), "model_type": model_type}
+    if "moe" in model_type:
+        raw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    assert config_from_dict(raw).model_type == f"{model_type}_text"
+
+
+def test_attention_bias_gives_the_full_attention_layers_biases_as_mlx_lm_does(make_checkpoint, tmp_path):
+    path = make_checkpoint("qwen3_5_text", num_layers=4)
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((path / name).read_bytes())
+    raw = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "attention_bias": True}))
+    weights = mx.load(str(path / "model.safetensors"))
+    mx.random.seed(5)
+    for projection in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        rows = weights[f"model.layers.3.self_attn.{projection}.weight"].shape[0]
+        weights[f"model.layers.3.self_attn.{projection}.bias"] = mx.random.normal((rows,))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights, metadata={"format": "pt"})
+    got, want = load_model(tmp_path, keep_dtype=True).model(TOKENS), reference(tmp_path)(TOKENS)
+    assert mx.allclose(got, want, atol=1e-4).item()
 
 
 def test_rows_of_the_experts_model_in_mixed_steps_match_mlx_lm(make_checkpoint):
