@@ -13,6 +13,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from structlog.testing import capture_logs
 
+import actors
 from tests.actors.test_http import in_thread, serving
 from tests.actors.test_metrics import samples, scrape
 
@@ -71,3 +72,13 @@ async def test_qwen3_5_serves_the_same_prompt_twice_with_prefix_caching_off(qwen
     assert metrics["cadence:prefix_cache_hits_total"] == 0
     assert metrics["cadence:prefix_cache_queries_total"] > 0
     assert second.usage.prompt_tokens_details is None or second.usage.prompt_tokens_details.cached_tokens == 0
+
+
+async def test_no_prefix_cache_off_line_when_the_operator_turned_it_off(qwen3_5):
+    """The line says the model turned caching off: with --no-prefix-cache nothing did."""
+    with capture_logs() as logs:
+        async with actors.open_llm(qwen3_5, max_batch=2, prefix_cache=False):
+            pass
+    assert not [e for e in logs if e["event"] == "prefix_cache_off"]
+    (pool,) = [e for e in logs if e["event"] == "kv_pool"]
+    assert pool["prefix_cache"] is False and pool["recurrent_state_bytes"] > 0
