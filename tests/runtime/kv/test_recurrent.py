@@ -68,16 +68,29 @@ def test_decoding_rows_in_another_order_than_their_last_step_read_their_own_stat
         assert np.allclose(reordered[r], in_order[r], atol=1e-6), r
 
 
-@pytest.mark.parametrize("num_rows", [2, 3])
-def test_a_row_sitting_out_a_step_keeps_its_own_state_not_the_batch(num_rows):
+@pytest.mark.parametrize(("num_rows", "stepping"), [(2, 0), (3, 0), (3, 2)])
+def test_a_row_sitting_out_a_step_keeps_its_own_state_not_the_batch(num_rows, stepping):
     store = RecurrentStore()
     forward(store, [span(r, 0) for r in range(num_rows)])
     batch = store._rows[0].delta[0].batch
-    forward(store, [span(0, 1)])  # the others sit out
-    for r in range(1, num_rows):
+    forward(store, [span(stepping, 1)])  # the others sit out
+    for r in set(range(num_rows)) - {stepping}:
         row = store._rows[r]
         assert all(h.batch.shape[0] == 1 for h in (*row.conv, *row.delta)), r
         assert mx.array_equal(row.delta[0].array, batch[r]).item()
+
+
+def test_a_prompt_row_sitting_out_drops_the_conv_batch_it_shared():
+    """A prompt chunk's delta state is its own, but its conv inputs are kept in the
+    step's batch with every other row's."""
+    store = RecurrentStore()
+    forward(store, [span(0, 0, 3), span(1, 0)])
+    conv = store._rows[0].conv[0]
+    assert conv.batch.shape[0] == 2 and store._rows[0].delta[0].batch.shape[0] == 1
+    forward(store, [span(1, 1)])  # row 0 awaits its budget
+    row = store._rows[0]
+    assert all(h.batch.shape[0] == 1 for h in (*row.conv, *row.delta))
+    assert mx.array_equal(row.conv[0].array, conv.array).item()
 
 
 def test_arrays_are_every_state_held_conv_and_delta_once_each():
