@@ -424,4 +424,6 @@ def test_near_zero_queries_and_keys_are_l2_normed_with_mlx_lms_eps(make_checkpoi
         weights[name] = mx.concatenate([weights[name][:qk] * 1e-3, weights[name][qk:]])
     mx.save_safetensors(str(tmp_path / "model.safetensors"), weights, metadata={"format": "pt"})
     got, want = load_model(tmp_path, keep_dtype=True).model(TOKENS), reference(tmp_path)(TOKENS)
-    assert mx.allclose(got, want, atol=1e-4).item()
+    # 1e-3: the CPU's silu and sigmoid (kernels, not mlx's exp) differ from mlx-lm's by
+    # ~1e-6 relative, which reach these logits at ~2e-4; the eps put on the mean: ~12.
+    assert mx.allclose(got, want, atol=1e-3).item()
