@@ -24,12 +24,8 @@ from runtime.harmony import HARMONY_HEADER
 from runtime.sequence import SequenceParams, check_sequence
 from runtime.think_reply import ThinkTags, prompt_closes_thought, prompt_opens_thought
 from runtime.tokenizer import Tokenizer
-from runtime.tool_prompts import (
-    chat_for_template,
-    template_knows_tools,
-    tool_call_grammar,
-    tools_for_template,
-)
+from runtime.tool_grammars import tool_call_grammar
+from runtime.tool_prompts import chat_for_template, template_knows_tools, tools_for_template
 from runtime.tools import (
     ARGS,
     GRANITE_TOOL_CALL,

@@ -9,7 +9,7 @@ from runtime.errors import RequestError
 from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.sequence import SamplingParams
 from runtime.tokenizer import Tokenizer
-from runtime.tool_prompts import tool_call_grammar
+from runtime.tool_grammars import tool_call_grammar
 
 import pytest
 import trio

@@ -30,7 +30,7 @@ from runtime.runner import run_offline
 from runtime.scheduler import FcfsScheduler
 from runtime.sequence import FinishCause, SamplingParams, SequenceParams, StepBatch
 from runtime.tokenizer import Tokenizer
-from runtime.tool_prompts import tool_call_grammar
+from runtime.tool_grammars import tool_call_grammar
 
 import attrs
 import jsonschema

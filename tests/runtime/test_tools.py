@@ -15,12 +15,8 @@ from runtime import json_ends, tool_prompts
 from runtime.errors import RequestError
 from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.tokenizer import Tokenizer
-from runtime.tool_prompts import (
-    chat_for_template,
-    template_knows_tools,
-    tool_call_grammar,
-    tool_style_for,
-)
+from runtime.tool_grammars import tool_call_grammar
+from runtime.tool_prompts import chat_for_template, template_knows_tools, tool_style_for
 from runtime.tools import (
     CallArguments,
     CallCutShort,
