@@ -22,10 +22,9 @@ from runtime.config import ConfigFields, ModelConfig, is_positive_number, rope_f
 from runtime.errors import CheckpointError
 from runtime.kv.base import ForwardKV
 from runtime.models import llama
-from runtime.models.layers import CausalLM, RMSNorm, kept_rows
+from runtime.models.layers import RMSNorm, kept_rows
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from kernels.fused_blocks import NormedLayers
 
@@ -116,20 +115,5 @@ class Glm4Layer(llama.DecoderLayer):
         self.mlp_block = mlp.block_operands(self.post_attention_layernorm, self.post_mlp_layernorm)
 
 
-class Glm4Body(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = [Glm4Layer(config, i) for i in range(config.num_hidden_layers)]
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-
-class Glm4(CausalLM):
-    def __init__(self, config: ModelConfig):
-        super().__init__(config)
-        self.model = Glm4Body(config)
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-
-build = Glm4
+def build(config: ModelConfig) -> llama.Decoder:
+    return llama.Decoder(config, Glm4Layer)

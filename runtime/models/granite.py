@@ -18,10 +18,9 @@ from runtime.config import ConfigFields, ModelConfig, is_positive_number
 from runtime.errors import CheckpointError
 from runtime.kv.base import ForwardKV
 from runtime.models import llama
-from runtime.models.layers import CausalLM, RMSNorm, kept_rows
+from runtime.models.layers import kept_rows
 
 import mlx.core as mx
-import mlx.nn as nn
 
 MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
 
@@ -54,20 +53,9 @@ class GraniteLayer(llama.DecoderLayer):
         """None: the one-op blocks would add the branch without its multiplier."""
 
 
-class GraniteBody(nn.Module):
+class Granite(llama.Decoder):
     def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = [GraniteLayer(config, i) for i in range(config.num_hidden_layers)]
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-
-class Granite(CausalLM):
-    def __init__(self, config: ModelConfig):
-        super().__init__(config)
-        self.model = GraniteBody(config)
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        super().__init__(config, GraniteLayer)
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.model.embed_tokens(tokens) * self.config.extra["embedding_multiplier"]

@@ -10,6 +10,7 @@ without RoPE.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from runtime.config import ConfigFields, ModelConfig, read_sliding_layers
@@ -78,18 +79,25 @@ class DecoderLayer(nn.Module):
         self.mlp_block = self.mlp.block_operands(self.post_attention_layernorm)
 
 
+Layer = Callable[[ModelConfig, int], nn.Module]  # (config, index) -> a decoder layer
+
+
 class DecoderBody(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: Layer):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        self.layers = [layer(config, i) for i in range(config.num_hidden_layers)]
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
 class Decoder(CausalLM):
-    def __init__(self, config: ModelConfig):
+    """Embedding, `layer`s, a final RMSNorm, and an output head unless it is tied: the
+    frame every family's decoder shares but Gemma's (offset norms) and LFM2's (its final
+    norm's name); the others pass their own layer."""
+
+    def __init__(self, config: ModelConfig, layer: Layer = DecoderLayer):
         super().__init__(config)
-        self.model = DecoderBody(config)
+        self.model = DecoderBody(config, layer)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 

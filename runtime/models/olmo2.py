@@ -19,7 +19,7 @@ from runtime.config import ConfigFields, ModelConfig
 from runtime.kv.base import ForwardKV
 from runtime.models import llama
 from runtime.models.experts import feed_forward
-from runtime.models.layers import Attention, CausalLM, RMSNorm, RoPE, kept_rows
+from runtime.models.layers import Attention, RMSNorm, RoPE, kept_rows
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -88,20 +88,5 @@ class Olmo2Layer(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(h))
 
 
-class Olmo2Body(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = [Olmo2Layer(config, i) for i in range(config.num_hidden_layers)]
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-
-class Olmo2(CausalLM):
-    def __init__(self, config: ModelConfig):
-        super().__init__(config)
-        self.model = Olmo2Body(config)
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-
-build = Olmo2
+def build(config: ModelConfig) -> llama.Decoder:
+    return llama.Decoder(config, Olmo2Layer)

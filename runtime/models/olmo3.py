@@ -18,10 +18,8 @@ from typing import Any
 
 from runtime.config import ConfigFields, ModelConfig, read_sliding_layers
 from runtime.errors import CheckpointError
-from runtime.models import olmo2
-from runtime.models.layers import CausalLM, RMSNorm, RoPE
-
-import mlx.nn as nn
+from runtime.models import llama, olmo2
+from runtime.models.layers import RoPE
 
 # transformers' Olmo3Config defaults, for fields a config may leave out.
 DEFAULTS: dict[str, Any] = {"rms_norm_eps": 1e-5, "sliding_window": 4096}
@@ -66,20 +64,5 @@ class Olmo3Layer(olmo2.Olmo2Layer):
             self.self_attn.scale = config.head_dim**-0.5
 
 
-class Olmo3Body(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = [Olmo3Layer(config, i) for i in range(config.num_hidden_layers)]
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-
-class Olmo3(CausalLM):
-    def __init__(self, config: ModelConfig):
-        super().__init__(config)
-        self.model = Olmo3Body(config)
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-
-build = Olmo3
+def build(config: ModelConfig) -> llama.Decoder:
+    return llama.Decoder(config, Olmo3Layer)

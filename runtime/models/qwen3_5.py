@@ -45,7 +45,7 @@ from runtime.kv.base import ForwardKV
 from runtime.kv.recurrent import STATE_BYTES
 from runtime.models import llama, multimodal
 from runtime.models.experts import Experts, feed_forward, stack_experts
-from runtime.models.layers import CausalLM, RMSNorm, RoPE, kept_rows
+from runtime.models.layers import RMSNorm, RoPE, kept_rows
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -210,23 +210,8 @@ class DecoderLayer(nn.Module):
         self.mlp_block = self.mlp.block_operands(self.post_attention_layernorm)
 
 
-class DecoderBody(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-
-class Decoder(CausalLM):
-    def __init__(self, config: ModelConfig):
-        super().__init__(config)
-        self.model = DecoderBody(config)
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-
-build = Decoder
+def build(config: ModelConfig) -> llama.Decoder:
+    return llama.Decoder(config, DecoderLayer)
 
 
 def unwrap_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
