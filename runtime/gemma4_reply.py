@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 
+from runtime.call_values import strict_json
 from runtime.tools import (
     CallArguments,
     CallStart,
@@ -31,7 +32,6 @@ from runtime.tools import (
     Event,
     Reasoning,
     marker_prefix_length,
-    strict_json,
 )
 
 import attrs

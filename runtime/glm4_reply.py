@@ -20,8 +20,9 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
+from runtime.call_values import strict_json
 from runtime.json_ends import ValueEnd
-from runtime.tools import CallArguments, CallStart, Content, Event, strict_json
+from runtime.tools import CallArguments, CallStart, Content, Event
 
 import attrs
 

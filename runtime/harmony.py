@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 
+from runtime.call_values import strict_json
 from runtime.tools import (
     CallArguments,
     CallCutShort,
@@ -31,7 +32,6 @@ from runtime.tools import (
     Content,
     Event,
     Reasoning,
-    strict_json,
 )
 
 import attrs

@@ -41,6 +41,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from runtime.call_values import strict_json
 from runtime.tools import (
     CALL_END_TAG,
     CALL_TAG,
@@ -50,7 +51,6 @@ from runtime.tools import (
     Content,
     Event,
     marker_prefix_length,
-    strict_json,
 )
 
 import attrs

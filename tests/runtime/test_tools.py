@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from runtime import json_ends, tool_prompts
+from runtime.call_values import python_calls
 from runtime.errors import RequestError
 from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.tokenizer import Tokenizer
@@ -24,7 +25,6 @@ from runtime.tools import (
     Content,
     Reasoning,
     parser_for,
-    python_calls,
 )
 
 import pytest
@@ -542,7 +542,7 @@ def test_python_calls_refuses_what_is_no_call_with_asserts_stripped():
     """Its checks were asserts: under `python -O`, `x + 1` raised AttributeError out of the
     parser and `f(1)` or `g.h(a=1)` were taken for calls."""
     probe = (
-        "from runtime.tools import python_calls; "
+        "from runtime.call_values import python_calls; "
         "print([python_calls(t) for t in ('x + 1', 'f(1)', 'g.h(a=1)', 'f(**{})', '1', 'f(a=2)')])"
     )
     root = Path(__file__).resolve().parents[2]
