@@ -2,32 +2,19 @@
 against a real server. Its conv layers keep a recurrent state, so prefix caching is off
 and the same prompt twice is computed twice, to mlx-lm's tokens."""
 
-from runtime.config import load_config
 from runtime.synth import make_tiny_checkpoint
 from runtime.tokenizer import Tokenizer
 
-import mlx.core as mx
-import mlx_lm
 import pytest
-from mlx_lm.generate import generate_step
 from structlog.testing import capture_logs
 
 from tests.actors.test_http import in_thread, serving
-
-PROMPT = "The for statement is used to iterate over the elements of a sequence, in order"
+from tests.actors.test_qwen3_5_http import PROMPT, mlx_lm_completion
 
 
 @pytest.fixture(scope="module")
 def lfm2(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("LFM2-tiny"), "lfm2", num_layers=4)
-
-
-def mlx_lm_completion(path, tokenizer, ids, n):
-    model, _ = mlx_lm.load(str(path))
-    want = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=n)]
-    eos = set(load_config(path).eos_token_ids) | tokenizer.eos_token_ids
-    ends = [i for i, token in enumerate(want) if token in eos]
-    return want[: ends[0]] if ends else want, bool(ends)
 
 
 async def test_lfm2_serves_completions_and_chat_with_prefix_caching_off(lfm2):

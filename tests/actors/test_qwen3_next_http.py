@@ -14,10 +14,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.actors.test_http import in_thread, serving
-from tests.actors.test_qwen3_5_http import mlx_lm_completion
+from tests.actors.test_qwen3_5_http import PROMPT, mlx_lm_completion
 from tests.actors.tool_templates import with_template
 
-PROMPT = "The for statement is used to iterate over the elements of a sequence, in order"
 QWEN3 = (pathlib.Path(__file__).parent / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
 CLOCK = {
     "type": "object",

@@ -7,31 +7,16 @@ import re
 
 from runtime.checkpoint import load_model
 from runtime.config import config_from_dict
-from runtime.engine import Engine
 from runtime.errors import CheckpointError
-from runtime.kv.blocks import BlockPool
-from runtime.runner import run_offline
-from runtime.scheduler import FcfsScheduler
-from runtime.sequence import SequenceParams
 from runtime.synth_configs import hf_config
 
 import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 from tests.runtime.test_gguf import minimal_gguf, one_line_error
-
-TOKENS = mx.array([[1, 5, 9, 200, 33, 17, 4, 88, 120, 7, 301, 44]])
-PROMPTS = {
-    "a": [11, 305, 42, 977, 5, 1203, 64, 88, 300, 7, 1500, 19, 23, 99, 410],
-    "b": [7, 8, 9],
-    "c": [900, 5, 6, 31, 77, 2, 18, 260, 13],
-    "d": [612],
-}
-NEW_TOKENS = 10
-BLOCK = 4
+from tests.runtime.test_qwen3_5 import PROMPTS, TOKENS, engine_for, greedy_tokens, policy_for, run
 
 
 @pytest.fixture(scope="module")
@@ -41,30 +26,7 @@ def checkpoint(make_checkpoint):
 
 @pytest.fixture(scope="module")
 def expected(checkpoint):
-    model, _ = mlx_lm.load(str(checkpoint))
-    return {
-        rid: [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=NEW_TOKENS)]
-        for rid, prompt in PROMPTS.items()
-    }
-
-
-def engine_for(checkpoint, **kwargs):
-    return Engine(load_model(checkpoint), **{"max_batch": 4, "block_size": BLOCK, "kv_budget": 1 << 22, **kwargs})
-
-
-def policy_for(engine, *, chunk=256, budget=512, num_blocks=None):
-    pool = BlockPool(num_blocks or engine.kv.num_blocks, BLOCK, is_caching=False, layout=engine.kv.layout)
-    return FcfsScheduler(engine.max_batch, pool, engine.max_context, chunk, budget, 0)
-
-
-def run(engine, policy, rids, lookahead=1, on_step=None):
-    params = {
-        rid: SequenceParams(tuple(PROMPTS[rid]), max_tokens=NEW_TOKENS, ignore_eos=True, request_id=rid)
-        for rid in rids
-    }
-    got = run_offline(engine, policy, params, lookahead=lookahead, on_step=on_step)
-    assert engine.num_open == 0 and len(engine.states) == 0  # every row's state freed
-    return got
+    return greedy_tokens(mlx_lm.load(str(checkpoint))[0])
 
 
 @pytest.mark.parametrize("is_original", [True, False], ids=["hf-original", "mlx-converted"])
@@ -229,11 +191,7 @@ def test_a_quantized_lfm2_moe_matches_mlx_lms_quantized_model(make_checkpoint):
 @pytest.mark.parametrize("lookahead", [1, 2])
 def test_lfm2_moe_rows_in_mixed_small_chunk_steps_match_mlx_lm(make_checkpoint, lookahead):
     path = make_checkpoint("lfm2_moe", **MOE)
-    model, _ = mlx_lm.load(str(path))
-    want = {
-        rid: [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=NEW_TOKENS)]
-        for rid, prompt in PROMPTS.items()
-    }
+    want = greedy_tokens(mlx_lm.load(str(path))[0])
     engine = engine_for(path)
     got = run(engine, policy_for(engine, chunk=3, budget=6), PROMPTS, lookahead)
     assert {rid: list(r.tokens) for rid, r in got.items()} == want

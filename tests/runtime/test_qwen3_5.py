@@ -49,13 +49,18 @@ def reference(path: Path):
     return model
 
 
-@pytest.fixture(scope="module")
-def expected(checkpoint):
-    model = reference(checkpoint)
+def greedy_tokens(model) -> dict[str, list[int]]:
+    """mlx-lm's greedy tokens for each of PROMPTS (the hybrid families' tests share these
+    prompts and the engine helpers below)."""
     return {
         rid: [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=NEW_TOKENS)]
         for rid, prompt in PROMPTS.items()
     }
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint):
+    return greedy_tokens(reference(checkpoint))
 
 
 def engine_for(checkpoint, **kwargs):

@@ -7,28 +7,14 @@ from __future__ import annotations
 
 from runtime.checkpoint import load_model
 from runtime.config import config_from_dict
-from runtime.engine import Engine
 from runtime.errors import CheckpointError
-from runtime.kv.blocks import BlockPool
-from runtime.runner import run_offline
-from runtime.scheduler import FcfsScheduler
-from runtime.sequence import SequenceParams
 from runtime.synth_configs import hf_config
 
 import mlx.core as mx
 import mlx_lm
 import pytest
-from mlx_lm.generate import generate_step
 
-TOKENS = mx.array([[1, 5, 9, 200, 33, 17, 4, 88, 120, 7, 301, 44]])
-PROMPTS = {
-    "a": [11, 305, 42, 977, 5, 1203, 64, 88, 300, 7, 1500, 19, 23, 99, 410],
-    "b": [7, 8, 9],
-    "c": [900, 5, 6, 31, 77, 2, 18, 260, 13],
-    "d": [612],
-}
-NEW_TOKENS = 10
-BLOCK = 4
+from tests.runtime.test_qwen3_5 import PROMPTS, TOKENS, engine_for, greedy_tokens, policy_for, run
 
 
 @pytest.fixture(scope="module")
@@ -43,29 +29,11 @@ def reference(path):
 
 @pytest.fixture(scope="module")
 def expected(checkpoint):
-    model = reference(checkpoint)
-    return {
-        rid: [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=NEW_TOKENS)]
-        for rid, prompt in PROMPTS.items()
-    }
+    return greedy_tokens(reference(checkpoint))
 
 
-def engine_for(checkpoint):
-    return Engine(load_model(checkpoint), max_batch=4, block_size=BLOCK, kv_budget=1 << 22)
-
-
-def policy_for(engine, *, chunk=256, budget=512, num_blocks=None):
-    pool = BlockPool(num_blocks or engine.kv.num_blocks, BLOCK, is_caching=False, layout=engine.kv.layout)
-    return FcfsScheduler(engine.max_batch, pool, engine.max_context, chunk, budget, 0)
-
-
-def run(engine, policy, lookahead=1, on_step=None):
-    requests = {
-        rid: SequenceParams(tuple(prompt), max_tokens=NEW_TOKENS, ignore_eos=True, request_id=rid)
-        for rid, prompt in PROMPTS.items()
-    }
-    got = run_offline(engine, policy, requests, lookahead=lookahead, on_step=on_step)
-    assert engine.num_open == 0 and len(engine.states) == 0  # every row's state freed
+def run_all(engine, policy, lookahead=1, on_step=None) -> dict[str, list[int]]:
+    got = run(engine, policy, PROMPTS, lookahead, on_step)
     return {rid: list(r.tokens) for rid, r in got.items()}
 
 
@@ -105,9 +73,8 @@ def test_a_quantized_checkpoint_matches_mlx_lms_quantized_model(make_checkpoint)
 
 def test_rows_alone_match_mlx_lm(checkpoint, expected):
     engine = engine_for(checkpoint)
-    for rid, prompt in PROMPTS.items():
-        params = SequenceParams(tuple(prompt), max_tokens=NEW_TOKENS, ignore_eos=True, request_id=rid)
-        assert list(run_offline(engine, policy_for(engine), {rid: params})[rid].tokens) == expected[rid], rid
+    for rid in PROMPTS:
+        assert list(run(engine, policy_for(engine), [rid])[rid].tokens) == expected[rid], rid
 
 
 @pytest.mark.parametrize("lookahead", [1, 2])
@@ -119,7 +86,7 @@ def test_rows_in_mixed_steps_with_chunked_prompts_match_mlx_lm(checkpoint, expec
         prefill = [span.is_prefill for span in plan.spans]
         kinds.append(any(prefill) and not all(prefill))
 
-    assert run(engine, policy_for(engine, chunk=3, budget=6), lookahead, on_step=note) == expected
+    assert run_all(engine, policy_for(engine, chunk=3, budget=6), lookahead, on_step=note) == expected
     assert any(kinds)
 
 
@@ -127,7 +94,7 @@ def test_rows_in_mixed_steps_with_chunked_prompts_match_mlx_lm(checkpoint, expec
 def test_a_preempted_row_recomputes_its_state_from_the_start(checkpoint, expected, lookahead):
     engine = engine_for(checkpoint)
     policy = policy_for(engine, chunk=4, budget=8, num_blocks=12)  # too few for all four rows
-    assert run(engine, policy, lookahead) == expected
+    assert run_all(engine, policy, lookahead) == expected
     assert policy.num_preemptions > 0
 
 
