@@ -17,7 +17,7 @@ from typing import Any
 from runtime.config import config_from_dict
 from runtime.models import FAMILIES, build_model
 from runtime.models.layers import CausalLM
-from runtime.synth_configs import DTYPES, QWEN3_5_FAMILIES, hf_config
+from runtime.synth_configs import DTYPES, QWEN3_5_FAMILIES, QWEN_VL_TEXT, hf_config
 
 import mlx.core as mx
 import numpy as np
@@ -102,6 +102,11 @@ def make_tiny_checkpoint(
     `num_experts` of `intermediate_size` (the dense ones twice as wide); an original
     stores each expert apart under Hugging Face's names (w1, w3, w2).
 
+    Qwen's vision-language layouts (`qwen2_vl`, `qwen2_5_vl`: flat configs; `qwen3_vl`,
+    `qwen3_vl_moe`: under `text_config`) hold a qwen2, qwen3 or qwen3_moe text model beside
+    a stub vision tower; `hf_original` as above names Hugging Face's weights (Qwen3-VL-MoE's
+    experts fused) or mlx-vlm's conversion (runtime/models/qwen_vl.py).
+
     `vocab_size` above the demo tokenizer's adds embedding rows no text encodes to
     (a large-vocabulary model, e.g. 151,936 as Qwen's).
 
@@ -160,6 +165,9 @@ def make_tiny_checkpoint(
         weights = qwen3_5_weights(weights, is_original, "text_config" in raw, seed)
     if family in ("lfm2", "lfm2_moe") and (quantize is None if hf_original is None else hf_original):
         weights = lfm2_original_weights(weights)
+    if family in QWEN_VL_TEXT:
+        is_original = quantize is None if hf_original is None else hf_original
+        weights = qwen_vl_weights(weights, family, is_original, seed)
     if family in MULTIMODAL:
         weights = {f"language_model.{name}": w for name, w in weights.items()}
         rng = np.random.default_rng(seed)
@@ -170,7 +178,7 @@ def make_tiny_checkpoint(
         weights = quantize_weights(weights, group_size, bits, quantize_mode)
         raw["quantization"] = {"group_size": group_size, "bits": bits, "mode": quantize_mode}
     write_json(out_dir / "config.json", raw)
-    write_json(out_dir / "generation_config.json", generation_config(raw["eos_token_id"]))
+    write_json(out_dir / "generation_config.json", generation_config(eos_ids(tokenizer)))
     save_weights(out_dir, weights, shards=shards, is_mlx_format=quantize is not None)
     return out_dir
 
@@ -246,6 +254,35 @@ def qwen3_5_weights(
         stubs = ("model.visual.merger.norm.weight", "mtp.norm.weight") if is_original else ("vision_tower.merger.norm.weight",)
         for name in stubs:
             out[name] = mx.array(rng.standard_normal((8,)).astype(np.float32))
+    return out
+
+
+def qwen_vl_weights(weights: dict[str, mx.array], family: str, is_original: bool, seed: int) -> dict[str, mx.array]:
+    """Qwen's vision-language weights as stored (runtime/models/qwen_vl.py), beside a stub
+    vision tower: Hugging Face's Qwen2-VL and Qwen2.5-VL releases as the text model's
+    (`visual.*` beside), Qwen3-VL's under `model.language_model.` (`model.visual.*`; the
+    MoE's experts fused); mlx-vlm's conversions under `language_model.` (`vision_tower.*`,
+    too narrow for a quantization group, as its conversions leave it unquantized)."""
+    out = {}
+    for name, w in weights.items():
+        if not is_original:
+            name = f"language_model.{name}"
+        elif family in ("qwen3_vl", "qwen3_vl_moe"):
+            name = name.replace("model.", "model.language_model.", 1)
+        out[name] = w
+    if is_original and family == "qwen3_vl_moe":  # [E, hidden, 2 I], gate columns first; down [E, I, hidden]
+        for name in [n for n in out if n.endswith(".switch_mlp.gate_proj.weight")]:
+            prefix = name.removesuffix(".switch_mlp.gate_proj.weight")
+            up = out.pop(f"{prefix}.switch_mlp.up_proj.weight")
+            out[f"{prefix}.experts.gate_up_proj"] = mx.concatenate([out.pop(name), up], axis=-2).swapaxes(1, 2)
+            out[f"{prefix}.experts.down_proj"] = out.pop(f"{prefix}.switch_mlp.down_proj.weight").swapaxes(1, 2)
+    tower = "vision_tower" if not is_original else "visual" if family in ("qwen2_vl", "qwen2_5_vl") else "model.visual"
+    rng = np.random.default_rng(seed)
+    stubs = [("merger.ln_q.weight", (8,)), ("blocks.0.attn.qkv.weight", (24, 8))]
+    if family in ("qwen3_vl", "qwen3_vl_moe"):  # deepstack's mergers are the vision tower's
+        stubs.append(("deepstack_merger_list.0.norm.weight", (8,)))
+    for stub, shape in stubs:
+        out[f"{tower}.{stub}"] = mx.array(rng.standard_normal(shape).astype(np.float32))
     return out
 
 

@@ -40,7 +40,13 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForConditionalGeneration",
     "gemma4_text": "Gemma4ForCausalLM",
     "gemma4": "Gemma4ForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
 }
+# Qwen's vision-language layouts, by the text family whose fields they hold.
+QWEN_VL_TEXT = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}
 # Ministral 3's settings with an original context of 16 (the releases': 16,384); the
 # factor is the ratio of max_position_embeddings to it, as in the releases.
 QWEN3_5_FAMILIES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
@@ -100,6 +106,17 @@ def hf_config(
             "text_config": text,
             "vision_config": {"model_type": "pixtral", "hidden_size": 8},
         }
+    if family in QWEN_VL_TEXT:
+        text = hf_config(
+            QWEN_VL_TEXT[family], vocab_size=vocab_size, eos_token_id=eos_token_id, hidden_size=hidden_size,
+            num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            intermediate_size=intermediate_size, head_dim=head_dim,
+            tie_word_embeddings=tie_word_embeddings, dtype=dtype,
+            max_position_embeddings=max_position_embeddings, rope_scaling=rope_scaling,
+            rope_theta=rope_theta, rms_norm_eps=rms_norm_eps, num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok, dense_layers=dense_layers,
+        )
+        return qwen_vl_config(family, text, rope_scaling)
     if family not in FAMILIES:
         raise ValueError(f"unknown family '{family}' (known: {', '.join(sorted(FAMILIES))})")
     if dtype not in DTYPES:
@@ -357,3 +374,39 @@ def hf_config(
             tie_word_embeddings=tie_word_embeddings,
         )
     return raw
+
+
+def qwen_vl_config(family: str, text: dict[str, Any], rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """Qwen's vision-language layouts, as the releases write them: Qwen2-VL's and
+    Qwen2.5-VL's flat (Qwen2.5-VL-3B-Instruct's), Qwen3-VL's nested under `text_config`
+    (Qwen3-VL-4B-Instruct's, Qwen3-VL-30B-A3B-Instruct's); a multimodal RoPE whose
+    sections fill half a head, as theirs (`rope_scaling` replaces it)."""
+    half = (text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]) // 2
+    del text["architectures"]
+    tokens = {"image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652, "vision_end_token_id": 151653}
+    if family in ("qwen2_vl", "qwen2_5_vl"):
+        spatial = 3 * half // 8  # [16, 24, 24] in the releases' 128-wide heads
+        mrope: dict[str, Any] = {"type": "mrope", "mrope_section": [half - 2 * spatial, spatial, spatial]}
+        return {
+            "architectures": [ARCHITECTURES[family]],
+            **text,
+            "model_type": family,
+            "rope_scaling": rope_scaling or mrope,
+            "sliding_window": 32768,
+            "use_sliding_window": False,
+            "max_window_layers": 70,
+            "vision_token_id": 151654,
+            **tokens,
+            "vision_config": {"depth": 2, "hidden_size": 8, "out_hidden_size": text["hidden_size"]},
+        }
+    spatial = 5 * half // 16  # [24, 20, 20] in the releases' 128-wide heads
+    mrope = {"mrope_interleaved": True, "mrope_section": [half - 2 * spatial, spatial, spatial], "rope_type": "default"}
+    text.update(model_type=f"{family}_text", rope_scaling=rope_scaling or mrope, dtype=text.pop("torch_dtype"))
+    return {
+        "architectures": [ARCHITECTURES[family]],
+        **tokens,
+        "model_type": family,
+        "text_config": text,
+        "tie_word_embeddings": text["tie_word_embeddings"],
+        "vision_config": {"model_type": family, "depth": 2, "hidden_size": 8, "deepstack_visual_indexes": [0, 1]},
+    }
