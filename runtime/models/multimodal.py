@@ -37,16 +37,19 @@ def text_config(raw: dict[str, Any], source: str, default_model_type: str) -> di
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise CheckpointError(f"{source}: {raw.get('model_type')} config without a 'text_config' object")
-    outer = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
-    quant = outer.get("quantization")
-    if isinstance(quant, dict):  # per-layer entries name the text model's modules
-        outer["quantization"] = {
-            k.removeprefix("language_model."): v
-            for k, v in quant.items()
-            if not k.startswith(VISION_PREFIXES)
-        }
+    outer = text_quantization({k: v for k, v in raw.items() if k not in ("text_config", "vision_config")})
     model_type = text.get("model_type") or default_model_type
     return {**outer, **text, "model_type": model_type}
+
+
+def text_quantization(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` with its `quantization`'s per-layer entries naming the text model's modules
+    (a multimodal conversion names them under `language_model.`, and the towers' too)."""
+    quant = raw.get("quantization")
+    if not isinstance(quant, dict):
+        return raw
+    kept = {k.removeprefix("language_model."): v for k, v in quant.items() if not k.startswith(VISION_PREFIXES)}
+    return {**raw, "quantization": kept}
 
 
 def text_weights(weights: dict[str, mx.array], family: str) -> dict[str, mx.array]:

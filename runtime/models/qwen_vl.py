@@ -58,7 +58,7 @@ def unwrap_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
     text_type = raw["model_type"].removesuffix("_text") + "_text"
     if "text_config" in raw:
         raw = multimodal.text_config(raw, source, text_type)
-    text = {**raw, "model_type": text_type}
+    text = {**multimodal.text_quantization(raw), "model_type": text_type}
     if text_type == "qwen3_vl_moe_text":  # transformers' router always renormalises: it reads no norm_topk_prob
         text.setdefault("norm_topk_prob", True)
     scaling = text.get("rope_scaling")

@@ -7,7 +7,7 @@ import json
 import math
 
 from runtime.checkpoint import load_model
-from runtime.config import config_from_dict
+from runtime.config import config_from_dict, load_config
 from runtime.engine import Engine
 from runtime.errors import CheckpointError
 from runtime.models.layers import RoPE
@@ -15,8 +15,10 @@ from runtime.sequence import FinishCause
 from runtime.synth import save_weights
 
 import mlx.core as mx
+import mlx_lm
 import numpy as np
 import pytest
+from mlx_lm.generate import generate_step
 from structlog.testing import capture_logs
 
 from tests.runtime.test_engine import PROMPT, generate, mlx_lm_greedy
@@ -292,3 +294,25 @@ def test_the_synthetic_configs_keep_the_releases_layout(make_checkpoint):
     assert text["model_type"] == "qwen3_vl_moe_text" and text["rope_scaling"]["mrope_interleaved"]
     assert sum(text["rope_scaling"]["mrope_section"]) == 32 // 2 and "eos_token_id" in text
     assert math.isclose(config_from_dict(nested).rope_theta, 10000.0)
+
+
+CONVERSIONS = {  # mlx-lm's converter, as mlx-community's checkpoints are made
+    "qwen3_vl_moe": ("qwen3_vl_moe", dict(head_dim=32, num_layers=3, hidden_size=128), {}),  # routers 8-bit
+    "qwen2_5_vl-mixed": ("qwen2_5_vl", dict(hidden_size=128), {"quant_predicate": "mixed_3_6"}),
+}
+
+
+@pytest.mark.parametrize("case", CONVERSIONS)
+def test_what_mlx_lm_convert_writes_gives_its_greedy_tokens(make_checkpoint, tmp_path, case):
+    """Per-layer quantization entries named under `language_model.`, in a flat config
+    (Qwen2.5-VL's) as in a nested one, name the text model's layers."""
+    family, shape, options = CONVERSIONS[case]
+    path = tmp_path / "converted"
+    mlx_lm.convert(str(make_checkpoint(family, **shape)), str(path), quantize=True, **options)
+    per_layer = load_config(path).quantization.per_layer
+    assert per_layer and all(name.startswith("model.") or name == "lm_head" for name in per_layer)
+    model, _ = mlx_lm.load(str(path))
+    model.set_dtype(mx.float32)  # as cadence computes on the CPU, so that the tokens compare the packing alone
+    ours, _ = generate(Engine(load_model(path), max_batch=2), PROMPT, max_tokens=24, ignore_eos=True)
+    assert ours == [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=24)]
+    assert len(set(ours)) > 4, "the test model should not be degenerate"
