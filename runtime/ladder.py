@@ -140,6 +140,12 @@ class PaddedForward:
         n = self._num_real
         return self._padded(self._inner.delta_rule(layer, q[:n], k[:n], v[:n], log_decay[:n], beta[:n]))
 
+    def ssm_scan(
+        self, layer: int, x: mx.array, dt: mx.array, B: mx.array, C: mx.array, log_decay: mx.array
+    ) -> mx.array:
+        n = self._num_real
+        return self._padded(self._inner.ssm_scan(layer, x[:n], dt[:n], B[:n], C[:n], log_decay[:n]))
+
     def _padded(self, out: mx.array) -> mx.array:
         return mx.concatenate([out, mx.zeros((self._pad, *out.shape[1:]), dtype=out.dtype)])
 

@@ -6,8 +6,9 @@ one flat batch `[N]`. For every forward the engine asks the storage for a
 The model calls `kv.attend(layer, q, k, v, scale)` in every layer (or, with its
 q/k/v projections stacked, `kv.attend_stacked`, or the whole attention block,
 `kv.residual_attention`) and never branches on storage or on prefill versus decode.
-A linear-attention layer (a hybrid model's) calls `kv.convolve` and `kv.delta_rule`,
-which carry each row's recurrent state instead (runtime/kv/recurrent.py).
+A linear-attention layer (a hybrid model's) calls `kv.convolve` and `kv.delta_rule`
+(a Mamba2 layer `kv.ssm_scan`), which carry each row's recurrent state instead
+(runtime/kv/recurrent.py).
 """
 
 from __future__ import annotations
@@ -121,6 +122,13 @@ class ForwardKV(Protocol):
         v [N, Hv, Dv], log_decay and beta [N, Hv] -> [N, Hv, Dv]; see runtime/kv/recurrent.py."""
         ...
 
+    def ssm_scan(
+        self, layer: int, x: mx.array, dt: mx.array, B: mx.array, C: mx.array, log_decay: mx.array
+    ) -> mx.array:
+        """Recurrent `layer`'s Mamba2 scan from each row's state: x [N, H, Dh], dt and
+        log_decay [N, H], B and C [N, H, Ds] -> [N, H, Dh]; see runtime/kv/recurrent.py."""
+        ...
+
 
 Rotary = Callable[[mx.array, mx.array], mx.array]  # (x [N, H, D], positions [N]) -> rotated x
 
@@ -194,3 +202,8 @@ class CausalNoCache:
         self, layer: int, q: mx.array, k: mx.array, v: mx.array, log_decay: mx.array, beta: mx.array
     ) -> mx.array:
         return self.recurrent.delta_rule(layer, q, k, v, log_decay, beta)
+
+    def ssm_scan(
+        self, layer: int, x: mx.array, dt: mx.array, B: mx.array, C: mx.array, log_decay: mx.array
+    ) -> mx.array:
+        return self.recurrent.ssm_scan(layer, x, dt, B, C, log_decay)

@@ -296,6 +296,11 @@ class PagedForward:
     ) -> mx.array:
         return self._recurrent.delta_rule(layer, q, k, v, log_decay, beta)
 
+    def ssm_scan(
+        self, layer: int, x: mx.array, dt: mx.array, B: mx.array, C: mx.array, log_decay: mx.array
+    ) -> mx.array:
+        return self._recurrent.ssm_scan(layer, x, dt, B, C, log_decay)
+
     @property
     def _recurrent(self) -> RecurrentStep:
         if self.recurrent is None:

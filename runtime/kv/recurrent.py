@@ -1,10 +1,12 @@
-"""Per-row recurrent state for linear-attention layers (Qwen3.5's Gated DeltaNet).
+"""Per-row recurrent state for linear-attention layers (Qwen3.5's Gated DeltaNet, Granite
+4.0's Mamba2).
 
 A hybrid model's linear-attention layer keeps no K/V: each row carries, per such
 layer, a causal convolution's last K - 1 inputs `[K-1, C]` and a delta-rule state
-`[Hv, Dv, Dk]` (float32), advanced by each of its spans (runtime/kv/delta_rule.py:
+`[Hv, Dv, Dk]` (float32; a Mamba2 layer's SSM state `[H, Dh, Ds]` in its place),
+advanced by each of its spans (runtime/kv/delta_rule.py, runtime/kv/ssm_scan.py:
 decoding rows one batched step, a prompt chunk by chunks). The storage interface holds them
-beside the paged K/V: a layer calls `kv.convolve(...)` and `kv.delta_rule(...)`,
+beside the paged K/V: a layer calls `kv.convolve(...)` and `kv.delta_rule(...)` (or `kv.ssm_scan(...)`),
 as an attention layer calls `kv.attend(...)`, and never branches on prefill or decode.
 
     store = RecurrentStore()
@@ -21,10 +23,11 @@ cached prefix, which has no state) fails its row rather than run on a wrong stat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from runtime.kv.delta_rule import delta_step, span_delta_rule
+from runtime.kv.ssm_scan import span_ssm_scan, ssm_step
 
 import attrs
 import mlx.core as mx
@@ -33,7 +36,9 @@ import numpy as np
 if TYPE_CHECKING:
     from runtime.kv.base import RowSpan
 
-STATE_BYTES = 4  # float32: what the CPU computes in, and the delta rule's state everywhere
+STATE_BYTES = 4  # float32: what the CPU computes in, and the matrix states everywhere
+# (inputs [N, ...] per token..., state) -> (y, the new state): a layer's matrix recurrence.
+Recurrence = Callable[..., tuple[mx.array, mx.array]]
 
 
 @attrs.frozen
@@ -54,7 +59,7 @@ class Held:
 class RowState:
     position: int  # the tokens it has seen
     conv: tuple[Held, ...]  # per layer [K-1, C]
-    delta: tuple[Held, ...]  # per layer [Hv, Dv, Dk]
+    delta: tuple[Held, ...]  # per layer its matrix state: the delta rule's [Hv, Dv, Dk], Mamba2's [H, Dh, Ds]
 
 
 class RecurrentStore:
@@ -172,17 +177,40 @@ class RecurrentStep:
         scaled, both normalized), v [N, Hv, Dv], log_decay and beta [N, Hv] -> y [N, Hv, Dv].
         Rows of one token step together as one batch; a longer span runs by chunks
         (runtime/kv/delta_rule.py)."""
-        if layer != len(self.new_delta):
-            raise ValueError(f"recurrent layer {layer} stepped out of order")
         Hv, Dv, Dk = v.shape[1], v.shape[2], q.shape[2]
         zeros = mx.zeros((Hv, Dv, Dk), dtype=mx.float32)
+        return self._matrix_recurrence(layer, zeros, (q, k, v, log_decay, beta), delta_step, span_delta_rule)
+
+    def ssm_scan(
+        self, layer: int, x: mx.array, dt: mx.array, B: mx.array, C: mx.array, log_decay: mx.array
+    ) -> mx.array:
+        """Mamba2's state-space scan over each row's tokens in order: x [N, H, Dh], dt and
+        log_decay [N, H] (float32), B and C [N, H, Ds] -> y [N, H, Dh], as `delta_rule`
+        batches and chunks (runtime/kv/ssm_scan.py). Its state [H, Dh, Ds] is the layer's
+        matrix state, where a Gated DeltaNet layer keeps the delta rule's."""
+        zeros = mx.zeros((x.shape[1], x.shape[2], B.shape[2]), dtype=mx.float32)
+        return self._matrix_recurrence(layer, zeros, (x, dt, B, C, log_decay), ssm_step, span_ssm_scan)
+
+    def _matrix_recurrence(
+        self,
+        layer: int,
+        zeros: mx.array,
+        inputs: tuple[mx.array, ...],
+        one_token: Recurrence,
+        span: Recurrence,
+    ) -> mx.array:
+        """`layer`'s recurrence over each row's tokens: `inputs` [N, ...] per token; the
+        rows of one token as one batch through `one_token` (states [R, ...]), each longer
+        span through `span` (its state alone); every row's new state kept."""
+        if layer != len(self.new_delta):
+            raise ValueError(f"recurrent layer {layer} stepped out of order")
         new_states: list[Held | None] = [None] * len(self.rows)
         pieces, order = [], []
         singles = [i for i, (_, _, n) in enumerate(self.rows) if n == 1]
         if singles:
             at = mx.array(self._offsets[singles].astype(np.int32))
             state = self._layer_states("delta", layer, singles, zeros)
-            y, state = delta_step(q[at], k[at], v[at], log_decay[at], beta[at], state)
+            y, state = one_token(*(a[at] for a in inputs), state)
             pieces.append(y)
             order.extend(self._offsets[singles].tolist())
             for j, i in enumerate(singles):
@@ -191,9 +219,9 @@ class RecurrentStep:
             if n == 1:
                 continue
             start = int(self._offsets[i])
-            span = slice(start, start + n)
+            rows = slice(start, start + n)
             state = self._layer_states("delta", layer, [i], zeros)[0]
-            y, state = span_delta_rule(q[span], k[span], v[span], log_decay[span], beta[span], state)
+            y, state = span(*(a[rows] for a in inputs), state)
             pieces.append(y)
             order.extend(range(start, start + n))
             new_states[i] = Held(state[None], 0)
