@@ -62,6 +62,7 @@ def make_tiny_checkpoint(
     dense_layers: tuple[int, ...] = (),
     text_family: str = "ministral3",
     gemma4: dict[str, Any] | None = None,
+    granite4: dict[str, Any] | None = None,
     hf_original: bool | None = None,
 ) -> Path:
     """Write a random-weight checkpoint of `family` into `out_dir` and return `out_dir`.
@@ -106,6 +107,11 @@ def make_tiny_checkpoint(
     `qwen3_vl_moe`: under `text_config`) hold a qwen2, qwen3 or qwen3_moe text model beside
     a stub vision tower; `hf_original` as above names Hugging Face's weights (Qwen3-VL-MoE's
     experts fused) or mlx-vlm's conversion (runtime/models/qwen_vl.py).
+    Granite 4.0 (`granitemoehybrid`) is granite-4.0-h-tiny's layout: every third layer
+    attention (NoPE), the rest Mamba2, routed experts beside a shared MLP twice
+    `intermediate_size`; `granite4` holds the variant's own fields (e.g.
+    `{"num_local_experts": 0}` for -h-micro's dense FFN, `layer_types` all "attention"
+    and `position_embedding_type` "rope" for -micro's). `hf_original` as LFM2's.
 
     `vocab_size` above the demo tokenizer's adds embedding rows no text encodes to
     (a large-vocabulary model, e.g. 151,936 as Qwen's).
@@ -141,6 +147,7 @@ def make_tiny_checkpoint(
         dense_layers=dense_layers,
         text_family=text_family,
         gemma4=gemma4,
+        granite4=granite4,
     )
     weights = random_weights(build_model(config_from_dict(raw)), seed)
     weights = {name: w.astype(DTYPES[dtype]) for name, w in weights.items()}
@@ -168,6 +175,8 @@ def make_tiny_checkpoint(
     if family in QWEN_VL_TEXT:
         is_original = quantize is None if hf_original is None else hf_original
         weights = qwen_vl_weights(weights, family, is_original, seed)
+    if family == "granitemoehybrid" and (quantize is None if hf_original is None else hf_original):
+        weights = granite4_original_weights(weights)
     if family in MULTIMODAL:
         weights = {f"language_model.{name}": w for name, w in weights.items()}
         rng = np.random.default_rng(seed)
@@ -220,6 +229,26 @@ def lfm2_original_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
         if ".feed_forward" in block and projection in stored:
             name = f"{block}.{stored[projection]}.weight"
         out[name] = w
+    return out
+
+
+def granite4_original_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Granite 4.0's weights as Hugging Face's originals store them: conv weights [C, 1, K];
+    a dense model's MLP as `shared_mlp` (gate and up stacked in `input_linear`); each layer's
+    experts as `block_sparse_moe.input_linear` [E, 2 I, hidden] (gate rows first) and
+    `output_linear`."""
+    out = {}
+    for name, w in weights.items():
+        if name.endswith(".mamba.conv1d.weight"):
+            out[name] = w.moveaxis(2, 1)
+        elif name.endswith((".mlp.gate_proj.weight", ".switch_mlp.gate_proj.weight")):
+            block = name.removesuffix(".gate_proj.weight")
+            stacked = mx.concatenate([w, weights[f"{block}.up_proj.weight"]], axis=-2)
+            into = block.replace(".mlp", ".shared_mlp").replace(".switch_mlp", "")
+            out[f"{into}.input_linear.weight"] = stacked
+            out[f"{into}.output_linear.weight"] = weights[f"{block}.down_proj.weight"]
+        elif not name.endswith((".up_proj.weight", ".down_proj.weight")):
+            out[name] = w
     return out
 
 

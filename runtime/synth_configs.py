@@ -34,6 +34,7 @@ ARCHITECTURES = {
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -86,6 +87,7 @@ def hf_config(
     dense_layers: tuple[int, ...] = (),
     text_family: str = "ministral3",
     gemma4: dict[str, Any] | None = None,
+    granite4: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A config.json dict with the fields Hugging Face writes for `family`."""
     if family == "mistral3":  # the multimodal layout: the text model's config nested
@@ -226,6 +228,30 @@ def hf_config(
             residual_multiplier=0.22,
             logits_scaling=8.0,
         )
+    if family == "granitemoehybrid":  # granite-4.0-h-tiny's: Mamba2 layers, every third attention, experts
+        raw.update(
+            attention_bias=False,
+            embedding_multiplier=12.0,
+            attention_multiplier=1.0 / (head_dim or hidden_size // num_heads),
+            residual_multiplier=0.22,
+            logits_scaling=6.0,
+            layer_types=["attention" if i % 3 == 2 else "mamba" for i in range(num_layers)],
+            position_embedding_type="nope",
+            num_local_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            shared_intermediate_size=2 * intermediate_size,
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_conv_bias=True,
+            mamba_proj_bias=False,
+        )
+        raw.update(granite4 or {})  # the variant's own fields (e.g. num_local_experts 0, all attention)
+        if not raw["num_local_experts"]:  # dense: the shared MLP alone, both widths the same as released
+            raw["intermediate_size"] = raw["shared_intermediate_size"]
     if family == "olmo2":
         raw["attention_bias"] = False
     if family == "olmo3":  # every fourth layer full, as the releases

@@ -23,6 +23,7 @@ from runtime.models import (
     glm4,
     gpt_oss,
     granite,
+    granitemoehybrid,
     lfm2,
     llama,
     ministral3,
@@ -78,6 +79,7 @@ FAMILIES: dict[str, ModuleType] = {
     "olmo2": olmo2,
     "olmo3": olmo3,
     "granite": granite,
+    "granitemoehybrid": granitemoehybrid,  # Granite 4.0: all attention, or a hybrid with Mamba2 layers
     "gemma": gemma,
     "gemma2": gemma2,
     "gemma3_text": gemma3,

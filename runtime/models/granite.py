@@ -26,15 +26,20 @@ MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multipl
 
 
 def read_config(fields: ConfigFields) -> dict[str, Any]:
-    """llama's fields, and the four multipliers (1, transformers' default, where left out)."""
+    """llama's fields, and the four multipliers."""
+    own = llama.read_config(fields)
+    return {**own, "extra": {**own.get("extra", {}), **read_multipliers(fields)}}
+
+
+def read_multipliers(fields: ConfigFields) -> dict[str, float]:
+    """The four multipliers (1, transformers' default, where left out); Granite 4.0's too."""
     multipliers = {}
     for name in MULTIPLIERS:
         value = fields.raw.get(name, 1.0)
         if not is_positive_number(value):
             raise CheckpointError(f"{fields.source}: granite's {name} must be a positive number, got {value!r}")
         multipliers[name] = float(value)
-    own = llama.read_config(fields)
-    return {**own, "extra": {**own.get("extra", {}), **multipliers}}
+    return multipliers
 
 
 class GraniteLayer(llama.DecoderLayer):

@@ -1716,13 +1716,8 @@ def test_a_forced_lfm2_call_is_its_python_list_with_json_values_of_the_schema(fo
 # Granite 3.x: `<|tool_call|>` and a JSON list of calls, Mistral's list form after its own
 # marker. Its published template (Granite 3.3 2B Instruct's, as llama.cpp keeps it).
 GRANITE3 = (TEMPLATE_DIR / "ibm-granite-granite-3.3-2b-instruct.jinja").read_text()
-# Granite 4.0's, the parts that matter: Hermes's <tool_call> JSON in Granite's turns.
-GRANITE4 = (
-    "{%- if tools %}{%- for tool in tools %}{{ tool | tojson }}{%- endfor %}{%- endif %}"
-    "{%- for message in messages %}<|start_of_role|>{{ message.role }}<|end_of_role|>"
-    '{%- for tool_call in message.tool_calls or [] %}<tool_call>\n{"name": "{{ tool_call.function.name }}"'
-    "}\n</tool_call>{%- endfor %}<|end_of_text|>\n{%- endfor %}"
-)
+# Granite 4.0's published template (as llama.cpp keeps it): Hermes's <tool_call> JSON in Granite's turns.
+GRANITE4 = (TEMPLATE_DIR / "ibm-granite-granite-4.0.jinja").read_text()
 GRANITE_CASES = [
     (
         'Let me check.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
@@ -1782,6 +1777,26 @@ def test_the_granite_3_template_is_granites_and_the_others_keep_theirs():
     kept = {HERMES: "hermes", QWEN3: "hermes", QWEN3_CODER: "qwen3_coder", LLAMA3_JSON: "llama3_json",
             MISTRAL: "mistral", HARMONY: "harmony", GEMMA: "gemma", OLMO3: "olmo3"}
     assert {tool_style_for(t, "granite"): style for t, style in kept.items()} == {s: s for s in kept.values()}
+
+
+def test_a_granite_4_history_renders_hermes_calls_that_parse_back_and_results_as_tool_responses():
+    """Granite 4.0 left Granite 3's `<|tool_call|>` list for Hermes's `<tool_call>` JSON,
+    its results `<tool_response>`s in a user turn."""
+    assert template_knows_tools(GRANITE4)
+    history = [
+        HISTORY[0],
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "sunny"},
+    ]
+    rendered = with_template(GRANITE4).apply_chat_template(
+        chat_for_template(history, TOOLS, "hermes", knows_tools=True), template_kwargs=None
+    )
+    written = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert f"<|start_of_role|>assistant<|end_of_role|>{written}<|end_of_text|>" in rendered
+    assert "<|start_of_role|>user<|end_of_role|>\n<tool_response>\nsunny\n</tool_response><|end_of_text|>" in rendered
+    assert parse("hermes", written)[1] == [("get_weather", '{"city": "Paris"}')]
 
 
 def test_a_granite_history_shows_its_calls_as_it_writes_them_and_results_as_tool_responses():

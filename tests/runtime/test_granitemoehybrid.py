@@ -1,0 +1,176 @@
+"""Granite 4.0 (`granitemoehybrid`: all attention, or Mamba2 + attention, with routed
+experts or a dense MLP) against mlx-lm's `granitemoehybrid` on tiny random checkpoints:
+the model alone, both weight forms, quantized, and through the paged engine, whose rows
+carry each Mamba2 layer's conv inputs and SSM state (runtime/kv/recurrent.py) across
+chunks, mixed steps, lookahead and preemption."""
+
+import re
+
+from runtime.checkpoint import load_model
+from runtime.config import config_from_dict
+from runtime.errors import CheckpointError
+from runtime.runner import run_offline
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+from tests.runtime import test_qwen3_5
+from tests.runtime.test_qwen3_5 import (
+    PROMPTS,
+    TOKENS,
+    engine_for,
+    greedy_tokens,
+    params,
+    policy_for,
+)
+
+DENSE = {"num_local_experts": 0}  # -h-micro's, -h-1b's: the shared MLP alone
+ALL_ATTENTION = {**DENSE, "layer_types": ["attention"] * 4, "position_embedding_type": "rope"}  # -micro's
+VARIANTS = {"hybrid-moe": None, "hybrid-dense": DENSE, "all-attention": ALL_ATTENTION}
+
+
+def run(engine, policy, rids, lookahead=1, on_step=None):
+    """The hybrids' run (every row's state freed at the end); the all-attention model keeps none."""
+    if engine.states is not None:
+        return test_qwen3_5.run(engine, policy, rids, lookahead, on_step)
+    got = run_offline(engine, policy, {rid: params(rid) for rid in rids}, lookahead=lookahead, on_step=on_step)
+    assert engine.num_open == 0
+    return got
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def checkpoint(request, make_checkpoint):
+    return make_checkpoint("granitemoehybrid", num_layers=4, granite4=VARIANTS[request.param])
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint):
+    return greedy_tokens(mlx_lm.load(str(checkpoint))[0])
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("is_original", [True, False], ids=["hf-original", "mlx-converted"])
+def test_logits_match_mlx_lm_in_both_weight_forms(make_checkpoint, variant, is_original):
+    path = make_checkpoint("granitemoehybrid", num_layers=4, granite4=VARIANTS[variant], hf_original=is_original)
+    stored = mx.load(str(path / "model.safetensors"))
+    if variant != "all-attention":
+        assert stored["model.layers.0.mamba.conv1d.weight"].shape == ((192, 1, 4) if is_original else (192, 4, 1))
+    if variant == "hybrid-moe":
+        assert ("model.layers.0.block_sparse_moe.input_linear.weight" in stored) == is_original
+    else:
+        assert ("model.layers.0.shared_mlp.input_linear.weight" in stored) == is_original
+    got, want = load_model(path, keep_dtype=True).model(TOKENS), mlx_lm.load(str(path))[0](TOKENS)
+    assert mx.allclose(got, want, atol=1e-4).item()
+
+
+def test_the_attention_layers_rotate_only_where_the_config_says_rope(make_checkpoint):
+    """-micro's "rope" and -h-'s "nope" give different logits (mlx-lm's agree with both)."""
+    rope = make_checkpoint("granitemoehybrid", num_layers=4, granite4=ALL_ATTENTION)
+    nope = make_checkpoint("granitemoehybrid", num_layers=4, granite4={**ALL_ATTENTION, "position_embedding_type": "nope"})
+    a, b = (load_model(p, keep_dtype=True).model(TOKENS) for p in (rope, nope))
+    assert mx.allclose(b, mlx_lm.load(str(nope))[0](TOKENS), atol=1e-4).item()
+    assert not mx.allclose(a, b, atol=1e-2).item()
+
+
+@pytest.mark.parametrize("variant", ["hybrid-moe", "hybrid-dense"])
+def test_a_quantized_checkpoint_matches_mlx_lms_quantized_model(make_checkpoint, variant):
+    path = make_checkpoint("granitemoehybrid", num_layers=4, granite4=VARIANTS[variant], quantize=(32, 4))
+    assert "model.layers.0.mamba.in_proj.scales" in mx.load(str(path / "model.safetensors"))
+    got, want = load_model(path).model(TOKENS), mlx_lm.load(str(path))[0](TOKENS)
+    assert mx.allclose(got, want, atol=1e-3).item()
+
+
+def test_only_the_attention_layers_get_kv_pools(make_checkpoint):
+    engine = engine_for(make_checkpoint("granitemoehybrid", num_layers=4))
+    assert engine.config.extra["mamba_layers"] == (True, True, False, True) and len(engine.kv.keys) == 1
+    # 4 rows x 3 Mamba2 layers x (3 conv inputs x 192 channels + 8 heads x 16 x 16), float32.
+    assert engine.recurrent_bytes == 4 * 3 * (3 * 192 + 8 * 16 * 16) * 4
+
+
+def test_a_row_alone_matches_mlx_lm(checkpoint, expected):
+    engine = engine_for(checkpoint)
+    for rid in PROMPTS:
+        assert run(engine, policy_for(engine), [rid])[rid].tokens == tuple(expected[rid]), rid
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+@pytest.mark.parametrize(("chunk", "budget"), [(256, 512), (3, 6)], ids=["whole-prompts", "small-chunks"])
+def test_rows_in_mixed_steps_match_mlx_lm(checkpoint, expected, lookahead, chunk, budget):
+    engine = engine_for(checkpoint)
+    policy = policy_for(engine, chunk=chunk, budget=budget)
+    kinds = []
+
+    def note(plan):  # steps with both a decode token and a prompt chunk of another row
+        prefill = [span.is_prefill for span in plan.spans]
+        kinds.append(any(prefill) and not all(prefill))
+
+    got = run(engine, policy, PROMPTS, lookahead, on_step=note)
+    assert {rid: list(r.tokens) for rid, r in got.items()} == expected
+    assert any(kinds) or chunk == 256
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_a_preempted_row_recomputes_its_state_from_the_start(checkpoint, expected, lookahead):
+    engine = engine_for(checkpoint)
+    policy = policy_for(engine, chunk=4, budget=8, num_blocks=12)  # too few for all four rows
+    got = run(engine, policy, PROMPTS, lookahead)
+    assert policy.num_preemptions > 0
+    assert {rid: list(r.tokens) for rid, r in got.items()} == expected
+
+
+def granite_4_h_tiny(**changes):
+    """granite-4.0-h-tiny's config.json (its fields as released)."""
+    layer_types = ["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)]
+    raw = {
+        "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+        "attention_bias": False, "attention_multiplier": 0.0078125, "embedding_multiplier": 12,
+        "hidden_act": "silu", "hidden_size": 1536, "intermediate_size": 512, "layer_types": layer_types,
+        "logits_scaling": 6, "mamba_chunk_size": 256, "mamba_conv_bias": True, "mamba_d_conv": 4,
+        "mamba_d_head": 64, "mamba_d_state": 128, "mamba_expand": 2, "mamba_n_groups": 1, "mamba_n_heads": 48,
+        "mamba_proj_bias": False, "max_position_embeddings": 131072, "num_attention_heads": 12,
+        "num_experts_per_tok": 6, "num_hidden_layers": 40, "num_key_value_heads": 4, "num_local_experts": 64,
+        "position_embedding_type": "nope", "residual_multiplier": 0.22, "rms_norm_eps": 1e-05,
+        "rope_scaling": None, "rope_theta": 10000, "shared_intermediate_size": 1024,
+        "tie_word_embeddings": True, "vocab_size": 100352, "eos_token_id": 100257,
+    }
+    return {**raw, **changes}
+
+
+def test_granite_4_h_tiny_config_reads_as_released():
+    config = config_from_dict(granite_4_h_tiny())
+    experts, mamba = config.extra["experts"], config.extra["mamba"]
+    assert experts.num_experts == 64 and experts.top_k == 6 and experts.intermediate_size == 512
+    assert experts.shared_intermediate_size == 1024 and all(experts.sparse_layers)
+    assert config.kv_layers == 4 and config.head_dim == 128 and not config.extra["rotates"]
+    assert mamba["conv_dim"] == 48 * 64 + 2 * 128 and mamba["time_step_limit"] == (0.001, 100.0)
+    # 36 Mamba2 layers x (3 conv inputs x 3328 channels + 48 heads x 64 x 128), float32: ~58 MB a row.
+    assert config.recurrent_row_bytes == 36 * (3 * 3328 + 48 * 64 * 128) * 4
+
+
+def test_a_dense_model_runs_the_shared_mlps_width():
+    """-h-micro's dense FFN is its shared MLP (transformers' `shared_mlp`), `shared_intermediate_size` wide."""
+    config = config_from_dict(granite_4_h_tiny(num_local_experts=0, intermediate_size=999))
+    assert config.extra["experts"] is None and config.intermediate_size == 1024
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"layer_types": ["mamba"] * 40}, "needs at least one attention layer"),
+        ({"layer_types": None}, "needs at least one attention layer"),
+        ({"layer_types": ["mamba"] * 39}, "layer_types needs 40 entries of 'mamba' or 'attention'"),
+        ({"position_embedding_type": "alibi"}, "position_embedding_type must be 'rope' or 'nope'"),
+        ({"mamba_n_groups": 5}, "mamba_n_heads (48) is not a multiple of mamba_n_groups (5)"),
+        ({"mamba_d_conv": 1}, "mamba_d_conv must be at least 2"),
+        ({"mamba_d_state": None}, "missing required field 'mamba_d_state'"),
+        ({"time_step_limit": [1.0]}, "time_step_limit must be [low, high]"),
+        ({"shared_intermediate_size": None}, "missing required field 'shared_intermediate_size'"),
+        ({"num_experts_per_tok": 65}, "num_experts_per_tok (65) is more than the 64 experts"),
+        ({"residual_multiplier": 0}, "residual_multiplier must be a positive number"),
+    ],
+)
+def test_a_malformed_config_is_one_line(changes, message):
+    raw = {name: value for name, value in granite_4_h_tiny(**changes).items() if value is not None or name == "rope_scaling"}
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        config_from_dict(raw)
