@@ -4,6 +4,7 @@ the model alone, both weight forms, quantized, and through the paged engine, who
 carry each Mamba2 layer's conv inputs and SSM state (runtime/kv/recurrent.py) across
 chunks, mixed steps, lookahead and preemption."""
 
+import json
 import re
 
 from runtime.checkpoint import load_model
@@ -78,6 +79,17 @@ def test_a_quantized_checkpoint_matches_mlx_lms_quantized_model(make_checkpoint,
     path = make_checkpoint("granitemoehybrid", num_layers=4, granite4=VARIANTS[variant], quantize=(32, 4))
     assert "model.layers.0.mamba.in_proj.scales" in mx.load(str(path / "model.safetensors"))
     got, want = load_model(path).model(TOKENS), mlx_lm.load(str(path))[0](TOKENS)
+    assert mx.allclose(got, want, atol=1e-3).item()
+
+
+def test_mlx_lms_own_4_bit_conversion_with_its_8_bit_routers_matches_mlx_lm(make_checkpoint, tmp_path):
+    """mlx-community's layout as mlx-lm's convert writes it: routers at 8 bits in groups of
+    64 (per-layer entries in config.json's quantization), the rest at 4."""
+    source = make_checkpoint("granitemoehybrid", num_layers=4)
+    mlx_lm.convert(str(source), str(tmp_path / "q"), quantize=True, q_group_size=32, q_bits=4)
+    quantization = json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]
+    assert quantization["model.layers.0.block_sparse_moe.router.layer"] == {"group_size": 64, "bits": 8}
+    got, want = load_model(tmp_path / "q").model(TOKENS), mlx_lm.load(str(tmp_path / "q"))[0](TOKENS)
     assert mx.allclose(got, want, atol=1e-3).item()
 
 
