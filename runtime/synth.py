@@ -111,7 +111,8 @@ def make_tiny_checkpoint(
     attention (NoPE), the rest Mamba2, routed experts beside a shared MLP twice
     `intermediate_size`; `granite4` holds the variant's own fields (e.g.
     `{"num_local_experts": 0}` for -h-micro's dense FFN, `layer_types` all "attention"
-    and `position_embedding_type` "rope" for -micro's). `hf_original` as LFM2's.
+    and `position_embedding_type` "rope" for -micro's). `hf_original` as LFM2's. Granite 3
+    MoE (`granitemoe`) routes every layer's MLP, its experts stored as Granite 4.0's.
 
     `vocab_size` above the demo tokenizer's adds embedding rows no text encodes to
     (a large-vocabulary model, e.g. 151,936 as Qwen's).
@@ -175,7 +176,7 @@ def make_tiny_checkpoint(
     if family in QWEN_VL_TEXT:
         is_original = quantize is None if hf_original is None else hf_original
         weights = qwen_vl_weights(weights, family, is_original, seed)
-    if family == "granitemoehybrid" and (quantize is None if hf_original is None else hf_original):
+    if family in ("granitemoehybrid", "granitemoe") and (quantize is None if hf_original is None else hf_original):
         weights = granite4_original_weights(weights)
     if family in MULTIMODAL:
         weights = {f"language_model.{name}": w for name, w in weights.items()}

@@ -35,6 +35,7 @@ ARCHITECTURES = {
     "olmo3": "Olmo3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -252,6 +253,16 @@ def hf_config(
         raw.update(granite4 or {})  # the variant's own fields (e.g. num_local_experts 0, all attention)
         if not raw["num_local_experts"]:  # dense: the shared MLP alone, both widths the same as released
             raw["intermediate_size"] = raw["shared_intermediate_size"]
+    if family == "granitemoe":  # Granite 3's multipliers, every layer's MLP routed experts
+        raw.update(
+            attention_bias=False,
+            embedding_multiplier=12.0,
+            attention_multiplier=1.0 / (head_dim or hidden_size // num_heads),
+            residual_multiplier=0.22,
+            logits_scaling=6.0,
+            num_local_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+        )
     if family == "olmo2":
         raw["attention_bias"] = False
     if family == "olmo3":  # every fourth layer full, as the releases

@@ -79,6 +79,7 @@ FAMILIES: dict[str, ModuleType] = {
     "olmo2": olmo2,
     "olmo3": olmo3,
     "granite": granite,
+    "granitemoe": granitemoehybrid,  # Granite 3 MoE: Granite 4.0's decoder, all attention, experts alone
     "granitemoehybrid": granitemoehybrid,  # Granite 4.0: all attention, or a hybrid with Mamba2 layers
     "gemma": gemma,
     "gemma2": gemma2,

@@ -30,6 +30,10 @@ else that shared MLP alone, which mlx-lm's conversions store as `mlp`
 each layer's experts as `block_sparse_moe.input_linear` [E, 2 I, hidden] (gate rows
 first) and `output_linear`, and conv weights [C, 1, K]; both forms load, told apart as
 mlx-lm's sanitize does.
+
+Granite 3 MoE (`granitemoe`: granite-3.0-1b-a400m, -3b-a800m, 3.1's) is the same
+decoder with every layer rotated attention and routed experts alone (no shared MLP),
+as mlx-lm's `granitemoe` runs it.
 """
 
 from __future__ import annotations
@@ -57,14 +61,20 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
     llama.check_activation(fields)
     source, num_layers = fields.source, fields.get("num_hidden_layers", int)
     multipliers = granite.read_multipliers(fields)
-    is_mamba = _mamba_layers(fields, num_layers)
+    if fields.raw["model_type"] == "granitemoe":  # Granite 3 MoE: rotated attention and experts alone
+        is_mamba, position_type = [False] * num_layers, "rope"
+        num_experts, shared_width = fields.get("num_local_experts", int), None
+    else:
+        is_mamba = _mamba_layers(fields, num_layers)
+        position_type = fields.get("position_embedding_type", str, None)
+        num_experts = fields.raw.get("num_local_experts") or 0
+        shared_width = fields.get("shared_intermediate_size", int, None)
+        if num_experts and shared_width is None:
+            raise CheckpointError(f"{source}: missing required field 'shared_intermediate_size'")
     if all(is_mamba):  # the KV pools' sizing, and every released config, has one
         raise CheckpointError(f"{source}: a Granite 4.0 model needs at least one attention layer")
-    position_type = fields.get("position_embedding_type", str, None)
     if position_type not in (None, "rope", "nope"):
         raise CheckpointError(f"{source}: position_embedding_type must be 'rope' or 'nope', got {position_type!r}")
-    num_experts = fields.raw.get("num_local_experts") or 0
-    shared_width = fields.get("shared_intermediate_size", int, None)
     if num_experts == 0 and shared_width is None:
         shared_width = fields.get("intermediate_size", int)
     mamba = _mamba(fields) if any(is_mamba) else None
@@ -133,8 +143,6 @@ def _mamba(fields: ConfigFields) -> dict[str, Any]:
 
 
 def _experts(fields: ConfigFields, num_experts: int, shared_width: int | None) -> Experts:
-    if shared_width is None:
-        raise CheckpointError(f"{fields.source}: missing required field 'shared_intermediate_size'")
     return Experts.read(
         fields,
         num_experts=fields.get("num_local_experts", int),
@@ -254,8 +262,8 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         else:
             self.block_sparse_moe = SparseMoE(config.hidden_size, experts)
-            assert experts.shared_intermediate_size is not None
-            self.shared_mlp = SharedMLP(config.hidden_size, experts.shared_intermediate_size)
+            if experts.shared_intermediate_size is not None:  # Granite 3 MoE has none
+                self.shared_mlp = SharedMLP(config.hidden_size, experts.shared_intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.residual_multiplier = config.extra["residual_multiplier"]
@@ -268,8 +276,10 @@ class DecoderLayer(nn.Module):
         normed = self.post_attention_layernorm(h)
         if "mlp" in self:
             ffn = self.mlp(normed)
-        else:
+        elif "shared_mlp" in self:
             ffn = self.block_sparse_moe(normed) + self.shared_mlp(normed)
+        else:
+            ffn = self.block_sparse_moe(normed)
         return h + ffn * m
 
     def plan_blocks(self) -> None:

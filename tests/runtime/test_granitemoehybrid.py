@@ -1,5 +1,5 @@
 """Granite 4.0 (`granitemoehybrid`: all attention, or Mamba2 + attention, with routed
-experts or a dense MLP) against mlx-lm's `granitemoehybrid` on tiny random checkpoints:
+experts or a dense MLP) and Granite 3 MoE (`granitemoe`) against mlx-lm's `granitemoehybrid` on tiny random checkpoints:
 the model alone, both weight forms, quantized, and through the paged engine, whose rows
 carry each Mamba2 layer's conv inputs and SSM state (runtime/kv/recurrent.py) across
 chunks, mixed steps, lookahead and preemption."""
@@ -185,4 +185,40 @@ def test_a_dense_model_runs_the_shared_mlps_width():
 def test_a_malformed_config_is_one_line(changes, message):
     raw = {name: value for name, value in granite_4_h_tiny(**changes).items() if value is not None or name == "rope_scaling"}
     with pytest.raises(CheckpointError, match=re.escape(message)):
+        config_from_dict(raw)
+
+
+@pytest.mark.parametrize("is_original", [True, False], ids=["hf-original", "mlx-converted"])
+def test_granite_3_moe_logits_match_mlx_lm_in_both_weight_forms(make_checkpoint, is_original):
+    """`granitemoe`: every layer rotated attention and routed experts, no shared MLP."""
+    path = make_checkpoint("granitemoe", num_layers=3, hf_original=is_original)
+    stored = mx.load(str(path / "model.safetensors"))
+    assert ("model.layers.0.block_sparse_moe.input_linear.weight" in stored) == is_original
+    assert not any("shared_mlp" in name for name in stored)
+    got, want = load_model(path, keep_dtype=True).model(TOKENS), mlx_lm.load(str(path))[0](TOKENS)
+    assert mx.allclose(got, want, atol=1e-4).item()
+
+
+def test_mlx_lms_own_mixed_4_and_8_bit_granite_3_moe_conversion_matches_mlx_lm(make_checkpoint, tmp_path):
+    """mlx-lm's convert keeps granitemoe's routers, o_proj and lm_head at 8 bits."""
+    source = make_checkpoint("granitemoe", num_layers=3)
+    mlx_lm.convert(str(source), str(tmp_path / "q"), quantize=True, q_group_size=32, q_bits=4)
+    quantization = json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]
+    assert quantization["model.layers.0.self_attn.o_proj"] == {"group_size": 64, "bits": 8}
+    got, want = load_model(tmp_path / "q").model(TOKENS), mlx_lm.load(str(tmp_path / "q"))[0](TOKENS)
+    assert mx.allclose(got, want, atol=1e-3).item()
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_granite_3_moe_rows_in_mixed_small_chunk_steps_match_mlx_lm(make_checkpoint, lookahead):
+    path = make_checkpoint("granitemoe", num_layers=3)
+    want = greedy_tokens(mlx_lm.load(str(path))[0])
+    engine = engine_for(path)
+    got = run(engine, policy_for(engine, chunk=3, budget=6), PROMPTS, lookahead)
+    assert {rid: list(r.tokens) for rid, r in got.items()} == want
+
+
+def test_a_granite_3_moe_config_without_experts_is_one_line():
+    raw = {name: value for name, value in granite_4_h_tiny(model_type="granitemoe").items() if name != "num_local_experts"}
+    with pytest.raises(CheckpointError, match="missing required field 'num_local_experts'"):
         config_from_dict(raw)
