@@ -10,6 +10,7 @@ import re
 from runtime.checkpoint import load_model
 from runtime.config import config_from_dict
 from runtime.errors import CheckpointError
+from runtime.ladder import BatchLadder
 from runtime.runner import run_offline
 
 import mlx.core as mx
@@ -128,6 +129,13 @@ def test_a_preempted_row_recomputes_its_state_from_the_start(checkpoint, expecte
     policy = policy_for(engine, chunk=4, budget=8, num_blocks=12)  # too few for all four rows
     got = run(engine, policy, PROMPTS, lookahead)
     assert policy.num_preemptions > 0
+    assert {rid: list(r.tokens) for rid, r in got.items()} == expected
+
+
+def test_ladder_pads_never_touch_a_rows_state(checkpoint, expected):
+    engine = engine_for(checkpoint)
+    engine.ladder = BatchLadder(tuple([10.0] * 7 + [1.0] * 9))  # 1..7 tokens run as 8
+    got = run(engine, policy_for(engine, chunk=3, budget=6), PROMPTS, 2)
     assert {rid: list(r.tokens) for rid, r in got.items()} == expected
 
 
