@@ -126,7 +126,7 @@ class ForwardKV(Protocol):
         self, layer: int, x: mx.array, dt: mx.array, B: mx.array, C: mx.array, log_decay: mx.array
     ) -> mx.array:
         """Recurrent `layer`'s Mamba2 scan from each row's state: x [N, H, Dh], dt and
-        log_decay [N, H], B and C [N, H, Ds] -> [N, H, Dh]; see runtime/kv/recurrent.py."""
+        log_decay [N, H], B and C [N, G, Ds] -> [N, H, Dh]; see runtime/kv/recurrent.py."""
         ...
 
 

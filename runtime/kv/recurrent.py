@@ -185,7 +185,7 @@ class RecurrentStep:
         self, layer: int, x: mx.array, dt: mx.array, B: mx.array, C: mx.array, log_decay: mx.array
     ) -> mx.array:
         """Mamba2's state-space scan over each row's tokens in order: x [N, H, Dh], dt and
-        log_decay [N, H] (float32), B and C [N, H, Ds] -> y [N, H, Dh], as `delta_rule`
+        log_decay [N, H] (float32), B and C [N, G, Ds] (a group's heads adjacent) -> y [N, H, Dh], as `delta_rule`
         batches and chunks (runtime/kv/ssm_scan.py). Its state [H, Dh, Ds] is the layer's
         matrix state, where a Gated DeltaNet layer keeps the delta rule's."""
         zeros = mx.zeros((x.shape[1], x.shape[2], B.shape[2]), dtype=mx.float32)

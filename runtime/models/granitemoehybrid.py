@@ -195,8 +195,7 @@ class Mamba2(nn.Module):
         dt = mx.clip(dt, *self.time_step_limit)
         log_decay = dt * -mx.exp(self.A_log.astype(mx.float32))
         heads = inputs.reshape(N, H, Dh)
-        Bs, Cs = (mx.repeat(a.reshape(N, G, Ds), H // G, axis=1) for a in (Bs, Cs))  # a group's heads adjacent
-        y = kv.ssm_scan(self.state_layer, heads, dt, Bs, Cs, log_decay)
+        y = kv.ssm_scan(self.state_layer, heads, dt, Bs.reshape(N, G, Ds), Cs.reshape(N, G, Ds), log_decay)
         y = (y + heads * self.D.astype(heads.dtype)[:, None]).reshape(B, T, -1)
         y = self.norm(kept_rows(y, keep), kept_rows(gate.reshape(B, T, -1), keep))
         return self.out_proj(y)

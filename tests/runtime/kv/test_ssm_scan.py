@@ -7,11 +7,11 @@ import pytest
 from mlx_lm.models.ssm import ssm_attn
 
 
-def inputs(T, H=4, Dh=8, Ds=16, seed=0):
+def inputs(T, H=4, Dh=8, Ds=16, G=2, seed=0):
     mx.random.seed(seed)
     x = mx.random.normal((T, H, Dh))
     dt = mx.logaddexp(mx.random.normal((T, H)), 0)  # softplus: positive
-    B, C = mx.random.normal((T, H, Ds)), mx.random.normal((T, H, Ds))
+    B, C = mx.random.normal((T, G, Ds)), mx.random.normal((T, G, Ds))  # each group 2 heads
     log_decay = dt * -mx.exp(mx.random.normal((H,)))
     state = 0.1 * mx.random.normal((H, Dh, Ds))
     return x, dt, B, C, log_decay, state
@@ -26,9 +26,10 @@ def one_at_a_time(x, dt, B, C, log_decay, state):
 
 
 @pytest.mark.parametrize("T", [1, 5, 64, 65, 160])
-def test_chunks_give_the_outputs_and_state_of_one_token_at_a_time(T):
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_chunks_give_the_outputs_and_state_of_one_token_at_a_time(T, groups):
     """Past 64 tokens the state is carried from chunk to chunk; 65 and 160 pad the last."""
-    args = inputs(T)
+    args = inputs(T, G=groups)
     (y, state), (want_y, want_state) = span_ssm_scan(*args), one_at_a_time(*args)
     assert y.shape == want_y.shape == (T, 4, 8) and state.shape == want_state.shape == (4, 8, 16)
     assert mx.allclose(y, want_y, atol=1e-4).item() and mx.allclose(state, want_state, atol=1e-4).item()
@@ -44,7 +45,8 @@ def test_a_span_split_in_two_continues_from_the_first_halfs_state():
 
 
 def test_it_matches_mlx_lms_scan_from_a_state():
-    """mlx-lm's takes raw dt (it applies softplus(dt + dt_bias)) and A_log; its D is 0 here."""
+    """mlx-lm's takes raw dt (it applies softplus(dt + dt_bias)) and A_log; its D is 0 here.
+    Two groups of two heads each: head h reads group h // 2, as mlx-lm's repeat lays them."""
     T, H = 70, 4
     x, raw_dt, B, C, _, state = inputs(T, seed=5)
     A_log, dt_bias = mx.random.normal((H,)), mx.zeros((H,))
