@@ -168,6 +168,18 @@ def test_granite_4_h_tiny_config_reads_as_released():
     assert config.recurrent_row_bytes == 36 * (3 * 3328 + 48 * 64 * 128) * 4
 
 
+def test_an_auto_mamba_head_width_is_the_expanded_width_over_the_heads():
+    """transformers' "auto": mamba_expand * hidden_size / mamba_n_heads (2 * 1536 / 48)."""
+    assert config_from_dict(granite_4_h_tiny(mamba_d_head="auto")).extra["mamba"]["head_dim"] == 64
+    assert config_from_dict(granite_4_h_tiny(mamba_d_head="auto", mamba_expand=1)).extra["mamba"]["head_dim"] == 32
+
+
+def test_the_all_attention_model_keeps_no_recurrent_state(make_checkpoint):
+    """-micro's layers all store K/V: no state to reserve, so prefix caching stays on."""
+    engine = engine_for(make_checkpoint("granitemoehybrid", num_layers=4, granite4=ALL_ATTENTION))
+    assert engine.states is None and engine.recurrent_bytes == 0 and len(engine.kv.keys) == 4
+
+
 def test_a_dense_model_runs_the_shared_mlps_width():
     """-h-micro's dense FFN is its shared MLP (transformers' `shared_mlp`), `shared_intermediate_size` wide."""
     config = config_from_dict(granite_4_h_tiny(num_local_experts=0, intermediate_size=999))
