@@ -306,17 +306,31 @@ def rename_weights(weights: dict[str, mx.array], config: ModelConfig) -> dict[st
     is_dense = config.extra["experts"] is None
     for layer in range(config.num_hidden_layers):
         prefix = f"model.layers.{layer}"
-        if is_dense and f"{prefix}.shared_mlp.input_linear.weight" in renamed:
+        # Each tensor moved only where stored (and gate and up only where they halve): one
+        # left out, or of a wrong shape, is then named by the load's checks.
+        if is_dense and _halves(renamed.get(f"{prefix}.shared_mlp.input_linear.weight"), axis=0):
             gate, up = mx.split(renamed.pop(f"{prefix}.shared_mlp.input_linear.weight"), 2, axis=0)
             renamed[f"{prefix}.mlp.gate_proj.weight"], renamed[f"{prefix}.mlp.up_proj.weight"] = gate, up
-            renamed[f"{prefix}.mlp.down_proj.weight"] = renamed.pop(f"{prefix}.shared_mlp.output_linear.weight")
+        if is_dense:
+            _move(renamed, f"{prefix}.shared_mlp.output_linear.weight", f"{prefix}.mlp.down_proj.weight")
         moe = f"{prefix}.block_sparse_moe"
-        if not is_dense and f"{moe}.input_linear.weight" in renamed:
+        if not is_dense and _halves(renamed.get(f"{moe}.input_linear.weight"), axis=-2):
             gate, up = mx.split(renamed.pop(f"{moe}.input_linear.weight"), 2, axis=-2)
             # copied: the expert kernel reads whole rows
             renamed[f"{moe}.switch_mlp.gate_proj.weight"] = mx.contiguous(gate)
             renamed[f"{moe}.switch_mlp.up_proj.weight"] = mx.contiguous(up)
-            renamed[f"{moe}.switch_mlp.down_proj.weight"] = renamed.pop(f"{moe}.output_linear.weight")
+        if not is_dense:
+            _move(renamed, f"{moe}.output_linear.weight", f"{moe}.switch_mlp.down_proj.weight")
     if config.tie_word_embeddings:  # some checkpoints ship a copy of the tied head
         renamed.pop("lm_head.weight", None)
     return renamed
+
+
+def _move(weights: dict[str, mx.array], name: str, to: str) -> None:
+    if name in weights:
+        weights[to] = weights.pop(name)
+
+
+def _halves(w: mx.array | None, axis: int) -> bool:
+    """Whether `w` is stored and splits into gate and up halves along `axis`."""
+    return w is not None and w.ndim >= 2 and w.shape[axis] % 2 == 0

@@ -242,3 +242,22 @@ def test_a_granite_3_moe_config_without_experts_is_one_line():
     raw = {name: value for name, value in granite_4_h_tiny(model_type="granitemoe").items() if name != "num_local_experts"}
     with pytest.raises(CheckpointError, match="missing required field 'num_local_experts'"):
         config_from_dict(raw)
+
+
+@pytest.mark.parametrize("variant", ["hybrid-moe", "hybrid-dense"])
+@pytest.mark.parametrize("damage", ["no-output-linear", "odd-input-linear"])
+def test_a_damaged_original_mlp_is_a_one_line_refusal(make_checkpoint, tmp_path, variant, damage):
+    """A Hugging Face original's stacked MLP tensors were moved blindly: one left out was a
+    KeyError, gate and up rows of odd count a ValueError from the split."""
+    path = make_checkpoint("granitemoehybrid", num_layers=4, granite4=VARIANTS[variant])
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((path / name).read_bytes())
+    weights = mx.load(str(path / "model.safetensors"))
+    prefix = "model.layers.1." + ("block_sparse_moe" if variant == "hybrid-moe" else "shared_mlp")
+    if damage == "no-output-linear":
+        del weights[f"{prefix}.output_linear.weight"]
+    else:
+        weights[f"{prefix}.input_linear.weight"] = weights[f"{prefix}.input_linear.weight"][..., 1:, :]
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="model.layers.1."):
+        load_model(tmp_path)
