@@ -92,7 +92,7 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
             "mamba_layers": tuple(is_mamba),
             "mamba": mamba,
             "rotates": position_type == "rope",
-            "experts": _experts(fields, num_experts, shared_width) if num_experts else None,
+            "experts": _experts(fields, shared_width) if num_experts else None,
         },
     }
 
@@ -142,7 +142,8 @@ def _mamba(fields: ConfigFields) -> dict[str, Any]:
     }
 
 
-def _experts(fields: ConfigFields, num_experts: int, shared_width: int | None) -> Experts:
+def _experts(fields: ConfigFields, shared_width: int | None) -> Experts:
+    """Every layer's: `num_local_experts` beside a shared MLP `shared_width` wide, if any."""
     return Experts.read(
         fields,
         num_experts=fields.get("num_local_experts", int),
