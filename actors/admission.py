@@ -212,10 +212,13 @@ class Admission:
         parser (as vLLM does): Mistral's models call tools in them (kept where tools
         are offered), as Granite 3's (`<|tool_call|>`) and LFM2's (`<|tool_call_start|>`) do and OLMo 3's may (its
         `<function_calls>` tags), and gpt-oss marks every message of its chat replies
-        with them."""
+        with them. Hermes's `<tool_call>` tags are plain added tokens in Qwen's tokenizers
+        but control tokens in Granite 4.0's: kept where they are (as vLLM's hermes parser)."""
         if self.tool_style in REASONING_STYLES:
             return request.messages is not None
-        calls_in_control_tokens = self.tool_style in ("mistral", "olmo3", "granite", "lfm2")
+        calls_in_control_tokens = self.tool_style in ("mistral", "olmo3", "granite", "lfm2") or (
+            self.tool_style == "hermes" and not set(HERMES_TAGS).isdisjoint(self.tokenizer.control_spellings.values())
+        )
         return calls_in_control_tokens and bool(request.tools) and request.tool_choice != "none"
 
     def thinks(self, request: GenerateRequest) -> bool:

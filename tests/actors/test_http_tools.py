@@ -825,6 +825,7 @@ async def test_a_qwen3_coder_history_renders_its_calls_arguments_as_parameters(q
         ("olmo3", ("<function_calls>", "</function_calls>"), False),
         ("granite", ("<|tool_call|>",), True),  # a special token, as Granite 3's tokenizer holds it
         ("lfm2", ("<|tool_call_start|>", "<|tool_call_end|>"), True),  # special, as LFM2's tokenizer holds them
+        ("hermes", ("<tool_call>", "</tool_call>"), True),  # special, as Granite 4.0's tokenizer holds them
     ],
 )
 async def test_call_markers_that_are_added_tokens_are_written_as_those_tokens_and_parsed(
