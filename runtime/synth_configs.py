@@ -242,7 +242,7 @@ def hf_config(
             num_experts_per_tok=num_experts_per_tok,
             shared_intermediate_size=2 * intermediate_size,
             mamba_n_heads=8,
-            mamba_d_head=16,
+            mamba_d_head=2 * hidden_size // 8,  # mamba_expand * hidden_size over the heads, as transformers checks
             mamba_n_groups=2,
             mamba_d_state=16,
             mamba_d_conv=4,

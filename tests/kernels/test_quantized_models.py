@@ -51,6 +51,9 @@ FAMILIES = {
     "olmo2": dict(),  # norms after each block and over each whole q and k projection
     "olmo3": dict(num_layers=4, sliding_window=8),  # OLMo 2's layer, three in four sliding
     "glm4": dict(head_dim=32),  # half of each head rotated in interleaved pairs; gate_up stored fused
+    # Mamba2 layers (their in_proj and out_proj on the kernels) beside attention, routed and shared MLPs.
+    "granitemoehybrid": dict(num_layers=4),
+    "granitemoe": dict(num_layers=3),  # Granite 3 MoE: the multipliers, routed experts alone
 }
 SHAPE = dict(hidden_size=128, intermediate_size=256)
 
