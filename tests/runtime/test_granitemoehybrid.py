@@ -140,7 +140,7 @@ def test_ladder_pads_never_touch_a_rows_state(checkpoint, expected):
 
 
 def granite_4_h_tiny(**changes):
-    """granite-4.0-h-tiny's config.json (its fields as released)."""
+    """granite-4.0-h-tiny's config.json (its shape and layer types as released)."""
     layer_types = ["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)]
     raw = {
         "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
