@@ -180,6 +180,14 @@ def test_the_all_attention_model_keeps_no_recurrent_state(make_checkpoint):
     assert engine.states is None and engine.recurrent_bytes == 0 and len(engine.kv.keys) == 4
 
 
+def test_a_config_without_a_position_embedding_type_rotates_nothing_as_transformers_reads_it():
+    """transformers' default is None (no rotary embedding at all); mlx-lm's would rotate."""
+    raw = granite_4_h_tiny()
+    del raw["position_embedding_type"]
+    assert not config_from_dict(raw).extra["rotates"]
+    assert config_from_dict(granite_4_h_tiny(position_embedding_type="rope")).extra["rotates"]
+
+
 def test_a_dense_model_runs_the_shared_mlps_width():
     """-h-micro's dense FFN is its shared MLP (transformers' `shared_mlp`), `shared_intermediate_size` wide."""
     config = config_from_dict(granite_4_h_tiny(num_local_experts=0, intermediate_size=999))
