@@ -66,6 +66,15 @@ def test_logits_match_mlx_lm_in_both_weight_forms(make_checkpoint, variant, is_o
     assert mx.allclose(got, want, atol=1e-4).item()
 
 
+def test_mamba_biases_where_the_config_puts_them_match_mlx_lm(make_checkpoint):
+    """`mamba_proj_bias` on in_proj and out_proj; `mamba_conv_bias: false` none on the conv."""
+    path = make_checkpoint("granitemoehybrid", num_layers=4, granite4={"mamba_proj_bias": True, "mamba_conv_bias": False})
+    stored = mx.load(str(path / "model.safetensors"))
+    assert "model.layers.0.mamba.in_proj.bias" in stored and "model.layers.0.mamba.conv1d.bias" not in stored
+    got, want = load_model(path, keep_dtype=True).model(TOKENS), mlx_lm.load(str(path))[0](TOKENS)
+    assert mx.allclose(got, want, atol=1e-4).item()
+
+
 def test_the_attention_layers_rotate_only_where_the_config_says_rope(make_checkpoint):
     """-micro's "rope" and -h-'s "nope" give different logits (mlx-lm's agree with both)."""
     rope = make_checkpoint("granitemoehybrid", num_layers=4, granite4=ALL_ATTENTION)
