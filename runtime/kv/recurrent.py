@@ -6,8 +6,9 @@ layer, a causal convolution's last K - 1 inputs `[K-1, C]` and a delta-rule stat
 `[Hv, Dv, Dk]` (float32; a Mamba2 layer's SSM state `[H, Dh, Ds]` in its place),
 advanced by each of its spans (runtime/kv/delta_rule.py, runtime/kv/ssm_scan.py:
 decoding rows one batched step, a prompt chunk by chunks). The storage interface holds them
-beside the paged K/V: a layer calls `kv.convolve(...)` and `kv.delta_rule(...)` (or `kv.ssm_scan(...)`),
-as an attention layer calls `kv.attend(...)`, and never branches on prefill or decode.
+beside the paged K/V: a layer calls `kv.convolve(...)` and `kv.delta_rule(...)` (or
+`kv.ssm_scan(...)`), as an attention layer calls `kv.attend(...)`, and never branches on
+prefill or decode.
 
     store = RecurrentStore()
     step = store.step(spans)   # each row's state: zeros where its span starts at 0
@@ -185,9 +186,10 @@ class RecurrentStep:
         self, layer: int, x: mx.array, dt: mx.array, B: mx.array, C: mx.array, log_decay: mx.array
     ) -> mx.array:
         """Mamba2's state-space scan over each row's tokens in order: x [N, H, Dh], dt and
-        log_decay [N, H] (float32), B and C [N, G, Ds] (a group's heads adjacent) -> y [N, H, Dh], as `delta_rule`
-        batches and chunks (runtime/kv/ssm_scan.py). Its state [H, Dh, Ds] is the layer's
-        matrix state, where a Gated DeltaNet layer keeps the delta rule's."""
+        log_decay [N, H] (float32), B and C [N, G, Ds] (a group's heads adjacent) -> y
+        [N, H, Dh], batched and chunked as `delta_rule` (runtime/kv/ssm_scan.py). Its state
+        [H, Dh, Ds] is the layer's matrix state, where a Gated DeltaNet layer keeps the
+        delta rule's."""
         zeros = mx.zeros((x.shape[1], x.shape[2], B.shape[2]), dtype=mx.float32)
         return self._matrix_recurrence(layer, zeros, (x, dt, B, C, log_decay), ssm_step, span_ssm_scan)
 
@@ -219,9 +221,9 @@ class RecurrentStep:
             if n == 1:
                 continue
             start = int(self._offsets[i])
-            rows = slice(start, start + n)
+            tokens = slice(start, start + n)
             state = self._layer_states("delta", layer, [i], zeros)[0]
-            y, state = span(*(a[rows] for a in inputs), state)
+            y, state = span(*(a[tokens] for a in inputs), state)
             pieces.append(y)
             order.extend(range(start, start + n))
             new_states[i] = Held(state[None], 0)
