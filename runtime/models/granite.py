@@ -59,8 +59,10 @@ class GraniteLayer(llama.DecoderLayer):
 
 
 class Granite(llama.Decoder):
-    def __init__(self, config: ModelConfig):
-        super().__init__(config, GraniteLayer)
+    """The multipliers around the layers: Granite 3's, or Granite 4.0's (granitemoehybrid.py)."""
+
+    def __init__(self, config: ModelConfig, layer: llama.Layer = GraniteLayer):
+        super().__init__(config, layer)
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.model.embed_tokens(tokens) * self.config.extra["embedding_multiplier"]

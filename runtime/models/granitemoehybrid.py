@@ -286,12 +286,8 @@ class DecoderLayer(nn.Module):
         """None: the one-op blocks would add the branch without its multiplier."""
 
 
-class GraniteHybrid(granite.Granite):
-    def __init__(self, config: ModelConfig):
-        llama.Decoder.__init__(self, config, DecoderLayer)
-
-
-build = GraniteHybrid
+def build(config: ModelConfig) -> granite.Granite:
+    return granite.Granite(config, DecoderLayer)
 
 
 def rename_weights(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
