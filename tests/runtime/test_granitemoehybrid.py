@@ -15,9 +15,11 @@ from runtime.runner import run_offline
 
 import mlx.core as mx
 import mlx_lm
+import numpy as np
 import pytest
 
 from tests.runtime import test_qwen3_5
+from tests.runtime.test_gguf import minimal_gguf, one_line_error
 from tests.runtime.test_qwen3_5 import (
     PROMPTS,
     TOKENS,
@@ -146,6 +148,11 @@ def test_ladder_pads_never_touch_a_rows_state(checkpoint, expected):
     engine.ladder = BatchLadder(tuple([10.0] * 7 + [1.0] * 9))  # 1..7 tokens run as 8
     got = run(engine, policy_for(engine, chunk=3, budget=6), PROMPTS, 2)
     assert {rid: list(r.tokens) for rid, r in got.items()} == expected
+
+
+def test_a_granite_4_gguf_is_a_one_line_refusal(tmp_path):
+    path = minimal_gguf(tmp_path / "g4.gguf", "granitehybrid", {"token_embd.weight": (np.zeros((8, 32), np.float32), None)})
+    assert "unsupported GGUF architecture 'granitehybrid'" in one_line_error(path)
 
 
 def granite_4_h_tiny(**changes):
