@@ -185,7 +185,7 @@ def make_tiny_checkpoint(
             weights[name] = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(DTYPES[dtype])
     if quantize is not None:
         group_size, bits = quantize
-        weights = quantize_weights(weights, group_size, bits, quantize_mode)
+        weights = quantize_weights(weights, group_size, bits, quantize_mode, FLOAT_LAYERS.get(family, ()))
         raw["quantization"] = {"group_size": group_size, "bits": bits, "mode": quantize_mode}
     write_json(out_dir / "config.json", raw)
     write_json(out_dir / "generation_config.json", generation_config(eos_ids(tokenizer)))
@@ -356,7 +356,7 @@ def qwen3_next_weights(
 # The per-expert names Hugging Face stores, by ours, for the routed-experts families.
 EXPERT_NAMES = {
     family: {ours: stored for stored, ours in FAMILIES[family].EXPERT_NAMES.items()}
-    for family in ("qwen3_moe", "qwen2_moe", "mixtral")
+    for family in ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2")
 }
 
 
@@ -422,15 +422,22 @@ def random_weights(model: CausalLM, seed: int) -> dict[str, mx.array]:
     return weights
 
 
+# Layers mlx-lm's conversions leave unquantized (they are no nn.Linear in its model), by
+# the end of their weight's name.
+FLOAT_LAYERS = {"deepseek_v2": (".mlp.gate.weight",)}
+
+
 def quantize_weights(
-    weights: dict[str, mx.array], group_size: int, bits: int, mode: str = "affine"
+    weights: dict[str, mx.array], group_size: int, bits: int, mode: str = "affine", unquantized: tuple[str, ...] = ()
 ) -> dict[str, mx.array]:
-    """mlx-community layout: `X.weight` packed uint32 plus `X.scales` and (affine) `X.biases`."""
+    """mlx-community layout: `X.weight` packed uint32 plus `X.scales` and (affine) `X.biases`;
+    weights whose names end in one of `unquantized` stay as they are."""
     out = {}
     for name, w in weights.items():
         prefix = name.removesuffix(".weight")
         # 3 dimensions: stacked experts, quantized along their inputs as mlx-lm does.
         is_matrix = name.endswith(".weight") and w.ndim in (2, 3) and "norm" not in name
+        is_matrix = is_matrix and not name.endswith(unquantized)
         if is_matrix and w.shape[-1] % group_size == 0:
             packed, scales, *biases = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
             out[name], out[f"{prefix}.scales"] = packed, scales

@@ -29,6 +29,7 @@ ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
@@ -190,6 +191,9 @@ def hf_config(
             decoder_sparse_step=1,
             mlp_only_layers=list(dense_layers),
         )
+    if family == "deepseek_v2":  # V2-Lite's fields (no q LoRA, greedy top-k), its YaRN scaled down
+        raw.update(deepseek_fields(hidden_size, num_heads, head_dim, intermediate_size, num_experts, num_experts_per_tok))
+        raw["rope_scaling"] = rope_scaling or DEEPSEEK_YARN
     if family == "phi3":
         raw.update(attention_bias=False, sliding_window=None)
         raw["original_max_position_embeddings"] = max_position_embeddings
@@ -447,3 +451,43 @@ def qwen_vl_config(family: str, text: dict[str, Any], rope_scaling: dict[str, An
         "tie_word_embeddings": text["tie_word_embeddings"],
         "vision_config": {"model_type": family, "depth": 2, "hidden_size": 8, "deepstack_visual_indexes": [0, 1]},
     }
+# DeepSeek-V2-Lite's YaRN (factor 40 over 4,096 positions) over an original context of
+# 16, so short tests run past it; mscale and mscale_all_dim differ (the releases' are
+# equal) so that the rotated parts' own factor is run too.
+DEEPSEEK_YARN = {
+    "type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.707,
+}
+
+
+def deepseek_fields(
+    hidden_size: int, num_heads: int, head_dim: int | None, intermediate_size: int, num_experts: int, top_k: int
+) -> dict[str, Any]:
+    """MLA with heads of `head_dim` (K: that plus half of it rotated), a latent of half
+    the hidden size; the first layer dense, the rest routed beside two shared experts."""
+    nope = head_dim or hidden_size // num_heads
+    return dict(
+        q_lora_rank=None,
+        kv_lora_rank=hidden_size // 2,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=nope // 2,
+        v_head_dim=nope,
+        attention_bias=False,
+        n_routed_experts=num_experts,
+        n_shared_experts=2,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=intermediate_size,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.5,
+        scoring_func="softmax",
+    )

@@ -16,6 +16,7 @@ from types import ModuleType
 
 from runtime.config import ModelConfig
 from runtime.models import (
+    deepseek_v2,
     gemma,
     gemma2,
     gemma3,
@@ -74,6 +75,7 @@ FAMILIES: dict[str, ModuleType] = {
     "lfm2_moe": lfm2,  # the same with routed experts
     "mixtral": mixtral,
     "gpt_oss": gpt_oss,
+    "deepseek_v2": deepseek_v2,  # Multi-head Latent Attention, routed and shared experts
     "phi3": phi3,
     "glm4": glm4,
     "olmo2": olmo2,

@@ -54,6 +54,7 @@ FAMILIES = {
     # Mamba2 layers (their in_proj and out_proj on the kernels) beside attention, routed and shared MLPs.
     "granitemoehybrid": dict(num_layers=4),
     "granitemoe": dict(num_layers=3),  # Granite 3 MoE: the multipliers, routed experts alone
+    "deepseek_v2": dict(num_layers=3),  # MLA, a float router beside routed and shared experts
 }
 SHAPE = dict(hidden_size=128, intermediate_size=256)
 

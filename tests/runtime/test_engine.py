@@ -83,6 +83,8 @@ PARITY_CASES = {
     "qwen3_moe": ("qwen3_moe", dict(head_dim=32, num_layers=3, dense_layers=(1,))),
     "mixtral": ("mixtral", dict(num_experts=6)),
     "qwen2_moe": ("qwen2_moe", dict(num_layers=3)),  # mlx-lm reads no dense layers for it
+    # MLA (K 24 wide, V 16 padded to it), YaRN past 16 positions, its first layer dense
+    "deepseek_v2": ("deepseek_v2", dict(num_layers=3)),
     "llama-sharded": ("llama", dict(shards=3)),
 }
 
@@ -100,7 +102,7 @@ def test_greedy_parity_with_mlx_lm(make_checkpoint, case):
 
 MIXED_FAMILIES = [
     "llama-gqa4", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "llama3-rope-scaling",
-    "ministral3", "qwen3-yarn",
+    "ministral3", "qwen3-yarn", "deepseek_v2",
 ]
 
 

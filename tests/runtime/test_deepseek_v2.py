@@ -1,0 +1,130 @@
+"""DeepSeek-V2 (MLA and its experts) against mlx-lm, beyond the engine's parity cases
+(tests/runtime/test_engine.py) and the quantized ones (tests/kernels/test_quantized_models.py):
+the pieces that must each be run, what the paged KV stores and counts, preemption."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from runtime.checkpoint import load_model
+from runtime.config import config_from_dict
+from runtime.engine import Engine
+from runtime.errors import CheckpointError
+from runtime.kv.paged import PagedKV
+from runtime.models import build_model
+from runtime.models.deepseek_v2 import LatentExperts
+from runtime.runner import run_offline
+from runtime.synth import (
+    EXPERT_NAMES,
+    make_tiny_checkpoint,
+    per_expert_weights,
+    random_weights,
+    save_weights,
+)
+
+import attrs
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+from tests.runtime.test_engine import PROMPT, generate, mlx_lm_greedy, params, policy_for
+
+TOKENS = mx.array([list(range(5, 45))])  # 40 positions, past YaRN's original 16
+SHAPE = dict(num_layers=3, seed=3)
+
+
+def checkpoint(tmp_path: Path, family: str = "deepseek_v2", **fields) -> Path:
+    """A tiny checkpoint, its config.json's `fields` replaced and its weights remade to fit."""
+    path = make_tiny_checkpoint(tmp_path, family, **SHAPE)
+    if fields:
+        raw = {**json.loads((path / "config.json").read_text()), **fields}
+        (path / "config.json").write_text(json.dumps(raw))
+        weights = random_weights(build_model(config_from_dict(raw)), seed=3)
+        save_weights(path, per_expert_weights(weights, EXPERT_NAMES[family]))
+    return path
+
+
+def test_logits_match_mlx_lm_and_each_part_of_mla_and_the_experts_is_run(tmp_path: Path):
+    path = checkpoint(tmp_path)
+    want = mlx_lm.load(str(path))[0](TOKENS)
+    ours = load_model(path)
+    assert mx.allclose(ours.model(TOKENS), want, atol=1e-4).item()
+    assert want.std().item() > 1.0
+    attention = ours.model.model.layers[1].self_attn
+    assert attention.rope_factor != 1.0  # the synth's mscale and mscale_all_dim differ
+    for part, value in (("rope_factor", 1.0), ("scale", attention.scale * 0.5)):
+        ours = load_model(path)
+        setattr(ours.model.model.layers[1].self_attn, part, value)
+        assert not mx.allclose(ours.model(TOKENS), want, atol=1e-2).item(), part
+    ours = load_model(path)
+    experts = ours.model.model.layers[2].mlp
+    assert isinstance(experts, LatentExperts) and experts.routing.scaling == 1.5
+    experts.routing = attrs.evolve(experts.routing, scaling=1.0)
+    assert not mx.allclose(ours.model(TOKENS), want, atol=1e-2).item()
+    assert not isinstance(ours.model.model.layers[0].mlp, LatentExperts)  # first_k_dense_replace
+
+
+def test_values_wider_than_queries_and_keys_pad_those_instead(tmp_path: Path):
+    """The store's width is the wider of q.k's and v's (GLM-4.7-Flash's are equal)."""
+    path = checkpoint(tmp_path, v_head_dim=32)  # q.k: 16 + 8
+    ours = load_model(path)
+    assert ours.config.head_dim == 32
+    want = mlx_lm.load(str(path))[0](TOKENS)
+    assert mx.allclose(ours.model(TOKENS), want, atol=1e-4).item()
+    assert generate(Engine(ours, max_batch=2), PROMPT, 16, ignore_eos=True)[0] == mlx_lm_greedy(path, PROMPT, 16)
+
+
+def test_the_paged_kv_stores_every_head_at_the_key_width_and_the_budget_counts_it(tmp_path: Path):
+    loaded = load_model(checkpoint(tmp_path))
+    config = loaded.config
+    heads, width = config.num_attention_heads, 16 + 8  # qk_nope_head_dim + qk_rope_head_dim
+    assert (config.num_key_value_heads, config.head_dim) == (heads, width)
+    engine = Engine(loaded, max_batch=2, block_size=4)
+    kv = engine.kv
+    assert kv.keys[0].shape == (heads * kv.num_slots, width) == kv.values[0].shape
+    block = PagedKV.bytes_per_block(3, heads, width, 4, kv.dtype)
+    assert engine.bytes_per_block == block and kv.nbytes == kv.num_blocks * block
+
+
+def test_preempted_rows_recompute_to_the_tokens_they_get_alone(tmp_path: Path):
+    engine = Engine(load_model(checkpoint(tmp_path)), max_batch=4, block_size=4)
+    specs = [(PROMPT, 24), (PROMPT[:5], 24), ([42, 43, 44, 45], 24), ([9] * 9, 24)]
+    alone = [generate(engine, p, max_tokens=n, ignore_eos=True)[0] for p, n in specs]
+    policy = policy_for(engine, chunk=8, budget=12, num_blocks=20)
+    requests = {str(i): params(p, n, ignore_eos=True) for i, (p, n) in enumerate(specs)}
+    got = run_offline(engine, policy, requests)
+    assert [list(got[str(i)].tokens) for i in range(len(specs))] == alone
+    assert policy.num_preemptions > 0
+    policy.pool.check()
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"topk_method": "sinkhorn"}, "topk_method 'sinkhorn' is not supported"),
+        ({"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 1}, "n_group (3) must divide the 4 experts"),
+        ({"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 1}, "num_experts_per_tok (2) is more than"),
+        ({"qk_rope_head_dim": 7}, "qk_rope_head_dim must be even"),
+        ({"first_k_dense_replace": -1}, "first_k_dense_replace must be a whole number"),
+        ({"kv_lora_rank": None}, "field 'kv_lora_rank' should be int"),
+    ],
+)
+def test_a_config_cadence_cannot_run_is_refused_in_one_line(make_checkpoint, fields, says):
+    raw = {**json.loads((make_checkpoint("deepseek_v2", **SHAPE) / "config.json").read_text()), **fields}
+    with pytest.raises(CheckpointError, match=says.replace("(", r"\(").replace(")", r"\)")) as error:
+        config_from_dict(raw)
+    assert "\n" not in str(error.value)
+
+
+def test_group_limited_greedy_routes_within_the_best_groups(tmp_path: Path):
+    """DeepSeek-V2's (full) router: each token's experts from its `topk_group` best groups."""
+    path = checkpoint(tmp_path, topk_method="group_limited_greedy", n_group=2, topk_group=1)
+    ours = load_model(path)
+    want = mlx_lm.load(str(path))[0](TOKENS)
+    assert mx.allclose(ours.model(TOKENS), want, atol=1e-4).item()
+    experts = ours.model.model.layers[1].mlp
+    chosen, _ = experts.route(mx.random.normal((64, 64), key=mx.random.key(1)))
+    groups = chosen // 2  # 4 experts in 2 groups
+    assert (groups[:, 0] == groups[:, 1]).all().item()
+
