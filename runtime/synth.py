@@ -183,6 +183,8 @@ def make_tiny_checkpoint(
         rng = np.random.default_rng(seed)
         for name, shape in VISION_TENSORS.items():
             weights[name] = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(DTYPES[dtype])
+    if family == "deepseek_v3" and quantize is not None:
+        weights = split_kv_b(weights, raw)
     if quantize is not None:
         group_size, bits = quantize
         weights = quantize_weights(weights, group_size, bits, quantize_mode, FLOAT_LAYERS.get(family, ()))
@@ -213,6 +215,22 @@ def fused_projections(
             out[f"{layer}.{into}.weight"] = mx.concatenate(parts_weights)
         elif projection not in absorbed:
             out[name] = w
+    return out
+
+
+def split_kv_b(weights: dict[str, mx.array], raw: dict[str, Any]) -> dict[str, mx.array]:
+    """DeepSeek-V3's kv_b_proj as mlx-lm's conversions store it: per head, the key rows
+    transposed (`embed_q` [H, kv_lora_rank, nope]) and the value rows (`unembed_out`)."""
+    H, nope = raw["num_attention_heads"], raw["qk_nope_head_dim"]
+    out = {}
+    for name, w in weights.items():
+        if not name.endswith(".kv_b_proj.weight"):
+            out[name] = w
+            continue
+        heads = w.reshape(H, -1, w.shape[-1])
+        attention = name.removesuffix(".kv_b_proj.weight")
+        out[f"{attention}.embed_q.weight"] = mx.contiguous(heads[:, :nope].swapaxes(1, 2))
+        out[f"{attention}.unembed_out.weight"] = mx.contiguous(heads[:, nope:])
     return out
 
 
@@ -356,7 +374,7 @@ def qwen3_next_weights(
 # The per-expert names Hugging Face stores, by ours, for the routed-experts families.
 EXPERT_NAMES = {
     family: {ours: stored for stored, ours in FAMILIES[family].EXPERT_NAMES.items()}
-    for family in ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2")
+    for family in ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3")
 }
 
 
@@ -410,6 +428,8 @@ def random_weights(model: CausalLM, seed: int) -> dict[str, mx.array]:
             values = 0.1 * rng.standard_normal(shape)
         elif name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):  # Gemma 4's factors
             values = rng.uniform(0.5, 1.5, shape)
+        elif name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: every biased score above 0
+            values = rng.uniform(0.0, 0.2, shape)
         elif name.endswith(".sinks"):  # gpt-oss's: beside scores of ~N(0, 1), some dominate
             values = rng.uniform(-1.0, 3.0, shape)
         elif name == "model.embed_tokens.weight":
@@ -424,7 +444,7 @@ def random_weights(model: CausalLM, seed: int) -> dict[str, mx.array]:
 
 # Layers mlx-lm's conversions leave unquantized (they are no nn.Linear in its model), by
 # the end of their weight's name.
-FLOAT_LAYERS = {"deepseek_v2": (".mlp.gate.weight",)}
+FLOAT_LAYERS = {"deepseek_v2": (".mlp.gate.weight",), "deepseek_v3": (".mlp.gate.weight",)}
 
 
 def quantize_weights(

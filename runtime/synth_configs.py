@@ -30,6 +30,7 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
@@ -194,6 +195,17 @@ def hf_config(
     if family == "deepseek_v2":  # V2-Lite's fields (no q LoRA, greedy top-k), its YaRN scaled down
         raw.update(deepseek_fields(hidden_size, num_heads, head_dim, intermediate_size, num_experts, num_experts_per_tok))
         raw["rope_scaling"] = rope_scaling or DEEPSEEK_YARN
+    if family == "deepseek_v3":  # V3's: a q LoRA, the sigmoid router over 2 groups (Moonlight: 1, no YaRN)
+        raw.update(deepseek_fields(hidden_size, num_heads, head_dim, intermediate_size, num_experts, num_experts_per_tok))
+        raw.update(
+            q_lora_rank=hidden_size // 2,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            n_group=2,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+        )
     if family == "phi3":
         raw.update(attention_bias=False, sliding_window=None)
         raw["original_max_position_embeddings"] = max_position_embeddings

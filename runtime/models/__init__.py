@@ -17,6 +17,7 @@ from types import ModuleType
 from runtime.config import ModelConfig
 from runtime.models import (
     deepseek_v2,
+    deepseek_v3,
     gemma,
     gemma2,
     gemma3,
@@ -76,6 +77,7 @@ FAMILIES: dict[str, ModuleType] = {
     "mixtral": mixtral,
     "gpt_oss": gpt_oss,
     "deepseek_v2": deepseek_v2,  # Multi-head Latent Attention, routed and shared experts
+    "deepseek_v3": deepseek_v3,  # the same layers, a sigmoid router over groups of experts
     "phi3": phi3,
     "glm4": glm4,
     "olmo2": olmo2,

@@ -55,6 +55,7 @@ FAMILIES = {
     "granitemoehybrid": dict(num_layers=4),
     "granitemoe": dict(num_layers=3),  # Granite 3 MoE: the multipliers, routed experts alone
     "deepseek_v2": dict(num_layers=3),  # MLA, a float router beside routed and shared experts
+    "deepseek_v3": dict(num_layers=3),  # mlx-lm's split kv_b_proj (embed_q, unembed_out), joined at load
 }
 SHAPE = dict(hidden_size=128, intermediate_size=256)
 

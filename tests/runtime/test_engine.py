@@ -85,6 +85,8 @@ PARITY_CASES = {
     "qwen2_moe": ("qwen2_moe", dict(num_layers=3)),  # mlx-lm reads no dense layers for it
     # MLA (K 24 wide, V 16 padded to it), YaRN past 16 positions, its first layer dense
     "deepseek_v2": ("deepseek_v2", dict(num_layers=3)),
+    # a q LoRA, sigmoid routing over 2 groups with a correction bias, no YaRN
+    "deepseek_v3": ("deepseek_v3", dict(num_layers=3)),
     "llama-sharded": ("llama", dict(shards=3)),
 }
 
@@ -102,7 +104,7 @@ def test_greedy_parity_with_mlx_lm(make_checkpoint, case):
 
 MIXED_FAMILIES = [
     "llama-gqa4", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "llama3-rope-scaling",
-    "ministral3", "qwen3-yarn", "deepseek_v2",
+    "ministral3", "qwen3-yarn", "deepseek_v2", "deepseek_v3",
 ]
 
 
