@@ -183,7 +183,7 @@ def make_tiny_checkpoint(
         rng = np.random.default_rng(seed)
         for name, shape in VISION_TENSORS.items():
             weights[name] = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(DTYPES[dtype])
-    if family == "deepseek_v3" and quantize is not None:
+    if family in ("deepseek_v3", "glm4_moe_lite") and quantize is not None:
         weights = split_kv_b(weights, raw)
     if quantize is not None:
         group_size, bits = quantize
@@ -374,7 +374,7 @@ def qwen3_next_weights(
 # The per-expert names Hugging Face stores, by ours, for the routed-experts families.
 EXPERT_NAMES = {
     family: {ours: stored for stored, ours in FAMILIES[family].EXPERT_NAMES.items()}
-    for family in ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3")
+    for family in ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 }
 
 
@@ -444,7 +444,7 @@ def random_weights(model: CausalLM, seed: int) -> dict[str, mx.array]:
 
 # Layers mlx-lm's conversions leave unquantized (they are no nn.Linear in its model), by
 # the end of their weight's name.
-FLOAT_LAYERS = {"deepseek_v2": (".mlp.gate.weight",), "deepseek_v3": (".mlp.gate.weight",)}
+FLOAT_LAYERS = {family: (".mlp.gate.weight",) for family in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")}
 
 
 def quantize_weights(

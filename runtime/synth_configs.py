@@ -31,6 +31,7 @@ ARCHITECTURES = {
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
@@ -205,6 +206,19 @@ def hf_config(
             topk_group=1,
             norm_topk_prob=True,
             routed_scaling_factor=2.5,
+        )
+    if family == "glm4_moe_lite":  # GLM-4.7-Flash's: V3's router over one group, one shared expert
+        raw.update(deepseek_fields(hidden_size, num_heads, head_dim, intermediate_size, num_experts, num_experts_per_tok))
+        raw.update(
+            q_lora_rank=hidden_size // 2,
+            n_shared_experts=1,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            norm_topk_prob=True,
+            routed_scaling_factor=1.8,
+            rms_norm_eps=1e-5,
+            partial_rotary_factor=1.0,
+            num_nextn_predict_layers=1,
         )
     if family == "phi3":
         raw.update(attention_bias=False, sliding_window=None)

@@ -63,6 +63,8 @@ class LatentShape:
     nope_dims: int  # qk_nope_head_dim: the part of q and k without RoPE
     rope_dims: int  # qk_rope_head_dim
     value_dims: int  # v_head_dim
+    # q_a_layernorm's and kv_a_layernorm's: fixed in DeepSeek's code, rms_norm_eps in GLM's
+    norm_eps: float = LATENT_NORM_EPS
 
     @property
     def stored_dims(self) -> int:
@@ -183,10 +185,10 @@ class LatentAttention(nn.Module):
             self.q_proj = nn.Linear(hidden, H * q_dims, bias=False)
         else:
             self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=config.qkv_bias)
-            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, eps=LATENT_NORM_EPS)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, eps=mla.norm_eps)
             self.q_b_proj = nn.Linear(mla.q_lora_rank, H * q_dims, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.kv_lora_rank + mla.rope_dims, bias=config.qkv_bias)
-        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, eps=LATENT_NORM_EPS)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, eps=mla.norm_eps)
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank, H * (mla.nope_dims + mla.value_dims), bias=False)
         self.o_proj = nn.Linear(H * mla.value_dims, hidden, bias=config.o_bias)
         self.rope = RoPE(mla.rope_dims, config.rope_theta, config.rope_scaling)

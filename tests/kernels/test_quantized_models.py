@@ -56,6 +56,7 @@ FAMILIES = {
     "granitemoe": dict(num_layers=3),  # Granite 3 MoE: the multipliers, routed experts alone
     "deepseek_v2": dict(num_layers=3),  # MLA, a float router beside routed and shared experts
     "deepseek_v3": dict(num_layers=3),  # mlx-lm's split kv_b_proj (embed_q, unembed_out), joined at load
+    "glm4_moe_lite": dict(num_layers=3),  # deepseek_v3's layout, its latent norms at rms_norm_eps
 }
 SHAPE = dict(hidden_size=128, intermediate_size=256)
 

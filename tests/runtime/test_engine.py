@@ -87,6 +87,7 @@ PARITY_CASES = {
     "deepseek_v2": ("deepseek_v2", dict(num_layers=3)),
     # a q LoRA, sigmoid routing over 2 groups with a correction bias, no YaRN
     "deepseek_v3": ("deepseek_v3", dict(num_layers=3)),
+    "glm4_moe_lite": ("glm4_moe_lite", dict(num_layers=3)),  # DeepSeek-V3's layout, V as wide as K
     "llama-sharded": ("llama", dict(shards=3)),
 }
 
@@ -105,6 +106,7 @@ def test_greedy_parity_with_mlx_lm(make_checkpoint, case):
 MIXED_FAMILIES = [
     "llama-gqa4", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "llama3-rope-scaling",
     "ministral3", "qwen3-yarn", "deepseek_v2", "deepseek_v3",
+    "glm4_moe_lite",
 ]
 
 

@@ -1,0 +1,32 @@
+"""GLM-4.7-Flash's layout against mlx-lm beyond the engine's parity cases
+(tests/runtime/test_engine.py, tests/kernels/test_quantized_models.py): its latent norms'
+eps, its multi-token-prediction layer dropped, the mlx-lm layout packed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from runtime.checkpoint import load_model
+from runtime.synth import make_tiny_checkpoint, save_weights
+
+import mlx.core as mx
+import mlx_lm
+
+TOKENS = mx.array([list(range(5, 45))])
+SHAPE = dict(num_layers=3, hidden_size=128, intermediate_size=256, seed=7)
+
+
+def test_the_latent_norms_take_rms_norm_eps_and_the_mtp_layer_is_dropped_as_mlx_lm_does(tmp_path: Path):
+    path = make_tiny_checkpoint(tmp_path, "glm4_moe_lite", quantize=(32, 4), **SHAPE)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "rms_norm_eps": 0.5}))  # large enough to show
+    weights = mx.load(str(path / "model.safetensors"))
+    weights["model.layers.3.eh_proj.weight"] = mx.zeros((128, 256))  # the MTP layer, past the 3
+    save_weights(path, weights, is_mlx_format=True)
+    ours = load_model(path)
+    attention = ours.model.model.layers[1].self_attn
+    assert attention.q_a_layernorm.eps == attention.kv_a_layernorm.eps == 0.5
+    want = mlx_lm.load(str(path))[0](TOKENS)
+    assert mx.allclose(ours.model(TOKENS), want, atol=1e-4).item()
+    assert ours.config.head_dim == 32 + 16  # q.k's width; v's (32) padded to it
