@@ -12,7 +12,8 @@ MLA: a token's keys and values come from one latent of `kv_lora_rank` (512):
 RoPE turns only the last `qk_rope_head_dim` of q and k, in interleaved pairs (2i, 2i + 1)
 where cadence pairs halves: their rows of q_proj (q_b_proj) and kv_a_proj_with_mqa are
 reordered at load, evens then odds (as glm4.py), which leaves every score as it is
-(transformers permutes the rotated values instead, to the same effect). Under YaRN,
+(transformers permutes the rotated values instead, to the same effect; its
+`rope_interleave: false` means halves, and nothing is reordered). Under YaRN,
 DeepSeek's code multiplies the rotated parts by mscale(mscale) / mscale(mscale_all_dim)
 (1 in the releases) and the softmax scale, 1 / sqrt(nope + rope), by mscale(mscale_all_dim)².
 
@@ -65,6 +66,9 @@ class LatentShape:
     value_dims: int  # v_head_dim
     # q_a_layernorm's and kv_a_layernorm's: fixed in DeepSeek's code, rms_norm_eps in GLM's
     norm_eps: float = LATENT_NORM_EPS
+    # The rotated dimensions pair as (2i, 2i + 1), as every release's; transformers'
+    # `rope_interleave: false` pairs halves, cadence's own order (mlx-lm ignores the field).
+    interleaved: bool = True
 
     @property
     def stored_dims(self) -> int:
@@ -116,6 +120,7 @@ def read_latent_config(fields: ConfigFields, experts: Experts | None, routing: R
         nope_dims=fields.get("qk_nope_head_dim", int),
         rope_dims=fields.get("qk_rope_head_dim", int),
         value_dims=fields.get("v_head_dim", int),
+        interleaved=fields.get("rope_interleave", bool, True),
     )
     if mla.rope_dims % 2:
         raise CheckpointError(f"{fields.source}: qk_rope_head_dim must be even, got {mla.rope_dims}")
@@ -315,13 +320,13 @@ def build(config: ModelConfig) -> llama.Decoder:
 def rename_weights(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
     """Per-expert tensors stacked into `switch_mlp`; the rotated rows of q_proj (q_b_proj)
     and kv_a_proj_with_mqa (weight, quantized scales and biases, bias) reordered from
-    interleaved pairs to halves."""
+    interleaved pairs to halves, unless the config says they pair halves already."""
     experts: Experts | None = config.extra["experts"]
     if experts is not None:
         stack_experts(weights, experts, layer_prefix="model.layers.{layer}.mlp", names=EXPERT_NAMES)
     mla: LatentShape = config.extra["mla"]
     q_rows = mla.nope_dims + mla.rope_dims
-    for name in list(weights):
+    for name in list(weights) if mla.interleaved else ():
         layer, _, _ = name.rpartition(".")
         if layer.endswith((".self_attn.q_proj", ".self_attn.q_b_proj")):
             weights[name] = _halves_order(name, weights[name], q_rows, mla.nope_dims, mla.rope_dims)

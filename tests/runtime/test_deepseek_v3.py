@@ -16,6 +16,7 @@ from runtime.synth import make_tiny_checkpoint, save_weights
 
 import mlx.core as mx
 import mlx_lm
+import numpy as np
 import pytest
 
 TOKENS = mx.array([list(range(5, 45))])
@@ -71,6 +72,32 @@ def test_dropped_groups_are_never_chosen_even_above_the_kept_groups_biased_score
     best_group = biased.reshape(256, 2, 2).sum(axis=-1).argmax(axis=-1)  # 2 experts a group: both its best
     assert (chosen // 2 == best_group[:, None]).all().item()
     assert mx.allclose(weights.sum(axis=-1), mx.array(2.5)).item()  # normalised, times the scaling
+
+
+def test_rope_interleave_false_pairs_halves_as_transformers_reads_it(tmp_path: Path):
+    """mlx-lm always pairs (2i, 2i + 1); its logits on weights whose rotated rows were
+    interleaved from halves are cadence's on the weights as they are, read as halves."""
+    path = make_tiny_checkpoint(tmp_path / "halves", "deepseek_v3", **SHAPE)
+    edited(path, rope_interleave=False)
+    weights = weights_of(path)
+    mla = config_from_dict(json.loads((path / "config.json").read_text())).extra["mla"]
+    interleaved = make_tiny_checkpoint(tmp_path / "pairs", "deepseek_v3", **SHAPE)
+    for name, w in weights.items():
+        if name.endswith(("q_b_proj.weight", "kv_a_proj_with_mqa.weight")):
+            rows = w.shape[0] // (mla.nope_dims + mla.rope_dims) if "q_b" in name else 1
+            block = w.shape[0] // rows
+            start = block - mla.rope_dims
+            half = mla.rope_dims // 2
+            within = np.arange(block)
+            within[start:] = start + np.stack([np.arange(half), half + np.arange(half)], axis=1).reshape(-1)
+            weights[name] = w[mx.array((np.arange(rows)[:, None] * block + within).reshape(-1))]
+    save_weights(interleaved, weights)
+    want = mlx_lm.load(str(interleaved))[0](TOKENS)
+    ours = load_model(path)
+    assert not ours.config.extra["mla"].interleaved
+    assert mx.allclose(ours.model(TOKENS), want, atol=1e-4).item()
+    read_as_pairs = load_model(edited(path, rope_interleave=True))
+    assert not mx.allclose(read_as_pairs.model(TOKENS), want, atol=1e-2).item()
 
 
 def test_fp8_originals_are_refused_in_one_line(tmp_path: Path):
