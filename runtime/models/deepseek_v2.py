@@ -147,14 +147,17 @@ def read_experts(fields: ConfigFields) -> Experts | None:
         raise CheckpointError(f"{fields.source}: first_k_dense_replace must be a whole number, got {first_sparse!r}")
     every = fields.get("moe_layer_freq", int, 1)
     num_layers = fields.get("num_hidden_layers", int)
+    # Null or 0: no shared experts (SGLang and vLLM read 0 so; the releases have 1 or 2).
+    is_zero = fields.raw.get("n_shared_experts") == 0 and fields.raw.get("n_shared_experts") is not False
+    shared = None if is_zero else fields.get("n_shared_experts", int, None)
+    width = fields.get("moe_intermediate_size", int)
     return Experts.read(
         fields,
         num_experts=num_experts,
-        intermediate_size=fields.get("moe_intermediate_size", int),
+        intermediate_size=width,
         normalize=False,  # the Routing's
         dense_layers=[i for i in range(num_layers) if i < first_sparse or i % every],
-        shared_intermediate_size=fields.get("moe_intermediate_size", int) * (fields.get("n_shared_experts", int, None) or 0)
-        or None,
+        shared_intermediate_size=None if shared is None else width * shared,
     )
 
 

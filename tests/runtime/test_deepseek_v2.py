@@ -118,6 +118,13 @@ def test_a_config_cadence_cannot_run_is_refused_in_one_line(make_checkpoint, fie
     assert "\n" not in str(error.value)
 
 
+def test_no_shared_experts_where_the_config_says_none_or_zero(tmp_path: Path):
+    for count in (None, 0):
+        path = checkpoint(tmp_path / str(count), n_shared_experts=count)
+        experts = load_model(path).model.model.layers[1].mlp
+        assert isinstance(experts, LatentExperts) and "shared_experts" not in experts
+
+
 def test_group_limited_greedy_routes_within_the_best_groups(tmp_path: Path):
     """DeepSeek-V2's (full) router: each token's experts from its `topk_group` best groups."""
     path = checkpoint(tmp_path, topk_method="group_limited_greedy", n_group=2, topk_group=1)
