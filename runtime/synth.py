@@ -107,12 +107,20 @@ def make_tiny_checkpoint(
     `qwen3_vl_moe`: under `text_config`) hold a qwen2, qwen3 or qwen3_moe text model beside
     a stub vision tower; `hf_original` as above names Hugging Face's weights (Qwen3-VL-MoE's
     experts fused) or mlx-vlm's conversion (runtime/models/qwen_vl.py).
+
     Granite 4.0 (`granitemoehybrid`) is granite-4.0-h-tiny's layout: every third layer
     attention (NoPE), the rest Mamba2, routed experts beside a shared MLP twice
     `intermediate_size`; `granite4` holds the variant's own fields (e.g.
     `{"num_local_experts": 0}` for -h-micro's dense FFN, `layer_types` all "attention"
     and `position_embedding_type` "rope" for -micro's). `hf_original` as LFM2's. Granite 3
     MoE (`granitemoe`) routes every layer's MLP, its experts stored as Granite 4.0's.
+
+    DeepSeek's MLA families (`deepseek_v2`: V2-Lite's fields and a scaled-down YaRN;
+    `deepseek_v3`: a q LoRA and the sigmoid router over 2 groups; `glm4_moe_lite`) have
+    heads of `head_dim` (K that plus half of it rotated), a latent of half `hidden_size`,
+    the first layer dense and `num_experts` routed beside shared ones; float weights in
+    Hugging Face's layout, quantized ones in mlx-lm's (the router float; V3's and GLM's
+    kv_b_proj split per head into `embed_q` and `unembed_out`).
 
     `vocab_size` above the demo tokenizer's adds embedding rows no text encodes to
     (a large-vocabulary model, e.g. 151,936 as Qwen's).
