@@ -47,6 +47,19 @@ def test_logits_match_mlx_lm_in_every_layout(tmp_path: Path, quantize):
     assert want.std().item() > 1.0
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite"])
+def test_what_mlx_lm_convert_writes_unquantized_loads(tmp_path: Path, family):
+    """mlx-lm's float conversion: the experts stacked, kv_b_proj split into float embed_q
+    and unembed_out (its quantized ones: tests/kernels/test_quantized_models.py)."""
+    source = make_tiny_checkpoint(tmp_path / "hf", family, **SHAPE)
+    mlx_lm.convert(str(source), str(tmp_path / "mlx"))
+    stored = mx.load(str(tmp_path / "mlx" / "model.safetensors"))
+    assert "model.layers.1.self_attn.embed_q.weight" in stored
+    assert "model.layers.1.mlp.switch_mlp.gate_proj.weight" in stored
+    want = load_model(source).model(TOKENS)
+    assert mx.allclose(load_model(tmp_path / "mlx").model(TOKENS), want, atol=1e-4).item()
+
+
 def test_multi_token_prediction_layers_are_dropped(tmp_path: Path):
     """DeepSeek-V3's layer 61 (past num_hidden_layers' 61) holds its MTP module (mlx-lm
     drops that number alone)."""
