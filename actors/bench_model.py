@@ -137,7 +137,7 @@ def count_parameters(checkpoint: Path) -> int:
     """Weights a token's forward multiplies, from the safetensors headers: quantized
     weights count their unpacked size; an untied embedding table is left out, and so is
     Gemma 4's per-layer one (a lookup too); routed experts (qwen3_moe, qwen2_moe, mixtral,
-    gpt_oss, gemma4) count the share a token runs, top k of E."""
+    gpt_oss, gemma4, the DeepSeek-style ones) count the share a token runs, top k of E."""
     config = _config(checkpoint)
     quantization = config.get("quantization")
     bits = quantization.get("bits") if isinstance(quantization, dict) else None
@@ -160,7 +160,8 @@ def count_parameters(checkpoint: Path) -> int:
             name.endswith((".scales", ".biases")) and f"{name.rsplit('.', 1)[0]}.weight" in shapes
         )
     }
-    num_experts = config.get("num_experts", config.get("num_local_experts"))
+    # DeepSeek's configs (deepseek_v2, deepseek_v3, glm4_moe_lite) say n_routed_experts.
+    num_experts = config.get("num_experts", config.get("num_local_experts", config.get("n_routed_experts")))
     top_k = config.get("num_experts_per_tok", config.get("top_k_experts"))  # Gemma 4's name
     if _is_size(num_experts) and _is_size(top_k):
         counted = {

@@ -20,6 +20,7 @@ from runtime.errors import CadenceError, CheckpointError
 from runtime.tokenizer import Tokenizer
 
 import attrs
+import mlx.core as mx
 import numpy as np
 import pytest
 import trio
@@ -231,6 +232,17 @@ def test_the_floor_counts_the_experts_a_token_runs(make_checkpoint, family, quan
     per_layer += 3 * h * 2 * ffn + h + (h + 2 * kv) if family == "qwen2_moe" else 0  # + q/k/v biases
     expected = layers * per_layer + h + config["vocab_size"] * h
     assert count_parameters(make_checkpoint(family, quantize=quantize)) == expected
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_the_floor_counts_the_deepseek_experts_a_token_runs(make_checkpoint, family):
+    """DeepSeek's configs name their experts `n_routed_experts`: 2 of the 4 a token runs,
+    beside the shared experts and the dense first layer, whole."""
+    path = make_checkpoint(family, num_layers=3)
+    weights = mx.load(str(path / "model.safetensors"))
+    routed = sum(w.size for name, w in weights.items() if ".experts." in name)
+    rest = sum(w.size for name, w in weights.items() if ".experts." not in name and name != "model.embed_tokens.weight")
+    assert routed and count_parameters(path) == rest + routed * 2 // 4
 
 
 @pytest.mark.parametrize(
