@@ -137,16 +137,12 @@ def read_latent_config(fields: ConfigFields, experts: Experts | None, routing: R
 
 
 def read_experts(fields: ConfigFields) -> Experts | None:
-    """Routed experts where `n_routed_experts` is given; layers before
-    `first_k_dense_replace`, and those off `moe_layer_freq`, dense."""
+    """Routed experts where `n_routed_experts` is given; the layers `mlp_layer_types`
+    (transformers 5's) says "dense", else those before `first_k_dense_replace` and those
+    off `moe_layer_freq`, run the dense MLP."""
     num_experts = fields.get("n_routed_experts", int, None)
     if num_experts is None:
         return None
-    first_sparse = fields.raw.get("first_k_dense_replace") or 0
-    if not isinstance(first_sparse, int) or isinstance(first_sparse, bool) or first_sparse < 0:
-        raise CheckpointError(f"{fields.source}: first_k_dense_replace must be a whole number, got {first_sparse!r}")
-    every = fields.get("moe_layer_freq", int, 1)
-    num_layers = fields.get("num_hidden_layers", int)
     # Null or 0: no shared experts (SGLang and vLLM read 0 so; the releases have 1 or 2).
     is_zero = fields.raw.get("n_shared_experts") == 0 and fields.raw.get("n_shared_experts") is not False
     shared = None if is_zero else fields.get("n_shared_experts", int, None)
@@ -156,9 +152,23 @@ def read_experts(fields: ConfigFields) -> Experts | None:
         num_experts=num_experts,
         intermediate_size=width,
         normalize=False,  # the Routing's
-        dense_layers=[i for i in range(num_layers) if i < first_sparse or i % every],
+        dense_layers=dense_layers(fields),
         shared_intermediate_size=None if shared is None else width * shared,
     )
+
+
+def dense_layers(fields: ConfigFields) -> list[int]:
+    num_layers = fields.get("num_hidden_layers", int)
+    layer_types = fields.get("mlp_layer_types", list, None)
+    if layer_types is not None:
+        if len(layer_types) != num_layers or not all(kind in ("dense", "sparse") for kind in layer_types):
+            raise CheckpointError(f"{fields.source}: mlp_layer_types needs {num_layers} entries of 'dense' or 'sparse'")
+        return [i for i, kind in enumerate(layer_types) if kind == "dense"]
+    first_sparse = fields.raw.get("first_k_dense_replace") or 0
+    if not isinstance(first_sparse, int) or isinstance(first_sparse, bool) or first_sparse < 0:
+        raise CheckpointError(f"{fields.source}: first_k_dense_replace must be a whole number, got {first_sparse!r}")
+    every = fields.get("moe_layer_freq", int, 1)
+    return [i for i in range(num_layers) if i < first_sparse or i % every]
 
 
 def check_routing(fields: ConfigFields, experts: Experts, routing: Routing) -> None:

@@ -14,6 +14,9 @@ from runtime.models import deepseek_v2, deepseek_v3
 
 import attrs
 
+# transformers' Glm4MoeLiteConfig defaults (its mlp_layer_types: the first layer dense),
+# as mlx-lm's, for fields a config may leave out.
+DEFAULTS = {"first_k_dense_replace": 1}
 build = deepseek_v2.build
 EXPERT_NAMES = deepseek_v2.EXPERT_NAMES  # stored: ours
 rename_weights = deepseek_v3.rename_weights
