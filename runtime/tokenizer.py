@@ -119,6 +119,11 @@ class Tokenizer:
         """
         path = Path(path)
         tokenizer_file = path / "tokenizer.json"
+        if not is_present(tokenizer_file) and is_present(path / "tiktoken.model"):
+            # Moonlight's and Kimi's: BPE ranks their own Python code reads, with its pattern.
+            raise CheckpointError(
+                f"{path}: its tokenizer is tiktoken.model, which cadence does not read (it has no tokenizer.json)"
+            )
         raw = _read_json(tokenizer_file, required=True)
         try:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))

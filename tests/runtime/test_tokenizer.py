@@ -196,6 +196,15 @@ def test_template_raise_exception_message_reaches_the_client(ours):
 # --- loader errors ---------------------------------------------------------------------
 
 
+def test_a_tiktoken_tokenizer_is_named_as_what_cadence_cannot_read(tmp_path):
+    """Moonlight's and Kimi's checkpoints ship tiktoken.model (read by their own Python
+    code), no tokenizer.json: "the checkpoint has no tokenizer" was untrue."""
+    (tmp_path / "tiktoken.model").write_text("IQ== 0\n")
+    with pytest.raises(CheckpointError, match=r"tiktoken\.model.*no tokenizer\.json") as error:
+        Tokenizer.from_dir(tmp_path)
+    assert "has no tokenizer)" not in str(error.value)
+
+
 def test_missing_tokenizer_json_names_the_file(tmp_path):
     with pytest.raises(CheckpointError, match="tokenizer.json"):
         Tokenizer.from_dir(tmp_path)
