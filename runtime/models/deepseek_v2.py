@@ -18,17 +18,18 @@ DeepSeek's code multiplies the rotated parts by mscale(mscale) / mscale(mscale_a
 (1 in the releases) and the softmax scale, 1 / sqrt(nope + rope), by mscale(mscale_all_dim)².
 
 KV: the paged store keeps K and V per head at one width, so K is stored whole (nope +
-rope, 192) and V zero-padded to it (128 -> 192; the padded output columns are dropped),
-and the existing attention runs unchanged. That is 2 x H x 192 values a token and layer
+rope, 192) and V zero-padded to it (128 -> 192; the padded output columns are dropped;
+where V is the wider, q and k are padded instead), and the existing attention runs unchanged. That is 2 x H x 192 values a token and layer
 against the 576 of the latent form (kv_lora_rank + rope) that DeepSeek's own inference
 caches: V2-Lite's 16 heads store 6,144, 10.7 times as many (324 KiB a token in bf16 over
 its 27 layers, against 30 KiB). The budget counts what is stored: `head_dim` is that
 width and every head a KV head.
 
-MoE: layer i routes when i >= `first_k_dense_replace` and i % `moe_layer_freq` == 0 (else
-the dense MLP of `intermediate_size`): softmax scores; `topk_method` "greedy" takes the top
+MoE: layer i routes when i >= `first_k_dense_replace` and i % `moe_layer_freq` == 0, or
+where transformers 5's `mlp_layer_types` says "sparse" (else the dense MLP of
+`intermediate_size`): softmax scores; `topk_method` "greedy" takes the top
 `num_experts_per_tok`, "group_limited_greedy" first keeps the `topk_group` of `n_group`
-groups whose best score is highest; the weights are the chosen scores times
+groups whose best score is highest (the others' experts never chosen); the weights are the chosen scores times
 `routed_scaling_factor` (divided by their sum instead where `norm_topk_prob` says, as
 DeepSeek's code does; no release says so). `n_shared_experts` experts' worth of SwiGLU
 (`shared_experts`, ungated) every token runs is added.
