@@ -87,6 +87,35 @@ def test_the_paged_kv_stores_every_head_at_the_key_width_and_the_budget_counts_i
     assert engine.bytes_per_block == block and kv.nbytes == kv.num_blocks * block
 
 
+# DeepSeek-V2-Lite(-Chat)'s config.json, its architecture's fields.
+V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 2048,
+    "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
+    "routed_scaling_factor": 1.0, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+    "num_experts_per_tok": 6, "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": False,
+    "scoring_func": "softmax", "aux_loss_alpha": 0.001, "seq_aux": True, "hidden_act": "silu",
+    "max_position_embeddings": 163840, "initializer_range": 0.02, "rms_norm_eps": 1e-06, "use_cache": True,
+    "bos_token_id": 100000, "eos_token_id": 100001, "pretraining_tp": 1, "tie_word_embeddings": False,
+    "rope_theta": 10000, "attention_bias": False, "attention_dropout": 0.0, "torch_dtype": "bfloat16",
+    "vocab_size": 102400,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+}
+
+
+def test_the_v2_lite_release_config_reads_and_its_kv_costs_what_the_readme_says():
+    config = config_from_dict(V2_LITE)
+    mla = config.extra["mla"]
+    assert (mla.q_lora_rank, mla.kv_lora_rank, mla.nope_dims, mla.rope_dims, mla.value_dims) == (None, 512, 128, 64, 128)
+    assert (config.num_key_value_heads, config.head_dim) == (16, 192)
+    assert config.extra["experts"].sparse_layers == (False,) + (True,) * 26
+    assert config.extra["routing"].scaling == 1.0 and not config.extra["routing"].normalize
+    per_token = PagedKV.bytes_per_block(27, 16, 192, 1, mx.bfloat16)
+    assert per_token == 331_776 and round(per_token / ((512 + 64) * 27 * 2), 1) == 10.7  # 324 KiB, 10.7x
+
+
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
 def test_preempted_rows_recompute_to_the_tokens_they_get_alone(tmp_path: Path, family):
     engine = Engine(load_model(checkpoint(tmp_path, family)), max_batch=4, block_size=4)
