@@ -13,6 +13,7 @@ from runtime.config import config_from_dict
 from runtime.errors import CheckpointError
 from runtime.models.deepseek_v2 import LatentExperts
 from runtime.synth import make_tiny_checkpoint, save_weights
+from runtime.synth_configs import DEEPSEEK_YARN
 
 import mlx.core as mx
 import mlx_lm
@@ -58,6 +59,16 @@ def test_what_mlx_lm_convert_writes_unquantized_loads(tmp_path: Path, family):
     assert "model.layers.1.mlp.switch_mlp.gate_proj.weight" in stored
     want = load_model(source).model(TOKENS)
     assert mx.allclose(load_model(tmp_path / "mlx").model(TOKENS), want, atol=1e-4).item()
+
+
+def test_yarn_as_deepseek_v3_releases_write_it_matches_mlx_lm(tmp_path: Path):
+    """DeepSeek-V3's (factor 40, mscale = mscale_all_dim = 1) over an original 16 positions."""
+    yarn = {**DEEPSEEK_YARN, "mscale": 1.0, "mscale_all_dim": 1.0, "type": "yarn"}
+    path = make_tiny_checkpoint(tmp_path, "deepseek_v3", rope_scaling=yarn, **SHAPE)
+    ours = load_model(path)
+    assert ours.model.model.layers[0].self_attn.rope_factor == 1.0
+    want = mlx_lm.load(str(path))[0](TOKENS)
+    assert mx.allclose(ours.model(TOKENS), want, atol=1e-4).item()
 
 
 def test_multi_token_prediction_layers_are_dropped(tmp_path: Path):
