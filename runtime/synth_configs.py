@@ -477,7 +477,7 @@ def qwen_vl_config(family: str, text: dict[str, Any], rope_scaling: dict[str, An
         "tie_word_embeddings": text["tie_word_embeddings"],
         "vision_config": {"model_type": family, "depth": 2, "hidden_size": 8, "deepstack_visual_indexes": [0, 1]},
     }
-# DeepSeek-V2-Lite's YaRN (factor 40 over 4,096 positions) over an original context of
+# DeepSeek-V2-Lite's YaRN (factor 40 over 4,096 positions) scaled down to factor 4 over
 # 16, so short tests run past it; mscale and mscale_all_dim differ (the releases' are
 # equal) so that the rotated parts' own factor is run too.
 DEEPSEEK_YARN = {
