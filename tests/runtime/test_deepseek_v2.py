@@ -65,6 +65,18 @@ def test_logits_match_mlx_lm_and_each_part_of_mla_and_the_experts_is_run(tmp_pat
     assert not isinstance(ours.model.model.layers[0].mlp, LatentExperts)  # first_k_dense_replace
 
 
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_attention_bias_puts_biases_where_deepseeks_code_does(tmp_path: Path, family):
+    """On q_a_proj (V3's q LoRA), kv_a_proj_with_mqa and o_proj; never q_proj or kv_b_proj."""
+    path = checkpoint(tmp_path, family, attention_bias=True)
+    attention = load_model(path).model.model.layers[0].self_attn
+    biased = {name for name in ("q_proj", "q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+              if name in attention and "bias" in attention[name]}
+    assert biased == ({"q_a_proj"} if family == "deepseek_v3" else set()) | {"kv_a_proj_with_mqa", "o_proj"}
+    want = mlx_lm.load(str(path))[0](TOKENS)
+    assert mx.allclose(load_model(path).model(TOKENS), want, atol=1e-4).item()
+
+
 def test_values_wider_than_queries_and_keys_pad_those_instead(tmp_path: Path):
     """The store's width is the wider of q.k's and v's (GLM-4.7-Flash's are equal)."""
     path = checkpoint(tmp_path, v_head_dim=32)  # q.k: 16 + 8
