@@ -63,6 +63,7 @@ def make_tiny_checkpoint(
     text_family: str = "ministral3",
     gemma4: dict[str, Any] | None = None,
     granite4: dict[str, Any] | None = None,
+    nemotron: dict[str, Any] | None = None,
     hf_original: bool | None = None,
 ) -> Path:
     """Write a random-weight checkpoint of `family` into `out_dir` and return `out_dir`.
@@ -114,6 +115,10 @@ def make_tiny_checkpoint(
     `{"num_local_experts": 0}` for -h-micro's dense FFN, `layer_types` all "attention"
     and `position_embedding_type` "rope" for -micro's). `hf_original` as LFM2's. Granite 3
     MoE (`granitemoe`) routes every layer's MLP, its experts stored as Granite 4.0's.
+    Nemotron-H (`nemotron_h`) is NVIDIA-Nemotron-Nano-9B-v2's layout (Mamba2, attention
+    and relu**2 MLP blocks as `hybrid_override_pattern` says); `nemotron` holds the
+    variant's own fields (a pattern with E blocks adds Nemotron 3 Nano's expert fields,
+    `num_experts` of `intermediate_size`). `hf_original` as LFM2's; its experts apart.
 
     DeepSeek's MLA families (`deepseek_v2`: V2-Lite's fields and a scaled-down YaRN;
     `deepseek_v3`: a q LoRA and the sigmoid router over 2 groups; `glm4_moe_lite`) have
@@ -157,6 +162,7 @@ def make_tiny_checkpoint(
         text_family=text_family,
         gemma4=gemma4,
         granite4=granite4,
+        nemotron=nemotron,
     )
     weights = random_weights(build_model(config_from_dict(raw)), seed)
     weights = {name: w.astype(DTYPES[dtype]) for name, w in weights.items()}
@@ -186,6 +192,8 @@ def make_tiny_checkpoint(
         weights = qwen_vl_weights(weights, family, is_original, seed)
     if family in ("granitemoehybrid", "granitemoe") and (quantize is None if hf_original is None else hf_original):
         weights = granite4_original_weights(weights)
+    if family == "nemotron_h":
+        weights = nemotron_h_weights(weights, quantize is None if hf_original is None else hf_original)
     if family in MULTIMODAL:
         weights = {f"language_model.{name}": w for name, w in weights.items()}
         rng = np.random.default_rng(seed)
@@ -276,6 +284,26 @@ def granite4_original_weights(weights: dict[str, mx.array]) -> dict[str, mx.arra
             out[f"{into}.output_linear.weight"] = weights[f"{block}.down_proj.weight"]
         elif not name.endswith((".up_proj.weight", ".down_proj.weight")):
             out[name] = w
+    return out
+
+
+def nemotron_h_weights(weights: dict[str, mx.array], is_original: bool) -> dict[str, mx.array]:
+    """Nemotron-H's names (`backbone.embeddings`, `backbone.layers`, `backbone.norm_f`), as
+    both forms store them; an original's conv weights [C, 1, K] and experts apart
+    (`mixer.experts.{e}.up_proj`, `down_proj`)."""
+    out = {}
+    for name, w in weights.items():
+        name = name.replace("model.embed_tokens.", "backbone.embeddings.").replace("model.norm.", "backbone.norm_f.")
+        name = name.replace("model.layers.", "backbone.layers.")
+        if is_original and name.endswith(".conv1d.weight"):
+            w = w.moveaxis(2, 1)
+        if is_original and ".switch_mlp." in name:
+            stored = "up_proj" if ".fc1." in name else "down_proj"
+            prefix = name.split(".switch_mlp.")[0]
+            for e in range(w.shape[0]):
+                out[f"{prefix}.experts.{e}.{stored}.weight"] = w[e]
+            continue
+        out[name] = w
     return out
 
 
@@ -453,6 +481,7 @@ def random_weights(model: CausalLM, seed: int) -> dict[str, mx.array]:
 # Layers mlx-lm's conversions leave unquantized (they are no nn.Linear in its model), by
 # the end of their weight's name.
 FLOAT_LAYERS = {family: (".mlp.gate.weight",) for family in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")}
+FLOAT_LAYERS["nemotron_h"] = ("mixer.gate.weight",)  # its router is no Linear: mlx-lm's convert leaves it float
 
 
 def quantize_weights(

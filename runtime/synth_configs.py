@@ -39,6 +39,7 @@ ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -92,6 +93,7 @@ def hf_config(
     text_family: str = "ministral3",
     gemma4: dict[str, Any] | None = None,
     granite4: dict[str, Any] | None = None,
+    nemotron: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A config.json dict with the fields Hugging Face writes for `family`."""
     if family == "mistral3":  # the multimodal layout: the text model's config nested
@@ -293,6 +295,8 @@ def hf_config(
             num_local_experts=num_experts,
             num_experts_per_tok=num_experts_per_tok,
         )
+    if family == "nemotron_h":
+        raw.update(nemotron_h_fields(raw, num_layers, num_experts, num_experts_per_tok, nemotron or {}))
     if family == "olmo2":
         raw["attention_bias"] = False
     if family == "olmo3":  # every fourth layer full, as the releases
@@ -517,3 +521,34 @@ def deepseek_fields(
         routed_scaling_factor=1.5,
         scoring_func="softmax",
     )
+
+
+def nemotron_h_fields(
+    raw: dict[str, Any], num_layers: int, num_experts: int, num_experts_per_tok: int, variant: dict[str, Any]
+) -> dict[str, Any]:
+    """NVIDIA-Nemotron-Nano-9B-v2's config fields (its layer pattern's rhythm, M-M-M*-),
+    and where `variant`'s pattern has experts (E), Nemotron 3 Nano 30B-A3B's; `variant`
+    holds the test's own fields. Like the releases: no hidden_act, rope_theta or rope_scaling."""
+    for name in ("hidden_act", "rope_theta", "rope_scaling"):
+        del raw[name]
+    fields: dict[str, Any] = {
+        "attention_bias": False, "chunk_size": 128, "conv_kernel": 4,
+        "head_dim": raw["hidden_size"] // raw["num_attention_heads"],
+        "hybrid_override_pattern": ("M-M*-" * num_layers)[:num_layers],
+        "layer_norm_epsilon": raw["rms_norm_eps"], "mamba_head_dim": 16, "mamba_hidden_act": "silu",
+        "mamba_num_heads": 8, "mamba_proj_bias": False, "mlp_bias": False, "mlp_hidden_act": "relu2",
+        "n_groups": 2, "residual_in_fp32": False, "rescale_prenorm_residual": True, "ssm_state_size": 16,
+        "time_step_floor": 0.0001, "time_step_limit": [0.0, float("inf")], "time_step_max": 0.1,
+        "time_step_min": 0.001, "time_step_rank": 8, "use_bias": False, "use_conv_bias": True,
+        "use_mamba_kernels": True,
+    }
+    fields.update(variant)
+    if "E" in fields["hybrid_override_pattern"]:
+        fields = {
+            "n_routed_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
+            "moe_intermediate_size": raw["intermediate_size"],
+            "moe_shared_expert_intermediate_size": 2 * raw["intermediate_size"], "n_shared_experts": 1,
+            "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+            "moe_latent_size": None, **fields,
+        }
+    return fields

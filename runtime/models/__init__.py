@@ -33,6 +33,7 @@ from runtime.models import (
     mistral,
     mistral3,
     mixtral,
+    nemotron_h,
     olmo2,
     olmo3,
     phi3,
@@ -87,6 +88,7 @@ FAMILIES: dict[str, ModuleType] = {
     "granite": granite,
     "granitemoe": granitemoehybrid,  # Granite 3 MoE: Granite 4.0's decoder, all attention, experts alone
     "granitemoehybrid": granitemoehybrid,  # Granite 4.0: all attention, or a hybrid with Mamba2 layers
+    "nemotron_h": nemotron_h,  # Mamba2, attention, MLP and expert blocks, one mixer each
     "gemma": gemma,
     "gemma2": gemma2,
     "gemma3_text": gemma3,

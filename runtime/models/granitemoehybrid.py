@@ -119,14 +119,6 @@ def _mamba(fields: ConfigFields) -> dict[str, Any]:
     kernel = fields.get("mamba_d_conv", int, 4)
     if kernel < 2:
         raise CheckpointError(f"{source}: mamba_d_conv must be at least 2, got {kernel}")
-    limit = fields.raw.get("time_step_limit", DEFAULT_TIME_STEP_LIMIT)
-    if not (
-        isinstance(limit, list | tuple)
-        and len(limit) == 2
-        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in limit)
-        and 0 <= limit[0] <= limit[1]
-    ):
-        raise CheckpointError(f"{source}: time_step_limit must be [low, high] with 0 <= low <= high, got {limit!r}")
     state_dim = fields.get("mamba_d_state", int)
     return {
         "heads": heads,
@@ -138,8 +130,23 @@ def _mamba(fields: ConfigFields) -> dict[str, Any]:
         "state_size": heads * head_dim * state_dim,
         "conv_bias": fields.get("mamba_conv_bias", bool, True),
         "proj_bias": fields.get("mamba_proj_bias", bool, False),
-        "time_step_limit": (float(limit[0]), float(limit[1])),
+        "time_step_limit": read_time_step_limit(fields, DEFAULT_TIME_STEP_LIMIT),
+        "norm_groups": 1,  # the gated norm runs over the whole width
     }
+
+
+def read_time_step_limit(fields: ConfigFields, default: tuple[float, float]) -> tuple[float, float]:
+    """`time_step_limit` [low, high], dt's clip (`default` where left out)."""
+    source = fields.source
+    limit = fields.raw.get("time_step_limit", default)
+    if not (
+        isinstance(limit, list | tuple)
+        and len(limit) == 2
+        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in limit)
+        and 0 <= limit[0] <= limit[1]
+    ):
+        raise CheckpointError(f"{source}: time_step_limit must be [low, high] with 0 <= low <= high, got {limit!r}")
+    return (float(limit[0]), float(limit[1]))
 
 
 def _experts(fields: ConfigFields, shared_width: int | None) -> Experts:
@@ -154,15 +161,20 @@ def _experts(fields: ConfigFields, shared_width: int | None) -> Experts:
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm(y * silu(z)) over the whole width (transformers' BambaRMSNormGated)."""
+    """RMSNorm(y * silu(z)) over the whole width (transformers' BambaRMSNormGated), or
+    over each of `groups` equal parts (Nemotron-H's Zamba2RMSNormGated)."""
 
-    def __init__(self, dims: int, eps: float):
+    def __init__(self, dims: int, eps: float, groups: int = 1):
         super().__init__()
         self.weight = mx.ones((dims,))
-        self.eps = eps
+        self.eps, self.groups = eps, groups
 
     def __call__(self, y: mx.array, z: mx.array) -> mx.array:
-        return mx.fast.rms_norm(swiglu(z, y), self.weight, self.eps)
+        gated = swiglu(z, y)
+        if self.groups == 1:
+            return mx.fast.rms_norm(gated, self.weight, self.eps)
+        parts = gated.reshape(*gated.shape[:-1], self.groups, -1)
+        return mx.fast.rms_norm(parts, None, self.eps).reshape(gated.shape) * self.weight
 
 
 class Mamba2(nn.Module):
@@ -180,7 +192,7 @@ class Mamba2(nn.Module):
         self.dt_bias = mx.ones((m["heads"],))
         self.A_log = mx.zeros((m["heads"],))
         self.D = mx.ones((m["heads"],))
-        self.norm = GatedRMSNorm(width, config.rms_norm_eps)
+        self.norm = GatedRMSNorm(width, config.rms_norm_eps, m["norm_groups"])
         self.out_proj = nn.Linear(width, hidden, bias=m["proj_bias"])
 
     def __call__(self, x: mx.array, kv: ForwardKV, keep: mx.array | None = None) -> mx.array:

@@ -57,6 +57,7 @@ FAMILIES = {
     "deepseek_v2": dict(num_layers=3),  # MLA, a float router beside routed and shared experts
     "deepseek_v3": dict(num_layers=3),  # mlx-lm's split kv_b_proj (embed_q, unembed_out), joined at load
     "glm4_moe_lite": dict(num_layers=3),  # deepseek_v3's layout, its latent norms at rms_norm_eps
+    "nemotron_h": dict(num_layers=5, nemotron={"hybrid_override_pattern": "MEM*E"}),
 }
 SHAPE = dict(hidden_size=128, intermediate_size=256)
 
