@@ -31,6 +31,7 @@ from runtime.tools import (
     GRANITE_TOOL_CALL,
     HERMES_TAGS,
     LFM2_TAGS,
+    NEMOTRON_TAGS,
     OLMO3_TAGS,
     REASONING_STYLES,
     TOOL_CALLS,
@@ -216,7 +217,7 @@ class Admission:
         but control tokens in Granite 4.0's: kept where they are (as vLLM's hermes parser)."""
         if self.tool_style in REASONING_STYLES:
             return request.messages is not None
-        calls_in_control_tokens = self.tool_style in ("mistral", "olmo3", "granite", "lfm2") or (
+        calls_in_control_tokens = self.tool_style in ("mistral", "olmo3", "granite", "lfm2", "nemotron") or (
             self.tool_style == "hermes" and not set(HERMES_TAGS).isdisjoint(self.tokenizer.control_spellings.values())
         )
         return calls_in_control_tokens and bool(request.tools) and request.tool_choice != "none"
@@ -313,6 +314,7 @@ class Admission:
             "olmo3": OLMO3_TAGS,
             "granite": (GRANITE_TOOL_CALL,),
             "lfm2": LFM2_TAGS,
+            "nemotron": NEMOTRON_TAGS,
         }.get(self.tool_style, (TOOL_CALLS, ARGS))
         spelled = {marker: self.tokenizer.added_token_id(marker) for marker in markers}
         return {marker: token_id for marker, token_id in spelled.items() if token_id is not None}

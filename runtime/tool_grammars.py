@@ -35,6 +35,8 @@ from runtime.tools import (
     LFM2_CALL_START,
     TOOL_CALLS,
     TOOL_STYLES,
+    TOOLCALL,
+    TOOLCALL_END,
 )
 
 # Arguments stay JSON objects in forced calls, whatever a tool's own schema omits.
@@ -119,6 +121,8 @@ def tool_call_grammar(
         lark = f'tool_call: "```tool_code\\n" call "\\n```"\ncall: {call}'
     elif style == "granite":  # <|tool_call|>[{"name": ..., "arguments": ...}]
         lark = f'tool_call: {marker(GRANITE_TOOL_CALL)} "[" call "]"\ncall: {call}'
+    elif style == "nemotron":  # <TOOLCALL>[{"name": ..., "arguments": ...}]</TOOLCALL>
+        lark = f'tool_call: {marker(TOOLCALL)} "[" call "]" {marker(TOOLCALL_END)}\ncall: {call}'
     else:
         lark = f"tool_call: {call}"
     return _with_answer(lark, answer)

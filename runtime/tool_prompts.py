@@ -40,6 +40,8 @@ from runtime.tools import (
     LFM2_CALL_END,
     LFM2_CALL_START,
     TOOL_CALLS,
+    TOOLCALL,
+    TOOLCALL_END,
 )
 
 
@@ -58,6 +60,8 @@ def tool_style_for(template_source: str, model_type: str) -> str:
         return "olmo3"
     if GRANITE_TOOL_CALL in template_source:
         return "granite"
+    if TOOLCALL in template_source:  # Nemotron Nano v2's
+        return "nemotron"
     # LFM2's template writes its tool list so, and never a call (they are the reply's text).
     if "<|tool_list_start|>" in template_source or LFM2_CALL_START in template_source:
         return "lfm2"
@@ -321,6 +325,9 @@ def _as_text(message: Mapping[str, Any], style: str) -> dict[str, Any]:
         return dict(message)
     if style == "granite":  # one list of the turn's calls, as its template shows them
         written = _call_text_granite([call["function"] for call in calls])
+    elif style == "nemotron":  # one list between its tags, as its template writes them
+        listed = [{"name": c["function"]["name"], "arguments": c["function"].get("arguments") or {}} for c in calls]
+        written = f"{TOOLCALL}{json.dumps(listed)}{TOOLCALL_END}"
     elif style == "lfm2":
         written = _call_text_lfm2([call["function"] for call in calls])
     else:
@@ -364,6 +371,8 @@ def _tools_preamble(tools: Sequence[Mapping[str, Any]], style: str) -> str:
         )
     elif style == "granite":
         how = f'To call a function, reply with {GRANITE_TOOL_CALL}[{{"name": <function-name>, "arguments": <args-json-object>}}]'
+    elif style == "nemotron":
+        how = f'To call functions, reply with {TOOLCALL}[{{"name": <function-name>, "arguments": <args-json-object>}}, ...]{TOOLCALL_END}'
     elif style == "glm4":
         how = "To call a function, reply with its name alone on the first line, then its arguments as a JSON object."
     elif style == "olmo3":

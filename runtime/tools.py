@@ -30,6 +30,8 @@ The formats, as the families' chat templates teach them:
                call a line, each value JSON (`true`, `null`, `"text"`).
   lfm2         LFM2: `<|tool_call_start|>[name(key=value, ...), ...]<|tool_call_end|>`, a
                Python list of calls, each value a Python or JSON literal.
+  nemotron     Nemotron Nano v2 (`nemotron_h`): `<TOOLCALL>[{"name": ..., "arguments": {...}},
+               ...]</TOOLCALL>`, Granite's list form between NVIDIA's tags. Text may come first.
 
 Feeding the text in any split yields the same calls with the same argument text, so
 streamed deltas reassemble to the whole response: parsing state is the text, never
@@ -61,7 +63,8 @@ if TYPE_CHECKING:
     from runtime.think_reply import ThinkParser
 
 TOOL_STYLES = (
-    "hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3", "granite", "glm4", "lfm2"
+    "hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3", "granite", "glm4", "lfm2",
+    "nemotron",
 )
 # Styles whose chat replies are parsed whether tools were offered or not: they hold
 # reasoning apart from the answer, in markup the request keeps (actors/admission.py).
@@ -348,6 +351,8 @@ HERMES_TAGS = CALL_TAG, CALL_END_TAG = "<tool_call>", "</tool_call>"  # Qwen's: 
 OLMO3_TAGS = FUNCTION_CALLS, FUNCTION_CALLS_END = "<function_calls>", "</function_calls>"
 # LFM2's special tokens around a call list (its template's tool list is `<|tool_list_start|>`).
 LFM2_TAGS = LFM2_CALL_START, LFM2_CALL_END = "<|tool_call_start|>", "<|tool_call_end|>"
+# Nemotron Nano v2's special tokens around a call list.
+NEMOTRON_TAGS = TOOLCALL, TOOLCALL_END = "<TOOLCALL>", "</TOOLCALL>"
 
 
 @attrs.define
@@ -355,10 +360,13 @@ class _MistralCalls:
     """Mistral's form: after each `[TOOL_CALLS]`, either `name[ARGS]` and the arguments'
     JSON object, or a JSON list of {"name", "arguments"} calls. Each call is reported
     whole once its JSON closes; what follows a marker and is neither stays text.
-    Granite 3's is the list form alone, after its own marker."""
+    Granite 3's is the list form alone, after its own marker; Nemotron's the list form
+    between its markers (the `closing` one after a list is markup, not text)."""
 
     marker: str = TOOL_CALLS
     takes_named_calls: bool = True  # `name[ARGS]{...}`, Mistral's newer form
+    closing: str = ""
+    after_calls: bool = False  # pending begins just past a list of calls
     pending: str = ""  # text not yet reported, from a marker on when in a call
     in_call: bool = False  # pending begins just past a marker
     num_calls: int = 0
@@ -375,6 +383,14 @@ class _MistralCalls:
     def _scan(self, is_final: bool) -> list[Event]:
         events: list[Event] = []
         while True:
+            if self.after_calls and self.closing:  # its closing marker, past blanks
+                rest = self.pending[_blanks_end(self.pending, 0) :]
+                if rest.startswith(self.closing):
+                    self.pending, self.after_calls = rest[len(self.closing) :], False
+                elif self.closing.startswith(rest) and not is_final:
+                    return events  # it may yet be the marker
+                else:
+                    self.after_calls = False
             if not self.in_call:
                 at = self.pending.find(self.marker)
                 if at < 0:  # hold back a tail that may begin a marker
@@ -396,7 +412,7 @@ class _MistralCalls:
             for call in calls or ():
                 events += _whole_call(self.num_calls, call)
                 self.num_calls += 1
-            self.pending, self.in_call = self.pending[end:], False
+            self.pending, self.in_call, self.after_calls = self.pending[end:], False, calls is not None
 
     def _call(self, is_final: bool) -> tuple[int | None, list[dict[str, object]] | None]:
         """(where the call text after the marker ends, its calls or None if it is none),
@@ -512,6 +528,8 @@ def parser_for(
         return _MistralCalls()
     if style == "granite":
         return _MistralCalls(GRANITE_TOOL_CALL, takes_named_calls=False)
+    if style == "nemotron":
+        return _MistralCalls(TOOLCALL, takes_named_calls=False, closing=TOOLCALL_END)
     if style == "harmony":
         from runtime.harmony import HarmonyParser  # it builds on this module's events
 

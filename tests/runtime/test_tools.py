@@ -793,7 +793,8 @@ def test_tools_render_as_transformers_renders_them(tmp_path, template):
 
 
 @pytest.mark.parametrize(
-    "style", ["hermes", "llama3_json", "gemma", "mistral", "harmony", "qwen3_coder", "olmo3", "granite", "glm4", "lfm2"]
+    "style",
+    ["hermes", "llama3_json", "gemma", "mistral", "harmony", "qwen3_coder", "olmo3", "granite", "glm4", "lfm2", "nemotron"],
 )
 def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(style):
     said = {**HISTORY[1], "content": "Let me check."}
@@ -811,6 +812,7 @@ def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(st
         "granite": '<|tool_call|>[{"name": <function-name>, "arguments": <args-json-object>}]',
         "glm4": "reply with its name alone on the first line, then its arguments as a JSON object",
         "lfm2": "<|tool_call_start|>[<function-name>(<param-name>=<value>, ...), ...]<|tool_call_end|>",
+        "nemotron": '<TOOLCALL>[{"name": <function-name>, "arguments": <args-json-object>}, ...]</TOOLCALL>',
     }
     assert taught[style] in first and json.dumps(TOOLS[0]["function"]) in first
     # The assistant's text, then its call in the model's own format: it parses back.
@@ -858,7 +860,10 @@ def test_call_arguments_that_are_not_json_reach_the_template_as_sent():
 
 @pytest.mark.parametrize(
     "style",
-    ["hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3", "granite", "glm4", "lfm2"],
+    [
+        "hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3", "granite", "glm4", "lfm2",
+        "nemotron",
+    ],
 )
 def test_call_arguments_that_are_not_json_are_written_into_a_template_without_tools(style):
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
@@ -1840,6 +1845,51 @@ def test_a_forced_granite_call_is_a_list_of_one_call_after_its_marker(forced):
     assert not admitted_by(grammar, "Sure. " + call)
     source = tool_call_grammar("granite", tools, forced, control_tokens={"<|tool_call|>": 100}).source
     assert "<[100]>" in source and '"<|tool_call|>"' not in source
+
+
+# Nemotron Nano v2: Granite's list form between `<TOOLCALL>` and `</TOOLCALL>`; its
+# published template (tests/actors/templates/).
+NEMOTRON_NANO_V2 = (TEMPLATE_DIR / "nvidia-NVIDIA-Nemotron-Nano-9B-v2.jinja").read_text()
+NEMOTRON_CASES = [
+    ('<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>', ("", [("get_weather", '{"city": "Paris"}')])),
+    (
+        'Let me check.\n\n<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {"zone": "UTC"}}]</TOOLCALL>',
+        ("Let me check.\n\n", [("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "UTC"}')]),
+    ),
+    ('<TOOLCALL>[{"name": "now", "arguments": {}}] </TOOLCALL>\nDone.', ("\nDone.", [("now", "{}")])),
+    # Its closing tag left out (a stop string, max_tokens): the call stands.
+    ('<TOOLCALL>[{"name": "now", "arguments": {}}]', ("", [("now", "{}")])),
+    ('<TOOLCALL>[{"name": "now", "arguments": {}}]</TOOL', ("</TOOL", [("now", "{}")])),
+    # No list of calls: the text as written, its tags too.
+    ("<TOOLCALL>not a call</TOOLCALL>", ("<TOOLCALL>not a call</TOOLCALL>", [])),
+    ('Sure.<TOOLCALL>[{"name": "f", "arguments": {"a": "x', ('Sure.<TOOLCALL>[{"name": "f", "arguments": {"a": "x', [])),
+    ("A </TOOLCALL> alone.", ("A </TOOLCALL> alone.", [])),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), NEMOTRON_CASES)
+def test_nemotron_calls_are_the_same_whatever_the_split(text, expected):
+    assert parse("nemotron", text) == expected
+    for cut in range(1, len(text)):
+        assert parse("nemotron", text, [cut]) == expected, cut
+    assert parse("nemotron", text, range(1, len(text))) == expected
+
+
+def test_the_nemotron_nano_v2_template_is_nemotrons():
+    assert tool_style_for(NEMOTRON_NANO_V2, "nemotron_h") == "nemotron"
+
+
+@pytest.mark.parametrize("forced", [None, "get_weather"])
+def test_a_forced_nemotron_call_is_a_list_of_one_call_between_its_tags(forced):
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    tools = [*TOOLS, {"type": "function", "function": {"name": "get_time"}}]
+    grammar = compiler.compile(tool_call_grammar("nemotron", tools, forced))
+    call = '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Rome"}}]</TOOLCALL>'
+    assert admitted_by(grammar, call)
+    assert parse("nemotron", call) == ("", [("get_weather", '{"city": "Rome"}')])
+    assert not admitted_by(grammar, call.removesuffix("</TOOLCALL>") + "</tool_call>")
+    assert admitted_by(grammar, '<TOOLCALL>[{"name": "get_time", "arguments": {}}]</TOOLCALL>') == (forced is None)
 
 
 # GLM-4-0414 and GLM-Z1: a tool's name alone on the reply's first line, then the
