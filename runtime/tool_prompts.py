@@ -114,6 +114,8 @@ def chat_for_template(
     if knows_tools:
         if style == "granite":
             return _granite_turns(chat)
+        if style == "nemotron":  # its template reads every turn's content as text
+            return [{**m, "content": m.get("content") or ""} for m in chat]
         if style == "glm4":
             return _glm4_turns(chat)
         if style == "lfm2":

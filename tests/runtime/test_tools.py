@@ -1876,8 +1876,22 @@ def test_nemotron_calls_are_the_same_whatever_the_split(text, expected):
     assert parse("nemotron", text, range(1, len(text))) == expected
 
 
-def test_the_nemotron_nano_v2_template_is_nemotrons():
+def test_the_nemotron_nano_v2_template_is_nemotrons_and_its_history_parses_back():
+    """A past call (its content null, as clients send it: the template's `in` failed on
+    it) is written as the model writes calls, and its result as a tool response."""
     assert tool_style_for(NEMOTRON_NANO_V2, "nemotron_h") == "nemotron"
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    history = [
+        HISTORY[0],
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c", "content": "sunny"},
+    ]
+    rendered = with_template(NEMOTRON_NANO_V2).apply_chat_template(
+        chat_for_template(history, TOOLS, "nemotron", knows_tools=True), template_kwargs={"tools": TOOLS}
+    )
+    written = '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>'
+    assert f"<SPECIAL_11>Assistant\n{written}\n<SPECIAL_12>\n<SPECIAL_11>User\n<TOOL_RESPONSE>[sunny]</TOOL_RESPONSE>" in rendered
+    assert parse("nemotron", written) == ("", [("get_weather", '{"city": "Paris"}')])
 
 
 @pytest.mark.parametrize("forced", [None, "get_weather"])
