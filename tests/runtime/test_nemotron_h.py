@@ -137,21 +137,26 @@ def test_ladder_pads_never_touch_a_rows_state(checkpoint, expected):
 
 
 def nano_3_30b_a3b(**changes):
-    """NVIDIA-Nemotron-3-Nano-30B-A3B-BF16's config.json (its shape and pattern as released)."""
+    """NVIDIA-Nemotron-3-Nano-30B-A3B-BF16's config.json as released (no time_step_limit:
+    transformers' (0, inf))."""
     raw = {
-        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "attention_bias": False,
-        "chunk_size": 128, "conv_kernel": 4, "head_dim": 128, "hidden_size": 2688,
+        "architectures": ["NemotronHForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 1, "chunk_size": 128, "conv_kernel": 4, "eos_token_id": 2, "expand": 2,
+        "head_dim": 128, "hidden_dropout": 0.0, "hidden_size": 2688,
         "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
-        "intermediate_size": 1856, "layer_norm_epsilon": 1e-05, "mamba_head_dim": 64,
-        "mamba_hidden_act": "silu", "mamba_num_heads": 64, "mamba_proj_bias": False,
-        "max_position_embeddings": 262144, "mlp_bias": False, "mlp_hidden_act": "relu2",
-        "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712, "n_group": 1,
-        "n_groups": 8, "n_routed_experts": 128, "n_shared_experts": 1, "norm_eps": 1e-05,
-        "norm_topk_prob": True, "num_attention_heads": 32, "num_experts_per_tok": 6,
-        "num_hidden_layers": 52, "num_key_value_heads": 2, "rescale_prenorm_residual": True,
-        "residual_in_fp32": False, "routed_scaling_factor": 2.5, "ssm_state_size": 128,
-        "tie_word_embeddings": False, "time_step_limit": [0.0, math.inf], "topk_group": 1,
-        "use_bias": False, "use_conv_bias": True, "vocab_size": 131072, "eos_token_id": 2,
+        "initializer_range": 0.02, "intermediate_size": 1856, "layer_norm_epsilon": 1e-05,
+        "mamba_head_dim": 64, "mamba_hidden_act": "silu", "mamba_num_heads": 64, "mamba_proj_bias": False,
+        "mamba_ssm_cache_dtype": "float32", "max_position_embeddings": 262144, "mlp_bias": False,
+        "mlp_hidden_act": "relu2", "model_type": "nemotron_h", "moe_intermediate_size": 1856,
+        "moe_shared_expert_intermediate_size": 3712, "n_group": 1, "n_groups": 8, "n_routed_experts": 128,
+        "n_shared_experts": 1, "norm_eps": 1e-05, "norm_topk_prob": True, "num_attention_heads": 32,
+        "num_experts_per_tok": 6, "num_hidden_layers": 52, "num_key_value_heads": 2, "num_logits_to_keep": 1,
+        "pad_token_id": 0, "partial_rotary_factor": 1.0, "rescale_prenorm_residual": True,
+        "residual_in_fp32": False, "rope_theta": 10000, "routed_scaling_factor": 2.5, "sliding_window": None,
+        "ssm_state_size": 128, "tie_word_embeddings": False, "time_step_floor": 0.0001, "time_step_max": 0.1,
+        "time_step_min": 0.001, "topk_group": 1, "torch_dtype": "bfloat16", "transformers_version": "4.55.4",
+        "use_bias": False, "use_cache": True, "use_conv_bias": True, "use_mamba_kernels": True,
+        "vocab_size": 131072,
     }
     return {**raw, **changes}
 
@@ -164,6 +169,9 @@ def test_nemotron_3_nano_config_reads_as_released():
     assert config.extra["routing"] == (1, 1, 2.5) and config.kv_layers == 6 and config.head_dim == 128
     assert mamba["conv_dim"] == 64 * 64 + 2 * 8 * 128 and mamba["norm_groups"] == 8
     assert mamba["time_step_limit"] == (0.0, math.inf) and config.rms_norm_eps == 1e-05
+    # Nano 9B v2's [0.0, Infinity], and as mlx-lm's convert (and transformers 5) tag infinity.
+    for limit in ([0.0, math.inf], [0.0, {"__float__": "Infinity"}], None):
+        assert config_from_dict(nano_3_30b_a3b(time_step_limit=limit)).extra["mamba"]["time_step_limit"] == (0.0, math.inf)
     # 23 Mamba2 layers x (3 conv inputs x 6144 channels + 64 heads x 64 x 128), float32.
     assert config.recurrent_row_bytes == 23 * (3 * 6144 + 64 * 64 * 128) * 4
 
@@ -197,7 +205,7 @@ def test_the_layer_count_and_pattern_may_come_from_layers_block_type():
     ],
 )
 def test_a_malformed_config_is_one_line(changes, message):
-    raw = {name: value for name, value in nano_3_30b_a3b(**changes).items() if value is not None}
+    raw = {name: value for name, value in nano_3_30b_a3b(**changes).items() if value is not None or name not in changes}
     with pytest.raises(CheckpointError, match=re.escape(message)):
         config_from_dict(raw)
 
