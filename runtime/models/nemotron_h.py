@@ -47,6 +47,7 @@ from runtime.models.layers import Attention, RMSNorm, RoPE, kept_rows
 import mlx.core as mx
 import mlx.nn as nn
 
+DEFAULT_HEAD_DIM = 128  # transformers' NemotronHConfig's
 NO_CLIP = (0.0, float("inf"))  # transformers' default time_step_limit (mlx-lm's too)
 # transformers' `layers_block_type` names (its older spellings too) -> the pattern's characters
 BLOCK_NAMES = {
@@ -55,10 +56,14 @@ BLOCK_NAMES = {
 
 
 def unwrap_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
-    """The layer count from the pattern where left out (transformers derives it), and
-    `layer_norm_epsilon` as the norms' epsilon."""
+    """The layer count from the pattern where left out (transformers derives it),
+    `layer_norm_epsilon` as the norms' epsilon, and the heads' width: `head_dim`, else the
+    older configs' `attention_head_dim` (Nemotron-H 4B's 128 beside 3072 / 32), else
+    transformers' default 128, never hidden_size / heads."""
     pattern = _pattern(raw, source)
     filled = {"num_hidden_layers": len(pattern), **raw}
+    if raw.get("head_dim") is None:
+        filled["head_dim"] = raw.get("attention_head_dim", DEFAULT_HEAD_DIM)
     if "layer_norm_epsilon" in raw:
         filled["rms_norm_eps"] = raw["layer_norm_epsilon"]
     return filled

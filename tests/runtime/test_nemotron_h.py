@@ -222,3 +222,13 @@ def test_group_limited_routing_chooses_within_the_top_groups():
     chosen, weights = moe.route(mx.array([[1.0] + [0] * 7]))
     assert sorted(chosen[0].tolist()) == [2, 3]
     assert mx.allclose(weights, mx.array([[1.25, 1.25]])).item()  # normalised, times 2.5
+
+
+def test_heads_are_attention_head_dim_or_transformers_128_wide_not_hidden_over_heads():
+    """Nemotron-H 4B's config says `attention_head_dim: 128` beside hidden_size 3072 and 32
+    heads (no head_dim); transformers' head_dim defaults to 128. Read as 3072 / 32, its q_proj
+    [4096, 3072] was refused as misshapen."""
+    raw = {name: value for name, value in nano_3_30b_a3b(hidden_size=3072, num_attention_heads=32).items() if name != "head_dim"}
+    assert config_from_dict({**raw, "attention_head_dim": 128}).head_dim == 128
+    assert config_from_dict(raw).head_dim == 128
+    assert config_from_dict({**raw, "head_dim": 64, "attention_head_dim": 128}).head_dim == 64
