@@ -119,6 +119,9 @@ def make_tiny_checkpoint(
     and relu**2 MLP blocks as `hybrid_override_pattern` says); `nemotron` holds the
     variant's own fields (a pattern with E blocks adds Nemotron 3 Nano's expert fields,
     `num_experts` of `intermediate_size`). `hf_original` as LFM2's; its experts apart.
+    Falcon-H1 (`falcon_h1`) is Falcon-H1-0.5B's fields and multipliers (`nemotron` holds
+    the variant's own); `hf_original` as LFM2's, the random weights being the original's
+    (unfolded) or the conversion's (folded) alike.
 
     DeepSeek's MLA families (`deepseek_v2`: V2-Lite's fields and a scaled-down YaRN;
     `deepseek_v3`: a q LoRA and the sigmoid router over 2 groups; `glm4_moe_lite`) have
@@ -192,6 +195,12 @@ def make_tiny_checkpoint(
         weights = qwen_vl_weights(weights, family, is_original, seed)
     if family in ("granitemoehybrid", "granitemoe") and (quantize is None if hf_original is None else hf_original):
         weights = granite4_original_weights(weights)
+    if family == "falcon_h1":  # the final norm's name; an original's conv weights [C, 1, K]
+        is_original = quantize is None if hf_original is None else hf_original
+        weights = {
+            name.replace("model.norm.", "model.final_layernorm."): w.moveaxis(2, 1) if is_original and name.endswith("conv1d.weight") else w
+            for name, w in weights.items()
+        }
     if family == "nemotron_h":
         weights = nemotron_h_weights(weights, quantize is None if hf_original is None else hf_original)
     if family in MULTIMODAL:

@@ -40,6 +40,7 @@ ARCHITECTURES = {
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -297,6 +298,20 @@ def hf_config(
         )
     if family == "nemotron_h":
         raw.update(nemotron_h_fields(raw, num_layers, num_experts, num_experts_per_tok, nemotron or {}))
+    if family == "falcon_h1":  # Falcon-H1-0.5B's fields and multipliers
+        raw.update(
+            attention_bias=False, attention_in_multiplier=1.0, attention_out_multiplier=0.9375,
+            embedding_multiplier=5.656854249492381, head_dim=head_dim or hidden_size // num_heads,
+            key_multiplier=0.390625, lm_head_multiplier=0.0390625, mamba_chunk_size=128,
+            mamba_conv_bias=True, mamba_d_conv=4, mamba_d_head=16, mamba_d_ssm=2 * hidden_size,
+            mamba_d_state=16, mamba_expand=2, mamba_n_groups=1, mamba_n_heads=2 * hidden_size // 16,
+            mamba_norm_before_gate=False, mamba_proj_bias=False, mamba_rms_norm=False, mamba_use_mlp=True,
+            mlp_bias=False, mlp_expansion_factor=8, mlp_multipliers=[0.8838834764831844, 0.5859375],
+            projectors_bias=False, rope_theta=100000000000.0, ssm_in_multiplier=1.25,
+            ssm_multipliers=[0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738],
+            ssm_out_multiplier=0.23570226039551587,
+        )
+        raw.update(nemotron or {})  # the variant's own fields
     if family == "olmo2":
         raw["attention_bias"] = False
     if family == "olmo3":  # every fourth layer full, as the releases

@@ -192,8 +192,9 @@ class Mamba2(nn.Module):
         self.dt_bias = mx.ones((m["heads"],))
         self.A_log = mx.zeros((m["heads"],))
         self.D = mx.ones((m["heads"],))
-        self.norm = GatedRMSNorm(width, config.rms_norm_eps, m["norm_groups"])
-        self.out_proj = nn.Linear(width, hidden, bias=m["proj_bias"])
+        if m.get("gated_norm", True):  # else silu(z) * y alone (Falcon-H1's)
+            self.norm = GatedRMSNorm(width, config.rms_norm_eps, m["norm_groups"])
+        self.out_proj = nn.Linear(width, hidden, bias=m.get("out_bias", m["proj_bias"]))
 
     def __call__(self, x: mx.array, kv: ForwardKV, keep: mx.array | None = None) -> mx.array:
         B, T, _ = x.shape
@@ -210,8 +211,8 @@ class Mamba2(nn.Module):
         heads = inputs.reshape(N, H, Dh)
         y = kv.ssm_scan(self.state_layer, heads, dt, Bs.reshape(N, G, Ds), Cs.reshape(N, G, Ds), log_decay)
         y = (y + heads * self.D.astype(heads.dtype)[:, None]).reshape(B, T, -1)
-        y = self.norm(kept_rows(y, keep), kept_rows(gate.reshape(B, T, -1), keep))
-        return self.out_proj(y)
+        y, gate = kept_rows(y, keep), kept_rows(gate.reshape(B, T, -1), keep)
+        return self.out_proj(self.norm(y, gate) if "norm" in self else swiglu(gate, y))
 
 
 class TopKGating(nn.Module):

@@ -58,6 +58,7 @@ FAMILIES = {
     "deepseek_v3": dict(num_layers=3),  # mlx-lm's split kv_b_proj (embed_q, unembed_out), joined at load
     "glm4_moe_lite": dict(num_layers=3),  # deepseek_v3's layout, its latent norms at rms_norm_eps
     "nemotron_h": dict(num_layers=5, nemotron={"hybrid_override_pattern": "MEM*E"}),
+    "falcon_h1": dict(num_layers=3),  # attention and Mamba2 side by side, their multipliers folded in
 }
 SHAPE = dict(hidden_size=128, intermediate_size=256)
 
