@@ -15,8 +15,10 @@ from runtime.ladder import BatchLadder
 
 import mlx.core as mx
 import mlx_lm
+import numpy as np
 import pytest
 
+from tests.runtime.test_gguf import minimal_gguf, one_line_error
 from tests.runtime.test_qwen3_5 import (
     PROMPTS,
     TOKENS,
@@ -232,3 +234,10 @@ def test_heads_are_attention_head_dim_or_transformers_128_wide_not_hidden_over_h
     assert config_from_dict({**raw, "attention_head_dim": 128}).head_dim == 128
     assert config_from_dict(raw).head_dim == 128
     assert config_from_dict({**raw, "head_dim": 64, "attention_head_dim": 128}).head_dim == 64
+
+
+@pytest.mark.parametrize("architecture", ["nemotron_h", "nemotron_h_moe", "falcon-h1"])
+def test_a_nemotron_h_or_falcon_h1_gguf_is_a_one_line_refusal(tmp_path, architecture):
+    """llama.cpp's names for them; cadence reads their safetensors (README: Not yet)."""
+    path = minimal_gguf(tmp_path / "m.gguf", architecture, {"token_embd.weight": (np.zeros((8, 32), np.float32), None)})
+    assert f"unsupported GGUF architecture '{architecture}'" in one_line_error(path)
