@@ -177,7 +177,7 @@ def _folded(name: str, w: mx.array, config: ModelConfig) -> mx.array:
             return w * scale
     if name.endswith((".mamba.in_proj.weight", ".mamba.in_proj.bias")):
         parts = _in_proj_scales(config)  # per output row: z, x, B, C, dt
-        if w.shape[0] == parts.shape[0]:  # else the load names its shape
+        if w.ndim and w.shape[0] == parts.shape[0]:  # else the load names its shape
             scale = parts * (m["ssm_in_multiplier"] if name.endswith(".weight") else 1.0)
             return w * (scale[:, None] if w.ndim == 2 else scale).astype(w.dtype)
     return w

@@ -152,3 +152,16 @@ def test_falcon_h1_0_5b_config_reads_as_released():
 def test_a_malformed_config_is_one_line(changes, message):
     with pytest.raises(CheckpointError, match=re.escape(message)):
         config_from_dict(falcon_h1_0_5b(**changes))
+
+
+@pytest.mark.parametrize("stored", [(), (3, 64)], ids=["scalar", "too-few-rows"])
+def test_a_misshapen_in_proj_in_an_original_is_a_one_line_refusal(make_checkpoint, tmp_path, stored):
+    """Folding the multipliers read its rows: a 0-d tensor was an IndexError from the fold."""
+    path = make_checkpoint("falcon_h1", num_layers=3, hf_original=True)
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((path / name).read_bytes())
+    weights = mx.load(str(path / "model.safetensors"))
+    weights["model.layers.0.mamba.in_proj.weight"] = mx.zeros(stored)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=re.escape("tensor 'model.layers.0.mamba.in_proj.weight' has shape")):
+        load_model(tmp_path)
