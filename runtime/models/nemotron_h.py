@@ -12,8 +12,9 @@ x `mamba_head_dim`, `n_groups` groups of B and C (`ssm_state_size`), `conv_kerne
 `use_conv_bias`, `use_bias` on in_proj and out_proj (transformers'), dt clipped to
 `time_step_limit` (no clip where left out or null), and the gated RMSNorm taken over
 each of the `n_groups` parts (Zamba2RMSNormGated), unlike Granite's whole width.
-Attention is GQA without positions (no RoPE), scaled by head_dim**-0.5; only these
-layers store K/V. The MLP is up_proj, relu(x)**2, down_proj: no gate.
+Attention is GQA without positions (no RoPE), `head_dim` wide (else the older configs'
+`attention_head_dim`, else transformers' 128; mlx-lm's hidden / heads differs), scaled
+by head_dim**-0.5; only these layers store K/V. The MLP is up_proj, relu(x)**2, down_proj: no gate.
 
 The experts (Nemotron 3 Nano's "E"): sigmoid router scores plus
 `e_score_correction_bias` choose, the scores alone weigh. With `n_group` > 1 only the
