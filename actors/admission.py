@@ -12,6 +12,7 @@ import contextlib
 
 from runtime.errors import CadenceError, RequestError
 from runtime.gemma4_reply import CALL_CLOSE, CALL_OPEN, QUOTE
+from runtime.glm45_reply import GLM45_TAGS
 from runtime.grammar import (
     JSON_KINDS,
     CompiledGrammar,
@@ -214,11 +215,13 @@ class Admission:
         are offered), as Granite 3's (`<|tool_call|>`) and LFM2's (`<|tool_call_start|>`) do and OLMo 3's may (its
         `<function_calls>` tags), and gpt-oss marks every message of its chat replies
         with them. Hermes's `<tool_call>` tags are plain added tokens in Qwen's tokenizers
-        but control tokens in Granite 4.0's: kept where they are (as vLLM's hermes parser)."""
+        but control tokens in Granite 4.0's: kept where they are (as vLLM's hermes parser),
+        as GLM-4.5's `<tool_call>` and `<arg_key>` tags would be (plain added tokens in GLM's)."""
         if self.tool_style in REASONING_STYLES:
             return request.messages is not None
+        own_tags = {"hermes": HERMES_TAGS, "glm45": GLM45_TAGS}.get(self.tool_style, ())
         calls_in_control_tokens = self.tool_style in ("mistral", "olmo3", "granite", "lfm2", "nemotron") or (
-            self.tool_style == "hermes" and not set(HERMES_TAGS).isdisjoint(self.tokenizer.control_spellings.values())
+            not set(own_tags).isdisjoint(self.tokenizer.control_spellings.values())
         )
         return calls_in_control_tokens and bool(request.tools) and request.tool_choice != "none"
 
@@ -302,7 +305,7 @@ class Admission:
 
     def control_tokens(self) -> dict[str, int]:
         """The call markers (Mistral's, harmony's header markers, the `<tool_call>` tags of
-        Hermes and Qwen3-Coder, OLMo 3's `<function_calls>` tags, Granite's `<|tool_call|>`,
+        Hermes, Qwen3-Coder and GLM-4.5 (and its key and value tags), OLMo 3's `<function_calls>` tags, Granite's `<|tool_call|>`,
         LFM2's `<|tool_call_start|>` and `<|tool_call_end|>`)
         that this tokenizer holds as tokens of their own, by spelling: a forced call's
         grammar writes them so (llguidance matches no added token against literal text)."""
@@ -311,6 +314,7 @@ class Admission:
             "gemma4": (CALL_OPEN, CALL_CLOSE, QUOTE),
             "hermes": HERMES_TAGS,
             "qwen3_coder": HERMES_TAGS,
+            "glm45": GLM45_TAGS,
             "olmo3": OLMO3_TAGS,
             "granite": (GRANITE_TOOL_CALL,),
             "lfm2": LFM2_TAGS,

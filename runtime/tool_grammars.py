@@ -1,7 +1,7 @@
 """The grammar that forces a call (`tool_choice` required or named), in the format the
 model writes (runtime/tool_prompts.py says which): Hermes' and Llama 3's JSON, Mistral's
 and Granite's lists after their markers, Gemma's and Gemma 4's notations, harmony's
-channel, Qwen3-Coder's XML, OLMo 3's and LFM2's Python calls, GLM-4's name then JSON.
+channel, Qwen3-Coder's XML, GLM-4.5's key and value tags, OLMo 3's and LFM2's Python calls, GLM-4's name then JSON.
 Each call's arguments follow the tool's own schema; the request's `response_format`,
 where given, shapes an answer the model may write instead."""
 
@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from runtime.gemma4_reply import CALL_CLOSE, CALL_OPEN, QUOTE, gemma4_arguments, gemma4_key
+from runtime.glm45_reply import ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END
 from runtime.grammar import JSON_OPTIONS, GrammarSpec, answer_json_schema
 from runtime.harmony import CHANNEL, CONSTRAIN, MESSAGE
 from runtime.qwen3_coder_reply import (
@@ -95,6 +96,8 @@ def tool_call_grammar(
     if style == "lfm2":  # <|tool_call_start|>[NAME(key=value, ...)]<|tool_call_end|>
         opening, closing = f'{marker(LFM2_CALL_START)} "["', f'"]" {marker(LFM2_CALL_END)}'
         return _with_answer(_python_call(functions, opening, closing), answer)
+    if style == "glm45":  # <tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>value</arg_value>\n...</tool_call>
+        return _with_answer(_key_value_calls(functions, marker), answer)
     if style == "qwen3_coder":  # <tool_call>\n<function=NAME>\n<parameter=KEY>\nvalue\n</parameter>\n...
         return _with_answer(_xml_calls(functions, marker), answer)
     key = "parameters" if style == "llama3_json" else "arguments"
@@ -276,12 +279,62 @@ def _xml_calls(functions: Sequence[Mapping[str, Any]], marker: Callable[[str], s
     return "\n".join([*rules, _XML_TEXT, _XML_KEY])
 
 
+def _key_value_calls(functions: Sequence[Mapping[str, Any]], marker: Callable[[str], str]) -> str:
+    """One call in GLM-4.5's key and value tags of one of `functions`, its newlines as
+    GLM-4.5's template writes them; its pairs as Qwen3-Coder's parameters (`_xml_calls`).
+    A value's text holds no `</arg_value>`: where the tag is a token, the text ends at
+    that token; where it is text, the text's terminal holds it, as `_XML_TEXT` does."""
+    value_end = marker(ARG_VALUE_END)
+    if value_end.startswith("<["):  # the token ends the text
+        text, end = f"text: /(?s:.*)/ {value_end} \"\\n\"", f'{value_end} "\\n"'
+    else:
+        text = "text[lazy]: (/(?s:.*)/ & ~/(?s:.*)<\\/arg_value>(?s:.*)/) /<\\/arg_value>\\n/"
+        end = json.dumps(f"{ARG_VALUE_END}\n")
+
+    def opening(key: str) -> str:
+        return f'{marker(ARG_KEY)} {key} {marker(ARG_KEY_END)} "\\n" {marker(ARG_VALUE)}'
+
+    rules = [
+        f"tool_call: {marker(CALL_TAG)} call {marker(CALL_END_TAG)}",
+        "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
+        f"any_parameter: {opening('KEY')} text",
+        text,
+        _XML_KEY,
+    ]
+    for i, function in enumerate(functions):
+        parameters = _parameters(function)
+        properties = parameters.get("properties")
+        head = json.dumps(function["name"] + "\n")
+        if properties == {} and parameters.get("additionalProperties") is False:
+            rules.append(f"call_{i}: {head}")  # takes none
+            continue
+        if not isinstance(properties, dict) or not properties or not all(map(_is_key_name, properties)):
+            rules.append(f"call_{i}: {head} any_parameter*")
+            continue
+        required = set(parameters.get("required") or ())
+        shared: dict[str, Any] = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
+        body = []
+        for k, (name, schema) in enumerate(properties.items()):
+            value, *terminals = _xml_value(schema, parameters, shared, f"VALUE_{i}_{k}", end)
+            rules += [f"parameter_{i}_{k}: {opening(json.dumps(name))} {value}", *terminals]
+            body.append(f"parameter_{i}_{k}" + ("" if name in required else "?"))
+        rules.append(f"call_{i}: {head} {' '.join(body)}")
+    return "\n".join(rules)
+
+
+def _is_key_name(name: str) -> bool:
+    """Whether a key `name` reads back as itself from `<arg_key>NAME</arg_key>`."""
+    return 0 < len(name) <= XML_NAME_LIMIT and name == name.strip() and "</arg_key>" not in name
+
+
 def _is_xml_name(name: str) -> bool:
     """Whether a parameter `name` reads back as itself from `<parameter=NAME>`."""
     return 0 < len(name) <= XML_NAME_LIMIT and name == name.strip() and not any(c in name for c in "<>\n")
 
 
-def _xml_value(schema: Any, parameters: dict[str, Any], shared: dict[str, Any], terminal: str) -> list[str]:
+def _xml_value(
+    schema: Any, parameters: dict[str, Any], shared: dict[str, Any], terminal: str, end: str = _XML_END
+) -> list[str]:
     """The Lark expression for a parameter's value and its end, in Qwen3-Coder's XML:
     text for a string (or what its schema leaves open), JSON for any other type; then
     the definition of `terminal`, the name its string enum's values take, if it has one."""
@@ -289,12 +342,12 @@ def _xml_value(schema: Any, parameters: dict[str, Any], shared: dict[str, Any], 
         return ["text"]
     if not is_text(value_types(schema, parameters)):
         json_schema = {**schema, **shared, "x-guidance": JSON_OPTIONS}
-        return [f"%json {json.dumps(json_schema)} {_XML_END}"]
+        return [f"%json {json.dumps(json_schema)} {end}"]
     consts = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
     if consts and all(isinstance(c, str) for c in consts):
         # One terminal, which the lexer matches: as alternatives of a rule, past 2,000
         # values llguidance's parser refused the grammar (the JSON styles take them).
-        return [f"{terminal} {_XML_END}", f"{terminal}: " + " | ".join(json.dumps(c) for c in consts)]
+        return [f"{terminal} {end}", f"{terminal}: " + " | ".join(json.dumps(c) for c in consts)]
     return ["text"]
 
 

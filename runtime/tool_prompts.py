@@ -7,6 +7,7 @@ Qwen3-Coder's and Qwen3.5's XML, one that writes `<function_calls>` OLMo 3's Pyt
 one that writes `<|tool_call|>` Granite 3's JSON list, one that lists the tools in
 `<|tool_list_start|>` LFM2's Python call list,
 one with an `<|observation|>` turn and no `<tool_call>` GLM-4-0414's name-then-JSON,
+one that writes `<arg_key>` in `<tool_call>` GLM-4.5's (and 4.6's, 4.7's) key and value tags,
 one that writes `<tool_call>` otherwise is Hermes/Qwen's, one
 with `<|python_tag|>` or an `ipython` role is Llama 3's JSON form, and Gemma (whose template has no tools at all) gets the
 ```tool_code form from Google's function-calling guide. Anything else: Hermes, the
@@ -26,6 +27,7 @@ from typing import Any
 
 from runtime.chat_template import reads_variable
 from runtime.gemma4_reply import CALL_CLOSE, CALL_OPEN, gemma4_arguments
+from runtime.glm45_reply import ARG_KEY, key_value_call
 from runtime.harmony import CALL, CHANNEL, CONSTRAIN, MESSAGE
 from runtime.qwen3_coder_reply import (
     FUNCTION,
@@ -65,6 +67,8 @@ def tool_style_for(template_source: str, model_type: str) -> str:
     # LFM2's template writes its tool list so, and never a call (they are the reply's text).
     if "<|tool_list_start|>" in template_source or LFM2_CALL_START in template_source:
         return "lfm2"
+    if "<tool_call>" in template_source and ARG_KEY in template_source:
+        return "glm45"
     if "<tool_call>" in template_source:
         return "hermes"
     # GLM-4-0414's and GLM-Z1's results are `observation` turns (GLM-4.5's write <tool_call>).
@@ -358,6 +362,8 @@ def _call_text(function: Mapping[str, Any], style: str) -> str:
         return xml_call(function["name"], arguments)
     if style == "glm4":
         return "\n".join(_glm4_call(function))
+    if style == "glm45":
+        return key_value_call(function["name"], arguments)
     if style == "olmo3":  # as its template writes them; text that is no JSON as it is
         return f"{FUNCTION_CALLS}{_python_call_text(function)}{FUNCTION_CALLS_END}"
     return json.dumps({"name": function["name"], "parameters": arguments})
@@ -381,6 +387,8 @@ def _tools_preamble(tools: Sequence[Mapping[str, Any]], style: str) -> str:
         how = f"To call a function, reply with {FUNCTION_CALLS}<function-name>(<param-name>=<json-value>, ...){FUNCTION_CALLS_END}"
     elif style == "lfm2":
         how = f"To call functions, reply with {LFM2_CALL_START}[<function-name>(<param-name>=<value>, ...), ...]{LFM2_CALL_END}"
+    elif style == "glm45":
+        how = "To call a function, reply with\n" + key_value_call("<function-name>", {"<key>": "<value>"})
     elif style == "qwen3_coder":
         how = "To call a function, reply with\n" + xml_call("<function-name>", {"<parameter-name>": "<value>"})
     elif style == "hermes":

@@ -32,6 +32,8 @@ The formats, as the families' chat templates teach them:
                Python list of calls, each value a Python or JSON literal.
   nemotron     Nemotron Nano v2 (`nemotron_h`): `<TOOLCALL>[{"name": ..., "arguments": {...}},
                ...]</TOOLCALL>`, Granite's list form between NVIDIA's tags. Text may come first.
+  glm45        GLM-4.5, 4.6, 4.7: `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>`
+               ...`</tool_call>`, values typed by the tool's schema (runtime/glm45_reply.py).
 
 Feeding the text in any split yields the same calls with the same argument text, so
 streamed deltas reassemble to the whole response: parsing state is the text, never
@@ -58,6 +60,7 @@ if TYPE_CHECKING:
 
     from runtime.gemma4_reply import Gemma4Parser
     from runtime.glm4_reply import FirstLineCall
+    from runtime.glm45_reply import KeyValueCallParser
     from runtime.harmony import HarmonyParser
     from runtime.qwen3_coder_reply import XmlCallParser
     from runtime.think_reply import ThinkParser
@@ -65,6 +68,7 @@ if TYPE_CHECKING:
 TOOL_STYLES = (
     "hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3", "granite", "glm4", "lfm2",
     "nemotron",
+    "glm45",
 )
 # Styles whose chat replies are parsed whether tools were offered or not: they hold
 # reasoning apart from the answer, in markup the request keeps (actors/admission.py).
@@ -494,7 +498,7 @@ def _content(text: str) -> list[Event]:
 
 ToolParser: TypeAlias = (
     "_Delimited | _WholeReply | _MistralCalls | HarmonyParser | Gemma4Parser | ThinkParser | XmlCallParser"
-    " | FirstLineCall"
+    " | FirstLineCall | KeyValueCallParser"
 )
 
 
@@ -548,4 +552,10 @@ def parser_for(
         from runtime.qwen3_coder_reply import XmlCallParser, parameter_types
 
         return XmlCallParser(parameter_types(tools))
+    if style == "glm45":
+        # It builds on this module's events.
+        from runtime.glm45_reply import KeyValueCallParser
+        from runtime.qwen3_coder_reply import parameter_types
+
+        return KeyValueCallParser(parameter_types(tools))
     raise ValueError(f"unknown tool-call style {style!r} (known: {', '.join(TOOL_STYLES)})")

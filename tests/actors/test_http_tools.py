@@ -12,6 +12,8 @@ import pathlib
 import re
 import urllib.parse
 
+from runtime.glm45_reply import GLM45_TAGS
+from runtime.think_reply import THINK_TAGS
 from runtime.tokenizer import Tokenizer
 from runtime.tools import HERMES_TAGS
 
@@ -109,6 +111,8 @@ CALL_TEXT = {
     "granite": 'Checking.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}]',
     "glm4": 'get_weather\n{"city": "Rome", "days": 2}',  # a reply of a call alone: no text before
     "lfm2": 'Checking.<|tool_call_start|>[get_weather(city="Rome", days=2)]<|tool_call_end|>',
+    "glm45": "Checking.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n"
+    "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>",
 }
 
 
@@ -217,6 +221,7 @@ LONG_CALL = {
     "granite": 'Checking.<|tool_call|>[{"name": "get_weather", "arguments": {"note": "%s"}}]',
     "glm4": 'get_weather\n{"note": "%s"}',
     "lfm2": 'Checking.<|tool_call_start|>[get_weather(note="%s")]<|tool_call_end|>',
+    "glm45": "Checking. <tool_call>get_weather\n<arg_key>note</arg_key>\n<arg_value>%s</arg_value>\n</tool_call>",
 }
 CUT_CONTENT = {  # the markup is left out, as of a call cut before its name is whole
     "hermes": 'Checking. {"name": "get_weather", "arguments": {"note": "Rome is',
@@ -228,6 +233,7 @@ CUT_CONTENT = {  # the markup is left out, as of a call cut before its name is w
     "granite": 'Checking.<|tool_call|>[{"name": "get_weather", "arguments": {"note": "Rome is',
     "glm4": 'get_weather\n{"note": "Rome is',
     "lfm2": 'Checking.<|tool_call_start|>[get_weather(note="Rome is',
+    "glm45": "Checking. get_weather\n<arg_key>note</arg_key>\n<arg_value>Rome is",
 }
 
 
@@ -246,7 +252,7 @@ async def test_a_call_max_tokens_ends_in_is_text_in_the_whole_response(styled):
         assert (content, calls) == (choice.message.content, {})
         return
     ((_, name, arguments),) = calls.values()
-    if style == "qwen3_coder":  # its arguments go out a parameter at a time: none closed
+    if style in ("qwen3_coder", "glm45"):  # their arguments go out a pair at a time: none closed
         assert (content, name, arguments) == ("Checking.", "get_weather", "")
         return
     assert (content, name) == (CUT_CONTENT[style].split("{")[0].strip(), "get_weather")
@@ -555,6 +561,7 @@ MARKER = {
     "granite": "<|tool_call|>",
     "glm4": "get_",  # no marker: both tools' names begin so
     "lfm2": "<|tool_call_start|>",
+    "glm45": "<tool_call>",
 }
 
 
@@ -847,4 +854,134 @@ async def test_call_markers_that_are_added_tokens_are_written_as_those_tokens_an
     written = [entry.token for entry in choice.logprobs.content]
     assert written[0] == markers[0] and markers[-1] in written  # each one token, not spelled
     assert (content, finish) == ("", "tool_calls")
+    assert [(n, a) for _, n, a in calls.values()] == [(call.function.name, call.function.arguments)]
+
+
+@pytest.fixture(scope="module")
+def glm45_with_added_tags(make_checkpoint, tmp_path_factory):
+    """GLM-4.6's template, its call tags and thinking tags added tokens that are not
+    special, as GLM-4.5's and 4.6's tokenizers hold them."""
+    return with_added_markers(make_checkpoint, tmp_path_factory, "glm45", (*GLM45_TAGS, *THINK_TAGS), special=False)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+async def test_glm45_calls_are_parsed_their_values_typed_by_the_schema(glm45_with_added_tags, parallel):
+    """GLM-4.5's, 4.6's and 4.7's calls were content: their template writes `<tool_call>`,
+    which made it Hermes', whose parser found no JSON in them. A string value is its text,
+    any other its JSON, typed by the tool's schema; GLM-4.7's form has no newlines."""
+    checkpoint = glm45_with_added_tags
+    key, key_end, value, value_end = GLM45_TAGS[2:]
+    weather = [
+        part for k, v in (("city", "Rome"), ("days", "2"), ("metric", "true"), ("hours", "[9, 12]"))
+        for part in ("\n", key, k, key_end, "\n", value, v, value_end)
+    ]
+    parts = (
+        "Checking.\n", "<tool_call>", "get_weather", *weather, "\n", "</tool_call>",
+        "<tool_call>", "get_time", key, "zone", key_end, value, "UTC", value_end, "</tool_call>",
+    )
+    grammar = tool_templates.written(checkpoint, GLM45_TAGS, *parts)
+    body = dict(
+        messages=ASK, tools=TYPED_TOOLS, max_tokens=150, parallel_tool_calls=parallel,
+        extra_body={"guided_grammar": grammar, "chat_template_kwargs": {"enable_thinking": False}},
+    )
+    async with serving(checkpoint) as server:
+        assert server.llm.tool_style == "glm45"
+        done = await in_thread(whole, server, **body)
+        content, calls, finish = await in_thread(streamed, server, **body)
+    expected = [
+        ("get_weather", {"city": "Rome", "days": 2, "metric": True, "hours": [9, 12]}),
+        ("get_time", {"zone": "UTC"}),
+    ][: 2 if parallel else 1]
+    message = done.choices[0].message
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == expected
+    assert (message.content, done.choices[0].finish_reason) == ("Checking.", "tool_calls")
+    assert (content, finish) == ("Checking.", "tool_calls")
+    assert [(n, a) for _, n, a in calls.values()] == [(c.function.name, c.function.arguments) for c in message.tool_calls]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+async def test_a_forced_glm45_call_is_written_in_its_tags_tokens(glm45_with_added_tags, choice):
+    """With thinking off (the template's empty thought), the grammar writes the call from
+    the first token, each tag one token."""
+    body = dict(
+        messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=120, logprobs=True,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    async with serving(glm45_with_added_tags) as server:
+        done = await in_thread(whole, server, **body)
+        content, calls, finish = await in_thread(streamed, server, **body)
+    choice_ = done.choices[0]
+    assert choice_.finish_reason == "tool_calls" and choice_.message.content is None
+    (call,) = choice_.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    written = [entry.token for entry in choice_.logprobs.content]
+    assert written[0] == "<tool_call>" and written[-1] == "</tool_call>"
+    assert "".join(written).startswith(f"<tool_call>{call.function.name}\n<arg_key>")
+    assert written[-1] == "</tool_call>" and "<arg_key>" in written and "</arg_value>" in written
+    assert (content, finish) == ("", "tool_calls")
+    assert [(n, a) for _, n, a in calls.values()] == [(call.function.name, call.function.arguments)]
+
+
+async def test_a_forced_glm45_call_follows_the_thought(glm45_with_added_tags):
+    """Thinking on (GLM's default: the prompt ends at `<|assistant|>`), the grammar waits
+    for `</think>`: the thought is reasoning, then the call. Sampling writes `<think>`,
+    one word that is nowhere in the prompt, `</think>` (biases 20 and more apart, and a
+    repetition penalty that takes two thirds of a used token's logit), then the call."""
+    tokenizer = Tokenizer.from_dir(glm45_with_added_tags)
+    word = tokenizer.encode("hello", add_special_tokens=False)[0]
+    ids = [tokenizer.added_token_id("<think>"), word, tokenizer.added_token_id("</think>")]
+    body = dict(
+        messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120, seed=7,
+        logit_bias={str(token): bias for token, bias in zip(ids, (100, 75, 55), strict=True)},
+        extra_body={"repetition_penalty": 3.0},
+    )
+    async with serving(glm45_with_added_tags) as server:
+        assert server.llm.thinks
+        done = await in_thread(whole, server, **body)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.model_extra.get("reasoning_content") == tokenizer.decode([word])
+    (call,) = choice.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+async def test_a_glm45_history_renders_its_calls_as_key_and_value_tags(glm45_with_added_tags):
+    """The template iterates `arguments.items()`: the arguments' JSON text comes back in
+    `messages` and must reach it as a mapping, as transformers renders it."""
+    arguments = {"city": "Paris", "days": 1, "hours": [9]}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(arguments)}}
+    history = [
+        *ASK,
+        {"role": "assistant", "content": "Checking.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny and warm"},
+    ]
+    reference = transformers.AutoTokenizer.from_pretrained(str(glm45_with_added_tags))
+    as_mapping = [*history[:1], {**history[1], "tool_calls": [{**call, "function": {**call["function"], "arguments": arguments}}]}, history[2]]
+    prompt = reference.apply_chat_template(as_mapping, tools=TYPED_TOOLS, add_generation_prompt=True, tokenize=False)
+    assert "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>" in prompt
+    assert "<|observation|>\n<tool_response>\nsunny and warm\n</tool_response>" in prompt
+    async with serving(glm45_with_added_tags) as server:
+        done = await in_thread(whole, server, messages=history, tools=TYPED_TOOLS, max_tokens=1)
+    assert done.usage.prompt_tokens == len(reference(prompt, add_special_tokens=False)["input_ids"])
+
+
+async def test_a_forced_glm45_string_value_ends_at_the_closing_tag_token(glm45_with_added_tags):
+    """A string's value is any text up to `</arg_value>`, which is a token that ends the
+    text (the grammar's text cannot spell it): biased to it, the value closes as soon
+    as it may, and the call parses back whole, typed by the schema."""
+    closing = Tokenizer.from_dir(glm45_with_added_tags).added_token_id("</arg_value>")
+    body = dict(
+        messages=ASK, tools=TYPED_TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=60, logit_bias={str(closing): 100},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    async with serving(glm45_with_added_tags) as server:
+        done = await in_thread(whole, server, **body)
+        content, calls, finish = await in_thread(streamed, server, **body)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, TYPED)
+    assert call.function.name == "get_weather" and arguments["city"] == ""
     assert [(n, a) for _, n, a in calls.values()] == [(call.function.name, call.function.arguments)]

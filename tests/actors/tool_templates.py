@@ -6,7 +6,7 @@ in the system turn, `<tool_call>` JSON, `<tool_response>` turns), Llama 3.1's JS
 Mistral Small 3.2's (tools before the last user turn, `[TOOL_CALLS]name[ARGS]{...}`),
 gpt-oss's harmony and Gemma 4's (tests/actors/test_http_harmony.py and
 test_http_gemma4.py, with their markers as tokens: `with_markers`); and Qwen3-Coder's
-OLMo 3's, Granite 3's and GLM-Z1's own, published (templates/).
+OLMo 3's, Granite 3's, GLM-Z1's, LFM2's and GLM-4.6's own, published (templates/).
 """
 
 import json
@@ -130,6 +130,9 @@ GLM4 = (pathlib.Path(__file__).parent / "templates" / "THUDM-GLM-Z1-9B-0414.jinj
 # LFM2-1.2B's published template: the tool list in <|tool_list_start|>, each turn's content alone.
 LFM2 = (pathlib.Path(__file__).parent / "templates" / "LiquidAI-LFM2-1.2B.jinja").read_text()
 
+# GLM-4.6's published template: a call is its name and key and value tags, results observations.
+GLM45 = (pathlib.Path(__file__).parent / "templates" / "zai-org-GLM-4.6.jinja").read_text()
+
 TEMPLATES = {
     "hermes": HERMES,
     "llama3_json": LLAMA3_JSON,
@@ -140,6 +143,7 @@ TEMPLATES = {
     "granite": GRANITE,
     "glm4": GLM4,
     "lfm2": LFM2,
+    "glm45": GLM45,
 }
 
 

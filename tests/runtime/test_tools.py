@@ -794,7 +794,7 @@ def test_tools_render_as_transformers_renders_them(tmp_path, template):
 
 @pytest.mark.parametrize(
     "style",
-    ["hermes", "llama3_json", "gemma", "mistral", "harmony", "qwen3_coder", "olmo3", "granite", "glm4", "lfm2", "nemotron"],
+    ["hermes", "llama3_json", "gemma", "mistral", "harmony", "qwen3_coder", "olmo3", "granite", "glm4", "lfm2", "nemotron", "glm45"],
 )
 def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(style):
     said = {**HISTORY[1], "content": "Let me check."}
@@ -813,6 +813,7 @@ def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(st
         "glm4": "reply with its name alone on the first line, then its arguments as a JSON object",
         "lfm2": "<|tool_call_start|>[<function-name>(<param-name>=<value>, ...), ...]<|tool_call_end|>",
         "nemotron": '<TOOLCALL>[{"name": <function-name>, "arguments": <args-json-object>}, ...]</TOOLCALL>',
+        "glm45": "<tool_call><function-name>\n<arg_key><key></arg_key>\n<arg_value><value></arg_value>\n</tool_call>",
     }
     assert taught[style] in first and json.dumps(TOOLS[0]["function"]) in first
     # The assistant's text, then its call in the model's own format: it parses back.
@@ -862,7 +863,7 @@ def test_call_arguments_that_are_not_json_reach_the_template_as_sent():
     "style",
     [
         "hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3", "granite", "glm4", "lfm2",
-        "nemotron",
+        "nemotron", "glm45",
     ],
 )
 def test_call_arguments_that_are_not_json_are_written_into_a_template_without_tools(style):
@@ -1979,7 +1980,7 @@ def test_the_glm4_template_is_glm4s_and_the_others_keep_theirs():
     assert tool_style_for(GLM_Z1, "glm4") == tool_style_for(GLM_Z1, "llama") == "glm4"
     assert template_knows_tools(GLM_Z1)
     glm45 = "<|observation|>{% for c in m.tool_calls %}<tool_call>{{ c.name }}<arg_key>{% endfor %}"
-    assert tool_style_for(glm45, "glm4_moe") == "hermes"  # GLM-4.5's XML is no name-then-JSON
+    assert tool_style_for(glm45, "glm4_moe") == "glm45"  # GLM-4.5's key and value tags: no name-then-JSON
     kept = {HERMES: "hermes", QWEN3: "hermes", QWEN3_CODER: "qwen3_coder", LLAMA3_JSON: "llama3_json",
             MISTRAL: "mistral", HARMONY: "harmony", GEMMA: "gemma", OLMO3: "olmo3", GRANITE3: "granite"}
     assert {tool_style_for(t, "glm4"): style for t, style in kept.items()} == {s: s for s in kept.values()}
@@ -2025,3 +2026,154 @@ def test_a_forced_glm4_call_is_the_name_then_the_arguments_json(forced):
     assert not admitted_by(grammar, 'get_weather\n{"city": "Berlin"}')
     assert admitted_by(grammar, "get_time\n{}") == (forced is None)
     assert not admitted_by(grammar, "\nSure.")
+
+
+# GLM-4.5's, 4.6's and 4.7's calls: a name, then key and value tags (runtime/glm45_reply.py).
+GLM46 = (TEMPLATE_DIR / "zai-org-GLM-4.6.jinja").read_text()
+
+
+def glm(name, *pairs, newlines=True):
+    """A call as GLM-4.5's and 4.6's templates write it, or (`newlines` False) GLM-4.7's."""
+    sep = "\n" if newlines else ""
+    written = "".join(f"{sep}<arg_key>{key}</arg_key>{sep}<arg_value>{value}</arg_value>" for key, value in pairs)
+    return f"<tool_call>{name}{written}{sep}</tool_call>"
+
+
+GLM45_CASES = [
+    (
+        "Let me check.\n" + glm("get_weather", ("city", "Paris"), ("days", "3")) + glm("get_time"),
+        ("Let me check.\n", [("get_weather", '{"city": "Paris", "days": 3}'), ("get_time", "{}")]),
+    ),
+    (  # GLM-4.7's form, with no newlines; blanks between the tags
+        glm("get_weather", ("city", "Rome"), ("hours", "[1, 2]"), newlines=False)
+        + " <tool_call>get_time \n <arg_key> zone </arg_key>  <arg_value>UTC</arg_value> </tool_call> Done.",
+        ("  Done.", [("get_weather", '{"city": "Rome", "hours": [1, 2]}'), ("get_time", '{"zone": "UTC"}')]),
+    ),
+    (  # a string value is its text as written; tags in it are its text
+        glm("get_weather", ("city", "\n  Paris, <arg_key>France\n")),
+        ("", [("get_weather", json.dumps({"city": "\n  Paris, <arg_key>France\n"}))]),
+    ),
+    (  # a key given twice keeps its first value; one with no name, or no value, is dropped
+        glm("get_weather", ("city", "Rome"), ("city", "Oslo"), ("", "x"))
+        .replace("</tool_call>", "<arg_key>days</arg_key> hmm <arg_key>days</arg_key><arg_value>2</arg_value></tool_call>"),
+        ("", [("get_weather", '{"city": "Rome", "days": 2}')]),
+    ),
+    (  # no name, or one with blanks in it: text as written
+        "A <tool_call>\n<arg_key>a</arg_key></tool_call> and <tool_call>get time\n</tool_call>",
+        ("A <tool_call>\n<arg_key>a</arg_key></tool_call> and <tool_call>get time\n</tool_call>", []),
+    ),
+    (  # Hermes JSON in the tags is no call of GLM's
+        'A <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+        ('A <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', []),
+    ),
+    ("It ends in <tool_ca", ("It ends in <tool_ca", [])),  # held as a marker, then text
+    ("It ends in <tool_call>get_ti", ("It ends in <tool_call>get_ti", [])),  # a name never ended
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), GLM45_CASES)
+def test_glm45_calls_are_the_same_whatever_the_split(text, expected):
+    assert parse("glm45", text, tools=XML_TOOLS) == expected
+    for cut in range(1, len(text)):
+        assert parse("glm45", text, [cut], tools=XML_TOOLS) == expected, cut
+    assert parse("glm45", text, range(1, len(text)), tools=XML_TOOLS) == expected
+
+
+@pytest.mark.parametrize(
+    ("key", "text", "value"),
+    [("city", "3", "3"), ("days", "3", 3), ("metric", "true", True), ("where", '{"a": 1}', {"a": 1}),
+     ("note", "null", None), ("code", "x1", "x1"), ("free", "3", "3"), ("place", '{"lat": 2}', {"lat": 2})],
+)
+def test_glm45_values_take_their_type_from_the_schema(key, text, value):
+    _, [(_, arguments)] = parse("glm45", glm("get_weather", (key, text)), tools=XML_TOOLS)
+    assert json.loads(arguments) == {key: value}
+
+
+def test_glm45_streams_the_name_then_each_pair_as_its_value_closes():
+    parser = parser_for("glm45", tools=XML_TOOLS)
+    assert parser.feed("Sure.<tool_call>get_wea") == [Content("Sure.")]
+    assert parser.feed("ther\n<arg_key>city</arg_key>\n<arg_value>Par") == [CallStart(0, "get_weather")]
+    assert parser.feed("is</arg_value>\n<arg_key>days</arg_key><arg_value>3</arg_") == [
+        CallArguments(0, '{"city": "Paris"')
+    ]
+    assert parser.feed("value>\n</tool_call>") == [CallArguments(0, ', "days": 3'), CallArguments(0, "}")]
+    assert parser.finish() == []
+
+
+def test_a_glm45_call_the_reply_ends_inside_of_is_cut_short_with_its_text():
+    text = "A <tool_call>f\n<arg_key>a</arg_key>\n<arg_value>xy"
+    for cut in range(len("A <tool_call>f\n"), len(text)):
+        parser = parser_for("glm45")
+        events = parser.feed(text[:cut]) + parser.feed(text[cut:]) + parser.finish()
+        assert events[-1] == CallCutShort(0, "f\n<arg_key>a</arg_key>\n<arg_value>xy"), cut
+        assert [e for e in events if isinstance(e, CallStart)] == [CallStart(0, "f")]
+
+
+def test_glm45_calls_after_a_thought_are_calls_and_in_it_reasoning():
+    from runtime.think_reply import THINK_TAGS
+    from runtime.tools import Reasoning
+
+    parser = parser_for("glm45", think_tags=THINK_TAGS, tools=XML_TOOLS)
+    events = parser.feed("<think>maybe " + glm("get_time") + "</think>" + glm("get_weather", ("days", "2")))
+    events += parser.finish()
+    assert "".join(e.text for e in events if isinstance(e, Reasoning)) == "maybe " + glm("get_time")
+    calls = [e for e in events if isinstance(e, CallStart | CallArguments)]
+    assert calls == [CallStart(0, "get_weather"), CallArguments(0, '{"days": 2'), CallArguments(0, "}")]
+
+
+def test_the_glm46_template_is_glm45s_tags_and_renders_a_history_that_parses_back():
+    """GLM-4.6's published template writes `<tool_call>` and `<arg_key>`: it was read as
+    Hermes' JSON, and its calls were content. Its history's calls read back as sent."""
+    assert tool_style_for(GLM46, "glm4_moe") == "glm45" and template_knows_tools(GLM46)
+    arguments = {"city": "Paris", "days": 3, "where": {"a": [1]}}
+    history = [*HISTORY[:1], {**HISTORY[1], "tool_calls": [{**HISTORY[1]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": json.dumps(arguments)}}]}, HISTORY[2]]
+    rendered = with_template(GLM46).apply_chat_template(
+        chat_for_template(history, TOOLS, "glm45", knows_tools=True), template_kwargs=None
+    )
+    written = rendered[rendered.index("<tool_call>get_weather") : rendered.index("</tool_call><|observation|>") + 12]
+    assert "<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>" in written
+    assert parse("glm45", written, tools=XML_TOOLS) == ("", [("get_weather", json.dumps(arguments))])
+    assert "<|observation|>\n<tool_response>\nsunny, 21 C\n</tool_response>" in rendered
+    assert rendered.endswith("<|assistant|>")  # thinking on: the model opens its own thought
+
+
+@pytest.mark.parametrize("forced", [None, "get_weather"])
+def test_a_forced_glm45_call_is_its_tags_typed_by_the_schema(forced):
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    weather = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer"}, "note": {"type": "string"}},
+        "required": ["city", "days"],
+    }
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}, *XML_TOOLS[1:]]
+    grammar = compiler.compile(tool_call_grammar("glm45", tools, forced))
+    call = glm("get_weather", ("city", "Rome"), ("days", "2"), ("note", "a <b> c"))
+    assert admitted_by(grammar, call)
+    assert parse("glm45", call, tools=tools) == ("", [("get_weather", '{"city": "Rome", "days": 2, "note": "a <b> c"}')])
+    assert admitted_by(grammar, glm("get_weather", ("city", "Rome"), ("days", "2")))  # note is optional
+    assert not admitted_by(grammar, glm("get_weather", ("city", "Berlin"), ("days", "2")))  # not of its enum
+    assert not admitted_by(grammar, glm("get_weather", ("days", "2")))  # city is required
+    assert not admitted_by(grammar, glm("get_weather", ("city", "Rome"), ("days", "two")))
+    assert not admitted_by(grammar, glm("get_weather", ("city", "Rome"), ("days", "2"), ("note", "a</arg_value>b")))
+    assert admitted_by(grammar, glm("get_time", ("any", "x"))) == (forced is None)
+    assert not admitted_by(grammar, "Sure. " + call)
+
+
+def test_a_long_glm45_value_fed_a_few_characters_a_delta_takes_linear_time():
+    """Each delta's text is searched once for `</arg_value>`: searching the whole value
+    again at every token would make a long one O(n^2)."""
+
+    def seconds(size):
+        text = glm("get_weather", ("city", "x<" * size))
+        parser, events = parser_for("glm45", tools=XML_TOOLS), []
+        started = time.perf_counter()
+        for at in range(0, len(text), 4):
+            events += parser.feed(text[at : at + 4])
+        took = time.perf_counter() - started
+        arguments = "".join(e.fragment for e in events + parser.finish() if isinstance(e, CallArguments))
+        assert json.loads(arguments) == {"city": "x<" * size}
+        return took
+
+    small = seconds(20_000)
+    assert seconds(160_000) < 20 * small + 1.0  # linear: 8 times; quadratic: 64
