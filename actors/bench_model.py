@@ -160,7 +160,7 @@ def count_parameters(checkpoint: Path) -> int:
             name.endswith((".scales", ".biases")) and f"{name.rsplit('.', 1)[0]}.weight" in shapes
         )
     }
-    # DeepSeek's configs (deepseek_v2, deepseek_v3, glm4_moe_lite) say n_routed_experts.
+    # DeepSeek's configs (deepseek_v2, deepseek_v3, glm4_moe_lite, glm4_moe) say n_routed_experts.
     num_experts = config.get("num_experts", config.get("num_local_experts", config.get("n_routed_experts")))
     top_k = config.get("num_experts_per_tok", config.get("top_k_experts"))  # Gemma 4's name
     if _is_size(num_experts) and _is_size(top_k):

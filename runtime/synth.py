@@ -128,7 +128,9 @@ def make_tiny_checkpoint(
     heads of `head_dim` (K that plus half of it rotated), a latent of half `hidden_size`,
     the first layer dense and `num_experts` routed beside shared ones; float weights in
     Hugging Face's layout, quantized ones in mlx-lm's (the router float; V3's and GLM's
-    kv_b_proj split per head into `embed_q` and `unembed_out`).
+    kv_b_proj split per head into `embed_q` and `unembed_out`). `glm4_moe` is GLM-4.5-Air's
+    fields with GLM-4.5's q/k norm: GQA rotating half of each head, V3's router over 2
+    groups beside one shared expert, its first layer dense.
 
     `vocab_size` above the demo tokenizer's adds embedding rows no text encodes to
     (a large-vocabulary model, e.g. 151,936 as Qwen's).
@@ -419,7 +421,7 @@ def qwen3_next_weights(
 # The per-expert names Hugging Face stores, by ours, for the routed-experts families.
 EXPERT_NAMES = {
     family: {ours: stored for stored, ours in FAMILIES[family].EXPERT_NAMES.items()}
-    for family in ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+    for family in ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "glm4_moe")
 }
 
 
@@ -489,7 +491,9 @@ def random_weights(model: CausalLM, seed: int) -> dict[str, mx.array]:
 
 # Layers mlx-lm's conversions leave unquantized (they are no nn.Linear in its model), by
 # the end of their weight's name.
-FLOAT_LAYERS = {family: (".mlp.gate.weight",) for family in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")}
+FLOAT_LAYERS = {
+    family: (".mlp.gate.weight",) for family in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "glm4_moe")
+}
 FLOAT_LAYERS["nemotron_h"] = ("mixer.gate.weight",)  # its router is no Linear: mlx-lm's convert leaves it float
 
 

@@ -32,6 +32,7 @@ ARCHITECTURES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
@@ -222,6 +223,23 @@ def hf_config(
             rms_norm_eps=1e-5,
             partial_rotary_factor=1.0,
             num_nextn_predict_layers=1,
+        )
+    if family == "glm4_moe":  # GLM-4.5-Air's fields, with GLM-4.5's qk norm and 2 router groups
+        raw.update(
+            attention_bias=True,
+            head_dim=head_dim or hidden_size // num_heads,
+            partial_rotary_factor=0.5,
+            moe_intermediate_size=intermediate_size // 2,
+            norm_topk_prob=True,
+            n_group=2,
+            topk_group=1,
+            n_routed_experts=num_experts,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            num_experts_per_tok=num_experts_per_tok,
+            first_k_dense_replace=1,
+            num_nextn_predict_layers=1,
+            use_qk_norm=True,
         )
     if family == "phi3":
         raw.update(attention_bias=False, sliding_window=None)

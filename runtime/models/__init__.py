@@ -24,6 +24,7 @@ from runtime.models import (
     gemma3,
     gemma4,
     glm4,
+    glm4_moe,
     glm4_moe_lite,
     gpt_oss,
     granite,
@@ -82,6 +83,7 @@ FAMILIES: dict[str, ModuleType] = {
     "deepseek_v2": deepseek_v2,  # Multi-head Latent Attention, routed and shared experts
     "deepseek_v3": deepseek_v3,  # the same layers, a sigmoid router over groups of experts
     "glm4_moe_lite": glm4_moe_lite,  # DeepSeek-V3's layout (GLM-4.7-Flash)
+    "glm4_moe": glm4_moe,  # GQA, half of each head rotated, DeepSeek-V3's router (GLM-4.5, 4.6)
     "phi3": phi3,
     "glm4": glm4,
     "olmo2": olmo2,

@@ -59,6 +59,7 @@ FAMILIES = {
     "glm4_moe_lite": dict(num_layers=3),  # deepseek_v3's layout, its latent norms at rms_norm_eps
     "nemotron_h": dict(num_layers=5, nemotron={"hybrid_override_pattern": "MEM*E"}),
     "falcon_h1": dict(num_layers=3),  # attention and Mamba2 side by side, their multipliers folded in
+    "glm4_moe": dict(num_layers=3),  # GQA with qk norm and half of each head rotated, V3's router
 }
 SHAPE = dict(hidden_size=128, intermediate_size=256)
 

@@ -88,6 +88,8 @@ PARITY_CASES = {
     # a q LoRA, sigmoid routing over 2 groups with a correction bias, no YaRN
     "deepseek_v3": ("deepseek_v3", dict(num_layers=3)),
     "glm4_moe_lite": ("glm4_moe_lite", dict(num_layers=3)),  # DeepSeek-V3's layout, V as wide as K
+    # GQA, half of each head rotated in halves, qk norm, V3's router over 2 groups, a shared expert
+    "glm4_moe": ("glm4_moe", dict(num_layers=3)),
     "llama-sharded": ("llama", dict(shards=3)),
 }
 
@@ -106,7 +108,7 @@ def test_greedy_parity_with_mlx_lm(make_checkpoint, case):
 MIXED_FAMILIES = [
     "llama-gqa4", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "llama3-rope-scaling",
     "ministral3", "qwen3-yarn", "deepseek_v2", "deepseek_v3",
-    "glm4_moe_lite",
+    "glm4_moe_lite", "glm4_moe",
 ]
 
 
