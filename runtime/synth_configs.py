@@ -42,6 +42,8 @@ ARCHITECTURES = {
     "granitemoe": "GraniteMoeForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
+    "cohere": "CohereForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -341,6 +343,25 @@ def hf_config(
     if family == "glm4":  # half of each head rotated, in interleaved pairs
         raw.update(head_dim=head_dim or hidden_size // num_heads, partial_rotary_factor=0.5, attention_bias=True)
         del raw["rope_scaling"]
+    if family in ("cohere", "cohere2"):  # Command-R's and R7B's fields (R7B's originals beside transformers')
+        raw.update(attention_bias=False, layer_norm_eps=1e-5, logit_scale=0.0625, use_qk_norm=False, tie_word_embeddings=True)
+        del raw["rms_norm_eps"]
+    if family == "cohere2":  # three sliding layers in four, the fourth full without RoPE
+        raw.update(
+            head_dim=head_dim or hidden_size // num_heads,
+            logit_scale=0.25,
+            sliding_window=sliding_window,
+            sliding_window_pattern=4,
+            order_of_interleaved_layers="local_attn_first",
+            position_embedding_type="rope_gptj",
+            rotary_pct=1.0,
+            use_embedding_sharing=True,
+            use_gated_activation=True,
+            use_parallel_block=True,
+            use_parallel_embedding=True,
+            cache_implementation="hybrid",
+        )
+        del raw["use_qk_norm"]
     if family == "gemma2":
         raw.update(
             head_dim=head_dim or hidden_size // num_heads,

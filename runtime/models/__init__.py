@@ -19,6 +19,7 @@ from runtime.models import (
     deepseek_v2,
     deepseek_v3,
     falcon_h1,
+    cohere,
     gemma,
     gemma2,
     gemma3,
@@ -91,8 +92,10 @@ FAMILIES: dict[str, ModuleType] = {
     "granite": granite,
     "granitemoe": granitemoehybrid,  # Granite 3 MoE: Granite 4.0's decoder, all attention, experts alone
     "granitemoehybrid": granitemoehybrid,  # Granite 4.0: all attention, or a hybrid with Mamba2 layers
-    "nemotron_h": nemotron_h,
-    "falcon_h1": falcon_h1,  # attention and Mamba2 side by side in every layer  # Mamba2, attention, MLP and expert blocks, one mixer each
+    "nemotron_h": nemotron_h,  # Mamba2, attention, MLP and expert blocks, one mixer each
+    "falcon_h1": falcon_h1,  # attention and Mamba2 side by side in every layer
+    "cohere": cohere,
+    "cohere2": cohere,  # sliding layers beside full ones without RoPE
     "gemma": gemma,
     "gemma2": gemma2,
     "gemma3_text": gemma3,

@@ -70,15 +70,15 @@ def rename_weights(weights: dict[str, mx.array], config: ModelConfig) -> dict[st
             renamed[f"{block}.gate_proj.{part}"] = tensor[:ffn]
             renamed[f"{block}.up_proj.{part}"] = tensor[ffn:]
         elif layer.endswith((".self_attn.q_proj", ".self_attn.k_proj")):
-            renamed[name] = _halves_order(name, tensor, config)
+            renamed[name] = halves_order(name, tensor, config.head_dim, config.extra["rotary_dims"])
         else:
             renamed[name] = tensor
     return renamed
 
 
-def _halves_order(name: str, tensor: mx.array, config: ModelConfig) -> mx.array:
-    """A q or k projection's rows, each head's rotated ones as evens then odds."""
-    D, R = config.head_dim, config.extra["rotary_dims"]
+def halves_order(name: str, tensor: mx.array, D: int, R: int) -> mx.array:
+    """A q or k projection's rows, each head's (of D) rotated ones (its first R) as
+    evens then odds."""
     if tensor.ndim < 1 or tensor.shape[0] % D:
         raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, not whole heads of {D} rows")
     within_head = mx.concatenate([mx.arange(0, R, 2), mx.arange(1, R, 2), mx.arange(R, D)])
