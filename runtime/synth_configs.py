@@ -44,6 +44,7 @@ ARCHITECTURES = {
     "falcon_h1": "FalconH1ForCausalLM",
     "cohere": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -362,6 +363,13 @@ def hf_config(
             cache_implementation="hybrid",
         )
         del raw["use_qk_norm"]
+    if family == "exaone4":  # the 32B's layout: three sliding layers in four, the fourth full without RoPE
+        raw.update(
+            head_dim=head_dim or hidden_size // num_heads,
+            sliding_window=sliding_window,
+            sliding_window_pattern="LLLG",
+            layer_types=["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(num_layers)],
+        )
     if family == "gemma2":
         raw.update(
             head_dim=head_dim or hidden_size // num_heads,

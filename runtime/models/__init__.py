@@ -20,6 +20,7 @@ from runtime.models import (
     deepseek_v3,
     falcon_h1,
     cohere,
+    exaone4,
     gemma,
     gemma2,
     gemma3,
@@ -96,6 +97,7 @@ FAMILIES: dict[str, ModuleType] = {
     "falcon_h1": falcon_h1,  # attention and Mamba2 side by side in every layer
     "cohere": cohere,
     "cohere2": cohere,  # sliding layers beside full ones without RoPE
+    "exaone4": exaone4,  # OLMo 2's layer, per-head q/k norms, sliding layers beside NoPE full ones
     "gemma": gemma,
     "gemma2": gemma2,
     "gemma3_text": gemma3,

@@ -35,25 +35,30 @@ from kernels.fused_blocks import NormedLayers
 NO_ROTATION = {"rope_type": "none"}  # NoPE: the RoPE of a layer that rotates nothing
 
 
+def attention(config: ModelConfig, layer: int) -> Attention:
+    """Layer `layer`'s attention as the config's flags make it."""
+    rotary_dims = config.extra.get("rotary_dims", config.head_dim)  # phi3's may be fewer
+    rope_layers = config.extra.get("rope_layers")  # smollm3's: False for a layer without RoPE
+    scaling = config.rope_scaling if rope_layers is None or rope_layers[layer] else NO_ROTATION
+    rope = RoPE(rotary_dims, config.rope_theta, scaling)
+    temperature = config.extra.get("attention_temperature")  # ministral3's (beta, context)
+    return Attention(
+        config,
+        layer,
+        scale=config.head_dim**-0.5 * rope.attention_factor,
+        rope=rope,
+        qkv_bias=config.qkv_bias,
+        o_bias=config.o_bias,
+        qk_norm=RMSNorm if config.qk_norm else None,
+        query_scale=None if temperature is None else AttentionTemperature(*temperature),
+        sinks=config.extra.get("attention_sinks", False),  # gpt-oss's
+    )
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
-        rotary_dims = config.extra.get("rotary_dims", config.head_dim)  # phi3's may be fewer
-        rope_layers = config.extra.get("rope_layers")  # smollm3's: False for a layer without RoPE
-        scaling = config.rope_scaling if rope_layers is None or rope_layers[layer] else NO_ROTATION
-        rope = RoPE(rotary_dims, config.rope_theta, scaling)
-        temperature = config.extra.get("attention_temperature")  # ministral3's (beta, context)
-        self.self_attn = Attention(
-            config,
-            layer,
-            scale=config.head_dim**-0.5 * rope.attention_factor,
-            rope=rope,
-            qkv_bias=config.qkv_bias,
-            o_bias=config.o_bias,
-            qk_norm=RMSNorm if config.qk_norm else None,
-            query_scale=None if temperature is None else AttentionTemperature(*temperature),
-            sinks=config.extra.get("attention_sinks", False),  # gpt-oss's
-        )
+        self.self_attn = attention(config, layer)
         self.mlp = feed_forward(config, layer)  # dense, or routed experts (runtime/models/experts.py)
         # AnyRMSNorm: Gemma 1's layer (gemma.py) takes its (1 + w) norms here.
         self.input_layernorm: AnyRMSNorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)

@@ -75,7 +75,7 @@ class WholeProjectionNormAttention(Attention):
 class Olmo2Layer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
-        self.self_attn = WholeProjectionNormAttention(config, layer)
+        self.self_attn: Attention = WholeProjectionNormAttention(config, layer)
         self.mlp = feed_forward(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
