@@ -45,6 +45,7 @@ ARCHITECTURES = {
     "cohere": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -370,6 +371,8 @@ def hf_config(
             sliding_window_pattern="LLLG",
             layer_types=["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(num_layers)],
         )
+    if family == "ernie4_5":  # ERNIE-4.5-0.3B's fields
+        raw.update(head_dim=head_dim or hidden_size // num_heads, use_bias=False)
     if family == "gemma2":
         raw.update(
             head_dim=head_dim or hidden_size // num_heads,

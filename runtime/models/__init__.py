@@ -20,6 +20,7 @@ from runtime.models import (
     deepseek_v3,
     falcon_h1,
     cohere,
+    ernie4_5,
     exaone4,
     gemma,
     gemma2,
@@ -98,6 +99,7 @@ FAMILIES: dict[str, ModuleType] = {
     "cohere": cohere,
     "cohere2": cohere,  # sliding layers beside full ones without RoPE
     "exaone4": exaone4,  # OLMo 2's layer, per-head q/k norms, sliding layers beside NoPE full ones
+    "ernie4_5": ernie4_5,
     "gemma": gemma,
     "gemma2": gemma2,
     "gemma3_text": gemma3,
