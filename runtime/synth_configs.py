@@ -46,6 +46,7 @@ ARCHITECTURES = {
     "cohere2": "Cohere2ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
+    "seed_oss": "SeedOssForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -373,6 +374,8 @@ def hf_config(
         )
     if family == "ernie4_5":  # ERNIE-4.5-0.3B's fields
         raw.update(head_dim=head_dim or hidden_size // num_heads, use_bias=False)
+    if family == "seed_oss":  # Seed-OSS-36B's: q/k/v biased, o not
+        raw.update(head_dim=head_dim or hidden_size // num_heads, attention_bias=True, attention_out_bias=False, mlp_bias=False)
     if family == "gemma2":
         raw.update(
             head_dim=head_dim or hidden_size // num_heads,

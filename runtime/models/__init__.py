@@ -49,6 +49,7 @@ from runtime.models import (
     qwen3_moe,
     qwen3_next,
     qwen_vl,
+    seed_oss,
     smollm3,
 )
 from runtime.models.layers import CausalLM
@@ -100,6 +101,7 @@ FAMILIES: dict[str, ModuleType] = {
     "cohere2": cohere,  # sliding layers beside full ones without RoPE
     "exaone4": exaone4,  # OLMo 2's layer, per-head q/k norms, sliding layers beside NoPE full ones
     "ernie4_5": ernie4_5,
+    "seed_oss": seed_oss,
     "gemma": gemma,
     "gemma2": gemma2,
     "gemma3_text": gemma3,
