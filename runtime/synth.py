@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.config import config_from_dict
-from runtime.models import FAMILIES, build_model
+from runtime.models import FAMILIES, apertus, build_model
 from runtime.models.layers import CausalLM
 from runtime.synth_configs import DTYPES, QWEN3_5_FAMILIES, QWEN_VL_TEXT, hf_config
 
@@ -177,6 +177,8 @@ def make_tiny_checkpoint(
         weights = fused_projections(weights, fused=("gate_proj",))
     if family == "mixtral":
         weights = {name.replace(".mlp.", ".block_sparse_moe."): w for name, w in weights.items()}
+    if family == "apertus":  # its norms' names, and xIELU's alphas as [1], as Hugging Face stores them
+        weights = apertus_original_weights(weights)
     if family == "gpt_oss":  # mlx-community's names (mlx-lm reads them as they are)
         weights = {
             name.replace(".mlp.gate.", ".mlp.router.").replace(".mlp.switch_mlp.", ".mlp.experts."): w
@@ -220,6 +222,16 @@ def make_tiny_checkpoint(
     write_json(out_dir / "generation_config.json", generation_config(eos_ids(tokenizer)))
     save_weights(out_dir, weights, shards=shards, is_mlx_format=quantize is not None)
     return out_dir
+
+
+def apertus_original_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    stored = {ours: theirs for theirs, ours in apertus.NORM_NAMES.items()}
+    out = {}
+    for name, w in weights.items():
+        for ours, theirs in stored.items():
+            name = name.replace(ours, theirs)
+        out[name] = w.reshape(1) if name.endswith((".alpha_p", ".alpha_n")) else w
+    return out
 
 
 def fused_projections(
@@ -477,6 +489,9 @@ def random_weights(model: CausalLM, seed: int) -> dict[str, mx.array]:
             values = rng.uniform(0.5, 1.5, shape)
         elif name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: every biased score above 0
             values = rng.uniform(0.0, 0.2, shape)
+        elif ".act_fn." in name:  # Apertus's xIELU: beta and eps as released, its alphas near their start
+            start = {"alpha_p": 0.2, "alpha_n": -1.0, "beta": 0.5, "eps": -1e-6}[name.rpartition(".")[2]]
+            values = np.asarray(start + (0.3 * rng.standard_normal() if "alpha" in name else 0.0))
         elif name.endswith(".sinks"):  # gpt-oss's: beside scores of ~N(0, 1), some dominate
             values = rng.uniform(-1.0, 3.0, shape)
         elif name == "model.embed_tokens.weight":

@@ -47,6 +47,7 @@ ARCHITECTURES = {
     "exaone4": "Exaone4ForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
+    "apertus": "ApertusForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -376,6 +377,8 @@ def hf_config(
         raw.update(head_dim=head_dim or hidden_size // num_heads, use_bias=False)
     if family == "seed_oss":  # Seed-OSS-36B's: q/k/v biased, o not
         raw.update(head_dim=head_dim or hidden_size // num_heads, attention_bias=True, attention_out_bias=False, mlp_bias=False)
+    if family == "apertus":  # Apertus 8B's fields: xIELU, q/k norms, llama3 RoPE (as `rope_scaling` gives)
+        raw.update(hidden_act="xielu", attention_bias=False, mlp_bias=False, post_norm=False, qk_norm=True)
     if family == "gemma2":
         raw.update(
             head_dim=head_dim or hidden_size // num_heads,

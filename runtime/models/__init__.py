@@ -19,6 +19,7 @@ from runtime.models import (
     deepseek_v2,
     deepseek_v3,
     falcon_h1,
+    apertus,
     cohere,
     ernie4_5,
     exaone4,
@@ -102,6 +103,7 @@ FAMILIES: dict[str, ModuleType] = {
     "exaone4": exaone4,  # OLMo 2's layer, per-head q/k norms, sliding layers beside NoPE full ones
     "ernie4_5": ernie4_5,
     "seed_oss": seed_oss,
+    "apertus": apertus,
     "gemma": gemma,
     "gemma2": gemma2,
     "gemma3_text": gemma3,
