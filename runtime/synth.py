@@ -433,7 +433,7 @@ def qwen3_next_weights(
 # The per-expert names Hugging Face stores, by ours, for the routed-experts families.
 EXPERT_NAMES = {
     family: {ours: stored for stored, ours in FAMILIES[family].EXPERT_NAMES.items()}
-    for family in ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "glm4_moe")
+    for family in ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "glm4_moe", "olmoe")
 }
 
 

@@ -48,6 +48,7 @@ ARCHITECTURES = {
     "ernie4_5": "Ernie4_5ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "apertus": "ApertusForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -379,6 +380,16 @@ def hf_config(
         raw.update(head_dim=head_dim or hidden_size // num_heads, attention_bias=True, attention_out_bias=False, mlp_bias=False)
     if family == "apertus":  # Apertus 8B's fields: xIELU, q/k norms, llama3 RoPE (as `rope_scaling` gives)
         raw.update(hidden_act="xielu", attention_bias=False, mlp_bias=False, post_norm=False, qk_norm=True)
+    if family == "olmoe":  # OLMoE-1B-7B's fields: every MLP routed, experts intermediate_size wide
+        raw.update(
+            attention_bias=False,
+            clip_qkv=None,
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            norm_topk_prob=False,
+            router_aux_loss_coef=0.01,
+            output_router_logits=False,
+        )
     if family == "gemma2":
         raw.update(
             head_dim=head_dim or hidden_size // num_heads,

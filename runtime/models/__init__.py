@@ -42,6 +42,7 @@ from runtime.models import (
     nemotron_h,
     olmo2,
     olmo3,
+    olmoe,
     phi3,
     qwen2,
     qwen2_moe,
@@ -93,6 +94,7 @@ FAMILIES: dict[str, ModuleType] = {
     "glm4": glm4,
     "olmo2": olmo2,
     "olmo3": olmo3,
+    "olmoe": olmoe,  # OLMo 2's q/k norms in llama's layer, routed experts
     "granite": granite,
     "granitemoe": granitemoehybrid,  # Granite 3 MoE: Granite 4.0's decoder, all attention, experts alone
     "granitemoehybrid": granitemoehybrid,  # Granite 4.0: all attention, or a hybrid with Mamba2 layers

@@ -1,4 +1,4 @@
-"""Routed experts (a sparse mixture of experts): the MLP of qwen3_moe, qwen2_moe, mixtral and
+"""Routed experts (a sparse mixture of experts): the MLP of qwen3_moe, qwen2_moe, olmoe, mixtral and
 gpt_oss, and beside the dense MLP in Gemma 4's 26B (runtime/models/gemma4.py).
 
 A router scores each token against E experts; the token runs through its top k
