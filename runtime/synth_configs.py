@@ -49,6 +49,7 @@ ARCHITECTURES = {
     "seed_oss": "SeedOssForCausalLM",
     "apertus": "ApertusForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "stablelm": "StableLmForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -390,6 +391,17 @@ def hf_config(
             router_aux_loss_coef=0.01,
             output_router_logits=False,
         )
+    if family == "stablelm":  # StableLM 2 1.6B's fields (the 12B's: qk_layernorm and use_parallel_residual true)
+        raw.update(
+            layer_norm_eps=1e-5,
+            partial_rotary_factor=0.25,
+            use_qkv_bias=True,
+            qk_layernorm=False,
+            use_parallel_residual=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
+        del raw["rms_norm_eps"]
     if family == "gemma2":
         raw.update(
             head_dim=head_dim or hidden_size // num_heads,

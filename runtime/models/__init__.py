@@ -53,6 +53,7 @@ from runtime.models import (
     qwen_vl,
     seed_oss,
     smollm3,
+    stablelm,
 )
 from runtime.models.layers import CausalLM
 
@@ -106,6 +107,7 @@ FAMILIES: dict[str, ModuleType] = {
     "ernie4_5": ernie4_5,
     "seed_oss": seed_oss,
     "apertus": apertus,
+    "stablelm": stablelm,  # Cohere's LayerNorm layer, in sequence or side by side
     "gemma": gemma,
     "gemma2": gemma2,
     "gemma3_text": gemma3,

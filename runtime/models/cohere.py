@@ -104,33 +104,48 @@ class HeadLayerNorm(nn.Module):
 
 
 class CohereLayer(nn.Module):
+    """Cohere's layer; StableLM's too (stablelm.py), from the config's `extra`: its
+    LayerNorms with a bias, RoPE over part of each head, and unless it runs the blocks side
+    by side (`use_parallel_residual`), one after the other with a second norm."""
+
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
-        eps = config.extra["layer_norm_eps"]
-        is_nope = config.extra["nope_full_layers"] and config.window_of(layer) is None
-        rope = RoPE(config.head_dim, config.rope_theta, llama.NO_ROTATION if is_nope else None)
+        eps, bias = config.extra["layer_norm_eps"], config.extra.get("layer_norm_bias", False)
+        is_nope = config.extra.get("nope_full_layers", False) and config.window_of(layer) is None
+        rotary_dims = config.extra.get("rotary_dims", config.head_dim)
+        rope = RoPE(rotary_dims, config.rope_theta, llama.NO_ROTATION if is_nope else None)
         self.self_attn = Attention(
             config, layer, scale=config.head_dim**-0.5, rope=rope, qkv_bias=config.qkv_bias, o_bias=config.o_bias
         )
-        if config.extra["qk_layernorm"]:
+        if config.extra.get("qk_layernorm", False):
             self.self_attn.q_norm = HeadLayerNorm(config.num_attention_heads, config.head_dim, eps)
             self.self_attn.k_norm = HeadLayerNorm(config.num_key_value_heads, config.head_dim, eps)
         self.mlp = feed_forward(config, layer)
-        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=eps, bias=False)
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=eps, bias=bias)
+        if not config.extra.get("parallel_block", True):
+            self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=eps, bias=bias)
 
     # No `plan_blocks`: the one-op blocks RMSNorm their input and add one branch.
 
     def __call__(self, x: mx.array, kv: ForwardKV, keep: mx.array | None = None) -> mx.array:
         """x [B, T, hidden] -> [B, T, hidden], or [B, S, hidden] at the tokens `keep`."""
-        h = self.input_layernorm(x)
-        return kept_rows(x, keep) + self.self_attn(h, kv, keep) + self.mlp(kept_rows(h, keep))
+        normed = self.input_layernorm(x)
+        h = kept_rows(x, keep) + self.self_attn(normed, kv, keep)
+        if "post_attention_layernorm" in self:  # one block after the other
+            return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.mlp(kept_rows(normed, keep))
 
 
-class Cohere(llama.Decoder):
+class LayerNormDecoder(llama.Decoder):
+    """llama's frame with `CohereLayer`s and a final LayerNorm of the same kind."""
+
     def __init__(self, config: ModelConfig):
         super().__init__(config, CohereLayer)
-        self.model.norm = nn.LayerNorm(config.hidden_size, eps=config.extra["layer_norm_eps"], bias=False)
+        bias = config.extra.get("layer_norm_bias", False)
+        self.model.norm = nn.LayerNorm(config.hidden_size, eps=config.extra["layer_norm_eps"], bias=bias)
 
+
+class Cohere(LayerNormDecoder):
     def project(self, h: mx.array) -> mx.array:
         return super().project(h) * self.config.extra["logit_scale"]
 
