@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.config import config_from_dict
-from runtime.models import FAMILIES, apertus, build_model
+from runtime.models import FAMILIES, apertus, build_model, phi
 from runtime.models.layers import CausalLM
 from runtime.synth_configs import DTYPES, QWEN3_5_FAMILIES, QWEN_VL_TEXT, hf_config
 
@@ -179,6 +179,8 @@ def make_tiny_checkpoint(
         weights = {name.replace(".mlp.", ".block_sparse_moe."): w for name, w in weights.items()}
     if family == "apertus":  # its norms' names, and xIELU's alphas as [1], as Hugging Face stores them
         weights = apertus_original_weights(weights)
+    if family == "phi":  # its attention output's and final norm's names
+        weights = stored_names(weights, phi.STORED_NAMES)
     if family == "gpt_oss":  # mlx-community's names (mlx-lm reads them as they are)
         weights = {
             name.replace(".mlp.gate.", ".mlp.router.").replace(".mlp.switch_mlp.", ".mlp.experts."): w
@@ -224,14 +226,21 @@ def make_tiny_checkpoint(
     return out_dir
 
 
-def apertus_original_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    stored = {ours: theirs for theirs, ours in apertus.NORM_NAMES.items()}
+def stored_names(weights: dict[str, mx.array], names: dict[str, str]) -> dict[str, mx.array]:
+    """Our names as the checkpoint stores them (`names`: stored part -> ours)."""
     out = {}
     for name, w in weights.items():
-        for ours, theirs in stored.items():
+        for theirs, ours in names.items():
             name = name.replace(ours, theirs)
-        out[name] = w.reshape(1) if name.endswith((".alpha_p", ".alpha_n")) else w
+        out[name] = w
     return out
+
+
+def apertus_original_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    return {
+        name: w.reshape(1) if name.endswith((".alpha_p", ".alpha_n")) else w
+        for name, w in stored_names(weights, apertus.NORM_NAMES).items()
+    }
 
 
 def fused_projections(

@@ -50,6 +50,7 @@ ARCHITECTURES = {
     "apertus": "ApertusForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "stablelm": "StableLmForCausalLM",
+    "phi": "PhiForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -399,6 +400,17 @@ def hf_config(
             qk_layernorm=False,
             use_parallel_residual=False,
             hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
+        del raw["rms_norm_eps"]
+    if family == "phi":  # phi-2's fields
+        raw.update(
+            hidden_act="gelu_new",
+            layer_norm_eps=1e-5,
+            partial_rotary_factor=0.4,
+            qk_layernorm=False,
+            embd_pdrop=0.0,
+            resid_pdrop=0.1,
             attention_dropout=0.0,
         )
         del raw["rms_norm_eps"]

@@ -43,6 +43,7 @@ from runtime.models import (
     olmo2,
     olmo3,
     olmoe,
+    phi,
     phi3,
     qwen2,
     qwen2_moe,
@@ -91,6 +92,7 @@ FAMILIES: dict[str, ModuleType] = {
     "deepseek_v3": deepseek_v3,  # the same layers, a sigmoid router over groups of experts
     "glm4_moe_lite": glm4_moe_lite,  # DeepSeek-V3's layout (GLM-4.7-Flash)
     "glm4_moe": glm4_moe,  # GQA, half of each head rotated, DeepSeek-V3's router (GLM-4.5, 4.6)
+    "phi": phi,  # phi-2: Cohere's LayerNorm layer, side by side, biased everywhere
     "phi3": phi3,
     "glm4": glm4,
     "olmo2": olmo2,

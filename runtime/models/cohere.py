@@ -139,8 +139,8 @@ class CohereLayer(nn.Module):
 class LayerNormDecoder(llama.Decoder):
     """llama's frame with `CohereLayer`s and a final LayerNorm of the same kind."""
 
-    def __init__(self, config: ModelConfig):
-        super().__init__(config, CohereLayer)
+    def __init__(self, config: ModelConfig, layer: llama.Layer = CohereLayer):
+        super().__init__(config, layer)
         bias = config.extra.get("layer_norm_bias", False)
         self.model.norm = nn.LayerNorm(config.hidden_size, eps=config.extra["layer_norm_eps"], bias=bias)
 

@@ -34,27 +34,34 @@ build = cohere.LayerNormDecoder
 
 def read_config(fields: ConfigFields) -> dict[str, Any]:
     llama.check_activation(fields)
-    factor = fields.raw.get("partial_rotary_factor")
-    head_dim = fields.get("hidden_size", int) // fields.get("num_attention_heads", int)
-    rotary_dims = int(head_dim * factor) if is_positive_number(factor) and factor <= 1 else 0
-    if rotary_dims == 0 or rotary_dims % 2:
-        raise CheckpointError(
-            f"{fields.source}: stablelm's partial_rotary_factor must rotate an even number of a head's "
-            f"{head_dim} dimensions, got {factor!r}"
-        )
-    if rope_fields(fields)[1] is not None:  # mlx-lm applies none
-        raise CheckpointError(f"{fields.source}: stablelm with RoPE scaling is not supported")
     return {
         "qkv_bias": fields.get("use_qkv_bias", bool, False),
         "o_bias": False,
         "extra": {
             "layer_norm_eps": fields.get("layer_norm_eps", float),
             "layer_norm_bias": True,
-            "rotary_dims": rotary_dims,
+            "rotary_dims": partial_rotary_dims(fields),
             "qk_layernorm": fields.get("qk_layernorm", bool, False),
             "parallel_block": fields.get("use_parallel_residual", bool, False),
         },
     }
+
+
+def partial_rotary_dims(fields: ConfigFields) -> int:
+    """How many of a head's dimensions RoPE rotates (StableLM's and Phi-2's), checked;
+    RoPE scaling, which neither mlx-lm's nor (for these) most releases apply, refused."""
+    family = fields.raw["model_type"]
+    factor = fields.raw.get("partial_rotary_factor")
+    head_dim = fields.get("hidden_size", int) // fields.get("num_attention_heads", int)
+    rotary_dims = int(head_dim * factor) if is_positive_number(factor) and factor <= 1 else 0
+    if rotary_dims == 0 or rotary_dims % 2:
+        raise CheckpointError(
+            f"{fields.source}: {family}'s partial_rotary_factor must rotate an even number of a head's "
+            f"{head_dim} dimensions, got {factor!r}"
+        )
+    if rope_fields(fields)[1] is not None:
+        raise CheckpointError(f"{fields.source}: {family} with RoPE scaling is not supported")
+    return rotary_dims
 
 
 def rename_weights(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
