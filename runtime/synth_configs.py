@@ -51,6 +51,7 @@ ARCHITECTURES = {
     "olmoe": "OlmoeForCausalLM",
     "stablelm": "StableLmForCausalLM",
     "phi": "PhiForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -412,6 +413,20 @@ def hf_config(
             embd_pdrop=0.0,
             resid_pdrop=0.1,
             attention_dropout=0.0,
+        )
+        del raw["rms_norm_eps"]
+    if family == "starcoder2":  # StarCoder2-3B's fields, its window `sliding_window`
+        raw.update(
+            hidden_act="gelu_pytorch_tanh",
+            norm_epsilon=1e-5,
+            norm_type="layer_norm",
+            mlp_type="default",
+            use_bias=True,
+            sliding_window=sliding_window,
+            embedding_dropout=0.0,
+            residual_dropout=0.0,
+            attention_dropout=0.0,
+            tie_word_embeddings=True,
         )
         del raw["rms_norm_eps"]
     if family == "gemma2":

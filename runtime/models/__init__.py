@@ -55,6 +55,7 @@ from runtime.models import (
     seed_oss,
     smollm3,
     stablelm,
+    starcoder2,
 )
 from runtime.models.layers import CausalLM
 
@@ -94,6 +95,7 @@ FAMILIES: dict[str, ModuleType] = {
     "glm4_moe": glm4_moe,  # GQA, half of each head rotated, DeepSeek-V3's router (GLM-4.5, 4.6)
     "phi": phi,  # phi-2: Cohere's LayerNorm layer, side by side, biased everywhere
     "phi3": phi3,
+    "starcoder2": starcoder2,  # Phi's layer, blocks in sequence, every layer sliding
     "glm4": glm4,
     "olmo2": olmo2,
     "olmo3": olmo3,

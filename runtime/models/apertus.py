@@ -19,7 +19,7 @@ from typing import Any
 
 from runtime.config import ConfigFields, ModelConfig
 from runtime.errors import CheckpointError
-from runtime.models import llama
+from runtime.models import llama, phi
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -42,15 +42,12 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
 
 def rename_weights(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
     """The norms under llama's names; each xIELU scalar as a scalar."""
-    renamed = {}
-    for name, tensor in weights.items():
-        for stored, ours in NORM_NAMES.items():
-            name = name.replace(stored, ours)
+    renamed = phi.renamed(weights, NORM_NAMES)
+    for name, tensor in renamed.items():
         if ".mlp.act_fn." in name:
             if tensor.size != 1:
                 raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected one value")
-            tensor = tensor.reshape(())
-        renamed[name] = tensor
+            renamed[name] = tensor.reshape(())
     return renamed
 
 

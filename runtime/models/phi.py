@@ -49,12 +49,17 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
 
 
 def rename_weights(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
-    renamed = {}
+    return renamed(weights, STORED_NAMES)
+
+
+def renamed(weights: dict[str, mx.array], names: dict[str, str]) -> dict[str, mx.array]:
+    """`weights` with each stored part of a name (`names`' keys) read as ours."""
+    out = {}
     for name, tensor in weights.items():
-        for stored, ours in STORED_NAMES.items():
+        for stored, ours in names.items():
             name = name.replace(stored, ours)
-        renamed[name] = tensor
-    return renamed
+        out[name] = tensor
+    return out
 
 
 class PhiMLP(nn.Module):
