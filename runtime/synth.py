@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.config import config_from_dict
-from runtime.models import FAMILIES, apertus, build_model, phi, starcoder2
+from runtime.models import FAMILIES, apertus, build_model, hunyuan_v1_dense, phi, starcoder2
 from runtime.models.layers import CausalLM
 from runtime.synth_configs import DTYPES, QWEN3_5_FAMILIES, QWEN_VL_TEXT, hf_config
 
@@ -183,6 +183,8 @@ def make_tiny_checkpoint(
         weights = stored_names(weights, phi.STORED_NAMES)
     if family == "starcoder2":  # its MLP's names
         weights = stored_names(weights, starcoder2.STORED_NAMES)
+    if family == "hunyuan_v1_dense":  # its q/k norms' names
+        weights = stored_names(weights, hunyuan_v1_dense.STORED_NAMES)
     if family == "gpt_oss":  # mlx-community's names (mlx-lm reads them as they are)
         weights = {
             name.replace(".mlp.gate.", ".mlp.router.").replace(".mlp.switch_mlp.", ".mlp.experts."): w

@@ -52,6 +52,7 @@ ARCHITECTURES = {
     "stablelm": "StableLmForCausalLM",
     "phi": "PhiForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
+    "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -429,6 +430,21 @@ def hf_config(
             tie_word_embeddings=True,
         )
         del raw["rms_norm_eps"]
+    if family == "hunyuan_v1_dense":  # Hunyuan-7B-Instruct's fields: q/k norms after RoPE, NTK alpha
+        raw.update(
+            head_dim=head_dim or hidden_size // num_heads,
+            attention_head_dim=head_dim or hidden_size // num_heads,
+            attention_bias=False,
+            mlp_bias=False,
+            use_qk_norm=True,
+            use_cla=False,
+            use_rotary_pos_emb=True,
+            norm_type="rms",
+            rope_scaling=rope_scaling or {
+                "alpha": 1000.0, "beta_fast": 32, "beta_slow": 1, "factor": 1.0, "mscale": 1.0,
+                "mscale_all_dim": 1.0, "type": "dynamic",
+            },
+        )
     if family == "gemma2":
         raw.update(
             head_dim=head_dim or hidden_size // num_heads,

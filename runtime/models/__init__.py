@@ -33,6 +33,7 @@ from runtime.models import (
     gpt_oss,
     granite,
     granitemoehybrid,
+    hunyuan_v1_dense,
     lfm2,
     llama,
     ministral3,
@@ -105,6 +106,7 @@ FAMILIES: dict[str, ModuleType] = {
     "granitemoehybrid": granitemoehybrid,  # Granite 4.0: all attention, or a hybrid with Mamba2 layers
     "nemotron_h": nemotron_h,  # Mamba2, attention, MLP and expert blocks, one mixer each
     "falcon_h1": falcon_h1,  # attention and Mamba2 side by side in every layer
+    "hunyuan_v1_dense": hunyuan_v1_dense,  # q/k norms after RoPE, its base raised by NTK alpha
     "cohere": cohere,
     "cohere2": cohere,  # sliding layers beside full ones without RoPE
     "exaone4": exaone4,  # OLMo 2's layer, per-head q/k norms, sliding layers beside NoPE full ones

@@ -217,9 +217,11 @@ class Attention(nn.Module):
         query_scale: QueryScale | None = None,
         softcap: float = 0.0,
         sinks: bool = False,
+        qk_norm_after_rope: bool = False,
     ):
         super().__init__()
         self.layer = layer
+        self.qk_norm_after_rope = qk_norm_after_rope  # Hunyuan's: q and k normed once rotated
         self.query_scale = query_scale
         self.softcap = softcap  # > 0: scores capped at softcap * tanh(s / softcap) (Gemma 2)
         if sinks:  # a learned logit per head in each softmax's sum, with no value (gpt-oss)
@@ -253,10 +255,12 @@ class Attention(nn.Module):
             q = self.q_proj(x).reshape(N, H, D)
             k = self.k_proj(x).reshape(N, Hkv, D)
             v = self.v_proj(x).reshape(N, Hkv, D)
-        if "q_norm" in self:
+        if "q_norm" in self and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         q = self.rope(q, kv.positions)  # [N, H, D], each token at its own position
         k = self.rope(k, kv.positions)  # [N, Hkv, D]
+        if "q_norm" in self and self.qk_norm_after_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.query_scale is not None:
             q = q * self.query_scale(kv.positions).astype(q.dtype)[:, None, None]
         out = kv.attend(self.layer, q, k, v, self.scale, self.softcap, self.get("sinks"))  # [N, H, D]
@@ -273,7 +277,7 @@ class Attention(nn.Module):
         None where the weights do not allow it (see `normed_layers`)."""
         if "qkv_proj" not in self or (post_norm is not None and post_norm.eps != norm.eps):
             return None
-        if self.has_score_rules:
+        if self.has_score_rules or self.qk_norm_after_rope:  # the op norms q and k before RoPE
             return None
         qk_norm = None
         if "q_norm" in self:  # per-head norms of one eps (the config's)
