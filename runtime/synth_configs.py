@@ -53,6 +53,7 @@ ARCHITECTURES = {
     "phi": "PhiForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
     "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
+    "internlm3": "InternLM3ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -444,6 +445,13 @@ def hf_config(
                 "alpha": 1000.0, "beta_fast": 32, "beta_slow": 1, "factor": 1.0, "mscale": 1.0,
                 "mscale_all_dim": 1.0, "type": "dynamic",
             },
+        )
+    if family == "internlm3":  # internlm3-8b-instruct's fields: dynamic NTK past the context
+        raw.update(
+            head_dim=head_dim or hidden_size // num_heads,
+            bias=False,
+            qkv_bias=False,
+            rope_scaling=rope_scaling or {"factor": 6.0, "rope_type": "dynamic"},
         )
     if family == "gemma2":
         raw.update(

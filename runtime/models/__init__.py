@@ -34,6 +34,7 @@ from runtime.models import (
     granite,
     granitemoehybrid,
     hunyuan_v1_dense,
+    internlm3,
     lfm2,
     llama,
     ministral3,
@@ -106,6 +107,7 @@ FAMILIES: dict[str, ModuleType] = {
     "granitemoehybrid": granitemoehybrid,  # Granite 4.0: all attention, or a hybrid with Mamba2 layers
     "nemotron_h": nemotron_h,  # Mamba2, attention, MLP and expert blocks, one mixer each
     "falcon_h1": falcon_h1,  # attention and Mamba2 side by side in every layer
+    "internlm3": internlm3,
     "hunyuan_v1_dense": hunyuan_v1_dense,  # q/k norms after RoPE, its base raised by NTK alpha
     "cohere": cohere,
     "cohere2": cohere,  # sliding layers beside full ones without RoPE
