@@ -232,12 +232,7 @@ def make_tiny_checkpoint(
 
 def stored_names(weights: dict[str, mx.array], names: dict[str, str]) -> dict[str, mx.array]:
     """Our names as the checkpoint stores them (`names`: stored part -> ours)."""
-    out = {}
-    for name, w in weights.items():
-        for theirs, ours in names.items():
-            name = name.replace(ours, theirs)
-        out[name] = w
-    return out
+    return phi.renamed(weights, {ours: theirs for theirs, ours in names.items()})
 
 
 def apertus_original_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:

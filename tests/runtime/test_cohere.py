@@ -38,14 +38,21 @@ def cohere(tmp_path: Path, variant: str, quantize=None, **fields) -> Path:
     raw = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**raw, **own, **fields}))
     if own.get("use_qk_norm"):  # Command-R+'s per-head norms, a weight per head: [heads, head_dim]
-        weights = mx.load(str(path / "model.safetensors"))
         rng = np.random.default_rng(4)
-        for layer in range(4):
-            for name, heads in (("q_norm", 4), ("k_norm", 2)):
-                values = 1.0 + 0.3 * rng.standard_normal((heads, 16))
-                weights[f"model.layers.{layer}.self_attn.{name}.weight"] = mx.array(values.astype(np.float32))
-        mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx" if quantize else "pt"})
+        norms = {
+            f"model.layers.{layer}.self_attn.{name}.weight": 1.0 + 0.3 * rng.standard_normal((heads, 16))
+            for layer in range(4)
+            for name, heads in (("q_norm", 4), ("k_norm", 2))
+        }
+        rewrite_weights(path, quantize, norms)
     return path
+
+
+def rewrite_weights(path: Path, quantize, new: dict[str, np.ndarray], keep=lambda name: True) -> None:
+    """The checkpoint's weights with `new` added (as float32) and those `keep` refuses dropped."""
+    weights = {name: w for name, w in mx.load(str(path / "model.safetensors")).items() if keep(name)}
+    weights.update({name: mx.array(values.astype(np.float32)) for name, values in new.items()})
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx" if quantize else "pt"})
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -86,13 +93,24 @@ def mixed_step_tokens(checkpoint: Path, prompts: dict[str, list[int]], n: int = 
     return {name: list(result.tokens) for name, result in run_offline(engine, policy, params).items()}
 
 
+def assert_rows_in_mixed_steps_match_mlx_lm(checkpoint: Path, long_prompt: list[int] = PROMPT) -> None:
+    """A short and a long prompt, fed in chunks beside each other's decoding, each get
+    mlx-lm's greedy tokens for it alone."""
+    prompts = {"short": list(range(100, 113)), "long": long_prompt}
+    got = mixed_step_tokens(checkpoint, prompts)
+    for name, prompt in prompts.items():
+        assert got[name] == mlx_lm_greedy(checkpoint, prompt, 12), name
+
+
+def assert_gguf_refused(tmp_path: Path, arch: str) -> None:
+    """A GGUF of `arch` is refused in one line naming it."""
+    path = minimal_gguf(tmp_path / f"{arch}.gguf", arch, {"token_embd.weight": (np.zeros((8, 32), np.float32), None)})
+    assert f"unsupported GGUF architecture '{arch}'" in one_line_error(path)
+
+
 @pytest.mark.parametrize("variant", ["command-r-plus", "r7b"])
 def test_cohere_rows_in_mixed_steps_of_prompt_chunks_match_each_alone(tmp_path: Path, variant):
-    path = cohere(tmp_path, variant)
-    prompts = {"short": list(range(100, 113)), "long": PROMPT}
-    got = mixed_step_tokens(path, prompts)
-    for name, prompt in prompts.items():
-        assert got[name] == mlx_lm_greedy(path, prompt, 12), name
+    assert_rows_in_mixed_steps_match_mlx_lm(cohere(tmp_path, variant))
 
 
 def config(family="cohere2", *left_out: str, **fields):
@@ -128,5 +146,4 @@ def test_cohere_settings_it_cannot_run_are_one_line_errors(fields, message):
 
 @pytest.mark.parametrize("arch", ["command-r", "cohere2"])
 def test_a_cohere_gguf_stays_a_one_line_refusal(tmp_path: Path, arch: str):
-    path = minimal_gguf(tmp_path / f"{arch}.gguf", arch, {"token_embd.weight": (np.zeros((8, 32), np.float32), None)})
-    assert f"unsupported GGUF architecture '{arch}'" in one_line_error(path)
+    assert_gguf_refused(tmp_path, arch)

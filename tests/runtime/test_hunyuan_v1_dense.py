@@ -15,12 +15,10 @@ from runtime.synth import hf_config, make_tiny_checkpoint
 
 import mlx.core as mx
 import mlx_lm
-import numpy as np
 import pytest
 
 from tests.kernels.test_quantized_models import greedy, mlx_lm_greedy
-from tests.runtime.test_cohere import mixed_step_tokens
-from tests.runtime.test_gguf import minimal_gguf, one_line_error
+from tests.runtime.test_cohere import assert_gguf_refused, assert_rows_in_mixed_steps_match_mlx_lm
 
 TOKENS = mx.array([list(range(5, 45))])
 PROMPT = list(range(5, 35))
@@ -59,10 +57,7 @@ def test_hunyuan_greedy_parity_through_the_engine(tmp_path: Path, quantize):
 
 def test_hunyuan_rows_in_mixed_steps_of_prompt_chunks_match_each_alone(tmp_path: Path):
     path = hunyuan(tmp_path)
-    prompts = {"short": list(range(100, 113)), "long": PROMPT}
-    got = mixed_step_tokens(path, prompts)
-    for name, prompt in prompts.items():
-        assert got[name] == mlx_lm_greedy(path, prompt, 12), name
+    assert_rows_in_mixed_steps_match_mlx_lm(path)
 
 
 def config(**fields):
@@ -86,5 +81,4 @@ def test_hunyuan_settings_it_cannot_run_are_one_line_errors(fields, message):
 
 
 def test_a_hunyuan_gguf_stays_a_one_line_refusal(tmp_path: Path):
-    path = minimal_gguf(tmp_path / "hy.gguf", "hunyuan-dense", {"token_embd.weight": (np.zeros((8, 32), np.float32), None)})
-    assert "unsupported GGUF architecture 'hunyuan-dense'" in one_line_error(path)
+    assert_gguf_refused(tmp_path, "hunyuan-dense")

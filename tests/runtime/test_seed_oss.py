@@ -15,12 +15,10 @@ from runtime.synth import hf_config, make_tiny_checkpoint
 
 import mlx.core as mx
 import mlx_lm
-import numpy as np
 import pytest
 
 from tests.kernels.test_quantized_models import greedy, mlx_lm_greedy
-from tests.runtime.test_cohere import mixed_step_tokens
-from tests.runtime.test_gguf import minimal_gguf, one_line_error
+from tests.runtime.test_cohere import assert_gguf_refused, assert_rows_in_mixed_steps_match_mlx_lm
 
 TOKENS = mx.array([list(range(5, 45))])
 PROMPT = list(range(5, 35))
@@ -52,10 +50,7 @@ def test_seed_oss_greedy_parity_through_the_engine_and_its_one_op_blocks(tmp_pat
 
 def test_seed_oss_rows_in_mixed_steps_of_prompt_chunks_match_each_alone(tmp_path: Path):
     path = seed_oss(tmp_path)
-    prompts = {"short": list(range(100, 113)), "long": PROMPT}
-    got = mixed_step_tokens(path, prompts)
-    for name, prompt in prompts.items():
-        assert got[name] == mlx_lm_greedy(path, prompt, 12), name
+    assert_rows_in_mixed_steps_match_mlx_lm(path)
 
 
 def test_seed_oss_output_bias_follows_attention_out_bias(tmp_path: Path):
@@ -87,5 +82,4 @@ def test_seed_oss_settings_it_cannot_run_are_one_line_errors(fields, message):
 
 
 def test_a_seed_oss_gguf_stays_a_one_line_refusal(tmp_path: Path):
-    path = minimal_gguf(tmp_path / "seed.gguf", "seed_oss", {"token_embd.weight": (np.zeros((8, 32), np.float32), None)})
-    assert "unsupported GGUF architecture 'seed_oss'" in one_line_error(path)
+    assert_gguf_refused(tmp_path, "seed_oss")

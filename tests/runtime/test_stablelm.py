@@ -20,8 +20,11 @@ import numpy as np
 import pytest
 
 from tests.kernels.test_quantized_models import greedy, mlx_lm_greedy
-from tests.runtime.test_cohere import mixed_step_tokens
-from tests.runtime.test_gguf import minimal_gguf, one_line_error
+from tests.runtime.test_cohere import (
+    assert_gguf_refused,
+    assert_rows_in_mixed_steps_match_mlx_lm,
+    rewrite_weights,
+)
 
 TOKENS = mx.array([list(range(5, 45))])
 PROMPT = list(range(5, 35))
@@ -34,16 +37,16 @@ def stablelm(tmp_path: Path, variant: str, quantize=None) -> Path:
         raw = json.loads((path / "config.json").read_text())
         raw.update(qk_layernorm=True, use_parallel_residual=True, use_qkv_bias=False)
         (path / "config.json").write_text(json.dumps(raw))
-        stored = mx.load(str(path / "model.safetensors"))
-        weights = {name: w for name, w in stored.items()
-                   if ".post_attention_layernorm." not in name and not re.search(r"[qkv]_proj\.bias$", name)}
         rng = np.random.default_rng(4)
-        for layer in range(2):
-            for which, heads in (("q", 4), ("k", 2)):
-                for head in range(heads):
-                    values = 1.0 + 0.3 * rng.standard_normal(16)
-                    weights[f"model.layers.{layer}.self_attn.{which}_layernorm.norms.{head}.weight"] = mx.array(values.astype(np.float32))
-        mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx" if quantize else "pt"})
+        norms = {
+            f"model.layers.{layer}.self_attn.{which}_layernorm.norms.{head}.weight": 1.0 + 0.3 * rng.standard_normal(16)
+            for layer in range(2)
+            for which, heads in (("q", 4), ("k", 2))
+            for head in range(heads)
+        }
+        rewrite_weights(path, quantize, norms, keep=lambda name: (
+            ".post_attention_layernorm." not in name and not re.search(r"[qkv]_proj\.bias$", name)
+        ))
     return path
 
 
@@ -70,17 +73,12 @@ def test_stablelm_greedy_parity_through_the_engine(tmp_path: Path, variant, quan
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_stablelm_rows_in_mixed_steps_of_prompt_chunks_match_each_alone(tmp_path: Path, variant):
     path = stablelm(tmp_path, variant)
-    prompts = {"short": list(range(100, 113)), "long": PROMPT}
-    got = mixed_step_tokens(path, prompts)
-    for name, prompt in prompts.items():
-        assert got[name] == mlx_lm_greedy(path, prompt, 12), name
+    assert_rows_in_mixed_steps_match_mlx_lm(path)
 
 
 def test_stablelm_per_head_norms_missing_a_head_are_a_one_line_error(tmp_path: Path):
     path = stablelm(tmp_path, "2-12b")
-    weights = mx.load(str(path / "model.safetensors"))
-    del weights["model.layers.1.self_attn.k_layernorm.norms.0.weight"]
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    rewrite_weights(path, None, {}, keep=lambda name: name != "model.layers.1.self_attn.k_layernorm.norms.0.weight")
     with pytest.raises(CheckpointError, match=re.escape("k_norm.weight: the per-head norms stored are heads [1], not 0..0")):
         load_model(path)
 
@@ -107,5 +105,4 @@ def test_stablelm_settings_it_cannot_run_are_one_line_errors(fields, message):
 
 
 def test_a_stablelm_gguf_stays_a_one_line_refusal(tmp_path: Path):
-    path = minimal_gguf(tmp_path / "stablelm.gguf", "stablelm", {"token_embd.weight": (np.zeros((8, 32), np.float32), None)})
-    assert "unsupported GGUF architecture 'stablelm'" in one_line_error(path)
+    assert_gguf_refused(tmp_path, "stablelm")

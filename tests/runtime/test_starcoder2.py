@@ -17,13 +17,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import mlx_lm.models.starcoder2 as mlx_lm_starcoder2
-import numpy as np
 import pytest
 from mlx_lm.models.base import create_attention_mask
 
 from tests.kernels.test_quantized_models import greedy, mlx_lm_greedy
-from tests.runtime.test_cohere import mixed_step_tokens
-from tests.runtime.test_gguf import minimal_gguf, one_line_error
+from tests.runtime.test_cohere import assert_gguf_refused, assert_rows_in_mixed_steps_match_mlx_lm
 
 TOKENS = mx.array([list(range(5, 45))])  # 40 positions: several times an 8-key window
 PROMPT = list(range(5, 35))
@@ -62,10 +60,7 @@ def test_starcoder2_greedy_parity_through_the_engine(tmp_path: Path, quantize, a
 
 def test_starcoder2_rows_in_mixed_steps_of_prompt_chunks_match_each_alone(tmp_path: Path, as_transformers):
     path = starcoder2(tmp_path)
-    prompts = {"short": list(range(100, 113)), "long": PROMPT}
-    got = mixed_step_tokens(path, prompts)
-    for name, prompt in prompts.items():
-        assert got[name] == mlx_lm_greedy(path, prompt, 12), name
+    assert_rows_in_mixed_steps_match_mlx_lm(path)
 
 
 def config(**fields):
@@ -94,5 +89,4 @@ def test_starcoder2_settings_it_cannot_run_are_one_line_errors(fields, message):
 
 
 def test_a_starcoder2_gguf_stays_a_one_line_refusal(tmp_path: Path):
-    path = minimal_gguf(tmp_path / "sc2.gguf", "starcoder2", {"token_embd.weight": (np.zeros((8, 32), np.float32), None)})
-    assert "unsupported GGUF architecture 'starcoder2'" in one_line_error(path)
+    assert_gguf_refused(tmp_path, "starcoder2")
