@@ -11,7 +11,9 @@ Qwen3, QwQ, DeepSeek-R1's distills, SmolLM3 and Phi-4-reasoning write
 and Mistral's reasoning models (Magistral Small 2507 and 2509, Ministral 3 Reasoning,
 Mistral Small 4 and Medium 3.5 at `reasoning_effort: high`) the same between the control
 tokens `[THINK]` and `[/THINK]`: `[THINK]The user asks ...[/THINK]Paris is sunny.`, with
-`[TOOL_CALLS]` calls after it. Their templates never open the thought (a Magistral
+`[TOOL_CALLS]` calls after it; Seed-OSS between its added tokens `<seed:think>` and
+`</seed:think>` (its thinking-budget notes, `<seed:cot_budget_reflect>`, inside the
+thought, as vLLM's `seed_oss` reasoning parser reads them). Their templates never open the thought (a Magistral
 prompt ends in `[/INST]`); the reply opens its own, as vLLM's `mistral` reasoning
 parser and llama.cpp's Magistral format read it.
 
@@ -62,7 +64,8 @@ if TYPE_CHECKING:
 
 THINK_TAGS = THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 MISTRAL_THINK_TAGS = "[THINK]", "[/THINK]"  # Mistral's control tokens
-TAG_PAIRS = (THINK_TAGS, MISTRAL_THINK_TAGS)
+SEED_THINK_TAGS = "<seed:think>", "</seed:think>"  # Seed-OSS's added tokens
+TAG_PAIRS = (THINK_TAGS, MISTRAL_THINK_TAGS, SEED_THINK_TAGS)
 _BLANKS_AFTER_OPENING = 4  # tokens of blanks a template may write past the tag it opens
 # Families whose replies think in `<think>` written as text, not as added tokens.
 TEXT_TAG_FAMILIES = ("olmo3",)

@@ -6,6 +6,7 @@ import time
 
 from runtime.think_reply import (
     MISTRAL_THINK_TAGS,
+    SEED_THINK_TAGS,
     THINK_CLOSE,
     THINK_OPEN,
     THINK_TAGS,
@@ -16,6 +17,7 @@ from runtime.think_reply import (
     prompt_opens_thought,
     think_tags,
 )
+from runtime.tool_prompts import tool_style_for
 from runtime.tools import CallArguments, CallCutShort, CallStart, Content, Reasoning, parser_for
 
 import pytest
@@ -302,3 +304,45 @@ def test_a_long_run_of_blank_tokens_takes_linear_time(reply):
         return time.perf_counter() - started
 
     assert seconds(160_000) < 40 * seconds(10_000) + 0.5
+
+
+SEED_OPEN, SEED_CLOSE = SEED_THINK_TAGS
+# Seed-OSS-36B-Instruct's template names its tags in variables and writes its calls so.
+SEED_TEMPLATE = (
+    "{%- set think_begin_token = '<seed:think>' -%}{%- set think_end_token = '</seed:think>' -%}"
+    "{{ '<seed:tool_call>\\n<function=' + tool_call.name + '>\\n' }}{{ '<parameter=' + arg_name + '>' }}"
+)
+SEED_CALL = "<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n</function>\n</seed:tool_call>"
+
+
+def test_a_seed_oss_checkpoint_thinks_in_its_added_tokens_where_its_template_writes_them():
+    tags = {SEED_OPEN: 7, SEED_CLOSE: 8, THINK_OPEN: 10, THINK_CLOSE: 11}
+    assert think_tags(_Tokenizer(tags, SEED_TEMPLATE)) == ThinkTags(SEED_OPEN, SEED_CLOSE, 7, 8)
+    assert think_tags(_Tokenizer({SEED_OPEN: 7}, SEED_TEMPLATE)) is None
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize(
+    ("text", "reasoning", "content"),
+    [
+        (f"{SEED_OPEN}The user asks.{SEED_CLOSE}Paris is sunny.", "The user asks.", "Paris is sunny."),
+        # Its thinking budget's notes are part of the thought.
+        (f"{SEED_OPEN}a<seed:cot_budget_reflect>12 used</seed:cot_budget_reflect>b{SEED_CLOSE}ok",
+         "a<seed:cot_budget_reflect>12 used</seed:cot_budget_reflect>b", "ok"),
+        (f"{SEED_OPEN}Still thinking", "Still thinking", ""),  # cut by max_tokens
+        (f"{THINK_OPEN}x{THINK_CLOSE}y", "", f"{THINK_OPEN}x{THINK_CLOSE}y"),  # the other pair is text
+    ],
+)
+def test_a_seed_oss_thought_is_reasoning_in_any_split(text, reasoning, content, split):
+    assert parsed(text, split, tags=SEED_THINK_TAGS)[:2] == (reasoning, content)
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_a_seed_oss_call_after_its_thought_is_content_as_written(split):
+    """Its `<seed:tool_call>` blocks are no call format cadence reads (its template's
+    `<function=` makes the style Qwen3-Coder's, whose blocks are `<tool_call>`): the call
+    stays the reply's text, never a crash."""
+    assert tool_style_for(SEED_TEMPLATE, "seed_oss") == "qwen3_coder"
+    text = f"{SEED_OPEN}Maybe.{SEED_CLOSE}Checking.\n{SEED_CALL}"
+    reasoning, content, calls, cut = parsed(text, split, True, "qwen3_coder", SEED_THINK_TAGS)
+    assert (reasoning, content, calls, cut) == ("Maybe.", f"Checking.\n{SEED_CALL}", [], [])
