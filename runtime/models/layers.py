@@ -261,6 +261,9 @@ class Attention(nn.Module):
         k = self.rope(k, kv.positions)  # [N, Hkv, D]
         if "q_norm" in self and self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
+        # A layer with no norm before it (EXAONE 4's first) projects the embedding as looked
+        # up: an mxfp4 one gives bfloat16, and v stayed so where the norms made k float32.
+        v = v.astype(k.dtype)
         if self.query_scale is not None:
             q = q * self.query_scale(kv.positions).astype(q.dtype)[:, None, None]
         out = kv.attend(self.layer, q, k, v, self.scale, self.softcap, self.get("sinks"))  # [N, H, D]

@@ -60,6 +60,17 @@ FAMILIES = {
     "nemotron_h": dict(num_layers=5, nemotron={"hybrid_override_pattern": "MEM*E"}),
     "falcon_h1": dict(num_layers=3),  # attention and Mamba2 side by side, their multipliers folded in
     "glm4_moe": dict(num_layers=3),  # GQA with qk norm and half of each head rotated, V3's router
+    "cohere": dict(),
+    "cohere2": dict(num_layers=4, sliding_window=8),
+    "exaone4": dict(num_layers=4, sliding_window=8),  # OLMo 2's layer, per-head q/k norms, NoPE full layer
+    "ernie4_5": dict(tie_word_embeddings=True),  # llama's with interleaved RoPE
+    "seed_oss": dict(),  # q/k/v biased, o not
+    "apertus": dict(),  # an ungated xIELU MLP
+    "olmoe": dict(),  # routed experts, whole-projection q/k norms
+    "stablelm": dict(),  # biased LayerNorms, a quarter of each head rotated
+    "phi": dict(),  # biased everywhere, an ungated GELU MLP, side by side
+    "hunyuan_v1_dense": dict(),  # q/k norms after RoPE, its NTK alpha
+    "internlm3": dict(),
 }
 SHAPE = dict(hidden_size=128, intermediate_size=256)
 
@@ -229,7 +240,7 @@ RECIPES = [
     (family, recipe)
     for family in FAMILIES
     for recipe in ("mxfp4", "mixed_3_6")
-    if (family, recipe) != ("gemma4_text", "mxfp4")
+    if (family, recipe) not in (("gemma4_text", "mxfp4"), ("phi", "mixed_3_6"))  # mlx-lm's mixed recipe needs a down_proj
 ]
 
 
