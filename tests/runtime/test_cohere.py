@@ -24,6 +24,8 @@ import mlx_lm
 import numpy as np
 import pytest
 
+from kernels import paged_attention
+from tests.kernels.test_paged_attention import ATTENTION_PATHS
 from tests.kernels.test_quantized_models import greedy, mlx_lm_greedy
 from tests.runtime.test_gguf import minimal_gguf, one_line_error
 
@@ -93,13 +95,17 @@ def mixed_step_tokens(checkpoint: Path, prompts: dict[str, list[int]], n: int = 
     return {name: list(result.tokens) for name, result in run_offline(engine, policy, params).items()}
 
 
-def assert_rows_in_mixed_steps_match_mlx_lm(checkpoint: Path, long_prompt: list[int] = PROMPT) -> None:
+def assert_rows_in_mixed_steps_match_mlx_lm(checkpoint: Path, long_prompt: list[int] = PROMPT, monkeypatch=None, path=None) -> None:
     """A short and a long prompt, fed in chunks beside each other's decoding, each get
-    mlx-lm's greedy tokens for it alone."""
+    mlx-lm's greedy tokens for it alone; on the attention `path` where one is given."""
+    if path is not None:
+        monkeypatch.setenv("CADENCE_PAGED_ATTENTION", path)
+    before = paged_attention.dispatch_counts[path] if path is not None else 0
     prompts = {"short": list(range(100, 113)), "long": long_prompt}
     got = mixed_step_tokens(checkpoint, prompts)
     for name, prompt in prompts.items():
         assert got[name] == mlx_lm_greedy(checkpoint, prompt, 12), name
+    assert path is None or paged_attention.dispatch_counts[path] > before  # no silent fallback
 
 
 def assert_gguf_refused(tmp_path: Path, arch: str) -> None:
@@ -108,9 +114,10 @@ def assert_gguf_refused(tmp_path: Path, arch: str) -> None:
     assert f"unsupported GGUF architecture '{arch}'" in one_line_error(path)
 
 
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
 @pytest.mark.parametrize("variant", ["command-r-plus", "r7b"])
-def test_cohere_rows_in_mixed_steps_of_prompt_chunks_match_each_alone(tmp_path: Path, variant):
-    assert_rows_in_mixed_steps_match_mlx_lm(cohere(tmp_path, variant))
+def test_cohere_rows_in_mixed_steps_of_prompt_chunks_match_each_alone(tmp_path: Path, monkeypatch, variant, path):
+    assert_rows_in_mixed_steps_match_mlx_lm(cohere(tmp_path, variant), monkeypatch=monkeypatch, path=path)
 
 
 def config(family="cohere2", *left_out: str, **fields):

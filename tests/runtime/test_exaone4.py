@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
+from tests.kernels.test_paged_attention import ATTENTION_PATHS
 from tests.kernels.test_quantized_models import greedy, mlx_lm_greedy
 from tests.runtime.test_cohere import assert_gguf_refused, assert_rows_in_mixed_steps_match_mlx_lm
 
@@ -71,9 +72,9 @@ def test_exaone4_greedy_parity_through_the_engine_off_the_one_op_blocks(tmp_path
     assert len(set(tokens)) >= 4
 
 
-def test_exaone4_rows_in_mixed_steps_of_prompt_chunks_match_each_alone(tmp_path: Path):
-    path = exaone4(tmp_path, "32b")
-    assert_rows_in_mixed_steps_match_mlx_lm(path)
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
+def test_exaone4_rows_in_mixed_steps_of_prompt_chunks_match_each_alone(tmp_path: Path, monkeypatch, path):
+    assert_rows_in_mixed_steps_match_mlx_lm(exaone4(tmp_path, "32b"), monkeypatch=monkeypatch, path=path)
 
 
 def config(*left_out: str, **fields):

@@ -20,6 +20,7 @@ import mlx_lm.models.starcoder2 as mlx_lm_starcoder2
 import pytest
 from mlx_lm.models.base import create_attention_mask
 
+from tests.kernels.test_paged_attention import ATTENTION_PATHS
 from tests.kernels.test_quantized_models import greedy, mlx_lm_greedy
 from tests.runtime.test_cohere import assert_gguf_refused, assert_rows_in_mixed_steps_match_mlx_lm
 
@@ -58,9 +59,9 @@ def test_starcoder2_greedy_parity_through_the_engine(tmp_path: Path, quantize, a
     assert len(set(tokens)) >= 4
 
 
-def test_starcoder2_rows_in_mixed_steps_of_prompt_chunks_match_each_alone(tmp_path: Path, as_transformers):
-    path = starcoder2(tmp_path)
-    assert_rows_in_mixed_steps_match_mlx_lm(path)
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
+def test_starcoder2_rows_in_mixed_steps_of_prompt_chunks_match_each_alone(tmp_path: Path, monkeypatch, as_transformers, path):
+    assert_rows_in_mixed_steps_match_mlx_lm(starcoder2(tmp_path), monkeypatch=monkeypatch, path=path)
 
 
 def config(**fields):
