@@ -13,7 +13,9 @@ Mistral Small 4 and Medium 3.5 at `reasoning_effort: high`) the same between the
 tokens `[THINK]` and `[/THINK]`: `[THINK]The user asks ...[/THINK]Paris is sunny.`, with
 `[TOOL_CALLS]` calls after it; Seed-OSS between its added tokens `<seed:think>` and
 `</seed:think>` (its thinking-budget notes, `<seed:cot_budget_reflect>`, inside the
-thought, as vLLM's `seed_oss` reasoning parser reads them). Their templates never open the thought (a Magistral
+thought, as vLLM's `seed_oss` reasoning parser reads them); Cohere's Command R7B and A
+between `<|START_THINKING|>` and `<|END_THINKING|>` (R7B's plan before its tool calls, as
+llama.cpp's Command R7B format reads it). Their templates never open the thought (a Magistral
 prompt ends in `[/INST]`); the reply opens its own, as vLLM's `mistral` reasoning
 parser and llama.cpp's Magistral format read it.
 
@@ -65,7 +67,8 @@ if TYPE_CHECKING:
 THINK_TAGS = THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 MISTRAL_THINK_TAGS = "[THINK]", "[/THINK]"  # Mistral's control tokens
 SEED_THINK_TAGS = "<seed:think>", "</seed:think>"  # Seed-OSS's added tokens
-TAG_PAIRS = (THINK_TAGS, MISTRAL_THINK_TAGS, SEED_THINK_TAGS)
+COHERE_THINK_TAGS = "<|START_THINKING|>", "<|END_THINKING|>"  # Command R7B's and A's control tokens
+TAG_PAIRS = (THINK_TAGS, MISTRAL_THINK_TAGS, SEED_THINK_TAGS, COHERE_THINK_TAGS)
 _BLANKS_AFTER_OPENING = 4  # tokens of blanks a template may write past the tag it opens
 # Families whose replies think in `<think>` written as text, not as added tokens.
 TEXT_TAG_FAMILIES = ("olmo3",)

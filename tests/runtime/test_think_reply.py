@@ -5,6 +5,7 @@ import json
 import time
 
 from runtime.think_reply import (
+    COHERE_THINK_TAGS,
     MISTRAL_THINK_TAGS,
     SEED_THINK_TAGS,
     THINK_CLOSE,
@@ -346,3 +347,25 @@ def test_a_seed_oss_call_after_its_thought_is_content_as_written(split):
     text = f"{SEED_OPEN}Maybe.{SEED_CLOSE}Checking.\n{SEED_CALL}"
     reasoning, content, calls, cut = parsed(text, split, True, "qwen3_coder", SEED_THINK_TAGS)
     assert (reasoning, content, calls, cut) == ("Maybe.", f"Checking.\n{SEED_CALL}", [], [])
+
+
+COHERE_OPEN, COHERE_CLOSE = COHERE_THINK_TAGS
+# Command R7B's template writes an assistant turn's calls after its plan so.
+R7B_TEMPLATE = (
+    "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>{% if message.tool_calls %}<|START_THINKING|>"
+    "{{message.reasoning_content}}<|END_THINKING|><|START_ACTION|>[...]<|END_ACTION|>{% endif %}"
+)
+
+
+def test_a_command_r7b_checkpoint_thinks_in_its_control_tokens_where_its_template_writes_them():
+    tags = {COHERE_OPEN: 255019, COHERE_CLOSE: 255020}
+    assert think_tags(_Tokenizer(tags, R7B_TEMPLATE)) == ThinkTags(COHERE_OPEN, COHERE_CLOSE, 255019, 255020)
+    assert think_tags(_Tokenizer(tags, "<|START_OF_TURN_TOKEN|>{{ messages }}")) is None  # Command-R's never plans
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_a_command_r7b_plan_is_reasoning_and_its_action_content_as_written(split):
+    """Its `<|START_ACTION|>` calls are no format cadence reads: they stay the reply's text."""
+    action = '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", "parameters": {}}]<|END_ACTION|>'
+    text = f"{COHERE_OPEN}I will look the weather up.{COHERE_CLOSE}{action}"
+    assert parsed(text, split, True, "hermes", COHERE_THINK_TAGS) == ("I will look the weather up.", action, [], [])
