@@ -12,6 +12,7 @@ small. Random weights think of nothing, so a grammar writes the reply, the tags 
 tokenizer's own tokens (llguidance's `<[id]>`; a grammar that writes `<think>` itself
 shapes the thought too), or a bias keeps the tags out of it, or biases write them.
 OLMo 3 Think's tags are text (its tokenizer holds neither), its template published.
+Seed-OSS's `<seed:think>` tags are special added tokens, kept in the reply's text.
 """
 
 import json
@@ -653,3 +654,26 @@ async def test_olmo3_instruct_does_not_think(make_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("think") / "olmo3-instruct"
     async with serving(tool_templates.with_template(make_checkpoint("olmo3"), out, tool_templates.OLMO3)) as server:
         assert not server.llm.thinks
+
+
+# Seed-OSS's template in small: its tags special added tokens, the model opening its thought.
+SEED = (
+    "{%- set think_begin_token = '<seed:think>' -%}{%- set think_end_token = '</seed:think>' -%}"
+    "{%- for message in messages %}<seed:bos>{{ message.role }}\n{{ message.content }}<seed:eos>{%- endfor %}"
+    "{%- if add_generation_prompt %}<seed:bos>assistant\n{%- endif %}"
+)
+SEED_TAGS = ("<seed:think>", "</seed:think>")
+
+
+async def test_a_seed_oss_thought_is_reasoning_whole_and_streamed(make_checkpoint, tmp_path_factory):
+    size = Tokenizer.from_dir(make_checkpoint("seed_oss")).vocab_size
+    out = tmp_path_factory.mktemp("think") / "seed-oss-like"
+    checkpoint = with_markers(make_checkpoint("seed_oss", vocab_size=size + 8), out, SEED, SEED_TAGS)
+    reply = tool_templates.written(checkpoint, SEED_TAGS, SEED_TAGS[0], THOUGHT, SEED_TAGS[1], "Sunny in Paris.")
+    body = dict(messages=ASK, max_tokens=80, extra_body={"guided_grammar": reply})
+    async with serving(checkpoint) as server:
+        assert server.llm.thinks
+        done = await in_thread(whole, server, **body)
+        choices, _ = await in_thread(streamed, server, **body)
+    assert split_of(done.choices[0].message) == (THOUGHT, THOUGHT, "Sunny in Paris.")
+    assert choices[0][:2] == (THOUGHT, "Sunny in Paris.")
