@@ -77,7 +77,7 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen3_5": qwen3_5,  # the multimodal layout (or a flat text config): its text model
     "qwen3_5_moe_text": qwen3_5,  # the same with routed experts
     "qwen3_5_moe": qwen3_5,
-    "qwen3_next": qwen3_next,
+    "qwen3_next": qwen3_next,  # Qwen3.5's hybrid decoder, its checkpoints' layout regrouped at load
     # Qwen's vision-language layouts, served as their text models (qwen2, qwen3, qwen3_moe)
     "qwen2_vl": qwen_vl,
     "qwen2_vl_text": qwen_vl,
@@ -86,7 +86,7 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen3_vl": qwen_vl,
     "qwen3_vl_text": qwen_vl,
     "qwen3_vl_moe": qwen_vl,
-    "qwen3_vl_moe_text": qwen_vl,  # Qwen3.5's hybrid decoder, its checkpoints' layout regrouped at load
+    "qwen3_vl_moe_text": qwen_vl,
     "lfm2": lfm2,  # hybrid: short-convolution layers keep their last inputs
     "lfm2_moe": lfm2,  # the same with routed experts
     "mixtral": mixtral,
