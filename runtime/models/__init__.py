@@ -16,13 +16,13 @@ from types import ModuleType
 
 from runtime.config import ModelConfig
 from runtime.models import (
-    deepseek_v2,
-    deepseek_v3,
-    falcon_h1,
     apertus,
     cohere,
+    deepseek_v2,
+    deepseek_v3,
     ernie4_5,
     exaone4,
+    falcon_h1,
     gemma,
     gemma2,
     gemma3,
