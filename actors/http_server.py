@@ -27,6 +27,9 @@ from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.ws_stream import WSStream
 from hypercorn.trio import serve
 from hypercorn.trio.tcp_server import TCPServer
+from werkzeug.exceptions import BadHost
+from werkzeug.routing import Map
+from werkzeug.sansio.utils import get_host
 
 from actors.cors import CorsPolicy
 from actors.http_access import request_ids
@@ -385,6 +388,10 @@ class _InFlight:
             return await self.app(scope, receive, send)
         if self._is_full() and not _is_probe(scope):
             return await self._refuse(scope, send)
+        if not _is_bindable_host(scope):
+            host = _header(scope, b"host")
+            error = ApiError(400, f"the Host header {host!r} is no valid host name", code="invalid_host")
+            return await self._answer(scope, send, error, "http.response")
         if self.num_requests == 0:
             self._idle = trio.Event()
         self.num_requests += 1
@@ -440,6 +447,22 @@ class _InFlight:
         headers += [(k.lower().encode(), v.encode("latin-1")) for k, v in allowed.items()]
         await send({"type": f"{kind}.start", "status": error.status, "headers": headers})
         await send({"type": f"{kind}.body", "body": body})
+
+
+# Quart binds its URL map to each request's host before any handler runs, and werkzeug
+# refuses a name IDNA cannot encode (an empty label, "localhost..", or one over 63
+# characters): raised there, outside every error handler, it was a bodiless 500 and a
+# traceback. An empty map binds as Quart's does, so it refuses exactly those hosts.
+_HOST_CHECK = Map()
+
+
+def _is_bindable_host(scope: Any) -> bool:
+    host = get_host(scope.get("scheme", "http"), _header(scope, b"host"), scope.get("server"))
+    try:
+        _HOST_CHECK.bind(host.lower())
+    except BadHost:
+        return False
+    return True
 
 
 # Cheap and bodiless: a load balancer's and Prometheus' view of a busy server.

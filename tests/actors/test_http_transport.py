@@ -798,7 +798,7 @@ async def test_idle_waits_for_every_request_in_flight():
     tracker = _InFlight(app)
     async with trio.open_nursery() as nursery:
         for n in (0, 1):
-            nursery.start_soon(tracker, {"type": "http", "n": n}, None, None)
+            nursery.start_soon(tracker, {"type": "http", "headers": [], "n": n}, None, None)
         await trio.testing.wait_all_tasks_blocked()
         releases[0].set()
         await trio.testing.wait_all_tasks_blocked()
@@ -1140,6 +1140,30 @@ async def test_a_host_the_server_does_not_answer_for_gets_a_403_before_anything_
     assert bare[0] == 503 and bare[2] == {"status": "loading"}
 
 
+@pytest.mark.parametrize("allowed_hosts", [LOOPBACK_HOSTS, None], ids=["loopback", "any-host"])
+async def test_a_host_header_that_is_no_host_name_gets_a_400_in_openais_shape(allowed_hosts):
+    """Quart binds its URL map to the request's host before any handler, and werkzeug
+    refused these names (an empty label, one over 63 characters): a bodiless 500 and a
+    traceback, whatever the route."""
+    async with loading_server(allowed_hosts=allowed_hosts) as port:
+
+        def ask(host, path="/v1/models"):
+            head = f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+            return answer(port, head.encode())
+
+        bad = [await in_thread(ask, host) for host in ("localhost..", ".localhost", "a" * 64, "x..y:80")]
+        options = await in_thread(
+            answer, port, b"OPTIONS /v1/models HTTP/1.1\r\nHost: localhost..\r\nConnection: close\r\n\r\n"
+        )
+        fine = await in_thread(ask, "localhost", "/health")
+    for status, headers, body, is_closed in [*bad, options]:
+        assert status == 400 and headers["x-request-id"] and is_closed
+        assert body["error"]["type"] == "invalid_request_error"
+        assert body["error"]["code"] == "invalid_host"
+    assert "'localhost..'" in bad[0][2]["error"]["message"]
+    assert fine[0] == 503 and fine[2] == {"status": "loading"}
+
+
 async def test_requests_in_flight_return_to_none_when_their_clients_hang_up_mid_body():
     """Hung-up requests free their places: afterwards exactly the cap's worth are taken
     again before a new one is refused (a place still counted would refuse one sooner)."""
@@ -1338,11 +1362,11 @@ async def test_a_drain_waits_for_a_request_that_began_while_it_waited():
         is_idle.set()
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(tracker, {"type": "http", "n": 0}, None, None)
+        nursery.start_soon(tracker, {"type": "http", "headers": [], "n": 0}, None, None)
         await trio.testing.wait_all_tasks_blocked()
         nursery.start_soon(drain)
         await trio.testing.wait_all_tasks_blocked()
-        nursery.start_soon(tracker, {"type": "http", "n": 1}, None, None)
+        nursery.start_soon(tracker, {"type": "http", "headers": [], "n": 1}, None, None)
         await trio.testing.wait_all_tasks_blocked()
         releases[0].set()
         await trio.testing.wait_all_tasks_blocked()
