@@ -18,6 +18,13 @@ _SWITCH = ("on", "off", "1", "0", "yes", "no")
 
 
 def _one_of(*choices: str) -> Callable[[str], bool]:
+    """In any case, as their readers compare (`.lower()`); a blank around it is no
+    choice, since those readers strip none ("off " left the kernels on)."""
+    return lambda value: value.lower() in choices
+
+
+def _one_of_stripped(*choices: str) -> Callable[[str], bool]:
+    """In any case, blanks around it read past, as CADENCE_PAGED_ATTENTION's reader does."""
     return lambda value: value.strip().lower() in choices
 
 
@@ -34,7 +41,7 @@ def _integer(value: str) -> bool:
 
 
 def _whole_number(value: str) -> bool:
-    return value.isdecimal()
+    return value.isascii() and value.isdecimal()  # the C++ readers take no other digits
 
 
 def _positive_number(value: str) -> bool:
@@ -54,7 +61,7 @@ KNOBS: dict[str, tuple[Callable[[str], bool], str]] = {
     "CADENCE_FAULT_TOKEN": (lambda value: re.fullmatch(r"\s*-?\d+(:\d+)?\s*", value) is not None,
                             "a token id N, or N:K"),
     "CADENCE_HUGE_PAGES": (_one_of(*_SWITCH), "on or off"),
-    "CADENCE_PAGED_ATTENTION": (_one_of("gather", "fast", "native", ""), "gather, fast or native"),
+    "CADENCE_PAGED_ATTENTION": (_one_of_stripped("gather", "fast", "native", ""), "gather, fast or native"),
     "CADENCE_PAGED_FAST_MIN_KEYS": (_integer, "a key count"),
 }
 

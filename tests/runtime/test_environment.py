@@ -47,12 +47,21 @@ def test_a_value_its_reader_would_not_use_is_named():
         "CADENCE_CPU_THREADS": "0",
         "CADENCE_CPU_SPIN_US": "-5",
         "CADENCE_CPU_KERNELS": "of",  # would leave the kernels on
+        "CADENCE_HUGE_PAGES": "off ",  # its reader strips no blank: the pages stayed on
+        "CADENCE_CPU_BLOCKS": " no",
+        "CADENCE_BLAS": "reference\n",
         "CADENCE_BUILD_KERNELS": "off",  # only "0" skips the build
         "CADENCE_FAULT_TOKEN": "x",
     }
     problems = environment_problems(cases)
     for (name, value), problem in zip(sorted(cases.items()), problems, strict=True):
         assert problem.startswith(f"{name}={value!r} is not ")
+
+
+def test_a_number_in_other_digits_is_named_and_blanks_only_where_the_reader_keeps_them():
+    [problem] = environment_problems({"CADENCE_CPU_THREADS": "\u0664"})  # C++'s atoi reads no digit in it
+    assert problem.startswith("CADENCE_CPU_THREADS='\u0664' is not ")
+    assert environment_problems({"CADENCE_PAGED_ATTENTION": " Fast\n"}) == []  # its reader strips
 
 
 def test_loading_logs_each_problem_as_a_warning(monkeypatch):
