@@ -47,8 +47,9 @@ async def _read_json_bytes() -> bytes:
     if request.mimetype != "application/json":
         shown = request.content_type or "none"
         raise ApiError(415, f"Content-Type must be application/json, got {shown[:80]}")
-    # A compressed body was read as text and refused as "not valid UTF-8".
-    if (coding := request.headers.get("Content-Encoding", "").strip()) not in ("", "identity"):
+    # A compressed body was read as text and refused as "not valid UTF-8". Codings are
+    # case-insensitive (RFC 9110, 8.4.1): "Identity" is the body as is.
+    if (coding := request.headers.get("Content-Encoding", "").strip()).lower() not in ("", "identity"):
         raise ApiError(415, f"Content-Encoding {coding[:40]!r} is not supported; send the body as is")
     return raw
 

@@ -623,6 +623,22 @@ async def test_a_compressed_body_is_a_415_naming_its_content_encoding(coding):
     assert status == 415 and coding in answer["error"]["message"]
 
 
+@pytest.mark.parametrize("coding", ["identity", "Identity", " IDENTITY "])
+async def test_an_identity_content_encoding_in_any_case_is_read_as_is(coding):
+    """Content codings are case-insensitive (RFC 9110, 8.4.1): 'Identity' was a 415."""
+    async with loading_server() as port:
+
+        def exchange():
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            headers = {"Content-Type": "application/json", "Content-Encoding": coding}
+            connection.request("POST", "/v1/completions", b'{"model": "m", "prompt": "hi"}', headers)
+            response = connection.getresponse()
+            return response.status, json.loads(response.read())
+
+        status, answer = await in_thread(exchange)
+    assert status == 503 and answer["error"]["code"] == "unavailable"  # past the body's checks: loading
+
+
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
 async def test_a_body_that_is_not_json_is_a_415_naming_its_content_type(content_type):
     """A text/plain or form POST is a "simple" cross-site request: it is refused, and the
