@@ -131,7 +131,9 @@ def resolve_checkpoint(model: str | Path | None, *, offline: bool = False) -> tu
     text = str(model)
     try:
         if path.is_dir() or is_gguf_file(path):
-            return path.resolve(), path.name
+            # The name as written, "." and ".." read away ("--model ." was served as ''),
+            # a symlink's own name kept (not resolved).
+            return path.resolve(), Path(os.path.abspath(path)).name
         exists = path.exists()
     except OSError as exc:  # a name too long, a file that cannot be read
         raise CheckpointError(f"{shortened(text)}: {one_line(exc)}") from None

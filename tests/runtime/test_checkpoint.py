@@ -216,6 +216,19 @@ def test_missing_config_and_missing_dir(broken, tmp_path):
     assert "no such directory" in error_for(tmp_path / "nowhere")
 
 
+def test_a_checkpoint_named_through_dot_or_dot_dot_is_served_under_its_directorys_name(tmp_path, monkeypatch):
+    """`cadence serve --model .` from inside a checkpoint served a model named '' (and
+    `--model sub/..` one named '..'): an id no client could send. A symlink keeps its own
+    name (a "latest" link is what its user asks for)."""
+    checkpoint = tmp_path / "my-model"
+    (checkpoint / "sub").mkdir(parents=True)
+    (tmp_path / "latest").symlink_to(checkpoint)
+    monkeypatch.chdir(checkpoint)
+    for given in (".", "./", "sub/..", str(checkpoint / "sub" / "..")):
+        assert resolve_checkpoint(given) == (checkpoint.resolve(), "my-model"), given
+    assert resolve_checkpoint(str(tmp_path / "latest"))[1] == "latest"
+
+
 def test_unknown_repo_id_offline_is_a_clean_error(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     with pytest.raises(CheckpointError) as err:
