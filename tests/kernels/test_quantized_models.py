@@ -58,7 +58,9 @@ FAMILIES = {
     "deepseek_v3": dict(num_layers=3),  # mlx-lm's split kv_b_proj (embed_q, unembed_out), joined at load
     "glm4_moe_lite": dict(num_layers=3),  # deepseek_v3's layout, its latent norms at rms_norm_eps
     "nemotron_h": dict(num_layers=5, nemotron={"hybrid_override_pattern": "MEM*E"}),
-    "falcon_h1": dict(num_layers=3),  # attention and Mamba2 side by side, their multipliers folded in
+    # Attention and Mamba2 side by side, their multipliers folded in. In mlx-lm's form: an
+    # original's keys are scaled by key_multiplier, which mlx-lm leaves out (test_falcon_h1).
+    "falcon_h1": dict(num_layers=3, hf_original=False),
     "glm4_moe": dict(num_layers=3),  # GQA with qk norm and half of each head rotated, V3's router
     "cohere": dict(),
     "cohere2": dict(num_layers=4, sliding_window=8),
