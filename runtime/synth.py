@@ -17,7 +17,8 @@ from typing import Any
 from runtime.config import config_from_dict
 from runtime.models import FAMILIES, apertus, build_model, hunyuan_v1_dense, phi, starcoder2
 from runtime.models.layers import CausalLM
-from runtime.synth_configs import DTYPES, QWEN3_5_FAMILIES, QWEN_VL_TEXT, hf_config
+from runtime.synth_configs import DTYPES, QWEN_VL_TEXT, hf_config
+from runtime.synth_family_fields import QWEN3_5_FAMILIES
 
 import mlx.core as mx
 import numpy as np

@@ -13,7 +13,7 @@ from runtime.config import config_from_dict
 from runtime.errors import CheckpointError
 from runtime.models.deepseek_v2 import LatentExperts
 from runtime.synth import make_tiny_checkpoint, save_weights
-from runtime.synth_configs import DEEPSEEK_YARN
+from runtime.synth_family_fields import DEEPSEEK_YARN
 
 import mlx.core as mx
 import mlx_lm
