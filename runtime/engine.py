@@ -49,16 +49,17 @@ import os
 from collections import deque
 
 from runtime.checkpoint import LoadedModel
+from runtime.engine_plan import EngineRow, ForwardSamples, QueuedStep, StepPlan
 from runtime.errors import CadenceError
 from runtime.finishing import finish_step, first_cause
-from runtime.grammar import GrammarState, token_masks
+from runtime.grammar import token_masks
 from runtime.kv.base import RowSpan
 from runtime.kv.budget import DEFAULT_BLOCK_SIZE, check_block_size, pool_blocks
 from runtime.kv.layout import KVLayout
 from runtime.kv.paged import PagedKV
 from runtime.kv.recurrent import RecurrentStore
 from runtime.ladder import BatchLadder, pad_step
-from runtime.sampling import Logprobs, RowSampler, Sampled, joined, logprob_rows, sample
+from runtime.sampling import RowSampler, Sampled, joined, logprob_rows, sample
 from runtime.sequence import (
     FinishCause,
     SeqHandle,
@@ -69,7 +70,6 @@ from runtime.sequence import (
     check_sequence,
 )
 
-import attrs
 import mlx.core as mx
 import structlog
 
@@ -80,82 +80,6 @@ FAULT_ENV = "CADENCE_FAULT_TOKEN"
 
 class InjectedFault(RuntimeError):
     """Raised inside a forward by `CADENCE_FAULT_TOKEN`, where a model error would be."""
-
-
-@attrs.define
-class _Row:
-    handle: SeqHandle
-    params: SequenceParams
-    sampler: RowSampler
-    eos_ids: frozenset[int]
-    tokens: list[int]  # prompt, then every collected token
-    next_input: mx.array | None = None  # [1] the newest sample, maybe not computed yet
-    num_pending: int = 0  # samples queued and not collected
-    finished: FinishCause | None = None
-    fault_at: int | None = None  # CADENCE_FAULT_TOKEN: its forward raises at this many samples
-    grammar: GrammarState | None = None  # structured output: where the row is in its grammar
-
-    @property
-    def num_sampled(self) -> int:
-        return self.num_generated + self.num_pending
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.tokens) - len(self.params.prompt_tokens)
-
-    @property
-    def frontier(self) -> int:
-        """Tokens known or queued: a span ending here samples the next one."""
-        return len(self.tokens) + self.num_pending
-
-
-@attrs.define
-class _Plan:
-    spans: list[RowSpan] = attrs.Factory(list)
-    inputs: list[mx.array] = attrs.Factory(list)  # each span's input tokens, [num_new] int32
-    rows: list[_Row] = attrs.Factory(list)  # each span's row
-    sampling: list[_Row] = attrs.Factory(list)  # rows whose span ends at their newest token
-    sample_at: list[int] = attrs.Factory(list)  # ... and where, in the flat batch
-    failures: list[tuple[int, str]] = attrs.Factory(list)  # shared by a plan's halves
-    num_tokens: int = 0
-
-    def add(self, span: RowSpan, tokens: mx.array, row: _Row) -> None:
-        self.spans.append(span)
-        self.inputs.append(tokens)
-        self.rows.append(row)
-        self.num_tokens += span.num_new
-        if span.end == row.frontier:
-            self.sampling.append(row)
-            self.sample_at.append(self.num_tokens - 1)
-
-    def fail(self, row: _Row, exc: Exception) -> None:
-        row.finished = FinishCause.ERROR
-        self.failures.append((row.handle.seq_id, f"{type(exc).__name__}: {exc}"))
-
-    def halves(self) -> tuple[_Plan, _Plan]:
-        left, right = _Plan(failures=self.failures), _Plan(failures=self.failures)
-        mid = len(self.spans) // 2
-        for i, span in enumerate(self.spans):
-            (left if i < mid else right).add(span, self.inputs[i], self.rows[i])
-        return left, right
-
-
-_Sampled = tuple[Sampled, mx.array]  # a forward's samples [S], and is_finite [S] bool
-
-
-@attrs.define
-class _QueuedStep:
-    seq_ids: tuple[int, ...]  # rows that sample, in the order of `tokens`
-    tokens: mx.array  # [S] int32
-    is_finite: mx.array  # [S] bool: the row's logits had no NaN/inf
-    logprobs: Logprobs | None  # [S] and [S, K], when any sampling row asks
-    failures: tuple[tuple[int, str], ...]  # rows that failed while the step was built
-    is_started: bool = False  # handed to mlx to run (`Engine.start_queued`)
-
-    @property
-    def outputs(self) -> tuple[mx.array, ...]:
-        lp = self.logprobs
-        return (self.tokens, self.is_finite) + (() if lp is None else (lp.token, lp.top_ids, lp.top))
 
 
 def rows_are_finite(logits: mx.array) -> mx.array:
@@ -219,8 +143,8 @@ class Engine:
         )
         self.kv_tokens = self.kv_layout.max_row_tokens(num_blocks, block_size)
         self.max_context = min(self.model_max_context, self.kv_tokens)
-        self._rows: dict[int, _Row] = {}
-        self._queued: deque[_QueuedStep] = deque()
+        self._rows: dict[int, EngineRow] = {}
+        self._queued: deque[QueuedStep] = deque()
         # On the CPU, mx.async_eval returns only when all but the last ~100 queued ops
         # have run (mlx bounds its active tasks), so starting step N+1 before step N is
         # read holds N's tokens back until N+1 is nearly done: a whole prompt chunk's
@@ -251,7 +175,7 @@ class Engine:
         )
         handle = SeqHandle(next(self._ids))
         fault = self._fault
-        self._rows[handle.seq_id] = _Row(
+        self._rows[handle.seq_id] = EngineRow(
             handle=handle,
             params=params,
             sampler=RowSampler.create(
@@ -387,9 +311,9 @@ class Engine:
 
     # -- internals ---------------------------------------------------------------
 
-    def _plan(self, batch: StepBatch) -> _Plan:
+    def _plan(self, batch: StepBatch) -> StepPlan:
         """The step's live spans, their input tokens, and which rows sample where."""
-        plan = _Plan()
+        plan = StepPlan()
         for span in batch.spans:
             row = self._rows.get(span.seq_id)
             if row is None or row.finished is not None:
@@ -403,7 +327,7 @@ class Engine:
                 plan.add(span, tokens, row)
         return plan
 
-    def _isolating_forward(self, plan: _Plan, epoch: int) -> list[tuple[_Plan, _Sampled | None]]:
+    def _isolating_forward(self, plan: StepPlan, epoch: int) -> list[tuple[StepPlan, ForwardSamples | None]]:
         """`_forward` over `plan`; if that raises, over each half in turn, recursively.
 
         A span that raises alone fails its row (into `plan.failures`). n spans build at
@@ -433,7 +357,7 @@ class Engine:
         left, right = plan.halves()
         return self._isolating_forward(left, epoch) + self._isolating_forward(right, epoch)
 
-    def _forward(self, plan: _Plan, epoch: int) -> _Sampled | None:
+    def _forward(self, plan: StepPlan, epoch: int) -> ForwardSamples | None:
         """One ragged forward over `plan`'s spans: their K/V writes, and (sampled [S],
         is_finite [S]) for its sampling rows, or None when none samples. Records nothing
         on the rows, and commits their recurrent states (a hybrid model's) only once it
@@ -462,7 +386,7 @@ class Engine:
             self.states.commit(recurrent)  # type: ignore[union-attr]  # set with `recurrent`
         return result
 
-    def _inject_fault(self, plan: _Plan) -> None:
+    def _inject_fault(self, plan: StepPlan) -> None:
         """CADENCE_FAULT_TOKEN: raise as a model error would, judged on host counters only."""
         for row in plan.rows:
             if row.fault_at is not None and row.num_sampled == row.fault_at:
@@ -470,13 +394,13 @@ class Engine:
 
     def _queue(
         self,
-        plan: _Plan,
-        sampling: list[_Row],
-        sampled: _Sampled | None,
+        plan: StepPlan,
+        sampling: list[EngineRow],
+        sampled: ForwardSamples | None,
     ) -> None:
         samples, is_finite = sampled or (Sampled(mx.array([], mx.int32)), mx.array([], mx.bool_))
         seq_ids = tuple(row.handle.seq_id for row in sampling)
-        step = _QueuedStep(seq_ids, samples.tokens, is_finite, samples.logprobs, tuple(plan.failures))
+        step = QueuedStep(seq_ids, samples.tokens, is_finite, samples.logprobs, tuple(plan.failures))
         is_held_back = (
             self.defers_start and bool(self._queued) and plan.num_tokens > len(plan.spans)
         )
@@ -484,7 +408,7 @@ class Engine:
         if not is_held_back:
             self.start_queued()
 
-    def _row_input(self, row: _Row, span: RowSpan) -> mx.array | None:
+    def _row_input(self, row: EngineRow, span: RowSpan) -> mx.array | None:
         """The span's input tokens: [num_new] int32, the last possibly not computed yet.
 
         None when the span would sample past the row's max_tokens or context bound.
