@@ -14,6 +14,7 @@ from pathlib import Path
 from runtime import json_ends, tool_prompts
 from runtime.call_values import python_calls
 from runtime.errors import RequestError
+from runtime.glm4_reply import tool_names
 from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.tokenizer import Tokenizer
 from runtime.tool_grammars import tool_call_grammar
@@ -1922,6 +1923,10 @@ GLM4_CASES = [
     ('lookup\n{"q": "x"}', ('lookup\n{"q": "x"}', [])),  # no tool of the request's
     ('get_weather\n{"city": NaN}', ('get_weather\n{"city": NaN}', [])),
     ('get_weather\n{"city": "Pa', ('get_weather\n{"city": "Pa', [])),  # cut short: text
+    # A first line holding more than a name, its arguments too, is no call.
+    ('get_weather now\n{"city": "Paris"}', ('get_weather now\n{"city": "Paris"}', [])),
+    ('get_weather {"city": "Paris"}', ('get_weather {"city": "Paris"}', [])),
+    ("\n \n", ("\n \n", [])),  # blanks alone are text too
 ]
 
 
@@ -1938,6 +1943,13 @@ def test_glm4_text_that_cannot_become_a_tools_name_goes_out_at_once():
     assert parser.feed("get_") == [] and parser.feed("wea") == []
     assert parser.feed("ry well") == [Content("get_weary well")]
     assert parser_for("glm4", tools=GLM_TOOLS).feed("Paris") == [Content("Paris")]
+    # A whole first line naming no tool is text at once, not once more follows.
+    assert parser_for("glm4", tools=GLM_TOOLS).feed("lookup\n") == [Content("lookup\n")]
+
+
+def test_glm4_tool_names_are_the_functions_string_names():
+    tools = [{"type": "function", "function": "get_weather"}, {"function": {"name": 3}}, {}, *GLM_TOOLS]
+    assert tool_names(tools) == {"get_weather", "get_time"}
 
 
 @pytest.mark.parametrize("blank_at", ["before", "after_line"])
