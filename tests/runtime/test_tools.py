@@ -1927,6 +1927,7 @@ GLM4_CASES = [
     ('get_weather now\n{"city": "Paris"}', ('get_weather now\n{"city": "Paris"}', [])),
     ('get_weather {"city": "Paris"}', ('get_weather {"city": "Paris"}', [])),
     ("\n \n", ("\n \n", [])),  # blanks alone are text too
+    ("get_weather\n \n", ("get_weather\n \n", [])),  # a name and blanks, no arguments
 ]
 
 
@@ -1945,6 +1946,31 @@ def test_glm4_text_that_cannot_become_a_tools_name_goes_out_at_once():
     assert parser_for("glm4", tools=GLM_TOOLS).feed("Paris") == [Content("Paris")]
     # A whole first line naming no tool is text at once, not once more follows.
     assert parser_for("glm4", tools=GLM_TOOLS).feed("lookup\n") == [Content("lookup\n")]
+    # So is a tool's name followed by what cannot begin its arguments' object.
+    for after in ("It", "\n[1"):
+        assert parser_for("glm4", tools=GLM_TOOLS).feed(f"get_weather\n{after}") == [Content(f"get_weather\n{after}")]
+
+
+def test_a_glm4_call_fed_a_character_a_delta_is_scanned_once(monkeypatch):
+    """The arguments' JSON is scanned from where the last delta stopped: scanning it
+    again from its start at every delta made a long call O(n^2)."""
+    scanned = []
+
+    class Counted:
+        def __init__(self, pattern):
+            self.pattern = pattern
+
+        def search(self, text, at):
+            found = self.pattern.search(text, at)
+            scanned.append((len(text) if found is None else found.end()) - at)
+            return found
+
+    monkeypatch.setattr(json_ends, "_IN_STRING", Counted(json_ends._IN_STRING))
+    monkeypatch.setattr(json_ends, "_STRUCTURE", Counted(json_ends._STRUCTURE))
+    arguments = json.dumps({"text": "x" * 300, "n": [1, 2]})
+    text = f"get_weather\n{arguments}"
+    assert parse("glm4", text, range(1, len(text)), tools=GLM_TOOLS) == ("", [("get_weather", arguments)])
+    assert sum(scanned) <= 2 * len(arguments)
 
 
 def test_glm4_tool_names_are_the_functions_string_names():
