@@ -1914,6 +1914,7 @@ GLM_Z1 = (TEMPLATE_DIR / "THUDM-GLM-Z1-9B-0414.jinja").read_text()
 GLM_TOOLS = [{"type": "function", "function": {"name": n}} for n in ("get_weather", "get_time")]
 GLM4_CASES = [
     ('get_weather\n{"city": "Paris", "days": 2}', ("", [("get_weather", '{"city": "Paris", "days": 2}')])),
+    ('get_weather\n{"city": "Zürich"}', ("", [("get_weather", '{"city": "Zürich"}')])),  # not \\u-escaped
     ('\n get_time \n\n{"zone": "UTC"}\n', ("\n", [("get_time", '{"zone": "UTC"}')])),
     ("\nParis is sunny.", ("\nParis is sunny.", [])),  # the template's text form
     ("get the weather first", ("get the weather first", [])),
