@@ -1,6 +1,7 @@
 """Tool calls in text: each family's parser, fed in any split; the format a template
 implies; the chat a template sees; and the grammar that forces a call."""
 
+import ast
 import hashlib
 import json
 import random
@@ -1522,6 +1523,11 @@ def test_a_python_call_of_a_tool_whose_name_holds_a_hyphen_is_that_call():
     )
     assert python_calls('[a-b(x="p-q(")]') == [{"name": "a-b", "arguments": {"x": "p-q("}}]
     assert python_calls("a -b(x=1)") is None  # a subtraction, no name
+    # A bracket or an escaped quote in a string leaves the depth between calls alone.
+    for value in ['"("', "'('", '"(\\""', '""']:
+        assert python_calls(f"f(x={value})\ng-h(y=1)") == [
+            {"name": "f", "arguments": {"x": ast.literal_eval(value)}}, {"name": "g-h", "arguments": {"y": 1}}
+        ]
     compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
     tools = [{"type": "function", "function": {"name": "get-weather", "parameters": TOOLS[0]["function"]["parameters"]}}]
     grammar = compiler.compile(tool_call_grammar("olmo3", tools, None))
