@@ -1513,6 +1513,7 @@ def test_json_literals_are_values_only_where_asked():
         {"name": "f", "arguments": {"a": True, "b": [None, False]}}
     ]
     assert python_calls("f(a=true)") is None and python_calls("f(a=yes)", json_literals=True) is None
+    assert python_calls("f(a=[true, yes])", json_literals=True) is None  # a name inside a value too
 
 
 def test_a_python_call_of_a_tool_whose_name_holds_a_hyphen_is_that_call():
@@ -1523,6 +1524,12 @@ def test_a_python_call_of_a_tool_whose_name_holds_a_hyphen_is_that_call():
     )
     assert python_calls('[a-b(x="p-q(")]') == [{"name": "a-b", "arguments": {"x": "p-q("}}]
     assert python_calls("a -b(x=1)") is None  # a subtraction, no name
+    assert python_calls("a-b(x=1)") == [{"name": "a-b", "arguments": {"x": 1}}]  # from the text's second character
+    assert python_calls("get-_weather(x=1)") == [{"name": "get-_weather", "arguments": {"x": 1}}]
+    # A "-" joins two name characters between calls only: not a sign, no value's.
+    assert python_calls("f(x=1e-5)") == [{"name": "f", "arguments": {"x": 1e-5}}]
+    assert python_calls("f(x=1)\n-g(y=2)") is None and python_calls("f-(x=1)") is None
+    assert python_calls("f(x=1)\ng-") is None  # no error at the text's last character
     # A bracket or an escaped quote in a string leaves the depth between calls alone.
     for value in ['"("', "'('", '"(\\""', '""']:
         assert python_calls(f"f(x={value})\ng-h(y=1)") == [
