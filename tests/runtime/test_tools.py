@@ -17,6 +17,7 @@ from runtime.call_values import python_calls
 from runtime.errors import RequestError
 from runtime.glm4_reply import tool_names
 from runtime.grammar import GrammarCompiler, GrammarSpec
+from runtime.qwen3_coder_reply import parameter_types, parameter_value, value_types
 from runtime.tokenizer import Tokenizer
 from runtime.tool_grammars import tool_call_grammar
 from runtime.tool_prompts import chat_for_template, template_knows_tools, tool_style_for
@@ -1361,6 +1362,47 @@ def test_an_unclosed_qwen3_coder_name_is_text_once_it_cannot_be_one():
     parser = parser_for("qwen3_coder")
     events = parser.feed("<tool_call><function=" + "x" * 300)
     assert "".join(e.text for e in events) == "<tool_call><function=" + "x" * 300
+
+
+def test_a_qwen3_coder_name_is_read_up_to_its_length_limit():
+    for size, called in ((256, True), (257, False)):
+        text = f"<tool_call>\n<function={'f' * size}>\n</function>\n</tool_call>"
+        assert parse("qwen3_coder", text) == (("", [("f" * size, "{}")]) if called else (text, [])), size
+
+
+def test_qwen3_coder_value_types_stop_at_a_depth_of_eight():
+    def nested(key, depth):
+        schema: object = {"type": "integer"}
+        for _ in range(depth):
+            schema = {key: [schema]}
+        return schema
+
+    for key in ("anyOf", "allOf"):
+        assert value_types(nested(key, 8)) == {"integer"} and value_types(nested(key, 9)) == set(), key
+    for depth, types in ((8, {"integer"}), (9, set())):  # a chain of refs, each a level
+        defs = {f"D{k}": {"$ref": f"#/$defs/D{k + 1}"} for k in range(depth - 1)} | {f"D{depth - 1}": {"type": "integer"}}
+        assert value_types({"$ref": "#/$defs/D0"}, {"$defs": defs}) == types, depth
+    assert value_types(True) == value_types(None) == set()  # a boolean schema says nothing
+
+
+@pytest.mark.parametrize(
+    ("text", "types", "value"),
+    [
+        ("1.5", {"string", "number"}, 1.5),
+        ("[1]", {"string", "array"}, [1]),
+        ("{}", {"string", "object"}, {}),
+        ("true", {"string", "integer"}, "true"),  # a string where no other type reads it
+        ('"Paris"', {"string"}, '"Paris"'),  # a string's text is its value, quotes and all
+        ('"Paris"', {"string", "null"}, '"Paris"'),
+    ],
+)
+def test_a_qwen3_coder_value_that_may_be_a_string_is_another_type_only_of_its_schema(text, types, value):
+    assert parameter_value(text, frozenset(types)) == value
+
+
+def test_qwen3_coder_parameter_types_skip_tools_without_a_function_or_parameters():
+    tools = [{"type": "function"}, {"type": "function", "function": {"name": "f"}}]
+    assert parameter_types(tools) == {}
 
 
 def test_a_long_qwen3_coder_value_fed_a_character_a_delta_takes_linear_time():
