@@ -1368,6 +1368,16 @@ def test_a_qwen3_coder_name_is_read_up_to_its_length_limit():
     for size, called in ((256, True), (257, False)):
         text = f"<tool_call>\n<function={'f' * size}>\n</function>\n</tool_call>"
         assert parse("qwen3_coder", text) == (("", [("f" * size, "{}")]) if called else (text, [])), size
+    parser = parser_for("qwen3_coder")  # one of the limit's length still waits for its ">"
+    assert parser.feed("<tool_call>\n<function=" + "f" * 256) == []
+    assert parser.feed(">") == [CallStart(0, "f" * 256)]
+    # An empty name is none at once: no call, the text as written.
+    assert "".join(e.text for e in parser_for("qwen3_coder").feed("<tool_call><function=>")) == "<tool_call><function=>"
+
+
+def test_stray_text_after_a_qwen3_coder_call_in_its_block_is_content_without_the_blocks_tag():
+    text = "<tool_call>\n<function=f>\n</function>\nhi</tool_call>"
+    assert parse("qwen3_coder", text) == ("hi</tool_call>", [("f", "{}")])
 
 
 def test_qwen3_coder_value_types_stop_at_a_depth_of_eight():
