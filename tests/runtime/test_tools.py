@@ -17,7 +17,7 @@ from runtime.call_values import python_calls
 from runtime.errors import RequestError
 from runtime.glm4_reply import tool_names
 from runtime.grammar import GrammarCompiler, GrammarSpec
-from runtime.qwen3_coder_reply import parameter_types, parameter_value, value_types
+from runtime.qwen3_coder_reply import parameter_types, parameter_value, value_types, xml_call
 from runtime.tokenizer import Tokenizer
 from runtime.tool_grammars import tool_call_grammar
 from runtime.tool_prompts import chat_for_template, template_knows_tools, tool_style_for
@@ -1373,6 +1373,28 @@ def test_a_qwen3_coder_name_is_read_up_to_its_length_limit():
     assert parser.feed(">") == [CallStart(0, "f" * 256)]
     # An empty name is none at once: no call, the text as written.
     assert "".join(e.text for e in parser_for("qwen3_coder").feed("<tool_call><function=>")) == "<tool_call><function=>"
+
+
+@pytest.mark.parametrize(
+    ("text", "arguments"),
+    [
+        ("<parameter=a></parameter>", '{"a": ""}'),  # an empty value, no newlines
+        ("x<parameter=a>\n1\n</parameter>", '{"a": "1"}'),  # stray text up to the next marker
+    ],
+)
+def test_qwen3_coder_parameters_at_their_edges_in_any_split(text, arguments):
+    text = f"<tool_call>\n<function=f>\n{text}\n</function>\n</tool_call>"
+    assert parse("qwen3_coder", text) == ("", [("f", arguments)])
+    assert parse("qwen3_coder", text, range(1, len(text))) == ("", [("f", arguments)])
+
+
+def test_a_past_call_is_written_as_qwen3_coder_xml():
+    def body(arguments):
+        return xml_call("f", arguments).removeprefix("<tool_call>\n<function=f>\n").removesuffix("</function>\n</tool_call>")
+
+    assert body(None) == body("") == body({}) == ""
+    assert body("not json") == "not json\n"  # text a client sent goes in as written
+    assert body({"a": "Zürich", "b": ["Zürich"]}) == "<parameter=a>\nZürich\n</parameter>\n<parameter=b>\n[\"Zürich\"]\n</parameter>\n"
 
 
 def test_stray_text_after_a_qwen3_coder_call_in_its_block_is_content_without_the_blocks_tag():
