@@ -1700,6 +1700,26 @@ def test_a_forced_olmo3_call_takes_properties_whose_schemas_are_booleans():
     assert not admitted_by(grammar, "<function_calls>lookup()</function_calls>")
 
 
+@pytest.mark.parametrize(
+    ("parameters", "admitted", "refused"),
+    [
+        # Listing no properties, but not closed to others: any keys.
+        ({"type": "object", "properties": {}}, ['q="x"', ""], []),
+        # Closed to others, listing some, none required: each maybe.
+        ({"type": "object", "properties": {"q": {"type": "string"}}, "additionalProperties": False}, ['q="x"', ""], ["r=1"]),
+        ({"type": "object", "properties": {"never": False}}, [""], ["never=1"]),  # none can be given
+    ],
+)
+def test_a_forced_olmo3_call_takes_the_keys_its_parameters_allow(parameters, admitted, refused):
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": parameters}}]
+    grammar = compiler.compile(tool_call_grammar("olmo3", tools, "lookup"))
+    for arguments in admitted:
+        assert admitted_by(grammar, f"<function_calls>lookup({arguments})</function_calls>"), arguments
+    for arguments in refused:
+        assert not admitted_by(grammar, f"<function_calls>lookup({arguments})</function_calls>"), arguments
+
+
 @pytest.mark.parametrize("parameters", [{"type": "object"}, {"type": "object", "properties": {"from": {}}}])
 def test_a_forced_olmo3_call_takes_no_python_keyword_for_a_key(parameters):
     """`lookup(from="x")` is no Python call, so the parser reads it as text: the keys of
