@@ -1517,6 +1517,28 @@ def test_a_forced_qwen3_coder_call_is_its_xml_typed_by_the_schema(forced):
     assert not admitted_by(grammar, "Sure. " + call)
 
 
+@pytest.mark.parametrize(
+    ("parameters", "admitted", "refused"),
+    [
+        # Listing no properties, but not closed to others: any parameters.
+        ({"type": "object", "properties": {}}, [[("q", "x")], []], []),
+        ({"type": "object", "properties": {}, "additionalProperties": False}, [[]], [[("q", "x")]]),  # none
+        # Closed to others, listing some (of one character, of 256), none required: each maybe.
+        ({"type": "object", "properties": {"q": {"type": "string"}}, "additionalProperties": False}, [[("q", "x")], []], [[("r", "1")]]),
+        ({"type": "object", "properties": {"k" * 256: {}}, "additionalProperties": False}, [[("k" * 256, "x")]], [[("r", "1")]]),
+        ({"type": "object", "properties": {"q": True}}, [[("q", "{not json")]], [[("r", "1")]]),  # `true`: any text
+    ],
+)
+def test_a_forced_qwen3_coder_call_takes_the_parameters_its_schema_allows(parameters, admitted, refused):
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": parameters}}]
+    grammar = compiler.compile(tool_call_grammar("qwen3_coder", tools, "lookup"))
+    for pairs in admitted:
+        assert admitted_by(grammar, xml("lookup", *pairs)), pairs
+    for pairs in refused:
+        assert not admitted_by(grammar, xml("lookup", *pairs)), pairs
+
+
 @pytest.mark.parametrize("odd", ["a>b", "x\ny", "<", "", " pad", "n" * 300])
 def test_a_forced_qwen3_coder_call_never_writes_a_parameter_name_that_reads_back_as_another(odd):
     """`<parameter=a>b>` reads as the parameter `a` (its value `b>...`), and a name with a
@@ -1708,6 +1730,7 @@ def test_a_forced_olmo3_call_takes_properties_whose_schemas_are_booleans():
         # Closed to others, listing some, none required: each maybe.
         ({"type": "object", "properties": {"q": {"type": "string"}}, "additionalProperties": False}, ['q="x"', ""], ["r=1"]),
         ({"type": "object", "properties": {"never": False}}, [""], ["never=1"]),  # none can be given
+        ({"type": "object", "properties": {"a-b": {}}}, ['q="x"'], ['a-b="x"']),  # no Python name: any keys
     ],
 )
 def test_a_forced_olmo3_call_takes_the_keys_its_parameters_allow(parameters, admitted, refused):
