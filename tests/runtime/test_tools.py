@@ -1527,6 +1527,7 @@ def test_a_forced_qwen3_coder_call_is_its_xml_typed_by_the_schema(forced):
         ({"type": "object", "properties": {"q": {"type": "string"}}, "additionalProperties": False}, [[("q", "x")], []], [[("r", "1")]]),
         ({"type": "object", "properties": {"k" * 256: {}}, "additionalProperties": False}, [[("k" * 256, "x")]], [[("r", "1")]]),
         ({"type": "object", "properties": {"q": True}}, [[("q", "{not json")]], [[("r", "1")]]),  # `true`: any text
+        ({"type": "object", "properties": {"q": {"enum": ["a", 1]}}}, [[("q", "a")], [("q", "1")]], []),  # text
     ],
 )
 def test_a_forced_qwen3_coder_call_takes_the_parameters_its_schema_allows(parameters, admitted, refused):
