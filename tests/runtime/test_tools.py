@@ -1877,6 +1877,7 @@ GRANITE_CASES = [
         ("Hm.<|tool_call|>let me see ", [("now", "{}")]),
     ),
     ('<|tool_call|>so<|tool_call|>', ("<|tool_call|>so<|tool_call|>", [])),
+    ('<|tool_call|><|tool_call|>[{"name": "now", "arguments": {}}]', ("<|tool_call|>", [("now", "{}")])),
 ]
 
 
