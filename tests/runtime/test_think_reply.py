@@ -188,6 +188,12 @@ def test_olmo3_think_thinks_in_text_tags_where_no_tag_is_a_token():
     assert think_tags(_Tokenizer(tags, olmo3_think), "olmo3") == ThinkTags(THINK_OPEN, THINK_CLOSE, 10, 11)
 
 
+def test_think_tags_have_ids_only_when_both_tags_have_one():
+    assert ThinkTags(THINK_OPEN, THINK_CLOSE, 10, 11).ids == (10, 11)
+    assert ThinkTags(THINK_OPEN, THINK_CLOSE, 10, None).ids is None
+    assert ThinkTags(THINK_OPEN, THINK_CLOSE, None, 11).ids is None
+
+
 # Text tags spelled across tokens, as a BPE vocabulary writes them.
 _PIECES = {1: "assistant", 2: "\n", 3: "<", 4: "think", 5: ">", 6: "</", 7: "x", 8: "<th", 9: "ink>", 10: " "}
 
