@@ -1952,6 +1952,8 @@ def test_a_granite_history_shows_its_calls_as_it_writes_them_and_results_as_tool
         {"role": "tool", "tool_call_id": "call_0", "content": "sunny"},
         {"role": "tool", "tool_call_id": "call_1", "content": "rainy"},
     ]
+    # The calls are the turn's content alone: a template reading `tool_calls` too would show them twice.
+    assert not any("tool_calls" in turn for turn in chat_for_template(history, TOOLS, "granite", knows_tools=True))
     rendered = with_template(GRANITE3).apply_chat_template(
         chat_for_template(history, TOOLS, "granite", knows_tools=True), template_kwargs=None
     )
@@ -2173,6 +2175,9 @@ def test_a_glm4_history_is_assistant_turns_named_by_metadata_and_observation_tur
     rendered = with_template(GLM_Z1).apply_chat_template(
         chat_for_template(history, TOOLS, "glm4", knows_tools=True), template_kwargs=None
     )
+    # A turn of text alone stays as it is.
+    plain = [HISTORY[0], {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Thanks."}]
+    assert chat_for_template(plain, TOOLS, "glm4", knows_tools=True)[1:] == plain[1:]
     assert rendered.endswith(
         "<|user|>\nWeather in Paris?<|assistant|>\nChecking both."
         '<|assistant|>get_weather\n{"city": "Paris"}<|assistant|>get_weather\n{"city": "Zürich"}'
