@@ -20,6 +20,7 @@ from runtime.grammar import (
     GrammarCompiler,
     GrammarSpec,
     ThoughtFirst,
+    _after_text_thought,
     answer_json_schema,
     shapes_content_only,
     token_masks,
@@ -882,6 +883,13 @@ def test_a_grammar_past_a_text_thought_that_is_no_one_grammar_is_refused(compile
     spec = attrs.evolve(GrammarSpec("lark", "start: @other", "guided_grammar"), after_thought=(*TEXT_TAGS, True))
     with pytest.raises(RequestError, match="guided_grammar"):
         compiler.compile(spec)
+
+
+def test_a_text_thought_goes_before_exactly_one_grammar():
+    two = json.dumps({"grammars": [{"lark_grammar": 'start: "a"'}, {"lark_grammar": 'start: "b"'}]})
+    for grammar in (two, "{}", '{"grammars": []}'):
+        with pytest.raises(ValueError, match="one grammar"):
+            _after_text_thought(grammar, *TEXT_TAGS, True)
 
 
 def test_an_olmo3_call_or_answer_follows_a_text_thought(compiler, model):
