@@ -10,6 +10,7 @@ from pathlib import Path
 from runtime.checkpoint import load_model
 from runtime.config import config_from_dict
 from runtime.errors import CheckpointError
+from runtime.models.olmo3 import build
 from runtime.synth import hf_config, make_tiny_checkpoint
 
 import mlx.core as mx
@@ -67,6 +68,12 @@ def test_olmo3_reads_its_layers_and_rope_as_transformers():
         "full_attention": {"rope_type": "default", "rope_theta": 50_000.0},
     })
     assert (per_kind.rope_theta, per_kind.extra["sliding_rope_theta"]) == (50_000.0, 10_000.0)
+    # Each kind's layers turn at their own theta.
+    bases = [layer.self_attn.rope.base for layer in build(per_kind).model.layers[:4]]
+    assert bases == [10_000.0, 10_000.0, 10_000.0, 50_000.0]
+    # A kind the nested form leaves out turns at the config's theta.
+    one_kind = config(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 50_000.0}})
+    assert (one_kind.rope_theta, one_kind.extra["sliding_rope_theta"]) == (50_000.0, config().rope_theta)
 
 
 @pytest.mark.parametrize(
@@ -74,6 +81,8 @@ def test_olmo3_reads_its_layers_and_rope_as_transformers():
     [
         ({"rope_parameters": {"sliding_attention": {"rope_type": "default"}, "full_attention": {"rope_type": "yarn"}}},
          "olmo3's rope_parameters.full_attention must be a default RoPE"),
+        ({"rope_parameters": {"sliding_attention": 5, "full_attention": {"rope_type": "default"}}},
+         "olmo3's rope_parameters.sliding_attention must be a default RoPE"),
         ({"layer_types": ["full_attention"]}, "layer_types needs 8 entries"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ],
