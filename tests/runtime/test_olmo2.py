@@ -57,6 +57,8 @@ def test_olmo2_reads_attention_bias_and_transformers_default_eps():
                     num_heads=4, num_kv_heads=2, intermediate_size=128)
     del raw["rms_norm_eps"]
     assert config_from_dict(raw).rms_norm_eps == 1e-5
+    del raw["attention_bias"]  # transformers' default: no biases
+    assert (config_from_dict(raw).qkv_bias, config_from_dict(raw).o_bias) == (False, False)
 
 
 @pytest.mark.parametrize(
