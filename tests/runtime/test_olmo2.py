@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from runtime import cpu_weights
 from runtime.checkpoint import load_model
 from runtime.config import config_from_dict
 from runtime.errors import CheckpointError
@@ -24,10 +25,15 @@ TOKENS = mx.array([list(range(5, 45))])
 PROMPT = list(range(5, 25))
 
 
-def test_olmo2_logits_match_mlx_lm_and_its_qk_norm_spans_every_head(tmp_path: Path):
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "apart"])
+def test_olmo2_logits_match_mlx_lm_and_its_qk_norm_spans_every_head(tmp_path: Path, monkeypatch, stacked):
+    """`apart`: q, k and v as the checkpoint has them (a GPU's), not stacked at load."""
+    if not stacked:
+        monkeypatch.setattr(cpu_weights, "_stack_projections", lambda model: None)
     path = make_tiny_checkpoint(tmp_path, "olmo2", num_layers=2, seed=3)
     ours = load_model(path)
     attention = ours.model.model.layers[0].self_attn
+    assert ("qkv_proj" in attention) is stacked
     assert attention.q_norm.weight.shape == (4 * 16,) and attention.k_norm.weight.shape == (2 * 16,)
     want = mlx_lm.load(str(path))[0](TOKENS)
     assert mx.allclose(ours.model(TOKENS), want, atol=1e-4).item()
