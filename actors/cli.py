@@ -103,7 +103,12 @@ def _parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds in-flight requests get after SIGINT/SIGTERM",
     )
-    serve.add_argument("--max-body-bytes", type=arg_types.positive_int, default=4 << 20)
+    serve.add_argument(
+        "--max-body-bytes",
+        type=arg_types.positive_int,
+        default=4 << 20,
+        help="request bodies above this many bytes get a JSON 413 (default: 4 MiB)",
+    )
     serve.add_argument(
         "--max-http-requests",
         type=arg_types.positive_int,
@@ -223,8 +228,18 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_log_args(parser: argparse.ArgumentParser, default_level: str) -> None:
-    parser.add_argument("--log-format", choices=("console", "json"), default="console")
-    parser.add_argument("--log-level", choices=LEVELS, default=default_level)
+    parser.add_argument(
+        "--log-format",
+        choices=("console", "json"),
+        default="console",
+        help="structured logs on stderr, for a person or one JSON object a line (default: console)",
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=LEVELS,
+        default=default_level,
+        help=f"debug adds a line per engine step (default: {default_level})",
+    )
 
 
 def _api_keys(args: argparse.Namespace) -> list[str]:

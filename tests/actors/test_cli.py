@@ -1,5 +1,6 @@
 """`cadence generate` and `cadence serve`, run as a user would: in a subprocess."""
 
+import argparse
 import contextlib
 import errno
 import http.client
@@ -625,3 +626,13 @@ def test_a_bench_with_a_missing_checkpoint_is_one_line_and_exit_2(tmp_path, caps
     assert status == 2
     assert stderr.startswith("cadence: error: ") and said in stderr
     assert len(stderr.splitlines()) == 1
+
+
+def test_every_serve_flag_says_what_it_does_in_help():
+    serve = next(
+        action.choices["serve"]
+        for action in cli._parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    undocumented = [a.option_strings for a in serve._actions if a.option_strings and not a.help]
+    assert undocumented == []
