@@ -253,7 +253,7 @@ def _print(args, checkpoint: Path | None, floor: Floor | None, results: Results)
     if floor is not None:
         m, k, n = floor.gemm_shape
         print(
-            f"floor: (prompt + output tokens) x 2 x {floor.num_params / 1e6:.0f}M parameters "
+            f"floor: (prompt + output tokens) x 2 x {_parameter_count(floor.num_params)} parameters "
             f"at {floor.gemm_flops / 1e9:.1f} GFLOP/s (the best fp32 [{m}, {k}] @ [{k}, {n}] "
             "matmul here, before or after the runs);\n       compute only: no attention, "
             "no memory-bandwidth limit, no overhead;\n       prompt floor: the run's prompt "
@@ -443,3 +443,9 @@ def _report(
         },
         "medians": [attrs.asdict(m) for m in run_medians(results)],
     }
+
+
+def _parameter_count(num_params: int) -> str:
+    """182M, or 0.31M for a tiny test checkpoint (which read "0M")."""
+    millions = num_params / 1e6
+    return f"{millions:.0f}M" if millions >= 10 else f"{millions:.2g}M"

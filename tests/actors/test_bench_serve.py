@@ -100,6 +100,9 @@ async def test_with_the_checkpoint_the_report_holds_each_runs_floors(tiny, tmp_p
     # Which CPU and kernels measured it: the figures differ ~2x with and without AVX-512.
     assert f"machine: {report['machine']}" in printed
     assert kernel_status() in report["machine"] and f"{os.cpu_count()} CPUs" in report["machine"]
+    # The tiny checkpoint's parameters read as what they are, not "0M".
+    parameters = report["floor"]["flops_per_token"] / 2e6
+    assert parameters < 1 and f" x 2 x {parameters:.2g}M parameters" in printed
 
 
 async def test_a_rate_run_sends_every_request(tiny, tmp_path):
