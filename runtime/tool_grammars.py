@@ -254,16 +254,35 @@ def _xml_calls(functions: Sequence[Mapping[str, Any]], marker: Callable[[str], s
         "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
         f'any_parameter: "{PARAMETER}" KEY ">\\n" text',
     ]
+    rules += _named_parameter_calls(
+        functions, ">\n", _is_xml_name, lambda name: json.dumps(f"{PARAMETER}{name}>\n"), _XML_END
+    )
+    return "\n".join([*rules, _XML_TEXT, _XML_KEY])
+
+
+def _named_parameter_calls(
+    functions: Sequence[Mapping[str, Any]],
+    after_name: str,
+    is_name: Callable[[str], bool],
+    opening: Callable[[str], str],
+    end: str,
+) -> list[str]:
+    """`call_i` for each of `functions` in the XML-like forms (Qwen3-Coder's, GLM-4.5's):
+    its name and `after_name`, then its parameters, each `opening(name)` and its value
+    up to `end`. Where a tool's parameters list their properties, they are those in
+    that order, the required ones always, the others maybe; otherwise any parameters,
+    their values text (`any_parameter`)."""
+    rules = []
     for i, function in enumerate(functions):
         parameters = _parameters(function)
         properties = parameters.get("properties")
-        head = json.dumps(function["name"] + ">\n")
+        head = json.dumps(function["name"] + after_name)
         if properties == {} and parameters.get("additionalProperties") is False:
             rules.append(f"call_{i}: {head}")  # takes none
             continue
         # A name the parser cannot read back (`<parameter=a>b>` reads as `a`) goes out
         # as any parameters, as OLMo 3's do: written, it made a call of other keys.
-        if not isinstance(properties, dict) or not properties or not all(map(_is_xml_name, properties)):
+        if not isinstance(properties, dict) or not properties or not all(map(is_name, properties)):
             rules.append(f"call_{i}: {head} any_parameter*")
             continue
         required = set(parameters.get("required") or ())
@@ -271,12 +290,11 @@ def _xml_calls(functions: Sequence[Mapping[str, Any]], marker: Callable[[str], s
         shared: dict[str, Any] = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
         body = []
         for k, (name, schema) in enumerate(properties.items()):
-            opening = json.dumps(f"{PARAMETER}{name}>\n")
-            value, *terminals = _xml_value(schema, parameters, shared, f"VALUE_{i}_{k}")
-            rules += [f"parameter_{i}_{k}: {opening} {value}", *terminals]
+            value, *terminals = _xml_value(schema, parameters, shared, f"VALUE_{i}_{k}", end)
+            rules += [f"parameter_{i}_{k}: {opening(name)} {value}", *terminals]
             body.append(f"parameter_{i}_{k}" + ("" if name in required else "?"))
         rules.append(f"call_{i}: {head} {' '.join(body)}")
-    return "\n".join([*rules, _XML_TEXT, _XML_KEY])
+    return rules
 
 
 def _key_value_calls(functions: Sequence[Mapping[str, Any]], marker: Callable[[str], str]) -> str:
@@ -301,24 +319,7 @@ def _key_value_calls(functions: Sequence[Mapping[str, Any]], marker: Callable[[s
         text,
         _XML_KEY,
     ]
-    for i, function in enumerate(functions):
-        parameters = _parameters(function)
-        properties = parameters.get("properties")
-        head = json.dumps(function["name"] + "\n")
-        if properties == {} and parameters.get("additionalProperties") is False:
-            rules.append(f"call_{i}: {head}")  # takes none
-            continue
-        if not isinstance(properties, dict) or not properties or not all(map(_is_key_name, properties)):
-            rules.append(f"call_{i}: {head} any_parameter*")
-            continue
-        required = set(parameters.get("required") or ())
-        shared: dict[str, Any] = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
-        body = []
-        for k, (name, schema) in enumerate(properties.items()):
-            value, *terminals = _xml_value(schema, parameters, shared, f"VALUE_{i}_{k}", end)
-            rules += [f"parameter_{i}_{k}: {opening(json.dumps(name))} {value}", *terminals]
-            body.append(f"parameter_{i}_{k}" + ("" if name in required else "?"))
-        rules.append(f"call_{i}: {head} {' '.join(body)}")
+    rules += _named_parameter_calls(functions, "\n", _is_key_name, lambda name: opening(json.dumps(name)), end)
     return "\n".join(rules)
 
 
