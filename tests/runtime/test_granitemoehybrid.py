@@ -11,7 +11,6 @@ from runtime.checkpoint import load_model
 from runtime.config import config_from_dict
 from runtime.errors import CheckpointError
 from runtime.ladder import BatchLadder
-from runtime.runner import run_offline
 
 import mlx.core as mx
 import mlx_lm
@@ -25,22 +24,13 @@ from tests.runtime.test_qwen3_5 import (
     TOKENS,
     engine_for,
     greedy_tokens,
-    params,
     policy_for,
+    run,
 )
 
 DENSE = {"num_local_experts": 0}  # -h-micro's, -h-1b's: the shared MLP alone
 ALL_ATTENTION = {**DENSE, "layer_types": ["attention"] * 4, "position_embedding_type": "rope"}  # -micro's
 VARIANTS = {"hybrid-moe": None, "hybrid-dense": DENSE, "all-attention": ALL_ATTENTION}
-
-
-def run(engine, policy, rids, lookahead=1, on_step=None):
-    """The hybrids' run (every row's state freed at the end); the all-attention model keeps none."""
-    if engine.states is not None:
-        return test_qwen3_5.run(engine, policy, rids, lookahead, on_step)
-    got = run_offline(engine, policy, {rid: params(rid) for rid in rids}, lookahead=lookahead, on_step=on_step)
-    assert engine.num_open == 0
-    return got
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -112,35 +102,13 @@ def test_only_the_attention_layers_get_kv_pools(make_checkpoint):
     assert engine.recurrent_bytes == 4 * 3 * (3 * 192 + 8 * 16 * 16) * 4
 
 
-def test_a_row_alone_matches_mlx_lm(checkpoint, expected):
-    engine = engine_for(checkpoint)
-    for rid in PROMPTS:
-        assert run(engine, policy_for(engine), [rid])[rid].tokens == tuple(expected[rid]), rid
-
-
-@pytest.mark.parametrize("lookahead", [1, 2])
-@pytest.mark.parametrize(("chunk", "budget"), [(256, 512), (3, 6)], ids=["whole-prompts", "small-chunks"])
-def test_rows_in_mixed_steps_match_mlx_lm(checkpoint, expected, lookahead, chunk, budget):
-    engine = engine_for(checkpoint)
-    policy = policy_for(engine, chunk=chunk, budget=budget)
-    kinds = []
-
-    def note(plan):  # steps with both a decode token and a prompt chunk of another row
-        prefill = [span.is_prefill for span in plan.spans]
-        kinds.append(any(prefill) and not all(prefill))
-
-    got = run(engine, policy, PROMPTS, lookahead, on_step=note)
-    assert {rid: list(r.tokens) for rid, r in got.items()} == expected
-    assert any(kinds) or chunk == 256
-
-
-@pytest.mark.parametrize("lookahead", [1, 2])
-def test_a_preempted_row_recomputes_its_state_from_the_start(checkpoint, expected, lookahead):
-    engine = engine_for(checkpoint)
-    policy = policy_for(engine, chunk=4, budget=8, num_blocks=12)  # too few for all four rows
-    got = run(engine, policy, PROMPTS, lookahead)
-    assert policy.num_preemptions > 0
-    assert {rid: list(r.tokens) for rid, r in got.items()} == expected
+# The engine's checks every hybrid family passes, run here on this family's checkpoint
+# and mlx-lm's tokens (this module's `checkpoint` and `expected`).
+test_a_row_alone_matches_mlx_lm = test_qwen3_5.test_a_row_alone_matches_mlx_lm
+test_rows_in_mixed_steps_match_mlx_lm = test_qwen3_5.test_rows_in_mixed_steps_match_mlx_lm
+test_a_preempted_row_recomputes_its_state_from_the_start = (
+    test_qwen3_5.test_a_preempted_row_recomputes_its_state_from_the_start
+)
 
 
 def test_ladder_pads_never_touch_a_rows_state(checkpoint, expected):

@@ -78,7 +78,8 @@ def params(rid, max_tokens=NEW_TOKENS, **kwargs):
 
 def run(engine, policy, rids, lookahead=1, on_step=None):
     got = run_offline(engine, policy, {rid: params(rid) for rid in rids}, lookahead=lookahead, on_step=on_step)
-    assert engine.num_open == 0 and len(engine.states) == 0  # every row's state freed
+    # Every row's state freed (a family's all-attention variant, e.g. Granite 4.0-micro, has none).
+    assert engine.num_open == 0 and len(engine.states or ()) == 0
     return got
 
 
@@ -182,7 +183,8 @@ def test_a_preempted_row_recomputes_its_state_from_the_start(checkpoint, expecte
     held = []
 
     def note(plan):  # this plan's preempted rows are still running in the engine
-        held.append(len(engine.states) - len(policy.running) - len(plan.preempted))
+        # (No states at all for a family's all-attention variant, e.g. Granite 4.0-micro.)
+        held.append(len(engine.states or ()) - len(policy.running) - len(plan.preempted))
 
     got = run(engine, policy, PROMPTS, lookahead, on_step=note)
     assert policy.num_preemptions > 0
