@@ -4,13 +4,10 @@ a recurrent state, so prefix caching is off and the same prompt twice is compute
 twice, to mlx-lm's tokens."""
 
 from runtime.synth import make_tiny_checkpoint
-from runtime.tokenizer import Tokenizer
 
 import pytest
-from structlog.testing import capture_logs
 
-from tests.actors.test_http import in_thread, serving
-from tests.actors.test_qwen3_5_http import PROMPT, mlx_lm_completion
+from tests.actors.test_qwen3_5_http import assert_serves_twice_with_prefix_caching_off
 
 
 @pytest.fixture(scope="module")
@@ -19,36 +16,5 @@ def granite4(tmp_path_factory):
 
 
 async def test_granite_4_hybrid_serves_completions_and_chat_with_prefix_caching_off(granite4):
-    with capture_logs() as logs:
-        async with serving(granite4, max_batch=4) as server:
-            client = server.client()
-
-            def complete():
-                return client.completions.create(model=server.model, prompt=PROMPT * 3, max_tokens=16)
-
-            first, second = await in_thread(complete), await in_thread(complete)
-
-            def stream():
-                chunks = client.chat.completions.create(
-                    model=server.model, messages=[{"role": "user", "content": PROMPT}], max_tokens=12, stream=True
-                )
-                return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-
-            streamed = await in_thread(stream)
-            whole = await in_thread(
-                client.chat.completions.create,
-                model=server.model,
-                messages=[{"role": "user", "content": PROMPT}],
-                max_tokens=12,
-            )
-    assert any(e["event"] == "prefix_cache_off" for e in logs)
-    (pool,) = [e for e in logs if e["event"] == "kv_pool"]
     # 4 rows x 3 Mamba2 layers x (3 conv inputs x 192 channels + 8 heads x 16 x 16), float32.
-    assert pool["prefix_cache"] is False and pool["recurrent_state_bytes"] == 4 * 3 * (3 * 192 + 8 * 16 * 16) * 4
-    tokenizer = Tokenizer.from_dir(granite4)
-    ids = tokenizer.encode(PROMPT * 3)
-    want, ended = mlx_lm_completion(granite4, tokenizer, ids, 16)
-    for completion in (first, second):
-        assert completion.choices[0].text == tokenizer.decode(want)
-        assert completion.usage.completion_tokens == len(want) + ended
-    assert whole.choices[0].message.content and streamed == whole.choices[0].message.content
+    await assert_serves_twice_with_prefix_caching_off(granite4, 4 * 3 * (3 * 192 + 8 * 16 * 16) * 4)

@@ -33,6 +33,43 @@ def mlx_lm_completion(path, tokenizer, ids, n):
     return want[: ends[0]] if ends else want, bool(ends)
 
 
+async def assert_serves_twice_with_prefix_caching_off(path, recurrent_state_bytes):
+    """A hybrid checkpoint as a user tries it: the same completion twice (computed twice,
+    prefix caching off, to mlx-lm's tokens) and one chat streamed and whole, alike."""
+    with capture_logs() as logs:
+        async with serving(path, max_batch=4) as server:
+            client = server.client()
+
+            def complete():
+                return client.completions.create(model=server.model, prompt=PROMPT * 3, max_tokens=16)
+
+            first, second = await in_thread(complete), await in_thread(complete)
+
+            def stream():
+                chunks = client.chat.completions.create(
+                    model=server.model, messages=[{"role": "user", "content": PROMPT}], max_tokens=12, stream=True
+                )
+                return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+            streamed = await in_thread(stream)
+            whole = await in_thread(
+                client.chat.completions.create,
+                model=server.model,
+                messages=[{"role": "user", "content": PROMPT}],
+                max_tokens=12,
+            )
+    assert any(e["event"] == "prefix_cache_off" for e in logs)
+    (pool,) = [e for e in logs if e["event"] == "kv_pool"]
+    assert pool["prefix_cache"] is False and pool["recurrent_state_bytes"] == recurrent_state_bytes
+    tokenizer = Tokenizer.from_dir(path)
+    ids = tokenizer.encode(PROMPT * 3)
+    want, ended = mlx_lm_completion(path, tokenizer, ids, 16)
+    for completion in (first, second):
+        assert completion.choices[0].text == tokenizer.decode(want)
+        assert completion.usage.completion_tokens == len(want) + ended
+    assert whole.choices[0].message.content and streamed == whole.choices[0].message.content
+
+
 async def test_qwen3_5_serves_the_same_prompt_twice_with_prefix_caching_off(qwen3_5):
     with capture_logs() as logs:
         async with serving(qwen3_5, max_batch=4) as server:
