@@ -33,7 +33,7 @@ from runtime.errors import CheckpointError
 from runtime.kv.base import ForwardKV
 from runtime.kv.recurrent import STATE_BYTES
 from runtime.models import llama
-from runtime.models.granitemoehybrid import Mamba2
+from runtime.models.granitemoehybrid import Mamba2, mamba_shape
 from runtime.models.layers import Attention, GatedMLP, RMSNorm, RoPE, kept_rows
 
 import mlx.core as mx
@@ -82,26 +82,20 @@ def _mamba(fields: ConfigFields) -> dict[str, Any]:
         raise CheckpointError(
             f"{source}: mamba_n_heads x mamba_d_head ({heads} x {head_dim}) is not mamba_d_ssm ({width})"
         )
-    if heads % groups:
-        raise CheckpointError(f"{source}: mamba_n_heads ({heads}) is not a multiple of mamba_n_groups ({groups})")
-    kernel = fields.get("mamba_d_conv", int, 4)
-    if kernel < 2:
-        raise CheckpointError(f"{source}: mamba_d_conv must be at least 2, got {kernel}")
-    return {
-        "heads": heads,
-        "head_dim": head_dim,
-        "groups": groups,
-        "state_dim": state_dim,
-        "conv_kernel": kernel,
-        "conv_dim": width + 2 * groups * state_dim,
-        "state_size": width * state_dim,
-        "conv_bias": fields.get("mamba_conv_bias", bool, True),
-        "proj_bias": fields.get("mamba_proj_bias", bool, False),
-        "out_bias": fields.get("projectors_bias", bool, False),
-        "time_step_limit": (0.0, float("inf")),  # transformers' and mlx-lm's: no clip
-        "norm_groups": groups,
-        "gated_norm": False,
-    }
+    return mamba_shape(
+        source,
+        heads,
+        head_dim,
+        groups,
+        state_dim,
+        fields.get("mamba_d_conv", int, 4),
+        conv_bias=fields.get("mamba_conv_bias", bool, True),
+        proj_bias=fields.get("mamba_proj_bias", bool, False),
+        out_bias=fields.get("projectors_bias", bool, False),
+        time_step_limit=(0.0, float("inf")),  # transformers' and mlx-lm's: no clip
+        norm_groups=groups,
+        gated_norm=False,
+    )
 
 
 class DecoderLayer(nn.Module):

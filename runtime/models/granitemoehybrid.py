@@ -114,24 +114,50 @@ def _mamba(fields: ConfigFields) -> dict[str, Any]:
     if head_dim == "auto":
         head_dim = fields.get("mamba_expand", int, 2) * hidden // heads
     head_dim = ConfigFields({"mamba_d_head": head_dim}, source).get("mamba_d_head", int)
-    if heads % groups:
-        raise CheckpointError(f"{source}: mamba_n_heads ({heads}) is not a multiple of mamba_n_groups ({groups})")
-    kernel = fields.get("mamba_d_conv", int, 4)
+    return mamba_shape(
+        source,
+        heads,
+        head_dim,
+        groups,
+        fields.get("mamba_d_state", int),
+        fields.get("mamba_d_conv", int, 4),
+        conv_bias=fields.get("mamba_conv_bias", bool, True),
+        proj_bias=fields.get("mamba_proj_bias", bool, False),
+        time_step_limit=read_time_step_limit(fields, DEFAULT_TIME_STEP_LIMIT),
+        norm_groups=1,  # the gated norm runs over the whole width
+    )
+
+
+def mamba_shape(
+    source: str,
+    heads: int,
+    head_dim: int,
+    groups: int,
+    state_dim: int,
+    kernel: int,
+    *,
+    field_names: tuple[str, str, str] = ("mamba_n_heads", "mamba_n_groups", "mamba_d_conv"),
+    **options: Any,
+) -> dict[str, Any]:
+    """A Mamba2 mixer's shape as `Mamba2` and the budget read it (heads, groups, the conv's
+    channels, the state's size) beside a family's `options` (biases, `time_step_limit`,
+    `norm_groups`, ...); the heads and the conv's kernel checked, named as the config
+    names them (`field_names`: its heads', groups' and kernel's fields)."""
+    heads_name, groups_name, kernel_name = field_names
+    if groups < 1 or heads % groups:
+        raise CheckpointError(f"{source}: {heads_name} ({heads}) is not a multiple of {groups_name} ({groups})")
     if kernel < 2:
-        raise CheckpointError(f"{source}: mamba_d_conv must be at least 2, got {kernel}")
-    state_dim = fields.get("mamba_d_state", int)
+        raise CheckpointError(f"{source}: {kernel_name} must be at least 2, got {kernel}")
+    width = heads * head_dim
     return {
         "heads": heads,
         "head_dim": head_dim,
         "groups": groups,
         "state_dim": state_dim,
         "conv_kernel": kernel,
-        "conv_dim": heads * head_dim + 2 * groups * state_dim,
-        "state_size": heads * head_dim * state_dim,
-        "conv_bias": fields.get("mamba_conv_bias", bool, True),
-        "proj_bias": fields.get("mamba_proj_bias", bool, False),
-        "time_step_limit": read_time_step_limit(fields, DEFAULT_TIME_STEP_LIMIT),
-        "norm_groups": 1,  # the gated norm runs over the whole width
+        "conv_dim": width + 2 * groups * state_dim,
+        "state_size": width * state_dim,
+        **options,
     }
 
 

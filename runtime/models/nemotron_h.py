@@ -42,7 +42,7 @@ from runtime.kv.base import ForwardKV
 from runtime.kv.recurrent import STATE_BYTES
 from runtime.models import llama
 from runtime.models.experts import ExpertLinear, Experts, stack_experts
-from runtime.models.granitemoehybrid import Mamba2, read_time_step_limit
+from runtime.models.granitemoehybrid import Mamba2, mamba_shape, read_time_step_limit
 from runtime.models.layers import Attention, RMSNorm, RoPE, kept_rows
 
 import mlx.core as mx
@@ -128,29 +128,24 @@ def _mamba(fields: ConfigFields) -> dict[str, Any]:
     source = fields.source
     heads, head_dim = fields.get("mamba_num_heads", int), fields.get("mamba_head_dim", int)
     groups, state_dim = fields.get("n_groups", int), fields.get("ssm_state_size", int)
-    if groups < 1 or heads % groups:
-        raise CheckpointError(f"{source}: mamba_num_heads ({heads}) is not a multiple of n_groups ({groups})")
-    kernel = fields.get("conv_kernel", int, 4)
-    if kernel < 2:
-        raise CheckpointError(f"{source}: conv_kernel must be at least 2, got {kernel}")
     # transformers' None clips nothing, as its default (0, inf) does
     limit = fields.raw.get("time_step_limit")
     if isinstance(limit, list):  # infinity as transformers 5 and mlx-lm's convert tag it
         limit = [math.inf if v == {"__float__": "Infinity"} else v for v in limit]
     limit = NO_CLIP if limit is None else read_time_step_limit(ConfigFields({"time_step_limit": limit}, source), NO_CLIP)
-    return {
-        "heads": heads,
-        "head_dim": head_dim,
-        "groups": groups,
-        "state_dim": state_dim,
-        "conv_kernel": kernel,
-        "conv_dim": heads * head_dim + 2 * groups * state_dim,
-        "state_size": heads * head_dim * state_dim,
-        "conv_bias": fields.get("use_conv_bias", bool, True),
-        "proj_bias": fields.get("use_bias", bool, False),
-        "time_step_limit": limit,
-        "norm_groups": groups,  # the gated norm runs over each group's heads apart
-    }
+    return mamba_shape(
+        source,
+        heads,
+        head_dim,
+        groups,
+        state_dim,
+        fields.get("conv_kernel", int, 4),
+        field_names=("mamba_num_heads", "n_groups", "conv_kernel"),
+        conv_bias=fields.get("use_conv_bias", bool, True),
+        proj_bias=fields.get("use_bias", bool, False),
+        time_step_limit=limit,
+        norm_groups=groups,  # the gated norm runs over each group's heads apart
+    )
 
 
 def _experts(fields: ConfigFields, pattern: str) -> Experts:
