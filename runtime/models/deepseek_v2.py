@@ -88,6 +88,7 @@ class Routing:
     correction_bias: bool  # V3's e_score_correction_bias, added for choosing only
     normalize: bool  # the chosen weights divided by their sum
     scaling: float  # then times this (routed_scaling_factor)
+    normalize_eps: float = 0.0  # added to that sum (transformers' Nemotron-H: 1e-20)
 
 
 def read_config(fields: ConfigFields) -> dict[str, Any]:
@@ -283,29 +284,37 @@ class LatentExperts(nn.Module):
 
     def route(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
         """tokens [N, hidden] -> each one's experts [N, k] and their weights [N, k] float32."""
-        r = self.routing
-        logits = self.gate(tokens).astype(mx.float32)
-        scores = mx.sigmoid(logits) if r.sigmoid else mx.softmax(logits, axis=-1)
-        choosing = scores
-        if r.correction_bias:
-            choosing = scores + self.gate["e_score_correction_bias"].astype(mx.float32)
-        if r.num_groups > 1:  # the groups outside the best `top_groups` never chosen
-            grouped = choosing.reshape(choosing.shape[0], r.num_groups, -1)
-            if r.group_by_top2:
-                group_scores = mx.topk(grouped, 2, axis=-1).sum(axis=-1, keepdims=True)
-            else:
-                group_scores = grouped.max(axis=-1, keepdims=True)
-            dropped = mx.argpartition(group_scores, kth=r.num_groups - r.top_groups - 1, axis=-2)
-            dropped = dropped[:, : r.num_groups - r.top_groups]
-            # -inf as DeepSeek's reference code: transformers and mlx-lm write 0, which a
-            # kept expert's biased score (V3's) can fall below, choosing a dropped one.
-            grouped = mx.put_along_axis(grouped, dropped, mx.array(-mx.inf), axis=-2)
-            choosing = grouped.reshape(choosing.shape)
-        chosen = mx.argpartition(choosing, kth=-self.top_k, axis=-1)[:, -self.top_k :]
-        weights = mx.take_along_axis(scores, chosen, axis=-1)
-        if r.normalize:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
-        return chosen, weights * r.scaling
+        bias = self.gate["e_score_correction_bias"] if self.routing.correction_bias else None
+        return choose_experts(self.gate(tokens).astype(mx.float32), self.routing, self.top_k, bias)
+
+
+
+def choose_experts(
+    logits: mx.array, r: Routing, top_k: int, correction_bias: mx.array | None
+) -> tuple[mx.array, mx.array]:
+    """A DeepSeek-style router's choice: float32 logits [N, E] -> each token's experts
+    [N, k] and their weights [N, k] (the correction bias, where given, for choosing only)."""
+    scores = mx.sigmoid(logits) if r.sigmoid else mx.softmax(logits, axis=-1)
+    choosing = scores
+    if correction_bias is not None:
+        choosing = scores + correction_bias.astype(mx.float32)
+    if r.num_groups > 1:  # the groups outside the best `top_groups` never chosen
+        grouped = choosing.reshape(choosing.shape[0], r.num_groups, -1)
+        if r.group_by_top2:
+            group_scores = mx.topk(grouped, 2, axis=-1).sum(axis=-1, keepdims=True)
+        else:
+            group_scores = grouped.max(axis=-1, keepdims=True)
+        dropped = mx.argpartition(group_scores, kth=r.num_groups - r.top_groups - 1, axis=-2)
+        dropped = dropped[:, : r.num_groups - r.top_groups]
+        # -inf as DeepSeek's reference code: transformers and mlx-lm write 0, which a
+        # kept expert's biased score (V3's) can fall below, choosing a dropped one.
+        grouped = mx.put_along_axis(grouped, dropped, mx.array(-mx.inf), axis=-2)
+        choosing = grouped.reshape(choosing.shape)
+    chosen = mx.argpartition(choosing, kth=-top_k, axis=-1)[:, -top_k :]
+    weights = mx.take_along_axis(scores, chosen, axis=-1)
+    if r.normalize:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + r.normalize_eps)
+    return chosen, weights * r.scaling
 
 
 class LatentLayer(nn.Module):

@@ -41,6 +41,7 @@ from runtime.errors import CheckpointError
 from runtime.kv.base import ForwardKV
 from runtime.kv.recurrent import STATE_BYTES
 from runtime.models import llama
+from runtime.models.deepseek_v2 import Routing, choose_experts
 from runtime.models.experts import ExpertLinear, Experts, stack_experts
 from runtime.models.granitemoehybrid import Mamba2, mamba_shape, read_time_step_limit
 from runtime.models.layers import Attention, RMSNorm, RoPE, kept_rows
@@ -221,26 +222,24 @@ class MoE(nn.Module):
         self.switch_mlp = ReluSquaredExperts(hidden, experts)
         if experts.shared_intermediate_size is not None:
             self.shared_experts = ReluSquaredMLP(hidden, experts.shared_intermediate_size)
-        self.top_k, self.normalize = experts.top_k, experts.normalize
-        self.groups, self.top_groups, self.scaling = groups, top_groups, scaling
+        self.top_k = experts.top_k
+        # DeepSeek-V3's router (sigmoid, correction bias, groups by their top-2 sums), as
+        # transformers' Nemotron-H runs it: the weights' sum plus 1e-20.
+        self.routing = Routing(
+            sigmoid=True,
+            num_groups=groups,
+            top_groups=top_groups,
+            group_by_top2=True,
+            correction_bias=True,
+            normalize=experts.normalize,
+            scaling=scaling,
+            normalize_eps=1e-20,
+        )
 
     def route(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
         """tokens [N, hidden] -> the chosen experts [N, k] and their weights [N, k]."""
         logits = tokens.astype(mx.float32) @ self.gate.weight.astype(mx.float32).T
-        scores = mx.sigmoid(logits)
-        choosing = scores + self.gate.e_score_correction_bias.astype(mx.float32)
-        if self.groups > 1:  # only the top_groups groups of largest top-2 sums
-            grouped = choosing.reshape(choosing.shape[0], self.groups, -1)
-            top_two = mx.topk(grouped, 2, axis=-1).sum(axis=-1)  # [N, groups]
-            dropped = mx.argpartition(top_two, kth=self.groups - self.top_groups - 1, axis=-1)
-            dropped = dropped[:, : self.groups - self.top_groups]
-            grouped = mx.put_along_axis(grouped, dropped[..., None], mx.array(-mx.inf), axis=-2)
-            choosing = grouped.reshape(choosing.shape)
-        chosen = mx.argpartition(choosing, kth=-self.top_k, axis=-1)[:, -self.top_k :]
-        weights = mx.take_along_axis(scores, chosen, axis=-1)
-        if self.normalize:
-            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        return chosen, weights * self.scaling
+        return choose_experts(logits, self.routing, self.top_k, self.gate.e_score_correction_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
         tokens = x.reshape(-1, x.shape[-1])
