@@ -173,13 +173,31 @@ def dense_layers(fields: ConfigFields) -> list[int]:
     return [i for i in range(num_layers) if i < first_sparse or i % every]
 
 
+def sigmoid_routing(fields: ConfigFields, experts: Experts | None) -> Routing:
+    """DeepSeek-V3's router, as its config (and GLM-4.5's, GLM-4.7-Flash's) sets it."""
+    return Routing(
+        sigmoid=True,
+        num_groups=fields.get("n_group", int, 1),
+        top_groups=fields.get("topk_group", int, 1),
+        group_by_top2=True,
+        correction_bias=True,
+        normalize=experts is not None and experts.top_k > 1 and fields.get("norm_topk_prob", bool, True),
+        scaling=fields.get("routed_scaling_factor", float, 1.0),
+    )
+
+
 def check_routing(fields: ConfigFields, experts: Experts, routing: Routing) -> None:
-    """Groups that split the experts evenly, and enough experts in the kept groups."""
+    """Groups that split the experts evenly, and enough experts in the kept groups (and in
+    each group, where a group is scored by its two best)."""
     groups, kept = routing.num_groups, routing.top_groups
     if experts.num_experts % groups or kept > groups:
         raise CheckpointError(
             f"{fields.source}: n_group ({groups}) must divide the {experts.num_experts} experts "
             f"and be at least topk_group ({kept})"
+        )
+    if routing.group_by_top2 and groups > 1 and experts.num_experts // groups < 2:
+        raise CheckpointError(
+            f"{fields.source}: n_group ({groups}) leaves groups of fewer than the 2 experts each group is scored by"
         )
     if experts.top_k > kept * experts.num_experts // groups:
         raise CheckpointError(

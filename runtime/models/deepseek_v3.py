@@ -25,7 +25,7 @@ from typing import Any
 from runtime.config import ConfigFields, ModelConfig
 from runtime.errors import CheckpointError
 from runtime.models import deepseek_v2, llama
-from runtime.models.deepseek_v2 import LatentShape, Routing
+from runtime.models.deepseek_v2 import LatentShape
 
 import mlx.core as mx
 
@@ -40,21 +40,7 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
         if (value := fields.get(name, str, only)) != only:
             raise CheckpointError(f"{fields.source}: {name} '{value}' is not supported for deepseek_v3 (only '{only}')")
     experts = deepseek_v2.read_experts(fields)
-    groups = fields.get("n_group", int, 1)
-    routing = Routing(
-        sigmoid=True,
-        num_groups=groups,
-        top_groups=fields.get("topk_group", int, 1),
-        group_by_top2=True,
-        correction_bias=True,
-        normalize=experts is not None and experts.top_k > 1 and fields.get("norm_topk_prob", bool, True),
-        scaling=fields.get("routed_scaling_factor", float, 1.0),
-    )
-    if experts is not None and groups > 1 and experts.num_experts // groups < 2:
-        raise CheckpointError(
-            f"{fields.source}: n_group ({groups}) leaves groups of fewer than the 2 experts each group is scored by"
-        )
-    return deepseek_v2.read_latent_config(fields, experts, routing)
+    return deepseek_v2.read_latent_config(fields, experts, deepseek_v2.sigmoid_routing(fields, experts))
 
 
 def rename_weights(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:

@@ -24,7 +24,7 @@ from runtime.config import ConfigFields, ModelConfig, is_positive_number
 from runtime.errors import CheckpointError
 from runtime.kv.base import ForwardKV
 from runtime.models import deepseek_v2, llama
-from runtime.models.deepseek_v2 import LatentExperts, Routing
+from runtime.models.deepseek_v2 import LatentExperts
 from runtime.models.experts import Experts, stack_experts
 from runtime.models.layers import GatedMLP, kept_rows
 
@@ -51,22 +51,9 @@ def read_config(fields: ConfigFields) -> dict[str, Any]:
             f"{head_dim} dimensions, got {factor!r}"
         )
     experts = deepseek_v2.read_experts(fields)
-    routing = Routing(
-        sigmoid=True,
-        num_groups=fields.get("n_group", int, 1),
-        top_groups=fields.get("topk_group", int, 1),
-        group_by_top2=True,
-        correction_bias=True,
-        normalize=experts is not None and experts.top_k > 1 and fields.get("norm_topk_prob", bool, True),
-        scaling=fields.get("routed_scaling_factor", float, 1.0),
-    )
+    routing = deepseek_v2.sigmoid_routing(fields, experts)
     if experts is not None:
         deepseek_v2.check_routing(fields, experts, routing)
-        if routing.num_groups > 1 and experts.num_experts // routing.num_groups < 2:
-            raise CheckpointError(
-                f"{fields.source}: n_group ({routing.num_groups}) leaves groups of fewer than the 2 experts "
-                "each group is scored by"
-            )
     return {
         "qkv_bias": fields.get("attention_bias", bool, False),
         "o_bias": False,
