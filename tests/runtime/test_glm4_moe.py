@@ -70,6 +70,13 @@ def test_fields_it_cannot_run_are_refused_naming_them(tmp_path: Path, field, val
         config_from_dict({**raw, field: value})
 
 
+def test_groups_too_small_to_score_by_their_two_best_are_refused(tmp_path: Path):
+    path = make_tiny_checkpoint(tmp_path, "glm4_moe", **SHAPE)
+    raw = json.loads((path / "config.json").read_text())  # 4 experts
+    with pytest.raises(CheckpointError, match="leaves groups of fewer than the 2 experts"):
+        config_from_dict({**raw, "n_group": 4, "topk_group": 2})
+
+
 def test_a_pool_too_small_for_every_request_preempts_and_each_gets_mlx_lms_tokens(make_checkpoint):
     """Preemption by recompute: the victims resume from their prompt and generated tokens."""
     path = make_checkpoint("glm4_moe", num_layers=3)
