@@ -35,6 +35,7 @@ from runtime.tools import (
     NEMOTRON_TAGS,
     OLMO3_TAGS,
     REASONING_STYLES,
+    SEED_TAGS,
     TOOL_CALLS,
 )
 
@@ -216,10 +217,11 @@ class Admission:
         `<function_calls>` tags), and gpt-oss marks every message of its chat replies
         with them. Hermes's `<tool_call>` tags are plain added tokens in Qwen's tokenizers
         but control tokens in Granite 4.0's: kept where they are (as vLLM's hermes parser),
-        as GLM-4.5's `<tool_call>` and `<arg_key>` tags would be (plain added tokens in GLM's)."""
+        as GLM-4.5's `<tool_call>` and `<arg_key>` tags would be (plain added tokens in GLM's),
+        and Seed-OSS's `<seed:tool_call>` tags are (special tokens in its tokenizer)."""
         if self.tool_style in REASONING_STYLES:
             return request.messages is not None
-        own_tags = {"hermes": HERMES_TAGS, "glm45": GLM45_TAGS}.get(self.tool_style, ())
+        own_tags = {"hermes": HERMES_TAGS, "glm45": GLM45_TAGS, "seed_oss": SEED_TAGS}.get(self.tool_style, ())
         calls_in_control_tokens = self.tool_style in ("mistral", "olmo3", "granite", "lfm2", "nemotron") or (
             not set(own_tags).isdisjoint(self.tokenizer.control_spellings.values())
         )
@@ -305,7 +307,7 @@ class Admission:
 
     def control_tokens(self) -> dict[str, int]:
         """The call markers (Mistral's, harmony's header markers, the `<tool_call>` tags of
-        Hermes, Qwen3-Coder and GLM-4.5 (and its key and value tags), OLMo 3's `<function_calls>` tags, Granite's `<|tool_call|>`,
+        Hermes, Qwen3-Coder and GLM-4.5 (and its key and value tags), Seed-OSS's `<seed:tool_call>` tags, OLMo 3's `<function_calls>` tags, Granite's `<|tool_call|>`,
         LFM2's `<|tool_call_start|>` and `<|tool_call_end|>`)
         that this tokenizer holds as tokens of their own, by spelling: a forced call's
         grammar writes them so (llguidance matches no added token against literal text)."""
@@ -314,6 +316,7 @@ class Admission:
             "gemma4": (CALL_OPEN, CALL_CLOSE, QUOTE),
             "hermes": HERMES_TAGS,
             "qwen3_coder": HERMES_TAGS,
+            "seed_oss": SEED_TAGS,
             "glm45": GLM45_TAGS,
             "olmo3": OLMO3_TAGS,
             "granite": (GRANITE_TOOL_CALL,),

@@ -31,6 +31,10 @@ value (what streamed cannot be taken back), and one with no name is dropped. Tex
 inside a call's parameters ends in `CallCutShort`, as a Hermes call does. Each
 character is scanned once: the end of a long value is searched from where the last
 search stopped.
+
+Seed-OSS writes the same calls in blocks of its own, `<seed:tool_call>` and
+`</seed:tool_call>` (its `seed_oss` style): the block's tags are the parser's and
+`xml_call`'s to be given.
 """
 
 from __future__ import annotations
@@ -43,8 +47,7 @@ from typing import Any
 
 from runtime.call_values import strict_json
 from runtime.tools import (
-    CALL_END_TAG,
-    CALL_TAG,
+    HERMES_TAGS,
     CallArguments,
     CallCutShort,
     CallStart,
@@ -170,6 +173,7 @@ class XmlCallParser:
     """One reply's text -> events, given the offered tools' parameter types."""
 
     types: dict[str, dict[str, frozenset[str]]] = attrs.Factory(dict)
+    tags: tuple[str, str] = HERMES_TAGS  # the block's opening and closing tags
     # text | block (in <tool_call>) | name (after <function=) | params (in a function)
     # | parameter (after <parameter=) | value (in a parameter)
     state: str = "text"
@@ -215,12 +219,13 @@ class XmlCallParser:
         return taken
 
     def _text(self) -> list[Event] | None:
-        at = self.pending.find(CALL_TAG)
+        opening = self.tags[0]
+        at = self.pending.find(opening)
         if at < 0:  # hold back a tail that may begin a marker
-            keep = marker_prefix_length(self.pending, CALL_TAG)
+            keep = marker_prefix_length(self.pending, opening)
             return _content(self._consume(len(self.pending) - keep)) or None
         events = _content(self._consume(at))
-        self._consume(len(CALL_TAG))
+        self._consume(len(opening))
         self.state, self.blank, self.block_calls = "block", "", 0
         return events
 
@@ -232,18 +237,19 @@ class XmlCallParser:
             self._consume(len(FUNCTION))
             self.state = "name"
             return []
-        if head.startswith(CALL_END_TAG):
-            self._consume(len(CALL_END_TAG))
+        closing = self.tags[1]
+        if head.startswith(closing):
+            self._consume(len(closing))
             self.state = "text"
             return []
-        if not head or FUNCTION.startswith(head) or CALL_END_TAG.startswith(head):
+        if not head or FUNCTION.startswith(head) or closing.startswith(head):
             return None  # may still be either
         return self._stray("")
 
     def _stray(self, markup: str) -> list[Event]:
         """Text in a block that is no call: content as written, from the block's tag
         when the block holds no call."""
-        opening = CALL_TAG + self.blank if self.block_calls == 0 else ""
+        opening = self.tags[0] + self.blank if self.block_calls == 0 else ""
         self.state = "text"
         return _content(opening + markup)
 
@@ -280,14 +286,14 @@ class XmlCallParser:
             return []
         # `</tool_call>` where `</function>` belongs closes both, as vLLM's parser reads a
         # call that lacks it: otherwise the rest of the reply was stray text, dropped.
-        for closing, after in ((FUNCTION_END, "block"), (CALL_END_TAG, "text")):
+        for closing, after in ((FUNCTION_END, "block"), (self.tags[1], "text")):
             if head.startswith(closing):
                 self._consume(len(closing))
                 events: list[Event] = [CallArguments(self.num_calls, "}" if self.sent else "{}")]
                 self.num_calls, self.block_calls, self.state = self.num_calls + 1, self.block_calls + 1, after
                 self.blank, self.call_text = "", []
                 return events
-        if not head or any(m.startswith(head) for m in (PARAMETER, FUNCTION_END, CALL_END_TAG)):
+        if not head or any(m.startswith(head) for m in (PARAMETER, FUNCTION_END, self.tags[1])):
             return None
         # Stray text between parameters: the call has gone out, so it is dropped, up to
         # the next "<" that may begin a marker.
@@ -327,16 +333,17 @@ class XmlCallParser:
         return [CallArguments(self.num_calls, fragment)]
 
 
-def xml_call(name: str, arguments: object) -> str:
-    """A call as the templates write one: a string value as its text, others as JSON.
-    Arguments that are no object (text a client sent that is no JSON) go in as written."""
-    lines = [CALL_TAG, f"{FUNCTION}{name}>"]
+def xml_call(name: str, arguments: object, tags: tuple[str, str] = HERMES_TAGS) -> str:
+    """A call as the templates write one, in a block of `tags`: a string value as its
+    text, others as JSON. Arguments that are no object (text a client sent that is no
+    JSON) go in as written."""
+    lines = [tags[0], f"{FUNCTION}{name}>"]
     if not isinstance(arguments, Mapping) and arguments not in (None, ""):
         lines.append(arguments if isinstance(arguments, str) else json.dumps(arguments))
     for key, value in (arguments.items() if isinstance(arguments, Mapping) else ()):
         text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
         lines += [f"{PARAMETER}{key}>", text, PARAMETER_END]
-    return "\n".join([*lines, FUNCTION_END, CALL_END_TAG])
+    return "\n".join([*lines, FUNCTION_END, tags[1]])
 
 
 def _content(text: str) -> list[Event]:

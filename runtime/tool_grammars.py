@@ -1,7 +1,7 @@
 """The grammar that forces a call (`tool_choice` required or named), in the format the
 model writes (runtime/tool_prompts.py says which): Hermes' and Llama 3's JSON, Mistral's
 and Granite's lists after their markers, Gemma's and Gemma 4's notations, harmony's
-channel, Qwen3-Coder's XML, GLM-4.5's key and value tags, OLMo 3's and LFM2's Python calls, GLM-4's name then JSON.
+channel, Qwen3-Coder's XML (Seed-OSS's in its own blocks), GLM-4.5's key and value tags, OLMo 3's and LFM2's Python calls, GLM-4's name then JSON.
 Each call's arguments follow the tool's own schema; the request's `response_format`,
 where given, shapes an answer the model may write instead."""
 
@@ -32,8 +32,10 @@ from runtime.tools import (
     FUNCTION_CALLS,
     FUNCTION_CALLS_END,
     GRANITE_TOOL_CALL,
+    HERMES_TAGS,
     LFM2_CALL_END,
     LFM2_CALL_START,
+    SEED_TAGS,
     TOOL_CALLS,
     TOOL_STYLES,
     TOOLCALL,
@@ -99,7 +101,9 @@ def tool_call_grammar(
     if style == "glm45":  # <tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>value</arg_value>\n...</tool_call>
         return _with_answer(_key_value_calls(functions, marker), answer)
     if style == "qwen3_coder":  # <tool_call>\n<function=NAME>\n<parameter=KEY>\nvalue\n</parameter>\n...
-        return _with_answer(_xml_calls(functions, marker), answer)
+        return _with_answer(_xml_calls(functions, marker, HERMES_TAGS), answer)
+    if style == "seed_oss":  # the same in <seed:tool_call> blocks
+        return _with_answer(_xml_calls(functions, marker, SEED_TAGS), answer)
     key = "parameters" if style == "llama3_json" else "arguments"
     calls = [
         {
@@ -244,13 +248,13 @@ _XML_KEY = f"KEY: /[A-Za-z_][A-Za-z0-9_.-]{{0,{XML_NAME_LIMIT - 1}}}/"  # the pa
 _XML_END = json.dumps(f"\n{PARAMETER_END}\n")
 
 
-def _xml_calls(functions: Sequence[Mapping[str, Any]], marker: Callable[[str], str]) -> str:
-    """One call in Qwen3-Coder's XML of one of `functions`. Where a tool's parameters
+def _xml_calls(functions: Sequence[Mapping[str, Any]], marker: Callable[[str], str], tags: tuple[str, str]) -> str:
+    """One call in Qwen3-Coder's XML of one of `functions`, in a block of `tags`. Where a tool's parameters
     list their properties, its parameters are those in that order, the required ones
     always, the others maybe; a string's value is text (one of its enum, if it has
     one), any other its JSON; otherwise any parameters, their values text."""
     rules = [
-        f'tool_call: {marker(CALL_TAG)} "\\n{FUNCTION}" call "{FUNCTION_END}\\n" {marker(CALL_END_TAG)}',
+        f'tool_call: {marker(tags[0])} "\\n{FUNCTION}" call "{FUNCTION_END}\\n" {marker(tags[1])}',
         "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
         f'any_parameter: "{PARAMETER}" KEY ">\\n" text',
     ]

@@ -41,6 +41,8 @@ from runtime.tools import (
     GRANITE_TOOL_CALL,
     LFM2_CALL_END,
     LFM2_CALL_START,
+    SEED_CALL_TAG,
+    SEED_TAGS,
     TOOL_CALLS,
     TOOLCALL,
     TOOLCALL_END,
@@ -55,6 +57,9 @@ def tool_style_for(template_source: str, model_type: str) -> str:
         return "gemma4"
     if CHANNEL in template_source and MESSAGE in template_source:
         return "harmony"
+    # Seed-OSS's writes Qwen3-Coder's calls in its own blocks, so before Qwen3-Coder's.
+    if SEED_CALL_TAG in template_source:
+        return "seed_oss"
     # Inside `<tool_call>` too, so before Hermes: its JSON templates write neither.
     if FUNCTION in template_source and PARAMETER in template_source:
         return "qwen3_coder"
@@ -360,6 +365,8 @@ def _call_text(function: Mapping[str, Any], style: str) -> str:
         return f"{CALL_OPEN}call:{function['name']}{gemma4_arguments(arguments)}{CALL_CLOSE}"
     if style == "qwen3_coder":
         return xml_call(function["name"], arguments)
+    if style == "seed_oss":
+        return xml_call(function["name"], arguments, SEED_TAGS)
     if style == "glm4":
         return "\n".join(_glm4_call(function))
     if style == "glm45":
@@ -391,6 +398,8 @@ def _tools_preamble(tools: Sequence[Mapping[str, Any]], style: str) -> str:
         how = "To call a function, reply with\n" + key_value_call("<function-name>", {"<key>": "<value>"})
     elif style == "qwen3_coder":
         how = "To call a function, reply with\n" + xml_call("<function-name>", {"<parameter-name>": "<value>"})
+    elif style == "seed_oss":
+        how = "To call a function, reply with\n" + xml_call("<function-name>", {"<parameter-name>": "<value>"}, SEED_TAGS)
     elif style == "hermes":
         how = (
             "To call a function, reply with\n"

@@ -21,6 +21,7 @@ The formats, as the families' chat templates teach them:
                reasoning in a `<|channel>` block (runtime/gemma4_reply.py).
   qwen3_coder  Qwen3-Coder, Qwen3.5: `<tool_call>` blocks of `<function=NAME>` and
                `<parameter=KEY>` text, typed by the tool's schema (runtime/qwen3_coder_reply.py).
+  seed_oss     Seed-OSS: Qwen3-Coder's calls in `<seed:tool_call>` blocks.
   granite      Granite 3.x: `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`, Mistral's
                list form after Granite's marker. Text may come first.
   glm4         GLM-4-0414, GLM-Z1: the reply is a tool's name alone on its first line, then the
@@ -70,6 +71,7 @@ TOOL_STYLES = (
     "hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3", "granite", "glm4", "lfm2",
     "nemotron",
     "glm45",
+    "seed_oss",
 )
 # Styles whose chat replies are parsed whether tools were offered or not: they hold
 # reasoning apart from the answer, in markup the request keeps (actors/admission.py).
@@ -358,6 +360,8 @@ OLMO3_TAGS = FUNCTION_CALLS, FUNCTION_CALLS_END = "<function_calls>", "</functio
 LFM2_TAGS = LFM2_CALL_START, LFM2_CALL_END = "<|tool_call_start|>", "<|tool_call_end|>"
 # Nemotron Nano v2's special tokens around a call list.
 NEMOTRON_TAGS = TOOLCALL, TOOLCALL_END = "<TOOLCALL>", "</TOOLCALL>"
+# Seed-OSS's special tokens around its Qwen3-Coder XML calls.
+SEED_TAGS = SEED_CALL_TAG, SEED_CALL_END_TAG = "<seed:tool_call>", "</seed:tool_call>"
 
 
 _BLANKS = re.compile(r"\S")
@@ -445,11 +449,11 @@ def parser_for(
         from runtime.glm4_reply import FirstLineCall, tool_names
 
         return FirstLineCall(tool_names(tools))
-    if style == "qwen3_coder":
+    if style in ("qwen3_coder", "seed_oss"):
         # It builds on this module's events.
         from runtime.qwen3_coder_reply import XmlCallParser, parameter_types
 
-        return XmlCallParser(parameter_types(tools))
+        return XmlCallParser(parameter_types(tools), SEED_TAGS if style == "seed_oss" else HERMES_TAGS)
     if style == "glm45":
         # It builds on this module's events.
         from runtime.glm45_reply import KeyValueCallParser

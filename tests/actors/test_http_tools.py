@@ -15,7 +15,7 @@ import urllib.parse
 from runtime.glm45_reply import GLM45_TAGS
 from runtime.think_reply import THINK_TAGS
 from runtime.tokenizer import Tokenizer
-from runtime.tools import HERMES_TAGS
+from runtime.tools import HERMES_TAGS, SEED_TAGS
 
 import jsonschema
 import openai
@@ -113,6 +113,8 @@ CALL_TEXT = {
     "lfm2": 'Checking.<|tool_call_start|>[get_weather(city="Rome", days=2)]<|tool_call_end|>',
     "glm45": "Checking.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n"
     "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>",
+    "seed_oss": "Checking.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>Rome</parameter>\n"
+    "<parameter=days>2</parameter>\n</function>\n</seed:tool_call>",
 }
 
 
@@ -222,6 +224,8 @@ LONG_CALL = {
     "glm4": 'get_weather\n{"note": "%s"}',
     "lfm2": 'Checking.<|tool_call_start|>[get_weather(note="%s")]<|tool_call_end|>',
     "glm45": "Checking. <tool_call>get_weather\n<arg_key>note</arg_key>\n<arg_value>%s</arg_value>\n</tool_call>",
+    "seed_oss": "Checking. <seed:tool_call>\n<function=get_weather>\n<parameter=note>%s</parameter>\n</function>\n"
+    "</seed:tool_call>",
 }
 CUT_CONTENT = {  # the markup is left out, as of a call cut before its name is whole
     "hermes": 'Checking. {"name": "get_weather", "arguments": {"note": "Rome is',
@@ -234,6 +238,7 @@ CUT_CONTENT = {  # the markup is left out, as of a call cut before its name is w
     "glm4": 'get_weather\n{"note": "Rome is',
     "lfm2": 'Checking.<|tool_call_start|>[get_weather(note="Rome is',
     "glm45": "Checking. get_weather\n<arg_key>note</arg_key>\n<arg_value>Rome is",
+    "seed_oss": "Checking. <function=get_weather>\n<parameter=note>Rome is",
 }
 
 
@@ -252,7 +257,7 @@ async def test_a_call_max_tokens_ends_in_is_text_in_the_whole_response(styled):
         assert (content, calls) == (choice.message.content, {})
         return
     ((_, name, arguments),) = calls.values()
-    if style in ("qwen3_coder", "glm45"):  # their arguments go out a pair at a time: none closed
+    if style in ("qwen3_coder", "glm45", "seed_oss"):  # their arguments go out a pair at a time: none closed
         assert (content, name, arguments) == ("Checking.", "get_weather", "")
         return
     assert (content, name) == (CUT_CONTENT[style].split("{")[0].strip(), "get_weather")
@@ -562,6 +567,7 @@ MARKER = {
     "glm4": "get_",  # no marker: both tools' names begin so
     "lfm2": "<|tool_call_start|>",
     "glm45": "<tool_call>",
+    "seed_oss": "<seed:tool_call>",
 }
 
 
@@ -823,6 +829,53 @@ async def test_a_qwen3_coder_history_renders_its_calls_arguments_as_parameters(q
     async with serving(qwen3_coder_with_added_tags) as server:
         done = await in_thread(whole, server, messages=history, tools=TYPED_TOOLS, max_tokens=1)
     assert done.usage.prompt_tokens == len(reference(prompt, add_special_tokens=False)["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def seed_oss_with_special_tags(make_checkpoint, tmp_path_factory):
+    """Seed-OSS's template, <seed:tool_call> and </seed:tool_call> special tokens, as its
+    tokenizer holds them."""
+    return with_added_markers(make_checkpoint, tmp_path_factory, "seed_oss", SEED_TAGS, special=True)
+
+
+async def test_seed_oss_calls_are_parsed_forced_in_its_tags_tokens_and_rendered_back(seed_oss_with_special_tags):
+    """Seed-OSS's calls were content: its template's `<function=` made the style
+    Qwen3-Coder's, whose blocks are `<tool_call>`, and a forced call was written so. Its
+    tags are special tokens, kept in the text where tools are offered; its values inline."""
+    checkpoint = seed_oss_with_special_tags
+    weather = "".join(f"<parameter={k}>{v}</parameter>\n" for k, v in (("city", "Rome"), ("days", "2"), ("metric", "True")))
+    parts = ("Checking.\n", "<seed:tool_call>", f"\n<function=get_weather>\n{weather}</function>\n", "</seed:tool_call>")
+    grammar = tool_templates.written(checkpoint, SEED_TAGS, *parts)
+    body = dict(messages=ASK, tools=TYPED_TOOLS, max_tokens=150, extra_body={"guided_grammar": grammar})
+    arguments = {"city": "Paris", "days": 1}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(arguments)}}
+    history = [
+        *ASK,
+        {"role": "assistant", "content": "Checking.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny and warm"},
+    ]
+    async with serving(checkpoint) as server:
+        assert server.llm.tool_style == "seed_oss"
+        done = await in_thread(whole, server, **body)
+        content, calls, finish = await in_thread(streamed, server, **body)
+        forced = await in_thread(whole, server, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120, logprobs=True)
+        rendered = await in_thread(whole, server, messages=history, tools=TYPED_TOOLS, max_tokens=1)
+    message = done.choices[0].message
+    expected = [("get_weather", {"city": "Rome", "days": 2, "metric": True})]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == expected
+    assert (message.content, done.choices[0].finish_reason) == ("Checking.", "tool_calls")
+    assert (content, finish) == ("Checking.", "tool_calls")
+    assert [(n, a) for _, n, a in calls.values()] == [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    (forced_call,) = forced.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(forced_call.function.arguments), SCHEMAS[forced_call.function.name])
+    written = [entry.token for entry in forced.choices[0].logprobs.content]
+    assert written[0] == "<seed:tool_call>" and written[-1] == "</seed:tool_call>"  # each one token
+    # The history's call reaches the template as a mapping, as transformers renders it.
+    reference = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    as_mapping = [*history[:1], {**history[1], "tool_calls": [{**call, "function": {**call["function"], "arguments": arguments}}]}, history[2]]
+    prompt = reference.apply_chat_template(as_mapping, tools=TYPED_TOOLS, add_generation_prompt=True, tokenize=False)
+    assert "<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>" in prompt
+    assert rendered.usage.prompt_tokens == len(reference(prompt, add_special_tokens=False)["input_ids"])
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ in the system turn, `<tool_call>` JSON, `<tool_response>` turns), Llama 3.1's JS
 Mistral Small 3.2's (tools before the last user turn, `[TOOL_CALLS]name[ARGS]{...}`),
 gpt-oss's harmony and Gemma 4's (tests/actors/test_http_harmony.py and
 test_http_gemma4.py, with their markers as tokens: `with_markers`); and Qwen3-Coder's
-OLMo 3's, Granite 3's, GLM-Z1's, LFM2's and GLM-4.6's own, published (templates/).
+OLMo 3's, Granite 3's, GLM-Z1's, LFM2's, GLM-4.6's and Seed-OSS's own, published (templates/).
 """
 
 import json
@@ -133,6 +133,9 @@ LFM2 = (pathlib.Path(__file__).parent / "templates" / "LiquidAI-LFM2-1.2B.jinja"
 # GLM-4.6's published template: a call is its name and key and value tags, results observations.
 GLM45 = (pathlib.Path(__file__).parent / "templates" / "zai-org-GLM-4.6.jinja").read_text()
 
+# Seed-OSS-36B-Instruct's published template (as llama.cpp keeps it): Qwen3-Coder's XML in <seed:tool_call>.
+SEED_OSS = (pathlib.Path(__file__).parent / "templates" / "ByteDance-Seed-Seed-OSS-36B-Instruct.jinja").read_text()
+
 TEMPLATES = {
     "hermes": HERMES,
     "llama3_json": LLAMA3_JSON,
@@ -144,6 +147,7 @@ TEMPLATES = {
     "glm4": GLM4,
     "lfm2": LFM2,
     "glm45": GLM45,
+    "seed_oss": SEED_OSS,
 }
 
 

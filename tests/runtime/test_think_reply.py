@@ -345,14 +345,13 @@ def test_a_seed_oss_thought_is_reasoning_in_any_split(text, reasoning, content, 
 
 
 @pytest.mark.parametrize("split", SPLITS)
-def test_a_seed_oss_call_after_its_thought_is_content_as_written(split):
-    """Its `<seed:tool_call>` blocks are no call format cadence reads (its template's
-    `<function=` makes the style Qwen3-Coder's, whose blocks are `<tool_call>`): the call
-    stays the reply's text, never a crash."""
-    assert tool_style_for(SEED_TEMPLATE, "seed_oss") == "qwen3_coder"
+def test_a_seed_oss_call_after_its_thought_is_a_call(split):
+    """Its `<seed:tool_call>` blocks stayed the reply's text: its template's `<function=`
+    made the style Qwen3-Coder's, whose blocks are `<tool_call>`. Its own style reads them."""
+    assert tool_style_for(SEED_TEMPLATE, "seed_oss") == "seed_oss"
     text = f"{SEED_OPEN}Maybe.{SEED_CLOSE}Checking.\n{SEED_CALL}"
-    reasoning, content, calls, cut = parsed(text, split, True, "qwen3_coder", SEED_THINK_TAGS)
-    assert (reasoning, content, calls, cut) == ("Maybe.", f"Checking.\n{SEED_CALL}", [], [])
+    reasoning, content, calls, cut = parsed(text, split, True, "seed_oss", SEED_THINK_TAGS)
+    assert (reasoning, content, calls, cut) == ("Maybe.", "Checking.\n", [("get_weather", {"city": "Paris"})], [])
 
 
 COHERE_OPEN, COHERE_CLOSE = COHERE_THINK_TAGS

@@ -797,7 +797,10 @@ def test_tools_render_as_transformers_renders_them(tmp_path, template):
 
 @pytest.mark.parametrize(
     "style",
-    ["hermes", "llama3_json", "gemma", "mistral", "harmony", "qwen3_coder", "olmo3", "granite", "glm4", "lfm2", "nemotron", "glm45"],
+    [
+        "hermes", "llama3_json", "gemma", "mistral", "harmony", "qwen3_coder", "olmo3", "granite", "glm4", "lfm2",
+        "nemotron", "glm45", "seed_oss",
+    ],
 )
 def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(style):
     said = {**HISTORY[1], "content": "Let me check."}
@@ -817,6 +820,7 @@ def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(st
         "lfm2": "<|tool_call_start|>[<function-name>(<param-name>=<value>, ...), ...]<|tool_call_end|>",
         "nemotron": '<TOOLCALL>[{"name": <function-name>, "arguments": <args-json-object>}, ...]</TOOLCALL>',
         "glm45": "<tool_call><function-name>\n<arg_key><key></arg_key>\n<arg_value><value></arg_value>\n</tool_call>",
+        "seed_oss": "<seed:tool_call>\n<function=<function-name>>\n<parameter=<parameter-name>>\n<value>\n",
     }
     assert taught[style] in first and json.dumps(TOOLS[0]["function"]) in first
     # The assistant's text, then its call in the model's own format: it parses back.
@@ -866,7 +870,7 @@ def test_call_arguments_that_are_not_json_reach_the_template_as_sent():
     "style",
     [
         "hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3", "granite", "glm4", "lfm2",
-        "nemotron", "glm45",
+        "nemotron", "glm45", "seed_oss",
     ],
 )
 def test_call_arguments_that_are_not_json_are_written_into_a_template_without_tools(style):
@@ -2353,3 +2357,48 @@ def test_a_long_glm45_value_fed_a_few_characters_a_delta_takes_linear_time():
 
     small = seconds(20_000)
     assert seconds(160_000) < 20 * small + 1.0  # linear: 8 times; quadratic: 64
+
+
+# Seed-OSS's calls: Qwen3-Coder's XML in `<seed:tool_call>` blocks, its values inline.
+SEED = (TEMPLATE_DIR / "ByteDance-Seed-Seed-OSS-36B-Instruct.jinja").read_text()
+SEED_CALL = "<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n<parameter=days>3</parameter>\n</function>\n</seed:tool_call>"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (f"Checking.\n{SEED_CALL}", ("Checking.\n", [("get_weather", '{"city": "Paris", "days": 3}')])),
+        (SEED_CALL + SEED_CALL.replace("get_weather", "get_time"), ("", [("get_weather", '{"city": "Paris", "days": 3}'), ("get_time", '{"city": "Paris", "days": "3"}')])),
+        (xml("get_weather", ("city", "Rome")), (xml("get_weather", ("city", "Rome")), [])),  # Qwen's blocks are text
+    ],
+    ids=["after-text", "two-blocks", "qwen-block"],
+)
+def test_seed_oss_calls_are_its_blocks_whatever_the_split(text, expected):
+    """Seed-OSS's `<seed:tool_call>` blocks stayed content: its template's `<function=`
+    made the style Qwen3-Coder's, whose blocks are `<tool_call>`."""
+    assert parse("seed_oss", text, tools=XML_TOOLS) == expected
+    assert parse("seed_oss", text, range(1, len(text)), tools=XML_TOOLS) == expected
+
+
+def test_the_seed_oss_template_is_its_own_style_and_renders_a_history_that_parses_back():
+    assert tool_style_for(SEED, "seed_oss") == "seed_oss" and template_knows_tools(SEED)
+    arguments = {"city": "Paris", "days": 3, "metric": True}
+    history = [*HISTORY[:1], {**HISTORY[1], "tool_calls": [{**HISTORY[1]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": json.dumps(arguments)}}]}, HISTORY[2]]
+    rendered = with_template(SEED).apply_chat_template(
+        chat_for_template(history, XML_TOOLS, "seed_oss", knows_tools=True), template_kwargs=None
+    )
+    written = rendered[rendered.index("<seed:tool_call>\n<function=get_weather>") : rendered.index("</seed:tool_call><seed:eos>") + 17]
+    assert "<parameter=city>Paris</parameter>\n<parameter=days>3</parameter>\n" in written
+    assert parse("seed_oss", written, tools=XML_TOOLS) == ("", [("get_weather", json.dumps(arguments))])
+
+
+@pytest.mark.parametrize("forced", [None, "get_weather"])
+def test_a_forced_seed_oss_call_is_its_xml_in_its_own_block(forced):
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    grammar = compiler.compile(tool_call_grammar("seed_oss", XML_TOOLS, forced))
+    call = xml("get_weather", ("city", "Rome"), ("days", "2"))
+    assert not admitted_by(grammar, call)  # Qwen3-Coder's block
+    seed_call = call.replace("<tool_call>", "<seed:tool_call>").replace("</tool_call>", "</seed:tool_call>")
+    assert admitted_by(grammar, seed_call)
+    assert parse("seed_oss", seed_call, tools=XML_TOOLS) == ("", [("get_weather", '{"city": "Rome", "days": 2}')])
