@@ -3,13 +3,10 @@ tries it: the official openai client against a real server, to mlx-lm's tokens, 
 second request reading the first's prompt from the prefix cache."""
 
 from runtime.synth import make_tiny_checkpoint
-from runtime.tokenizer import Tokenizer
 
 import pytest
-from structlog.testing import capture_logs
 
-from tests.actors.test_http import in_thread, serving
-from tests.actors.test_qwen3_5_http import PROMPT, mlx_lm_completion
+from tests.actors.test_qwen3_5_http import assert_mlx_lm_completions, serve_twice_and_chat
 
 
 @pytest.fixture(scope="module")
@@ -18,36 +15,9 @@ def deepseek(tmp_path_factory):
 
 
 async def test_deepseek_v2_serves_completions_and_chat(deepseek):
-    with capture_logs() as logs:
-        async with serving(deepseek, max_batch=4) as server:
-            client = server.client()
-
-            def complete():
-                return client.completions.create(model=server.model, prompt=PROMPT * 3, max_tokens=16)
-
-            first, second = await in_thread(complete), await in_thread(complete)
-
-            def stream():
-                chunks = client.chat.completions.create(
-                    model=server.model, messages=[{"role": "user", "content": PROMPT}], max_tokens=12, stream=True
-                )
-                return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-
-            streamed = await in_thread(stream)
-            whole = await in_thread(
-                client.chat.completions.create,
-                model=server.model,
-                messages=[{"role": "user", "content": PROMPT}],
-                max_tokens=12,
-            )
-    (pool,) = [e for e in logs if e["event"] == "kv_pool"]
+    served = await serve_twice_and_chat(deepseek)
+    (pool,) = [e for e in served.logs if e["event"] == "kv_pool"]
     assert pool["prefix_cache"] is True
-    tokenizer = Tokenizer.from_dir(deepseek)
-    ids = tokenizer.encode(PROMPT * 3)
-    want, ended = mlx_lm_completion(deepseek, tokenizer, ids, 16)
-    for completion in (first, second):
-        assert completion.choices[0].text == tokenizer.decode(want)
-        assert completion.usage.completion_tokens == len(want) + ended
-    assert first.usage.prompt_tokens_details.cached_tokens == 0
-    assert second.usage.prompt_tokens_details.cached_tokens > 0  # its K/V read back from the pool
-    assert whole.choices[0].message.content and streamed == whole.choices[0].message.content
+    assert_mlx_lm_completions(deepseek, served)
+    assert served.first.usage.prompt_tokens_details.cached_tokens == 0
+    assert served.second.usage.prompt_tokens_details.cached_tokens > 0  # its K/V read back from the pool

@@ -3,10 +3,13 @@ vision tower and MTP head skipped) as a user tries it: the official openai clien
 against a real server. Its prefix caching is off (a cached prefix has no recurrent
 state), so the same prompt twice is computed twice, to the same tokens."""
 
+from typing import Any
+
 from runtime.config import load_config
 from runtime.synth import make_tiny_checkpoint
 from runtime.tokenizer import Tokenizer
 
+import attrs
 import mlx.core as mx
 import mlx_lm
 import pytest
@@ -33,9 +36,22 @@ def mlx_lm_completion(path, tokenizer, ids, n):
     return want[: ends[0]] if ends else want, bool(ends)
 
 
-async def assert_serves_twice_with_prefix_caching_off(path, recurrent_state_bytes):
-    """A hybrid checkpoint as a user tries it: the same completion twice (computed twice,
-    prefix caching off, to mlx-lm's tokens) and one chat streamed and whole, alike."""
+@attrs.frozen
+class Served:
+    """What `serve_twice_and_chat` got back: the server's log events, the same completion
+    twice, one chat streamed and whole, and (where asked) a `/metrics` scrape after them."""
+
+    logs: list[dict[str, Any]]
+    first: Any
+    second: Any
+    streamed: str
+    whole: Any
+    metrics: tuple[int, Any, str] | None
+
+
+async def serve_twice_and_chat(path, *, scrape_metrics=False) -> Served:
+    """A checkpoint as a user tries it, with the official openai client: the same
+    completion twice, then one chat streamed and whole."""
     with capture_logs() as logs:
         async with serving(path, max_batch=4) as server:
             client = server.client()
@@ -58,57 +74,44 @@ async def assert_serves_twice_with_prefix_caching_off(path, recurrent_state_byte
                 messages=[{"role": "user", "content": PROMPT}],
                 max_tokens=12,
             )
-    assert any(e["event"] == "prefix_cache_off" for e in logs)
-    (pool,) = [e for e in logs if e["event"] == "kv_pool"]
-    assert pool["prefix_cache"] is False and pool["recurrent_state_bytes"] == recurrent_state_bytes
+            metrics = await in_thread(scrape, server.url) if scrape_metrics else None
+    return Served(logs, first, second, streamed, whole, metrics)
+
+
+def assert_mlx_lm_completions(path, served: Served) -> None:
+    """Both completions are mlx-lm's greedy tokens; the chat streamed is the chat whole."""
     tokenizer = Tokenizer.from_dir(path)
-    ids = tokenizer.encode(PROMPT * 3)
-    want, ended = mlx_lm_completion(path, tokenizer, ids, 16)
-    for completion in (first, second):
+    want, ended = mlx_lm_completion(path, tokenizer, tokenizer.encode(PROMPT * 3), 16)
+    for completion in (served.first, served.second):
         assert completion.choices[0].text == tokenizer.decode(want)
         assert completion.usage.completion_tokens == len(want) + ended
-    assert whole.choices[0].message.content and streamed == whole.choices[0].message.content
+    assert served.whole.choices[0].message.content and served.streamed == served.whole.choices[0].message.content
+
+
+async def assert_serves_twice_with_prefix_caching_off(path, recurrent_state_bytes):
+    """A hybrid checkpoint: its same prompt computed twice (prefix caching off), to
+    mlx-lm's tokens."""
+    served = await serve_twice_and_chat(path)
+    assert any(e["event"] == "prefix_cache_off" for e in served.logs)
+    (pool,) = [e for e in served.logs if e["event"] == "kv_pool"]
+    assert pool["prefix_cache"] is False and pool["recurrent_state_bytes"] == recurrent_state_bytes
+    assert_mlx_lm_completions(path, served)
 
 
 async def test_qwen3_5_serves_the_same_prompt_twice_with_prefix_caching_off(qwen3_5):
-    with capture_logs() as logs:
-        async with serving(qwen3_5, max_batch=4) as server:
-            client = server.client()
-
-            def complete():
-                return client.completions.create(model=server.model, prompt=PROMPT * 3, max_tokens=16)
-
-            first, second = await in_thread(complete), await in_thread(complete)
-
-            def stream():
-                chunks = client.chat.completions.create(
-                    model=server.model, messages=[{"role": "user", "content": PROMPT}], max_tokens=12, stream=True
-                )
-                return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-
-            streamed = await in_thread(stream)
-            whole = await in_thread(
-                client.chat.completions.create,
-                model=server.model,
-                messages=[{"role": "user", "content": PROMPT}],
-                max_tokens=12,
-            )
-            status, _, body = await in_thread(scrape, server.url)
-    assert any(e["event"] == "prefix_cache_off" for e in logs)
-    (pool,) = [e for e in logs if e["event"] == "kv_pool"]
+    served = await serve_twice_and_chat(qwen3_5, scrape_metrics=True)
+    assert any(e["event"] == "prefix_cache_off" for e in served.logs)
+    (pool,) = [e for e in served.logs if e["event"] == "kv_pool"]
     assert pool["prefix_cache"] is False and pool["recurrent_state_bytes"] > 0
-    tokenizer = Tokenizer.from_dir(qwen3_5)
-    ids = tokenizer.encode(PROMPT * 3)
-    want, ended = mlx_lm_completion(qwen3_5, tokenizer, ids, 16)
-    for completion in (first, second):
-        assert completion.choices[0].text == tokenizer.decode(want)
-        assert completion.usage.completion_tokens == len(want) + ended
-    assert streamed == whole.choices[0].message.content
+    assert_mlx_lm_completions(qwen3_5, served)
+    assert served.metrics is not None
+    status, _, body = served.metrics
     assert status == 200
     metrics = {name: value for (name, _), value in samples(body).items()}
     assert metrics["cadence:prefix_cache_hits_total"] == 0
     assert metrics["cadence:prefix_cache_queries_total"] > 0
-    assert second.usage.prompt_tokens_details is None or second.usage.prompt_tokens_details.cached_tokens == 0
+    details = served.second.usage.prompt_tokens_details
+    assert details is None or details.cached_tokens == 0
 
 
 async def test_no_prefix_cache_off_line_when_the_operator_turned_it_off(qwen3_5):
