@@ -11,7 +11,6 @@ import re
 from runtime.checkpoint import load_model
 from runtime.config import config_from_dict
 from runtime.errors import CheckpointError
-from runtime.ladder import BatchLadder
 
 import mlx.core as mx
 import mlx_lm
@@ -21,12 +20,9 @@ import pytest
 from tests.runtime import test_qwen3_5
 from tests.runtime.test_gguf import minimal_gguf, one_line_error
 from tests.runtime.test_qwen3_5 import (
-    PROMPTS,
     TOKENS,
     engine_for,
     greedy_tokens,
-    policy_for,
-    run,
 )
 
 # (the variant's own fields, its layer count): the dense one ends in a Mamba2 block, the
@@ -108,13 +104,7 @@ test_rows_in_mixed_steps_match_mlx_lm = test_qwen3_5.test_rows_in_mixed_steps_ma
 test_a_preempted_row_recomputes_its_state_from_the_start = (
     test_qwen3_5.test_a_preempted_row_recomputes_its_state_from_the_start
 )
-
-
-def test_ladder_pads_never_touch_a_rows_state(checkpoint, expected):
-    engine = engine_for(checkpoint)
-    engine.ladder = BatchLadder(tuple([10.0] * 7 + [1.0] * 9))  # 1..7 tokens run as 8
-    got = run(engine, policy_for(engine, chunk=3, budget=6), PROMPTS, 2)
-    assert {rid: list(r.tokens) for rid, r in got.items()} == expected
+test_ladder_pads_never_touch_a_rows_state = test_qwen3_5.test_ladder_pads_never_touch_a_rows_state
 
 
 def nano_3_30b_a3b(**changes):
