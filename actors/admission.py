@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
+from runtime.command_r7b_reply import ACTION_TAGS
 from runtime.errors import CadenceError, RequestError
 from runtime.gemma4_reply import CALL_CLOSE, CALL_OPEN, QUOTE
 from runtime.glm45_reply import GLM45_TAGS
@@ -218,11 +219,12 @@ class Admission:
         with them. Hermes's `<tool_call>` tags are plain added tokens in Qwen's tokenizers
         but control tokens in Granite 4.0's: kept where they are (as vLLM's hermes parser),
         as GLM-4.5's `<tool_call>` and `<arg_key>` tags would be (plain added tokens in GLM's),
-        and Seed-OSS's `<seed:tool_call>` tags are (special tokens in its tokenizer)."""
+        and Seed-OSS's `<seed:tool_call>` tags are (special tokens in its tokenizer). Command
+        R7B's calls are between control tokens, and its answer too (the parser drops those)."""
         if self.tool_style in REASONING_STYLES:
             return request.messages is not None
         own_tags = {"hermes": HERMES_TAGS, "glm45": GLM45_TAGS, "seed_oss": SEED_TAGS}.get(self.tool_style, ())
-        calls_in_control_tokens = self.tool_style in ("mistral", "olmo3", "granite", "lfm2", "nemotron") or (
+        calls_in_control_tokens = self.tool_style in ("mistral", "olmo3", "granite", "lfm2", "nemotron", "command_r7b") or (
             not set(own_tags).isdisjoint(self.tokenizer.control_spellings.values())
         )
         return calls_in_control_tokens and bool(request.tools) and request.tool_choice != "none"
@@ -308,7 +310,7 @@ class Admission:
     def control_tokens(self) -> dict[str, int]:
         """The call markers (Mistral's, harmony's header markers, the `<tool_call>` tags of
         Hermes, Qwen3-Coder and GLM-4.5 (and its key and value tags), Seed-OSS's `<seed:tool_call>` tags, OLMo 3's `<function_calls>` tags, Granite's `<|tool_call|>`,
-        LFM2's `<|tool_call_start|>` and `<|tool_call_end|>`)
+        LFM2's `<|tool_call_start|>` and `<|tool_call_end|>`, Command R7B's action tokens)
         that this tokenizer holds as tokens of their own, by spelling: a forced call's
         grammar writes them so (llguidance matches no added token against literal text)."""
         markers = {
@@ -322,6 +324,7 @@ class Admission:
             "granite": (GRANITE_TOOL_CALL,),
             "lfm2": LFM2_TAGS,
             "nemotron": NEMOTRON_TAGS,
+            "command_r7b": ACTION_TAGS,
         }.get(self.tool_style, (TOOL_CALLS, ARGS))
         spelled = {marker: self.tokenizer.added_token_id(marker) for marker in markers}
         return {marker: token_id for marker, token_id in spelled.items() if token_id is not None}

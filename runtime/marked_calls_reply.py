@@ -1,6 +1,7 @@
 """Tool calls after a marker: Mistral's `[TOOL_CALLS]` (a `name[ARGS]{...}` call or a
-JSON list of calls), Granite 3's `<|tool_call|>` and Nemotron Nano v2's
-`<TOOLCALL>...</TOOLCALL>` (a JSON list alone)."""
+JSON list of calls), Granite 3's `<|tool_call|>`, Nemotron Nano v2's
+`<TOOLCALL>...</TOOLCALL>` and Command R7B's `<|START_ACTION|>...<|END_ACTION|>` (a JSON
+list alone)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ class MarkedCalls:
     JSON object, or a JSON list of {"name", "arguments"} calls. Each call is reported
     whole once its JSON closes; what follows a marker and is neither stays text.
     Granite 3's is the list form alone, after its own marker; Nemotron's the list form
-    between its markers (the `closing` one after a list is markup, not text)."""
+    between its markers (the `closing` one after a list is markup, not text); Command
+    R7B's too, each call naming its tool in `tool_name` (`name_key`), its arguments in
+    `parameters`."""
 
     marker: str = TOOL_CALLS
     takes_named_calls: bool = True  # `name[ARGS]{...}`, Mistral's newer form
     closing: str = ""
+    name_key: str = "name"
     after_calls: bool = False  # pending begins just past a list of calls
     pending: str = ""  # text not yet reported, from a marker on when in a call
     in_call: bool = False  # pending begins just past a marker
@@ -93,7 +97,11 @@ class MarkedCalls:
             listed = _decoded(body[start:end])
             if not isinstance(listed, list) or not listed:
                 return end, None
-            calls = [c for c in listed if isinstance(c, dict) and isinstance(c.get("name"), str)]
+            calls = [
+                {**c, "name": c[self.name_key]}
+                for c in listed
+                if isinstance(c, dict) and isinstance(c.get(self.name_key), str)
+            ]
             return end, calls if len(calls) == len(listed) else None
         if not self.takes_named_calls:  # no list: text, up to a marker that may begin one
             # (Taken to the reply's end, the next marker's call was text when one feed

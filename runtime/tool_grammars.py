@@ -1,7 +1,7 @@
 """The grammar that forces a call (`tool_choice` required or named), in the format the
 model writes (runtime/tool_prompts.py says which): Hermes' and Llama 3's JSON, Mistral's
-and Granite's lists after their markers, Gemma's and Gemma 4's notations, harmony's
-channel, Qwen3-Coder's XML (Seed-OSS's in its own blocks), GLM-4.5's key and value tags, OLMo 3's and LFM2's Python calls, GLM-4's name then JSON.
+and Granite's lists after their markers, Command R7B's between its action tokens, Gemma's
+and Gemma 4's notations, harmony's channel, Qwen3-Coder's XML (Seed-OSS's in its own blocks), GLM-4.5's key and value tags, OLMo 3's and LFM2's Python calls, GLM-4's name then JSON.
 Each call's arguments follow the tool's own schema; the request's `response_format`,
 where given, shapes an answer the model may write instead."""
 
@@ -12,6 +12,7 @@ import keyword
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from runtime.command_r7b_reply import END_ACTION, START_ACTION
 from runtime.gemma4_reply import CALL_CLOSE, CALL_OPEN, QUOTE, gemma4_arguments, gemma4_key
 from runtime.glm45_reply import ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END
 from runtime.grammar import JSON_OPTIONS, GrammarSpec, answer_json_schema
@@ -72,15 +73,15 @@ def tool_call_grammar(
         token_id = (control_tokens or {}).get(text)
         return json.dumps(text) if token_id is None else f"<[{token_id}]>"
 
-    def marked_calls(opening: str, between: Callable[[str], str]) -> GrammarSpec:
-        """`opening`, then one call: its `between(name)` and its arguments' JSON."""
+    def marked_calls(opening: str, between: Callable[[str], str], closing: str = "") -> GrammarSpec:
+        """`opening`, then one call: its `between(name)` and its arguments' JSON, then `closing`."""
         rules = [
             f"call_{i}: {between(f['name'])} %json "
             + json.dumps({**_own_resource(_parameters(f), i), "x-guidance": JSON_OPTIONS})
             for i, f in enumerate(functions)
         ]
         choice = " | ".join(f"call_{i}" for i in range(len(rules)))
-        return _with_answer(f"tool_call: {opening} call\ncall: {choice}\n" + "\n".join(rules), answer)
+        return _with_answer(f"tool_call: {opening} call {closing}\ncall: {choice}\n" + "\n".join(rules), answer)
 
     if style == "harmony":  # <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}
         return marked_calls(
@@ -89,6 +90,12 @@ def tool_call_grammar(
         )
     if style == "mistral":  # [TOOL_CALLS]name[ARGS]arguments
         return marked_calls(marker(TOOL_CALLS), lambda name: f"{json.dumps(name)} {marker(ARGS)}")
+    if style == "command_r7b":  # as its template writes a call: the list's first, id "0"
+        return marked_calls(
+            f'{marker(START_ACTION)} "[\\n    "',
+            lambda name: json.dumps(f'{{"tool_call_id": "0", "tool_name": {json.dumps(name)}, "parameters": '),
+            f'"}}\\n]" {marker(END_ACTION)}',
+        )
     if style == "glm4":  # NAME\n{arguments}
         return marked_calls('""', lambda name: json.dumps(name + "\n"))
     if style == "gemma4":  # <|tool_call>call:NAME{...}<tool_call|>, in Gemma's notation

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from runtime.chat_template import reads_variable
+from runtime.command_r7b_reply import END_ACTION, START_ACTION
 from runtime.gemma4_reply import CALL_CLOSE, CALL_OPEN, gemma4_arguments
 from runtime.glm45_reply import ARG_KEY, key_value_call
 from runtime.harmony import CALL, CHANNEL, CONSTRAIN, MESSAGE
@@ -53,6 +54,8 @@ def tool_style_for(template_source: str, model_type: str) -> str:
     """One of TOOL_STYLES for a model with this chat template and config `model_type`."""
     if TOOL_CALLS in template_source:
         return "mistral"
+    if START_ACTION in template_source:
+        return "command_r7b"
     if CALL_OPEN in template_source:
         return "gemma4"
     if CHANNEL in template_source and MESSAGE in template_source:
@@ -300,6 +303,14 @@ def _glm4_call(function: Mapping[str, Any]) -> tuple[str, str]:
     return function["name"], text
 
 
+def _call_text_command_r7b(functions: Sequence[Mapping[str, Any]]) -> str:
+    calls = [
+        {"tool_call_id": str(i), "tool_name": f["name"], "parameters": f.get("arguments") or {}}
+        for i, f in enumerate(functions)
+    ]
+    return START_ACTION + json.dumps(calls) + END_ACTION
+
+
 def _call_text_granite(functions: Sequence[Mapping[str, Any]]) -> str:
     calls = [{"name": f["name"], "arguments": f.get("arguments") or {}} for f in functions]
     return GRANITE_TOOL_CALL + json.dumps(calls)
@@ -341,6 +352,8 @@ def _as_text(message: Mapping[str, Any], style: str) -> dict[str, Any]:
         written = f"{TOOLCALL}{json.dumps(listed)}{TOOLCALL_END}"
     elif style == "lfm2":
         written = _call_text_lfm2([call["function"] for call in calls])
+    elif style == "command_r7b":  # one list of the turn's calls, as its template writes them
+        written = _call_text_command_r7b([call["function"] for call in calls])
     else:
         written = "\n".join(_call_text(call["function"], style) for call in calls)
     content = message.get("content") or ""
@@ -388,6 +401,11 @@ def _tools_preamble(tools: Sequence[Mapping[str, Any]], style: str) -> str:
         how = f'To call a function, reply with {GRANITE_TOOL_CALL}[{{"name": <function-name>, "arguments": <args-json-object>}}]'
     elif style == "nemotron":
         how = f'To call functions, reply with {TOOLCALL}[{{"name": <function-name>, "arguments": <args-json-object>}}, ...]{TOOLCALL_END}'
+    elif style == "command_r7b":
+        how = (
+            f'To call functions, reply with {START_ACTION}[{{"tool_call_id": "0", "tool_name": <function-name>,'
+            f' "parameters": <args-json-object>}}, ...]{END_ACTION}'
+        )
     elif style == "glm4":
         how = "To call a function, reply with its name alone on the first line, then its arguments as a JSON object."
     elif style == "olmo3":

@@ -35,6 +35,9 @@ The formats, as the families' chat templates teach them:
                ...]</TOOLCALL>`, Granite's list form between NVIDIA's tags. Text may come first.
   glm45        GLM-4.5, 4.6, 4.7: `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>`
                ...`</tool_call>`, values typed by the tool's schema (runtime/glm45_reply.py).
+  command_r7b  Command R7B, Command A: `<|START_ACTION|>[{"tool_call_id": "0", "tool_name": ...,
+               "parameters": {...}}, ...]<|END_ACTION|>`, the answer in `<|START_RESPONSE|>`
+               ... `<|END_RESPONSE|>` (runtime/command_r7b_reply.py).
 
 Feeding the text in any split yields the same calls with the same argument text, so
 streamed deltas reassemble to the whole response: parsing state is the text, never
@@ -59,6 +62,7 @@ import attrs
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
+    from runtime.command_r7b_reply import ResponseMarkupDropped
     from runtime.gemma4_reply import Gemma4Parser
     from runtime.glm4_reply import FirstLineCall
     from runtime.glm45_reply import KeyValueCallParser
@@ -72,6 +76,7 @@ TOOL_STYLES = (
     "nemotron",
     "glm45",
     "seed_oss",
+    "command_r7b",
 )
 # Styles whose chat replies are parsed whether tools were offered or not: they hold
 # reasoning apart from the answer, in markup the request keeps (actors/admission.py).
@@ -398,7 +403,7 @@ def _content(text: str) -> list[Event]:
 
 ToolParser: TypeAlias = (
     "_Delimited | _WholeReply | MarkedCalls | HarmonyParser | Gemma4Parser | ThinkParser | XmlCallParser"
-    " | FirstLineCall | KeyValueCallParser"
+    " | FirstLineCall | KeyValueCallParser | ResponseMarkupDropped"
 )
 
 
@@ -436,6 +441,11 @@ def parser_for(
         if style == "nemotron":
             return MarkedCalls(TOOLCALL, takes_named_calls=False, closing=TOOLCALL_END)
         return MarkedCalls()
+    if style == "command_r7b":
+        # It builds on this module's events.
+        from runtime.command_r7b_reply import command_r7b_parser
+
+        return command_r7b_parser()
     if style == "harmony":
         from runtime.harmony import HarmonyParser  # it builds on this module's events
 

@@ -46,11 +46,17 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
+def shape_for(style):
+    """The tiny checkpoint's shape for `style`: Command R7B's template writes a long
+    preamble (about 2,500 demo tokens), past the demo's context."""
+    return {"max_position_embeddings": 4096} if style == "command_r7b" else {}
+
+
 @pytest.fixture(scope="module", params=sorted(TEMPLATES))
 def styled(request, make_checkpoint, tmp_path_factory):
     """(tool style, a tiny checkpoint whose template writes calls in that style)."""
     out = tmp_path_factory.mktemp("tools") / request.param
-    return request.param, with_template(make_checkpoint("llama"), out, TEMPLATES[request.param])
+    return request.param, with_template(make_checkpoint("llama", **shape_for(request.param)), out, TEMPLATES[request.param])
 
 
 def whole(server, **body):
@@ -115,6 +121,8 @@ CALL_TEXT = {
     "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>",
     "seed_oss": "Checking.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>Rome</parameter>\n"
     "<parameter=days>2</parameter>\n</function>\n</seed:tool_call>",
+    "command_r7b": 'Checking.<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", '
+    '"parameters": {"city": "Rome", "days": 2}}]<|END_ACTION|>',
 }
 
 
@@ -155,7 +163,7 @@ def literally(text):
 def checkpoint_for(make_checkpoint, tmp_path_factory):
     """style -> a tiny checkpoint whose template writes calls in that style."""
     return lambda style: with_template(
-        make_checkpoint("llama"), tmp_path_factory.mktemp("tools") / style, TEMPLATES[style]
+        make_checkpoint("llama", **shape_for(style)), tmp_path_factory.mktemp("tools") / style, TEMPLATES[style]
     )
 
 
@@ -226,6 +234,8 @@ LONG_CALL = {
     "glm45": "Checking. <tool_call>get_weather\n<arg_key>note</arg_key>\n<arg_value>%s</arg_value>\n</tool_call>",
     "seed_oss": "Checking. <seed:tool_call>\n<function=get_weather>\n<parameter=note>%s</parameter>\n</function>\n"
     "</seed:tool_call>",
+    "command_r7b": 'Checking.<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"note": "%s"}}]'
+    "<|END_ACTION|>",
 }
 CUT_CONTENT = {  # the markup is left out, as of a call cut before its name is whole
     "hermes": 'Checking. {"name": "get_weather", "arguments": {"note": "Rome is',
@@ -239,6 +249,7 @@ CUT_CONTENT = {  # the markup is left out, as of a call cut before its name is w
     "lfm2": 'Checking.<|tool_call_start|>[get_weather(note="Rome is',
     "glm45": "Checking. get_weather\n<arg_key>note</arg_key>\n<arg_value>Rome is",
     "seed_oss": "Checking. <function=get_weather>\n<parameter=note>Rome is",
+    "command_r7b": 'Checking.<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"note": "Rome is',
 }
 
 
@@ -253,7 +264,7 @@ async def test_a_call_max_tokens_ends_in_is_text_in_the_whole_response(styled):
     assert choice.finish_reason == finish == "length"
     assert choice.message.tool_calls is None
     assert choice.message.content.startswith(CUT_CONTENT[style])
-    if style in ("gemma", "mistral", "olmo3", "granite", "glm4", "lfm2"):  # their calls go out when whole: this one never was
+    if style in ("gemma", "mistral", "olmo3", "granite", "glm4", "lfm2", "command_r7b"):  # their calls go out when whole
         assert (content, calls) == (choice.message.content, {})
         return
     ((_, name, arguments),) = calls.values()
@@ -568,6 +579,7 @@ MARKER = {
     "lfm2": "<|tool_call_start|>",
     "glm45": "<tool_call>",
     "seed_oss": "<seed:tool_call>",
+    "command_r7b": "<|START_ACTION|>",
 }
 
 
@@ -621,7 +633,7 @@ def with_added_markers(make_checkpoint, tmp_path_factory, style, markers, *, spe
     vocabulary (the model has embedding rows for them), special or not."""
     size = Tokenizer.from_dir(make_checkpoint("llama")).vocab_size
     out = tmp_path_factory.mktemp("tools") / f"{style}-markers"
-    checkpoint = make_checkpoint("llama", vocab_size=size + 8)
+    checkpoint = make_checkpoint("llama", vocab_size=size + 8, **shape_for(style))
     return with_markers(checkpoint, out, TEMPLATES[style], markers, plain=() if special else markers)
 
 
@@ -876,6 +888,97 @@ async def test_seed_oss_calls_are_parsed_forced_in_its_tags_tokens_and_rendered_
     prompt = reference.apply_chat_template(as_mapping, tools=TYPED_TOOLS, add_generation_prompt=True, tokenize=False)
     assert "<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>" in prompt
     assert rendered.usage.prompt_tokens == len(reference(prompt, add_special_tokens=False)["input_ids"])
+
+
+R7B_THINKING = "<|START_THINKING|>", "<|END_THINKING|>"
+R7B_ACTION = "<|START_ACTION|>", "<|END_ACTION|>"
+R7B_RESPONSE = "<|START_RESPONSE|>", "<|END_RESPONSE|>"
+
+
+@pytest.fixture(scope="module")
+def command_r7b_with_control_tokens(make_checkpoint, tmp_path_factory):
+    """Command R7B's tool-use template, its action, answer and plan tags special tokens,
+    as its tokenizer holds them."""
+    markers = (*R7B_ACTION, *R7B_RESPONSE, *R7B_THINKING)
+    return with_added_markers(make_checkpoint, tmp_path_factory, "command_r7b", markers, special=True)
+
+
+async def test_command_r7b_calls_are_parsed_forced_in_its_action_tokens_and_rendered_back(command_r7b_with_control_tokens):
+    """Command R7B's and Command A's calls were content, their markers dropped as special
+    tokens: `[{"tool_call_id": "0", "tool_name": ...}]` reached the client as its answer.
+    With tools offered its answer's tags are kept too, and left out of the content."""
+    checkpoint = command_r7b_with_control_tokens
+    tokenizer = Tokenizer.from_dir(checkpoint)
+    no_plan = {str(tokenizer.added_token_id(R7B_THINKING[0])): -100}  # random weights may open one
+    markers = (*R7B_ACTION, *R7B_RESPONSE)
+    weather = '{"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Rome", "days": 2}}'
+    clock = '{"tool_call_id": "1", "tool_name": "get_time", "parameters": {"zone": "UTC"}}'
+    calls_grammar = tool_templates.written(checkpoint, markers, R7B_ACTION[0], f"[\n    {weather},\n    {clock}\n]", R7B_ACTION[1])
+    answer_grammar = tool_templates.written(checkpoint, markers, R7B_RESPONSE[0], "It is sunny.", R7B_RESPONSE[1])
+    body = dict(messages=ASK, tools=TOOLS, max_tokens=150, logit_bias=no_plan)
+    arguments = {"city": "Paris", "days": 1}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(arguments)}}
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny and warm"},
+    ]
+    async with serving(checkpoint) as server:
+        assert server.llm.tool_style == "command_r7b" and server.llm.thinks
+        done = await in_thread(whole, server, **body, extra_body={"guided_grammar": calls_grammar})
+        content, calls, finish = await in_thread(streamed, server, **body, extra_body={"guided_grammar": calls_grammar})
+        answered = await in_thread(whole, server, **body, extra_body={"guided_grammar": answer_grammar})
+        answer_streamed = await in_thread(streamed, server, **body, extra_body={"guided_grammar": answer_grammar})
+        forced = await in_thread(whole, server, **body, tool_choice="required", logprobs=True)
+        rendered = await in_thread(whole, server, messages=history, tools=TOOLS, max_tokens=1)
+    message = done.choices[0].message
+    expected = [("get_weather", {"city": "Rome", "days": 2}), ("get_time", {"zone": "UTC"})]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == expected
+    assert (message.content, done.choices[0].finish_reason) == (None, "tool_calls")
+    assert (content, finish) == ("", "tool_calls")
+    assert [(n, a) for _, n, a in calls.values()] == [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    assert (answered.choices[0].message.content, answered.choices[0].message.tool_calls) == ("It is sunny.", None)
+    assert answer_streamed == ("It is sunny.", {}, "stop")
+    (forced_call,) = forced.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(forced_call.function.arguments), SCHEMAS[forced_call.function.name])
+    written = [entry.token for entry in forced.choices[0].logprobs.content]
+    assert written[0] == R7B_ACTION[0] and written[-1] == R7B_ACTION[1]  # each one token
+    assert "".join(written[1:-1]).startswith(f'[\n    {{"tool_call_id": "0", "tool_name": "{forced_call.function.name}"')
+    # The template writes the call and its result itself, from `tool_calls` and the
+    # `tool` turn (arguments as a mapping), as transformers renders it.
+    reference = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    as_mapping = [*history[:1], {**history[1], "tool_calls": [{**call, "function": {**call["function"], "arguments": arguments}}]}, history[2]]
+    prompt = reference.apply_chat_template(as_mapping, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert '"tool_name": "get_weather", "parameters": {"city": "Paris", "days": 1}}' in prompt
+    assert '"0": "sunny and warm"' in prompt
+    assert rendered.usage.prompt_tokens == len(reference(prompt, add_special_tokens=False)["input_ids"])
+
+
+async def test_a_forced_command_r7b_call_follows_its_plan(command_r7b_with_control_tokens):
+    """R7B plans in `<|START_THINKING|>` before it acts: the grammar waits for the plan's
+    end, which is reasoning, then the call. Greedy decoding writes the tag (the grammar's
+    first token is the other choice), one word, the closing tag, then the call: biases
+    set for this checkpoint's logits, 2 apart at each step once presence and frequency
+    penalties take 4 from a written token's (its template names both tags in its
+    preamble, so a repetition penalty, which reads the prompt too, weighs them alike)."""
+    tokenizer = Tokenizer.from_dir(command_r7b_with_control_tokens)
+    word = tokenizer.encode("hello", add_special_tokens=False)[0]
+    ids = [tokenizer.added_token_id(R7B_THINKING[0]), word, tokenizer.added_token_id(R7B_THINKING[1])]
+    body = dict(
+        messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0,
+        logit_bias={str(token): bias for token, bias in zip(ids, (60, 70, 66), strict=True)},
+        presence_penalty=2, frequency_penalty=2,
+    )
+    async with serving(command_r7b_with_control_tokens) as server:
+        done = await in_thread(whole, server, **body)
+        content, calls, finish = await in_thread(streamed, server, **body)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.model_extra.get("reasoning_content") == tokenizer.decode([word])
+    (call,) = choice.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    assert (content, finish) == ("", "tool_calls")
+    assert [(n, a) for _, n, a in calls.values()] == [(call.function.name, call.function.arguments)]
 
 
 @pytest.mark.parametrize(

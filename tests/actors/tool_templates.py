@@ -6,7 +6,8 @@ in the system turn, `<tool_call>` JSON, `<tool_response>` turns), Llama 3.1's JS
 Mistral Small 3.2's (tools before the last user turn, `[TOOL_CALLS]name[ARGS]{...}`),
 gpt-oss's harmony and Gemma 4's (tests/actors/test_http_harmony.py and
 test_http_gemma4.py, with their markers as tokens: `with_markers`); and Qwen3-Coder's
-OLMo 3's, Granite 3's, GLM-Z1's, LFM2's, GLM-4.6's and Seed-OSS's own, published (templates/).
+OLMo 3's, Granite 3's, GLM-Z1's, LFM2's, GLM-4.6's, Seed-OSS's and Command R7B's own, published
+(templates/).
 """
 
 import json
@@ -136,6 +137,9 @@ GLM45 = (pathlib.Path(__file__).parent / "templates" / "zai-org-GLM-4.6.jinja").
 # Seed-OSS-36B-Instruct's published template (as llama.cpp keeps it): Qwen3-Coder's XML in <seed:tool_call>.
 SEED_OSS = (pathlib.Path(__file__).parent / "templates" / "ByteDance-Seed-Seed-OSS-36B-Instruct.jinja").read_text()
 
+# Command R7B's published tool-use template (as llama.cpp keeps it): calls between its action tokens.
+COMMAND_R7B = (pathlib.Path(__file__).parent / "templates" / "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja").read_text()
+
 TEMPLATES = {
     "hermes": HERMES,
     "llama3_json": LLAMA3_JSON,
@@ -148,6 +152,7 @@ TEMPLATES = {
     "lfm2": LFM2,
     "glm45": GLM45,
     "seed_oss": SEED_OSS,
+    "command_r7b": COMMAND_R7B,
 }
 
 

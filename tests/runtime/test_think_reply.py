@@ -369,8 +369,15 @@ def test_a_command_r7b_checkpoint_thinks_in_its_control_tokens_where_its_templat
 
 
 @pytest.mark.parametrize("split", SPLITS)
-def test_a_command_r7b_plan_is_reasoning_and_its_action_content_as_written(split):
-    """Its `<|START_ACTION|>` calls are no format cadence reads: they stay the reply's text."""
+def test_a_command_r7b_plan_is_reasoning_and_its_action_a_call(split):
+    """Its `<|START_ACTION|>` calls stayed the reply's text: no style read them."""
     action = '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", "parameters": {}}]<|END_ACTION|>'
     text = f"{COHERE_OPEN}I will look the weather up.{COHERE_CLOSE}{action}"
-    assert parsed(text, split, True, "hermes", COHERE_THINK_TAGS) == ("I will look the weather up.", action, [], [])
+    expected = ("I will look the weather up.", "", [("get_weather", {})], [])
+    assert parsed(text, split, True, "command_r7b", COHERE_THINK_TAGS) == expected
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_a_command_r7b_answer_after_its_plan_is_content_without_its_tags(split):
+    text = f"{COHERE_OPEN}Nothing to look up.{COHERE_CLOSE}<|START_RESPONSE|>Hello!<|END_RESPONSE|>"
+    assert parsed(text, split, True, "command_r7b", COHERE_THINK_TAGS) == ("Nothing to look up.", "Hello!", [], [])

@@ -799,7 +799,7 @@ def test_tools_render_as_transformers_renders_them(tmp_path, template):
     "style",
     [
         "hermes", "llama3_json", "gemma", "mistral", "harmony", "qwen3_coder", "olmo3", "granite", "glm4", "lfm2",
-        "nemotron", "glm45", "seed_oss",
+        "nemotron", "glm45", "seed_oss", "command_r7b",
     ],
 )
 def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(style):
@@ -821,6 +821,8 @@ def test_a_template_without_tools_is_taught_each_format_and_shown_calls_in_it(st
         "nemotron": '<TOOLCALL>[{"name": <function-name>, "arguments": <args-json-object>}, ...]</TOOLCALL>',
         "glm45": "<tool_call><function-name>\n<arg_key><key></arg_key>\n<arg_value><value></arg_value>\n</tool_call>",
         "seed_oss": "<seed:tool_call>\n<function=<function-name>>\n<parameter=<parameter-name>>\n<value>\n",
+        "command_r7b": '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": <function-name>, "parameters": '
+        "<args-json-object>}, ...]<|END_ACTION|>",
     }
     assert taught[style] in first and json.dumps(TOOLS[0]["function"]) in first
     # The assistant's text, then its call in the model's own format: it parses back.
@@ -870,7 +872,7 @@ def test_call_arguments_that_are_not_json_reach_the_template_as_sent():
     "style",
     [
         "hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3", "granite", "glm4", "lfm2",
-        "nemotron", "glm45", "seed_oss",
+        "nemotron", "glm45", "seed_oss", "command_r7b",
     ],
 )
 def test_call_arguments_that_are_not_json_are_written_into_a_template_without_tools(style):
@@ -2402,3 +2404,65 @@ def test_a_forced_seed_oss_call_is_its_xml_in_its_own_block(forced):
     seed_call = call.replace("<tool_call>", "<seed:tool_call>").replace("</tool_call>", "</seed:tool_call>")
     assert admitted_by(grammar, seed_call)
     assert parse("seed_oss", seed_call, tools=XML_TOOLS) == ("", [("get_weather", '{"city": "Rome", "days": 2}')])
+
+
+# Command R7B and Command A: a JSON list of {"tool_call_id", "tool_name", "parameters"}
+# between `<|START_ACTION|>` and `<|END_ACTION|>`, an answer between `<|START_RESPONSE|>`
+# and `<|END_RESPONSE|>`; R7B's published tool-use template (as llama.cpp keeps it).
+COMMAND_R7B = (TEMPLATE_DIR / "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja").read_text()
+R7B_CALL = '<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris"}}\n]<|END_ACTION|>'
+COMMAND_R7B_CASES = [
+    (R7B_CALL, ("", [("get_weather", '{"city": "Paris"}')])),
+    (
+        '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris"}}, '
+        '{"tool_call_id": "1", "tool_name": "get_time", "parameters": {}}]<|END_ACTION|>',
+        ("", [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+    ),
+    # The answer's tags are markup (control tokens, kept where tools are offered).
+    ("<|START_RESPONSE|>It is sunny.<|END_RESPONSE|>", ("It is sunny.", [])),
+    ("<|START_TEXT|>It is sunny.<|END_TEXT|>", ("It is sunny.", [])),  # Command A Reasoning's
+    # Its closing tag left out (a stop string, max_tokens): the call stands.
+    ('<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "now", "parameters": {}}]', ("", [("now", "{}")])),
+    # No list of calls, or a list item naming no tool: the text as written.
+    ("<|START_ACTION|>not a call<|END_ACTION|>", ("<|START_ACTION|>not a call<|END_ACTION|>", [])),
+    ('<|START_ACTION|>[{"name": "now"}]<|END_ACTION|>', ('<|START_ACTION|>[{"name": "now"}]<|END_ACTION|>', [])),
+    ('<|START_ACTION|>[{"tool_name": "f", "parameters": {"a": "x', ('<|START_ACTION|>[{"tool_name": "f", "parameters": {"a": "x', [])),
+    ("A <|START_RESPONSE half.", ("A <|START_RESPONSE half.", [])),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), COMMAND_R7B_CASES)
+def test_command_r7b_calls_are_the_same_whatever_the_split(text, expected):
+    """Its `<|START_ACTION|>` calls were content (the markers dropped as special tokens)."""
+    assert parse("command_r7b", text) == expected
+    for cut in range(1, len(text)):
+        assert parse("command_r7b", text, [cut]) == expected, cut
+    assert parse("command_r7b", text, range(1, len(text))) == expected
+
+
+def test_the_command_r7b_template_renders_a_history_of_calls_and_results_that_parses_back():
+    """Its template writes an assistant turn's `tool_calls` and the `tool` results itself,
+    the calls numbered in order, each result under its call's number."""
+    assert tool_style_for(COMMAND_R7B, "cohere2") == "command_r7b" and template_knows_tools(COMMAND_R7B)
+    rendered = with_template(COMMAND_R7B).apply_chat_template(
+        chat_for_template(HISTORY, TOOLS, "command_r7b", knows_tools=True), template_kwargs={"tools": TOOLS}
+    )
+    written = rendered[rendered.index("<|START_ACTION|>") : rendered.index("<|END_ACTION|>") + len("<|END_ACTION|>")]
+    assert written == R7B_CALL  # as the model writes them
+    assert '<|START_TOOL_RESULT|>[\n    {\n        "tool_call_id": "0",\n        "results": {\n            "0": "sunny, 21 C"' in rendered
+    assert "<|START_THINKING|><|END_THINKING|><|START_ACTION|>" in rendered  # no plan sent: none shown
+    assert parse("command_r7b", written) == ("", [("get_weather", '{"city": "Paris"}')])
+
+
+@pytest.mark.parametrize("forced", [None, "get_weather"])
+def test_a_forced_command_r7b_call_is_a_list_of_one_call_as_its_template_writes_it(forced):
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    tools = [*TOOLS, {"type": "function", "function": {"name": "get_time"}}]
+    grammar = compiler.compile(tool_call_grammar("command_r7b", tools, forced))
+    assert admitted_by(grammar, R7B_CALL.replace("Paris", "Rome"))
+    assert parse("command_r7b", R7B_CALL) == ("", [("get_weather", '{"city": "Paris"}')])
+    assert not admitted_by(grammar, R7B_CALL.replace('"tool_name"', '"name"'))
+    get_time = '<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_time", "parameters": {}}\n]<|END_ACTION|>'
+    assert admitted_by(grammar, get_time) == (forced is None)
+    source = tool_call_grammar("command_r7b", tools, forced, control_tokens={"<|START_ACTION|>": 100}).source
+    assert "<[100]>" in source and '"<|START_ACTION|>"' not in source
