@@ -230,8 +230,11 @@ class Admission:
         return calls_in_control_tokens and bool(request.tools) and request.tool_choice != "none"
 
     def thinks(self, request: GenerateRequest) -> bool:
-        """Whether the request's reply is a chat reply that may think in the model's tags."""
-        return self.think_tags is not None and request.messages is not None
+        """Whether the request's reply is a chat reply that may think in the model's tags
+        (Granite's only where the request turns its thinking on)."""
+        if self.think_tags is None or request.messages is None:
+            return False
+        return self.think_tags.thinks_with(dict(request.chat_template_kwargs))
 
     def _opens_thought(self, request: GenerateRequest, params: SequenceParams) -> bool:
         """Whether the reply starts inside a thought the prompt opened (QwQ's and

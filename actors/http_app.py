@@ -269,7 +269,10 @@ async def _complete(state: ServerState, api: ApiRequest) -> Response:
         has_logprobs=api.request.sampling.logprobs is not None,
     )
     tools = None
-    think_tags = llm.think_tags.spellings if api.kind == "chat" and llm.think_tags else None
+    tags = llm.think_tags if api.kind == "chat" else None
+    if tags is not None and not tags.thinks_with(dict(api.request.chat_template_kwargs)):
+        tags = None  # Granite's, where the request leaves its thinking off
+    think_tags = tags.spellings if tags is not None else None
     if api.parses_tools or think_tags or (api.kind == "chat" and llm.tool_style in REASONING_STYLES):
         # A harmony, Gemma 4 or thinking (<think>, [THINK]) reply is parsed for its
         # reasoning whether tools were offered or not.
@@ -280,6 +283,7 @@ async def _complete(state: ServerState, api: ApiRequest) -> Response:
             api.parses_tools,
             think_tags,
             api.request.tools,
+            tags.answer if tags is not None else (),
         )
     if api.is_stream:
         response = Response(

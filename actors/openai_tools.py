@@ -295,6 +295,7 @@ class ToolCallStream:
     # The (opening, closing) tags the reply may think between first (runtime/think_reply.py)
     think_tags: tuple[str, str] | None = None
     tools: tuple[dict[str, Any], ...] = ()  # the request's: they type Qwen3-Coder's arguments
+    answer_tags: tuple[str, ...] = ()  # text tags around the answer, left out (Granite 3.3's)
     parser: Any = None
     reasoning: str = ""  # harmony's: reasoning text since `take_reasoning` last ran
     ids: list[str] = attrs.Factory(list)
@@ -304,7 +305,7 @@ class ToolCallStream:
     is_cut_short: bool = False  # a streamed call the reply ended inside of
 
     def __attrs_post_init__(self) -> None:
-        self.parser = parser_for(self.style, self.parses_calls, self.think_tags, self.tools)
+        self.parser = parser_for(self.style, self.parses_calls, self.think_tags, self.tools, self.answer_tags)
 
     def take_reasoning(self) -> str:
         text, self.reasoning = self.reasoning, ""
@@ -417,6 +418,7 @@ class ToolCallDeltas:
     # The (opening, closing) tags the reply may think between first (runtime/think_reply.py)
     think_tags: tuple[str, str] | None = None
     tools: tuple[dict[str, Any], ...] = ()  # the request's: they type Qwen3-Coder's arguments
+    answer_tags: tuple[str, ...] = ()  # text tags around the answer, left out (Granite 3.3's)
     streams: dict[int, ToolCallStream] = attrs.Factory(dict)  # by choice index
 
     def convert(self, index: int, delta: Delta) -> Delta:
@@ -429,6 +431,7 @@ class ToolCallDeltas:
                 self.parses_calls,
                 self.think_tags,
                 self.tools,
+                self.answer_tags,
             )
         content, calls = stream.feed(delta.text)
         if delta.finish_reason is None:

@@ -19,39 +19,13 @@ answer's tags reach the parser too: they are markup, left out of the content.
 from __future__ import annotations
 
 from runtime.marked_calls_reply import MarkedCalls
-from runtime.tools import Event, marker_prefix_length
-
-import attrs
+from runtime.think_reply import TagsDropped
 
 ACTION_TAGS = START_ACTION, END_ACTION = "<|START_ACTION|>", "<|END_ACTION|>"
 # The answer's tags: R7B's and Command A's, and Command A Reasoning's.
 ANSWER_TAGS = ("<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TEXT|>", "<|END_TEXT|>")
 
 
-@attrs.define
-class ResponseMarkupDropped:
-    """`calls`' events for the text fed with the answer's tags left out. A tail that may
-    begin a tag waits until it is told, so the text reads alike in any split."""
-
-    calls: MarkedCalls
-    pending: str = ""
-
-    def feed(self, text: str) -> list[Event]:
-        self.pending += text
-        held = max(marker_prefix_length(self.pending, tag) for tag in ANSWER_TAGS)
-        ready, self.pending = self.pending[: len(self.pending) - held], self.pending[len(self.pending) - held :]
-        return self.calls.feed(_without_answer_tags(ready)) if ready else []
-
-    def finish(self) -> list[Event]:
-        rest, self.pending = _without_answer_tags(self.pending), ""
-        return [*self.calls.feed(rest), *self.calls.finish()]
-
-
-def command_r7b_parser() -> ResponseMarkupDropped:
-    return ResponseMarkupDropped(MarkedCalls(START_ACTION, takes_named_calls=False, closing=END_ACTION, name_key="tool_name"))
-
-
-def _without_answer_tags(text: str) -> str:
-    for tag in ANSWER_TAGS:
-        text = text.replace(tag, "")
-    return text
+def command_r7b_parser() -> TagsDropped:
+    calls = MarkedCalls(START_ACTION, takes_named_calls=False, closing=END_ACTION, name_key="tool_name")
+    return TagsDropped(calls, ANSWER_TAGS)

@@ -42,6 +42,15 @@ closes the thought by its decoded end, and the parser, which reads text in any s
 splits alike; stop strings read such tags as the text they are, and a grammar, which
 cannot switch on one closing token, holds their thought itself (runtime/grammar.py).
 
+Granite 3.2 and 3.3 (family `granite`) think only when a request passes `thinking: true`
+to their template (`chat_template_kwargs`), which then teaches the form in its system
+prompt: 3.3's `<think>...</think><response>...</response>`, its tags text (no tokens of
+their own: the answer's `<response>` tags are left out of it too, as llama.cpp's Granite
+format reads them), 3.2's `Here is my thought process: ... Here is my response: ...`
+(as vLLM's `granite` reasoning parser reads it). Their tags are taken so where such a
+template reads `thinking` and writes the tag (`GRANITE_THINKING`); a request without
+that switch is not split at all (`ThinkTags.switch`).
+
 `ThinkParser` turns the text, fed in any split, into `Reasoning` for the thought and
 the content's own parser's events (a Hermes call's, or `Content`) for the rest, so a
 `<tool_call>` inside the thought is no call. As llama.cpp returns it, the thought is
@@ -53,9 +62,10 @@ thought (max_tokens) is all reasoning.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
+from runtime.chat_template import reads_variable
 from runtime.tools import Content, Event, Reasoning, marker_prefix_length
 
 import attrs
@@ -72,6 +82,13 @@ TAG_PAIRS = (THINK_TAGS, MISTRAL_THINK_TAGS, SEED_THINK_TAGS, COHERE_THINK_TAGS)
 _BLANKS_AFTER_OPENING = 4  # tokens of blanks a template may write past the tag it opens
 # Families whose replies think in `<think>` written as text, not as added tokens.
 TEXT_TAG_FAMILIES = ("olmo3",)
+# Granite 3.3's thought and answer tags, then 3.2's phrases (text all), as their templates
+# teach them where a request passes `thinking: true` (their switch).
+GRANITE_THINKING = (
+    (THINK_TAGS, ("<response>", "</response>")),
+    (("Here is my thought process:", "Here is my response:"), ()),
+)
+GRANITE_SWITCH = "thinking"
 # Prompt tokens decoded to tell a thought opened or closed by text tags: a tag's
 # spelling (one token a character at worst) and the blanks past it.
 _TEXT_TAIL_TOKENS = 16
@@ -86,6 +103,14 @@ class ThinkTags:
     close: str
     open_id: int | None = None
     close_id: int | None = None
+    answer: tuple[str, ...] = ()  # text tags around the answer, left out of it (Granite 3.3's)
+    # The `chat_template_kwargs` key that turns thinking on (Granite's `thinking`): a
+    # request without it is no thinking reply. "": every chat reply may think.
+    switch: str = ""
+
+    def thinks_with(self, template_kwargs: Mapping[str, Any]) -> bool:
+        """Whether a chat request with these `chat_template_kwargs` may think."""
+        return not self.switch or bool(template_kwargs.get(self.switch))
 
     @property
     def ids(self) -> tuple[int, int] | None:
@@ -113,6 +138,10 @@ def think_tags(tokenizer: Tokenizer, family: str = "") -> ThinkTags | None:
     is_added = any(tokenizer.added_token_id(tag) is not None for tag in THINK_TAGS)
     if family in TEXT_TAG_FAMILIES and not is_added and any(THINK_OPEN in source for source in sources):
         return ThinkTags(*THINK_TAGS)
+    if family == "granite" and not is_added:
+        for (open_tag, close_tag), answer in GRANITE_THINKING:
+            if any(open_tag in source and reads_variable(source, GRANITE_SWITCH) for source in sources):
+                return ThinkTags(open_tag, close_tag, answer=answer, switch=GRANITE_SWITCH)
     return None
 
 
@@ -241,6 +270,36 @@ class ThinkParser:
         return [Reasoning(held + kept)]
 
     def _answer(self, text: str) -> list[Event]:
+        if not text:
+            return []
+        return [Content(text)] if self.content is None else self.content.feed(text)
+
+
+@attrs.define
+class TagsDropped:
+    """The events of `content`'s parser (None: the text is content) for the text fed
+    with `tags` left out: markup around an answer (Granite 3.3's `<response>`, Command
+    R7B's `<|START_RESPONSE|>`). A tail that may begin a tag waits until it is told, so
+    the text reads alike in any split."""
+
+    content: ToolParser | None
+    tags: tuple[str, ...]
+    pending: str = ""
+
+    def feed(self, text: str) -> list[Event]:
+        self.pending += text
+        held = max(marker_prefix_length(self.pending, tag) for tag in self.tags)
+        ready, self.pending = self.pending[: len(self.pending) - held], self.pending[len(self.pending) - held :]
+        return self._answer(ready)
+
+    def finish(self) -> list[Event]:
+        events = self._answer(self.pending)
+        self.pending = ""
+        return events if self.content is None else events + self.content.finish()
+
+    def _answer(self, text: str) -> list[Event]:
+        for tag in self.tags:
+            text = text.replace(tag, "")
         if not text:
             return []
         return [Content(text)] if self.content is None else self.content.feed(text)

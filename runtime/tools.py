@@ -62,14 +62,13 @@ import attrs
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from runtime.command_r7b_reply import ResponseMarkupDropped
     from runtime.gemma4_reply import Gemma4Parser
     from runtime.glm4_reply import FirstLineCall
     from runtime.glm45_reply import KeyValueCallParser
     from runtime.harmony import HarmonyParser
     from runtime.marked_calls_reply import MarkedCalls
     from runtime.qwen3_coder_reply import XmlCallParser
-    from runtime.think_reply import ThinkParser
+    from runtime.think_reply import TagsDropped, ThinkParser
 
 TOOL_STYLES = (
     "hermes", "llama3_json", "gemma", "mistral", "harmony", "gemma4", "qwen3_coder", "olmo3", "granite", "glm4", "lfm2",
@@ -403,7 +402,7 @@ def _content(text: str) -> list[Event]:
 
 ToolParser: TypeAlias = (
     "_Delimited | _WholeReply | MarkedCalls | HarmonyParser | Gemma4Parser | ThinkParser | XmlCallParser"
-    " | FirstLineCall | KeyValueCallParser | ResponseMarkupDropped"
+    " | FirstLineCall | KeyValueCallParser | TagsDropped"
 )
 
 
@@ -412,17 +411,22 @@ def parser_for(
     parses_calls: bool = True,
     think_tags: tuple[str, str] | None = None,
     tools: Sequence[Mapping[str, Any]] = (),
+    answer_tags: tuple[str, ...] = (),
 ) -> ToolParser:
     """A fresh parser for one response in `style` (one of TOOL_STYLES). Harmony's and
     Gemma 4's also split reasoning from content, so they run for requests without tools
     too: there (`parses_calls` False) a call is content. `think_tags`: the reply may
     think between these tags first (`<think>`, Mistral's `[THINK]`; runtime/think_reply.py),
-    and only its answer holds calls. `tools`, the request's: Qwen3-Coder's parameters are
-    text, which their schemas type; GLM-4's calls are known by their names alone."""
+    and only its answer holds calls, `answer_tags` left out of it (Granite 3.3's
+    `<response>` tags, text around its answer). `tools`, the request's: Qwen3-Coder's
+    parameters are text, which their schemas type; GLM-4's calls are known by their
+    names alone."""
     if think_tags is not None:
-        from runtime.think_reply import ThinkParser  # it builds on this module's events
+        # They build on this module's events.
+        from runtime.think_reply import TagsDropped, ThinkParser
 
-        return ThinkParser(parser_for(style, tools=tools) if parses_calls else None, think_tags)
+        answer = parser_for(style, tools=tools) if parses_calls else None
+        return ThinkParser(TagsDropped(answer, answer_tags) if answer_tags else answer, think_tags)
     if style == "hermes":
         return _Delimited(CALL_TAG, CALL_END_TAG, streams_arguments=True)
     if style == "gemma":

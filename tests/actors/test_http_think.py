@@ -13,10 +13,13 @@ tokenizer's own tokens (llguidance's `<[id]>`; a grammar that writes `<think>` i
 shapes the thought too), or a bias keeps the tags out of it, or biases write them.
 OLMo 3 Think's tags are text (its tokenizer holds neither), its template published.
 Seed-OSS's `<seed:think>` tags are special added tokens, kept in the reply's text.
+Granite 3.3's `<think>` and `<response>` tags are text, its template published, and it
+thinks only where a request passes `thinking: true`.
 """
 
 import json
 import pathlib
+import re
 import shutil
 
 from runtime.think_reply import THINK_TAGS
@@ -677,3 +680,54 @@ async def test_a_seed_oss_thought_is_reasoning_whole_and_streamed(make_checkpoin
         choices, _ = await in_thread(streamed, server, **body)
     assert split_of(done.choices[0].message) == (THOUGHT, THOUGHT, "Sunny in Paris.")
     assert choices[0][:2] == (THOUGHT, "Sunny in Paris.")
+
+
+@pytest.fixture(scope="module")
+def granite_3_3_flat(make_checkpoint, tmp_path_factory):
+    """A Granite checkpoint with Granite 3.3's published template, its every logit 0
+    (lm_head zeroed): biases alone pick a token."""
+    import mlx.core as mx
+
+    out = tmp_path_factory.mktemp("think") / "granite-3.3-flat"
+    tool_templates.with_template(make_checkpoint("granite"), out, tool_templates.GRANITE)
+    weights = mx.load(str(out / "model.safetensors"))
+    weights["lm_head.weight"] = mx.zeros_like(weights["lm_head.weight"])
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    return out
+
+
+def granite_thinking(checkpoint):
+    """Sampling that writes `<think> Well</think>` token by token, then what the grammar
+    allows, on a checkpoint whose logits are all 0: biases 0.2 to 0.5 apart, and presence
+    and frequency penalties that take 4 from a written token and 6 from one written twice
+    (the tags share their tokens: `<`, `think`'s and `>` are written twice, in order)."""
+    tokenizer = Tokenizer.from_dir(checkpoint)
+    less, slash, think, more = (tokenizer.encode(text) for text in ("<", "/", "think", ">"))
+    assert tokenizer.encode("<think>") == [*less, *think, *more] and tokenizer.encode("</think>") == [*less, *slash, *think, *more]
+    tag = [*less, *think, *more]
+    bias = {str(token): 100 - 0.4 * i for i, token in enumerate(tag)}
+    word = tokenizer.encode(" Well")
+    bias |= {str(token): bias[str(tag[-1])] - 0.5 - 0.2 * i for i, token in enumerate(word)}
+    bias[str(slash[0])] = 95.8  # under `<` once written (96), over it twice written (94) and over `think`'s first (95.6)
+    assert len(bias) == len(tag) + len(word) + 1
+    return dict(logit_bias=bias, presence_penalty=2.0, frequency_penalty=2.0, temperature=0), tokenizer.decode(word).strip()
+
+
+async def test_a_granite_thought_is_reasoning_only_where_the_request_turns_thinking_on(granite_3_3_flat):
+    """Granite 3.3 thinks in `<think>` and answers in `<response>`, both text, when a
+    request passes `thinking: true`: the thought came back as content, tags and all. Now
+    it is reasoning and the answer content, whole and streamed; without the switch the
+    same text is content as written, as before."""
+    answer = "<response>Sunny in Paris.</response>"
+    sampling, word = granite_thinking(granite_3_3_flat)
+    on = {"guided_regex": re.escape(answer), "chat_template_kwargs": {"thinking": True}}
+    body = dict(messages=ASK, max_tokens=40, **sampling)
+    async with serving(granite_3_3_flat) as server:
+        assert server.llm.thinks and server.llm.think_tags.ids is None
+        done = await in_thread(whole, server, **body, extra_body=on)
+        choices, usage = await in_thread(streamed, server, **body, extra_body=on)
+        plain = await in_thread(whole, server, messages=ASK, max_tokens=40, temperature=0, extra_body={"guided_regex": re.escape(answer)})
+    assert split_of(done.choices[0].message) == (word, word, "Sunny in Paris.")
+    assert choices == [(word, "Sunny in Paris.", [], "stop", word)]
+    assert split_of(plain.choices[0].message) == (None, None, answer)  # thinking off: as written
+    assert usage.prompt_tokens > plain.usage.prompt_tokens  # its template taught the form

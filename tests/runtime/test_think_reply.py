@@ -3,9 +3,11 @@ content or calls, in any split."""
 
 import json
 import time
+from pathlib import Path
 
 from runtime.think_reply import (
     COHERE_THINK_TAGS,
+    GRANITE_THINKING,
     MISTRAL_THINK_TAGS,
     SEED_THINK_TAGS,
     THINK_CLOSE,
@@ -27,9 +29,9 @@ SPLITS = [1, 2, 3, 5, 7, 11, 1000]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
-def parsed(text, split, parses_calls=False, style="hermes", tags=THINK_TAGS):
+def parsed(text, split, parses_calls=False, style="hermes", tags=THINK_TAGS, answer_tags=()):
     """(reasoning, content, [(name, arguments)], cut) from `text` fed `split` characters at a time."""
-    parser = parser_for(style, parses_calls, think_tags=tags)
+    parser = parser_for(style, parses_calls, think_tags=tags, answer_tags=answer_tags)
     events = [e for i in range(0, len(text), split) for e in parser.feed(text[i : i + split])]
     events += parser.finish()
     assert all(e.text for e in events if isinstance(e, Reasoning | Content))  # no empty events
@@ -381,3 +383,61 @@ def test_a_command_r7b_plan_is_reasoning_and_its_action_a_call(split):
 def test_a_command_r7b_answer_after_its_plan_is_content_without_its_tags(split):
     text = f"{COHERE_OPEN}Nothing to look up.{COHERE_CLOSE}<|START_RESPONSE|>Hello!<|END_RESPONSE|>"
     assert parsed(text, split, True, "command_r7b", COHERE_THINK_TAGS) == ("Nothing to look up.", "Hello!", [], [])
+
+
+# Granite 3.3's published template, and 3.2's in its shape: 3.3's with 3.2's thinking
+# instruction (its phrases), as 3.2's template writes it under `thinking`.
+GRANITE_33 = (Path(__file__).resolve().parents[1] / "actors" / "templates" / "ibm-granite-granite-3.3-2b-instruct.jinja").read_text()
+GRANITE_32 = GRANITE_33.replace(
+    "Write your thoughts between <think></think> and write your response between <response></response>",
+    "Write your thoughts after 'Here is my thought process:' and write your response after 'Here is my response:'",
+)
+(GRANITE_33_TAGS, RESPONSE_TAGS), (GRANITE_32_TAGS, _) = GRANITE_THINKING
+
+
+def test_granite_3_2_and_3_3_think_in_text_where_their_template_reads_thinking():
+    """Their thinking was never split: the thought came back as the answer's text."""
+    assert GRANITE_32 != GRANITE_33
+    expected_33 = ThinkTags(*GRANITE_33_TAGS, answer=RESPONSE_TAGS, switch="thinking")
+    assert think_tags(_Tokenizer({}, GRANITE_33), "granite") == expected_33
+    assert think_tags(_Tokenizer({}, GRANITE_32), "granite") == ThinkTags(*GRANITE_32_TAGS, switch="thinking")
+    assert think_tags(_Tokenizer({}, GRANITE_33), "llama") is None  # another family's mention of <think>
+    assert think_tags(_Tokenizer({}, "<think>{{ messages }}"), "granite") is None  # no `thinking` switch
+    # Only a request passing `thinking: true` thinks; without it nothing is split.
+    assert expected_33.thinks_with({"thinking": True}) and not expected_33.thinks_with({})
+    assert not expected_33.thinks_with({"thinking": False}) and ThinkTags(*THINK_TAGS).thinks_with({})
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize(
+    ("text", "reasoning", "content"),
+    [
+        ("<think>The user asks.</think><response>Paris is sunny.</response>", "The user asks.", "Paris is sunny."),
+        ("<think>\nThe user asks.\n</think>\n<response>\nParis is sunny.\n</response>", "The user asks.", "\nParis is sunny.\n"),
+        ("<think>Still thinking", "Still thinking", ""),  # cut by max_tokens
+        ("<response>Paris is sunny.</response>", "", "Paris is sunny."),  # no thought
+        ("Paris is sunny.", "", "Paris is sunny."),
+    ],
+)
+def test_a_granite_3_3_thought_is_reasoning_and_its_response_tags_no_content(text, reasoning, content, split):
+    assert parsed(text, split, tags=GRANITE_33_TAGS, answer_tags=RESPONSE_TAGS)[:2] == (reasoning, content)
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize(
+    ("text", "reasoning", "content"),
+    [
+        ("Here is my thought process:\nThe user asks.\n\nHere is my response:\nParis is sunny.", "The user asks.", "Paris is sunny."),
+        ("Here is my thought process: still", "still", ""),
+        ("Here is Paris.", "", "Here is Paris."),  # the phrase only begun: content as written
+    ],
+)
+def test_a_granite_3_2_thought_is_reasoning_between_its_phrases(text, reasoning, content, split):
+    assert parsed(text, split, tags=GRANITE_32_TAGS)[:2] == (reasoning, content)
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_a_granite_call_after_the_thought_is_a_call(split):
+    text = '<think>Look it up.</think><response><|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</response>'
+    expected = ("Look it up.", "", [("get_weather", {"city": "Paris"})], [])
+    assert parsed(text, split, True, "granite", GRANITE_33_TAGS, RESPONSE_TAGS) == expected
