@@ -30,7 +30,8 @@ The formats, as the families' chat templates teach them:
   olmo3        OLMo 3 Instruct: `<function_calls>name(key=value, ...)</function_calls>`, a
                call a line, each value JSON (`true`, `null`, `"text"`).
   lfm2         LFM2: `<|tool_call_start|>[name(key=value, ...), ...]<|tool_call_end|>`, a
-               Python list of calls, each value a Python or JSON literal.
+               Python list of calls, each value a Python or JSON literal; or, where its
+               system prompt asks for JSON, a JSON list of {"name", "arguments"} there.
   nemotron     Nemotron Nano v2 (`nemotron_h`): `<TOOLCALL>[{"name": ..., "arguments": {...}},
                ...]</TOOLCALL>`, Granite's list form between NVIDIA's tags. Text may come first.
   glm45        GLM-4.5, 4.6, 4.7: `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>`
@@ -235,6 +236,17 @@ def _name_first(body: str, start: int) -> tuple[str, int] | None:
         return None
 
 
+def _json_list_calls(body: str) -> list[dict[str, Any]] | None:
+    """A JSON list of {"name", "arguments"} calls, else None (an item that is no call
+    makes the whole list text, as a Python list with one does)."""
+    listed = _decoded(body.strip())
+    if not isinstance(listed, list) or not listed:
+        return None
+    if not all(isinstance(call, dict) and isinstance(call.get("name"), str) for call in listed):
+        return None
+    return listed
+
+
 def _whole_call(index: int, call: object, raw: str = "") -> list[Event]:
     """A parsed call's events; JSON that is not a call stays the text it was (`raw`)."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
@@ -256,6 +268,8 @@ class _Delimited:
     streams_arguments: bool  # JSON bodies stream; gemma's Python calls go whole
     # OLMo 3 writes its Python calls' values as JSON: `true`, `false` and `null` are values.
     json_literals: bool = False
+    # LFM2 writes a JSON list of {"name", "arguments"} calls instead where asked to.
+    json_lists: bool = False
     pending: str = ""  # text not yet reported
     in_call: bool = False
     calls: _JsonCalls = attrs.Factory(_JsonCalls)
@@ -309,6 +323,8 @@ class _Delimited:
     def _body_events(self, body: str, is_final: bool, closing: str) -> list[Event]:
         if not self.streams_arguments and not body.lstrip().startswith("{"):
             calls = python_calls(body, self.json_literals) if is_final else None
+            if calls is None and is_final and self.json_lists:
+                calls = _json_list_calls(body)
             if calls is None:  # not a call: the text as the model wrote it
                 return [Content(self.opening + body + closing)] if is_final else []
             events = [
@@ -434,7 +450,7 @@ def parser_for(
     if style == "olmo3":
         return _Delimited(FUNCTION_CALLS, FUNCTION_CALLS_END, streams_arguments=False, json_literals=True)
     if style == "lfm2":  # Python literals, or JSON's (`true`, `null`) as forced calls write them
-        return _Delimited(LFM2_CALL_START, LFM2_CALL_END, streams_arguments=False, json_literals=True)
+        return _Delimited(LFM2_CALL_START, LFM2_CALL_END, streams_arguments=False, json_literals=True, json_lists=True)
     if style == "llama3_json":
         return _WholeReply()
     if style in ("mistral", "granite", "nemotron"):

@@ -203,6 +203,22 @@ async def test_a_python_tag_inside_a_llama3_argument_is_kept(checkpoint_for):
     assert (content, finish) == ("", "tool_calls")
 
 
+async def test_lfm2_json_list_calls_are_calls_whole_and_streamed(checkpoint_for):
+    """LFM2 writes its calls as a JSON list of {"name", "arguments"} where its system
+    prompt asks for JSON: that list was content, its markers and all."""
+    text = (
+        'Checking.<|tool_call_start|>[{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}, '
+        '{"name": "get_time", "arguments": {"zone": "UTC"}}]<|tool_call_end|>'
+    )
+    done, (content, calls, finish) = await answers_writing(checkpoint_for("lfm2"), text, max_tokens=150)
+    message = done.choices[0].message
+    expected = [("get_weather", {"city": "Rome", "days": 2}), ("get_time", {"zone": "UTC"})]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == expected
+    assert (message.content, done.choices[0].finish_reason) == ("Checking.", "tool_calls")
+    assert (content, finish) == ("Checking.", "tool_calls")
+    assert [(n, a) for _, n, a in calls.values()] == [(c.function.name, c.function.arguments) for c in message.tool_calls]
+
+
 @pytest.mark.parametrize(
     ("style", "text"),
     [

@@ -1790,6 +1790,16 @@ LFM2_CASES = [
     # Cut short (max_tokens): the text as written, no call.
     ('<|tool_call_start|>[get_weather(city="Par', ('<|tool_call_start|>[get_weather(city="Par', [])),
     ("It ends in <|tool_call", ("It ends in <|tool_call", [])),
+    # The JSON list LFM2 writes where its system prompt asks for JSON (as llama.cpp reads it).
+    (
+        '<|tool_call_start|>[{"name": "get_weather", "arguments": {"city": "Paris", "exact": true}}, '
+        '{"name": "get_time", "arguments": {}}]<|tool_call_end|>Checking.',
+        ("Checking.", [("get_weather", '{"city": "Paris", "exact": true}'), ("get_time", "{}")]),
+    ),
+    ('<|tool_call_start|>[{"name": "now", "arguments": "{\\"tz\\": 1}"}]<|tool_call_end|>', ("", [("now", '{"tz": 1}')])),
+    # An item that is no call, or a list cut short: the text as written.
+    ('<|tool_call_start|>[{"name": "now"}, 3]<|tool_call_end|>', ('<|tool_call_start|>[{"name": "now"}, 3]<|tool_call_end|>', [])),
+    ('<|tool_call_start|>[{"name": "now", "arguments": {"a', ('<|tool_call_start|>[{"name": "now", "arguments": {"a', [])),
 ]
 
 
