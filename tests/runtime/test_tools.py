@@ -16,6 +16,7 @@ from runtime import json_ends, tool_prompts
 from runtime.call_values import python_calls
 from runtime.errors import RequestError
 from runtime.glm4_reply import tool_names
+from runtime.glm45_reply import key_value_call
 from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.qwen3_coder_reply import parameter_types, parameter_value, value_types, xml_call
 from runtime.tokenizer import Tokenizer
@@ -2260,6 +2261,27 @@ GLM45_CASES = [
     ),
     ("It ends in <tool_ca", ("It ends in <tool_ca", [])),  # held as a marker, then text
     ("It ends in <tool_call>get_ti", ("It ends in <tool_call>get_ti", [])),  # a name never ended
+    (  # an empty key or value, each right at its tag (an empty key's pair dropped)
+        glm("get_weather", ("", "x"), ("city", ""), ("days", "2")),
+        ("", [("get_weather", '{"city": "", "days": 2}')]),
+    ),
+    (  # GLM-4.7's form with no name: text as written
+        "<tool_call><arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+        ("<tool_call><arg_key>a</arg_key><arg_value>1</arg_value></tool_call>", []),
+    ),
+    (  # stray text between pairs, one beginning with "<", one of a character, is dropped
+        "<tool_call>get_weather\n<br> <arg_key>city</arg_key><arg_value>Rome</arg_value>x"
+        "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>",
+        ("", [("get_weather", '{"city": "Rome", "days": 2}')]),
+    ),
+    (  # keys with no value, one after another, are dropped
+        "<tool_call>get_weather<arg_key>a</arg_key> <arg_key>b</arg_key>\n"
+        "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>",
+        ("", [("get_weather", '{"days": 2}')]),
+    ),
+    # A name of the limit's 256 characters is a call, one of 257 text.
+    (glm("n" * 256, ("a", "1")), ("", [("n" * 256, '{"a": "1"}')])),
+    (glm("n" * 257, ("a", "1")), (glm("n" * 257, ("a", "1")), [])),
 ]
 
 
@@ -2290,6 +2312,29 @@ def test_glm45_streams_the_name_then_each_pair_as_its_value_closes():
     ]
     assert parser.feed("value>\n</tool_call>") == [CallArguments(0, ', "days": 3'), CallArguments(0, "}")]
     assert parser.finish() == []
+
+
+def test_glm45_text_goes_out_as_it_comes_but_a_tail_that_may_begin_a_call():
+    parser = parser_for("glm45", tools=XML_TOOLS)
+    assert parser.feed("Paris is sunny <tool") == [Content("Paris is sunny ")]
+    assert parser.feed("s") == [Content("<tools")]
+    # A name ends at its line's end (GLM-4.5's) as at a tag (GLM-4.7's).
+    assert parser_for("glm45", tools=XML_TOOLS).feed("<tool_call>get_time\n") == [CallStart(0, "get_time")]
+    # A call's tag followed by a tag, no name, is text at once.
+    events = parser_for("glm45", tools=XML_TOOLS).feed("<tool_call><arg_key>")
+    assert "".join(e.text for e in events if isinstance(e, Content)) == "<tool_call><arg_key>"
+
+
+def test_a_past_call_is_written_in_glm45s_tags():
+    def body(arguments):
+        return key_value_call("f", arguments).removeprefix("<tool_call>f").removesuffix("\n</tool_call>")
+
+    assert body(None) == body("") == body({}) == ""
+    assert body("not json") == "\nnot json"  # text a client sent goes in as written
+    assert body([1]) == "\n[1]"
+    assert body({"a": "Zürich", "b": ["Zürich"]}) == (
+        "\n<arg_key>a</arg_key>\n<arg_value>Zürich</arg_value>\n<arg_key>b</arg_key>\n<arg_value>[\"Zürich\"]</arg_value>"
+    )
 
 
 def test_a_glm45_call_the_reply_ends_inside_of_is_cut_short_with_its_text():
