@@ -2018,6 +2018,10 @@ NEMOTRON_CASES = [
     ("<TOOLCALL>not a call</TOOLCALL>", ("<TOOLCALL>not a call</TOOLCALL>", [])),
     ('Sure.<TOOLCALL>[{"name": "f", "arguments": {"a": "x', ('Sure.<TOOLCALL>[{"name": "f", "arguments": {"a": "x', [])),
     ("A </TOOLCALL> alone.", ("A </TOOLCALL> alone.", [])),
+    # Only the closing tag right after the list (past blanks) is markup: a second one, or
+    # one after text, is text.
+    ('<TOOLCALL>[{"name": "now", "arguments": {}}]</TOOLCALL></TOOLCALL>', ("</TOOLCALL>", [("now", "{}")])),
+    ('<TOOLCALL>[{"name": "now", "arguments": {}}] and </TOOLCALL>', (" and </TOOLCALL>", [("now", "{}")])),
 ]
 
 
@@ -2027,6 +2031,13 @@ def test_nemotron_calls_are_the_same_whatever_the_split(text, expected):
     for cut in range(1, len(text)):
         assert parse("nemotron", text, [cut]) == expected, cut
     assert parse("nemotron", text, range(1, len(text))) == expected
+
+
+def test_text_after_a_nemotron_call_list_goes_out_as_it_comes():
+    parser = parser_for("nemotron")
+    events = parser.feed('<TOOLCALL>[{"name": "now", "arguments": {}}]Done')
+    assert events[-1] == Content("Done")  # not held for a closing tag it cannot begin
+    assert parser.feed("</TOOL") == [Content("</TOOL")]
 
 
 def test_the_nemotron_nano_v2_template_is_nemotrons_and_its_history_parses_back():
