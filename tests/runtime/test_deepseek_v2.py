@@ -150,6 +150,8 @@ def test_preempted_rows_recompute_to_the_tokens_they_get_alone(tmp_path: Path, f
         ({"qk_rope_head_dim": 7}, "qk_rope_head_dim must be even"),
         ({"first_k_dense_replace": -1}, "first_k_dense_replace must be a whole number"),
         ({"kv_lora_rank": None}, "field 'kv_lora_rank' should be int"),
+        ({"n_shared_experts": False}, "field 'n_shared_experts' should be int"),  # not read as 0
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ],
 )
 def test_a_config_cadence_cannot_run_is_refused_in_one_line(make_checkpoint, fields, says):
@@ -159,11 +161,52 @@ def test_a_config_cadence_cannot_run_is_refused_in_one_line(make_checkpoint, fie
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("shape", [(100, 64), ()], ids=["rows-past-whole-heads", "scalar"])
+def test_a_rotated_projection_of_another_shape_is_a_one_line_refusal(tmp_path: Path, shape):
+    """Not cut to whole heads (and reordered) by the interleave's reordering, but named."""
+    path = checkpoint(tmp_path)
+    weights = mx.load(str(path / "model.safetensors"))
+    weights["model.layers.0.self_attn.q_proj.weight"] = mx.zeros(shape)
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    with pytest.raises(CheckpointError, match="q_proj.weight' has shape .*, not whole heads of 24 rows") as error:
+        load_model(path)
+    assert "\n" not in str(error.value)
+
+
 def test_no_shared_experts_where_the_config_says_none_or_zero(tmp_path: Path):
     for count in (None, 0):
         path = checkpoint(tmp_path / str(count), n_shared_experts=count)
         experts = load_model(path).model.model.layers[1].mlp
         assert isinstance(experts, LatentExperts) and "shared_experts" not in experts
+
+
+@pytest.mark.parametrize(
+    ("fields", "normalize", "scaling", "groups"),
+    [
+        ({"norm_topk_prob": None}, False, 1.0, 1),  # DeepSeek's default: scaled, not normalised
+        ({"norm_topk_prob": True, "routed_scaling_factor": 2.0}, True, 1.0, 1),
+        # one expert a token: its score scaled, never normalised to 1 (DeepSeek's MoEGate)
+        ({"norm_topk_prob": True, "num_experts_per_tok": 1, "routed_scaling_factor": 2.0}, False, 2.0, 1),
+        ({"topk_method": "group_limited_greedy", "n_group": None, "topk_group": None}, False, 1.0, 1),
+    ],
+)
+def test_the_v2_router_reads_as_deepseeks_code_runs_it(fields, normalize, scaling, groups):
+    raw = {name: value for name, value in {**V2_LITE, **fields}.items() if value is not None or name == "q_lora_rank"}
+    routing = config_from_dict(raw).extra["routing"]
+    assert (routing.normalize, routing.scaling, routing.num_groups, routing.top_groups) == (normalize, scaling, groups, 1)
+
+
+def test_moe_layer_freq_routes_only_every_nth_layer_from_first_k_dense_replace():
+    """transformers' and DeepSeek's: sparse where i >= first_k_dense_replace and i % moe_layer_freq == 0."""
+    config = config_from_dict({**V2_LITE, "num_hidden_layers": 6, "moe_layer_freq": 2})
+    assert config.extra["experts"].sparse_layers == (False, False, True, False, True, False)
+
+
+def test_v3s_router_reads_one_group_where_the_config_gives_none(make_checkpoint):
+    raw = json.loads((make_checkpoint("deepseek_v3", **SHAPE) / "config.json").read_text())
+    raw = {name: value for name, value in raw.items() if name not in ("n_group", "topk_group")}
+    routing = config_from_dict(raw).extra["routing"]
+    assert (routing.num_groups, routing.top_groups) == (1, 1)
 
 
 def test_group_limited_greedy_routes_within_the_best_groups(tmp_path: Path):
