@@ -7,6 +7,7 @@ conv inputs and SSM state across chunks, mixed steps, lookahead and preemption."
 import json
 import math
 import re
+import shutil
 
 from runtime.checkpoint import load_model
 from runtime.config import config_from_dict
@@ -157,11 +158,40 @@ def test_the_layer_count_and_pattern_may_come_from_layers_block_type():
     assert config.extra["pattern"] == pattern and config.num_hidden_layers == 52
 
 
+def test_an_originals_mtp_head_and_transformers_5s_stacked_experts_load_as_mlx_lm_runs_them(make_checkpoint, tmp_path):
+    """`mtp.*` dropped; `mixer.experts.up_proj` [E, I, hidden] (and down_proj) read as the
+    per-expert tensors stacked."""
+    original = make(make_checkpoint, "nano-3-moe", hf_original=True)
+    shutil.copytree(original, tmp_path / "restacked")
+    weights = mx.load(str(original / "model.safetensors"))
+    for layer in (1, 4):  # MEM*E's expert blocks
+        for name in ("up_proj", "down_proj"):
+            prefix = f"backbone.layers.{layer}.mixer.experts"
+            each = [weights.pop(f"{prefix}.{e}.{name}.weight") for e in range(4)]
+            weights[f"{prefix}.{name}"] = mx.stack(each)
+    weights["mtp.layers.0.norm.weight"] = mx.ones((64,))
+    mx.save_safetensors(str(tmp_path / "restacked" / "model.safetensors"), weights)
+    got = load_model(tmp_path / "restacked", keep_dtype=True).model(TOKENS)
+    assert mx.allclose(got, mlx_lm.load(str(original))[0](TOKENS), atol=1e-4).item()
+
+
+def test_the_routers_fields_left_out_read_as_transformers_defaults():
+    """One group, all of it kept, the weights normalised (Nano 3's values are the defaults)."""
+    left_out = ("n_group", "topk_group", "norm_topk_prob")
+    config = config_from_dict({k: v for k, v in nano_3_30b_a3b().items() if k not in left_out})
+    assert config.extra["routing"] == (1, 1, 2.5) and config.extra["experts"].normalize
+    # the one group holds all 128 experts to choose from
+    raw = {k: v for k, v in nano_3_30b_a3b(num_experts_per_tok=100).items() if k not in left_out}
+    assert config_from_dict(raw).extra["experts"].top_k == 100
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
         ({"hybrid_override_pattern": "MEME", "num_hidden_layers": 4}, "needs at least one attention layer"),
         ({"hybrid_override_pattern": "M*X"}, "hybrid_override_pattern must be characters M, *, - and E"),
+        ({"hybrid_override_pattern": ["M", "*", 1]}, "hybrid_override_pattern must be characters M, *, - and E"),
+        ({"hybrid_override_pattern": 52}, "hybrid_override_pattern must be characters M, *, - and E"),
         ({"hybrid_override_pattern": None}, "needs hybrid_override_pattern, or layers_block_type"),
         ({"num_hidden_layers": 51}, "num_hidden_layers is 51, but hybrid_override_pattern has 52"),
         ({"n_groups": 5}, "mamba_num_heads (64) is not a multiple of n_groups (5)"),
