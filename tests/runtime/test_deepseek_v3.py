@@ -6,6 +6,7 @@ multi-token-prediction layers) and the ones refused."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from runtime.checkpoint import load_model
@@ -138,12 +139,36 @@ def test_fp8_originals_are_refused_in_one_line(tmp_path: Path):
 
 
 @pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        ("float-of-another-shape", "embed_q' and '.unembed_out' have shapes (4, 64, 16) and (4, 32, 64)"),
+        ("scales-of-other-groups", "embed_q.weight' is not 32 inputs packed in groups"),
+    ],
+)
+def test_a_damaged_split_kv_b_proj_is_a_one_line_refusal(tmp_path: Path, damage, says):
+    """mlx-lm's embed_q [H, kv_lora_rank, nope] (here 4 x 64 x 32, packed 4-bit at 32)."""
+    path = make_tiny_checkpoint(tmp_path, "deepseek_v3", quantize=(32, 4), **SHAPE)
+    weights = weights_of(path)
+    name = "model.layers.1.self_attn.embed_q"
+    if damage == "float-of-another-shape":
+        del weights[f"{name}.scales"], weights[f"{name}.biases"]
+        weights[f"{name}.weight"] = mx.zeros((4, 64, 16))
+    else:
+        weights[f"{name}.scales"] = weights[f"{name}.biases"] = mx.ones((4, 64, 3))
+    save_weights(path, weights)
+    with pytest.raises(CheckpointError, match=re.escape(says)) as error:
+        load_model(path)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
     ("fields", "says"),
     [
         ({"topk_method": "greedy"}, "topk_method 'greedy' is not supported for deepseek_v3"),
         ({"scoring_func": "softmax"}, "scoring_func 'softmax' is not supported for deepseek_v3"),
         ({"n_group": 4, "topk_group": 2}, "leaves groups of fewer than the 2 experts"),
         ({"n_group": 2, "topk_group": 3}, "be at least topk_group"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ],
 )
 def test_a_router_cadence_cannot_run_is_refused(make_checkpoint, fields, says):
