@@ -171,6 +171,21 @@ def test_a_dense_model_runs_the_shared_mlps_width():
     assert config.extra["experts"] is None and config.intermediate_size == 1024
 
 
+def test_the_fields_a_config_leaves_out_read_as_transformers_defaults():
+    """-h-tiny's values of these are transformers' defaults: left out, the same model."""
+    optional = ("attention_bias", "mamba_d_conv", "mamba_n_groups", "mamba_conv_bias", "mamba_proj_bias", "mamba_d_head")
+    released = config_from_dict(granite_4_h_tiny())
+    left_out = config_from_dict({k: v for k, v in granite_4_h_tiny().items() if k not in optional})
+    assert left_out.extra["mamba"] == released.extra["mamba"]
+    assert (left_out.qkv_bias, left_out.o_bias) == (released.qkv_bias, released.o_bias) == (False, False)
+
+
+def test_a_time_step_limit_may_clip_to_one_value():
+    """[low, high] with low == high (transformers clips to it; mlx-lm too)."""
+    assert config_from_dict(granite_4_h_tiny(time_step_limit=[0, 0])).extra["mamba"]["time_step_limit"] == (0.0, 0.0)
+    assert config_from_dict(granite_4_h_tiny(time_step_limit=[0.5, 0.5])).extra["mamba"]["time_step_limit"] == (0.5, 0.5)
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
@@ -185,6 +200,7 @@ def test_a_dense_model_runs_the_shared_mlps_width():
         ({"shared_intermediate_size": None}, "missing required field 'shared_intermediate_size'"),
         ({"num_experts_per_tok": 65}, "num_experts_per_tok (65) is more than the 64 experts"),
         ({"residual_multiplier": 0}, "residual_multiplier must be a positive number"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ],
 )
 def test_a_malformed_config_is_one_line(changes, message):
