@@ -32,7 +32,7 @@ import mlx.core as mx
 
 ROTATES_PART_OF_A_HEAD = True  # `partial_rotary_factor` (0.5 in the releases)
 # transformers' Glm4MoeConfig defaults, for fields a config may leave out.
-DEFAULTS: dict[str, Any] = {"partial_rotary_factor": 0.5, "first_k_dense_replace": 1}
+DEFAULTS: dict[str, Any] = {"partial_rotary_factor": 0.5, "first_k_dense_replace": 1, "rms_norm_eps": 1e-5}
 EXPERT_NAMES = deepseek_v2.EXPERT_NAMES  # stored: ours
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 

@@ -14,9 +14,9 @@ from runtime.models import deepseek_v2, deepseek_v3
 
 import attrs
 
-# transformers' Glm4MoeLiteConfig defaults (its mlp_layer_types: the first layer dense),
-# as mlx-lm's, for fields a config may leave out.
-DEFAULTS = {"first_k_dense_replace": 1}
+# transformers' Glm4MoeLiteConfig defaults (its mlp_layer_types: the first layer dense,
+# as mlx-lm's; every norm's eps 1e-5), for fields a config may leave out.
+DEFAULTS = {"first_k_dense_replace": 1, "rms_norm_eps": 1e-5}
 build = deepseek_v2.build
 EXPERT_NAMES = deepseek_v2.EXPERT_NAMES  # stored: ours
 rename_weights = deepseek_v3.rename_weights
@@ -24,5 +24,5 @@ rename_weights = deepseek_v3.rename_weights
 
 def read_config(fields: ConfigFields) -> dict[str, Any]:
     read = deepseek_v3.read_config(fields)
-    mla = attrs.evolve(read["extra"]["mla"], norm_eps=fields.get("rms_norm_eps", float, 1e-6))
+    mla = attrs.evolve(read["extra"]["mla"], norm_eps=fields.get("rms_norm_eps", float))
     return {**read, "extra": {**read["extra"], "mla": mla}}

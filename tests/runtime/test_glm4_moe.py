@@ -70,6 +70,14 @@ def test_fields_it_cannot_run_are_refused_naming_them(tmp_path: Path, field, val
         config_from_dict({**raw, field: value})
 
 
+def test_fields_left_out_read_as_transformers_glm4_moe_config_defaults(tmp_path: Path):
+    """Half of each head rotated; the norms' eps 1e-5 (not the llama families' 1e-6)."""
+    path = make_tiny_checkpoint(tmp_path, "glm4_moe", **SHAPE)
+    raw = json.loads((path / "config.json").read_text())
+    config = config_from_dict({k: v for k, v in raw.items() if k not in ("partial_rotary_factor", "rms_norm_eps")})
+    assert (config.extra["rotary_dims"], config.rms_norm_eps) == (16, 1e-5)
+
+
 def test_groups_too_small_to_score_by_their_two_best_are_refused(tmp_path: Path):
     path = make_tiny_checkpoint(tmp_path, "glm4_moe", **SHAPE)
     raw = json.loads((path / "config.json").read_text())  # 4 experts

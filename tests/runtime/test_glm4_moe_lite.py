@@ -37,6 +37,14 @@ def test_the_latent_norms_take_rms_norm_eps_and_the_mtp_layer_is_dropped_as_mlx_
     assert ours.config.head_dim == 32 + 16  # q.k's width; v's (32) padded to it
 
 
+def test_without_rms_norm_eps_every_norm_takes_transformers_default(tmp_path: Path):
+    """Glm4MoeLiteConfig's 1e-5, the latent norms' too (DeepSeek's fixed 1e-6 is not GLM's)."""
+    path = make_tiny_checkpoint(tmp_path, "glm4_moe_lite", **SHAPE)
+    raw = json.loads((path / "config.json").read_text())
+    config = config_from_dict({k: v for k, v in raw.items() if k != "rms_norm_eps"})
+    assert config.rms_norm_eps == config.extra["mla"].norm_eps == 1e-5
+
+
 def test_without_first_k_dense_replace_the_first_layer_is_dense_as_transformers_and_mlx_lm_default(tmp_path: Path):
     path = make_tiny_checkpoint(tmp_path, "glm4_moe_lite", **SHAPE)
     raw = json.loads((path / "config.json").read_text())
