@@ -58,6 +58,8 @@ def test_without_qk_norm_as_glm_4_5_air_it_matches_mlx_lm(tmp_path: Path):
     ("field", "value", "message"),
     [
         ("partial_rotary_factor", 0.3, "must rotate an even number of a head's 32 dimensions"),
+        ("partial_rotary_factor", -0.5, "must rotate an even number of a head's 32 dimensions"),
+        ("partial_rotary_factor", "0.5", "must rotate an even number of a head's 32 dimensions"),
         ("topk_method", "greedy", "topk_method 'greedy' is not supported for glm4_moe"),
         ("scoring_func", "softmax", "scoring_func 'softmax' is not supported for glm4_moe"),
         ("n_group", 3, "n_group"),
