@@ -133,6 +133,8 @@ def test_cohere_configs_read_as_transformers_reads_them():
     assert (plain.extra["logit_scale"], plain.extra["layer_norm_eps"], plain.tie_word_embeddings) == (0.0625, 1e-5, True)
     assert plain.layer_windows == () and not plain.extra["nope_full_layers"]
     assert (config("cohere", attention_bias=True).qkv_bias, config("cohere", attention_bias=True).o_bias) == (True, True)
+    unbiased = config("cohere", "attention_bias")  # transformers' default: no biases
+    assert (unbiased.qkv_bias, unbiased.o_bias) == (False, False)
 
 
 @pytest.mark.parametrize(

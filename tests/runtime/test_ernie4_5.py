@@ -55,6 +55,14 @@ def config(**fields):
     return config_from_dict({**raw, **fields})
 
 
+def test_ernie4_5_without_use_bias_reads_as_unbiased():
+    """transformers' Ernie4_5Config default (False)."""
+    raw = hf_config("ernie4_5", vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, intermediate_size=128)
+    read = config_from_dict({name: value for name, value in raw.items() if name != "use_bias"})
+    assert (read.qkv_bias, read.o_bias) == (False, False)
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

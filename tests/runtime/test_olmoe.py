@@ -65,6 +65,14 @@ def config(**fields):
     return config_from_dict({**raw, **fields})
 
 
+def test_olmoe_without_norm_topk_prob_weighs_by_the_softmax_unnormalised():
+    """transformers' OlmoeConfig default (False), as mlx-lm's."""
+    raw = hf_config("olmoe", vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, intermediate_size=128)
+    read = config_from_dict({name: value for name, value in raw.items() if name != "norm_topk_prob"})
+    assert not read.extra["experts"].normalize and config(norm_topk_prob=True).extra["experts"].normalize
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
