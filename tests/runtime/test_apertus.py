@@ -44,6 +44,18 @@ def test_apertus_logits_match_mlx_lm_and_each_xielu_scalar_matters(tmp_path: Pat
         activation[name] = kept
 
 
+def test_xielu_takes_its_negative_branch_at_zero_and_below_as_transformers():
+    """x > 0 squared; x <= 0 (0 too, where the other branch is off by ~1e-6) the expm1 one."""
+    from runtime.models.apertus import XIELU
+
+    activation = XIELU()
+    x = mx.array([0.0, -2.0, 2.0])
+    alpha_p, alpha_n = mx.logaddexp(activation.alpha_p, 0.0), 0.5 + mx.logaddexp(activation.alpha_n, 0.0)
+    negative = (mx.expm1(mx.minimum(x, -1e-6)) - x) * alpha_n + 0.5 * x
+    want = mx.where(mx.array([False, False, True]), alpha_p * x * x + 0.5 * x, negative)
+    assert mx.allclose(activation(x), want, rtol=0, atol=1e-8).item() and activation(x)[0].item() != 0.0
+
+
 @pytest.mark.parametrize("quantize", [None, (32, 4)], ids=["float", "q4"])
 def test_apertus_greedy_parity_through_the_engine(tmp_path: Path, quantize):
     path = apertus(tmp_path, quantize)

@@ -284,6 +284,21 @@ def test_fused_experts_of_another_shape_are_a_one_line_error(make_checkpoint, tm
         load_model(broken)
 
 
+@pytest.mark.parametrize("kept", ["gate_up_proj", "down_proj"])
+def test_one_of_the_fused_experts_pair_stored_alone_is_a_one_line_error(make_checkpoint, tmp_path, kept):
+    path = make_checkpoint("qwen3_vl_moe", head_dim=32, num_layers=3)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (broken / name).write_bytes((path / name).read_bytes())
+    weights = stored(path)
+    other = "down_proj" if kept == "gate_up_proj" else "gate_up_proj"
+    del weights[f"model.language_model.layers.1.mlp.experts.{other}"]
+    save_weights(broken, weights)
+    with pytest.raises(CheckpointError, match=r"layers.1.mlp.experts: gate_up_proj and down_proj should be .* got .*None"):
+        load_model(broken)
+
+
 def test_the_synthetic_configs_keep_the_releases_layout(make_checkpoint):
     flat = json.loads((make_checkpoint("qwen2_5_vl") / "config.json").read_text())
     assert "text_config" not in flat and flat["rope_scaling"]["type"] == "mrope"
