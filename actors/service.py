@@ -59,6 +59,9 @@ from actors.streamer import Streamer
 log = structlog.get_logger("cadence")
 
 
+_SAMPLING_FIELDS = tuple(field.name for field in attrs.fields(SamplingParams))
+
+
 def _cache_salt(loaded: LoadedModel) -> bytes:
     """Cached K/V is only valid for the weights and dtype that computed it."""
     dtype = loaded.model.model.norm.weight.dtype
@@ -412,6 +415,15 @@ class LLM:
         `async with`, so that leaving early aborts the request at once.
         Raises RequestError for a bad argument.
         """
+        # Named before the None filter, so that a misspelt field set to None is refused too,
+        # and here, so that the message names this call, not SamplingParams.__init__.
+        for name in sampling:
+            if name not in _SAMPLING_FIELDS:
+                raise RequestError(
+                    f"generate() got an unexpected keyword argument {name!r}"
+                    f" (sampling fields: {', '.join(_SAMPLING_FIELDS)})",
+                    param=name,
+                )
         # None is the default, as null is over HTTP (and as OpenAI's clients send unset fields).
         given = {name: value for name, value in sampling.items() if value is not None}
         try:

@@ -509,10 +509,19 @@ async def test_a_bad_argument_to_generate_is_a_request_error_naming_it(tiny, arg
 
 
 
-async def test_a_misspelt_sampling_argument_is_a_request_error_naming_it(tiny):
+@pytest.mark.parametrize("value", [0.5, None])  # None was dropped as "unset", unchecked
+async def test_a_misspelt_sampling_argument_is_a_request_error_naming_generate_and_it(
+    tiny, value
+):
+    """It read "SamplingParams.__init__() got an unexpected keyword argument", a class
+    the caller never named."""
     async with actors.open_llm(tiny) as llm:
-        with pytest.raises(RequestError, match="bad sampling parameter: .*'temprature'"):
-            llm.generate("hi", temprature=0.5)
+        with pytest.raises(RequestError) as raised:
+            llm.generate("hi", temprature=value)
+        message = str(raised.value)
+        assert message.startswith("generate() got an unexpected keyword argument 'temprature'")
+        assert "temperature" in message and "SamplingParams" not in message
+        assert "\n" not in message and raised.value.param == "temprature"
 
 
 async def test_sampling_arguments_mean_what_the_same_http_fields_mean(tiny):
