@@ -235,6 +235,7 @@ def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any)
         raise ApiError(400, f"unknown field '{name}'", param=name, code="unknown_field")
     for name, kinds in _IGNORED_FIELDS.items():
         _field(body, name, kinds)  # checked, then without effect (see the README)
+    _check_metadata(body.get("metadata") or {})
     if body.get("store"):
         raise ApiError(400, "'store' is not supported: completions are never stored", param="store")
     model = _field(body, "model", str, required=True)
@@ -393,6 +394,42 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
 
 
 _TOKEN_ID = re.compile(r"[0-9]+")
+# OpenAI's limits on `metadata`, which it enforces with a 400 naming the field.
+METADATA_PAIRS = 16
+METADATA_KEY_CHARS = 64
+METADATA_VALUE_CHARS = 512
+
+
+def _check_metadata(metadata: dict[str, Any]) -> None:
+    """OpenAI's rules for `metadata` (string keys to string values, within its limits):
+    a tag the client meant for OpenAI's dashboard then fails here as it would there."""
+    if len(metadata) > METADATA_PAIRS:
+        raise ApiError(
+            400,
+            f"'metadata' holds at most {METADATA_PAIRS} pairs, got {len(metadata)}",
+            param="metadata",
+            code="object_above_max_properties",
+        )
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY_CHARS:
+            raise ApiError(
+                400,
+                f"'metadata' keys are at most {METADATA_KEY_CHARS} characters, got {len(key)}",
+                param="metadata",
+                code="string_above_max_length",
+            )
+        field = f"metadata.{key}"
+        if not isinstance(value, str):
+            # Only its kind is shown, as _field shows text: the message is logged.
+            got = _TYPE_NAMES.get(type(value), "null" if value is None else "a value")
+            raise ApiError(400, f"'{field}' must be a string, got {got}", param=field)
+        if len(value) > METADATA_VALUE_CHARS:
+            raise ApiError(
+                400,
+                f"'{field}' is at most {METADATA_VALUE_CHARS} characters, got {len(value)}",
+                param=field,
+                code="string_above_max_length",
+            )
 # Fields OpenAI defines as having no effect on the output (end-user ids, tags, hints).
 _IGNORED_FIELDS: dict[str, type | tuple[type, ...]] = {
     "user": str,

@@ -12,7 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from actors.choices import DEFAULT_MAX_N
-from actors.openai_requests import UNSUPPORTED_CHAT_FIELDS
+from actors.openai_requests import (
+    METADATA_KEY_CHARS,
+    METADATA_PAIRS,
+    METADATA_VALUE_CHARS,
+    UNSUPPORTED_CHAT_FIELDS,
+)
 from actors.openapi_messages import MESSAGE_SCHEMA, TEXT_PART_SCHEMA
 from actors.openapi_tools import (
     STRUCTURED_OUTPUT_FIELDS,
@@ -117,7 +122,14 @@ _COMMON_FIELDS: dict[str, Any] = {
     # Accepted and without effect, as OpenAI defines them.
     "user": _or_null({"type": "string"}),
     "safety_identifier": _or_null({"type": "string"}),
-    "metadata": _or_null({"type": "object"}),
+    "metadata": _or_null(
+        {
+            "type": "object",
+            "maxProperties": METADATA_PAIRS,
+            "propertyNames": {"maxLength": METADATA_KEY_CHARS},
+            "additionalProperties": {"type": "string", "maxLength": METADATA_VALUE_CHARS},
+        }
+    ),
     "service_tier": _or_null({"type": "string"}),
     "prompt_cache_key": _or_null({"type": "string"}),
     "prompt_cache_retention": _or_null({"type": "string"}),

@@ -203,7 +203,8 @@ async def test_fields_openai_defines_as_without_effect_are_accepted_and_change_n
             create,
             user="alice",
             safety_identifier="u-1",
-            metadata={"team": "a"},
+            # OpenAI's limits, each at its most: 16 pairs, keys of 64, values of 512 characters.
+            metadata={f"{i:064}": "v" * 512 for i in range(16)},
             service_tier="auto",
             prompt_cache_key="k",
             store=False,
@@ -633,6 +634,37 @@ ERROR_CASES = {
         None,
     ),
     "store": ({"model": "M", "prompt": "x", "store": True}, 400, "store", None),
+    # OpenAI's metadata maps strings to strings, within its limits; anything was accepted.
+    "metadata value not a string": (
+        {"model": "M", "prompt": "x", "metadata": {"team": "a", "n": 5}},
+        400,
+        "metadata.n",
+        None,
+    ),
+    "metadata value an object": (
+        {"model": "M", "messages": CHAT, "metadata": {"tags": {"a": "b"}}},
+        400,
+        "metadata.tags",
+        None,
+    ),
+    "metadata of 17 pairs": (
+        {"model": "M", "prompt": "x", "metadata": {f"k{i}": "v" for i in range(17)}},
+        400,
+        "metadata",
+        "object_above_max_properties",
+    ),
+    "metadata key of 65 characters": (
+        {"model": "M", "prompt": "x", "metadata": {"k" * 65: "v"}},
+        400,
+        "metadata",
+        "string_above_max_length",
+    ),
+    "metadata value of 513 characters": (
+        {"model": "M", "prompt": "x", "metadata": {"k": "v" * 513}},
+        400,
+        "metadata.k",
+        "string_above_max_length",
+    ),
     "wrong type in a message": (
         {"model": "M", "messages": [{"role": "user", "content": 5}]},
         400,

@@ -275,6 +275,11 @@ EDGES = [
         {"type": "json_schema", "json_schema": {"name": ["a"]}},
     ),
     (COMPLETION, "max_tokens", 5.0, 5.5),  # JSON Schema's integers, as vLLM takes them
+    # OpenAI's metadata: strings to strings, 16 pairs, keys of 64 and values of 512 at most.
+    (COMPLETION, "metadata", {"k": "v"}, {"k": 5}),
+    (CHAT, "metadata", {f"k{i}": "v" for i in range(16)}, {f"k{i}": "v" for i in range(17)}),
+    (COMPLETION, "metadata", {"k" * 64: "v"}, {"k" * 65: "v"}),
+    (COMPLETION, "metadata", {"k": "v" * 512}, {"k": "v" * 513}),
     (
         CHAT,
         "messages",
