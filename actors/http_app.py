@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import Response, g, request
 from quart.wrappers.response import ResponseBody
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from actors.choices import (
     DEFAULT_MAX_N,
@@ -120,6 +120,12 @@ def create_app(
                 "(serve with --allowed-host to name it)",
                 code="host_not_allowed",
             )
+        # werkzeug upper-cases the method, so "get" was served as GET; methods are
+        # case-sensitive (RFC 9110): one not spelt as a route's is refused as FOO is.
+        if _method_as_sent() != request.method:
+            adapter = app.create_url_adapter(request)
+            methods = adapter.allowed_methods() if adapter is not None else []
+            raise MethodNotAllowed(valid_methods=methods) if methods else NotFound()
         if request.method == "OPTIONS" and (allowed := cors.preflight_headers(request.headers)):
             return Response("", 204, headers=allowed)  # before the key check: no credentials here
         if keys and request.path not in _OPEN_PATHS and not is_authorized(request, keys):
@@ -147,7 +153,7 @@ def create_app(
     async def http_error(error: HTTPException) -> Response:
         # A 405 must name the allowed methods (RFC 9110); werkzeug's error holds them.
         allow = tuple((k, v) for k, v in error.get_headers() if k.lower() == "allow")
-        where = f"{request.method} {request.path}"[:200]
+        where = f"{_method_as_sent()} {request.path}"[:200]
         if error.code == 404:  # OpenAI's words and code for a path it does not serve
             return _refused(ApiError(404, f"Invalid URL ({where})", code="unknown_url"))
         if error.code == 405:
@@ -457,6 +463,11 @@ _OPEN_PATHS = frozenset({"/", "/health", "/openapi.json"})
 
 def _json(body: dict[str, Any], status: int = 200) -> Response:
     return Response(wire_json(body), status, mimetype="application/json")
+
+
+def _method_as_sent() -> str:
+    """The request's method as the client spelt it: werkzeug's `request.method` is upper-cased."""
+    return str(request.scope.get("method", request.method))
 
 
 def _refused(error: ApiError) -> Response:

@@ -7,6 +7,7 @@ routes are actors/http_app.py's.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import socket
@@ -137,6 +138,14 @@ class _RefusedH2(H2Protocol):
 hypercorn.protocol.H2Protocol = _RefusedH2  # type: ignore[misc]  # the one ProtocolWrapper builds
 
 
+# Hypercorn upper-cases the method (as ASGI asks), so "get" reached the app as GET, where
+# methods are case-sensitive (RFC 9110): the method as sent, which `_InFlight` gives the
+# app (http_app refuses one that is not a route's as spelt).
+_METHOD_AS_SENT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "method_as_sent", default=None
+)
+
+
 class _LenientConnection(h11.Connection):
     """h11's connection, dropping the empty lines its buffer starts with when a new
     request is due: ones that came with the end of the request before (a CRLF written
@@ -171,6 +180,11 @@ class _LenientH11(H11Protocol):
                 return  # nothing but empty lines: not the end of the stream (b"")
             event = RawData(data=data)
         await super().handle(event)
+
+    async def _create_stream(self, request: h11.Request) -> None:
+        # Set in this task, so the app's task (spawned in here) inherits it.
+        _METHOD_AS_SENT.set(request.method.decode("ascii"))  # h11 admits token bytes only
+        await super()._create_stream(request)
 
     def _awaits_request_line(self) -> bool:
         connection = self.connection  # a WebSocket's is no h11.Connection
@@ -392,6 +406,8 @@ class _InFlight:
             host = _header(scope, b"host")
             error = ApiError(400, f"the Host header {host!r} is no valid host name", code="invalid_host")
             return await self._answer(scope, send, error, "http.response")
+        if (method := _METHOD_AS_SENT.get()) is not None and method.upper() == scope["method"]:
+            scope = {**scope, "method": method}
         if self.num_requests == 0:
             self._idle = trio.Event()
         self.num_requests += 1

@@ -698,6 +698,32 @@ async def test_a_method_a_route_does_not_take_is_a_405_naming_the_ones_it_does()
     assert {m.strip() for m in message.split("takes ")[1].split(",")} == {"POST", "OPTIONS"}
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("get", "/health", 405),
+        ("Get", "/v1/models", 405),
+        ("post", "/v1/completions", 405),
+        ("options", "/v1/completions", 405),
+        ("get", "/nowhere", 404),
+    ],
+)
+async def test_a_method_is_case_sensitive_and_one_spelt_otherwise_is_refused_as_unknown(
+    method, path, status
+):
+    """RFC 9110: "get" is not GET. werkzeug upper-cases the method, so it was served
+    (a 200 or the loading 503), where any other unknown method is a 405."""
+    async with loading_server() as port:
+        head = f"{method} {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+        got, headers, body, _ = await in_thread(answer, port, head.encode())
+        still = await in_thread(answer, port, b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+    assert got == status and body["error"]["type"] == "invalid_request_error"
+    assert f"({method} {path})" in body["error"]["message"]  # as sent
+    if status == 405:
+        assert body["error"]["code"] == "method_not_allowed" and method.lower() in headers["allow"]
+    assert still[0] == 503  # the server still answers GET (loading)
+
+
 async def test_an_early_answer_to_a_request_with_an_empty_body_keeps_the_connection():
     """Content-Length: 0 leaves nothing unread on the wire: no reason to close."""
     async with loading_server() as port:
