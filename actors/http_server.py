@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import ipaddress
 import logging
+import re
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -473,10 +475,31 @@ _HOST_CHECK = Map()
 
 
 def _is_bindable_host(scope: Any) -> bool:
+    if not _is_bracketed_soundly(_header(scope, b"host") or ""):
+        return False
     host = get_host(scope.get("scheme", "http"), _header(scope, b"host"), scope.get("server"))
     try:
         _HOST_CHECK.bind(host.lower())
     except BadHost:
+        return False
+    return True
+
+
+# An IPv6 literal and its port (RFC 3986): the brackets enclose the whole address.
+_BRACKETED_HOST = re.compile(r"\[([^\[\]]*)\](?::[0-9]*)?")
+
+
+def _is_bracketed_soundly(host: str) -> bool:
+    """No brackets, or an IPv6 address in a pair of them: "[::1" was read as "::1" (a
+    loopback name, answered), where werkzeug sees no host at all."""
+    host = host.strip()
+    if "[" not in host and "]" not in host:
+        return True
+    if (bracketed := _BRACKETED_HOST.fullmatch(host)) is None:
+        return False
+    try:
+        ipaddress.IPv6Address(bracketed[1])
+    except ValueError:
         return False
     return True
 

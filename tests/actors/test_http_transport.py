@@ -1193,11 +1193,18 @@ async def test_a_host_header_that_is_no_host_name_gets_a_400_in_openais_shape(al
             head = f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
             return answer(port, head.encode())
 
-        bad = [await in_thread(ask, host) for host in ("localhost..", ".localhost", "a" * 64, "x..y:80")]
+        # An unclosed or stray bracket read as the address in it: "[::1" was loopback.
+        brackets = ("[::1", "::1]", "[::1]x", "[::1]]", "[localhost]", "[]:80")
+        bad = [
+            await in_thread(ask, host)
+            for host in ("localhost..", ".localhost", "a" * 64, "x..y:80", *brackets)
+        ]
         options = await in_thread(
             answer, port, b"OPTIONS /v1/models HTTP/1.1\r\nHost: localhost..\r\nConnection: close\r\n\r\n"
         )
         fine = await in_thread(ask, "localhost", "/health")
+        bracketed = await in_thread(ask, f"[::1]:{port}", "/health")
+    assert bracketed[0] == 503  # a sound IPv6 literal with its port passes
     for status, headers, body, is_closed in [*bad, options]:
         assert status == 400 and headers["x-request-id"] and is_closed
         assert body["error"]["type"] == "invalid_request_error"
