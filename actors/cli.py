@@ -257,7 +257,9 @@ def _api_keys(args: argparse.Namespace) -> list[str]:
                 raise CadenceError(
                     f"--api-key-file {file}: over {MAX_API_KEY_FILE_BYTES >> 20} MiB, no key file"
                 )
-            lines = file.read_text(encoding="utf-8").splitlines()
+            # utf-8-sig: Notepad starts a UTF-8 file with a BOM, which read as part of the
+            # first key (or comment) and was refused as not ASCII.
+            lines = file.read_text(encoding="utf-8-sig").splitlines()
         except OSError as error:
             raise CadenceError(f"--api-key-file {args.api_key_file}: {error.strerror}") from None
         except UnicodeDecodeError:

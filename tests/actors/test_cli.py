@@ -305,6 +305,16 @@ def test_a_key_file_that_is_no_regular_file_or_too_big_is_refused_without_readin
             cli._api_keys(args)
 
 
+@pytest.mark.parametrize("text", ["\ufeffkey-1\r\nkey-2\r\n", "\ufeff# ours\r\nkey-1\r\nkey-2"])
+def test_a_key_file_saved_with_a_byte_order_mark_reads_its_keys(tmp_path, text):
+    """Notepad saves UTF-8 with a BOM: it was read into the first line, and the file
+    refused as holding a key that is not ASCII."""
+    keys = tmp_path / "keys.txt"
+    keys.write_bytes(text.encode())
+    args = cli._parser().parse_args(["serve", "--api-key-file", str(keys)])
+    assert cli._api_keys(args) == ["key-1", "key-2"]
+
+
 def test_an_empty_host_is_refused_not_every_interface():
     with pytest.raises(SystemExit):
         cli._parser().parse_args(["serve", "--host", ""])
