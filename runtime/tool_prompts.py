@@ -97,12 +97,17 @@ def template_knows_tools(template_source: str) -> bool:
 def tools_for_template(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The request's tools as a template reads them: a function without `parameters`
     (OpenAI: no parameters) given an empty object schema, as Qwen3-Coder's template reads
-    `tool.parameters.properties` and refused the chat without them."""
+    `tool.parameters.properties` and refused the chat without them; and a schema without
+    `properties` ({}, an MCP server's {"type": "object"}) given empty ones, which
+    Seed-OSS's template iterates (`properties.items()`)."""
     shown = []
     for tool in tools:
         function = tool.get("function")
-        if isinstance(function, Mapping) and function.get("parameters") is None:
-            tool = {**tool, "function": {**function, "parameters": {"type": "object", "properties": {}}}}
+        if isinstance(function, Mapping):
+            parameters = function.get("parameters") or {}
+            if isinstance(parameters, Mapping) and "properties" not in parameters:
+                parameters = {"type": "object", **parameters, "properties": {}}
+                tool = {**tool, "function": {**function, "parameters": parameters}}
         shown.append(dict(tool))
     return shown
 

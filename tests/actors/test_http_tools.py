@@ -997,6 +997,29 @@ async def test_a_forced_command_r7b_call_follows_its_plan(command_r7b_with_contr
     assert [(n, a) for _, n, a in calls.values()] == [(call.function.name, call.function.arguments)]
 
 
+# An MCP server's schema of a tool of no arguments is {"type": "object"}: no properties.
+@pytest.mark.parametrize("parameters", [None, {}, {"type": "object"}, {"type": "object", "required": []}])
+async def test_a_seed_oss_tool_of_no_properties_is_offered_as_one_of_empty_properties(
+    seed_oss_with_special_tags, parameters
+):
+    """Seed-OSS's template calls `parameters.properties.items()`: a tool whose schema has
+    no properties made the chat a 400 ('dict object' has no attribute 'properties'), as a
+    tool without parameters had been. The template is shown an empty `properties`."""
+
+    def offering(now):
+        tools = [{"type": "function", "function": {"name": "now", **now}}, *TOOLS]
+        return {"model": server.model, "messages": ASK, "tools": tools, "max_tokens": 1}
+
+    empty = {"parameters": {"type": "object", "properties": {}}}
+    async with serving(seed_oss_with_special_tags) as server:
+        status, payload = await in_thread(
+            raw_post, server.url, offering({} if parameters is None else {"parameters": parameters})
+        )
+        _, as_empty = await in_thread(raw_post, server.url, offering(empty))
+    assert status == 200, payload
+    assert json.loads(payload)["usage"]["prompt_tokens"] == json.loads(as_empty)["usage"]["prompt_tokens"]
+
+
 @pytest.mark.parametrize(
     ("style", "markers", "special"),
     [
