@@ -429,7 +429,9 @@ class LLM:
         try:
             params = SamplingParams(**given)
         except (TypeError, ValueError) as error:
-            raise RequestError(f"bad sampling parameter: {error}") from None
+            # The names are known (above), so a converter refused a value: logit_bias's,
+            # the one there is ("logit_bias=5" was a RequestError naming no parameter).
+            raise RequestError(f"bad sampling parameter: {error}", param="logit_bias") from None
         request = GenerateRequest(
             prompt=tuple(prompt) if isinstance(prompt, list) else prompt,
             messages=tuple(messages) if isinstance(messages, list) else messages,

@@ -493,6 +493,8 @@ async def test_cancelling_start_up_does_not_wait_for_the_kv_pool_to_fill(tiny, m
         ({"prompt": "hi", "grammar": GrammarSpec("choice", ["a"], "grammar")}, "grammar"),
         ({"prompt": "hi", "logit_bias": {1.5: 1.0}}, "logit_bias"),  # was token 1's
         ({"prompt": "hi", "logit_bias": [(3, 1.0), (3, -1.0)]}, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": 5}, "logit_bias"),  # named no parameter (None)
+        ({"prompt": "hi", "logit_bias": [(3,)]}, "logit_bias"),
         ({"messages": "hi"}, "messages"),  # was "messages[0] must be an object"
         ({"prompt": "hi", "logit_bias": {3: True}}, "logit_bias"),  # was a bias of 1
         ({"prompt": "hi", "temperature": 10**400}, "temperature"),  # was an OverflowError
