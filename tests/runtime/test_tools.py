@@ -2494,6 +2494,13 @@ COMMAND_R7B_CASES = [
     ('<|START_ACTION|>[{"name": "now"}]<|END_ACTION|>', ('<|START_ACTION|>[{"name": "now"}]<|END_ACTION|>', [])),
     ('<|START_ACTION|>[{"tool_name": "f", "parameters": {"a": "x', ('<|START_ACTION|>[{"tool_name": "f", "parameters": {"a": "x', [])),
     ("A <|START_RESPONSE half.", ("A <|START_RESPONSE half.", [])),
+    # Mistral's named form is no Command R7B call, and text between its markers does not
+    # hide the list of calls that follows.
+    (
+        '<|START_ACTION|>get_weather[ARGS]{"city": "Paris"}<|END_ACTION|>',
+        ('<|START_ACTION|>get_weather[ARGS]{"city": "Paris"}<|END_ACTION|>', []),
+    ),
+    ("<|START_ACTION|>oops<|END_ACTION|>" + R7B_CALL, ("<|START_ACTION|>oops<|END_ACTION|>", [("get_weather", '{"city": "Paris"}')])),
 ]
 
 
