@@ -403,6 +403,9 @@ def test_granite_3_2_and_3_3_think_in_text_where_their_template_reads_thinking()
     assert think_tags(_Tokenizer({}, GRANITE_32), "granite") == ThinkTags(*GRANITE_32_TAGS, switch="thinking")
     assert think_tags(_Tokenizer({}, GRANITE_33), "llama") is None  # another family's mention of <think>
     assert think_tags(_Tokenizer({}, "<think>{{ messages }}"), "granite") is None  # no `thinking` switch
+    # A tokenizer holding `<think>` as a token of its own is not read for text tags.
+    assert think_tags(_Tokenizer({THINK_OPEN: 10}, GRANITE_33), "granite") is None
+    assert think_tags(_Tokenizer({THINK_OPEN: 10}, GRANITE_32), "granite") is None
     # Only a request passing `thinking: true` thinks; without it nothing is split.
     assert expected_33.thinks_with({"thinking": True}) and not expected_33.thinks_with({})
     assert not expected_33.thinks_with({"thinking": False}) and ThinkTags(*THINK_TAGS).thinks_with({})
