@@ -66,12 +66,22 @@ def config(**fields):
     return config_from_dict({**raw, **fields})
 
 
+def test_hunyuan_reads_use_cla_left_out_as_off_and_alpha_over_the_configs_head_dim():
+    raw = hf_config("hunyuan_v1_dense", vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, intermediate_size=128)
+    assert config_from_dict({k: v for k, v in raw.items() if k != "use_cla"}) == config()
+    # head_dim 32 beside hidden 64 / 4 heads: the base grows by alpha ** (32 / 30), not ** (16 / 14)
+    read = config(head_dim=32, rope_scaling={"type": "dynamic", "alpha": 1000.0})
+    assert read.rope_theta == pytest.approx(raw["rope_theta"] * 1000.0 ** (32 / 30)) and read.rope_scaling is None
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling dynamic needs a positive 'alpha', got None"),
         ({"rope_scaling": {"type": "dynamic", "alpha": -1}}, "rope_scaling dynamic needs a positive 'alpha', got -1"),
         ({"use_cla": True}, "hunyuan_v1_dense's use_cla=true is not supported"),
+        ({"head_dim": 2, "rope_scaling": {"type": "dynamic", "alpha": 1000.0}}, "heads of 2 are too narrow for its RoPE"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ],
 )

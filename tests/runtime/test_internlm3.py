@@ -65,11 +65,18 @@ def config(**fields):
     return config_from_dict({**raw, **fields})
 
 
+def test_internlm3_keeps_a_rope_scaling_other_than_dynamic_and_reads_none():
+    """Only dynamic NTK is read as plain RoPE (within the context served); none stays none."""
+    assert config(rope_scaling=None).rope_scaling is None
+    assert config(rope_scaling={"rope_type": "linear", "factor": 2.0}).rope_scaling["factor"] == 2.0
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
         ({"bias": True}, "internlm3's bias=true is not supported"),
         ({"qkv_bias": True}, "internlm3's qkv_bias=true is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
         ({"rope_scaling": {"rope_type": "dynamic"}}, "rope_scaling dynamic needs a positive 'factor', got None"),
         ({"rope_scaling": {"rope_type": "su", "factor": 2.0}}, "unsupported rope_scaling type 'su'"),
     ],

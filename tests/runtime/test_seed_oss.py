@@ -68,6 +68,14 @@ def config(**fields):
     return config_from_dict({**raw, **fields})
 
 
+def test_seed_oss_without_its_bias_fields_reads_as_unbiased():
+    """transformers' SeedOssConfig defaults: attention_bias and attention_out_bias false."""
+    raw = hf_config("seed_oss", vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, intermediate_size=128)
+    read = config_from_dict({k: v for k, v in raw.items() if k not in ("attention_bias", "attention_out_bias")})
+    assert (read.qkv_bias, read.o_bias) == (False, False)
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

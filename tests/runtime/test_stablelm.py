@@ -89,6 +89,12 @@ def config(**fields):
     return config_from_dict({**raw, **fields})
 
 
+def test_stablelm_without_use_qkv_bias_reads_as_unbiased():
+    raw = hf_config("stablelm", vocab_size=300, eos_token_id=[1], hidden_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, intermediate_size=128)
+    assert not config_from_dict({k: v for k, v in raw.items() if k != "use_qkv_bias"}).qkv_bias
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
