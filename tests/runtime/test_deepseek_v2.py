@@ -13,7 +13,7 @@ from runtime.engine import Engine
 from runtime.errors import CheckpointError
 from runtime.kv.paged import PagedKV
 from runtime.models import build_model
-from runtime.models.deepseek_v2 import LatentExperts
+from runtime.models.deepseek_v2 import LatentAttention, LatentExperts
 from runtime.runner import run_offline
 from runtime.synth import (
     EXPERT_NAMES,
@@ -194,6 +194,13 @@ def test_the_v2_router_reads_as_deepseeks_code_runs_it(fields, normalize, scalin
     raw = {name: value for name, value in {**V2_LITE, **fields}.items() if value is not None or name == "q_lora_rank"}
     routing = config_from_dict(raw).extra["routing"]
     assert (routing.normalize, routing.scaling, routing.num_groups, routing.top_groups) == (normalize, scaling, groups, 1)
+
+
+def test_yarn_of_factor_1_leaves_the_softmax_scale_as_deepseeks_yarn_get_mscale():
+    """mscale(factor <= 1) is 1: the scale stays 1 / sqrt(nope + rope) whatever mscale_all_dim."""
+    yarn = {**V2_LITE["rope_scaling"], "factor": 1.0}
+    attention = LatentAttention(config_from_dict({**V2_LITE, "rope_scaling": yarn}), 0)
+    assert (attention.scale, attention.rope_factor) == (192**-0.5, 1.0)
 
 
 def test_moe_layer_freq_routes_only_every_nth_layer_from_first_k_dense_replace():
