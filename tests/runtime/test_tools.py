@@ -2527,6 +2527,17 @@ def test_the_command_r7b_template_renders_a_history_of_calls_and_results_that_pa
     assert parse("command_r7b", written) == ("", [("get_weather", '{"city": "Paris"}')])
 
 
+@pytest.mark.parametrize("arguments", ["null", ""])
+def test_a_past_call_of_no_arguments_is_shown_to_a_template_without_tools_as_command_r7b_writes_it(arguments):
+    """A call sent back with `arguments` of JSON null (or none at all) is a call of none:
+    its parameters an empty object, as the model writes them, never `null`."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": arguments}}
+    history = [HISTORY[0], {"role": "assistant", "content": None, "tool_calls": [call]}, HISTORY[2]]
+    said = chat_for_template(history, TOOLS, "command_r7b", knows_tools=False)[1]["content"]
+    assert said == '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_time", "parameters": {}}]<|END_ACTION|>'
+    assert parse("command_r7b", said) == ("", [("get_time", "{}")])
+
+
 @pytest.mark.parametrize("forced", [None, "get_weather"])
 def test_a_forced_command_r7b_call_is_a_list_of_one_call_as_its_template_writes_it(forced):
     compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
