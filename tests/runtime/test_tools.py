@@ -1800,6 +1800,8 @@ LFM2_CASES = [
     ('<|tool_call_start|>[{"name": "now", "arguments": "{\\"tz\\": 1}"}]<|tool_call_end|>', ("", [("now", '{"tz": 1}')])),
     # An item that is no call, or a list cut short: the text as written.
     ('<|tool_call_start|>[{"name": "now"}, 3]<|tool_call_end|>', ('<|tool_call_start|>[{"name": "now"}, 3]<|tool_call_end|>', [])),
+    ("<|tool_call_start|>42<|tool_call_end|>", ("<|tool_call_start|>42<|tool_call_end|>", [])),  # JSON, but no list
+    ('<|tool_call_start|>[{"name": "now"}, {"arguments": {}}]<|tool_call_end|>', ('<|tool_call_start|>[{"name": "now"}, {"arguments": {}}]<|tool_call_end|>', [])),
     ('<|tool_call_start|>[{"name": "now", "arguments": {"a', ('<|tool_call_start|>[{"name": "now", "arguments": {"a', [])),
 ]
 
