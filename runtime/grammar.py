@@ -34,15 +34,21 @@ special token.
 Compiling is bounded three ways: llguidance's parser limits cap the work a grammar may
 take (lexer fuel, grammar size), the caller gives up waiting after a deadline, and
 admission compiles on one thread of its own (actors/admission.py), so the work that
-runs on past a deadline holds up only other grammars.
+runs on past a deadline holds up only other grammars. llguidance's compiler recurses
+along a chain of rules or `$ref`s before its limits are checked, and a chain of 3,000
+(a 70 kB `guided_grammar`, a 200 kB `json_schema`) overflowed a thread's 8 MB stack:
+a segmentation fault that ended the server. So a grammar is compiled on a thread of
+COMPILE_STACK_BYTES, and one defining more than MAX_RULES rules and terminals or
+MAX_REFS `$ref`s (the links such a chain needs) is refused before it is compiled.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from runtime.errors import RequestError
@@ -59,6 +65,18 @@ GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark", "choice")
 # Tighter than llguidance's defaults (1M lexer fuel, 500k symbols): a schema that needs
 # more is refused at compile time, in well under a second, instead of stalling a step.
 _LEXER_FUEL, _MAX_GRAMMAR_SIZE = 400_000, 100_000
+# A compile's stack (reserved, not committed, until used), and the Lark rules and
+# terminals, and the `$ref`s, a grammar may define. Measured, a chain takes up to 4 kB
+# of stack a rule and 16 kB a $ref (of objects nested in each link): 10,000 and 2,000,
+# under 100 MB together. Past what real grammars define: a forced call of 128 tools of
+# 10 parameters each is 2,700 rules (OLMo 3's, LFM2's, Gemma 4's). (15,000 rules of
+# alternatives ran on past 200 s; 10,000 were refused by llguidance in a second.)
+COMPILE_STACK_BYTES = 256 << 20
+MAX_RULES, MAX_REFS = 10_000, 2_000
+# A Lark rule or terminal's definition ("?name.2:" at a line's start), and a JSON
+# schema's reference (a schema's own text, or one embedded in Lark by %json).
+_DEFINITION = re.compile(r"^[ \t]*[?!]?[A-Za-z_][A-Za-z_0-9]*(?:\.-?[0-9]+)?[ \t]*:", re.MULTILINE)
+_REFERENCE = '"$ref"'
 # Refused grammars remembered per model (GrammarCompiler.compile).
 REFUSALS_KEPT = 64
 # No free whitespace in generated JSON: the separators are fixed, so a model cannot spend
@@ -349,10 +367,17 @@ class GrammarCompiler:
             grammar = spec.llguidance_grammar()
         except (ValueError, TypeError) as error:
             return f"is not valid: {error}"
+        if (rules := len(_DEFINITION.findall(grammar))) > MAX_RULES:
+            return f"is too large to compile: {rules} rules and terminals, at most {MAX_RULES}"
+        if (refs := grammar.count(_REFERENCE)) > MAX_REFS:
+            return f"is too large to compile: {refs} $refs, at most {MAX_REFS}"
         limits = llguidance.LLParserLimits(
             initial_lexer_fuel=_LEXER_FUEL, max_grammar_size=_MAX_GRAMMAR_SIZE
         )
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=limits)
+        tokenizer = self._tokenizer  # built here, on the caller's thread
+        matcher = _on_a_deep_stack(
+            lambda: llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+        )
         if matcher.is_error() or (matcher := self._first_step(matcher)).is_error():
             return f"cannot be compiled: {_reason(matcher)}"
         return matcher
@@ -387,6 +412,34 @@ class GrammarCompiler:
         if probe.is_error() or (first is not None and not probe.consume_token(first)):
             return probe
         return matcher
+
+
+_STACK_SIZE_LOCK = threading.Lock()
+
+
+def _on_a_deep_stack(build: Callable[[], llguidance.LLMatcher]) -> llguidance.LLMatcher:
+    """`build()` run on a thread of COMPILE_STACK_BYTES, the caller waiting for it."""
+    built: list[llguidance.LLMatcher] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            built.append(build())
+        except BaseException as error:  # re-raised on the caller's thread
+            failed.append(error)
+
+    # The size is the process's setting for new threads: set for this one alone.
+    with _STACK_SIZE_LOCK:
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if failed:
+        raise failed[0]
+    return built[0]
 
 
 def _reason(matcher: llguidance.LLMatcher) -> str:

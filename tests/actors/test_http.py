@@ -794,6 +794,27 @@ ERROR_CASES = {
 }
 
 
+async def test_grammars_chaining_thousands_of_rules_or_refs_leave_the_server_serving(tiny):
+    """A 70 kB guided_grammar of 3,000 chained rules (or a schema of 3,000 chained $refs)
+    overflowed llguidance's stack as it compiled: a segmentation fault ended the server.
+    The rules now compile; the $refs are past the limit, a 400."""
+    rules = "start: r0\n" + "\n".join(f'r{i}: "a" r{i + 1} | "b"' for i in range(3000)) + '\nr3000: "z"'
+    defs = {f"l{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/l{i + 1}"}}} for i in range(3000)}
+    schema = {"$defs": {**defs, "l3000": {"type": "string"}}, "$ref": "#/$defs/l0"}
+    response_format = {"type": "json_schema", "json_schema": {"name": "chain", "schema": schema}}
+    async with serving(tiny) as server:
+        body = {"model": server.model, "prompt": "x", "max_tokens": 2, "guided_grammar": rules}
+        chained = await in_thread(request, server.url, "POST", "/v1/completions", body)
+        body = {"model": server.model, "messages": CHAT, "max_tokens": 2, "response_format": response_format}
+        referred = await in_thread(request, server.url, "POST", "/v1/chat/completions", body)
+        served = await in_thread(server.client().completions.create, model=server.model, prompt="x", max_tokens=2)
+    text = chained[2]["choices"][0]["text"]
+    assert chained[0] == 200 and text and set(text.removesuffix("b")) <= {"a"}  # the grammar's
+    assert (referred[0], referred[2]["error"]["param"]) == (400, "response_format.json_schema.schema")
+    assert "at most 2000" in referred[2]["error"]["message"]
+    assert served.choices[0].finish_reason == "length"
+
+
 async def test_every_bad_request_gets_an_openai_error_object(tiny):
     async with serving(tiny, max_body_bytes=16384) as server:
         for name, (body, status, param, code) in ERROR_CASES.items():

@@ -9,6 +9,7 @@ import itertools
 import json
 import re
 import shutil
+import threading
 from pathlib import Path
 
 from runtime.checkpoint import load_model
@@ -16,6 +17,8 @@ from runtime.engine import Engine
 from runtime.errors import RequestError
 from runtime.grammar import (
     BLANKS_AFTER_THOUGHT,
+    MAX_REFS,
+    MAX_RULES,
     REFUSALS_KEPT,
     GrammarCompiler,
     GrammarSpec,
@@ -285,6 +288,57 @@ def test_a_grammar_past_the_limits_at_its_first_token_is_refused_at_compile(comp
         compiler.compile(spec)
     assert raised.value.param == spec.param and len(str(raised.value)) < 400
     assert "<state>" not in str(raised.value)
+
+
+def rule_chain(n):
+    """A Lark grammar whose rules chain: r0 names r1, which names r2, ... rn."""
+    return "start: r0\n" + "\n".join(f'r{i}: "a" r{i + 1} | "b"' for i in range(n)) + f'\nr{n}: "z"'
+
+
+def ref_chain(n):
+    """A schema whose $defs chain by $ref, each link an object holding an array of the next."""
+
+    def link(i):
+        following = {"anyOf": [{"$ref": f"#/$defs/l{i + 1}"}, {"type": "null"}]}
+        return {"type": "object", "properties": {"a": {"type": "array", "items": following}}}
+
+    defs = {f"l{i}": link(i) for i in range(n)}
+    return json.dumps({"$defs": {**defs, f"l{n}": {"type": "string"}}, "$ref": "#/$defs/l0"})
+
+
+@pytest.mark.parametrize(
+    ("spec", "limit"),
+    [
+        (GrammarSpec("lark", rule_chain(MAX_RULES), "guided_grammar"), f"at most {MAX_RULES}"),  # 250 kB
+        (GrammarSpec("json_schema", ref_chain(3000), "response_format"), f"at most {MAX_REFS}"),  # 300 kB
+        (GrammarSpec("lark", f"start: %json {ref_chain(3000)}", "guided_grammar"), f"at most {MAX_REFS}"),
+    ],
+)
+def test_a_grammar_of_too_many_rules_or_refs_is_refused_before_it_is_compiled(compiler, spec, limit):
+    """llguidance recursed along such chains before its limits, overflowing the stack
+    (3,000 links did): a segmentation fault ended the whole server."""
+    with pytest.raises(RequestError) as raised:
+        compiler.compile(spec)
+    assert raised.value.param == spec.param and limit in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "spec", [GrammarSpec("lark", rule_chain(MAX_RULES - 2), "g"), GrammarSpec("json_schema", ref_chain(MAX_REFS - 1), "g")]
+)
+def test_a_chain_within_the_limits_compiles_from_a_thread_of_a_small_stack(compiler, model, spec):
+    """The compile runs on a thread of its own, of COMPILE_STACK_BYTES: a chain of 3,000
+    rules overflowed an 8 MB stack, and one of these objects at 500 links."""
+    outcome = []
+    threading.stack_size(8 << 20)
+    try:
+        thread = threading.Thread(target=lambda: outcome.append(compiler.compile(spec)))
+        thread.start()
+    finally:
+        threading.stack_size(0)
+    thread.join()
+    state = outcome[0].start()
+    first = model.tokenizer.encode("b" if spec.kind == "lark" else "{", add_special_tokens=False)[0]
+    assert state.advance(first) is None
 
 
 def test_a_refused_token_says_why_in_one_short_line(compiler, model):
