@@ -19,6 +19,7 @@ import runtime  # noqa: F401  (an optimized BLAS must load before mlx.core)
 if TYPE_CHECKING:
     from actors.asyncio_bridge import open_llm_asyncio
     from actors.generation import Generation
+    from actors.llm import LLM, EngineStats
     from actors.requests import (
         Delta,
         GenerateRequest,
@@ -27,12 +28,12 @@ if TYPE_CHECKING:
         ServiceClosedError,
         Usage,
     )
-    from actors.service import LLM, EngineStats, open_llm
+    from actors.service import open_llm
 
 _HOMES = {
-    "LLM": "actors.service",
+    "LLM": "actors.llm",
     "Delta": "actors.requests",
-    "EngineStats": "actors.service",
+    "EngineStats": "actors.llm",
     "GenerateRequest": "actors.requests",
     "Generation": "actors.generation",
     "GenerationError": "actors.requests",

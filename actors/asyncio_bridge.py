@@ -34,8 +34,9 @@ import outcome
 import trio
 
 from actors.generation import Generation
+from actors.llm import LLM, EngineStats
 from actors.requests import Delta, GenerationError, OverloadedError, ServiceClosedError, Usage
-from actors.service import LLM, EngineStats, open_llm
+from actors.service import open_llm
 
 _Result = outcome.Outcome[Any]
 

@@ -34,7 +34,7 @@ from actors.requests import (
 )
 
 if TYPE_CHECKING:
-    from actors.service import LLM
+    from actors.llm import LLM
 
 DEFAULT_MAX_N = 8
 

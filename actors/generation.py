@@ -32,7 +32,7 @@ from actors.messages import (
 from actors.requests import Delta, GenerateRequest, GenerationError, ServiceClosedError, Usage
 
 if TYPE_CHECKING:
-    from actors.service import LLM
+    from actors.llm import LLM
 
 
 class _ClosedByCaller(Exception):

@@ -45,6 +45,7 @@ from actors.cors import CorsPolicy
 from actors.generation import Generation
 from actors.http_access import hostname, is_authorized, request_ids
 from actors.http_body import BODY_GRACE_S, BODY_MIN_RATE, request_api
+from actors.llm import LLM
 from actors.openai_requests import (
     ApiError,
     ApiRequest,
@@ -56,7 +57,6 @@ from actors.openai_responses import SSE_DONE, ChunkWriter, sse, wire_json
 from actors.openai_tools import ToolCallDeltas, with_tool_calls
 from actors.openapi import OPENAPI
 from actors.requests import LogprobEntry, OverloadedError, ServiceClosedError, Usage
-from actors.service import LLM
 
 log = structlog.get_logger("cadence.http")
 

@@ -39,7 +39,8 @@ from actors import arg_types
 from actors.bench_serve import write_json
 from actors.http_app import ServerState, create_app
 from actors.http_server import serving_on_loopback
-from actors.service import LLM, open_llm
+from actors.llm import LLM
+from actors.service import open_llm
 
 FAULT_TOKEN = 50  # healthy prompts use ids from 100 up
 FAULT_AT = 2  # tokens a faulty row samples before its forward raises
