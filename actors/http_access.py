@@ -10,6 +10,10 @@ import re
 import uuid
 from typing import Any
 
+from werkzeug.exceptions import BadHost
+from werkzeug.routing import Map
+from werkzeug.sansio.utils import get_host
+
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
@@ -59,3 +63,42 @@ def hostname(host: str) -> str:
         return host[1:].partition("]")[0]
     name = host.rpartition(":")[0] if host.count(":") == 1 else host
     return name.removesuffix(".")
+
+
+# Quart binds its URL map to each request's host before any handler runs, and werkzeug
+# refuses a name IDNA cannot encode (an empty label, "localhost..", or one over 63
+# characters): raised there, outside every error handler, it was a bodiless 500 and a
+# traceback. An empty map binds as Quart's does, so it refuses exactly those hosts.
+_HOST_CHECK = Map()
+
+
+def is_bindable_host(scheme: str, host_header: str | None, server: Any) -> bool:
+    """Whether a request's Host header (None: absent) is a host name the app can serve,
+    `server` the ASGI scope's (address, port) it falls back on."""
+    if not _is_bracketed_soundly(host_header or ""):
+        return False
+    host = get_host(scheme, host_header, server)
+    try:
+        _HOST_CHECK.bind(host.lower())
+    except BadHost:
+        return False
+    return True
+
+
+# An IPv6 literal and its port (RFC 3986): the brackets enclose the whole address.
+_BRACKETED_HOST = re.compile(r"\[([^\[\]]*)\](?::[0-9]*)?")
+
+
+def _is_bracketed_soundly(host: str) -> bool:
+    """No brackets, or an IPv6 address in a pair of them: "[::1" was read as "::1" (a
+    loopback name, answered), where werkzeug sees no host at all."""
+    host = host.strip()
+    if "[" not in host and "]" not in host:
+        return True
+    if (bracketed := _BRACKETED_HOST.fullmatch(host)) is None:
+        return False
+    try:
+        ipaddress.IPv6Address(bracketed[1])
+    except ValueError:
+        return False
+    return True

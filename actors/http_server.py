@@ -9,9 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import ipaddress
 import logging
-import re
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -30,12 +28,9 @@ from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.ws_stream import WSStream
 from hypercorn.trio import serve
 from hypercorn.trio.tcp_server import TCPServer
-from werkzeug.exceptions import BadHost
-from werkzeug.routing import Map
-from werkzeug.sansio.utils import get_host
 
 from actors.cors import CorsPolicy
-from actors.http_access import request_ids
+from actors.http_access import is_bindable_host, request_ids
 from actors.openai_requests import ApiError
 from actors.openai_responses import wire_json
 
@@ -404,8 +399,8 @@ class _InFlight:
             return await self.app(scope, receive, send)
         if self._is_full() and not _is_probe(scope):
             return await self._refuse(scope, send)
-        if not _is_bindable_host(scope):
-            host = _header(scope, b"host")
+        host = _header(scope, b"host")
+        if not is_bindable_host(scope.get("scheme", "http"), host, scope.get("server")):
             error = ApiError(400, f"the Host header {host!r} is no valid host name", code="invalid_host")
             return await self._answer(scope, send, error, "http.response")
         if (method := _METHOD_AS_SENT.get()) is not None and method.upper() == scope["method"]:
@@ -465,43 +460,6 @@ class _InFlight:
         headers += [(k.lower().encode(), v.encode("latin-1")) for k, v in allowed.items()]
         await send({"type": f"{kind}.start", "status": error.status, "headers": headers})
         await send({"type": f"{kind}.body", "body": body})
-
-
-# Quart binds its URL map to each request's host before any handler runs, and werkzeug
-# refuses a name IDNA cannot encode (an empty label, "localhost..", or one over 63
-# characters): raised there, outside every error handler, it was a bodiless 500 and a
-# traceback. An empty map binds as Quart's does, so it refuses exactly those hosts.
-_HOST_CHECK = Map()
-
-
-def _is_bindable_host(scope: Any) -> bool:
-    if not _is_bracketed_soundly(_header(scope, b"host") or ""):
-        return False
-    host = get_host(scope.get("scheme", "http"), _header(scope, b"host"), scope.get("server"))
-    try:
-        _HOST_CHECK.bind(host.lower())
-    except BadHost:
-        return False
-    return True
-
-
-# An IPv6 literal and its port (RFC 3986): the brackets enclose the whole address.
-_BRACKETED_HOST = re.compile(r"\[([^\[\]]*)\](?::[0-9]*)?")
-
-
-def _is_bracketed_soundly(host: str) -> bool:
-    """No brackets, or an IPv6 address in a pair of them: "[::1" was read as "::1" (a
-    loopback name, answered), where werkzeug sees no host at all."""
-    host = host.strip()
-    if "[" not in host and "]" not in host:
-        return True
-    if (bracketed := _BRACKETED_HOST.fullmatch(host)) is None:
-        return False
-    try:
-        ipaddress.IPv6Address(bracketed[1])
-    except ValueError:
-        return False
-    return True
 
 
 # Cheap and bodiless: a load balancer's and Prometheus' view of a busy server.
