@@ -31,7 +31,7 @@ from hypercorn.trio.tcp_server import TCPServer
 
 from actors.cors import CorsPolicy
 from actors.http_access import is_bindable_host, request_ids
-from actors.openai_requests import ApiError
+from actors.openai_fields import ApiError
 from actors.openai_responses import wire_json
 
 log = structlog.get_logger("cadence.http")

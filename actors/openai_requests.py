@@ -10,13 +10,14 @@ import json
 import re
 from typing import Any
 
-from runtime.errors import CadenceError, RequestError
+from runtime.errors import RequestError
 from runtime.grammar import shapes_content_only
 from runtime.sequence import SamplingParams
 
 import attrs
 
 from actors.choices import DEFAULT_MAX_N
+from actors.openai_fields import IGNORED_FIELDS, ApiError, check_bookkeeping, json_field
 from actors.openai_tools import (
     STRUCTURED_FIELDS,
     TOOL_FIELDS,
@@ -28,54 +29,10 @@ from actors.requests import (
     MAX_TOP_LOGPROBS,
     REASONING_EFFORTS,
     GenerateRequest,
-    GenerationError,
-    OverloadedError,
-    ServiceClosedError,
     as_float,
     check_request,
     stop_strings,
 )
-
-
-@attrs.frozen
-class ApiError(Exception):
-    status: int
-    message: str
-    param: str | None = None
-    code: str | None = None
-    headers: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def type(self) -> str:
-        """OpenAI's type for the status: it answers a bad key, an unknown model or URL
-        with invalid_request_error too (`code` tells them apart), and a fault of its own
-        with server_error."""
-        return "server_error" if self.status >= 500 else "invalid_request_error"
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-    @classmethod
-    def from_error(cls, error: CadenceError) -> ApiError:
-        match error:
-            case RequestError():
-                return cls(400, str(error), param=error.param, code=error.code)
-            case OverloadedError():
-                headers = (("Retry-After", str(error.retry_after)),)
-                return cls(503, str(error), code="overloaded", headers=headers)
-            case ServiceClosedError():
-                headers = (("Retry-After", "1"),)
-                return cls(503, str(error), code="unavailable", headers=headers)
-            case GenerationError():
-                return cls(500, str(error), code="generation_failed")
-        return cls(500, str(error))
 
 
 @attrs.frozen
@@ -151,13 +108,13 @@ def parse_chat(body: dict[str, Any], *, max_n: int = DEFAULT_MAX_N) -> ApiReques
     for name, why in UNSUPPORTED_CHAT_FIELDS.items():
         if body.get(name) is not None:  # null is absent, as SDKs serialize an unset field
             raise ApiError(400, f"'{name}' is not supported: {why}", param=name)
-    if _field(body, "modalities", list) not in (None, ["text"]):
+    if json_field(body, "modalities", list) not in (None, ["text"]):
         raise ApiError(
             400, "'modalities' must be [\"text\"]: this server writes text only", param="modalities"
         )
-    messages = _field(body, "messages", list, required=True)
+    messages = json_field(body, "messages", list, required=True)
     # check_request holds the allowlists of keys (messages', the template's) and their types.
-    template_kwargs = _field(body, "chat_template_kwargs", dict) or {}
+    template_kwargs = json_field(body, "chat_template_kwargs", dict) or {}
     if (effort := body.get("reasoning_effort")) is not None:  # the template's variable
         if effort not in REASONING_EFFORTS:  # checked here to name the field the client sent
             levels = ", ".join(REASONING_EFFORTS)
@@ -173,16 +130,16 @@ def parse_chat(body: dict[str, Any], *, max_n: int = DEFAULT_MAX_N) -> ApiReques
 
 
 def parse_completion(body: dict[str, Any], *, max_n: int = DEFAULT_MAX_N) -> ApiRequest:
-    prompt = _field(body, "prompt", (str, list), required=True)
+    prompt = json_field(body, "prompt", (str, list), required=True)
     prompts = _prompts(prompt)
     is_batch = _is_batch(prompt)
     if body.get("chat_template_kwargs") is not None:
         raise ApiError(
             400, "'chat_template_kwargs' applies to chat only", param="chat_template_kwargs"
         )
-    if _field(body, "echo", bool):
+    if json_field(body, "echo", bool):
         raise ApiError(400, "'echo' is not supported", param="echo")
-    if _field(body, "suffix", str):
+    if json_field(body, "suffix", str):
         raise ApiError(400, "'suffix' is not supported", param="suffix")
     try:
         api = _parse_common(body, "completion", max_n=max_n, prompt=prompts[0])
@@ -233,17 +190,13 @@ def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any)
     if unknown := sorted(name for name in body if name not in known):
         name = unknown[0][:64]
         raise ApiError(400, f"unknown field '{name}'", param=name, code="unknown_field")
-    for name, kinds in _IGNORED_FIELDS.items():
-        _field(body, name, kinds)  # checked, then without effect (see the README)
-    _check_metadata(body.get("metadata") or {})
-    if body.get("store"):
-        raise ApiError(400, "'store' is not supported: completions are never stored", param="store")
-    model = _field(body, "model", str, required=True)
-    n = _field(body, "n", int, default=1)
+    check_bookkeeping(body)
+    model = json_field(body, "model", str, required=True)
+    n = json_field(body, "n", int, default=1)
     if not 1 <= n <= max_n:
         raise ApiError(400, f"'n' must be an integer in [1, {max_n}], got {n}", param="n")
     # best_of (deprecated by OpenAI, dropped by vLLM) would rank candidates by logprob.
-    best_of = _field(body, "best_of", int)
+    best_of = json_field(body, "best_of", int)
     if best_of not in (None, 1):
         raise ApiError(400, "only best_of=1 is supported; use 'n'", param="best_of")
     if best_of is not None and n > best_of:  # OpenAI's rule: best_of >= n
@@ -263,10 +216,10 @@ def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any)
             "a forced tool_choice cannot be combined with a guided grammar",
             param="tool_choice",
         )
-    is_stream = bool(_field(body, "stream", bool))
+    is_stream = bool(json_field(body, "stream", bool))
     if body.get("stream_options") is not None and not is_stream:
         raise ApiError(400, "'stream_options' needs 'stream': true", param="stream_options")
-    stream_options = _field(body, "stream_options", dict) or {}
+    stream_options = json_field(body, "stream_options", dict) or {}
     # As for top-level fields: vLLM's continuous_usage_stats, say, was dropped silently.
     if unknown := sorted(name for name in stream_options if name not in _STREAM_OPTIONS):
         name = f"stream_options.{unknown[0][:64]}"
@@ -285,9 +238,9 @@ def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any)
             "'stream_options.include_usage' must be a boolean",
             param="stream_options.include_usage",
         )
-    stop = stop_strings(_field(body, "stop", (str, list)))
+    stop = stop_strings(json_field(body, "stop", (str, list)))
     # OpenAI's newer name wins, but both are checked: a bad one is refused, not ignored.
-    limits = {name: _field(body, name, int) for name in ("max_completion_tokens", "max_tokens")}
+    limits = {name: json_field(body, name, int) for name in ("max_completion_tokens", "max_tokens")}
     for name, limit in limits.items():
         if limit is not None and limit < 1:
             raise ApiError(400, f"'{name}' must be a positive integer, got {limit}", param=name)
@@ -304,8 +257,8 @@ def _parse_common(body: dict[str, Any], kind: str, *, max_n: int, **prompt: Any)
         default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else None,
         sampling=sampling,
         stop=stop,
-        ignore_eos=bool(_field(body, "ignore_eos", bool)),
-        priority=_field(body, "priority", int, default=0),
+        ignore_eos=bool(json_field(body, "ignore_eos", bool)),
+        priority=json_field(body, "priority", int, default=0),
         grammar=grammar,
         tools=tools.tools,
         tool_choice=tools.choice,
@@ -344,11 +297,11 @@ def _logprobs(body: dict[str, Any], kind: str) -> int | None:
     Chat: `logprobs: true`, and `top_logprobs` only with it (as OpenAI); completions:
     `logprobs: N`."""
     if kind == "completion":
-        num_top = _field(body, "logprobs", int)
+        num_top = json_field(body, "logprobs", int)
         name = "logprobs"
     else:
-        is_on = bool(_field(body, "logprobs", bool))
-        num_top = _field(body, "top_logprobs", int)
+        is_on = bool(json_field(body, "logprobs", bool))
+        num_top = json_field(body, "top_logprobs", int)
         if num_top is not None and not is_on:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         name = "top_logprobs"
@@ -373,11 +326,11 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
         "presence_penalty",
         "frequency_penalty",
     ):
-        value = _field(body, name, (int, float))
+        value = json_field(body, name, (int, float))
         values[name] = getattr(defaults, name) if value is None else as_float(value)
-    values["top_k"] = _field(body, "top_k", int, default=0)  # check_request reads -1 as off
-    values["seed"] = _field(body, "seed", int)
-    bias = _field(body, "logit_bias", dict) or {}
+    values["top_k"] = json_field(body, "top_k", int, default=0)  # check_request reads -1 as off
+    values["seed"] = json_field(body, "seed", int)
+    bias = json_field(body, "logit_bias", dict) or {}
     pairs = []
     for key, value in bias.items():
         # ASCII digits only: str.isdigit() also accepts "²" and "١", which int() misreads or refuses.
@@ -394,53 +347,6 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
 
 
 _TOKEN_ID = re.compile(r"[0-9]+")
-# OpenAI's limits on `metadata`, which it enforces with a 400 naming the field.
-METADATA_PAIRS = 16
-METADATA_KEY_CHARS = 64
-METADATA_VALUE_CHARS = 512
-
-
-def _check_metadata(metadata: dict[str, Any]) -> None:
-    """OpenAI's rules for `metadata` (string keys to string values, within its limits):
-    a tag the client meant for OpenAI's dashboard then fails here as it would there."""
-    if len(metadata) > METADATA_PAIRS:
-        raise ApiError(
-            400,
-            f"'metadata' holds at most {METADATA_PAIRS} pairs, got {len(metadata)}",
-            param="metadata",
-            code="object_above_max_properties",
-        )
-    for key, value in metadata.items():
-        if len(key) > METADATA_KEY_CHARS:
-            raise ApiError(
-                400,
-                f"'metadata' keys are at most {METADATA_KEY_CHARS} characters, got {len(key)}",
-                param="metadata",
-                code="string_above_max_length",
-            )
-        field = f"metadata.{key}"
-        if not isinstance(value, str):
-            # Only its kind is shown, as _field shows text: the message is logged.
-            got = _TYPE_NAMES.get(type(value), "null" if value is None else "a value")
-            raise ApiError(400, f"'{field}' must be a string, got {got}", param=field)
-        if len(value) > METADATA_VALUE_CHARS:
-            raise ApiError(
-                400,
-                f"'{field}' is at most {METADATA_VALUE_CHARS} characters, got {len(value)}",
-                param=field,
-                code="string_above_max_length",
-            )
-# Fields OpenAI defines as having no effect on the output (end-user ids, tags, hints).
-_IGNORED_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "user": str,
-    "safety_identifier": str,
-    "metadata": dict,
-    "service_tier": str,
-    "prompt_cache_key": str,  # prefix caching is automatic, and lasts while blocks are free
-    "prompt_cache_retention": str,
-    "prompt_cache_options": dict,
-    "store": bool,  # false only
-}
 # OpenAI's stream options; include_obfuscation only pads chunks against length side
 # channels, so it is accepted without effect.
 _STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
@@ -466,7 +372,7 @@ _COMMON_FIELDS = frozenset(
         "logprobs",
         "n",
         *STRUCTURED_FIELDS,
-        *_IGNORED_FIELDS,
+        *IGNORED_FIELDS,
         # Chat only: refused by completions, each with its own message.
         "chat_template_kwargs",
         *TOOL_FIELDS,
@@ -488,42 +394,3 @@ _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "top_logprobs", "modalities", "reasoning_effort", *UNSUPPORTED_CHAT_FIELDS
 }
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
-
-_TYPE_NAMES = {
-    str: "a string",
-    list: "an array",
-    dict: "an object",
-    bool: "a boolean",
-    int: "an integer",
-    float: "a number",
-}
-
-
-def _field(
-    body: dict[str, Any],
-    name: str,
-    kinds: type | tuple[type, ...],
-    *,
-    required: bool = False,
-    default: Any = None,
-) -> Any:
-    value = body.get(name)
-    if value is None:
-        if required:
-            raise ApiError(400, f"'{name}' is required", param=name)
-        return default
-    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-    is_bool_ok = bool in kinds
-    # 5.0 for an integer field, as JSON Schema's "integer" and vLLM (pydantic) take it: a
-    # client computing a token budget in floats was refused here alone.
-    is_whole = isinstance(value, float) and value.is_integer() and abs(value) <= 2**63
-    if int in kinds and float not in kinds and is_whole:
-        value = int(value)
-    if not isinstance(value, kinds) or (isinstance(value, bool) and not is_bool_ok):
-        wanted = " or ".join(_TYPE_NAMES[k] for k in kinds)
-        # A number is shown, text only by its kind: the message is logged, and a prompt
-        # sent as {"p": "..."} must not put its words in the log.
-        is_text = isinstance(value, str | list | dict)
-        got = _TYPE_NAMES[type(value)] if is_text else json.dumps(value)[:40]
-        raise ApiError(400, f"'{name}' must be {wanted}, got {got}", param=name)
-    return value

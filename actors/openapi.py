@@ -12,12 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from actors.choices import DEFAULT_MAX_N
-from actors.openai_requests import (
-    METADATA_KEY_CHARS,
-    METADATA_PAIRS,
-    METADATA_VALUE_CHARS,
-    UNSUPPORTED_CHAT_FIELDS,
-)
+from actors.openai_fields import METADATA_KEY_CHARS, METADATA_PAIRS, METADATA_VALUE_CHARS
+from actors.openai_requests import UNSUPPORTED_CHAT_FIELDS
 from actors.openapi_messages import MESSAGE_SCHEMA, TEXT_PART_SCHEMA
 from actors.openapi_tools import (
     STRUCTURED_OUTPUT_FIELDS,
