@@ -16,13 +16,15 @@ from runtime import json_ends, tool_prompts
 from runtime.call_values import python_calls
 from runtime.errors import RequestError
 from runtime.glm4_reply import tool_names
-from runtime.glm45_reply import key_value_call
+from runtime.glm45_reply import GLM45_TAGS, key_value_call
 from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.qwen3_coder_reply import parameter_types, parameter_value, value_types, xml_call
 from runtime.tokenizer import Tokenizer
 from runtime.tool_grammars import tool_call_grammar
 from runtime.tool_prompts import chat_for_template, template_knows_tools, tool_style_for
 from runtime.tools import (
+    NEMOTRON_TAGS,
+    SEED_TAGS,
     CallArguments,
     CallCutShort,
     CallStart,
@@ -913,13 +915,22 @@ def test_call_arguments_nested_too_deeply_to_render_are_a_request_error():
 
 @pytest.mark.parametrize(
     ("style", "markers"),
-    [("mistral", ("[TOOL_CALLS]", "[ARGS]")), ("harmony", ("<|channel|>", "<|constrain|>", "<|message|>"))],
+    [
+        ("mistral", ("[TOOL_CALLS]", "[ARGS]")),
+        ("harmony", ("<|channel|>", "<|constrain|>", "<|message|>")),
+        ("nemotron", NEMOTRON_TAGS),
+        ("seed_oss", SEED_TAGS),
+        ("glm45", GLM45_TAGS),
+    ],
 )
 def test_a_forced_calls_markers_that_are_control_tokens_are_written_as_those_tokens(style, markers):
     tokens = {marker: 100 + i for i, marker in enumerate(markers)}
     source = tool_call_grammar(style, TOOLS, None, control_tokens=tokens).source
     for marker, token_id in tokens.items():
         assert f"<[{token_id}]>" in source and json.dumps(marker) not in source, marker
+    if style == "glm45":  # a value's text ends at the `</arg_value>` token, no terminal of text
+        assert 'text: /(?s:.*)/ <[105]> "\\n"' in source and "text[lazy]" not in source
+        GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids).compile(tool_call_grammar(style, TOOLS, None, control_tokens=tokens))
 
 
 def test_a_forced_name_admits_only_that_function():
@@ -2408,6 +2419,28 @@ def test_a_forced_glm45_call_is_its_tags_typed_by_the_schema(forced):
     assert not admitted_by(grammar, glm("get_weather", ("city", "Rome"), ("days", "2"), ("note", "a</arg_value>b")))
     assert admitted_by(grammar, glm("get_time", ("any", "x"))) == (forced is None)
     assert not admitted_by(grammar, "Sure. " + call)
+
+
+@pytest.mark.parametrize("odd", ["", " pad", "n" * 257, "a</arg_key>b"])
+def test_a_forced_glm45_call_never_writes_a_key_that_reads_back_as_another(odd):
+    """A key with blanks around it, none, over 256 characters or holding `</arg_key>` goes
+    as any keys, as Qwen3-Coder's names do."""
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    parameters = {"type": "object", "properties": {odd: {"type": "string"}, "q": {"type": "string"}}, "required": [odd]}
+    grammar = compiler.compile(tool_call_grammar("glm45", [{"type": "function", "function": {"name": "odd", "parameters": parameters}}], "odd"))
+    assert not admitted_by(grammar, glm("odd", (odd, "v")))
+    assert admitted_by(grammar, glm("odd", ("q", "v"), ("other", "w")))
+
+
+@pytest.mark.parametrize("key", ["x", "a>b", "a</arg_key", "k" * 256])
+def test_a_forced_glm45_calls_listed_keys_are_written_as_themselves(key):
+    """Keys of 1 and 256 characters, a `>` and an unclosed `</arg_key` (no end of a GLM
+    key) read back as themselves: closed to others, the call takes that key alone."""
+    compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
+    parameters = {"type": "object", "properties": {key: {"type": "string"}}, "additionalProperties": False}
+    grammar = compiler.compile(tool_call_grammar("glm45", [{"type": "function", "function": {"name": "f", "parameters": parameters}}], "f"))
+    assert admitted_by(grammar, glm("f", (key, "v"))) and admitted_by(grammar, glm("f"))
+    assert not admitted_by(grammar, glm("f", ("r", "1")))
 
 
 def test_a_long_glm45_value_fed_a_few_characters_a_delta_takes_linear_time():
