@@ -2029,6 +2029,8 @@ NEMOTRON_CASES = [
     ('<TOOLCALL>[{"name": "now", "arguments": {}}]</TOOL', ("</TOOL", [("now", "{}")])),
     # No list of calls: the text as written, its tags too.
     ("<TOOLCALL>not a call</TOOLCALL>", ("<TOOLCALL>not a call</TOOLCALL>", [])),
+    # Mistral's named form is none of Nemotron's.
+    ('<TOOLCALL>now[ARGS]{"a": 1}</TOOLCALL>', ('<TOOLCALL>now[ARGS]{"a": 1}</TOOLCALL>', [])),
     ('Sure.<TOOLCALL>[{"name": "f", "arguments": {"a": "x', ('Sure.<TOOLCALL>[{"name": "f", "arguments": {"a": "x', [])),
     ("A </TOOLCALL> alone.", ("A </TOOLCALL> alone.", [])),
     # Only the closing tag right after the list (past blanks) is markup: a second one, or
