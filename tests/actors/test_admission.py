@@ -6,12 +6,15 @@ import shutil
 import threading
 
 from runtime.errors import RequestError
+from runtime.glm45_reply import GLM45_TAGS
 from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.sequence import SamplingParams
 from runtime.tokenizer import Tokenizer
 from runtime.tool_grammars import tool_call_grammar
+from runtime.tools import HERMES_TAGS, SEED_TAGS
 
 import pytest
+import tokenizers
 import trio
 
 from actors.admission import Admission
@@ -217,6 +220,29 @@ def test_mistral_requests_offering_tools_and_harmony_chats_keep_control_tokens_i
     gpt-oss marks every message of a chat reply with them (a raw completion is text)."""
     request = GenerateRequest(**{"messages": ASK, "max_tokens": 4, **request_})
     assert admission_for(tokenizer, tool_style=tool_style).keeps_control_tokens(request) is expected
+
+
+@pytest.mark.parametrize(
+    ("tool_style", "tags", "expected"),
+    [
+        ("hermes", HERMES_TAGS, True),  # Granite 4.0's tokenizer holds them so
+        ("glm45", GLM45_TAGS[2:], True),  # its key and value tags alone
+        ("seed_oss", SEED_TAGS, True),
+        ("hermes", SEED_TAGS, False),  # another style's tags
+        # Their markers always are: Nemotron's <TOOLCALL>, Granite 3's <|tool_call|>,
+        # LFM2's <|tool_call_start|>; OLMo 3's <function_calls> may be.
+        *((style, (), True) for style in ("nemotron", "granite", "lfm2", "olmo3")),
+    ],
+)
+def test_a_style_whose_call_tags_are_control_tokens_keeps_them_in_a_request_offering_tools(tool_style, tags, expected):
+    """Decoding drops control tokens: a style's call tags that are (special added tokens)
+    are kept in the text of a request offering tools, where its parser reads them."""
+    backend = tokenizers.Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
+    backend.add_special_tokens(list(tags))
+    admission = admission_for(Tokenizer(backend), tool_style=tool_style)
+    offering = GenerateRequest(messages=ASK, max_tokens=4, tools=TOOLS)
+    assert admission.keeps_control_tokens(offering) is expected
+    assert not admission.keeps_control_tokens(GenerateRequest(messages=ASK, max_tokens=4))
 
 
 async def test_the_track_sent_for_a_mistral_request_offering_tools_keeps_control_tokens(tokenizer):
