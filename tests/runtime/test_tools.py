@@ -2073,6 +2073,18 @@ def test_the_nemotron_nano_v2_template_is_nemotrons_and_its_history_parses_back(
     assert parse("nemotron", written) == ("", [("get_weather", '{"city": "Paris"}')])
 
 
+def test_a_nemotron_history_shown_as_text_writes_a_turns_calls_as_one_list_that_parses_back():
+    """For a template without tools; a call whose arguments are JSON null has none."""
+    calls = [
+        {"id": f"c{i}", "type": "function", "function": {"name": name, "arguments": arguments}}
+        for i, (name, arguments) in enumerate((("get_weather", '{"city": "Paris"}'), ("now", "null")))
+    ]
+    history = [HISTORY[0], {"role": "assistant", "content": None, "tool_calls": calls}]
+    said = chat_for_template(history, TOOLS, "nemotron", knows_tools=False)[1]["content"]
+    assert said == '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", "arguments": {}}]</TOOLCALL>'
+    assert parse("nemotron", said) == ("", [("get_weather", '{"city": "Paris"}'), ("now", "{}")])
+
+
 @pytest.mark.parametrize("forced", [None, "get_weather"])
 def test_a_forced_nemotron_call_is_a_list_of_one_call_between_its_tags(forced):
     compiler = GrammarCompiler(DEMO, DEMO.vocab_size, DEMO.eos_token_ids)
