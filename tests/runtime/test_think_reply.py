@@ -315,7 +315,7 @@ def test_a_long_run_of_blank_tokens_takes_linear_time(reply):
     assert seconds(160_000) < 40 * seconds(10_000) + 0.5
 
 
-SEED_OPEN, SEED_CLOSE = SEED_THINK_TAGS
+SEED_OPEN, SEED_CLOSE = "<seed:think>", "</seed:think>"  # spelled as its tokenizer holds them
 # Seed-OSS-36B-Instruct's template names its tags in variables and writes its calls so.
 SEED_TEMPLATE = (
     "{%- set think_begin_token = '<seed:think>' -%}{%- set think_end_token = '</seed:think>' -%}"
@@ -356,7 +356,7 @@ def test_a_seed_oss_call_after_its_thought_is_a_call(split):
     assert (reasoning, content, calls, cut) == ("Maybe.", "Checking.\n", [("get_weather", {"city": "Paris"})], [])
 
 
-COHERE_OPEN, COHERE_CLOSE = COHERE_THINK_TAGS
+COHERE_OPEN, COHERE_CLOSE = "<|START_THINKING|>", "<|END_THINKING|>"  # spelled as its tokenizer holds them
 # Command R7B's template writes an assistant turn's calls after its plan so.
 R7B_TEMPLATE = (
     "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>{% if message.tool_calls %}<|START_THINKING|>"
