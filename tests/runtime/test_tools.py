@@ -2457,19 +2457,21 @@ def test_a_forced_glm45_calls_listed_keys_are_written_as_themselves(key):
     assert not admitted_by(grammar, glm("f", ("r", "1")))
 
 
-def test_a_long_glm45_value_fed_a_few_characters_a_delta_takes_linear_time():
-    """Each delta's text is searched once for `</arg_value>`: searching the whole value
-    again at every token would make a long one O(n^2)."""
+@pytest.mark.parametrize("long", ["value", "key"])
+def test_a_long_glm45_value_fed_a_few_characters_a_delta_takes_linear_time(long):
+    """Each delta's text is searched once for `</arg_value>` (a key's for `</arg_key>`):
+    searching the whole value again at every token would make a long one O(n^2)."""
 
     def seconds(size):
-        text = glm("get_weather", ("city", "x<" * size))
+        key, value = ("x<" * size, "v") if long == "key" else ("city", "x<" * size)
+        text = glm("get_weather", (key, value))
         parser, events = parser_for("glm45", tools=XML_TOOLS), []
         started = time.perf_counter()
         for at in range(0, len(text), 4):
             events += parser.feed(text[at : at + 4])
         took = time.perf_counter() - started
         arguments = "".join(e.fragment for e in events + parser.finish() if isinstance(e, CallArguments))
-        assert json.loads(arguments) == {"city": "x<" * size}
+        assert json.loads(arguments) == {key: value}
         return took
 
     small = seconds(20_000)
