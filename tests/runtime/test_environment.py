@@ -56,12 +56,17 @@ def test_a_value_its_reader_would_not_use_is_named():
     problems = environment_problems(cases)
     for (name, value), problem in zip(sorted(cases.items()), problems, strict=True):
         assert problem.startswith(f"{name}={value!r} is not ")
+    # The line names what its reader takes.
+    assert environment_problems({"CADENCE_PAGED_ATTENTION": "nativ"}) == [
+        "CADENCE_PAGED_ATTENTION='nativ' is not gather, fast or native; cadence may not use it as meant"
+    ]
 
 
 def test_a_number_in_other_digits_is_named_and_blanks_only_where_the_reader_keeps_them():
     [problem] = environment_problems({"CADENCE_CPU_THREADS": "\u0664"})  # C++'s atoi reads no digit in it
     assert problem.startswith("CADENCE_CPU_THREADS='\u0664' is not ")
-    assert environment_problems({"CADENCE_PAGED_ATTENTION": " Fast\n"}) == []  # its reader strips
+    for value in (" Fast\n", "GATHER", "native", ""):  # its reader strips and lowers
+        assert environment_problems({"CADENCE_PAGED_ATTENTION": value}) == [], value
 
 
 def test_loading_logs_each_problem_as_a_warning(monkeypatch):
