@@ -2210,6 +2210,8 @@ def test_the_glm4_template_is_glm4s_and_the_others_keep_theirs():
     assert template_knows_tools(GLM_Z1)
     glm45 = "<|observation|>{% for c in m.tool_calls %}<tool_call>{{ c.name }}<arg_key>{% endfor %}"
     assert tool_style_for(glm45, "glm4_moe") == "glm45"  # GLM-4.5's key and value tags: no name-then-JSON
+    # Key tags with no <tool_call> teach no GLM-4.5 call, which opens with it.
+    assert tool_style_for(glm45.replace("<tool_call>", ""), "glm4_moe") == "glm4"
     kept = {HERMES: "hermes", QWEN3: "hermes", QWEN3_CODER: "qwen3_coder", LLAMA3_JSON: "llama3_json",
             MISTRAL: "mistral", HARMONY: "harmony", GEMMA: "gemma", OLMO3: "olmo3", GRANITE3: "granite"}
     assert {tool_style_for(t, "glm4"): style for t, style in kept.items()} == {s: s for s in kept.values()}
