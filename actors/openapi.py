@@ -27,6 +27,7 @@ from actors.requests import (
     MAX_SEED,
     MAX_STOP_BYTES,
     MAX_STOP_STRINGS,
+    MAX_THINKING_BUDGET,
     MAX_TOP_LOGPROBS,
     MIN_SEED,
     REASONING_EFFORTS,
@@ -234,6 +235,11 @@ _SCHEMAS: dict[str, Any] = {
                         "enable_thinking": {"type": "boolean"},
                         "thinking": {"type": "boolean"},
                         "reasoning_effort": {"enum": list(REASONING_EFFORTS)},
+                        "thinking_budget": {
+                            "type": "integer",
+                            "minimum": -1,
+                            "maximum": MAX_THINKING_BUDGET,
+                        },
                     },
                 }
             ),

@@ -22,10 +22,18 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (chat) and logprobs (com
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 MAX_TOP_K = 2**31 - 1  # the engine's top-k array is int32
 # The chat template switches a client may set, and their types: `enable_thinking`
-# (Qwen3, GLM-4.5), `thinking` (DeepSeek-V3.1, Hermes 4) and `reasoning_effort`
-# (gpt-oss; OpenAI's request field of that name lands here). Any variable beyond these
-# could steer a template in ways nobody reviewed, so the rest are refused.
-CHAT_TEMPLATE_KWARGS: dict[str, type] = {"enable_thinking": bool, "thinking": bool, "reasoning_effort": str}
+# (Qwen3, GLM-4.5), `thinking` (DeepSeek-V3.1, Hermes 4, Granite 3.2/3.3),
+# `reasoning_effort` (gpt-oss; OpenAI's request field of that name lands here) and
+# `thinking_budget` (Seed-OSS: the tokens its thought may take, -1 no limit, 0 no
+# thought). Any variable beyond these could steer a template in ways nobody reviewed,
+# so the rest are refused.
+CHAT_TEMPLATE_KWARGS: dict[str, type] = {
+    "enable_thinking": bool,
+    "thinking": bool,
+    "reasoning_effort": str,
+    "thinking_budget": int,
+}
+MAX_THINKING_BUDGET = 2**31 - 1
 REASONING_EFFORTS = ("low", "medium", "high")  # the levels gpt-oss was trained on
 
 
@@ -189,6 +197,11 @@ def check_chat_template_kwargs(request: GenerateRequest) -> None:
             raise RequestError(f"'{param}' must be a {wanted.__name__}", param=param)
         if name == "reasoning_effort" and value not in REASONING_EFFORTS:
             raise RequestError(f"'{param}' must be one of {', '.join(REASONING_EFFORTS)}", param=param)
+        if name == "thinking_budget" and isinstance(value, int) and not -1 <= value <= MAX_THINKING_BUDGET:
+            raise RequestError(
+                f"'{param}' must be -1 (no limit) or a number of tokens in [0, {MAX_THINKING_BUDGET}]",
+                param=param,
+            )
 
 
 # (field, lowest, highest, lowest is allowed)

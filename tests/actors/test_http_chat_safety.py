@@ -14,6 +14,7 @@ THINKING_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "<|im_start|>assistant\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    "{% if thinking_budget is defined %}Think in at most {{ thinking_budget }} tokens.{% endif %}"
 )
 
 
@@ -83,10 +84,35 @@ async def test_enable_thinking_reaches_the_template(thinking):
     assert default == on < off
 
 
+async def test_seed_oss_thinking_budget_reaches_the_template(thinking):
+    """Seed-OSS's template reads `thinking_budget` (-1 no limit, 0 no thought, else
+    tokens); it was refused as a variable outside the allowlist."""
+    messages = [{"role": "user", "content": "hi"}]
+    async with serving(thinking) as server:
+        client = server.client()
+
+        def prompt_tokens(**extra_body):
+            return client.chat.completions.create(
+                model=server.model, messages=messages, max_tokens=1, extra_body=extra_body
+            ).usage.prompt_tokens
+
+        default = await in_thread(prompt_tokens)
+        budgets = [
+            await in_thread(prompt_tokens, chat_template_kwargs={"thinking_budget": budget})
+            for budget in (-1, 0, 512, 2**31 - 1)
+        ]
+    assert all(default < tokens for tokens in budgets)
+    assert budgets[0] != budgets[3]  # the number itself is written: -1 is not 2147483647
+
+
 BAD_TEMPLATE_KWARGS = [
     ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
     ({"enable_thinking": "no"}, "chat_template_kwargs.enable_thinking"),
     ({"thinking": 1}, "chat_template_kwargs.thinking"),
+    ({"thinking_budget": -2}, "chat_template_kwargs.thinking_budget"),
+    ({"thinking_budget": 2**31}, "chat_template_kwargs.thinking_budget"),
+    ({"thinking_budget": "512"}, "chat_template_kwargs.thinking_budget"),
+    ({"thinking_budget": True}, "chat_template_kwargs.thinking_budget"),
     ([], "chat_template_kwargs"),
 ]
 
