@@ -68,37 +68,29 @@ async def test_every_allowed_role_is_accepted(tiny):
     assert status == 200
 
 
-async def test_enable_thinking_reaches_the_template(thinking):
+def prompt_tokens(server, **extra_body):
+    """The prompt's tokens for one "hi" with `extra_body`, through the `openai` client."""
     messages = [{"role": "user", "content": "hi"}]
+    return server.client().chat.completions.create(
+        model=server.model, messages=messages, max_tokens=1, extra_body=extra_body
+    ).usage.prompt_tokens
+
+
+async def test_enable_thinking_reaches_the_template(thinking):
     async with serving(thinking) as server:
-        client = server.client()
-
-        def prompt_tokens(**extra_body):
-            return client.chat.completions.create(
-                model=server.model, messages=messages, max_tokens=1, extra_body=extra_body
-            ).usage.prompt_tokens
-
-        default = await in_thread(prompt_tokens)
-        on = await in_thread(prompt_tokens, chat_template_kwargs={"enable_thinking": True})
-        off = await in_thread(prompt_tokens, chat_template_kwargs={"enable_thinking": False})
+        default = await in_thread(prompt_tokens, server)
+        on = await in_thread(prompt_tokens, server, chat_template_kwargs={"enable_thinking": True})
+        off = await in_thread(prompt_tokens, server, chat_template_kwargs={"enable_thinking": False})
     assert default == on < off
 
 
 async def test_seed_oss_thinking_budget_reaches_the_template(thinking):
     """Seed-OSS's template reads `thinking_budget` (-1 no limit, 0 no thought, else
     tokens); it was refused as a variable outside the allowlist."""
-    messages = [{"role": "user", "content": "hi"}]
     async with serving(thinking) as server:
-        client = server.client()
-
-        def prompt_tokens(**extra_body):
-            return client.chat.completions.create(
-                model=server.model, messages=messages, max_tokens=1, extra_body=extra_body
-            ).usage.prompt_tokens
-
-        default = await in_thread(prompt_tokens)
+        default = await in_thread(prompt_tokens, server)
         budgets = [
-            await in_thread(prompt_tokens, chat_template_kwargs={"thinking_budget": budget})
+            await in_thread(prompt_tokens, server, chat_template_kwargs={"thinking_budget": budget})
             for budget in (-1, 0, 512, 2**31 - 1)
         ]
     assert all(default < tokens for tokens in budgets)
