@@ -270,16 +270,22 @@ def test_the_newer_hugging_face_layout_of_qwen2_5_vl_loads_the_same_model(make_c
     assert mx.array_equal(load_model(newer).model(tokens), want).item()
 
 
-def test_fused_experts_of_another_shape_are_a_one_line_error(make_checkpoint, tmp_path):
-    path = make_checkpoint("qwen3_vl_moe", head_dim=32, num_layers=3)
+def _saved_beside(path, tmp_path, weights):
+    """A copy of checkpoint `path`'s small files with `weights` as its weights."""
     broken = tmp_path / "broken"
     broken.mkdir()
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         (broken / name).write_bytes((path / name).read_bytes())
+    save_weights(broken, weights)
+    return broken
+
+
+def test_fused_experts_of_another_shape_are_a_one_line_error(make_checkpoint, tmp_path):
+    path = make_checkpoint("qwen3_vl_moe", head_dim=32, num_layers=3)
     weights = stored(path)
     name = "model.language_model.layers.1.mlp.experts.gate_up_proj"
     weights[name] = weights[name].swapaxes(1, 2)  # [E, 2 I, hidden]: not the releases' layout
-    save_weights(broken, weights)
+    broken = _saved_beside(path, tmp_path, weights)
     with pytest.raises(CheckpointError, match=r"experts: gate_up_proj and down_proj should be \[E, 64, 256\]"):
         load_model(broken)
 
@@ -287,14 +293,10 @@ def test_fused_experts_of_another_shape_are_a_one_line_error(make_checkpoint, tm
 @pytest.mark.parametrize("kept", ["gate_up_proj", "down_proj"])
 def test_one_of_the_fused_experts_pair_stored_alone_is_a_one_line_error(make_checkpoint, tmp_path, kept):
     path = make_checkpoint("qwen3_vl_moe", head_dim=32, num_layers=3)
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        (broken / name).write_bytes((path / name).read_bytes())
     weights = stored(path)
     other = "down_proj" if kept == "gate_up_proj" else "gate_up_proj"
     del weights[f"model.language_model.layers.1.mlp.experts.{other}"]
-    save_weights(broken, weights)
+    broken = _saved_beside(path, tmp_path, weights)
     with pytest.raises(CheckpointError, match=r"layers.1.mlp.experts: gate_up_proj and down_proj should be .* got .*None"):
         load_model(broken)
 
