@@ -52,7 +52,7 @@ from runtime.checkpoint import LoadedModel
 from runtime.engine_plan import EngineRow, ForwardSamples, QueuedStep, StepPlan
 from runtime.errors import CadenceError
 from runtime.finishing import finish_step, first_cause
-from runtime.grammar import token_masks
+from runtime.grammar_masks import token_masks
 from runtime.kv.base import RowSpan
 from runtime.kv.budget import DEFAULT_BLOCK_SIZE, check_block_size, pool_blocks
 from runtime.kv.layout import KVLayout

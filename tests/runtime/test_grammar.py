@@ -26,8 +26,8 @@ from runtime.grammar import (
     _after_text_thought,
     answer_json_schema,
     shapes_content_only,
-    token_masks,
 )
+from runtime.grammar_masks import token_masks
 from runtime.kv.base import RowSpan
 from runtime.kv.blocks import BlockPool
 from runtime.runner import run_offline
