@@ -698,6 +698,32 @@ def test_hermes_template_is_given_the_tools():
     assert json.dumps(TOOLS[0]) in tokenizer.decode(ids)
 
 
+@pytest.mark.parametrize(
+    ("parameters", "shown"),
+    [
+        (None, {"type": "object", "properties": {}}),
+        ({}, {"type": "object", "properties": {}}),
+        ({"type": "object"}, {"type": "object", "properties": {}}),
+        ({"type": "object", "required": []}, {"type": "object", "required": [], "properties": {}}),
+        # A schema of properties, however few, is the client's, untouched.
+        ({"type": "object", "properties": {}}, {"type": "object", "properties": {}}),
+        (TOOLS[0]["function"]["parameters"], TOOLS[0]["function"]["parameters"]),
+    ],
+)
+def test_a_template_is_shown_each_tool_with_properties_and_the_clients_own_as_sent(parameters, shown):
+    """A schema without `properties` gets empty ones (Seed-OSS's template iterates them);
+    one with properties, and every other field and tool, is the client's as sent."""
+    function = {"name": "now", "description": "d"} | ({} if parameters is None else {"parameters": parameters})
+    tools = [{"type": "function", "function": function}, *TOOLS, {"type": "function"}]
+    given = json.loads(json.dumps(tools))
+    assert tool_prompts.tools_for_template(tools) == [
+        {"type": "function", "function": {"name": "now", "description": "d", "parameters": shown}},
+        *TOOLS,
+        {"type": "function"},
+    ]
+    assert tools == given  # the request's own tools are not changed
+
+
 def test_a_template_without_tools_gets_them_in_the_first_user_turn():
     chat = chat_for_template(HISTORY, TOOLS, "gemma", knows_tools=False)
     assert [m["role"] for m in chat] == ["user", "assistant", "user"]
