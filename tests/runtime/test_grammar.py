@@ -24,6 +24,7 @@ from runtime.grammar import (
     GrammarSpec,
     ThoughtFirst,
     _after_text_thought,
+    _on_a_deep_stack,
     answer_json_schema,
     shapes_content_only,
 )
@@ -312,6 +313,9 @@ def ref_chain(n):
         (GrammarSpec("lark", rule_chain(MAX_RULES), "guided_grammar"), f"at most {MAX_RULES}"),  # 250 kB
         (GrammarSpec("json_schema", ref_chain(3000), "response_format"), f"at most {MAX_REFS}"),  # 300 kB
         (GrammarSpec("lark", f"start: %json {ref_chain(3000)}", "guided_grammar"), f"at most {MAX_REFS}"),
+        # One past the README's limits: 10,001 definitions (start, r0..r9999), 2,001 $refs.
+        (GrammarSpec("lark", rule_chain(9_999), "guided_grammar"), "10001 rules and terminals, at most 10000"),
+        (GrammarSpec("json_schema", ref_chain(2_000), "response_format"), "2001 $refs, at most 2000"),
     ],
 )
 def test_a_grammar_of_too_many_rules_or_refs_is_refused_before_it_is_compiled(compiler, spec, limit):
@@ -323,7 +327,8 @@ def test_a_grammar_of_too_many_rules_or_refs_is_refused_before_it_is_compiled(co
 
 
 @pytest.mark.parametrize(
-    "spec", [GrammarSpec("lark", rule_chain(MAX_RULES - 2), "g"), GrammarSpec("json_schema", ref_chain(MAX_REFS - 1), "g")]
+    # At the README's limits: 10,000 definitions (start, r0..r9998), 2,000 $refs.
+    "spec", [GrammarSpec("lark", rule_chain(9_998), "g"), GrammarSpec("json_schema", ref_chain(1_999), "g")]
 )
 def test_a_chain_within_the_limits_compiles_from_a_thread_of_a_small_stack(compiler, model, spec):
     """The compile runs on a thread of its own, of COMPILE_STACK_BYTES: a chain of 3,000
@@ -339,6 +344,22 @@ def test_a_chain_within_the_limits_compiles_from_a_thread_of_a_small_stack(compi
     state = outcome[0].start()
     first = model.tokenizer.encode("b" if spec.kind == "lark" else "{", add_special_tokens=False)[0]
     assert state.advance(first) is None
+
+
+def test_a_deep_stack_compile_gives_back_its_result_or_its_error_and_the_stack_size():
+    """`_on_a_deep_stack` runs on a daemon thread of its own (a compile still running
+    never holds up the process's exit), re-raises the build's own error on the caller's
+    thread, and leaves the size of threads started later as it was."""
+    threading.stack_size(0)  # the platform's default, whatever an earlier test left
+    ran_on = _on_a_deep_stack(threading.current_thread)
+    assert ran_on is not threading.current_thread() and ran_on.daemon
+
+    def failing():
+        raise ValueError("the build's own error")
+
+    with pytest.raises(ValueError, match="^the build's own error$"):
+        _on_a_deep_stack(failing)
+    assert threading.stack_size() == 0
 
 
 def test_a_refused_token_says_why_in_one_short_line(compiler, model):
