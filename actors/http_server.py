@@ -178,10 +178,12 @@ class _LenientH11(H11Protocol):
             event = RawData(data=data)
         await super().handle(event)
 
-    async def _create_stream(self, request: h11.Request) -> None:
-        # Set in this task, so the app's task (spawned in here) inherits it.
-        _METHOD_AS_SENT.set(request.method.decode("ascii"))  # h11 admits token bytes only
-        await super()._create_stream(request)
+    async def _check_protocol(self, event: h11.Request) -> None:
+        # Set in this task, so the app's task (spawned here, or by the HTTP/2 an h2c upgrade
+        # hands on to) inherits it. Hypercorn checks every request before it makes its stream;
+        # an upgrade makes none, and so had kept an earlier request's method, or none.
+        _METHOD_AS_SENT.set(event.method.decode("ascii"))  # h11 admits token bytes only
+        await super()._check_protocol(event)
 
     def _awaits_request_line(self) -> bool:
         connection = self.connection  # a WebSocket's is no h11.Connection
