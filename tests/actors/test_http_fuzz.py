@@ -280,6 +280,11 @@ EDGES = [
     (CHAT, "metadata", {f"k{i}": "v" for i in range(16)}, {f"k{i}": "v" for i in range(17)}),
     (COMPLETION, "metadata", {"k" * 64: "v"}, {"k" * 65: "v"}),
     (COMPLETION, "metadata", {"k": "v" * 512}, {"k": "v" * 513}),
+    (COMPLETION, "metadata", {}, "k"),  # an object, not just any value
+    # Seed-OSS's thinking budget: -1 (no limit) to 2^31 - 1 tokens.
+    (CHAT, "chat_template_kwargs", {"thinking_budget": -1}, {"thinking_budget": -2}),
+    (CHAT, "chat_template_kwargs", {"thinking_budget": 2**31 - 1}, {"thinking_budget": 2**31}),
+    (CHAT, "chat_template_kwargs", {"thinking_budget": 0}, {"thinking_budget": "512"}),
     (
         CHAT,
         "messages",
