@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
+from tests.runtime.test_granitemoehybrid import assert_left_out_read_as_released
 from tests.runtime.test_qwen3_5 import (
     PROMPTS,
     TOKENS,
@@ -141,10 +142,7 @@ def test_falcon_h1_0_5b_config_reads_as_released():
 def test_the_fields_a_config_leaves_out_read_as_transformers_defaults():
     """0.5B's values of these are FalconH1Config's defaults: left out, the same model."""
     optional = ("mamba_n_groups", "mamba_d_conv", "mamba_conv_bias", "mamba_proj_bias", "projectors_bias", "attention_bias")
-    released = config_from_dict(falcon_h1_0_5b())
-    left_out = config_from_dict({k: v for k, v in falcon_h1_0_5b().items() if k not in optional})
-    assert left_out.extra["mamba"] == released.extra["mamba"]
-    assert (left_out.qkv_bias, left_out.o_bias) == (released.qkv_bias, released.o_bias) == (False, False)
+    assert_left_out_read_as_released(falcon_h1_0_5b(), optional)
 
 
 @pytest.mark.parametrize(

@@ -174,8 +174,14 @@ def test_a_dense_model_runs_the_shared_mlps_width():
 def test_the_fields_a_config_leaves_out_read_as_transformers_defaults():
     """-h-tiny's values of these are transformers' defaults: left out, the same model."""
     optional = ("attention_bias", "mamba_d_conv", "mamba_n_groups", "mamba_conv_bias", "mamba_proj_bias", "mamba_d_head")
-    released = config_from_dict(granite_4_h_tiny())
-    left_out = config_from_dict({k: v for k, v in granite_4_h_tiny().items() if k not in optional})
+    assert_left_out_read_as_released(granite_4_h_tiny(), optional)
+
+
+def assert_left_out_read_as_released(fields, optional):
+    """A Mamba2 hybrid's config without `optional` reads as its release, which states
+    transformers' defaults for them (Granite 4.0's and Falcon-H1's tests)."""
+    released = config_from_dict(fields)
+    left_out = config_from_dict({k: v for k, v in fields.items() if k not in optional})
     assert left_out.extra["mamba"] == released.extra["mamba"]
     assert (left_out.qkv_bias, left_out.o_bias) == (released.qkv_bias, released.o_bias) == (False, False)
 
