@@ -209,11 +209,13 @@ class _JsonCalls:
         if self.arguments_end is None or self.arguments_end.start != at:
             self.arguments_end = ValueEnd(at)
         end = self.arguments_end.find(body, is_final)
-        if body[at] == '"' and end is not None and self.num_sent == 0:
+        is_held = body[at] in '"n'  # a string, or null (none): sent whole, once it closes
+        if is_held and end is not None and self.num_sent == 0:
             self.num_sent = end - at
-            text = with_non_finite_as_null(json.loads(body[at:end]))
-            return [CallArguments(self.num_calls, text)]
-        if body[at] == '"' and not is_final:
+            decoded = json.loads(body[at:end])
+            text = "null" if decoded is None else with_non_finite_as_null(decoded)
+            return [CallArguments(self.num_calls, _as_arguments(text))]
+        if is_held and not is_final:
             return []
         known = len(body) if end is None else end
         fragment = body[at + self.num_sent : known]
@@ -256,7 +258,15 @@ def _whole_call(index: int, call: object, raw: str = "") -> list[Event]:
         text = with_non_finite_as_null(arguments)
     else:
         text = json.dumps(arguments, ensure_ascii=False)
-    return [CallStart(index, call["name"]), CallArguments(index, text)]
+    return [CallStart(index, call["name"]), CallArguments(index, _as_arguments(text))]
+
+
+def _as_arguments(text: str) -> str:
+    """A call's arguments text as the client gets it: none (`null`, or a string of
+    nothing or of `null`, as a model writes a call of a tool without parameters) is
+    `{}`, OpenAI's object of none. "null" (vLLM's and SGLang's whole reply) reads as
+    None, which no client can call a function with (`f(**None)`)."""
+    return "{}" if text.strip() in ("", "null") else text
 
 
 @attrs.define

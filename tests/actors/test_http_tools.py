@@ -236,6 +236,23 @@ async def test_nan_or_infinity_in_arguments_is_null_streamed_or_not(checkpoint_f
     assert (content, finish, done.choices[0].finish_reason) == ("", "tool_calls", "tool_calls")
 
 
+@pytest.mark.parametrize(
+    ("style", "text"),
+    [
+        ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": null}\n</tool_call>'),
+        ("llama3_json", '{"parameters": null, "name": "get_weather"}'),
+    ],
+)
+async def test_arguments_written_as_null_are_an_empty_object_streamed_or_not(checkpoint_for, style, text):
+    """OpenAI's arguments are a JSON object's text: "null" went out, which a client's
+    `json.loads` reads as None, no arguments to call a function with."""
+    done, (content, calls, finish) = await answers_writing(checkpoint_for(style), text)
+    (call,) = done.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", "{}")
+    assert [(n, a) for _, n, a in calls.values()] == [("get_weather", "{}")]
+    assert (content, finish, done.choices[0].finish_reason) == ("", "tool_calls", "tool_calls")
+
+
 NOTE = "Rome is the city of seven hills and of many fountains, of old walls and narrow streets"
 LONG_CALL = {
     "hermes": 'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"note": "%s"}}\n</tool_call>',

@@ -267,6 +267,22 @@ CASES = [
     ("llama3_json", '{"name": "f", "parameters": {"a": -Infinity', ("", [("f", '{"a": null')])),
     ("mistral", "a [TOOL_C", ("a [TOOL_C", [])),
     ("mistral", '[TOOL_CALLS]f[ARGS]{"a": "cut', ('[TOOL_CALLS]f[ARGS]{"a": "cut', [])),
+    # Arguments of none, written `null` (or a string of nothing or of null), are `{}`,
+    # OpenAI's: "null" went out, which a client reads as None, no arguments to call with.
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": null}\n</tool_call>', ("", [("f", "{}")])),
+    ("hermes", '<tool_call>\n{"arguments": null, "name": "f"}\n</tool_call>', ("", [("f", "{}")])),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "null"}</tool_call><tool_call>{"name": "g", "arguments": ""}</tool_call>',
+     ("", [("f", "{}"), ("g", "{}")])),
+    ("hermes", '<tool_call>{"name": "f", "arguments": nothing}</tool_call>', ("", [("f", "nothing}")])),
+    ("llama3_json", '{"name": "f", "parameters": null}', ("", [("f", "{}")])),
+    ("llama3_json", '{"name": "f", "parameters": null', ("", [("f", "{}")])),  # whole, though its } was cut
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": null}]', ("", [("f", "{}")])),
+    ("granite", '<|tool_call|>[{"name": "f", "arguments": null}]', ("", [("f", "{}")])),
+    ("nemotron", '<TOOLCALL>[{"name": "f", "arguments": null}]</TOOLCALL>', ("", [("f", "{}")])),
+    ("command_r7b", '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "f", "parameters": null}]<|END_ACTION|>',
+     ("", [("f", "{}")])),
+    ("lfm2", '<|tool_call_start|>[{"name": "f", "arguments": null}]<|tool_call_end|>', ("", [("f", "{}")])),
+    ("olmo3", '<function_calls>{"name": "f", "arguments": null}</function_calls>', ("", [("f", "{}")])),
     # A third call after a tagged second one: each call is found, the tag split anywhere.
     (
         "llama3_json",
