@@ -9,6 +9,8 @@ Submit, which returns it when the request gets a batch row or leaves the queue.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from runtime.command_r7b_reply import ACTION_TAGS
 from runtime.errors import CadenceError, RequestError
@@ -27,7 +29,13 @@ from runtime.sequence import SequenceParams, check_sequence
 from runtime.think_reply import ThinkTags, prompt_closes_thought, prompt_opens_thought
 from runtime.tokenizer import Tokenizer
 from runtime.tool_grammars import tool_call_grammar
-from runtime.tool_prompts import chat_for_template, template_knows_tools, tools_for_template
+from runtime.tool_prompts import (
+    arguments_of_no_object,
+    chat_for_template,
+    template_knows_tools,
+    tools_for_template,
+    with_object_arguments,
+)
 from runtime.tools import (
     ARGS,
     GRANITE_TOOL_CALL,
@@ -374,13 +382,20 @@ class Admission:
                 if tools
                 else self.tokenizer.chat_template_source
             )
-            tokens = self.tokenizer.encode_chat(
-                chat_for_template(
-                    request.messages, tools, self.tool_style, template_knows_tools(source)
-                ),
-                template_kwargs=dict(request.chat_template_kwargs),
-                tools=tools_for_template(tools) or None,
-            )
+
+            def encode_chat(messages: Sequence[Mapping[str, Any]]) -> list[int]:
+                return self.tokenizer.encode_chat(
+                    chat_for_template(messages, tools, self.tool_style, template_knows_tools(source)),
+                    template_kwargs=dict(request.chat_template_kwargs),
+                    tools=tools_for_template(tools) or None,
+                )
+
+            try:
+                tokens = encode_chat(request.messages)
+            except RequestError as error:
+                if (named := _arguments_error(request.messages, encode_chat)) is None:
+                    raise
+                raise named from error
             field = "messages"
         elif isinstance(request.prompt, str):
             tokens = self.tokenizer.encode(request.prompt)
@@ -409,6 +424,27 @@ class Admission:
             kv_tokens=self.kv_tokens,
         )
         return params
+
+
+def _arguments_error(
+    messages: Sequence[Mapping[str, Any]], encode_chat: Callable[[Sequence[Mapping[str, Any]]], list[int]]
+) -> RequestError | None:
+    """The chat template refused `messages`: a 400 naming the past call's arguments
+    where they are no JSON object's text and the chat renders with objects there.
+    Templates that read them as a mapping (Qwen3-Coder's, GLM-4.5's, Seed-OSS's, OLMo
+    3's, Gemma 4's) refused in their own words ("Can only get item pairs from a
+    mapping"), naming no message; others write such text as it was sent."""
+    where = arguments_of_no_object(messages)
+    if where is None:
+        return None
+    try:
+        encode_chat(with_object_arguments(messages))
+    except RequestError:
+        return None  # refused for something else too: the template's own words stand
+    return RequestError(
+        f"{where} must be a JSON object's text: this model's chat template reads a past call's arguments as one",
+        param=where,
+    )
 
 
 def _caller_left(admit: Admit) -> bool:

@@ -328,19 +328,50 @@ def _with_parsed_arguments(message: Mapping[str, Any]) -> dict[str, Any]:
     parsed = []
     for call in calls:
         function = dict(call.get("function") or {})
-        arguments = function.get("arguments")
-        if isinstance(arguments, str) and not arguments.strip():
-            # No arguments, as some clients send a call of a tool without parameters:
-            # an object, as vLLM takes it (templates that read `arguments|items` failed).
-            function["arguments"] = {}
-        elif isinstance(arguments, str):
-            # Text that is not JSON reaches the template as the client sent it, and so
-            # does JSON that Python cannot read: an integer past 4,300 digits (ValueError)
-            # or nesting past the recursion limit.
-            with contextlib.suppress(ValueError, RecursionError):
-                function["arguments"] = json.loads(arguments)
+        function["arguments"] = _parsed_arguments(function.get("arguments"))
         parsed.append({**call, "function": function})
     return {**message, "tool_calls": parsed}
+
+
+def _parsed_arguments(arguments: Any) -> Any:
+    if not isinstance(arguments, str):
+        return arguments
+    if arguments.strip() in ("", "null"):
+        # No arguments, as some clients send a call of a tool without parameters (and
+        # as a reply's `null` arguments go out): an object, as vLLM takes "" (templates
+        # that read `arguments|items` failed).
+        return {}
+    # Text that is not JSON reaches the template as the client sent it, and so does
+    # JSON that Python cannot read: an integer past 4,300 digits (ValueError) or
+    # nesting past the recursion limit.
+    with contextlib.suppress(ValueError, RecursionError):
+        return json.loads(arguments)
+    return arguments
+
+
+def arguments_of_no_object(messages: Sequence[Mapping[str, Any]]) -> str | None:
+    """Where the first past call whose arguments are no JSON object's text is
+    (`messages[1].tool_calls[0].function.arguments`), or None: text that is no JSON,
+    a list, a number."""
+    for i, message in enumerate(messages):
+        for j, call in enumerate(message.get("tool_calls") or ()):
+            if not isinstance(_parsed_arguments(call["function"].get("arguments")), dict):
+                return f"messages[{i}].tool_calls[{j}].function.arguments"
+    return None
+
+
+def with_object_arguments(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with each past call's arguments that are no JSON object's text as `{}`."""
+    out = []
+    for message in messages:
+        calls = [
+            {**call, "function": {**call["function"], "arguments": "{}"}}
+            if not isinstance(_parsed_arguments(call["function"].get("arguments")), dict)
+            else call
+            for call in message.get("tool_calls") or ()
+        ]
+        out.append({**message, "tool_calls": calls} if calls else dict(message))
+    return out
 
 
 def _as_text(message: Mapping[str, Any], style: str) -> dict[str, Any]:

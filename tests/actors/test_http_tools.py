@@ -335,6 +335,32 @@ async def test_a_tool_history_is_accepted_and_shapes_the_prompt(styled):
     assert longer.usage.prompt_tokens > short.usage.prompt_tokens > bare.usage.prompt_tokens
 
 
+async def test_past_call_arguments_of_no_object_render_or_are_a_400_naming_them(styled):
+    """A past call's arguments that are no JSON object's text (a client's mistake) were
+    a 400 in the template's own words where it reads them as a mapping ("Can only get
+    item pairs from a mapping", naming `messages`): now one naming the field. Other
+    templates write them as sent; `null` is no arguments, `{}`, in every one."""
+    style, checkpoint = styled
+    reads_a_mapping = style in ("qwen3_coder", "olmo3", "glm45", "seed_oss")
+    answers = {}
+    async with serving(checkpoint) as server:
+        for arguments in ("{oops", "[1, 2]", "7", '"text"', "null"):
+            call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+            history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+            payload = {"model": server.model, "messages": history, "tools": TOOLS, "max_tokens": 1}
+            answers[arguments] = await in_thread(request, server.url, "POST", "/v1/chat/completions", payload)
+    assert answers.pop("null")[0] == 200
+    for arguments, (status, _, answer) in answers.items():
+        if not reads_a_mapping:
+            assert status == 200, (arguments, answer)
+            continue
+        assert status == 400, (arguments, answer)
+        where = "messages[1].tool_calls[0].function.arguments"
+        assert answer["error"]["param"] == where, arguments
+        assert answer["error"]["message"].startswith(f"{where} must be a JSON object's text"), arguments
+
+
 async def test_a_named_tool_use_template_renders_a_chat_with_tools_and_sets_the_format(
     make_checkpoint, tmp_path
 ):

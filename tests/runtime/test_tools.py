@@ -1722,11 +1722,12 @@ def test_an_olmo3_history_renders_its_calls_as_python_and_results_as_environment
 
 
 @pytest.mark.parametrize("template", ["qwen3_coder", "olmo3"])
-@pytest.mark.parametrize("empty", ["", " "])
+@pytest.mark.parametrize("empty", ["", " ", "null"])
 def test_a_past_call_with_empty_arguments_is_a_call_of_none(template, empty):
     """A call of a tool without parameters sent back with `arguments: ""` (as some
     clients send it) reached the template as text, and the templates that read
-    `arguments|items` refused the chat (a 400): it is an object of none, as vLLM takes it."""
+    `arguments|items` refused the chat (a 400): it is an object of none, as vLLM takes it.
+    So is `null`, which they read as None."""
     call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": empty}}
     history = [HISTORY[0], {"role": "assistant", "content": None, "tool_calls": [call]}, HISTORY[2]]
     source, written = {
