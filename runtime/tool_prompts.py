@@ -127,7 +127,7 @@ def chat_for_template(
     """
     chat = [_with_parsed_arguments(m) for m in messages]
     if style == "mistral":
-        chat = _mistral_call_ids(chat)
+        chat = _mistral_call_ids(_results_with_call_ids(chat))
     if knows_tools:
         if style == "granite":
             return _granite_turns(chat)
@@ -180,6 +180,27 @@ def _mistral_call_ids(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
             message = {**message, "tool_calls": calls}
         if message["role"] == "tool" and message.get("tool_call_id") in shown:
             message = {**message, "tool_call_id": shown[message["tool_call_id"]]}
+        out.append(message)
+    return out
+
+
+def _results_with_call_ids(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`chat` with each result sent without a `tool_call_id` given that of the call it
+    answers by its place, the k-th result after a turn of calls the k-th call's, as
+    templates without ids pair them (a result with none to answer gets an empty id):
+    Mistral's write each result's id, and refused the chat ("Tool call IDs should be
+    alphanumeric strings with length 9!") for a client that sent none."""
+    out = []
+    calls: list[dict[str, Any]] = []
+    answered = 0
+    for message in chat:
+        if message.get("tool_calls"):
+            calls, answered = message["tool_calls"], 0
+        if message["role"] == "tool":
+            if message.get("tool_call_id") is None:
+                call_id = calls[answered].get("id", "") if answered < len(calls) else ""
+                message = {**message, "tool_call_id": call_id}
+            answered += 1
         out.append(message)
     return out
 

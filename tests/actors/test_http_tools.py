@@ -794,6 +794,27 @@ async def test_call_ids_from_other_clients_reach_a_mistral_template_as_9_charact
     assert answer.choices[0].finish_reason == "length"
 
 
+async def test_results_without_call_ids_reach_a_mistral_template_paired_by_place(make_checkpoint, tmp_path):
+    """A client that sends results without `tool_call_id` (the other templates pair
+    them by place) got a 400 in Mistral's template's words: "Tool call IDs should be
+    alphanumeric strings with length 9!". Published Mistral-Nemo-Instruct-2407 template."""
+    template = (pathlib.Path(__file__).parent / "templates" / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text()
+    checkpoint = with_template(make_checkpoint("llama"), tmp_path / "nemo", template)
+    calls = [
+        {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+        for call_id in ("call_1", "call_2")
+    ]
+    history = [
+        *ASK,
+        {"role": "assistant", "tool_calls": calls},
+        {"role": "tool", "content": '{"sky": "clear"}'},
+        {"role": "tool", "content": '{"sky": "grey"}'},
+    ]
+    async with serving(checkpoint) as server:
+        answer = await in_thread(whole, server, messages=history, tools=TOOLS, max_tokens=4)
+    assert answer.choices[0].finish_reason == "length"
+
+
 TYPED = {
     "type": "object",
     "properties": {

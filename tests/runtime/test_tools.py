@@ -671,6 +671,26 @@ def test_mistral_call_ids_are_nine_characters_a_call_and_its_result_alike():
     assert chat_for_template(chat, TOOLS, "hermes", knows_tools=True)[1]["tool_calls"][0]["id"] == "call_1"
 
 
+def test_a_result_without_a_call_id_takes_that_of_the_call_it_answers_by_place():
+    """Mistral's templates write each result's id and refused the chat without one;
+    the k-th result after a turn of calls answers its k-th call, as templates without
+    ids read them, and one with no call to answer gets an id of its own."""
+    calls = [{"id": i, "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in ("call_1", "Ab3dE6gH9")]
+    chat = [
+        HISTORY[0],
+        {"role": "assistant", "tool_calls": calls},
+        {"role": "tool", "content": "one"},
+        {"role": "tool", "content": "two"},
+        {"role": "tool", "content": "three"},
+    ]
+    shown = chat_for_template(chat, TOOLS, "mistral", knows_tools=True)
+    call_ids = [call["id"] for call in shown[1]["tool_calls"]]
+    result_ids = [m["tool_call_id"] for m in shown[2:]]
+    assert result_ids[:2] == call_ids and call_ids[1] == "Ab3dE6gH9"
+    assert re.fullmatch("[A-Za-z0-9]{9}", result_ids[2]) and result_ids[2] not in call_ids
+    assert "tool_call_id" not in chat_for_template(chat, TOOLS, "hermes", knows_tools=True)[2]
+
+
 def test_a_mistral_call_id_shown_never_takes_one_the_chat_already_holds():
     """An id whose hash spells an id of the chat's own (kept as it is) draws again: two
     calls are never shown as one."""
