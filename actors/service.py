@@ -27,6 +27,7 @@ from runtime.engine import Engine
 from runtime.grammar import GrammarCompiler
 from runtime.kv.blocks import BlockPool
 from runtime.kv.budget import DEFAULT_BLOCK_SIZE
+from runtime.kv.snapshots import SnapshotBook
 from runtime.ladder import measure_ladder
 from runtime.runner import PlanRunner
 from runtime.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_SOLO_PREFILL_TOKENS, FcfsScheduler
@@ -91,8 +92,8 @@ async def open_llm(
     and pads steps to a cheaper size (runtime/ladder.py).
     `warm_up` runs the step shapes once on dummy prompts before serving, so that no
     request waits for a kernel compile (runtime/warm_up.py); None: on a GPU only.
-    `prefix_cache=False` turns prefix caching off (a hybrid model, Qwen3.5, always has it
-    off: runtime/kv/recurrent.py). `lookahead` (>= 1) is how many engine steps stay queued
+    `prefix_cache=False` turns prefix caching off (a hybrid model's, Qwen3.5's, resumes
+    from recurrent-state snapshots: runtime/kv/snapshots.py). `lookahead` (>= 1) is how many engine steps stay queued
     behind the running one (more hides more scheduling latency, and costs that many
     speculative steps per finish).
     `think_split=False` leaves a thinking model's thought (`<think>`, Mistral's `[THINK]`)
@@ -151,6 +152,7 @@ async def open_llm(
             max_context=max_context,
             kv_budget=kv_budget,
             block_size=block_size,
+            num_snapshots=None if prefix_cache else 0,
         ),
         abandon_on_cancel=True,
     )
@@ -160,16 +162,14 @@ async def open_llm(
             abandon_on_cancel=True,
         )
         log.info("batch_ladder", **engine.ladder.describe())
-    if prefix_cache and engine.states is not None:
-        # A cached prefix is K/V only: a hybrid model's linear-attention layers would
-        # need their recurrent state at its end too, which no block holds.
-        log.info(
-            "prefix_cache_off",
-            reason="the model's linear-attention layers keep a recurrent state, which a cached prefix lacks",
-        )
-        prefix_cache = False
     kv = engine.kv
-    recurrent = {} if engine.states is None else {"recurrent_state_bytes": engine.recurrent_bytes}
+    recurrent = {}
+    if engine.states is not None:  # a hybrid model's prefix hits resume from state snapshots
+        recurrent = {
+            "recurrent_state_bytes": engine.recurrent_bytes,
+            "state_snapshots": engine.num_snapshots,
+            "state_snapshot_bytes": engine.snapshot_bytes,
+        }
     log.info(
         "kv_pool",
         block_size=kv.block_size,
@@ -177,7 +177,7 @@ async def open_llm(
         bytes=kv.nbytes,
         tokens=engine.kv_tokens,
         prefix_cache=prefix_cache,
-        **recurrent,  # max_batch rows' linear-attention states, off the same budget
+        **recurrent,  # max_batch rows' linear-attention states and snapshots, off the same budget
     )
     if kv.layout.is_windowed:  # what the windows save on the longest row
         windowed, full = kv.row_bytes(engine.max_context)
@@ -206,7 +206,10 @@ async def open_llm(
         budget, solo = max_batch + prefill_chunk, DEFAULT_SOLO_PREFILL_TOKENS
     else:
         budget, solo = max_num_batched_tokens, min(DEFAULT_SOLO_PREFILL_TOKENS, max_num_batched_tokens)
-    policy = FcfsScheduler(max_batch, pool, engine.max_context, prefill_chunk, budget, solo)
+    snapshots = SnapshotBook(engine.num_snapshots) if prefix_cache and engine.num_snapshots else None
+    policy = FcfsScheduler(
+        max_batch, pool, engine.max_context, prefill_chunk, budget, solo, snapshots=snapshots
+    )
     warm = await thread.run(
         functools.partial(warm_up_steps, engine, policy, warm_up, on_progress),
         abandon_on_cancel=True,

@@ -57,7 +57,7 @@ from runtime.kv.base import RowSpan
 from runtime.kv.budget import DEFAULT_BLOCK_SIZE, check_block_size, pool_blocks
 from runtime.kv.layout import KVLayout
 from runtime.kv.paged import PagedKV
-from runtime.kv.recurrent import RecurrentStore
+from runtime.kv.recurrent import RecurrentStore, RowState
 from runtime.ladder import BatchLadder, pad_step
 from runtime.sampling import RowSampler, Sampled, joined, logprob_rows, sample
 from runtime.sequence import (
@@ -97,9 +97,12 @@ class Engine:
         max_context: int | None = None,
         kv_budget: int | float | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        num_snapshots: int | None = None,
     ):
         """`kv_budget`: bytes, a fraction of available memory, or None for the default
-        (30% of available memory, at most what `max_batch` rows of `max_context` need)."""
+        (30% of available memory, at most what `max_batch` rows of `max_context` need).
+        `num_snapshots`: a hybrid model's prefix cache's recurrent-state snapshots, their
+        bytes reserved off the budget (None: `max_batch`; 0 without prefix caching)."""
         check_block_size(block_size)  # before the pool's sizing divides by it
         config = loaded.config
         self.model = loaded.model
@@ -126,15 +129,20 @@ class Engine:
         # (runtime/kv/recurrent.py): max_batch rows of it come off the budget first.
         self.states = RecurrentStore() if config.recurrent_row_bytes else None
         self.recurrent_bytes = max_batch * config.recurrent_row_bytes
+        # ... and a cached prefix resumes from a snapshot of that state (runtime/kv/snapshots.py).
+        self.num_snapshots = 0 if self.states is None else max_batch if num_snapshots is None else num_snapshots
+        self.snapshot_bytes = self.num_snapshots * config.recurrent_row_bytes
+        self._snapshots: dict[int, RowState] = {}  # by the policy's snapshot id
         reserved = (
             ("the sliding-window layers' KV", self.window_bytes),
             ("the linear-attention layers' state", self.recurrent_bytes),
+            ("its prefix-cache snapshots", self.snapshot_bytes),
         )
         num_blocks = pool_blocks(
             kv_budget,
             max_batch * blocks_per_row,
             self.bytes_per_block,
-            self.window_bytes + self.recurrent_bytes,
+            self.window_bytes + self.recurrent_bytes + self.snapshot_bytes,
             " and ".join(what for what, size in reserved if size) or reserved[0][0],
         )
         self.kv = PagedKV(
@@ -206,6 +214,21 @@ class Engine:
         if self.states is not None:
             self.states.release(seq.seq_id)
 
+    def restore_state(self, seq: SeqHandle, snapshot_id: int) -> None:
+        """Start a hybrid model's row from a cached prefix's recurrent state."""
+        snapshot = self._snapshots.get(snapshot_id)
+        if self.states is None or snapshot is None:
+            raise CadenceError(f"no recurrent-state snapshot {snapshot_id} to resume row {seq.seq_id} from")
+        self.states.restore(seq.seq_id, snapshot)
+
+    def drop_snapshots(self, snapshot_ids: tuple[int, ...]) -> None:
+        for snapshot_id in snapshot_ids:
+            self._snapshots.pop(snapshot_id, None)
+
+    @property
+    def num_snapshots_held(self) -> int:
+        return len(self._snapshots)
+
     @property
     def num_open(self) -> int:
         return len(self._rows)
@@ -236,6 +259,7 @@ class Engine:
         Rows whose forward raises fail alone; the rest are sampled in this one step."""
         plan = self._plan(batch)
         ran = self._isolating_forward(plan, batch.epoch) if plan.spans else []
+        saved = self._save_states(batch)
         sampling = [row for part, _ in ran for row in part.sampling]
         if not sampling:  # prefill chunks only: just the K/V writes are wanted
             # Every slot's pool: with layer groups the last slot is not always written last.
@@ -246,7 +270,7 @@ class Engine:
             # overlap with the next step's graph building (a few ms of hundreds).
             if ran:
                 states = [] if self.states is None else self.states.arrays()
-                mx.eval(*self.kv.keys, *self.kv.values, *states)
+                mx.eval(*self.kv.keys, *self.kv.values, *states, *saved)
             self._queue(plan, [], None)
             return
         parts = [out for _, out in ran if out is not None]  # more than one if it was split
@@ -255,7 +279,22 @@ class Engine:
             row.next_input = sampled.tokens[i : i + 1]
             row.sampler.record(row.next_input)
             row.num_pending += 1
-        self._queue(plan, sampling, (sampled, is_finite))
+        self._queue(plan, sampling, (sampled, is_finite), saved)
+
+    def _save_states(self, batch: StepBatch) -> list[mx.array]:
+        """Keep the snapshots `batch` asks for, of rows whose span ran (a failed or
+        skipped row's state is not where its span ends); their arrays, to evaluate with
+        the step (a lazy copy would hold the batch it copies from)."""
+        if self.states is None or not batch.saves:
+            return []
+        ends = {span.seq_id: span.end for span in batch.spans}
+        arrays = []
+        for seq_id, snapshot_id in batch.saves:
+            snapshot = self.states.snapshot(seq_id, ends.get(seq_id, -1))
+            if snapshot is not None:
+                self._snapshots[snapshot_id] = snapshot
+                arrays += [held.batch for held in (*snapshot.conv, *snapshot.delta)]
+        return arrays
 
     def collect(self) -> list[StepOutcome]:
         """Block for the oldest queued step and decide which rows it finished."""
@@ -397,10 +436,13 @@ class Engine:
         plan: StepPlan,
         sampling: list[EngineRow],
         sampled: ForwardSamples | None,
+        saved: list[mx.array] | None = None,
     ) -> None:
         samples, is_finite = sampled or (Sampled(mx.array([], mx.int32)), mx.array([], mx.bool_))
         seq_ids = tuple(row.handle.seq_id for row in sampling)
-        step = QueuedStep(seq_ids, samples.tokens, is_finite, samples.logprobs, tuple(plan.failures))
+        step = QueuedStep(
+            seq_ids, samples.tokens, is_finite, samples.logprobs, tuple(plan.failures), tuple(saved or ())
+        )
         is_held_back = (
             self.defers_start and bool(self._queued) and plan.num_tokens > len(plan.spans)
         )

@@ -81,9 +81,11 @@ class QueuedStep:
     is_finite: mx.array  # [S] bool: the row's logits had no NaN/inf
     logprobs: Logprobs | None  # [S] and [S, K], when any sampling row asks
     failures: tuple[tuple[int, str], ...]  # rows that failed while the step was built
+    saved: tuple[mx.array, ...] = ()  # recurrent-state snapshots the step keeps, evaluated with it
     is_started: bool = False  # handed to mlx to run (`Engine.start_queued`)
 
     @property
     def outputs(self) -> tuple[mx.array, ...]:
         lp = self.logprobs
-        return (self.tokens, self.is_finite) + (() if lp is None else (lp.token, lp.top_ids, lp.top))
+        logprobs = () if lp is None else (lp.token, lp.top_ids, lp.top)
+        return (self.tokens, self.is_finite, *logprobs, *self.saved)

@@ -74,6 +74,14 @@ class PlanRunner:
                     log.exception("open failed", request_id=request_id)
                     error = CadenceError(f"engine error: {error}")
                 failed.append(RowResult(request_id, None, FinishCause.ERROR, str(error)))
+        for request_id, snapshot_id in plan.restores:  # a hybrid model's prefix hit
+            if (seq := self.rows.get(request_id)) is not None:
+                try:
+                    self.engine.restore_state(seq, snapshot_id)
+                except CadenceError as error:
+                    failed += self._fail_rows((request_id,), str(error))
+        if plan.snapshot_drops:
+            self.engine.drop_snapshots(plan.snapshot_drops)
         # Rows that finished or failed after this plan was made are simply left out.
         spans = tuple(
             RowSpan(self.rows[s.request_id].seq_id, s.start, s.num_new, s.blocks, s.group_tables)
@@ -81,9 +89,14 @@ class PlanRunner:
             if s.request_id in self.rows
         )
         row_ids = tuple(s.request_id for s in plan.spans if s.request_id in self.rows)
+        saves = tuple(
+            (self.rows[s.request_id].seq_id, s.save_as)
+            for s in plan.spans
+            if s.save_as is not None and s.request_id in self.rows
+        )
         submitted_at = time.perf_counter()
         try:
-            self.engine.submit(StepBatch(spans, plan.epoch))
+            self.engine.submit(StepBatch(spans, plan.epoch, saves))
         except Exception as error:  # not one row's fault: every row of the step fails
             log.exception("submit failed", step=plan.step)
             failed += self._fail_rows(row_ids, f"engine error: {error}")

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 
 from runtime.errors import CadenceError
 from runtime.kv.blocks import BlockPool, chain_hashes
+from runtime.kv.snapshots import PlannedSave, SnapshotBook
 from runtime.scheduled_request import ScheduledRequest
 from runtime.sequence import SequenceParams
 from runtime.step_plan import PlannedSpan, StepPlan
@@ -72,10 +73,13 @@ class FcfsScheduler:
         default=attrs.Factory(lambda self: self.max_batch + self.prefill_chunk, takes_self=True)
     )
     solo_prefill_tokens: int = DEFAULT_SOLO_PREFILL_TOKENS  # budget and chunk, no row decoding
+    # A hybrid model's recurrent-state snapshots, where its prefixes are cached (else None).
+    snapshots: SnapshotBook | None = None
     waiting: list[ScheduledRequest] = attrs.Factory(list)  # by rank
     running: dict[str, ScheduledRequest] = attrs.Factory(dict)
     pending_closes: list[str] = attrs.Factory(list)
     pending_rejects: list[tuple[str, str]] = attrs.Factory(list)
+    pending_restores: list[tuple[str, int]] = attrs.Factory(list)  # (request id, snapshot id)
     in_flight: dict[int, dict[str, int]] = attrs.Factory(dict)  # step -> {request: num_computed}
     num_steps: int = 0
     num_preemptions: int = 0
@@ -151,6 +155,8 @@ class FcfsScheduler:
             if (request := self.running.get(request_id)) is not None:
                 request.num_kv_done = max(request.num_kv_done, num_computed)
                 self._publish(request)
+        if self.snapshots is not None:
+            self.snapshots.on_step_done(step, self._snapshot_hash)
         for request in finished:
             del self.running[request.request_id]
             self._free(request)
@@ -199,6 +205,7 @@ class FcfsScheduler:
         self.in_flight[self.num_steps] = {
             span.request_id: span.start + span.num_new for span in spans
         }
+        drops = () if self.snapshots is None else self.snapshots.take_drops(self.pool.by_hash)
         plan = StepPlan(
             step=self.num_steps,
             opens=tuple(opens),
@@ -209,9 +216,12 @@ class FcfsScheduler:
             num_free_blocks=self.pool.num_free_blocks,
             hit_rate=self.pool.hit_rate,
             preempted=tuple(preempted),
+            restores=tuple(self.pending_restores),
+            snapshot_drops=drops,
         )
         self.pending_closes.clear()
         self.pending_rejects.clear()
+        self.pending_restores.clear()
         return plan
 
     def _is_at_bounds(self, request: ScheduledRequest) -> bool:
@@ -237,7 +247,7 @@ class FcfsScheduler:
             request = self.waiting[index]
             # Leave the last known token to compute: its logits give the next token.
             num_lookup = (len(request.tokens) - 1) // self.pool.block_size
-            hits = self.pool.match_tables(request.block_hashes[:num_lookup])
+            hits = self._usable_hits(request, self.pool.match_tables(request.block_hashes[:num_lookup]))
             num_hit = len(hits[0])
             if self._is_held(request, num_hit, num_lookup, computing):
                 index += 1  # its next block will be cached soon: take it from there
@@ -262,6 +272,9 @@ class FcfsScheduler:
             request.tables = hits
             request.num_computed = request.num_kv_done = num_hit * self.pool.block_size
             request.num_published = num_hit
+            if self.snapshots is not None and num_hit:  # its recurrent state starts there
+                snapshot = self.snapshots.take(request.block_hashes[num_hit - 1])
+                self.pending_restores.append((request.request_id, snapshot))
             if not request.is_open:
                 request.is_open = True
                 request.num_cached_tokens = request.num_computed
@@ -313,7 +326,10 @@ class FcfsScheduler:
         if not self.pool.is_caching:
             return
         priority = request.params.priority
-        for block_hash in request.block_hashes[request.num_published :]:
+        # A hybrid model's prompt blocks are usable only once the state after them is kept,
+        # at the end of the prefill (runtime/kv/snapshots.py): until then, all are pending.
+        first = 0 if self.snapshots is not None and request.is_prefilling else request.num_published
+        for block_hash in request.block_hashes[first:]:
             computing[block_hash] = min(computing.get(block_hash, priority), priority)
 
     def _too_large(self, request: ScheduledRequest) -> str:
@@ -364,6 +380,7 @@ class FcfsScheduler:
             if num_new == 0:
                 continue
             start, is_prefill = request.num_computed, request.is_prefilling
+            save_as = self._planned_save(request, start + num_new, is_prefill)
             request.num_computed += num_new
             samples = request.num_computed == request.frontier
             request.num_samples += samples
@@ -371,7 +388,7 @@ class FcfsScheduler:
             tables = tuple(tuple(table) for table in request.tables)
             spans.append(
                 PlannedSpan(
-                    request.request_id, start, num_new, tables[0], samples, tables[1:], is_prefill
+                    request.request_id, start, num_new, tables[0], samples, tables[1:], is_prefill, save_as
                 )
             )
         return spans
@@ -380,6 +397,8 @@ class FcfsScheduler:
         """Tokens to give `request` this step (0: none), with the blocks they need taken."""
         if request.is_prefilling:  # a chunk within the step's budget
             num_new = min(chunk, budget, request.frontier - request.num_computed)
+            if self._needs_save(request, point := self._save_point(request)):
+                num_new = min(num_new, point - request.num_computed)
         else:  # decoding: one token, unless that would sample past the request's bounds
             if self._is_at_bounds(request) or self._awaits_its_sample(request):
                 return 0
@@ -428,3 +447,53 @@ class FcfsScheduler:
     def _free(self, request: ScheduledRequest) -> None:
         self.pool.release_tables(request.tables)
         request.tables = self.pool.new_tables()
+        if self.snapshots is not None:
+            self.snapshots.forget(request.request_id)
+
+    # -- a hybrid model's recurrent-state snapshots (runtime/kv/snapshots.py) --------
+
+    def _usable_hits(self, request: ScheduledRequest, hits: list[list[int]]) -> list[list[int]]:
+        """`hits` cut to the longest prefix a hybrid model's row can resume after: one
+        whose last block has a snapshot of the recurrent state there."""
+        if self.snapshots is None:
+            return hits
+        num_usable = self.snapshots.longest_usable(request.block_hashes[: len(hits[0])])
+        if num_usable == len(hits[0]):
+            return hits
+        return self.pool.match_tables(request.block_hashes[:num_usable])
+
+    def _save_point(self, request: ScheduledRequest) -> int:
+        """Where a prompt's (or a resumed row's) state is saved: after its last full block
+        before the newest token, the prefix a repeat of it (n choices, a retry) looks up."""
+        size = self.pool.block_size
+        return (request.frontier - 1) // size * size
+
+    def _needs_save(self, request: ScheduledRequest, position: int) -> bool:
+        """A span ending at block boundary `position`, past what the row computed, should
+        save its state there: no snapshot of that prefix exists (or its hash is unknown)."""
+        if self.snapshots is None or position <= request.num_computed:
+            return False
+        index = position // self.pool.block_size - 1
+        return not (index < len(request.block_hashes) and self.snapshots.has(request.block_hashes[index]))
+
+    def _planned_save(self, request: ScheduledRequest, end: int, is_prefill: bool) -> int | None:
+        """The snapshot id the row's next span, ending at `end`, saves its state as, if any:
+        at a block boundary that is its prompt's save point or end, or a decoding row's (its
+        newest is kept: the end of a reply, which the next turn of a chat sends again)."""
+        if self.snapshots is None or end % self.pool.block_size:
+            return None
+        if is_prefill and end not in (self._save_point(request), request.frontier):
+            return None
+        if not self._needs_save(request, end):
+            return None
+        return self.snapshots.plan_save(self.num_steps + 1, request.request_id, end, not is_prefill)
+
+    def _snapshot_hash(self, save: PlannedSave) -> bytes | None:
+        """The hash a save is named by: its block's, once cached; None if its row left, or
+        the block is not cached: a failed row's never is (the snapshot is then dropped)."""
+        request = self.running.get(save.request_id)
+        index = save.position // self.pool.block_size - 1
+        if request is None or index >= request.num_published:
+            return None
+        block_hash = request.block_hashes[index]
+        return block_hash if block_hash in self.pool.by_hash else None

@@ -107,6 +107,7 @@ class StepBatch:
 
     spans: tuple[RowSpan, ...] = ()
     epoch: int = 0
+    saves: tuple[tuple[int, int], ...] = ()  # (seq_id, snapshot id): keep its state after its span
 
 
 class FinishCause(enum.Enum):

@@ -21,6 +21,9 @@ class PlannedSpan:
     # Prompt tokens (a resumed row's generated ones too), however few: a 1-token prompt,
     # or the one a prefix hit leaves, is prefill, not a decoding row.
     is_prefill: bool = True
+    # A hybrid model's row keeps its recurrent state after the span as this snapshot
+    # (runtime/kv/snapshots.py): the span ends at a block boundary.
+    save_as: int | None = None
 
 
 @attrs.frozen
@@ -42,6 +45,10 @@ class StepPlan:
     num_free_blocks: int = 0
     hit_rate: float = 0.0
     preempted: tuple[str, ...] = ()  # requeued by recompute while planning this step
+    # A hybrid model's prefix hits: (request id, snapshot id) its recurrent state starts
+    # from, before its first span; and the snapshots the engine may free, after those.
+    restores: tuple[tuple[str, int], ...] = ()
+    snapshot_drops: tuple[int, ...] = ()
     # (cause, stage) of each of `closes`, for the log: the scheduler actor fills them in
     close_causes: tuple[tuple[str, str], ...] = ()
 

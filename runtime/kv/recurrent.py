@@ -18,8 +18,10 @@ prefill or decode.
 A forward that raises is never committed, so its retry (the engine's halves) reads
 the states it read. The states stay lazy: step N+1 reads step N's before either
 runs. A row's state knows the position it reached, and a span must start there or
-at 0 (a recompute after preemption starts over): a span starting anywhere else (a
-cached prefix, which has no state) fails its row rather than run on a wrong state.
+at 0 (a recompute after preemption starts over): a span starting anywhere else fails
+its row rather than run on a wrong state. A cached prefix resumes from a snapshot:
+`snapshot` copies a row's state out after a span, `restore` starts a row from one
+(the policy picks which, runtime/kv/snapshots.py).
 """
 
 from __future__ import annotations
@@ -103,6 +105,20 @@ class RecurrentStore:
 
     def release(self, seq_id: int) -> None:
         self._rows.pop(seq_id, None)
+
+    def snapshot(self, seq_id: int, position: int) -> RowState | None:
+        """A copy of the row's state if it is at `position` (its span ran), else None;
+        a copy of its own, so that keeping it never pins the batch of every row (a row
+        alone in its batch is its own already; a step never writes a state in place)."""
+        row = self._rows.get(seq_id)
+        if row is None or row.position != position:
+            return None
+        return RowState(position, _own(row.conv), _own(row.delta))
+
+    def restore(self, seq_id: int, snapshot: RowState) -> None:
+        """Start the row from `snapshot` (a cached prefix's state): its next span starts
+        at `snapshot.position`. Steps only read a state, so the snapshot stays as it is."""
+        self._rows[seq_id] = snapshot
 
     def arrays(self) -> list[mx.array]:
         """Every state held (to evaluate with the K/V pools)."""

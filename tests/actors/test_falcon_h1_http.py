@@ -1,7 +1,7 @@
 """`cadence serve` with a Falcon-H1 (attention and Mamba2 in every layer) as a user tries
 it: the official openai client against a real server. Its Mamba2 mixers keep a recurrent
-state, so prefix caching is off and the same prompt twice is computed twice, to mlx-lm's
-tokens."""
+state, so the same prompt twice resumes the second from a snapshot of it (a prefix-cache
+hit), to mlx-lm's tokens."""
 
 from runtime.synth import make_tiny_checkpoint
 from runtime.tokenizer import Tokenizer
@@ -18,7 +18,7 @@ def falcon(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("Falcon-H1"), "falcon_h1", num_layers=3, hf_original=False)
 
 
-async def test_falcon_h1_serves_completions_and_chat_with_prefix_caching_off(falcon):
+async def test_falcon_h1_serves_completions_and_chat_with_a_prefix_hit(falcon):
     with capture_logs() as logs:
         async with serving(falcon, max_batch=4) as server:
             client = server.client()
@@ -33,10 +33,11 @@ async def test_falcon_h1_serves_completions_and_chat_with_prefix_caching_off(fal
                 messages=[{"role": "user", "content": PROMPT}],
                 max_tokens=12,
             )
-    assert any(e["event"] == "prefix_cache_off" for e in logs)
     (pool,) = [e for e in logs if e["event"] == "kv_pool"]
     # 4 rows x 3 layers x (3 conv inputs x 160 channels + 8 heads x 16 x 16), float32.
-    assert pool["prefix_cache"] is False and pool["recurrent_state_bytes"] == 4 * 3 * (3 * 160 + 8 * 16 * 16) * 4
+    assert pool["prefix_cache"] is True and pool["recurrent_state_bytes"] == 4 * 3 * (3 * 160 + 8 * 16 * 16) * 4
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens > 0  # the snapshot resumed
     tokenizer = Tokenizer.from_dir(falcon)
     want, ended = mlx_lm_completion(falcon, tokenizer, tokenizer.encode(PROMPT * 3), 16)
     for completion in (first, second):

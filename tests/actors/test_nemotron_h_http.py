@@ -1,7 +1,7 @@
 """`cadence serve` with a Nemotron 3 Nano-like hybrid (Mamba2, attention and routed-expert
 blocks) as a user tries it: the official openai client against a real server. Its Mamba2
-blocks keep a recurrent state, so prefix caching is off and the same prompt twice is
-computed twice, to mlx-lm's tokens. Nemotron Nano v2's published chat template: its
+blocks keep a recurrent state, so the same prompt twice resumes the second from a
+snapshot of it (a prefix-cache hit), to mlx-lm's tokens. Nemotron Nano v2's published chat template: its
 thought switch and its `<TOOLCALL>` calls."""
 
 import json
@@ -17,7 +17,7 @@ from tests.actors.test_http import in_thread, serving
 from tests.actors.test_http_think import no_tags, split_of
 from tests.actors.test_http_tools import ASK, TOOLS, whole
 from tests.actors.test_http_tools import streamed as tools_streamed
-from tests.actors.test_qwen3_5_http import assert_serves_twice_with_prefix_caching_off
+from tests.actors.test_qwen3_5_http import assert_serves_twice_with_a_prefix_hit
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +26,9 @@ def nemotron(tmp_path_factory):
     return make_tiny_checkpoint(path, "nemotron_h", num_layers=5, nemotron={"hybrid_override_pattern": "MEM*E"})
 
 
-async def test_a_nemotron_h_hybrid_serves_completions_and_chat_with_prefix_caching_off(nemotron):
+async def test_a_nemotron_h_hybrid_serves_completions_and_chat_with_a_prefix_hit(nemotron):
     # 4 rows x 2 Mamba2 layers x (3 conv inputs x 192 channels + 8 heads x 16 x 16), float32.
-    await assert_serves_twice_with_prefix_caching_off(nemotron, 4 * 2 * (3 * 192 + 8 * 16 * 16) * 4)
+    await assert_serves_twice_with_a_prefix_hit(nemotron, 4 * 2 * (3 * 192 + 8 * 16 * 16) * 4)
 
 
 # NVIDIA-Nemotron-Nano-9B-v2's published template: a `/think` or `/no_think` in a system or

@@ -144,12 +144,16 @@ def test_only_the_attention_layers_get_kv_pools_and_the_budget_holds_the_states(
     # 3 layers x (3 conv inputs of 2*32 + 64 channels, and a 4 x 16 x 16 state), float32.
     assert config.recurrent_row_bytes == 3 * (3 * 128 + 4 * 16 * 16) * 4
     assert engine.recurrent_bytes == 4 * config.recurrent_row_bytes
-    assert engine.kv.nbytes + engine.recurrent_bytes <= 1 << 22
-    assert engine.kv.nbytes > (1 << 22) - engine.recurrent_bytes - engine.bytes_per_block
+    # ... and as many snapshots of it for the prefix cache (runtime/kv/snapshots.py).
+    assert engine.num_snapshots == 4 and engine.snapshot_bytes == engine.recurrent_bytes
+    states = engine.recurrent_bytes + engine.snapshot_bytes
+    assert engine.kv.nbytes + states <= 1 << 22
+    assert engine.kv.nbytes > (1 << 22) - states - engine.bytes_per_block
+    assert engine_for(checkpoint, num_snapshots=0).kv.nbytes > engine.kv.nbytes  # none kept, none held
 
 
 def test_a_budget_the_rows_states_alone_outgrow_is_refused_naming_them(checkpoint):
-    with pytest.raises(CadenceError, match="the linear-attention layers' state for --max-batch rows takes"):
+    with pytest.raises(CadenceError, match="the linear-attention layers' state and its prefix-cache snapshots for --max-batch rows takes"):
         engine_for(checkpoint, kv_budget=1000)
 
 
