@@ -21,6 +21,9 @@ class ScheduledRequest:
     num_published: int = 0  # leading blocks offered to the prefix cache
     num_samples: int = 0  # tokens sampled, counting queued steps
     num_cached_tokens: int = 0  # prompt tokens its first admission took from the cache
+    # A hybrid model's: where cached blocks it could not resume after end (another
+    # prompt's, with no state snapshot there): it keeps its state there (0: none).
+    shared_end: int = 0
     is_open: bool = False  # the engine has a row for it (kept across preemption)
     # A constrained row inside the thought before its grammar, as of its collected
     # tokens (the engine says so): it may have one sample in flight (`_awaits_its_sample`).

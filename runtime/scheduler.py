@@ -38,8 +38,9 @@ from collections.abc import Sequence
 
 from runtime.errors import CadenceError
 from runtime.kv.blocks import BlockPool, chain_hashes
-from runtime.kv.snapshots import PlannedSave, SnapshotBook
+from runtime.kv.snapshots import SnapshotBook
 from runtime.scheduled_request import ScheduledRequest
+from runtime.scheduler_snapshots import SnapshotPlanning
 from runtime.sequence import SequenceParams
 from runtime.step_plan import PlannedSpan, StepPlan
 
@@ -63,7 +64,7 @@ DEFAULT_SOLO_PREFILL_TOKENS = 512
 
 
 @attrs.define
-class FcfsScheduler:
+class FcfsScheduler(SnapshotPlanning):
     max_batch: int
     pool: BlockPool
     max_context: int
@@ -397,7 +398,7 @@ class FcfsScheduler:
         """Tokens to give `request` this step (0: none), with the blocks they need taken."""
         if request.is_prefilling:  # a chunk within the step's budget
             num_new = min(chunk, budget, request.frontier - request.num_computed)
-            if self._needs_save(request, point := self._save_point(request)):
+            if (point := self._next_save_point(request)) is not None:  # end there, to keep the state
                 num_new = min(num_new, point - request.num_computed)
         else:  # decoding: one token, unless that would sample past the request's bounds
             if self._is_at_bounds(request) or self._awaits_its_sample(request):
@@ -449,51 +450,3 @@ class FcfsScheduler:
         request.tables = self.pool.new_tables()
         if self.snapshots is not None:
             self.snapshots.forget(request.request_id)
-
-    # -- a hybrid model's recurrent-state snapshots (runtime/kv/snapshots.py) --------
-
-    def _usable_hits(self, request: ScheduledRequest, hits: list[list[int]]) -> list[list[int]]:
-        """`hits` cut to the longest prefix a hybrid model's row can resume after: one
-        whose last block has a snapshot of the recurrent state there."""
-        if self.snapshots is None:
-            return hits
-        num_usable = self.snapshots.longest_usable(request.block_hashes[: len(hits[0])])
-        if num_usable == len(hits[0]):
-            return hits
-        return self.pool.match_tables(request.block_hashes[:num_usable])
-
-    def _save_point(self, request: ScheduledRequest) -> int:
-        """Where a prompt's (or a resumed row's) state is saved: after its last full block
-        before the newest token, the prefix a repeat of it (n choices, a retry) looks up."""
-        size = self.pool.block_size
-        return (request.frontier - 1) // size * size
-
-    def _needs_save(self, request: ScheduledRequest, position: int) -> bool:
-        """A span ending at block boundary `position`, past what the row computed, should
-        save its state there: no snapshot of that prefix exists (or its hash is unknown)."""
-        if self.snapshots is None or position <= request.num_computed:
-            return False
-        index = position // self.pool.block_size - 1
-        return not (index < len(request.block_hashes) and self.snapshots.has(request.block_hashes[index]))
-
-    def _planned_save(self, request: ScheduledRequest, end: int, is_prefill: bool) -> int | None:
-        """The snapshot id the row's next span, ending at `end`, saves its state as, if any:
-        at a block boundary that is its prompt's save point or end, or a decoding row's (its
-        newest is kept: the end of a reply, which the next turn of a chat sends again)."""
-        if self.snapshots is None or end % self.pool.block_size:
-            return None
-        if is_prefill and end not in (self._save_point(request), request.frontier):
-            return None
-        if not self._needs_save(request, end):
-            return None
-        return self.snapshots.plan_save(self.num_steps + 1, request.request_id, end, not is_prefill)
-
-    def _snapshot_hash(self, save: PlannedSave) -> bytes | None:
-        """The hash a save is named by: its block's, once cached; None if its row left, or
-        the block is not cached: a failed row's never is (the snapshot is then dropped)."""
-        request = self.running.get(save.request_id)
-        index = save.position // self.pool.block_size - 1
-        if request is None or index >= request.num_published:
-            return None
-        block_hash = request.block_hashes[index]
-        return block_hash if block_hash in self.pool.by_hash else None

@@ -10,7 +10,7 @@ from runtime.kv.blocks import BlockPool
 from runtime.kv.snapshots import SnapshotBook
 from runtime.runner import run_offline
 from runtime.scheduler import FcfsScheduler
-from runtime.sequence import SequenceParams
+from runtime.sequence import FinishCause, SequenceParams
 
 import pytest
 
@@ -106,6 +106,27 @@ def test_a_preempted_row_resumes_from_a_snapshot_to_the_same_tokens(loaded, look
     got = run_offline(engine, policy, requests, lookahead=lookahead, on_step=note)
     assert policy.num_preemptions > 0 and resumed_at and all(start > 0 for start in resumed_at.values())
     assert {rid: r.tokens for rid, r in got.items()} == uncached(loaded, requests)
+
+
+def test_prompts_sharing_a_system_prompt_resume_where_it_ends_from_the_third_on(loaded):
+    system = [(i * 37 + 11) % 1500 + 3 for i in range(22)]  # five full blocks and two tokens
+    requests = {f"user-{i}": params([*system, 600 + i, 700 + i, 800 + i, 900 + i]) for i in range(4)}
+    engine, policy = setup(loaded, chunk=8, budget=16, max_batch=1, num_snapshots=8)  # one after another
+    got = run_offline(engine, policy, requests)
+    assert {rid: r.tokens for rid, r in got.items()} == uncached(loaded, requests)
+    # The first kept no state after the system prompt's blocks; the second computes them
+    # again and keeps it; the others resume there.
+    assert [r.num_cached_tokens for r in got.values()] == [0, 0, 20, 20]
+
+
+def test_a_snapshot_the_engine_lacks_fails_the_row_resuming_from_it_alone(loaded):
+    engine, policy = setup(loaded)
+    run_offline(engine, policy, {"t1": params(TURN_1)})
+    engine.drop_snapshots(tuple(engine._snapshots))  # as if lost: the policy still names them
+    got = run_offline(engine, policy, {"again": params(TURN_1), "other": params(OTHER)})
+    assert got["again"].finish is FinishCause.ERROR and "no recurrent-state snapshot" in got["again"].error
+    assert got["other"].tokens == uncached(loaded, {"other": params(OTHER)})["other"]
+    assert engine.num_open == 0
 
 
 def test_without_prefix_caching_nothing_is_saved_or_reserved(loaded):

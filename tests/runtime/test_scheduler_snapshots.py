@@ -149,3 +149,20 @@ def test_choices_of_a_prompt_longer_than_a_chunk_wait_for_its_snapshot_and_share
         opened.update((rid, cached) for rid, _, cached in plan.opens)
         done(p, plan)
     assert opened == {"c0": 0, "c1": 40, "c2": 40}
+
+
+def test_a_prompt_sharing_cached_blocks_with_no_snapshot_keeps_its_state_where_they_end():
+    """Two prompts with one system prompt: the second computes it again (the first kept no
+    state there) and keeps the state where the shared blocks end, so a third resumes there."""
+    system = tuple(range(1, 21))  # five blocks
+    p = hybrid_policy()
+    p.add("a", SequenceParams((*system, 100, 101, 102, 103, 104, 105), max_tokens=1))  # kept after 24
+    run_until_done(p)
+    p.add("b", SequenceParams((*system, 200, 201, 202, 203, 204), max_tokens=1))
+    first = p.schedule()
+    assert first.opens[0][2] == 0 and spans(first) == [("b", 0, 20)] and saves(first) == [("b", 20)]
+    done(p, first)
+    run_until_done(p)
+    p.add("c", SequenceParams((*system, 300, 301), max_tokens=1))
+    plan = p.schedule()
+    assert plan.opens[0][2] == 20 and spans(plan) == [("c", 20, 2)] and plan.restores
