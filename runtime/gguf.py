@@ -201,7 +201,7 @@ def read_gguf(path: Path, progress: Callable[[str], None] = lambda message: None
         if name == "rope_freqs.weight" or (arch.has_longrope and name in _LONGROPE_TENSORS):
             continue  # read into the config's rope_scaling
         hf_name = _hf_name(name, arch, path, has_experts="num_experts_per_tok" in config)
-        rows = _row_permutation(hf_name, arch, config)
+        rows = _row_permutation(hf_name, arch, config, len(tensor.data), f"{path}: GGUF tensor '{name}'")
         shift = arch.norm_shift if hf_name.endswith("norm.weight") else 0.0
         jobs.append((tensor, hf_name, rows, shift, str(path)))
     weights: dict[str, mx.array] = {}
@@ -347,7 +347,9 @@ def _hf_name(name: str, arch: Architecture, path: Path, *, has_experts: bool) ->
     raise CheckpointError(f"{path}: unexpected GGUF tensor '{name}' for this architecture")
 
 
-def _row_permutation(hf_name: str, arch: Architecture, config: dict[str, Any]) -> list[int] | None:
+def _row_permutation(
+    hf_name: str, arch: Architecture, config: dict[str, Any], num_rows: int, what: str
+) -> list[int] | None:
     """Row order that undoes llama.cpp's q/k permutation, or None to keep the rows.
 
     The converter regroups each head's rows from Hugging Face's halves [x0..x(d/2-1),
@@ -363,4 +365,6 @@ def _row_permutation(hf_name: str, arch: Architecture, config: dict[str, Any]) -
     else:
         return None
     d = config["head_dim"]
+    if heads * d != num_rows:  # checked before the list is built: a head count of 2**32 - 1 took all the memory
+        raise CheckpointError(f"{what} has {num_rows} rows, expected {heads} heads of {d}")
     return [h * d + 2 * i + p for h in range(heads) for p in range(2) for i in range(d // 2)]

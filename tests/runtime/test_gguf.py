@@ -2,9 +2,11 @@
 (runtime/gguf_synth.py), loaded with `load_model` and checked against the very weights
 they encode, loaded from safetensors."""
 
+import contextlib
 import gc
 import json
 import math
+import resource
 import shutil
 import struct
 from types import SimpleNamespace
@@ -661,6 +663,37 @@ def test_bad_metadata_is_a_one_line_error(convert, tmp_path, key, value, expecte
     path, _ = convert("qwen2", GGMLType.F32)
     damaged = rewritten(path, tmp_path / "damaged.gguf", metadata={key: value})
     assert expected in one_line_error(damaged)
+
+
+@contextlib.contextmanager
+def address_space_cap(extra_bytes):
+    """At most `extra_bytes` more address space than the process has now, where the
+    system says how much that is (Linux): a huge allocation is a MemoryError, not a
+    machine out of memory."""
+    try:
+        with open("/proc/self/status") as status:
+            in_use = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+    except OSError:
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (in_use + extra_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+@pytest.mark.parametrize("key", ["llama.attention.head_count", "llama.attention.head_count_kv"])
+def test_a_huge_head_count_is_refused_before_the_rows_are_permuted(convert, tmp_path, key):
+    """The q/k rows' order was built from the head count before the tensor's rows were
+    counted: a 4-byte count of 2**32 - 1 asked for a list of 2**37 entries."""
+    path, _ = convert("llama", GGMLType.F32)
+    huge = (2**32 - 1, V.UINT32, V.UINT32)
+    damaged = rewritten(path, tmp_path / "heads.gguf", metadata={key: huge})
+    with address_space_cap(2 << 30):
+        message = one_line_error(damaged)
+    assert "rows, expected 4294967295 heads of" in message
 
 
 def test_a_tensor_of_more_dimensions_is_named_by_its_shape_not_as_truncated(convert, tmp_path):
