@@ -32,6 +32,8 @@ def quantize_as_stored(
     def packing_of(path: str, module: nn.Module) -> bool | Packing:
         if f"{path}.scales" not in weights:
             return False  # stored unquantized (e.g. a layer the quantizer skipped)
+        if f"{path}.weight" not in weights:
+            return False  # named as the missing tensor it is by the shape check (was a KeyError)
         last_quantized[0] = path
         if path in quantization.per_layer:
             group_size, bits, mode = quantization.per_layer[path]

@@ -454,6 +454,17 @@ def test_a_layer_whose_packing_no_quantization_fits_is_named_with_its_shapes(
     assert str(tuple(tensors["scales"].shape)) in message
 
 
+def test_a_packed_layer_stored_without_its_weight_is_a_missing_tensor(make_checkpoint, tmp_path):
+    """Scales and biases with no packed weight beside them (a shard cut short, a
+    renamed tensor): the packing read from the tensors was a KeyError traceback."""
+    down_proj = "model.layers.1.mlp.down_proj"
+    path = mixed_checkpoint(make_checkpoint, tmp_path / "no-weight", {}, {"group_size": 32, "bits": 4})
+    weights = dict(mx.load(str(path / "model.safetensors")))
+    del weights[f"{down_proj}.weight"]
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    assert f"missing tensor '{down_proj}.weight'" in error_for(path)
+
+
 @pytest.mark.parametrize(
     "quantization",
     [
