@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,9 @@ from typing import Any
 from runtime.errors import CheckpointError
 
 GGUF_MAGIC = b"GGUF"
+# A \u escape of a UTF-16 surrogate: Python's json takes one unpaired (tokenizers'
+# Rust reader refuses it), and the string it makes cannot be encoded.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def is_gguf_file(path: Path) -> bool:
@@ -55,13 +59,22 @@ def read_json(file: Path) -> Any:
     """The JSON value in `file`."""
     text = read_text(file)
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{file}: not valid JSON ({exc.msg}: line {exc.lineno})") from None
     except RecursionError:  # json's parser recurses once per level of nesting
         raise CheckpointError(f"{file}: not valid JSON (nested too deeply)") from None
     except ValueError:  # an integer past Python's 4,300 digits
         raise CheckpointError(f"{file}: not valid JSON (a number of too many digits)") from None
+    if _SURROGATE_ESCAPE.search(text) is not None:  # rare: most write such characters as UTF-8
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:  # was a traceback wherever the string was next encoded
+            raise CheckpointError(
+                f"{file}: not valid JSON (a \\u escape of half a UTF-16 surrogate pair, which is "
+                "no character)"
+            ) from None
+    return value
 
 
 def one_line(exc: BaseException) -> str:

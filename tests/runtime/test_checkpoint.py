@@ -642,6 +642,16 @@ def test_deeply_nested_json_is_a_checkpoint_error(broken, name):
     assert name in error_for(broken)
 
 
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json"])
+def test_an_unpaired_surrogate_escape_is_a_checkpoint_error(broken, name):
+    """Python's json makes a string of "\\ud800", which nothing can encode: a special
+    token spelled so was a UnicodeEncodeError traceback while the tokenizer was built."""
+    config = json.loads((broken / name).read_text())
+    config["unk_token" if name == "tokenizer_config.json" else "_name_or_path"] = "\ud800x"
+    (broken / name).write_text(json.dumps(config))
+    assert f"{name}: not valid JSON (a \\u escape of half a UTF-16 surrogate pair" in error_for(broken)
+
+
 def test_a_config_json_that_is_a_directory_is_named(broken):
     (broken / "config.json").unlink()
     (broken / "config.json").mkdir()  # was IsADirectoryError

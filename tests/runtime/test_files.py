@@ -51,8 +51,10 @@ def test_a_directory_is_refused_naming_it(tmp_path):
         (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
         (b"\xff\xfe{}", "unreadable ('utf-8' codec can't decode"),
         (b'{"vocab_size": ' + b"1" * 5000 + b"}", "a number of too many digits"),
+        (b'{"unk_token": "\\ud800x"}', "half a UTF-16 surrogate pair"),  # was a traceback
+        (b'{"a": ["\\udfff"]}', "half a UTF-16 surrogate pair"),
     ],
-    ids=["syntax", "line", "nesting", "not-utf-8", "digits"],
+    ids=["syntax", "line", "nesting", "not-utf-8", "digits", "lone-high-surrogate", "lone-low-surrogate"],
 )
 def test_bad_content_is_one_line_naming_the_file(tmp_path, content, said):
     (tmp_path / "x.json").write_bytes(content)
@@ -61,6 +63,11 @@ def test_bad_content_is_one_line_naming_the_file(tmp_path, content, said):
     message = str(info.value)
     assert message.startswith(f"{tmp_path / 'x.json'}: ") and said in message
     assert "\n" not in message
+
+
+def test_escaped_surrogate_pairs_and_escaped_backslashes_are_read(tmp_path):
+    (tmp_path / "x.json").write_bytes(b'{"emoji": "\\ud83d\\ude00", "text": "\\\\ud800"}')
+    assert read_json(tmp_path / "x.json") == {"emoji": "\U0001f600", "text": "\\ud800"}
 
 
 def test_a_link_to_a_regular_file_is_read(tmp_path):
