@@ -271,11 +271,16 @@ def _hf_config(
         # Gemma 4's may be one a layer, and its KV heads one a layer: read in _gemma4_fields.
         "intermediate_size": None if arch.model_type == "gemma4_text" else metadata.require(ffn_length, int),
         "num_attention_heads": heads,
-        "num_key_value_heads": metadata.get(key("attention.head_count_kv"), heads),
-        "head_dim": metadata.get(key("attention.key_length"), hidden // heads),
+        # Checked here, named by their GGUF keys: unchecked, a key_length of text was
+        # "rope.dimension_count is 16, but a head has x dimensions" (Gemma 4's KV heads
+        # may be one a layer, read in _gemma4_fields).
+        "num_key_value_heads": metadata.get(key("attention.head_count_kv"), heads)
+        if arch.model_type == "gemma4_text"
+        else metadata.optional(key("attention.head_count_kv"), int, heads),
+        "head_dim": metadata.optional(key("attention.key_length"), int, hidden // heads),
         "rms_norm_eps": float(metadata.require(key("attention.layer_norm_rms_epsilon"), float)),
         "rope_theta": metadata.optional(key("rope.freq_base"), float, 10000.0),
-        "max_position_embeddings": metadata.get(key("context_length"), 4096),
+        "max_position_embeddings": metadata.optional(key("context_length"), int, 4096),
         "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in tensors,
         "eos_token_id": _eos_ids(metadata),

@@ -638,6 +638,11 @@ V = gguf.GGUFValueType
         ),
         # GGUF has a bool type: `true` is no count of 1
         ("qwen2.attention.head_count", (True, V.BOOL, V.BOOL), "'qwen2.attention.head_count' should be int, got True"),
+        # were named as config.json's fields, or blamed on rope.dimension_count
+        ("qwen2.attention.key_length", ("x", V.STRING, V.STRING), "'qwen2.attention.key_length' should be int, got 'x'"),
+        ("qwen2.attention.head_count_kv", (1.5, V.FLOAT32, V.FLOAT32), "'qwen2.attention.head_count_kv' should be int"),
+        ("qwen2.attention.head_count_kv", (0, V.UINT32, V.UINT32), "'qwen2.attention.head_count_kv' must be a positive"),
+        ("qwen2.context_length", ([1, 2], V.ARRAY, V.INT32), "'qwen2.context_length' should be int, got [1, 2]"),
     ],
     ids=[
         "no heads",
@@ -657,6 +662,10 @@ V = gguf.GGUFValueType
         "add_bos as text",
         "token types not one a token",
         "head count as a boolean",
+        "key length as text",
+        "kv head count as a float",
+        "no kv heads",
+        "context length as an array",
     ],
 )
 def test_bad_metadata_is_a_one_line_error(convert, tmp_path, key, value, expected):
