@@ -135,9 +135,11 @@ def _llama3_scaling(
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": int(old_context),
     }
-    expected = _llama3_factors(scaling, int(config["head_dim"]), config["rope_theta"])
-    is_llama3 = len(factors) == len(expected) and all(
-        math.isclose(a, b, rel_tol=1e-4) for a, b in zip(factors, expected, strict=True)
+    head_dim = int(config["head_dim"])
+    # Counted first: recomputed for a key_length of 2**31 - 1, the factors took minutes.
+    is_llama3 = len(factors) == (head_dim + 1) // 2 and all(
+        math.isclose(a, b, rel_tol=1e-4)
+        for a, b in zip(factors, _llama3_factors(scaling, head_dim, config["rope_theta"]), strict=True)
     )
     if not is_llama3:
         raise CheckpointError(

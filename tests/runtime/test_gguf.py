@@ -431,6 +431,17 @@ def test_llama3_rope_freqs_become_its_rope_scaling(convert, tmp_path):
         assert "'rope_freqs.weight' is not Llama 3 RoPE scaling" in one_line_error(damaged)
 
 
+def test_a_huge_head_dim_beside_rope_freqs_is_refused_before_its_factors_are_computed(convert, tmp_path):
+    """Llama 3's factors were recomputed for every pair of the stated head dimension
+    before their count was compared: a key_length of 2**31 - 1 asked for 2**30 of them."""
+    path, _ = convert("llama", GGMLType.F32)
+    factors = np.ones(32, np.float32)
+    huge = {"llama.attention.key_length": (2**31 - 1, V.UINT32, V.UINT32)}
+    damaged = rewritten(path, tmp_path / "huge.gguf", metadata=huge, tensors={"rope_freqs.weight": factors})
+    with address_space_cap(2 << 30):
+        assert "'rope_freqs.weight' is not Llama 3 RoPE scaling" in one_line_error(damaged)
+
+
 def test_a_file_that_states_its_alignment_loads(convert, tmp_path):
     """The gguf package reads a stated `general.alignment` as a numpy uint32, and the
     layout check's ceiling division of it overflowed: any such file, valid or not."""
