@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from runtime.config import is_token_id
+from runtime.config import MAX_LAYERS, is_token_id
 from runtime.errors import CheckpointError
 from runtime.gguf_families import add_family_fields
 from runtime.gguf_reader import Metadata, check_tensor_layout, open_gguf
@@ -252,6 +252,11 @@ def _hf_config(
     if arch.has_experts and metadata.get(ffn_length) is None:
         ffn_length = key("expert_feed_forward_length")  # the dense size, unused, left out
     heads = metadata.require(key("attention.head_count"), int)
+    num_layers = metadata.require(key("block_count"), int)
+    if num_layers > MAX_LAYERS:  # before the families' per-layer lists (32 GB at 2**32 - 1)
+        raise CheckpointError(
+            f"{metadata.source}: GGUF metadata '{key('block_count')}' is {num_layers}, more than {MAX_LAYERS}"
+        )
     if "token_embd.weight" not in tensors:
         raise CheckpointError(f"{metadata.source}: missing tensor 'token_embd.weight'")
     vocab_size = int(tensors["token_embd.weight"].shape[-1])  # GGUF shapes run innermost first
@@ -267,7 +272,7 @@ def _hf_config(
         "architectures": [arch.hf_architecture],
         "model_type": arch.model_type,
         "hidden_size": hidden,
-        "num_hidden_layers": metadata.require(key("block_count"), int),
+        "num_hidden_layers": num_layers,
         # Gemma 4's may be one a layer, and its KV heads one a layer: read in _gemma4_fields.
         "intermediate_size": None if arch.model_type == "gemma4_text" else metadata.require(ffn_length, int),
         "num_attention_heads": heads,

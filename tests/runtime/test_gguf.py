@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import runtime  # noqa: F401  (the fast BLAS loads before mlx)
 from runtime.checkpoint import load_model
+from runtime.config import MAX_LAYERS
 from runtime.engine import Engine
 from runtime.errors import CheckpointError
 from runtime.gguf import read_gguf
@@ -440,6 +441,17 @@ def test_a_huge_head_dim_beside_rope_freqs_is_refused_before_its_factors_are_com
     damaged = rewritten(path, tmp_path / "huge.gguf", metadata=huge, tensors={"rope_freqs.weight": factors})
     with address_space_cap(2 << 30):
         assert "'rope_freqs.weight' is not Llama 3 RoPE scaling" in one_line_error(damaged)
+
+
+def test_a_block_count_beyond_any_model_is_refused_before_per_layer_lists_are_built(convert, tmp_path):
+    """A Gemma 3 file without a sliding window is global in every layer: the layer list
+    for a block_count of 2**32 - 1 was 32 GB, built before the count was checked."""
+    path, _ = convert("gemma3_text", GGMLType.F32)
+    huge = {"gemma3.block_count": (2**32 - 1, V.UINT32, V.UINT32)}
+    damaged = rewritten(path, tmp_path / "deep.gguf", metadata=huge, dropped=["gemma3.attention.sliding_window"])
+    with address_space_cap(2 << 30):
+        message = one_line_error(damaged)
+    assert f"'gemma3.block_count' is 4294967295, more than {MAX_LAYERS}" in message
 
 
 def test_a_file_that_states_its_alignment_loads(convert, tmp_path):
