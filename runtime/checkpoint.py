@@ -326,6 +326,8 @@ def build_decoder(config: ModelConfig, weights: dict[str, mx.array], source: str
         raise CheckpointError(
             f"{source}: the config's sizes are too large for mlx ({exc})"
         ) from None
+    except CheckpointError as error:  # a size a layer cannot be built with: name the checkpoint
+        raise CheckpointError(f"{source}: {error}") from None
     if config.tie_word_embeddings:  # a stored head is not read: its scales and biases too
         for name in [name for name in weights if name.startswith("lm_head.")]:
             del weights[name]

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runtime.config import LLAMA3_ROPE_DEFAULTS, ModelConfig
+from runtime.errors import CheckpointError
 from runtime.kv.base import CausalNoCache, ForwardKV, split_heads
 
 import mlx.core as mx
@@ -33,6 +34,8 @@ class RoPE(nn.Module):
 
     def __init__(self, dims: int, base: float, scaling: dict[str, Any] | None):
         super().__init__()
+        if dims < 2:  # its frequencies divide by the pairs: a head of one was a ZeroDivisionError
+            raise CheckpointError(f"RoPE would rotate {dims} of each head's dimensions; it needs at least 2")
         self.dims = dims
         self.base: float | None = base
         self.scale = 1.0

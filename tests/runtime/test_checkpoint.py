@@ -502,8 +502,11 @@ def test_a_layer_count_beyond_any_model_is_refused_with_the_config(broken):
         ({"num_attention_heads": 10**6, "num_key_value_heads": 1}, "num_attention_heads"),
         ({"num_attention_heads": 2**16, "num_key_value_heads": 2**16, "head_dim": 2**16},
          "too large"),  # each fits int32, q_proj's rows (heads * head_dim) do not
+        # RoPE rotates pairs: a head of one dimension was a ZeroDivisionError
+        ({"head_dim": 1}, "RoPE would rotate 1 of each head's dimensions"),
+        ({"hidden_size": 7}, "RoPE would rotate 1 of each head's dimensions"),  # 7 // 4 heads
     ],
-    ids=["int32", "head-dim-zero", "int32-product"],
+    ids=["int32", "head-dim-zero", "int32-product", "head-dim-one", "hidden-size-seven"],
 )
 def test_sizes_the_model_cannot_be_built_with_are_named(broken, changes, named):
     edit_config(broken, **changes)
