@@ -5,7 +5,7 @@ import shutil
 
 from runtime.checkpoint import DEMO_CHECKPOINT, load_model, resolve_checkpoint
 from runtime.config import config_from_dict
-from runtime.errors import CheckpointError
+from runtime.errors import MAX_CHECKPOINT_MESSAGE, CheckpointError
 from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.synth import hf_config, quantize_weights
 
@@ -511,6 +511,22 @@ def test_a_layer_count_beyond_any_model_is_refused_with_the_config(broken):
 def test_sizes_the_model_cannot_be_built_with_are_named(broken, changes, named):
     edit_config(broken, **changes)
     assert named in error_for(broken)
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"hidden_size": [0] * 100_000}, "field 'hidden_size' should be int, got [0, 0"),
+        ({"model_type": "x" * 100_000}, "unsupported model_type 'xxx"),
+        ({"hidden_act": "gelu" * 25_000}, "hidden_act 'gelugelu"),
+    ],
+    ids=["list", "model-type", "activation"],
+)
+def test_a_config_value_of_100_000_items_is_quoted_briefly(broken, changes, named):
+    """Each was quoted whole: a 300 KB message from a 300 KB config.json."""
+    edit_config(broken, **changes)
+    message = error_for(broken)
+    assert named in message and len(message) < MAX_CHECKPOINT_MESSAGE + 100
 
 
 def write_safetensors(file, header, data=b"\0" * 8):
