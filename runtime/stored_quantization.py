@@ -28,17 +28,25 @@ def quantize_as_stored(
 ) -> None:
     """Replace each layer stored packed (it has `.scales`) by its quantized form, in place."""
     last_quantized = [""]  # the layer mlx is quantizing, for its error
+    # ... and how its packing was read from its tensors: over a wrong config.json size
+    # that read gives a packing mlx refuses ("group size 16"), which alone hid the size.
+    read_as = [""]
 
     def packing_of(path: str, module: nn.Module) -> bool | Packing:
         if f"{path}.scales" not in weights:
             return False  # stored unquantized (e.g. a layer the quantizer skipped)
         if f"{path}.weight" not in weights:
             return False  # named as the missing tensor it is by the shape check (was a KeyError)
-        last_quantized[0] = path
+        last_quantized[0], read_as[0] = path, ""
         if path in quantization.per_layer:
             group_size, bits, mode = quantization.per_layer[path]
             return {"group_size": group_size, "bits": bits, "mode": mode}
-        return stored_packing(path, module, weights, source)
+        packing = stored_packing(path, module, weights, source)
+        read_as[0] = (
+            f" (read from its tensors as {packing['bits']} bits in groups of {packing['group_size']}"
+            f" over the {module.weight.shape[-1]} inputs the config gives it)"
+        )
+        return packing
 
     try:
         nn.quantize(
@@ -50,7 +58,7 @@ def quantize_as_stored(
         )
     except ValueError as error:  # bits or a group size mlx has no kernel for
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise CheckpointError(f"{source}: layer '{last_quantized[0]}': {reason}") from None
+        raise CheckpointError(f"{source}: layer '{last_quantized[0]}': {reason}{read_as[0]}") from None
 
 
 def stored_packing(path: str, module: nn.Module, weights: dict[str, mx.array], source: str) -> Packing:

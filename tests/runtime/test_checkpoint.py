@@ -454,6 +454,16 @@ def test_a_layer_whose_packing_no_quantization_fits_is_named_with_its_shapes(
     assert str(tuple(tensors["scales"].shape)) in message
 
 
+def test_a_packing_read_over_a_wrong_hidden_size_names_the_size(make_checkpoint, tmp_path):
+    """A hidden_size half the stored one reads q_proj's packing as groups of 16,
+    which mlx refuses: "group size 16 is not supported" alone named no size."""
+    path = mixed_checkpoint(make_checkpoint, tmp_path / "half", {}, {"group_size": 32, "bits": 4})
+    edit_config(path, hidden_size=64)  # stored: 128
+    message = error_for(path)
+    assert "layer 'model.layers.0.self_attn.q_proj'" in message and "group size 16" in message
+    assert "as 8 bits in groups of 16 over the 64 inputs the config gives it" in message
+
+
 def test_a_packed_layer_stored_without_its_weight_is_a_missing_tensor(make_checkpoint, tmp_path):
     """Scales and biases with no packed weight beside them (a shard cut short, a
     renamed tensor): the packing read from the tensors was a KeyError traceback."""
