@@ -107,6 +107,44 @@ def test_a_template_that_knows_tools_is_given_them_itself(tmp_path):
     assert tokenizer.decode(list(params.prompt_tokens)) == "What time is it? tools: get_time"
 
 
+def with_template(tmp_path, template):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_DIR / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return Tokenizer.from_dir(tmp_path)
+
+
+# Knows tools, reads a past call's arguments as a mapping (as Qwen3-Coder's does), and
+# refuses a system turn in its own words.
+READS_A_MAPPING = (
+    "{% if tools %}tools {% endif %}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ raise_exception('no system turns here') }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}{% for k, v in c.function.arguments|items %}{{ k }}{% endfor %}{% endfor %}"
+    "{{ m['content'] or '' }}{% endfor %}"
+)
+
+
+def test_a_past_calls_arguments_of_no_object_are_named_unless_the_template_refuses_the_chat_for_more(
+    tmp_path,
+):
+    """A template that reads arguments as a mapping refused in its own words, naming no
+    message: the 400 names the arguments, but only where the chat renders with objects
+    there; a chat refused for something else too keeps the template's own words."""
+    tokenizer = with_template(tmp_path, READS_A_MAPPING)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "[1, 2]"}}
+    history = (*ASK, {"role": "assistant", "content": None, "tool_calls": [call]})
+    with pytest.raises(RequestError) as raised:
+        prepared(tokenizer, messages=history, tools=TOOLS, max_tokens=4)
+    where = "messages[1].tool_calls[0].function.arguments"
+    assert raised.value.param == where
+    assert str(raised.value).startswith(f"{where} must be a JSON object's text")
+    with pytest.raises(RequestError, match="no system turns here") as raised:
+        prepared(tokenizer, messages=({"role": "system", "content": "Hi."}, *history), tools=TOOLS, max_tokens=4)
+    assert raised.value.param != where
+
+
 @pytest.mark.parametrize(  # the default, else what the context leaves
     ("prompt_length", "max_tokens"), [(10, 16), (MAX_CONTEXT - 4, 4), (MAX_CONTEXT - 1, 1)]
 )
