@@ -21,7 +21,13 @@ from runtime.grammar import GrammarCompiler, GrammarSpec
 from runtime.qwen3_coder_reply import parameter_types, parameter_value, value_types, xml_call
 from runtime.tokenizer import Tokenizer
 from runtime.tool_grammars import tool_call_grammar
-from runtime.tool_prompts import chat_for_template, template_knows_tools, tool_style_for
+from runtime.tool_prompts import (
+    arguments_of_no_object,
+    chat_for_template,
+    template_knows_tools,
+    tool_style_for,
+    with_object_arguments,
+)
 from runtime.tools import (
     NEMOTRON_TAGS,
     SEED_TAGS,
@@ -689,6 +695,16 @@ def test_a_result_without_a_call_id_takes_that_of_the_call_it_answers_by_place()
     assert result_ids[:2] == call_ids and call_ids[1] == "Ab3dE6gH9"
     assert re.fullmatch("[A-Za-z0-9]{9}", result_ids[2]) and result_ids[2] not in call_ids
     assert "tool_call_id" not in chat_for_template(chat, TOOLS, "hermes", knows_tools=True)[2]
+
+
+def test_a_result_before_any_call_gets_an_id_of_its_own():
+    """A client's result that answers no call (none came before it) has none to take:
+    it gets an id of its own, 9 characters as Mistral's templates want, and the chat
+    renders."""
+    chat = [HISTORY[0], {"role": "tool", "content": "sunny"}, *HISTORY[1:]]
+    shown = chat_for_template(chat, TOOLS, "mistral", knows_tools=True)
+    call_id = shown[2]["tool_calls"][0]["id"]
+    assert re.fullmatch("[A-Za-z0-9]{9}", shown[1]["tool_call_id"]) and shown[1]["tool_call_id"] != call_id
 
 
 def test_a_mistral_call_id_shown_never_takes_one_the_chat_already_holds():
@@ -1739,6 +1755,26 @@ def test_an_olmo3_history_renders_its_calls_as_python_and_results_as_environment
     # A template without tools is shown the same form, which parses back.
     (_, said, _) = chat_for_template(history, TOOLS, "olmo3", knows_tools=False)
     assert said["content"] == written
+
+
+def test_the_first_past_call_whose_arguments_are_no_object_is_named_and_each_such_becomes_none():
+    """Admission names the first call (by message, then by call) whose arguments are
+    no JSON object's text, where the chat renders with `{}` in place of each such; ""
+    and "null" are objects of none, and the client's messages are left as they were."""
+
+    def call(arguments):
+        return {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+
+    first = {"role": "assistant", "tool_calls": [call('{"a": 1}'), call(""), call(" null ")]}
+    second = {"role": "assistant", "tool_calls": [call('{"b": 2}'), call("[1, 2]"), call("{oops")]}
+    chat = [HISTORY[0], first, HISTORY[2], second]
+    assert arguments_of_no_object(chat[:3]) is None
+    assert arguments_of_no_object(chat) == "messages[3].tool_calls[1].function.arguments"
+    shown = with_object_arguments(chat)
+    assert shown[:3] == chat[:3]
+    assert [c["function"]["arguments"] for c in shown[3]["tool_calls"]] == ['{"b": 2}', "{}", "{}"]
+    assert arguments_of_no_object(shown) is None
+    assert [c["function"]["arguments"] for c in second["tool_calls"]] == ['{"b": 2}', "[1, 2]", "{oops"]
 
 
 @pytest.mark.parametrize("template", ["qwen3_coder", "olmo3"])
