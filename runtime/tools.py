@@ -209,11 +209,13 @@ class _JsonCalls:
         if self.arguments_end is None or self.arguments_end.start != at:
             self.arguments_end = ValueEnd(at)
         end = self.arguments_end.find(body, is_final)
-        is_held = body[at] in '"n'  # a string, or null (none): sent whole, once it closes
+        # A string, or null, NaN or -Infinity (none, as NaN goes out as null): sent
+        # whole, once it closes.
+        is_held = body[at] in '"nNI-'
         if is_held and end is not None and self.num_sent == 0:
             self.num_sent = end - at
-            decoded = json.loads(body[at:end])
-            text = "null" if decoded is None else with_non_finite_as_null(decoded)
+            raw = body[at:end]
+            text = with_non_finite_as_null(json.loads(raw) if raw[0] == '"' else raw)
             return [CallArguments(self.num_calls, _as_arguments(text))]
         if is_held and not is_final:
             return []

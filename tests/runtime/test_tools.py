@@ -282,6 +282,12 @@ CASES = [
     ("hermes", '<tool_call>{"name": "f", "arguments": nothing}</tool_call>', ("", [("f", "nothing}")])),
     ("llama3_json", '{"name": "f", "parameters": null}', ("", [("f", "{}")])),
     ("llama3_json", '{"name": "f", "parameters": null', ("", [("f", "{}")])),  # whole, though its } was cut
+    # So are arguments of NaN or Infinity, which go out as null: "null" went out.
+    ("hermes", '<tool_call>{"name": "f", "arguments": NaN}</tool_call>', ("", [("f", "{}")])),
+    ("llama3_json", '{"name": "f", "parameters": -Infinity}', ("", [("f", "{}")])),
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": Infinity}',
+     ("", [("f", '{"a": 1}'), ("g", "{}")])),
+    ("llama3_json", '{"name": "f", "parameters": -5}', ("", [("f", "-5")])),  # no object: as written
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": null}]', ("", [("f", "{}")])),
     ("granite", '<|tool_call|>[{"name": "f", "arguments": null}]', ("", [("f", "{}")])),
     ("nemotron", '<TOOLCALL>[{"name": "f", "arguments": null}]</TOOLCALL>', ("", [("f", "{}")])),
