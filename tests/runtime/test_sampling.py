@@ -156,6 +156,18 @@ def test_draws_follow_the_distribution():
     assert abs(counts[0] / 2000 - 0.7) < 0.05 and abs(counts[2] / 2000 - 0.1) < 0.03
 
 
+def test_a_top_k_of_1_draws_the_most_likely_token_at_any_temperature():
+    """top_k 1 keeps the top token alone: every draw is it, over near-uniform logits
+    and at a high temperature, alone in a batch or beside rows that mask nothing."""
+    logits = mx.array([[0.0] * 20 + [0.1] + [0.0] * 29] * 2)
+    rows = [RowSampler.create(SamplingParams(temperature=2.0, top_k=1, seed=3), [], 50)]
+    draws = {sample(logits[:1], rows).tokens.item() for _ in range(100)}
+    assert draws == {20}
+    rows.append(RowSampler.create(SamplingParams(temperature=2.0, seed=4), [], 50))
+    draws = {sample(logits, rows).tokens.tolist()[0] for _ in range(100)}
+    assert draws == {20}
+
+
 def test_a_negative_seed_keys_on_its_64_bits_unsigned():
     """An int64 seed's two's complement: every value in range is a valid, distinct key."""
     for seed, unsigned in [(-1, 2**64 - 1), (-(2**63), 2**63), (2**63 - 1, 2**63 - 1)]:
