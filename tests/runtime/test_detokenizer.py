@@ -226,3 +226,31 @@ def test_settled_text_released_past_the_hold_limit_never_cuts_a_character(ours, 
     ids = [backend.token_to_id(_byte_level_char(b)) for b in stray_then_emoji]
     assert None not in ids
     assert_streams_exactly(ours["byte_level"], ids, True, frozenset())
+
+
+def bytes_decode(ids: list[int]) -> str:
+    """Each id a byte, invalid UTF-8 written as U+FFFD (as a byte-fallback decoder does)."""
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_held_text_is_released_at_the_hold_limit_all_but_its_last_three_ids():
+    """Stray continuation bytes are held while they end in U+FFFD; at MAX_HELD_IDS held
+    ids (those after the text already out), not one before, the text before the last
+    three (a character's room) goes out."""
+    detok = IncrementalDetokenizer(bytes_decode)
+    assert [detok.add(i) for i in b"Hi"] == ["H", "i"]
+    deltas = [detok.add(0x80) for _ in range(MAX_HELD_IDS)]
+    assert deltas[:-1] == [""] * (MAX_HELD_IDS - 1)
+    assert deltas[-1] == "\ufffd" * (MAX_HELD_IDS - 3)
+    assert detok.flush() == "\ufffd" * 3
+
+
+def test_settled_text_is_not_released_where_a_character_straddles_the_split():
+    """At the hold limit an unfinished "€" (E2 82) spans the last three ids' edge: its
+    first byte apart decodes as a U+FFFD of its own, so nothing is released there, and
+    the stream stays its whole decode."""
+    ids = [0x80] * (MAX_HELD_IDS - 4) + [0xE2, 0x82, 0xF0, 0x9F]
+    detok = IncrementalDetokenizer(bytes_decode)
+    deltas = [detok.add(i) for i in ids]
+    assert deltas == [""] * len(ids)
+    assert detok.flush() == bytes_decode(ids) == "\ufffd" * (MAX_HELD_IDS - 2)
