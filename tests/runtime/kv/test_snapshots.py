@@ -65,6 +65,10 @@ def test_a_decoding_rows_newer_boundary_replaces_its_older_but_not_its_prompts()
     other = book.plan_save(4, "b", 16, is_decode=True)
     book.on_step_done(4, named_by({16: b"d16"}))
     assert book.has(b"d12") and book.take(b"d16") == other
+    again = book.plan_save(5, "a", 20, is_decode=True)  # "a" back (preempted, resumed)
+    book.on_step_done(5, named_by({20: b"d20"}))
+    assert book.has(b"d12") and book.take(b"d20") == again  # its boundary before it left stays
+    assert book.take_drops(set(hashes.values()) | {b"d16", b"d20"}) == ()
 
 
 def test_the_longest_usable_prefix_ends_at_a_block_with_a_snapshot():
@@ -73,4 +77,7 @@ def test_the_longest_usable_prefix_ends_at_a_block_with_a_snapshot():
     book.on_step_done(1, named_by({8: b"h2"}))
     assert book.longest_usable([b"h1", b"h2", b"h3"]) == 2
     assert book.longest_usable([b"h1"]) == 0
+    book.plan_save(2, "b", 4, is_decode=False)
+    book.on_step_done(2, named_by({4: b"h1"}))
+    assert book.longest_usable([b"h1", b"h9"]) == 1  # a snapshot after the first block
     assert book.longest_usable([]) == 0
