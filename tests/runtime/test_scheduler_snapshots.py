@@ -166,3 +166,43 @@ def test_a_prompt_sharing_cached_blocks_with_no_snapshot_keeps_its_state_where_t
     p.add("c", SequenceParams((*system, 300, 301), max_tokens=1))
     plan = p.schedule()
     assert plan.opens[0][2] == 20 and spans(plan) == [("c", 20, 2)] and plan.restores
+
+
+def test_a_prompt_of_whole_blocks_saves_after_its_last_block_but_one_for_a_repeat_to_resume():
+    p = hybrid_policy()
+    p.add("a", params(16, max_tokens=1))  # a repeat looks up 3 blocks: its 16th token computes
+    plans = run_until_done(p)
+    assert spans(plans[0]) == [("a", 0, 12)] and saves(plans[0]) == [("a", 12)]
+    assert saves(plans[1]) == [("a", 16)]  # and after the whole prompt, ending on a block
+    p.add("b", params(16, max_tokens=1))
+    plan = p.schedule()
+    assert plan.opens[0][2] == 12 and spans(plan) == [("b", 12, 4)] and plan.restores
+
+
+def test_a_prompt_ending_on_a_block_that_has_its_snapshot_plans_no_save_there():
+    p = hybrid_policy()
+    p.add("a", params(15, max_tokens=2))
+    run_until_done(p)  # a's tokens 1-15, 7, 7: snapshots after 12 and 16
+    p.add("b", SequenceParams((*range(1, 16), 7), max_tokens=1))  # resumed at 12 (it looks up 3 blocks)
+    plans = run_until_done(p)
+    assert spans(plans[0]) == [("b", 12, 4)] and plans[0].restores
+    assert [s for plan in plans for s in saves(plan)] == []  # the state after 16 is kept already
+    assert len(p.snapshots.named) == 2
+
+
+def test_a_decoding_rows_cached_blocks_without_a_snapshot_do_not_hold_back_a_prompt_sharing_them():
+    """Published blocks are cached: a prompt sharing them past the last snapshot computes
+    that part itself at once, rather than waiting on a row that will never save there."""
+    p = hybrid_policy(max_batch=2)
+    p.add("a", params(15, max_tokens=40))
+    plans = [p.schedule()]
+    done(p, plans[0])
+    while len(p.running["a"].tokens) < 27:  # decoded to 27: boundaries 16, 20, 24 passed
+        plans.append(p.schedule())
+        done(p, plans[-1])
+    a_tokens = p.running["a"].tokens
+    assert p.running["a"].num_published >= 5
+    p.add("b", SequenceParams((*a_tokens[:20], 900, 901, 902), max_tokens=2))
+    plan = p.schedule()
+    # Blocks 0-4 are cached; only after 12 (its prompt) and 24 (its newest) does a keep a state.
+    assert ("b", 12) in [(rid, cached) for rid, _, cached in plan.opens]
