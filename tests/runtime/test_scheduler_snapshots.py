@@ -206,3 +206,13 @@ def test_a_decoding_rows_cached_blocks_without_a_snapshot_do_not_hold_back_a_pro
     plan = p.schedule()
     # Blocks 0-4 are cached; only after 12 (its prompt) and 24 (its newest) does a keep a state.
     assert ("b", 12) in [(rid, cached) for rid, _, cached in plan.opens]
+
+
+def test_a_finished_or_preempted_row_leaves_no_decode_boundary_of_its_own_in_the_book():
+    """Its newest boundary stays as any snapshot; the book forgets whose it was, so it
+    grows with no request (a server's thousands), and a preempted row starts afresh."""
+    p = hybrid_policy(num_blocks=15, max_batch=2)  # a (35 tokens) and b (29) don't both fit
+    p.add("a", params(15, max_tokens=20))
+    p.add("b", params(9, first=300, max_tokens=20))
+    run_until_done(p)
+    assert p.num_preemptions > 0 and not p.snapshots.newest_decoded
