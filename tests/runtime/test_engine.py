@@ -597,3 +597,10 @@ def test_the_engine_writes_k_v_into_its_pools_even_while_they_are_held(make_chec
     assert len(tokens) == 6 and ext.num_attention_calls() > calls
     assert ext.num_pool_copies() == copies
     assert len(held) == 2 * len(engine.kv.keys)
+
+
+def test_a_model_without_recurrent_state_keeps_no_snapshots_so_gets_no_snapshot_book(make_checkpoint):
+    """The service builds a hybrid prefix cache's book only for an engine with snapshots
+    (actors/service.py): a plain model's prefix cache hits on K/V alone."""
+    engine = Engine(load_model(make_checkpoint("llama")), max_batch=4)
+    assert engine.num_snapshots == 0 and engine.snapshot_bytes == 0

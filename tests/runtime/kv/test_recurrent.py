@@ -111,3 +111,13 @@ def test_a_layer_out_of_order_is_refused(which):
             step.convolve(1, mx.ones((1, C)), mx.ones((C, K)))
         else:
             step.delta_rule(1, q, q, q, mx.zeros((1, H)), mx.ones((1, H)))
+
+
+def test_a_snapshot_is_taken_only_of_a_row_at_the_position_asked():
+    """A row whose span did not run (failed, skipped) is not where it would end: no
+    snapshot of it, nor of a row the store does not hold."""
+    store = RecurrentStore()
+    forward(store, [span(0, 0, 3)])
+    assert store.snapshot(0, 4) is None and store.snapshot(1, 3) is None
+    kept = store.snapshot(0, 3)
+    assert kept is not None and kept.position == 3
