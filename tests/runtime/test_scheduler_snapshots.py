@@ -216,3 +216,23 @@ def test_a_finished_or_preempted_row_leaves_no_decode_boundary_of_its_own_in_the
     p.add("b", params(9, first=300, max_tokens=20))
     run_until_done(p)
     assert p.num_preemptions > 0 and not p.snapshots.newest_decoded
+
+
+def test_a_failed_rows_save_is_dropped_even_where_another_row_cached_its_block():
+    """Its state after the failed span is no state at all: never named, though the block
+    its save ends at is cached (by a row that got there first)."""
+    p = hybrid_policy(chunk=8)
+    p.add("a", params(15, max_tokens=1))
+    run_until_done(p)
+    p.snapshots.named.clear()  # a's blocks stay cached, their snapshot gone (capacity, say)
+    p.add("b", params(15, max_tokens=1))
+    first = p.schedule()
+    assert spans(first) == [("b", 0, 8)] and saves(first) == []
+    done(p, first)  # b publishes its first two blocks
+    second = p.schedule()
+    assert saves(second) == [("b", 12)]
+    (save,) = [s.save_as for s in second.spans]
+    p.on_step_done(second.step, [("b", None, True, False)])  # its forward raised
+    assert not p.snapshots.named
+    p.add("c", params(3, first=100))
+    assert save in p.schedule().snapshot_drops
