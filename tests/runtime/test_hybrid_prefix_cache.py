@@ -12,6 +12,7 @@ from runtime.runner import run_offline
 from runtime.scheduler import FcfsScheduler
 from runtime.sequence import FinishCause, SequenceParams
 
+import mlx.core as mx
 import pytest
 
 BLOCK = 4
@@ -135,3 +136,22 @@ def test_without_prefix_caching_nothing_is_saved_or_reserved(loaded):
     run_offline(engine, policy, {"t1": params(TURN_1)})
     again = run_offline(engine, policy, {"t1": params(TURN_1)})["t1"]
     assert again.num_cached_tokens == 0 and engine.num_snapshots_held == 0
+
+
+@pytest.mark.parametrize("chunk", [256, 4], ids=["sampling-steps", "prefill-chunks"])
+def test_a_snapshot_is_evaluated_with_the_step_that_saves_it(loaded, chunk, monkeypatch):
+    """Left lazy, a row's copy would keep the step's batch of every row's state alive
+    until the snapshot is next read (a restore, maybe never)."""
+    evaluated = set()
+    for name in ("eval", "async_eval"):
+        original = getattr(mx, name)
+
+        def recording(*arrays, original=original):
+            evaluated.update(id(a) for a in arrays)
+            return original(*arrays)
+
+        monkeypatch.setattr(mx, name, recording)
+    engine, policy = setup(loaded, chunk=chunk, budget=2 * chunk)
+    run_offline(engine, policy, {"a": params(TURN_1, max_tokens=6), "b": params(OTHER, max_tokens=6)})
+    held = [h.batch for s in engine._snapshots.values() for h in (*s.conv, *s.delta)]
+    assert held and all(id(batch) in evaluated for batch in held)
