@@ -47,6 +47,7 @@ from runtime.tools import (
     TOOL_CALLS,
     TOOLCALL,
     TOOLCALL_END,
+    means_no_arguments,
 )
 
 
@@ -357,7 +358,7 @@ def _with_parsed_arguments(message: Mapping[str, Any]) -> dict[str, Any]:
 def _parsed_arguments(arguments: Any) -> Any:
     if not isinstance(arguments, str):
         return arguments
-    if arguments.strip() in ("", "null"):
+    if means_no_arguments(arguments):
         # No arguments, as some clients send a call of a tool without parameters (and
         # as a reply's `null` arguments go out): an object, as vLLM takes "" (templates
         # that read `arguments|items` failed).

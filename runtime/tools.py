@@ -263,12 +263,17 @@ def _whole_call(index: int, call: object, raw: str = "") -> list[Event]:
     return [CallStart(index, call["name"]), CallArguments(index, _as_arguments(text))]
 
 
+def means_no_arguments(text: str) -> bool:
+    """Arguments text that says there are none: nothing, or `null` (a model's call of a
+    tool without parameters; a client's too)."""
+    return text.strip() in ("", "null")
+
+
 def _as_arguments(text: str) -> str:
-    """A call's arguments text as the client gets it: none (`null`, or a string of
-    nothing or of `null`, as a model writes a call of a tool without parameters) is
+    """A call's arguments text as the client gets it: none (`means_no_arguments`) is
     `{}`, OpenAI's object of none. "null" (vLLM's and SGLang's whole reply) reads as
     None, which no client can call a function with (`f(**None)`)."""
-    return "{}" if text.strip() in ("", "null") else text
+    return "{}" if means_no_arguments(text) else text
 
 
 @attrs.define
