@@ -41,6 +41,8 @@ class SnapshotPlanning:
 
     def _next_save_point(self, request: ScheduledRequest) -> int | None:
         """The nearest position past what a prefilling row computed where it keeps its state."""
+        if self.snapshots is None:  # a model without recurrent state: every prefill step
+            return None
         points = [p for p in self._save_points(request) if self._needs_save(request, p)]
         return min(points, default=None)
 
