@@ -5,6 +5,7 @@ list alone)."""
 
 from __future__ import annotations
 
+from runtime.json_calls import decoded_json, whole_call
 from runtime.json_ends import ValueEnd
 from runtime.tools import (
     ARGS,
@@ -12,8 +13,6 @@ from runtime.tools import (
     Event,
     _blanks_end,
     _content,
-    _decoded,
-    _whole_call,
     marker_prefix_length,
 )
 
@@ -78,7 +77,7 @@ class MarkedCalls:
             if calls is None:
                 events += _content(self.marker + self.pending[:end])
             for call in calls or ():
-                events += _whole_call(self.num_calls, call)
+                events += whole_call(self.num_calls, call)
                 self.num_calls += 1
             self.pending, self.in_call, self.after_calls = self.pending[end:], False, calls is not None
 
@@ -94,7 +93,7 @@ class MarkedCalls:
             end = self._value_end(body, start, is_final)
             if end is None:
                 return None, None
-            listed = _decoded(body[start:end])
+            listed = decoded_json(body[start:end])
             if not isinstance(listed, list) or not listed:
                 return end, None
             calls = [
@@ -121,7 +120,7 @@ class MarkedCalls:
         end = self._value_end(body, json_at, is_final)
         if end is None:
             return None, None
-        arguments, name = _decoded(body[json_at:end]), body[:at].strip()
+        arguments, name = decoded_json(body[json_at:end]), body[:at].strip()
         if not name or not isinstance(arguments, dict):
             return end, None
         return end, [{"name": name, "arguments": arguments}]

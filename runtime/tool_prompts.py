@@ -30,6 +30,7 @@ from runtime.command_r7b_reply import END_ACTION, START_ACTION
 from runtime.gemma4_reply import CALL_CLOSE, CALL_OPEN, gemma4_arguments
 from runtime.glm45_reply import ARG_KEY, key_value_call
 from runtime.harmony import CALL, CHANNEL, CONSTRAIN, MESSAGE
+from runtime.json_calls import means_no_arguments
 from runtime.qwen3_coder_reply import (
     FUNCTION,
     PARAMETER,
@@ -47,7 +48,6 @@ from runtime.tools import (
     TOOL_CALLS,
     TOOLCALL,
     TOOLCALL_END,
-    means_no_arguments,
 )
 
 
