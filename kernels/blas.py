@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 _SHIM_SOURCE = Path(__file__).with_name("blas_shim.c")
 _state: dict[str, str] = {}
@@ -51,13 +52,30 @@ def ensure_fast_blas() -> str:
     return _state["blas"]
 
 
+def _with_kernels(description: str, library: Any, corename: str, pinned: str) -> str:
+    """`description` plus the kernels OpenBLAS chose for this CPU, and the environment
+    variable that chose them where one did: OPENBLAS_CORETYPE can pin older kernels than
+    the CPU runs (Haswell's AVX2 on an AVX-512 CPU ran an fp32 matmul at 262 against
+    452 GFLOP/s), which slows what mlx runs on OpenBLAS, such as mlx-lm's layers, while
+    cadence's own kernels read the CPU itself."""
+    try:
+        function = getattr(library, corename)
+    except AttributeError:  # an OpenBLAS too old to say
+        return description
+    function.restype = ctypes.c_char_p
+    core = (function() or b"").decode(errors="replace").strip()
+    if not core:
+        return description
+    return f"{description}, {core} kernels" + (f" (OPENBLAS_CORETYPE={pinned})" if pinned else "")
+
+
 def _load_system_openblas() -> str | None:
     for name in ("libopenblas.so.0", "libopenblas.so"):
         try:
-            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+            library = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
         except OSError:
             continue
-        return f"system OpenBLAS ({name})"
+        return _with_kernels(f"system OpenBLAS ({name})", library, "openblas_get_corename", _pinned())
     return None
 
 
@@ -74,11 +92,16 @@ def _load_scipy_openblas() -> str | None:
     if not shim.exists() and not _build_shim(shim):
         return None
     try:
-        ctypes.CDLL(str(libs[0]), mode=ctypes.RTLD_GLOBAL)
+        library = ctypes.CDLL(str(libs[0]), mode=ctypes.RTLD_GLOBAL)
         ctypes.CDLL(str(shim), mode=ctypes.RTLD_GLOBAL)
     except OSError:
         return None
-    return f"scipy-openblas32 {scipy_openblas32.__version__} via cadence shim"
+    description = f"scipy-openblas32 {scipy_openblas32.__version__} via cadence shim"
+    return _with_kernels(description, library, "scipy_openblas_get_corename", _pinned())
+
+
+def _pinned() -> str:
+    return os.environ.get("OPENBLAS_CORETYPE", "").strip()
 
 
 def _shim_path(openblas: Path) -> Path:

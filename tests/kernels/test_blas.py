@@ -1,12 +1,13 @@
 """The BLAS loader: an optimized BLAS is active on Linux, and matmuls stay correct."""
 
+import os
 import sys
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels.blas import active_blas, ensure_fast_blas
+from kernels.blas import _with_kernels, active_blas, ensure_fast_blas
 from tests.kernels.fresh_python import last_line
 
 
@@ -34,3 +35,32 @@ def test_the_reference_blas_stays_when_asked_or_when_mlx_came_first():
     )
     late = last_line("import mlx.core; " + load, {"CADENCE_BLAS": ""})
     assert late.startswith("reference (mlx.core was imported before")
+
+
+class _Library:
+    """A loaded OpenBLAS's corename function, as ctypes hands it out."""
+
+    def __init__(self, core: bytes | None):
+        if core is not None:
+            self.scipy_openblas_get_corename = lambda: core
+
+
+@pytest.mark.parametrize(
+    ("core", "pinned", "expected"),
+    [
+        (b"SkylakeX", "", "OpenBLAS, SkylakeX kernels"),
+        (b"Haswell", "Haswell", "OpenBLAS, Haswell kernels (OPENBLAS_CORETYPE=Haswell)"),
+        (b"", "Haswell", "OpenBLAS"),  # nothing to say
+        (None, "", "OpenBLAS"),  # an OpenBLAS too old to have the function
+    ],
+)
+def test_the_description_names_the_kernels_openblas_chose_and_the_pin(core, pinned, expected):
+    assert _with_kernels("OpenBLAS", _Library(core), "scipy_openblas_get_corename", pinned) == expected
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="only Linux's CPU wheel links the reference BLAS")
+def test_the_loaded_openblas_says_its_kernels_and_whether_the_environment_pinned_them():
+    pinned = os.environ.get("OPENBLAS_CORETYPE", "").strip()
+    assert " kernels" in active_blas()
+    assert ("(OPENBLAS_CORETYPE=" in active_blas()) == bool(pinned)
+    assert active_blas().endswith(f"(OPENBLAS_CORETYPE={pinned})" if pinned else " kernels")
