@@ -31,6 +31,7 @@ import functools
 import http.client
 import itertools
 import json
+import os
 import statistics
 import sys
 from collections.abc import Iterator
@@ -45,6 +46,7 @@ import trio
 
 from actors import arg_types
 from actors.atomic_write import write_atomically
+from actors.bench_blas import measure_unpinned, pin_note
 from actors.bench_model import Floor, bench_checkpoint, describe_machine, measure_floor
 from actors.bench_servers import cadence_server, first_model, has_mlx_lm, mlx_lm_server, models_url
 from actors.loadgen import (
@@ -203,8 +205,14 @@ def main(args: argparse.Namespace) -> int:
     floor = None
     if checkpoint is not None:
         floor = max(first_floor, measure_floor(checkpoint), key=lambda f: f.gemm_flops)
+    # The servers it started inherit this environment's OpenBLAS pin, if any.
+    unpinned = measure_unpinned(checkpoint) if checkpoint is not None and args.url is None else None
     _print(args, checkpoint, floor, results)
+    note = pin_note(floor, os.environ.get("OPENBLAS_CORETYPE", ""), unpinned) if floor else None
+    if note:
+        print(f"\n{note}")
     report = _report(args, checkpoint, floor, results)
+    report["unpinned_blas"] = attrs.asdict(unpinned) if unpinned is not None else None
     if args.json is not None and not write_json("cadence bench serve", args.json, report):
         return 2
     return 1 if any(r.num_errors for _, r in _every_run(results)) else 0

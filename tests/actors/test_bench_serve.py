@@ -27,6 +27,7 @@ import trio
 
 import actors
 from actors import bench_model, bench_serve, bench_servers, loadgen
+from actors.bench_blas import Unpinned
 from actors.bench_model import Floor, count_parameters, measure_floor
 from actors.http_app import ServerState, create_app
 from actors.http_server import serving_on_loopback
@@ -84,7 +85,9 @@ async def test_a_run_against_a_live_server_counts_every_token(tiny, tmp_path, en
     assert 0 <= run["itl_p50"] <= run["itl_p99"] <= run["worst_gap"]
 
 
-async def test_with_the_checkpoint_the_report_holds_each_runs_floors(tiny, tmp_path, capsys):
+async def test_with_the_checkpoint_the_report_holds_each_runs_floors(tiny, tmp_path, capsys, monkeypatch):
+    # A server the bench did not start does not inherit its OpenBLAS pin: nothing to time.
+    monkeypatch.setattr(bench_serve, "measure_unpinned", lambda checkpoint: pytest.fail("timed"))
     async with serving(tiny) as url:
         status, report = await bench(tmp_path, "--url", url, "--checkpoint", str(tiny), *LOAD)
     (run,) = report["runs"]["server"]
@@ -103,6 +106,7 @@ async def test_with_the_checkpoint_the_report_holds_each_runs_floors(tiny, tmp_p
     # The tiny checkpoint's parameters read as what they are, not "0M".
     parameters = report["floor"]["flops_per_token"] / 2e6
     assert parameters < 1 and f" x 2 x {parameters:.2g}M parameters" in printed
+    assert report["unpinned_blas"] is None and "pins OpenBLAS" not in printed
 
 
 async def test_a_rate_run_sends_every_request(tiny, tmp_path):
@@ -486,7 +490,7 @@ async def test_each_server_takes_the_warm_up_load_before_its_measured_runs(tiny,
     assert sent == [(Span(4, 4), False), (Span(8, 8), True)]
 
 
-def test_with_compare_the_servers_take_turns_to_go_first(tiny, monkeypatch, tmp_path):
+def test_with_compare_the_servers_take_turns_to_go_first(tiny, monkeypatch, tmp_path, capsys):
     started = []
 
     def fake_server(name):
@@ -502,6 +506,9 @@ def test_with_compare_the_servers_take_turns_to_go_first(tiny, monkeypatch, tmp_
     monkeypatch.setattr(bench_serve, "has_mlx_lm", lambda: True)
     floors = iter([Floor(1000, 1e9, (1, 1, 1)), Floor(1000, 3e9, (1, 1, 1))])  # before, after
     monkeypatch.setattr(bench_serve, "measure_floor", lambda checkpoint: next(floors))
+    # The servers inherit a pin that slowed OpenBLAS: the faster unpinned timing is noted.
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
+    monkeypatch.setattr(bench_serve, "measure_unpinned", lambda checkpoint: Unpinned(9e9, "x"))
     monkeypatch.setattr(
         bench_serve,
         "_measure",
@@ -519,6 +526,8 @@ def test_with_compare_the_servers_take_turns_to_go_first(tiny, monkeypatch, tmp_
     assert [len(runs) for runs in report["runs"].values()] == [3, 3]
     assert report["medians"][0]["median_ratio"] == pytest.approx(2.0)
     assert report["floor"]["gemm_flops"] == 3e9  # the faster timing: a busy box only slows it
+    assert report["unpinned_blas"] == {"gemm_flops": 9e9, "blas": "x"}
+    assert "note: OPENBLAS_CORETYPE=Haswell pins" in capsys.readouterr().out
 
 
 @contextlib.contextmanager
