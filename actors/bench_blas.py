@@ -36,6 +36,7 @@ print(json.dumps({"gemm_flops": floor.gemm_flops, "blas": active_blas()}))
 
 @attrs.frozen
 class Unpinned:
+    pinned: str  # OPENBLAS_CORETYPE's value here
     gemm_flops: float  # the floor's matmul, FLOP/s, with neither variable set
     blas: str  # active_blas() there
 
@@ -43,7 +44,8 @@ class Unpinned:
 def measure_unpinned(checkpoint: Path, timeout: float = 300.0) -> Unpinned | None:
     """The floor's matmul in a child without the pin; None where nothing pins OpenBLAS
     or the child fails (an OpenBLAS that misreads this CPU unpinned can crash)."""
-    if not os.environ.get("OPENBLAS_CORETYPE", "").strip():
+    pinned = os.environ.get("OPENBLAS_CORETYPE", "").strip()
+    if not pinned:
         return None
     env = {k: v for k, v in os.environ.items() if k not in PIN_VARIABLES}
     try:
@@ -55,18 +57,18 @@ def measure_unpinned(checkpoint: Path, timeout: float = 300.0) -> Unpinned | Non
             timeout=timeout,
         )
         found = json.loads(done.stdout.strip().splitlines()[-1])
-        return Unpinned(float(found["gemm_flops"]), str(found["blas"]))
+        return Unpinned(pinned, float(found["gemm_flops"]), str(found["blas"]))
     except (OSError, subprocess.SubprocessError, ValueError, LookupError, TypeError):
         return None
 
 
-def pin_note(floor: Floor, pinned_core: str, unpinned: Unpinned | None) -> str | None:
+def pin_note(floor: Floor, unpinned: Unpinned | None) -> str | None:
     """The note to print where the pin slows OpenBLAS past the noise, else None."""
     if unpinned is None or unpinned.gemm_flops < NOTABLE_SPEEDUP * floor.gemm_flops:
         return None
     m, k, n = floor.gemm_shape
     return (
-        f"note: OPENBLAS_CORETYPE={pinned_core} pins OpenBLAS's kernels. Without it "
+        f"note: OPENBLAS_CORETYPE={unpinned.pinned} pins OpenBLAS's kernels. Without it "
         f"(BLAS {unpinned.blas}) the floor's [{m}, {k}] @ [{k}, {n}] matmul ran at "
         f"{unpinned.gemm_flops / 1e9:.1f} against {floor.gemm_flops / 1e9:.1f} GFLOP/s. "
         "mlx-lm's layers run on OpenBLAS and cadence's on its own kernels, so the pin slows "

@@ -31,7 +31,6 @@ import functools
 import http.client
 import itertools
 import json
-import os
 import statistics
 import sys
 from collections.abc import Iterator
@@ -208,7 +207,7 @@ def main(args: argparse.Namespace) -> int:
     # The servers it started inherit this environment's OpenBLAS pin, if any.
     unpinned = measure_unpinned(checkpoint) if checkpoint is not None and args.url is None else None
     _print(args, checkpoint, floor, results)
-    note = pin_note(floor, os.environ.get("OPENBLAS_CORETYPE", ""), unpinned) if floor else None
+    note = pin_note(floor, unpinned) if floor else None
     if note:
         print(f"\n{note}")
     report = _report(args, checkpoint, floor, results)

@@ -13,12 +13,12 @@ FLOOR = Floor(num_params=182_000_000, gemm_flops=262e9, gemm_shape=(256, 1024, 2
 
 
 def test_no_note_without_an_unpinned_timing_or_below_a_tenth_faster():
-    assert pin_note(FLOOR, "Haswell", None) is None
-    assert pin_note(FLOOR, "Haswell", Unpinned(262e9 * 1.09, "x, SkylakeX kernels")) is None
+    assert pin_note(FLOOR, None) is None
+    assert pin_note(FLOOR, Unpinned("Haswell", 262e9 * 1.09, "x, SkylakeX kernels")) is None
 
 
 def test_the_note_names_the_pin_both_rates_and_the_command_that_unsets_it():
-    note = pin_note(FLOOR, "Haswell", Unpinned(452.4e9, "scipy-openblas32, SkylakeX kernels"))
+    note = pin_note(FLOOR, Unpinned("Haswell", 452.4e9, "scipy-openblas32, SkylakeX kernels"))
     assert note is not None
     assert "OPENBLAS_CORETYPE=Haswell" in note
     assert "(BLAS scipy-openblas32, SkylakeX kernels)" in note
@@ -44,7 +44,7 @@ def test_the_child_runs_without_either_variable_and_its_last_line_is_read(monkey
         return subprocess.CompletedProcess(command, 0, stdout=f"a warning\n{line}\n", stderr="")
 
     monkeypatch.setattr(bench_blas.subprocess, "run", run)
-    assert measure_unpinned(tmp_path) == Unpinned(4.5e11, "OpenBLAS, SkylakeX kernels")
+    assert measure_unpinned(tmp_path) == Unpinned("Haswell", 4.5e11, "OpenBLAS, SkylakeX kernels")
     assert "OPENBLAS_CORETYPE" not in seen["env"] and "OPENBLAS_L2_SIZE" not in seen["env"]
     assert seen["command"][-1] == str(tmp_path.resolve())
 

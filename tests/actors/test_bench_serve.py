@@ -507,8 +507,9 @@ def test_with_compare_the_servers_take_turns_to_go_first(tiny, monkeypatch, tmp_
     floors = iter([Floor(1000, 1e9, (1, 1, 1)), Floor(1000, 3e9, (1, 1, 1))])  # before, after
     monkeypatch.setattr(bench_serve, "measure_floor", lambda checkpoint: next(floors))
     # The servers inherit a pin that slowed OpenBLAS: the faster unpinned timing is noted.
-    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
-    monkeypatch.setattr(bench_serve, "measure_unpinned", lambda checkpoint: Unpinned(9e9, "x"))
+    monkeypatch.setattr(
+        bench_serve, "measure_unpinned", lambda checkpoint: Unpinned("Haswell", 9e9, "x")
+    )
     monkeypatch.setattr(
         bench_serve,
         "_measure",
@@ -526,7 +527,7 @@ def test_with_compare_the_servers_take_turns_to_go_first(tiny, monkeypatch, tmp_
     assert [len(runs) for runs in report["runs"].values()] == [3, 3]
     assert report["medians"][0]["median_ratio"] == pytest.approx(2.0)
     assert report["floor"]["gemm_flops"] == 3e9  # the faster timing: a busy box only slows it
-    assert report["unpinned_blas"] == {"gemm_flops": 9e9, "blas": "x"}
+    assert report["unpinned_blas"] == {"pinned": "Haswell", "gemm_flops": 9e9, "blas": "x"}
     assert "note: OPENBLAS_CORETYPE=Haswell pins" in capsys.readouterr().out
 
 
