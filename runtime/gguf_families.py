@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from runtime.config import MAX_INT_FIELD
 from runtime.errors import CheckpointError
 from runtime.gguf_reader import Metadata
 from runtime.gguf_rope import ministral3_scaling
@@ -246,7 +247,9 @@ def _per_layer(metadata: Metadata, name: str, num_layers: int) -> list[int]:
     """A count the converter writes once, or once per layer."""
     value = metadata.get(name)
     values = value if isinstance(value, list) else [value] * num_layers
-    if len(values) != num_layers or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+    if len(values) != num_layers or not all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_INT_FIELD for v in values
+    ):
         raise CheckpointError(
             f"{metadata.source}: GGUF metadata '{name}' should be a positive count, or one per layer"
         )

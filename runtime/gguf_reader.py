@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from runtime.config import MAX_INT_FIELD
 from runtime.errors import CheckpointError
 from runtime.files import shortened
 
@@ -46,8 +47,10 @@ class Metadata:
                 ) from None
         return self._values[key]
 
-    def require(self, key: str, kind: type) -> Any:
-        """The value of `key`, of type `kind` (and positive, if a number)."""
+    def require(self, key: str, kind: type, most: int = MAX_INT_FIELD) -> Any:
+        """The value of `key`, of type `kind`: positive, if a number, and at most `most`, if
+        an integer (the config fields it fills hold 32 bits; named here by the GGUF key, where
+        config.json's field name meant nothing to a GGUF's user)."""
         value = self.get(key)
         if value is None:
             raise CheckpointError(f"{self.source}: missing GGUF metadata '{key}'")
@@ -63,6 +66,8 @@ class Metadata:
                 f"{self.source}: GGUF metadata '{key}' must be a positive finite number, "
                 f"got {value}"
             )
+        if kind is int and isinstance(value, int) and value > most:
+            raise CheckpointError(f"{self.source}: GGUF metadata '{key}' is {value}, more than {most}")
         return value
 
     def optional(self, key: str, kind: type, default: Any = None) -> Any:

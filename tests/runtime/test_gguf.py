@@ -666,6 +666,9 @@ V = gguf.GGUFValueType
         ("qwen2.attention.head_count_kv", (1.5, V.FLOAT32, V.FLOAT32), "'qwen2.attention.head_count_kv' should be int"),
         ("qwen2.attention.head_count_kv", (0, V.UINT32, V.UINT32), "'qwen2.attention.head_count_kv' must be a positive"),
         ("qwen2.context_length", ([1, 2], V.ARRAY, V.INT32), "'qwen2.context_length' should be int, got [1, 2]"),
+        # past a config field's 32 bits: named as config.json's max_position_embeddings, hidden_size
+        ("qwen2.context_length", (2**31, V.UINT64, V.UINT64), "'qwen2.context_length' is 2147483648, more than 2147483647"),
+        ("qwen2.embedding_length", (2**40, V.UINT64, V.UINT64), "'qwen2.embedding_length' is 1099511627776, more than 2147483647"),
     ],
     ids=[
         "no heads",
@@ -689,6 +692,8 @@ V = gguf.GGUFValueType
         "kv head count as a float",
         "no kv heads",
         "context length as an array",
+        "context length past 32 bits",
+        "hidden size past 32 bits",
     ],
 )
 def test_bad_metadata_is_a_one_line_error(convert, tmp_path, key, value, expected):
@@ -719,13 +724,14 @@ def address_space_cap(extra_bytes):
 @pytest.mark.parametrize("key", ["llama.attention.head_count", "llama.attention.head_count_kv"])
 def test_a_huge_head_count_is_refused_before_the_rows_are_permuted(convert, tmp_path, key):
     """The q/k rows' order was built from the head count before the tensor's rows were
-    counted: a 4-byte count of 2**32 - 1 asked for a list of 2**37 entries."""
+    counted: a 4-byte count of 2**32 - 1 asked for a list of 2**37 entries. (Past 2**31 - 1
+    a count is now refused as it is read; the largest one read still reaches this check.)"""
     path, _ = convert("llama", GGMLType.F32)
-    huge = (2**32 - 1, V.UINT32, V.UINT32)
+    huge = (2**31 - 1, V.UINT32, V.UINT32)
     damaged = rewritten(path, tmp_path / "heads.gguf", metadata={key: huge})
     with address_space_cap(2 << 30):
         message = one_line_error(damaged)
-    assert "rows, expected 4294967295 heads of" in message
+    assert "rows, expected 2147483647 heads of" in message
 
 
 def test_a_tensor_of_more_dimensions_is_named_by_its_shape_not_as_truncated(convert, tmp_path):
@@ -1001,6 +1007,25 @@ def test_gemma4_kv_head_counts_not_one_a_layer_are_named(convert, tmp_path):
     key = "gemma4.attention.head_count_kv"
     damaged = rewritten(path, tmp_path / "short.gguf", metadata={key: ([1], V.ARRAY, V.UINT32)})
     assert f"'{key}' should be a positive count, or one per layer" in one_line_error(damaged)
+
+
+def test_gemma4_per_layer_counts_past_32_bits_are_named_by_their_key(convert, tmp_path):
+    path, _ = convert("gemma4_text", GGMLType.F32)
+    key = "gemma4.feed_forward_length"
+    widths = gguf.GGUFReader(path).fields[key].contents()
+    huge = [2**31] + list(widths[1:]) if isinstance(widths, list) else 2**31
+    kind = V.ARRAY if isinstance(huge, list) else V.UINT64
+    damaged = rewritten(path, tmp_path / "huge.gguf", metadata={key: (huge, kind, V.UINT64)})
+    assert f"'{key}' should be a positive count, or one per layer" in one_line_error(damaged)
+
+
+def test_at_most_2_31_minus_1_a_count_is_read_as_it_is(convert, tmp_path):
+    # The bound's edge: 2**31 - 1 passes the GGUF check and fails later on what it is.
+    path, _ = convert("qwen2", GGMLType.F32)
+    key = "qwen2.context_length"
+    damaged = rewritten(path, tmp_path / "edge.gguf", metadata={key: (2**31 - 1, V.UINT64, V.UINT64)})
+    loaded = load_model(damaged)
+    assert loaded.config.max_position_embeddings == 2**31 - 1
 
 
 def test_a_rope_scaling_type_of_none_is_plain_rope(convert, tmp_path):
