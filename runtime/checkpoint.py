@@ -245,7 +245,9 @@ def _check_safetensors(file: Path) -> None:
     data_len = size - 8 - header_len
     for name, info in header.items():
         if name == "__metadata__":
-            continue  # free-form (mlx writes null); mlx's own error for a bad one is one line
+            if problem := _metadata_problem(info):
+                raise CheckpointError(f"{file}: corrupt safetensors header: __metadata__ {problem}")
+            continue
         problem = _tensor_entry_problem(info)
         if problem:
             raise CheckpointError(f"{file}: corrupt safetensors header: tensor {name!r} {problem}")
@@ -274,6 +276,22 @@ def _check_tiling(file: Path, header: dict[str, dict], data_len: int) -> None:
         raise CheckpointError(
             f"{file}: corrupt safetensors header: {data_len - position} bytes after the last tensor"
         )
+
+
+def _metadata_problem(metadata: object) -> str | None:
+    """What mlx's reader would refuse in a header's `__metadata__`, if anything. The format
+    says an object of strings; mlx writes null and also reads a string or a list of them.
+    Anything else failed as mlx's "[json.exception.type_error.302] type must be string"."""
+    if metadata is None or isinstance(metadata, str):
+        return None
+    if isinstance(metadata, dict):
+        for key, value in metadata.items():
+            if not isinstance(value, str):
+                return f"value {key!r} is {shortened(json.dumps(value))}, not a string"
+        return None
+    if isinstance(metadata, list) and all(isinstance(item, str) for item in metadata):
+        return None
+    return f"is {shortened(json.dumps(metadata))}, not an object of strings"
 
 
 def _tensor_entry_problem(info: object) -> str | None:

@@ -1099,6 +1099,36 @@ def test_a_shape_past_mlxs_int32_sizes_is_refused_not_cut_to_fit(broken):
     assert "tensor 'lm_head.weight' has a dimension past 2147483647" in error_for(broken)
 
 
+@pytest.mark.parametrize(
+    ("metadata", "expected"),
+    [
+        ({"format": 5}, "__metadata__ value 'format' is 5, not a string"),
+        ({"format": "pt", "nested": {"b": 1}}, "__metadata__ value 'nested' is {\"b\": 1}, not a string"),
+        (5, "__metadata__ is 5, not an object of strings"),
+        (True, "__metadata__ is true, not an object of strings"),
+        (["pt", 1], "__metadata__ is [\"pt\", 1], not an object of strings"),
+    ],
+)
+def test_metadata_mlx_cannot_read_is_named_not_mlxs_json_error(broken, metadata, expected):
+    """mlx failed these as "[json.exception.type_error.302] type must be string"."""
+    file = broken / "model.safetensors"
+    header, data = read_safetensors(file)
+    write_safetensors(file, {**header, "__metadata__": metadata}, data)
+    message = error_for(broken)
+    assert f"model.safetensors: corrupt safetensors header: {expected}" in message
+    assert "json.exception" not in message
+
+
+@pytest.mark.parametrize("metadata", [None, {"format": "mlx"}, "free text", ["a", "b"]])
+def test_metadata_mlx_reads_still_loads(broken, metadata):
+    """The format's object of strings, mlx's own null, and the string and list of strings
+    mlx also reads."""
+    file = broken / "model.safetensors"
+    header, data = read_safetensors(file)
+    write_safetensors(file, {**header, "__metadata__": metadata}, data)
+    assert load_model(broken).config.num_hidden_layers > 0
+
+
 @pytest.mark.parametrize("link", ["loop", "dangling"])
 @pytest.mark.parametrize(
     "name",
