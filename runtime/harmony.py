@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 
 from runtime.call_values import strict_json
+from runtime.json_calls import means_no_arguments
 from runtime.tools import (
     CallArguments,
     CallCutShort,
@@ -59,6 +60,7 @@ class HarmonyParser:
     held: str = ""  # text that may be the start of a marker
     num_calls: int = 0
     call_body: str = ""  # the open call's arguments so far
+    num_sent: int = 0  # of call_body's characters, those out as CallArguments
 
     def feed(self, text: str) -> list[Event]:
         text = self.held + text
@@ -71,8 +73,8 @@ class HarmonyParser:
         self.held = ""
         if self.state == "start" and self.header and not _MARKER.search(self.header):
             events += [Content(self.header)]  # plain text after all: keep what was written
-        if self.state == "body" and self.kind == "call" and not _is_arguments(self.call_body):
-            events.append(CallCutShort(self.num_calls - 1, self.call_body))
+        if self.state == "body":  # the reply ended in the body: <|call|> is an EOS token
+            events += self._close_call()
         return events
 
     def _scan(self, text: str) -> list[Event]:
@@ -100,7 +102,7 @@ class HarmonyParser:
             return [Reasoning(text)]
         if self.kind == "call":
             self.call_body += text
-            return [CallArguments(self.num_calls - 1, text)]
+            return self._arguments(closing=False)
         return [Content(text)]
 
     def _marker(self, marker: str) -> list[Event]:
@@ -123,16 +125,33 @@ class HarmonyParser:
         recipient = _RECIPIENT.search(self.header)
         self.state, self.header = "body", ""
         if recipient and recipient.group(1).startswith(FUNCTIONS) and self.parses_calls:
-            self.kind, self.call_body = "call", ""
+            self.kind, self.call_body, self.num_sent = "call", "", 0
             self.num_calls += 1
             return [CallStart(self.num_calls - 1, recipient.group(1).removeprefix(FUNCTIONS))]
         self.kind = "reasoning" if channel and channel.group(1) == "analysis" else "content"
         return []
 
+    def _arguments(self, closing: bool) -> list[Event]:
+        """The open call's arguments not yet out. Held while they may still read `null`:
+        a call of none goes out as `{}`, as in the JSON styles (json_calls.py), since a
+        client reads "null" as None and cannot call a function with it."""
+        body, index = self.call_body, self.num_calls - 1
+        if self.num_sent == 0:
+            if not closing and "null".startswith(body.strip()):
+                return []
+            if closing and means_no_arguments(body):
+                self.num_sent = len(body)
+                return [CallArguments(index, "{}")]
+        fragment, self.num_sent = body[self.num_sent :], len(body)
+        return [CallArguments(index, fragment)] if fragment else []
+
     def _close_call(self) -> list[Event]:
-        if self.kind == "call" and not _is_arguments(self.call_body):
-            return [CallCutShort(self.num_calls - 1, self.call_body)]
-        return []
+        if self.kind != "call":
+            return []
+        events = self._arguments(closing=True)
+        if not means_no_arguments(self.call_body) and not _is_arguments(self.call_body):
+            events.append(CallCutShort(self.num_calls - 1, self.call_body))
+        return events
 
 
 def _partial_marker_start(text: str) -> int:

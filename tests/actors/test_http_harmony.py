@@ -106,6 +106,19 @@ async def test_a_call_to_a_function_is_a_tool_call_after_its_reasoning(harmony):
     assert untooled.choices[0].message.content == CALL[-1]
 
 
+async def test_a_call_of_null_arguments_is_an_empty_object_whole_and_streamed(harmony):
+    """A client reads "null" as None, no arguments to call a function with."""
+    call = (*CALL[:-1], "null")
+    body = dict(messages=ASK, tools=TOOLS, max_tokens=80, extra_body={"guided_grammar": written(harmony, *call)})
+    async with serving(harmony) as server:
+        done = await in_thread(whole, server, **body)
+        _, content, calls, finish, _ = await in_thread(streamed, server, **body)
+    (whole_call,) = done.choices[0].message.tool_calls
+    assert (whole_call.function.name, whole_call.function.arguments) == ("get_weather", "{}")
+    assert done.choices[0].finish_reason == "tool_calls"
+    assert (content, calls, finish) == ("", [["get_weather", "{}"]], "tool_calls")
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 async def test_a_forced_call_is_written_in_harmony_with_its_markers_as_tokens(harmony, choice):
     body = dict(messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=60, logprobs=True)

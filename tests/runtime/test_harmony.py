@@ -110,6 +110,36 @@ def test_a_call_whose_body_is_no_json_object_is_cut_short(body):
     assert summary(parse(text.replace(body, '{"a": 1e99}')))[3] == []
 
 
+@pytest.mark.parametrize("body", ["null", " null\n", "", "  "])
+@pytest.mark.parametrize("end", ["<|call|>", ""], ids=["marker", "eos"])
+def test_a_call_of_no_arguments_goes_out_as_an_empty_object_in_any_split(body, end):
+    """A client reads "null" as None, which no function takes as its arguments; the JSON
+    styles send {} for it too. <|call|> is an EOS token, so the reply may end without it."""
+    text = f"<|channel|>commentary to=functions.now <|constrain|>json<|message|>{body}{end}"
+    for pieces in every_split(text):
+        assert summary(parse(text, pieces)) == ("", "", [("now", "{}")], []), pieces
+
+
+def test_arguments_are_held_only_while_they_may_still_read_null():
+    parser = HarmonyParser()
+    assert parser.feed("<|channel|>commentary to=functions.f <|message|>") == [CallStart(0, "f")]
+    assert parser.feed(" nu") == []
+    assert parser.feed("mber") == [CallArguments(0, " number")]  # not null after all: all of it
+    assert parser.finish() == [CallCutShort(0, " number")]
+    parser = HarmonyParser()
+    parser.feed("<|channel|>commentary to=functions.f <|message|>")
+    assert parser.feed('\n{"a"') == [CallArguments(0, '\n{"a"')]  # at once, blanks and all
+    assert parser.feed(": null}") == [CallArguments(0, ": null}")]
+    assert parser.finish() == []
+
+
+@pytest.mark.parametrize("body", ["nu", "nullx", "null null"])
+def test_what_only_begins_like_null_is_sent_as_written_and_cut_short(body):
+    text = f"<|channel|>commentary to=functions.f <|constrain|>json<|message|>{body}"
+    for pieces in every_split(text):
+        assert summary(parse(text, pieces)) == ("", "", [("f", body)], [0]), pieces
+
+
 def test_text_held_as_a_possible_header_is_released_once_it_cannot_be_one():
     """A reply's first word may begin a role or a recipient ("a", "t"): it waits only
     until the text shows it does not."""
