@@ -5,7 +5,7 @@ list alone)."""
 
 from __future__ import annotations
 
-from runtime.json_calls import decoded_json, whole_call
+from runtime.json_calls import decoded_json, means_no_arguments, whole_call
 from runtime.json_ends import ValueEnd
 from runtime.tools import (
     ARGS,
@@ -120,7 +120,9 @@ class MarkedCalls:
         end = self._value_end(body, json_at, is_final)
         if end is None:
             return None, None
-        arguments, name = decoded_json(body[json_at:end]), body[:at].strip()
+        written, name = body[json_at:end], body[:at].strip()
+        # `null` is a call of none ({}), as in the list form (json_calls.py); not text.
+        arguments = {} if means_no_arguments(written) else decoded_json(written)
         if not name or not isinstance(arguments, dict):
             return end, None
         return end, [{"name": name, "arguments": arguments}]

@@ -241,6 +241,7 @@ async def test_nan_or_infinity_in_arguments_is_null_streamed_or_not(checkpoint_f
     [
         ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": null}\n</tool_call>'),
         ("llama3_json", '{"parameters": null, "name": "get_weather"}'),
+        ("mistral", "[TOOL_CALLS]get_weather[ARGS]null"),
     ],
 )
 async def test_arguments_written_as_null_are_an_empty_object_streamed_or_not(checkpoint_for, style, text):

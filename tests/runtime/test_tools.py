@@ -289,6 +289,10 @@ CASES = [
      ("", [("f", '{"a": 1}'), ("g", "{}")])),
     ("llama3_json", '{"name": "f", "parameters": -5}', ("", [("f", "-5")])),  # no object: as written
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": null}]', ("", [("f", "{}")])),
+    # ... and in Mistral's named form, where `null` was no object, so the call was text
+    ("mistral", "[TOOL_CALLS]f[ARGS]null", ("", [("f", "{}")])),
+    ("mistral", "[TOOL_CALLS]f[ARGS] null[TOOL_CALLS]g[ARGS]{}", ("", [("f", "{}"), ("g", "{}")])),
+    ("mistral", "[TOOL_CALLS]f[ARGS]nul", ("[TOOL_CALLS]f[ARGS]nul", [])),  # cut short: text
     ("granite", '<|tool_call|>[{"name": "f", "arguments": null}]', ("", [("f", "{}")])),
     ("nemotron", '<TOOLCALL>[{"name": "f", "arguments": null}]</TOOLCALL>', ("", [("f", "{}")])),
     ("command_r7b", '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "f", "parameters": null}]<|END_ACTION|>',
