@@ -74,7 +74,7 @@ class HarmonyParser:
         if self.state == "start" and self.header and not _MARKER.search(self.header):
             events += [Content(self.header)]  # plain text after all: keep what was written
         if self.state == "body":  # the reply ended in the body: <|call|> is an EOS token
-            events += self._close_call()
+            events += self._close_call(marked=False)
         return events
 
     def _scan(self, text: str) -> list[Event]:
@@ -115,7 +115,7 @@ class HarmonyParser:
             self.state, self.header = "header", ""
             return []
         if marker in (END, RETURN, CALL):
-            events = self._close_call() if self.state == "body" else []
+            events = self._close_call(marked=True) if self.state == "body" else []
             self.state = "between"
             return events
         return self._text(marker) if self.state == "body" else []  # stray markers in a body are text
@@ -131,25 +131,30 @@ class HarmonyParser:
         self.kind = "reasoning" if channel and channel.group(1) == "analysis" else "content"
         return []
 
-    def _arguments(self, closing: bool) -> list[Event]:
+    def _arguments(self, closing: bool, marked: bool = False) -> list[Event]:
         """The open call's arguments not yet out. Held while they may still read `null`:
         a call of none goes out as `{}`, as in the JSON styles (json_calls.py), since a
-        client reads "null" as None and cannot call a function with it."""
+        client reads "null" as None and cannot call a function with it. A body of nothing
+        is none only where a marker closed it; where the reply just ended, max_tokens may
+        have cut it before its first character, and it stays a call cut short."""
         body, index = self.call_body, self.num_calls - 1
         if self.num_sent == 0:
             if not closing and "null".startswith(body.strip()):
                 return []
-            if closing and means_no_arguments(body):
+            if closing and self._is_none(marked):
                 self.num_sent = len(body)
                 return [CallArguments(index, "{}")]
         fragment, self.num_sent = body[self.num_sent :], len(body)
         return [CallArguments(index, fragment)] if fragment else []
 
-    def _close_call(self) -> list[Event]:
+    def _is_none(self, marked: bool) -> bool:
+        return means_no_arguments(self.call_body) and (marked or bool(self.call_body.strip()))
+
+    def _close_call(self, marked: bool) -> list[Event]:
         if self.kind != "call":
             return []
-        events = self._arguments(closing=True)
-        if not means_no_arguments(self.call_body) and not _is_arguments(self.call_body):
+        events = self._arguments(closing=True, marked=marked)
+        if not self._is_none(marked) and not _is_arguments(self.call_body):
             events.append(CallCutShort(self.num_calls - 1, self.call_body))
         return events
 

@@ -110,14 +110,24 @@ def test_a_call_whose_body_is_no_json_object_is_cut_short(body):
     assert summary(parse(text.replace(body, '{"a": 1e99}')))[3] == []
 
 
-@pytest.mark.parametrize("body", ["null", " null\n", "", "  "])
-@pytest.mark.parametrize("end", ["<|call|>", ""], ids=["marker", "eos"])
+@pytest.mark.parametrize(
+    ("body", "end"),
+    [("null", "<|call|>"), (" null\n", "<|end|>"), ("null", ""), (" null\n", ""), ("", "<|call|>"), ("  ", "<|end|>")],
+)
 def test_a_call_of_no_arguments_goes_out_as_an_empty_object_in_any_split(body, end):
     """A client reads "null" as None, which no function takes as its arguments; the JSON
     styles send {} for it too. <|call|> is an EOS token, so the reply may end without it."""
     text = f"<|channel|>commentary to=functions.now <|constrain|>json<|message|>{body}{end}"
     for pieces in every_split(text):
         assert summary(parse(text, pieces)) == ("", "", [("now", "{}")], []), pieces
+
+
+@pytest.mark.parametrize("body", ["", "  "])
+def test_a_body_of_nothing_at_the_replys_end_is_a_call_cut_short(body):
+    """max_tokens may end a reply right after the header: no arguments were written yet."""
+    text = f"<|channel|>commentary to=functions.now <|constrain|>json<|message|>{body}"
+    for pieces in every_split(text):
+        assert summary(parse(text, pieces)) == ("", "", [("now", body)], [0]), pieces
 
 
 def test_arguments_are_held_only_while_they_may_still_read_null():
