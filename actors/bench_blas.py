@@ -19,6 +19,7 @@ from pathlib import Path
 import attrs
 
 from actors.bench_model import Floor
+from kernels.blas import openblas_pin
 
 PIN_VARIABLES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 # Below this speed-up the pin is within the box's run-to-run noise: no note.
@@ -44,7 +45,7 @@ class Unpinned:
 def measure_unpinned(checkpoint: Path, timeout: float = 300.0) -> Unpinned | None:
     """The floor's matmul in a child without the pin; None where nothing pins OpenBLAS
     or the child fails (an OpenBLAS that misreads this CPU unpinned can crash)."""
-    pinned = os.environ.get("OPENBLAS_CORETYPE", "").strip()
+    pinned = openblas_pin()
     if not pinned:
         return None
     env = {k: v for k, v in os.environ.items() if k not in PIN_VARIABLES}

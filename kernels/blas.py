@@ -75,7 +75,7 @@ def _load_system_openblas() -> str | None:
             library = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
         except OSError:
             continue
-        return _with_kernels(f"system OpenBLAS ({name})", library, "openblas_get_corename", _pinned())
+        return _with_kernels(f"system OpenBLAS ({name})", library, "openblas_get_corename", openblas_pin())
     return None
 
 
@@ -97,10 +97,11 @@ def _load_scipy_openblas() -> str | None:
     except OSError:
         return None
     description = f"scipy-openblas32 {scipy_openblas32.__version__} via cadence shim"
-    return _with_kernels(description, library, "scipy_openblas_get_corename", _pinned())
+    return _with_kernels(description, library, "scipy_openblas_get_corename", openblas_pin())
 
 
-def _pinned() -> str:
+def openblas_pin() -> str:
+    """The kernels OPENBLAS_CORETYPE names for OpenBLAS ("Haswell"), or "" where unset."""
     return os.environ.get("OPENBLAS_CORETYPE", "").strip()
 
 
